@@ -1,0 +1,141 @@
+"""The embedded tiny InternLM2: a tokenizer trained on our sample dialogues and a seeded model.
+
+Everything here is deterministic and offline: the same dialogues and seed give the same
+tokenizer files and the same weights, so tests and demos never download a checkpoint.
+The model classes are the InternLM2 classes that XTuner ships
+(``xtuner._lite.modelings.internlm2``), registered with the ``transformers`` Auto factories by
+``xtuner_rope.compat``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+# InternLM2 chat special tokens. Ids 0-2 follow InternLM2's config defaults
+# (pad_token_id=0, bos_token_id=1, eos_token_id=2); XTuner's collate pads with 0 too.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>")
+
+# hidden 64, 2 layers, GQA (4 query heads over 2 kv heads) so the kv-head path is exercised.
+TINY_MODEL_KWARGS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=10000,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+# ChatML, as InternLM2-chat formats dialogues (and as XTuner's ``internlm2_chat`` template does).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def iter_dialogue_texts(jsonl_path: str | Path) -> Iterator[str]:
+    """Yield every message content of an OpenAI-messages JSONL file, in file order."""
+    with open(jsonl_path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                for message in json.loads(line)["messages"]:
+                    yield message["content"]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
+    """Train a byte-level BPE tokenizer with the InternLM2 chat special tokens.
+
+    Byte-level BPE never produces an unknown token, so any text a user types at the tiny
+    model round-trips. Training is deterministic for a given text order.
+
+    Args:
+        texts: Training texts.
+        vocab_size: Target vocabulary size, special tokens included.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` with bos/eos/pad/unk set and a ChatML
+        chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="right",
+        model_max_length=TINY_MODEL_KWARGS["max_position_embeddings"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
+    """Build a randomly initialised tiny ``InternLM2ForCausalLM`` (XTuner's shipped class).
+
+    Args:
+        vocab_size: Embedding rows; use ``len(tokenizer)``.
+        seed: Seed for the weight initialisation (the global torch RNG is restored after).
+        **overrides: ``InternLM2Config`` fields replacing ``TINY_MODEL_KWARGS`` (e.g.
+            ``attn_implementation='sdpa'``, ``rope_scaling={'type': 'linear', 'factor': 2.0}``).
+
+    Returns:
+        The model in fp32 and eval mode.
+    """
+    from xtuner._lite.modelings.internlm2 import InternLM2Config, InternLM2ForCausalLM
+
+    config = InternLM2Config(vocab_size=vocab_size, **{**TINY_MODEL_KWARGS, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = InternLM2ForCausalLM(config)
+    return model.eval()
+
+
+def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path, seed: int = 0,
+                        vocab_size: int = 1024) -> Path:
+    """Train the tokenizer, build the model and save both as one checkpoint directory.
+
+    The checkpoint carries no remote code (no ``auto_map``): after ``import xtuner_rope``,
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` resolves to XTuner's InternLM2 classes.
+
+    Args:
+        out_dir: Directory to write (created if missing, files overwritten).
+        dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer.
+        seed: Weight-initialisation seed.
+        vocab_size: Tokenizer vocabulary size.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = train_tokenizer(iter_dialogue_texts(dialogues_jsonl), vocab_size=vocab_size)
+    model = build_tiny_internlm2(len(tokenizer), seed=seed)
+    # Without these, save_pretrained copies XTuner's modeling files and writes `auto_map`, and
+    # `trust_remote_code=True` would then load a second, dynamic copy of the classes.
+    model._auto_class = None
+    model.config._auto_class = None
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
