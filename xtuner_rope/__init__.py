@@ -2,11 +2,30 @@
 
 Importing the package applies the third-party patches of ``xtuner_rope.compat`` (each only
 where its gap exists) and registers the hooks in MMEngine's ``HOOKS`` and the collate
-functions in MMEngine's ``FUNCTIONS``, so configs can name them by string as well as by object.
+function in MMEngine's ``FUNCTIONS``, so configs can name them by string as well as by object.
 """
+
+from mmengine.registry import FUNCTIONS, HOOKS
 
 from . import compat
 
 compat.apply()
 
+from .attention import patch_internlm2_attention  # noqa: E402
+from .collate import rope_collate_fn  # noqa: E402
+from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
+from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
+
+HOOKS.register_module(module=ValidatedRoPEHook, force=True)
+HOOKS.register_module(module=PackedBatchCheckHook, force=True)
+FUNCTIONS.register_module(module=rope_collate_fn, force=True)
+
 __version__ = "0.1.0"
+__all__ = [
+    "PackedBatchCheckHook",
+    "ValidatedRoPEHook",
+    "ValidatedRotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "patch_internlm2_attention",
+    "rope_collate_fn",
+]

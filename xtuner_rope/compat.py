@@ -7,6 +7,12 @@ everything as it was. ``apply()`` is idempotent and runs when ``xtuner_rope`` is
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sys
+import types
+
 import torch
 
 _APPLIED: list[str] = []
@@ -72,13 +78,124 @@ def register_internlm2_auto_classes() -> bool:
     return True
 
 
+def _triton_lacks_ops() -> bool:
+    """True if triton is installed without the ``triton.ops`` package (removed in triton 3.2)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not any(os.path.isdir(os.path.join(loc, "ops"))
+                   for loc in spec.submodule_search_locations)
+
+
+def patch_bitsandbytes_triton_probe() -> bool:
+    """Let bitsandbytes 0.45 import next to a triton without ``triton.ops``.
+
+    xtuner 0.2.0 pins ``bitsandbytes==0.45.0``, whose optional int8 "SwitchBack" triton
+    kernels import ``triton.ops.matmul_perf_model`` whenever triton is installed. triton 3.2+
+    (shipped with torch >= 2.6, e.g. triton 3.9 with torch 2.15) removed ``triton.ops``, so
+    ``import bitsandbytes`` fails with ``ModuleNotFoundError: No module named 'triton.ops'`` and
+    takes every LoRA/QLoRA ``get_peft_model`` with it (peft imports bitsandbytes for its bnb
+    layers). bitsandbytes already has a path for "no triton": we answer its own probe
+    (``bitsandbytes.triton.triton_utils.is_triton_available``) with False, which disables only
+    those optional triton kernels; 4-bit QLoRA does not use them.
+
+    Returns:
+        True if applied (triton lacks ``triton.ops`` and bitsandbytes is not imported yet).
+    """
+    name = "bitsandbytes.triton.triton_utils"
+    if name in sys.modules or "bitsandbytes" in sys.modules or not _triton_lacks_ops():
+        return False
+    probe = types.ModuleType(name, "xtuner_rope.compat: triton without triton.ops counts as absent")
+    probe.is_triton_available = lambda: False
+    sys.modules[name] = probe
+    return True
+
+
+def _cpu_only() -> bool:
+    """True where no accelerator MMEngine can drive (CUDA, NPU, MLU, MUSA) is present."""
+    if torch.cuda.is_available():
+        return False
+    from mmengine.device import is_mlu_available, is_musa_available, is_npu_available
+
+    return not (is_npu_available() or is_mlu_available() or is_musa_available())
+
+
+def _init_dist_pytorch_cpu(backend: str, init_backend: str = "torch", **kwargs) -> None:
+    """mmengine 0.10.6's ``_init_dist_pytorch`` for a CPU-only machine.
+
+    Same steps minus ``torch.cuda.set_device(local_rank)``, and NCCL (which needs GPUs)
+    replaced by gloo, the backend torch ships for CPU tensors.
+    """
+    if backend == "nccl":
+        backend = "gloo"
+    if init_backend == "torch":
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+    elif init_backend == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, **kwargs)
+    else:
+        raise ValueError(f"xtuner_rope.compat: init_backend {init_backend!r} is not supported on "
+                         "a CPU-only machine; use 'torch' (DDP) or 'deepspeed'.")
+
+
+def patch_mmengine_dist_init_on_cpu() -> bool:
+    """Let ``--launcher pytorch`` start a process group on a CPU-only machine.
+
+    mmengine 0.10.6 ``mmengine.dist.utils._init_dist_pytorch`` (used by ``Runner`` and by the
+    DeepSpeed strategy) always calls ``torch.cuda.set_device(local_rank)``, which dies with
+    ``RuntimeError: Found no NVIDIA driver on your system`` on a CPU-only machine (torch 2.15
+    CUDA build), and XTuner configs ask for ``dist_cfg=dict(backend='nccl')``, which needs GPUs.
+    ``init_dist`` looks the function up at call time, so replacing it is enough.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here).
+    """
+    if not _cpu_only():
+        return False
+    import mmengine.dist.utils as dist_utils
+
+    dist_utils._init_dist_pytorch = _init_dist_pytorch_cpu
+    return True
+
+
+def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
+    """Wrap CPU models in DDP without ``device_ids`` on a CPU-only machine.
+
+    mmengine 0.10.6 ``Runner.wrap_model`` (and ``DDPStrategy``) always passes
+    ``device_ids=[LOCAL_RANK]`` to ``MMDistributedDataParallel``; torch's DDP refuses that for a
+    CPU module (``ValueError: DistributedDataParallel device_ids and output_device arguments
+    only work with single-device/multiple-device GPU modules or CPU modules``). On a machine
+    without accelerators every module is on the CPU, where ``device_ids`` must be None.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here).
+    """
+    if not _cpu_only():
+        return False
+    from mmengine.model import MMDistributedDataParallel
+
+    original_init = MMDistributedDataParallel.__init__
+
+    @functools.wraps(original_init)
+    def init_without_device_ids(self, module, detect_anomalous_params=False, **kwargs):
+        kwargs["device_ids"] = None
+        kwargs["output_device"] = None
+        original_init(self, module, detect_anomalous_params, **kwargs)
+
+    MMDistributedDataParallel.__init__ = init_without_device_ids
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
     Returns:
         The names of the patches applied so far in this process.
     """
-    for patch in (patch_torch_cpu_bf16_query, register_internlm2_auto_classes):
+    for patch in (patch_torch_cpu_bf16_query, patch_bitsandbytes_triton_probe,
+                  register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
+                  patch_mmengine_ddp_device_ids_on_cpu):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -1,0 +1,114 @@
+"""Tests for xtuner_rope.packing: compared against plain per-document Python loops."""
+from itertools import accumulate
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xtuner_rope.packing import (
+    cumulative_from_lengths,
+    cumulative_from_position_ids,
+    lengths_from_cumulative,
+    padded_length,
+    plan_packs,
+    position_ids_from_cumulative,
+    position_ids_from_starts,
+    segment_starts_from_cumulative,
+)
+
+PROPERTY = settings(max_examples=100, deadline=None)
+lengths_st = st.lists(st.integers(1, 20), min_size=1, max_size=12)
+
+
+def _reference_positions(lengths):
+    """Per-document loop: each document counts 0, 1, ..., len - 1."""
+    return [p for n in lengths for p in range(n)]
+
+
+@PROPERTY
+@given(lengths_st)
+def test_cumulative_and_positions_match_per_document_loop(lengths):
+    cu = cumulative_from_lengths(lengths)
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == [0, *accumulate(lengths)]
+    assert lengths_from_cumulative(cu).tolist() == lengths
+    positions = position_ids_from_cumulative(cu)
+    assert positions.dtype == torch.long
+    assert positions.tolist() == _reference_positions(lengths)
+    # Round trip: boundaries are where positions restart.
+    assert torch.equal(cumulative_from_position_ids(positions), cu)
+
+
+@PROPERTY
+@given(st.lists(lengths_st, min_size=1, max_size=5), st.integers(0, 7))
+def test_batched_starts_match_per_row(rows, extra):
+    totals = [sum(r) for r in rows]
+    s = max(totals) + extra
+    # Pad each row with a segment of its own, as the collate function does.
+    cus = [cumulative_from_lengths(r + ([s - t] if s > t else [])) for r, t in zip(rows, totals)]
+    starts = segment_starts_from_cumulative(cus, s)
+    assert starts.shape == (len(rows), s)
+    positions = position_ids_from_starts(starts)
+    for r, cu in enumerate(cus):
+        assert starts[r].nonzero().reshape(-1).tolist() == cu[:-1].tolist()
+        assert torch.equal(positions[r], position_ids_from_cumulative(cu))
+
+
+def test_position_ids_from_starts_treats_column_0_as_start():
+    starts = torch.tensor([[False, False, True, False]])
+    assert position_ids_from_starts(starts).tolist() == [[0, 1, 0, 1]]
+
+
+def test_cumulative_from_position_ids_cut_document():
+    # XTuner's Packer restarts at 0 where it cuts a document: column 0 is always a start.
+    assert cumulative_from_position_ids([3, 4, 0, 1, 2, 0]).tolist() == [0, 2, 5, 6]
+    assert cumulative_from_position_ids(torch.tensor([0])).tolist() == [0, 1]
+
+
+def test_cumulative_from_lengths_rejects_empty_document():
+    with pytest.raises(ValueError, match=r'lengths\[1\]: expected a segment length >= 1, got 0'):
+        cumulative_from_lengths([3, 0, 2])
+
+
+@PROPERTY
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=20), st.integers(16, 40))
+def test_plan_packs_properties(lengths, max_length):
+    rows = plan_packs(lengths, max_length)
+    flat = [i for row in rows for i in row]
+    assert sorted(flat) == list(range(len(lengths)))  # every item exactly once
+    loads = [sum(lengths[i] for i in row) for row in rows]
+    assert all(load <= max_length for load in loads)
+    assert len(rows) <= len(lengths)
+    assert all(row == sorted(row) for row in rows)
+    # First fit: an item opened row j only because it did not fit any earlier row, so no
+    # two rows could be merged.
+    assert all(loads[i] + loads[j] > max_length
+               for i in range(len(rows)) for j in range(i + 1, len(rows)))
+    assert plan_packs(lengths, max_length) == rows  # deterministic
+
+
+def test_plan_packs_first_fit_decreasing_example():
+    # Visit 7, 5, 4, 3, 2: 7 opens row 0 (room 3); 5 opens row 1 (room 5); 4 joins row 1
+    # (room 1); 3 joins row 0 (room 0); 2 fits nowhere and opens row 2.
+    assert plan_packs([7, 3, 5, 4, 2], 10) == [[0, 1], [2, 3], [4]]
+    assert plan_packs([1], 1) == [[0]]
+    assert plan_packs([], 4) == []
+
+
+@pytest.mark.parametrize('lengths, max_length, match', [
+    ([1, 2], 0, r'max_length: expected >= 1, got 0'),
+    ([3, 0], 4, r'lengths\[1\]: expected 1..max_length=4 tokens, got 0'),
+    ([5], 4, r'lengths\[0\]: expected 1..max_length=4 tokens, got 5; .*truncate'),
+])
+def test_plan_packs_errors(lengths, max_length, match):
+    with pytest.raises(ValueError, match=match):
+        plan_packs(lengths, max_length)
+
+
+@pytest.mark.parametrize('longest, multiple, min_length, expected', [
+    (5, None, None, 5), (5, 8, None, 8), (8, 8, None, 8), (5, None, 7, 7),
+    (5, 4, 7, 8), (9, None, 3, 9), (1, 3, 0, 3),
+])
+def test_padded_length(longest, multiple, min_length, expected):
+    assert padded_length(longest, pad_to_multiple_of=multiple, min_length=min_length) == expected

@@ -1,0 +1,310 @@
+"""Packed-aware attention for InternLM2, and the patch that installs it with the validated RoPE.
+
+A packed row holds several documents; each must attend only to itself. The boundaries come
+from the collator's ``cumulative_len`` (published by ``PackedBatchCheckHook`` in XTuner's
+``MessageHub`` convention) or, failing that, from ``position_ids`` resets (a document starts
+wherever the position is 0). Backends:
+
+- flash-attn ``flash_attn_varlen_func`` when installed, on CUDA, in fp16/bf16;
+- otherwise SDPA (or explicit eager softmax for the eager class) over the documents re-padded
+  into length buckets: documents of similar length share one ``[n_docs, n_h, L, h_d]`` call,
+  each padded to less than twice its length (at least ``MIN_BUCKET``), so the cost grows like
+  the sum of the squared document lengths, never the squared pack length, and no dense
+  ``[s, s]`` mask is ever built. The pad sits at each document's end, so ``is_causal`` alone
+  keeps real queries away from it.
+
+Rows without boundaries (plain padded batches, generation steps with a KV cache) take the
+dense path with the model's own mask, exactly as the InternLM2 classes do.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .packing import cumulative_from_position_ids
+from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
+
+INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
+                               "InternLM2FlashAttention2")
+MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
+
+# MessageHub instance and key prefixes of XTuner's varlen convention (VarlenAttnArgsToMessageHubHook).
+VARLEN_HUB = "varlen_attn_args"
+CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
+MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
+
+
+@dataclass
+class _Bucket:
+    """Documents padded to a common length ``length`` for one attention call."""
+
+    length: int
+    gather: torch.Tensor  # [n, length] flat token index per (document, offset); pad repeats last
+    valid: torch.Tensor  # [n, length] bool, True on real tokens
+
+
+@dataclass
+class DocumentPlan:
+    """Where the documents of a batch are, in the flattened ``[b * s]`` token axis."""
+
+    cu_seqlens: torch.Tensor  # [n_docs + 1] int32, 0 .. b*s
+    max_seqlen: int
+    buckets: list[_Bucket]
+    inverse: torch.Tensor  # [b * s] row of each token in the bucket-ordered concatenation
+
+
+def plan_documents(cu_seqlens: torch.Tensor, device: torch.device) -> DocumentPlan:
+    """Group the documents given by flat boundaries into length buckets.
+
+    Args:
+        cu_seqlens: ``[n_docs + 1]`` integer boundaries over the flattened ``[b * s]`` tokens,
+            starting at 0 and strictly increasing (rows never share a document).
+        device: Where the index tensors are needed.
+
+    Returns:
+        The plan, with index tensors on ``device``.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    # Bucket length: next power of two, at least MIN_BUCKET, so padding stays below 2x.
+    bucket_len = torch.clamp(lengths, min=MIN_BUCKET)
+    bucket_len = 2 ** torch.ceil(torch.log2(bucket_len.double())).long()
+    buckets, order = [], []
+    for length in torch.unique(bucket_len).tolist():
+        docs = torch.nonzero(bucket_len == length).flatten()
+        offsets = torch.arange(length)
+        last = (lengths[docs] - 1)[:, None]
+        gather = starts[docs][:, None] + torch.minimum(offsets[None, :], last)  # [n, length]
+        valid = offsets[None, :] <= last  # [n, length]
+        buckets.append(_Bucket(length, gather.to(device), valid.to(device)))
+        order.append(gather[valid])
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return DocumentPlan(cu.to(device, torch.int32), int(lengths.max()), buckets, inverse.to(device))
+
+
+# The last plan, with a strong reference to the tensor it was computed from: while that tensor
+# is alive no new tensor can share its identity, so a hit can never be a stale plan.
+_PLAN_CACHE: dict = {}
+
+
+def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device):
+    """One plan per forward: every layer receives the same position-ids / boundaries tensor."""
+    key = (source._version, extra, str(device))
+    if _PLAN_CACHE.get("source") is not source or _PLAN_CACHE.get("key") != key:
+        cu = cu_fn()
+        plan = None if cu is None else plan_documents(cu, device)
+        _PLAN_CACHE.clear()
+        _PLAN_CACHE.update(source=source, key=key, plan=plan)
+    return _PLAN_CACHE["plan"]
+
+
+def hub_cumulative_len() -> torch.Tensor | None:
+    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention."""
+    from mmengine import MessageHub
+    from mmengine.dist import get_rank
+
+    if not MessageHub.check_instance_created(VARLEN_HUB):
+        return None
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    return hub.get_info(CUMULATIVE_KEY.format(rank=get_rank()))
+
+
+def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
+    """Flat boundaries from position resets, or None when every row is a single document."""
+    rows = position_ids.detach().to("cpu").expand(b, s)  # [b, s]
+    cus = [cumulative_from_position_ids(row).long() for row in rows]
+    if all(cu.numel() == 2 for cu in cus):
+        return None
+    return torch.cat([cu[:-1] + r * s for r, cu in enumerate(cus)] + [torch.tensor([b * s])])
+
+
+def document_plan(position_ids: torch.Tensor | None, b: int, s: int,
+                  device: torch.device) -> DocumentPlan | None:
+    """The document layout of this forward: hub boundaries first, then position resets.
+
+    Raises:
+        ValueError: the published ``cumulative_len`` does not describe this ``[b, s]`` batch.
+    """
+    cu = hub_cumulative_len()
+    if cu is not None:
+        cu = torch.as_tensor(cu)
+        if cu.ndim != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * s:
+            raise ValueError(
+                f"MessageHub '{VARLEN_HUB}' holds cumulative_len {cu.tolist()[:8]}... ending at "
+                f"{int(cu[-1])}, but the attention input has b*s = {b}*{s} = {b * s} tokens. "
+                "It must describe the current batch: publish it per iteration "
+                "(PackedBatchCheckHook does) and reset it to None afterwards.")
+        return _cached_plan(cu, ("hub", b, s), lambda: cu, device)
+    if position_ids is None:
+        return None
+    return _cached_plan(position_ids, ("pos", b, s),
+                        lambda: _cu_from_position_ids(position_ids, b, s), device)
+
+
+def _bucket_attention(q, k, v, causal_softmax: bool) -> torch.Tensor:
+    """Causal attention of ``q [n, n_h, L, h_d]`` over ``k, v [n, n_kv, L, h_d]``."""
+    n_rep = q.shape[1] // k.shape[1]
+    if not causal_softmax:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+    k = k.repeat_interleave(n_rep, dim=1)  # [n, n_h, L, h_d], InternLM2's repeat_kv grouping
+    v = v.repeat_interleave(n_rep, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [n, n_h, L, L]
+    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 as upstream
+    return probs @ v
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentPlan,
+                     backend: str = "sdpa") -> torch.Tensor:
+    """Causal attention restricted to each document of a packed batch.
+
+    Args:
+        q: ``[b, s, n_h, h_d]`` queries (RoPE applied).
+        k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
+        v: ``[b, s, n_kv, h_d]`` values.
+        plan: Document layout from ``document_plan`` / ``plan_documents``.
+        backend: ``'flash'`` (flash-attn varlen, CUDA fp16/bf16), ``'sdpa'`` or ``'eager'``.
+
+    Returns:
+        ``[b, s, n_h, h_d]`` attention output, in ``q.dtype``.
+    """
+    b, s, n_h, h_d = q.shape
+    q_t, k_t, v_t = (x.reshape(b * s, x.shape[2], h_d) for x in (q, k, v))  # [t, heads, h_d]
+    if backend == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q_t, k_t, v_t, plan.cu_seqlens, plan.cu_seqlens,
+                                     plan.max_seqlen, plan.max_seqlen, causal=True)
+        return out.reshape(b, s, n_h, h_d)
+    pieces = []
+    for bucket in plan.buckets:
+        # [n, L, heads, h_d] -> [n, heads, L, h_d]
+        qb, kb, vb = (x[bucket.gather].transpose(1, 2) for x in (q_t, k_t, v_t))
+        ob = _bucket_attention(qb, kb, vb, causal_softmax=backend == "eager")
+        pieces.append(ob.transpose(1, 2)[bucket.valid])  # [n_real, n_h, h_d]
+    out = torch.cat(pieces)[plan.inverse]  # [t, n_h, h_d] back in token order
+    return out.reshape(b, s, n_h, h_d)
+
+
+def _backend(layer: nn.Module, q: torch.Tensor) -> str:
+    """flash-attn varlen where it can run, else the kernel family of the layer's class."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash"
+        except ImportError:
+            pass
+    return "eager" if type(layer).__name__ == "InternLM2Attention" else "sdpa"
+
+
+def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> torch.Tensor:
+    """The unpacked path, as the layer's own class computes it.
+
+    Args:
+        q: ``[b, n_h, q_len, h_d]``; k, v: ``[b, n_kv, kv_len, h_d]`` (cache included).
+        attention_mask: The model's mask: 4-D additive ``[b, 1, q_len, kv_len']`` for
+            eager/SDPA, 2-D ``[b, kv_len]`` padding mask for flash-attn, or None.
+
+    Returns:
+        ``[b, q_len, n_h, h_d]``.
+    """
+    if type(layer).__name__ == "InternLM2FlashAttention2":
+        target = layer.wqkv.weight.dtype if q.dtype == torch.float32 else q.dtype
+        q, k, v = (x.transpose(1, 2).to(target) for x in (q, k, v))  # [b, len, heads, h_d]
+        return layer._flash_attention_forward(q, k, v, attention_mask, q_len)
+    n_rep = q.shape[1] // k.shape[1]
+    mask = None if attention_mask is None else attention_mask[:, :, :, : k.shape[-2]]
+    if type(layer).__name__ == "InternLM2SdpaAttention":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1,
+                                             is_causal=mask is None and q_len > 1)
+        return out.transpose(1, 2)
+    k = k.repeat_interleave(n_rep, dim=1)  # [b, n_h, kv_len, h_d]
+    v = v.repeat_interleave(n_rep, dim=1)
+    scores = q @ k.transpose(2, 3) / math.sqrt(q.shape[-1])  # [b, n_h, q_len, kv_len]
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v).transpose(1, 2)
+
+
+def _project_qkv(layer: nn.Module, hidden_states: torch.Tensor):
+    """InternLM2's fused ``wqkv`` split into q ``[b, s, n_h, h_d]``, k and v ``[b, s, n_kv, h_d]``.
+
+    The fused layout is, per kv head, ``n_rep`` query heads then one key and one value head.
+    """
+    b, s, _ = hidden_states.shape
+    n_kv, h_d = layer.num_key_value_heads, layer.head_dim
+    n_rep = layer.num_key_value_groups
+    qkv = layer.wqkv(hidden_states).view(b, s, n_kv, n_rep + 2, h_d)  # [b, s, n_kv, n_rep+2, h_d]
+    q = qkv[..., :n_rep, :].reshape(b, s, n_kv * n_rep, h_d)  # [b, s, n_h, h_d]
+    return q, qkv[..., -2, :], qkv[..., -1, :]
+
+
+def internlm2_attention_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                                past_key_value=None, output_attentions=False, use_cache=False,
+                                cache_position=None, **kwargs):
+    """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, and
+    documents isolated whenever the batch is packed.
+
+    Same signature and return as upstream; attention weights are never returned (None).
+    """
+    b, s, _ = hidden_states.shape
+    q, k, v = (x.transpose(1, 2) for x in _project_qkv(self, hidden_states))  # [b, heads, s, h_d]
+    cos, sin = self.rotary_emb(v, position_ids)  # [b, s, h_d]
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    past_len = 0
+    if past_key_value is not None:
+        past_len = past_key_value.get_seq_length(self.layer_idx)
+        k, v = past_key_value.update(k, v, self.layer_idx,
+                                     dict(sin=sin, cos=cos, cache_position=cache_position))
+    # Boundaries only describe a fresh sequence: with cached keys, the model's mask is right.
+    plan = document_plan(position_ids, b, s, q.device) if past_len == 0 else None
+    if plan is not None:
+        qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))  # [b, s, heads, h_d]
+        out = packed_attention(qs, ks, vs, plan, _backend(self, q))
+    else:
+        out = _dense_attention(self, q, k, v, attention_mask, s)
+    out = out.reshape(b, s, -1).to(hidden_states.dtype)  # [b, s, n_h * h_d]
+    return self.wo(out), None, past_key_value
+
+
+def patch_internlm2_attention(model: nn.Module, max_position: int | None = None) -> int:
+    """Give every InternLM2 attention layer the validated RoPE and document-isolating attention.
+
+    Finds the layers by class name, so XTuner's shipped classes and real checkpoints' remote
+    code copies are both covered, also inside DDP, DeepSpeed and PEFT wrappers (they hold the
+    model as a submodule). Idempotent.
+
+    Args:
+        model: Any module containing InternLM2 attention layers.
+        max_position: Optional override of the largest position id the RoPE accepts.
+
+    Returns:
+        The number of InternLM2 attention layers now carrying the patch.
+
+    Raises:
+        ValueError: the model has no InternLM2 attention layer.
+    """
+    layers = [m for m in model.modules() if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES]
+    if not layers:
+        raise ValueError(
+            f"patch_internlm2_attention: {type(model).__name__} contains no InternLM2 attention "
+            f"layer (looked for classes {', '.join(INTERNLM2_ATTENTION_CLASSES)}). Pass the "
+            "InternLM2 model (or a wrapper around it), or drop ValidatedRoPEHook for other models.")
+    for layer in layers:
+        if not isinstance(layer.rotary_emb, ValidatedRotaryEmbedding):
+            layer.rotary_emb = ValidatedRotaryEmbedding.from_module(layer.rotary_emb,
+                                                                     max_position=max_position)
+        # An instance attribute, as XTuner's own dispatch does: other instances are untouched.
+        layer.forward = types.MethodType(internlm2_attention_forward, layer)
+    return len(layers)

@@ -1,0 +1,188 @@
+"""Pure functions for packed sequences: lengths, boundaries, position ids, pack plans.
+
+Vocabulary used across xtuner-rope:
+
+- A *row* is one line of a batch, ``s`` tokens long.
+- A row is cut into *segments* (documents, plus a trailing padding segment).
+- ``cumulative_len`` (``cu`` for short) lists the segment boundaries of one row:
+  ``[0, l_0, l_0 + l_1, ..., s]``, the same convention as flash-attn's ``cu_seqlens``
+  and XTuner's ``cumulative_len``.
+- Position ids restart at 0 at every boundary and count +1 within a segment, so each
+  document sees the RoPE angles it would see alone.
+
+This module imports torch only: no MMEngine, no XTuner.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    'cumulative_from_lengths',
+    'lengths_from_cumulative',
+    'position_ids_from_cumulative',
+    'cumulative_from_position_ids',
+    'segment_starts_from_cumulative',
+    'position_ids_from_starts',
+    'plan_packs',
+    'padded_length',
+]
+
+IntSeq = Sequence[int] | torch.Tensor
+
+
+def cumulative_from_lengths(lengths: IntSeq) -> torch.Tensor:
+    """Turn segment lengths into boundaries.
+
+    Args:
+        lengths: ``[n]`` segment lengths, each >= 1.
+
+    Returns:
+        ``[n + 1]`` int32 boundaries ``[0, l_0, l_0 + l_1, ..., sum(lengths)]``
+        (int32 because flash-attn's varlen kernels require it).
+
+    Raises:
+        ValueError: a length is < 1 (an empty segment has no boundary of its own).
+    """
+    lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)
+    if lengths.numel() and int(lengths.min()) < 1:
+        bad = int((lengths < 1).nonzero()[0])
+        raise ValueError(
+            f'lengths[{bad}]: expected a segment length >= 1, got {int(lengths[bad])}; '
+            'drop empty documents before packing.')
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    return cu
+
+
+def lengths_from_cumulative(cu: IntSeq) -> torch.Tensor:
+    """Inverse of :func:`cumulative_from_lengths`: ``[n + 1]`` boundaries -> ``[n]`` lengths."""
+    cu = torch.as_tensor(cu, dtype=torch.long).reshape(-1)
+    return cu[1:] - cu[:-1]
+
+
+def position_ids_from_cumulative(cu: IntSeq) -> torch.Tensor:
+    """Position ids of one row: 0, 1, 2, ... restarting at every boundary.
+
+    Args:
+        cu: ``[n + 1]`` boundaries of one row, ``cu[0] == 0``, strictly increasing.
+
+    Returns:
+        ``[s]`` long position ids, ``s = cu[-1]``.
+    """
+    cu = torch.as_tensor(cu, dtype=torch.long).reshape(-1)
+    lengths = cu[1:] - cu[:-1]
+    s = int(cu[-1])
+    # Each token's position is its column minus the start column of its segment.
+    return torch.arange(s, dtype=torch.long) - torch.repeat_interleave(cu[:-1], lengths)
+
+
+def cumulative_from_position_ids(position_ids: IntSeq) -> torch.Tensor:
+    """Boundaries of one row read from its position ids.
+
+    A segment starts at column 0 and wherever the position id is 0 (XTuner's Packer
+    restarts positions at 0 at each document, and where it cuts one).
+
+    Args:
+        position_ids: ``[s]`` position ids of one row.
+
+    Returns:
+        ``[n + 1]`` int32 boundaries, ending at ``s``.
+    """
+    position_ids = torch.as_tensor(position_ids).reshape(-1)
+    s = position_ids.numel()
+    starts = position_ids == 0
+    if s:
+        starts[0] = True
+    cols = starts.nonzero().reshape(-1).to(torch.int32)
+    return torch.cat([cols, torch.tensor([s], dtype=torch.int32)])
+
+
+def segment_starts_from_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
+    """Mark the first column of every segment, for a whole batch at once.
+
+    Args:
+        cus: ``b`` boundary tensors (each starting at 0, strictly increasing, ending at ``s``).
+        s: row length.
+
+    Returns:
+        ``[b, s]`` bool, True at each segment's first column.
+    """
+    b = len(cus)
+    counts = torch.tensor([cu.numel() for cu in cus], dtype=torch.long)
+    flat = torch.cat([torch.as_tensor(cu).reshape(-1) for cu in cus]).long()
+    rows = torch.repeat_interleave(torch.arange(b), counts)
+    # One spare column takes the final boundary (== s) so no mask is needed.
+    starts = torch.zeros(b, s + 1, dtype=torch.bool)
+    starts[rows, flat] = True
+    return starts[:, :s]
+
+
+def position_ids_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids for a whole batch from its segment-start mask (vectorised).
+
+    Args:
+        starts: ``[b, s]`` bool, True at each segment's first column (column 0 is
+            treated as a start whatever it holds).
+
+    Returns:
+        ``[b, s]`` long position ids restarting at 0 at every start.
+    """
+    b, s = starts.shape
+    cols = torch.arange(s, dtype=torch.long).expand(b, s)
+    start_cols = torch.where(starts, cols, torch.zeros_like(cols))
+    # The latest start at or before each column; column 0 counts as a start via the 0 fill.
+    last_start = start_cols.cummax(dim=1).values
+    return cols - last_start
+
+
+def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Group items into as few rows of at most ``max_length`` tokens as first-fit decreasing finds.
+
+    Deterministic: items are visited longest first (ties by index), each goes into the
+    first row with room, and each row lists its items in their original order.
+
+    Args:
+        lengths: ``[n]`` item lengths, each in ``[1, max_length]``.
+        max_length: capacity of a row in tokens.
+
+    Returns:
+        Rows as lists of item indices, ordered by the row's first-placed (longest) item.
+
+    Raises:
+        ValueError: ``max_length`` < 1, or an item is empty or longer than ``max_length``.
+    """
+    if max_length < 1:
+        raise ValueError(f'max_length: expected >= 1, got {max_length}.')
+    for i, length in enumerate(lengths):
+        if not 1 <= length <= max_length:
+            raise ValueError(
+                f'lengths[{i}]: expected 1..max_length={max_length} tokens, got {length}; '
+                'drop empty items and truncate long ones before packing.')
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_length - lengths[i])
+    return [sorted(row) for row in rows]
+
+
+def padded_length(longest: int, *, pad_to_multiple_of: int | None = None,
+                  min_length: int | None = None) -> int:
+    """Row length ``s`` for a batch whose longest row holds ``longest`` tokens.
+
+    Rounds up to a multiple of ``pad_to_multiple_of`` and to at least ``min_length``
+    (a multiple too, when both are given).
+    """
+    s = max(longest, min_length or 0)
+    if pad_to_multiple_of:
+        s = -(-s // pad_to_multiple_of) * pad_to_multiple_of
+    return s

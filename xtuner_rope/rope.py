@@ -1,0 +1,379 @@
+"""RoPE math for InternLM2: fp32 frequencies, checked position ids, cos/sin tables, apply.
+
+Drop-in replacements for XTuner 0.2.0's InternLM2 rotary classes and `apply_rotary_pos_emb`
+that keep `inv_freq` in fp32 after `module.bfloat16()`, keep dynamic NTK stateless, reject bad
+position ids before any kernel sees them and rotate in fp32 whatever the input dtype.
+"""
+
+import contextlib
+import weakref
+from numbers import Integral
+
+import torch
+from torch import nn
+
+_SCALING_TYPES = (None, 'linear', 'dynamic')
+# Elements of q or k rotated per chunk: the chunk stays in cache between the four passes of
+# `_rotate` (tools/bench/rope.py on 2 CPU cores: 2.3x a clone, 3.1x with whole-tensor passes).
+_CHUNK_ELEMENTS = 1 << 20
+_BEYOND = ('truncate or split the sequence, enable rope_scaling, or pass max_position= to '
+           'allow more')
+# Min/max of the last position_ids checked; see `_min_max`.
+_last_range = {}
+
+
+def _no_autocast(device):
+    """Autocast off on `device` (where it exists): angles are computed in fp32."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _inv_freq(base, dim, device=None):
+    """fp32 inverse frequencies `[h_d/2]`, written as upstream does so both round alike."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (base**exponents)
+
+
+def _cos_sin(positions, inv_freq):
+    """fp32 cos and sin `[..., h_d]` for fp32 `positions` `[...]` and `inv_freq` `[h_d/2]`."""
+    with _no_autocast(positions.device):
+        # One fp32 rounding per angle, like the reference's outer product.
+        freqs = positions[..., None] * inv_freq  # [..., h_d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., h_d]
+        return emb.cos(), emb.sin()
+
+
+def _min_max(position_ids):
+    """(min, max) of integer `position_ids` as Python ints: one host sync, cached.
+
+    Every layer of a model gets the same position_ids tensor: keeping the answer for the last
+    one (keyed on identity via a weak reference, storage, version counter and shape) leaves
+    the device sync to the first layer only.
+    """
+    if position_ids.numel() == 0:
+        return 0, -1
+    key = None
+    if not position_ids.is_inference():  # inference tensors have no version counter
+        key = (position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape))
+        ref = _last_range.get('ref')
+        if ref is not None and ref() is position_ids and _last_range['key'] == key:
+            return _last_range['value']
+    lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
+    if key is not None:
+        _last_range.update(ref=weakref.ref(position_ids), key=key, value=(lo, hi))
+    return lo, hi
+
+
+def _first(position_ids, mask):
+    """Value, row and column of the first entry of `position_ids` `[b, s]` where `mask` holds."""
+    row, col = mask.nonzero()[0].tolist()
+    return position_ids[row, col].item(), row, col
+
+
+def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc='', advice=''):
+    """Check position ids before they index anything; return their (min, max).
+
+    Args:
+        position_ids (torch.Tensor): Integer positions `[b, s]`, b == 1 or `batch`.
+        batch (int): Batch size b of the activations.
+        seq_len (int): Sequence length s of the activations.
+        limit (int, optional): Positions must be below it; None means unbounded.
+        limit_desc (str): Where `limit` comes from, for the error message.
+        advice (str): What to do about a position beyond `limit`, for the error message.
+
+    Returns:
+        tuple[int, int]: Smallest and largest position (0, -1 when empty).
+
+    Raises:
+        TypeError: position_ids is not an integer tensor.
+        ValueError: Wrong shape, a negative position or a position >= limit.
+    """
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f'position_ids must be a torch.Tensor, got {type(position_ids).__name__}')
+    dtype = position_ids.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f'position_ids must be an integer tensor (torch.long), got {dtype}; '
+                        'build them with torch.arange(...) or call .long() on them')
+    shape = tuple(position_ids.shape)
+    if len(shape) != 2:
+        raise ValueError(f'position_ids must be 2-D [b, s], got shape {shape}; '
+                         'use position_ids.view(1, -1) for a single sequence')
+    if shape[0] not in (1, batch) or shape[1] != seq_len:
+        raise ValueError(f'position_ids has shape {shape} but the activations have batch '
+                         f'{batch} and sequence length {seq_len}: expected (1, {seq_len}) or '
+                         f'({batch}, {seq_len}), one position per token')
+    lo, hi = _min_max(position_ids)
+    if lo < 0:
+        value, row, col = _first(position_ids, position_ids < 0)
+        raise ValueError(f'position_ids must be non-negative, got {value} at row {row}, column '
+                         f'{col}; positions count tokens from 0 within each document')
+    if limit is not None and hi >= limit:
+        value, row, col = _first(position_ids, position_ids >= limit)
+        raise ValueError(f'position_ids holds {value} at row {row}, column {col}, beyond the '
+                         f'supported range [0, {limit}) ({limit_desc}); {advice}')
+    return lo, hi
+
+
+class ValidatedRotaryEmbedding(nn.Module):
+    """InternLM2 rotary embedding with fp32 angles, checked positions and shared cos/sin tables.
+
+    Args:
+        dim (int): Rotary dimension h_d (even).
+        max_position_embeddings (int): Context length the model was trained with.
+        base (float): RoPE theta.
+        scaling_type (str, optional): None, 'linear' or 'dynamic' (NTK).
+        scaling_factor (float): Factor of the scaling.
+        max_position (int, optional): Overrides the range limit on positions (see `limit`).
+        device (torch.device, optional): Device of `inv_freq`.
+
+    Raises:
+        ValueError: Odd dim, unknown scaling type or non-positive scaling factor.
+    """
+
+    # fp32 (cos, sin) tables `[L, h_d]` per configuration and device, shared by every layer: a
+    # 32-layer model holds one copy, not 32. L grows to the next power of two, never shrinks.
+    _TABLES = {}
+
+    def __init__(self, dim, max_position_embeddings=2048, base=10000, scaling_type=None,
+                 scaling_factor=1.0, max_position=None, device=None):
+        super().__init__()
+        if dim <= 0 or dim % 2:
+            raise ValueError(f'dim (rotary head dim) must be a positive even number, got {dim}')
+        if scaling_type not in _SCALING_TYPES:
+            raise ValueError(f"scaling_type must be None, 'linear' or 'dynamic', got "
+                             f'{scaling_type!r}; check rope_scaling["type"] in the model config')
+        if scaling_factor <= 0:
+            raise ValueError(f'scaling_factor must be positive, got {scaling_factor}')
+        self.dim, self.base = dim, base
+        self.max_position_embeddings = max_position_embeddings
+        self.scaling_type, self.scaling_factor = scaling_type, scaling_factor
+        self.max_position = max_position
+        self.register_buffer('inv_freq', _inv_freq(base, dim, device), persistent=False)
+        factor = scaling_factor if scaling_type == 'linear' else 1.0
+        self._tables = self._TABLES.setdefault((dim, float(base), float(factor)), {})
+
+    @classmethod
+    def from_module(cls, rotary_module, max_position=None):
+        """Build one from an InternLM2 rotary module (xtuner's or a remote-code copy).
+
+        The scaling type comes from the class name ('Linear', 'Dynamic') or a `scaling_type`
+        attribute; `inv_freq` is recomputed in fp32 on the device of the module's one.
+
+        Raises:
+            TypeError: The module lacks `dim`, `base`, `max_position_embeddings` or `inv_freq`.
+        """
+        needed = ('dim', 'base', 'max_position_embeddings', 'inv_freq')
+        missing = [name for name in needed if not hasattr(rotary_module, name)]
+        if missing:
+            raise TypeError(f'from_module expects an InternLM2 rotary embedding, got '
+                            f'{type(rotary_module).__name__} without {", ".join(missing)}')
+        module, name = rotary_module, type(rotary_module).__name__
+        scaling_type = getattr(module, 'scaling_type', None)
+        if 'Dynamic' in name or 'Linear' in name:
+            scaling_type = 'dynamic' if 'Dynamic' in name else 'linear'
+        return cls(module.dim, module.max_position_embeddings, module.base, scaling_type,
+                   getattr(module, 'scaling_factor', 1.0), max_position, module.inv_freq.device)
+
+    def limit(self):
+        """(limit, description): positions must be below limit; None means unbounded."""
+        if self.max_position is not None:
+            return self.max_position, f'max_position={self.max_position}'
+        if self.scaling_type == 'dynamic':
+            return None, 'dynamic NTK scaling'
+        desc = f'max_position_embeddings={self.max_position_embeddings}'
+        if self.scaling_type == 'linear':
+            limit = int(self.max_position_embeddings * self.scaling_factor)
+            return limit, f'{desc} x linear scaling factor {self.scaling_factor}'
+        return self.max_position_embeddings, desc
+
+    def _apply(self, fn, recurse=True):
+        # module.half()/.bfloat16() (DeepSpeed calls them) cast every floating buffer, and
+        # upstream then computes angles from a bf16 inv_freq: recompute it in fp32 wherever
+        # the buffer now lives.
+        super()._apply(fn, recurse)
+        self.inv_freq = _inv_freq(self.base, self.dim, self.inv_freq.device)
+        return self
+
+    def table_length(self, device):
+        """Rows L of the cached cos/sin tables on `device` (0 if none yet)."""
+        tables = self._tables.get(torch.device(device))
+        return 0 if tables is None else tables[0].shape[0]
+
+    def _table(self, device, length):
+        """fp32 (cos, sin) `[L, h_d]` with L >= length, grown to a power of two on demand."""
+        tables = self._tables.get(device)
+        if tables is None or tables[0].shape[0] < length:
+            rows = 1 << max(length - 1, 0).bit_length()
+            positions = torch.arange(rows, device=device, dtype=torch.float32)
+            if self.scaling_type == 'linear':
+                positions = positions / self.scaling_factor  # the reference divides first
+            tables = _cos_sin(positions, self.inv_freq.to(device))
+            self._tables[device] = tables
+        return tables
+
+    def _ntk_inv_freq(self, seq_len, device):
+        """Dynamic-NTK inverse frequencies for one call, in the reference's fp32 arithmetic."""
+        seq_len = torch.tensor(seq_len, device=device)  # int64, as the reference's max() + 1
+        factor, dim = self.scaling_factor, self.dim
+        ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
+        return _inv_freq(self.base * ratio ** (dim / (dim - 2)), dim, device)
+
+    def _cos_sin_at(self, position_ids, hi):
+        """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`."""
+        if self.scaling_type == 'dynamic' and hi + 1 > self.max_position_embeddings:
+            inv_freq = self._ntk_inv_freq(hi + 1, position_ids.device)
+            return _cos_sin(position_ids.float(), inv_freq)
+        cos, sin = self._table(position_ids.device, hi + 1)
+        position_ids = position_ids.long()
+        return cos[position_ids], sin[position_ids]
+
+    @torch.no_grad()
+    def forward(self, x, position_ids=None, seq_len=None):
+        """cos and sin for `x`, by position ids (current InternLM2) or by length (old code).
+
+        Args:
+            x (torch.Tensor): value_states `[b, n_kv, s, h_d]`; gives dtype, device, b and s.
+            position_ids (torch.Tensor, optional): Integer `[b, s]` or `[1, s]`; None means
+                `arange(s)[None]`. A Python int is taken as `seq_len` (old positional call).
+            seq_len (int, optional): Old signature: return rows 0..seq_len-1 of the tables.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: cos, sin in x.dtype, `[b, s, h_d]` (b of
+            position_ids), or `[seq_len, h_d]` with seq_len.
+
+        Raises:
+            TypeError: position_ids not an integer tensor, or seq_len not an int.
+            ValueError: Bad position ids (see `check_position_ids`), seq_len <= 0 or beyond
+                the limit, or both position_ids and seq_len given.
+        """
+        if isinstance(position_ids, Integral) and not isinstance(position_ids, bool):
+            position_ids, seq_len = None, position_ids
+        if seq_len is not None:
+            if position_ids is not None:
+                raise ValueError('pass position_ids or seq_len to the rotary embedding, not both')
+            seq_len = self._check_seq_len(seq_len)
+            position_ids, hi = torch.arange(seq_len, device=x.device), seq_len - 1  # [s]
+        else:
+            if position_ids is None:  # built and checked on the CPU: no device sync
+                position_ids = torch.arange(x.shape[-2])[None]  # [1, s]
+            _, hi = check_position_ids(position_ids, x.shape[0], x.shape[-2], *self.limit(),
+                                       _BEYOND)
+            position_ids = position_ids.to(x.device)
+        cos, sin = self._cos_sin_at(position_ids, hi)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def _check_seq_len(self, seq_len):
+        """seq_len of the old signature as a Python int, checked like position ids."""
+        if not isinstance(seq_len, Integral) or isinstance(seq_len, bool):
+            raise TypeError(f'seq_len must be a positive int, got {type(seq_len).__name__}')
+        if seq_len <= 0:
+            raise ValueError(f'seq_len must be a positive int, got {seq_len}')
+        limit, desc = self.limit()
+        if limit is not None and seq_len > limit:
+            raise ValueError(f'seq_len={seq_len} is beyond the supported range of {limit} '
+                             f'positions ({desc}); {_BEYOND}')
+        return int(seq_len)
+
+    def extra_repr(self):
+        return (f'dim={self.dim}, base={self.base}, scaling_type={self.scaling_type}, '
+                f'scaling_factor={self.scaling_factor}, limit={self.limit()[0]}')
+
+
+def rotate_half(x):
+    """Rotate half the hidden dims: `[x1, x2] -> [-x2, x1]` on the last dim `h_d`."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate(x, cos, sin, sign, dim):
+    """Rotate x `[..., h_d]` (q, k or a grad; any dtype and strides) by sign x angle in fp32.
+
+    cos, sin are fp32 `[..., h_d/2]` with size 1 along `dim` (heads), so x is processed in
+    chunks along `dim` that share them. Returns x's dtype (and strides where x is dense).
+    """
+    half, size = x.shape[-1] // 2, x.shape[dim]
+    out = torch.empty_like(x)
+    step = max(1, _CHUNK_ELEMENTS * size // max(x.numel(), 1))
+    scratch = None
+    for start in range(0, size, step):
+        x_c = x.narrow(dim, start, min(step, size - start))
+        out_c = out.narrow(dim, start, x_c.shape[dim])
+        src, acc = x_c, out_c
+        if x.dtype != torch.float32:
+            # Ops mixing bf16/fp16 with fp32 take a slow scalar path on CPU: upcast the chunk
+            # into reused fp32 scratch instead, and round once at the end.
+            if scratch is None:
+                scratch = torch.empty((2, *x_c.shape), dtype=torch.float32, device=x.device)
+            src = scratch[0].narrow(dim, 0, x_c.shape[dim]).copy_(x_c)
+            acc = scratch[1].narrow(dim, 0, x_c.shape[dim])
+        x1, x2 = src[..., :half], src[..., half:]
+        a1, a2 = acc[..., :half], acc[..., half:]
+        # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]: rotate_half's formula, without
+        # materialising rotate_half(x).
+        torch.mul(x1, cos, out=a1).addcmul_(x2, sin, value=-sign)
+        torch.mul(x2, cos, out=a2).addcmul_(x1, sin, value=sign)
+        if acc is not out_c:
+            out_c.copy_(acc)
+    return out
+
+
+class _ApplyRotary(torch.autograd.Function):
+    """Rotate q and k by fp32 angles; saves only cos/sin, backward rotates by -angle."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.dim = dim
+        return _rotate(q, cos, sin, 1.0, dim), _rotate(k, cos, sin, 1.0, dim)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        # A rotation is orthogonal: its vector-Jacobian product is the inverse rotation.
+        grad_q = _rotate(grad_q, cos, sin, -1.0, ctx.dim) if ctx.needs_input_grad[0] else None
+        grad_k = _rotate(grad_k, cos, sin, -1.0, ctx.dim) if ctx.needs_input_grad[1] else None
+        return grad_q, grad_k, None, None, None
+
+
+def _table_rows(cos, sin, q, position_ids, unsqueeze_dim):
+    """Pick rows of `[L, h_d]` tables (older remote code) as `[b, s, h_d]` cos/sin."""
+    seq_len = q.shape[2 if unsqueeze_dim == 1 else 1]  # q is [b, n_h, s, h_d] or [b, s, n_h, h_d]
+    if position_ids is None:
+        position_ids = torch.arange(seq_len)[None]  # [1, s]
+    desc = f'rows of the {cos.shape[0]}-row cos/sin table'
+    check_position_ids(position_ids, q.shape[0], seq_len, cos.shape[0], desc,
+                       'get longer tables from the rotary embedding (larger seq_len)')
+    position_ids = position_ids.to(cos.device).long()
+    return cos[position_ids], sin[position_ids]  # [b, s, h_d]
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
+
+    Args:
+        q (torch.Tensor): Queries `[b, n_h, s, h_d]` (`[b, s, n_h, h_d]` with unsqueeze_dim=2).
+        k (torch.Tensor): Keys `[b, n_kv, s, h_d]` (or `[b, s, n_kv, h_d]`).
+        cos (torch.Tensor): `[b, s, h_d]`, or `[L, h_d]` tables of older remote code, whose rows
+            are then picked by position_ids (rows 0..s-1 when None).
+        sin (torch.Tensor): Same shape as cos.
+        position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, h_d]` tables.
+        unsqueeze_dim (int): Heads dim of q/k, where cos/sin get a size-1 dim to broadcast.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes. No gradient
+        flows into cos/sin (they come from no-grad rotary modules).
+
+    Raises:
+        ValueError: Odd or mismatched head dims; bad position ids for `[L, h_d]` tables.
+    """
+    head_dim = q.shape[-1]
+    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
+        raise ValueError(f'apply_rotary_pos_emb needs one even head dim h_d, got q '
+                         f'{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}')
+    if cos.dim() == 2:
+        cos, sin = _table_rows(cos, sin, q, position_ids, unsqueeze_dim)
+    # cos/sin repeat their first half (emb = cat(freqs, freqs)): only [..., :h_d/2] is needed.
+    cos = cos[..., : head_dim // 2].float().unsqueeze(unsqueeze_dim)  # [b, 1, s, h_d/2]
+    sin = sin[..., : head_dim // 2].float().unsqueeze(unsqueeze_dim)  # [b, 1, s, h_d/2]
+    return _ApplyRotary.apply(q, k, cos, sin, unsqueeze_dim % q.dim())

@@ -1,0 +1,188 @@
+"""Cheap CPU checks of a collated batch, so bad input fails with a clear message.
+
+A wrong position id or an out-of-range label otherwise surfaces as a device-side assert
+inside a CUDA kernel (or silently wrong RoPE angles). :func:`check_packed_batch` runs every
+iteration, so it is vectorised over the batch: a handful of tensor ops plus O(b) Python
+work to gather the per-row ``cumulative_len`` tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from xtuner_rope.packing import position_ids_from_starts, segment_starts_from_cumulative
+
+__all__ = ['check_packed_batch']
+
+IGNORE_INDEX = -100
+
+
+def _fail(field: str, expected: str, got: object, fix: str, row: int | None = None,
+          document: int | None = None) -> ValueError:
+    where = '' if row is None else f'row {row}, ' + (
+        '' if document is None else f'document {document}, ')
+    return ValueError(f'check_packed_batch: {where}field {field!r}: expected {expected}, '
+                      f'got {got}. {fix}')
+
+
+def _tensor(data: Mapping, field: str, shape: tuple[int, ...] | None = None,
+            dtypes: tuple[torch.dtype, ...] = (torch.int64,)) -> torch.Tensor:
+    """Fetch ``data[field]`` and check it is a tensor of an allowed dtype and shape."""
+    value = data[field]
+    if not isinstance(value, torch.Tensor) or value.dtype not in dtypes:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f'check_packed_batch: field {field!r}: expected a tensor of dtype '
+                        f'{" or ".join(map(str, dtypes))}, got {got}. Build the batch with '
+                        'rope_collate_fn (or torch.long ids).')
+    if shape is None and (value.dim() != 2 or 0 in value.shape):
+        raise _fail(field, 'a non-empty [b, s] tensor', f'shape {list(value.shape)}',
+                    'Collate items into a 2-D batch.')
+    if shape is not None and tuple(value.shape) != shape:
+        raise _fail(field, f'shape {list(shape)} like input_ids', f'{list(value.shape)}',
+                    'Collate all fields together.')
+    return value
+
+
+def _row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
+    """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1)."""
+    cus = data['cumulative_len']
+    if isinstance(cus, torch.Tensor):
+        cus = [cus.reshape(-1)] if cus.dim() <= 1 or b == 1 else list(cus.unbind(0))
+    cus = [torch.as_tensor(cu).reshape(-1) for cu in cus]
+    if len(cus) != b:
+        raise _fail('cumulative_len', f'one boundary tensor per row ({b})', len(cus),
+                    'Return a list with one cumulative_len tensor per row.')
+    for r, cu in enumerate(cus):
+        if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise TypeError(f'check_packed_batch: row {r}, field \'cumulative_len\': expected '
+                            f'an integer tensor (int32 for flash-attn), got {cu.dtype}.')
+    return cus
+
+
+def _check_boundaries(cus: list[torch.Tensor], s: int) -> None:
+    """Each row's boundaries start at 0, strictly increase and end at ``s``; vectorised."""
+    fix = 'Rebuild the boundaries with xtuner_rope.packing.cumulative_from_lengths.'
+    counts = torch.tensor([cu.numel() for cu in cus])
+    if bool((counts < 2).any()):
+        r = int((counts < 2).nonzero()[0])
+        raise _fail('cumulative_len', 'at least 2 boundaries [0, ..., s]', cus[r].tolist(), fix, r)
+    flat = torch.cat(cus).long()
+    rows = torch.repeat_interleave(torch.arange(len(cus)), counts)
+    firsts = counts.cumsum(0) - counts
+    for name, idx, want in (('start at 0', firsts, 0), (f'end at s={s}', firsts + counts - 1, s)):
+        bad = flat[idx] != want
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0])
+            raise _fail('cumulative_len', f'boundaries that {name}', cus[r].tolist(), fix, r)
+    bad = (flat[1:] <= flat[:-1]) & (rows[1:] == rows[:-1])
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0])
+        r = int(rows[k])
+        d = k - int(firsts[r])
+        raise _fail('cumulative_len', 'strictly increasing boundaries (no empty document)',
+                    f'cumulative_len[{d}:{d + 2}] = {flat[k:k + 2].tolist()}', fix, r, d)
+
+
+def _locate(starts: torch.Tensor, bad: torch.Tensor) -> tuple[int, int, int]:
+    """Row, document and column of the first True in ``bad`` (``[b, s]``)."""
+    r, c = (int(v) for v in bad.nonzero()[0])
+    return r, int(starts[r, :c + 1].sum()) - 1, c
+
+
+def _check_positions(data: Mapping, starts: torch.Tensor, shape: tuple[int, int],
+                     max_position: int | None) -> torch.Tensor:
+    """Position ids must restart at 0 at each boundary and count +1 within; returns them."""
+    expected = position_ids_from_starts(starts)
+    if data.get('position_ids') is not None:
+        got = _tensor(data, 'position_ids', shape)
+        bad = got != expected
+        if bool(bad.any()):
+            r, d, c = _locate(starts, bad)
+            raise _fail('position_ids', f'{int(expected[r, c])} at column {c} (0 at each '
+                        'document start, +1 within)', int(got[r, c]), 'Derive position_ids '
+                        'from cumulative_len (rope_collate_fn does).', r, d)
+    longest = int(expected.max()) + 1
+    if data.get('max_seqlen') is not None and int(data['max_seqlen']) != longest:
+        raise _fail('max_seqlen', f'the longest segment, {longest}', int(data['max_seqlen']),
+                    'Recompute max_seqlen from cumulative_len.')
+    if max_position is not None and longest > max_position:
+        r, d, c = _locate(starts, expected == longest - 1)
+        raise _fail('position_ids', f'positions < max_position={max_position} (the RoPE range)',
+                    longest - 1, 'Lower max_length, or raise max_position_embeddings / use '
+                    'RoPE scaling.', r, d)
+    return expected
+
+
+def _check_ids(starts: torch.Tensor, field: str, values: torch.Tensor,
+               vocab_size: int | None, ignore: bool) -> None:
+    """Token ids in ``[0, vocab_size)``; labels may also be IGNORE_INDEX."""
+    bad = values < 0 if vocab_size is None else (values < 0) | (values >= vocab_size)
+    if ignore:
+        bad &= values != IGNORE_INDEX
+    if bool(bad.any()):
+        r, d, c = _locate(starts, bad)
+        span = '>= 0' if vocab_size is None else f'in [0, {vocab_size})'
+        extra = f' or {IGNORE_INDEX}' if ignore else ''
+        raise _fail(field, f'ids {span}{extra} (column {c})', int(values[r, c]),
+                    'Check the tokenizer matches the model (vocab_size) and the label masking.',
+                    r, d)
+
+
+def _check_attention_mask(data: Mapping, shape: tuple[int, int]) -> None:
+    mask = _tensor(data, 'attention_mask', shape, (torch.bool, torch.int64, torch.int32))
+    empty = ~mask.bool().any(dim=1)
+    if bool(empty.any()):
+        r = int(empty.nonzero()[0])
+        raise _fail('attention_mask', 'at least one attended token per row', 'none', 'Drop '
+                    'empty samples; an all-masked row gives NaN attention.', r)
+
+
+def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
+                       max_position: int | None = None) -> None:
+    """Check a collated batch (the inner ``data`` dict) before it reaches the model.
+
+    Checks: ``input_ids``/``labels``/``position_ids``/``attention_mask`` are ``[b, s]``;
+    ``cumulative_len`` (``b`` 1-D tensors, or one tensor when ``b == 1``) starts at 0,
+    strictly increases and ends at ``s``; position ids restart at 0 at each boundary and
+    count +1 within (without ``cumulative_len``, a segment starts wherever a position is 0);
+    ``max_seqlen`` equals the longest segment; positions stay below ``max_position``; ids
+    and labels are in ``[0, vocab_size)`` (labels may be -100); every ``attention_mask`` row
+    attends to something; the batch has a supervised label after column 0.
+
+    Args:
+        data: batch dict with ``input_ids`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64),
+            optional ``position_ids``, ``cumulative_len``, ``max_seqlen``, ``attention_mask``.
+        vocab_size: if given, the upper bound for ids and labels.
+        max_position: if given, the RoPE range positions must stay below.
+
+    Raises:
+        ValueError: a check fails; the message names row, document, field, expected and got.
+        TypeError: a field has the wrong type or dtype.
+    """
+    for field in ('input_ids', 'labels'):
+        if field not in data:
+            raise _fail(field, 'a batch dict with input_ids and labels', f'keys {sorted(data)}',
+                        'Pass the inner data dict (batch["data"]).')
+    input_ids = _tensor(data, 'input_ids')
+    shape = tuple(input_ids.shape)
+    labels = _tensor(data, 'labels', shape)
+    if data.get('cumulative_len') is not None:
+        cus = _row_boundaries(data, shape[0])
+        _check_boundaries(cus, shape[1])
+        starts = segment_starts_from_cumulative(cus, shape[1])
+    elif data.get('position_ids') is not None:
+        starts = _tensor(data, 'position_ids', shape) == 0
+    else:  # plain HF batch: one segment per row, positions 0..s-1
+        starts = torch.zeros(shape, dtype=torch.bool)
+    starts[:, 0] = True
+    _check_positions(data, starts, shape, max_position)
+    _check_ids(starts, 'input_ids', input_ids, vocab_size, ignore=False)
+    _check_ids(starts, 'labels', labels, vocab_size, ignore=True)
+    if data.get('attention_mask') is not None:
+        _check_attention_mask(data, shape)
+    # The causal shift never uses column 0's label: without another one the loss is NaN.
+    if not bool((labels[:, 1:] != IGNORE_INDEX).any()):
+        raise _fail('labels', 'at least one supervised label (!= -100) after column 0', 'none',
+                    'Check the label masking, or drop such batches in the collate_fn '
+                    '(rope_collate_fn(drop_unsupervised=True)).')
