@@ -1,7 +1,6 @@
 # xtuner-rope default recipe: full fine-tune of the embedded tiny InternLM2 on our sample short
 # dialogues, on CPU, in about a minute on 2 cores.
 #
-#   python tools/make_tiny_internlm2.py                      # once: builds models/tiny-internlm2
 #   xtuner train configs/tiny_internlm2_short_dialogues.py   # run from the repository root
 #
 # The plugin is loaded by the `from xtuner_rope... import` lines below: MMEngine parses XTuner
@@ -21,27 +20,34 @@ from torch.optim import AdamW
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xtuner.dataset import process_hf_dataset
-from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.map_fns import openai_map_fn, template_map_fn_factory
 from xtuner.engine.hooks import DatasetInfoHook, EvaluateChatHook
 from xtuner.engine.runner import TrainLoop
 from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
+from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+from xtuner_rope.resources import tiny_internlm2
 
 #######################################################################
 #                          PART 1  Settings                           #
 #######################################################################
-# Model: built offline by tools/make_tiny_internlm2.py (paths relative to the repo root).
+# Model: built offline from the sample data when missing (paths relative to the repo root).
 pretrained_model_name_or_path = "models/tiny-internlm2"
+# `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
+# xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
+model_resource = dict(fn=tiny_internlm2, args=dict(data_path="data/short_dialogues.jsonl"))
 attn_implementation = "sdpa"
 
 # Data
 data_path = "data/short_dialogues.jsonl"
 prompt_template = PROMPT_TEMPLATE.internlm2_chat
 max_length = 512  # longest dialogue after templating is well below this
+pack = True  # collate-time packing: each batch's dialogues share as few rows as possible
+pad_to_multiple_of = 64
 
 # Scheduler & Optimizer
-batch_size = 16  # per device
+batch_size = 16  # dialogues per device and step (packed into rows of max_length)
 accumulative_counts = 1
 dataloader_num_workers = 0
 max_epochs = 1
@@ -108,7 +114,12 @@ train_dataloader = dict(
     num_workers=dataloader_num_workers,
     dataset=train_dataset,
     sampler=dict(type=DefaultSampler, shuffle=True),
-    collate_fn=dict(type=default_collate_fn),
+    collate_fn=dict(
+        type=rope_collate_fn,
+        pack=pack,
+        max_length=max_length,
+        pad_to_multiple_of=pad_to_multiple_of,
+    ),
 )
 
 #######################################################################
@@ -147,6 +158,9 @@ train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
 #                           PART 5  Runtime                           #
 #######################################################################
 custom_hooks = [
+    # xtuner-rope: validated fp32 RoPE + document-isolating attention, and per-batch checks.
+    dict(type=ValidatedRoPEHook),
+    dict(type=PackedBatchCheckHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(
         type=EvaluateChatHook,

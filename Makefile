@@ -1,0 +1,27 @@
+# The two commands of a fresh machine (run from the repository root):
+#   make demo   install, then fine-tune the tiny InternLM2 on data/ with `xtuner train`
+#   make test   install, then run the test suite
+.PHONY: setup demo test bench lint
+
+VENV := $(CURDIR)/.venv
+# `xtuner train` starts `python`/`torchrun` from PATH: the venv must come first.
+RUN := PATH=$(VENV)/bin:$$PATH
+DEMO_DIR := work_dirs/tiny_internlm2_short_dialogues
+
+setup:
+	bash tools/setup_env.sh
+
+demo: setup
+	rm -rf $(DEMO_DIR)
+	$(RUN) xtuner train configs/tiny_internlm2_short_dialogues.py --work-dir $(DEMO_DIR)
+	$(RUN) python tools/check_run.py $(DEMO_DIR) --min-iters 150
+
+test: setup
+	$(RUN) python -m pytest -q
+
+bench: setup
+	$(RUN) python tools/bench/rope.py
+	$(RUN) python tools/bench/packing.py
+
+lint: setup
+	$(RUN) ruff check .
