@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
+from xtuner_rope import rope
 from xtuner_rope.rope import (
     ValidatedRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -16,7 +17,7 @@ from xtuner_rope.rope import (
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Per kind: (max_position_embeddings, scaling_factor). Dynamic gets a small context so that
-# the offset and packed modes exercise the NTK branch; linear allows 40 x 2 = 80 positions.
+# the offset mode and s=33 take the NTK branch; linear allows 40 x 2 = 80 positions.
 KINDS = {None: (128, 1.0), 'linear': (40, 2.0), 'dynamic': (16, 2.0)}
 UPSTREAM = {None: upstream.InternLM2RotaryEmbedding,
             'linear': upstream.InternLM2LinearScalingRotaryEmbedding,
@@ -327,6 +328,31 @@ def test_apply_matches_upstream_forward_and_backward(b, n_h, n_kv, s, h_d, dtype
     ours, ref = apply_both(q, k, cos, sin)
     for mine, theirs in zip(ours, ref):
         assert mine.dtype == dtype
+        torch.testing.assert_close(mine, theirs.to(dtype), **tol(dtype))
+
+
+def test_apply_matches_upstream_for_any_cos_sin():
+    # Not only tables from a rotary module: cos/sin whose halves differ follow upstream's
+    # formula too, forward and backward.
+    q, k = randn(2, 4, 6, 16), randn(2, 2, 6, 16, seed=3)
+    cos, sin = randn(2, 6, 16, seed=4), randn(2, 6, 16, seed=5)
+    ours, ref = apply_both(q, k, cos, sin)
+    for mine, theirs in zip(ours, ref):
+        torch.testing.assert_close(mine, theirs, **tol(torch.float32))
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('transposed', [False, True])
+def test_apply_in_several_chunks(monkeypatch, dtype, transposed):
+    # Chunks of 2 heads: q's 7 heads end with a partial chunk, and so do k's 3.
+    monkeypatch.setattr(rope, '_CHUNK_ELEMENTS', 2 * 2 * 5 * 16)
+    q, k = randn(2, 7, 5, 16).to(dtype), randn(2, 3, 5, 16, seed=3).to(dtype)
+    if transposed:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, s, n_h, h_d] in memory
+        k = torch.cat((k, k), dim=-1)[..., 8:24].copy_(k)  # a non-dense view
+    cos, sin = ValidatedRotaryEmbedding(16, 64)(k, positions('packed', 2, 5))
+    ours, ref = apply_both(q, k, cos, sin)
+    for mine, theirs in zip(ours, ref):
         torch.testing.assert_close(mine, theirs.to(dtype), **tol(dtype))
 
 

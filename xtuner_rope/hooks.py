@@ -93,7 +93,7 @@ class PackedBatchCheckHook(Hook):
     """
 
     # After ValidatedRoPEHook (5), before every default hook and before XTuner's
-    # EvaluateChatHook (50), so the boundaries are reset before it generates.
+    # EvaluateChatHook ('LOW', 70), so the boundaries are reset before it generates.
     priority = 8
 
     def __init__(self, vocab_size: int | None = None, max_position: int | None = None) -> None:

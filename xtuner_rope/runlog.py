@@ -26,7 +26,7 @@ def train_losses(work_dir: str | Path) -> tuple[list[int], list[float]]:
     runs = sorted(Path(work_dir).glob("*/vis_data/scalars.json"))
     iters, losses = [], []
     if runs:
-        for line in runs[-1].read_text().splitlines():
+        for line in filter(str.strip, runs[-1].read_text().splitlines()):
             record = json.loads(line)
             if "loss" in record and "iter" in record:
                 iters.append(int(record["iter"]))
