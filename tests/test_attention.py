@@ -42,7 +42,7 @@ def _alone(ref, doc):
 def _rows_of(docs, batch_size):
     """Deterministic packing of documents into ``batch_size`` rows (round robin)."""
     rows = [[] for _ in range(batch_size)]
-    for i, doc in enumerate(docs):
+    for i in range(len(docs)):
         rows[i % batch_size].append(i)
     return rows
 
@@ -53,14 +53,12 @@ def test_packed_equals_unpacked_logits_loss_grads(tiny_model, batch_size):
     model = copy.deepcopy(ref)
     assert patch_internlm2_attention(model) == 2
     docs = _docs(LENGTHS)
-    items = [dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs]
     rows = _rows_of(docs, batch_size)
     instances = [dict(input_ids=torch.cat([docs[i] for i in row]).tolist(),
                       labels=torch.cat([docs[i] for i in row]).tolist(),
                       cumulative_len=cumulative_from_lengths([len(docs[i]) for i in row]).tolist())
                  for row in rows]
     batch = rope_collate_fn(instances, return_hf_format=True)
-    del items
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                 labels=batch["labels"])
     n_supervised = (batch["labels"][:, 1:] != -100).sum()
