@@ -253,3 +253,21 @@ def test_flash_or_sdpa_on_gpu_matches_documents_alone(tiny_model):
         alone = ref(input_ids=d[None]).logits[0]
         torch.testing.assert_close(logits[offset:offset + len(d)], alone, atol=3e-2, rtol=3e-2)
         offset += len(d)
+
+
+def test_patched_model_matches_unpatched_on_plain_and_padded_batches(tiny_model):
+    """Where upstream is right (one document per row), the patch changes nothing (fp32)."""
+    ref = copy.deepcopy(tiny_model)
+    patch_internlm2_attention(tiny_model)
+    ids = torch.randint(3, 256, (2, 23))
+    torch.testing.assert_close(tiny_model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               atol=1e-6, rtol=1e-5)
+    # Right-padded rows from rope_collate_fn: the padding is its own segment for the patched
+    # model, the attention mask does the same job for the reference.
+    docs = _docs((23, 9))
+    batch = rope_collate_fn([dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs],
+                            return_hf_format=True)
+    got = tiny_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    want = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long()).logits
+    torch.testing.assert_close(got[1, :9], want[1, :9], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
