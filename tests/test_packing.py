@@ -71,6 +71,19 @@ def test_cumulative_from_lengths_rejects_empty_document():
         cumulative_from_lengths([3, 0, 2])
 
 
+def _first_fit_decreasing_loads(lengths, max_length):
+    """Reference: textbook first-fit decreasing, returning the row loads."""
+    loads = []
+    for length in sorted(lengths, reverse=True):
+        for r, load in enumerate(loads):
+            if load + length <= max_length:
+                loads[r] += length
+                break
+        else:
+            loads.append(length)
+    return loads
+
+
 @PROPERTY
 @given(st.lists(st.integers(1, 16), min_size=1, max_size=20), st.integers(16, 40))
 def test_plan_packs_properties(lengths, max_length):
@@ -81,17 +94,19 @@ def test_plan_packs_properties(lengths, max_length):
     assert all(load <= max_length for load in loads)
     assert len(rows) <= len(lengths)
     assert all(row == sorted(row) for row in rows)
-    # First fit: an item opened row j only because it did not fit any earlier row, so no
-    # two rows could be merged.
-    assert all(loads[i] + loads[j] > max_length
-               for i in range(len(rows)) for j in range(i + 1, len(rows)))
+    # As few rows as first-fit decreasing needs, and never a longer longest row than FFD's.
+    ffd = _first_fit_decreasing_loads(lengths, max_length)
+    assert len(rows) == len(ffd)
+    assert max(loads, default=0) <= max(ffd, default=0)
     assert plan_packs(lengths, max_length) == rows  # deterministic
 
 
 def test_plan_packs_first_fit_decreasing_example():
-    # Visit 7, 5, 4, 3, 2: 7 opens row 0 (room 3); 5 opens row 1 (room 5); 4 joins row 1
-    # (room 1); 3 joins row 0 (room 0); 2 fits nowhere and opens row 2.
-    assert plan_packs([7, 3, 5, 4, 2], 10) == [[0, 1], [2, 3], [4]]
+    # FFD needs 3 rows (7+3, 5+4, 2: the batch would be padded to 10); levelled over 3 rows,
+    # longest first into the shortest row: 7 | 5+2 | 4+3, padded to 7.
+    assert plan_packs([7, 3, 5, 4, 2], 10) == [[0], [2, 4], [1, 3]]
+    # Levelling would overflow a row (two rows for 6+4, 5+5: levelled 6+5 > 10): FFD kept.
+    assert plan_packs([6, 5, 5, 4], 10) == [[0, 3], [1, 2]]
     assert plan_packs([1], 1) == [[0]]
     assert plan_packs([], 4) == []
 
