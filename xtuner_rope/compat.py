@@ -187,6 +187,106 @@ def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
     return True
 
 
+def _deepspeed_flat_buffer_requires_grad() -> bool:
+    """True if the installed DeepSpeed predates 0.19.0 (which detached ZeRO-1/2's flat buffer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("deepspeed")) < Version("0.19.0")
+    except PackageNotFoundError:
+        return False
+
+
+def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
+    """Let DeepSpeed < 0.19 ZeRO-1/2 take its optimizer step over gloo on a CPU-only machine.
+
+    deepspeed 0.17.6 - 0.18.9 build ZeRO-1/2's flat parameter buffer with ``torch.cat`` of the
+    parameters and keep it attached to autograd (0.19.0 added ``.detach()``). After the step,
+    ``runtime.utils.all_gather_into_tensor_dp_groups`` gathers the updated partitions into it;
+    torch 2.15's gloo ``all_gather_into_tensor`` writes through ``split`` views of its output,
+    so the first ``optimizer.step()`` dies with ``RuntimeError: Output 0 of Split is a view and
+    is being modified inplace``. NCCL writes the buffer directly (GPUs are unaffected). The
+    gather is a weight update, never differentiated: run it under ``torch.no_grad()``.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
+    """
+    if not _cpu_only() or not _deepspeed_flat_buffer_requires_grad():
+        return False
+    import deepspeed.runtime.utils as ds_utils
+
+    gather = getattr(ds_utils, "all_gather_into_tensor_dp_groups", None)
+    if gather is None:  # an older DeepSpeed gathers another way
+        return False
+
+    @functools.wraps(gather)
+    def gather_without_grad(*args, **kwargs):
+        with torch.no_grad():
+            return gather(*args, **kwargs)
+
+    ds_utils.all_gather_into_tensor_dp_groups = gather_without_grad
+    return True
+
+
+def _load_trusted(path: str, map_location="cpu"):
+    """``torch.load`` of a checkpoint our own training wrote (pickled MMEngine runner state)."""
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def _load_from_local_trusted(filename: str, map_location=None):
+    """MMEngine's loader for local checkpoint paths, with ``weights_only=False``."""
+    filename = os.path.expanduser(filename)
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(f"{filename} can not be found.")
+    return _load_trusted(filename, map_location)
+
+
+def _seed_from_checkpoint(path: str) -> int:
+    """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory."""
+    if os.path.isdir(path):
+        from deepspeed.utils.zero_to_fp32 import get_model_state_files
+
+        path = get_model_state_files(path)[0]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"Cannot find {path}")
+    return _load_trusted(path)["meta"]["seed"]
+
+
+def patch_trusted_checkpoint_loading() -> bool:
+    """Let ``xtuner train --resume`` (and ``resume=True, load_from=...``) load on torch >= 2.6.
+
+    torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
+    (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
+    (``tools.utils.get_seed_from_checkpoint``, called first by ``xtuner train --resume``) load
+    the runner's own checkpoints without saying ``weights_only=False``; those hold the message
+    hub (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
+    load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
+    (mmengine issue #1655). Both loaders get ``weights_only=False`` back, the behaviour they
+    were written for (torch < 2.6), as DeepSpeed's own loader already does: like then, only
+    resume from / ``load_from`` checkpoints you trust (normally your own runs).
+
+    Returns:
+        True if applied (torch >= 2.6).
+    """
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version("2.6"):
+        return False
+    import xtuner.tools.utils as xtuner_tool_utils
+    from mmengine.runner.checkpoint import CheckpointLoader
+
+    CheckpointLoader.register_scheme(prefixes="", force=True)(_load_from_local_trusted)
+    # `xtuner/tools/train.py` (run as __main__) imported the function by name: rebind it there.
+    original = xtuner_tool_utils.get_seed_from_checkpoint
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get("get_seed_from_checkpoint") is original:
+            module.get_seed_from_checkpoint = _seed_from_checkpoint
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
@@ -195,7 +295,8 @@ def apply() -> list[str]:
     """
     for patch in (patch_torch_cpu_bf16_query, patch_bitsandbytes_triton_probe,
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
-                  patch_mmengine_ddp_device_ids_on_cpu):
+                  patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
+                  patch_trusted_checkpoint_loading):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)
