@@ -342,15 +342,18 @@ def test_apply_matches_upstream_for_any_cos_sin():
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('transposed', [False, True])
-def test_apply_in_several_chunks(monkeypatch, dtype, transposed):
-    # Chunks of 2 heads: q's 7 heads end with a partial chunk, and so do k's 3.
-    monkeypatch.setattr(rope, '_CHUNK_ELEMENTS', 2 * 2 * 5 * 16)
-    q, k = randn(2, 7, 5, 16).to(dtype), randn(2, 3, 5, 16, seed=3).to(dtype)
-    if transposed:
+@pytest.mark.parametrize('layout', ['contiguous', 'transposed', 'batch'])
+def test_apply_in_several_chunks(monkeypatch, dtype, layout):
+    # 2 rows of the chunked dim per chunk: heads (7 for q, 3 for k), s (5) for the transposed
+    # views InternLM2 passes, batch when b > 1; each ends with a partial chunk.
+    monkeypatch.setattr(rope, '_CHUNK_ELEMENTS', 2 * 7 * 16)
+    b = 3 if layout == 'batch' else 1
+    q, k = randn(b, 7, 5, 16).to(dtype), randn(b, 3, 5, 16, seed=3).to(dtype)
+    if layout == 'transposed':
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, s, n_h, h_d] in memory
         k = torch.cat((k, k), dim=-1)[..., 8:24].copy_(k)  # a non-dense view
-    cos, sin = ValidatedRotaryEmbedding(16, 64)(k, positions('packed', 2, 5))
+    batch_cos = 1 if layout == 'contiguous' else b  # cos broadcast over, or split with, b
+    cos, sin = ValidatedRotaryEmbedding(16, 64)(k, positions('packed', batch_cos, 5))
     ours, ref = apply_both(q, k, cos, sin)
     for mine, theirs in zip(ours, ref):
         torch.testing.assert_close(mine, theirs.to(dtype), **tol(dtype))
@@ -412,11 +415,11 @@ def test_rotate_half_matches_upstream():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_cpu_position_ids_follow_cuda_activations():
-    rotary = ValidatedRotaryEmbedding(64, 128).cuda()
+    rotary = ValidatedRotaryEmbedding(64, 128, base=4242.0).cuda()  # tables of its own
     x, pos = randn(2, 2, 9, 64).cuda(), positions('packed', 2, 9)
     cos, sin = rotary(x, pos)
     assert cos.device == x.device
-    ref_cos, ref_sin = upstream.InternLM2RotaryEmbedding(64, 128).cuda()(x, pos.cuda())
+    ref_cos, ref_sin = upstream.InternLM2RotaryEmbedding(64, 128, 4242.0).cuda()(x, pos.cuda())
     torch.testing.assert_close((cos, sin), (ref_cos, ref_sin), atol=1e-6, rtol=0)
     assert rotary.table_length(x.device) == 16
     q = randn(2, 4, 9, 64).cuda().requires_grad_()

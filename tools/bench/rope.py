@@ -1,0 +1,130 @@
+"""Time RoPE apply: xtuner_rope against the HF-style eager apply of XTuner's InternLM2.
+
+Times are medians over interleaved repeats, printed as ratios to cloning q and k (the memory
+traffic floor of any out-of-place apply), for example:
+
+    rope apply fp32 q[1,16,2048,128] k[1,8,2048,128]: clone 1.00x | hf-eager 12.1x | ...
+
+Usage:
+    python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward]
+
+On a shared machine wall-clock ratios swing with other jobs: `--stat min` keeps each
+candidate's fastest run, and `--clock cpu --threads 1` measures this process's CPU time.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
+    apply_rotary_pos_emb as hf_apply_rotary_pos_emb,
+)
+
+from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
+    parser.add_argument('--batch', type=int, default=1)
+    parser.add_argument('--heads', type=int, default=16)
+    parser.add_argument('--kv-heads', type=int, default=8)
+    parser.add_argument('--seq', type=int, default=2048)
+    parser.add_argument('--head-dim', type=int, default=128)
+    parser.add_argument('--repeats', type=int, default=50)
+    parser.add_argument('--warmup', type=int, default=5)
+    parser.add_argument('--threads', type=int, default=2, help='torch CPU threads')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--transposed', action='store_true',
+                        help='q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them')
+    parser.add_argument('--backward', action='store_true', help='time forward + backward')
+    parser.add_argument('--stat', choices=['median', 'min'], default='median',
+                        help='statistic over repeats (min resists other jobs on the machine)')
+    parser.add_argument('--clock', choices=['wall', 'cpu'], default='wall',
+                        help='cpu: process CPU time (use with --threads 1 on a busy machine)')
+    return parser.parse_args()
+
+
+def make_inputs(args):
+    """q `[b, n_h, s, h_d]`, k `[b, n_kv, s, h_d]`, cos/sin `[b, s, h_d]` and output grads."""
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+
+    def heads(n):
+        if args.transposed:  # [b, s, n, h_d] -> [b, n, s, h_d] view
+            x = torch.randn(args.batch, args.seq, n, args.head_dim, dtype=dtype, device=device)
+            return x.transpose(1, 2).requires_grad_(args.backward)
+        x = torch.randn(args.batch, n, args.seq, args.head_dim, dtype=dtype, device=device)
+        return x.requires_grad_(args.backward)
+
+    q, k = heads(args.heads), heads(args.kv_heads)
+    rotary = ValidatedRotaryEmbedding(args.head_dim, max_position_embeddings=args.seq,
+                                      device=device)
+    cos, sin = rotary(k, torch.arange(args.seq, device=device)[None].expand(args.batch, -1))
+    grads = (torch.randn_like(q), torch.randn_like(k))
+    return q, k, cos, sin, grads
+
+
+def candidates(args, q, k, cos, sin, grads):
+    """name -> callable doing one forward (and backward with --backward)."""
+
+    def clone():
+        out = q.detach().clone(), k.detach().clone()
+        if args.backward:  # the backward writes one more q- and k-sized tensor
+            out = grads[0].clone(), grads[1].clone()
+        return out
+
+    def timed(apply):
+        def run():
+            q_out, k_out = apply(q, k, cos, sin)
+            if args.backward:
+                torch.autograd.backward((q_out, k_out), grads)
+        return run
+
+    return {'clone': clone, 'hf-eager': timed(hf_apply_rotary_pos_emb),
+            'xtuner_rope': timed(apply_rotary_pos_emb)}
+
+
+def measure(args, runs):
+    """Seconds per run (median or min); candidates interleaved so noise hits all alike.
+
+    Each timed run follows an untimed run of the same candidate: otherwise one candidate pays
+    the page faults of memory that the allocator returned to the OS after the previous one.
+    """
+    sync = torch.cuda.synchronize if args.device.startswith('cuda') else (lambda: None)
+    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    for _ in range(args.warmup):
+        for run in runs.values():
+            run()
+    times = {name: [] for name in runs}
+    for _ in tqdm(range(args.repeats), desc='rope bench', leave=False, disable=None):
+        for name, run in runs.items():
+            run()
+            sync()
+            start = clock()
+            run()
+            sync()
+            times[name].append(clock() - start)
+    stat = statistics.median if args.stat == 'median' else min
+    return {name: stat(values) for name, values in times.items()}
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    q, k, cos, sin, grads = make_inputs(args)
+    medians = measure(args, candidates(args, q, k, cos, sin, grads))
+    floor = medians['clone']
+    what = 'apply fwd+bwd' if args.backward else 'apply'
+    ratios = ' | '.join(f'{name} {seconds / floor:.2f}x' for name, seconds in medians.items())
+    print(f'rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}'
+          .replace(', ', ',') + f'  ({args.stat} of {args.repeats}, clone {floor * 1e3:.2f} ms '
+                                f'{args.clock}, {args.threads} threads)')
+
+
+if __name__ == '__main__':
+    main()
