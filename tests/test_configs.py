@@ -160,6 +160,10 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     """The recipe with the tiny model everywhere the real checkpoint was named."""
     from xtuner.tools.utils import set_model_resource
 
+    from xtuner_rope.resources import tiny_internlm2
+
+    # Build it if this is the first test to need it (a fresh clone has no models/).
+    tiny_internlm2(str(REPO / TINY_MODEL), data_path=str(REPO / "data" / "short_dialogues.jsonl"))
     cfg = _load(config)
     cfg.pretrained_model_name_or_path = TINY_MODEL
     set_model_resource(cfg)  # as `xtuner train` does: replaces every nested model path
