@@ -100,12 +100,18 @@ class PackedBatchCheckHook(Hook):
         self.vocab_size = vocab_size
         self.max_position = max_position
         self._isolating: bool | None = None
+        self._checked_limits: tuple[int | None, int | None] | None = None
+
+    def _inspect_model(self, runner) -> None:
+        """Once per run/val loop, not per batch: what the model isolates and accepts."""
+        self._isolating = isolates_documents(runner.model)
+        self._checked_limits = self._limits(runner)
 
     def before_train(self, runner) -> None:
-        self._isolating = isolates_documents(runner.model)
+        self._inspect_model(runner)
 
     def before_val(self, runner) -> None:
-        self._isolating = isolates_documents(runner.model)
+        self._inspect_model(runner)
 
     def _refuse_leaky_packing(self, data: dict) -> None:
         """Packed rows on an unpatched model attend across documents: refuse, don't train."""
@@ -139,7 +145,9 @@ class PackedBatchCheckHook(Hook):
                             f"'data_samples': ...}}, got {type(data_batch).__name__}; use "
                             "rope_collate_fn or XTuner's default_collate_fn.")
         data = data_batch["data"]
-        vocab, max_position = self._limits(runner)
+        if self._checked_limits is None:
+            self._inspect_model(runner)
+        vocab, max_position = self._checked_limits
         check_packed_batch(data, vocab_size=vocab, max_position=max_position)
         self._refuse_leaky_packing(data)
         cumulative = data.pop("cumulative_len", None)
