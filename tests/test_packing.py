@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from xtuner_rope.packing import (
     cumulative_from_lengths,
     cumulative_from_position_ids,
+    flat_cumulative,
     lengths_from_cumulative,
     padded_length,
     plan_packs,
@@ -127,3 +128,18 @@ def test_plan_packs_errors(lengths, max_length, match):
 ])
 def test_padded_length(longest, multiple, min_length, expected):
     assert padded_length(longest, pad_to_multiple_of=multiple, min_length=min_length) == expected
+
+
+@PROPERTY
+@given(st.lists(lengths_st, min_size=1, max_size=4))
+def test_flat_cumulative_offsets_each_row_by_its_start(rows_lengths):
+    """Reference: walk the flattened [b * s] tokens row by row (rows padded to the longest)."""
+    s = max(sum(lengths) for lengths in rows_lengths)
+    cus = [cumulative_from_lengths(lengths + ([s - sum(lengths)] if sum(lengths) < s else []))
+           for lengths in rows_lengths]
+    expected = []
+    for r, cu in enumerate(cus):
+        expected += [r * s + int(c) for c in cu[:-1]]
+    expected.append(len(cus) * s)
+    flat = flat_cumulative(cus, s)
+    assert flat.dtype == torch.int32 and flat.tolist() == expected

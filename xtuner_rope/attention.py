@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packing import cumulative_from_position_ids
+from .packing import cumulative_from_position_ids, flat_cumulative
 from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 
 INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
@@ -123,10 +123,10 @@ def hub_cumulative_len() -> torch.Tensor | None:
 def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
     """Flat boundaries from position resets, or None when every row is a single document."""
     rows = position_ids.detach().to("cpu").expand(b, s)  # [b, s]
-    cus = [cumulative_from_position_ids(row).long() for row in rows]
+    cus = [cumulative_from_position_ids(row) for row in rows]
     if all(cu.numel() == 2 for cu in cus):
         return None
-    return torch.cat([cu[:-1] + r * s for r, cu in enumerate(cus)] + [torch.tensor([b * s])])
+    return flat_cumulative(cus, s)
 
 
 def document_plan(position_ids: torch.Tensor | None, b: int, s: int,

@@ -19,8 +19,9 @@ from .attention import (
     internlm2_attention_forward,
     patch_internlm2_attention,
 )
+from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding
-from .validate import check_packed_batch
+from .validate import check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
@@ -113,13 +114,10 @@ class PackedBatchCheckHook(Hook):
     def before_val(self, runner) -> None:
         self._inspect_model(runner)
 
-    def _refuse_leaky_packing(self, data: dict) -> None:
+    def _refuse_leaky_packing(self, data: dict, rows: list[torch.Tensor]) -> None:
         """Packed rows on an unpatched model attend across documents: refuse, don't train."""
         if self._isolating or "attention_mask" in data:
             return
-        cumulative = data.get("cumulative_len")
-        rows = [] if cumulative is None else (
-            [cumulative] if torch.is_tensor(cumulative) else list(cumulative))
         packed = [r for r, row in enumerate(rows) if len(row) > 2]
         if packed:
             raise ValueError(
@@ -149,15 +147,14 @@ class PackedBatchCheckHook(Hook):
             self._inspect_model(runner)
         vocab, max_position = self._checked_limits
         check_packed_batch(data, vocab_size=vocab, max_position=max_position)
-        self._refuse_leaky_packing(data)
-        cumulative = data.pop("cumulative_len", None)
-        max_seqlen = data.pop("max_seqlen", None)
-        if cumulative is None:
-            return
         b, s = data["input_ids"].shape
-        rows = [cumulative] if torch.is_tensor(cumulative) else list(cumulative)
-        flat = torch.cat([row[:-1].to(torch.int32) + r * s for r, row in enumerate(rows)]
-                         + [torch.tensor([b * s], dtype=torch.int32)])
+        rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
+        self._refuse_leaky_packing(data, rows)
+        data.pop("cumulative_len", None)
+        max_seqlen = data.pop("max_seqlen", None)
+        if not rows:
+            return
+        flat = flat_cumulative(rows, s)
         hub = MessageHub.get_instance(VARLEN_HUB)
         hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat)
         hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), max_seqlen)

@@ -26,6 +26,7 @@ __all__ = [
     'cumulative_from_position_ids',
     'segment_starts_from_cumulative',
     'position_ids_from_starts',
+    'flat_cumulative',
     'plan_packs',
     'padded_length',
 ]
@@ -98,6 +99,24 @@ def cumulative_from_position_ids(position_ids: IntSeq) -> torch.Tensor:
         starts[0] = True
     cols = starts.nonzero().reshape(-1).to(torch.int32)
     return torch.cat([cols, torch.tensor([s], dtype=torch.int32)])
+
+
+def flat_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
+    """Per-row boundaries of a ``[b, s]`` batch as one tensor over the flattened tokens.
+
+    This is flash-attn varlen's ``cu_seqlens`` layout, and what XTuner publishes as
+    ``cumulative_len`` (for ``b == 1`` it is the row's own boundaries).
+
+    Args:
+        cus: ``b`` boundary tensors, each ``[0, ..., s]``.
+        s: row length.
+
+    Returns:
+        ``[n_docs + 1]`` int32 boundaries ``0 .. b * s``.
+    """
+    starts = [torch.as_tensor(cu).reshape(-1)[:-1].to(torch.int32) + r * s
+              for r, cu in enumerate(cus)]
+    return torch.cat(starts + [torch.tensor([len(cus) * s], dtype=torch.int32)])
 
 
 def segment_starts_from_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:

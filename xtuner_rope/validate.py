@@ -44,8 +44,12 @@ def _tensor(data: Mapping, field: str, shape: tuple[int, ...] | None = None,
     return value
 
 
-def _row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
-    """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1)."""
+def row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
+    """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1).
+
+    Raises:
+        ValueError: not one boundary tensor per row; TypeError: non-integer boundaries.
+    """
     cus = data['cumulative_len']
     if isinstance(cus, torch.Tensor):
         cus = [cus.reshape(-1)] if cus.dim() <= 1 or b == 1 else list(cus.unbind(0))
@@ -168,7 +172,7 @@ def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
     shape = tuple(input_ids.shape)
     labels = _tensor(data, 'labels', shape)
     if data.get('cumulative_len') is not None:
-        cus = _row_boundaries(data, shape[0])
+        cus = row_boundaries(data, shape[0])
         _check_boundaries(cus, shape[1])
         starts = segment_starts_from_cumulative(cus, shape[1])
     elif data.get('position_ids') is not None:
