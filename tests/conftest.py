@@ -2,14 +2,24 @@
 
 import copy
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 import xtuner_rope  # noqa: F401  (applies compat: Auto registration, CPU patches)
 from xtuner_rope.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
+
+# Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed
+# derandomized set so a merge is never blocked by a new random draw; HYPOTHESIS_PROFILE=search
+# runs 5,000 examples per property to hunt for counterexamples (pin any found with @example).
+settings.register_profile("dev", max_examples=100)
+settings.register_profile("ci", max_examples=100, derandomize=True)
+settings.register_profile("search", max_examples=5000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"

@@ -12,7 +12,7 @@ from xtuner_rope.collate import DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, rope_coll
 from xtuner_rope.packing import padded_length
 from xtuner_rope.validate import check_packed_batch
 
-PROPERTY = settings(max_examples=100, deadline=None)
+PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py
 
 
 def make_item(docs, first_id=1, mode='plain', as_tensor=False):

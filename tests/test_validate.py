@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.validate import check_packed_batch
 
-PROPERTY = settings(max_examples=100, deadline=None)
+PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py
 
 
 def _batch(**options):
