@@ -57,6 +57,24 @@ def test_validated_rope_hook_patches_model_inside_wrapper(tiny_model):
                for layer in tiny_model.model.layers)
 
 
+def test_validated_rope_hook_turns_the_fused_kernel_on(tiny_model):
+    from xtuner_rope.rope import use_fused_apply
+
+    runner = _runner(tiny_model)
+    before = use_fused_apply(False)
+    try:
+        ValidatedRoPEHook().before_train(runner)
+        assert use_fused_apply(False) is False  # default: eager kernel, nothing switched on
+        ids = torch.arange(1, 9)[None]
+        eager_logits = tiny_model(input_ids=ids).logits
+        ValidatedRoPEHook(fused_apply=True).before_train(runner)
+        assert use_fused_apply(True) is True
+        torch.testing.assert_close(tiny_model(input_ids=ids).logits, eager_logits,
+                                   atol=1e-5, rtol=1e-5)
+    finally:
+        use_fused_apply(before)
+
+
 def test_check_hook_publishes_flat_boundaries_and_resets(tiny_model):
     runner = _runner(tiny_model)
     ValidatedRoPEHook().before_train(runner)

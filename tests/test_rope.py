@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
-from xtuner_rope import rope
+from xtuner_rope import rotate
 from xtuner_rope.rope import (
     ValidatedRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -318,7 +318,7 @@ def test_apply_matches_upstream_for_any_cos_sin():
 def test_apply_in_several_chunks(monkeypatch, dtype, layout):
     # 2 rows of the chunked dim per chunk: heads (7 for q, 3 for k), s (5) for the transposed
     # views InternLM2 passes, batch when b > 1; each ends with a partial chunk.
-    monkeypatch.setattr(rope, '_CHUNK_ELEMENTS', 2 * 7 * 16)
+    monkeypatch.setattr(rotate, "_CHUNK_ELEMENTS", 2 * 7 * 16)
     b = 3 if layout == 'batch' else 1
     q, k = randn(b, 7, 5, 16).to(dtype), randn(b, 3, 5, 16, seed=3).to(dtype)
     if layout == 'transposed':

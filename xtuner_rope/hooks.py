@@ -20,7 +20,7 @@ from .attention import (
     patch_internlm2_attention,
 )
 from .packing import flat_cumulative
-from .rope import ValidatedRotaryEmbedding
+from .rope import ValidatedRotaryEmbedding, use_fused_apply
 from .validate import check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
@@ -50,21 +50,28 @@ class ValidatedRoPEHook(Hook):
 
     Args:
         max_position: Optional override of the largest position the RoPE accepts.
+        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (process-wide, see
+            ``xtuner_rope.rope.use_fused_apply``): fewer memory passes, a few seconds of
+            compiling at the first step, the eager kernel again if compiling fails.
     """
 
     # Before every default hook (RuntimeInfo is 10): the model is patched before anything runs it.
     priority = 5
 
-    def __init__(self, max_position: int | None = None) -> None:
+    def __init__(self, max_position: int | None = None, fused_apply: bool = False) -> None:
         self.max_position = max_position
+        self.fused_apply = fused_apply
 
     def _patch(self, runner) -> None:
         count = patch_internlm2_attention(runner.model, max_position=self.max_position)
         rotary = next(m for m in runner.model.modules() if isinstance(m, ValidatedRotaryEmbedding))
         limit, why = rotary.limit()
+        if self.fused_apply:
+            use_fused_apply(True)
+        kernel = "fused (torch.compile)" if self.fused_apply else "eager"
         print_log(f"ValidatedRoPEHook: {count} InternLM2 attention layers use the validated fp32 "
-                  f"RoPE and document-isolating attention; positions must be < {limit} ({why}).",
-                  logger="current")
+                  f"RoPE ({kernel} kernel) and document-isolating attention; positions must be "
+                  f"< {limit} ({why}).", logger="current")
 
     def before_train(self, runner) -> None:
         self._patch(runner)

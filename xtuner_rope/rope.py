@@ -6,7 +6,6 @@ position ids before any kernel sees them and rotate in fp32 whatever the input d
 """
 
 import contextlib
-import itertools
 from numbers import Integral
 
 import torch
@@ -14,14 +13,12 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from xtuner_rope.positions import check_position_ids
+from xtuner_rope.rotate import rotate, use_fused_apply
 
 __all__ = ['ValidatedRotaryEmbedding', 'apply_rotary_pos_emb', 'check_position_ids',
-           'rotate_half']
+           'rotate_half', 'use_fused_apply']
 
 _SCALING_TYPES = (None, 'linear', 'dynamic')
-# Elements of q or k rotated per chunk, so that the chunk stays in cache between the passes of
-# `_rotate` (2 CPU threads, fp32: ~2.4x the time of a clone; ~3x with whole-tensor passes).
-_CHUNK_ELEMENTS = 1 << 19
 _BEYOND = ('truncate or split the sequence, enable rope_scaling, or pass max_position= to '
            'allow more')
 
@@ -219,61 +216,21 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rotate(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` (q, k or a grad; any dtype and strides) in fp32.
-
-    Computes `x * cos + rotate_half(x) * sin`, or with transpose=True its transpose (the
-    backward; for the usual cos/sin with equal halves, the rotation by -angle). cos, sin are
-    fp32 and broadcast against x. Returns x's dtype (and strides where x is dense).
-    """
-    # Chunks along x's outermost dim in memory (heads for [b, n, s, h_d], s for the transposed
-    # views InternLM2 passes) are compact blocks, which stay in cache across the passes below.
-    # On accelerators one chunk: there each chunk costs kernel launches, not cache misses.
-    dim = max((d for d in range(x.dim() - 1) if x.shape[d] > 1), key=x.stride, default=0)
-    step = max(1, _CHUNK_ELEMENTS * x.shape[dim] // max(x.numel(), 1))
-    step = step if x.device.type == 'cpu' else max(x.shape[dim], 1)
-
-    def chunks(t):  # t's pieces matching x's chunks, or t itself where it broadcasts
-        return t.split(step, dim) if t.shape[dim] > 1 else itertools.repeat(t)
-
-    sin_1, sin_2 = sin.chunk(2, dim=-1)  # [..., h_d/2] each
-    # out_1 += x_2 * w_1 and out_2 += x_1 * w_2: the rotate_half terms, without the cat.
-    w_1, w_2, v_1 = (sin_2, sin_1, 1.0) if transpose else (sin_1, sin_2, -1.0)
-    out, scratch = torch.empty_like(x), None
-    for x_c, out_c, cos_c, w_1c, w_2c in zip(x.split(step, dim), out.split(step, dim),
-                                             chunks(cos), chunks(w_1), chunks(w_2)):
-        src, acc = x_c, out_c
-        if x.dtype != torch.float32:
-            # Ops mixing bf16/fp16 with fp32 take a slow scalar path on CPU: upcast the chunk
-            # into reused fp32 scratch instead, and round once at the end.
-            if scratch is None:  # in x_c's memory layout, so that the copies stream
-                scratch = [torch.empty_like(x_c, dtype=torch.float32) for _ in range(2)]
-            src, acc = (t.narrow(dim, 0, x_c.shape[dim]) for t in scratch)
-            src.copy_(x_c)
-        torch.mul(src, cos_c, out=acc)  # whole rows: long contiguous runs, unlike halves
-        (x_1, x_2), (a_1, a_2) = src.chunk(2, dim=-1), acc.chunk(2, dim=-1)
-        a_1.addcmul_(x_2, w_1c, value=v_1)
-        a_2.addcmul_(x_1, w_2c, value=-v_1)
-        if acc is not out_c:
-            out_c.copy_(acc)
-    return out
-
-
 class _ApplyRotary(torch.autograd.Function):
     """Rotate q and k in fp32; saves only cos/sin, the backward applies the transpose."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+        return rotate(q, cos, sin, False), rotate(k, cos, sin, False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
         # The map is linear in q (and k): its vector-Jacobian product is its transpose.
-        grad_q = _rotate(grad_q, cos, sin, True) if ctx.needs_input_grad[0] else None
-        grad_k = _rotate(grad_k, cos, sin, True) if ctx.needs_input_grad[1] else None
+        grad_q = rotate(grad_q, cos, sin, True) if ctx.needs_input_grad[0] else None
+        grad_k = rotate(grad_k, cos, sin, True) if ctx.needs_input_grad[1] else None
         return grad_q, grad_k, None, None
 
 

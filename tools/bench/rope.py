@@ -5,8 +5,11 @@ traffic floor of any out-of-place apply), for example:
 
     rope apply fp32 q[1,16,2048,128] k[1,8,2048,128]: clone 1.00x | hf-eager 12.1x | ...
 
+`xtuner_rope` is the default eager kernel, `xtuner_rope-fused` the opt-in torch.compile one
+(`ValidatedRoPEHook(fused_apply=True)`); its compile happens during the warm-up runs.
+
 Usage:
-    python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward]
+    python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward] [--no-fused]
 
 On a shared machine wall-clock ratios swing with other jobs: `--stat min` keeps each
 candidate's fastest run, and `--clock cpu --threads 1` measures this process's CPU time.
@@ -22,7 +25,7 @@ from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
     apply_rotary_pos_emb as hf_apply_rotary_pos_emb,
 )
 
-from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
+from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb, use_fused_apply
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -42,6 +45,8 @@ def parse_args():
     parser.add_argument('--transposed', action='store_true',
                         help='q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them')
     parser.add_argument('--backward', action='store_true', help='time forward + backward')
+    parser.add_argument('--no-fused', action='store_true',
+                        help='skip the fused kernel (and its few seconds of compiling)')
     parser.add_argument('--stat', choices=['median', 'min'], default='median',
                         help='statistic over repeats (min resists other jobs on the machine)')
     parser.add_argument('--clock', choices=['wall', 'cpu'], default='wall',
@@ -77,15 +82,20 @@ def candidates(args, q, k, cos, sin, grads):
             out = grads[0].clone(), grads[1].clone()
         return out
 
-    def timed(apply):
+    def timed(apply, fused=False):
         def run():
+            use_fused_apply(fused)
             q_out, k_out = apply(q, k, cos, sin)
             if args.backward:
                 torch.autograd.backward((q_out, k_out), grads)
+            use_fused_apply(False)
         return run
 
-    return {'clone': clone, 'hf-eager': timed(hf_apply_rotary_pos_emb),
+    runs = {'clone': clone, 'hf-eager': timed(hf_apply_rotary_pos_emb),
             'xtuner_rope': timed(apply_rotary_pos_emb)}
+    if not args.no_fused:
+        runs['xtuner_rope-fused'] = timed(apply_rotary_pos_emb, fused=True)
+    return runs
 
 
 def measure(args, runs):

@@ -1,0 +1,84 @@
+"""Tests for xtuner_rope/rotate.py: the fused kernel against the eager one and upstream."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
+
+from xtuner_rope import rotate
+from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb, use_fused_apply
+
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
+       torch.float16: dict(atol=1e-5, rtol=1e-3)}
+
+
+@pytest.fixture
+def fused():
+    """The fused kernel on for one test, then back to the state it was in."""
+    before = use_fused_apply(True)
+    yield
+    use_fused_apply(before)
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('transpose', [False, True])
+def test_fused_matches_eager(fused, dtype, transpose):
+    # Odd sizes, cos/sin whose halves differ (so the transpose is not the inverse rotation).
+    x = randn(2, 3, 7, 16, dtype=dtype)
+    cos, sin = randn(2, 1, 7, 16, seed=1), randn(2, 1, 7, 16, seed=2)
+    out = rotate.rotate(x, cos, sin, transpose)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, rotate.rotate_eager(x, cos, sin, transpose), **TOL[dtype])
+
+
+def test_fused_apply_matches_upstream_forward_and_backward(fused):
+    # [b, s, n, h_d] activations seen as [b, n, s, h_d] views, as InternLM2 passes them.
+    q = randn(2, 9, 4, 32).transpose(1, 2).requires_grad_()
+    k = randn(2, 9, 2, 32, seed=3).transpose(1, 2).requires_grad_()
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], list(range(9))])
+    cos, sin = ValidatedRotaryEmbedding(32, 64)(q, positions)
+    grads = randn(2, 4, 9, 32, seed=4), randn(2, 2, 9, 32, seed=5)
+    results = []
+    for apply in (apply_rotary_pos_emb, upstream.apply_rotary_pos_emb):
+        qi, ki = (t.detach().requires_grad_() for t in (q, k))
+        outs = apply(qi, ki, cos, sin)
+        torch.autograd.backward(outs, grads)
+        results.append((*outs, qi.grad, ki.grad))
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine, theirs, **TOL[torch.float32])
+
+
+def test_new_lengths_reuse_the_kernel(fused):
+    # Sizes 1 are specialised by torch.compile, so warm up with b, n > 1 at two lengths; after
+    # that new batch sizes, head counts and lengths must not compile again.
+    for s in (5, 11):
+        rotate.rotate(randn(2, 3, s, 16), randn(2, 1, s, 16), randn(2, 1, s, 16), False)
+    graphs = counters['stats']['unique_graphs']
+    for b, n, s in ((3, 4, 37), (2, 6, 300)):
+        x, cos, sin = randn(b, n, s, 16), randn(b, 1, s, 16, seed=1), randn(b, 1, s, 16, seed=2)
+        torch.testing.assert_close(rotate.rotate(x, cos, sin, False),
+                                   rotate.rotate_eager(x, cos, sin, False), **TOL[torch.float32])
+    assert counters['stats']['unique_graphs'] == graphs
+
+
+def test_compile_failure_falls_back_to_eager(fused, monkeypatch):
+    # What a machine without a C++ compiler (CPU) or Triton (CUDA) gets from torch.compile.
+    def broken(*args):
+        raise RuntimeError('InvalidCxxCompiler: No working C++ compiler found')
+
+    monkeypatch.setitem(rotate._fused, 'fn', broken)
+    x, cos, sin = randn(1, 2, 5, 8), randn(1, 1, 5, 8, seed=1), randn(1, 1, 5, 8, seed=2)
+    with pytest.warns(RuntimeWarning, match=r'fused RoPE kernel failed .* on cpu \(RuntimeError: '
+                                            r'InvalidCxxCompiler.*\); using the eager kernel'):
+        out = rotate.rotate(x, cos, sin, False)
+    torch.testing.assert_close(out, rotate.rotate_eager(x, cos, sin, False), rtol=0, atol=0)
+    assert use_fused_apply(False) is False  # switched itself off: no warning per call
+
+
+def test_use_fused_apply_returns_previous_state():
+    assert use_fused_apply(True) is False
+    assert use_fused_apply(False) is True
