@@ -82,3 +82,12 @@ def test_compile_failure_falls_back_to_eager(fused, monkeypatch):
 def test_use_fused_apply_returns_previous_state():
     assert use_fused_apply(True) is False
     assert use_fused_apply(False) is True
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no silent fall-back to eager
+def test_fused_kernel_inside_a_compiled_function(fused):
+    # A user who compiles the whole model: the kernel is traced into that graph, not nested.
+    x, cos, sin = randn(2, 3, 6, 16), randn(2, 1, 6, 16, seed=1), randn(2, 1, 6, 16, seed=2)
+    compiled = torch.compile(lambda t: rotate.rotate(t, cos, sin, False) * 2.0)
+    torch.testing.assert_close(compiled(x), rotate.rotate_eager(x, cos, sin, False) * 2.0,
+                               **TOL[torch.float32])

@@ -88,6 +88,8 @@ def use_fused_apply(enabled=True):
 
 
 def _rotate_fused(x, cos, sin, transpose):
+    if torch.compiler.is_compiling():  # inside a compiled model: let its compiler fuse this
+        return _rotate_fp32(x, cos, sin, transpose)
     if _fused['fn'] is None:
         # The head dim stays static (the loop vectorises over it); batch, heads and sequence
         # are marked dynamic below, so new lengths reuse the kernel instead of recompiling.
