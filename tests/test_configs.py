@@ -4,8 +4,8 @@ The GPU recipes (InternLM2-chat-1.8B / 7B, full fine-tune with ZeRO-2 / ZeRO-3, 
 built here with the embedded tiny InternLM2 standing in for the real checkpoint, through the
 same builders `xtuner train` uses (model, dataset, collate function, the plugin's hooks), and
 take one forward/backward step. What a CPU cannot do is left out and said so: DeepSpeed is not
-initialised (ZeRO shards nothing on one process; tests/test_multiprocess.py runs ZeRO-2 for
-real), and the QLoRA recipes drop ``quantization_config`` because bitsandbytes' 4-bit kernels
+initialised (ZeRO shards nothing on one process; tests/test_multiprocess.py runs ZeRO-2 and
+ZeRO-3 for real), and the QLoRA recipes drop ``quantization_config`` because bitsandbytes' 4-bit kernels
 need CUDA (with a GPU, ``test_qlora_recipe_quantizes_on_gpu`` keeps it).
 """
 
@@ -70,7 +70,8 @@ def test_configs_are_found():
     assert TINY_RECIPE in CONFIGS
     assert len(GPU_RECIPES) >= 6, GPU_RECIPES
     assert {"configs/deepspeed/zero2_bf16.json", "configs/deepspeed/zero3_bf16.json",
-            "configs/deepspeed/zero2_fp32_cpu.json"} <= set(DEEPSPEED_JSONS)
+            "configs/deepspeed/zero2_fp32_cpu.json",
+            "configs/deepspeed/zero3_fp32_cpu.json"} <= set(DEEPSPEED_JSONS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
