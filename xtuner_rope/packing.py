@@ -173,6 +173,10 @@ def _first_fit_decreasing(lengths: Sequence[int], order: list[int],
     return rows
 
 
+def _longest_row(lengths: Sequence[int], rows: list[list[int]]) -> int:
+    return max(sum(lengths[i] for i in row) for row in rows)
+
+
 def _levelled(lengths: Sequence[int], order: list[int], n_rows: int) -> list[list[int]]:
     """Longest first, each item into the currently shortest of ``n_rows`` rows."""
     heap = [(0, r) for r in range(n_rows)]
@@ -216,8 +220,8 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     rows = _first_fit_decreasing(lengths, order, max_length)
     if len(rows) > 1:
         levelled = _levelled(lengths, order, len(rows))
-        longest = max(sum(lengths[i] for i in row) for row in levelled)
-        if longest <= min(max_length, max(sum(lengths[i] for i in row) for row in rows)):
+        # Every FFD row fits, so no longer than FFD's longest row also means it fits.
+        if _longest_row(lengths, levelled) <= _longest_row(lengths, rows):
             rows = levelled
     return [sorted(row) for row in rows]
 
