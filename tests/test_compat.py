@@ -57,6 +57,23 @@ def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
     assert fixed.stdout.strip().endswith("PeftModel")
 
 
+def test_bitsandbytes_imports_after_peft_half_imported_it():
+    """`xtuner train` imports peft (which half-imports bitsandbytes) before any plugin code."""
+    if not compat._triton_lacks_ops():
+        pytest.skip("this triton still ships triton.ops: no gap")
+    code = ("import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"
+            "assert left and 'bitsandbytes' not in sys.modules, left;"
+            "import xtuner_rope, torch; from peft import LoraConfig, get_peft_model;"
+            "m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
+            "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)")
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("PeftModel")
+    # Without the plugin the same order fails: the leftovers make the next import fail again.
+    bare = _python(code.replace("import xtuner_rope, torch", "import torch"))
+    assert bare.returncode != 0 and "triton.ops" in bare.stderr
+
+
 def test_internlm2_is_known_to_the_auto_factories():
     from transformers import AutoConfig
     from xtuner._lite.modelings.internlm2 import InternLM2Config

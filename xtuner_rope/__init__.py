@@ -1,6 +1,7 @@
 """xtuner-rope: correct, crash-free RoPE and packed short-dialogue SFT for XTuner 0.x.
 
-Importing the package applies the third-party patches of ``xtuner_rope.compat`` (each only
+Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)`` (see
+``xtuner_rope.startup``). Importing the package applies the third-party patches of ``xtuner_rope.compat`` (each only
 where its gap exists) and registers the hooks in MMEngine's ``HOOKS`` and the collate
 function in MMEngine's ``FUNCTIONS``, so configs can name them by string as well as by object.
 """
@@ -15,6 +16,7 @@ from .attention import patch_internlm2_attention  # noqa: E402
 from .collate import rope_collate_fn  # noqa: E402
 from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
 from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
+from .startup import enable_xtuner_rope  # noqa: E402
 
 HOOKS.register_module(module=ValidatedRoPEHook, force=True)
 HOOKS.register_module(module=PackedBatchCheckHook, force=True)
@@ -26,6 +28,7 @@ __all__ = [
     "ValidatedRoPEHook",
     "ValidatedRotaryEmbedding",
     "apply_rotary_pos_emb",
+    "enable_xtuner_rope",
     "patch_internlm2_attention",
     "rope_collate_fn",
 ]

@@ -21,6 +21,7 @@ from .attention import (
 )
 from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding, use_fused_apply
+from .startup import require_prepared
 from .validate import check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
@@ -46,7 +47,9 @@ class ValidatedRoPEHook(Hook):
     """Swap every InternLM2 attention layer to the validated fp32 RoPE and packed attention.
 
     Runs before training, validation and testing (idempotent), after the runner has wrapped
-    the model, so DDP / DeepSpeed / PEFT wrappers are covered.
+    the model, so DDP / DeepSpeed / PEFT wrappers are covered. ``enable_xtuner_rope`` (the
+    config's ``model_resource``) adds this hook; in a runner built from a config that was not
+    prepared by it, the hook refuses to start (the plugin was loaded too late).
 
     Args:
         max_position: Optional override of the largest position the RoPE accepts.
@@ -63,6 +66,7 @@ class ValidatedRoPEHook(Hook):
         self.fused_apply = fused_apply
 
     def _patch(self, runner) -> None:
+        require_prepared(getattr(runner, "cfg", None), type(self).__name__)
         count = patch_internlm2_attention(runner.model, max_position=self.max_position)
         rotary = next(m for m in runner.model.modules() if isinstance(m, ValidatedRotaryEmbedding))
         limit, why = rotary.limit()

@@ -1,5 +1,8 @@
 """``model_resource`` functions for XTuner configs: resolve the model path before training.
 
+Each one also prepares the config like :func:`xtuner_rope.startup.enable_xtuner_rope`
+(re-exported here), which leaves the path as it is.
+
 ``xtuner train`` calls ``cfg.model_resource.fn(cfg.pretrained_model_name_or_path, **args)``
 first thing (``xtuner.tools.train.set_model_resource``), before it checks the config, starts
 the distributed backend or builds the model, and replaces every ``pretrained_model_name_or_path``
@@ -13,6 +16,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+
+from .startup import enable_xtuner_rope, prepare_started_config
+
+
+__all__ = ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"]
 
 
 def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0) -> str:
@@ -32,14 +40,14 @@ def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", see
     from .tiny import save_tiny_internlm2
 
     if (Path(path) / "config.json").is_file():
-        return path
+        return prepare_started_config(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     save_tiny_internlm2(tmp, data_path, seed=seed)
     try:
         os.rename(tmp, path)
     except OSError:  # another process got there first
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return prepare_started_config(path)
 
 
 def local_checkpoint(path: str) -> str:
@@ -54,4 +62,4 @@ def local_checkpoint(path: str) -> str:
             "directory (no config.json there). Download it first, e.g. `huggingface-cli download "
             "internlm/internlm2-chat-7b --local-dir <dir>`, and set "
             "pretrained_model_name_or_path in PART 1 of the config to <dir>.")
-    return path
+    return prepare_started_config(path)

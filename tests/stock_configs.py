@@ -1,0 +1,114 @@
+"""XTuner's stock configs as a user gets them (`xtuner copy-cfg`), pointed at local files.
+
+``copy_stock`` runs the real ``xtuner copy-cfg``; ``localize`` makes the edits any user makes
+to run a stock config on their own machine and data (checkpoint path, data path, a shorter
+``max_length``, a learning rate that moves a randomly initialised tiny model, and on a CPU-only
+machine fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``); ``enable_plugin`` makes the one
+edit the README documents. Each edit is a text substitution that must match exactly once, so a
+change of XTuner's stock files fails loudly here instead of testing something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "models" / "tiny-internlm2"
+SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
+PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
+               "model_resource = dict(fn=enable_xtuner_rope)\n")
+
+
+def venv_env() -> dict:
+    """The environment `xtuner train` needs: this interpreter's bin first on PATH."""
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+
+def copy_stock(name: str, dst: Path) -> Path:
+    """``xtuner copy-cfg NAME DST``: the stock config file a user starts from."""
+    subprocess.run(["xtuner", "copy-cfg", name, str(dst)], check=True, env=venv_env(),
+                   capture_output=True, text=True, timeout=300)
+    return dst / f"{name}_copy.py"
+
+
+def sub_once(text: str, pattern: str, repl: str) -> str:
+    """``re.sub`` that must match exactly once (multiline)."""
+    new, count = re.subn(pattern, repl, text, flags=re.M)
+    if count != 1:
+        raise AssertionError(f"stock config edit {pattern!r} matched {count} times, expected 1")
+    return new
+
+
+def write_alpaca_data(dst: Path, n: int = 400) -> Path:
+    """The sample dialogues' first exchange in alpaca format, in a directory for load_dataset."""
+    rows = []
+    with open(SAMPLE_DATA, encoding="utf-8") as f:
+        for line, _ in zip(f, range(n)):
+            msgs = json.loads(line)["messages"]
+            user = next(m["content"] for m in msgs if m["role"] == "user")
+            reply = next(m["content"] for m in msgs if m["role"] == "assistant")
+            rows.append({"instruction": user, "input": "", "output": reply})
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "train.json").write_text(json.dumps(rows), encoding="utf-8")
+    return dst
+
+
+def write_conversation_data(dst: Path, n: int = 400) -> Path:
+    """The sample dialogues in XTuner's ``conversation`` format (custom-dataset configs)."""
+    rows = []
+    with open(SAMPLE_DATA, encoding="utf-8") as f:
+        for line, _ in zip(f, range(n)):
+            msgs = json.loads(line)["messages"]
+            system = next((m["content"] for m in msgs if m["role"] == "system"), "")
+            users = [m["content"] for m in msgs if m["role"] == "user"]
+            replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+            turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
+            turns[0]["system"] = system
+            rows.append({"conversation": turns})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(rows), encoding="utf-8")
+    return dst
+
+
+def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False) -> str:
+    """The user's own-machine edits of a stock InternLM2 config; returns the new text."""
+    text = config.read_text(encoding="utf-8")
+    text = sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
+                    f'pretrained_model_name_or_path = "{TINY_MODEL}"')
+    if "alpaca_en_path = " in text:
+        text = sub_once(text, r'^alpaca_en_path = ".*"$', f'alpaca_en_path = "{data}"')
+    else:
+        text = sub_once(text, r'^data_files = \[.*\]$', f'data_files = ["{data}"]')
+    text = sub_once(text, r"^max_length = \d+$", "max_length = 512")
+    text = sub_once(text, r"^lr = .*$", "lr = 3e-3")
+    text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
+    text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is 7 plus 5?"]')
+    if lora_only:  # LoRA without 4-bit quantization: bitsandbytes' kernels need CUDA
+        text = sub_once(text, r"^        torch_dtype=torch.float16,\n        quantization_config="
+                        r"dict\((\n.*?)*?\n        \),\n", "")
+    if cpu:
+        text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
+        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="float16",\n)?', "")
+        text = sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
+                        "from mmengine.optim import OptimWrapper,")
+    return text
+
+
+def enable_plugin(text: str) -> str:
+    """The README's one edit: ``model_resource`` in PART 1, after the model path."""
+    return sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + PLUGIN_EDIT)
+
+
+def xtuner_train(config: Path, work_dir: Path, *cfg_options: str,
+                 timeout: int = 900) -> subprocess.CompletedProcess:
+    """The real ``xtuner train`` from the repository root (it exits 0 even on failure)."""
+    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
+    if cfg_options:
+        cmd += ["--cfg-options", *cfg_options]
+    return subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,325 @@
+"""Start-up: load xtuner-rope before XTuner builds anything, then check and prepare the config.
+
+``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
+set_model_resource``), before its own config check, the distributed start, the model and the
+dataset. :func:`enable_xtuner_rope` is meant for that slot: importing it loads the plugin (and
+its ``compat`` patches) early enough, and it reads the config that is being started, so every
+setting that conflicts with the plugin is refused before a single weight is loaded, with the
+setting and the exact edit named. What has one right answer is done here instead of asked for,
+and each change is logged:
+
+- the plugin's hooks are added to ``custom_hooks`` (no hook entry to forget);
+- XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
+  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same);
+- XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
+  size 1 only, as in XTuner);
+- the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
+  documents itself, so XTuner's flash-attn check is switched off and its
+  ``VarlenAttnArgsToMessageHubHook`` leaves room for ours (same MessageHub keys).
+
+:func:`inspect_config` is pure (the ``xtuner-rope doctor`` and the hooks call it too);
+:func:`prepare_config` applies the fixes and raises :class:`ConfigConflict` for the rest.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mmengine.config import Config
+from mmengine.config.lazy import LazyAttr, LazyObject
+from mmengine.logging import print_log
+
+PLUGIN_HOOKS = ("ValidatedRoPEHook", "PackedBatchCheckHook")
+MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
+                       "    from xtuner_rope import enable_xtuner_rope\n"
+                       "    model_resource = dict(fn=enable_xtuner_rope)")
+
+_STATE = {"prepared": False}
+
+
+class ConfigConflict(ValueError):
+    """Settings of an XTuner config that would make training fail or silently wrong."""
+
+
+@dataclass
+class Finding:
+    """One setting the plugin must change (``fix`` set) or refuse (``fix`` None).
+
+    Attributes:
+        setting: Where it is, in config terms (``train_dataloader.collate_fn``).
+        problem: What goes wrong with it.
+        edit: The exact edit a user makes (for a conflict), or what the fix did (for a fix).
+        fix: Applies the change to the config in place; None for a conflict.
+    """
+
+    setting: str
+    problem: str
+    edit: str
+    fix: Callable[[], None] | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.problem}\n  -> {self.edit}"
+
+
+def type_name(value: object) -> str:
+    """The name of a config ``type``, without building MMEngine's lazy objects."""
+    if isinstance(value, (LazyObject, LazyAttr)):
+        return str(value)
+    if isinstance(value, str):
+        return value.rsplit(".", 1)[-1]
+    func = getattr(value, "func", value)  # functools.partial
+    return getattr(func, "__name__", type(value).__name__)
+
+
+def _get(node: object, key: str, default: object = None) -> object:
+    """``node[key]`` of a (Config)dict without building lazy values; ``default`` otherwise."""
+    return dict.get(node, key, default) if isinstance(node, dict) else default
+
+
+def _datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
+    """Every dataset dict below a dataloader's ``dataset`` (through ``datasets=[...]`` lists)."""
+    if not isinstance(node, dict):
+        return
+    yield where, node
+    children = _get(node, "datasets")
+    for i, child in enumerate(children if isinstance(children, (list, tuple)) else []):
+        yield from _datasets(child, f"{where}.datasets[{i}]")
+    if isinstance(_get(node, "dataset"), dict):
+        yield from _datasets(_get(node, "dataset"), f"{where}.dataset")
+
+
+def _packs_without_boundaries(dataset: dict) -> bool:
+    return (type_name(_get(dataset, "type")) == "process_hf_dataset"
+            and bool(_get(dataset, "pack_to_max_length")) and not _get(dataset, "use_varlen_attn"))
+
+
+def _cpu_only() -> bool:
+    from .compat import _cpu_only as cpu_only
+
+    return cpu_only()
+
+
+def _flash_attn_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("flash_attn") is not None
+
+
+def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:
+    return lambda: node.__setitem__(key, value)
+
+
+def _packing_findings(cfg: Config, loader: dict) -> list[Finding]:
+    """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
+    findings, packed = [], False
+    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        if _get(dataset, "pack_to_max_length") and type_name(_get(dataset, "type")) == \
+                "process_hf_dataset":
+            packed = True
+        if _packs_without_boundaries(dataset):
+            findings.append(Finding(
+                f"{where}.use_varlen_attn", "process_hf_dataset(pack_to_max_length=True) joins "
+                "dialogues without recording where each starts: documents would attend to each "
+                "other", "set to True: XTuner's Packer records the boundaries (same packs)",
+                _setitem(dataset, "use_varlen_attn", True)))
+    collate = _get(loader, "collate_fn")
+    name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
+    batch_size = _get(loader, "batch_size", 1)
+    if not packed or name == "rope_collate_fn":
+        return findings
+    if name == "default_collate_fn" and batch_size == 1:
+        if not _get(collate, "use_varlen_attn"):
+            findings.append(Finding(
+                "train_dataloader.collate_fn.use_varlen_attn", "default_collate_fn drops the "
+                "packed rows' boundaries", "set to True: it keeps cumulative_len/position_ids "
+                "(batch size 1)", _setitem(collate, "use_varlen_attn", True)))
+        return findings
+    why = (f"XTuner's default_collate_fn keeps document boundaries only at batch_size=1, got "
+           f"{batch_size}" if name == "default_collate_fn" else
+           f"collate function {name} is not known to keep document boundaries")
+    findings.append(Finding(
+        "train_dataloader.collate_fn", f"packed rows: {why}",
+        "use collate_fn=dict(type=rope_collate_fn, max_length=max_length) "
+        "(from xtuner_rope import rope_collate_fn; any batch size)"))
+    return findings
+
+
+def _varlen_findings(cfg: Config) -> list[Finding]:
+    """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
+    if not _get(cfg._cfg_dict, "use_varlen_attn"):
+        return []
+    findings = [Finding(
+        "use_varlen_attn", "XTuner's start-up check demands flash-attn and batch size 1 for it",
+        "set to False at the top level only (the model, dataset and collate function keep "
+        "theirs): xtuner-rope isolates documents itself, on every attention backend",
+        _setitem(cfg._cfg_dict, "use_varlen_attn", False))]
+    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    varlen = [h for h in hooks if type_name(_get(h, "type")) == "VarlenAttnArgsToMessageHubHook"]
+    if varlen:
+        def drop() -> None:
+            hooks[:] = [h for h in hooks if not any(h is v for v in varlen)]
+
+        findings.append(Finding(
+            "custom_hooks", "VarlenAttnArgsToMessageHubHook publishes the boundaries that "
+            "PackedBatchCheckHook publishes (checked) under the same MessageHub keys",
+            "removed VarlenAttnArgsToMessageHubHook", drop))
+    return findings
+
+
+def _hook_findings(cfg: Config) -> list[Finding]:
+    hooks = _get(cfg._cfg_dict, "custom_hooks")
+    present = {type_name(_get(h, "type")) for h in hooks or []}
+    missing = [name for name in PLUGIN_HOOKS if name not in present]
+    if not missing:
+        return []
+
+    def add() -> None:
+        added = [dict(type=LazyObject("xtuner_rope.hooks", name)) for name in missing]
+        if hooks is None:
+            cfg._cfg_dict["custom_hooks"] = added
+        else:
+            hooks[:0] = added
+
+    return [Finding("custom_hooks", f"{', '.join(missing)} missing",
+                    f"added {', '.join(f'dict(type={n})' for n in missing)}", add)]
+
+
+def _runtime_findings(cfg: Config) -> list[Finding]:
+    """Settings the plugin cannot serve on this machine or at all."""
+    findings = []
+    optim = _get(cfg._cfg_dict, "optim_wrapper")
+    if type_name(_get(optim, "type")) == "AmpOptimWrapper" and _cpu_only():
+        findings.append(Finding(
+            "optim_wrapper.type", "AmpOptimWrapper needs a GPU (MMEngine refuses it on this "
+            "CPU-only machine)", "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "
+            "and delete its loss_scale and dtype entries: full fp32 on CPU"))
+    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
+    if isinstance(sp, int) and sp > 1:
+        findings.append(Finding(
+            "sequence_parallel_size", f"{sp}: xtuner-rope's packed attention does not split "
+            "sequences across ranks", "set sequence_parallel_size = 1 (or drop xtuner-rope)"))
+    return findings
+
+
+def inspect_config(cfg: Config) -> list[Finding]:
+    """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve.
+
+    Pure: nothing is changed until a finding's ``fix`` is called (see :func:`prepare_config`).
+
+    Args:
+        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
+
+    Returns:
+        The findings, fixes and conflicts, in config order.
+    """
+    findings = _varlen_findings(cfg)
+    loader = _get(cfg._cfg_dict, "train_dataloader")
+    if isinstance(loader, dict):
+        findings += _packing_findings(cfg, loader)
+    return findings + _hook_findings(cfg) + _runtime_findings(cfg)
+
+
+def conflict_message(conflicts: list[Finding]) -> str:
+    """One error text listing every conflict with the edit that resolves it."""
+    items = "\n".join(f"{i}. {c}" for i, c in enumerate(conflicts, 1))
+    return (f"xtuner-rope: {len(conflicts)} setting(s) of this config would make training fail "
+            f"or silently wrong; edit the config and start again:\n{items}")
+
+
+def prepare_config(cfg: Config) -> list[Finding]:
+    """Apply the plugin's fixes to ``cfg`` and refuse what cannot be fixed.
+
+    Args:
+        cfg: The config about to be trained; changed in place.
+
+    Returns:
+        The fixes applied (each also logged).
+
+    Raises:
+        ConfigConflict: a setting conflicts with the plugin; the message lists each one with
+            the exact edit, all at once.
+    """
+    findings = inspect_config(cfg)
+    conflicts = [f for f in findings if f.fix is None]
+    if conflicts:
+        raise ConfigConflict(conflict_message(conflicts))
+    fixes = [f for f in findings if f.fix is not None]
+    for fix in fixes:
+        fix.fix()
+        print_log(f"xtuner-rope: {fix.setting}: {fix.problem}; {fix.edit}.", logger="current")
+    _STATE["prepared"] = True
+    return fixes
+
+
+def is_prepared() -> bool:
+    """True once :func:`prepare_config` ran in this process (through ``model_resource``)."""
+    return _STATE["prepared"]
+
+
+def _config_being_started() -> Config | None:
+    """The config of the ``xtuner train`` that called our ``model_resource`` function.
+
+    xtuner 0.2.0 calls ``set_model_resource(cfg)`` -> ``fn(path, **args)``: the config is a
+    local of a caller frame; it is not passed to ``fn``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "set_model_resource":
+            cfg = frame.f_locals.get("cfg")
+            return cfg if isinstance(cfg, Config) else None
+        frame = frame.f_back
+    return None
+
+
+def prepare_started_config(path: str) -> str:
+    """Prepare the config of the calling ``xtuner train`` (if any); return ``path``."""
+    cfg = _config_being_started()
+    if cfg is not None:
+        prepare_config(cfg)
+    return path
+
+
+def enable_xtuner_rope(path: str) -> str:
+    """``model_resource`` function: load xtuner-rope, check and prepare the config.
+
+    Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config.
+    ``xtuner train`` calls it before anything is built; the path (a hub id or a local
+    directory) is returned unchanged.
+
+    Args:
+        path: The config's ``pretrained_model_name_or_path``.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ConfigConflict: see :func:`prepare_config`.
+    """
+    return prepare_started_config(path)
+
+
+def require_prepared(cfg: object, who: str) -> None:
+    """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
+
+    Args:
+        cfg: ``runner.cfg``; only MMEngine ``Config`` objects are judged (a runner built in
+            code without a config has nothing to prepare).
+        who: The caller, for the message.
+
+    Raises:
+        ConfigConflict: ``cfg`` is a Config and :func:`prepare_config` never ran here.
+    """
+    if not isinstance(cfg, Config) or is_prepared():
+        return
+    raise ConfigConflict(
+        f"{who}: xtuner-rope was loaded after XTuner built the model, too late for its "
+        "start-up: its patches (LoRA/QLoRA's bitsandbytes import, CPU training) and its "
+        "config checks (packing without boundaries, use_varlen_attn, AMP on CPU) did not run. "
+        f"To fix, {MODEL_RESOURCE_EDIT}\n(or call xtuner_rope.startup.prepare_config(cfg) "
+        "before building the Runner yourself).")
+
+
+__all__ = ["ConfigConflict", "Finding", "enable_xtuner_rope", "inspect_config",
+           "is_prepared", "prepare_config", "require_prepared"]
