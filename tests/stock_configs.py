@@ -75,11 +75,12 @@ def write_conversation_data(dst: Path, n: int = 400) -> Path:
     return dst
 
 
-def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False) -> str:
+def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False,
+             model: Path = TINY_MODEL) -> str:
     """The user's own-machine edits of a stock InternLM2 config; returns the new text."""
     text = config.read_text(encoding="utf-8")
     text = sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
-                    f'pretrained_model_name_or_path = "{TINY_MODEL}"')
+                    f'pretrained_model_name_or_path = "{model}"')
     if "alpaca_en_path = " in text:
         text = sub_once(text, r'^alpaca_en_path = ".*"$', f'alpaca_en_path = "{data}"')
     else:
@@ -112,3 +113,24 @@ def xtuner_train(config: Path, work_dir: Path, *cfg_options: str,
         cmd += ["--cfg-options", *cfg_options]
     return subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def tiny_with_remote_code(dst: Path) -> Path:
+    """The tiny checkpoint as real InternLM2 checkpoints ship: with its own modeling code.
+
+    Real checkpoints carry ``modeling_internlm2.py`` and an ``auto_map`` in ``config.json``,
+    so ``trust_remote_code=True`` loads them without xtuner-rope's Auto registration; this
+    copy uses the modeling code XTuner ships (the current hub version).
+    """
+    import shutil
+
+    import xtuner._lite.modelings.internlm2 as code
+
+    shutil.copytree(TINY_MODEL, dst)
+    for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
+        shutil.copy(Path(code.__file__).parent / name, dst / name)
+    config = json.loads((dst / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_internlm2.InternLM2Config",
+                          "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -308,6 +308,46 @@ def patch_trusted_checkpoint_loading() -> bool:
     return True
 
 
+def _refuse_unconsumed_boundaries(forward):
+    """Wrap ``SupervisedFinetune.forward``: boundaries left in ``data`` name the missing hook."""
+
+    @functools.wraps(forward)
+    def checked_forward(self, data, data_samples=None, mode="loss"):
+        if isinstance(data, dict) and "cumulative_len" in data:
+            raise ValueError(
+                "xtuner-rope: the batch reached the model with 'cumulative_len' still in it "
+                "(the HF forward does not take it): the hook that consumes it is missing. "
+                "Add to PART 1 of the config:\n    from xtuner_rope import enable_xtuner_rope\n"
+                "    model_resource = dict(fn=enable_xtuner_rope)\n(it adds the plugin's hooks), "
+                "or, without xtuner-rope, collate with use_varlen_attn=False.")
+        return forward(self, data, data_samples, mode)
+
+    checked_forward.xtuner_rope_checked = True
+    return checked_forward
+
+
+def patch_sft_forward_names_missing_hook() -> bool:
+    """Turn "unexpected keyword argument 'cumulative_len'" into an error naming the fix.
+
+    xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model. A
+    collate function that returns document boundaries (``rope_collate_fn``, or XTuner's own
+    ``default_collate_fn(use_varlen_attn=True)``) relies on a hook to take them out first;
+    without it every step dies with ``TypeError: InternLM2ForCausalLM.forward() got an
+    unexpected keyword argument 'cumulative_len'``, which names neither the hook nor the fix.
+
+    Returns:
+        True if applied (xtuner's SupervisedFinetune is importable).
+    """
+    try:
+        from xtuner.model.sft import SupervisedFinetune
+    except ImportError:
+        return False
+    if getattr(SupervisedFinetune.forward, "xtuner_rope_checked", False):
+        return False
+    SupervisedFinetune.forward = _refuse_unconsumed_boundaries(SupervisedFinetune.forward)
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
@@ -317,7 +357,7 @@ def apply() -> list[str]:
     for patch in (patch_torch_cpu_bf16_query, patch_bitsandbytes_triton_probe,
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
-                  patch_trusted_checkpoint_loading):
+                  patch_trusted_checkpoint_loading, patch_sft_forward_names_missing_hook):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

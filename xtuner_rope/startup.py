@@ -304,14 +304,14 @@ def require_prepared(cfg: object, who: str) -> None:
     """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
 
     Args:
-        cfg: ``runner.cfg``; only MMEngine ``Config`` objects are judged (a runner built in
-            code without a config has nothing to prepare).
+        cfg: ``runner.cfg``; only configs read from a file are judged (a runner built in code
+            without a config file has nothing to prepare).
         who: The caller, for the message.
 
     Raises:
         ConfigConflict: ``cfg`` is a Config and :func:`prepare_config` never ran here.
     """
-    if not isinstance(cfg, Config) or is_prepared():
+    if not isinstance(cfg, Config) or cfg.filename is None or is_prepared():
         return
     raise ConfigConflict(
         f"{who}: xtuner-rope was loaded after XTuner built the model, too late for its "

@@ -1,0 +1,170 @@
+"""Start-up checks and fixes on XTuner's own stock configs (`xtuner copy-cfg`), no training.
+
+The end-to-end runs of the same configs through `xtuner train` are in test_stock_configs.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from mmengine.config import Config
+
+import stock_configs as sc
+from xtuner_rope import startup
+from xtuner_rope.startup import ConfigConflict, inspect_config, prepare_config, type_name
+
+FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
+VARLEN = "internlm2_7b_full_finetune_custom_dataset_e1"
+CPU_ONLY = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory) -> dict[str, Path]:
+    """The three stock configs, copied once, localized (CPU edits included) and as shipped."""
+    root = tmp_path_factory.mktemp("stock")
+    data = sc.write_alpaca_data(root / "alpaca", n=8)
+    conv = sc.write_conversation_data(root / "conv.json", n=8)
+    out = {}
+    for name in (FULL, QLORA, VARLEN):
+        copy = sc.copy_stock(name, root)
+        out[f"{name}/shipped"] = copy
+        local = root / f"{name}_local.py"
+        local.write_text(sc.localize(copy, conv if name == VARLEN else data))
+        out[name] = local
+    return out
+
+
+def _cfg(path: Path, tmp_path: Path, *edits: tuple[str, str]) -> Config:
+    """Load ``path`` after text edits (regex, replacement), each matching exactly once."""
+    text = path.read_text()
+    for pattern, repl in edits:
+        text = sc.sub_once(text, pattern, repl)
+    dst = tmp_path / path.name
+    dst.write_text(text)
+    return Config.fromfile(str(dst))
+
+
+def _fixes(findings):
+    return sorted(f.setting for f in findings if f.fix is not None)
+
+
+def _conflicts(findings):
+    return sorted(f.setting for f in findings if f.fix is None)
+
+
+def test_stock_full_config_needs_only_fixes(stock, tmp_path):
+    cfg = _cfg(stock[FULL], tmp_path)
+    findings = inspect_config(cfg)
+    assert _conflicts(findings) == []
+    assert _fixes(findings) == ["custom_hooks", "train_dataloader.collate_fn.use_varlen_attn",
+                                "train_dataloader.dataset.use_varlen_attn"]
+    assert cfg.train_dataloader.dataset.use_varlen_attn is False  # inspect changes nothing
+    prepare_config(cfg)
+    assert cfg.train_dataloader.dataset.use_varlen_attn is True
+    assert cfg.train_dataloader.collate_fn.use_varlen_attn is True
+    hooks = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
+    assert hooks[:2] == ["ValidatedRoPEHook", "PackedBatchCheckHook"]
+    assert inspect_config(cfg) == []  # prepared once, nothing left
+    assert startup.is_prepared()
+
+
+def test_stock_varlen_switch_works_without_flash_attn(stock, tmp_path):
+    cfg = _cfg(stock[VARLEN], tmp_path)
+    assert cfg.use_varlen_attn is True
+    fixes = prepare_config(cfg)
+    assert [f.setting for f in fixes] == ["use_varlen_attn", "custom_hooks", "custom_hooks"]
+    assert cfg.use_varlen_attn is False  # what XTuner's check_cfg reads
+    assert cfg.model.use_varlen_attn is True and cfg.train_dataloader.dataset.use_varlen_attn
+    names = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
+    assert "VarlenAttnArgsToMessageHubHook" not in names and "PackedBatchCheckHook" in names
+
+
+def test_rope_collate_fn_on_xtuner_packed_data_keeps_its_collate(stock, tmp_path):
+    cfg = _cfg(stock[FULL], tmp_path,
+               (r"^from xtuner.dataset.collate_fns import default_collate_fn$",
+                "from xtuner_rope import rope_collate_fn"),
+               (r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
+                "collate_fn=dict(type=rope_collate_fn, max_length=max_length)"),
+               (r"^batch_size = 1 ", "batch_size = 4 "))
+    assert _fixes(inspect_config(cfg)) == ["custom_hooks",
+                                           "train_dataloader.dataset.use_varlen_attn"]
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
+def test_amp_on_cpu_is_refused_with_the_edit(stock, tmp_path):
+    cfg = Config.fromfile(str(stock[f"{FULL}/shipped"]))
+    with pytest.raises(ConfigConflict, match=r"(?s)1 setting\(s\).*optim_wrapper\.type: "
+                       r"AmpOptimWrapper needs a GPU.*use type=OptimWrapper .*delete its "
+                       r"loss_scale and dtype"):
+        prepare_config(cfg)
+
+
+def test_default_collate_fn_with_packs_and_batch_size_above_one_is_refused(stock, tmp_path):
+    cfg = _cfg(stock[FULL], tmp_path, (r"^batch_size = 1 ", "batch_size = 4 "))
+    with pytest.raises(ConfigConflict, match=r"train_dataloader\.collate_fn: packed rows: "
+                       r"XTuner's default_collate_fn keeps document boundaries only at "
+                       r"batch_size=1, got 4\n  -> use collate_fn=dict\(type=rope_collate_fn"):
+        prepare_config(cfg)
+
+
+def test_unknown_collate_fn_with_packs_is_refused(stock, tmp_path):
+    cfg = _cfg(stock[FULL], tmp_path,
+               (r"collate_fn=dict\(type=default_collate_fn,", "collate_fn=dict(type='my_collate',"))
+    with pytest.raises(ConfigConflict, match="collate function my_collate is not known to keep "
+                       "document boundaries"):
+        prepare_config(cfg)
+
+
+def test_sequence_parallel_is_refused(stock, tmp_path):
+    cfg = _cfg(stock[FULL], tmp_path,
+               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+    with pytest.raises(ConfigConflict, match=r"(?s)sequence_parallel_size: 2: .* set "
+                       r"sequence_parallel_size = 1"):
+        prepare_config(cfg)
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
+def test_every_conflict_is_listed_at_once(stock, tmp_path):
+    cfg = _cfg(stock[f"{FULL}/shipped"], tmp_path, (r"^batch_size = 1 ", "batch_size = 2 "),
+               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+    with pytest.raises(ConfigConflict, match=r"(?s)3 setting\(s\).*1\. train_dataloader"
+                       r".*2\. optim_wrapper.*3\. sequence_parallel_size") as err:
+        prepare_config(cfg)
+    assert "custom_hooks" not in str(err.value)  # fixes are not conflicts
+
+
+def test_a_config_not_prepared_at_start_up_is_refused_by_the_hook(stock, monkeypatch):
+    cfg = Config.fromfile(str(stock[FULL]))
+    monkeypatch.setitem(startup._STATE, "prepared", False)
+    with pytest.raises(ConfigConflict, match=r"(?s)ValidatedRoPEHook: xtuner-rope was loaded after "
+                       r"XTuner built the model.*model_resource = dict\(fn=enable_xtuner_rope\)"):
+        startup.require_prepared(cfg, "ValidatedRoPEHook")
+    startup.require_prepared(Config(dict(a=1)), "ValidatedRoPEHook")  # built in code: not judged
+    monkeypatch.setitem(startup._STATE, "prepared", True)
+    startup.require_prepared(cfg, "ValidatedRoPEHook")
+
+
+def test_enable_xtuner_rope_outside_xtuner_train_returns_the_path():
+    assert startup.enable_xtuner_rope("internlm/internlm2-chat-1_8b") == \
+        "internlm/internlm2-chat-1_8b"
+
+
+def test_xtuner_set_model_resource_prepares_the_config(stock, tmp_path, monkeypatch):
+    """The real caller: xtuner.tools.utils.set_model_resource reads model_resource first."""
+    from xtuner.tools.utils import set_model_resource
+
+    cfg = Config.fromfile(str(stock[FULL]))
+    cfg.model_resource = dict(fn=startup.enable_xtuner_rope)
+    monkeypatch.setitem(startup._STATE, "prepared", False)
+    set_model_resource(cfg)
+    assert startup.is_prepared() and cfg.train_dataloader.dataset.use_varlen_attn is True
+
+
+def test_boundaries_that_reach_the_model_name_the_missing_hook():
+    from xtuner.model.sft import SupervisedFinetune
+
+    data = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cumulative_len": [None]}
+    with pytest.raises(ValueError, match=r"(?s)reached the model with 'cumulative_len' still in it"
+                       r".*model_resource = dict\(fn=enable_xtuner_rope\)"):
+        SupervisedFinetune.forward(None, data)
