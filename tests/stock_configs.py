@@ -134,3 +134,10 @@ def tiny_with_remote_code(dst: Path) -> Path:
                           "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def ensure_tiny_model() -> Path:
+    """Build the tiny checkpoint where a fresh clone has none (deterministic, offline)."""
+    from xtuner_rope.resources import tiny_internlm2
+
+    return Path(tiny_internlm2(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))

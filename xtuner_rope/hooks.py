@@ -112,12 +112,25 @@ class PackedBatchCheckHook(Hook):
         self.vocab_size = vocab_size
         self.max_position = max_position
         self._isolating: bool | None = None
+        self._reported = False
         self._checked_limits: tuple[int | None, int | None] | None = None
 
     def _inspect_model(self, runner) -> None:
         """Once per run/val loop, not per batch: what the model isolates and accepts."""
         self._isolating = isolates_documents(runner.model)
         self._checked_limits = self._limits(runner)
+        self._reported = False
+
+    def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:
+        """One log line per loop: what the first batch holds, so a run shows its packing."""
+        if self._reported:
+            return
+        self._reported = True
+        segments = sum(len(row) - 1 for row in rows)
+        how = (f"{segments} segments (documents and padding) isolated by the attention"
+               if rows else "no document boundaries (plain padded rows)")
+        print_log(f"PackedBatchCheckHook: first batch {b} rows x {s} tokens, {how}.",
+                  logger="current")
 
     def before_train(self, runner) -> None:
         self._inspect_model(runner)
@@ -161,6 +174,7 @@ class PackedBatchCheckHook(Hook):
         b, s = data["input_ids"].shape
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)
+        self._report_first_batch(rows, b, s)
         data.pop("cumulative_len", None)
         max_seqlen = data.pop("max_seqlen", None)
         if not rows:

@@ -1,0 +1,157 @@
+"""XTuner's stock configs, copied with `xtuner copy-cfg`, turned on with the README's one edit,
+trained by the real `xtuner train` on the tiny checkpoint.
+
+`xtuner train` exits 0 even when training crashes: every run is judged by its log and its
+checkpoint (xtuner_rope.runlog.check_run). The localizing edits (checkpoint and data paths,
+``max_length``, a learning rate for a random tiny model, fp32 ``OptimWrapper`` on CPU) are the
+ones any user makes; see stock_configs.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from mmengine.config import Config
+
+import stock_configs as sc
+from xtuner_rope import startup
+from xtuner_rope.runlog import check_run
+
+FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
+VARLEN = "internlm2_7b_full_finetune_custom_dataset_e1"
+SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=20",
+             "default_hooks.logger.interval=5")
+FIX_NOTES = {
+    "dataset": "xtuner-rope: train_dataloader.dataset.use_varlen_attn: process_hf_dataset("
+               "pack_to_max_length=True) joins dialogues without recording where each starts",
+    "collate": "xtuner-rope: train_dataloader.collate_fn.use_varlen_attn: default_collate_fn "
+               "drops the packed rows' boundaries",
+    "hooks": "xtuner-rope: custom_hooks: ValidatedRoPEHook, PackedBatchCheckHook missing; added",
+    "varlen": "xtuner-rope: use_varlen_attn: XTuner's start-up check demands flash-attn",
+    "varlen_hook": "removed VarlenAttnArgsToMessageHubHook",
+}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("stock")
+    sc.ensure_tiny_model()
+    return {"root": root, "alpaca": sc.write_alpaca_data(root / "alpaca"),
+            "conversation": sc.write_conversation_data(root / "conv.json"),
+            **{name: sc.copy_stock(name, root) for name in (FULL, QLORA, VARLEN)}}
+
+
+def _config(stock: dict, name: str, tmp_path: Path, plugin: bool = True, **localize) -> Path:
+    data = stock["conversation"] if name == VARLEN else stock["alpaca"]
+    text = sc.localize(stock[name], data, **localize)
+    path = tmp_path / f"{name}.py"
+    path.write_text(sc.enable_plugin(text) if plugin else text)
+    return path
+
+
+def _train(config: Path, work_dir: Path, *notes: str):
+    proc = sc.xtuner_train(config, work_dir, *SHORT_RUN)
+    out = proc.stdout + proc.stderr
+    run = check_run(work_dir, min_iters=20)
+    for note in notes:
+        assert FIX_NOTES[note] in out, note
+    assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
+    assert run.losses[-1] < run.losses[0] - 0.05, run.losses
+    return run, out
+
+
+def _documents_isolated(out: str) -> None:
+    """The first batch held more segments than rows, and the attention isolated them."""
+    line = next(x for x in out.splitlines() if "PackedBatchCheckHook: first batch" in x)
+    rows, segments = int(line.split("first batch ")[1].split(" rows")[0]), \
+        int(line.split("tokens, ")[1].split(" segments")[0])
+    assert segments > rows, line
+
+
+def test_full_finetune_with_one_edit(stock, tmp_path):
+    run, out = _train(_config(stock, FULL, tmp_path), tmp_path / "run",
+                      "dataset", "collate", "hooks")
+    _documents_isolated(out)
+    assert run.checkpoint.name == "iter_20.pth"
+
+
+def test_lora_with_one_edit(stock, tmp_path):
+    run, out = _train(_config(stock, QLORA, tmp_path, lora_only=True), tmp_path / "run",
+                      "dataset", "collate", "hooks")
+    _documents_isolated(out)
+    state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert any(".lora_A." in key for key in state), list(state)[:5]
+
+
+def test_stock_use_varlen_attn_switch_with_one_edit(stock, tmp_path):
+    _, out = _train(_config(stock, VARLEN, tmp_path), tmp_path / "run",
+                    "varlen", "varlen_hook", "hooks")
+    _documents_isolated(out)
+    assert "flash_attn" not in out  # XTuner's own check no longer demands it
+
+
+def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
+    proc = sc.xtuner_train(_config(stock, QLORA, tmp_path), tmp_path / "run", *SHORT_RUN)
+    out = proc.stdout + proc.stderr
+    assert "triton.ops" not in out
+    if torch.cuda.is_available():
+        check_run(tmp_path / "run", min_iters=20)
+    else:
+        assert "CUDA is required but not available for bitsandbytes" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="AmpOptimWrapper is fine on a GPU")
+def test_conflict_is_refused_before_anything_is_built(stock, tmp_path):
+    """The shipped AmpOptimWrapper on a CPU machine: refused with the edit, before the model."""
+    proc = sc.xtuner_train(_config(stock, FULL, tmp_path, cpu=False), tmp_path / "run",
+                           *SHORT_RUN)
+    out = proc.stdout + proc.stderr
+    assert "ConfigConflict: xtuner-rope: 1 setting(s) of this config" in out
+    assert "optim_wrapper.type: AmpOptimWrapper needs a GPU" in out
+    assert "Loads checkpoint" not in out and "Iter(train)" not in out
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("*/*.log"))
+
+
+def _runner_without_start_up(stock, tmp_path, text_edits):
+    """A Runner built in this process from a localized config, as `xtuner train` builds it,
+    but without the config's model_resource start-up (the plugin loaded late)."""
+    from mmengine.runner import Runner
+
+    text = sc.localize(stock[FULL], stock["alpaca"])
+    for pattern, repl in text_edits:
+        text = sc.sub_once(text, pattern, repl)
+    path = tmp_path / "late.py"
+    path.write_text(text)
+    cfg = Config.fromfile(str(path))
+    cfg.work_dir = str(tmp_path / "run")
+    cfg.merge_from_dict({"train_cfg.max_epochs": None, "train_cfg.max_iters": 2})
+    return Runner.from_cfg(cfg)
+
+
+def test_hooks_listed_without_start_up_are_refused(stock, tmp_path, monkeypatch):
+    monkeypatch.setitem(startup._STATE, "prepared", False)
+    runner = _runner_without_start_up(stock, tmp_path, [
+        (r"^(from xtuner.utils import .*)$", r"\g<1>\nfrom xtuner_rope.hooks import "
+         "ValidatedRoPEHook, PackedBatchCheckHook"),
+        (r"^custom_hooks = \[$", "custom_hooks = [\n    dict(type=ValidatedRoPEHook),\n"
+         "    dict(type=PackedBatchCheckHook),")])
+    with pytest.raises(startup.ConfigConflict, match=r"(?s)ValidatedRoPEHook: xtuner-rope was "
+                       r"loaded after XTuner built the model.*enable_xtuner_rope"):
+        runner.train()
+
+
+def test_rope_collate_fn_without_hooks_names_the_fix(stock, tmp_path, monkeypatch):
+    monkeypatch.setitem(startup._STATE, "prepared", False)
+    runner = _runner_without_start_up(stock, tmp_path, [
+        (r"^pack_to_max_length = True$", "pack_to_max_length = False"),
+        (r"^from xtuner.dataset.collate_fns import default_collate_fn$",
+         "from xtuner_rope import rope_collate_fn"),
+        (r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
+         "collate_fn=dict(type=rope_collate_fn, pack=True, max_length=max_length)"),
+        (r"^batch_size = 1 ", "batch_size = 8 ")])
+    with pytest.raises(ValueError, match=r"(?s)reached the model with 'cumulative_len' still "
+                       r"in it.*model_resource = dict\(fn=enable_xtuner_rope\)"):
+        runner.train()
