@@ -94,7 +94,7 @@ def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False
                         r"dict\((\n.*?)*?\n        \),\n", "")
     if cpu:
         text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
-        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="float16",\n)?', "")
+        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
         text = sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
                         "from mmengine.optim import OptimWrapper,")
     return text

@@ -103,6 +103,28 @@ def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
         assert "CUDA is required but not available for bitsandbytes" in out
 
 
+def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
+    """Our own QLoRA recipe (model_resource=local_checkpoint) pointed at the tiny checkpoint."""
+    text = (sc.REPO / "configs" / "internlm2_chat_1_8b_qlora_short_dialogues.py").read_text()
+    text = sc.sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
+                       f'pretrained_model_name_or_path = "{sc.TINY_MODEL}"')
+    if not torch.cuda.is_available():
+        text = sc.sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
+        text = sc.sub_once(text, r'^    loss_scale="dynamic",\n    dtype="bfloat16",\n', "")
+        text = sc.sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
+                           "from mmengine.optim import OptimWrapper,")
+    config = tmp_path / "qlora.py"
+    config.write_text(text)
+    sc.ensure_tiny_model()
+    proc = sc.xtuner_train(config, tmp_path / "run", *SHORT_RUN)
+    out = proc.stdout + proc.stderr
+    assert "triton.ops" not in out
+    if torch.cuda.is_available():
+        check_run(tmp_path / "run", min_iters=20)
+    else:
+        assert "CUDA is required but not available for bitsandbytes" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="AmpOptimWrapper is fine on a GPU")
 def test_conflict_is_refused_before_anything_is_built(stock, tmp_path):
     """The shipped AmpOptimWrapper on a CPU machine: refused with the edit, before the model."""
