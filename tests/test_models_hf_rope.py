@@ -62,12 +62,12 @@ def test_inv_freq_matches_transformers(rope_type):
     config = CONFIGS[rope_type]
     ours = HFValidatedRotaryEmbedding(config)
     theirs, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    torch.testing.assert_close(ours.inv_freq, theirs, rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(ours.inv_freq, theirs, rtol=0, atol=0)  # bit-exact
     assert ours.attention_scaling == scaling and ours.rope_type == rope_type
     if rope_type == "dynamic":
         for seq_len in (8192, 8193, 20000, 3 * 8192 + 5):
             theirs, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
-            torch.testing.assert_close(ours.inv_freq_at(seq_len), theirs, rtol=2.5e-7, atol=0)
+            torch.testing.assert_close(ours.inv_freq_at(seq_len), theirs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rope_type", list(CONFIGS))
