@@ -220,3 +220,13 @@ def test_refuses_bad_position_ids():
     with pytest.raises(ValueError, match=r"holds 256 at row 0, column 3, beyond the supported "
                                          r"range \[0, 256\) \(max_position_embeddings=256\)"):
         model(ids, position_ids=torch.tensor([[0, 1, 2, 256]]))
+
+
+def test_gradient_checkpointing_keeps_documents_apart():
+    model = build("qwen2", "sdpa").train()
+    reference = copy.deepcopy(model)
+    patch_hf_model(model)
+    model.gradient_checkpointing_enable()
+    ids, pos, labels, _ = packed_batch(2)
+    ref_logits, _ = per_document(reference, ids, ROWS)
+    assert (model(ids, position_ids=pos, labels=labels).logits - ref_logits).abs().max() <= 2e-5
