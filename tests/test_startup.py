@@ -6,10 +6,10 @@ The end-to-end runs of the same configs through `xtuner train` are in test_stock
 from pathlib import Path
 
 import pytest
+import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-import stock_configs as sc
 from xtuner_rope import startup
 from xtuner_rope.startup import ConfigConflict, inspect_config, prepare_config, type_name
 

@@ -10,10 +10,10 @@ ones any user makes; see stock_configs.py.
 from pathlib import Path
 
 import pytest
+import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-import stock_configs as sc
 from xtuner_rope import startup
 from xtuner_rope.runlog import check_run
 

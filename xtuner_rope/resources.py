@@ -19,7 +19,6 @@ from pathlib import Path
 
 from .startup import enable_xtuner_rope, prepare_started_config
 
-
 __all__ = ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"]
 
 
