@@ -1,0 +1,227 @@
+"""Document-isolating attention and validated RoPE for transformers' Llama, Qwen2 and Mistral.
+
+In transformers 4.48 these families' attention layers rotate q/k with the ``position_embeddings``
+(cos, sin) of the model's one rotary module, then call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (or the family's
+``eager_attention_forward`` for ``"eager"``). ``patch_hf_model`` plugs in there:
+
+- the rotary module becomes ``HFValidatedRotaryEmbedding`` (fp32, checked positions);
+- ``hf_packed_attention`` is registered under ``PACKED_ATTENTION_KEY``, and each attention
+  layer gets its own copy of the config naming that key. The model's config keeps its
+  original implementation, so the model still builds the masks that implementation expects
+  (SDPA: none while training unpadded rows; no ``[s, s]`` mask for a pack) and
+  ``save_pretrained`` writes it unchanged. The original kernel is remembered on the layer
+  (``DENSE_KERNEL_ATTR``) for the dense path.
+
+Packed rows (boundaries published in the ``MessageHub`` by ``PackedBatchCheckHook``, else
+position-id resets) go through the family-free ``attention.packed_attention``; rows without
+boundaries, left-padded prompts (first position not 0) and steps with cached keys take the
+original kernel unchanged, so generation matches the unpatched model.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .. import compat
+from ..attention import (
+    INTERNLM2_ATTENTION_CLASSES,
+    document_plan,
+    hub_cumulative_len,
+    packed_attention,
+)
+from .hf_rope import HFValidatedRotaryEmbedding
+
+# Attention and rotary classes of the supported families, by name (as XTuner's dispatch does).
+HF_ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
+HF_ROTARY_CLASSES = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding")
+HF_FAMILIES = "Llama (2/3), Qwen2 (2.5), Mistral"
+PACKED_ATTENTION_KEY = "xtuner_rope_packed"
+DENSE_KERNEL_ATTR = "xtuner_rope_dense_kernel"
+
+# Whether the last position_ids tensor seen starts every row at 0 (left padding does not):
+# every layer gets the same tensor, so the host read happens once per forward.
+_STARTS: dict = {}
+
+
+def _rows_start_at_zero(position_ids: torch.Tensor) -> bool:
+    key = position_ids._version
+    if _STARTS.get("source") is not position_ids or _STARTS.get("key") != key:
+        starts = bool((position_ids[:, 0] == 0).all())
+        _STARTS.clear()
+        _STARTS.update(source=position_ids, key=key, value=starts)
+    return _STARTS["value"]
+
+
+def _plan(position_ids, b: int, s: int, kv_len: int, device: torch.device):
+    """The packed layout of this call, or None where the original kernel must run."""
+    if kv_len != s:  # cached keys: a generation step, whose mask the model already built
+        return None
+    if hub_cumulative_len() is None and (position_ids is None
+                                         or not _rows_start_at_zero(position_ids)):
+        return None  # no published boundaries, and a left-padded prompt is no pack
+    return document_plan(position_ids, b, s, device)
+
+
+def _dense(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The original kernel, called exactly as the family's forward would have called it."""
+    kernel = getattr(module, DENSE_KERNEL_ATTR)
+    if kernel == "eager" or (kernel == "sdpa" and kwargs.get("output_attentions", False)):
+        family = sys.modules[type(module).__module__]
+        return family.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return ALL_ATTENTION_FUNCTIONS[kernel](module, query, key, value, attention_mask, **kwargs)
+
+
+def _packed_backend(module: nn.Module, query: torch.Tensor) -> str:
+    """flash-attn varlen where it can run, else the kernel family of the original kernel."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash"
+        except ImportError:
+            pass
+    return "eager" if getattr(module, DENSE_KERNEL_ATTR) == "eager" else "sdpa"
+
+
+def _check_packable(module: nn.Module, plan, head_dim: int, kwargs: dict) -> None:
+    """Refuse what the packed kernels do not compute, instead of computing something else."""
+    name = type(module).__name__
+    if kwargs.get("dropout", 0.0):
+        raise ValueError(
+            f"{name} layer {module.layer_idx}: attention dropout {kwargs['dropout']} is not "
+            "supported on packed batches (the packed kernels have no dropout); set "
+            "config.attention_dropout = 0.0, or collate with pack=False.")
+    scaling = kwargs.get("scaling")
+    if scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-12 * scaling:
+        raise ValueError(
+            f"{name} layer {module.layer_idx}: attention scaling {scaling} differs from "
+            f"head_dim ** -0.5 = {head_dim ** -0.5}, which the packed kernels use; this model "
+            "cannot train on packed batches.")
+    window = kwargs.get("sliding_window")
+    if window is not None and plan.max_seqlen > window:
+        raise ValueError(
+            f"{name} layer {module.layer_idx}: a packed document of {plan.max_seqlen} tokens is "
+            f"longer than the sliding window ({window}), which the packed kernels do not "
+            "apply; keep documents within the window (max_length) or collate with pack=False.")
+
+
+def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+    """``ALL_ATTENTION_FUNCTIONS`` entry: document-isolating on packed rows, else the original.
+
+    Args:
+        module: The calling attention layer (carries ``DENSE_KERNEL_ATTR``).
+        query: ``[b, n_h, s, h_d]`` rotated queries.
+        key: ``[b, n_kv, kv_len, h_d]`` rotated keys, cache included.
+        value: ``[b, n_kv, kv_len, h_d]``.
+        attention_mask: The model's mask for the original kernel (4-D additive or None).
+        **kwargs: ``dropout``, ``scaling``, ``sliding_window``, ``position_ids`` ``[b, s]`` and
+            whatever else the family passes (forwarded to the original kernel).
+
+    Returns:
+        ``([b, s, n_h, h_d]`` attention output, attention weights or None).
+
+    Raises:
+        ValueError: A packed batch with dropout, a non-standard scaling or a document longer
+            than the sliding window; a published ``cumulative_len`` not matching the batch.
+    """
+    # Rotation through a forward that bound the unpatched apply_rotary_pos_emb (fp32 cos/sin
+    # promote q, k to fp32): back to the activation dtype, one rounding.
+    query, key = query.to(value.dtype), key.to(value.dtype)
+    b, _, s, h_d = query.shape
+    plan = _plan(kwargs.get("position_ids"), b, s, key.shape[-2], query.device)
+    if plan is None:
+        return _dense(module, query, key, value, attention_mask, **kwargs)
+    _check_packable(module, plan, h_d, kwargs)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, heads, h_d]
+    return packed_attention(q, k, v, plan, _packed_backend(module, query)), None
+
+
+def is_patched_hf_attention(layer: nn.Module) -> bool:
+    """True if ``layer`` is a supported family's attention routed to ``hf_packed_attention``."""
+    config = getattr(layer, "config", None)
+    return (type(layer).__name__ in HF_ATTENTION_CLASSES and hasattr(layer, DENSE_KERNEL_ATTR)
+            and getattr(config, "_attn_implementation", None) == PACKED_ATTENTION_KEY)
+
+
+def integration_for(model: nn.Module) -> str | None:
+    """Which patch serves ``model`` (any wrapper): ``'internlm2'``, ``'hf'`` or None."""
+    names = {type(m).__name__ for m in model.modules()}
+    if names & set(INTERNLM2_ATTENTION_CLASSES):
+        return "internlm2"
+    if names & set(HF_ATTENTION_CLASSES):
+        return "hf"
+    return None
+
+
+def _route(layers: list[nn.Module]) -> None:
+    """Give each layer a config copy naming our key; one copy per original config."""
+    copies: dict[int, object] = {}
+    for layer in layers:
+        if is_patched_hf_attention(layer):
+            continue
+        original = layer.config
+        if id(original) not in copies:
+            routed = copy.copy(original)
+            routed._attn_implementation = PACKED_ATTENTION_KEY
+            copies[id(original)] = routed
+        setattr(layer, DENSE_KERNEL_ATTR, original._attn_implementation)
+        layer.config = copies[id(original)]
+
+
+def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
+    """Replace every upstream rotary module of a supported family; returns how many hold ours."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in HF_ROTARY_CLASSES:
+                child = HFValidatedRotaryEmbedding.from_module(child, max_position)
+                setattr(parent, name, child)
+            if isinstance(child, HFValidatedRotaryEmbedding):
+                if max_position is not None:
+                    child.max_position = max_position
+                count += 1
+    return count
+
+
+def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
+    """Give a Llama / Qwen2 / Mistral model the validated RoPE and document-isolating attention.
+
+    Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
+    ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. Also installs
+    ``compat.patch_hf_fp32_rotation`` for each family found.
+
+    Args:
+        model: The model, or a wrapper around it.
+        max_position: Optional override of the largest position id the RoPE accepts.
+
+    Returns:
+        The number of attention layers now routed to ``hf_packed_attention``.
+
+    Raises:
+        ValueError: No attention layer of a supported family, no rotary module on the model
+            (layers would rotate with unvalidated cos/sin), or an unsupported ``rope_type``.
+    """
+    layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
+    if not layers:
+        raise ValueError(
+            f"patch_hf_model: {type(model).__name__} contains no attention layer of a supported "
+            f"family ({HF_FAMILIES}: classes {', '.join(HF_ATTENTION_CLASSES)}). InternLM2 is "
+            "served by patch_internlm2_attention; for other models drop ValidatedRoPEHook and "
+            "train without packing (pack=False).")
+    if not _swap_rotaries(model, max_position):
+        raise ValueError(
+            f"patch_hf_model: {type(model).__name__} has {type(layers[0]).__name__} layers but "
+            f"no model-level rotary module ({', '.join(HF_ROTARY_CLASSES)}); this layout "
+            "(transformers other than 4.48?) is not supported.")
+    ALL_ATTENTION_FUNCTIONS[PACKED_ATTENTION_KEY] = hf_packed_attention
+    for module_name in sorted({type(layer).__module__ for layer in layers}):
+        compat.patch_hf_fp32_rotation(module_name)
+    _route(layers)
+    return len(layers)

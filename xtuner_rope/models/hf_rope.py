@@ -1,0 +1,169 @@
+"""Validated RoPE for the transformers families with one rotary module per model.
+
+Llama, Qwen2 and Mistral (transformers 4.48) compute cos/sin once per forward in
+``model.model.rotary_emb`` and pass them to every attention layer as ``position_embeddings``.
+Upstream that module keeps ``inv_freq`` as a floating buffer (``model.bfloat16()`` and
+DeepSpeed round it to bf16: angles off by radians at long positions), grows dynamic-NTK
+frequencies for good after one long batch, and checks no position id.
+``HFValidatedRotaryEmbedding`` replaces it: fp32 ``inv_freq`` whatever the cast, fp32 cos/sin
+from the real positions (the yarn / llama3 attention scaling applied), dynamic NTK computed per
+call from that call's positions, and a ValueError for a bad position id. Torch only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..positions import check_position_ids
+from ..rope import _cos_sin, _inv_freq
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+_ADVICE = ("truncate or split the sequence, enable rope_scaling, or pass max_position= to "
+           "patch_hf_model to allow more")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency bands: long wavelengths divided by ``factor``, short ones kept, a
+    linear blend (in ``original_max_position_embeddings / wavelength``) in between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # [h_d/2]
+    blend = (context / wavelength - low) / (high - low)  # 0 at the long edge, 1 at the short one
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    out = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    middle = (wavelength <= context / low) & (wavelength >= context / high)
+    return torch.where(middle, blended, out)
+
+
+def _yarn_inv_freq(base: float, dim: int, max_positions: int, scaling: dict, device=None):
+    """YaRN: interpolate (divide by ``factor``) the slow dims, extrapolate the fast ones, with a
+    linear ramp over the dims that turn between ``beta_slow`` and ``beta_fast`` times."""
+    factor = scaling["factor"]
+
+    def dim_of(turns: float) -> float:  # dim index whose wavelength fits `turns` times
+        return dim * math.log(max_positions / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(scaling.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(dim_of(scaling.get("beta_slow") or 1)), dim - 1)
+    high = high + 0.001 if high == low else high  # a one-dim ramp still needs a slope
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(device)  # [h_d/2] weight of the unscaled (extrapolated) frequency
+    powers = base ** (torch.arange(0, dim, 2).float().to(device) / dim)  # [h_d/2]
+    return (1.0 / (factor * powers)) * (1 - keep) + (1.0 / powers) * keep
+
+
+class HFValidatedRotaryEmbedding(nn.Module):
+    """Rotary embedding of a transformers Llama/Qwen2/Mistral model, validated and fp32.
+
+    Args:
+        config: The model's ``PretrainedConfig`` (``rope_theta``, ``head_dim`` or
+            ``hidden_size / num_attention_heads``, ``max_position_embeddings``, ``rope_scaling``
+            with ``rope_type`` or the older ``type`` key).
+        max_position: Optional override of the position limit (see ``limit``).
+        device: Device of ``inv_freq``.
+
+    Raises:
+        ValueError: A ``rope_type`` outside ``SUPPORTED_ROPE_TYPES``.
+    """
+
+    def __init__(self, config, max_position: int | None = None, device=None):
+        super().__init__()
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling rope_type={self.rope_type!r} of {type(config).__name__} is not "
+                f"supported by the validated RoPE (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+                "train without ValidatedRoPEHook / patch_hf_model for this model.")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        self.base = float(config.rope_theta)
+        self.max_position_embeddings = config.max_position_embeddings
+        self.scaling, self.max_position = scaling, max_position
+        self.attention_scaling = 1.0
+        if self.rope_type == "yarn":
+            self.attention_scaling = scaling.get("attention_factor") or 0.1 * math.log(
+                scaling["factor"]) + 1.0
+        self.register_buffer("inv_freq", self.inv_freq_at(None, device), persistent=False)
+
+    @classmethod
+    def from_module(cls, rotary: nn.Module, max_position: int | None = None):
+        """Build one from an upstream rotary module (its ``config``, on its ``inv_freq`` device)."""
+        return cls(rotary.config, max_position, rotary.inv_freq.device)
+
+    def inv_freq_at(self, seq_len: int | None, device=None) -> torch.Tensor:
+        """fp32 inverse frequencies ``[h_d/2]``; ``seq_len`` (dynamic NTK only) is the length
+        the frequencies must serve, at least ``max_position_embeddings``."""
+        scaling, dim = self.scaling, self.dim
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq(self.base, dim, self.max_position_embeddings, scaling, device)
+        base = self.base
+        if self.rope_type == "dynamic":
+            length = max(seq_len or 0, self.max_position_embeddings)
+            factor = scaling["factor"]
+            stretch = factor * length / self.max_position_embeddings - (factor - 1)
+            base = base * stretch ** (dim / (dim - 2))
+        inv_freq = _inv_freq(base, dim, device)
+        if self.rope_type == "linear":
+            return inv_freq / scaling["factor"]
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, scaling)
+        return inv_freq
+
+    def limit(self) -> tuple[int | None, str]:
+        """(limit, description): positions must be below limit; None means unbounded."""
+        if self.max_position is not None:
+            return self.max_position, f"max_position={self.max_position}"
+        desc = f"max_position_embeddings={self.max_position_embeddings}"
+        if self.rope_type == "dynamic":
+            return None, "dynamic NTK scaling"
+        if self.rope_type == "default":
+            return self.max_position_embeddings, desc
+        original = (self.scaling.get("original_max_position_embeddings")
+                    or self.max_position_embeddings)
+        scaled = int(original * self.scaling["factor"])
+        return max(scaled, self.max_position_embeddings), (
+            f"{desc}, {self.rope_type} scaling factor {self.scaling['factor']} x {original}")
+
+    def _apply(self, fn, recurse=True):
+        # model.bfloat16() / .half() (DeepSpeed calls them) cast every floating buffer:
+        # recompute inv_freq in fp32 wherever the buffer now lives.
+        super()._apply(fn, recurse)
+        self.inv_freq = self.inv_freq_at(None, self.inv_freq.device)
+        return self
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """fp32 cos and sin for the tokens of ``x``.
+
+        Args:
+            x: ``[b, s, hidden]`` hidden states (gives b, s and the device).
+            position_ids: Integer ``[b, s]`` or ``[1, s]``; None means ``arange(s)[None]``.
+
+        Returns:
+            cos, sin ``[b, s, h_d]`` in fp32 (times the yarn attention scaling), whatever the
+            dtype of ``x``: the family's ``apply_rotary_pos_emb`` (patched by
+            ``compat.patch_hf_fp32_rotation``) rotates in fp32 and returns q's dtype.
+
+        Raises:
+            TypeError: position_ids not an integer tensor.
+            ValueError: Bad position ids (see ``check_position_ids``).
+        """
+        b, s = x.shape[:2]
+        if position_ids is None:  # built and checked on the CPU: no device sync
+            position_ids = torch.arange(s)[None]  # [1, s]
+        _, hi = check_position_ids(position_ids, b, s, *self.limit(), _ADVICE)
+        inv_freq = self.inv_freq.to(x.device)
+        if self.rope_type == "dynamic" and hi + 1 > self.max_position_embeddings:
+            inv_freq = self.inv_freq_at(hi + 1, x.device)  # this call only: no sticky growth
+        cos, sin = _cos_sin(position_ids.to(x.device).float(), inv_freq)  # [b, s, h_d]
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, "
+                f"attention_scaling={self.attention_scaling}, limit={self.limit()[0]}")
