@@ -1,4 +1,8 @@
-"""MMEngine hooks: thin glue between the runner and xtuner_rope's attention / validation code."""
+"""MMEngine hooks: thin glue between the runner and xtuner_rope's attention / validation code.
+
+``enable_xtuner_rope`` (the config's ``model_resource``, see ``xtuner_rope.startup``) adds both
+hooks to ``custom_hooks``; list them yourself only to pass arguments.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,14 @@ from .attention import (
     internlm2_attention_forward,
     patch_internlm2_attention,
 )
+from .models.hf import (
+    HF_ATTENTION_CLASSES,
+    HF_FAMILIES,
+    integration_for,
+    is_patched_hf_attention,
+    patch_hf_model,
+)
+from .models.hf_rope import HFValidatedRotaryEmbedding
 from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding, use_fused_apply
 from .startup import require_prepared
@@ -27,13 +39,39 @@ from .validate import check_packed_batch, row_boundaries
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
 
+VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
+
+
 def isolates_documents(model: nn.Module) -> bool:
-    """True if every attention layer of ``model`` is InternLM2's and carries our patch."""
-    layers = [m for m in model.modules() if "Attention" in type(m).__name__
-              and hasattr(m, "rotary_emb")]
+    """True if ``model`` has attention layers of a supported family, all carrying our patch."""
+    layers = [m for m in model.modules()
+              if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES + HF_ATTENTION_CLASSES]
     return bool(layers) and all(
-        type(m).__name__ in INTERNLM2_ATTENTION_CLASSES
-        and getattr(m.forward, "__func__", None) is internlm2_attention_forward for m in layers)
+        is_patched_hf_attention(m)
+        or getattr(m.forward, "__func__", None) is internlm2_attention_forward for m in layers)
+
+
+def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
+    """Patch ``model`` with the integration of its family.
+
+    Returns:
+        The number of attention layers patched and the family's name.
+
+    Raises:
+        ValueError: no supported family's attention layer in ``model``.
+    """
+    integration = integration_for(model)
+    if integration == "internlm2":
+        return patch_internlm2_attention(model, max_position=max_position), "InternLM2"
+    if integration == "hf":
+        layer = next(m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES)
+        return patch_hf_model(model, max_position=max_position), \
+            type(layer).__name__.removesuffix("Attention")
+    raise ValueError(
+        f"ValidatedRoPEHook: {type(_unwrap(model)).__name__} has no attention layer xtuner-rope "
+        f"can serve. Supported families: InternLM2 / InternLM2.5 (classes "
+        f"{', '.join(INTERNLM2_ATTENTION_CLASSES)}), {HF_FAMILIES} (classes "
+        f"{', '.join(HF_ATTENTION_CLASSES)}). Train this model without xtuner-rope.")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -44,7 +82,11 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 class ValidatedRoPEHook(Hook):
-    """Swap every InternLM2 attention layer to the validated fp32 RoPE and packed attention.
+    """Give the model the validated fp32 RoPE and document-isolating attention of its family.
+
+    InternLM2 (XTuner's classes or a checkpoint's remote code) through
+    ``patch_internlm2_attention``; transformers' Llama, Qwen2 and Mistral through
+    ``models.hf.patch_hf_model``; any other model is refused, naming the supported families.
 
     Runs before training, validation and testing (idempotent), after the runner has wrapped
     the model, so DDP / DeepSpeed / PEFT wrappers are covered. ``enable_xtuner_rope`` (the
@@ -67,13 +109,13 @@ class ValidatedRoPEHook(Hook):
 
     def _patch(self, runner) -> None:
         require_prepared(getattr(runner, "cfg", None), type(self).__name__)
-        count = patch_internlm2_attention(runner.model, max_position=self.max_position)
-        rotary = next(m for m in runner.model.modules() if isinstance(m, ValidatedRotaryEmbedding))
+        count, family = patch_model(runner.model, max_position=self.max_position)
+        rotary = next(m for m in runner.model.modules() if isinstance(m, VALIDATED_ROTARIES))
         limit, why = rotary.limit()
         if self.fused_apply:
             use_fused_apply(True)
         kernel = "fused (torch.compile)" if self.fused_apply else "eager"
-        print_log(f"ValidatedRoPEHook: {count} InternLM2 attention layers use the validated fp32 "
+        print_log(f"ValidatedRoPEHook: {count} {family} attention layers use the validated fp32 "
                   f"RoPE ({kernel} kernel) and document-isolating attention; positions must be "
                   f"< {limit} ({why}).", logger="current")
 
@@ -156,7 +198,7 @@ class PackedBatchCheckHook(Hook):
         if self.max_position is not None:
             return vocab, self.max_position
         rotary = next((m for m in runner.model.modules()
-                       if isinstance(m, ValidatedRotaryEmbedding)), None)
+                       if isinstance(m, VALIDATED_ROTARIES)), None)
         if rotary is not None:
             return vocab, rotary.limit()[0]
         return vocab, getattr(config, "max_position_embeddings", None)

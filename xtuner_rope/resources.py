@@ -22,8 +22,9 @@ from .startup import enable_xtuner_rope, prepare_started_config
 __all__ = ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"]
 
 
-def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0) -> str:
-    """Return the embedded tiny InternLM2 checkpoint at ``path``, building it if it is missing.
+def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0,
+                   family: str = "internlm2") -> str:
+    """Return the embedded tiny checkpoint at ``path``, building it if it is missing.
 
     Safe under several processes: each builds into its own temporary directory and renames it
     into place; the first rename wins and the others discard their identical copy.
@@ -32,6 +33,8 @@ def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", see
         path: Checkpoint directory.
         data_path: Dialogues that train the tokenizer.
         seed: Weight-initialisation seed.
+        family: ``'internlm2'`` (default), or ``'qwen2'`` / ``'llama'`` for the tiny
+            transformers stand-ins of the other recipes.
 
     Returns:
         ``path``.
@@ -41,7 +44,7 @@ def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", see
     if (Path(path) / "config.json").is_file():
         return prepare_started_config(path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    save_tiny_internlm2(tmp, data_path, seed=seed)
+    save_tiny_internlm2(tmp, data_path, seed=seed, family=family)
     try:
         os.rename(tmp, path)
     except OSError:  # another process got there first

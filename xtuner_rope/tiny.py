@@ -113,8 +113,42 @@ def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
     return model.eval()
 
 
+def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """Build a randomly initialised tiny transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+
+    Same sizes as the tiny InternLM2 (``TINY_MODEL_KWARGS``), GQA included.
+
+    Args:
+        family: ``'llama'`` or ``'qwen2'``.
+        vocab_size: Embedding rows; use ``len(tokenizer)``.
+        seed: Seed for the weight initialisation (the global torch RNG is restored after).
+        **overrides: Config fields replacing the defaults.
+
+    Returns:
+        The model in fp32 and eval mode.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if family not in classes:
+        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(classes)}.")
+    config_cls, model_cls = classes[family]
+    config = config_cls(vocab_size=vocab_size, **{**TINY_MODEL_KWARGS, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model.eval()
+
+
+def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """The tiny model of ``family`` (``'internlm2'``, ``'llama'`` or ``'qwen2'``)."""
+    if family == "internlm2":
+        return build_tiny_internlm2(vocab_size, seed=seed, **overrides)
+    return build_tiny_hf(family, vocab_size, seed=seed, **overrides)
+
+
 def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path, seed: int = 0,
-                        vocab_size: int = 1024) -> Path:
+                        vocab_size: int = 1024, family: str = "internlm2") -> Path:
     """Train the tokenizer, build the model and save both as one checkpoint directory.
 
     The checkpoint carries no remote code (no ``auto_map``): after ``import xtuner_rope``,
@@ -125,13 +159,14 @@ def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path, seed: 
         dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer.
         seed: Weight-initialisation seed.
         vocab_size: Tokenizer vocabulary size.
+        family: ``'internlm2'`` (default), ``'llama'`` or ``'qwen2'`` (transformers' classes).
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
     out_dir = Path(out_dir)
     tokenizer = train_tokenizer(iter_dialogue_texts(dialogues_jsonl), vocab_size=vocab_size)
-    model = build_tiny_internlm2(len(tokenizer), seed=seed)
+    model = build_tiny(family, len(tokenizer), seed=seed)
     # Without these, save_pretrained copies XTuner's modeling files and writes `auto_map`, and
     # `trust_remote_code=True` would then load a second, dynamic copy of the classes.
     model._auto_class = None
