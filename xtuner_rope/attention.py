@@ -14,7 +14,9 @@ wherever the position is 0). Backends:
   keeps real queries away from it.
 
 Rows without boundaries (plain padded batches, generation steps with a KV cache) take the
-dense path with the model's own mask, exactly as the InternLM2 classes do.
+dense path with the model's own mask, exactly as the InternLM2 classes do. The KV cache is
+kept the way the layer's own remote code keeps it (a transformers ``Cache``, or the first
+generation's per-layer ``(k, v)`` tuples): see ``kv_cache``.
 """
 
 from __future__ import annotations
