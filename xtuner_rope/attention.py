@@ -14,7 +14,9 @@ wherever the position is 0). Backends:
   keeps real queries away from it.
 
 Rows without boundaries (plain padded batches, generation steps with a KV cache) take the
-dense path with the model's own mask, exactly as the InternLM2 classes do.
+dense path with the model's own mask, exactly as the InternLM2 classes do. The KV cache is
+kept the way the layer's own remote code keeps it (a transformers ``Cache``, or the first
+generation's per-layer ``(k, v)`` tuples): see ``kv_cache``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kv_cache import extend_cache, past_length
 from .packing import cumulative_from_position_ids, flat_cumulative
 from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 
@@ -259,17 +262,21 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
     """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, and
     documents isolated whenever the batch is packed.
 
-    Same signature and return as upstream; attention weights are never returned (None).
+    Same signature and return as the layer's own code, under either KV-cache contract (see
+    ``kv_cache``): a transformers ``Cache`` is updated and returned; a ``(k, v)`` tuple or None
+    (first-generation remote code) is extended and ``(k, v)`` returned when ``use_cache``.
+    Attention weights are never returned (None).
     """
     b, s, _ = hidden_states.shape
     q, k, v = (x.transpose(1, 2) for x in _project_qkv(self, hidden_states))  # [b, heads, s, h_d]
-    cos, sin = self.rotary_emb(v, position_ids)  # [b, s, h_d]
+    past_len = past_length(self, past_key_value)
+    positions = position_ids
+    if positions is None:  # the new tokens follow the cached ones
+        positions = torch.arange(past_len, past_len + s)[None]  # [1, s]
+    cos, sin = self.rotary_emb(v, positions)  # [b, s, h_d] at the new tokens' positions
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    past_len = 0
-    if past_key_value is not None:
-        past_len = past_key_value.get_seq_length(self.layer_idx)
-        k, v = past_key_value.update(k, v, self.layer_idx,
-                                     dict(sin=sin, cos=cos, cache_position=cache_position))
+    k, v, present = extend_cache(self, k, v, past_key_value, use_cache,
+                                 dict(sin=sin, cos=cos, cache_position=cache_position))
     # Boundaries only describe a fresh sequence: with cached keys, the model's mask is right.
     plan = document_plan(position_ids, b, s, q.device) if past_len == 0 else None
     if plan is not None:
@@ -278,7 +285,7 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
     else:
         out = _dense_attention(self, q, k, v, attention_mask, s)
     out = out.reshape(b, s, -1).to(hidden_states.dtype)  # [b, s, n_h * h_d]
-    return self.wo(out), None, past_key_value
+    return self.wo(out), None, present
 
 
 def patch_internlm2_attention(model: nn.Module, max_position: int | None = None) -> int:
