@@ -27,7 +27,9 @@ import pytest
 from xtuner_rope.runlog import check_run
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ["configs/tiny_internlm2_short_dialogues.py"]
+INTERNLM2 = "configs/tiny_internlm2_short_dialogues.py"
+QWEN2 = "configs/tiny_qwen2_short_dialogues.py"  # transformers' attention interface path
+ZERO2, ZERO3 = "configs/deepspeed/zero2_fp32_cpu.json", "configs/deepspeed/zero3_fp32_cpu.json"
 ITERS = 12
 GLOBAL_BATCH = 16
 NPROC = 2
@@ -121,7 +123,7 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
     return (proc.stdout + proc.stderr)[-4000:]
 
 
-@pytest.fixture(scope="module", params=CONFIGS)
+@pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     """The paired data file and the one-process losses (global batch 16) for one recipe."""
     tmp = tmp_path_factory.mktemp("multiprocess")
@@ -137,9 +139,10 @@ def reference(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deepspeed", [None, "configs/deepspeed/zero2_fp32_cpu.json",
-                                       "configs/deepspeed/zero3_fp32_cpu.json"],
-                         ids=["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("reference,deepspeed", [
+    (INTERNLM2, None), (INTERNLM2, ZERO2), (INTERNLM2, ZERO3), (QWEN2, None)],
+    ids=["internlm2-ddp", "internlm2-zero2", "internlm2-zero3", "qwen2-ddp"],
+    indirect=["reference"])
 def test_two_processes_match_one(reference, deepspeed, tmp_path):
     config, data_file, one = reference
     cmd = ["xtuner", "train", config, "--work-dir", str(tmp_path), "--launcher", "pytorch"]
