@@ -6,9 +6,9 @@
 #   (on one GPU, leave NPROC_PER_NODE out)
 #
 # Run from the repository root: the paths in PART 1 are relative to it. Needs bitsandbytes with
-# GPU kernels. The plugin is on through three things: `model_resource` (imports xtuner_rope
-# before XTuner builds anything, so its compat patches apply), `rope_collate_fn` (packing with
-# positions restarting per dialogue) and the two hooks in PART 5.
+# GPU kernels. The plugin is on through `model_resource` (loads xtuner_rope before XTuner
+# builds anything, checks the config, adds the plugin's hooks where missing) and
+# `rope_collate_fn` (packing with positions restarting per dialogue); PART 5 lists the hooks.
 import torch
 from datasets import load_dataset
 from mmengine.dataset import DefaultSampler

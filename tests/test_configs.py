@@ -69,7 +69,7 @@ def _type(node):
 def test_configs_are_found():
     assert {"configs/tiny_internlm2_short_dialogues.py",
             "configs/tiny_qwen2_short_dialogues.py"} <= set(TINY_RECIPES)
-    assert len(GPU_RECIPES) >= 6, GPU_RECIPES
+    assert len(GPU_RECIPES) >= 12, GPU_RECIPES
     assert {"configs/deepspeed/zero2_bf16.json", "configs/deepspeed/zero3_bf16.json",
             "configs/deepspeed/zero2_fp32_cpu.json",
             "configs/deepspeed/zero3_fp32_cpu.json"} <= set(DEEPSPEED_JSONS)
@@ -158,16 +158,26 @@ def test_gpu_recipe_is_bf16(config):
         assert "lora" in cfg.model
 
 
+def _family(config: str) -> str:
+    """The tiny stand-in family of a recipe, from its name."""
+    name = Path(config).name
+    return "qwen2" if name.startswith("qwen") else "llama" if name.startswith("llama") \
+        else "internlm2"
+
+
 def _tiny_cfg(config: str, quantize: bool) -> Config:
-    """The recipe with the tiny model everywhere the real checkpoint was named."""
+    """The recipe with the tiny model of its family everywhere the real checkpoint was named."""
     from xtuner.tools.utils import set_model_resource
 
     from xtuner_rope.resources import tiny_internlm2
 
+    family = _family(config)
+    tiny = TINY_MODEL if family == "internlm2" else f"models/tiny-{family}"
     # Build it if this is the first test to need it (a fresh clone has no models/).
-    tiny_internlm2(str(REPO / TINY_MODEL), data_path=str(REPO / "data" / "short_dialogues.jsonl"))
+    tiny_internlm2(str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"),
+                   family=family)
     cfg = _load(config)
-    cfg.pretrained_model_name_or_path = TINY_MODEL
+    cfg.pretrained_model_name_or_path = tiny
     if not torch.cuda.is_available():  # the README's CPU edit (the start-up refuses AMP here)
         from mmengine.optim import OptimWrapper
 
@@ -217,6 +227,9 @@ def test_gpu_recipe_builds_and_steps_with_tiny_model(config):
     """On CPU: no DeepSpeed init, and QLoRA without quantization_config (needs CUDA kernels)."""
     cfg = _tiny_cfg(config, quantize=False)
     model, batch = _train_step(cfg)
+    expected = {"internlm2": "InternLM2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "llama": "LlamaForCausalLM"}[_family(config)]
+    assert expected in {type(m).__name__ for m in model.modules()}
     data = batch["data"]
     b, s = data["input_ids"].shape
     assert s <= cfg.max_length and b < cfg.batch_size, "the batch was not packed"

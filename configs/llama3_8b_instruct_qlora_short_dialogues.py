@@ -1,0 +1,228 @@
+# xtuner-rope recipe: QLoRA (4-bit NF4 base + LoRA, bf16 compute) of Llama-3-8B-Instruct on short
+# dialogues, each batch's dialogues packed into rows with per-document RoPE positions.
+#
+#   huggingface-cli download meta-llama/Meta-Llama-3-8B-Instruct --local-dir models/llama3-8b-instruct
+#   NPROC_PER_NODE=8 xtuner train configs/llama3_8b_instruct_qlora_short_dialogues.py
+#   (on one GPU, leave NPROC_PER_NODE out)
+#
+# Run from the repository root: the paths in PART 1 are relative to it. Needs bitsandbytes with
+# GPU kernels. The plugin is on through `model_resource` (loads xtuner_rope before XTuner
+# builds anything, checks the config, adds the plugin's hooks where missing) and
+# `rope_collate_fn` (packing with positions restarting per dialogue); PART 5 lists the hooks.
+import torch
+from datasets import load_dataset
+from mmengine.dataset import DefaultSampler
+from mmengine.hooks import (
+    CheckpointHook,
+    DistSamplerSeedHook,
+    IterTimerHook,
+    LoggerHook,
+    ParamSchedulerHook,
+)
+from mmengine.optim import AmpOptimWrapper, CosineAnnealingLR, LinearLR
+from peft import LoraConfig
+from torch.optim import AdamW
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from xtuner.dataset import process_hf_dataset
+from xtuner.dataset.map_fns import openai_map_fn, template_map_fn_factory
+from xtuner.engine.hooks import DatasetInfoHook, EvaluateChatHook
+from xtuner.engine.runner import TrainLoop
+from xtuner.model import SupervisedFinetune
+from xtuner.utils import PROMPT_TEMPLATE
+from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+from xtuner_rope.resources import local_checkpoint
+
+#######################################################################
+#                          PART 1  Settings                           #
+#######################################################################
+# Model: a local copy of meta-llama/Meta-Llama-3-8B-Instruct (see the download line above).
+pretrained_model_name_or_path = "models/llama3-8b-instruct"
+# `xtuner train` calls this first; being an xtuner_rope import, it also applies the plugin's
+# compat patches before XTuner builds the model.
+model_resource = dict(fn=local_checkpoint)
+attn_implementation = "sdpa"  # "flash_attention_2" if flash-attn is installed
+use_activation_checkpointing = True
+
+# Data: OpenAI-messages JSONL, one dialogue per line (the sample data by default).
+data_path = "data/short_dialogues.jsonl"
+prompt_template = PROMPT_TEMPLATE.llama3_chat
+max_length = 2048  # tokens per packed row; a longer dialogue is truncated to this
+pack = True  # collate-time packing: each batch's dialogues share as few rows as possible
+
+# LoRA (on every linear layer of the 4-bit base model)
+lora_r = 64
+lora_alpha = 16
+lora_dropout = 0.1
+
+# Scheduler & Optimizer
+batch_size = 16  # dialogues per GPU and step, packed into rows of max_length
+accumulative_counts = 2
+dataloader_num_workers = 2
+max_epochs = 3
+optim_type = AdamW
+lr = 2e-4
+betas = (0.9, 0.999)
+weight_decay = 0
+max_norm = 1  # grad clip
+warmup_ratio = 0.03
+
+# Save
+save_steps = 500
+save_total_limit = 2  # Maximum checkpoints to keep (-1 means unlimited)
+
+# Evaluate the generation performance during the training
+evaluation_freq = 500
+evaluation_inputs = [
+    "Can you write Omar a get-well message? Sign it from Maria.",
+    "What is 7 plus 5?",
+]
+
+# Reproducibility
+seed = 0
+
+#######################################################################
+#                      PART 2  Model & Tokenizer                      #
+#######################################################################
+tokenizer = dict(
+    type=AutoTokenizer.from_pretrained,
+    pretrained_model_name_or_path=pretrained_model_name_or_path,
+    trust_remote_code=True,
+    padding_side="right",
+)
+
+model = dict(
+    type=SupervisedFinetune,
+    use_activation_checkpointing=use_activation_checkpointing,
+    llm=dict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=pretrained_model_name_or_path,
+        trust_remote_code=True,
+        torch_dtype=torch.bfloat16,
+        # from_pretrained's default (eager) would override the checkpoint's setting
+        attn_implementation=attn_implementation,
+        quantization_config=dict(
+            type=BitsAndBytesConfig,
+            load_in_4bit=True,
+            load_in_8bit=False,
+            llm_int8_threshold=6.0,
+            llm_int8_has_fp16_weight=False,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_type="nf4",
+        ),
+    ),
+    lora=dict(
+        type=LoraConfig,
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    ),
+)
+
+#######################################################################
+#                      PART 3  Dataset & Dataloader                   #
+#######################################################################
+train_dataset = dict(
+    type=process_hf_dataset,
+    dataset=dict(type=load_dataset, path="json", data_files=dict(train=data_path)),
+    tokenizer=tokenizer,
+    max_length=max_length,
+    dataset_map_fn=openai_map_fn,
+    template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+    remove_unused_columns=True,
+    shuffle_before_pack=True,
+    pack_to_max_length=False,  # packing happens per batch, in rope_collate_fn
+)
+
+train_dataloader = dict(
+    batch_size=batch_size,
+    num_workers=dataloader_num_workers,
+    dataset=train_dataset,
+    sampler=dict(type=DefaultSampler, shuffle=True),
+    collate_fn=dict(
+        type=rope_collate_fn,
+        pack=pack,
+        max_length=max_length,
+        use_varlen_attn=False,
+    ),
+)
+
+#######################################################################
+#                    PART 4  Scheduler & Optimizer                    #
+#######################################################################
+optim_wrapper = dict(
+    type=AmpOptimWrapper,
+    optimizer=dict(type=optim_type, lr=lr, betas=betas, weight_decay=weight_decay),
+    clip_grad=dict(max_norm=max_norm, error_if_nonfinite=False),
+    accumulative_counts=accumulative_counts,
+    loss_scale="dynamic",
+    dtype="bfloat16",
+)
+
+param_scheduler = [
+    dict(
+        type=LinearLR,
+        start_factor=1e-5,
+        by_epoch=True,
+        begin=0,
+        end=warmup_ratio * max_epochs,
+        convert_to_iter_based=True,
+    ),
+    dict(
+        type=CosineAnnealingLR,
+        eta_min=0.0,
+        by_epoch=True,
+        begin=warmup_ratio * max_epochs,
+        end=max_epochs,
+        convert_to_iter_based=True,
+    ),
+]
+
+train_cfg = dict(type=TrainLoop, max_epochs=max_epochs)
+
+#######################################################################
+#                           PART 5  Runtime                           #
+#######################################################################
+custom_hooks = [
+    # xtuner-rope: validated fp32 RoPE + document-isolating attention, and per-batch checks.
+    dict(type=ValidatedRoPEHook),
+    dict(type=PackedBatchCheckHook),
+    dict(type=DatasetInfoHook, tokenizer=tokenizer),
+    dict(
+        type=EvaluateChatHook,
+        tokenizer=tokenizer,
+        every_n_iters=evaluation_freq,
+        evaluation_inputs=evaluation_inputs,
+        prompt_template=prompt_template,
+    ),
+]
+
+default_hooks = dict(
+    timer=dict(type=IterTimerHook),
+    logger=dict(type=LoggerHook, log_metric_by_epoch=False, interval=10),
+    param_scheduler=dict(type=ParamSchedulerHook),
+    checkpoint=dict(
+        type=CheckpointHook,
+        by_epoch=False,
+        interval=save_steps,
+        max_keep_ckpts=save_total_limit,
+    ),
+    sampler_seed=dict(type=DistSamplerSeedHook),
+)
+
+env_cfg = dict(
+    cudnn_benchmark=False,
+    mp_cfg=dict(mp_start_method="fork", opencv_num_threads=0),
+    dist_cfg=dict(backend="nccl"),
+)
+
+visualizer = None
+log_level = "INFO"
+load_from = None
+resume = False
+randomness = dict(seed=seed, deterministic=False)
+log_processor = dict(by_epoch=False)
