@@ -1,7 +1,7 @@
 """Packing benchmark: real-token share and training speed of rope_collate_fn vs XTuner padding.
 
-On our sample short dialogues and the tiny InternLM2 (fp32, ``attn_implementation='sdpa'``),
-in one run:
+On our sample short dialogues and the tiny InternLM2 and Qwen2 (fp32,
+``attn_implementation='sdpa'``), in one run:
 
 - P1: real tokens / ``input_ids`` positions of ``rope_collate_fn(pack=True)`` batches against
   XTuner's ``default_collate_fn`` (padding to the longest dialogue of the batch), over the
@@ -32,11 +32,10 @@ import types
 import torch
 from tqdm import tqdm
 
-from xtuner_rope.attention import patch_internlm2_attention
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.hooks import PackedBatchCheckHook, patch_model
 from xtuner_rope.resources import tiny_internlm2
-from xtuner_rope.tiny import build_tiny_internlm2
+from xtuner_rope.tiny import build_tiny
 
 SHARE_SWEEP = (8, 16, 24, 32, 64, 128, 256, 600)  # packed share for these batch sizes too
 
@@ -61,6 +60,8 @@ def parse_args():
                         help='cpu: process CPU time, immune to time-slicing by other processes '
                         '(auto picks it for --threads 1; OpenMP spin-waits inflate it otherwise)')
     parser.add_argument('--seed', type=int, default=0, help='shuffle and model-init seed')
+    parser.add_argument('--families', default='internlm2,qwen2',
+                        help="comma-separated tiny models for P2/P3: internlm2, qwen2, llama")
     parser.add_argument('--quick', action='store_true', help='16 timed batches: ~1-2 minutes')
     return parser.parse_args()
 
@@ -170,16 +171,16 @@ def time_variants(variants, n_batches, args):
     return {name: [statistics.median(ts) for ts in per] for name, per in samples.items()}
 
 
-def report_speed(items, vocab_size, args):
-    """P2 and P3 lines."""
+def report_speed(items, vocab_size, args, family):
+    """P2 and P3 lines for the tiny model of ``family`` (InternLM2, or transformers' Qwen2)."""
     if args.pack_batch != args.pad_batch:
         raise SystemExit('P2/P3 pair batches one to one: use --pack-batch == --pad-batch.')
     train_items = items[:args.train_batches * args.pack_batch]
     pack_batches = [packed(b, args) for b in batches_of(train_items, args.pack_batch)]
     pad_batches = [padded(b) for b in batches_of(train_items, args.pad_batch)]
-    base = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation='sdpa')
+    base = build_tiny(family, vocab_size, seed=args.seed, attn_implementation='sdpa')
     isolated = copy.deepcopy(base)
-    patch_internlm2_attention(isolated)
+    patch_model(isolated)
     variants = [Variant('isolated', isolated, pack_batches, PackedBatchCheckHook()),
                 Variant('padded', copy.deepcopy(base), pad_batches),
                 Variant('leaky', base, pack_batches)]
@@ -190,16 +191,16 @@ def report_speed(items, vocab_size, args):
     rows = [b['data']['input_ids'].shape for b in pack_batches]
     pad_s = statistics.mean(b['data']['input_ids'].shape[1] for b in pad_batches)
     speedup, ideal = times['padded'] / times['isolated'], 1 / pad_share
-    print(f'P2 setup: {len(pack_batches)} batches of {args.pack_batch} dialogues ({real} real '
+    print(f'[{family}] P2 setup: {len(pack_batches)} batches of {args.pack_batch} dialogues ({real} real '
           f'tokens), packed -> {statistics.mean(r[0] for r in rows):.2f} rows x mean s '
           f'{statistics.mean(r[1] for r in rows):.0f} (share {100 * pack_share:.1f}%) | padded '
           f'[{args.pad_batch}, mean s {pad_s:.0f}] '
           f'(share {100 * pad_share:.1f}%); fp32, {args.threads} thread(s), {args.clock} time, '
           f'median of {args.repeats} interleaved repeats per batch')
-    print(f'P2 tokens/s: packed+isolated {real / times["isolated"]:.0f} | xtuner padded '
+    print(f'[{family}] P2 tokens/s: packed+isolated {real / times["isolated"]:.0f} | xtuner padded '
           f'{real / times["padded"]:.0f} -> {speedup:.2f}x xtuner padded (ideal {ideal:.2f}x, '
           f'{100 * speedup / ideal:.0f}% of ideal)')
-    print(f'P3 step time: isolated / leaky packed = {times["isolated"] / times["leaky"]:.2f}x '
+    print(f'[{family}] P3 step time: isolated / leaky packed = {times["isolated"] / times["leaky"]:.2f}x '
           f'({1e3 * times["isolated"] / len(rows):.1f} ms vs '
           f'{1e3 * times["leaky"] / len(rows):.1f} ms per batch)')
 
@@ -214,7 +215,8 @@ def main():
     start = time.perf_counter()
     items, vocab_size = load_items(args)
     report_share(items, args)
-    report_speed(items, vocab_size, args)
+    for family in args.families.split(','):
+        report_speed(items, vocab_size, args, family)
     print(f'(total {time.perf_counter() - start:.0f} s)')
 
 
