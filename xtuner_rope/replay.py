@@ -156,7 +156,7 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     handles = _watch(model, record['data'], found)
     try:
         model.train()
-        losses = model(**data, mode='loss')
+        losses = model(data, mode='loss')  # XTuner's SupervisedFinetune.forward(data, ...)
         loss = sum(v.sum() for k, v in losses.items() if 'loss' in k)
         if not found and not bool(torch.isfinite(loss)):
             found.append(Finding('forward', 'loss', 'loss', 'nan' if bool(torch.isnan(loss))
