@@ -110,17 +110,18 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     position_ids = data.get('position_ids')
     seg = segment_ids(position_ids, (b, s), data.get('attention_mask')).reshape(-1)
     n_seg = int(seg[-1]) + 1
-    lengths = torch.bincount(seg, minlength=n_seg)
-    real_in_seg = torch.bincount(seg, weights=(~_padding_tokens(data, pad_index)).reshape(-1)
-                                 .double(), minlength=n_seg)
-    last_of_row = seg.reshape(b, s)[:, -1]
-    padding = torch.zeros(n_seg, dtype=torch.bool)
-    padding[last_of_row] = real_in_seg[last_of_row] == 0
+    real = ~_padding_tokens(data, pad_index).reshape(-1)
     # A label is used by the loss unless it is -100 or the first of its segment.
-    first = torch.ones_like(seg, dtype=torch.bool)
+    first = torch.ones_like(real)
     first[1:] = seg[1:] != seg[:-1]
     used = (data['labels'].reshape(-1) != IGNORE_INDEX) & ~first
-    supervised = torch.bincount(seg, weights=used.double(), minlength=n_seg) > 0
+    # One integer bincount of (segment, real, used) gives every per-segment count at once.
+    counts = torch.bincount(seg * 4 + real * 2 + used, minlength=4 * n_seg).reshape(n_seg, 4)
+    lengths = counts.sum(1)
+    last_of_row = seg.reshape(b, s)[:, -1]
+    padding = torch.zeros(n_seg, dtype=torch.bool)
+    padding[last_of_row] = counts[last_of_row, 2:].sum(1) == 0  # no real token
+    supervised = (counts[:, 1] + counts[:, 3]) > 0
     docs = ~padding
     return BatchStats(
         rows=b, tokens=b * s, real_tokens=int(lengths[docs].sum()), documents=int(docs.sum()),
