@@ -13,7 +13,7 @@ own). A real document made only of pad ids with no label would be counted as pad
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -46,9 +46,12 @@ class BatchStats:
     unsupervised_documents: int = 0
 
     def __add__(self, other: BatchStats) -> BatchStats:
-        peaks = ('longest_document', 'max_position')
-        return BatchStats(**{f.name: (max if f.name in peaks else int.__add__)(
-            getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
+        return BatchStats(
+            self.rows + other.rows, self.tokens + other.tokens,
+            self.real_tokens + other.real_tokens, self.documents + other.documents,
+            max(self.longest_document, other.longest_document),
+            max(self.max_position, other.max_position),
+            self.unsupervised_documents + other.unsupervised_documents)
 
 
 def segment_ids(position_ids: torch.Tensor | None, shape: tuple[int, int],
@@ -117,14 +120,15 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     used = (data['labels'].reshape(-1) != IGNORE_INDEX) & ~first
     # One integer bincount of (segment, real, used) gives every per-segment count at once.
     counts = torch.bincount(seg * 4 + real * 2 + used, minlength=4 * n_seg).reshape(n_seg, 4)
-    lengths = counts.sum(1)
-    last_of_row = seg.reshape(b, s)[:, -1]
-    padding = torch.zeros(n_seg, dtype=torch.bool)
-    padding[last_of_row] = counts[last_of_row, 2:].sum(1) == 0  # no real token
-    supervised = (counts[:, 1] + counts[:, 3]) > 0
-    docs = ~padding
-    return BatchStats(
-        rows=b, tokens=b * s, real_tokens=int(lengths[docs].sum()), documents=int(docs.sum()),
-        longest_document=int(lengths[docs].max()) if bool(docs.any()) else 0,
-        max_position=int(position_ids.max()) if position_ids is not None else s - 1,
-        unsupervised_documents=int((docs & ~supervised).sum()))
+    last_of_row = torch.zeros(n_seg, dtype=torch.bool)
+    last_of_row[seg.reshape(b, s)[:, -1]] = True
+    docs = ~(last_of_row & (counts[:, 2] + counts[:, 3] == 0))  # padding: a tail, no real token
+    unsupervised = docs & (counts[:, 1] + counts[:, 3] == 0)
+    doc_lengths = counts.sum(1) * docs
+    peak = position_ids.max() if position_ids is not None else torch.tensor(s - 1)
+    # One conversion to Python ints: this runs every iteration, small ops dominate its cost.
+    n_docs, real, longest, n_unsup, max_pos = torch.stack([
+        docs.sum(), doc_lengths.sum(), doc_lengths.max(), unsupervised.sum(), peak]).tolist()
+    return BatchStats(rows=b, tokens=b * s, real_tokens=real, documents=n_docs,
+                      longest_document=longest, max_position=max_pos,
+                      unsupervised_documents=n_unsup)
