@@ -268,3 +268,40 @@ def test_tripwire_stops_a_real_run_and_the_replay_names_layer_and_document(tmp_p
     hit = {(rr, max(i for i in range(len(record['boundaries'][rr]) - 1)
                     if record['boundaries'][rr][i] <= cc)) for rr, cc in where}
     assert f'documents hit (row, document): {sorted(hit)}' in line, line
+
+
+def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
+    """In process: XTuner's SupervisedFinetune on the tiny checkpoint, one output-projection
+    weight overflowed to inf in layer 1; packed rows through the patched attention."""
+    from mmengine.config import ConfigDict
+    from transformers import AutoModelForCausalLM
+    from xtuner.model import SupervisedFinetune
+
+    from xtuner_rope.attention import patch_internlm2_attention
+    from xtuner_rope.packing import flat_cumulative
+    from xtuner_rope.replay import replay
+    from xtuner_rope.resources import tiny_internlm2
+
+    path = tiny_internlm2(str(REPO / 'models' / 'tiny-internlm2'),
+                          data_path=str(REPO / 'data' / 'short_dialogues.jsonl'))
+    model = SupervisedFinetune(llm=ConfigDict(type=AutoModelForCausalLM.from_pretrained,
+                                              pretrained_model_name_or_path=path,
+                                              trust_remote_code=True,
+                                              attn_implementation='sdpa'))
+    llm = model.llm
+    patch_internlm2_attention(model)
+    items, _ = _items(7, vocab=200, seed=4)
+    data = rope_collate_fn(items, pack=True, max_length=64, return_hf_format=True)
+    cus, s = data.pop('cumulative_len'), data['input_ids'].shape[1]
+    record = {'data': data, 'varlen': {'cumulative_len': flat_cumulative(cus, s),
+                                       'max_seqlen': data.pop('max_seqlen')}}
+    assert replay(model, record) is None  # healthy weights: finite forward and backward
+    with torch.no_grad():
+        llm.model.layers[1].attention.wo.weight[0, 0] = float('inf')
+    found = replay(model, record)
+    assert (found.phase, found.module, found.module_type) == (
+        'forward', 'llm.model.layers.1.attention.wo', 'Linear')
+    # inf times any activation: every segment of every row (padding included) is hit.
+    assert found.documents == [(r, d) for r, cu in enumerate(cus) for d in range(len(cu) - 1)]
+    assert (found.row, found.document, found.tokens, found.column) == (
+        0, 0, (0, int(cus[0][1])), 0)
