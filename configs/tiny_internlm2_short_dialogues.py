@@ -27,6 +27,7 @@ from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.resources import tiny_internlm2
 
 #######################################################################
@@ -161,6 +162,9 @@ custom_hooks = [
     # xtuner-rope: validated fp32 RoPE + document-isolating attention, and per-batch checks.
     dict(type=ValidatedRoPEHook),
     dict(type=PackedBatchCheckHook),
+    # packing figures next to the loss; stop at the first NaN/inf loss or grad norm, save the batch
+    dict(type=PackingMetricsHook),
+    dict(type=NonFiniteTripwireHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(
         type=EvaluateChatHook,

@@ -15,16 +15,21 @@ compat.apply()
 from .attention import patch_internlm2_attention  # noqa: E402
 from .collate import rope_collate_fn  # noqa: E402
 from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
+from .monitor import NonFiniteTripwireHook, PackingMetricsHook  # noqa: E402
 from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 from .startup import enable_xtuner_rope  # noqa: E402
 
 HOOKS.register_module(module=ValidatedRoPEHook, force=True)
 HOOKS.register_module(module=PackedBatchCheckHook, force=True)
+for _hook in (PackingMetricsHook, NonFiniteTripwireHook):
+    HOOKS.register_module(module=_hook, force=True)
 FUNCTIONS.register_module(module=rope_collate_fn, force=True)
 
 __version__ = "0.1.0"
 __all__ = [
+    "NonFiniteTripwireHook",
     "PackedBatchCheckHook",
+    "PackingMetricsHook",
     "ValidatedRoPEHook",
     "ValidatedRotaryEmbedding",
     "apply_rotary_pos_emb",

@@ -1,0 +1,207 @@
+"""Replay a batch saved by ``NonFiniteTripwireHook`` and name where the first NaN/inf appeared.
+
+The tripwire saves one file per failure (see :func:`save_record`): the batch, its document
+boundaries, what the attention saw in XTuner's varlen ``MessageHub``, the iteration and seed,
+and the path of a weights file holding the model exactly as it was when the batch ran (the
+tripwire fires before the optimizer step). :func:`replay` rebuilds that forward (and backward)
+pass with a hook on every submodule and reports the first module whose output (or output
+gradient) is non-finite, with the row, document and token range it sits in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from mmengine import MessageHub
+from torch import nn
+
+from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from .batch_stats import segment_ids
+
+__all__ = ['Finding', 'build_run_model', 'load_record', 'replay', 'save_record']
+
+RECORD_FORMAT = 'xtuner_rope.nonfinite/1'
+
+
+def save_record(path: str | Path, record: dict) -> Path:
+    """Write a failure record (tensors, numbers, strings only: loadable with weights_only)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(dict(record, format=RECORD_FORMAT), path)
+    return path
+
+
+def load_record(path: str | Path) -> dict:
+    """Read a record written by :func:`save_record`.
+
+    Raises:
+        ValueError: the file is not such a record.
+    """
+    record = torch.load(path, map_location='cpu', weights_only=True)
+    if not isinstance(record, dict) or record.get('format') != RECORD_FORMAT:
+        got = record.get('format') if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f'load_record: {path}: expected a NonFiniteTripwireHook batch file '
+                         f'(format {RECORD_FORMAT!r}), got {got!r}. Pass the file named in the '
+                         'tripwire error.')
+    return record
+
+
+@dataclass
+class Finding:
+    """The first non-finite tensor of a replay and where it sits in the batch."""
+
+    phase: str  # 'forward' (a module output) or 'backward' (the gradient of a module output)
+    module: str  # qualified name in the model, '' for the model itself
+    module_type: str
+    kind: str  # 'nan' or 'inf'
+    shape: list[int]
+    row: int | None = None
+    document: int | None = None  # index of the document within its row
+    tokens: tuple[int, int] | None = None  # [start, end) columns of that document
+    column: int | None = None  # first non-finite token
+    documents: list[tuple[int, int]] = field(default_factory=list)  # every (row, document) hit
+
+    def describe(self) -> str:
+        what = 'output' if self.phase == 'forward' else 'output gradient'
+        text = (f'first non-finite value ({self.kind}): {self.phase} {what} of '
+                f'{self.module or "<model>"} ({self.module_type}), shape {self.shape}')
+        if self.row is not None:
+            text += (f'; row {self.row}, document {self.document}, tokens '
+                     f'[{self.tokens[0]}, {self.tokens[1]}), first bad token at column '
+                     f'{self.column}; documents hit (row, document): {self.documents}')
+        return text
+
+
+def _token_layout(t: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
+    """``[b, s]`` bool of tokens with a non-finite value in ``t``, for known layouts."""
+    bad = ~torch.isfinite(t.detach())
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (b, s):  # [b, s, ...]
+        return bad.reshape(b, s, -1).any(-1)
+    if t.dim() >= 3 and t.shape[0] == b and t.shape[2] == s:  # [b, n_h, s, ...]
+        return bad.transpose(1, 2).reshape(b, s, -1).any(-1)
+    if t.dim() >= 1 and t.shape[0] == b * s:  # [b * s, ...] (flattened varlen)
+        return bad.reshape(b, s, -1).any(-1)
+    return None
+
+
+def _finding(phase: str, name: str, module: nn.Module, t: torch.Tensor, data: dict) -> Finding:
+    b, s = data['input_ids'].shape
+    kind = 'nan' if bool(torch.isnan(t).any()) else 'inf'
+    found = Finding(phase, name, type(module).__name__, kind, list(t.shape))
+    tokens = _token_layout(t, b, s)
+    if tokens is None or not bool(tokens.any()):
+        return found
+    seg = segment_ids(data.get('position_ids'), (b, s), data.get('attention_mask'))
+    first_seg = seg[:, :1]
+    hits = sorted({(r, int(seg[r, c] - first_seg[r])) for r, c in tokens.nonzero().tolist()})
+    r, c = tokens.nonzero()[0].tolist()
+    cols = (seg[r] == seg[r, c]).nonzero().reshape(-1)
+    found.row, found.column, found.documents = r, c, hits
+    found.document = int(seg[r, c] - first_seg[r])
+    found.tokens = (int(cols[0]), int(cols[-1]) + 1)
+    return found
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """Floating tensors of a module output (tensor, tuple/list, dict or HF ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+def _watch(model: nn.Module, data: dict, found: list[Finding]) -> list:
+    """Forward hooks on every module recording the first non-finite output and output grad."""
+    def on_forward(name, module, _args, output):
+        for t in _tensors(output):
+            if not found and not bool(torch.isfinite(t.detach()).all()):
+                found.append(_finding('forward', name, module, t, data))
+            if t.requires_grad:
+                t.register_hook(lambda g, name=name, module=module: on_backward(name, module, g))
+
+    def on_backward(name, module, grad):
+        if not found and not bool(torch.isfinite(grad).all()):
+            found.append(_finding('backward', name, module, grad, data))
+
+    return [m.register_forward_hook(lambda mod, a, o, name=name: on_forward(name, mod, a, o))
+            for name, m in model.named_modules()]
+
+
+def replay(model: nn.Module, record: dict) -> Finding | None:
+    """Run the recorded batch through ``model`` (forward, then backward) and find the first NaN.
+
+    Args:
+        model: the run's model (an XTuner ``SupervisedFinetune``, called with ``mode='loss'``),
+            with the recorded weights loaded and its attention patched as in the run.
+        record: from :func:`load_record`.
+
+    Returns:
+        The first non-finite module output in execution order, else the first non-finite
+        output gradient in backward order, else None (the batch replays finite: the failure
+        depends on something not saved, e.g. a data-parallel peer's gradients).
+    """
+    device = next(model.parameters()).device
+    data = {k: v.to(device) for k, v in record['data'].items()}
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    varlen = record.get('varlen') or {}
+    cumulative = varlen.get('cumulative_len')
+    hub.update_info(CUMULATIVE_KEY.format(rank=0), None if cumulative is None
+                    else cumulative.to(device))
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=0), varlen.get('max_seqlen'))
+    found: list[Finding] = []
+    handles = _watch(model, record['data'], found)
+    try:
+        model.train()
+        losses = model(data, mode='loss')  # XTuner's SupervisedFinetune.forward(data, ...)
+        loss = sum(v.sum() for k, v in losses.items() if 'loss' in k)
+        if not found and not bool(torch.isfinite(loss)):
+            found.append(Finding('forward', 'loss', 'loss', 'nan' if bool(torch.isnan(loss))
+                                 else 'inf', []))
+        if not found:
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        hub.update_info(CUMULATIVE_KEY.format(rank=0), None)
+        hub.update_info(MAX_SEQLEN_KEY.format(rank=0), None)
+    return found[0] if found else None
+
+
+def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | None = None,
+                    cfg_options: dict | None = None) -> nn.Module:
+    """The run's model, built from its config, with the weights it had when the batch failed.
+
+    Args:
+        config: the training config (relative paths in it resolve from the working directory,
+            as for ``xtuner train``).
+        record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``.
+        checkpoint: an MMEngine checkpoint (``iter_N.pth``) to load instead.
+        cfg_options: overrides, as ``xtuner train --cfg-options`` takes them.
+
+    Raises:
+        ValueError: no weights to load (the run saved none and no checkpoint was given).
+    """
+    from mmengine.config import Config
+    from mmengine.registry import MODELS
+    from xtuner.tools.utils import set_model_resource
+
+    from .attention import patch_internlm2_attention
+
+    weights = checkpoint or record.get('weights')
+    if weights is None:
+        raise ValueError('build_run_model: the batch file names no weights file (the run had '
+                         'save_weights=False); pass --checkpoint with the checkpoint to replay.')
+    cfg = Config.fromfile(str(config))
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    set_model_resource(cfg)  # as `xtuner train` does (builds a missing tiny checkpoint)
+    model = MODELS.build(cfg.model)
+    state = torch.load(weights, map_location='cpu', weights_only=checkpoint is None)
+    model.load_state_dict(state.get('state_dict', state) if checkpoint else state)
+    if record.get('isolating'):
+        patch_internlm2_attention(model)  # what the run's ValidatedRoPEHook did
+    return model
