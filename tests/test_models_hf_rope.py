@@ -9,9 +9,9 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from xtuner_rope.models import HFValidatedRotaryEmbedding
 
 from xtuner_rope import compat
+from xtuner_rope.models import HFValidatedRotaryEmbedding
 
 LLAMA31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=8192)

@@ -64,7 +64,8 @@ def test_stock_full_config_needs_only_fixes(stock, tmp_path):
     assert cfg.train_dataloader.dataset.use_varlen_attn is True
     assert cfg.train_dataloader.collate_fn.use_varlen_attn is True
     hooks = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
-    assert hooks[:2] == ["ValidatedRoPEHook", "PackedBatchCheckHook"]
+    assert hooks[:4] == ["ValidatedRoPEHook", "PackedBatchCheckHook", "PackingMetricsHook",
+                         "NonFiniteTripwireHook"]
     assert inspect_config(cfg) == []  # prepared once, nothing left
     assert startup.is_prepared()
 

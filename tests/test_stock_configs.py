@@ -27,7 +27,8 @@ FIX_NOTES = {
                "pack_to_max_length=True) joins dialogues without recording where each starts",
     "collate": "xtuner-rope: train_dataloader.collate_fn.use_varlen_attn: default_collate_fn "
                "drops the packed rows' boundaries",
-    "hooks": "xtuner-rope: custom_hooks: ValidatedRoPEHook, PackedBatchCheckHook missing; added",
+    "hooks": "xtuner-rope: custom_hooks: ValidatedRoPEHook, PackedBatchCheckHook, "
+             "PackingMetricsHook, NonFiniteTripwireHook missing; added",
     "varlen": "xtuner-rope: use_varlen_attn: XTuner's start-up check demands flash-attn",
     "varlen_hook": "removed VarlenAttnArgsToMessageHubHook",
 }

@@ -8,7 +8,9 @@ setting that conflicts with the plugin is refused before a single weight is load
 setting and the exact edit named. What has one right answer is done here instead of asked for,
 and each change is logged:
 
-- the plugin's hooks are added to ``custom_hooks`` (no hook entry to forget);
+- the plugin's hooks are added to ``custom_hooks`` (no hook entry to forget): the validated
+  RoPE and packed attention, the per-batch checks, the packing figures in the log and the
+  non-finite-loss tripwire;
 - XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
   document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same);
 - XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
@@ -31,7 +33,11 @@ from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
-PLUGIN_HOOKS = ("ValidatedRoPEHook", "PackedBatchCheckHook")
+# The plugin's hooks, in the order they are added to custom_hooks, and where they live.
+PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
+                "PackedBatchCheckHook": "xtuner_rope.hooks",
+                "PackingMetricsHook": "xtuner_rope.monitor",
+                "NonFiniteTripwireHook": "xtuner_rope.monitor"}
 MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
                        "    from xtuner_rope import enable_xtuner_rope\n"
                        "    model_resource = dict(fn=enable_xtuner_rope)")
@@ -176,7 +182,7 @@ def _hook_findings(cfg: Config) -> list[Finding]:
         return []
 
     def add() -> None:
-        added = [dict(type=LazyObject("xtuner_rope.hooks", name)) for name in missing]
+        added = [dict(type=LazyObject(PLUGIN_HOOKS[name], name)) for name in missing]
         if hooks is None:
             cfg._cfg_dict["custom_hooks"] = added
         else:
