@@ -33,16 +33,16 @@ from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.resources import local_checkpoint
+from xtuner_rope import enable_xtuner_rope
 
 #######################################################################
 #                          PART 1  Settings                           #
 #######################################################################
 # Model: a local copy of internlm/internlm2-chat-7b (see the download line above).
 pretrained_model_name_or_path = "models/internlm2-chat-7b"
-# `xtuner train` calls this first; being an xtuner_rope import, it also applies the plugin's
-# compat patches before XTuner builds the model.
-model_resource = dict(fn=local_checkpoint)
+# `xtuner train` calls this first: it checks the path is a local checkpoint, loads the plugin
+# (compat patches) and checks/prepares this config before XTuner builds anything.
+model_resource = dict(fn=enable_xtuner_rope, args=dict(local_only=True))
 attn_implementation = "sdpa"  # "flash_attention_2" if flash-attn is installed
 use_activation_checkpointing = True
 

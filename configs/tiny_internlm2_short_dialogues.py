@@ -28,7 +28,7 @@ from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
-from xtuner_rope.resources import tiny_internlm2
+from xtuner_rope.demo.resources import tiny_checkpoint
 
 #######################################################################
 #                          PART 1  Settings                           #
@@ -37,7 +37,7 @@ from xtuner_rope.resources import tiny_internlm2
 pretrained_model_name_or_path = "models/tiny-internlm2"
 # `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
 # xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
-model_resource = dict(fn=tiny_internlm2, args=dict(data_path="data/short_dialogues.jsonl"))
+model_resource = dict(fn=tiny_checkpoint, args=dict(data_path="data/short_dialogues.jsonl"))
 attn_implementation = "sdpa"
 
 # Data

@@ -29,7 +29,7 @@ from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.resources import tiny_internlm2
+from xtuner_rope.demo.resources import tiny_checkpoint
 
 #######################################################################
 #                          PART 1  Settings                           #
@@ -38,7 +38,7 @@ from xtuner_rope.resources import tiny_internlm2
 pretrained_model_name_or_path = "models/tiny-qwen2"
 # `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
 # xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
-model_resource = dict(fn=tiny_internlm2,
+model_resource = dict(fn=tiny_checkpoint,
                       args=dict(data_path="data/short_dialogues.jsonl", family="qwen2"))
 attn_implementation = "sdpa"
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import settings
 
 import xtuner_rope  # noqa: F401  (applies compat: Auto registration, CPU patches)
-from xtuner_rope.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
+from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
 
 # Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed
 # derandomized set so a merge is never blocked by a new random draw; HYPOTHESIS_PROFILE=search

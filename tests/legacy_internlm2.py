@@ -16,7 +16,7 @@ meet the cache:
 
 This module rebuilds that contract around XTuner's InternLM2 classes, written from the
 description above: the parameters are XTuner's, so ``legacy_from`` loads the weights of any
-tiny model built by ``xtuner_rope.tiny.build_tiny_internlm2`` unchanged.
+tiny model built by ``xtuner_rope.demo.tiny.build_tiny_internlm2`` unchanged.
 """
 
 import math

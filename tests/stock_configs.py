@@ -138,6 +138,6 @@ def tiny_with_remote_code(dst: Path) -> Path:
 
 def ensure_tiny_model() -> Path:
     """Build the tiny checkpoint where a fresh clone has none (deterministic, offline)."""
-    from xtuner_rope.resources import tiny_internlm2
+    from xtuner_rope.demo.resources import tiny_checkpoint
 
-    return Path(tiny_internlm2(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))
+    return Path(tiny_checkpoint(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))

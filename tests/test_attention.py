@@ -131,7 +131,7 @@ def test_xtuner_packed_dataset_rows_match_documents_alone(tiny_tokenizer, sample
     from xtuner.dataset.map_fns import openai_map_fn, template_map_fn_factory
     from xtuner.utils import PROMPT_TEMPLATE
 
-    from xtuner_rope.tiny import build_tiny_internlm2
+    from xtuner_rope.demo.tiny import build_tiny_internlm2
 
     dialogues = sample_dialogues[:40]
     packed = process_hf_dataset(

@@ -169,12 +169,12 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     """The recipe with the tiny model of its family everywhere the real checkpoint was named."""
     from xtuner.tools.utils import set_model_resource
 
-    from xtuner_rope.resources import tiny_internlm2
+    from xtuner_rope.demo.resources import tiny_checkpoint
 
     family = _family(config)
     tiny = TINY_MODEL if family == "internlm2" else f"models/tiny-{family}"
     # Build it if this is the first test to need it (a fresh clone has no models/).
-    tiny_internlm2(str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"),
+    tiny_checkpoint(str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"),
                    family=family)
     cfg = _load(config)
     cfg.pretrained_model_name_or_path = tiny

@@ -1,7 +1,7 @@
 """The tiny recipe end to end through XTuner's real `xtuner train` entry point.
 
 `xtuner train` exits 0 even when training crashes, so these tests judge a run by what it
-produced (xtuner_rope.runlog.check_run): logged losses and a saved checkpoint.
+produced (xtuner_rope.demo.runlog.check_run): logged losses and a saved checkpoint.
 """
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope.runlog import check_run
+from xtuner_rope.demo.runlog import check_run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

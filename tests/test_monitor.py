@@ -278,11 +278,11 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     from xtuner.model import SupervisedFinetune
 
     from xtuner_rope.attention import patch_internlm2_attention
+    from xtuner_rope.demo.resources import tiny_checkpoint
     from xtuner_rope.packing import flat_cumulative
     from xtuner_rope.replay import replay
-    from xtuner_rope.resources import tiny_internlm2
 
-    path = tiny_internlm2(str(REPO / 'models' / 'tiny-internlm2'),
+    path = tiny_checkpoint(str(REPO / 'models' / 'tiny-internlm2'),
                           data_path=str(REPO / 'data' / 'short_dialogues.jsonl'))
     model = SupervisedFinetune(llm=ConfigDict(type=AutoModelForCausalLM.from_pretrained,
                                               pretrained_model_name_or_path=path,

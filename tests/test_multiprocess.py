@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope.runlog import check_run
+from xtuner_rope.demo.runlog import check_run
 
 REPO = Path(__file__).resolve().parents[1]
 INTERNLM2 = "configs/tiny_internlm2_short_dialogues.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope.runlog import check_run, train_losses
+from xtuner_rope.demo.runlog import check_run, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["configs/tiny_internlm2_short_dialogues.py"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from xtuner_rope.runlog import check_run
+from xtuner_rope.demo.runlog import check_run
 
 
 def _run(tmp_path, losses, checkpoint=True):

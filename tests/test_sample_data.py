@@ -1,4 +1,4 @@
-"""Tests for xtuner_rope/sample_data.py and the committed data/short_dialogues.jsonl."""
+"""Tests for xtuner_rope/demo/sample_data.py and the committed data/short_dialogues.jsonl."""
 
 import collections
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope.sample_data import dialogue_words, generate_dialogues, to_jsonl, write_jsonl
+from xtuner_rope.demo.sample_data import dialogue_words, generate_dialogues, to_jsonl, write_jsonl
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "short_dialogues.jsonl"
 

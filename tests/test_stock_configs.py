@@ -2,7 +2,7 @@
 trained by the real `xtuner train` on the tiny checkpoint.
 
 `xtuner train` exits 0 even when training crashes: every run is judged by its log and its
-checkpoint (xtuner_rope.runlog.check_run). The localizing edits (checkpoint and data paths,
+checkpoint (xtuner_rope.demo.runlog.check_run). The localizing edits (checkpoint and data paths,
 ``max_length``, a learning rate for a random tiny model, fp32 ``OptimWrapper`` on CPU) are the
 ones any user makes; see stock_configs.py.
 """
@@ -15,7 +15,7 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope import startup
-from xtuner_rope.runlog import check_run
+from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
@@ -105,7 +105,7 @@ def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
 
 
 def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
-    """Our own QLoRA recipe (model_resource=local_checkpoint) pointed at the tiny checkpoint."""
+    """Our own QLoRA recipe (model_resource=enable_xtuner_rope, local_only) pointed at the tiny checkpoint."""
     text = (sc.REPO / "configs" / "internlm2_chat_1_8b_qlora_short_dialogues.py").read_text()
     text = sc.sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
                        f'pretrained_model_name_or_path = "{sc.TINY_MODEL}"')

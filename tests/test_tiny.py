@@ -8,8 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from xtuner._lite.modelings.internlm2 import InternLM2ForCausalLM
 
-from xtuner_rope.resources import local_checkpoint, tiny_internlm2
-from xtuner_rope.tiny import SPECIAL_TOKENS, save_tiny_internlm2
+from xtuner_rope.demo.resources import tiny_checkpoint
+from xtuner_rope.demo.tiny import SPECIAL_TOKENS, save_tiny_internlm2
+from xtuner_rope.startup import enable_xtuner_rope
 
 SAMPLE_DATA = Path(__file__).resolve().parents[1] / "data" / "short_dialogues.jsonl"
 
@@ -46,13 +47,13 @@ def test_loads_offline_through_auto_classes_as_xtuners_internlm2(tiny_dir):
 
 def test_model_resource_builds_when_missing(tmp_path, tiny_dir):
     path = str(tmp_path / "tiny")
-    assert tiny_internlm2(path, data_path=str(SAMPLE_DATA)) == path
+    assert tiny_checkpoint(path, data_path=str(SAMPLE_DATA)) == path
     assert filecmp.cmp(tmp_path / "tiny" / "model.safetensors", tiny_dir / "model.safetensors",
                        shallow=False)
-    assert tiny_internlm2(path, data_path="does-not-exist.jsonl") == path  # present: no rebuild
+    assert tiny_checkpoint(path, data_path="does-not-exist.jsonl") == path  # present: no rebuild
 
 
 def test_local_checkpoint_explains_a_missing_path(tmp_path, tiny_dir):
-    assert local_checkpoint(str(tiny_dir)) == str(tiny_dir)
+    assert enable_xtuner_rope(str(tiny_dir), local_only=True) == str(tiny_dir)
     with pytest.raises(FileNotFoundError, match=r"no config.json there.*huggingface-cli download"):
-        local_checkpoint(str(tmp_path / "internlm2-chat-7b"))
+        enable_xtuner_rope(str(tmp_path / "internlm2-chat-7b"), local_only=True)

@@ -6,7 +6,7 @@
 import argparse
 import sys
 
-from xtuner_rope.runlog import check_run
+from xtuner_rope.demo.runlog import check_run
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ Usage:
 import argparse
 import statistics
 
-from xtuner_rope.sample_data import dialogue_words, generate_dialogues, write_jsonl
+from xtuner_rope.demo.sample_data import dialogue_words, generate_dialogues, write_jsonl
 
 
 def parse_args():

@@ -6,7 +6,7 @@
 import argparse
 import time
 
-from xtuner_rope.tiny import save_tiny_internlm2
+from xtuner_rope.demo.tiny import save_tiny_internlm2
 
 
 def main() -> None:

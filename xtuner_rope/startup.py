@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
@@ -287,7 +288,7 @@ def prepare_started_config(path: str) -> str:
     return path
 
 
-def enable_xtuner_rope(path: str) -> str:
+def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
     """``model_resource`` function: load xtuner-rope, check and prepare the config.
 
     Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config.
@@ -296,13 +297,23 @@ def enable_xtuner_rope(path: str) -> str:
 
     Args:
         path: The config's ``pretrained_model_name_or_path``.
+        local_only: Refuse a path that is not a local checkpoint directory (the recipes in
+            ``configs/`` expect a downloaded checkpoint: no download at training time).
 
     Returns:
         ``path``.
 
     Raises:
         ConfigConflict: see :func:`prepare_config`.
+        FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``; the message
+            says how to fix it.
     """
+    if local_only and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model_resource: pretrained_model_name_or_path={path!r} is not a local checkpoint "
+            "directory (no config.json there). Download it first, e.g. `huggingface-cli download "
+            "internlm/internlm2-chat-7b --local-dir <dir>`, and set "
+            "pretrained_model_name_or_path in PART 1 of the config to <dir>.")
     return prepare_started_config(path)
 
 

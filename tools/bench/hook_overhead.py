@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from xtuner_rope.attention import patch_internlm2_attention
 from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.demo.tiny import build_tiny_internlm2
 from xtuner_rope.hooks import PackedBatchCheckHook
-from xtuner_rope.tiny import build_tiny_internlm2
 
 # The recipe's PART 1 settings.
 MAX_LENGTH, PAD_TO_MULTIPLE_OF, BATCH_SIZE = 512, 64, 16

@@ -33,9 +33,9 @@ import torch
 from tqdm import tqdm
 
 from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.demo.resources import tiny_checkpoint
+from xtuner_rope.demo.tiny import build_tiny
 from xtuner_rope.hooks import PackedBatchCheckHook, patch_model
-from xtuner_rope.resources import tiny_internlm2
-from xtuner_rope.tiny import build_tiny
 
 SHARE_SWEEP = (8, 16, 24, 32, 64, 128, 256, 600)  # packed share for these batch sizes too
 
@@ -75,7 +75,7 @@ def load_items(args):
     from xtuner.utils import PROMPT_TEMPLATE
 
     datasets.disable_progress_bars()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_internlm2(args.model, data_path=args.data))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint(args.model, data_path=args.data))
     with open(args.data, encoding='utf-8') as f:
         dialogues = [json.loads(line) for line in f if line.strip()]
     dataset = process_hf_dataset(

@@ -1,0 +1,48 @@
+"""The tiny recipes' ``model_resource``: build the tiny checkpoint, then start the plugin.
+
+``xtuner train`` calls ``cfg.model_resource.fn(cfg.pretrained_model_name_or_path, **args)``
+first thing (``xtuner.tools.utils.set_model_resource``) and replaces every
+``pretrained_model_name_or_path`` in the config with the returned path. :func:`tiny_checkpoint`
+builds the tiny checkpoint there when it is missing, then does what
+:func:`xtuner_rope.startup.enable_xtuner_rope` does (check and prepare the config).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..startup import prepare_started_config
+
+__all__ = ["tiny_checkpoint"]
+
+
+def tiny_checkpoint(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0,
+                    family: str = "internlm2") -> str:
+    """Return the embedded tiny checkpoint at ``path``, building it if it is missing.
+
+    Safe under several processes: each builds into its own temporary directory and renames it
+    into place; the first rename wins and the others discard their identical copy.
+
+    Args:
+        path: Checkpoint directory.
+        data_path: Dialogues that train the tokenizer.
+        seed: Weight-initialisation seed.
+        family: ``'internlm2'`` (default), or ``'qwen2'`` / ``'llama'`` for the tiny
+            transformers stand-ins of the other recipes.
+
+    Returns:
+        ``path``.
+    """
+    from .tiny import save_tiny_internlm2
+
+    if (Path(path) / "config.json").is_file():
+        return prepare_started_config(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_tiny_internlm2(tmp, data_path, seed=seed, family=family)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return prepare_started_config(path)
