@@ -8,15 +8,10 @@ import torch.nn.functional as F
 from datasets import Dataset
 from torch import nn
 
-from xtuner_rope.attention import (
-    MIN_BUCKET,
-    internlm2_attention_forward,
-    packed_attention,
-    patch_internlm2_attention,
-    plan_documents,
-)
+from xtuner_rope.attention import MIN_BUCKET, packed_attention, plan_documents
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.models.internlm2 import internlm2_attention_forward, patch_internlm2_attention
 from xtuner_rope.packing import cumulative_from_lengths, plan_packs
 from xtuner_rope.rope import ValidatedRotaryEmbedding
 

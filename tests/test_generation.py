@@ -9,7 +9,7 @@ import torch
 from legacy_internlm2 import causal_mask_with_past, legacy_from
 from transformers.cache_utils import DynamicCache
 
-from xtuner_rope.attention import patch_internlm2_attention
+from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
 CONTRACTS = ("eager", "sdpa", "legacy")  # XTuner's classes per attn_implementation; old code
 NEW_TOKENS = 16

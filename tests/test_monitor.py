@@ -277,8 +277,8 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     from transformers import AutoModelForCausalLM
     from xtuner.model import SupervisedFinetune
 
-    from xtuner_rope.attention import patch_internlm2_attention
     from xtuner_rope.demo.resources import tiny_checkpoint
+    from xtuner_rope.models.internlm2 import patch_internlm2_attention
     from xtuner_rope.packing import flat_cumulative
     from xtuner_rope.replay import replay
 

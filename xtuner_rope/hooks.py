@@ -15,14 +15,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from torch import nn
 
-from .attention import (
-    CUMULATIVE_KEY,
-    INTERNLM2_ATTENTION_CLASSES,
-    MAX_SEQLEN_KEY,
-    VARLEN_HUB,
-    internlm2_attention_forward,
-    patch_internlm2_attention,
-)
+from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 from .models.hf import (
     HF_ATTENTION_CLASSES,
     HF_FAMILIES,
@@ -31,6 +24,11 @@ from .models.hf import (
     patch_hf_model,
 )
 from .models.hf_rope import HFValidatedRotaryEmbedding
+from .models.internlm2 import (
+    INTERNLM2_ATTENTION_CLASSES,
+    internlm2_attention_forward,
+    patch_internlm2_attention,
+)
 from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding, use_fused_apply
 from .startup import require_prepared

@@ -189,7 +189,7 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
-    from .attention import patch_internlm2_attention
+    from .models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get('weights')
     if weights is None:

@@ -29,13 +29,9 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import compat
-from ..attention import (
-    INTERNLM2_ATTENTION_CLASSES,
-    document_plan,
-    hub_cumulative_len,
-    packed_attention,
-)
+from ..attention import document_plan, hub_cumulative_len, packed_attention
 from .hf_rope import HFValidatedRotaryEmbedding
+from .internlm2 import INTERNLM2_ATTENTION_CLASSES
 
 # Attention and rotary classes of the supported families, by name (as XTuner's dispatch does).
 HF_ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
