@@ -1,4 +1,9 @@
-"""What is specific to one model family: the transformers Llama/Qwen2/Mistral integration."""
+"""What is specific to one model family, a file per family.
+
+``internlm2.py`` (+ ``internlm2_kv_cache.py``): InternLM2's fused ``wqkv`` attention, XTuner's and
+remote-code classes by name, both KV-cache contracts. ``hf.py`` (+ ``hf_rope.py``): Llama, Qwen2
+and Mistral through transformers' attention interface and their model-level rotary.
+"""
 
 from .hf import (
     HF_ATTENTION_CLASSES,
@@ -8,13 +13,16 @@ from .hf import (
     patch_hf_model,
 )
 from .hf_rope import SUPPORTED_ROPE_TYPES, HFValidatedRotaryEmbedding
+from .internlm2 import INTERNLM2_ATTENTION_CLASSES, patch_internlm2_attention
 
 __all__ = [
     "HF_ATTENTION_CLASSES",
+    "INTERNLM2_ATTENTION_CLASSES",
     "PACKED_ATTENTION_KEY",
     "SUPPORTED_ROPE_TYPES",
     "HFValidatedRotaryEmbedding",
     "integration_for",
     "is_patched_hf_attention",
     "patch_hf_model",
+    "patch_internlm2_attention",
 ]
