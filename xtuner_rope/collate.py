@@ -10,9 +10,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
+from xtuner_rope.inputs import show, to_int_tensor
 from xtuner_rope.packing import (
     cumulative_from_lengths,
     cumulative_from_position_ids,
@@ -55,17 +57,26 @@ def _as_1d_ints(index: int, item: Mapping, field: str) -> torch.Tensor:
     if field not in item:
         raise _error(index, field, "a dict with 'input_ids' and 'labels' as XTuner datasets "
                      'yield', f'keys {sorted(item)}', 'Check the dataset map function.')
-    value = item[field]
-    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if tensor.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f'rope_collate_fn: sample {index}, field {field!r}: expected integer '
-                        f'token ids, got dtype {tensor.dtype}. Tokenize to ints.')
+    tensor = to_int_tensor(item[field], f'rope_collate_fn: sample {index}, field {field!r}',
+                           'Tokenize to ints in the dataset map function.')
     if tensor.dim() != 1:
         raise _error(index, field, 'a flat sequence of ints', f'shape {list(tensor.shape)}',
                      'Give one sequence per item (the collate function builds the batch).')
     return tensor.long()
+
+
+def _check_id_range(index: int, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Ids are >= 0 (an embedding row); labels too, or IGNORE_INDEX."""
+    for field, values, low in (('input_ids', ids, 0), ('labels', labels, 0)):
+        bad = values < low
+        if field == 'labels':
+            bad &= values != IGNORE_INDEX
+        if bool(bad.any()):
+            col = _first_bad(bad)
+            extra = f' or {IGNORE_INDEX}' if field == 'labels' else ''
+            raise _error(index, field, f'token ids >= 0{extra} (column {col})',
+                         int(values[col]), 'Check the tokenizer and the label masking '
+                         f'(only {IGNORE_INDEX} marks an unsupervised token).')
 
 
 def _first_bad(mask: torch.Tensor) -> int:
@@ -94,7 +105,7 @@ def _boundaries(index: int, item: Mapping, n: int) -> tuple[torch.Tensor, bool]:
     """Boundaries of one item: from ``cumulative_len``, else ``position_ids``, else one document."""
     has_cu, has_pos = item.get('cumulative_len') is not None, item.get('position_ids') is not None
     if has_cu:
-        cu = torch.as_tensor(item['cumulative_len']).reshape(-1).long()
+        cu = _as_1d_ints(index, item, 'cumulative_len')
         _check_cumulative(index, cu, n)
     elif has_pos:
         cu = cumulative_from_position_ids(_as_1d_ints(index, item, 'position_ids')).long()
@@ -128,6 +139,7 @@ def _parse_sample(index: int, item: object) -> _Sample:
     if labels.numel() != n:
         raise _error(index, 'labels', f'len(labels) == len(input_ids) == {n}', labels.numel(),
                      'Give one label per token (IGNORE_INDEX=-100 where not supervised).')
+    _check_id_range(index, input_ids, labels)
     cu, carried = _boundaries(index, item, n)
     return _Sample(index, input_ids, labels, cu, carried)
 
@@ -140,33 +152,53 @@ def _is_supervised(sample: _Sample) -> bool:
     return bool(used.any())
 
 
-def _drop_unsupervised(samples: list[_Sample], drop: bool) -> list[_Sample]:
+def _apply_policy(samples: list[_Sample], drop: bool) -> tuple[list[_Sample], int]:
+    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them.
+
+    Returns:
+        The samples to collate and how many of them have no supervised label.
+    """
     bad = [s.index for s in samples if not _is_supervised(s)]
-    if not bad:
-        return samples
-    fix = ('Check the dataset label masking, or pass drop_unsupervised=True to the collate_fn '
-           'to skip such samples with a warning.')
-    if not drop:
-        raise _error(bad[0], 'labels', "at least one label != -100 besides a document's first "
-                     'token (the causal shift never uses that one)', 'none', fix)
     if len(bad) == len(samples):
+        shown = f'{bad[:20]}{"..." if len(bad) > 20 else ""}'
         raise ValueError(f'rope_collate_fn: all {len(samples)} samples of the batch have no '
-                         f'supervised label (indices {bad}); nothing is left to train on. {fix}')
+                         f'supervised label (indices {shown}): the mean loss would be 0/0 = NaN. '
+                         "A label counts when it is != -100 after a document's first token "
+                         '(the causal shift never uses that one). Check the dataset label '
+                         'masking and filter such samples (1-token samples, replies truncated '
+                         'away) out of the dataset.')
+    if not bad or not drop:
+        return samples, len(bad)
     warnings.warn(f'rope_collate_fn: dropped {len(bad)} of {len(samples)} samples with no '
                   f'supervised label (batch indices {bad}).', stacklevel=3)
     dropped = set(bad)
-    return [s for s in samples if s.index not in dropped]
+    return [s for s in samples if s.index not in dropped], 0
 
 
-def _check_options(pack: bool, max_length: int | None, pad_to_multiple_of: int | None,
-                   min_length: int | None) -> None:
-    for name, value, low in (('max_length', max_length, 1),
-                             ('pad_to_multiple_of', pad_to_multiple_of, 1),
-                             ('min_length', min_length, 0)):
-        if value is not None and (not isinstance(value, int) or value < low):
+def _check_options(pad_index: object, flags: dict, ints: dict, pack: bool) -> None:
+    """Types and ranges of the collate options; ``ints`` maps name -> (value, lowest)."""
+    if not isinstance(pad_index, Integral) or isinstance(pad_index, bool):
+        raise TypeError(f'rope_collate_fn: option pad_index: expected an int token id >= 0, got '
+                        f"{show(pad_index)}. Pass the tokenizer's pad_token_id (XTuner's "
+                        'default: 0).')
+    if pad_index < 0:
+        raise ValueError(f'rope_collate_fn: option pad_index: expected an int token id >= 0 (a '
+                         f"row of the embedding), got {pad_index}. Pass the tokenizer's "
+                         'pad_token_id (XTuner\'s default: 0).')
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f'rope_collate_fn: option {name}: expected True or False, got '
+                            f'{show(value)}.')
+    for name, (value, low) in ints.items():
+        if value is None:
+            continue
+        if not isinstance(value, Integral) or isinstance(value, bool):
+            raise TypeError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
+                            f'got {show(value)}.')
+        if value < low:
             raise ValueError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
                              f'got {value!r}.')
-    if pack and max_length is None:
+    if pack and ints['max_length'][0] is None:
         raise ValueError('rope_collate_fn: option max_length: expected an int when pack=True, '
                          'got None. Set collate_fn=dict(..., pack=True, '
                          'max_length=<tokens per row>).')
@@ -193,17 +225,30 @@ def _assemble_row(samples: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor, t
     return ids, labels, cu
 
 
+def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
+    """Boundaries after the real tokens ``[0, n)`` of a row: padding ``[n, s)`` cut into
+    segments of at most ``longest`` tokens, the longest real document of the batch.
+
+    One padding segment can be longer than the RoPE range (``pack=True`` rows may exceed it,
+    since positions restart per document; ``pad_to_multiple_of`` / ``min_length`` add more):
+    capped at ``longest``, padding positions stay below every real document's, so a batch whose
+    documents fit the RoPE range always fits, and padding never sets ``max_seqlen``.
+    """
+    return torch.tensor([*range(n + longest, s, longest), s], dtype=torch.int32)
+
+
 def _pad_rows(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: int,
               pad_index: int) -> dict:
     b = len(rows)
     input_ids = torch.full((b, s), pad_index, dtype=torch.long)
     labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
+    longest = max(int(lengths_from_cumulative(cu).max()) for _, _, cu in rows)
     cumulative_len = []
     for r, (ids, lab, cu) in enumerate(rows):
         n = ids.numel()
         input_ids[r, :n], labels[r, :n] = ids, lab
-        # Padding is a segment of its own: positions 0, 1, ... and attended only by itself.
-        cumulative_len.append(cu if n == s else torch.cat([cu, cu.new_tensor([s])]))
+        # Padding is segments of its own: positions 0, 1, ... and attended only by itself.
+        cumulative_len.append(cu if n == s else torch.cat([cu, _padding_boundaries(n, s, longest)]))
     position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
     return {'input_ids': input_ids, 'labels': labels, 'position_ids': position_ids,
             'cumulative_len': cumulative_len, 'max_seqlen': int(position_ids.max()) + 1}
@@ -219,11 +264,18 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
     and/or ``position_ids`` restarting at 0 per document). Each row is one item, or with
     ``pack=True`` several items placed by first-fit decreasing. Rows are padded to one
-    length ``s``; the padding is a segment of its own.
+    length ``s``; the padding is cut into segments of its own, each no longer than the
+    longest real document of the batch (so padding never leaves the RoPE range when the
+    documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add).
+
+    Samples without a supervised label (all labels -100 after the causal shift: a 1-token
+    sample, a reply truncated away) add nothing to the loss: they are kept as documents like
+    any other and counted in ``num_unsupervised``, or dropped with ``drop_unsupervised=True``.
+    A batch where no sample has a supervised label (mean loss 0/0 = NaN) is refused.
 
     Args:
         instances: ``b`` items; ``input_ids``/``labels`` as lists or 1-D integer tensors.
-        pad_index: token id used for padding.
+        pad_index: token id used for padding (an int >= 0).
         use_varlen_attn: accepted for XTuner config compatibility; boundaries are always
             returned, and unlike XTuner any batch size works.
         pack: pack the items into as few rows of at most ``max_length`` tokens as possible.
@@ -231,28 +283,38 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
         pad_to_multiple_of: round ``s`` up to a multiple of this.
         min_length: pad ``s`` to at least this.
         return_hf_format: return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
-        drop_unsupervised: drop items with no supervised label (warning with the count)
-            instead of raising.
+        drop_unsupervised: drop items with no supervised label (one warning with the count)
+            instead of keeping them.
 
     Returns:
         ``{'data': data, 'data_samples': None}`` (or ``data``) with ``input_ids``,
         ``labels`` (-100 on padding and on each document's first token after column 0),
         ``position_ids`` (all ``[b, s]`` long), ``cumulative_len`` (``b`` int32 tensors
-        ``[0, ..., s]``), ``max_seqlen`` (int, longest segment) and, only for unpacked plain
-        items, ``attention_mask`` (``[b, s]`` bool, True on real tokens).
+        ``[0, ..., s]``), ``max_seqlen`` (int, longest segment), ``num_unsupervised`` (int,
+        kept samples without a supervised label; ``PackedBatchCheckHook`` pops it with the
+        boundaries) and, only for unpacked plain items, ``attention_mask`` (``[b, s]`` bool,
+        True on real tokens).
 
     Raises:
-        ValueError: empty batch or sample, mismatched lengths, bad ``cumulative_len`` or
-            ``position_ids``, a sample over ``max_length``, a sample with no supervised label.
-        TypeError: an item that is not a dict or holds non-integer ids.
+        ValueError: empty batch or sample, mismatched lengths, negative ids or labels (other
+            than -100), bad ``cumulative_len`` or ``position_ids``, a sample over
+            ``max_length``, a batch without any supervised label, an option out of range.
+        TypeError: an item that is not a dict, ids that are not ints (None, strings, floats),
+            an option of the wrong type.
     """
     del use_varlen_attn  # boundaries are always returned; kept for XTuner configs
-    _check_options(pack, max_length, pad_to_multiple_of, min_length)
+    _check_options(pad_index, {'pack': pack, 'return_hf_format': return_hf_format,
+                               'drop_unsupervised': drop_unsupervised},
+                   {'max_length': (max_length, 1), 'pad_to_multiple_of': (pad_to_multiple_of, 1),
+                    'min_length': (min_length, 0)}, pack)
+    if isinstance(instances, (str, bytes, Mapping)) or not isinstance(instances, Sequence):
+        raise TypeError(f'rope_collate_fn: expected a list of samples (dicts), got '
+                        f'{show(instances)}. Use it as the DataLoader collate_fn.')
     if len(instances) == 0:
         raise ValueError('rope_collate_fn: got an empty batch (0 samples); check the sampler.')
     samples = [_parse_sample(i, item) for i, item in enumerate(instances)]
     _check_lengths(samples, max_length)
-    samples = _drop_unsupervised(samples, drop_unsupervised)
+    samples, unsupervised = _apply_policy(samples, drop_unsupervised)
     if pack:
         plan = plan_packs([s.input_ids.numel() for s in samples], max_length)
     else:
@@ -260,7 +322,8 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     rows = [_assemble_row([samples[i] for i in row]) for row in plan]
     s = padded_length(max(ids.numel() for ids, _, _ in rows),
                       pad_to_multiple_of=pad_to_multiple_of, min_length=min_length)
-    data = _pad_rows(rows, s, pad_index)
+    data = _pad_rows(rows, s, int(pad_index))
+    data['num_unsupervised'] = unsupervised
     if not pack and not any(smp.carries_boundaries for smp in samples):
         lengths = torch.tensor([ids.numel() for ids, _, _ in rows])
         data['attention_mask'] = torch.arange(s).expand(len(rows), s) < lengths[:, None]

@@ -158,6 +158,7 @@ class PackedBatchCheckHook(Hook):
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)
         data.pop("cumulative_len", None)
+        data.pop("num_unsupervised", None)  # counted by rope_collate_fn; the HF forward rejects it
         max_seqlen = data.pop("max_seqlen", None)
         if not rows:
             return
