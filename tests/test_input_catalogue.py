@@ -30,6 +30,11 @@ GOOD = it([1, 2, 3])
 M = -100
 
 
+def cus(row0, row1=(0, 6)):
+    """A cumulative_len list for batch(): row 0's and row 1's boundaries."""
+    return [torch.as_tensor(row0), torch.as_tensor(row1)]
+
+
 def batch(**changes):
     """A valid check_packed_batch input (rows [3 + 2 | 1 pad], [4 | 2 pad]; s = 6), edited."""
     items = [it([1, 2, 3, 4, 5], [M, 2, 3, M, 5], cumulative_len=[0, 3, 5]),
@@ -172,28 +177,28 @@ BAD = [
     (check_packed_batch, [batch(labels=torch.tensor([[M, 2, 3, M, 5, M], [M, 7, 80, 9, M, M]]))],
      {'vocab_size': 10}, ValueError,
      r"row 1, document 0, field 'labels': expected ids in \[0, 10\) or -100 \(column 2\), got 80"),
-    (check_packed_batch, [batch(cumulative_len=[torch.tensor([0., 3, 5, 6]), torch.tensor([0, 6])])],
+    (check_packed_batch, [batch(cumulative_len=cus([0., 3, 5, 6]))],
      {}, TypeError, r"row 0, field 'cumulative_len': expected integer values, got dtype "
      r'torch\.float32'),
-    (check_packed_batch, [batch(cumulative_len=[torch.tensor([0, 5, 3, 6]), torch.tensor([0, 6])])],
+    (check_packed_batch, [batch(cumulative_len=cus([0, 5, 3, 6]))],
      {}, ValueError, r"row 0, document 1, field 'cumulative_len': expected strictly increasing "
      r'.*\[5, 3\]'),
-    (check_packed_batch, [batch(cumulative_len=[torch.tensor([0, 3, 3, 6]), torch.tensor([0, 6])])],
+    (check_packed_batch, [batch(cumulative_len=cus([0, 3, 3, 6]))],
      {}, ValueError, r"row 0, document 1, field 'cumulative_len': expected strictly increasing"),
-    (check_packed_batch, [batch(cumulative_len=[torch.tensor([0, 3, 5]), torch.tensor([0, 6])])],
+    (check_packed_batch, [batch(cumulative_len=cus([0, 3, 5]))],
      {}, ValueError, r"row 0, field 'cumulative_len': expected boundaries that end at s=6"),
     (check_packed_batch, [batch(cumulative_len=torch.zeros(2, 1, 3, dtype=torch.int32))], {},
      ValueError, r"field 'cumulative_len': expected a list of 1-D tensors, or a \[b, k\] tensor, "
      r'got shape \[2, 1, 3\]'),
-    (check_packed_batch, [batch(cumulative_len=[torch.tensor([[0, 3], [3, 6]]), torch.tensor([0, 6])])],
+    (check_packed_batch, [batch(cumulative_len=cus([[0, 3], [3, 6]]))],
      {}, ValueError, r"row 0, field 'cumulative_len': expected a 1-D tensor per row, got shape "
      r'\[2, 2\]'),
     (check_packed_batch, [batch(cumulative_len='0,6')], {}, TypeError,
      r"field 'cumulative_len': expected a list of tensors, got str"),
     (check_packed_batch, [batch(cumulative_len=[torch.tensor([0, 6]), None])], {}, TypeError,
      r"row 1, field 'cumulative_len': expected a list or tensor of ints, got NoneType"),
-    (check_packed_batch, [batch(cumulative_len=None,
-                                position_ids=torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 5, 0]]))],
+    (check_packed_batch, [batch(cumulative_len=None, position_ids=torch.tensor(
+        [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 5, 0]]))],
      {}, ValueError, r"row 1, document 0, field 'position_ids': expected 4 at column 4"),
     (check_packed_batch, [batch()], {'max_position': 3}, ValueError,
      r"row 1, document 0, field 'position_ids': expected positions < max_position=3"),
@@ -272,8 +277,10 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize('entry, args, kwargs, error, match', BAD,
-                         ids=[f'{i}-{getattr(r[0], "__name__", "rotary")}' for i, r in enumerate(BAD)])
+BAD_IDS = [f'{i}-{getattr(row[0], "__name__", "rotary")}' for i, row in enumerate(BAD)]
+
+
+@pytest.mark.parametrize('entry, args, kwargs, error, match', BAD, ids=BAD_IDS)
 def test_bad_input_is_named(entry, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         entry(*args, **kwargs)
@@ -337,7 +344,8 @@ EXTREME = [
     ('document_plan', lambda: hub_plan([0, 5, 10], 2, 5).cu_seqlens,
      lambda: torch.tensor([0, 5, 10], dtype=torch.int32)),
     # RoPE: positions up to limit - 1, a 1-token sequence, int32 positions.
-    ('ValidatedRotaryEmbedding', lambda: ROT(torch.zeros(1, 2, 5, 8), torch.tensor([[0, 15, 3, 15, 1]])),
+    ('ValidatedRotaryEmbedding',
+     lambda: ROT(torch.zeros(1, 2, 5, 8), torch.tensor([[0, 15, 3, 15, 1]])),
      lambda: _rotary_ref(torch.tensor([[0, 15, 3, 15, 1]]))),
     ('ValidatedRotaryEmbedding', lambda: ROT(torch.zeros(1, 2, 1, 8), torch.tensor([[0]])),
      lambda: _rotary_ref(torch.tensor([[0]]))),

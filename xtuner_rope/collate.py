@@ -1,164 +1,50 @@
 """``rope_collate_fn``: XTuner's batch structure with per-document RoPE positions.
 
-Every row of the batch is cut into segments (documents, then one padding segment when
-the row is short). Position ids restart at 0 at each segment and the boundaries travel
-as ``cumulative_len``, so packed documents get the same RoPE angles as alone and a
-boundary-aware attention can isolate them. See :func:`rope_collate_fn`.
+Every row of the batch is cut into segments (documents, then padding segments, each no
+longer than the batch's longest document, when the row is short). Position ids restart
+at 0 at each segment and the boundaries travel as ``cumulative_len``, so packed documents
+get the same RoPE angles as alone and a boundary-aware attention can isolate them.
+See :func:`rope_collate_fn`.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from numbers import Integral
 
 import torch
 
-from xtuner_rope.inputs import show, to_int_tensor
+from xtuner_rope.collate_items import (
+    IGNORE_INDEX,
+    Sample,
+    check_id_range,
+    is_supervised,
+    item_error,
+    parse_sample,
+)
+from xtuner_rope.inputs import show
 from xtuner_rope.packing import (
     cumulative_from_lengths,
-    cumulative_from_position_ids,
     lengths_from_cumulative,
     padded_length,
     plan_packs,
-    position_ids_from_cumulative,
     position_ids_from_starts,
     segment_starts_from_cumulative,
 )
 
 __all__ = ['rope_collate_fn', 'IGNORE_INDEX', 'DEFAULT_PAD_TOKEN_INDEX']
 
-# Same values as xtuner.utils (checked in tests); defined here so importing the collate
-# function does not pull in xtuner.utils' templates and transformers.
-IGNORE_INDEX = -100
+# Same value as xtuner.utils (checked in tests), like IGNORE_INDEX.
 DEFAULT_PAD_TOKEN_INDEX = 0
 
 
-@dataclass
-class _Sample:
-    """One dataset item, checked: ``[n]`` long ids/labels and its ``[k + 1]`` boundaries."""
-
-    index: int
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    cu: torch.Tensor
-    carries_boundaries: bool  # the item came with cumulative_len / position_ids
-
-
-def _error(index: int, field: str, expected: str, got: object, fix: str,
-           document: int | None = None) -> ValueError:
-    where = f'sample {index}' + ('' if document is None else f', document {document}')
-    return ValueError(f'rope_collate_fn: {where}, field {field!r}: expected {expected}, '
-                      f'got {got}. {fix}')
-
-
-def _as_1d_ints(index: int, item: Mapping, field: str) -> torch.Tensor:
-    """Read ``item[field]`` (list, tuple, array or tensor of ints) as a ``[n]`` long tensor."""
-    if field not in item:
-        raise _error(index, field, "a dict with 'input_ids' and 'labels' as XTuner datasets "
-                     'yield', f'keys {sorted(item)}', 'Check the dataset map function.')
-    tensor = to_int_tensor(item[field], f'rope_collate_fn: sample {index}, field {field!r}',
-                           'Tokenize to ints in the dataset map function.')
-    if tensor.dim() != 1:
-        raise _error(index, field, 'a flat sequence of ints', f'shape {list(tensor.shape)}',
-                     'Give one sequence per item (the collate function builds the batch).')
-    return tensor.long()
-
-
-def _check_id_range(index: int, ids: torch.Tensor, labels: torch.Tensor) -> None:
-    """Ids are >= 0 (an embedding row); labels too, or IGNORE_INDEX."""
-    for field, values, low in (('input_ids', ids, 0), ('labels', labels, 0)):
-        bad = values < low
-        if field == 'labels':
-            bad &= values != IGNORE_INDEX
-        if bool(bad.any()):
-            col = _first_bad(bad)
-            extra = f' or {IGNORE_INDEX}' if field == 'labels' else ''
-            raise _error(index, field, f'token ids >= 0{extra} (column {col})',
-                         int(values[col]), 'Check the tokenizer and the label masking '
-                         f'(only {IGNORE_INDEX} marks an unsupervised token).')
-
-
-def _first_bad(mask: torch.Tensor) -> int:
-    return int(mask.nonzero()[0])
-
-
-def _check_cumulative(index: int, cu: torch.Tensor, n: int) -> None:
-    """``cu`` must start at 0, strictly increase and end at ``n`` (one item's length)."""
-    fix = ("Rebuild the pack with xtuner's Packer, or give "
-           'cumulative_len = [0, ..., len(input_ids)].')
-    if cu.numel() < 2 or int(cu[0]) != 0:
-        raise _error(index, 'cumulative_len', 'a list starting at 0 with at least 2 entries',
-                     cu.tolist(), fix)
-    steps = cu[1:] - cu[:-1]
-    if bool((steps <= 0).any()):
-        d = _first_bad(steps <= 0)
-        raise _error(index, 'cumulative_len', f'strictly increasing boundaries (document {d} '
-                     'empty or reversed)', f'cumulative_len[{d}:{d + 2}] = {cu[d:d + 2].tolist()}',
-                     'Drop empty documents before packing. ' + fix, document=d)
-    if int(cu[-1]) != n:
-        raise _error(index, 'cumulative_len', f'last boundary == len(input_ids) == {n}',
-                     int(cu[-1]), fix)
-
-
-def _boundaries(index: int, item: Mapping, n: int) -> tuple[torch.Tensor, bool]:
-    """Boundaries of one item: from ``cumulative_len``, else ``position_ids``, else one document."""
-    has_cu, has_pos = item.get('cumulative_len') is not None, item.get('position_ids') is not None
-    if has_cu:
-        cu = _as_1d_ints(index, item, 'cumulative_len')
-        _check_cumulative(index, cu, n)
-    elif has_pos:
-        cu = cumulative_from_position_ids(_as_1d_ints(index, item, 'position_ids')).long()
-    else:
-        return torch.tensor([0, n], dtype=torch.long), False
-    if has_pos:
-        got = _as_1d_ints(index, item, 'position_ids')
-        if got.numel() != n:
-            raise _error(index, 'position_ids', f'len(input_ids) == {n} entries', got.numel(),
-                         'Give one position per token.')
-        want = position_ids_from_cumulative(cu)
-        if not torch.equal(got, want):
-            col = _first_bad(got != want)
-            d = int(torch.searchsorted(cu, col, right=True)) - 1
-            raise _error(index, 'position_ids', f'{int(want[col])} at column {col} (0 at each '
-                         'document start, +1 within)', int(got[col]),
-                         'Restart positions at every document (cumulative_len).', document=d)
-    return cu, True
-
-
-def _parse_sample(index: int, item: object) -> _Sample:
-    if not isinstance(item, Mapping):
-        raise TypeError(f'rope_collate_fn: sample {index}: expected a dict with input_ids and '
-                        f'labels, got {type(item).__name__}.')
-    input_ids = _as_1d_ints(index, item, 'input_ids')
-    labels = _as_1d_ints(index, item, 'labels')
-    n = input_ids.numel()
-    if n == 0:
-        raise _error(index, 'input_ids', 'at least 1 token', '0 tokens (an empty sample)',
-                     'Filter empty samples out of the dataset.')
-    if labels.numel() != n:
-        raise _error(index, 'labels', f'len(labels) == len(input_ids) == {n}', labels.numel(),
-                     'Give one label per token (IGNORE_INDEX=-100 where not supervised).')
-    _check_id_range(index, input_ids, labels)
-    cu, carried = _boundaries(index, item, n)
-    return _Sample(index, input_ids, labels, cu, carried)
-
-
-def _is_supervised(sample: _Sample) -> bool:
-    """True if some label is used by the loss: a document's first label never is (the shift
-    predicts it from the previous document, or from nothing at column 0)."""
-    used = sample.labels != IGNORE_INDEX
-    used[sample.cu[:-1]] = False
-    return bool(used.any())
-
-
-def _apply_policy(samples: list[_Sample], drop: bool) -> tuple[list[_Sample], int]:
+def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]:
     """Keep (and count) or drop the samples without a supervised label; refuse a batch of them.
 
     Returns:
         The samples to collate and how many of them have no supervised label.
     """
-    bad = [s.index for s in samples if not _is_supervised(s)]
+    bad = [s.index for s in samples if not is_supervised(s)]
     if len(bad) == len(samples):
         shown = f'{bad[:20]}{"..." if len(bad) > 20 else ""}'
         raise ValueError(f'rope_collate_fn: all {len(samples)} samples of the batch have no '
@@ -204,17 +90,17 @@ def _check_options(pad_index: object, flags: dict, ints: dict, pack: bool) -> No
                          'max_length=<tokens per row>).')
 
 
-def _check_lengths(samples: list[_Sample], max_length: int | None) -> None:
+def _check_lengths(samples: list[Sample], max_length: int | None) -> None:
     if max_length is None:
         return
     for s in samples:
         if s.input_ids.numel() > max_length:
-            raise _error(s.index, 'input_ids', f'at most max_length={max_length} tokens',
-                         s.input_ids.numel(), 'Truncate in the dataset (process_hf_dataset('
-                         'max_length=...)) or raise the collate max_length.')
+            raise item_error(s.index, 'input_ids', f'at most max_length={max_length} tokens',
+                             s.input_ids.numel(), 'Truncate in the dataset (process_hf_dataset('
+                             'max_length=...)) or raise the collate max_length.')
 
 
-def _assemble_row(samples: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate samples into one unpadded row: ``[L]`` ids, ``[L]`` labels, boundaries."""
     ids = torch.cat([s.input_ids for s in samples])
     labels = torch.cat([s.labels for s in samples])  # cat copies: the items stay untouched
@@ -312,7 +198,8 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
                         f'{show(instances)}. Use it as the DataLoader collate_fn.')
     if len(instances) == 0:
         raise ValueError('rope_collate_fn: got an empty batch (0 samples); check the sampler.')
-    samples = [_parse_sample(i, item) for i, item in enumerate(instances)]
+    samples = [parse_sample(i, item) for i, item in enumerate(instances)]
+    check_id_range(samples)
     _check_lengths(samples, max_length)
     samples, unsupervised = _apply_policy(samples, drop_unsupervised)
     if pack:

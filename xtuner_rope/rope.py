@@ -179,8 +179,9 @@ class ValidatedRotaryEmbedding(nn.Module):
                 the limit, or both position_ids and seq_len given.
         """
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f'the rotary embedding needs x = value_states [b, n_kv, s, h_d] '
-                            f'(a tensor), got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}')
+                            f'(a tensor), got {got}')
         if isinstance(position_ids, Integral) and not isinstance(position_ids, bool):
             position_ids, seq_len = None, position_ids
         if seq_len is not None:
