@@ -77,17 +77,22 @@ def assert_invariants(data, kept, options, carried):
     assert s == padded_length(int(real_len.max()), pad_to_multiple_of=options['pad_to_multiple_of'],
                               min_length=options['min_length'])
     assert bool((labels[~real] == IGNORE_INDEX).all())
-    longest = 0
+    real_steps, pad_steps = [], []
     for r, cu in enumerate(data['cumulative_len']):
         assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == s
         steps = cu.diff()
         assert bool((steps > 0).all())
-        longest = max(longest, int(steps.max()))
         n = int(real_len[r])
-        assert (n in cu.tolist()) and (n == s or cu[-2] == n)  # padding: one segment
+        assert n in cu.tolist()
+        k = cu.tolist().index(n)
+        real_steps += steps[:k].tolist()
+        pad_steps.append(steps[k:].tolist())
         want = torch.cat([torch.arange(int(k)) for k in steps])
         assert torch.equal(pos[r], want)
         assert bool((labels[r, cu[1:-1].long()] == IGNORE_INDEX).all())
+    # Padding: segments as long as the longest document, the last one shorter or equal.
+    longest = max(real_steps)
+    assert all(p[:-1] == [longest] * (len(p) - 1) and p[-1:] <= [longest] for p in pad_steps)
     assert data['max_seqlen'] == longest
     assert int(real.sum()) == sum(len(item['input_ids']) for item, _ in kept)
     for k, (item, docs) in enumerate(kept):
@@ -110,29 +115,32 @@ def assert_invariants(data, kept, options, carried):
 
 
 @PROPERTY
-@given(batches())
-def test_collate_properties(case):
+@given(batches(), st.booleans())
+def test_collate_properties(case, drop):
     items_docs, mode, as_tensor, options = case
     items, first = [], 1
     for docs in items_docs:
         items.append(make_item(docs, first, mode, as_tensor))
         first += sum(map(len, docs))
-    kept = [(item, docs) for item, docs in zip(items, items_docs) if is_supervised(docs)]
-    if not kept:
+    supervised = [is_supervised(docs) for docs in items_docs]
+    kept = [(item, docs) for item, docs, ok in zip(items, items_docs, supervised) if ok or not drop]
+    if not any(supervised):  # the mean loss would be 0/0: refused with or without dropping
         with pytest.raises(ValueError, match=r'all \d+ samples of the batch have no supervised'):
-            rope_collate_fn(items, drop_unsupervised=True, **options)
+            rope_collate_fn(items, drop_unsupervised=drop, **options)
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        batch = rope_collate_fn(items, drop_unsupervised=True, **options)
+        batch = rope_collate_fn(items, drop_unsupervised=drop, **options)
     dropped = len(items) - len(kept)
     assert len(caught) == (1 if dropped else 0)
     if dropped:
         assert f'dropped {dropped} of {len(items)} samples' in str(caught[0].message)
     assert batch['data_samples'] is None
     data = batch['data']
+    assert data.pop('num_unsupervised') == (0 if drop else supervised.count(False))
     assert_invariants(data, kept, options, carried=mode != 'plain')
-    check_packed_batch(data, vocab_size=first, max_position=data['input_ids'].shape[1])
+    # Padding never leaves the range the documents need, whatever s is.
+    check_packed_batch(data, vocab_size=first, max_position=data['max_seqlen'])
     # A packed row's loss is the sum of its documents' losses alone.
     embed, head = torch.nn.Embedding(first, 4), torch.nn.Linear(4, first)
     alone = sum(token_wise_loss(rope_collate_fn([make_item([d], int(item['input_ids'][o]))],
@@ -188,7 +196,8 @@ def test_varlen_flag_with_batch_size_above_one_and_min_length():
     items = [make_item([[False, True]]), make_item([[False, True, True]], 5)]
     data = rope_collate_fn(items, use_varlen_attn=True, min_length=6, return_hf_format=True)
     assert data['input_ids'].shape == (2, 6)
-    assert [cu.tolist() for cu in data['cumulative_len']] == [[0, 2, 6], [0, 3, 6]]
+    # Row 0's 4 padding tokens: two segments, none longer than the longest document (3).
+    assert [cu.tolist() for cu in data['cumulative_len']] == [[0, 2, 5, 6], [0, 3, 6]]
     assert data['attention_mask'].sum(1).tolist() == [2, 3]
 
 
@@ -317,8 +326,9 @@ def _item(n=3, **extra):
     ([_item(3), _item(5)], {'pack': True, 'max_length': 4},
      r"sample 1, field 'input_ids': expected at most max_length=4 tokens, got 5\. Truncate"),
     ([_item(5)], {'max_length': 4}, r"sample 0, field 'input_ids': expected at most max_length=4"),
-    ([_item(), {'input_ids': [1, 2], 'labels': [1, -100]}], {},
-     r"sample 1, field 'labels': expected at least one label != -100 .*drop_unsupervised=True"),
+    ([{'input_ids': [1, 2], 'labels': [1, -100]}, {'input_ids': [3], 'labels': [3]}], {},
+     r'all 2 samples of the batch have no supervised label \(indices \[0, 1\]\): the mean '
+     r'loss would be 0/0 = NaN'),
     ([{'input_ids': [1], 'labels': [1]}], {'drop_unsupervised': True},
      r'all 1 samples of the batch have no supervised label \(indices \[0\]\)'),
 ])
@@ -330,9 +340,9 @@ def test_value_errors(instances, kwargs, match):
 @pytest.mark.parametrize('instances, match', [
     ([_item(), [1, 2, 3]], r'sample 1: expected a dict with input_ids and labels, got list'),
     ([{'input_ids': [1.0, 2.0], 'labels': [1, 2]}], r"sample 0, field 'input_ids': expected "
-     r'integer token ids, got dtype torch.float32'),
+     r'integer values, got dtype torch.float32\. Tokenize'),
     ([{'input_ids': torch.tensor([1, 2]), 'labels': torch.tensor([True, True])}],
-     r"sample 0, field 'labels': expected integer token ids, got dtype torch.bool"),
+     r"sample 0, field 'labels': expected integer values, got dtype torch.bool"),
 ])
 def test_type_errors(instances, match):
     with pytest.raises(TypeError, match=match):
@@ -346,3 +356,16 @@ def test_drop_unsupervised_warns_with_count():
                       r'\(batch indices \[1, 2\]\)'):
         data = rope_collate_fn(items, drop_unsupervised=True, return_hf_format=True)
     assert data['input_ids'].tolist() == [[1, 2, 3]]
+
+
+def test_unsupervised_samples_are_kept_and_counted():
+    # A 1-token sample and a reply masked away: no loss term, no harm, no warning by default.
+    items = [_item(), {'input_ids': [1, 2], 'labels': [-100, -100]},
+             {'input_ids': [5], 'labels': [5]}]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        data = rope_collate_fn(items, return_hf_format=True)
+    assert data.pop('num_unsupervised') == 2
+    assert data['input_ids'].tolist() == [[1, 2, 3], [1, 2, 0], [5, 0, 0]]
+    assert data['labels'].tolist() == [[1, 2, 3], [-100] * 3, [5, -100, -100]]
+    check_packed_batch(data)

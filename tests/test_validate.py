@@ -100,7 +100,7 @@ def test_accepts_xtuner_default_collate_output():
      r"row 1, field 'attention_mask': expected at least one attended token per row, got none"),
     (lambda d: _bad(d, 'labels', torch.full_like(d['labels'], -100)),
      r"field 'labels': expected at least one supervised label \(!= -100\) after column 0, got "
-     r'none\. .*drop_unsupervised=True'),
+     r'none in rows \[0, 1\] \(the mean loss would be 0/0 = NaN\)\. .*filter samples'),
 ])
 def test_value_errors(mutate, match):
     with pytest.raises(ValueError, match=match):
@@ -137,8 +137,8 @@ def test_label_outside_vocab():
      r"field 'attention_mask': expected a tensor of dtype torch.bool or torch.int64 or "
      r'torch.int32, got torch.float32'),
     (lambda d: _bad(d, 'cumulative_len', [c.float() for c in d['cumulative_len']]),
-     r"row 0, field 'cumulative_len': expected an integer tensor \(int32 for flash-attn\), got "
-     r'torch.float32'),
+     r"row 0, field 'cumulative_len': expected integer values, got dtype torch.float32\. Use "
+     r'an integer tensor \(int32 for flash-attn\)'),
 ])
 def test_type_errors(mutate, match):
     data = _batch()

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import cumulative_from_position_ids, flat_cumulative
+from .validate import check_flat_boundaries
 
 MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
 
@@ -106,7 +107,11 @@ def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device
 
 
 def hub_cumulative_len() -> torch.Tensor | None:
-    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention."""
+    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention.
+
+    Returns:
+        What the hub holds (checked against the batch by ``document_plan``), or None.
+    """
     from mmengine import MessageHub
     from mmengine.dist import get_rank
 
@@ -129,19 +134,21 @@ def document_plan(position_ids: torch.Tensor | None, b: int, s: int,
                   device: torch.device) -> DocumentPlan | None:
     """The document layout of this forward: hub boundaries first, then position resets.
 
+    Hub boundaries are checked (``check_flat_boundaries``) once per published tensor, not
+    per layer: integer, ``0 .. b*s``, strictly increasing, a boundary at every row end.
+
     Raises:
-        ValueError: the published ``cumulative_len`` does not describe this ``[b, s]`` batch.
+        TypeError: the published ``cumulative_len`` is not integer.
+        ValueError: it does not describe this ``[b, s]`` batch, is unordered, or runs a
+            document across rows.
     """
     cu = hub_cumulative_len()
     if cu is not None:
-        cu = torch.as_tensor(cu)
-        if cu.ndim != 1 or int(cu[0]) != 0 or int(cu[-1]) != b * s:
-            raise ValueError(
-                f"MessageHub '{VARLEN_HUB}' holds cumulative_len {cu.tolist()[:8]}... ending at "
-                f"{int(cu[-1])}, but the attention input has b*s = {b}*{s} = {b * s} tokens. "
-                "It must describe the current batch: publish it per iteration "
-                "(PackedBatchCheckHook does) and reset it to None afterwards.")
-        return _cached_plan(cu, ("hub", b, s), lambda: cu, device)
+        source = f"MessageHub '{VARLEN_HUB}'"
+        if not isinstance(cu, torch.Tensor):  # checked before the identity-keyed cache
+            cu = check_flat_boundaries(cu, b, s, source)
+        return _cached_plan(cu, ("hub", b, s),
+                            lambda: check_flat_boundaries(cu, b, s, source), device)
     if position_ids is None:
         return None
     return _cached_plan(position_ids, ("pos", b, s),

@@ -1,188 +1,106 @@
 """``rope_collate_fn``: XTuner's batch structure with per-document RoPE positions.
 
-Every row of the batch is cut into segments (documents, then one padding segment when
-the row is short). Position ids restart at 0 at each segment and the boundaries travel
-as ``cumulative_len``, so packed documents get the same RoPE angles as alone and a
-boundary-aware attention can isolate them. See :func:`rope_collate_fn`.
+Every row of the batch is cut into segments (documents, then padding segments, each no
+longer than the batch's longest document, when the row is short). Position ids restart
+at 0 at each segment and the boundaries travel as ``cumulative_len``, so packed documents
+get the same RoPE angles as alone and a boundary-aware attention can isolate them.
+See :func:`rope_collate_fn`.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
+from xtuner_rope.collate_items import (
+    IGNORE_INDEX,
+    Sample,
+    check_id_range,
+    is_supervised,
+    item_error,
+    parse_sample,
+)
+from xtuner_rope.inputs import show
 from xtuner_rope.packing import (
     cumulative_from_lengths,
-    cumulative_from_position_ids,
     lengths_from_cumulative,
     padded_length,
     plan_packs,
-    position_ids_from_cumulative,
     position_ids_from_starts,
     segment_starts_from_cumulative,
 )
 
 __all__ = ['rope_collate_fn', 'IGNORE_INDEX', 'DEFAULT_PAD_TOKEN_INDEX']
 
-# Same values as xtuner.utils (checked in tests); defined here so importing the collate
-# function does not pull in xtuner.utils' templates and transformers.
-IGNORE_INDEX = -100
+# Same value as xtuner.utils (checked in tests), like IGNORE_INDEX.
 DEFAULT_PAD_TOKEN_INDEX = 0
 
 
-@dataclass
-class _Sample:
-    """One dataset item, checked: ``[n]`` long ids/labels and its ``[k + 1]`` boundaries."""
+def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]:
+    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them.
 
-    index: int
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    cu: torch.Tensor
-    carries_boundaries: bool  # the item came with cumulative_len / position_ids
-
-
-def _error(index: int, field: str, expected: str, got: object, fix: str,
-           document: int | None = None) -> ValueError:
-    where = f'sample {index}' + ('' if document is None else f', document {document}')
-    return ValueError(f'rope_collate_fn: {where}, field {field!r}: expected {expected}, '
-                      f'got {got}. {fix}')
-
-
-def _as_1d_ints(index: int, item: Mapping, field: str) -> torch.Tensor:
-    """Read ``item[field]`` (list, tuple, array or tensor of ints) as a ``[n]`` long tensor."""
-    if field not in item:
-        raise _error(index, field, "a dict with 'input_ids' and 'labels' as XTuner datasets "
-                     'yield', f'keys {sorted(item)}', 'Check the dataset map function.')
-    value = item[field]
-    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if tensor.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise TypeError(f'rope_collate_fn: sample {index}, field {field!r}: expected integer '
-                        f'token ids, got dtype {tensor.dtype}. Tokenize to ints.')
-    if tensor.dim() != 1:
-        raise _error(index, field, 'a flat sequence of ints', f'shape {list(tensor.shape)}',
-                     'Give one sequence per item (the collate function builds the batch).')
-    return tensor.long()
-
-
-def _first_bad(mask: torch.Tensor) -> int:
-    return int(mask.nonzero()[0])
-
-
-def _check_cumulative(index: int, cu: torch.Tensor, n: int) -> None:
-    """``cu`` must start at 0, strictly increase and end at ``n`` (one item's length)."""
-    fix = ("Rebuild the pack with xtuner's Packer, or give "
-           'cumulative_len = [0, ..., len(input_ids)].')
-    if cu.numel() < 2 or int(cu[0]) != 0:
-        raise _error(index, 'cumulative_len', 'a list starting at 0 with at least 2 entries',
-                     cu.tolist(), fix)
-    steps = cu[1:] - cu[:-1]
-    if bool((steps <= 0).any()):
-        d = _first_bad(steps <= 0)
-        raise _error(index, 'cumulative_len', f'strictly increasing boundaries (document {d} '
-                     'empty or reversed)', f'cumulative_len[{d}:{d + 2}] = {cu[d:d + 2].tolist()}',
-                     'Drop empty documents before packing. ' + fix, document=d)
-    if int(cu[-1]) != n:
-        raise _error(index, 'cumulative_len', f'last boundary == len(input_ids) == {n}',
-                     int(cu[-1]), fix)
-
-
-def _boundaries(index: int, item: Mapping, n: int) -> tuple[torch.Tensor, bool]:
-    """Boundaries of one item: from ``cumulative_len``, else ``position_ids``, else one document."""
-    has_cu, has_pos = item.get('cumulative_len') is not None, item.get('position_ids') is not None
-    if has_cu:
-        cu = torch.as_tensor(item['cumulative_len']).reshape(-1).long()
-        _check_cumulative(index, cu, n)
-    elif has_pos:
-        cu = cumulative_from_position_ids(_as_1d_ints(index, item, 'position_ids')).long()
-    else:
-        return torch.tensor([0, n], dtype=torch.long), False
-    if has_pos:
-        got = _as_1d_ints(index, item, 'position_ids')
-        if got.numel() != n:
-            raise _error(index, 'position_ids', f'len(input_ids) == {n} entries', got.numel(),
-                         'Give one position per token.')
-        want = position_ids_from_cumulative(cu)
-        if not torch.equal(got, want):
-            col = _first_bad(got != want)
-            d = int(torch.searchsorted(cu, col, right=True)) - 1
-            raise _error(index, 'position_ids', f'{int(want[col])} at column {col} (0 at each '
-                         'document start, +1 within)', int(got[col]),
-                         'Restart positions at every document (cumulative_len).', document=d)
-    return cu, True
-
-
-def _parse_sample(index: int, item: object) -> _Sample:
-    if not isinstance(item, Mapping):
-        raise TypeError(f'rope_collate_fn: sample {index}: expected a dict with input_ids and '
-                        f'labels, got {type(item).__name__}.')
-    input_ids = _as_1d_ints(index, item, 'input_ids')
-    labels = _as_1d_ints(index, item, 'labels')
-    n = input_ids.numel()
-    if n == 0:
-        raise _error(index, 'input_ids', 'at least 1 token', '0 tokens (an empty sample)',
-                     'Filter empty samples out of the dataset.')
-    if labels.numel() != n:
-        raise _error(index, 'labels', f'len(labels) == len(input_ids) == {n}', labels.numel(),
-                     'Give one label per token (IGNORE_INDEX=-100 where not supervised).')
-    cu, carried = _boundaries(index, item, n)
-    return _Sample(index, input_ids, labels, cu, carried)
-
-
-def _is_supervised(sample: _Sample) -> bool:
-    """True if some label is used by the loss: a document's first label never is (the shift
-    predicts it from the previous document, or from nothing at column 0)."""
-    used = sample.labels != IGNORE_INDEX
-    used[sample.cu[:-1]] = False
-    return bool(used.any())
-
-
-def _drop_unsupervised(samples: list[_Sample], drop: bool) -> list[_Sample]:
-    bad = [s.index for s in samples if not _is_supervised(s)]
-    if not bad:
-        return samples
-    fix = ('Check the dataset label masking, or pass drop_unsupervised=True to the collate_fn '
-           'to skip such samples with a warning.')
-    if not drop:
-        raise _error(bad[0], 'labels', "at least one label != -100 besides a document's first "
-                     'token (the causal shift never uses that one)', 'none', fix)
+    Returns:
+        The samples to collate and how many of them have no supervised label.
+    """
+    bad = [s.index for s in samples if not is_supervised(s)]
     if len(bad) == len(samples):
+        shown = f'{bad[:20]}{"..." if len(bad) > 20 else ""}'
         raise ValueError(f'rope_collate_fn: all {len(samples)} samples of the batch have no '
-                         f'supervised label (indices {bad}); nothing is left to train on. {fix}')
+                         f'supervised label (indices {shown}): the mean loss would be 0/0 = NaN. '
+                         "A label counts when it is != -100 after a document's first token "
+                         '(the causal shift never uses that one). Check the dataset label '
+                         'masking and filter such samples (1-token samples, replies truncated '
+                         'away) out of the dataset.')
+    if not bad or not drop:
+        return samples, len(bad)
     warnings.warn(f'rope_collate_fn: dropped {len(bad)} of {len(samples)} samples with no '
                   f'supervised label (batch indices {bad}).', stacklevel=3)
     dropped = set(bad)
-    return [s for s in samples if s.index not in dropped]
+    return [s for s in samples if s.index not in dropped], 0
 
 
-def _check_options(pack: bool, max_length: int | None, pad_to_multiple_of: int | None,
-                   min_length: int | None) -> None:
-    for name, value, low in (('max_length', max_length, 1),
-                             ('pad_to_multiple_of', pad_to_multiple_of, 1),
-                             ('min_length', min_length, 0)):
-        if value is not None and (not isinstance(value, int) or value < low):
+def _check_options(pad_index: object, flags: dict, ints: dict, pack: bool) -> None:
+    """Types and ranges of the collate options; ``ints`` maps name -> (value, lowest)."""
+    if not isinstance(pad_index, Integral) or isinstance(pad_index, bool):
+        raise TypeError(f'rope_collate_fn: option pad_index: expected an int token id >= 0, got '
+                        f"{show(pad_index)}. Pass the tokenizer's pad_token_id (XTuner's "
+                        'default: 0).')
+    if pad_index < 0:
+        raise ValueError(f'rope_collate_fn: option pad_index: expected an int token id >= 0 (a '
+                         f"row of the embedding), got {pad_index}. Pass the tokenizer's "
+                         'pad_token_id (XTuner\'s default: 0).')
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f'rope_collate_fn: option {name}: expected True or False, got '
+                            f'{show(value)}.')
+    for name, (value, low) in ints.items():
+        if value is None:
+            continue
+        if not isinstance(value, Integral) or isinstance(value, bool):
+            raise TypeError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
+                            f'got {show(value)}.')
+        if value < low:
             raise ValueError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
                              f'got {value!r}.')
-    if pack and max_length is None:
+    if pack and ints['max_length'][0] is None:
         raise ValueError('rope_collate_fn: option max_length: expected an int when pack=True, '
                          'got None. Set collate_fn=dict(..., pack=True, '
                          'max_length=<tokens per row>).')
 
 
-def _check_lengths(samples: list[_Sample], max_length: int | None) -> None:
+def _check_lengths(samples: list[Sample], max_length: int | None) -> None:
     if max_length is None:
         return
     for s in samples:
         if s.input_ids.numel() > max_length:
-            raise _error(s.index, 'input_ids', f'at most max_length={max_length} tokens',
-                         s.input_ids.numel(), 'Truncate in the dataset (process_hf_dataset('
-                         'max_length=...)) or raise the collate max_length.')
+            raise item_error(s.index, 'input_ids', f'at most max_length={max_length} tokens',
+                             s.input_ids.numel(), 'Truncate in the dataset (process_hf_dataset('
+                             'max_length=...)) or raise the collate max_length.')
 
 
-def _assemble_row(samples: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate samples into one unpadded row: ``[L]`` ids, ``[L]`` labels, boundaries."""
     ids = torch.cat([s.input_ids for s in samples])
     labels = torch.cat([s.labels for s in samples])  # cat copies: the items stay untouched
@@ -193,17 +111,30 @@ def _assemble_row(samples: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor, t
     return ids, labels, cu
 
 
+def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
+    """Boundaries after the real tokens ``[0, n)`` of a row: padding ``[n, s)`` cut into
+    segments of at most ``longest`` tokens, the longest real document of the batch.
+
+    One padding segment can be longer than the RoPE range (``pack=True`` rows may exceed it,
+    since positions restart per document; ``pad_to_multiple_of`` / ``min_length`` add more):
+    capped at ``longest``, padding positions stay below every real document's, so a batch whose
+    documents fit the RoPE range always fits, and padding never sets ``max_seqlen``.
+    """
+    return torch.tensor([*range(n + longest, s, longest), s], dtype=torch.int32)
+
+
 def _pad_rows(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: int,
               pad_index: int) -> dict:
     b = len(rows)
     input_ids = torch.full((b, s), pad_index, dtype=torch.long)
     labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
+    longest = max(int(lengths_from_cumulative(cu).max()) for _, _, cu in rows)
     cumulative_len = []
     for r, (ids, lab, cu) in enumerate(rows):
         n = ids.numel()
         input_ids[r, :n], labels[r, :n] = ids, lab
-        # Padding is a segment of its own: positions 0, 1, ... and attended only by itself.
-        cumulative_len.append(cu if n == s else torch.cat([cu, cu.new_tensor([s])]))
+        # Padding is segments of its own: positions 0, 1, ... and attended only by itself.
+        cumulative_len.append(cu if n == s else torch.cat([cu, _padding_boundaries(n, s, longest)]))
     position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
     return {'input_ids': input_ids, 'labels': labels, 'position_ids': position_ids,
             'cumulative_len': cumulative_len, 'max_seqlen': int(position_ids.max()) + 1}
@@ -219,11 +150,18 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
     and/or ``position_ids`` restarting at 0 per document). Each row is one item, or with
     ``pack=True`` several items placed by first-fit decreasing. Rows are padded to one
-    length ``s``; the padding is a segment of its own.
+    length ``s``; the padding is cut into segments of its own, each no longer than the
+    longest real document of the batch (so padding never leaves the RoPE range when the
+    documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add).
+
+    Samples without a supervised label (all labels -100 after the causal shift: a 1-token
+    sample, a reply truncated away) add nothing to the loss: they are kept as documents like
+    any other and counted in ``num_unsupervised``, or dropped with ``drop_unsupervised=True``.
+    A batch where no sample has a supervised label (mean loss 0/0 = NaN) is refused.
 
     Args:
         instances: ``b`` items; ``input_ids``/``labels`` as lists or 1-D integer tensors.
-        pad_index: token id used for padding.
+        pad_index: token id used for padding (an int >= 0).
         use_varlen_attn: accepted for XTuner config compatibility; boundaries are always
             returned, and unlike XTuner any batch size works.
         pack: pack the items into as few rows of at most ``max_length`` tokens as possible.
@@ -231,28 +169,39 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
         pad_to_multiple_of: round ``s`` up to a multiple of this.
         min_length: pad ``s`` to at least this.
         return_hf_format: return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
-        drop_unsupervised: drop items with no supervised label (warning with the count)
-            instead of raising.
+        drop_unsupervised: drop items with no supervised label (one warning with the count)
+            instead of keeping them.
 
     Returns:
         ``{'data': data, 'data_samples': None}`` (or ``data``) with ``input_ids``,
         ``labels`` (-100 on padding and on each document's first token after column 0),
         ``position_ids`` (all ``[b, s]`` long), ``cumulative_len`` (``b`` int32 tensors
-        ``[0, ..., s]``), ``max_seqlen`` (int, longest segment) and, only for unpacked plain
-        items, ``attention_mask`` (``[b, s]`` bool, True on real tokens).
+        ``[0, ..., s]``), ``max_seqlen`` (int, longest segment), ``num_unsupervised`` (int,
+        kept samples without a supervised label; ``PackedBatchCheckHook`` pops it with the
+        boundaries) and, only for unpacked plain items, ``attention_mask`` (``[b, s]`` bool,
+        True on real tokens).
 
     Raises:
-        ValueError: empty batch or sample, mismatched lengths, bad ``cumulative_len`` or
-            ``position_ids``, a sample over ``max_length``, a sample with no supervised label.
-        TypeError: an item that is not a dict or holds non-integer ids.
+        ValueError: empty batch or sample, mismatched lengths, negative ids or labels (other
+            than -100), bad ``cumulative_len`` or ``position_ids``, a sample over
+            ``max_length``, a batch without any supervised label, an option out of range.
+        TypeError: an item that is not a dict, ids that are not ints (None, strings, floats),
+            an option of the wrong type.
     """
     del use_varlen_attn  # boundaries are always returned; kept for XTuner configs
-    _check_options(pack, max_length, pad_to_multiple_of, min_length)
+    _check_options(pad_index, {'pack': pack, 'return_hf_format': return_hf_format,
+                               'drop_unsupervised': drop_unsupervised},
+                   {'max_length': (max_length, 1), 'pad_to_multiple_of': (pad_to_multiple_of, 1),
+                    'min_length': (min_length, 0)}, pack)
+    if isinstance(instances, (str, bytes, Mapping)) or not isinstance(instances, Sequence):
+        raise TypeError(f'rope_collate_fn: expected a list of samples (dicts), got '
+                        f'{show(instances)}. Use it as the DataLoader collate_fn.')
     if len(instances) == 0:
         raise ValueError('rope_collate_fn: got an empty batch (0 samples); check the sampler.')
-    samples = [_parse_sample(i, item) for i, item in enumerate(instances)]
+    samples = [parse_sample(i, item) for i, item in enumerate(instances)]
+    check_id_range(samples)
     _check_lengths(samples, max_length)
-    samples = _drop_unsupervised(samples, drop_unsupervised)
+    samples, unsupervised = _apply_policy(samples, drop_unsupervised)
     if pack:
         plan = plan_packs([s.input_ids.numel() for s in samples], max_length)
     else:
@@ -260,7 +209,8 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     rows = [_assemble_row([samples[i] for i in row]) for row in plan]
     s = padded_length(max(ids.numel() for ids, _, _ in rows),
                       pad_to_multiple_of=pad_to_multiple_of, min_length=min_length)
-    data = _pad_rows(rows, s, pad_index)
+    data = _pad_rows(rows, s, int(pad_index))
+    data['num_unsupervised'] = unsupervised
     if not pack and not any(smp.carries_boundaries for smp in samples):
         lengths = torch.tensor([ids.numel() for ids, _, _ in rows])
         data['attention_mask'] = torch.arange(s).expand(len(rows), s) < lengths[:, None]

@@ -216,6 +216,7 @@ class PackedBatchCheckHook(Hook):
         self._refuse_leaky_packing(data, rows)
         self._report_first_batch(rows, b, s)
         data.pop("cumulative_len", None)
+        data.pop("num_unsupervised", None)  # counted by rope_collate_fn; the HF forward rejects it
         max_seqlen = data.pop("max_seqlen", None)
         if not rows:
             return

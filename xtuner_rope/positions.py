@@ -71,6 +71,9 @@ def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc='', 
         raise ValueError(f'position_ids has shape {shape} but the activations have batch '
                          f'{batch} and sequence length {seq_len}: expected (1, {seq_len}) or '
                          f'({batch}, {seq_len}), one position per token')
+    if position_ids.device.type == 'meta':
+        raise ValueError('position_ids is a meta tensor (no values to check or index with); '
+                         'materialize the model and its inputs (to_empty / real data) first')
     lo, hi = _min_max(position_ids)
     if lo < 0:
         value, row, col = _first(position_ids, position_ids < 0)

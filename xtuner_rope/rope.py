@@ -173,10 +173,15 @@ class ValidatedRotaryEmbedding(nn.Module):
             position_ids), or `[seq_len, h_d]` with seq_len.
 
         Raises:
-            TypeError: position_ids not an integer tensor, or seq_len not an int.
+            TypeError: x not a tensor, position_ids not an integer tensor, or seq_len not an
+                int.
             ValueError: Bad position ids (see `check_position_ids`), seq_len <= 0 or beyond
                 the limit, or both position_ids and seq_len given.
         """
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f'the rotary embedding needs x = value_states [b, n_kv, s, h_d] '
+                            f'(a tensor), got {got}')
         if isinstance(position_ids, Integral) and not isinstance(position_ids, bool):
             position_ids, seq_len = None, position_ids
         if seq_len is not None:
@@ -246,6 +251,37 @@ def _table_rows(cos, sin, q, position_ids, unsqueeze_dim):
     return cos[position_ids], sin[position_ids]  # [b, s, h_d]
 
 
+def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
+    """Types and shapes of `apply_rotary_pos_emb`'s inputs; shape reads only (no device sync)."""
+    for name, t in (('q', q), ('k', k), ('cos', cos), ('sin', sin)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f'apply_rotary_pos_emb: {name} must be a floating-point tensor, got '
+                            f'{got}; pass the rotary embedding\'s cos/sin and the projected q/k')
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f'apply_rotary_pos_emb: expected 4-D q/k with the heads at '
+                         f'unsqueeze_dim 1 ([b, n_h, s, h_d]) or 2 ([b, s, n_h, h_d]), got q '
+                         f'{tuple(q.shape)}, k {tuple(k.shape)}, unsqueeze_dim={unsqueeze_dim!r}')
+    head_dim, s_dim = q.shape[-1], 3 - unsqueeze_dim
+    b, s = q.shape[0], q.shape[s_dim]
+    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
+        raise ValueError(f'apply_rotary_pos_emb needs one even head dim h_d, got q '
+                         f'{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}')
+    if k.shape[0] != b or k.shape[s_dim] != s:
+        raise ValueError(f'apply_rotary_pos_emb: k {tuple(k.shape)} must have the batch {b} and '
+                         f'sequence length {s} of q {tuple(q.shape)}')
+    if sin.shape != cos.shape:
+        raise ValueError(f'apply_rotary_pos_emb: sin {tuple(sin.shape)} must have the shape of '
+                         f'cos {tuple(cos.shape)}')
+    if cos.dim() == 3 and (cos.shape[0] not in (1, b) or cos.shape[1] != s):
+        raise ValueError(f'apply_rotary_pos_emb: cos/sin {tuple(cos.shape)} do not match q '
+                         f'{tuple(q.shape)}: expected [1, {s}, {head_dim}] or [{b}, {s}, '
+                         f'{head_dim}] (one row per token); compute them from these position_ids')
+    if cos.dim() not in (2, 3):
+        raise ValueError(f'apply_rotary_pos_emb: cos/sin must be [b, s, h_d] or [L, h_d] '
+                         f'tables, got {tuple(cos.shape)}')
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
@@ -263,12 +299,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         flows into cos/sin (they come from no-grad rotary modules).
 
     Raises:
-        ValueError: Odd or mismatched head dims; bad position ids for `[L, h_d]` tables.
+        TypeError: q, k, cos or sin not a floating-point tensor.
+        ValueError: Odd or mismatched head dims; q/k/cos/sin of different batch or length
+            (cos/sin of batch 1 broadcast); bad position ids for `[L, h_d]` tables.
     """
-    head_dim = q.shape[-1]
-    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
-        raise ValueError(f'apply_rotary_pos_emb needs one even head dim h_d, got q '
-                         f'{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}')
+    _check_apply_inputs(q, k, cos, sin, unsqueeze_dim)
     if cos.dim() == 2:
         cos, sin = _table_rows(cos, sin, q, position_ids, unsqueeze_dim)
     cos = cos.float().unsqueeze(unsqueeze_dim)  # [b, 1, s, h_d] for unsqueeze_dim=1

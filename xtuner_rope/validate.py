@@ -8,16 +8,16 @@ work to gather the per-row ``cumulative_len`` tensors.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from numbers import Integral
 
 import torch
 
+from xtuner_rope.inputs import show, to_int_tensor
 from xtuner_rope.packing import position_ids_from_starts, segment_starts_from_cumulative
 
-__all__ = ['check_packed_batch']
+__all__ = ['check_packed_batch', 'check_flat_boundaries', 'row_boundaries']
 
 IGNORE_INDEX = -100
-
-
 def _fail(field: str, expected: str, got: object, fix: str, row: int | None = None,
           document: int | None = None) -> ValueError:
     where = '' if row is None else f'row {row}, ' + (
@@ -47,21 +47,82 @@ def _tensor(data: Mapping, field: str, shape: tuple[int, ...] | None = None,
 def row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
     """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1).
 
+    Args:
+        data: batch dict holding ``cumulative_len``: a list of ``b`` 1-D tensors (or lists),
+            a ``[b, k]`` tensor, or for ``b == 1`` a bare ``[k]`` tensor.
+        b: number of rows.
+
     Raises:
-        ValueError: not one boundary tensor per row; TypeError: non-integer boundaries.
+        ValueError: not one 1-D boundary tensor per row; TypeError: non-integer boundaries.
     """
     cus = data['cumulative_len']
+    fix = 'Give one 1-D integer cumulative_len tensor per row (rope_collate_fn does).'
     if isinstance(cus, torch.Tensor):
+        if cus.dim() > 2:
+            raise _fail('cumulative_len', 'a list of 1-D tensors, or a [b, k] tensor',
+                        f'shape {list(cus.shape)}', fix)
         cus = [cus.reshape(-1)] if cus.dim() <= 1 or b == 1 else list(cus.unbind(0))
-    cus = [torch.as_tensor(cu).reshape(-1) for cu in cus]
+    elif not isinstance(cus, (list, tuple)):
+        raise TypeError(f"check_packed_batch: field 'cumulative_len': expected a list of "
+                        f'tensors, got {show(cus)}. {fix}')
     if len(cus) != b:
         raise _fail('cumulative_len', f'one boundary tensor per row ({b})', len(cus),
                     'Return a list with one cumulative_len tensor per row.')
+    out = []
     for r, cu in enumerate(cus):
-        if cu.dtype.is_floating_point or cu.dtype == torch.bool:
-            raise TypeError(f'check_packed_batch: row {r}, field \'cumulative_len\': expected '
-                            f'an integer tensor (int32 for flash-attn), got {cu.dtype}.')
-    return cus
+        where = f"check_packed_batch: row {r}, field 'cumulative_len'"
+        cu = to_int_tensor(cu, where, 'Use an integer tensor (int32 for flash-attn).')
+        if cu.dim() > 1 and cu.shape[0] != 1 or cu.dim() > 2:
+            raise _fail('cumulative_len', 'a 1-D tensor per row', f'shape {list(cu.shape)}',
+                        fix, r)
+        out.append(cu.reshape(-1))
+    return out
+
+
+def check_flat_boundaries(cu: object, b: int, s: int, source: str) -> torch.Tensor:
+    """Check boundaries over the flattened ``[b * s]`` tokens (flash-attn's ``cu_seqlens``).
+
+    They must be a 1-D integer tensor from 0 to ``b * s``, strictly increasing, with a
+    boundary at every row end ``r * s``: a document never runs from one row into the next.
+
+    Args:
+        cu: ``[n_docs + 1]`` boundaries, e.g. read from XTuner's ``MessageHub``.
+        b: rows of the batch; s: row length.
+        source: where ``cu`` comes from, for the message.
+
+    Returns:
+        ``[n_docs + 1]`` int64 boundaries on the CPU.
+
+    Raises:
+        TypeError: not integer; ValueError: any of the rules above is broken.
+    """
+    fix = ('Publish the current batch\'s boundaries each iteration and reset them to None '
+           'afterwards (PackedBatchCheckHook does), built with flat_cumulative.')
+    cu = to_int_tensor(cu, f'{source}: cumulative_len', fix)
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f'{source}: cumulative_len: expected a 1-D tensor [0, ..., b*s] with '
+                         f'at least 2 entries, got shape {list(cu.shape)}. {fix}')
+    cu = cu.detach().to('cpu', torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != b * s:
+        raise ValueError(f'{source}: cumulative_len {cu.tolist()[:8]}... starting at {int(cu[0])} '
+                         f'and ending at {int(cu[-1])}, but the attention input has b*s = {b}*{s} '
+                         f'= {b * s} tokens: expected 0 ... {b * s}. {fix}')
+    bad = cu[1:] <= cu[:-1]
+    if bool(bad.any()):
+        d = int(bad.nonzero()[0])
+        raise ValueError(f'{source}: cumulative_len: expected strictly increasing boundaries, '
+                         f'got cumulative_len[{d}:{d + 2}] = {cu[d:d + 2].tolist()} (document '
+                         f'{d} empty or unordered). {fix}')
+    row_ends = torch.arange(1, b) * s
+    missing = ~torch.isin(row_ends, cu)
+    if bool(missing.any()):
+        r = int(missing.nonzero()[0])
+        d = int(torch.searchsorted(cu, row_ends[r])) - 1
+        raise ValueError(f'{source}: cumulative_len: document {d} spans tokens '
+                         f'[{int(cu[d])}, {int(cu[d + 1])}), across the end of row {r} at '
+                         f'{int(row_ends[r])} = {r + 1}*s: expected a boundary at every row end '
+                         f'(rows never share a document). {fix}')
+    return cu
 
 
 def _check_boundaries(cus: list[torch.Tensor], s: int) -> None:
@@ -107,7 +168,13 @@ def _check_positions(data: Mapping, starts: torch.Tensor, shape: tuple[int, int]
                         'document start, +1 within)', int(got[r, c]), 'Derive position_ids '
                         'from cumulative_len (rope_collate_fn does).', r, d)
     longest = int(expected.max()) + 1
-    if data.get('max_seqlen') is not None and int(data['max_seqlen']) != longest:
+    max_seqlen = data.get('max_seqlen')
+    if max_seqlen is not None and not (isinstance(max_seqlen, Integral) and not isinstance(
+            max_seqlen, bool) or isinstance(max_seqlen, torch.Tensor) and max_seqlen.numel() == 1
+            and not max_seqlen.dtype.is_floating_point):
+        raise TypeError(f"check_packed_batch: field 'max_seqlen': expected an int, got "
+                        f'{show(max_seqlen)}. Recompute max_seqlen from cumulative_len.')
+    if max_seqlen is not None and int(max_seqlen) != longest:
         raise _fail('max_seqlen', f'the longest segment, {longest}', int(data['max_seqlen']),
                     'Recompute max_seqlen from cumulative_len.')
     if max_position is not None and longest > max_position:
@@ -142,6 +209,22 @@ def _check_attention_mask(data: Mapping, shape: tuple[int, int]) -> None:
                     'empty samples; an all-masked row gives NaN attention.', r)
 
 
+def _check_supervised(data: Mapping, labels: torch.Tensor) -> None:
+    """Some label after column 0 (the shift never uses column 0's): else the loss is 0/0."""
+    count = data.get('num_unsupervised')
+    if count is not None and (not isinstance(count, Integral) or isinstance(count, bool)
+                              or count < 0):
+        raise TypeError(f"check_packed_batch: field 'num_unsupervised': expected an int >= 0 "
+                        f'(samples without a supervised label), got {show(count)}.')
+    if not bool((labels[:, 1:] != IGNORE_INDEX).any()):
+        rows = list(range(labels.shape[0]))
+        raise _fail('labels', 'at least one supervised label (!= -100) after column 0', 'none '
+                    f'in rows {rows[:20]}{"..." if len(rows) > 20 else ""} (the mean loss would '
+                    'be 0/0 = NaN)', 'Check the label masking, and filter samples without a '
+                    'supervised token out of the dataset (rope_collate_fn refuses such batches '
+                    'and counts them as num_unsupervised).')
+
+
 def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
                        max_position: int | None = None) -> None:
     """Check a collated batch (the inner ``data`` dict) before it reaches the model.
@@ -152,11 +235,14 @@ def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
     count +1 within (without ``cumulative_len``, a segment starts wherever a position is 0);
     ``max_seqlen`` equals the longest segment; positions stay below ``max_position``; ids
     and labels are in ``[0, vocab_size)`` (labels may be -100); every ``attention_mask`` row
-    attends to something; the batch has a supervised label after column 0.
+    attends to something; the batch has a supervised label after column 0 (rows without
+    one are fine, a batch without any would give a NaN loss); ``num_unsupervised``, if
+    present, is an int >= 0.
 
     Args:
         data: batch dict with ``input_ids`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64),
-            optional ``position_ids``, ``cumulative_len``, ``max_seqlen``, ``attention_mask``.
+            optional ``position_ids``, ``cumulative_len``, ``max_seqlen``, ``attention_mask``,
+            ``num_unsupervised``.
         vocab_size: if given, the upper bound for ids and labels.
         max_position: if given, the RoPE range positions must stay below.
 
@@ -164,6 +250,9 @@ def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
         ValueError: a check fails; the message names row, document, field, expected and got.
         TypeError: a field has the wrong type or dtype.
     """
+    if not isinstance(data, Mapping):
+        raise TypeError(f'check_packed_batch: expected the batch dict (batch["data"]), got '
+                        f'{show(data)}.')
     for field in ('input_ids', 'labels'):
         if field not in data:
             raise _fail(field, 'a batch dict with input_ids and labels', f'keys {sorted(data)}',
@@ -185,8 +274,4 @@ def check_packed_batch(data: Mapping, *, vocab_size: int | None = None,
     _check_ids(starts, 'labels', labels, vocab_size, ignore=True)
     if data.get('attention_mask') is not None:
         _check_attention_mask(data, shape)
-    # The causal shift never uses column 0's label: without another one the loss is NaN.
-    if not bool((labels[:, 1:] != IGNORE_INDEX).any()):
-        raise _fail('labels', 'at least one supervised label (!= -100) after column 0', 'none',
-                    'Check the label masking, or drop such batches in the collate_fn '
-                    '(rope_collate_fn(drop_unsupervised=True)).')
+    _check_supervised(data, labels)

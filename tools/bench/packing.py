@@ -143,6 +143,7 @@ class Variant:
         else:  # the HF forward takes no boundaries
             data.pop('cumulative_len', None)
             data.pop('max_seqlen', None)
+            data.pop('num_unsupervised', None)
         loss = self.model(**data).loss
         loss.backward()
         self.optimizer.step()
