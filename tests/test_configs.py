@@ -175,7 +175,7 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     tiny = TINY_MODEL if family == "internlm2" else f"models/tiny-{family}"
     # Build it if this is the first test to need it (a fresh clone has no models/).
     tiny_checkpoint(str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"),
-                   family=family)
+                    family=family)
     cfg = _load(config)
     cfg.pretrained_model_name_or_path = tiny
     if not torch.cuda.is_available():  # the README's CPU edit (the start-up refuses AMP here)

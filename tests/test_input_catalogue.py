@@ -13,9 +13,10 @@ from mmengine import MessageHub
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 from xtuner.dataset.collate_fns import default_collate_fn
 
-from xtuner_rope.attention import VARLEN_HUB, document_plan, patch_internlm2_attention
+from xtuner_rope.attention import VARLEN_HUB, document_plan
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.models.internlm2 import patch_internlm2_attention
 from xtuner_rope.packing import flat_cumulative
 from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 from xtuner_rope.validate import check_packed_batch, row_boundaries

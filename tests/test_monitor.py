@@ -283,7 +283,7 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     from xtuner_rope.replay import replay
 
     path = tiny_checkpoint(str(REPO / 'models' / 'tiny-internlm2'),
-                          data_path=str(REPO / 'data' / 'short_dialogues.jsonl'))
+                           data_path=str(REPO / 'data' / 'short_dialogues.jsonl'))
     model = SupervisedFinetune(llm=ConfigDict(type=AutoModelForCausalLM.from_pretrained,
                                               pretrained_model_name_or_path=path,
                                               trust_remote_code=True,
@@ -293,6 +293,7 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     items, _ = _items(7, vocab=200, seed=4)
     data = rope_collate_fn(items, pack=True, max_length=64, return_hf_format=True)
     cus, s = data.pop('cumulative_len'), data['input_ids'].shape[1]
+    data.pop('num_unsupervised')  # PackedBatchCheckHook pops it too: the HF forward rejects it
     record = {'data': data, 'varlen': {'cumulative_len': flat_cumulative(cus, s),
                                        'max_seqlen': data.pop('max_seqlen')}}
     assert replay(model, record) is None  # healthy weights: finite forward and backward

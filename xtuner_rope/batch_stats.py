@@ -5,10 +5,12 @@ boundaries from ``position_ids`` (a document starts at column 0 and wherever the
 0), which every batch of this project carries, so they do not depend on ``cumulative_len``
 still being in the batch (``PackedBatchCheckHook`` pops it).
 
-Padding is the trailing segment of a row whose tokens are all padding: ``attention_mask``
-False where the collator returns a mask (unpacked plain rows), otherwise ``input_ids ==
-pad_index`` with label -100 (``rope_collate_fn`` pads each row with one such segment of its
-own). A real document made only of pad ids with no label would be counted as padding.
+Padding is the tail of a row: the segments after the row's last real token. A token is
+padding where ``attention_mask`` is False when the collator returns a mask (unpacked plain
+rows), otherwise where ``input_ids == pad_index`` with label -100 (``rope_collate_fn`` pads each
+row's tail as segments of their own, several where the tail is longer than the RoPE range
+allows). A real document at a row's end made only of pad ids with no label would be counted
+as padding.
 """
 from __future__ import annotations
 
@@ -85,6 +87,24 @@ def _padding_tokens(data: Mapping, pad_index: int) -> torch.Tensor:
     return (data['input_ids'] == pad_index) & (data['labels'] == IGNORE_INDEX)
 
 
+def _padding_segments(seg: torch.Tensor, has_real: torch.Tensor) -> torch.Tensor:
+    """``[n_seg]`` bool: segments after the last one holding a real token in their row.
+
+    The collator pads a row's tail, split into several segments where it is longer than the
+    RoPE range allows (``rope_collate_fn``): every one of them is padding.
+
+    Args:
+        seg: ``[b, s]`` segment ids from :func:`segment_ids`.
+        has_real: ``[n_seg]`` bool, True where the segment holds a non-padding token.
+    """
+    n_seg = has_real.numel()
+    row_first = seg[:, 0].contiguous()  # [b] first segment id of each row
+    ids = torch.arange(n_seg)
+    row_of_seg = torch.searchsorted(row_first, ids, right=True) - 1  # [n_seg]
+    last_real = (row_first - 1).scatter_reduce(0, row_of_seg[has_real], ids[has_real], "amax")
+    return ~has_real & (ids > last_real[row_of_seg])
+
+
 def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     """Count documents, real tokens and unsupervised documents of one batch.
 
@@ -120,9 +140,7 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     used = (data['labels'].reshape(-1) != IGNORE_INDEX) & ~first
     # One integer bincount of (segment, real, used) gives every per-segment count at once.
     counts = torch.bincount(seg * 4 + real * 2 + used, minlength=4 * n_seg).reshape(n_seg, 4)
-    last_of_row = torch.zeros(n_seg, dtype=torch.bool)
-    last_of_row[seg.reshape(b, s)[:, -1]] = True
-    docs = ~(last_of_row & (counts[:, 2] + counts[:, 3] == 0))  # padding: a tail, no real token
+    docs = ~_padding_segments(seg.reshape(b, s), counts[:, 2] + counts[:, 3] > 0)
     unsupervised = docs & (counts[:, 1] + counts[:, 3] == 0)
     doc_lengths = counts.sum(1) * docs
     peak = position_ids.max() if position_ids is not None else torch.tensor(s - 1)
