@@ -44,15 +44,20 @@ def sub_once(text: str, pattern: str, repl: str) -> str:
     return new
 
 
-def write_alpaca_data(dst: Path, n: int = 400) -> Path:
-    """The sample dialogues' first exchange in alpaca format, in a directory for load_dataset."""
-    rows = []
+def _turns(n: int):
+    """(system, [user, ...], [assistant, ...]) of the first ``n`` sample dialogues."""
     with open(SAMPLE_DATA, encoding="utf-8") as f:
         for line, _ in zip(f, range(n)):
             msgs = json.loads(line)["messages"]
-            user = next(m["content"] for m in msgs if m["role"] == "user")
-            reply = next(m["content"] for m in msgs if m["role"] == "assistant")
-            rows.append({"instruction": user, "input": "", "output": reply})
+            system = next((m["content"] for m in msgs if m["role"] == "system"), "")
+            yield (system, [m["content"] for m in msgs if m["role"] == "user"],
+                   [m["content"] for m in msgs if m["role"] == "assistant"])
+
+
+def write_alpaca_data(dst: Path, n: int = 400) -> Path:
+    """The sample dialogues' first exchange in alpaca format, in a directory for load_dataset."""
+    rows = [{"instruction": users[0], "input": "", "output": replies[0]}
+            for _, users, replies in _turns(n)]
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "train.json").write_text(json.dumps(rows), encoding="utf-8")
     return dst
@@ -61,15 +66,10 @@ def write_alpaca_data(dst: Path, n: int = 400) -> Path:
 def write_conversation_data(dst: Path, n: int = 400) -> Path:
     """The sample dialogues in XTuner's ``conversation`` format (custom-dataset configs)."""
     rows = []
-    with open(SAMPLE_DATA, encoding="utf-8") as f:
-        for line, _ in zip(f, range(n)):
-            msgs = json.loads(line)["messages"]
-            system = next((m["content"] for m in msgs if m["role"] == "system"), "")
-            users = [m["content"] for m in msgs if m["role"] == "user"]
-            replies = [m["content"] for m in msgs if m["role"] == "assistant"]
-            turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
-            turns[0]["system"] = system
-            rows.append({"conversation": turns})
+    for system, users, replies in _turns(n):
+        turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
+        turns[0]["system"] = system
+        rows.append({"conversation": turns})
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(json.dumps(rows), encoding="utf-8")
     return dst

@@ -94,18 +94,23 @@ def test_stock_use_varlen_attn_switch_with_one_edit(stock, tmp_path):
     assert "flash_attn" not in out  # XTuner's own check no longer demands it
 
 
-def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
-    proc = sc.xtuner_train(_config(stock, QLORA, tmp_path), tmp_path / "run", *SHORT_RUN)
+def _reaches_bitsandbytes(config: Path, work_dir: Path) -> None:
+    """QLoRA gets past the PEFT build: it trains on a GPU; on CPU bitsandbytes says CUDA."""
+    proc = sc.xtuner_train(config, work_dir, *SHORT_RUN)
     out = proc.stdout + proc.stderr
     assert "triton.ops" not in out
     if torch.cuda.is_available():
-        check_run(tmp_path / "run", min_iters=20)
+        check_run(work_dir, min_iters=20)
     else:
         assert "CUDA is required but not available for bitsandbytes" in out
 
 
+def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
+    _reaches_bitsandbytes(_config(stock, QLORA, tmp_path), tmp_path / "run")
+
+
 def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
-    """Our own QLoRA recipe (model_resource=enable_xtuner_rope, local_only) pointed at the tiny checkpoint."""
+    """Our own QLoRA recipe (``enable_xtuner_rope(local_only=True)``) on the tiny checkpoint."""
     text = (sc.REPO / "configs" / "internlm2_chat_1_8b_qlora_short_dialogues.py").read_text()
     text = sc.sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
                        f'pretrained_model_name_or_path = "{sc.TINY_MODEL}"')
@@ -117,13 +122,7 @@ def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
     config = tmp_path / "qlora.py"
     config.write_text(text)
     sc.ensure_tiny_model()
-    proc = sc.xtuner_train(config, tmp_path / "run", *SHORT_RUN)
-    out = proc.stdout + proc.stderr
-    assert "triton.ops" not in out
-    if torch.cuda.is_available():
-        check_run(tmp_path / "run", min_iters=20)
-    else:
-        assert "CUDA is required but not available for bitsandbytes" in out
+    _reaches_bitsandbytes(config, tmp_path / "run")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="AmpOptimWrapper is fine on a GPU")

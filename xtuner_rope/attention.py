@@ -155,6 +155,17 @@ def document_plan(position_ids: torch.Tensor | None, b: int, s: int,
                         lambda: _cu_from_position_ids(position_ids, b, s), device)
 
 
+def packed_backend(q: torch.Tensor, eager: bool) -> str:
+    """``'flash'`` where flash-attn's varlen kernel can run on ``q`` (installed, CUDA,
+    fp16/bf16), else ``'eager'`` or ``'sdpa'`` as the caller's dense kernel is."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from importlib.util import find_spec
+
+        if find_spec("flash_attn") is not None:
+            return "flash"
+    return "eager" if eager else "sdpa"
+
+
 def _bucket_attention(q, k, v, causal_softmax: bool) -> torch.Tensor:
     """Causal attention of ``q [n, n_h, L, h_d]`` over ``k, v [n, n_kv, L, h_d]``."""
     n_rep = q.shape[1] // k.shape[1]

@@ -29,7 +29,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import compat
-from ..attention import document_plan, hub_cumulative_len, packed_attention
+from ..attention import document_plan, hub_cumulative_len, packed_attention, packed_backend
 from .hf_rope import HFValidatedRotaryEmbedding
 from .internlm2 import INTERNLM2_ATTENTION_CLASSES
 
@@ -71,18 +71,6 @@ def _dense(module: nn.Module, query, key, value, attention_mask, **kwargs):
         family = sys.modules[type(module).__module__]
         return family.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return ALL_ATTENTION_FUNCTIONS[kernel](module, query, key, value, attention_mask, **kwargs)
-
-
-def _packed_backend(module: nn.Module, query: torch.Tensor) -> str:
-    """flash-attn varlen where it can run, else the kernel family of the original kernel."""
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash"
-        except ImportError:
-            pass
-    return "eager" if getattr(module, DENSE_KERNEL_ATTR) == "eager" else "sdpa"
 
 
 def _check_packable(module: nn.Module, plan, head_dim: int, kwargs: dict) -> None:
@@ -136,7 +124,8 @@ def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         return _dense(module, query, key, value, attention_mask, **kwargs)
     _check_packable(module, plan, h_d, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, heads, h_d]
-    return packed_attention(q, k, v, plan, _packed_backend(module, query)), None
+    return packed_attention(
+        q, k, v, plan, packed_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")), None
 
 
 def is_patched_hf_attention(layer: nn.Module) -> bool:

@@ -15,24 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import document_plan, packed_attention
+from ..attention import document_plan, packed_attention, packed_backend
 from ..rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 from .internlm2_kv_cache import extend_cache, past_length
 
 INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
                                "InternLM2FlashAttention2")
-
-
-def _backend(layer: nn.Module, q: torch.Tensor) -> str:
-    """flash-attn varlen where it can run, else the kernel family of the layer's class."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash"
-        except ImportError:
-            pass
-    return "eager" if type(layer).__name__ == "InternLM2Attention" else "sdpa"
 
 
 def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> torch.Tensor:
@@ -103,7 +91,8 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
     plan = document_plan(position_ids, b, s, q.device) if past_len == 0 else None
     if plan is not None:
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))  # [b, s, heads, h_d]
-        out = packed_attention(qs, ks, vs, plan, _backend(self, q))
+        eager = type(self).__name__ == "InternLM2Attention"
+        out = packed_attention(qs, ks, vs, plan, packed_backend(q, eager))
     else:
         out = _dense_attention(self, q, k, v, attention_mask, s)
     out = out.reshape(b, s, -1).to(hidden_states.dtype)  # [b, s, n_h * h_d]
