@@ -40,14 +40,18 @@ def start_config(cfg: Config) -> None:
     """Run the config's ``model_resource`` like ``xtuner train`` (the plugin's fixes apply).
 
     A conflict the start-up refuses is not raised here: :func:`diagnose` reports it from
-    :func:`xtuner_rope.startup.inspect_config`, and the data are checked all the same.
+    :func:`xtuner_rope.startup.inspect_config`, and the data are checked all the same. The
+    process is left as not prepared: the doctor looks, it does not start a run.
     """
     from xtuner.tools.utils import set_model_resource
 
+    prepared = startup.is_prepared()
     try:
         set_model_resource(cfg)
     except startup.ConfigConflict:
         pass
+    finally:
+        startup._STATE["prepared"] = prepared
 
 
 def build_collate_fn(loader: dict):
