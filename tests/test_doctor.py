@@ -67,6 +67,20 @@ def test_tiny_recipe_writes_json_and_a_png(tiny):
     assert "OK: nothing that would fail" in text and "ideal speed-up" in text
 
 
+def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo):
+    packed = {"train_dataloader.dataset.pack_to_max_length": True}
+    report, lengths = diagnose(str(TINY), packed, progress=False)
+    assert [f["setting"] for f in report["findings"]["fixes"]] == \
+        ["train_dataloader.dataset.use_varlen_attn"]
+    # The fix made XTuner's Packer record boundaries: rows of 512 holding several dialogues.
+    assert set(lengths) == {512} and report["dataset"]["documents"] > 2400
+    assert report["exit_code"] == 0
+    report, _ = diagnose(str(TINY), {**packed, "model_resource": None}, progress=False)
+    assert report["dataset"]["documents"] == report["dataset"]["samples"]  # no boundaries
+    assert report["exit_code"] == 1
+    assert "unfixed: train_dataloader.dataset.use_varlen_attn" in report["problems"][0]
+
+
 def _dialogue(user: str, reply: str | None, loss: bool = True) -> dict:
     messages = [{"role": "user", "content": user}]
     if reply is not None:
