@@ -1,0 +1,223 @@
+"""``xtuner-rope doctor``: look at a config's training data the way the plugin will see it.
+
+Before paying for GPUs: the config is loaded and started as ``xtuner train`` starts it
+(``set_model_resource``, which runs the plugin's start-up fixes), the train dataset is built
+with XTuner's own builders, and every sample and the first sampler batches are checked. The
+report (:func:`diagnose`) is a JSON-ready dict; :func:`exit_code` says whether training would
+fail or be silently wrong. Output files and the printed summary: :mod:`xtuner_rope.doctor_report`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mmengine.config import Config
+
+from . import startup
+from .doctor_stats import length_percentiles, plan_summary, scan_samples, simulate_collate
+
+DEFAULT_BATCHES = 200
+
+
+def load_config(path: str, cfg_options: dict | None = None) -> Config:
+    """``Config.fromfile`` plus ``--cfg-options`` overrides, as ``xtuner train`` reads it."""
+    cfg = Config.fromfile(path)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg
+
+
+def plugin_resource(cfg: Config) -> str | None:
+    """Name of the config's ``model_resource`` function when it is xtuner-rope's, else None."""
+    resource = cfg.get("model_resource")
+    fn = resource.get("fn") if isinstance(resource, dict) else None
+    fn = getattr(fn, "func", fn)  # functools.partial
+    module = getattr(fn, "__module__", "") or ""
+    return f"{module}.{fn.__name__}" if module.split(".")[0] == "xtuner_rope" else None
+
+
+def start_config(cfg: Config) -> None:
+    """Run the config's ``model_resource`` like ``xtuner train`` (the plugin's fixes apply).
+
+    A conflict the start-up refuses is not raised here: :func:`diagnose` reports it from
+    :func:`xtuner_rope.startup.inspect_config`, and the data are checked all the same. The
+    process is left as not prepared: the doctor looks, it does not start a run.
+    """
+    from xtuner.tools.utils import set_model_resource
+
+    prepared = startup.is_prepared()
+    try:
+        set_model_resource(cfg)
+    except startup.ConfigConflict:
+        pass
+    finally:
+        startup._STATE["prepared"] = prepared
+
+
+def build_collate_fn(loader: dict):
+    """The train dataloader's collate function with its kwargs bound, as MMEngine's Runner does.
+
+    A config without ``collate_fn`` gets XTuner's ``default_collate_fn`` (as the start-up
+    checks assume; XTuner's configs always name one).
+
+    Returns:
+        ``(collate_fn, name, kwargs)``.
+
+    Raises:
+        ValueError: ``collate_fn.type`` is a string MMEngine's ``FUNCTIONS`` does not know.
+    """
+    from mmengine.registry import FUNCTIONS
+    from xtuner.dataset.collate_fns import default_collate_fn
+
+    kwargs = dict(loader.get("collate_fn") or {})
+    fn = kwargs.pop("type", default_collate_fn)
+    if isinstance(fn, str):
+        name, fn = fn, FUNCTIONS.get(fn)
+        if fn is None:
+            raise ValueError(f"train_dataloader.collate_fn.type: expected a function object or a "
+                             f"name registered in MMEngine's FUNCTIONS, got {name!r}. Import the "
+                             "function in the config and pass type=<function>.")
+    return partial(fn, **kwargs), startup.type_name(fn), kwargs
+
+
+def _dataset_facts(loader: dict) -> dict:
+    """What the dataset config says: type, max_length, offline packing (XTuner's defaults)."""
+    ds = loader.get("dataset") or {}
+    name = startup.type_name(ds.get("type"))
+    xtuner = name == "process_hf_dataset"
+    return {"type": name, "max_length": ds.get("max_length") if xtuner else None,
+            # process_hf_dataset packs unless told not to
+            "pack_to_max_length": bool(ds.get("pack_to_max_length", True)) if xtuner else False}
+
+
+def _source_rows(loader: dict, facts: dict) -> int | None:
+    """Rows of the raw data behind an unpacked ``process_hf_dataset`` (to count its drops)."""
+    from xtuner.registry import BUILDER
+
+    ds = loader.get("dataset") or {}
+    if facts["type"] != "process_hf_dataset" or facts["pack_to_max_length"] \
+            or not isinstance(ds.get("dataset"), dict) or ds.get("max_dataset_length"):
+        return None
+    raw = BUILDER.build(ds["dataset"])
+    split = ds.get("split", "train")
+    if hasattr(raw, "keys") and split in raw.keys():
+        raw = raw[split]
+    return len(raw)
+
+
+def _findings(findings: list[startup.Finding]) -> dict:
+    def as_dict(f: startup.Finding) -> dict:
+        return {"setting": f.setting, "problem": f.problem, "edit": f.edit}
+
+    return {"fixes": [as_dict(f) for f in findings if f.fix is not None],
+            "conflicts": [as_dict(f) for f in findings if f.fix is None]}
+
+
+def _jsonable(value: object) -> object:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAULT_BATCHES,
+             progress: bool = True) -> tuple[dict, list[int]]:
+    """Check a config's train data and settings; see the module docstring.
+
+    Args:
+        config: Path of an XTuner config.
+        cfg_options: ``--cfg-options`` overrides (dotted keys).
+        batches: How many sampler batches to collate.
+        progress: Progress bars on stderr.
+
+    Returns:
+        ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
+        and the ``[n]`` sample lengths (for the histogram).
+    """
+    from xtuner.registry import BUILDER
+
+    cfg = load_config(config, cfg_options)
+    findings = startup.inspect_config(cfg)  # before the start-up changes anything
+    resource = plugin_resource(cfg)
+    if cfg.get("model_resource"):
+        start_config(cfg)
+    loader = cfg.train_dataloader
+    facts = _dataset_facts(loader)
+    collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
+    dataset = BUILDER.build(loader.dataset)
+    batch_size = int(loader.get("batch_size", 1))
+    scan = scan_samples(dataset, collate_max_length=collate_kwargs.get("max_length"),
+                        truncation_length=None if facts["pack_to_max_length"]
+                        else facts["max_length"], progress=progress)
+    plan = simulate_collate(dataset, collate_fn, batch_size, batches, scan, progress=progress)
+    source = _source_rows(loader, facts)
+    report = {
+        "config": str(config),
+        "plugin": {"enabled": resource is not None, "model_resource": resource,
+                   "edit": None if resource else startup.MODEL_RESOURCE_EDIT},
+        "findings": _findings(findings),
+        "dataset": {**facts, "samples": len(dataset), "documents": scan.documents,
+                    "tokens": int(sum(scan.lengths)), "source_rows": source,
+                    "dropped_by_dataset": None if source is None else source - len(dataset)},
+        "lengths": length_percentiles(scan.lengths),
+        "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
+        "collate": {"name": collate_name,
+                    "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
+                    "batch_size": batch_size, "max_length": collate_kwargs.get("max_length"),
+                    "order": "dataset order (no shuffle)",
+                    "batches_total": -(-len(dataset) // batch_size), **plan_summary(plan)},
+    }
+    report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
+                            or scan.documents > len(dataset))
+    report["problems"], report["warnings"] = judge(report)
+    report["exit_code"] = exit_code(report)
+    return report, scan.lengths
+
+
+def _where(occ: dict, what: str = "samples") -> str:
+    more = "" if occ["count"] <= len(occ["first_indices"]) else ", ..."
+    return f"{occ['count']} {what} (first: {', '.join(map(str, occ['first_indices']))}{more})"
+
+
+def judge(report: dict) -> tuple[list[str], list[str]]:
+    """Problems (training fails or is silently wrong) and warnings of a report.
+
+    Problems: a start-up conflict; the plugin not enabled with packed data (nothing isolates
+    the documents); empty, over-long or label-mismatched samples; a sampler batch without a
+    supervised label; a batch the collate function refuses. Warnings: the rest.
+    """
+    problems = [f"conflict: {c['setting']}: {c['problem']}\n  -> {c['edit']}"
+                for c in report["findings"]["conflicts"]]
+    warnings = []
+    if not report["plugin"]["enabled"]:
+        unfixed = "".join(f"\n  unfixed: {f['setting']}: {f['problem']}"
+                          for f in report["findings"]["fixes"])
+        text = (f"xtuner-rope is not enabled (no model_resource from xtuner_rope): its start-up "
+                f"fixes do not run. To enable it, {startup.MODEL_RESOURCE_EDIT}{unfixed}")
+        (problems if report["packed"] else warnings).append(
+            text + ("\n  the data are packed: documents would attend to each other"
+                    if report["packed"] else ""))
+    samples, collate = report["samples"], report["collate"]
+    why = {"empty": "empty samples (0 tokens)",
+           "over_long": f"samples longer than the collate max_length={collate['max_length']}",
+           "length_mismatch": "samples with len(labels) != len(input_ids)"}
+    problems += [f"{why[k]}: {_where(samples[k])}" for k in why if samples[k]["count"]]
+    if collate["unsupervised_batches"]["count"]:
+        problems.append("sampler batches without any supervised label (nothing to train on): "
+                        + _where(collate["unsupervised_batches"], "batches"))
+    problems += [f"collate_fn refuses batch {e['batch']} (samples from {e['first_sample']}): "
+                 f"{e['error']}" for e in collate["errors"][:10]]
+    if samples["unsupervised"]["count"]:
+        warnings.append("samples without a supervised label (they add no loss): "
+                        + _where(samples["unsupervised"]))
+    if samples["truncated"]["count"]:
+        warnings.append(f"samples exactly max_length={report['dataset']['max_length']} long, "
+                        "probably cut silently by XTuner: " + _where(samples["truncated"]))
+    if report["dataset"]["dropped_by_dataset"]:
+        warnings.append(f"{report['dataset']['dropped_by_dataset']} of "
+                        f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
+                        "(no assistant reply, or no label left after truncation)")
+    warnings += collate["collate_warnings"]
+    return problems, warnings
+
+
+def exit_code(report: dict) -> int:
+    """1 when the report has a problem (training would fail or be silently wrong), else 0."""
+    return 1 if report["problems"] else 0

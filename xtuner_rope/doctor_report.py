@@ -1,0 +1,106 @@
+"""The doctor's output: ``report.json``, ``lengths.png`` and the printed summary.
+
+Reads the report dict of :func:`xtuner_rope.doctor.diagnose`; computes nothing itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _pct(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.1f}%"
+
+
+def _occ(occ: dict) -> str:
+    if not occ["count"]:
+        return "0"
+    more = ", ..." if occ["count"] > len(occ["first_indices"]) else ""
+    return f"{occ['count']} (first: {', '.join(map(str, occ['first_indices']))}{more})"
+
+
+def _data_lines(report: dict) -> list[str]:
+    ds, lengths, samples = report["dataset"], report["lengths"], report["samples"]
+    source = "" if ds["source_rows"] is None else \
+        f" (from {ds['source_rows']} source rows, {ds['dropped_by_dataset']} dropped by XTuner)"
+    return [
+        f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
+        f"documents, {ds['tokens']} tokens; max_length={ds['max_length']}, "
+        f"pack_to_max_length={ds['pack_to_max_length']}",
+        "lengths      " + "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}"
+                                    for k, v in lengths.items()),
+        "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
+    ]
+
+
+def _collate_lines(report: dict) -> list[str]:
+    c = report["collate"]
+    kwargs = ", ".join(f"{k}={v}" for k, v in c["kwargs"].items())
+    rows = c["rows_per_step"]
+    speedup = "n/a" if c["ideal_speedup"] is None else f"{c['ideal_speedup']:.2f}x"
+    return [
+        f"collate      {c['name']}({kwargs}), batch_size={c['batch_size']}: first "
+        f"{c['batches']} of {c['batches_total']} batches, {c['order']}",
+        f"             rows per step mean {rows['mean'] if rows['mean'] is None else round(rows['mean'], 2)}"
+        f" (min {rows['min']}, max {rows['max']}); real tokens {_pct(c['config_share'])} "
+        f"with {c['name']}, {_pct(c['padded_share'])} padded to each batch's longest "
+        "(XTuner default_collate_fn)",
+        f"             ideal speed-up from padding alone: {speedup} "
+        f"({c['padded_slots']} -> {c['config_slots']} token slots)",
+        f"             batches with no supervised label: {_occ(c['unsupervised_batches'])}; "
+        f"refused by the collate function: {len(c['errors'])}",
+    ]
+
+
+def format_summary(report: dict) -> str:
+    """The human summary the CLI prints."""
+    plugin = report["plugin"]
+    findings = report["findings"]
+    lines = [f"xtuner-rope doctor: {report['config']}",
+             "plugin       " + (f"enabled ({plugin['model_resource']})" if plugin["enabled"]
+                                else "NOT enabled (no model_resource from xtuner_rope)")]
+    lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
+    lines += _data_lines(report) + _collate_lines(report)
+    lines += [f"PROBLEM      {p}" for p in report["problems"]]
+    lines += [f"warning      {w}" for w in report["warnings"]]
+    verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]
+               else "OK: nothing that would fail or corrupt training (exit 0)")
+    return "\n".join(lines + [verdict])
+
+
+def plot_lengths(lengths: Sequence[int], max_length: int | None, path: Path,
+                 title: str) -> None:
+    """Histogram of sample lengths, ``max_length`` marked, as a PNG (Agg backend, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.hist(lengths, bins=min(60, max(1, len(set(lengths)))), color="#4878a8")
+    if max_length:
+        ax.axvline(max_length, color="#c0392b", linestyle="--", label=f"max_length={max_length}")
+        ax.legend()
+    ax.set_xlabel("tokens per sample")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_outputs(report: dict, lengths: Sequence[int], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``report.json`` and ``lengths.png`` into ``out_dir`` (created).
+
+    Returns:
+        ``{'report': path, 'lengths': path}``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out / "report.json", "lengths": out / "lengths.png"}
+    paths["report"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    max_length = report["collate"]["max_length"] or report["dataset"]["max_length"]
+    plot_lengths(lengths, max_length, paths["lengths"],
+                 f"{Path(report['config']).stem}: {len(lengths)} samples")
+    return paths
