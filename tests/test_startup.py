@@ -81,6 +81,15 @@ def test_stock_varlen_switch_works_without_flash_attn(stock, tmp_path):
     assert "VarlenAttnArgsToMessageHubHook" not in names and "PackedBatchCheckHook" in names
 
 
+def test_xtuner_default_packing_is_seen_when_the_setting_is_omitted(stock, tmp_path):
+    """process_hf_dataset packs unless told otherwise: a config without the key packs too."""
+    cfg = _cfg(stock[FULL], tmp_path, (r"^    pack_to_max_length=pack_to_max_length,\n", ""))
+    assert "pack_to_max_length" not in cfg.train_dataloader.dataset
+    assert _fixes(inspect_config(cfg)) == ["custom_hooks",
+                                           "train_dataloader.collate_fn.use_varlen_attn",
+                                           "train_dataloader.dataset.use_varlen_attn"]
+
+
 def test_rope_collate_fn_on_xtuner_packed_data_keeps_its_collate(stock, tmp_path):
     cfg = _cfg(stock[FULL], tmp_path,
                (r"^from xtuner.dataset.collate_fns import default_collate_fn$",

@@ -97,9 +97,14 @@ def _datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
         yield from _datasets(_get(node, "dataset"), f"{where}.dataset")
 
 
-def _packs_without_boundaries(dataset: dict) -> bool:
+def _xtuner_packs(dataset: dict) -> bool:
+    """``process_hf_dataset`` packing (its ``pack_to_max_length`` defaults to True)."""
     return (type_name(_get(dataset, "type")) == "process_hf_dataset"
-            and bool(_get(dataset, "pack_to_max_length")) and not _get(dataset, "use_varlen_attn"))
+            and bool(_get(dataset, "pack_to_max_length", True)))
+
+
+def _packs_without_boundaries(dataset: dict) -> bool:
+    return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
 
 
 def _cpu_only() -> bool:
@@ -122,9 +127,7 @@ def _packing_findings(cfg: Config, loader: dict) -> list[Finding]:
     """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
     findings, packed = [], False
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        if _get(dataset, "pack_to_max_length") and type_name(_get(dataset, "type")) == \
-                "process_hf_dataset":
-            packed = True
+        packed = packed or _xtuner_packs(dataset)
         if _packs_without_boundaries(dataset):
             findings.append(Finding(
                 f"{where}.use_varlen_attn", "process_hf_dataset(pack_to_max_length=True) joins "
