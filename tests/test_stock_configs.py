@@ -73,7 +73,9 @@ def _documents_isolated(out: str) -> None:
 
 
 def test_full_finetune_with_one_edit(stock, tmp_path):
-    run, out = _train(_config(stock, FULL, tmp_path), tmp_path / "run",
+    """On a checkpoint that carries its own modeling code, as real InternLM2 checkpoints do."""
+    model = sc.tiny_with_remote_code(tmp_path / "tiny-remote-code")
+    run, out = _train(_config(stock, FULL, tmp_path, model=model), tmp_path / "run",
                       "dataset", "collate", "hooks")
     _documents_isolated(out)
     assert run.checkpoint.name == "iter_20.pth"
