@@ -87,22 +87,16 @@ def _padding_tokens(data: Mapping, pad_index: int) -> torch.Tensor:
     return (data['input_ids'] == pad_index) & (data['labels'] == IGNORE_INDEX)
 
 
-def _padding_segments(seg: torch.Tensor, has_real: torch.Tensor) -> torch.Tensor:
-    """``[n_seg]`` bool: segments after the last one holding a real token in their row.
+def _row_tails(real: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: the tokens after each row's last real token (the row's padding).
 
     The collator pads a row's tail, split into several segments where it is longer than the
     RoPE range allows (``rope_collate_fn``): every one of them is padding.
-
-    Args:
-        seg: ``[b, s]`` segment ids from :func:`segment_ids`.
-        has_real: ``[n_seg]`` bool, True where the segment holds a non-padding token.
     """
-    n_seg = has_real.numel()
-    row_first = seg[:, 0].contiguous()  # [b] first segment id of each row
-    ids = torch.arange(n_seg)
-    row_of_seg = torch.searchsorted(row_first, ids, right=True) - 1  # [n_seg]
-    last_real = (row_first - 1).scatter_reduce(0, row_of_seg[has_real], ids[has_real], "amax")
-    return ~has_real & (ids > last_real[row_of_seg])
+    b, s = real.shape
+    last = s - 1 - real.flip(1).to(torch.uint8).argmax(1)  # [b] column of the last real token
+    last = torch.where(real.any(1), last, -1)
+    return torch.arange(s)[None, :] > last[:, None]
 
 
 def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
@@ -133,14 +127,14 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     position_ids = data.get('position_ids')
     seg = segment_ids(position_ids, (b, s), data.get('attention_mask')).reshape(-1)
     n_seg = int(seg[-1]) + 1
-    real = ~_padding_tokens(data, pad_index).reshape(-1)
+    real = ~_row_tails(~_padding_tokens(data, pad_index)).reshape(-1)
     # A label is used by the loss unless it is -100 or the first of its segment.
     first = torch.ones_like(real)
     first[1:] = seg[1:] != seg[:-1]
     used = (data['labels'].reshape(-1) != IGNORE_INDEX) & ~first
     # One integer bincount of (segment, real, used) gives every per-segment count at once.
     counts = torch.bincount(seg * 4 + real * 2 + used, minlength=4 * n_seg).reshape(n_seg, 4)
-    docs = ~_padding_segments(seg.reshape(b, s), counts[:, 2] + counts[:, 3] > 0)
+    docs = counts[:, 2] + counts[:, 3] > 0  # segments of the row's tail hold no real token
     unsupervised = docs & (counts[:, 1] + counts[:, 3] == 0)
     doc_lengths = counts.sum(1) * docs
     peak = position_ids.max() if position_ids is not None else torch.tensor(s - 1)
