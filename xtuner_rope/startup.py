@@ -113,17 +113,11 @@ def _cpu_only() -> bool:
     return cpu_only()
 
 
-def _flash_attn_installed() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("flash_attn") is not None
-
-
 def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:
     return lambda: node.__setitem__(key, value)
 
 
-def _packing_findings(cfg: Config, loader: dict) -> list[Finding]:
+def _packing_findings(loader: dict) -> list[Finding]:
     """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
     findings, packed = [], False
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
@@ -227,7 +221,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
     findings = _varlen_findings(cfg)
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
-        findings += _packing_findings(cfg, loader)
+        findings += _packing_findings(loader)
     return findings + _hook_findings(cfg) + _runtime_findings(cfg)
 
 
