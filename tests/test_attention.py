@@ -213,7 +213,7 @@ def test_collate_pack_plan_rows_feed_patched_model(tiny_model):
     """rope_collate_fn(pack=True) rows through the hub give each document's own logits."""
     ref = copy.deepcopy(tiny_model)
     patch_internlm2_attention(tiny_model)
-    lengths = LENGTHS[1:]  # a 1-token sample has no supervised label: refused
+    lengths = LENGTHS  # the 1-token sample has no supervised label: kept and counted
     docs = _docs(lengths)
     batch = rope_collate_fn([dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs],
                             pack=True, max_length=128)

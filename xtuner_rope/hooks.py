@@ -188,7 +188,8 @@ class PackedBatchCheckHook(Hook):
                 f"PackedBatchCheckHook: batch row {packed[0]} packs {len(rows[packed[0]]) - 1} "
                 "segments, but the model's attention does not isolate documents (documents would "
                 "silently attend to each other). Add dict(type=ValidatedRoPEHook) to custom_hooks "
-                "(it patches InternLM2 attention), or collate with pack=False.")
+                "(the start-up through model_resource=dict(fn=enable_xtuner_rope) adds it), or "
+                "collate with pack=False.")
 
     def _limits(self, runner) -> tuple[int | None, int | None]:
         config = getattr(_unwrap(runner.model), "config", None)
