@@ -6,6 +6,10 @@ from the collator's ``cumulative_len`` (published by ``PackedBatchCheckHook`` in
 wherever the position is 0). Backends:
 
 - flash-attn ``flash_attn_varlen_func`` when installed, on CUDA, in fp16/bf16;
+- else PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), on CUDA, in
+  fp16/bf16 (both of its causal signatures: ``is_causal=`` up to 2.11, ``window_size=(-1, 0)``
+  later); the kernel is looked up through ``varlen_kernel()``, the seam through which the tests
+  run this glue on CPU against a pure-torch kernel with the same contract;
 - otherwise SDPA (or explicit eager softmax for the eager class) over the documents re-padded
   into length buckets: documents of similar length share one ``[n_docs, n_h, L, h_d]`` call,
   each padded by less than 12.5% (to at least ``MIN_BUCKET``), so the cost grows like
@@ -20,8 +24,10 @@ generation steps with a KV cache) take the family's own dense path.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from .packing import cumulative_from_position_ids, flat_cumulative
 from .validate import check_flat_boundaries
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the fused varlen kernels accept
 MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
 
 # MessageHub instance and key prefixes of XTuner's varlen convention (VarlenAttnArgsToMessageHubHook).
@@ -155,15 +162,81 @@ def document_plan(position_ids: torch.Tensor | None, b: int, s: int,
                         lambda: _cu_from_position_ids(position_ids, b, s), device)
 
 
-def packed_backend(q: torch.Tensor, eager: bool) -> str:
-    """``'flash'`` where flash-attn's varlen kernel can run on ``q`` (installed, CUDA,
-    fp16/bf16), else ``'eager'`` or ``'sdpa'`` as the caller's dense kernel is."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from importlib.util import find_spec
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A kernel with the contract of ``torch.nn.attention.varlen.varlen_attn`` (either signature)
+    and the device types it runs on."""
 
-        if find_spec("flash_attn") is not None:
-            return "flash"
-    return "eager" if eager else "sdpa"
+    fn: Callable
+    device_types: tuple[str, ...] = ("cuda",)
+
+
+# The seam of the varlen backend: None means torch's own ``varlen_attn``. Tests set it (e.g.
+# ``monkeypatch.setattr(attention, "VARLEN_KERNEL", VarlenKernel(ref, ("cpu",)))``) to run the
+# glue on CPU against a pure-torch kernel with the same contract (tests/varlen_reference.py).
+VARLEN_KERNEL: VarlenKernel | None = None
+_LOGGED: set = set()
+
+
+def varlen_kernel() -> VarlenKernel | None:
+    """``VARLEN_KERNEL`` if set, else torch's ``varlen_attn`` (torch >= 2.10), else None."""
+    if VARLEN_KERNEL is not None:
+        return VARLEN_KERNEL
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return VarlenKernel(varlen_attn)
+
+
+def packed_backend(q: torch.Tensor, eager: bool) -> str:
+    """The packed backend for ``q``, logged once per (backend, device type, dtype).
+
+    ``'flash'`` where flash-attn's varlen kernel can run (installed, CUDA, fp16/bf16), else
+    ``'varlen'`` where ``varlen_kernel()`` can (torch >= 2.10, CUDA, fp16/bf16), else ``'eager'``
+    or ``'sdpa'`` (length buckets) as the caller's dense kernel is.
+    """
+    half = q.dtype in HALF_DTYPES
+    kernel = varlen_kernel() if half else None
+    if q.is_cuda and half and _flash_attn_installed():
+        backend = "flash"
+    elif kernel is not None and q.device.type in kernel.device_types:
+        backend = "varlen"
+    else:
+        backend = "eager" if eager else "sdpa"
+    key = (backend, q.device.type, q.dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        from mmengine.logging import print_log
+
+        print_log(f"xtuner-rope: packed attention uses the '{backend}' backend "
+                  f"({q.device.type}, {q.dtype}).", logger="current")
+    return backend
+
+
+def _flash_attn_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("flash_attn") is not None
+
+
+def _varlen_attention(q_t, k_t, v_t, plan: DocumentPlan, fn: Callable) -> torch.Tensor:
+    """Causal attention per document of ``q_t [t, n_h, h_d]`` over ``k_t, v_t [t, n_kv, h_d]``
+    through a kernel with ``varlen_attn``'s contract; ``[t, n_h, h_d]`` out."""
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "window_size" in params:  # torch >= 2.12; a tuple: some releases compare with (-1, 0)
+        kwargs["window_size"] = (-1, 0)
+    else:  # torch 2.10-2.11
+        kwargs["is_causal"] = True
+    n_rep = q_t.shape[1] // k_t.shape[1]
+    if n_rep > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    elif n_rep > 1:  # no GQA in this signature: query head h reads kv head h // n_rep
+        k_t, v_t = (x.repeat_interleave(n_rep, dim=1) for x in (k_t, v_t))  # [t, n_h, h_d]
+    # One cu_seq tensor for both sides: cuDNN's causal path requires the same object.
+    cu = plan.cu_seqlens
+    return fn(q_t, k_t, v_t, cu, cu, plan.max_seqlen, plan.max_seqlen, **kwargs)
 
 
 def _bucket_attention(q, k, v, causal_softmax: bool) -> torch.Tensor:
@@ -189,7 +262,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
         k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
         v: ``[b, s, n_kv, h_d]`` values.
         plan: Document layout from ``document_plan`` / ``plan_documents``.
-        backend: ``'flash'`` (flash-attn varlen, CUDA fp16/bf16), ``'sdpa'`` or ``'eager'``.
+        backend: ``'flash'`` (flash-attn varlen, CUDA fp16/bf16), ``'varlen'`` (the kernel of
+            ``varlen_kernel()``, fp16/bf16), ``'sdpa'`` or ``'eager'``.
 
     Returns:
         ``[b, s, n_h, h_d]`` attention output, in ``q.dtype``.
@@ -202,6 +276,13 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
         out = flash_attn_varlen_func(q_t, k_t, v_t, plan.cu_seqlens, plan.cu_seqlens,
                                      plan.max_seqlen, plan.max_seqlen, causal=True)
         return out.reshape(b, s, n_h, h_d)
+    if backend == "varlen":
+        kernel = varlen_kernel()
+        if kernel is None:
+            raise RuntimeError("packed_attention(backend='varlen') needs torch >= 2.10 "
+                               f"(torch.nn.attention.varlen); this is torch {torch.__version__}: "
+                               "use backend='sdpa'.")
+        return _varlen_attention(q_t, k_t, v_t, plan, kernel.fn).reshape(b, s, n_h, h_d)
     pieces = []
     for bucket in plan.buckets:
         # [n, L, heads, h_d] -> [n, heads, L, h_d]
