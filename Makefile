@@ -1,7 +1,9 @@
 # The two commands of a fresh machine (run from the repository root):
 #   make demo   install, then fine-tune the tiny InternLM2 on data/ with `xtuner train`
 #   make test   install, then run the test suite
-.PHONY: setup demo test bench lint
+#   make gpu-kit   wheels for the GPU machine, in parts (tools/gpu/build_kit.sh); there:
+#                  bash tools/gpu/run_gpu.sh
+.PHONY: setup demo test bench lint gpu-kit
 
 VENV := $(CURDIR)/.venv
 # `xtuner train` starts `python`/`torchrun` from PATH: the venv must come first.
@@ -25,3 +27,6 @@ bench: setup
 
 lint: setup
 	$(RUN) ruff check .
+
+gpu-kit:
+	bash tools/gpu/build_kit.sh

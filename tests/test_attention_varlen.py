@@ -7,25 +7,21 @@ gets alone (logits, loss, gradients), InternLM2 and Llama/Qwen2, bs 1 and 2, GQA
 dtypes the kernel takes. ``tests/test_gpu.py`` runs the real kernel against the reference.
 """
 
-import copy
 import functools
 import logging.handlers
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gold import ROWS, build_pair, check_packed_equals_alone
 from mmengine.logging import MMLogger
 from varlen_reference import varlen_attn_2_10, varlen_attn_2_12
 
 from xtuner_rope import attention
 from xtuner_rope.attention import VarlenKernel, packed_attention, packed_backend, plan_documents
-from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
-from xtuner_rope.models import patch_hf_model
-from xtuner_rope.models.internlm2 import patch_internlm2_attention
 from xtuner_rope.packing import cumulative_from_lengths, flat_cumulative
 
 KERNELS = {"2.12": varlen_attn_2_12, "2.10": varlen_attn_2_10}
-ROWS = [[1, 5, 17, 9], [30, 2]]  # documents per row (32 tokens each)
 
 
 @pytest.fixture(params=list(KERNELS))
@@ -103,50 +99,11 @@ def test_varlen_without_torch_2_10_is_a_clear_error(monkeypatch):
         packed_attention(q, q, q, plan, "varlen")
 
 
-def _build(family):
-    """A tiny model (2 layers, GQA) in bf16 and its patched copy."""
-    if family == "internlm2":
-        model = build_tiny_internlm2(256, attn_implementation="sdpa")
-    else:
-        model = build_tiny_hf(family, 256, attn_implementation="sdpa")
-    model = model.to(torch.bfloat16).train()
-    patched = copy.deepcopy(model)
-    count = (patch_internlm2_attention if family == "internlm2" else patch_hf_model)(patched)
-    assert count == 2
-    return model, patched
-
-
-def _alone(model, doc):
-    """Logits [n, vocab] and summed shifted loss of one document through ``model``."""
-    logits = model(input_ids=doc[None]).logits[0]
-    return logits, F.cross_entropy(logits[:-1].float(), doc[1:], reduction="sum")
-
-
 @pytest.mark.parametrize("bs", [1, 2])
 @pytest.mark.parametrize("family", ["internlm2", "qwen2"])
 def test_packed_equals_documents_alone_through_varlen(counted_kernel, family, bs):
     """The gold test in bf16: logits, summed loss and gradients of the packed batch against
     the documents run alone through the unpatched model."""
-    reference, model = _build(family)
-    rows = ROWS[:bs]
-    docs = [[torch.randint(3, 256, (n,)) for n in row] for row in rows]
-    ids = torch.stack([torch.cat(row) for row in docs])  # [b, s]
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
-    logits = model(input_ids=ids, position_ids=pos).logits
+    reference, model = build_pair(family, torch.bfloat16)
+    check_packed_equals_alone(reference, model, bs)
     assert counted_kernel.calls == 2  # one call per layer: the integration took 'varlen'
-    loss, expected_loss = 0.0, 0.0
-    for r, row in enumerate(docs):
-        start = 0
-        for doc in row:
-            got = logits[r, start:start + len(doc)]
-            want, want_loss = _alone(reference, doc)
-            torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
-            loss = loss + F.cross_entropy(got[:-1].float(), doc[1:], reduction="sum")
-            expected_loss = expected_loss + want_loss
-            start += len(doc)
-    torch.testing.assert_close(loss, expected_loss, rtol=5e-3, atol=5e-2)
-    loss.backward()
-    expected_loss.backward()
-    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
-        scale = ref_p.grad.float().abs().max().clamp(min=1e-3)
-        assert (p.grad.float() - ref_p.grad.float()).abs().max() <= 3e-2 * scale, name

@@ -1,0 +1,173 @@
+"""Packed attention fwd+bwd on short-dialogue packs: our backends against the kernels alone.
+
+One packed row of ``t`` tokens made of short documents (lengths drawn uniformly from
+``[1, --max-doc]``, seeded; the last one cut to fit), q ``[1, t, n_h, h_d]``, k/v
+``[1, t, n_kv, h_d]`` (InternLM2-1.8B's 16/8 heads of 128 by default). Candidates, each one
+forward + backward, timed in the same process and printed as ratios to ``varlen_attn`` alone
+(to the bucketed SDPA path where that kernel cannot run, e.g. on CPU):
+
+- ``varlen_attn``: torch's ``varlen_attn`` called directly (the floor of the ``varlen`` backend);
+- ``ours-varlen``: ``packed_attention(..., 'varlen')``, layouts and GQA handling included;
+- ``ours-buckets``: ``packed_attention(..., 'sdpa')``, documents re-padded into length buckets;
+- ``dense-mask``: SDPA over the whole row with a ``[t, t]`` block-diagonal causal mask;
+- ``flex``: ``flex_attention`` with a document block mask (compiled; compile time excluded).
+
+The plan (``plan_documents``) is built once per row, as in a model (once per forward, shared
+by all layers); its cost is printed apart. Unavailable candidates print why.
+
+Usage:
+    python tools/bench/attention.py --device cuda --dtype bf16 --tokens 2048 8192 32768
+    python tools/bench/attention.py --tokens 256 512 --heads 4 --kv-heads 2 --head-dim 32  # CPU
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from xtuner_rope.attention import packed_attention, plan_documents, varlen_kernel
+from xtuner_rope.packing import cumulative_from_lengths
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--max-doc", type=int, default=200, help="longest document (tokens)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-flex", action="store_true", help="skip flex attention")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def document_lengths(t, max_doc, seed):
+    """Short documents filling exactly ``t`` tokens."""
+    gen, lengths = torch.Generator().manual_seed(seed), []
+    while sum(lengths) < t:
+        lengths.append(int(torch.randint(1, max_doc + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - t
+    return [n for n in lengths if n > 0]
+
+
+def candidates(args, q, k, v, lengths, plan):
+    """name -> callable returning the attention output ``[1, t, n_h, h_d]`` (or a reason)."""
+    device, t = q.device, q.shape[1]
+    runs = {}
+    kernel = varlen_kernel()
+    if kernel is not None and device.type in kernel.device_types:
+        params = __import__("inspect").signature(kernel.fn).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        gqa = {"enable_gqa": True} if "enable_gqa" in params else None
+        cu = plan.cu_seqlens
+
+        def varlen_alone():
+            kk, vv = (k[0], v[0]) if gqa is not None else (
+                x[0].repeat_interleave(q.shape[2] // k.shape[2], dim=1) for x in (k, v))
+            return kernel.fn(q[0], kk, vv, cu, cu, plan.max_seqlen, plan.max_seqlen,
+                             **causal, **(gqa or {}))[None]
+
+        runs["varlen_attn"] = varlen_alone
+        runs["ours-varlen"] = lambda: packed_attention(q, k, v, plan, "varlen")
+    else:
+        runs["varlen_attn"] = f"unavailable on {device.type} (torch's kernel is CUDA-only)"
+    runs["ours-buckets"] = lambda: packed_attention(q, k, v, plan, "sdpa")
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(lengths, device=device))  # [t] document id
+    pos = torch.arange(t, device=device)
+
+    def dense_mask():
+        mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])  # [t, t]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    runs["dense-mask"] = dense_mask
+    runs["flex"] = "skipped (--no-flex)" if args.no_flex else flex_candidate(q, k, v, doc)
+    return runs
+
+
+def flex_candidate(q, k, v, doc):
+    """flex_attention with a document-causal block mask, compiled; or why it cannot run."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        t = q.shape[1]
+        block = create_block_mask(document_causal, None, None, t, t, device=q.device.type)
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def run():
+            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                       block_mask=block, enable_gqa=True)
+            return out.transpose(1, 2)
+
+        run()  # compile now, outside the timing
+        return run
+    except Exception as e:  # noqa: BLE001 - a bench reports what cannot run and goes on
+        return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+
+
+def measure(args, runs, q, k, v):
+    """Median seconds of one forward + backward per runnable candidate, interleaved."""
+    sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+    grad = torch.randn_like(q)
+
+    def fwd_bwd(run):
+        out = run()
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    ok = {name: run for name, run in runs.items() if callable(run)}
+    for _ in range(args.warmup):
+        for run in ok.values():
+            fwd_bwd(run)
+    times = {name: [] for name in ok}
+    for _ in range(args.repeats):
+        for name, run in ok.items():
+            sync()
+            start = time.perf_counter()
+            fwd_bwd(run)
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_one(args, t):
+    """One line: the ratios of every candidate at ``t`` tokens."""
+    torch.manual_seed(args.seed)
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    q, k, v = (torch.randn(1, t, n, args.head_dim, device=device, dtype=dtype,
+                           requires_grad=True) for n in (args.heads, args.kv_heads, args.kv_heads))
+    lengths = document_lengths(t, args.max_doc, args.seed)
+    start = time.perf_counter()
+    plan = plan_documents(cumulative_from_lengths(lengths), device)
+    plan_s = time.perf_counter() - start
+    runs = candidates(args, q, k, v, lengths, plan)
+    seconds = measure(args, runs, q, k, v)
+    base = "varlen_attn" if "varlen_attn" in seconds else "ours-buckets"
+    parts = [f"{name} {seconds[name] / seconds[base]:.2f}x" if name in seconds else f"{name} {run}"
+             for name, run in runs.items()]
+    print(f"attention fwd+bwd t={t} ({len(lengths)} docs, max {plan.max_seqlen}) {args.dtype} "
+          f"{args.device}: " + " | ".join(parts) +
+          f"  [{base} {seconds[base] * 1e3:.2f} ms, median of {args.repeats}; plan "
+          f"{plan_s * 1e3:.1f} ms, once per forward]")
+    return seconds
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    return {t: bench_one(args, t) for t in args.tokens}
+
+
+if __name__ == "__main__":
+    main()
