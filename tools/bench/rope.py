@@ -10,6 +10,7 @@ traffic floor of any out-of-place apply), for example:
 
 Usage:
     python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward] [--no-fused]
+    python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 100  # on a GPU
 
 On a shared machine wall-clock ratios swing with other jobs: `--stat min` keeps each
 candidate's fastest run, and `--clock cpu --threads 1` measures this process's CPU time.
@@ -131,6 +132,9 @@ def main():
     floor = medians['clone']
     what = 'apply fwd+bwd' if args.backward else 'apply'
     ratios = ' | '.join(f'{name} {seconds / floor:.2f}x' for name, seconds in medians.items())
+    # Share of copy bandwidth (the clone's bytes/s): the GPU target is >= 80% for the fused apply.
+    ratios += ''.join(f' | {name} at {100 * floor / seconds:.0f}% of copy bandwidth'
+                      for name, seconds in medians.items() if name.endswith('-fused'))
     print(f'rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}'
           .replace(', ', ',') + f'  ({args.stat} of {args.repeats}, clone {floor * 1e3:.2f} ms '
                                 f'{args.clock}, {args.threads} threads)')
