@@ -31,13 +31,10 @@ from . import check_measure as cm
 from . import startup
 from .check_report import judge
 from .doctor import build_collate_fn, plugin_resource
-from .packing import cumulative_from_position_ids
-from .validate import row_boundaries
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).
 BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
-IGNORE_INDEX = -100
 
 
 def start_config(path: str, cfg_options: dict | None = None) -> Config:
@@ -158,64 +155,6 @@ def _recorded_packs(dataset_cfg: dict, dataset, n: int) -> list[list[int]]:
     return out
 
 
-def _row_segments(data: dict, recorded: list[list[int]] | None) -> tuple[list[list[int]], str]:
-    """Each row's boundaries and where they came from."""
-    b, s = data["input_ids"].shape
-    if data.get("cumulative_len") is not None:
-        return [[int(c) for c in cu] for cu in row_boundaries(data, b)], "cumulative_len"
-    if recorded is not None:
-        return [cu if cu[-1] == s else cu + [s] for cu in recorded], \
-            "XTuner's packs rebuilt with use_varlen_attn=True (not recorded in the batch)"
-    position_ids = data.get("position_ids")
-    if position_ids is not None:
-        rows = [cumulative_from_position_ids(p).tolist() for p in position_ids.expand(b, s)]
-        if any(len(r) > 2 for r in rows):
-            return rows, "position_ids resets"
-    mask = data.get("attention_mask")
-    lengths = [int(m.sum()) for m in mask] if mask is not None else [s] * b
-    return [[0, n] if n == s else [0, n, s] for n in lengths], "one document per row"
-
-
-def documents(data: dict, recorded: list[list[int]] | None,
-              max_documents: int) -> tuple[list[tuple[int, int, int]], str]:
-    """Cut the batch after its first ``max_documents`` documents; list its documents.
-
-    A document is a segment with a supervised label after its first token (padding segments
-    have none). The rows are cut in place to a common length that ends at the last kept
-    document: causal attention makes a row's prefix independent of what follows, so the cut
-    batch is an exact, smaller instance of the same batch.
-
-    Returns:
-        ``[(row, start, end)]`` of every document left in the cut batch, and the source of
-        the boundaries.
-    """
-    rows, source = _row_segments(data, recorded)
-    labels = data["labels"]
-    spans = [(r, a, e) for r, cu in enumerate(rows) for a, e in zip(cu[:-1], cu[1:])
-             if bool((labels[r, a + 1:e] != IGNORE_INDEX).any())]
-    if not spans:
-        raise ValueError("xtuner-rope check: the first batch has no supervised label: nothing "
-                         "to compare. Check the dataset's label masking (xtuner-rope doctor).")
-    cut = max(e for _, _, e in spans[:max_documents])
-    if cut < data["input_ids"].shape[1]:
-        _cut_rows(data, rows, cut)
-        rows = [[c for c in cu if c < cut] + [cut] for cu in rows]
-    return [(r, a, min(e, cut)) for r, a, e in spans if a < cut], source
-
-
-def _cut_rows(data: dict, rows: list[list[int]], cut: int) -> None:
-    """Keep columns ``[:cut]`` of every ``[b, s]`` field; boundaries cut to match."""
-    for key in ("input_ids", "labels", "position_ids", "attention_mask"):
-        if isinstance(data.get(key), torch.Tensor) and data[key].dim() == 2:
-            data[key] = data[key][:, :cut]
-    if data.get("cumulative_len") is not None:
-        cus = [torch.tensor([c for c in cu if c < cut] + [cut], dtype=torch.int32)
-               for cu in rows]
-        data["cumulative_len"] = cus
-        if "max_seqlen" in data:
-            data["max_seqlen"] = max(int((cu[1:] - cu[:-1]).max()) for cu in cus)
-
-
 def plugin_hooks(runner) -> dict:
     """The runner's hooks by class name."""
     return {type(h).__name__: h for h in runner.hooks}
@@ -302,7 +241,7 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     hooks = plugin_hooks(runner)
     cut, sources = [], []
     for data_batch, recorded in first_batches(cfg, batches):
-        docs, source = documents(data_batch["data"], recorded, max_documents)
+        docs, source = cm.documents(data_batch["data"], recorded, max_documents)
         cut.append((data_batch, docs))
         sources.append(source)
     measured = measure(runner, cut, hooks, new_tokens)

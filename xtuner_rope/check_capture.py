@@ -22,7 +22,6 @@ from mmengine.logging import print_log
 from torch import nn
 
 from . import check_measure as cm
-from .check import documents
 
 CAPTURE_FILE = "isolation_capture.pt"
 
@@ -134,7 +133,7 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     data = saved["data"]
     cfg = Config.fromfile(str(config))
     recorded = None if data.get("cumulative_len") is not None else _pack_boundaries(cfg, data)
-    docs, source = documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
+    docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
     n_packed, _ = cm.label_count(data["labels"], docs)
     logits, loss = cm.documents_alone(reference_llm(cfg), data, docs, n_packed, backward=False)
     per_doc = cm.logits_differences(saved["logits"], logits, docs)
