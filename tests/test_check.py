@@ -163,3 +163,23 @@ def test_documents_refuses_a_batch_without_labels():
     with pytest.raises(ValueError, match=r"first batch has no supervised label: nothing to "
                                          r"compare.*xtuner-rope doctor"):
         documents(data, None, max_documents=8)
+
+
+def test_unrecorded_packs_that_cannot_be_found_are_refused(stock, tmp_path):
+    """Boundaries of stock packs are looked up in the same packs rebuilt with their boundaries;
+    a pack that is not there is refused with the setting to change, never guessed."""
+    from xtuner_rope.check import _recorded_packs
+    from xtuner_rope.check_capture import compare_capture
+
+    config = tmp_path / "stock.py"
+    config.write_text(sc.localize(stock[FULL], stock["alpaca"]))
+    cfg = Config.fromfile(str(config))
+    with pytest.raises(ValueError, match=r"pack 0 differs when the dataset records its "
+                                         r"boundaries.*use_varlen_attn=True"):
+        _recorded_packs(cfg.train_dataloader.dataset, [{"input_ids": [1, 2, 3]}], 1)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    torch.save({"data": {"input_ids": ids, "labels": ids, "attention_mask": ids > 0},
+                "logits": torch.zeros(1, 4, 8), "loss": 0.0}, tmp_path / "capture.pt")
+    with pytest.raises(ValueError, match=r"captured row 0 matches no pack.*"
+                                         r"shuffle_before_pack=False"):
+        compare_capture(config, tmp_path / "capture.pt")

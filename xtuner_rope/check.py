@@ -68,6 +68,7 @@ def build_runner(cfg: Config, work_dir: Path):
     cfg.work_dir = str(work_dir)
     cfg.launcher = "none"
     cfg.load_from, cfg.resume = None, False
+    cfg.log_level = "WARNING"  # the verdict is the output, not the Runner's config dump
     return Runner.from_cfg(cfg)
 
 

@@ -78,7 +78,7 @@ def judge(report: dict) -> dict:
     if problems and not report["plugin"]["patched"]:
         problems.append("xtuner-rope's patch is not applied (no ValidatedRoPEHook): to enable "
                         f"the plugin, {MODEL_RESOURCE_EDIT}")
-    verdict = ("FAIL: " + problems[0].split(":")[0] if problems else
+    verdict = ("FAIL: " + problems[0].splitlines()[0] if problems else
                "PASS: each packed document gets the logits, loss and gradients it gets alone; "
                "generation unchanged")
     return {"figures": fig, "problems": problems, "verdict": verdict,
