@@ -141,3 +141,27 @@ def ensure_tiny_model() -> Path:
     from xtuner_rope.demo.resources import tiny_checkpoint
 
     return Path(tiny_checkpoint(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))
+
+
+CAPTURE_IMPORT = "from xtuner_rope.check_capture import IsolationCaptureHook\n"
+
+
+def with_capture(text: str) -> str:
+    """Add ``IsolationCaptureHook`` (first in ``custom_hooks``): iteration 1 is saved."""
+    text = sub_once(text, r"^(custom_hooks = \[)$",
+                    r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    return sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE_IMPORT)
+
+
+def assert_isolated_in_run(config: Path, work_dir: Path) -> dict:
+    """Each document of the run's first batch, as trained, equals the document alone (fp32)."""
+    from xtuner_rope.check_capture import CAPTURE_FILE, compare_capture
+
+    result = compare_capture(config, work_dir / CAPTURE_FILE)
+    assert result["documents"] > 1, result
+    for doc in result["per_document"]:
+        assert doc["max_abs_diff"] <= 1e-5 * max(1.0, doc["max_abs_logit"]), doc
+    assert abs(result["loss"]["captured"] - result["loss"]["documents"]) <= 1e-5, result["loss"]
+    print(f"{config.stem}: {result['documents']} documents, max |trained - alone| "
+          f"{result['max_abs_diff']:.3g}")
+    return result

@@ -19,10 +19,11 @@ SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=30",
              "default_hooks.logger.interval=5", "default_hooks.checkpoint.interval=30")
 
 
-def xtuner_train(work_dir: Path, *cfg_options: str) -> subprocess.CompletedProcess:
+def xtuner_train(work_dir: Path, *cfg_options: str,
+                 config: Path = CONFIG) -> subprocess.CompletedProcess:
     """Run `xtuner train` on the tiny recipe from the repository root, as a user would."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = ["xtuner", "train", str(CONFIG), "--work-dir", str(work_dir)]
+    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
     if cfg_options:
         cmd += ["--cfg-options", *cfg_options]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -49,3 +50,21 @@ def test_broken_recipe_is_reported_although_xtuner_train_exits_0(tmp_path):
     with pytest.raises(RuntimeError, match="crashed or never started"):
         check_run(tmp_path, min_iters=30)
     assert "rope_collate_fn: sample" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_qwen2_recipe_isolates_documents_inside_xtuner_train(tmp_path, monkeypatch):
+    """The HF family's isolation measured inside a real run: iteration 1's logits, as trained,
+    equal each document alone through the unpatched model (fp32, <= 1e-5)."""
+    import stock_configs as sc
+
+    text = (REPO / "configs" / "tiny_qwen2_short_dialogues.py").read_text()
+    text = sc.sub_once(text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    config = tmp_path / "tiny_qwen2.py"
+    config.write_text(sc.CAPTURE_IMPORT + text)
+    out = xtuner_train(tmp_path / "run", "train_cfg.max_epochs=None", "train_cfg.max_iters=1",
+                       config=config)
+    assert "IsolationCaptureHook: saved" in out.stdout + out.stderr, out.stderr[-3000:]
+    monkeypatch.chdir(REPO)  # the recipe's paths are relative to the repository root
+    result = sc.assert_isolated_in_run(config, tmp_path / "run")
+    assert result["boundaries"] == "cumulative_len"

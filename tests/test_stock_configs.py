@@ -55,6 +55,12 @@ def _config(stock: dict, name: str, tmp_path: Path, plugin: bool = True, **local
     return path
 
 
+def _with_capture(config: Path) -> Path:
+    """The config with ``IsolationCaptureHook``: iteration 1's batch and logits are saved."""
+    config.write_text(sc.with_capture(config.read_text()))
+    return config
+
+
 def _train(config: Path, work_dir: Path, *notes: str):
     proc = sc.xtuner_train(config, work_dir, *SHORT_RUN)
     out = proc.stdout + proc.stderr
@@ -78,9 +84,10 @@ def _documents_isolated(out: str) -> None:
 def test_full_finetune_with_one_edit(stock, tmp_path):
     """On a checkpoint that carries its own modeling code, as real InternLM2 checkpoints do."""
     model = sc.tiny_with_remote_code(tmp_path / "tiny-remote-code")
-    run, out = _train(_config(stock, FULL, tmp_path, model=model), tmp_path / "run",
-                      "dataset", "collate", "hooks")
+    config = _with_capture(_config(stock, FULL, tmp_path, model=model))
+    run, out = _train(config, tmp_path / "run", "dataset", "collate", "hooks")
     _documents_isolated(out)
+    sc.assert_isolated_in_run(config, tmp_path / "run")
     assert run.checkpoint.name == "iter_20.pth"
 
 
@@ -93,10 +100,47 @@ def test_lora_with_one_edit(stock, tmp_path):
 
 
 def test_stock_use_varlen_attn_switch_with_one_edit(stock, tmp_path):
-    _, out = _train(_config(stock, VARLEN, tmp_path), tmp_path / "run",
-                    "varlen", "varlen_hook", "hooks")
+    config = _with_capture(_config(stock, VARLEN, tmp_path))
+    _, out = _train(config, tmp_path / "run", "varlen", "varlen_hook", "hooks")
     _documents_isolated(out)
+    sc.assert_isolated_in_run(config, tmp_path / "run")
     assert "flash_attn" not in out  # XTuner's own check no longer demands it
+
+
+def test_stock_packing_without_the_edit_leaks_inside_xtuner_train(stock, tmp_path):
+    """Negative control of the isolation measured in the runs above: the stock config without
+    the edit packs documents into one attention span, and the same measurement must see it.
+
+    On CPU the stock config needs one stand-in a GPU machine has natively
+    (``torch.cpu.is_bf16_supported``): the plugin is imported at interpreter start
+    (``sitecustomize``), its compat patches apply, its start-up does not run. The packs are
+    built unshuffled so the comparison can find their boundaries (XTuner did not record them).
+    """
+    import os
+    import subprocess
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import xtuner_rope  # noqa: F401\n")
+    text = sc.localize(stock[FULL], stock["alpaca"])
+    text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
+    config = tmp_path / "stock.py"
+    config.write_text(sc.with_capture(text))
+    env = sc.venv_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(["xtuner", "train", str(config), "--work-dir", str(tmp_path / "run"),
+                           "--cfg-options", "train_cfg.max_epochs=None", "train_cfg.max_iters=1",
+                           "randomness.seed=0"], cwd=sc.REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert "IsolationCaptureHook: saved" in out, out[-3000:]
+    assert "ValidatedRoPEHook" not in out
+    from xtuner_rope.check_capture import CAPTURE_FILE, compare_capture
+
+    result = compare_capture(config, tmp_path / "run" / CAPTURE_FILE)
+    assert result["documents"] > 1
+    assert result["max_abs_diff"] > 0.05, result["per_document"]  # whole units, not rounding
+    print(f"stock without the edit: max |trained - alone| {result['max_abs_diff']:.3g}")
 
 
 def _reaches_bitsandbytes(config: Path, work_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
     xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...]
+    xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
 """
 
 from __future__ import annotations
@@ -27,12 +28,56 @@ def _parser() -> argparse.ArgumentParser:
                         help="sampler batches to collate (default: 200)")
     doctor.add_argument("--cfg-options", nargs="+", action=DictAction, default=None,
                         help="override config settings, key=value (as xtuner train)")
+    _add_check(commands, DictAction)
     return parser
+
+
+def _add_check(commands, dict_action) -> None:
+    check = commands.add_parser(
+        "check", help="prove document isolation on the config's own model and data",
+        description="Start the config as `xtuner train` does, build its model and first packed "
+                    "batches, and compare each packed document with the same document alone "
+                    "(logits, loss, gradients) and patched with unpatched generation. "
+                    "Exit 1 when documents are not isolated or results differ.")
+    check.add_argument("config", help="XTuner config file")
+    check.add_argument("--out", help="output folder for report.json and the runner's log "
+                                     "(default: work_dirs/check/<config stem>)")
+    check.add_argument("--batches", type=int, default=1, help="batches to measure (default: 1)")
+    check.add_argument("--max-documents", type=int, default=8,
+                       help="documents per batch; rows are cut after them (default: 8)")
+    check.add_argument("--new-tokens", type=int, default=8,
+                       help="greedy tokens generated from the first prompt (default: 8)")
+    check.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="override the training dtype (default: the config's on a GPU, "
+                            "float32 on CPU)")
+    check.add_argument("--cfg-options", nargs="+", action=dict_action, default=None,
+                       help="override config settings, key=value (as xtuner train)")
+
+
+def _check(args) -> int:
+    from .check import run_check
+    from .check_report import format_summary, write_report
+    from .startup import ConfigConflict
+
+    out = Path(args.out or Path("work_dirs") / "check" / Path(args.config).stem)
+    try:
+        report = run_check(args.config, args.cfg_options, batches=args.batches, work_dir=out,
+                           dtype=args.dtype, max_documents=args.max_documents,
+                           new_tokens=args.new_tokens)
+    except ConfigConflict as err:
+        print(err)
+        return 1
+    path = write_report(report, out)
+    print(format_summary(report))
+    print(f"wrote {path}")
+    return report["exit_code"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "check":
+        return _check(args)
     from .doctor import diagnose
     from .doctor_report import format_summary, write_outputs
 

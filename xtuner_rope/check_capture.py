@@ -1,0 +1,142 @@
+"""Isolation measured inside a real ``xtuner train`` run: capture iteration 1, compare offline.
+
+:class:`IsolationCaptureHook` (opt-in: add ``dict(type=IsolationCaptureHook)`` to
+``custom_hooks``) saves the first training batch as the collate function made it (boundaries
+included) and the logits and loss the training step's forward computed from it, to
+``<work_dir>/isolation_capture.pt``. :func:`compare_capture` then runs each document of that
+batch alone through the config's model freshly loaded from its checkpoint (the weights of
+iteration 1's forward, before the first optimizer step), unpatched, and reports the largest
+difference per document: 0 up to rounding when the run isolated its documents, whole units
+when they attended to each other.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from torch import nn
+
+from . import check_measure as cm
+
+CAPTURE_FILE = "isolation_capture.pt"
+
+
+def _llm(model: nn.Module) -> nn.Module:
+    """The HF model inside DDP/DeepSpeed wrappers and XTuner's ``SupervisedFinetune``."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return getattr(model, "llm", model)
+
+
+def _copy(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().cpu()
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value]
+    return value
+
+
+class IsolationCaptureHook(Hook):
+    """Save the first training batch and the logits/loss the model computed from it.
+
+    Writes ``isolation_capture.pt`` (``{'data': the collated batch, 'logits': [b, s, V] fp32,
+    'loss': float}``) into the run's work dir after iteration 1; nothing afterwards. For the
+    tiny and test models: the logits of a 7B model on a long pack are gigabytes.
+    """
+
+    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
+    priority = 7
+
+    def __init__(self) -> None:
+        self._data: dict | None = None
+        self._out: dict = {}
+        self._handle = None
+
+    def _collect(self, module, args, output) -> None:
+        if "logits" not in self._out and module.training:
+            self._out["logits"] = output.logits.detach().float().cpu()
+            self._out["loss"] = float(output.loss.detach())
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        if runner.iter != 0 or not isinstance(data_batch, dict):
+            return
+        self._data = {k: _copy(v) for k, v in data_batch["data"].items()}
+        self._handle = _llm(runner.model).register_forward_hook(self._collect)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        if self._handle is None:
+            return
+        self._handle.remove()
+        self._handle = None
+        path = Path(runner.work_dir) / CAPTURE_FILE
+        torch.save({"data": self._data, **self._out}, path)
+        print_log(f"IsolationCaptureHook: saved iteration 1's batch and logits to {path}.",
+                  logger="current")
+
+
+def reference_llm(cfg: Config) -> nn.Module:
+    """The config's ``llm`` as ``from_pretrained`` loads it: unpatched, fp32, on the CPU."""
+    from xtuner.registry import BUILDER
+
+    llm = BUILDER.build(cfg.model.llm)
+    return llm.float().train()
+
+
+def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
+    """Boundaries of stock XTuner packs (not in the batch): the same packs, recorded.
+
+    The dataset is built again with ``use_varlen_attn=True`` (the same packs, with their
+    ``cumulative_len``) and each captured row is looked up by its tokens.
+
+    Raises:
+        ValueError: a row matches no pack (``shuffle_before_pack=True`` packs differently in
+            every process: set it to False for such a comparison).
+    """
+    from xtuner.registry import BUILDER
+
+    dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
+    dataset_cfg["use_varlen_attn"] = True
+    packs = {tuple(p["input_ids"]): [int(c) for c in p["cumulative_len"]]
+             for p in BUILDER.build(dataset_cfg)}
+    mask = data.get("attention_mask")
+    rows = []
+    for r, row in enumerate(data["input_ids"]):
+        n = int(mask[r].sum()) if mask is not None else len(row)
+        key = tuple(row[:n].tolist())
+        if key not in packs:
+            raise ValueError(f"compare_capture: captured row {r} matches no pack of the dataset "
+                             "rebuilt with use_varlen_attn=True; set train_dataloader.dataset."
+                             "shuffle_before_pack=False (packs differ from run to run).")
+        rows.append(packs[key])
+    return rows
+
+
+def compare_capture(config: str | Path, capture: str | Path) -> dict:
+    """Each captured document's logits against the same document alone (unpatched, fp32).
+
+    Args:
+        config: The config that was trained (read as is; its ``llm`` is loaded from its path).
+        capture: The ``isolation_capture.pt`` written by :class:`IsolationCaptureHook`.
+
+    Returns:
+        ``{'documents', 'boundaries', 'max_abs_diff', 'per_document': [...],
+        'loss': {'captured', 'documents'}}``. Packs that did not record their boundaries
+        (stock XTuner packing) get them from the same packs rebuilt with
+        ``use_varlen_attn=True`` (see :func:`xtuner_rope.check.first_batches`).
+    """
+    saved = torch.load(capture, map_location="cpu", weights_only=False)
+    data = saved["data"]
+    cfg = Config.fromfile(str(config))
+    recorded = None if data.get("cumulative_len") is not None else _pack_boundaries(cfg, data)
+    docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
+    n_packed, _ = cm.label_count(data["labels"], docs)
+    logits, loss = cm.documents_alone(reference_llm(cfg), data, docs, n_packed, backward=False)
+    per_doc = cm.logits_differences(saved["logits"], logits, docs)
+    return {"documents": len(docs), "boundaries": source,
+            "max_abs_diff": max(d["max_abs_diff"] for d in per_doc), "per_document": per_doc,
+            "loss": {"captured": saved["loss"], "documents": loss}}
