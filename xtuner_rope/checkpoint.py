@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import numpy as np
 import torch
@@ -76,19 +77,29 @@ def is_trusted(path: str) -> bool:
     return False
 
 
-def _refusal(path: str, error: Exception) -> UntrustedCheckpointError:
+def _what_is_refused(path: str, error: Exception) -> str:
+    """The globals outside the allow-list, or the unpickler's reason, for the message."""
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # legacy (non-zip) file: the unpickler's own message names the global
+    except Exception:  # legacy (non-zip) file: read the unpickler's own message instead
         found = []
-    what = ", ".join(found) if found else str(error).strip().splitlines()[0]
+    text = str(error)
+    found = found or re.findall(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        return (f"it names {', '.join(found)}, which runner checkpoints do not hold (allowed: "
+                "tensors, containers, MMEngine's HistoryBuffer and ConfigDict, numpy "
+                "arrays/scalars/dtypes)")
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    return f"it fails the weights-only check ({reason.group(1) if reason else text.strip()})"
+
+
+def _refusal(path: str, error: Exception) -> UntrustedCheckpointError:
     return UntrustedCheckpointError(
-        f"xtuner-rope refused to load {path}: it names {what}, which runner checkpoints do "
-        "not hold (allowed: tensors, containers, MMEngine's HistoryBuffer and ConfigDict, "
-        "numpy arrays/scalars/dtypes). Unpickling an unknown type can run arbitrary code. If "
-        "you trust this file (you wrote it, or know where it comes from), set "
-        f"{TRUST_ENV}={path} (files or folders, separated by '{os.pathsep}'); or, for a type "
-        "that is safe to rebuild, call torch.serialization.add_safe_globals([...]) first.")
+        f"xtuner-rope refused to load {path}: {_what_is_refused(path, error)}. Unpickling "
+        "anything else can run arbitrary code. If you trust this file (you wrote it, or know "
+        f"where it comes from), set {TRUST_ENV}={path} (files or folders, separated by "
+        f"'{os.pathsep}'); or, for a type that is safe to rebuild, call "
+        "torch.serialization.add_safe_globals([...]) first.")
 
 
 def load_checkpoint(path: str, map_location="cpu"):
