@@ -305,7 +305,7 @@ def _waits_only_for_last_gather(method) -> bool:
 def patch_deepspeed_zero3_cpu_gather() -> bool:
     """Make ZeRO-3's coalesced parameter gather wait for every all-gather on the CPU accelerator.
 
-    deepspeed 0.19.6 (and earlier) ``Init._allgather_params_coalesced``
+    deepspeed 0.19.6 (the pinned version) ``Init._allgather_params_coalesced``
     (``runtime/zero/partition_parameters.py``) starts one async ``all_gather_into_tensor`` per
     parameter, waits on the last handle only, points ``param.data`` at the gather buffers and
     skips the closing ``synchronize`` because the CPU accelerator ``resolves_data_dependency()``.
