@@ -182,8 +182,8 @@ ERRORS = [
     (lambda: torch.arange(5)[None], ValueError, r'has shape \(1, 5\).*expected \(1, 4\)'),
     (lambda: torch.tensor([[0, 1, 2, 3], [0, 1, -3, 2]]), ValueError,
      r'non-negative, got -3 at row 1, column 2'),
-    (lambda: torch.tensor([[0, 1, 16, 17]]), ValueError,
-     r'holds 16 at row 0, column 2, beyond .* \[0, 16\) \(max_position_embeddings=16\)'),
+    (lambda: torch.tensor([[0, 1, 16, 17]]), ValueError,  # the largest is named
+     r'holds 17 at row 0, column 3, beyond .* \[0, 16\) \(max_position_embeddings=16\)'),
 ]
 
 
