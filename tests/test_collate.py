@@ -90,10 +90,14 @@ def assert_invariants(data, kept, options, carried):
         want = torch.cat([torch.arange(int(k)) for k in steps])
         assert torch.equal(pos[r], want)
         assert bool((labels[r, cu[1:-1].long()] == IGNORE_INDEX).all())
-    # Padding: segments as long as the longest document, the last one shorter or equal.
+    # Padding: segments one shorter than the longest document (1 if that is 1), the last one
+    # shorter or equal; so the largest position, which an error about the RoPE range names,
+    # is a real document's, never padding's.
     longest = max(real_steps)
-    assert all(p[:-1] == [longest] * (len(p) - 1) and p[-1:] <= [longest] for p in pad_steps)
+    cap = max(longest - 1, 1)
+    assert all(p[:-1] == [cap] * (len(p) - 1) and p[-1:] <= [cap] for p in pad_steps)
     assert data['max_seqlen'] == longest
+    assert bool(real[pos == longest - 1].all())
     assert int(real.sum()) == sum(len(item['input_ids']) for item, _ in kept)
     for k, (item, docs) in enumerate(kept):
         item_ids = torch.as_tensor(item['input_ids'])
@@ -196,8 +200,8 @@ def test_varlen_flag_with_batch_size_above_one_and_min_length():
     items = [make_item([[False, True]]), make_item([[False, True, True]], 5)]
     data = rope_collate_fn(items, use_varlen_attn=True, min_length=6, return_hf_format=True)
     assert data['input_ids'].shape == (2, 6)
-    # Row 0's 4 padding tokens: two segments, none longer than the longest document (3).
-    assert [cu.tolist() for cu in data['cumulative_len']] == [[0, 2, 5, 6], [0, 3, 6]]
+    # Row 0's 4 padding tokens: two segments, both shorter than the longest document (3).
+    assert [cu.tolist() for cu in data['cumulative_len']] == [[0, 2, 4, 6], [0, 3, 5, 6]]
     assert data['attention_mask'].sum(1).tolist() == [2, 3]
 
 

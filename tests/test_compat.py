@@ -79,3 +79,56 @@ def test_internlm2_is_known_to_the_auto_factories():
     from xtuner._lite.modelings.internlm2 import InternLM2Config
 
     assert isinstance(AutoConfig.for_model("internlm2"), InternLM2Config)
+
+
+class _Handle:
+    """An async collective's handle: counts how often it was waited for."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self):
+        self.waits += 1
+        return True
+
+
+class _Comm:
+    """Stand-in for ``deepspeed.comm``: async gathers return handles, other names pass through."""
+
+    world = 2
+
+    def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+        return _Handle()
+
+    def all_gather(self, outs, inp, group=None, async_op=False):
+        return _Handle()
+
+
+def test_gather_recorder_waits_for_every_gather_started_inside():
+    recorder = compat._GatherHandleRecorder(_Comm())
+    assert recorder.world == 2  # everything else is DeepSpeed's own
+    before = recorder.all_gather_into_tensor(None, None, async_op=True)
+    with recorder.every_gather_waited():
+        inside = [recorder.all_gather_into_tensor(None, None, async_op=True) for _ in range(3)]
+        inside.append(recorder.all_gather([], None, async_op=True))
+        assert all(h.waits == 0 for h in inside)  # launched together, as DeepSpeed does
+    assert [h.waits for h in inside] == [1, 1, 1, 1] and before.waits == 0
+    after = recorder.all_gather_into_tensor(None, None, async_op=True)
+    assert after.waits == 0  # outside a coalesced gather nothing changes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gap exists on the CPU accelerator")
+def test_zero3_gather_patch_applies_where_deepspeed_waits_for_the_last_gather_only():
+    import deepspeed.runtime.zero.partition_parameters as zero3
+
+    assert "patch_deepspeed_zero3_cpu_gather" in compat.apply()
+    assert isinstance(zero3.dist, compat._GatherHandleRecorder)
+    original = zero3.Init._allgather_params_coalesced.__wrapped__
+    assert compat._waits_only_for_last_gather(original)  # deepspeed 0.19.6: the bug is there
+
+    def fixed(launch_handles):  # the shape of the upstream fix (DeepSpeed PR #8539)
+        for handle in launch_handles:
+            handle.wait()
+
+    assert not compat._waits_only_for_last_gather(fixed)
+    assert not compat.patch_deepspeed_zero3_cpu_gather()  # applied once, never twice

@@ -61,6 +61,14 @@ Q, K = torch.randn(2, 2, 4, 8), torch.randn(2, 1, 4, 8)  # [b, n_h, s, h_d], [b,
 COS, SIN = ROT(Q, torch.arange(4)[None])  # [1, 4, 8]
 POS = torch.tensor([[0, 1, 2, 3]])
 
+# Row 0: a 2-token document and 10 padding tokens; row 1: a 10-token document (positions
+# 0..9). The padding is cut shorter than that document, so an error about the RoPE range
+# names the document (row 1, column 9), not the padding of row 0 that inherited its length.
+PADDED = rope_collate_fn([it([1, 2]), it(list(range(1, 11)))], min_length=12,
+                         return_hf_format=True)
+ROT8, X12 = ValidatedRotaryEmbedding(8, max_position_embeddings=8), torch.zeros(2, 2, 12, 8)
+RANGE8 = r'beyond the supported range \[0, 8\)'
+
 S0 = r"sample 0, field 'input_ids'"
 CB = 'check_packed_batch: '
 HUB = r"MessageHub 'varlen_attn_args': cumulative_len"
@@ -252,6 +260,19 @@ BAD = [
     (ROT, [X, POS.to('meta')], {}, ValueError, r'position_ids is a meta tensor'),
     (ROT, [[0.0] * 4, POS], {}, TypeError, r'needs x = value_states .*got list'),
     (ROT, [X], {'seq_len': 17}, ValueError, r'seq_len=17 is beyond the supported range of 16'),
+    # ----- errors about the RoPE range name the document, never the padding after it -----
+    (check_packed_batch, [PADDED], {'max_position': 8}, ValueError,
+     r"row 1, document 0, field 'position_ids': expected positions < max_position=8 .*got 9"),
+    (ROT8, [X12, PADDED['position_ids']], {}, ValueError,
+     r'position_ids holds 9 at row 1, column 9, ' + RANGE8),
+    # ----- PackedBatchCheckHook: the batch's structure -----
+    (PackedBatchCheckHook().before_train_iter, [None, 0, {'data': [1, 2]}], {}, TypeError,
+     r"PackedBatchCheckHook: field 'data' of the batch: expected a dict of tensors .*got list "
+     r'\[1, 2\]'),
+    (PackedBatchCheckHook().before_train_iter, [None, 0, {'inputs': {}}], {}, TypeError,
+     r"field 'data' of the batch: expected a dict .*got keys \['inputs'\]"),
+    (PackedBatchCheckHook().before_train_iter, [None, 0, ('data', {})], {}, TypeError,
+     r"PackedBatchCheckHook: expected an XTuner batch .*got tuple \('data', \{\}\)"),
     # ----- apply_rotary_pos_emb (q [2, 2, 4, 8]) -----
     (apply_rotary_pos_emb, [Q, K, COS[:, :3], SIN[:, :3]], {}, ValueError,
      r'cos/sin \(1, 3, 8\) do not match q \(2, 2, 4, 8\): expected \[1, 4, 8\] or \[2, 4, 8\]'),

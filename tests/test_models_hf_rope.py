@@ -94,6 +94,22 @@ def test_cos_sin_after_bfloat16_match_float64(rope_type):
         assert (up_cos[0].double() - angles.cos() * scale).abs().max() > 0.1
 
 
+def test_dynamic_ntk_beyond_fp32_exact_positions_matches_float64():
+    """Dynamic NTK has no position limit: from 2**24 on (fp32 cannot hold every position),
+    the angles are computed in float64 and cos/sin match a float64 computation."""
+    ours = HFValidatedRotaryEmbedding(CONFIGS["dynamic"])
+    positions = torch.tensor([[2**24 - 1, 2**24 + 1, 2**24 + 3, 2**25 + 7, 5]])  # [1, 5]
+    cos, sin = ours(torch.zeros(1, 5, 8), positions)
+    inv_freq = ours.inv_freq_at(int(positions.max()) + 1).double()
+    angles = positions[0, :, None].double() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)  # [5, h_d]
+    torch.testing.assert_close((cos[0].double(), sin[0].double()), (angles.cos(), angles.sin()),
+                               rtol=0, atol=1e-6)
+    # fp32 angles (upstream's arithmetic) would be off by far more.
+    fp32 = positions[0, :, None].float() * inv_freq.float()
+    assert (torch.cat((fp32, fp32), dim=-1).cos().double() - angles.cos()).abs().max() > 0.5
+
+
 def test_dynamic_ntk_is_stateless():
     config = CONFIGS["dynamic"]
     ours, fresh = HFValidatedRotaryEmbedding(config), HFValidatedRotaryEmbedding(config)

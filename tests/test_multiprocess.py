@@ -3,7 +3,8 @@
 The runs go through XTuner's real launcher: ``NPROC_PER_NODE=2 xtuner train cfg --launcher
 pytorch`` spawns ``torchrun`` exactly as on a GPU node; ``xtuner_rope.compat`` supplies the
 CPU-only pieces (gloo instead of NCCL, no ``torch.cuda.set_device``, DDP without
-``device_ids``, and for DeepSpeed < 0.19 its all-gather outside autograd).
+``device_ids``, for DeepSpeed < 0.19 its all-gather outside autograd, and ZeRO-3's coalesced
+parameter gather waiting for every all-gather it started).
 
 Why a paired data file: DDP and ZeRO average the per-rank *mean* losses, while one process
 takes the mean over all supervised tokens of the global batch. The two agree exactly only
@@ -138,34 +139,56 @@ def reference(request, tmp_path_factory):
     return request.param, data_file, _global_losses(work_dir, 1, _tail(proc))
 
 
-# Known defect, not yet understood: 2-process ZeRO-3 on CPU gives one rank a wrong loss at a
-# random iteration in about 1 of 3 runs (measured 5e-7 when it does not; 2e-2 to 5e-1 when it
-# does), at the session-3 start commit as now. Kept running and reported, not asserted, so a
-# random draw cannot block a landing while it is investigated.
-ZERO3_FLAKY = pytest.mark.xfail(strict=False, reason="2-process ZeRO-3 on CPU: intermittent "
-                                "wrong loss on one rank (about 1 run in 3), under investigation")
+# How often the opt-in repeated check runs the 2-process ZeRO-3 case (0: not at all, as in CI).
+# ZeRO-3 on CPU was wrong in about 1 run in 3 before `compat.patch_deepspeed_zero3_cpu_gather`.
+REPEAT_ZERO3 = int(os.environ.get("XTUNER_ROPE_REPEAT_ZERO3", "0"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("reference,deepspeed", [
-    (INTERNLM2, None), (INTERNLM2, ZERO2), pytest.param(INTERNLM2, ZERO3, marks=ZERO3_FLAKY),
-    (QWEN2, None)],
-    ids=["internlm2-ddp", "internlm2-zero2", "internlm2-zero3", "qwen2-ddp"],
-    indirect=["reference"])
-def test_two_processes_match_one(reference, deepspeed, tmp_path):
-    config, data_file, one = reference
-    cmd = ["xtuner", "train", config, "--work-dir", str(tmp_path), "--launcher", "pytorch"]
+def _two_process_losses(config: str, data_file: Path, deepspeed, work_dir: Path) -> list[float]:
+    """`xtuner train` on 2 CPU processes; per iteration the mean of the ranks' losses."""
+    cmd = ["xtuner", "train", config, "--work-dir", str(work_dir), "--launcher", "pytorch"]
     if deepspeed:
         cmd += ["--deepspeed", deepspeed]
     cmd += ["--cfg-options", *_cfg_options(data_file, GLOBAL_BATCH // NPROC)]
     env = _env(NPROC_PER_NODE=str(NPROC), NNODES="1", PORT=str(_free_port()))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     # `xtuner train` exits 0 even when its torchrun failed: judge by the logs and checkpoint.
-    two = _global_losses(tmp_path, NPROC, _tail(proc))
+    return _global_losses(work_dir, NPROC, _tail(proc))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference,deepspeed", [
+    (INTERNLM2, None), (INTERNLM2, ZERO2), (INTERNLM2, ZERO3), (QWEN2, None)],
+    ids=["internlm2-ddp", "internlm2-zero2", "internlm2-zero3", "qwen2-ddp"],
+    indirect=["reference"])
+def test_two_processes_match_one(reference, deepspeed, tmp_path):
+    config, data_file, one = reference
+    two = _two_process_losses(config, data_file, deepspeed, tmp_path)
     worst = max(abs(a - b) for a, b in zip(one, two))
     print(f"{deepspeed or 'ddp'}: max |1 - 2 processes| loss over {ITERS} iters: {worst:.2e}")
     assert worst <= LOSS_ATOL, f"1 process: {one}\n2 processes: {two}"
     assert one[-1] < one[0] - 0.2, f"the loss did not fall: {one}"  # it really trained
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REPEAT_ZERO3 <= 0, reason="opt-in: XTUNER_ROPE_REPEAT_ZERO3=<runs>")
+@pytest.mark.parametrize("reference", [INTERNLM2], indirect=True)
+def test_zero3_repeated_runs_are_all_right(reference, tmp_path):
+    """The 2-process ZeRO-3 case XTUNER_ROPE_REPEAT_ZERO3 times: no run may be wrong.
+
+    ``XTUNER_ROPE_REPEAT_ZERO3=10 pytest -s tests/test_multiprocess.py -k repeated`` (about
+    1-2 minutes a run); a wrong run failed about 1 time in 3 before the compat patch.
+    """
+    config, data_file, one = reference
+    worst = []
+    for run in range(REPEAT_ZERO3):
+        two = _two_process_losses(config, data_file, ZERO3, tmp_path / f"run{run}")
+        worst.append(max(abs(a - b) for a, b in zip(one, two)))
+        print(f"zero3 run {run + 1}/{REPEAT_ZERO3}: max |1 - 2 processes| loss {worst[-1]:.2e}",
+              flush=True)
+    wrong = [f"run {i + 1}: {w:.2e}" for i, w in enumerate(worst) if w > LOSS_ATOL]
+    print(f"zero3: {len(wrong)} wrong runs of {REPEAT_ZERO3}")
+    assert not wrong, f"{len(wrong)} of {REPEAT_ZERO3} ZeRO-3 runs off by more than {LOSS_ATOL}"
 
 
 def test_log_parser_reads_per_rank_files(tmp_path):

@@ -24,8 +24,9 @@ def test_returns_range():
      r'\(2, 3\).*batch 3.*expected \(1, 3\) or \(3, 3\)'),
     (torch.tensor([[0, 1, 2], [0, -1, 5]]), 2, None, ValueError,
      r'non-negative, got -1 at row 1, column 1; positions count tokens from 0'),
+    # The largest position is named (a real document's: padding segments are shorter).
     (torch.tensor([[0, 1, 2], [0, 7, 9]]), 2, 7, ValueError,
-     r'holds 7 at row 1, column 1, beyond the supported range \[0, 7\) \(the test limit\); '
+     r'holds 9 at row 1, column 2, beyond the supported range \[0, 7\) \(the test limit\); '
      r'do something'),
 ])
 def test_errors_name_value_place_and_limit(pos, batch, limit, error, match):

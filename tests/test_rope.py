@@ -9,8 +9,10 @@ from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
 from xtuner_rope import rotate
 from xtuner_rope.rope import (
+    FP32_EXACT_POSITIONS,
     ValidatedRotaryEmbedding,
     apply_rotary_pos_emb,
+    cos_sin_at,
     rotate_half,
 )
 
@@ -180,8 +182,8 @@ ERRORS = [
     (lambda: torch.arange(5)[None], ValueError, r'has shape \(1, 5\).*expected \(1, 4\)'),
     (lambda: torch.tensor([[0, 1, 2, 3], [0, 1, -3, 2]]), ValueError,
      r'non-negative, got -3 at row 1, column 2'),
-    (lambda: torch.tensor([[0, 1, 16, 17]]), ValueError,
-     r'holds 16 at row 0, column 2, beyond .* \[0, 16\) \(max_position_embeddings=16\)'),
+    (lambda: torch.tensor([[0, 1, 16, 17]]), ValueError,  # the largest is named
+     r'holds 17 at row 0, column 3, beyond .* \[0, 16\) \(max_position_embeddings=16\)'),
 ]
 
 
@@ -210,6 +212,39 @@ def test_dynamic_is_unbounded():
     ours = ValidatedRotaryEmbedding(8, 16, scaling_type='dynamic', scaling_factor=2.0)
     cos, _ = ours(randn(1, 1, 1, 8), torch.tensor([[10**6]]))
     assert torch.isfinite(cos).all()
+
+
+def float64_cos_sin(position_ids, inv_freq):
+    """cos, sin ``[..., h_d]`` with every angle in float64 from the same fp32 ``inv_freq``."""
+    angles = position_ids[..., None].double() * inv_freq.double()  # [..., h_d/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [..., h_d]
+    return angles.cos(), angles.sin()
+
+
+# Beyond 2**24, where fp32 stops holding every integer (2**24 + 1 rounds to 2**24).
+HUGE = torch.tensor([[FP32_EXACT_POSITIONS - 1, FP32_EXACT_POSITIONS + 1,
+                      FP32_EXACT_POSITIONS + 3, 2 * FP32_EXACT_POSITIONS + 7, 5]])
+
+
+def test_dynamic_ntk_beyond_fp32_exact_positions_matches_float64():
+    ours = ValidatedRotaryEmbedding(8, 16, scaling_type='dynamic', scaling_factor=2.0)
+    cos, sin = ours(torch.zeros(1, 1, 5, 8), HUGE)
+    inv_freq = ours._ntk_inv_freq(int(HUGE.max()) + 1, HUGE.device)
+    ref_cos, ref_sin = float64_cos_sin(HUGE[0], inv_freq)
+    torch.testing.assert_close((cos[0].double(), sin[0].double()), (ref_cos, ref_sin),
+                               rtol=0, atol=1e-6)
+    # The check has teeth: fp32 angles (the reference's arithmetic) are off by far more there.
+    fp32_cos = torch.cat([HUGE[0, :, None].float() * inv_freq] * 2, dim=-1).cos()
+    assert (fp32_cos.double() - ref_cos).abs().max() > 0.5
+
+
+def test_cos_sin_at_is_the_fp32_arithmetic_below_two_to_the_24():
+    inv_freq = ValidatedRotaryEmbedding(8, 16).inv_freq
+    positions = torch.tensor([0, 7, 10**6, FP32_EXACT_POSITIONS - 1])
+    angles = positions[:, None].float() * inv_freq  # [4, h_d/2], the reference's fp32 product
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = cos_sin_at(positions, inv_freq, int(positions.max()))
+    torch.testing.assert_close((cos, sin), (angles.cos(), angles.sin()), rtol=0, atol=0)
 
 
 def test_implicit_positions_beyond_limit_raise():

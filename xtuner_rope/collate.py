@@ -1,7 +1,7 @@
 """``rope_collate_fn``: XTuner's batch structure with per-document RoPE positions.
 
-Every row of the batch is cut into segments (documents, then padding segments, each no
-longer than the batch's longest document, when the row is short). Position ids restart
+Every row of the batch is cut into segments (documents, then padding segments, each shorter
+than the batch's longest document, when the row is short). Position ids restart
 at 0 at each segment and the boundaries travel as ``cumulative_len``, so packed documents
 get the same RoPE angles as alone and a boundary-aware attention can isolate them.
 See :func:`rope_collate_fn`.
@@ -113,14 +113,17 @@ def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
     """Boundaries after the real tokens ``[0, n)`` of a row: padding ``[n, s)`` cut into
-    segments of at most ``longest`` tokens, the longest real document of the batch.
+    segments shorter than ``longest``, the longest real document of the batch (1 if it is 1).
 
     One padding segment can be longer than the RoPE range (``pack=True`` rows may exceed it,
-    since positions restart per document; ``pad_to_multiple_of`` / ``min_length`` add more):
-    capped at ``longest``, padding positions stay below every real document's, so a batch whose
-    documents fit the RoPE range always fits, and padding never sets ``max_seqlen``.
+    since positions restart per document; ``pad_to_multiple_of`` / ``min_length`` add more).
+    Kept shorter than ``longest``, padding positions stay below every real document's, so a
+    batch whose documents fit the RoPE range always fits, padding never sets ``max_seqlen``,
+    and the largest position of a batch always belongs to a real document: an error about it
+    names the document at fault, never a padding segment that inherited its length.
     """
-    return torch.tensor([*range(n + longest, s, longest), s], dtype=torch.int32)
+    cap = max(longest - 1, 1)
+    return torch.tensor([*range(n + cap, s, cap), s], dtype=torch.int32)
 
 
 def _pad_rows(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: int,
@@ -150,9 +153,10 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
     and/or ``position_ids`` restarting at 0 per document). Each row is one item, or with
     ``pack=True`` several items placed by first-fit decreasing. Rows are padded to one
-    length ``s``; the padding is cut into segments of its own, each no longer than the
+    length ``s``; the padding is cut into segments of its own, each shorter than the
     longest real document of the batch (so padding never leaves the RoPE range when the
-    documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add).
+    documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add, and the
+    largest position is always a real document's).
 
     Samples without a supervised label (all labels -100 after the causal shift: a 1-token
     sample, a reply truncated away) add nothing to the loss: they are kept as documents like

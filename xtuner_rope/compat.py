@@ -7,10 +7,13 @@ everything as it was. ``apply()`` is idempotent and runs when ``xtuner_rope`` is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import inspect
 import os
 import sys
+import threading
 import types
 
 import torch
@@ -251,42 +254,128 @@ def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     return True
 
 
-def _load_trusted(path: str, map_location="cpu"):
-    """``torch.load`` of a checkpoint our own training wrote (pickled MMEngine runner state)."""
-    return torch.load(path, map_location=map_location, weights_only=False)
+class _GatherHandleRecorder:
+    """``deepspeed.comm`` as ``partition_parameters`` sees it, recording async gather handles.
+
+    Every attribute is DeepSpeed's own; ``all_gather_into_tensor`` and ``all_gather`` also put
+    the handle they return into this thread's open recording, if one is open (see
+    ``every_gather_waited``). Outside a recording they behave exactly as before.
+    """
+
+    def __init__(self, comm: types.ModuleType):
+        self._comm = comm
+        self._local = threading.local()
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def _record(self, handle):
+        pending = getattr(self._local, "pending", None)
+        if pending is not None and handle is not None:
+            pending.append(handle)
+        return handle
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._record(self._comm.all_gather_into_tensor(*args, **kwargs))
+
+    def all_gather(self, *args, **kwargs):
+        return self._record(self._comm.all_gather(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def every_gather_waited(self):
+        """Record the gathers started inside the block; on leaving it, wait for each."""
+        outer = getattr(self._local, "pending", None)
+        self._local.pending = []
+        try:
+            yield
+            for handle in self._local.pending:
+                handle.wait()
+        finally:
+            self._local.pending = outer
 
 
-def _load_from_local_trusted(filename: str, map_location=None):
-    """MMEngine's loader for local checkpoint paths, with ``weights_only=False``."""
+def _waits_only_for_last_gather(method) -> bool:
+    """True if DeepSpeed's coalesced gather still waits on its last handle only (no PR #8539)."""
+    try:
+        return "launch_handles[-1].wait()" in inspect.getsource(method)
+    except (OSError, TypeError):  # no source shipped: waiting twice is harmless, so patch
+        return True
+
+
+def patch_deepspeed_zero3_cpu_gather() -> bool:
+    """Make ZeRO-3's coalesced parameter gather wait for every all-gather on the CPU accelerator.
+
+    deepspeed 0.19.6 (the pinned version) ``Init._allgather_params_coalesced``
+    (``runtime/zero/partition_parameters.py``) starts one async ``all_gather_into_tensor`` per
+    parameter, waits on the last handle only, points ``param.data`` at the gather buffers and
+    skips the closing ``synchronize`` because the CPU accelerator ``resolves_data_dependency()``.
+    On CUDA the gathers run in order on one stream; gloo runs them on background threads, out of
+    order, so a rank reads parameters that are not yet written (symptom: 2-process ZeRO-3 on CPU
+    gives one rank a wrong loss at a random iteration, then both drift; parameters still
+    changing after ``engine.step()`` returned, ``tools/repro/zero3_gather.py``). DeepSpeed PR
+    #8539 waits for every handle, in releases mmengine 0.10.6 can no longer import. We do the
+    same from outside: the module's ``dist`` records the handles the method starts, and the
+    method returns only once each of them is waited.
+
+    Returns:
+        True if applied (DeepSpeed picked its CPU accelerator and lacks the upstream fix).
+    """
+    if not _cpu_only():
+        return False
+    import deepspeed.runtime.zero.partition_parameters as zero3
+    from deepspeed.accelerator import get_accelerator
+
+    coalesced = zero3.Init._allgather_params_coalesced
+    if (get_accelerator().device_name() != "cpu" or isinstance(zero3.dist, _GatherHandleRecorder)
+            or not _waits_only_for_last_gather(coalesced)):
+        return False
+    recorder = _GatherHandleRecorder(zero3.dist)
+
+    @functools.wraps(coalesced)
+    def gather_waiting_for_all(self, *args, **kwargs):
+        with recorder.every_gather_waited():
+            return coalesced(self, *args, **kwargs)
+
+    zero3.dist = recorder
+    zero3.Init._allgather_params_coalesced = gather_waiting_for_all
+    return True
+
+
+def _load_from_local_checked(filename: str, map_location=None):
+    """MMEngine's loader for local checkpoint paths, through ``checkpoint.load_checkpoint``."""
+    from .checkpoint import load_checkpoint
+
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f"{filename} can not be found.")
-    return _load_trusted(filename, map_location)
+    return load_checkpoint(filename, map_location)
 
 
 def _seed_from_checkpoint(path: str) -> int:
     """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory."""
+    from .checkpoint import load_checkpoint
+
     if os.path.isdir(path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files
 
         path = get_model_state_files(path)[0]
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"Cannot find {path}")
-    return _load_trusted(path)["meta"]["seed"]
+    return load_checkpoint(path)["meta"]["seed"]
 
 
-def patch_trusted_checkpoint_loading() -> bool:
-    """Let ``xtuner train --resume`` (and ``resume=True, load_from=...``) load on torch >= 2.6.
+def patch_checkpoint_loading() -> bool:
+    """Let ``xtuner train --resume`` and ``load_from`` load on torch >= 2.6, still weights-only.
 
     torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
     (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
     (``tools.utils.get_seed_from_checkpoint``, called first by ``xtuner train --resume``) load
-    the runner's own checkpoints without saying ``weights_only=False``; those hold the message
-    hub (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
+    the runner's own checkpoints without an allow-list; those hold the message hub
+    (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
     load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
-    (mmengine issue #1655). Both loaders get ``weights_only=False`` back, the behaviour they
-    were written for (torch < 2.6), as DeepSpeed's own loader already does: like then, only
-    resume from / ``load_from`` checkpoints you trust (normally your own runs).
+    (mmengine issue #1655). Both loaders go through ``checkpoint.load_checkpoint``:
+    ``weights_only=True`` with exactly those types allowed; any other type is refused with its
+    name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
 
     Returns:
         True if applied (torch >= 2.6).
@@ -298,7 +387,7 @@ def patch_trusted_checkpoint_loading() -> bool:
     import xtuner.tools.utils as xtuner_tool_utils
     from mmengine.runner.checkpoint import CheckpointLoader
 
-    CheckpointLoader.register_scheme(prefixes="", force=True)(_load_from_local_trusted)
+    CheckpointLoader.register_scheme(prefixes="", force=True)(_load_from_local_checked)
     # `xtuner/tools/train.py` (run as __main__) imported the function by name: rebind it there.
     original = xtuner_tool_utils.get_seed_from_checkpoint
     for module in list(sys.modules.values()):
@@ -400,7 +489,8 @@ def apply() -> list[str]:
     for patch in (patch_torch_cpu_bf16_query, patch_bitsandbytes_triton_probe,
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
-                  patch_trusted_checkpoint_loading, patch_sft_forward_names_missing_hook):
+                  patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
+                  patch_sft_forward_names_missing_hook):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -32,7 +32,7 @@ from .models.internlm2 import (
 from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding, use_fused_apply
 from .startup import require_prepared
-from .validate import check_packed_batch, row_boundaries
+from .validate import batch_data, check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
@@ -203,11 +203,7 @@ class PackedBatchCheckHook(Hook):
         return vocab, getattr(config, "max_position_embeddings", None)
 
     def _check_and_publish(self, runner, data_batch: DATA_BATCH) -> None:
-        if not isinstance(data_batch, dict) or not isinstance(data_batch.get("data"), dict):
-            raise TypeError("PackedBatchCheckHook expects XTuner batches {'data': {...}, "
-                            f"'data_samples': ...}}, got {type(data_batch).__name__}; use "
-                            "rope_collate_fn or XTuner's default_collate_fn.")
-        data = data_batch["data"]
+        data = batch_data(data_batch, "PackedBatchCheckHook")
         if self._checked_limits is None:
             self._inspect_model(runner)
         vocab, max_position = self._checked_limits

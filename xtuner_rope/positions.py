@@ -80,7 +80,9 @@ def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc='', 
         raise ValueError(f'position_ids must be non-negative, got {value} at row {row}, column '
                          f'{col}; positions count tokens from 0 within each document')
     if limit is not None and hi >= limit:
-        value, row, col = _first(position_ids, position_ids >= limit)
+        # The largest position, not the first beyond the limit: rope_collate_fn keeps padding
+        # segments shorter than the longest document, so this is the document at fault.
+        value, row, col = _first(position_ids, position_ids == hi)
         raise ValueError(f'position_ids holds {value} at row {row}, column {col}, beyond the '
                          f'supported range [0, {limit}) ({limit_desc}); {advice}')
     return lo, hi

@@ -189,6 +189,7 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
+    from .checkpoint import load_checkpoint
     from .models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get('weights')
@@ -200,7 +201,10 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
         cfg.merge_from_dict(cfg_options)
     set_model_resource(cfg)  # as `xtuner train` does (builds a missing tiny checkpoint)
     model = MODELS.build(cfg.model)
-    state = torch.load(weights, map_location='cpu', weights_only=checkpoint is None)
+    if checkpoint:  # a runner checkpoint: weights-only, with the runner's own types allowed
+        state = load_checkpoint(str(checkpoint))
+    else:
+        state = torch.load(weights, map_location='cpu', weights_only=True)
     model.load_state_dict(state.get('state_dict', state) if checkpoint else state)
     if record.get('isolating'):
         patch_internlm2_attention(model)  # what the run's ValidatedRoPEHook did

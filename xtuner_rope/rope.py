@@ -15,8 +15,8 @@ from torch.autograd.function import once_differentiable
 from xtuner_rope.positions import check_position_ids
 from xtuner_rope.rotate import rotate, use_fused_apply
 
-__all__ = ['ValidatedRotaryEmbedding', 'apply_rotary_pos_emb', 'check_position_ids',
-           'rotate_half', 'use_fused_apply']
+__all__ = ['FP32_EXACT_POSITIONS', 'ValidatedRotaryEmbedding', 'apply_rotary_pos_emb',
+           'check_position_ids', 'cos_sin_at', 'rotate_half', 'use_fused_apply']
 
 _SCALING_TYPES = (None, 'linear', 'dynamic')
 _BEYOND = ('truncate or split the sequence, enable rope_scaling, or pass max_position= to '
@@ -37,12 +37,38 @@ def _inv_freq(base, dim, device=None):
 
 
 def _cos_sin(positions, inv_freq):
-    """fp32 cos and sin `[..., h_d]` for fp32 `positions` `[...]` and `inv_freq` `[h_d/2]`."""
+    """cos and sin `[..., h_d]` for float `positions` `[...]` and `inv_freq` `[h_d/2]`."""
     with _no_autocast(positions.device):
-        # One fp32 rounding per angle, like the reference's outer product.
+        # One rounding per angle (fp32: like the reference's outer product).
         freqs = positions[..., None] * inv_freq  # [..., h_d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., h_d]
         return emb.cos(), emb.sin()
+
+
+# fp32 holds every integer below 2**24, not all above (2**24 + 1 rounds to 2**24).
+FP32_EXACT_POSITIONS = 1 << 24
+
+
+def cos_sin_at(position_ids, inv_freq, hi, divisor=None):
+    """fp32 cos and sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`.
+
+    Below `FP32_EXACT_POSITIONS` the angles are computed in fp32 exactly as the reference
+    does. From there on fp32 cannot hold every position: tokens would share angles and cos/sin
+    be off by up to ~1 (reachable with dynamic NTK, which has no position limit), so those
+    calls compute the angles in fp64 from the same fp32 `inv_freq` and return fp32 cos/sin.
+
+    Args:
+        position_ids (torch.Tensor): Integer positions `[...]`.
+        inv_freq (torch.Tensor): fp32 inverse frequencies `[h_d/2]`.
+        hi (int): The largest position.
+        divisor (float, optional): Positions are divided by it first (linear scaling).
+    """
+    dtype = torch.float32 if hi < FP32_EXACT_POSITIONS else torch.float64
+    positions = position_ids.to(dtype)
+    if divisor is not None:
+        positions = positions / divisor  # the reference divides first
+    cos, sin = _cos_sin(positions, inv_freq.to(dtype))
+    return cos.float(), sin.float()
 
 
 class ValidatedRotaryEmbedding(nn.Module):
@@ -135,10 +161,9 @@ class ValidatedRotaryEmbedding(nn.Module):
         tables = self._tables.get(device)
         if tables is None or tables[0].shape[0] < length:
             rows = 1 << max(length - 1, 0).bit_length()
-            positions = torch.arange(rows, device=device, dtype=torch.float32)
-            if self.scaling_type == 'linear':
-                positions = positions / self.scaling_factor  # the reference divides first
-            tables = _cos_sin(positions, self.inv_freq.to(device))
+            divisor = self.scaling_factor if self.scaling_type == 'linear' else None
+            tables = cos_sin_at(torch.arange(rows, device=device), self.inv_freq.to(device),
+                                rows - 1, divisor)
             self._tables[device] = tables
         return tables
 
@@ -153,7 +178,7 @@ class ValidatedRotaryEmbedding(nn.Module):
         """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`."""
         if self.scaling_type == 'dynamic' and hi + 1 > self.max_position_embeddings:
             inv_freq = self._ntk_inv_freq(hi + 1, position_ids.device)
-            return _cos_sin(position_ids.float(), inv_freq)
+            return cos_sin_at(position_ids, inv_freq, hi)
         cos, sin = self._table(position_ids.device, hi + 1)
         position_ids = position_ids.long()
         return cos[position_ids], sin[position_ids]

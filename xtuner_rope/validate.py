@@ -15,7 +15,7 @@ import torch
 from xtuner_rope.inputs import show, to_int_tensor
 from xtuner_rope.packing import position_ids_from_starts, segment_starts_from_cumulative
 
-__all__ = ['check_packed_batch', 'check_flat_boundaries', 'row_boundaries']
+__all__ = ['batch_data', 'check_packed_batch', 'check_flat_boundaries', 'row_boundaries']
 
 IGNORE_INDEX = -100
 def _fail(field: str, expected: str, got: object, fix: str, row: int | None = None,
@@ -42,6 +42,29 @@ def _tensor(data: Mapping, field: str, shape: tuple[int, ...] | None = None,
         raise _fail(field, f'shape {list(shape)} like input_ids', f'{list(value.shape)}',
                     'Collate all fields together.')
     return value
+
+
+def batch_data(data_batch: object, who: str) -> Mapping:
+    """The inner ``data`` dict of an XTuner batch ``{'data': {...}, 'data_samples': ...}``.
+
+    Args:
+        data_batch: what the dataloader handed to the hook.
+        who: the caller, for the message (``"PackedBatchCheckHook"``).
+
+    Raises:
+        TypeError: the batch is not a dict, or its ``data`` field is not one; the message
+            names the field and the type that came.
+    """
+    fix = "Collate with rope_collate_fn or XTuner's default_collate_fn."
+    if not isinstance(data_batch, Mapping):
+        raise TypeError(f"{who}: expected an XTuner batch {{'data': {{...}}, 'data_samples': "
+                        f'...}}, got {show(data_batch)}. {fix}')
+    data = data_batch.get('data')
+    if not isinstance(data, Mapping):
+        got = f'keys {sorted(map(str, data_batch))}' if 'data' not in data_batch else show(data)
+        raise TypeError(f"{who}: field 'data' of the batch: expected a dict of tensors "
+                        f'(input_ids, labels, ...), got {got}. {fix}')
+    return data
 
 
 def row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..positions import check_position_ids
-from ..rope import _cos_sin, _inv_freq
+from ..rope import _inv_freq, cos_sin_at
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ADVICE = ("truncate or split the sequence, enable rope_scaling, or pass max_position= to "
@@ -159,7 +159,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq.to(x.device)
         if self.rope_type == "dynamic" and hi + 1 > self.max_position_embeddings:
             inv_freq = self.inv_freq_at(hi + 1, x.device)  # this call only: no sticky growth
-        cos, sin = _cos_sin(position_ids.to(x.device).float(), inv_freq)  # [b, s, h_d]
+        cos, sin = cos_sin_at(position_ids.to(x.device), inv_freq, hi)  # [b, s, h_d]
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos, sin

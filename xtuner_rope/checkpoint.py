@@ -1,0 +1,125 @@
+"""Load runner checkpoints with ``weights_only=True``: MMEngine's and XTuner's types allow-listed.
+
+A ``.pth`` written by ``torch.save`` is a pickle; unpickling it with ``weights_only=False`` can
+run any code the file names. torch >= 2.6 loads with ``weights_only=True`` by default, which
+refuses the few non-tensor types a runner checkpoint really holds (the message hub's
+``HistoryBuffer`` and the numpy arrays, scalars and dtypes inside it). ``load_checkpoint``
+allows exactly those, only for its own call (``torch.serialization.safe_globals``), so resume
+and ``load_from`` work as before and a file naming any other type is refused with its name.
+
+Trusting a file: set ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` to the checkpoint files or folders you
+trust (separated by ``os.pathsep``); a checkpoint at or under one of them loads with
+``weights_only=False``. A type that is safe to rebuild can instead be allow-listed for every
+load with ``torch.serialization.add_safe_globals([...])`` (in the config, say).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+
+import numpy as np
+import torch
+
+TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
+
+
+class UntrustedCheckpointError(pickle.UnpicklingError):
+    """A checkpoint names a type outside the allow-list and is not in ``TRUST_ENV``."""
+
+
+def _history_buffer_getattr(owner, name: str):
+    """``getattr`` as MMEngine's ``HistoryBuffer`` pickles need it, and nothing more.
+
+    ``HistoryBuffer.__getstate__`` stores its statistics methods (``HistoryBuffer.min`` ...),
+    which pickle as ``getattr(HistoryBuffer, "min")``. A general ``getattr`` would let a file
+    reach any attribute (``__globals__``, ``__builtins__``...) of the objects it can build, so
+    only public functions of ``HistoryBuffer`` itself are handed out.
+    """
+    from mmengine.logging import HistoryBuffer
+
+    method = getattr(HistoryBuffer, name, None) if isinstance(name, str) else None
+    if owner is not HistoryBuffer or name.startswith("_") or not callable(method):
+        raise pickle.UnpicklingError(
+            f"checkpoint asks for getattr({owner!r}, {name!r}); only public HistoryBuffer "
+            "methods are allowed")
+    return method
+
+
+def runner_checkpoint_globals() -> list:
+    """The non-tensor globals MMEngine 0.10 / XTuner 0.2 runner checkpoints hold.
+
+    Found by listing the globals of real checkpoints (``torch.serialization.
+    get_unsafe_globals_in_checkpoint``) of the tiny recipes, plain and under DeepSpeed.
+    """
+    from mmengine.config import ConfigDict
+    from mmengine.logging import HistoryBuffer
+
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    dtype_classes = [type(np.dtype(name)) for name in
+                     ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64", "float16", "float32", "float64", "complex64", "complex128")]
+    # ConfigDict and set: in DeepSpeed's model-states file (read for the seed on resume).
+    return [HistoryBuffer, ConfigDict, set, (_history_buffer_getattr, "builtins.getattr"),
+            (multiarray._reconstruct, f"{multiarray.__name__}._reconstruct"),
+            (multiarray.scalar, f"{multiarray.__name__}.scalar"),
+            np.ndarray, np.dtype, *dtype_classes]
+
+
+def is_trusted(path: str) -> bool:
+    """True if ``path`` is, or lies under, an entry of ``XTUNER_ROPE_TRUSTED_CHECKPOINTS``."""
+    real = os.path.realpath(path)
+    for entry in filter(None, os.environ.get(TRUST_ENV, "").split(os.pathsep)):
+        trusted = os.path.realpath(os.path.expanduser(entry))
+        if real == trusted or real.startswith(trusted.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
+def _what_is_refused(path: str, error: Exception) -> str:
+    """The globals outside the allow-list, or the unpickler's reason, for the message."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # legacy (non-zip) file: read the unpickler's own message instead
+        found = []
+    text = str(error)
+    found = found or re.findall(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        return (f"it names {', '.join(found)}, which runner checkpoints do not hold (allowed: "
+                "tensors, containers, MMEngine's HistoryBuffer and ConfigDict, numpy "
+                "arrays/scalars/dtypes)")
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    return f"it fails the weights-only check ({reason.group(1) if reason else text.strip()})"
+
+
+def _refusal(path: str, error: Exception) -> UntrustedCheckpointError:
+    return UntrustedCheckpointError(
+        f"xtuner-rope refused to load {path}: {_what_is_refused(path, error)}. Unpickling "
+        "anything else can run arbitrary code. If you trust this file (you wrote it, or know "
+        f"where it comes from), set {TRUST_ENV}={path} (files or folders, separated by "
+        f"'{os.pathsep}'); or, for a type that is safe to rebuild, call "
+        "torch.serialization.add_safe_globals([...]) first.")
+
+
+def load_checkpoint(path: str, map_location="cpu"):
+    """``torch.load`` a runner checkpoint with ``weights_only=True`` and the runner allow-list.
+
+    Args:
+        path: A ``.pth`` file (MMEngine) or DeepSpeed ``*_model_states.pt`` file.
+        map_location: As for ``torch.load``.
+
+    Returns:
+        The unpickled checkpoint (usually a dict with ``meta``, ``state_dict``...).
+
+    Raises:
+        UntrustedCheckpointError: The file holds a type outside the allow-list and is not
+            trusted through ``XTUNER_ROPE_TRUSTED_CHECKPOINTS``.
+    """
+    if is_trusted(path):
+        return torch.load(path, map_location=map_location, weights_only=False)
+    with torch.serialization.safe_globals(runner_checkpoint_globals()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise _refusal(path, error) from error
