@@ -6,6 +6,7 @@ gradients as if it ran alone through the unpatched model; generation must not ch
 
 import copy
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,7 +170,6 @@ def test_patch_is_idempotent_and_finds_wrapped_models():
 
 
 def test_patch_through_peft_lora():
-    peft = pytest.importorskip("peft")
     model = build("llama", "sdpa")
     reference = copy.deepcopy(model)
     lora = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
