@@ -253,9 +253,35 @@ def test_qlora_recipe_quantizes_on_gpu(config):
     assert any("4bit" in type(m).__name__ for m in model.modules())
 
 
-def test_config_dicts_are_plain_after_tiny_override():
-    """The override helper only swaps paths: it keeps ConfigDicts and leaves other keys alone."""
-    cfg = _tiny_cfg(GPU_RECIPES[0], quantize=False)
+def _without_paths(node, where="cfg"):
+    """{path: repr(value)} of every leaf below ``node`` but the checkpoint paths."""
+    return {w: repr(v) for w, v in _leaves(node, where)
+            if not w.endswith(".pretrained_model_name_or_path")}
+
+
+@pytest.mark.parametrize("config", [next(c for c in GPU_RECIPES if "qlora" not in c),
+                                    next(c for c in GPU_RECIPES if "qlora" in c)])
+def test_config_dicts_are_plain_after_tiny_override(config):
+    """The override helper only swaps paths: it keeps ConfigDicts and leaves other keys alone.
+
+    Besides the paths it changes what it says it does (the README's CPU edit of the optimizer
+    wrapper, QLoRA's quantization left out) and what `xtuner train`'s start-up does to every
+    config (the plugin's missing hooks put first in custom_hooks): nothing else.
+    """
+    from xtuner_rope.startup import PLUGIN_HOOKS, type_name
+
+    real, cfg = _load(config), _tiny_cfg(config, quantize=False)
     assert isinstance(cfg.model, ConfigDict)
     paths = [v for w, v in _leaves(cfg._cfg_dict) if w.endswith(".pretrained_model_name_or_path")]
     assert paths and set(paths) == {TINY_MODEL}
+    real_hooks, hooks = real._cfg_dict.pop("custom_hooks"), cfg._cfg_dict.pop("custom_hooks")
+    added = len(hooks) - len(real_hooks)
+    assert {type_name(dict.get(h, "type")) for h in hooks[:added]} <= set(PLUGIN_HOOKS)
+    assert [_without_paths(h) for h in hooks[added:]] == [_without_paths(h) for h in real_hooks]
+    before, after = _without_paths(real._cfg_dict), _without_paths(cfg._cfg_dict)
+    changed = {w for w in before.keys() | after.keys() if before.get(w) != after.get(w)}
+    allowed = ("cfg.model.llm.quantization_config.",) if "qlora" in config else ()
+    if not torch.cuda.is_available():
+        allowed += ("cfg.optim_wrapper.",)
+    assert {w for w in changed if not w.startswith(allowed)} == set(), sorted(changed)
+    assert ("cfg.optim_wrapper.type" in changed) is not torch.cuda.is_available()
