@@ -331,14 +331,7 @@ EXTREME = [
                                       'input_ids', 'position_ids', 'max_seqlen'),
      lambda: _keys(_xtuner([ONE_TOKEN_DOCS], use_varlen_attn=True),
                    'input_ids', 'position_ids', 'max_seqlen')),
-    # check_packed_batch: a document exactly at the RoPE limit, rows without supervision.
-    ('check_packed_batch', lambda: check_packed_batch(batch(), max_position=4), lambda: None),
-    ('check_packed_batch', lambda: check_packed_batch(
-        batch(labels=torch.tensor([[M] * 6, [M, M, M, 9, M, M]]), num_unsupervised=1)),
-     lambda: None),
-    ('check_packed_batch', lambda: check_packed_batch(
-        {**rope_collate_fn([GOOD], return_hf_format=True),
-         'cumulative_len': torch.tensor([0, 3], dtype=torch.int32)}), lambda: None),
+    # check_packed_batch returns nothing to compare: its edge cases are in EDGE below.
     # Hub boundaries: rows of 1-token documents, and one document per row.
     ('document_plan', lambda: hub_plan(_hub_ref([[1, 1, 1], [2, 1], [3]], 3), 3, 3).cu_seqlens,
      lambda: _hub_ref([[1, 1, 1], [2, 1], [3]], 3)),
@@ -370,6 +363,33 @@ EXTREME = [
                          ids=[f'{i}-{r[0]}' for i, r in enumerate(EXTREME)])
 def test_extreme_valid_input_matches_reference(entry, ours, reference):
     torch.testing.assert_close(ours(), reference(), atol=1e-6, rtol=1e-6)
+
+
+UNSUPERVISED_ROW = torch.tensor([[M] * 6, [M, M, M, 9, M, M]])
+ONE_ROW, I32 = rope_collate_fn([GOOD], return_hf_format=True), torch.int32
+# check_packed_batch at the edge of what it accepts: (accepted call, the same batch one step
+# past the edge, the error that step gets), so that each acceptance is shown to be the edge.
+EDGE = [
+    # A document exactly at the RoPE limit (positions 0..3), then a limit one lower.
+    (lambda: check_packed_batch(batch(), max_position=4),
+     lambda: check_packed_batch(batch(), max_position=3),
+     r"row 1, document 0, field 'position_ids': expected positions < max_position=3"),
+    # A row without supervision beside one supervised label; then no supervised label at all.
+    (lambda: check_packed_batch(batch(labels=UNSUPERVISED_ROW, num_unsupervised=1)),
+     lambda: check_packed_batch(batch(labels=torch.full((2, 6), M), num_unsupervised=1)),
+     r"field 'labels': expected at least one supervised label .* got none in rows \[0, 1\]"),
+    # One row: cumulative_len may be one tensor, not a list; it must still end at s.
+    (lambda: check_packed_batch({**ONE_ROW, 'cumulative_len': torch.tensor([0, 3], dtype=I32)}),
+     lambda: check_packed_batch({**ONE_ROW, 'cumulative_len': torch.tensor([0, 2], dtype=I32)}),
+     r"row 0, field 'cumulative_len': expected boundaries that end at s=3, got \[0, 2\]"),
+]
+
+
+@pytest.mark.parametrize('accepted, past_edge, match', EDGE, ids=range(len(EDGE)))
+def test_edge_batches_are_accepted_and_one_step_past_refused(accepted, past_edge, match):
+    assert accepted() is None
+    with pytest.raises(ValueError, match=match):
+        past_edge()
 
 
 def test_padding_beyond_the_rope_range_trains_like_documents_alone(tiny_model):
