@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from mmengine import MessageHub
+from runners import tiny_runner
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 from xtuner.dataset.collate_fns import default_collate_fn
 
 from xtuner_rope.attention import VARLEN_HUB, document_plan
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.hooks import PackedBatchCheckHook
-from xtuner_rope.models.internlm2 import patch_internlm2_attention
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.packing import flat_cumulative
 from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 from xtuner_rope.validate import check_packed_batch, row_boundaries
@@ -392,14 +392,17 @@ def test_edge_batches_are_accepted_and_one_step_past_refused(accepted, past_edge
         past_edge()
 
 
-def test_padding_beyond_the_rope_range_trains_like_documents_alone(tiny_model):
+@pytest.mark.parametrize('attn', ['eager', 'sdpa'])
+def test_padding_beyond_the_rope_range_trains_like_documents_alone(attn, tmp_path):
     """pad_to_multiple_of makes s = 32 with an 8-position RoPE: the padding is cut into
     segments of at most the longest document (8), the batch passes the hook, and every
     document gets the logits it gets alone from the unpatched model."""
     import copy
 
+    runner = tiny_runner(tmp_path, attn=attn)  # a real Runner; the plugin's hooks patch it
+    tiny_model = runner.model.llm
     ref = copy.deepcopy(tiny_model)
-    patch_internlm2_attention(tiny_model, max_position=8)
+    ValidatedRoPEHook(max_position=8).before_train(runner)
     docs = [torch.randint(3, 256, (n,)) for n in (8, 5, 1, 7, 3)]
     batch = rope_collate_fn([it(d.tolist()) for d in docs], pack=True, max_length=16,
                             pad_to_multiple_of=32)
@@ -407,7 +410,7 @@ def test_padding_beyond_the_rope_range_trains_like_documents_alone(tiny_model):
     assert data['input_ids'].shape[1] == 32 and data['max_seqlen'] == 8
     assert data['num_unsupervised'] == 1  # the 1-token document, kept
     rows = [cu.tolist() for cu in data['cumulative_len']]
-    hook, runner = PackedBatchCheckHook(), type('R', (), {'model': tiny_model})()
+    hook = PackedBatchCheckHook()
     hook.before_train(runner)
     hook.before_train_iter(runner, 0, batch)
     try:
