@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from mmengine.config import ConfigDict
 from mmengine.dataset import DefaultSampler
-from mmengine.hooks import Hook
+from mmengine.hooks import Hook, LoggerHook
 from mmengine.runner import Runner
 from transformers import AutoModelForCausalLM
 from xtuner.model import SupervisedFinetune
@@ -32,7 +32,7 @@ def token_items(lengths, vocab=256, seed=0):
 
 
 def tiny_runner(work_dir, *, attn='sdpa', items=None, custom_hooks=(), max_iters=2,
-                batch_size=4, collate_fn=None, lr=1e-3):
+                batch_size=4, collate_fn=None, lr=1e-3, log_interval=10):
     """A Runner that trains the tiny InternLM2 for ``max_iters`` iterations on ``train()``.
 
     The model is built as in ``xtuner train``: ``SupervisedFinetune(llm=dict(...))`` loading
@@ -47,6 +47,7 @@ def tiny_runner(work_dir, *, attn='sdpa', items=None, custom_hooks=(), max_iters
         batch_size (int): Items per batch, packed by ``collate_fn``.
         collate_fn (dict | None): Default ``rope_collate_fn`` packing to 64 tokens.
         lr (float): SGD learning rate.
+        log_interval (int): The LoggerHook's interval (the metrics hooks' window).
 
     Returns:
         Runner: Built, not started; ``runner.model`` is the ``SupervisedFinetune`` wrapper.
@@ -66,7 +67,8 @@ def tiny_runner(work_dir, *, attn='sdpa', items=None, custom_hooks=(), max_iters
             collate_fn=collate_fn or dict(type=rope_collate_fn, pack=True, max_length=64)),
         optim_wrapper=dict(optimizer=dict(type=torch.optim.SGD, lr=lr)),
         train_cfg=dict(by_epoch=False, max_iters=max_iters),
-        default_hooks=dict(checkpoint=None), custom_hooks=list(custom_hooks),
+        default_hooks=dict(checkpoint=None, logger=dict(type=LoggerHook, interval=log_interval)),
+        custom_hooks=list(custom_hooks),
         log_level='WARNING')
 
 
@@ -87,3 +89,21 @@ class RecordingHook(Hook):
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
         self.after.append(self.probe(runner, data_batch))
+
+
+def bare_runner(model, work_dir, custom_hooks=()):
+    """A Runner around an already built ``model`` with no dataloaders (nothing to train).
+
+    For driving hooks by hand, through their public methods, on the runner they will run in.
+
+    Args:
+        model (mmengine.model.BaseModel): E.g. XTuner's SupervisedFinetune built from a config.
+        work_dir (str | Path): Where MMEngine writes its logs.
+        custom_hooks (Sequence[dict | Hook]): Registered by the runner, in its order.
+
+    Returns:
+        Runner: Built, not started.
+    """
+    return Runner(model=model, work_dir=str(work_dir), custom_hooks=list(custom_hooks),
+                  experiment_name=f'bare_runner_{next(_RUNS)}', log_level='WARNING',
+                  default_hooks=dict(checkpoint=None))

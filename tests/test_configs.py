@@ -14,12 +14,12 @@ import json
 import re
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
+from runners import bare_runner
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
@@ -190,9 +190,9 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     return cfg
 
 
-def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
+def _train_step(cfg: Config, work_dir) -> tuple[torch.nn.Module, dict]:
     """Build model, dataset, collate function and plugin hooks as MMEngine does; one step."""
-    from mmengine.registry import FUNCTIONS, HOOKS, MODELS
+    from mmengine.registry import FUNCTIONS, MODELS
     from xtuner.registry import BUILDER
 
     from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
@@ -205,10 +205,12 @@ def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
     collate = partial(collate_type, **collate_cfg)
     batch = collate([dataset[i] for i in range(cfg.batch_size)])
 
-    runner = SimpleNamespace(model=model)
-    plugin = [HOOKS.build(copy.deepcopy(h)) for h in cfg.custom_hooks
-              if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)]
-    for hook in sorted(plugin, key=lambda h: h.priority):
+    # A real Runner registers the plugin's hooks of the recipe, in its own order.
+    runner = bare_runner(model, work_dir, [copy.deepcopy(h) for h in cfg.custom_hooks
+                                           if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)])
+    plugin = [h for h in runner.hooks if isinstance(h, (ValidatedRoPEHook, PackedBatchCheckHook))]
+    assert [type(h) for h in plugin] == [ValidatedRoPEHook, PackedBatchCheckHook]
+    for hook in plugin:
         hook.before_train(runner)
     assert isolates_documents(model), "ValidatedRoPEHook did not patch the attention layers"
     for hook in plugin:
@@ -223,10 +225,10 @@ def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", GPU_RECIPES)
-def test_gpu_recipe_builds_and_steps_with_tiny_model(config):
+def test_gpu_recipe_builds_and_steps_with_tiny_model(config, tmp_path):
     """On CPU: no DeepSpeed init, and QLoRA without quantization_config (needs CUDA kernels)."""
     cfg = _tiny_cfg(config, quantize=False)
-    model, batch = _train_step(cfg)
+    model, batch = _train_step(cfg, tmp_path)
     expected = {"internlm2": "InternLM2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "llama": "LlamaForCausalLM"}[_family(config)]
     assert expected in {type(m).__name__ for m in model.modules()}
@@ -247,9 +249,9 @@ def test_gpu_recipe_builds_and_steps_with_tiny_model(config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes 4-bit needs CUDA")
 @pytest.mark.parametrize("config", [c for c in GPU_RECIPES if "qlora" in c])
-def test_qlora_recipe_quantizes_on_gpu(config):
+def test_qlora_recipe_quantizes_on_gpu(config, tmp_path):
     cfg = _tiny_cfg(config, quantize=True)
-    model, _ = _train_step(cfg)
+    model, _ = _train_step(cfg, tmp_path)
     assert any("4bit" in type(m).__name__ for m in model.modules())
 
 
