@@ -12,6 +12,7 @@ from hypothesis import settings
 
 import xtuner_rope  # noqa: F401  (applies compat: Auto registration, CPU patches)
 from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
+from xtuner_rope.rotate import use_fused_apply
 
 # Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed
 # derandomized set so a merge is never blocked by a new random draw; HYPOTHESIS_PROFILE=search
@@ -54,3 +55,31 @@ def _tiny_models():
 def tiny_model(request, _tiny_models):
     """A fresh copy of the tiny InternLM2 (vocab 256, fp32), per attention implementation."""
     return copy.deepcopy(_tiny_models[request.param])
+
+
+def _no_compiler_reason():
+    """Why torch.compile cannot build the fused RoPE kernel for CPU tensors here, or None."""
+    from torch._inductor import cpp_builder  # where inductor itself looks for a C++ compiler
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as error:  # noqa: BLE001 - InvalidCxxCompiler and kin: no compiler at all
+        return f"no C++ compiler for torch.compile on CPU ({type(error).__name__})"
+    return None
+
+
+@pytest.fixture
+def fused():
+    """The fused RoPE kernel on for one test (CPU tensors), then back to the state it was in.
+
+    Skips only where no C++ compiler exists. Fails the test if the kernel fell back to eager
+    during it (a failed compile switches it off with a warning), so that "fused equals eager"
+    never compares eager with itself; tests add `fused_kernel_calls()` checks of their own.
+    """
+    reason = _no_compiler_reason()
+    if reason:
+        pytest.skip(reason)
+    assert not torch._dynamo.config.suppress_errors, "dynamo would hide a failed compile"
+    before = use_fused_apply(True)
+    yield
+    assert use_fused_apply(before), "the fused RoPE kernel fell back to eager during the test"

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from runners import tiny_runner
 from torch import nn
 
 from xtuner_rope.attention import MIN_BUCKET, packed_attention, plan_documents
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.models.internlm2 import internlm2_attention_forward, patch_internlm2_attention
 from xtuner_rope.packing import cumulative_from_lengths, plan_packs
 from xtuner_rope.rope import ValidatedRotaryEmbedding
@@ -209,22 +210,25 @@ def test_packed_attention_matches_per_document_sdpa_forward_backward(backend):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
-def test_collate_pack_plan_rows_feed_patched_model(tiny_model):
-    """rope_collate_fn(pack=True) rows through the hub give each document's own logits."""
-    ref = copy.deepcopy(tiny_model)
-    patch_internlm2_attention(tiny_model)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_collate_pack_plan_rows_feed_patched_model(attn, tmp_path):
+    """rope_collate_fn(pack=True) rows through the hub give each document's own logits: the
+    model patched and the boundaries published by the plugin's hooks in a real Runner."""
+    runner = tiny_runner(tmp_path, attn=attn)
+    ref, model = copy.deepcopy(runner.model.llm), runner.model.llm
     lengths = LENGTHS  # the 1-token sample has no supervised label: kept and counted
     docs = _docs(lengths)
     batch = rope_collate_fn([dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs],
                             pack=True, max_length=128)
     rows = plan_packs(list(lengths), 128)
-    hook, runner = PackedBatchCheckHook(), type("R", (), {"model": tiny_model})()
+    ValidatedRoPEHook().before_train(runner)
+    hook = PackedBatchCheckHook()
     hook.before_train(runner)
-    hook._check_and_publish(runner, batch)
+    hook.before_train_iter(runner, 0, batch)
     try:
-        logits = tiny_model(**batch["data"]).logits
+        logits = model(**batch["data"]).logits
     finally:
-        hook._reset()
+        hook.after_train_iter(runner, 0, batch)
     for r, row in enumerate(rows):
         offset = 0
         for i in row:

@@ -2,11 +2,15 @@
 import warnings
 from itertools import accumulate
 
+import datasets
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xtuner import utils as xtuner_utils
+from xtuner.dataset import collate_fns
+from xtuner.dataset.utils import Packer
 
 from xtuner_rope.collate import DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, rope_collate_fn
 from xtuner_rope.packing import padded_length
@@ -215,14 +219,12 @@ def test_inputs_are_not_modified():
 # ----- live references: XTuner's own collate function and Packer -----
 
 def test_constants_match_xtuner():
-    xtuner_utils = pytest.importorskip('xtuner.utils')
     assert IGNORE_INDEX == xtuner_utils.IGNORE_INDEX
     assert DEFAULT_PAD_TOKEN_INDEX == xtuner_utils.DEFAULT_PAD_TOKEN_INDEX
 
 
 @pytest.mark.parametrize('lengths', [[5], [3, 7, 2, 4], [9, 9]])
 def test_unpacked_matches_xtuner_default_collate(lengths):
-    collate_fns = pytest.importorskip('xtuner.dataset.collate_fns')
     items, first = [], 1
     for n in lengths:
         items.append(make_item([[False] + [True] * (n - 1)], first))
@@ -240,8 +242,6 @@ def test_unpacked_matches_xtuner_default_collate(lengths):
 
 def _packer_items(use_varlen_attn, chunk_size=16):
     """Items from XTuner's real Packer, mapped over a datasets.Dataset as process_hf_dataset."""
-    datasets = pytest.importorskip('datasets')
-    packer_cls = pytest.importorskip('xtuner.dataset.utils').Packer
     rows, first = {'input_ids': [], 'labels': []}, 1
     for n in [5, 9, 3, 12, 7, 1, 6, 11, 4, 2, 8, 30, 3]:
         item = make_item([[False] + [True] * (n - 1)], first)
@@ -249,12 +249,11 @@ def _packer_items(use_varlen_attn, chunk_size=16):
         rows['labels'].append(item['labels'])
         first += n
     dataset = datasets.Dataset.from_dict(rows).map(
-        packer_cls(chunk_size, use_varlen_attn=use_varlen_attn), batched=True, batch_size=4)
+        Packer(chunk_size, use_varlen_attn=use_varlen_attn), batched=True, batch_size=4)
     return [dataset[i] for i in range(len(dataset))]
 
 
 def test_xtuner_packer_items_match_xtuner_varlen_collate():
-    collate_fns = pytest.importorskip('xtuner.dataset.collate_fns')
     items = _packer_items(use_varlen_attn=True)
     assert len(items) > 3 and any(len(item['cumulative_len']) > 2 for item in items)
     for item in items:  # XTuner's varlen collate takes one item per batch
@@ -280,7 +279,6 @@ def test_xtuner_packer_items_match_xtuner_varlen_collate():
 
 
 def test_xtuner_packer_items_without_boundaries_match_default_collate():
-    collate_fns = pytest.importorskip('xtuner.dataset.collate_fns')
     items = _packer_items(use_varlen_attn=False)
     ref = collate_fns.default_collate_fn(items, return_hf_format=True)
     ours = rope_collate_fn(items, return_hf_format=True)

@@ -14,12 +14,12 @@ import json
 import re
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
+from runners import bare_runner
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
@@ -190,9 +190,9 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     return cfg
 
 
-def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
+def _train_step(cfg: Config, work_dir) -> tuple[torch.nn.Module, dict]:
     """Build model, dataset, collate function and plugin hooks as MMEngine does; one step."""
-    from mmengine.registry import FUNCTIONS, HOOKS, MODELS
+    from mmengine.registry import FUNCTIONS, MODELS
     from xtuner.registry import BUILDER
 
     from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
@@ -205,10 +205,12 @@ def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
     collate = partial(collate_type, **collate_cfg)
     batch = collate([dataset[i] for i in range(cfg.batch_size)])
 
-    runner = SimpleNamespace(model=model)
-    plugin = [HOOKS.build(copy.deepcopy(h)) for h in cfg.custom_hooks
-              if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)]
-    for hook in sorted(plugin, key=lambda h: h.priority):
+    # A real Runner registers the plugin's hooks of the recipe, in its own order.
+    runner = bare_runner(model, work_dir, [copy.deepcopy(h) for h in cfg.custom_hooks
+                                           if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)])
+    plugin = [h for h in runner.hooks if isinstance(h, (ValidatedRoPEHook, PackedBatchCheckHook))]
+    assert [type(h) for h in plugin] == [ValidatedRoPEHook, PackedBatchCheckHook]
+    for hook in plugin:
         hook.before_train(runner)
     assert isolates_documents(model), "ValidatedRoPEHook did not patch the attention layers"
     for hook in plugin:
@@ -223,10 +225,10 @@ def _train_step(cfg: Config) -> tuple[torch.nn.Module, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", GPU_RECIPES)
-def test_gpu_recipe_builds_and_steps_with_tiny_model(config):
+def test_gpu_recipe_builds_and_steps_with_tiny_model(config, tmp_path):
     """On CPU: no DeepSpeed init, and QLoRA without quantization_config (needs CUDA kernels)."""
     cfg = _tiny_cfg(config, quantize=False)
-    model, batch = _train_step(cfg)
+    model, batch = _train_step(cfg, tmp_path)
     expected = {"internlm2": "InternLM2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "llama": "LlamaForCausalLM"}[_family(config)]
     assert expected in {type(m).__name__ for m in model.modules()}
@@ -247,15 +249,41 @@ def test_gpu_recipe_builds_and_steps_with_tiny_model(config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes 4-bit needs CUDA")
 @pytest.mark.parametrize("config", [c for c in GPU_RECIPES if "qlora" in c])
-def test_qlora_recipe_quantizes_on_gpu(config):
+def test_qlora_recipe_quantizes_on_gpu(config, tmp_path):
     cfg = _tiny_cfg(config, quantize=True)
-    model, _ = _train_step(cfg)
+    model, _ = _train_step(cfg, tmp_path)
     assert any("4bit" in type(m).__name__ for m in model.modules())
 
 
-def test_config_dicts_are_plain_after_tiny_override():
-    """The override helper only swaps paths: it keeps ConfigDicts and leaves other keys alone."""
-    cfg = _tiny_cfg(GPU_RECIPES[0], quantize=False)
+def _without_paths(node, where="cfg"):
+    """{path: repr(value)} of every leaf below ``node`` but the checkpoint paths."""
+    return {w: repr(v) for w, v in _leaves(node, where)
+            if not w.endswith(".pretrained_model_name_or_path")}
+
+
+@pytest.mark.parametrize("config", [next(c for c in GPU_RECIPES if "qlora" not in c),
+                                    next(c for c in GPU_RECIPES if "qlora" in c)])
+def test_config_dicts_are_plain_after_tiny_override(config):
+    """The override helper only swaps paths: it keeps ConfigDicts and leaves other keys alone.
+
+    Besides the paths it changes what it says it does (the README's CPU edit of the optimizer
+    wrapper, QLoRA's quantization left out) and what `xtuner train`'s start-up does to every
+    config (the plugin's missing hooks put first in custom_hooks): nothing else.
+    """
+    from xtuner_rope.startup import PLUGIN_HOOKS, type_name
+
+    real, cfg = _load(config), _tiny_cfg(config, quantize=False)
     assert isinstance(cfg.model, ConfigDict)
     paths = [v for w, v in _leaves(cfg._cfg_dict) if w.endswith(".pretrained_model_name_or_path")]
     assert paths and set(paths) == {TINY_MODEL}
+    real_hooks, hooks = real._cfg_dict.pop("custom_hooks"), cfg._cfg_dict.pop("custom_hooks")
+    added = len(hooks) - len(real_hooks)
+    assert {type_name(dict.get(h, "type")) for h in hooks[:added]} <= set(PLUGIN_HOOKS)
+    assert [_without_paths(h) for h in hooks[added:]] == [_without_paths(h) for h in real_hooks]
+    before, after = _without_paths(real._cfg_dict), _without_paths(cfg._cfg_dict)
+    changed = {w for w in before.keys() | after.keys() if before.get(w) != after.get(w)}
+    allowed = ("cfg.model.llm.quantization_config.",) if "qlora" in config else ()
+    if not torch.cuda.is_available():
+        allowed += ("cfg.optim_wrapper.",)
+    assert {w for w in changed if not w.startswith(allowed)} == set(), sorted(changed)
+    assert ("cfg.optim_wrapper.type" in changed) is not torch.cuda.is_available()

@@ -1,30 +1,24 @@
-"""MMEngine hooks: registration, patching through the runner's model, batch checks, MessageHub."""
-
-import copy
-from types import SimpleNamespace
+"""MMEngine hooks in a real Runner: registration and order, patching through the runner's
+model, batch checks, MessageHub."""
 
 import pytest
 import torch
 from mmengine import MessageHub
 from mmengine.registry import FUNCTIONS, HOOKS
-from torch import nn
+from runners import RecordingHook, tiny_runner
 from xtuner.engine.hooks import EvaluateChatHook
 
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
+from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.rope import ValidatedRotaryEmbedding
+from xtuner_rope.rotate import fused_kernel_calls
 
 
-class _Wrapped(nn.Module):
-    """Stands where XTuner's SupervisedFinetune holds the HF model (``.llm``)."""
-
-    def __init__(self, llm):
-        super().__init__()
-        self.llm = llm
-
-
-def _runner(model):
-    return SimpleNamespace(model=_Wrapped(model))
+@pytest.fixture
+def runner(tmp_path):
+    """A real Runner around the tiny InternLM2 (XTuner's SupervisedFinetune), hooks not run."""
+    return tiny_runner(tmp_path)
 
 
 def _batch(lengths, pack=True, vocab=256):
@@ -39,44 +33,66 @@ def test_hooks_and_collate_fn_are_registered_by_name():
     assert FUNCTIONS.get("rope_collate_fn") is rope_collate_fn
 
 
-def test_priorities_patch_first_and_reset_before_evaluate_chat():
-    from mmengine.hooks.hook import Hook
+def test_runner_orders_the_plugin_hooks_before_every_default_hook(tmp_path):
+    # Listed in the wrong order on purpose: the runner sorts them by their priorities.
+    runner = tiny_runner(tmp_path, custom_hooks=[
+        dict(type=NonFiniteTripwireHook), dict(type=PackingMetricsHook),
+        dict(type=PackedBatchCheckHook), dict(type=ValidatedRoPEHook)])
+    names = [type(h).__name__ for h in runner.hooks]
+    assert names[:5] == ["ValidatedRoPEHook", "PackedBatchCheckHook", "NonFiniteTripwireHook",
+                         "PackingMetricsHook", "RuntimeInfoHook"], names
+    # EvaluateChatHook (needs a tokenizer to build) would sort after all of them.
     from mmengine.runner.priority import get_priority
 
-    evaluate = get_priority(getattr(EvaluateChatHook, "priority", Hook.priority))
-    assert ValidatedRoPEHook.priority < PackedBatchCheckHook.priority < 10 < evaluate
+    assert max(get_priority(h.priority) for h in runner.hooks[:4]) < \
+        get_priority(EvaluateChatHook.priority)
 
 
-def test_validated_rope_hook_patches_model_inside_wrapper(tiny_model):
-    runner = _runner(tiny_model)
+def test_real_training_iterations_see_the_patched_model_and_published_boundaries(tmp_path):
+    """Through runner.train(): at every iteration the hooks after ours find the model patched,
+    the boundaries moved from the batch to the MessageHub, and after the step both reset."""
+    hub = MessageHub.get_instance("varlen_attn_args")
+
+    def probe(runner, data_batch):
+        data = data_batch["data"]
+        return (isolates_documents(runner.model), "cumulative_len" in data,
+                hub.get_info("cumulative_len_rank_0") is not None)
+
+    recorder = RecordingHook(probe)
+    runner = tiny_runner(tmp_path, max_iters=3, custom_hooks=[
+        dict(type=ValidatedRoPEHook), dict(type=PackedBatchCheckHook), recorder])
+    runner.train()
+    assert recorder.before == [(True, False, True)] * 3
+    assert recorder.after == [(True, False, False)] * 3
+    assert torch.isfinite(torch.tensor(runner.message_hub.get_scalar("train/loss").current()))
+
+
+def test_validated_rope_hook_patches_model_inside_wrapper(runner):
     assert not isolates_documents(runner.model)
     for stage in ("before_train", "before_val", "before_test"):
         getattr(ValidatedRoPEHook(), stage)(runner)
     assert isolates_documents(runner.model)
     assert all(isinstance(layer.attention.rotary_emb, ValidatedRotaryEmbedding)
-               for layer in tiny_model.model.layers)
+               for layer in runner.model.llm.model.layers)
 
 
-def test_validated_rope_hook_turns_the_fused_kernel_on(tiny_model):
+def test_validated_rope_hook_turns_the_fused_kernel_on(runner, fused):
     from xtuner_rope.rope import use_fused_apply
 
-    runner = _runner(tiny_model)
-    before = use_fused_apply(False)
-    try:
-        ValidatedRoPEHook().before_train(runner)
-        assert use_fused_apply(False) is False  # default: eager kernel, nothing switched on
-        ids = torch.arange(1, 9)[None]
-        eager_logits = tiny_model(input_ids=ids).logits
-        ValidatedRoPEHook(fused_apply=True).before_train(runner)
-        assert use_fused_apply(True) is True
-        torch.testing.assert_close(tiny_model(input_ids=ids).logits, eager_logits,
-                                   atol=1e-5, rtol=1e-5)
-    finally:
-        use_fused_apply(before)
+    use_fused_apply(False)
+    ValidatedRoPEHook().before_train(runner)
+    assert use_fused_apply(False) is False  # default: eager kernel, nothing switched on
+    ids = torch.arange(1, 9)[None]
+    eager_logits = runner.model.llm(input_ids=ids).logits
+    ValidatedRoPEHook(fused_apply=True).before_train(runner)
+    assert use_fused_apply(True) is True
+    calls = fused_kernel_calls()
+    torch.testing.assert_close(runner.model.llm(input_ids=ids).logits, eager_logits,
+                               atol=1e-5, rtol=1e-5)
+    assert fused_kernel_calls() > calls  # the compiled kernel ran, not the eager fall-back
 
 
-def test_check_hook_publishes_flat_boundaries_and_resets(tiny_model):
-    runner = _runner(tiny_model)
+def test_check_hook_publishes_flat_boundaries_and_resets(runner):
     ValidatedRoPEHook().before_train(runner)
     hook = PackedBatchCheckHook()
     hook.before_train(runner)
@@ -90,14 +106,13 @@ def test_check_hook_publishes_flat_boundaries_and_resets(tiny_model):
     flat = hub.get_info("cumulative_len_rank_0")
     expected = [c + r * s for r, row in enumerate(rows) for c in row[:-1]] + [b * s]
     assert flat.tolist() == expected and flat.dtype == torch.int32
-    tiny_model(**data)  # the HF forward accepts what is left
+    runner.model.llm(**data)  # the HF forward accepts what is left
     hook.after_train_iter(runner, 0, batch)
     assert hub.get_info("cumulative_len_rank_0") is None
     assert hub.get_info("max_seqlen_rank_0") is None
 
 
-def test_check_hook_refuses_packed_rows_on_an_unpatched_model(tiny_model):
-    runner = _runner(tiny_model)
+def test_check_hook_refuses_packed_rows_on_an_unpatched_model(runner):
     hook = PackedBatchCheckHook()
     hook.before_train(runner)
     with pytest.raises(ValueError, match=r"row 0 packs \d segments, but the model's attention "
@@ -108,19 +123,16 @@ def test_check_hook_refuses_packed_rows_on_an_unpatched_model(tiny_model):
     hook.after_train_iter(runner, 0)
 
 
-def test_check_hook_names_row_and_field_of_a_bad_label(tiny_model):
-    runner = _runner(tiny_model)
+def test_check_hook_names_row_and_field_of_a_bad_label(runner):
     hook = PackedBatchCheckHook()
     hook.before_train(runner)
     batch = _batch([10, 12], pack=False)
-    batch["data"]["labels"][1, 4] = 5000  # beyond the 256-token vocabulary
+    batch["data"]["labels"][1, 4] = 5000  # beyond the 1024-token vocabulary
     with pytest.raises(ValueError, match=r"row 1.*labels"):
         hook.before_val_iter(runner, 0, batch)
 
 
-def test_check_hook_uses_the_validated_rope_limit(tiny_model):
-    model = copy.deepcopy(tiny_model)
-    runner = _runner(model)
+def test_check_hook_uses_the_validated_rope_limit(runner):
     ValidatedRoPEHook(max_position=16).before_train(runner)
     hook = PackedBatchCheckHook()
     hook.before_train(runner)
@@ -128,6 +140,6 @@ def test_check_hook_uses_the_validated_rope_limit(tiny_model):
         hook.before_train_iter(runner, 0, _batch([30, 20]))
 
 
-def test_check_hook_rejects_non_xtuner_batches(tiny_model):
+def test_check_hook_rejects_non_xtuner_batches(runner):
     with pytest.raises(TypeError, match=r"PackedBatchCheckHook: expected an XTuner batch .*got list"):
-        PackedBatchCheckHook().before_train_iter(_runner(tiny_model), 0, [1, 2])
+        PackedBatchCheckHook().before_train_iter(runner, 0, [1, 2])

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from mmengine import MessageHub
+from runners import tiny_runner
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 from xtuner.dataset.collate_fns import default_collate_fn
 
 from xtuner_rope.attention import VARLEN_HUB, document_plan
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.hooks import PackedBatchCheckHook
-from xtuner_rope.models.internlm2 import patch_internlm2_attention
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.packing import flat_cumulative
 from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
 from xtuner_rope.validate import check_packed_batch, row_boundaries
@@ -352,14 +352,7 @@ EXTREME = [
                                       'input_ids', 'position_ids', 'max_seqlen'),
      lambda: _keys(_xtuner([ONE_TOKEN_DOCS], use_varlen_attn=True),
                    'input_ids', 'position_ids', 'max_seqlen')),
-    # check_packed_batch: a document exactly at the RoPE limit, rows without supervision.
-    ('check_packed_batch', lambda: check_packed_batch(batch(), max_position=4), lambda: None),
-    ('check_packed_batch', lambda: check_packed_batch(
-        batch(labels=torch.tensor([[M] * 6, [M, M, M, 9, M, M]]), num_unsupervised=1)),
-     lambda: None),
-    ('check_packed_batch', lambda: check_packed_batch(
-        {**rope_collate_fn([GOOD], return_hf_format=True),
-         'cumulative_len': torch.tensor([0, 3], dtype=torch.int32)}), lambda: None),
+    # check_packed_batch returns nothing to compare: its edge cases are in EDGE below.
     # Hub boundaries: rows of 1-token documents, and one document per row.
     ('document_plan', lambda: hub_plan(_hub_ref([[1, 1, 1], [2, 1], [3]], 3), 3, 3).cu_seqlens,
      lambda: _hub_ref([[1, 1, 1], [2, 1], [3]], 3)),
@@ -393,14 +386,44 @@ def test_extreme_valid_input_matches_reference(entry, ours, reference):
     torch.testing.assert_close(ours(), reference(), atol=1e-6, rtol=1e-6)
 
 
-def test_padding_beyond_the_rope_range_trains_like_documents_alone(tiny_model):
+UNSUPERVISED_ROW = torch.tensor([[M] * 6, [M, M, M, 9, M, M]])
+ONE_ROW, I32 = rope_collate_fn([GOOD], return_hf_format=True), torch.int32
+# check_packed_batch at the edge of what it accepts: (accepted call, the same batch one step
+# past the edge, the error that step gets), so that each acceptance is shown to be the edge.
+EDGE = [
+    # A document exactly at the RoPE limit (positions 0..3), then a limit one lower.
+    (lambda: check_packed_batch(batch(), max_position=4),
+     lambda: check_packed_batch(batch(), max_position=3),
+     r"row 1, document 0, field 'position_ids': expected positions < max_position=3"),
+    # A row without supervision beside one supervised label; then no supervised label at all.
+    (lambda: check_packed_batch(batch(labels=UNSUPERVISED_ROW, num_unsupervised=1)),
+     lambda: check_packed_batch(batch(labels=torch.full((2, 6), M), num_unsupervised=1)),
+     r"field 'labels': expected at least one supervised label .* got none in rows \[0, 1\]"),
+    # One row: cumulative_len may be one tensor, not a list; it must still end at s.
+    (lambda: check_packed_batch({**ONE_ROW, 'cumulative_len': torch.tensor([0, 3], dtype=I32)}),
+     lambda: check_packed_batch({**ONE_ROW, 'cumulative_len': torch.tensor([0, 2], dtype=I32)}),
+     r"row 0, field 'cumulative_len': expected boundaries that end at s=3, got \[0, 2\]"),
+]
+
+
+@pytest.mark.parametrize('accepted, past_edge, match', EDGE, ids=range(len(EDGE)))
+def test_edge_batches_are_accepted_and_one_step_past_refused(accepted, past_edge, match):
+    assert accepted() is None
+    with pytest.raises(ValueError, match=match):
+        past_edge()
+
+
+@pytest.mark.parametrize('attn', ['eager', 'sdpa'])
+def test_padding_beyond_the_rope_range_trains_like_documents_alone(attn, tmp_path):
     """pad_to_multiple_of makes s = 32 with an 8-position RoPE: the padding is cut into
     segments of at most the longest document (8), the batch passes the hook, and every
     document gets the logits it gets alone from the unpatched model."""
     import copy
 
+    runner = tiny_runner(tmp_path, attn=attn)  # a real Runner; the plugin's hooks patch it
+    tiny_model = runner.model.llm
     ref = copy.deepcopy(tiny_model)
-    patch_internlm2_attention(tiny_model, max_position=8)
+    ValidatedRoPEHook(max_position=8).before_train(runner)
     docs = [torch.randint(3, 256, (n,)) for n in (8, 5, 1, 7, 3)]
     batch = rope_collate_fn([it(d.tolist()) for d in docs], pack=True, max_length=16,
                             pad_to_multiple_of=32)
@@ -408,7 +431,7 @@ def test_padding_beyond_the_rope_range_trains_like_documents_alone(tiny_model):
     assert data['input_ids'].shape[1] == 32 and data['max_seqlen'] == 8
     assert data['num_unsupervised'] == 1  # the 1-token document, kept
     rows = [cu.tolist() for cu in data['cumulative_len']]
-    hook, runner = PackedBatchCheckHook(), type('R', (), {'model': tiny_model})()
+    hook = PackedBatchCheckHook()
     hook.before_train(runner)
     hook.before_train_iter(runner, 0, batch)
     try:

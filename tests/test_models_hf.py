@@ -6,6 +6,7 @@ gradients as if it ran alone through the unpatched model; generation must not ch
 
 import copy
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,9 +111,11 @@ def test_packed_equals_each_document_alone(family, attn, bs, source, publish):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=2e-6, msg=name)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_unpatched_model_leaks_across_documents(family):
-    model = build(family, "sdpa")
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_unpatched_model_leaks_across_documents(family, attn):
+    # The negative control of the gold test above: without the patch the packed row differs.
+    model = build(family, attn)
     ids, pos, _, _ = packed_batch(1)
     ref_logits, _ = per_document(model, ids, ROWS[:1])
     assert (model(ids, position_ids=pos).logits - ref_logits).abs().max() > 1e-2
@@ -134,7 +137,7 @@ def test_greedy_generation_unchanged(family, attn):
 
 
 def test_bfloat16_keeps_inv_freq_fp32_and_trains():
-    model = build("qwen2", "sdpa")
+    model = build("qwen2", "sdpa").train()
     patch_hf_model(model)
     fresh = model.model.rotary_emb.inv_freq.clone()
     model.bfloat16()
@@ -142,9 +145,20 @@ def test_bfloat16_keeps_inv_freq_fp32_and_trains():
     assert isinstance(rotary, HFValidatedRotaryEmbedding) and rotary.inv_freq.dtype == torch.float32
     torch.testing.assert_close(rotary.inv_freq, fresh, rtol=0, atol=0)
     ids, pos, labels, _ = packed_batch(2)
-    out = model(ids, position_ids=pos, labels=labels)
-    out.loss.backward()
-    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):  # fit the one packed batch: the loss must fall at every step
+        out = model(ids, position_ids=pos, labels=labels)
+        assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.8 * losses[0], losses
+    # Training left the frequencies fp32 and untouched (a buffer, not a parameter).
+    assert rotary.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rotary.inv_freq, fresh, rtol=0, atol=0)
 
 
 class _Wrapper(nn.Module):
@@ -169,7 +183,6 @@ def test_patch_is_idempotent_and_finds_wrapped_models():
 
 
 def test_patch_through_peft_lora():
-    peft = pytest.importorskip("peft")
     model = build("llama", "sdpa")
     reference = copy.deepcopy(model)
     lora = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mmengine import MessageHub
-from mmengine.hooks import LoggerHook
 from mmengine.optim import OptimWrapper
+from runners import RecordingHook, tiny_runner
 from test_e2e import CONFIG, REPO, xtuner_train  # tests/ is on sys.path (rootdir conftest)
 
 from xtuner_rope.batch_stats import BatchStats, batch_stats
 from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.monitor import NonFiniteError, NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.replay import build_run_model, load_record
 
@@ -99,22 +99,28 @@ def test_batch_stats_rejects_bad_shapes():
         batch_stats({'input_ids': ids, 'labels': ids[:, :3]})
 
 
-def test_metrics_hook_aggregates_each_logging_window():
-    batches = [rope_collate_fn(_items(9, seed=s)[0], pack=True, max_length=64) for s in range(4)]
-    hub = MessageHub.get_instance('test_monitor_window')
-    runner = SimpleNamespace(iter=0, message_hub=hub, hooks=[LoggerHook(interval=2)])
-    hook = PackingMetricsHook()
-    hook.before_train(runner)
-    for k, batch in enumerate(batches):
-        runner.iter = k
-        hook.before_train_iter(runner, k, data_batch=batch)
-        window = sum((batch_stats(b['data']) for b in batches[k - k % 2:k + 1]), BatchStats())
-        scalar = hub.get_scalar
-        assert scalar('train/docs_per_row').current() == window.documents / window.rows
-        assert scalar('train/real_token_share').current() == window.real_tokens / window.tokens
-        assert scalar('train/longest_doc').current() == window.longest_document
-        assert scalar('train/max_position_id').current() == window.max_position
-        assert scalar('train/unsupervised_seen').current() == 0
+def test_metrics_hook_aggregates_each_logging_window(tmp_path):
+    """In a real runner.train() with LoggerHook(interval=2): at each iteration, the hooks after
+    the metrics hook read the statistics of the batches of its logging window so far."""
+    names = ('train/docs_per_row', 'train/real_token_share', 'train/longest_doc',
+             'train/max_position_id', 'train/unsupervised_seen')
+
+    def probe(runner, data_batch):
+        return (batch_stats(data_batch['data']),
+                [runner.message_hub.get_scalar(name).current() for name in names])
+
+    recorder = RecordingHook(probe)
+    items = [item for s in range(4) for item in _items(9, seed=s)[0]]  # 4 batches of 9
+    runner = tiny_runner(tmp_path, items=items, batch_size=9, max_iters=4, log_interval=2,
+                         custom_hooks=[dict(type=ValidatedRoPEHook), dict(type=PackedBatchCheckHook),
+                                       dict(type=PackingMetricsHook), recorder])
+    runner.train()
+    stats = [seen for seen, _ in recorder.before]
+    assert len(stats) == 4
+    for k, (_, scalars) in enumerate(recorder.before):
+        window = sum(stats[k - k % 2:k + 1], BatchStats())
+        assert scalars == [window.documents / window.rows, window.real_tokens / window.tokens,
+                           window.longest_document, window.max_position, 0], k
 
 
 class _SqrtLoss(torch.nn.Module):

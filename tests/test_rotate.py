@@ -7,17 +7,10 @@ from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
 from xtuner_rope import rotate
 from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb, use_fused_apply
+from xtuner_rope.rotate import fused_kernel_calls
 
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
        torch.float16: dict(atol=1e-5, rtol=1e-3)}
-
-
-@pytest.fixture
-def fused():
-    """The fused kernel on for one test, then back to the state it was in."""
-    before = use_fused_apply(True)
-    yield
-    use_fused_apply(before)
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -30,7 +23,9 @@ def test_fused_matches_eager(fused, dtype, transpose):
     # Odd sizes, cos/sin whose halves differ (so the transpose is not the inverse rotation).
     x = randn(2, 3, 7, 16, dtype=dtype)
     cos, sin = randn(2, 1, 7, 16, seed=1), randn(2, 1, 7, 16, seed=2)
+    calls = fused_kernel_calls()
     out = rotate.rotate(x, cos, sin, transpose)
+    assert fused_kernel_calls() == calls + 1  # the compiled kernel ran, not the eager fall-back
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out, rotate.rotate_eager(x, cos, sin, transpose), **TOL[dtype])
 
@@ -42,12 +37,13 @@ def test_fused_apply_matches_upstream_forward_and_backward(fused):
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], list(range(9))])
     cos, sin = ValidatedRotaryEmbedding(32, 64)(q, positions)
     grads = randn(2, 4, 9, 32, seed=4), randn(2, 2, 9, 32, seed=5)
-    results = []
+    results, calls = [], fused_kernel_calls()
     for apply in (apply_rotary_pos_emb, upstream.apply_rotary_pos_emb):
         qi, ki = (t.detach().requires_grad_() for t in (q, k))
         outs = apply(qi, ki, cos, sin)
         torch.autograd.backward(outs, grads)
         results.append((*outs, qi.grad, ki.grad))
+    assert fused_kernel_calls() == calls + 4  # q and k, forward and backward: all compiled
     for mine, theirs in zip(*results):
         torch.testing.assert_close(mine, theirs, **TOL[torch.float32])
 
@@ -57,25 +53,28 @@ def test_new_lengths_reuse_the_kernel(fused):
     # that new batch sizes, head counts and lengths must not compile again.
     for s in (5, 11):
         rotate.rotate(randn(2, 3, s, 16), randn(2, 1, s, 16), randn(2, 1, s, 16), False)
-    graphs = counters['stats']['unique_graphs']
+    graphs, calls = counters['stats']['unique_graphs'], fused_kernel_calls()
     for b, n, s in ((3, 4, 37), (2, 6, 300)):
         x, cos, sin = randn(b, n, s, 16), randn(b, 1, s, 16, seed=1), randn(b, 1, s, 16, seed=2)
         torch.testing.assert_close(rotate.rotate(x, cos, sin, False),
                                    rotate.rotate_eager(x, cos, sin, False), **TOL[torch.float32])
-    assert counters['stats']['unique_graphs'] == graphs
+    assert counters['stats']['unique_graphs'] == graphs and fused_kernel_calls() == calls + 2
 
 
-def test_compile_failure_falls_back_to_eager(fused, monkeypatch):
+def test_compile_failure_falls_back_to_eager(monkeypatch):
     # What a machine without a C++ compiler (CPU) or Triton (CUDA) gets from torch.compile.
     def broken(*args):
         raise RuntimeError('InvalidCxxCompiler: No working C++ compiler found')
 
     monkeypatch.setitem(rotate._fused, 'fn', broken)
+    monkeypatch.setitem(rotate._fused, 'enabled', True)
+    calls = fused_kernel_calls()
     x, cos, sin = randn(1, 2, 5, 8), randn(1, 1, 5, 8, seed=1), randn(1, 1, 5, 8, seed=2)
     with pytest.warns(RuntimeWarning, match=r'fused RoPE kernel failed .* on cpu \(RuntimeError: '
                                             r'InvalidCxxCompiler.*\); using the eager kernel'):
         out = rotate.rotate(x, cos, sin, False)
     torch.testing.assert_close(out, rotate.rotate_eager(x, cos, sin, False), rtol=0, atol=0)
+    assert fused_kernel_calls() == calls  # the fall-back is not counted as a fused call
     assert use_fused_apply(False) is False  # switched itself off: no warning per call
 
 
@@ -88,6 +87,10 @@ def test_use_fused_apply_returns_previous_state():
 def test_fused_kernel_inside_a_compiled_function(fused):
     # A user who compiles the whole model: the kernel is traced into that graph, not nested.
     x, cos, sin = randn(2, 3, 6, 16), randn(2, 1, 6, 16, seed=1), randn(2, 1, 6, 16, seed=2)
+    graphs, breaks = counters['stats']['unique_graphs'], sum(counters['graph_break'].values())
     compiled = torch.compile(lambda t: rotate.rotate(t, cos, sin, False) * 2.0)
     torch.testing.assert_close(compiled(x), rotate.rotate_eager(x, cos, sin, False) * 2.0,
                                **TOL[torch.float32])
+    # One graph holding the rotation and the product, no break around the kernel.
+    assert counters['stats']['unique_graphs'] == graphs + 1
+    assert sum(counters['graph_break'].values()) == breaks

@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xtuner.dataset import collate_fns
 
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.validate import check_packed_batch
@@ -55,7 +56,6 @@ def test_accepts_batches_without_boundaries():
 
 
 def test_accepts_xtuner_default_collate_output():
-    collate_fns = pytest.importorskip('xtuner.dataset.collate_fns')
     items = [{'input_ids': [1, 2, 3], 'labels': [-100, 2, 3]}, {'input_ids': [4], 'labels': [4]}]
     check_packed_batch(collate_fns.default_collate_fn(items, return_hf_format=True))
 

@@ -16,8 +16,9 @@ import torch
 # Elements of x rotated per chunk by the eager kernel, so that the chunk stays in cache between
 # its passes (2 CPU threads, fp32: ~2.4x the time of a clone; ~3x with whole-tensor passes).
 _CHUNK_ELEMENTS = 1 << 19
-# The fused kernel: off, or the compiled function (None until the first call compiles it).
-_fused = {'enabled': False, 'fn': None}
+# The fused kernel: off, or the compiled function (None until the first call compiles it), and
+# how many `rotate` calls it served (the public answer to "did the compiled kernel run?").
+_fused = {'enabled': False, 'fn': None, 'calls': 0}
 
 
 def rotate_eager(x, cos, sin, transpose):
@@ -87,6 +88,20 @@ def use_fused_apply(enabled=True):
     return before
 
 
+def fused_kernel_calls():
+    """How many `rotate` calls in this process the compiled (fused) kernel served.
+
+    Calls that fell back to the eager kernel, because compiling failed or the fused kernel is
+    off, are not counted; neither are calls traced into a model the user compiles (there the
+    user's compiler fuses the rotation). Tests and benchmarks use it to tell a compiled run
+    from a silent fall-back.
+
+    Returns:
+        int: The count since the process started.
+    """
+    return _fused['calls']
+
+
 def _rotate_fused(x, cos, sin, transpose):
     if torch.compiler.is_compiling():  # inside a compiled model: let its compiler fuse this
         return _rotate_fp32(x, cos, sin, transpose)
@@ -114,11 +129,15 @@ def rotate(x, cos, sin, transpose):
     """
     if _fused['enabled']:
         try:
-            return _rotate_fused(x, cos, sin, transpose)
+            out = _rotate_fused(x, cos, sin, transpose)
         except Exception as error:  # noqa: BLE001 - any compile failure: keep training, eagerly
             _fused['enabled'] = False
             warnings.warn(f'xtuner_rope: the fused RoPE kernel failed to compile or run on '
                           f'{x.device.type} ({type(error).__name__}: {str(error)[:300]}); using '
                           'the eager kernel from now on (call use_fused_apply(False) to silence '
                           'this).', RuntimeWarning, stacklevel=2)
+        else:
+            if not torch.compiler.is_compiling():
+                _fused['calls'] += 1
+            return out
     return rotate_eager(x, cos, sin, transpose)
