@@ -6,15 +6,20 @@ Earlier versions turned the plugin on with::
     model_resource = dict(fn=local_checkpoint)
 
 Configs written that way keep training: each name here does what its replacement does and,
-each time it is called, warns with the edit to make. The warning is a ``FutureWarning``:
-Python shows it by default (a ``DeprecationWarning`` raised outside ``__main__`` is hidden),
-and ``xtuner train`` calls ``model_resource`` before MMEngine's logger exists, so it reaches
-the console (stderr).
+each time it is called, warns with the edit to make, on two channels: a ``FutureWarning``
+(for code and tests) and a WARNING line on MMEngine's logger, because ``xtuner train`` never
+shows the former: importing ``xtuner.dataset`` (xtuner 0.2.0) sets a global ``ignore`` filter
+for ``FutureWarning`` (and Python hides ``DeprecationWarning`` outside ``__main__``).
+``xtuner train`` calls ``model_resource`` before the run's log file exists, so the line reaches
+the console.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
+
+from mmengine.logging import print_log
 
 from .startup import enable_xtuner_rope
 
@@ -33,6 +38,7 @@ def _warn_deprecated(name: str) -> None:
                f"works. Replace the config's import and model_resource with:\n"
                f"    {REPLACEMENTS[name]}")
     warnings.warn(message, FutureWarning, stacklevel=3)
+    print_log(message, logger="current", level=logging.WARNING)
 
 
 def local_checkpoint(path: str) -> str:
