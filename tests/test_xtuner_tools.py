@@ -184,8 +184,9 @@ def test_lora_convert_merge_round_trip(stock, lora_run):
     diff = (logits - trained).abs().max().item()
     print(f"LoRA merge round trip: max |logit diff| {diff:.2e} (merge works in fp16)")
     # `xtuner convert merge` loads the base in fp16 and saves fp16 weights: the logits carry
-    # fp16 rounding (about 1e-3 of their scale), not a wrong merge (a missing adapter is ~1).
-    assert diff < 2e-2 * trained.abs().max().item()
+    # fp16 rounding (4e-4 on logits up to 0.8 when measured), far below what the adapter
+    # changes (0.65 when measured, checked below).
+    assert diff < 5e-3 * trained.abs().max().item()
     assert (logits - _base_logits(ids)).abs().max() > 50 * diff  # the adapter is in there
 
 
