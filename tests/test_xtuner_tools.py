@@ -229,3 +229,24 @@ def test_failing_conversion_exits_nonzero(stock, full_run):
                 str(stock["root"] / "missing.pth"), str(stock["root"] / "hf_missing"))
     assert proc.returncode == 1
     assert "FileNotFoundError: Cannot find" in proc.stderr
+
+
+def test_convert_uses_the_path_model_resource_returns(tmp_path):
+    """As `xtuner train` does: every pretrained_model_name_or_path becomes the returned path."""
+    from xtuner_rope.xtuner_tools import resolved_model_options
+
+    config = tmp_path / "cfg.py"
+    config.write_text("from os.path import abspath\n"
+                      "pretrained_model_name_or_path = 'rel/model'\n"
+                      "model_resource = dict(fn=abspath)\n"
+                      "tokenizer = dict(pretrained_model_name_or_path=pretrained_model_name_or_path)\n"
+                      "model = dict(llm=dict(pretrained_model_name_or_path='rel/model'),\n"
+                      "             hooks=[dict(pretrained_model_name_or_path='x')])\n")
+    resolved = str(Path("rel/model").resolve())
+    assert sorted(resolved_model_options(str(config))) == sorted(
+        f"{key}={resolved}" for key in ("pretrained_model_name_or_path",
+                                        "tokenizer.pretrained_model_name_or_path",
+                                        "model.llm.pretrained_model_name_or_path",
+                                        "model.hooks.0.pretrained_model_name_or_path"))
+    config.write_text(config.read_text().replace("fn=abspath", "fn=str"))  # path unchanged
+    assert resolved_model_options(str(config)) == []
