@@ -2,6 +2,9 @@
 
     xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...]
     xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
+    xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
+    xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
+    xtuner-rope chat MODEL [...]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--cfg-options", nargs="+", action=DictAction, default=None,
                         help="override config settings, key=value (as xtuner train)")
     _add_check(commands, DictAction)
+    _add_xtuner_tools(commands)
     return parser
 
 
@@ -73,9 +77,29 @@ def _check(args) -> int:
     return report["exit_code"]
 
 
+def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
+    """`convert pth_to_hf`, `convert merge`, `chat`: XTuner's tools; their arguments pass on."""
+    note = ("XTuner's `xtuner {}` run with xtuner-rope loaded (CPU patches, InternLM2 "
+            "registration); same arguments (`-h` shows XTuner's), truthful exit status.")
+    convert = commands.add_parser("convert", help="xtuner convert pth_to_hf / merge, plugin loaded")
+    tools = convert.add_subparsers(dest="tool", required=True)
+    for tool in ("pth_to_hf", "merge"):
+        tools.add_parser(tool, add_help=False, description=note.format(f"convert {tool}"))
+    commands.add_parser("chat", add_help=False, help="xtuner chat, plugin loaded",
+                        description=note.format("chat"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("convert", "chat"):
+        from .xtuner_tools import run_xtuner_tool
+
+        command = (args.command, args.tool) if args.command == "convert" else (args.command,)
+        return run_xtuner_tool(command, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args)
     from .doctor import diagnose

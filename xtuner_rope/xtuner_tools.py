@@ -1,0 +1,132 @@
+"""XTuner's after-training tools, run with the plugin loaded: convert, merge, chat.
+
+``xtuner convert pth_to_hf``, ``xtuner convert merge`` and ``xtuner chat`` (xtuner 0.2.0) never
+call the config's ``model_resource``, and MMEngine's lazy config import never runs the config's
+``from xtuner_rope ... import`` line either, so nothing of the plugin is loaded there: on a
+CPU-only machine ``SupervisedFinetune`` dies on ``torch.cpu.is_bf16_supported``, a local
+InternLM2 checkpoint without remote code is unknown to transformers' Auto classes, and LoRA
+configs die on bitsandbytes' ``triton.ops`` import. ``xtuner`` also exits 0 when its tool
+crashes (its entry point ignores the child's return code).
+
+:func:`run_xtuner_tool` runs XTuner's own tool in this process, with the same arguments, after
+``import xtuner_rope`` applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
+real exit status. Nothing of the plugin's training-time machinery (validated rotary, packed
+attention) is installed: the tools build and save plain Hugging Face models.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+# The sub-commands, as `xtuner` names them, and the modules that implement them.
+XTUNER_TOOLS = {
+    ("convert", "pth_to_hf"): "xtuner.tools.model_converters.pth_to_hf",
+    ("convert", "merge"): "xtuner.tools.model_converters.merge",
+    ("chat",): "xtuner.tools.chat",
+}
+MODEL_PATH_KEY = "pretrained_model_name_or_path"
+
+
+def _model_path_keys(node: object, prefix: str = "") -> list[str]:
+    """Dotted keys of every ``pretrained_model_name_or_path`` in a config (lists by index).
+
+    The keys ``xtuner train``'s ``set_model_resource`` rewrites with the resolved path.
+    """
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = ((str(i), value) for i, value in enumerate(node))
+    else:
+        return []
+    keys = []
+    for key, value in items:
+        if key == MODEL_PATH_KEY:
+            keys.append(f"{prefix}{key}")
+        keys += _model_path_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def resolved_model_options(config: str, cfg_options: dict | None = None) -> list[str]:
+    """``--cfg-options`` that give a tool the model path ``xtuner train`` trained from.
+
+    ``xtuner train`` calls ``cfg.model_resource.fn(cfg.pretrained_model_name_or_path,
+    **cfg.model_resource.args)`` and puts the returned path in every
+    ``pretrained_model_name_or_path`` of the config; ``xtuner convert pth_to_hf`` builds the
+    model from the config as written. Called here outside ``xtuner train``, the plugin's own
+    functions only resolve the path (they prepare a config only for ``xtuner train``).
+
+    Args:
+        config: The config file.
+        cfg_options: The user's ``--cfg-options`` (applied first, as the tool applies them).
+
+    Returns:
+        ``key=path`` overrides; empty when the config has no ``model_resource`` or it returns
+        the path unchanged.
+    """
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    resource = cfg.get("model_resource")
+    if not resource or MODEL_PATH_KEY not in cfg:
+        return []
+    path = cfg[MODEL_PATH_KEY]
+    resolved = resource["fn"](path, **resource.get("args", {}))
+    if resolved == path:
+        return []
+    return [f"{key}={resolved}" for key in _model_path_keys(cfg.to_dict())]
+
+
+def _config_and_options(argv: list[str]) -> tuple[str, dict | None]:
+    """The config and ``--cfg-options`` of a ``pth_to_hf`` command line, as the tool reads them."""
+    import argparse
+
+    from mmengine.config import DictAction
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("config")
+    parser.add_argument("--cfg-options", nargs="+", action=DictAction)
+    known, _ = parser.parse_known_args(argv)
+    return known.config, known.cfg_options
+
+
+def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
+    """Run XTuner's tool ``command`` with ``argv`` after loading the plugin.
+
+    Args:
+        command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
+        argv: The tool's own arguments, exactly as ``xtuner`` takes them.
+
+    Returns:
+        The tool's exit status: 0 when it finished, its ``sys.exit`` code otherwise. An
+        exception raised by the tool propagates (Python then exits with status 1).
+
+    Raises:
+        KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
+    """
+    import xtuner_rope  # noqa: F401  (applies the compat patches before XTuner imports)
+
+    module = XTUNER_TOOLS[command]
+    if command == ("convert", "pth_to_hf") and "-h" not in argv and "--help" not in argv:
+        config, options = _config_and_options(argv)
+        overrides = resolved_model_options(config, options) if Path(config).is_file() else []
+        if overrides:
+            argv = [*argv, "--cfg-options", *overrides]
+    saved = sys.argv
+    sys.argv = [f"xtuner {' '.join(command)}", *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:  # argparse errors, the tools' own exit() calls
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)  # sys.exit("message"): Python prints it, status 1
+        return 1
+    finally:
+        sys.argv = saved
+    return 0
+
+
+__all__ = ["XTUNER_TOOLS", "resolved_model_options", "run_xtuner_tool"]
