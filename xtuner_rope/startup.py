@@ -129,16 +129,15 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
     if not isinstance(llm, dict) or is_flash_attn_2_available():
         return []
-    source = "model.llm.attn_implementation"
-    asked = _get(llm, "attn_implementation")
+    source, asked = "", _get(llm, "attn_implementation")
     if asked is None:
         source, asked = _checkpoint_attn_implementation(llm)
     if asked != "flash_attention_2":
         return []
     return [Finding(
-        "model.llm.attn_implementation", f"{source} is \"flash_attention_2\" but flash-attn is "
-        "not usable here (not installed, or no CUDA): transformers would refuse to build the "
-        "model", 'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every '
+        "model.llm.attn_implementation", f'"flash_attention_2"{source} needs flash-attn, which '
+        "is not usable here (not installed, or no CUDA): the model would fail to build or to "
+        "run", 'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every '
         "backend", _setitem(llm, "attn_implementation", "sdpa"))]
 
 
@@ -150,8 +149,7 @@ def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:
     config = Path(path) / "config.json" if isinstance(path, str) else None
     if config is None or not config.is_file():
         return "", None
-    return f"{config} attn_implementation", json.loads(config.read_text()).get(
-        "attn_implementation")
+    return f" (from {config})", json.loads(config.read_text()).get("attn_implementation")
 
 
 def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:
