@@ -169,7 +169,9 @@ class PackedBatchCheckHook(Hook):
     take them, and publishes them in ``MessageHub.get_instance('varlen_attn_args')`` under
     ``cumulative_len_rank_{rank}`` / ``max_seqlen_rank_{rank}`` (XTuner's convention), as one
     flat int32 tensor of boundaries over the ``[b * s]`` tokens. Both keys are reset to None in
-    ``after_train_iter`` / ``after_val_iter``.
+    ``after_train_iter`` / ``after_val_iter``. When ``runner.cfg`` packs the train rows
+    (``startup.packing_source``), a train batch without any boundary stops the run
+    (:func:`refuse_unbounded_packing`).
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.
@@ -212,7 +214,6 @@ class PackedBatchCheckHook(Hook):
 
     def before_val(self, runner) -> None:
         self._inspect_model(runner)
-        self._packed_by = None  # the val loader's packing is not read from the config
 
     def _refuse_leaky_packing(self, data: dict, rows: list[torch.Tensor]) -> None:
         """Packed rows on an unpatched model attend across documents: refuse, don't train."""
@@ -238,7 +239,8 @@ class PackedBatchCheckHook(Hook):
             return vocab, rotary.limit()[0]
         return vocab, getattr(config, "max_position_embeddings", None)
 
-    def _check_and_publish(self, runner, data_batch: DATA_BATCH) -> None:
+    def _check_and_publish(self, runner, data_batch: DATA_BATCH,
+                           packed_by: str | None = None) -> None:
         if not isinstance(data_batch, dict) or not isinstance(data_batch.get("data"), dict):
             raise TypeError("PackedBatchCheckHook expects XTuner batches {'data': {...}, "
                             f"'data_samples': ...}}, got {type(data_batch).__name__}; use "
@@ -251,7 +253,7 @@ class PackedBatchCheckHook(Hook):
         b, s = data["input_ids"].shape
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)
-        refuse_unbounded_packing(data, rows, self._packed_by)
+        refuse_unbounded_packing(data, rows, packed_by)
         self._report_first_batch(rows, b, s)
         data.pop("cumulative_len", None)
         data.pop("num_unsupervised", None)  # counted by rope_collate_fn; the HF forward rejects it
@@ -270,7 +272,8 @@ class PackedBatchCheckHook(Hook):
         hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
-        self._check_and_publish(runner, data_batch)
+        # Only the train loader's packing is read from the config (startup.packing_source).
+        self._check_and_publish(runner, data_batch, self._packed_by)
 
     def before_val_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         self._check_and_publish(runner, data_batch)
