@@ -216,13 +216,17 @@ def test_clean_small_config_passes_and_conflicts_fail_with_the_setting_named(tmp
 
 
 def test_plugin_not_enabled_fails_with_packed_data_and_warns_without(tmp_path):
-    config = str(_small_config(tmp_path, GOOD))
-    report, _ = diagnose(config, {"model_resource": None}, progress=False)
+    path = _small_config(tmp_path, GOOD)
+    # The file's model_resource line removed: xtuner train runs it before any --cfg-options.
+    text = path.read_text(encoding="utf-8")
+    assert text.count("\nmodel_resource = ") == 1
+    path.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
+    config = str(path)
+    report, _ = diagnose(config, progress=False)
     assert not report["plugin"]["enabled"] and report["plugin"]["edit"]
     assert report["packed"] and report["exit_code"] == 1
     assert startup.MODEL_RESOURCE_EDIT in report["problems"][0]
-    report, _ = diagnose(config, {"model_resource": None, "train_dataloader.collate_fn.pack":
-                                  False}, progress=False)
+    report, _ = diagnose(config, {"train_dataloader.collate_fn.pack": False}, progress=False)
     assert not report["packed"] and report["exit_code"] == 0
     assert startup.MODEL_RESOURCE_EDIT in report["warnings"][0]
 
