@@ -67,18 +67,34 @@ def test_tiny_recipe_writes_json_and_a_png(tiny):
     assert "OK: nothing that would fail" in text and "ideal speed-up" in text
 
 
-def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo):
-    packed = {"train_dataloader.dataset.pack_to_max_length": True}
-    report, lengths = diagnose(str(TINY), packed, progress=False)
+def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_path):
+    text = TINY.read_text(encoding="utf-8")
+    assert text.count("    pack_to_max_length=False,\n") == 1
+    text = text.replace("    pack_to_max_length=False,\n", "    pack_to_max_length=True,\n")
+    config = tmp_path / "tiny_packed.py"
+    config.write_text(text, encoding="utf-8")
+    report, lengths = diagnose(str(config), progress=False)
     assert [f["setting"] for f in report["findings"]["fixes"]] == \
         ["train_dataloader.dataset.use_varlen_attn"]
     # The fix made XTuner's Packer record boundaries: rows of 512 holding several dialogues.
     assert set(lengths) == {512} and report["dataset"]["documents"] > 2400
     assert report["exit_code"] == 0
-    report, _ = diagnose(str(TINY), {**packed, "model_resource": None}, progress=False)
+    assert text.count("\nmodel_resource = ") == 1
+    config.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
+    report, _ = diagnose(str(config), progress=False)
     assert report["dataset"]["documents"] == report["dataset"]["samples"]  # no boundaries
     assert report["exit_code"] == 1
     assert "unfixed: train_dataloader.dataset.use_varlen_attn" in report["problems"][0]
+
+
+def test_packing_switched_on_by_an_override_is_refused_as_training_would(in_repo):
+    """``xtuner train`` merges --cfg-options after the start-up: too late for its fix."""
+    packed = {"train_dataloader.dataset.pack_to_max_length": True}
+    report, _ = diagnose(str(TINY), packed, progress=False, batches=2)
+    assert report["findings"]["fixes"] == [] and report["exit_code"] == 1
+    assert report["problems"][0].startswith(
+        "conflict: train_dataloader.dataset.use_varlen_attn: set after the start-up ran "
+        "(--cfg-options): process_hf_dataset(pack_to_max_length=True) joins dialogues")
 
 
 def _dialogue(user: str, reply: str | None, loss: bool = True) -> dict:
@@ -200,13 +216,17 @@ def test_clean_small_config_passes_and_conflicts_fail_with_the_setting_named(tmp
 
 
 def test_plugin_not_enabled_fails_with_packed_data_and_warns_without(tmp_path):
-    config = str(_small_config(tmp_path, GOOD))
-    report, _ = diagnose(config, {"model_resource": None}, progress=False)
+    path = _small_config(tmp_path, GOOD)
+    # The file's model_resource line removed: xtuner train runs it before any --cfg-options.
+    text = path.read_text(encoding="utf-8")
+    assert text.count("\nmodel_resource = ") == 1
+    path.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
+    config = str(path)
+    report, _ = diagnose(config, progress=False)
     assert not report["plugin"]["enabled"] and report["plugin"]["edit"]
     assert report["packed"] and report["exit_code"] == 1
     assert startup.MODEL_RESOURCE_EDIT in report["problems"][0]
-    report, _ = diagnose(config, {"model_resource": None, "train_dataloader.collate_fn.pack":
-                                  False}, progress=False)
+    report, _ = diagnose(config, {"train_dataloader.collate_fn.pack": False}, progress=False)
     assert not report["packed"] and report["exit_code"] == 0
     assert startup.MODEL_RESOURCE_EDIT in report["warnings"][0]
 

@@ -15,6 +15,7 @@ from mmengine.config import Config
 
 from . import startup
 from .doctor_stats import length_percentiles, plan_summary, scan_samples, simulate_collate
+from .overrides import recheck_config
 
 DEFAULT_BATCHES = 200
 
@@ -45,13 +46,43 @@ def start_config(cfg: Config) -> None:
     """
     from xtuner.tools.utils import set_model_resource
 
-    prepared = startup.is_prepared()
+    state = dict(startup._STATE)
     try:
         set_model_resource(cfg)
     except startup.ConfigConflict:
         pass
     finally:
-        startup._STATE["prepared"] = prepared
+        startup._STATE.update(state)
+
+
+def start_like_xtuner_train(path: str, cfg_options: dict | None = None
+                            ) -> tuple[Config, list[startup.Finding], str | None]:
+    """The config as ``xtuner train`` trains it, and every finding training would meet.
+
+    ``xtuner train``'s order (``xtuner/tools/train.py``): ``Config.fromfile``, then
+    ``set_model_resource`` (the start-up fixes the file's config), then
+    ``merge_from_dict(--cfg-options)``, then the runner, whose ``ValidatedRoPEHook`` checks the
+    merged config again before the first step (:func:`xtuner_rope.overrides.recheck_config`).
+
+    Returns:
+        ``(cfg, findings, resource)``: the merged config; the start-up's fixes and conflicts on
+        the file's config, plus, when the start-up would pass, the re-check's conflicts (without
+        the plugin's start-up: the findings of the merged config, none of them applied); the
+        file's ``model_resource`` when it is the plugin's (it runs before any override).
+    """
+    cfg = Config.fromfile(path)
+    resource = plugin_resource(cfg)
+    findings = startup.inspect_config(cfg)  # before the start-up changes anything
+    if cfg.get("model_resource"):
+        start_config(cfg)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    if resource is None:
+        return cfg, startup.inspect_config(cfg), resource
+    if any(f.fix is None for f in findings):  # the start-up refuses: training stops there
+        return cfg, findings, resource
+    fixes = [f for f in findings if f.fix is not None]
+    return cfg, findings + recheck_config(cfg, fixes), resource
 
 
 def build_collate_fn(loader: dict):
@@ -133,11 +164,7 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     """
     from xtuner.registry import BUILDER
 
-    cfg = load_config(config, cfg_options)
-    findings = startup.inspect_config(cfg)  # before the start-up changes anything
-    resource = plugin_resource(cfg)
-    if cfg.get("model_resource"):
-        start_config(cfg)
+    cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)

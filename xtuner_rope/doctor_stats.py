@@ -177,7 +177,8 @@ def simulate_collate(dataset: Sequence[Mapping], collate_fn: Callable, batch_siz
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 b, s = _batch_shape(collate_fn([dataset[i] for i in indices]))
-        except (ValueError, TypeError, AssertionError, RuntimeError) as exc:
+        # KeyError: XTuner's default_collate_fn(use_varlen_attn=True) on rows without boundaries
+        except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as exc:
             plan.errors.append({"batch": batch, "first_sample": indices[0],
                                 "error": f"{type(exc).__name__}: {exc}"})
             continue

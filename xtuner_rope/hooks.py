@@ -29,9 +29,10 @@ from .models.internlm2 import (
     internlm2_attention_forward,
     patch_internlm2_attention,
 )
+from .overrides import recheck_started_config
 from .packing import flat_cumulative
 from .rope import ValidatedRotaryEmbedding, use_fused_apply
-from .startup import require_prepared
+from .startup import packing_source, require_prepared
 from .validate import batch_data, check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
@@ -107,6 +108,7 @@ class ValidatedRoPEHook(Hook):
 
     def _patch(self, runner) -> None:
         require_prepared(getattr(runner, "cfg", None), type(self).__name__)
+        recheck_started_config(getattr(runner, "cfg", None), type(self).__name__)
         count, family = patch_model(runner.model, max_position=self.max_position)
         rotary = next(m for m in runner.model.modules() if isinstance(m, VALIDATED_ROTARIES))
         limit, why = rotary.limit()
@@ -127,6 +129,37 @@ class ValidatedRoPEHook(Hook):
         self._patch(runner)
 
 
+def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: str | None) -> None:
+    """Rows the config packs must bring their boundaries: refuse a batch that has none.
+
+    XTuner's packed rows without ``cumulative_len`` (its dataset's or collate function's
+    ``use_varlen_attn=False``) carry one ``0..s-1`` position range and an all-ones mask over
+    several dialogues: nothing in the batch shows where one ends, so the model would let them
+    attend to each other. Boundaries are ``cumulative_len`` or position ids restarting at 0.
+
+    Args:
+        data: The batch's ``data`` dict (already checked by ``check_packed_batch``).
+        rows: Its per-row boundaries from ``cumulative_len``; empty when it has none.
+        packed_by: Where the config packs the train rows (``startup.packing_source``), or None.
+
+    Raises:
+        ValueError: ``packed_by`` is set and the batch has no boundary at all.
+    """
+    positions = data.get("position_ids")
+    if packed_by is None or rows:
+        return
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 \
+            and bool((positions[:, 1:] == 0).any()):
+        return  # position resets: the patched attention isolates the documents
+    raise ValueError(
+        f"PackedBatchCheckHook: the rows of this batch are packed ({packed_by}) but reach the "
+        "model without document boundaries (no cumulative_len, position ids one 0..s-1 range "
+        "per row): the dialogues of a row would attend to each other. Keep the boundaries: "
+        "set use_varlen_attn=True on the dataset and on default_collate_fn (the start-up does "
+        "it; drop any --cfg-options that sets them False), or collate with "
+        "dict(type=rope_collate_fn, pack=True, max_length=max_length).")
+
+
 class PackedBatchCheckHook(Hook):
     """Check every train/val batch on the CPU, then publish its document boundaries.
 
@@ -136,7 +169,9 @@ class PackedBatchCheckHook(Hook):
     take them, and publishes them in ``MessageHub.get_instance('varlen_attn_args')`` under
     ``cumulative_len_rank_{rank}`` / ``max_seqlen_rank_{rank}`` (XTuner's convention), as one
     flat int32 tensor of boundaries over the ``[b * s]`` tokens. Both keys are reset to None in
-    ``after_train_iter`` / ``after_val_iter``.
+    ``after_train_iter`` / ``after_val_iter``. When ``runner.cfg`` packs the train rows
+    (``startup.packing_source``), a train batch without any boundary stops the run
+    (:func:`refuse_unbounded_packing`).
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.
@@ -154,6 +189,7 @@ class PackedBatchCheckHook(Hook):
         self._isolating: bool | None = None
         self._reported = False
         self._checked_limits: tuple[int | None, int | None] | None = None
+        self._packed_by: str | None = None
 
     def _inspect_model(self, runner) -> None:
         """Once per run/val loop, not per batch: what the model isolates and accepts."""
@@ -174,6 +210,7 @@ class PackedBatchCheckHook(Hook):
 
     def before_train(self, runner) -> None:
         self._inspect_model(runner)
+        self._packed_by = packing_source(getattr(runner, "cfg", None))
 
     def before_val(self, runner) -> None:
         self._inspect_model(runner)
@@ -202,7 +239,8 @@ class PackedBatchCheckHook(Hook):
             return vocab, rotary.limit()[0]
         return vocab, getattr(config, "max_position_embeddings", None)
 
-    def _check_and_publish(self, runner, data_batch: DATA_BATCH) -> None:
+    def _check_and_publish(self, runner, data_batch: DATA_BATCH,
+                           packed_by: str | None = None) -> None:
         data = batch_data(data_batch, "PackedBatchCheckHook")
         if self._checked_limits is None:
             self._inspect_model(runner)
@@ -211,6 +249,7 @@ class PackedBatchCheckHook(Hook):
         b, s = data["input_ids"].shape
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)
+        refuse_unbounded_packing(data, rows, packed_by)
         self._report_first_batch(rows, b, s)
         data.pop("cumulative_len", None)
         data.pop("num_unsupervised", None)  # counted by rope_collate_fn; the HF forward rejects it
@@ -229,7 +268,8 @@ class PackedBatchCheckHook(Hook):
         hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
-        self._check_and_publish(runner, data_batch)
+        # Only the train loader's packing is read from the config (startup.packing_source).
+        self._check_and_publish(runner, data_batch, self._packed_by)
 
     def before_val_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         self._check_and_publish(runner, data_batch)

@@ -43,7 +43,9 @@ MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
                        "    from xtuner_rope import enable_xtuner_rope\n"
                        "    model_resource = dict(fn=enable_xtuner_rope)")
 
-_STATE = {"prepared": False}
+# "fixes": what the start-up applied, so the re-check of the config that really trains can
+# name a fix that an override (``--cfg-options``, merged after the start-up) undid.
+_STATE = {"prepared": False, "fixes": []}
 
 
 class ConfigConflict(ValueError):
@@ -111,6 +113,43 @@ def _cpu_only() -> bool:
     from .compat import _cpu_only as cpu_only
 
     return cpu_only()
+
+
+def flash_attn_findings(cfg: Config) -> list[Finding]:
+    """``attn_implementation="flash_attention_2"`` where flash-attn cannot run: use SDPA.
+
+    Two places ask for it: ``model.llm.attn_implementation`` (XTuner's stock Mistral configs;
+    transformers then refuses to build the model) and, when the LLM dict sets none, a local
+    checkpoint's ``config.json`` (InternLM2 remote code picks its attention class from
+    ``config.attn_implementation`` and imports flash-attn at the first forward). The packed
+    attention of xtuner-rope isolates documents on every backend, so SDPA loses nothing.
+    """
+    from transformers.utils import is_flash_attn_2_available
+
+    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    if not isinstance(llm, dict) or is_flash_attn_2_available():
+        return []
+    source, asked = "", _get(llm, "attn_implementation")
+    if asked is None:
+        source, asked = _checkpoint_attn_implementation(llm)
+    if asked != "flash_attention_2":
+        return []
+    return [Finding(
+        "model.llm.attn_implementation", f'"flash_attention_2"{source} needs flash-attn, which '
+        "is not usable here (not installed, or no CUDA): the model would fail to build or to "
+        "run", 'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every '
+        "backend", _setitem(llm, "attn_implementation", "sdpa"))]
+
+
+def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:
+    """``attn_implementation`` of the LLM's local ``config.json`` (None for a hub id)."""
+    import json
+
+    path = _get(llm, "pretrained_model_name_or_path")
+    config = Path(path) / "config.json" if isinstance(path, str) else None
+    if config is None or not config.is_file():
+        return "", None
+    return f" (from {config})", json.loads(config.read_text()).get("attn_implementation")
 
 
 def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:
@@ -222,7 +261,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader)
-    return findings + _hook_findings(cfg) + _runtime_findings(cfg)
+    return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
 
 
 def conflict_message(conflicts: list[Finding]) -> str:
@@ -254,7 +293,13 @@ def prepare_config(cfg: Config) -> list[Finding]:
         fix.fix()
         print_log(f"xtuner-rope: {fix.setting}: {fix.problem}; {fix.edit}.", logger="current")
     _STATE["prepared"] = True
+    _STATE["fixes"] = fixes
     return fixes
+
+
+def applied_fixes() -> list[Finding]:
+    """The fixes the start-up applied in this process (empty before it ran)."""
+    return list(_STATE["fixes"])
 
 
 def is_prepared() -> bool:
@@ -314,6 +359,24 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
     return prepare_started_config(path)
 
 
+def packing_source(cfg: object) -> str | None:
+    """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
+
+    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True)
+    or ``rope_collate_fn(pack=True)``: such rows must reach the model with boundaries.
+    """
+    loader = _get(getattr(cfg, "_cfg_dict", None), "train_dataloader")
+    if not isinstance(loader, dict):
+        return None
+    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        if _xtuner_packs(dataset):
+            return f"{where} (process_hf_dataset, pack_to_max_length=True)"
+    collate = _get(loader, "collate_fn")
+    if type_name(_get(collate, "type")) == "rope_collate_fn" and _get(collate, "pack"):
+        return "train_dataloader.collate_fn (rope_collate_fn, pack=True)"
+    return None
+
+
 def require_prepared(cfg: object, who: str) -> None:
     """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
 
@@ -336,4 +399,4 @@ def require_prepared(cfg: object, who: str) -> None:
 
 
 __all__ = ["ConfigConflict", "Finding", "enable_xtuner_rope", "inspect_config",
-           "is_prepared", "prepare_config", "require_prepared"]
+           "is_prepared", "packing_source", "prepare_config", "require_prepared"]

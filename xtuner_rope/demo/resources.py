@@ -18,7 +18,7 @@ from ..startup import prepare_started_config
 __all__ = ["tiny_checkpoint"]
 
 
-def tiny_checkpoint(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0,
+def tiny_checkpoint(path: str, data_path: str | None = None, seed: int = 0,
                     family: str = "internlm2") -> str:
     """Return the embedded tiny checkpoint at ``path``, building it if it is missing.
 
@@ -27,10 +27,11 @@ def tiny_checkpoint(path: str, data_path: str = "data/short_dialogues.jsonl", se
 
     Args:
         path: Checkpoint directory.
-        data_path: Dialogues that train the tokenizer.
+        data_path: Dialogues that train the tokenizer; None: the package's sample dialogues
+            (the bytes of ``data/short_dialogues.jsonl``, wherever the current directory is).
         seed: Weight-initialisation seed.
-        family: ``'internlm2'`` (default), or ``'qwen2'`` / ``'llama'`` for the tiny
-            transformers stand-ins of the other recipes.
+        family: ``'internlm2'`` (default), or ``'qwen2'`` / ``'llama'`` / ``'mistral'`` for
+            the tiny transformers stand-ins of the other recipes.
 
     Returns:
         ``path``.

@@ -1,10 +1,13 @@
-"""The embedded tiny InternLM2: a tokenizer trained on our sample dialogues and a seeded model.
+"""Tiny checkpoints of every supported family: a tokenizer trained on our sample dialogues
+and a seeded model (InternLM2, Llama, Qwen2, Mistral; 2 layers, hidden 64).
 
 Everything here is deterministic and offline: the same dialogues and seed give the same
-tokenizer files and the same weights, so tests and demos never download a checkpoint.
-The model classes are the InternLM2 classes that XTuner ships
-(``xtuner._lite.modelings.internlm2``), registered with the ``transformers`` Auto factories by
-``xtuner_rope.compat``.
+tokenizer files and the same weights, so tests and demos never download a checkpoint. The
+default dialogues are the package's own sample (``xtuner_rope.demo.sample_data``, the bytes of
+``data/short_dialogues.jsonl``), so nothing depends on the current directory. InternLM2 uses
+the classes XTuner ships (``xtuner._lite.modelings.internlm2``, registered with the
+``transformers`` Auto factories by ``xtuner_rope.compat``); the others are transformers' own.
+``python tools/make_tiny.py --family mistral --out DIR`` writes one.
 """
 
 from __future__ import annotations
@@ -42,8 +45,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def iter_dialogue_texts(jsonl_path: str | Path) -> Iterator[str]:
-    """Yield every message content of an OpenAI-messages JSONL file, in file order."""
+FAMILIES = ("internlm2", "llama", "qwen2", "mistral")
+
+
+def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
+    """Yield every message content of an OpenAI-messages JSONL file, in file order.
+
+    Args:
+        jsonl_path: The file; None: the package's sample dialogues (generated, the same bytes
+            as ``data/short_dialogues.jsonl``), wherever the current directory is.
+    """
+    if jsonl_path is None:
+        from .sample_data import generate_dialogues
+
+        for dialogue in generate_dialogues():
+            yield from (message["content"] for message in dialogue["messages"])
+        return
     with open(jsonl_path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
@@ -114,12 +131,12 @@ def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
 
 
 def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+    """Build a randomly initialised tiny transformers Llama / Qwen2 / Mistral ``ForCausalLM``.
 
     Same sizes as the tiny InternLM2 (``TINY_MODEL_KWARGS``), GQA included.
 
     Args:
-        family: ``'llama'`` or ``'qwen2'``.
+        family: ``'llama'``, ``'qwen2'`` or ``'mistral'``.
         vocab_size: Embedding rows; use ``len(tokenizer)``.
         seed: Seed for the weight initialisation (the global torch RNG is restored after).
         **overrides: Config fields replacing the defaults.
@@ -127,9 +144,17 @@ def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
     Returns:
         The model in fp32 and eval mode.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
     if family not in classes:
         raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(classes)}.")
     config_cls, model_cls = classes[family]
@@ -141,25 +166,30 @@ def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
 
 
 def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """The tiny model of ``family`` (``'internlm2'``, ``'llama'`` or ``'qwen2'``)."""
+    """The tiny model of ``family`` (one of :data:`FAMILIES`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"build_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
     if family == "internlm2":
         return build_tiny_internlm2(vocab_size, seed=seed, **overrides)
     return build_tiny_hf(family, vocab_size, seed=seed, **overrides)
 
 
-def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path, seed: int = 0,
-                        vocab_size: int = 1024, family: str = "internlm2") -> Path:
+def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path | None = None,
+                        seed: int = 0, vocab_size: int = 1024, family: str = "internlm2") -> Path:
     """Train the tokenizer, build the model and save both as one checkpoint directory.
 
-    The checkpoint carries no remote code (no ``auto_map``): after ``import xtuner_rope``,
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` resolves to XTuner's InternLM2 classes.
+    The tokenizer files are saved with the weights, so ``AutoTokenizer`` and
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` load it offline. Llama, Qwen2 and Mistral
+    load with plain transformers. The InternLM2 checkpoint carries no remote code (no
+    ``auto_map``): after ``import xtuner_rope`` it resolves to XTuner's InternLM2 classes.
 
     Args:
         out_dir: Directory to write (created if missing, files overwritten).
-        dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer.
+        dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer; None: the
+            package's sample dialogues.
         seed: Weight-initialisation seed.
         vocab_size: Tokenizer vocabulary size.
-        family: ``'internlm2'`` (default), ``'llama'`` or ``'qwen2'`` (transformers' classes).
+        family: One of :data:`FAMILIES` (default ``'internlm2'``).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -174,3 +204,17 @@ def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path, seed: 
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def save_tiny(out_dir: str | Path, family: str = "internlm2",
+              dialogues_jsonl: str | Path | None = None, seed: int = 0,
+              vocab_size: int = 1024) -> Path:
+    """The tiny checkpoint of ``family`` written to ``out_dir`` (see :func:`save_tiny_internlm2`).
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"save_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
+    return save_tiny_internlm2(out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size,
+                               family=family)

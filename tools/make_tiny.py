@@ -1,0 +1,40 @@
+"""Build a tiny checkpoint of any supported family (tokenizer + seeded weights), offline.
+
+    python tools/make_tiny.py --family mistral --out models/tiny-mistral
+
+Families: internlm2, llama, qwen2, mistral (2 layers, hidden 64, GQA 4/2 heads, vocabulary of
+1024 byte-level BPE tokens trained on the package's sample dialogues). Works from any
+directory; the same arguments give the same files.
+"""
+
+import argparse
+import time
+
+from xtuner_rope.demo.tiny import FAMILIES, save_tiny
+
+
+def parser(family: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``family`` fixes the family (``make_tiny_internlm2.py``)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if family is None:
+        p.add_argument("--family", required=True, choices=FAMILIES, help="model family")
+    p.add_argument("--out", default=f"models/tiny-{family}" if family else None,
+                   required=family is None, help="checkpoint directory")
+    p.add_argument("--data", default=None,
+                   help="OpenAI-messages JSONL that trains the tokenizer (default: the "
+                        "package's sample dialogues, the bytes of data/short_dialogues.jsonl)")
+    p.add_argument("--seed", type=int, default=0, help="weight-initialisation seed")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    return p
+
+
+def main(family: str | None = None) -> None:
+    args = parser(family).parse_args()
+    family = family or args.family
+    start = time.perf_counter()
+    out = save_tiny(args.out, family, args.data, seed=args.seed, vocab_size=args.vocab_size)
+    print(f"tiny {family} written to {out} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The config that really trains, checked again before the first step.
+
+``xtuner train`` runs the start-up (``model_resource``) on the config file, then merges
+``--cfg-options`` into it (``xtuner/tools/train.py``: ``set_model_resource(cfg)``, then
+``cfg.merge_from_dict(args.cfg_options)``), then builds the runner from the merged config. An
+override can thus undo a start-up fix or bring a conflict in after the start-up looked.
+:func:`recheck_started_config` (run by ``ValidatedRoPEHook`` before the first step, on
+``runner.cfg``) refuses such a run with the start-up's message and edit; the doctor calls
+:func:`recheck_config` in the same order as ``xtuner train``.
+"""
+
+from __future__ import annotations
+
+from mmengine.config import Config
+
+from .startup import (
+    ConfigConflict,
+    Finding,
+    applied_fixes,
+    conflict_message,
+    inspect_config,
+    is_prepared,
+)
+
+
+def recheck_config(cfg: Config, fixes: list[Finding] | None = None) -> list[Finding]:
+    """What the start-up would say about ``cfg`` now, as conflicts only (nothing can be fixed).
+
+    ``xtuner train`` merges ``--cfg-options`` after the start-up ran (``set_model_resource``,
+    then ``cfg.merge_from_dict``), and the runner builds the model and the data from the
+    merged config: a fix is then too late, so every finding is a conflict. A finding on a
+    setting the start-up fixed says that its fix was overridden (never claimed any more).
+
+    Args:
+        cfg: The config that trains (``runner.cfg``, every override merged).
+        fixes: What the start-up applied; default: what it applied in this process.
+
+    Returns:
+        The conflicts, each with the edit; empty when the start-up's verdict still holds.
+    """
+    fixed = {f.setting: f for f in (applied_fixes() if fixes is None else fixes)}
+    conflicts = []
+    for f in inspect_config(cfg):
+        if f.setting in fixed:
+            problem = (f"the start-up's fix ({fixed[f.setting].edit}) was overridden after it "
+                       f"ran (--cfg-options are merged after model_resource): {f.problem}")
+        else:
+            problem = f"set after the start-up ran (--cfg-options): {f.problem}"
+        edit = f.edit if f.fix is None else (
+            f"{f.edit}; make it so in the config file or in the --cfg-options: merged after the "
+            "start-up, an override cannot be fixed by it")
+        conflicts.append(Finding(f.setting, problem, edit))
+    return conflicts
+
+
+def recheck_started_config(cfg: object, who: str) -> None:
+    """Refuse to train when the config that really trains conflicts (see :func:`recheck_config`).
+
+    Only for a run the start-up prepared (``xtuner train`` with ``model_resource``): a runner
+    built in code from a config nobody prepared has no start-up verdict to hold to.
+
+    Args:
+        cfg: ``runner.cfg``.
+        who: The caller, for the message.
+
+    Raises:
+        ConfigConflict: the same message and edits as at start-up, each naming the override.
+    """
+    if not isinstance(cfg, Config) or cfg.filename is None or not is_prepared():
+        return
+    conflicts = recheck_config(cfg)
+    if conflicts:
+        raise ConfigConflict(f"{who}: checked again before the first step, on the config that "
+                             f"really trains: {conflict_message(conflicts)}")
+
+
+__all__ = ["recheck_config", "recheck_started_config"]
