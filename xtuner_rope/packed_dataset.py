@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from mmengine.logging import print_log
 
 XTUNER_MAP_BATCH = 1000  # datasets.map's default batch_size: XTuner's Packer sees batches this big
-ROWS_PER_WRITE = 512  # packed rows written per Arrow record batch (bounds the working memory)
+ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
 
 
 def pack_plan(lengths: np.ndarray, max_length: int,

@@ -163,8 +163,8 @@ def _lossless_packing_findings(loader: dict) -> list[Finding]:
         if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
             procs = _get(dataset, "map_num_proc", 32)
             findings.append(Finding(
-                f"{where}.type", f"process_hf_dataset packs each of its map_num_proc={procs} "
-                "shards apart and drops each shard's leftover below max_length (tokens and "
+                f"{where}.type", f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
+                "and drops each worker's last leftover below max_length (tokens and "
                 "supervised labels lost)", "set to lossless_process_hf_dataset "
                 "(xtuner_rope.packed_dataset, same arguments): XTuner's packs of the whole "
                 "stream, the leftover kept as a short last row",
