@@ -4,12 +4,14 @@ import configparser
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import stock_configs as sc
 from matplotlib.image import imread
 from xtuner.registry import BUILDER
 
@@ -75,9 +77,20 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     config.write_text(text, encoding="utf-8")
     report, lengths = diagnose(str(config), progress=False)
     assert [f["setting"] for f in report["findings"]["fixes"]] == \
-        ["train_dataloader.dataset.use_varlen_attn"]
+        ["train_dataloader.dataset.use_varlen_attn", "train_dataloader.dataset.type"]
+    # The lengths are the dialogues' (before packing), recomputed from XTuner's own builder.
+    unpacked = BUILDER.build(load_config(str(TINY)).train_dataloader.dataset)
+    live = [len(item["input_ids"]) for item in unpacked]
+    assert sorted(lengths) == sorted(live) and max(lengths) < 512
+    assert report["lengths"]["p50"] == float(np.percentile(live, 50))
+    assert report["dataset"]["source_rows"] == 2400 == report["dataset"]["dialogues"]
     # The fix made XTuner's Packer record boundaries: rows of 512 holding several dialogues.
-    assert set(lengths) == {512} and report["dataset"]["documents"] > 2400
+    packing = report["packing"]
+    assert packing["row_lengths"]["p50"] == 512 and report["dataset"]["documents"] > 2400
+    labels = sum(x != -100 for item in unpacked for x in item["labels"])
+    assert packing["tokens"] == {"before": sum(live), "after": sum(live), "lost": 0}
+    assert packing["labels"] == {"before": labels, "after": labels, "lost": 0}
+    assert packing["cut_dialogues"] > 0 and packing["unsupervised_pieces"] > 0
     assert report["exit_code"] == 0
     assert text.count("\nmodel_resource = ") == 1
     config.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
@@ -85,6 +98,32 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert report["dataset"]["documents"] == report["dataset"]["samples"]  # no boundaries
     assert report["exit_code"] == 1
     assert "unfixed: train_dataloader.dataset.use_varlen_attn" in report["problems"][0]
+    lost = report["packing"]["tokens"]["lost"]  # XTuner drops its last leftover
+    assert 0 < lost < 512 and report["packing"]["unsupervised_seen"] is None
+    assert any(w.startswith(f"XTuner's offline packing drops {lost} of ")
+               for w in report["warnings"])
+
+
+@pytest.mark.slow
+def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_path):
+    """One epoch of the tiny recipe packed offline: the log's final unsupervised_seen.
+
+    Not shuffled before packing, so that the doctor's packs are the training's whatever
+    consumes numpy's global RNG before the dataset is built.
+    """
+    text = sc.sub_once(TINY.read_text(), r"^    pack_to_max_length=False,$",
+                       "    pack_to_max_length=True,")
+    text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
+    config = tmp_path / "tiny_packed.py"
+    # 475 rows, 30 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
+    config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.1"))
+    report, _ = diagnose(str(config), progress=False)
+    proc = sc.xtuner_train(config, tmp_path / "run", "default_hooks.logger.interval=1",
+                           timeout=1800)
+    out = proc.stdout + proc.stderr
+    seen = re.findall(r"Iter\(train\) \[ *(\d+)/ *(\d+)\].*unsupervised_seen: ([0-9.]+)", out)
+    assert seen and seen[-1][0] == seen[-1][1], out[-3000:]  # the epoch's last iteration
+    assert float(seen[-1][2]) == report["packing"]["unsupervised_seen"] > 0
 
 
 def test_packing_switched_on_by_an_override_is_refused_as_training_would(in_repo):

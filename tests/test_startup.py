@@ -9,8 +9,10 @@ import pytest
 import stock_configs as sc
 import torch
 from mmengine.config import Config
+from xtuner.registry import BUILDER
 
 from xtuner_rope import startup
+from xtuner_rope.packed_dataset import lossless_process_hf_dataset
 from xtuner_rope.startup import ConfigConflict, inspect_config, prepare_config, type_name
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
@@ -58,10 +60,19 @@ def test_stock_full_config_needs_only_fixes(stock, tmp_path):
     findings = inspect_config(cfg)
     assert _conflicts(findings) == []
     assert _fixes(findings) == ["custom_hooks", "train_dataloader.collate_fn.use_varlen_attn",
+                                "train_dataloader.dataset.type",
                                 "train_dataloader.dataset.use_varlen_attn"]
     assert cfg.train_dataloader.dataset.use_varlen_attn is False  # inspect changes nothing
     prepare_config(cfg)
     assert cfg.train_dataloader.dataset.use_varlen_attn is True
+    # XTuner's packing drops each map worker's leftover: the lossless builder, visible in a dump
+    assert type_name(dict.get(cfg.train_dataloader.dataset, "type")) == \
+        "lossless_process_hf_dataset"
+    dumped = tmp_path / "dumped.py"
+    cfg.dump(str(dumped))
+    name = Config.fromfile(str(dumped)).train_dataloader.dataset.type
+    assert name == "xtuner_rope.packed_dataset.lossless_process_hf_dataset"
+    assert BUILDER.get(name) is lossless_process_hf_dataset  # what xtuner train builds from it
     assert cfg.train_dataloader.collate_fn.use_varlen_attn is True
     hooks = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
     assert hooks[:4] == ["ValidatedRoPEHook", "PackedBatchCheckHook", "PackingMetricsHook",
@@ -74,7 +85,8 @@ def test_stock_varlen_switch_works_without_flash_attn(stock, tmp_path):
     cfg = _cfg(stock[VARLEN], tmp_path)
     assert cfg.use_varlen_attn is True
     fixes = prepare_config(cfg)
-    assert [f.setting for f in fixes] == ["use_varlen_attn", "custom_hooks", "custom_hooks"]
+    assert [f.setting for f in fixes] == ["use_varlen_attn", "custom_hooks",
+                                          "train_dataloader.dataset.type", "custom_hooks"]
     assert cfg.use_varlen_attn is False  # what XTuner's check_cfg reads
     assert cfg.model.use_varlen_attn is True and cfg.train_dataloader.dataset.use_varlen_attn
     names = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
@@ -87,6 +99,7 @@ def test_xtuner_default_packing_is_seen_when_the_setting_is_omitted(stock, tmp_p
     assert "pack_to_max_length" not in cfg.train_dataloader.dataset
     assert _fixes(inspect_config(cfg)) == ["custom_hooks",
                                            "train_dataloader.collate_fn.use_varlen_attn",
+                                           "train_dataloader.dataset.type",
                                            "train_dataloader.dataset.use_varlen_attn"]
 
 
@@ -97,7 +110,7 @@ def test_rope_collate_fn_on_xtuner_packed_data_keeps_its_collate(stock, tmp_path
                (r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
                 "collate_fn=dict(type=rope_collate_fn, max_length=max_length)"),
                (r"^batch_size = 1 ", "batch_size = 4 "))
-    assert _fixes(inspect_config(cfg)) == ["custom_hooks",
+    assert _fixes(inspect_config(cfg)) == ["custom_hooks", "train_dataloader.dataset.type",
                                            "train_dataloader.dataset.use_varlen_attn"]
 
 

@@ -33,6 +33,8 @@ FIX_NOTES = {
              "PackingMetricsHook, NonFiniteTripwireHook missing; added",
     "varlen": "xtuner-rope: use_varlen_attn: XTuner's start-up check demands flash-attn",
     "varlen_hook": "removed VarlenAttnArgsToMessageHubHook",
+    "lossless": "xtuner-rope: train_dataloader.dataset.type: process_hf_dataset packs in "
+                "map_num_proc=32 worker(s) and drops each worker's last leftover below max_length",
 }
 
 pytestmark = pytest.mark.slow
@@ -85,8 +87,9 @@ def test_full_finetune_with_one_edit(stock, tmp_path):
     """On a checkpoint that carries its own modeling code, as real InternLM2 checkpoints do."""
     model = sc.tiny_with_remote_code(tmp_path / "tiny-remote-code")
     config = _with_capture(_config(stock, FULL, tmp_path, model=model))
-    run, out = _train(config, tmp_path / "run", "dataset", "collate", "hooks")
+    run, out = _train(config, tmp_path / "run", "dataset", "collate", "hooks", "lossless")
     _documents_isolated(out)
+    assert "xtuner-rope: packed 400 dialogues (" in out and "; nothing dropped." in out
     sc.assert_isolated_in_run(config, tmp_path / "run")
     assert run.checkpoint.name == "iter_20.pth"
 

@@ -14,6 +14,7 @@ from functools import partial
 from mmengine.config import Config
 
 from . import startup
+from .doctor_packing import build_dialogues_and_packs, packing_figures
 from .doctor_stats import length_percentiles, plan_summary, scan_samples, simulate_collate
 from .overrides import recheck_config
 
@@ -115,18 +116,18 @@ def _dataset_facts(loader: dict) -> dict:
     """What the dataset config says: type, max_length, offline packing (XTuner's defaults)."""
     ds = loader.get("dataset") or {}
     name = startup.type_name(ds.get("type"))
-    xtuner = name == "process_hf_dataset"
+    xtuner = name in startup.XTUNER_DATASET_TYPES
     return {"type": name, "max_length": ds.get("max_length") if xtuner else None,
             # process_hf_dataset packs unless told not to
             "pack_to_max_length": bool(ds.get("pack_to_max_length", True)) if xtuner else False}
 
 
 def _source_rows(loader: dict, facts: dict) -> int | None:
-    """Rows of the raw data behind an unpacked ``process_hf_dataset`` (to count its drops)."""
+    """Rows of the raw data behind a ``process_hf_dataset`` (to count its drops)."""
     from xtuner.registry import BUILDER
 
     ds = loader.get("dataset") or {}
-    if facts["type"] != "process_hf_dataset" or facts["pack_to_max_length"] \
+    if facts["type"] not in startup.XTUNER_DATASET_TYPES \
             or not isinstance(ds.get("dataset"), dict) or ds.get("max_dataset_length"):
         return None
     raw = BUILDER.build(ds["dataset"])
@@ -134,6 +135,18 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
     if hasattr(raw, "keys") and split in raw.keys():
         raw = raw[split]
     return len(raw)
+
+
+def _build_dataset(cfg: Config, facts: dict):
+    """``(dataset, dialogues)``: the train dataset, and for offline packing the dialogues
+    before packing in stream order (None otherwise); see :mod:`xtuner_rope.doctor_packing`."""
+    from xtuner.registry import BUILDER
+
+    if not facts["pack_to_max_length"]:
+        return BUILDER.build(cfg.train_dataloader.dataset), None
+    seed = (cfg.get("randomness") or {}).get("seed")
+    dialogues, packed = build_dialogues_and_packs(cfg.train_dataloader.dataset, seed)
+    return packed, dialogues
 
 
 def _findings(findings: list[startup.Finding]) -> dict:
@@ -160,30 +173,33 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
 
     Returns:
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
-        and the ``[n]`` sample lengths (for the histogram).
+        and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
-    from xtuner.registry import BUILDER
-
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
-    dataset = BUILDER.build(loader.dataset)
+    dataset, dialogues = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
     scan = scan_samples(dataset, collate_max_length=collate_kwargs.get("max_length"),
                         truncation_length=None if facts["pack_to_max_length"]
                         else facts["max_length"], progress=progress)
     plan = simulate_collate(dataset, collate_fn, batch_size, batches, scan, progress=progress)
     source = _source_rows(loader, facts)
+    lengths = scan.lengths if dialogues is None else [len(r) for r in dialogues["input_ids"]]
+    kept = len(dataset) if dialogues is None else len(dialogues)
     report = {
         "config": str(config),
         "plugin": {"enabled": resource is not None, "model_resource": resource,
                    "edit": None if resource else startup.MODEL_RESOURCE_EDIT},
         "findings": _findings(findings),
         "dataset": {**facts, "samples": len(dataset), "documents": scan.documents,
-                    "tokens": int(sum(scan.lengths)), "source_rows": source,
-                    "dropped_by_dataset": None if source is None else source - len(dataset)},
-        "lengths": length_percentiles(scan.lengths),
+                    "tokens": int(sum(scan.lengths)), "source_rows": source, "dialogues": kept,
+                    "dropped_by_dataset": None if source is None else source - kept},
+        "lengths": length_percentiles(lengths),  # of the dialogues, before any packing
+        "packing": None if dialogues is None else {
+            **packing_figures(dialogues, dataset, facts["max_length"]),
+            "row_lengths": length_percentiles(scan.lengths)},
         "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
         "collate": {"name": collate_name,
                     "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
@@ -195,7 +211,7 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
                             or scan.documents > len(dataset))
     report["problems"], report["warnings"] = judge(report)
     report["exit_code"] = exit_code(report)
-    return report, scan.lengths
+    return report, lengths
 
 
 def _where(occ: dict, what: str = "samples") -> str:
@@ -241,6 +257,12 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
         warnings.append(f"{report['dataset']['dropped_by_dataset']} of "
                         f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
                         "(no assistant reply, or no label left after truncation)")
+    packing = report["packing"] or {}
+    if packing.get("tokens", {}).get("lost"):
+        t, lab = packing["tokens"], packing["labels"]
+        warnings.append(f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
+                        f"{lab['lost']} of {lab['before']} supervised labels (each map_num_proc "
+                        "shard's leftover); with xtuner-rope enabled nothing is dropped")
     warnings += collate["collate_warnings"]
     return problems, warnings
 

@@ -29,10 +29,29 @@ def _data_lines(report: dict) -> list[str]:
         f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
         f"documents, {ds['tokens']} tokens; max_length={ds['max_length']}, "
         f"pack_to_max_length={ds['pack_to_max_length']}",
-        "lengths      " + "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}"
-                                    for k, v in lengths.items()),
+        "lengths      " + ("dialogues before packing: " if report["packing"] else "")
+        + _percentiles(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
-    ]
+    ] + _packing_lines(report["packing"])
+
+
+def _percentiles(lengths: dict) -> str:
+    return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in lengths.items())
+
+
+def _packing_lines(p: dict | None) -> list[str]:
+    if not p:
+        return []
+    t, lab = p["tokens"], p["labels"]
+    lines = [f"packing      {p['dialogues']} dialogues -> {p['rows']} rows of max_length="
+             f"{p['max_length']}: tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
+             f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']})",
+             f"             row lengths {_percentiles(p['row_lengths'])}"]
+    if p["cut_dialogues"] is not None:
+        lines.append(f"             {p['cut_dialogues']} dialogues cut at row edges "
+                     f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
+                     f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}")
+    return lines
 
 
 def _collate_lines(report: dict) -> list[str]:
@@ -71,7 +90,7 @@ def format_summary(report: dict) -> str:
 
 
 def plot_lengths(lengths: Sequence[int], max_length: int | None, path: Path,
-                 title: str) -> None:
+                 title: str, unit: str = "sample") -> None:
     """Histogram of sample lengths, ``max_length`` marked, as a PNG (Agg backend, no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -83,8 +102,8 @@ def plot_lengths(lengths: Sequence[int], max_length: int | None, path: Path,
     if max_length:
         ax.axvline(max_length, color="#c0392b", linestyle="--", label=f"max_length={max_length}")
         ax.legend()
-    ax.set_xlabel("tokens per sample")
-    ax.set_ylabel("samples")
+    ax.set_xlabel(f"tokens per {unit}")
+    ax.set_ylabel(f"{unit}s")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
@@ -101,6 +120,7 @@ def write_outputs(report: dict, lengths: Sequence[int], out_dir: str | Path) -> 
     paths = {"report": out / "report.json", "lengths": out / "lengths.png"}
     paths["report"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     max_length = report["collate"]["max_length"] or report["dataset"]["max_length"]
+    unit = "dialogue" if report["packing"] else "sample"  # offline packing: before packing
     plot_lengths(lengths, max_length, paths["lengths"],
-                 f"{Path(report['config']).stem}: {len(lengths)} samples")
+                 f"{Path(report['config']).stem}: {len(lengths)} {unit}s", unit)
     return paths

@@ -12,7 +12,9 @@ and each change is logged:
   RoPE and packed attention, the per-batch checks, the packing figures in the log and the
   non-finite-loss tripwire;
 - XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
-  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same);
+  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same) and
+  drops nothing (``type=lossless_process_hf_dataset``, same arguments: XTuner's
+  ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover);
 - XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
   size 1 only, as in XTuner);
 - the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
@@ -99,9 +101,13 @@ def _datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
         yield from _datasets(_get(node, "dataset"), f"{where}.dataset")
 
 
+# XTuner's dataset builder and ours with the same arguments (xtuner_rope.packed_dataset).
+XTUNER_DATASET_TYPES = ("process_hf_dataset", "lossless_process_hf_dataset")
+
+
 def _xtuner_packs(dataset: dict) -> bool:
     """``process_hf_dataset`` packing (its ``pack_to_max_length`` defaults to True)."""
-    return (type_name(_get(dataset, "type")) == "process_hf_dataset"
+    return (type_name(_get(dataset, "type")) in XTUNER_DATASET_TYPES
             and bool(_get(dataset, "pack_to_max_length", True)))
 
 
@@ -189,6 +195,23 @@ def _packing_findings(loader: dict) -> list[Finding]:
     return findings
 
 
+def _lossless_packing_findings(loader: dict) -> list[Finding]:
+    """XTuner's offline packing drops each ``map_num_proc`` shard's leftover: use ours."""
+    findings = []
+    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
+            procs = _get(dataset, "map_num_proc", 32)
+            findings.append(Finding(
+                f"{where}.type", f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
+                "and drops each worker's last leftover below max_length (tokens and "
+                "supervised labels lost)", "set to lossless_process_hf_dataset "
+                "(xtuner_rope.packed_dataset, same arguments): XTuner's packs of the whole "
+                "stream, the leftover kept as a short last row",
+                _setitem(dataset, "type", LazyObject("xtuner_rope.packed_dataset",
+                                                     "lossless_process_hf_dataset"))))
+    return findings
+
+
 def _varlen_findings(cfg: Config) -> list[Finding]:
     """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
     if not _get(cfg._cfg_dict, "use_varlen_attn"):
@@ -260,7 +283,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
     findings = _varlen_findings(cfg)
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
-        findings += _packing_findings(loader)
+        findings += _packing_findings(loader) + _lossless_packing_findings(loader)
     return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
 
 

@@ -1,0 +1,115 @@
+"""The doctor on XTuner's offline packing: the dialogues before packing and what packing did.
+
+A ``process_hf_dataset(pack_to_max_length=True)`` config (or its start-up replacement
+``lossless_process_hf_dataset``) is built in two steps with XTuner's own builder: the
+dialogues as the pack step receives them (tokenized, filtered, shuffled as the config says,
+with numpy seeded from ``randomness.seed`` as MMEngine's Runner seeds it), then the config's
+pack step on them. Knowing the stream order, :func:`packing_figures` counts tokens and labels
+before and after (kept / lost), the dialogues cut at row edges and their pieces, and the
+packed documents with no supervised label, counted as ``batch_stats`` counts them in training
+(``unsupervised_seen`` after one epoch).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
+    """The dialogues in stream order and the packed dataset, as the config builds them.
+
+    Args:
+        dataset_cfg: The train dataloader's ``dataset`` dict (an XTuner packing dataset).
+        seed: ``randomness.seed`` of the config (numpy is seeded with it first), or None.
+
+    Returns:
+        ``(dialogues, packed)``: ``datasets.Dataset`` s of the tokenized dialogues in the
+        order they are packed, and of the packed rows.
+    """
+    from mmengine.runner import set_random_seed
+    from xtuner.dataset.huggingface import pack_dataset as xtuner_pack_dataset
+    from xtuner.dataset.huggingface import process_hf_dataset
+    from xtuner.registry import BUILDER
+
+    from .packed_dataset import pack_dataset as lossless_pack_dataset
+    from .startup import type_name
+
+    if seed is not None:
+        set_random_seed(seed)
+    kwargs = copy.deepcopy(dict(dataset_cfg))
+    lossless = type_name(kwargs.pop("type")) == "lossless_process_hf_dataset"
+    shuffle = kwargs.pop("shuffle_before_pack", True)
+    varlen = bool(kwargs.pop("use_varlen_attn", False))
+    procs = kwargs.get("map_num_proc", 32)
+    dialogues = BUILDER.build(dict(kwargs, type=process_hf_dataset, pack_to_max_length=False,
+                                   remove_unused_columns=True))
+    if shuffle:  # as XTuner's pack_dataset does, before its Packer
+        dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
+    pack = lossless_pack_dataset if lossless else xtuner_pack_dataset
+    packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False,
+                  procs)
+    return dialogues, packed
+
+
+def _flat(rows: list) -> np.ndarray:
+    return np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if rows else \
+        np.zeros(0, dtype=np.int64)
+
+
+def _segment_starts(packed) -> np.ndarray | None:
+    """``[k]`` stream offsets where a packed document starts (None without boundaries)."""
+    if "cumulative_len" not in packed.column_names:
+        return None
+    row_lengths = np.asarray([len(r) for r in packed["input_ids"]], dtype=np.int64)
+    row_starts = np.concatenate([[0], np.cumsum(row_lengths)[:-1]])
+    return np.concatenate([start + np.asarray(bounds[:-1], dtype=np.int64)
+                           for start, bounds in zip(row_starts, packed["cumulative_len"])])
+
+
+def packing_figures(dialogues, packed, max_length: int) -> dict:
+    """What the pack step did to the dialogues, JSON-ready.
+
+    Args:
+        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
+        packed: The packed rows built from them (with ``cumulative_len`` when the config
+            records boundaries).
+        max_length: Tokens per packed row.
+
+    Returns:
+        Counts: ``tokens`` and ``labels`` (labels other than -100) ``before`` / ``after`` /
+        ``lost``; ``rows``; and, when no token was lost and the rows carry boundaries,
+        ``cut_dialogues`` (a row edge falls inside them), ``pieces`` (their parts),
+        ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
+        is -100 or its document's first: what training counts over one epoch); else None.
+    """
+    tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
+    packed_labels = _flat(packed["labels"])
+    figures = {"dialogues": len(dialogues), "rows": len(packed), "max_length": max_length,
+               "tokens": _kept(len(tokens), len(packed_labels)),
+               "labels": _kept(int((labels != IGNORE_INDEX).sum()),
+                               int((packed_labels != IGNORE_INDEX).sum())),
+               "cut_dialogues": None, "pieces": None, "unsupervised_pieces": None,
+               "unsupervised_seen": None}
+    starts = _segment_starts(packed)
+    if starts is None or figures["tokens"]["lost"] or not len(tokens):
+        return figures
+    lengths = np.asarray([len(r) for r in dialogues["input_ids"]], dtype=np.int64)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    doc_of_segment = np.searchsorted(doc_starts, starts, side="right") - 1
+    parts = np.bincount(doc_of_segment, minlength=len(lengths))  # segments per dialogue
+    used = packed_labels != IGNORE_INDEX
+    used[starts] = False  # a document's first label is never predicted from its document
+    unsupervised = np.add.reduceat(used.astype(np.int64), starts) == 0
+    piece = parts[doc_of_segment] > 1
+    figures.update(cut_dialogues=int((parts > 1).sum()), pieces=int(piece.sum()),
+                   unsupervised_pieces=int((unsupervised & piece).sum()),
+                   unsupervised_seen=int(unsupervised.sum()))
+    return figures
+
+
+def _kept(before: int, after: int) -> dict:
+    return {"before": before, "after": after, "lost": before - after}
