@@ -12,7 +12,7 @@ from hypothesis import settings
 
 import xtuner_rope  # noqa: F401  (applies compat: Auto registration, CPU patches)
 from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
-from xtuner_rope.rotate import use_fused_apply
+from xtuner_rope.ops.rotate import use_fused_apply
 
 # Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed
 # derandomized set so a merge is never blocked by a new random draw; HYPOTHESIS_PROFILE=search

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
-from xtuner_rope.models import patch_hf_model
-from xtuner_rope.models.internlm2 import patch_internlm2_attention
+from xtuner_rope.hooks import patch_model
 
 ROWS = [[1, 5, 17, 9], [30, 2]]  # documents per row (32 tokens each)
 # Half-precision tolerances: two kernels round differently (fp32 runs match to ~1e-5).
@@ -28,7 +27,7 @@ def build_pair(family, dtype, device="cpu", attn="sdpa"):
         model = build_tiny_hf(family, 256, attn_implementation=attn)
     model = model.to(device, dtype).train()
     patched = copy.deepcopy(model)
-    count = (patch_internlm2_attention if family == "internlm2" else patch_hf_model)(patched)
+    count, _ = patch_model(patched)
     assert count == 2
     return model, patched
 

@@ -9,12 +9,12 @@ from datasets import Dataset
 from runners import tiny_runner
 from torch import nn
 
-from xtuner_rope.attention import MIN_BUCKET, packed_attention, plan_documents
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.models.internlm2 import internlm2_attention_forward, patch_internlm2_attention
-from xtuner_rope.packing import cumulative_from_lengths, plan_packs
-from xtuner_rope.rope import ValidatedRotaryEmbedding
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops.attention import MIN_BUCKET, packed_attention, plan_documents
+from xtuner_rope.ops.packing import cumulative_from_lengths, plan_packs
 
 LENGTHS = (1, 2, 3, 17, 64, 100)
 

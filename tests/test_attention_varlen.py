@@ -17,9 +17,10 @@ from gold import ROWS, build_pair, check_packed_equals_alone
 from mmengine.logging import MMLogger
 from varlen_reference import varlen_attn_2_10, varlen_attn_2_12
 
-from xtuner_rope import attention
-from xtuner_rope.attention import VarlenKernel, packed_attention, packed_backend, plan_documents
-from xtuner_rope.packing import cumulative_from_lengths, flat_cumulative
+from xtuner_rope.models import runtime
+from xtuner_rope.ops import attention
+from xtuner_rope.ops.attention import VarlenKernel, packed_attention, packed_backend, plan_documents
+from xtuner_rope.ops.packing import cumulative_from_lengths, flat_cumulative
 
 KERNELS = {"2.12": varlen_attn_2_12, "2.10": varlen_attn_2_10}
 
@@ -68,14 +69,14 @@ def test_varlen_glue_matches_per_document_attention_fwd_bwd(counted_kernel, dtyp
 
 def test_backend_choice_and_its_log(counted_kernel, monkeypatch):
     """varlen for half dtypes where the kernel runs; sdpa/eager otherwise; logged once."""
-    monkeypatch.setattr(attention, "_LOGGED", set())
+    monkeypatch.setattr(runtime, "_LOGGED", set())
     records = logging.handlers.BufferingHandler(capacity=100)
     logger = MMLogger.get_current_instance()
     logger.addHandler(records)
-    assert packed_backend(torch.zeros(1, dtype=torch.bfloat16), eager=True) == "varlen"
-    assert packed_backend(torch.zeros(1, dtype=torch.bfloat16), eager=True) == "varlen"
-    assert packed_backend(torch.zeros(1, dtype=torch.float32), eager=False) == "sdpa"
-    assert packed_backend(torch.zeros(1, dtype=torch.float32), eager=True) == "eager"
+    assert runtime.choose_backend(torch.zeros(1, dtype=torch.bfloat16), eager=True) == "varlen"
+    assert runtime.choose_backend(torch.zeros(1, dtype=torch.bfloat16), eager=True) == "varlen"
+    assert runtime.choose_backend(torch.zeros(1, dtype=torch.float32), eager=False) == "sdpa"
+    assert runtime.choose_backend(torch.zeros(1, dtype=torch.float32), eager=True) == "eager"
     logger.removeHandler(records)
     logged = [r.getMessage() for r in records.buffer]
     assert sum("'varlen' backend (cpu, torch.bfloat16)" in m for m in logged) == 1, logged

@@ -12,9 +12,9 @@ from xtuner import utils as xtuner_utils
 from xtuner.dataset import collate_fns
 from xtuner.dataset.utils import Packer
 
+from xtuner_rope.batch.checks import check_packed_batch
 from xtuner_rope.collate import DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, rope_collate_fn
-from xtuner_rope.packing import padded_length
-from xtuner_rope.validate import check_packed_batch
+from xtuner_rope.ops.packing import padded_length
 
 PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py
 

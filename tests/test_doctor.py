@@ -17,9 +17,9 @@ from xtuner.registry import BUILDER
 
 from xtuner_rope import startup
 from xtuner_rope.cli import main
-from xtuner_rope.doctor import build_collate_fn, diagnose, load_config
-from xtuner_rope.doctor_report import format_summary, write_outputs
-from xtuner_rope.doctor_stats import supervised_count
+from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose, load_config
+from xtuner_rope.doctor.report import format_summary, write_outputs
+from xtuner_rope.doctor.stats import supervised_count
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

@@ -7,7 +7,7 @@ from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.utils import Packer
 
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.doctor_stats import (
+from xtuner_rope.doctor.stats import (
     _batch_shape,
     document_starts,
     length_percentiles,
@@ -16,7 +16,7 @@ from xtuner_rope.doctor_stats import (
     simulate_collate,
     supervised_count,
 )
-from xtuner_rope.packing import padded_length, plan_packs
+from xtuner_rope.ops.packing import padded_length, plan_packs
 
 
 def _doc(n: int, first: int, supervised_from: int) -> tuple[list[int], list[int]]:

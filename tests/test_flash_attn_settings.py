@@ -13,7 +13,7 @@ from transformers.utils import is_flash_attn_2_available
 from xtuner_rope import startup
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny import save_tiny
-from xtuner_rope.doctor import start_like_xtuner_train
+from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 
 MISTRAL = "mistral_7b_full_finetune_custom_dataset_e1"
 SWITCHED = ('xtuner-rope: model.llm.attn_implementation: "flash_attention_2" needs flash-attn, '

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from varlen_reference import varlen_attn_2_12
 
-from xtuner_rope import attention
-from xtuner_rope.attention import VarlenKernel
+from xtuner_rope.ops import attention
+from xtuner_rope.ops.attention import VarlenKernel
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ from xtuner.engine.hooks import EvaluateChatHook
 
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
 from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
-from xtuner_rope.rope import ValidatedRotaryEmbedding
-from xtuner_rope.rotate import fused_kernel_calls
+from xtuner_rope.ops.rotate import fused_kernel_calls
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_validated_rope_hook_patches_model_inside_wrapper(runner):
 
 
 def test_validated_rope_hook_turns_the_fused_kernel_on(runner, fused):
-    from xtuner_rope.rope import use_fused_apply
+    from xtuner_rope.ops.rope import use_fused_apply
 
     use_fused_apply(False)
     ValidatedRoPEHook().before_train(runner)

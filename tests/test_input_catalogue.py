@@ -14,12 +14,13 @@ from runners import tiny_runner
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 from xtuner.dataset.collate_fns import default_collate_fn
 
-from xtuner_rope.attention import VARLEN_HUB, document_plan
+from xtuner_rope.batch.checks import check_packed_batch, row_boundaries
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.packing import flat_cumulative
-from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
-from xtuner_rope.validate import check_packed_batch, row_boundaries
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.models.runtime import VARLEN_HUB, batch_document_plan
+from xtuner_rope.ops.packing import flat_cumulative
+from xtuner_rope.ops.rope import apply_rotary_pos_emb
 
 
 def it(ids, labels=None, **extra):
@@ -50,7 +51,7 @@ def hub_plan(cu, b, s):
     hub = MessageHub.get_instance(VARLEN_HUB)
     hub.update_info('cumulative_len_rank_0', cu)
     try:
-        return document_plan(None, b, s, torch.device('cpu'))
+        return batch_document_plan(None, b, s, torch.device('cpu'))
     finally:
         hub.update_info('cumulative_len_rank_0', None)
 

@@ -21,14 +21,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from xtuner_rope.attention import CUMULATIVE_KEY, VARLEN_HUB
 from xtuner_rope.models import (
     HFValidatedRotaryEmbedding,
     integration_for,
     is_patched_hf_attention,
     patch_hf_model,
 )
-from xtuner_rope.packing import flat_cumulative
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, VARLEN_HUB
+from xtuner_rope.ops.packing import flat_cumulative
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=64)

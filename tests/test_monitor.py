@@ -15,11 +15,11 @@ from mmengine.optim import OptimWrapper
 from runners import RecordingHook, tiny_runner
 from test_e2e import CONFIG, REPO, xtuner_train  # tests/ is on sys.path (rootdir conftest)
 
-from xtuner_rope.batch_stats import BatchStats, batch_stats
+from xtuner_rope.batch.stats import BatchStats, batch_stats
 from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.doctor.replay import build_run_model, load_record
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.monitor import NonFiniteError, NonFiniteTripwireHook, PackingMetricsHook
-from xtuner_rope.replay import build_run_model, load_record
 
 SHORT_RUN = ('train_cfg.max_epochs=None', 'train_cfg.max_iters=20',
              'default_hooks.logger.interval=5', 'default_hooks.checkpoint.interval=20')
@@ -284,9 +284,9 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     from xtuner.model import SupervisedFinetune
 
     from xtuner_rope.demo.resources import tiny_checkpoint
+    from xtuner_rope.doctor.replay import replay
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
-    from xtuner_rope.packing import flat_cumulative
-    from xtuner_rope.replay import replay
+    from xtuner_rope.ops.packing import flat_cumulative
 
     path = tiny_checkpoint(str(REPO / 'models' / 'tiny-internlm2'),
                            data_path=str(REPO / 'data' / 'short_dialogues.jsonl'))

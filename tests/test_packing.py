@@ -1,4 +1,4 @@
-"""Tests for xtuner_rope.packing: compared against plain per-document Python loops."""
+"""Tests for xtuner_rope.ops.packing: compared against plain per-document Python loops."""
 from itertools import accumulate
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from xtuner_rope.packing import (
+from xtuner_rope.ops.packing import (
     cumulative_from_lengths,
     cumulative_from_position_ids,
     flat_cumulative,

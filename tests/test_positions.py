@@ -1,9 +1,9 @@
-"""Tests for xtuner_rope/positions.py: position-id checks, their messages and their cache."""
+"""Tests for xtuner_rope/ops/positions.py: position-id checks, their messages and their cache."""
 
 import pytest
 import torch
 
-from xtuner_rope.positions import check_position_ids
+from xtuner_rope.ops.positions import check_position_ids
 
 
 def test_returns_range():

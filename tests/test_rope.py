@@ -1,4 +1,4 @@
-"""Tests for xtuner_rope/rope.py against the live InternLM2 classes that XTuner 0.2.0 ships."""
+"""Tests for xtuner_rope/ops/rope.py and models/internlm2_rope.py against XTuner 0.2.0's InternLM2."""
 
 import math
 
@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
-from xtuner_rope import rotate
-from xtuner_rope.rope import (
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops import rotate
+from xtuner_rope.ops.rope import (
     FP32_EXACT_POSITIONS,
-    ValidatedRotaryEmbedding,
     apply_rotary_pos_emb,
     cos_sin_at,
     rotate_half,

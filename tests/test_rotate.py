@@ -1,13 +1,14 @@
-"""Tests for xtuner_rope/rotate.py: the fused kernel against the eager one and upstream."""
+"""Tests for xtuner_rope/ops/rotate.py: the fused kernel against the eager one and upstream."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 
-from xtuner_rope import rotate
-from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb, use_fused_apply
-from xtuner_rope.rotate import fused_kernel_calls
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops import rotate
+from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply
+from xtuner_rope.ops.rotate import fused_kernel_calls
 
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
        torch.float16: dict(atol=1e-5, rtol=1e-3)}

@@ -1,12 +1,12 @@
-"""Tests for xtuner_rope.validate: accepts what the collate functions build, names every fault."""
+"""Tests for xtuner_rope.batch.checks: accepts what the collate functions build, names every fault."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xtuner.dataset import collate_fns
 
+from xtuner_rope.batch.checks import check_packed_batch
 from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.validate import check_packed_batch
 
 PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py
 

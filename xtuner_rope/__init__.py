@@ -12,11 +12,13 @@ from . import compat
 
 compat.apply()
 
+from xtuner_rope.ops.rope import apply_rotary_pos_emb  # noqa: E402
+
 from .collate import rope_collate_fn  # noqa: E402
 from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
 from .models.internlm2 import patch_internlm2_attention  # noqa: E402
+from .models.internlm2_rope import ValidatedRotaryEmbedding  # noqa: E402
 from .monitor import NonFiniteTripwireHook, PackingMetricsHook  # noqa: E402
-from .rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
 from .startup import enable_xtuner_rope  # noqa: E402
 
 HOOKS.register_module(module=ValidatedRoPEHook, force=True)

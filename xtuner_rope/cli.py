@@ -59,8 +59,9 @@ def _add_check(commands, dict_action) -> None:
 
 
 def _check(args) -> int:
-    from .check import run_check
-    from .check_report import format_summary, write_report
+    from xtuner_rope.doctor.check import run_check
+    from xtuner_rope.doctor.check_report import format_summary, write_report
+
     from .startup import ConfigConflict
 
     out = Path(args.out or Path("work_dirs") / "check" / Path(args.config).stem)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        from .xtuner_tools import run_xtuner_tool
+        from xtuner_rope.doctor.xtuner_tools import run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
         return run_xtuner_tool(command, rest)
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args)
-    from .doctor import diagnose
-    from .doctor_report import format_summary, write_outputs
+    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.report import format_summary, write_outputs
 
     report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
     out = args.out or Path("work_dirs") / "doctor" / Path(args.config).stem

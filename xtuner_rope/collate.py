@@ -14,7 +14,7 @@ from numbers import Integral
 
 import torch
 
-from xtuner_rope.collate_items import (
+from xtuner_rope.batch.items import (
     IGNORE_INDEX,
     Sample,
     check_id_range,
@@ -22,8 +22,8 @@ from xtuner_rope.collate_items import (
     item_error,
     parse_sample,
 )
-from xtuner_rope.inputs import show
-from xtuner_rope.packing import (
+from xtuner_rope.ops.inputs import show
+from xtuner_rope.ops.packing import (
     cumulative_from_lengths,
     lengths_from_cumulative,
     padded_length,

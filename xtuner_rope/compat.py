@@ -135,7 +135,7 @@ def patch_bitsandbytes_triton_probe() -> bool:
     return True
 
 
-def _cpu_only() -> bool:
+def cpu_only() -> bool:
     """True where no accelerator MMEngine can drive (CUDA, NPU, MLU, MUSA) is present."""
     if torch.cuda.is_available():
         return False
@@ -175,7 +175,7 @@ def patch_mmengine_dist_init_on_cpu() -> bool:
     Returns:
         True if applied (no CUDA/NPU/MLU/MUSA device here).
     """
-    if not _cpu_only():
+    if not cpu_only():
         return False
     import mmengine.dist.utils as dist_utils
 
@@ -195,7 +195,7 @@ def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
     Returns:
         True if applied (no CUDA/NPU/MLU/MUSA device here).
     """
-    if not _cpu_only():
+    if not cpu_only():
         return False
     from mmengine.model import MMDistributedDataParallel
 
@@ -237,7 +237,7 @@ def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     Returns:
         True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
     """
-    if not _cpu_only() or not _deepspeed_flat_buffer_requires_grad():
+    if not cpu_only() or not _deepspeed_flat_buffer_requires_grad():
         return False
     import deepspeed.runtime.utils as ds_utils
 
@@ -320,7 +320,7 @@ def patch_deepspeed_zero3_cpu_gather() -> bool:
     Returns:
         True if applied (DeepSpeed picked its CPU accelerator and lacks the upstream fix).
     """
-    if not _cpu_only():
+    if not cpu_only():
         return False
     import deepspeed.runtime.zero.partition_parameters as zero3
     from deepspeed.accelerator import get_accelerator
@@ -467,7 +467,7 @@ def patch_hf_fp32_rotation(module_name: str) -> bool:
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         if cos.dtype == torch.float32 and q.dtype != torch.float32:
-            from .rope import apply_rotary_pos_emb as fp32_apply
+            from xtuner_rope.ops.rope import apply_rotary_pos_emb as fp32_apply
 
             return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return original(q, k, cos, sin, position_ids, unsqueeze_dim)

@@ -15,7 +15,11 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from torch import nn
 
-from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.batch.checks import batch_data, check_packed_batch, row_boundaries
+from xtuner_rope.ops.packing import flat_cumulative
+from xtuner_rope.ops.rope import use_fused_apply
+
+from . import compat
 from .models.hf import (
     HF_ATTENTION_CLASSES,
     HF_FAMILIES,
@@ -29,11 +33,10 @@ from .models.internlm2 import (
     internlm2_attention_forward,
     patch_internlm2_attention,
 )
+from .models.internlm2_rope import ValidatedRotaryEmbedding
+from .models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 from .overrides import recheck_started_config
-from .packing import flat_cumulative
-from .rope import ValidatedRotaryEmbedding, use_fused_apply
 from .startup import packing_source, require_prepared
-from .validate import batch_data, check_packed_batch, row_boundaries
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
@@ -63,9 +66,11 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
     if integration == "internlm2":
         return patch_internlm2_attention(model, max_position=max_position), "InternLM2"
     if integration == "hf":
-        layer = next(m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES)
-        return patch_hf_model(model, max_position=max_position), \
-            type(layer).__name__.removesuffix("Attention")
+        layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
+        count = patch_hf_model(model, max_position=max_position)
+        for module_name in sorted({type(layer).__module__ for layer in layers}):
+            compat.patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
+        return count, type(layers[0]).__name__.removesuffix("Attention")
     raise ValueError(
         f"ValidatedRoPEHook: {type(_unwrap(model)).__name__} has no attention layer xtuner-rope "
         f"can serve. Supported families: InternLM2 / InternLM2.5 (classes "
@@ -95,7 +100,7 @@ class ValidatedRoPEHook(Hook):
     Args:
         max_position: Optional override of the largest position the RoPE accepts.
         fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (process-wide, see
-            ``xtuner_rope.rope.use_fused_apply``): fewer memory passes, a few seconds of
+            ``xtuner_rope.ops.rope.use_fused_apply``): fewer memory passes, a few seconds of
             compiling at the first step, the eager kernel again if compiling fails.
     """
 

@@ -1,10 +1,10 @@
 """MMEngine hooks that watch training: packing figures in the log, and a NaN/inf tripwire.
 
-- :class:`PackingMetricsHook` puts the figures of :mod:`xtuner_rope.batch_stats` next to the
+- :class:`PackingMetricsHook` puts the figures of :mod:`xtuner_rope.batch.stats` next to the
   loss in every log line and in ``vis_data/scalars.json``.
 - :class:`NonFiniteTripwireHook` stops the run at the first non-finite loss or gradient norm,
   before the optimizer applies it, and saves the batch and the weights for
-  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.replay`).
+  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.doctor.replay`).
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from mmengine.dist import get_rank
 from mmengine.hooks import Hook, LoggerHook
 from torch import nn
 
-from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from .batch_stats import BatchStats, batch_stats
+from xtuner_rope.batch.record import save_record
+from xtuner_rope.batch.stats import BatchStats, batch_stats
+from xtuner_rope.ops.packing import cumulative_from_position_ids
+
 from .hooks import isolates_documents
-from .packing import cumulative_from_position_ids
-from .replay import save_record
+from .models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
@@ -119,7 +120,7 @@ class NonFiniteTripwireHook(Hook):
     hooks (DeepSpeed's) get only that later check, after their step.
 
     On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the batch, its boundaries, the
-    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.replay`) and
+    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.doctor.replay`) and
     ``nonfinite_iter<k>_weights.pt`` (the model's state dict as the batch saw it), then raises
     :class:`NonFiniteError` naming both and the replay command.
 

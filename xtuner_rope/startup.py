@@ -36,6 +36,8 @@ from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
+from .compat import cpu_only
+
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
                 "PackedBatchCheckHook": "xtuner_rope.hooks",
@@ -113,12 +115,6 @@ def _xtuner_packs(dataset: dict) -> bool:
 
 def _packs_without_boundaries(dataset: dict) -> bool:
     return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
-
-
-def _cpu_only() -> bool:
-    from .compat import _cpu_only as cpu_only
-
-    return cpu_only()
 
 
 def flash_attn_findings(cfg: Config) -> list[Finding]:
@@ -256,7 +252,7 @@ def _runtime_findings(cfg: Config) -> list[Finding]:
     """Settings the plugin cannot serve on this machine or at all."""
     findings = []
     optim = _get(cfg._cfg_dict, "optim_wrapper")
-    if type_name(_get(optim, "type")) == "AmpOptimWrapper" and _cpu_only():
+    if type_name(_get(optim, "type")) == "AmpOptimWrapper" and cpu_only():
         findings.append(Finding(
             "optim_wrapper.type", "AmpOptimWrapper needs a GPU (MMEngine refuses it on this "
             "CPU-only machine)", "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "

@@ -27,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from xtuner_rope.attention import packed_attention, plan_documents, varlen_kernel
-from xtuner_rope.packing import cumulative_from_lengths
+from xtuner_rope.ops.attention import packed_attention, plan_documents, varlen_kernel
+from xtuner_rope.ops.packing import cumulative_from_lengths
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -26,7 +26,8 @@ from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
     apply_rotary_pos_emb as hf_apply_rotary_pos_emb,
 )
 
-from xtuner_rope.rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb, use_fused_apply
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import compat
-from ..attention import document_plan, hub_cumulative_len, packed_attention, packed_backend
+from xtuner_rope.ops.attention import packed_attention
+
 from .hf_rope import HFValidatedRotaryEmbedding
 from .internlm2 import INTERNLM2_ATTENTION_CLASSES
+from .runtime import batch_document_plan, choose_backend, hub_cumulative_len
 
 # Attention and rotary classes of the supported families, by name (as XTuner's dispatch does).
 HF_ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
@@ -61,7 +62,7 @@ def _plan(position_ids, b: int, s: int, kv_len: int, device: torch.device):
     if hub_cumulative_len() is None and (position_ids is None
                                          or not _rows_start_at_zero(position_ids)):
         return None  # no published boundaries, and a left-padded prompt is no pack
-    return document_plan(position_ids, b, s, device)
+    return batch_document_plan(position_ids, b, s, device)
 
 
 def _dense(module: nn.Module, query, key, value, attention_mask, **kwargs):
@@ -125,7 +126,7 @@ def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     _check_packable(module, plan, h_d, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, heads, h_d]
     return packed_attention(
-        q, k, v, plan, packed_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")), None
+        q, k, v, plan, choose_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")), None
 
 
 def is_patched_hf_attention(layer: nn.Module) -> bool:
@@ -179,8 +180,9 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
     """Give a Llama / Qwen2 / Mistral model the validated RoPE and document-isolating attention.
 
     Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
-    ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. Also installs
-    ``compat.patch_hf_fp32_rotation`` for each family found.
+    ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. The fp32 rotation
+    of bf16/fp16 q/k is a patch of the family's module (``compat.patch_hf_fp32_rotation``),
+    which ``hooks.patch_model`` installs beside this.
 
     Args:
         model: The model, or a wrapper around it.
@@ -206,7 +208,5 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
             f"no model-level rotary module ({', '.join(HF_ROTARY_CLASSES)}); this layout "
             "(transformers other than 4.48?) is not supported.")
     ALL_ATTENTION_FUNCTIONS[PACKED_ATTENTION_KEY] = hf_packed_attention
-    for module_name in sorted({type(layer).__module__ for layer in layers}):
-        compat.patch_hf_fp32_rotation(module_name)
     _route(layers)
     return len(layers)

@@ -17,8 +17,9 @@ import math
 import torch
 from torch import nn
 
-from ..positions import check_position_ids
-from ..rope import _inv_freq, cos_sin_at
+from xtuner_rope.ops.positions import check_position_ids
+from xtuner_rope.ops.rope import cos_sin_at
+from xtuner_rope.ops.rope import inv_freq as default_inv_freq
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ADVICE = ("truncate or split the sequence, enable rope_scaling, or pass max_position= to "
@@ -106,7 +107,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
             factor = scaling["factor"]
             stretch = factor * length / self.max_position_embeddings - (factor - 1)
             base = base * stretch ** (dim / (dim - 2))
-        inv_freq = _inv_freq(base, dim, device)
+        inv_freq = default_inv_freq(base, dim, device)
         if self.rope_type == "linear":
             return inv_freq / scaling["factor"]
         if self.rope_type == "llama3":

@@ -3,7 +3,7 @@
 What is specific to InternLM2 lives here: the fused ``wqkv`` projection, the attention classes
 found by name (XTuner's shipped ``xtuner._lite.modelings.internlm2`` and every checkpoint's
 remote-code copy), the dense path as each class computes it, and the two KV-cache contracts
-(``internlm2_kv_cache``). The packed attention itself is family-free (``xtuner_rope.attention``).
+(``internlm2_kv_cache``). The packed attention itself is family-free (``xtuner_rope.ops.attention``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import document_plan, packed_attention, packed_backend
-from ..rope import ValidatedRotaryEmbedding, apply_rotary_pos_emb
+from xtuner_rope.ops.attention import packed_attention
+from xtuner_rope.ops.rope import apply_rotary_pos_emb
+
 from .internlm2_kv_cache import extend_cache, past_length
+from .internlm2_rope import ValidatedRotaryEmbedding
+from .runtime import batch_document_plan, choose_backend
 
 INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
                                "InternLM2FlashAttention2")
@@ -88,11 +91,11 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
     k, v, present = extend_cache(self, k, v, past_key_value, use_cache,
                                  dict(sin=sin, cos=cos, cache_position=cache_position))
     # Boundaries only describe a fresh sequence: with cached keys, the model's mask is right.
-    plan = document_plan(position_ids, b, s, q.device) if past_len == 0 else None
+    plan = batch_document_plan(position_ids, b, s, q.device) if past_len == 0 else None
     if plan is not None:
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))  # [b, s, heads, h_d]
         eager = type(self).__name__ == "InternLM2Attention"
-        out = packed_attention(qs, ks, vs, plan, packed_backend(q, eager))
+        out = packed_attention(qs, ks, vs, plan, choose_backend(q, eager))
     else:
         out = _dense_attention(self, q, k, v, attention_mask, s)
     out = out.reshape(b, s, -1).to(hidden_states.dtype)  # [b, s, n_h * h_d]

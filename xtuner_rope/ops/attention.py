@@ -32,16 +32,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .packing import cumulative_from_position_ids, flat_cumulative
-from .validate import check_flat_boundaries
+from xtuner_rope.ops.boundaries import check_flat_boundaries
+from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the fused varlen kernels accept
 MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
 
-# MessageHub instance and key prefixes of XTuner's varlen convention (VarlenAttnArgsToMessageHubHook).
-VARLEN_HUB = "varlen_attn_args"
-CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
-MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
 
 
 @dataclass
@@ -113,21 +109,6 @@ def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device
     return _PLAN_CACHE["plan"]
 
 
-def hub_cumulative_len() -> torch.Tensor | None:
-    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention.
-
-    Returns:
-        What the hub holds (checked against the batch by ``document_plan``), or None.
-    """
-    from mmengine import MessageHub
-    from mmengine.dist import get_rank
-
-    if not MessageHub.check_instance_created(VARLEN_HUB):
-        return None
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    return hub.get_info(CUMULATIVE_KEY.format(rank=get_rank()))
-
-
 def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
     """Flat boundaries from position resets, or None when every row is a single document."""
     rows = position_ids.detach().to("cpu").expand(b, s)  # [b, s]
@@ -137,21 +118,29 @@ def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.T
     return flat_cumulative(cus, s)
 
 
-def document_plan(position_ids: torch.Tensor | None, b: int, s: int,
-                  device: torch.device) -> DocumentPlan | None:
-    """The document layout of this forward: hub boundaries first, then position resets.
+def document_plan(position_ids: torch.Tensor | None, b: int, s: int, device: torch.device,
+                  published: object = None, source: str = "published boundaries"
+                  ) -> DocumentPlan | None:
+    """The document layout of this forward: published boundaries first, then position resets.
 
-    Hub boundaries are checked (``check_flat_boundaries``) once per published tensor, not
-    per layer: integer, ``0 .. b*s``, strictly increasing, a boundary at every row end.
+    Published boundaries (the trainer's, e.g. ``models.runtime.hub_cumulative_len()``) are
+    checked (``check_flat_boundaries``) once per tensor, not per layer: integer, ``0 .. b*s``,
+    strictly increasing, a boundary at every row end.
+
+    Args:
+        position_ids: ``[b, s]`` or ``[1, s]`` positions, or None.
+        b: Rows of the batch; s: row length.
+        device: Where the plan's index tensors live.
+        published: Flat ``[n_docs + 1]`` boundaries published for this batch, or None.
+        source: Where ``published`` comes from, for error messages.
 
     Raises:
         TypeError: the published ``cumulative_len`` is not integer.
         ValueError: it does not describe this ``[b, s]`` batch, is unordered, or runs a
             document across rows.
     """
-    cu = hub_cumulative_len()
+    cu = published
     if cu is not None:
-        source = f"MessageHub '{VARLEN_HUB}'"
         if not isinstance(cu, torch.Tensor):  # checked before the identity-keyed cache
             cu = check_flat_boundaries(cu, b, s, source)
         return _cached_plan(cu, ("hub", b, s),
@@ -175,7 +164,6 @@ class VarlenKernel:
 # ``monkeypatch.setattr(attention, "VARLEN_KERNEL", VarlenKernel(ref, ("cpu",)))``) to run the
 # glue on CPU against a pure-torch kernel with the same contract (tests/varlen_reference.py).
 VARLEN_KERNEL: VarlenKernel | None = None
-_LOGGED: set = set()
 
 
 def varlen_kernel() -> VarlenKernel | None:
@@ -190,7 +178,7 @@ def varlen_kernel() -> VarlenKernel | None:
 
 
 def packed_backend(q: torch.Tensor, eager: bool) -> str:
-    """The packed backend for ``q``, logged once per (backend, device type, dtype).
+    """The packed backend for ``q`` (``models.runtime.choose_backend`` logs it once).
 
     ``'flash'`` where flash-attn's varlen kernel can run (installed, CUDA, fp16/bf16), else
     ``'varlen'`` where ``varlen_kernel()`` can (torch >= 2.10, CUDA, fp16/bf16), else ``'eager'``
@@ -204,13 +192,6 @@ def packed_backend(q: torch.Tensor, eager: bool) -> str:
         backend = "varlen"
     else:
         backend = "eager" if eager else "sdpa"
-    key = (backend, q.device.type, q.dtype)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        from mmengine.logging import print_log
-
-        print_log(f"xtuner-rope: packed attention uses the '{backend}' backend "
-                  f"({q.device.type}, {q.dtype}).", logger="current")
     return backend
 
 

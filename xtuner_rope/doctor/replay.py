@@ -16,36 +16,11 @@ import torch
 from mmengine import MessageHub
 from torch import nn
 
-from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from .batch_stats import segment_ids
+from xtuner_rope.batch.record import load_record, save_record
+from xtuner_rope.batch.stats import segment_ids
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 
 __all__ = ['Finding', 'build_run_model', 'load_record', 'replay', 'save_record']
-
-RECORD_FORMAT = 'xtuner_rope.nonfinite/1'
-
-
-def save_record(path: str | Path, record: dict) -> Path:
-    """Write a failure record (tensors, numbers, strings only: loadable with weights_only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(dict(record, format=RECORD_FORMAT), path)
-    return path
-
-
-def load_record(path: str | Path) -> dict:
-    """Read a record written by :func:`save_record`.
-
-    Raises:
-        ValueError: the file is not such a record.
-    """
-    record = torch.load(path, map_location='cpu', weights_only=True)
-    if not isinstance(record, dict) or record.get('format') != RECORD_FORMAT:
-        got = record.get('format') if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f'load_record: {path}: expected a NonFiniteTripwireHook batch file '
-                         f'(format {RECORD_FORMAT!r}), got {got!r}. Pass the file named in the '
-                         'tripwire error.')
-    return record
-
 
 @dataclass
 class Finding:
@@ -189,8 +164,8 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
-    from .checkpoint import load_checkpoint
-    from .models.internlm2 import patch_internlm2_attention
+    from xtuner_rope.checkpoint import load_checkpoint
+    from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get('weights')
     if weights is None:

@@ -2,7 +2,7 @@
 
 Pure functions over the items a built XTuner dataset yields (``input_ids`` and ``labels``,
 plain or packed with ``cumulative_len`` / ``position_ids``) and over a collate callable; the
-config side lives in :mod:`xtuner_rope.doctor`. No MMEngine, no XTuner.
+config side lives in :mod:`xtuner_rope.doctor.diagnose`. No MMEngine, no XTuner.
 
 A label is *supervised* when it is not ``IGNORE_INDEX`` and it is not a document's first
 label: the causal shift predicts token ``t`` from the tokens before it, so a document's first
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from .collate import IGNORE_INDEX
+from xtuner_rope.collate import IGNORE_INDEX
 
 FIRST_INDICES = 10  # how many offending indices a report lists per kind
 PERCENTILES = (0, 50, 90, 99, 100)

@@ -1,6 +1,6 @@
 """The measurements of ``xtuner-rope check``: a batch's documents, packed against alone.
 
-Shared with the isolation capture of real runs (:mod:`xtuner_rope.check_capture`). All
+Shared with the isolation capture of real runs (:mod:`xtuner_rope.doctor.check_capture`). All
 logits and losses are compared in fp32 (the model's logits upcast), on the CPU.
 """
 
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from mmengine import MessageHub
 from mmengine.dist import get_rank
 
-from .attention import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, packed_backend
-from .packing import cumulative_from_position_ids
-from .validate import row_boundaries
+from xtuner_rope.batch.checks import row_boundaries
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.ops.attention import packed_backend
+from xtuner_rope.ops.packing import cumulative_from_position_ids
 
 IGNORE_INDEX = -100
 # Keys of XTuner batches that the HF forward does not take (the boundary hooks pop them).

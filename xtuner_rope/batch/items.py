@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from xtuner_rope.inputs import to_int_tensor
-from xtuner_rope.packing import cumulative_from_position_ids, position_ids_from_cumulative
+from xtuner_rope.ops.inputs import to_int_tensor
+from xtuner_rope.ops.packing import cumulative_from_position_ids, position_ids_from_cumulative
 
 __all__ = ['Sample', 'parse_sample', 'check_id_range', 'is_supervised', 'item_error',
            'IGNORE_INDEX']

@@ -21,7 +21,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from torch import nn
 
-from . import check_measure as cm
+from xtuner_rope.doctor import check_measure as cm
 
 CAPTURE_FILE = "isolation_capture.pt"
 
@@ -127,7 +127,7 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
         ``{'documents', 'boundaries', 'max_abs_diff', 'per_document': [...],
         'loss': {'captured', 'documents'}}``. Packs that did not record their boundaries
         (stock XTuner packing) get them from the same packs rebuilt with
-        ``use_varlen_attn=True`` (see :func:`xtuner_rope.check.first_batches`).
+        ``use_varlen_attn=True`` (see :func:`xtuner_rope.doctor.check.first_batches`).
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     data = saved["data"]

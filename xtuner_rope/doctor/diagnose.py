@@ -4,7 +4,7 @@ Before paying for GPUs: the config is loaded and started as ``xtuner train`` sta
 (``set_model_resource``, which runs the plugin's start-up fixes), the train dataset is built
 with XTuner's own builders, and every sample and the first sampler batches are checked. The
 report (:func:`diagnose`) is a JSON-ready dict; :func:`exit_code` says whether training would
-fail or be silently wrong. Output files and the printed summary: :mod:`xtuner_rope.doctor_report`.
+fail or be silently wrong. Output files and the printed summary: :mod:`xtuner_rope.doctor.report`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ from functools import partial
 
 from mmengine.config import Config
 
-from . import startup
-from .doctor_packing import build_dialogues_and_packs, packing_figures
-from .doctor_stats import length_percentiles, plan_summary, scan_samples, simulate_collate
-from .overrides import recheck_config
+from xtuner_rope import startup
+from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
+from xtuner_rope.doctor.stats import (
+    length_percentiles,
+    plan_summary,
+    scan_samples,
+    simulate_collate,
+)
+from xtuner_rope.overrides import recheck_config
 
 DEFAULT_BATCHES = 200
 
@@ -139,7 +144,7 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 
 def _build_dataset(cfg: Config, facts: dict):
     """``(dataset, dialogues)``: the train dataset, and for offline packing the dialogues
-    before packing in stream order (None otherwise); see :mod:`xtuner_rope.doctor_packing`."""
+    before packing in stream order (None otherwise); see :mod:`xtuner_rope.doctor.packing`."""
     from xtuner.registry import BUILDER
 
     if not facts["pack_to_max_length"]:

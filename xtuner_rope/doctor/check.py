@@ -4,7 +4,7 @@ The config is started as ``xtuner train`` starts it (``set_model_resource``, whi
 plugin's start-up, then the ``--cfg-options`` overrides, in that order), MMEngine's ``Runner``
 builds its model (real weights from the config's path, on this machine's device) and its hooks,
 and the first batches come from the config's own dataset and collate function. Then, for each
-batch, :mod:`xtuner_rope.check_measure` compares the packed rows with each document alone:
+batch, :mod:`xtuner_rope.doctor.check_measure` compares the packed rows with each document alone:
 
 1. unpatched (the model as built): each document alone, its logits, loss and gradients;
    greedy generation of the first document's prompt;
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from mmengine.config import Config
 
-from . import check_measure as cm
-from . import startup
-from .check_report import judge
-from .doctor import build_collate_fn, plugin_resource
+from xtuner_rope import startup
+from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.doctor.check_report import judge
+from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).

@@ -1,0 +1,1 @@
+"""What the collate function and the batch hooks share: items, batch checks, statistics, records."""

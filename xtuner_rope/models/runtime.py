@@ -1,0 +1,57 @@
+"""What the family integrations read from the running trainer: boundaries and the backend log.
+
+The boundaries of the current batch travel as XTuner's varlen convention
+(``VarlenAttnArgsToMessageHubHook``; ``PackedBatchCheckHook`` publishes them the same way):
+one ``MessageHub`` instance, one key per rank. ``ops.attention`` knows nothing of MMEngine;
+this module reads the hub for it and logs, once, which packed backend each device and dtype
+got.
+"""
+
+from __future__ import annotations
+
+import torch
+from mmengine import MessageHub
+from mmengine.dist import get_rank
+from mmengine.logging import print_log
+
+from xtuner_rope.ops.attention import DocumentPlan, document_plan, packed_backend
+
+__all__ = ["CUMULATIVE_KEY", "MAX_SEQLEN_KEY", "VARLEN_HUB", "batch_document_plan",
+           "choose_backend", "hub_cumulative_len"]
+
+# MessageHub instance and key prefixes of XTuner's varlen convention.
+VARLEN_HUB = "varlen_attn_args"
+CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
+MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
+
+_LOGGED: set = set()
+
+
+def hub_cumulative_len() -> object:
+    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention.
+
+    Returns:
+        What the hub holds (checked against the batch by ``document_plan``), or None.
+    """
+    if not MessageHub.check_instance_created(VARLEN_HUB):
+        return None
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    return hub.get_info(CUMULATIVE_KEY.format(rank=get_rank()))
+
+
+def batch_document_plan(position_ids: torch.Tensor | None, b: int, s: int,
+                        device: torch.device) -> DocumentPlan | None:
+    """``ops.attention.document_plan`` with this rank's published boundaries, if any."""
+    return document_plan(position_ids, b, s, device, published=hub_cumulative_len(),
+                         source=f"MessageHub '{VARLEN_HUB}'")
+
+
+def choose_backend(q: torch.Tensor, eager: bool) -> str:
+    """``ops.attention.packed_backend``, logged once per (backend, device type, dtype)."""
+    backend = packed_backend(q, eager)
+    key = (backend, q.device.type, q.dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        print_log(f"xtuner-rope: packed attention uses the '{backend}' backend "
+                  f"({q.device.type}, {q.dtype}).", logger="current")
+    return backend
