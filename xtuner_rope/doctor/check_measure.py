@@ -168,7 +168,7 @@ def packed_forward(runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[
                 out.loss.backward()
     finally:
         reset_boundaries()
-    return out.logits.detach().float().cpu(), float(out.loss), dropped
+    return out.logits.detach().float().cpu(), float(out.loss.detach()), dropped
 
 
 def logits_differences(packed: torch.Tensor, alone: list[torch.Tensor],
