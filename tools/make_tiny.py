@@ -3,21 +3,23 @@
     python tools/make_tiny.py --family mistral --out models/tiny-mistral
 
 Families: internlm2, llama, qwen2, mistral (2 layers, hidden 64, GQA 4/2 heads, vocabulary of
-1024 byte-level BPE tokens trained on the package's sample dialogues). Works from any
-directory; the same arguments give the same files.
+1024 byte-level BPE tokens trained on the package's sample dialogues), and clip (a CLIP vision
+tower with its image processor, for XTuner's LLaVA configs: 2 layers, hidden 32, 56x56 images,
+16 image tokens). Works from any directory; the same arguments give the same files.
 """
 
 import argparse
 import time
 
 from xtuner_rope.demo.tiny import FAMILIES, save_tiny
+from xtuner_rope.demo.tiny_clip import save_tiny_clip
 
 
 def parser(family: str | None = None) -> argparse.ArgumentParser:
     """The command line; ``family`` fixes the family (``make_tiny_internlm2.py``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     if family is None:
-        p.add_argument("--family", required=True, choices=FAMILIES, help="model family")
+        p.add_argument("--family", required=True, choices=(*FAMILIES, "clip"), help="model family")
     p.add_argument("--out", default=f"models/tiny-{family}" if family else None,
                    required=family is None, help="checkpoint directory")
     p.add_argument("--data", default=None,
@@ -32,7 +34,10 @@ def main(family: str | None = None) -> None:
     args = parser(family).parse_args()
     family = family or args.family
     start = time.perf_counter()
-    out = save_tiny(args.out, family, args.data, seed=args.seed, vocab_size=args.vocab_size)
+    if family == "clip":
+        out = save_tiny_clip(args.out, seed=args.seed)
+    else:
+        out = save_tiny(args.out, family, args.data, seed=args.seed, vocab_size=args.vocab_size)
     print(f"tiny {family} written to {out} in {time.perf_counter() - start:.1f} s")
 
 

@@ -504,6 +504,119 @@ def xtuner_pack_step(pack_fn):
         hf.pack_dataset = original
 
 
+def _model_resource_config():
+    """The config of a running xtuner 0.2.0 ``set_model_resource`` up the stack, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "set_model_resource" \
+                and frame.f_code.co_filename.endswith(os.path.join("xtuner", "tools", "utils.py")):
+            cfg = frame.f_locals.get("cfg")
+            return cfg if hasattr(cfg, "_cfg_dict") else None
+        frame = frame.f_back
+    return None
+
+
+def patch_model_resource_llm_path() -> bool:
+    """Give a LLaVA config the ``pretrained_model_name_or_path`` XTuner's start-up reads.
+
+    xtuner 0.2.0 ``set_model_resource`` calls ``fn(cfg["pretrained_model_name_or_path"])``;
+    XTuner's LLaVA/InternVL configs name the LLM ``llm_name_or_path`` and have no such key:
+    ``xtuner train`` stops with ``KeyError: 'pretrained_model_name_or_path'``. The config's
+    ``from xtuner_rope import enable_xtuner_rope`` is imported (lazily) by that very call, just
+    before the key is read, so here the config being started gets the key, set to its
+    ``llm_name_or_path`` (logged). Applies only inside that call (``xtuner train``).
+    """
+    cfg = _model_resource_config()
+    if cfg is None or "pretrained_model_name_or_path" in cfg._cfg_dict:
+        return False
+    llm_path = dict.get(cfg._cfg_dict, "llm_name_or_path")
+    if not isinstance(llm_path, str):
+        return False
+    cfg._cfg_dict["pretrained_model_name_or_path"] = llm_path
+    from mmengine.logging import print_log
+
+    print_log("xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA config names its "
+              f"LLM llm_name_or_path); set to llm_name_or_path = {llm_path!r} for XTuner's "
+              "set_model_resource.", logger="current")
+    return True
+
+
+def keep_other_model_paths(cfg) -> bool:
+    """Stop xtuner 0.2.0 ``set_model_resource`` overwriting the paths of other models.
+
+    After ``model_resource.fn`` returns, XTuner writes its result into *every* nested
+    ``pretrained_model_name_or_path`` of the config: in a LLaVA config the CLIP encoder's and
+    the image processor's become the LLM's path (``OSError: ... does not appear to have a file
+    named preprocessor_config.json``). xtuner-rope's ``model_resource`` functions return the
+    config's own path unchanged, so that write-back only ever changes the paths of other
+    models: it is skipped, once, by handing XTuner's walk an empty ``items()`` of the config.
+    Call from inside ``fn``; nothing happens when no nested path differs.
+
+    Returns:
+        True if the write-back will be skipped.
+    """
+    top = cfg._cfg_dict
+    path = dict.get(top, "pretrained_model_name_or_path")
+    if not any(v != path for v in _nested_paths(top)) or _model_resource_config() is not cfg:
+        return False
+    base = type(top)
+
+    class _SkipWriteBack(base):
+        def items(self):
+            object.__setattr__(self, "__class__", base)
+            if sys._getframe(1).f_code.co_name in ("set_model_resource", "<listcomp>"):
+                return []
+            return base.items(self)
+
+    object.__setattr__(top, "__class__", _SkipWriteBack)
+    return True
+
+
+def _nested_paths(node, depth: int = 0):
+    """Every ``pretrained_model_name_or_path`` below the top level of a config dict."""
+    items = dict.items(node) if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else ()
+    for key, value in items:
+        if depth and key == "pretrained_model_name_or_path":
+            yield value
+        if isinstance(value, (dict, list)):
+            yield from _nested_paths(value, depth + 1)
+
+
+def patch_llava_expansion_check(model, max_position: int | None) -> bool:
+    """Check the sequence a LLaVA model's LLM really sees, after the image expansion.
+
+    xtuner 0.2.0 ``LLaVAModel.forward`` replaces each image placeholder by the image's patch
+    embeddings in ``prepare_inputs_labels_for_multimodal`` (a module global of
+    ``xtuner.model.llava``) and rebuilds ``attention_mask`` and ``position_ids`` there: the
+    per-batch checks before the forward never see that sequence (a row of image tokens past
+    the RoPE range got no message). Wraps that function (once) so its output goes through
+    ``xtuner_rope.models.llava.check_expanded_batch``; ``max_position`` is updated per call.
+
+    Returns:
+        True if ``model`` holds a ``LLaVAModel`` (the check is on), else False.
+    """
+    if not any(type(m).__name__ == "LLaVAModel" for m in model.modules()):
+        return False
+    import xtuner.model.llava as llava
+
+    from .models.llava import check_expanded_batch
+
+    current = llava.prepare_inputs_labels_for_multimodal
+    original = getattr(current, "__wrapped__", current)
+
+    @functools.wraps(original)
+    def checked(llm, **kwargs):
+        out = original(llm=llm, **kwargs)
+        if kwargs.get("pixel_values") is not None:
+            check_expanded_batch(out, checked.max_position)
+        return out
+
+    checked.max_position = max_position
+    llava.prepare_inputs_labels_for_multimodal = checked
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
@@ -514,7 +627,7 @@ def apply() -> list[str]:
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
                   patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
-                  patch_sft_forward_names_missing_hook):
+                  patch_sft_forward_names_missing_hook, patch_model_resource_llm_path):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

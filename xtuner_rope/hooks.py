@@ -15,7 +15,8 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.batch.checks import batch_data, check_packed_batch, row_boundaries
+from xtuner_rope.batch.checks import batch_data, row_boundaries
+from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
 
@@ -201,6 +202,7 @@ class PackedBatchCheckHook(Hook):
         self._isolating = isolates_documents(runner.model)
         self._checked_limits = self._limits(runner)
         self._reported = False
+        compat.patch_llava_expansion_check(runner.model, self._checked_limits[1])
 
     def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:
         """One log line per loop: what the first batch holds, so a run shows its packing."""
@@ -250,7 +252,7 @@ class PackedBatchCheckHook(Hook):
         if self._checked_limits is None:
             self._inspect_model(runner)
         vocab, max_position = self._checked_limits
-        check_packed_batch(data, vocab_size=vocab, max_position=max_position)
+        check_batch_with_images(data, vocab_size=vocab, max_position=max_position)
         b, s = data["input_ids"].shape
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)

@@ -36,7 +36,7 @@ from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
-from .compat import cpu_only
+from .compat import cpu_only, keep_other_model_paths
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
@@ -280,6 +280,9 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
+    from .startup_multimodal import multimodal_findings  # it builds on this module's Finding
+
+    findings += multimodal_findings(cfg)
     return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
 
 
@@ -346,6 +349,7 @@ def prepare_started_config(path: str) -> str:
     cfg = _config_being_started()
     if cfg is not None:
         prepare_config(cfg)
+        keep_other_model_paths(cfg)  # a LLaVA config's CLIP paths are not the LLM's
     return path
 
 

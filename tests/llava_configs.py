@@ -1,0 +1,54 @@
+"""XTuner's stock LLaVA configs as a user gets them (``xtuner copy-cfg``), pointed at local files.
+
+The edits any user makes to run a stock LLaVA config on their own machine: the LLM and CLIP
+paths, the data, no pretrain-stage projector (``pretrained_pth = None``: we have none), a
+short ``max_length``, a learning rate for a tiny model, one optimizer step per iteration, a
+local evaluation image, and on a CPU-only machine fp32 ``OptimWrapper`` instead of
+``AmpOptimWrapper``. ``enable_plugin_llava`` makes the README's one edit after
+``llm_name_or_path``. Each edit must match exactly once (``stock_configs.sub_once``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stock_configs import PLUGIN_EDIT, sub_once
+
+FINETUNE = "llava_internlm2_chat_7b_clip_vit_large_p14_336_e1_gpu8_finetune"
+PRETRAIN = "llava_internlm2_chat_1_8b_clip_vit_large_p14_336_e1_gpu8_pretrain"
+
+
+def localize_llava(config: Path, llm: Path, clip: Path, data_json: Path, batch_size: int = 4,
+                   cpu: bool = True) -> str:
+    """The user's own-machine edits of a stock LLaVA config; returns the new text."""
+    text = config.read_text(encoding="utf-8")
+    text = sub_once(text, r'^llm_name_or_path = ".*"$', f'llm_name_or_path = "{llm}"')
+    text = sub_once(text, r'^visual_encoder_name_or_path = ".*"$',
+                    f'visual_encoder_name_or_path = "{clip}"')
+    if "pretrained_pth = " in text:
+        text = sub_once(text, r'^pretrained_pth = ".*"(  # noqa: E501)?$', "pretrained_pth = None")
+    text = sub_once(text, r'^data_path = .*$', f'data_path = "{data_json}"')
+    text = sub_once(text, r'^image_folder = .*$', f'image_folder = "{data_json.parent / "images"}"')
+    text = sub_once(text, r"^max_length = .*$", "max_length = 256")
+    text = sub_once(text, r"^batch_size = \d+", f"batch_size = {batch_size}")
+    text = sub_once(text, r"^dataloader_num_workers = \d+", "dataloader_num_workers = 0")
+    text = sub_once(text, r"^lr = .*$", "lr = 1e-3")
+    text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
+    text = sub_once(text, r"^warmup_ratio = .*$", "warmup_ratio = 0.3")  # >= 1 of few iterations
+    first_image = sorted((data_json.parent / "images").iterdir())[0]
+    text = sub_once(text, r'^evaluation_images = ".*"$', f'evaluation_images = "{first_image}"')
+    text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is this?"]')
+    text = sub_once(text, r"^(        quantization_config=dict\((\n.*?)*?\n        \),\n)", "")  \
+        if "quantization_config=" in text else text
+    if cpu:
+        text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
+        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
+        text = sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
+                        "from mmengine.optim import OptimWrapper,")
+    return text
+
+
+def enable_plugin_llava(text: str, with_pretrained_alias: bool = False) -> str:
+    """The README's one edit after ``llm_name_or_path`` (optionally the user's alias line too)."""
+    alias = "pretrained_model_name_or_path = llm_name_or_path\n" if with_pretrained_alias else ""
+    return sub_once(text, r'^(llm_name_or_path = ".*"\n)', r"\g<1>" + alias + PLUGIN_EDIT)
