@@ -1,0 +1,150 @@
+"""XTuner's stock LLaVA configs with the README's one edit, on a tiny CLIP + tiny InternLM2.
+
+One real ``xtuner train`` of the stock finetune config (copied with ``xtuner copy-cfg``, the
+user's own-machine edits of ``llava_configs.localize_llava``, the edit after
+``llm_name_or_path``), on drawn images plus short text-only dialogues, with the LLM's inputs of
+iteration 1 captured and each sample compared with itself alone through the unpatched LLM.
+The other claims (the user's ``pretrained_model_name_or_path = llm_name_or_path`` line, the
+fp16 pretrain config, InternVL) run XTuner's own start-up (``set_model_resource``) without
+training, and the batch checks run on hand-made batches.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llava_configs as lc
+import pytest
+import stock_configs as sc
+import torch
+from mmengine.config import Config
+
+from xtuner_rope import compat, startup
+from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
+from xtuner_rope.demo.llava_data import write_llava_data
+from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
+from xtuner_rope.models.llava import check_expanded_batch
+
+CAPTURE = ("from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("llava")
+    sc.ensure_tiny_model()
+    return {"root": root, "llm": sc.tiny_with_remote_code(root / "tiny-internlm2-remote"),
+            "clip": save_tiny_clip(root / "tiny-clip"),
+            "data": write_llava_data(root / "data", n_images=12, n_text=12),
+            "finetune": sc.copy_stock(lc.FINETUNE, root),
+            "pretrain": sc.copy_stock(lc.PRETRAIN, root)}
+
+
+def _config(llava: dict, name: str, path: Path, alias: bool = False) -> Path:
+    text = lc.localize_llava(llava[name], llava["llm"], llava["clip"], llava["data"])
+    path.write_text(lc.enable_plugin_llava(text, with_pretrained_alias=alias))
+    return path
+
+
+def _started(*configs: Path) -> list[dict]:
+    """XTuner's own start-up (``set_model_resource``) in one fresh process: the paths after it."""
+    code = ("import json, sys; from mmengine.config import Config; "
+            "from xtuner.tools.utils import set_model_resource\n"
+            "for path in sys.argv[1:]:\n"
+            "    cfg = Config.fromfile(path); set_model_resource(cfg); d = cfg._cfg_dict\n"
+            "    print('PATHS=' + json.dumps({'llm': d.model.llm.pretrained_model_name_or_path, "
+            "'clip': d.model.visual_encoder.pretrained_model_name_or_path, "
+            "'processor': d.image_processor.pretrained_model_name_or_path, "
+            "'tokenizer': d.tokenizer.pretrained_model_name_or_path, "
+            "'llm_dtype': str(d.model.llm.torch_dtype)}))")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, configs)], capture_output=True,
+                          text=True, env=sc.venv_env(), timeout=300, cwd=sc.REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x.removeprefix("PATHS=")) for x in proc.stdout.splitlines()
+            if x.startswith("PATHS=")]
+
+
+def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_path):
+    config = _config(llava, "finetune", tmp_path / "finetune.py")
+    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
+                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
+    proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    run = check_run(tmp_path / "run", min_iters=6)
+    assert "pretrained_model_name_or_path: missing (a LLaVA config names its LLM" in out
+    assert "removed EvaluateChatHook" in out
+    assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
+    assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+
+    result = compare_llava_capture(config, tmp_path / "run" / LLAVA_CAPTURE_FILE)
+    saved = torch.load(tmp_path / "run" / LLAVA_CAPTURE_FILE, weights_only=False)
+    lengths = saved["attention_mask"].sum(dim=1)
+    assert result["samples"] == 4 and len(set(lengths.tolist())) > 1, lengths  # padded rows
+    for sample in result["per_sample"]:
+        assert sample["max_abs_diff"] <= 1e-5 * max(1.0, sample["max_abs_logit"]), sample
+    assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
+    print(f"LLaVA finetune: {result['samples']} samples, max |trained - alone| "
+          f"{result['max_abs_diff']:.3g}, losses {run.losses}")
+
+
+def test_pretrain_fp16_llm_fp32_on_cpu_and_user_alias_line_keeps_clip_paths(llava, tmp_path):
+    """The stock pretrain config (fp16 LLM) with the edit; the finetune one with the user's
+    ``pretrained_model_name_or_path = llm_name_or_path`` line too."""
+    assert compat.cpu_only()
+    pretrain, alias = _started(_config(llava, "pretrain", tmp_path / "pretrain.py"),
+                               _config(llava, "finetune", tmp_path / "alias.py", alias=True))
+    assert pretrain["llm_dtype"] == "float32", pretrain
+    for paths in (pretrain, alias):
+        assert paths["llm"] == paths["tokenizer"] == str(llava["llm"])
+        assert paths["clip"] == paths["processor"] == str(llava["clip"])
+
+
+def test_internvl_config_is_refused_at_start_up():
+    from xtuner.configs import cfgs_name_path  # the file `xtuner copy-cfg` copies
+
+    cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_lora_finetune"])
+    with pytest.raises(startup.ConfigConflict, match="model.type: InternVL_V1_5: xtuner-rope "
+                       "has not been verified inside InternVL's own forward"):
+        startup.prepare_config(cfg)
+
+
+def _image_batch(placeholders, images):
+    ids = torch.randint(3, 100, (len(placeholders), 12))
+    for r, n in enumerate(placeholders):
+        ids[r, 2:2 + n] = IMAGE_TOKEN_INDEX
+    labels = ids.masked_fill(ids == IMAGE_TOKEN_INDEX, -100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids).bool(),
+            "pixel_values": torch.zeros(images, 3, 8, 8)}
+
+
+def test_batch_check_counts_image_placeholders():
+    check_batch_with_images(_image_batch([1, 0, 1], 3), vocab_size=1024)  # no tokenizer hint
+    with pytest.raises(ValueError, match=r"row 1 \(sample 1\), field 'input_ids': 2 image "
+                       r"placeholder\(s\) \(-200\), but field 'pixel_values' has 2 image"):
+        check_batch_with_images(_image_batch([1, 2], 2), vocab_size=1024)
+    with pytest.raises(ValueError, match=r"field 'pixel_values': 3 image\(s\), but the 2 "
+                       r"row\(s\) take 2 .*placeholders per row \[1, 0\]"):
+        check_batch_with_images(_image_batch([1, 0], 3), vocab_size=1024)
+    with pytest.raises(ValueError, match=r"field 'input_ids': expected ids in \[0, 50\)"):
+        check_batch_with_images(_image_batch([1, 0], 2), vocab_size=50)
+
+
+def test_expanded_sequence_is_checked_as_the_llm_sees_it():
+    n = image_tokens()
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, :40], mask[1, :25] = True, True
+    positions = torch.arange(40).expand(2, 40) * mask
+    out = {"inputs_embeds": torch.zeros(2, 40, 8), "attention_mask": mask,
+           "position_ids": positions}
+    check_expanded_batch(out, max_position=64)
+    with pytest.raises(ValueError, match=r"after the image expansion\): row 0, field "
+                       r"'position_ids': expected positions < max_position=32 \(the RoPE "
+                       r"range\), got 40 tokens after the images were expanded"):
+        check_expanded_batch(out, max_position=32)
+    mask[1] = False
+    with pytest.raises(ValueError, match=r"row 1, field 'attention_mask': expected at least one"):
+        check_expanded_batch(out)
+    assert n == 16
