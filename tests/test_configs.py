@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
 TINY_RECIPES = [c for c in CONFIGS if c.startswith("configs/tiny_")]  # CPU recipes
 GPU_RECIPES = [c for c in CONFIGS if c not in TINY_RECIPES]
+LLAVA_RECIPES = [c for c in CONFIGS if "llava" in c]  # multimodal: LLaVADataset, no packing
+TEXT_RECIPES = [c for c in CONFIGS if c not in LLAVA_RECIPES]
 DEEPSPEED_JSONS = sorted(str(p.relative_to(REPO))
                          for p in (REPO / "configs" / "deepspeed").glob("*.json"))
 TINY_MODEL = "models/tiny-internlm2"
@@ -91,7 +93,7 @@ def test_every_named_object_resolves(config):
             f"{where} = {name!r} is in no MMEngine/XTuner registry")
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", TEXT_RECIPES)
 def test_recipe_is_xtuner_style_and_enables_the_plugin(config):
     from xtuner_rope.collate import rope_collate_fn
     from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
@@ -119,6 +121,25 @@ def test_recipe_is_xtuner_style_and_enables_the_plugin(config):
     fn = _built(dict.get(cfg.model_resource, "fn"))
     assert fn.__module__.startswith("xtuner_rope."), fn
 
+
+
+@pytest.mark.parametrize("config", LLAVA_RECIPES)
+def test_llava_recipe_is_xtuner_style_and_enables_the_plugin(config):
+    text = (REPO / config).read_text()
+    found = [text.find(f"PART {i}  ") for i in range(1, 6)]
+    assert -1 not in found and found == sorted(found), f"PART 1-5 banners: {found}"
+    part1 = text[found[0]:found[1]]
+    for name in ("llm_name_or_path", "visual_encoder_name_or_path", "model_resource",
+                 "data_path", "image_folder", "max_length", "batch_size", "lr", "max_epochs"):
+        assert re.search(rf"^{name} = ", part1, re.M), f"{name} is not set in PART 1"
+    cfg = _load(config)
+    assert cfg.model.llm.pretrained_model_name_or_path == cfg.llm_name_or_path
+    assert cfg.model.visual_encoder.pretrained_model_name_or_path == \
+        cfg.visual_encoder_name_or_path == cfg.image_processor.pretrained_model_name_or_path
+    assert cfg.train_dataloader.dataset.data_path == cfg.data_path
+    fn = _built(dict.get(cfg.model_resource, "fn"))
+    assert fn.__module__.startswith("xtuner_rope."), fn
+    assert _type(cfg.optim_wrapper).__name__ == "OptimWrapper"  # fp32 on CPU
 
 @pytest.mark.parametrize("path", DEEPSPEED_JSONS)
 def test_deepspeed_json_states_its_dtype(path):

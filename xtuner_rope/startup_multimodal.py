@@ -9,8 +9,9 @@ encoder's and image processor's own paths). What the config itself must change i
   "mat1 and mat2 must have the same dtype" at the first step): it is loaded in fp32 (logged);
 - XTuner's ``EvaluateChatHook`` with ``evaluation_images`` generates from ``inputs_embeds``,
   which InternLM2's hub modeling code fails to do under transformers 4.48 ("The size of tensor
-  a (0) must match the size of tensor b ..." in ``_update_causal_mask``, with or without
-  xtuner-rope): the hook is removed before it runs (logged), so training is not stopped by it;
+  a (0) must match the size of tensor b ..." in the modeling code's own ``_update_causal_mask``,
+  before the plugin's attention runs): the hook is removed before it runs (logged), so
+  training is not stopped by it;
 - ``InternVL_V1_5`` models are refused: xtuner-rope has not been verified inside InternVL's
   own forward, so it names what to do instead of training something unchecked.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..startup import prepare_started_config
 
-__all__ = ["tiny_checkpoint"]
+__all__ = ["tiny_checkpoint", "tiny_llava"]
 
 
 def tiny_checkpoint(path: str, data_path: str | None = None, seed: int = 0,
@@ -47,3 +47,34 @@ def tiny_checkpoint(path: str, data_path: str | None = None, seed: int = 0,
     except OSError:  # another process got there first
         shutil.rmtree(tmp, ignore_errors=True)
     return prepare_started_config(path)
+
+
+def _build_once(path: str, marker: str, build) -> None:
+    """``build(tmp)`` then rename to ``path``, unless ``path/marker`` exists (process-safe)."""
+    if (Path(path) / marker).is_file():
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    build(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_llava(path: str, clip_path: str = "models/tiny-clip",
+               data_dir: str = "data/tiny_llava", seed: int = 0) -> str:
+    """The tiny LLaVA recipe's ``model_resource``: tiny LLM, tiny CLIP and data, then start.
+
+    Builds what is missing (the tiny InternLM2 at ``path``, the tiny CLIP vision tower and
+    image processor at ``clip_path``, drawn images plus short dialogues in LLaVA format under
+    ``data_dir``), then prepares the config as :func:`xtuner_rope.startup.enable_xtuner_rope`.
+
+    Returns:
+        ``path``.
+    """
+    from .llava_data import write_llava_data
+    from .tiny_clip import save_tiny_clip
+
+    _build_once(clip_path, "config.json", lambda tmp: save_tiny_clip(tmp, seed=seed))
+    _build_once(data_dir, "llava_data.json", lambda tmp: write_llava_data(tmp, seed=seed))
+    return tiny_checkpoint(path, seed=seed)
