@@ -76,6 +76,7 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
     assert "pretrained_model_name_or_path: missing (a LLaVA config names its LLM" in out
     assert "removed EvaluateChatHook" in out
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
+    assert "the sequence its LLM sees after the image expansion is checked every step" in out
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
     from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
 
@@ -148,3 +149,18 @@ def test_expanded_sequence_is_checked_as_the_llm_sees_it():
     with pytest.raises(ValueError, match=r"row 1, field 'attention_mask': expected at least one"):
         check_expanded_batch(out)
     assert n == 16
+
+
+def test_tiny_clip_and_llava_data_are_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    a, b = save_tiny_clip(tmp_path / "a"), save_tiny_clip(tmp_path / "b")
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ja = write_llava_data(tmp_path / "da", n_images=3, n_text=3)
+    jb = write_llava_data(tmp_path / "db", n_images=3, n_text=3)
+    assert ja.read_text() == jb.read_text()
+    rows = json.loads(ja.read_text())
+    assert sum("image" in r for r in rows) == 3 and "image" in rows[0]
+    assert all((ja.parent / "images" / r["image"]).read_bytes()
+               == (jb.parent / "images" / r["image"]).read_bytes() for r in rows if "image" in r)

@@ -614,6 +614,12 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
 
     checked.max_position = max_position
     llava.prepare_inputs_labels_for_multimodal = checked
+    if current is original:
+        from mmengine.logging import print_log
+
+        print_log("xtuner-rope: LLaVAModel: the sequence its LLM sees after the image expansion "
+                  f"is checked every step (attended tokens, positions < {max_position}).",
+                  logger="current")
     return True
 
 
