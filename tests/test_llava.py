@@ -164,3 +164,21 @@ def test_tiny_clip_and_llava_data_are_deterministic(tmp_path):
     assert sum("image" in r for r in rows) == 3 and "image" in rows[0]
     assert all((ja.parent / "images" / r["image"]).read_bytes()
                == (jb.parent / "images" / r["image"]).read_bytes() for r in rows if "image" in r)
+
+
+def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
+    """Where xtuner_rope is imported first (the doctor, check, replay start configs in process),
+    XTuner's ``set_model_resource`` still finds the LLM path and keeps the CLIP paths."""
+    import xtuner.tools.utils as xtuner_utils
+
+    cfg = Config.fromfile(str(_config(llava, "finetune", tmp_path / "in_process.py")))
+    state = dict(startup._STATE)
+    try:
+        xtuner_utils.set_model_resource(cfg)
+    finally:
+        startup._STATE.update(state)
+    d = cfg._cfg_dict
+    assert d.pretrained_model_name_or_path == d.model.llm.pretrained_model_name_or_path \
+        == str(llava["llm"])
+    assert d.model.visual_encoder.pretrained_model_name_or_path == str(llava["clip"])
+    assert d.image_processor.pretrained_model_name_or_path == str(llava["clip"])

@@ -526,7 +526,11 @@ def patch_model_resource_llm_path() -> bool:
     before the key is read, so here the config being started gets the key, set to its
     ``llm_name_or_path`` (logged). Applies only inside that call (``xtuner train``).
     """
-    cfg = _model_resource_config()
+    return _give_llm_path(_model_resource_config())
+
+
+def _give_llm_path(cfg) -> bool:
+    """``cfg.pretrained_model_name_or_path = cfg.llm_name_or_path`` where only the latter is set."""
     if cfg is None or "pretrained_model_name_or_path" in cfg._cfg_dict:
         return False
     llm_path = dict.get(cfg._cfg_dict, "llm_name_or_path")
@@ -538,6 +542,30 @@ def patch_model_resource_llm_path() -> bool:
     print_log("xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA config names its "
               f"LLM llm_name_or_path); set to llm_name_or_path = {llm_path!r} for XTuner's "
               "set_model_resource.", logger="current")
+    return True
+
+
+def patch_set_model_resource_llm_path() -> bool:
+    """The same gap for later callers of xtuner 0.2.0 ``set_model_resource`` in this process.
+
+    Where ``xtuner_rope`` is already imported when the config is started (``xtuner-rope
+    doctor`` / ``check`` / ``replay`` call ``xtuner.tools.utils.set_model_resource`` in
+    process), :func:`patch_model_resource_llm_path` cannot act: the module's function gets the
+    LLM path first instead (same ``KeyError`` otherwise).
+    """
+    import xtuner.tools.utils as xtuner_utils
+
+    original = xtuner_utils.set_model_resource
+    if getattr(original, "__wrapped__", None) is not None:
+        return False
+
+    @functools.wraps(original)
+    def with_llm_path(cfg):
+        if cfg.get("model_resource"):
+            _give_llm_path(cfg)
+        return original(cfg)
+
+    xtuner_utils.set_model_resource = with_llm_path
     return True
 
 
@@ -633,7 +661,8 @@ def apply() -> list[str]:
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
                   patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
-                  patch_sft_forward_names_missing_hook, patch_model_resource_llm_path):
+                  patch_sft_forward_names_missing_hook, patch_model_resource_llm_path,
+                  patch_set_model_resource_llm_path):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)
