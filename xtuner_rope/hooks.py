@@ -23,6 +23,7 @@ from . import compat
 from .models.hf import (
     HF_ATTENTION_CLASSES,
     HF_FAMILIES,
+    fp32_rotation_modules,
     integration_for,
     is_patched_hf_attention,
     patch_hf_model,
@@ -68,7 +69,7 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
     if integration == "hf":
         layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
         count = patch_hf_model(model, max_position=max_position)
-        for module_name in sorted({type(layer).__module__ for layer in layers}):
+        for module_name in fp32_rotation_modules(layers):
             compat.patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
         return count, type(layers[0]).__name__.removesuffix("Attention")
     raise ValueError(
