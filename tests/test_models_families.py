@@ -226,3 +226,19 @@ def test_served_and_unknowable_checkpoints_are_not_refused(tmp_path):
     assert checkpoint_verdict("no-such-org/no-such-model") is None
     assert checkpoint_verdict(str(tmp_path)) is None
     assert checkpoint_verdict(_checkpoint(tmp_path, "untyped", architectures=["X"])) is None
+
+
+def test_tiny_checkpoints_of_the_new_families_load_with_transformers(tmp_path):
+    # What tools/make_tiny.py --family F writes (save_tiny), loaded back by plain transformers.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xtuner_rope.demo.tiny import save_tiny
+
+    for family in ("phi3", "mixtral", "qwen2_moe", "gemma", "cohere"):
+        path = save_tiny(tmp_path / family, family)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert type(model).__module__ == FAMILIES[family].module
+        fresh = build_tiny_hf(family, len(AutoTokenizer.from_pretrained(path)))
+        for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)  # seeded: the same
+        assert patch_model(model)[0] == 2
