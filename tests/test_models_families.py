@@ -137,6 +137,7 @@ def test_family_table_keeps_the_old_names():
             "Qwen2MoeSdpaAttention"} <= set(HF_ATTENTION_CLASSES)
     assert FAMILIES["cohere"].interleaved and not FAMILIES["cohere"].fp32_apply
     assert integration_for(build("qwen2_moe", "eager")) == "hf"
+    assert patch_model(build("qwen2_moe", "sdpa")) == (2, "Qwen2Moe")  # named as in the log
 
 
 @pytest.mark.parametrize("kind", ["longrope", "su"])
