@@ -2,8 +2,9 @@
 
     python tools/make_tiny.py --family mistral --out models/tiny-mistral
 
-Families: internlm2, llama, qwen2, mistral (2 layers, hidden 64, GQA 4/2 heads, vocabulary of
-1024 byte-level BPE tokens trained on the package's sample dialogues), and clip (a CLIP vision
+Families: internlm2, llama, qwen2, mistral, phi3, mixtral, qwen2_moe, gemma, cohere (2 layers,
+hidden 64, GQA 4/2 heads, each family's quirks: MoE experts, Gemma's MQA; vocabulary of 1024
+byte-level BPE tokens trained on the package's sample dialogues), and clip (a CLIP vision
 tower with its image processor, for XTuner's LLaVA configs: 2 layers, hidden 32, 56x56 images,
 16 image tokens). Works from any directory; the same arguments give the same files.
 """

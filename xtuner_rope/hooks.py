@@ -21,9 +21,11 @@ from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
 
 from . import compat
+from .models.families import family_of_class
 from .models.hf import (
     HF_ATTENTION_CLASSES,
     HF_FAMILIES,
+    fp32_rotation_modules,
     integration_for,
     is_patched_hf_attention,
     patch_hf_model,
@@ -69,9 +71,11 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
     if integration == "hf":
         layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
         count = patch_hf_model(model, max_position=max_position)
-        for module_name in sorted({type(layer).__module__ for layer in layers}):
+        for module_name in fp32_rotation_modules(layers):
             compat.patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
-        return count, type(layers[0]).__name__.removesuffix("Attention")
+        # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".
+        return count, family_of_class(type(layers[0]).__name__).attention[0].removesuffix(
+            "Attention")
     raise ValueError(
         f"ValidatedRoPEHook: {type(_unwrap(model)).__name__} has no attention layer xtuner-rope "
         f"can serve. Supported families: InternLM2 / InternLM2.5 (classes "

@@ -143,6 +143,24 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
         "backend", _setitem(llm, "attn_implementation", "sdpa"))]
 
 
+def model_family_findings(cfg: Config) -> list[Finding]:
+    """The LLM's family, read from its ``config.json`` before a weight loads: refuse what
+    xtuner-rope cannot serve (``models.families.REFUSED``: GPT-BigCode, remote-code families).
+
+    A hub id that is not in the local cache cannot be known offline: nothing is found here and
+    ``ValidatedRoPEHook`` refuses such a model after it loaded.
+    """
+    from .models.families import UNSERVED_ADVICE, checkpoint_verdict
+
+    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
+    if verdict is None or verdict[1] is None:
+        return []
+    where, refusal = verdict
+    return [Finding("model.llm.pretrained_model_name_or_path", f"{where}: {refusal}",
+                    UNSERVED_ADVICE)]
+
+
 def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:
     """``attn_implementation`` of the LLM's local ``config.json`` (None for a hub id)."""
     import json
@@ -283,7 +301,8 @@ def inspect_config(cfg: Config) -> list[Finding]:
     from .startup_multimodal import multimodal_findings  # it builds on this module's Finding
 
     findings += multimodal_findings(cfg)
-    return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
+    return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
+            + model_family_findings(cfg))
 
 
 def conflict_message(conflicts: list[Finding]) -> str:

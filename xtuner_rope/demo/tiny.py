@@ -1,5 +1,6 @@
 """Tiny checkpoints of every supported family: a tokenizer trained on our sample dialogues
-and a seeded model (InternLM2, Llama, Qwen2, Mistral; 2 layers, hidden 64).
+and a seeded model (InternLM2, Llama, Qwen2, Mistral, Phi-3, Mixtral, Qwen2-MoE, Gemma,
+Cohere; 2 layers, hidden 64).
 
 Everything here is deterministic and offline: the same dialogues and seed give the same
 tokenizer files and the same weights, so tests and demos never download a checkpoint. The
@@ -45,7 +46,20 @@ CHAT_TEMPLATE = (
 )
 
 
-FAMILIES = ("internlm2", "llama", "qwen2", "mistral")
+FAMILIES = ("internlm2", "llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma",
+            "cohere")
+
+# Each family's quirk in its tiny model, on top of TINY_MODEL_KWARGS: MoE with 4 experts of
+# which 2 route each token (Qwen2-MoE: plus its shared expert); Gemma's MQA (1 kv head) with
+# head_dim 32 != hidden / heads and tied embeddings; Cohere's tied embeddings (qk-norm is the
+# ``use_qk_norm`` override).
+FAMILY_KWARGS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+    "gemma": dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+    "cohere": dict(tie_word_embeddings=True),
+}
 
 
 def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
@@ -131,12 +145,13 @@ def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
 
 
 def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny transformers Llama / Qwen2 / Mistral ``ForCausalLM``.
+    """Build a randomly initialised tiny transformers ``ForCausalLM`` of ``family``.
 
-    Same sizes as the tiny InternLM2 (``TINY_MODEL_KWARGS``), GQA included.
+    Same sizes as the tiny InternLM2 (``TINY_MODEL_KWARGS``), GQA included, plus the family's
+    quirks (``FAMILY_KWARGS``).
 
     Args:
-        family: ``'llama'``, ``'qwen2'`` or ``'mistral'``.
+        family: One of :data:`FAMILIES` but ``'internlm2'``.
         vocab_size: Embedding rows; use ``len(tokenizer)``.
         seed: Seed for the weight initialisation (the global torch RNG is restored after).
         **overrides: Config fields replacing the defaults.
@@ -144,21 +159,16 @@ def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
     Returns:
         The model in fp32 and eval mode.
     """
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
-    if family not in classes:
-        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(classes)}.")
-    config_cls, model_cls = classes[family]
-    config = config_cls(vocab_size=vocab_size, **{**TINY_MODEL_KWARGS, **overrides})
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi3",
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "gemma": "Gemma", "cohere": "Cohere"}
+    if family not in names:
+        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(names)}.")
+    config_cls = getattr(transformers, f"{names[family]}Config")
+    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
+    kwargs = {**TINY_MODEL_KWARGS, **FAMILY_KWARGS.get(family, {}), **overrides}
+    config = config_cls(vocab_size=vocab_size, **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
@@ -179,8 +189,8 @@ def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path | None 
     """Train the tokenizer, build the model and save both as one checkpoint directory.
 
     The tokenizer files are saved with the weights, so ``AutoTokenizer`` and
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` load it offline. Llama, Qwen2 and Mistral
-    load with plain transformers. The InternLM2 checkpoint carries no remote code (no
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` load it offline. The transformers
+    families load with plain transformers. The InternLM2 checkpoint carries no remote code (no
     ``auto_map``): after ``import xtuner_rope`` it resolves to XTuner's InternLM2 classes.
 
     Args:

@@ -1,8 +1,11 @@
 """What is specific to one model family, a file per family.
 
 ``internlm2.py`` (+ ``internlm2_kv_cache.py``): InternLM2's fused ``wqkv`` attention, XTuner's and
-remote-code classes by name, both KV-cache contracts. ``hf.py`` (+ ``hf_rope.py``): Llama, Qwen2
-and Mistral through transformers' attention interface and their model-level rotary.
+remote-code classes by name, both KV-cache contracts. ``hf.py`` (+ ``hf_rope.py``): the
+transformers families (Llama, Qwen2, Mistral, Phi-3, Mixtral, Gemma, Cohere, Qwen2-MoE) through
+their attention interface (Qwen2-MoE: its layers' forward) and their model-level rotary.
+``families.py``: the table of those families and their quirks, and what is refused (read from a
+checkpoint's ``config.json`` before loading).
 """
 
 from .hf import (

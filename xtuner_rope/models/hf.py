@@ -1,6 +1,8 @@
-"""Document-isolating attention and validated RoPE for transformers' Llama, Qwen2 and Mistral.
+"""Document-isolating attention and validated RoPE for the transformers families.
 
-In transformers 4.48 these families' attention layers rotate q/k with the ``position_embeddings``
+The families and their quirks are one table, ``models.families.FAMILIES`` (Llama, Qwen2,
+Mistral, Phi-3, Mixtral, Gemma, Cohere, Qwen2-MoE). In transformers 4.48 most of these
+families' attention layers rotate q/k with the ``position_embeddings``
 (cos, sin) of the model's one rotary module, then call
 ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (or the family's
 ``eager_attention_forward`` for ``"eager"``). ``patch_hf_model`` plugs in there:
@@ -17,12 +19,17 @@ Packed rows (boundaries published in the ``MessageHub`` by ``PackedBatchCheckHoo
 position-id resets) go through the family-free ``attention.packed_attention``; rows without
 boundaries, left-padded prompts (first position not 0) and steps with cached keys take the
 original kernel unchanged, so generation matches the unpatched model.
+
+Qwen2-MoE (4.48) still has one attention class per backend, each with its own ``forward``:
+its layers get ``moe_attention_forward`` as an instance attribute instead (packed rows through
+the same ``packed_attention``, everything else through the class's own forward).
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import types
 
 import torch
 from torch import nn
@@ -30,14 +37,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from xtuner_rope.ops.attention import packed_attention
 
+from .families import attention_classes, family_names, family_of_class, rotary_classes
 from .hf_rope import HFValidatedRotaryEmbedding
 from .internlm2 import INTERNLM2_ATTENTION_CLASSES
 from .runtime import batch_document_plan, choose_backend, hub_cumulative_len
 
-# Attention and rotary classes of the supported families, by name (as XTuner's dispatch does).
-HF_ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
-HF_ROTARY_CLASSES = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding")
-HF_FAMILIES = "Llama (2/3), Qwen2 (2.5), Mistral"
+# Attention and rotary classes of the supported families, by name (as XTuner's dispatch does);
+# the table with each family's quirks is models.families.FAMILIES.
+HF_ATTENTION_CLASSES = attention_classes()
+HF_ROTARY_CLASSES = rotary_classes()
+HF_FAMILIES = family_names()
 PACKED_ATTENTION_KEY = "xtuner_rope_packed"
 DENSE_KERNEL_ATTR = "xtuner_rope_dense_kernel"
 
@@ -129,11 +138,61 @@ def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         q, k, v, plan, choose_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")), None
 
 
+def moe_attention_forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                          position_ids=None, past_key_value=None, output_attentions=False,
+                          use_cache=False, cache_position=None, position_embeddings=None,
+                          **kwargs):
+    """Qwen2-MoE attention (any of its backend classes): packed rows isolated, the rest upstream.
+
+    Same signature and return as transformers 4.48 ``Qwen2MoeAttention.forward``:
+    ``hidden_states`` ``[b, s, hidden]``, ``position_ids`` ``[b, s]``, ``position_embeddings``
+    (cos, sin) ``[b, s, h_d]``; returns (``[b, s, hidden]``, None, the cache).
+    """
+    b, s, _ = hidden_states.shape
+    cached = past_key_value.get_seq_length(self.layer_idx) if past_key_value is not None else 0
+    plan = None if output_attentions else _plan(position_ids, b, s, s + cached,
+                                                hidden_states.device)
+    if plan is None:
+        return type(self).forward(self, hidden_states, attention_mask, position_ids,
+                                  past_key_value, output_attentions, use_cache, cache_position,
+                                  position_embeddings, **kwargs)
+    family = sys.modules[type(self).__module__]
+    q, k, v = (proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, h_d]
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    cos, sin = position_embeddings
+    q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
+    if past_key_value is not None:
+        k, v = past_key_value.update(k, v, self.layer_idx, {"sin": sin, "cos": cos,
+                                                            "cache_position": cache_position})
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    config = self.config
+    window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
+    _check_packable(self, plan, self.head_dim, dict(
+        dropout=self.attention_dropout if self.training else 0.0, sliding_window=window))
+    eager = getattr(self, DENSE_KERNEL_ATTR) == "eager"
+    out = packed_attention(*(x.transpose(1, 2) for x in (q, k, v)), plan,
+                           choose_backend(q, eager))  # [b, s, n_h, h_d]
+    return self.o_proj(out.reshape(b, s, -1)), None, past_key_value
+
+
 def is_patched_hf_attention(layer: nn.Module) -> bool:
-    """True if ``layer`` is a supported family's attention routed to ``hf_packed_attention``."""
+    """True if ``layer`` is a supported family's attention routed to ``hf_packed_attention``
+    (or, for a ``forward``-interface family, running ``moe_attention_forward``)."""
+    family = family_of_class(type(layer).__name__)
+    if family is None or not hasattr(layer, DENSE_KERNEL_ATTR):
+        return False
+    if family.interface == "forward":
+        return getattr(layer.forward, "__func__", None) is moe_attention_forward
     config = getattr(layer, "config", None)
-    return (type(layer).__name__ in HF_ATTENTION_CLASSES and hasattr(layer, DENSE_KERNEL_ATTR)
-            and getattr(config, "_attn_implementation", None) == PACKED_ATTENTION_KEY)
+    return getattr(config, "_attn_implementation", None) == PACKED_ATTENTION_KEY
+
+
+def fp32_rotation_modules(layers: list[nn.Module]) -> list[str]:
+    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` needs
+    ``compat.patch_hf_fp32_rotation`` (Cohere's upcasts to fp32 itself, and rotates interleaved
+    halves, which the wrapper's kernel does not)."""
+    return sorted({type(layer).__module__ for layer in layers
+                   if family_of_class(type(layer).__name__).fp32_apply})
 
 
 def integration_for(model: nn.Module) -> str | None:
@@ -152,6 +211,15 @@ def _route(layers: list[nn.Module]) -> None:
     for layer in layers:
         if is_patched_hf_attention(layer):
             continue
+        family = family_of_class(type(layer).__name__)
+        if family.interface == "forward":  # one class per backend; the first is eager
+            name = type(layer).__name__
+            kernel = ("eager" if name == family.attention[0] else
+                      "flash_attention_2" if "Flash" in name else "sdpa")
+            setattr(layer, DENSE_KERNEL_ATTR, kernel)
+            # An instance attribute, as XTuner's own dispatch does: other instances untouched.
+            layer.forward = types.MethodType(moe_attention_forward, layer)
+            continue
         original = layer.config
         if id(original) not in copies:
             routed = copy.copy(original)
@@ -167,7 +235,9 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in HF_ROTARY_CLASSES:
-                child = HFValidatedRotaryEmbedding.from_module(child, max_position)
+                family = family_of_class(type(child).__name__)
+                child = HFValidatedRotaryEmbedding.from_module(child, max_position,
+                                                               family.interleaved)
                 setattr(parent, name, child)
             if isinstance(child, HFValidatedRotaryEmbedding):
                 if max_position is not None:
@@ -177,7 +247,7 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
 
 
 def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
-    """Give a Llama / Qwen2 / Mistral model the validated RoPE and document-isolating attention.
+    """Give a model of a ``FAMILIES`` family the validated RoPE and document-isolating attention.
 
     Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
     ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. The fp32 rotation

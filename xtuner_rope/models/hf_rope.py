@@ -1,13 +1,15 @@
 """Validated RoPE for the transformers families with one rotary module per model.
 
-Llama, Qwen2 and Mistral (transformers 4.48) compute cos/sin once per forward in
+Llama, Qwen2, Mistral, Phi-3, Mixtral, Qwen2-MoE, Gemma and Cohere (transformers 4.48) compute cos/sin once per forward in
 ``model.model.rotary_emb`` and pass them to every attention layer as ``position_embeddings``.
 Upstream that module keeps ``inv_freq`` as a floating buffer (``model.bfloat16()`` and
 DeepSpeed round it to bf16: angles off by radians at long positions), grows dynamic-NTK
 frequencies for good after one long batch, and checks no position id.
 ``HFValidatedRotaryEmbedding`` replaces it: fp32 ``inv_freq`` whatever the cast, fp32 cos/sin
 from the real positions (the yarn / llama3 attention scaling applied), dynamic NTK computed per
-call from that call's positions, and a ValueError for a bad position id. Torch only.
+call from that call's positions, and a ValueError for a bad position id. Phi-3's ``longrope``
+(``"su"`` in older configs) uses transformers' own frequencies, short or long as upstream picks
+them per call; Cohere's interleaved layout is an ``interleaved=True`` flag.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rope import cos_sin_at
 from xtuner_rope.ops.rope import inv_freq as default_inv_freq
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 _ADVICE = ("truncate or split the sequence, enable rope_scaling, or pass max_position= to "
            "patch_hf_model to allow more")
 
@@ -57,7 +59,7 @@ def _yarn_inv_freq(base: float, dim: int, max_positions: int, scaling: dict, dev
 
 
 class HFValidatedRotaryEmbedding(nn.Module):
-    """Rotary embedding of a transformers Llama/Qwen2/Mistral model, validated and fp32.
+    """Rotary embedding of a transformers family's model (``models.families``), validated, fp32.
 
     Args:
         config: The model's ``PretrainedConfig`` (``rope_theta``, ``head_dim`` or
@@ -65,19 +67,26 @@ class HFValidatedRotaryEmbedding(nn.Module):
             with ``rope_type`` or the older ``type`` key).
         max_position: Optional override of the position limit (see ``limit``).
         device: Device of ``inv_freq``.
+        interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere) instead of
+            ``[f0, f1, ..., f0, f1, ...]``.
 
     Raises:
         ValueError: A ``rope_type`` outside ``SUPPORTED_ROPE_TYPES``.
     """
 
-    def __init__(self, config, max_position: int | None = None, device=None):
+    def __init__(self, config, max_position: int | None = None, device=None,
+                 interleaved: bool = False):
         super().__init__()
+        self.config, self.interleaved = config, interleaved
         scaling = dict(getattr(config, "rope_scaling", None) or {})
         self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+        longrope_unsized = self.rope_type == "longrope" and not (
+            getattr(config, "original_max_position_embeddings", None) or scaling.get("factor"))
+        if self.rope_type not in SUPPORTED_ROPE_TYPES or longrope_unsized:
             raise ValueError(
                 f"rope_scaling rope_type={self.rope_type!r} of {type(config).__name__} is not "
-                f"supported by the validated RoPE (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+                f"supported by the validated RoPE (supported: {', '.join(SUPPORTED_ROPE_TYPES)}; "
+                "longrope with original_max_position_embeddings or a factor, as Phi-3's); "
                 "train without ValidatedRoPEHook / patch_hf_model for this model.")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
@@ -88,17 +97,32 @@ class HFValidatedRotaryEmbedding(nn.Module):
         if self.rope_type == "yarn":
             self.attention_scaling = scaling.get("attention_factor") or 0.1 * math.log(
                 scaling["factor"]) + 1.0
+        if self.rope_type == "longrope":  # transformers' own: its attention factor too
+            self.attention_scaling = self._longrope(None, device)[1]
+            self.original = (getattr(config, "original_max_position_embeddings", None)
+                             or config.max_position_embeddings)
         self.register_buffer("inv_freq", self.inv_freq_at(None, device), persistent=False)
 
     @classmethod
-    def from_module(cls, rotary: nn.Module, max_position: int | None = None):
+    def from_module(cls, rotary: nn.Module, max_position: int | None = None,
+                    interleaved: bool = False):
         """Build one from an upstream rotary module (its ``config``, on its ``inv_freq`` device)."""
-        return cls(rotary.config, max_position, rotary.inv_freq.device)
+        return cls(rotary.config, max_position, rotary.inv_freq.device, interleaved)
+
+    def _longrope(self, seq_len: int | None, device=None):
+        """transformers' longrope (fp32): short factors up to ``original_max_position_embeddings``
+        positions, long factors beyond (``seq_len`` is the length served)."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](self.config, device, seq_len=seq_len)
+        return inv_freq.float(), attention
 
     def inv_freq_at(self, seq_len: int | None, device=None) -> torch.Tensor:
         """fp32 inverse frequencies ``[h_d/2]``; ``seq_len`` (dynamic NTK only) is the length
         the frequencies must serve, at least ``max_position_embeddings``."""
         scaling, dim = self.scaling, self.dim
+        if self.rope_type == "longrope":
+            return self._longrope(seq_len, device)[0]
         if self.rope_type == "yarn":
             return _yarn_inv_freq(self.base, dim, self.max_position_embeddings, scaling, device)
         base = self.base
@@ -121,7 +145,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
         desc = f"max_position_embeddings={self.max_position_embeddings}"
         if self.rope_type == "dynamic":
             return None, "dynamic NTK scaling"
-        if self.rope_type == "default":
+        if self.rope_type in ("default", "longrope"):  # longrope: max_position_embeddings
             return self.max_position_embeddings, desc
         original = (self.scaling.get("original_max_position_embeddings")
                     or self.max_position_embeddings)
@@ -160,10 +184,27 @@ class HFValidatedRotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq.to(x.device)
         if self.rope_type == "dynamic" and hi + 1 > self.max_position_embeddings:
             inv_freq = self.inv_freq_at(hi + 1, x.device)  # this call only: no sticky growth
+        if self.rope_type == "longrope" and hi + 1 > self.original:
+            inv_freq = self._long_factors(position_ids, hi, x.device)
         cos, sin = cos_sin_at(position_ids.to(x.device), inv_freq, hi)  # [b, s, h_d]
+        if self.interleaved:  # [f0, f1, .., f0, f1, ..] -> [f0, f0, f1, f1, ..]
+            half = cos.shape[-1] // 2
+            cos, sin = (t[..., :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos, sin
+
+    def _long_factors(self, position_ids: torch.Tensor, hi: int, device) -> torch.Tensor:
+        """longrope's long frequencies; refused where a packed row would hand them to documents
+        that alone get the short ones (upstream picks one set per call, by the largest position)."""
+        if position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any()):
+            raise ValueError(
+                f"longrope: a packed batch holds a document reaching position {hi}, beyond "
+                f"original_max_position_embeddings={self.original}; upstream then rotates every "
+                "document of the batch with the long factors, which the shorter documents alone "
+                f"would not get. Keep packed documents within {self.original} tokens (max_length) "
+                "or collate with pack=False.")
+        return self.inv_freq_at(hi + 1, device)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, "

@@ -1,0 +1,171 @@
+"""Which model families xtuner-rope serves, how, and which it refuses: one table.
+
+``FAMILIES`` maps each served transformers family (4.48, native classes) to its attention and
+rotary classes by name (as XTuner's dispatch finds layers) and its quirks:
+
+- ``interface``: ``"attention"`` when its attention layers call
+  ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (Llama, Qwen2, Mistral, Phi-3,
+  Mixtral, Gemma, Cohere), ``"forward"`` when each backend is its own class with its own
+  ``forward`` (Qwen2-MoE in 4.48): that forward is replaced on the layer;
+- ``interleaved``: cos/sin interleave the frequencies (``[f0, f0, f1, f1, ...]``, Cohere)
+  instead of repeating the half (``[f0, f1, ..., f0, f1, ...]``);
+- ``fp32_apply``: the family's ``apply_rotary_pos_emb`` needs ``compat.patch_hf_fp32_rotation``
+  to rotate bf16/fp16 q, k in fp32 (Cohere's already upcasts to fp32 itself).
+
+``REFUSED`` names what cannot be served, by ``config.json`` ``model_type``; ``checkpoint_verdict``
+reads a local checkpoint's ``config.json`` (no weight, no remote code) so the start-up can refuse
+before anything loads. Pure Python: nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Family:
+    """One served transformers family.
+
+    Attributes:
+        name: What users call it (in messages and the README).
+        model_types: ``config.json`` ``model_type`` values of its checkpoints.
+        module: The transformers modeling module.
+        attention: Attention class names; for ``interface="forward"`` the first is the eager one.
+        rotary: Rotary class names (model-level; Qwen2-MoE also has an unused one per layer).
+        interface: ``"attention"`` or ``"forward"`` (see the module docstring).
+        interleaved: cos/sin interleave the frequencies (Cohere).
+        fp32_apply: ``apply_rotary_pos_emb`` needs the fp32 wrapper of ``compat``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    module: str
+    attention: tuple[str, ...]
+    rotary: tuple[str, ...]
+    interface: str = "attention"
+    interleaved: bool = False
+    fp32_apply: bool = True
+
+
+def _family(key: str, name: str, cls: str, **quirks) -> Family:
+    return Family(name, (key,), f"transformers.models.{key}.modeling_{key}", (f"{cls}Attention",),
+                  (f"{cls}RotaryEmbedding",), **quirks)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _family("llama", "Llama (2/3; Yi, DeepSeek-coder)", "Llama"),
+    "qwen2": _family("qwen2", "Qwen2 (2.5, 1.5)", "Qwen2"),
+    "mistral": _family("mistral", "Mistral (Zephyr)", "Mistral"),
+    "phi3": _family("phi3", "Phi-3", "Phi3"),
+    "mixtral": _family("mixtral", "Mixtral", "Mixtral"),
+    "gemma": _family("gemma", "Gemma", "Gemma"),
+    "cohere": _family("cohere", "Cohere", "Cohere", interleaved=True, fp32_apply=False),
+    "qwen2_moe": Family(
+        "Qwen2-MoE (Qwen1.5-MoE)", ("qwen2_moe",),
+        "transformers.models.qwen2_moe.modeling_qwen2_moe",
+        ("Qwen2MoeAttention", "Qwen2MoeSdpaAttention", "Qwen2MoeFlashAttention2"),
+        ("Qwen2MoeRotaryEmbedding",), interface="forward"),
+}
+
+_REMOTE = ("its modeling code is a checkpoint's remote code that xtuner-rope has no integration "
+           "for (its attention and rotary are not validated)")
+UNSERVED_ADVICE = ("use a checkpoint of a served family, or train this one without xtuner-rope: "
+                   "remove `model_resource = dict(fn=enable_xtuner_rope)` and the xtuner_rope "
+                   "hooks/collate from the config, and train without packing "
+                   "(pack_to_max_length=False) or with XTuner's own varlen attention on a GPU "
+                   "with flash-attn")
+# model_type -> (family, why not). InternLM2 is served by models/internlm2.py (not listed).
+REFUSED: dict[str, tuple[str, str]] = {
+    "gpt_bigcode": ("GPT-BigCode (StarCoder)", "it has no rotary position embedding (learned "
+                    "absolute positions), so there is no RoPE to validate and its attention "
+                    "has no document-isolating integration"),
+    "internlm": ("InternLM (1)", _REMOTE),
+    "internlm3": ("InternLM3", _REMOTE),
+    "baichuan": ("Baichuan / Baichuan2", _REMOTE),
+    "chatglm": ("ChatGLM 2/3", _REMOTE),
+    "minicpm": ("MiniCPM", _REMOTE),
+    "minicpm3": ("MiniCPM3", _REMOTE),
+    "qwen": ("Qwen (1)", _REMOTE),
+    "deepseek_v2": ("DeepSeek-V2", _REMOTE),
+}
+
+
+def served_model_types() -> set[str]:
+    """Every ``model_type`` xtuner-rope serves (InternLM2 included)."""
+    return {t for f in FAMILIES.values() for t in f.model_types} | {"internlm2"}
+
+
+def attention_classes() -> tuple[str, ...]:
+    """Attention class names of every transformers family in ``FAMILIES``."""
+    return tuple(c for f in FAMILIES.values() for c in f.attention)
+
+
+def rotary_classes() -> tuple[str, ...]:
+    """Rotary class names of every transformers family in ``FAMILIES``."""
+    return tuple(c for f in FAMILIES.values() for c in f.rotary)
+
+
+def family_of_class(class_name: str) -> Family | None:
+    """The family whose attention or rotary class is named ``class_name``."""
+    for family in FAMILIES.values():
+        if class_name in family.attention + family.rotary:
+            return family
+    return None
+
+
+def family_names() -> str:
+    """``"Llama (...), Qwen2 (...), ..."`` for messages."""
+    return ", ".join(f.name for f in FAMILIES.values())
+
+
+def _config_json(path: object) -> Path | None:
+    """The ``config.json`` of a local directory, or of a hub id already in the local cache."""
+    if not isinstance(path, str) or not path:
+        return None
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return local
+    if Path(path).exists() or path.count("/") != 1:
+        return None  # a local path without config.json, or no hub id
+    try:  # offline: only what a previous download left in the cache
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+    except Exception:  # noqa: BLE001 - an unknowable id is not an error here
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
+    """What a local checkpoint's ``config.json`` says about serving it.
+
+    Args:
+        path: ``pretrained_model_name_or_path`` of the config's LLM.
+
+    Returns:
+        None where it cannot be known offline (a hub id not in the local Hugging Face cache,
+        no ``config.json``, no ``model_type``): the model hook refuses after loading, as a
+        fallback. Else ``(description, None)`` for a served family and
+        ``(description, refusal)`` for one that is refused, the refusal naming the family and
+        why (``UNSERVED_ADVICE`` says what to do).
+    """
+    config = _config_json(path)
+    if config is None:
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = str(data.get("model_type") or "").lower()
+    if not model_type:
+        return None
+    where = f"{config} (model_type {model_type!r}, architectures {data.get('architectures')})"
+    if model_type in served_model_types():
+        return where, None
+    family, why = REFUSED.get(model_type, (model_type, "xtuner-rope has no integration for it"))
+    if "auto_map" in data and model_type not in REFUSED:
+        why += " (its modeling code is remote code)"
+    return where, (f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, "
+                   f"{family_names()})")
