@@ -280,7 +280,10 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
-    return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
+    from .preference import preference_findings  # it builds on this module's Finding
+
+    return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
+            + preference_findings(cfg))
 
 
 def conflict_message(conflicts: list[Finding]) -> str:
