@@ -70,3 +70,12 @@ def localize_preference(config: Path, name: str, data: Path, model: Path = sc.TI
     text = sc.sub_once(text, r'^    loss_scale="dynamic",\n    dtype="float16",\n', "")
     return sc.sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
                        "from mmengine.optim import OptimWrapper,")
+
+
+CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import PreferenceCaptureHook  # noqa: E402\n"
+           "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
+
+
+def with_preference_capture(text: str) -> str:
+    """Add ``PreferenceCaptureHook`` (iteration 3 saved) at the end of the config."""
+    return text + CAPTURE
