@@ -135,3 +135,26 @@ def test_mismatched_varlen_switches_refused_at_start(pref):
                              r"use_varlen_attn .*model\.use_varlen_attn=False.*\n  -> set "
                              r"use_varlen_attn = True"):
         startup.prepare_config(cfg)
+
+
+def test_check_reward_model_passes(pref, tmp_path, capsys):
+    """`xtuner-rope check` on a reward config: before, AttributeError ('...has no attribute
+    logits'); now the scores and the reward token's hidden states, packed vs alone."""
+    from xtuner_rope.cli import main
+
+    assert main(["check", str(pref[pc.REWARD]), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "XTuner reward model" in out and "PASS: every response" in out, out
+
+
+def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
+    """The stock DPO config without the one edit: policy and reference log-probs leak, exit 1."""
+    from xtuner_rope.cli import main
+
+    text = pref[pc.DPO].read_text().replace(sc.PLUGIN_EDIT, "")
+    config = tmp_path / "dpo_without_plugin.py"
+    config.write_text(text)
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: policy_chosen: packed differs from each response alone" in out, out
+    assert "reference_rejected" in out and "model_resource = dict(fn=enable_xtuner_rope)" in out

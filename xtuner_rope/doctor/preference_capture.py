@@ -208,11 +208,11 @@ def _differences(captured: dict, expected: dict) -> dict:
             for name in captured}
 
 
-def compare_preference_capture(config: str | Path, capture: str | Path) -> dict:
+def compare_preference_capture(config: str | Path | Config, capture: str | Path) -> dict:
     """Captured per-response values against each response alone (unpatched, float64 sums).
 
     Args:
-        config: The config that was trained (its ``llm`` is built from its path).
+        config: The config that was trained, or its file (its ``llm`` is built from its path).
         capture: The ``preference_capture.pt`` of :class:`PreferenceCaptureHook`.
 
     Returns:
@@ -224,8 +224,8 @@ def compare_preference_capture(config: str | Path, capture: str | Path) -> dict:
         the same loss from the responses alone.
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
-    cfg, kind, data, state = (Config.fromfile(str(config)), saved["kind"], saved["data"],
-                              saved["state_dict"])
+    cfg = config if isinstance(config, Config) else Config.fromfile(str(config))
+    kind, data, state = saved["kind"], saved["data"], saved["state_dict"]
     models = ({"policy_": _llm_with(cfg, state, "llm."),
                "reference_": _llm_with(cfg, state, "ref_llm.")} if kind == "dpo"
               else {"": _llm_with(cfg, state, "llm.")})
