@@ -158,3 +158,35 @@ def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL: policy_chosen: packed differs from each response alone" in out, out
     assert "reference_rejected" in out and "model_resource = dict(fn=enable_xtuner_rope)" in out
+
+
+def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):
+    """Pairs, not packed rows, are described; pairs over max_packed_length are counted,
+    against XTuner's own PackedDatasetWrapper bins."""
+    import json
+
+    from mmengine.config import Config
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.cli import main
+
+    assert main(["doctor", str(pref[pc.DPO]), "--out", str(tmp_path), "--cfg-options",
+                 "train_dataloader.dataset.max_packed_length=200"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())["preference"]
+    cfg = Config.fromfile(str(pref[pc.DPO]))
+    cfg.train_dataloader.dataset.max_packed_length = 200
+    packed = BUILDER.build(cfg.train_dataloader.dataset)
+    kept = sum(len(bin_) for bin_ in packed.data)
+    assert report["pairs"] == 200 and report["rows"] > 0, report  # packs: shuffle_before_pack
+    assert report["dropped_over_max_packed_length"] == 200 - kept > 0, (report, kept)
+    assert f"{200 - kept} pairs dropped" in out and "max_length=None" not in out, out
+    assert "are dropped by PackedDatasetWrapper: raise max_packed_length" in out
+
+
+def test_doctor_refuses_stock_reward_token(pref, tmp_path, capsys):
+    from xtuner_rope.cli import main
+
+    assert main(["doctor", str(pref[f"{pc.REWARD}_stock_token"]), "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM      conflict: reward_token_id" in out and "92527 is outside" in out, out
