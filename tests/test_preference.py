@@ -71,9 +71,12 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
         assert min(result["leak_max_abs_diff"].values()) > LEAK_FLOOR[kind], result
     if "alone" in result["loss"]:
         assert abs(result["loss"]["captured"] - result["loss"]["alone"]) <= 1e-5, result["loss"]
+    states = result["reward_token_states"]
     print(f"{kind}: {result['pairs']} pairs, max |trained - alone| "
           f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
-          f"{max(result['leak_max_abs_diff'].values()):.3g}")
+          f"{max(result['leak_max_abs_diff'].values()):.3g}" + (
+              f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
+              f"{states['leak_max_abs_diff']:.3g}" if states else ""))
     return result
 
 
