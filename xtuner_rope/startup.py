@@ -298,11 +298,12 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
-    from .startup_multimodal import multimodal_findings  # it builds on this module's Finding
+    from .preference import preference_findings  # these build on this module's Finding
+    from .startup_multimodal import multimodal_findings
 
     findings += multimodal_findings(cfg)
     return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
-            + model_family_findings(cfg))
+            + model_family_findings(cfg) + preference_findings(cfg))
 
 
 def conflict_message(conflicts: list[Finding]) -> str:

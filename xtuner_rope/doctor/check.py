@@ -235,6 +235,9 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
     cfg = start_config(config, cfg_options)
+    from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
+    if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
+        return run_preference_check(cfg, config, Path(work_dir))
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device
     dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)

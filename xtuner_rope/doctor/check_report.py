@@ -87,6 +87,9 @@ def judge(report: dict) -> dict:
 
 def format_summary(report: dict) -> str:
     """The short text printed by ``xtuner-rope check``."""
+    if report.get("kind") == "preference":
+        from xtuner_rope.doctor.check_preference import format_preference_summary
+        return format_preference_summary(report)
     m, fig, gen = report["model"], report["figures"], report["generation"]
     docs = sum(b["documents"] for b in report["batches"])
     rows = sum(b["rows"] for b in report["batches"])

@@ -15,6 +15,7 @@ from mmengine.config import Config
 
 from xtuner_rope import startup
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
+from xtuner_rope.doctor.preference import preference_figures, preference_warnings
 from xtuner_rope.doctor.stats import (
     length_percentiles,
     plan_summary,
@@ -214,7 +215,9 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     }
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
                             or scan.documents > len(dataset))
+    report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["problems"], report["warnings"] = judge(report)
+    report["warnings"] += preference_warnings(report)
     report["exit_code"] = exit_code(report)
     return report, lengths
 

@@ -9,6 +9,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.preference import preference_lines
+
 
 def _pct(share: float | None) -> str:
     return "n/a" if share is None else f"{100 * share:.1f}%"
@@ -81,7 +83,8 @@ def format_summary(report: dict) -> str:
              "plugin       " + (f"enabled ({plugin['model_resource']})" if plugin["enabled"]
                                 else "NOT enabled (no model_resource from xtuner_rope)")]
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
-    lines += _data_lines(report) + _collate_lines(report)
+    lines += (preference_lines(report) if report.get("preference") else _data_lines(report))
+    lines += _collate_lines(report)
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]

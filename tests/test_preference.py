@@ -1,0 +1,195 @@
+"""XTuner's stock DPO, ORPO and reward-model varlen configs through the real `xtuner train`.
+
+Each config is copied with `xtuner copy-cfg`, localized (tiny InternLM2 with hub-style remote
+code, a few hundred local pairs, fp32 optimizer, see preference_configs.py) and turned on with
+the README's one edit. `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
+so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
+of policy and reference, and every reward score, computed on the packed row must equal the
+response run alone through the unpatched model, summed in float64 by the test; the same row
+through the unpatched model (the leak without the plugin) must not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import preference_configs as pc
+import pytest
+import stock_configs as sc
+from mmengine.config import Config
+
+from xtuner_rope import startup
+from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.doctor.preference_capture import capture_file, compare_preference_capture
+
+pytestmark = pytest.mark.slow
+
+RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=3", "randomness.seed=0",
+       "default_hooks.logger.interval=1")
+# A free token of the tiny vocabulary (1,024 ids, 6 special): ids 6.. are ordinary pieces,
+# but the reward token only has to be inside the vocabulary for this test.
+REWARD_TOKEN = 7
+# fp32 sums of ~100 log-probs of magnitude ~7 against float64: relative rounding ~1e-7.
+RTOL = 1e-5
+# Measured leak of the unpatched packed row at iteration 3 (tiny model): DPO 0.15-0.37 nats,
+# ORPO 0.0125-0.0195 (average log-prob): far above RTOL.
+LEAK_FLOOR = {"dpo": 1e-2, "orpo": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def pref(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("preference")
+    sc.ensure_tiny_model()
+    model = sc.tiny_with_remote_code(root / "tiny-remote")
+    data = pc.write_preference_pairs(root / "pairs.jsonl", n=200)
+    configs = {}
+    for name in (pc.DPO, pc.ORPO, pc.REWARD):
+        copy = sc.copy_stock(name, root)
+        token = REWARD_TOKEN if name == pc.REWARD else None
+        text = pc.localize_preference(copy, name, data, model=model, reward_token_id=token)
+        configs[name] = root / f"{name}.py"
+        configs[name].write_text(pc.with_preference_capture(sc.enable_plugin(text)))
+        configs[f"{name}_stock_token"] = root / f"{name}_stock_token.py"
+        configs[f"{name}_stock_token"].write_text(sc.enable_plugin(
+            pc.localize_preference(copy, name, data, model=model)))
+    return {"root": root, "model": model, **configs}
+
+
+def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
+    result = compare_preference_capture(config, capture)
+    assert result["kind"] == kind and result["pairs"] >= 2, result
+    for name, values in result["alone"].items():
+        diff = result["max_abs_diff"][name]
+        scale = max(1.0, max(abs(v) for v in values))
+        assert diff <= RTOL * scale, (name, diff, result["captured"][name], values)
+    if kind == "reward":  # the head starts at zero: its scores move slowly, its inputs do not
+        states = result["reward_token_states"]
+        assert states["max_abs_diff"] <= RTOL and states["leak_max_abs_diff"] > 0.1, states
+    else:
+        assert min(result["leak_max_abs_diff"].values()) > LEAK_FLOOR[kind], result
+    if "alone" in result["loss"]:
+        assert abs(result["loss"]["captured"] - result["loss"]["alone"]) <= 1e-5, result["loss"]
+    states = result["reward_token_states"]
+    print(f"{kind}: {result['pairs']} pairs, max |trained - alone| "
+          f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
+          f"{max(result['leak_max_abs_diff'].values()):.3g}" + (
+              f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
+              f"{states['leak_max_abs_diff']:.3g}" if states else ""))
+    return result
+
+
+@pytest.mark.parametrize("name,kind", [(pc.DPO, "dpo"), (pc.ORPO, "orpo"),
+                                       (pc.REWARD, "reward")])
+def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
+    """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
+    `dist.get_rank()` ("Default process group has not been initialized")."""
+    proc = sc.xtuner_train(pref[name], tmp_path, *RUN)
+    check_run(tmp_path, min_iters=3)
+    assert "Default process group has not been initialized" not in proc.stdout + proc.stderr
+    _assert_isolated(pref[name], tmp_path / capture_file(), kind)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
+    """`NPROC_PER_NODE=2 xtuner train --launcher pytorch` (torchrun, gloo): each rank's pack."""
+    import subprocess
+
+    cmd = ["xtuner", "train", str(pref[pc.DPO]), "--work-dir", str(tmp_path), "--launcher",
+           "pytorch", "--cfg-options", *RUN, "env_cfg.dist_cfg.backend=gloo"]
+    env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
+    check_run(tmp_path, min_iters=3)
+    for rank in range(2):
+        _assert_isolated(pref[pc.DPO], tmp_path / capture_file(rank, 2), "dpo")
+
+
+def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):
+    cfg = Config.fromfile(str(pref[f"{pc.REWARD}_stock_token"]))
+    with pytest.raises(startup.ConfigConflict,
+                       match=r"reward_token_id \(PART 1; train_dataloader\.dataset\."
+                             r"reward_token_id\): 92527 is outside the vocabulary .*vocab_size "
+                             r"1024.*\n  -> set reward_token_id to an id in 0\.\.1023"):
+        startup.prepare_config(cfg)
+
+
+@pytest.mark.parametrize("name", [pc.DPO, pc.REWARD])
+def test_packed_pairs_at_batch_size_two_refused_at_start(pref, name):
+    cfg = Config.fromfile(str(pref[name]))
+    cfg.train_dataloader.batch_size = 2
+    with pytest.raises(startup.ConfigConflict,
+                       match=r"train_dataloader\.batch_size: 2: packed preference pairs .*"
+                             r"asserts batch size 1.*\n  -> set batch_size = 1"):
+        startup.prepare_config(cfg)
+
+
+def test_mismatched_varlen_switches_refused_at_start(pref):
+    cfg = Config.fromfile(str(pref[pc.DPO]))
+    cfg.model.use_varlen_attn = False
+    with pytest.raises(startup.ConfigConflict,
+                       match=r"use_varlen_attn: packed preference pairs need the same "
+                             r"use_varlen_attn .*model\.use_varlen_attn=False.*\n  -> set "
+                             r"use_varlen_attn = True"):
+        startup.prepare_config(cfg)
+
+
+def test_check_reward_model_passes(pref, tmp_path, capsys):
+    """`xtuner-rope check` on a reward config: before, AttributeError ('...has no attribute
+    logits'); now the scores and the reward token's hidden states, packed vs alone."""
+    from xtuner_rope.cli import main
+
+    assert main(["check", str(pref[pc.REWARD]), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "XTuner reward model" in out and "PASS: every response" in out, out
+
+
+def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
+    """The stock DPO config without the one edit: policy and reference log-probs leak, exit 1."""
+    from xtuner_rope.cli import main
+
+    text = pref[pc.DPO].read_text().replace(sc.PLUGIN_EDIT, "")
+    config = tmp_path / "dpo_without_plugin.py"
+    config.write_text(text)
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: policy_chosen: packed differs from each response alone" in out, out
+    assert "reference_rejected" in out and "model_resource = dict(fn=enable_xtuner_rope)" in out
+
+
+def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):
+    """Pairs, not packed rows, are described; pairs over max_packed_length are counted,
+    against XTuner's own PackedDatasetWrapper bins."""
+    import json
+
+    from mmengine.config import Config
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.cli import main
+
+    assert main(["doctor", str(pref[pc.DPO]), "--out", str(tmp_path), "--cfg-options",
+                 "train_dataloader.dataset.max_packed_length=200"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())["preference"]
+    cfg = Config.fromfile(str(pref[pc.DPO]))
+    cfg.train_dataloader.dataset.max_packed_length = 200
+    packed = BUILDER.build(cfg.train_dataloader.dataset)
+    kept = sum(len(bin_) for bin_ in packed.data)
+    assert report["pairs"] == 200 and report["rows"] > 0, report  # packs: shuffle_before_pack
+    assert report["dropped_over_max_packed_length"] == 200 - kept > 0, (report, kept)
+    assert f"{200 - kept} pairs dropped" in out and "max_length=None" not in out, out
+    assert "are dropped by PackedDatasetWrapper: raise max_packed_length" in out
+
+
+def test_doctor_refuses_stock_reward_token(pref, tmp_path, capsys):
+    from xtuner_rope.cli import main
+
+    assert main(["doctor", str(pref[f"{pc.REWARD}_stock_token"]), "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM      conflict: reward_token_id" in out and "92527 is outside" in out, out

@@ -1,0 +1,134 @@
+"""``xtuner-rope check`` for XTuner's preference models (DPO, ORPO, reward model).
+
+The config is started and its Runner built as for SFT (:mod:`xtuner_rope.doctor.check`); the
+first batch of its own dataset and collate function (packed pairs) goes through the model's
+``compute_loss`` as in a training step, with the plugin's hooks run as in training, while
+:class:`~xtuner_rope.doctor.preference_capture.PreferenceCaptureHook` records what the model
+computed: policy and reference chosen/rejected log-probs (DPO), chosen/rejected average
+log-probs (ORPO), reward scores (reward model), and the weights. Then
+:func:`~xtuner_rope.doctor.preference_capture.compare_preference_capture` runs each response
+alone through the unpatched model (float64 sums) and the packed row unpatched (the leak).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from mmengine import MessageHub
+from mmengine.config import Config
+
+from xtuner_rope.doctor.preference_capture import (
+    PreferenceCaptureHook,
+    capture_file,
+    compare_preference_capture,
+)
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.preference import PREFERENCE_MODELS
+from xtuner_rope.startup import MODEL_RESOURCE_EDIT, type_name
+
+# fp32, relative to max(1, |value|): sums of ~100 log-probs differ by rounding only.
+TOLERANCE = 1e-5
+BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
+
+
+def is_preference_config(cfg: Config) -> bool:
+    """True for a config whose model is XTuner's DPO, ORPO or RewardModel."""
+    model = cfg._cfg_dict.get("model")
+    return isinstance(model, dict) and type_name(model.get("type")) in PREFERENCE_MODELS
+
+
+def _publish_without_plugin(data: dict) -> None:
+    """What XTuner's ``VarlenAttnArgsToMessageHubHook`` does, for a config without the plugin."""
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    hub.update_info(CUMULATIVE_KEY.format(rank=0), data.pop("cumulative_len")[0])
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=0), data.pop("max_seqlen", None))
+
+
+def _training_forward(runner, hooks: dict, work_dir: Path) -> Path:
+    """One training forward of the first batch, captured; no optimizer step."""
+    data_batch = next(iter(runner.train_dataloader))
+    capture = PreferenceCaptureHook(at_iter=runner.iter)
+    capture.before_train_iter(runner, 0, data_batch)
+    boundary = [hooks[n] for n in BOUNDARY_HOOKS if n in hooks]
+    for hook in boundary:
+        hook.before_train_iter(runner, 0, data_batch)
+    if not boundary and "cumulative_len" in data_batch["data"]:
+        _publish_without_plugin(data_batch["data"])
+    data = runner.model.data_preprocessor(data_batch, True)
+    losses = runner.model(**data, mode="loss")
+    capture.after_train_iter(runner, 0, data_batch, {"loss": losses["loss"].detach().mean()})
+    for hook in boundary:
+        hook.after_train_iter(runner, 0, data_batch)
+    return work_dir / capture_file()
+
+
+def _problems(result: dict, patched: bool) -> list[str]:
+    problems = []
+    for name, values in result["alone"].items():
+        scale = max(1.0, max(abs(v) for v in values))
+        if result["max_abs_diff"][name] > TOLERANCE * scale:
+            problems.append(f"{name}: packed differs from each response alone by "
+                            f"{result['max_abs_diff'][name]:.3g}: responses attend to each other")
+    loss = result["loss"]
+    if "alone" in loss and abs(loss["captured"] - loss["alone"]) > TOLERANCE * max(
+            1.0, abs(loss["alone"])):
+        problems.append(f"loss: packed {loss['captured']:.6f} vs responses alone "
+                        f"{loss['alone']:.6f}")
+    states = result["reward_token_states"]
+    if states and states["max_abs_diff"] > TOLERANCE:
+        problems.append(f"reward token states: packed differ from each response alone by "
+                        f"{states['max_abs_diff']:.3g}: responses attend to each other")
+    if problems and not patched:
+        problems.append(f"xtuner-rope's patch is not applied: to enable it, {MODEL_RESOURCE_EDIT}")
+    return problems
+
+
+def run_preference_check(cfg: Config, config: str, work_dir: Path) -> dict:
+    """Measure a started preference config; see the module docstring.
+
+    Args:
+        cfg: The config as ``xtuner train`` has it (``check.start_config``).
+        config: Its file, for the report.
+        work_dir: Runner work dir; the capture is written there.
+
+    Returns:
+        The JSON-ready report (``kind='preference'``), with ``verdict``, ``problems`` and
+        ``exit_code`` (1 on a leak).
+    """
+    from xtuner_rope.doctor.check import apply_patch, build_runner, plugin_hooks
+
+    runner = build_runner(cfg, Path(work_dir))
+    runner.model.float()  # the comparison is fp32 against float64 sums
+    hooks = plugin_hooks(runner)
+    patched = apply_patch(runner, hooks)
+    with torch.enable_grad():
+        capture = _training_forward(runner, hooks, Path(work_dir))
+    result = compare_preference_capture(cfg, capture)
+    problems = _problems(result, patched)
+    verdict = ("FAIL: " + problems[0] if problems else
+               f"PASS: every response of the packed pairs gets the "
+               f"{'reward score' if result['kind'] == 'reward' else 'log-probs'} it gets alone")
+    return {"kind": "preference", "config": str(config), "plugin": {"patched": patched},
+            "model": result["kind"], **{k: result[k] for k in (
+                "pairs", "max_abs_diff", "leak_max_abs_diff", "loss", "reward_token_states")},
+            "problems": problems, "verdict": verdict, "exit_code": 1 if problems else 0}
+
+
+def format_preference_summary(report: dict) -> str:
+    """The short text printed by ``xtuner-rope check`` for a preference model."""
+    lines = [f"xtuner-rope check: {report['config']}",
+             f"  model    XTuner {report['model']} model, {report['pairs']} pairs in the first "
+             f"packed row, {'patched' if report['plugin']['patched'] else 'not patched'}"]
+    for name, diff in report["max_abs_diff"].items():
+        lines.append(f"  {name:<18} max |packed - alone| {diff:.3g}  (unpatched packed row: "
+                     f"{report['leak_max_abs_diff'][name]:.3g})")
+    states = report["reward_token_states"]
+    if states:  # the reward head starts at zero: the states it reads show a leak at once
+        lines.append(f"  reward token states max |packed - alone| {states['max_abs_diff']:.3g}  "
+                     f"(unpatched packed row: {states['leak_max_abs_diff']:.3g})")
+    if "alone" in report["loss"]:
+        lines.append(f"  loss     packed {report['loss']['captured']:.6f} vs responses alone "
+                     f"{report['loss']['alone']:.6f}")
+    return "\n".join([*lines, *[f"  problem: {p}" for p in report["problems"]],
+                      report["verdict"]])

@@ -1,0 +1,108 @@
+"""What ``xtuner-rope doctor`` shows for XTuner's preference data (DPO, ORPO, reward model).
+
+``build_preference_dataset`` tokenizes pairs (prompt + chosen, prompt + rejected, each cut to
+``max_length``) and, with ``use_varlen_attn=True``, packs whole pairs greedily into rows of at
+most ``max_packed_length`` tokens with ``PackedDatasetWrapper``, which drops every pair longer
+than that (it logs the count, nothing else). The doctor's dialogue figures would describe the
+packed rows; :func:`preference_figures` describes the pairs instead: how many, the prompt,
+chosen and rejected lengths before packing, the pairs dropped, pairs per packed row and the
+real-token share of the rows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from mmengine.config import Config
+
+from xtuner_rope.doctor.stats import length_percentiles
+from xtuner_rope.preference import preference_dataset
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens chosen and rejected share from the start: the prompt (and any common opening)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _pairs(dataset_cfg: dict) -> list[dict]:
+    """The tokenized pairs before packing (the config's dataset, rebuilt unpacked)."""
+    from xtuner.registry import BUILDER
+
+    unpacked = copy.deepcopy(dataset_cfg)
+    unpacked["use_varlen_attn"] = False
+    return list(BUILDER.build(unpacked))
+
+
+def preference_figures(cfg: Config, dataset) -> dict | None:
+    """Pair figures of a preference config's train data; None for other datasets.
+
+    Args:
+        cfg: The started config.
+        dataset: Its built train dataset (``PackedDatasetWrapper`` when packed).
+    """
+    dataset_cfg = preference_dataset(cfg)
+    if dataset_cfg is None:
+        return None
+    pairs = _pairs(dataset_cfg)
+    max_packed = dataset_cfg.get("max_packed_length", 16384)
+    packed = bool(dataset_cfg.get("use_varlen_attn"))
+    totals = [len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs]
+    dropped = sum(t > max_packed for t in totals) if packed else 0
+    rows = len(dataset) if packed else None
+    max_length = dataset_cfg.get("max_length")
+    return {
+        "kind": "reward" if dataset_cfg.get("is_reward") else "dpo/orpo",
+        "pairs": len(pairs), "max_length": max_length, "packed": packed,
+        "max_packed_length": max_packed if packed else None,
+        "truncated_responses": sum((len(p["chosen_ids"]) >= max_length) + (
+            len(p["rejected_ids"]) >= max_length) for p in pairs) if max_length else 0,
+        "lengths": {
+            "prompt": length_percentiles([_shared_prefix(p["chosen_ids"], p["rejected_ids"])
+                                          for p in pairs]),
+            "chosen": length_percentiles([len(p["chosen_ids"]) for p in pairs]),
+            "rejected": length_percentiles([len(p["rejected_ids"]) for p in pairs])},
+        "dropped_over_max_packed_length": dropped,
+        "rows": rows,
+        "pairs_per_row": (len(pairs) - dropped) / rows if rows else None,
+        "real_token_share": (sum(t for t in totals if t <= max_packed) / (rows * max_packed))
+        if rows else None,
+    }
+
+
+def _pct(values: dict) -> str:
+    return " ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
+
+
+def preference_lines(report: dict) -> list[str]:
+    """The doctor's dataset lines for preference data (instead of the dialogue lines)."""
+    p, samples = report["preference"], report["samples"]
+    lines = [f"dataset      {report['dataset']['type']} ({p['kind']}): {p['pairs']} pairs, "
+             f"max_length={p['max_length']} per response ({p['truncated_responses']} responses "
+             "cut to it)"]
+    lines += [f"lengths      {part:<8} {_pct(v)}" for part, v in p["lengths"].items()]
+    if p["packed"]:
+        lines.append(
+            f"packing      PackedDatasetWrapper, max_packed_length={p['max_packed_length']}: "
+            f"{p['pairs'] - p['dropped_over_max_packed_length']} pairs -> {p['rows']} rows "
+            f"({p['pairs_per_row']:.2f} pairs per row, {p['real_token_share']:.1%} of "
+            f"max_packed_length filled); {p['dropped_over_max_packed_length']} pairs dropped "
+            "(chosen + rejected longer than max_packed_length)")
+    lines.append("samples      " + "  ".join(
+        f"{k}={v['count']}" for k, v in samples.items()))
+    return lines
+
+
+def preference_warnings(report: dict) -> list[str]:
+    """Pairs XTuner drops silently (it only logs the count)."""
+    p = report.get("preference")
+    if not p or not p["dropped_over_max_packed_length"]:
+        return []
+    return [f"{p['dropped_over_max_packed_length']} of {p['pairs']} pairs are longer than "
+            f"max_packed_length={p['max_packed_length']} (chosen + rejected) and are dropped by "
+            "PackedDatasetWrapper: raise max_packed_length (at least 2 * max_length keeps "
+            "every pair)"]

@@ -1,0 +1,250 @@
+"""Isolation of packed preference pairs, measured inside a real ``xtuner train`` run.
+
+:class:`PreferenceCaptureHook` (opt-in: ``dict(type=PreferenceCaptureHook)`` in
+``custom_hooks``) saves one training batch of XTuner's DPO, ORPO or reward model (packed
+pairs, boundaries included), the model's weights at that step and what the model computed
+from the batch: the policy and reference chosen/rejected log-probs (DPO), the chosen/rejected
+average log-probs (ORPO) or the chosen/rejected reward scores (reward model).
+:func:`compare_preference_capture` runs each response alone through the config's model,
+unpatched, with those weights, and sums log p over the response in float64 itself; as a
+negative control it also runs the packed row through the unpatched model (what XTuner does
+without flash-attn: every response attends to the ones before it).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from mmengine.config import Config
+from mmengine.dist import get_rank, get_world_size
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from torch import nn
+
+from xtuner_rope.doctor.check_capture import reference_llm
+
+PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
+IGNORE = -100
+
+
+def capture_file(rank: int = 0, world_size: int = 1) -> str:
+    """The capture's file name: one per rank when several processes train."""
+    return (PREFERENCE_CAPTURE_FILE if world_size == 1
+            else PREFERENCE_CAPTURE_FILE.replace(".pt", f"_rank{rank}.pt"))
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """XTuner's DPO / ORPO / RewardModel inside DDP or DeepSpeed wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def model_kind(model: nn.Module) -> str:
+    """'dpo', 'orpo' or 'reward' for XTuner's preference models.
+
+    Raises:
+        TypeError: another model.
+    """
+    kinds = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
+    for cls in type(model).__mro__:
+        if cls.__name__ in kinds:
+            return kinds[cls.__name__]
+    raise TypeError(f"{type(model).__name__} is not XTuner's DPO, ORPO or RewardModel")
+
+
+class PreferenceCaptureHook(Hook):
+    """Save one packed preference batch, the weights and the per-response values computed.
+
+    Writes ``preference_capture.pt`` (``preference_capture_rank{r}.pt`` on several processes)
+    into the work dir after iteration ``at_iter + 1``:
+    ``{'kind', 'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss'}``. For tiny test
+    models (the weights are saved).
+
+    Args:
+        at_iter: The 0-based iteration to capture; after an optimizer step the policy and
+            reference (and a reward head initialised to zero) differ.
+    """
+
+    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
+    priority = 7
+
+    def __init__(self, at_iter: int = 2) -> None:
+        self.at_iter = at_iter
+        self._saved: dict | None = None
+        self._handles: list = []
+
+    def _record(self, name: str, values) -> None:
+        for key, value in zip(name.split(","), values):
+            self._saved["values"][key] = value.detach().float().cpu().reshape(-1)
+
+    def _wrap_logps(self, model: nn.Module, names: str) -> None:
+        original = model.get_var_len_atten_logps
+
+        def recorded(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._record(names, out)
+            return out
+
+        model.get_var_len_atten_logps = recorded
+        self._handles.append(lambda: model.__dict__.pop("get_var_len_atten_logps", None))
+
+    def _hook_reward_head(self, model: nn.Module, labels: torch.Tensor) -> None:
+        def collect(module, args, output) -> None:
+            scores = output.detach().float().cpu()[0, :, 0]
+            self._record("chosen,rejected", (scores[labels[0] == 0], scores[labels[0] == 1]))
+            # [pairs * 2, h]: the reward tokens' hidden states, in row order
+            self._saved["hidden"] = args[0].detach().float().cpu()[0][labels[0] != IGNORE]
+
+        self._handles.append(model.v_head.register_forward_hook(collect).remove)
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        if runner.iter != self.at_iter or not isinstance(data_batch, dict):
+            return
+        model = _unwrap(runner.model)
+        kind = model_kind(model)
+        data = {k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                for k, v in data_batch["data"].items()}
+        state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        self._saved = {"kind": kind, "data": data, "state_dict": state, "values": {}}
+        if kind == "dpo":
+            self._wrap_logps(model, "policy_chosen,policy_rejected,"
+                                    "reference_chosen,reference_rejected")
+        elif kind == "orpo":
+            self._wrap_logps(model, "chosen,rejected")
+        else:
+            self._hook_reward_head(model, data["labels"])
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        if self._saved is None:
+            return
+        for undo in self._handles:
+            undo()
+        self._handles = []
+        loss = (outputs or {}).get("loss")
+        self._saved["loss"] = float(loss) if loss is not None else None
+        path = Path(runner.work_dir) / capture_file(get_rank(), get_world_size())
+        torch.save(self._saved, path)
+        self._saved = None
+        print_log(f"PreferenceCaptureHook: saved iteration {self.at_iter + 1}'s batch, weights "
+                  f"and per-response values to {path}.", logger="current")
+
+
+def _segments(data: dict) -> list[tuple[int, int]]:
+    """``(start, end)`` of each response of the captured row: chosen, rejected, chosen, ..."""
+    cumulative = data["cumulative_len"]
+    cumulative = cumulative[0] if isinstance(cumulative, (list, tuple)) else cumulative
+    bounds = [int(c) for c in cumulative]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def response_logp(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> float:
+    """Sum (or mean) of log p(target) over a response's supervised targets, in float64.
+
+    Args:
+        logits: ``[s, V]`` of one response (its own tokens only).
+        labels: ``[s]`` as collated (unshifted; -100 where unsupervised).
+        average: Divide by the number of supervised targets (ORPO, IPO).
+    """
+    logp = logits[:-1].double().log_softmax(-1)  # [s - 1, V]: token t predicts t + 1
+    targets = labels[1:]
+    supervised = targets != IGNORE
+    picked = logp[supervised].gather(1, targets[supervised].unsqueeze(1)).sum()
+    return float(picked / supervised.sum()) if average else float(picked)
+
+
+def _llm_with(cfg: Config, state: dict, prefix: str) -> nn.Module:
+    """The config's LLM, unpatched, fp32, with the captured weights under ``prefix``."""
+    llm = reference_llm(cfg).eval()
+    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    target = llm if prefix != "llm." or any(k.startswith("model.") for k in weights) \
+        else llm.model  # RewardModel keeps the base model (no LM head) as .llm
+    target.load_state_dict(weights)
+    return llm
+
+
+@torch.no_grad()
+def _values(llm: nn.Module, data: dict, kind: str, head: torch.Tensor | None,
+            packed: bool) -> tuple[list[float], torch.Tensor | None]:
+    """Per response: its log-prob (DPO/ORPO) or reward score, alone or from the packed row.
+
+    Returns:
+        The values, and for a reward model the ``[responses, h]`` float64 hidden states at
+        the reward tokens (None otherwise).
+    """
+    ids, labels = data["input_ids"], data["labels"]
+    segments = _segments(data)
+    if packed:  # the leak: one causal range over the row, positions restarting per response
+        row = llm.model(input_ids=ids, position_ids=data["position_ids"])[0] if head is not None \
+            else llm(input_ids=ids, position_ids=data["position_ids"]).logits
+        outs = [row[0, a:b] for a, b in segments]
+    else:
+        outs = [(llm.model(input_ids=ids[:, a:b])[0] if head is not None
+                 else llm(input_ids=ids[:, a:b]).logits)[0] for a, b in segments]
+    if head is not None:  # reward score at the response's reward token
+        hidden = torch.cat([out[labels[0, a:b] != IGNORE].double()
+                            for out, (a, b) in zip(outs, segments)])
+        return (hidden @ head.double().T).reshape(-1).tolist(), hidden
+    return [response_logp(out, labels[0, a:b], average=kind == "orpo")
+            for out, (a, b) in zip(outs, segments)], None
+
+
+def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) -> float:
+    """XTuner's DPO ``sigmoid`` loss (mean over pairs) from per-response log-probs, float64."""
+    def as64(name: str) -> torch.Tensor:
+        return torch.tensor(values[name], dtype=torch.float64)
+
+    margin = (as64("policy_chosen") - as64("policy_rejected")) - (
+        as64("reference_chosen") - as64("reference_rejected"))
+    loss = (-torch.nn.functional.logsigmoid(beta * margin) * (1 - label_smoothing)
+            - torch.nn.functional.logsigmoid(-beta * margin) * label_smoothing)
+    return float(loss.mean())
+
+
+def _differences(captured: dict, expected: dict) -> dict:
+    return {name: max(abs(float(c) - e) for c, e in zip(captured[name], expected[name]))
+            for name in captured}
+
+
+def compare_preference_capture(config: str | Path | Config, capture: str | Path) -> dict:
+    """Captured per-response values against each response alone (unpatched, float64 sums).
+
+    Args:
+        config: The config that was trained, or its file (its ``llm`` is built from its path).
+        capture: The ``preference_capture.pt`` of :class:`PreferenceCaptureHook`.
+
+    Returns:
+        ``{'kind', 'pairs', 'alone': {name: [values]}, 'captured': {name: [values]},
+        'max_abs_diff': {name: float}, 'leak_max_abs_diff': {name: float}, 'loss'}``:
+        ``max_abs_diff`` is run vs alone, ``leak_max_abs_diff`` the unpatched packed row vs
+        alone (the negative control); ``reward_token_states``: the same two figures for the
+        hidden states the reward head reads (reward models); ``loss``: the logged loss and, for DPO's sigmoid loss,
+        the same loss from the responses alone.
+    """
+    saved = torch.load(capture, map_location="cpu", weights_only=False)
+    cfg = config if isinstance(config, Config) else Config.fromfile(str(config))
+    kind, data, state = saved["kind"], saved["data"], saved["state_dict"]
+    models = ({"policy_": _llm_with(cfg, state, "llm."),
+               "reference_": _llm_with(cfg, state, "ref_llm.")} if kind == "dpo"
+              else {"": _llm_with(cfg, state, "llm.")})
+    head = state.get("v_head.weight") if kind == "reward" else None
+    alone, leak, hidden = {}, {}, {}
+    for prefix, llm in models.items():
+        for packed, out in ((False, alone), (True, leak)):
+            values, hidden[packed] = _values(llm, data, kind, head, packed)
+            out[f"{prefix}chosen"], out[f"{prefix}rejected"] = values[::2], values[1::2]
+    captured = {k: v.tolist() for k, v in saved["values"].items()}
+    loss = {"captured": saved.get("loss")}
+    if kind == "dpo" and cfg.model.get("loss_type", "sigmoid") == "sigmoid":
+        loss["alone"] = dpo_sigmoid_loss(alone, cfg.model.get("beta", 0.1),
+                                         cfg.model.get("label_smoothing", 0.0))
+    states = {}
+    if kind == "reward":  # the head starts at zero: the states it reads tell more early on
+        states = {"max_abs_diff": float((saved["hidden"] - hidden[False]).abs().max()),
+                  "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max())}
+    return {"kind": kind, "pairs": len(alone[next(iter(alone))]), "alone": alone,
+            "reward_token_states": states,
+            "captured": captured, "max_abs_diff": _differences(captured, alone),
+            "leak_max_abs_diff": _differences(leak, alone), "loss": loss}
