@@ -1,0 +1,131 @@
+"""Sequence parallel on packed rows: two gloo processes (sp = 2) compute what one does.
+
+Two CPU processes form XTuner's sequence-parallel group (``init_sequence_parallel(2)``); each
+embeds only its shard of a packed batch whose rows hold several documents, a collate padding
+segment and (odd row length) the sequence-parallel padding segment. Checked against live
+references, in fp32:
+
+- the shards' logits, gathered, equal the patched model's on the whole batch in one process
+  (sp = 1) and each document's logits alone through the unpatched model;
+- the loss equals the one-process loss (XTuner's own ``outputs.loss``), every shard-boundary
+  label included, and the gradients averaged over the two ranks (what DDP / DeepSpeed do)
+  equal the one-process gradients;
+- XTuner 0.2.0's own ``_compute_sequence_parallel_loss`` does not (the dropped boundary
+  label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces.
+
+Cases: eager and SDPA attention classes, GQA with key/value heads divisible by sp (sent
+through the all-to-all as they are) and not (repeated first, as XTuner does).
+"""
+
+import copy
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SP = 2
+VOCAB = 256
+ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
+CASES = [("eager", 2), ("sdpa", 2), ("sdpa", 1)]  # (attention class, key/value heads of 4)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch():
+    from xtuner_rope.collate import rope_collate_fn
+
+    gen = torch.Generator().manual_seed(0)
+    items, docs = [], []
+    for row in ROWS:  # one XTuner-packed item per row, boundaries as cumulative_len
+        row_docs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in row]
+        ids = sum(row_docs, [])
+        cu = torch.tensor([0, *row]).cumsum(0).tolist()
+        items.append({"input_ids": ids, "labels": ids, "cumulative_len": cu})
+        docs.append(row_docs)
+    return rope_collate_fn(items, return_hf_format=True), docs
+
+
+def _reset_hub() -> None:
+    from mmengine import MessageHub
+    from mmengine.dist import get_rank
+
+    from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), None)
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
+
+
+def _gather(x: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(SP)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)  # [b, S', ...] shards back in sequence order
+
+
+def _check_case(attn: str, n_kv: int, rank: int) -> None:
+    from xtuner_rope.demo.tiny import build_tiny_internlm2
+    from xtuner_rope.hooks import patch_model
+    from xtuner_rope.models.sequence_parallel import sequence_parallel_loss, shard_rows
+
+    reference = build_tiny_internlm2(VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    data, docs = _batch()
+    b, s = data["input_ids"].shape
+
+    # sp = 1: the whole batch in this process (eval mode: no sequence split).
+    _reset_hub()
+    patched.eval()
+    one = patched(input_ids=data["input_ids"], position_ids=data["position_ids"],
+                  labels=data["labels"])
+    one.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in patched.named_parameters()}
+    patched.zero_grad()
+
+    # sp = 2: this rank's shard only.
+    patched.train()
+    shard, _ = shard_rows(data, SP, rank)
+    assert shard["input_ids"].shape == (b, (s + 1) // SP)
+    logits = _gather(patched(**{k: shard[k] for k in ("input_ids", "position_ids")}).logits)
+    torch.testing.assert_close(logits[:, :s], one.logits.detach(), **TOL)
+    for r, row_docs in enumerate(docs):  # each document equals itself alone, unpatched
+        start = 0
+        for doc in row_docs:
+            alone = reference(input_ids=torch.tensor([doc])).logits[0]
+            torch.testing.assert_close(logits[r, start:start + len(doc)], alone, **TOL)
+            start += len(doc)
+
+    _reset_hub()
+    loss = sequence_parallel_loss(patched, data)["loss"]
+    torch.testing.assert_close(loss, one.loss.detach(), **TOL)
+    loss.backward()
+    for name, p in patched.named_parameters():  # the data-parallel average over both ranks
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad / SP, want_grads[name], **TOL, msg=name)
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(SP))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=SP)
+    try:
+        from xtuner.parallel.sequence import init_sequence_parallel
+
+        init_sequence_parallel(SP)
+        for attn, n_kv in CASES:
+            _check_case(attn, n_kv, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_equals_one_rank_and_documents_alone():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=SP, join=True)
