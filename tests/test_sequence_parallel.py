@@ -17,18 +17,20 @@ Cases: eager and SDPA attention classes, GQA with key/value heads divisible by s
 through the all-to-all as they are) and not (repeated first, as XTuner does).
 """
 
-import copy
 import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 SP = 2
 VOCAB = 256
 ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
-CASES = [("eager", 2), ("sdpa", 2), ("sdpa", 1)]  # (attention class, key/value heads of 4)
+# (family, attention class, key/value heads of 4)
+CASES = [("internlm2", "eager", 2), ("internlm2", "sdpa", 2), ("internlm2", "sdpa", 1),
+         ("llama", "sdpa", 2)]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -63,20 +65,45 @@ def _reset_hub() -> None:
     hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
 
 
+def _as_hook_leaves_it(data: dict) -> dict:
+    from mmengine import MessageHub
+    from mmengine.dist import get_rank
+
+    from xtuner_rope.models.runtime import CUMULATIVE_KEY, VARLEN_HUB
+    from xtuner_rope.ops.packing import flat_cumulative
+
+    batch = dict(data)
+    rows = batch.pop("cumulative_len")
+    for key in ("max_seqlen", "num_unsupervised"):
+        batch.pop(key)
+    flat = flat_cumulative(rows, batch["input_ids"].shape[1])
+    MessageHub.get_instance(VARLEN_HUB).update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat)
+    return batch
+
+
 def _gather(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(SP)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=1)  # [b, S', ...] shards back in sequence order
 
 
-def _check_case(attn: str, n_kv: int, rank: int) -> None:
-    from xtuner_rope.demo.tiny import build_tiny_internlm2
-    from xtuner_rope.hooks import patch_model
-    from xtuner_rope.models.sequence_parallel import sequence_parallel_loss, shard_rows
+def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None:
+    from mmengine.config import ConfigDict
+    from transformers import AutoModelForCausalLM
+    from xtuner.model import SupervisedFinetune
 
-    reference = build_tiny_internlm2(VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
-    patched = copy.deepcopy(reference)
-    patch_model(patched)
+    from xtuner_rope.demo.tiny import build_tiny
+    from xtuner_rope.hooks import patch_model
+    from xtuner_rope.models.sequence_parallel import shard_rows
+
+    reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
+    # XTuner's model as the stock configs build it: activation checkpointing on (the backward
+    # recomputes every layer's all-to-all and reads the published boundaries again).
+    llm = ConfigDict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=path,
+               attn_implementation=attn, trust_remote_code=True)
+    sft = SupervisedFinetune(llm=llm, use_activation_checkpointing=True)
+    patch_model(sft)
+    patched = sft.llm
     data, docs = _batch()
     b, s = data["input_ids"].shape
 
@@ -102,17 +129,32 @@ def _check_case(attn: str, n_kv: int, rank: int) -> None:
             torch.testing.assert_close(logits[r, start:start + len(doc)], alone, **TOL)
             start += len(doc)
 
-    _reset_hub()
-    loss = sequence_parallel_loss(patched, data)["loss"]
+    # As in training: PackedBatchCheckHook publishes the collate's boundaries and takes them
+    # out of the batch; SupervisedFinetune's sequence-parallel loss (compat's patch) runs.
+    batch = _as_hook_leaves_it(data)
+    sft.train()
+    loss = sft(batch, mode="loss")["loss"]
     torch.testing.assert_close(loss, one.loss.detach(), **TOL)
     loss.backward()
+    _reset_hub()
     for name, p in patched.named_parameters():  # the data-parallel average over both ranks
         grad = p.grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(grad / SP, want_grads[name], **TOL, msg=name)
+    patched.zero_grad()
+
+    # XTuner 0.2.0's own method (what compat's patch wraps), on the same batch padded to an
+    # even length and our attention: the label at each shard boundary is lost, the loss is off.
+    xtuner_method = SupervisedFinetune._compute_sequence_parallel_loss.__wrapped__
+    shard_rows(data, SP, rank)  # publishes the padded full-row boundaries
+    padded = {k: F.pad(data[k], (0, 1), value=v)
+              for k, v in (("input_ids", 0), ("labels", -100), ("position_ids", 0))}
+    xtuner_loss = xtuner_method(sft, padded)["loss"].detach()
+    _reset_hub()
+    assert (xtuner_loss - one.loss.detach()).abs() > 1e-3, (xtuner_loss, one.loss)
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, port: int, paths: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(SP))
     torch.set_num_threads(1)
@@ -121,11 +163,19 @@ def _worker(rank: int, port: int) -> None:
         from xtuner.parallel.sequence import init_sequence_parallel
 
         init_sequence_parallel(SP)
-        for attn, n_kv in CASES:
-            _check_case(attn, n_kv, rank)
+        for case, path in zip(CASES, paths):
+            _check_case(*case, path, rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_sequence_parallel_equals_one_rank_and_documents_alone():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=SP, join=True)
+def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
+    from xtuner_rope.demo.tiny import build_tiny
+
+    paths = []
+    for family, attn, n_kv in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
+        path = tmp_path / f"{family}-{attn}-{n_kv}"
+        build_tiny(family, VOCAB, attn_implementation=attn,
+                   num_key_value_heads=n_kv).save_pretrained(path)
+        paths.append(str(path))
+    mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)

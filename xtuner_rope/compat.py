@@ -437,6 +437,43 @@ def patch_sft_forward_names_missing_hook() -> bool:
     return True
 
 
+def patch_sft_sequence_parallel_loss() -> bool:
+    """Give plugin-patched models the sequence-parallel loss of ``models.sequence_parallel``.
+
+    xtuner 0.2.0 ``SupervisedFinetune._compute_sequence_parallel_loss`` splits ``labels`` with
+    the row and lets the model shift them inside each shard: the first label of every shard
+    after the first (predicted by the previous shard's last token) is dropped, silently, one
+    supervised token per shard boundary. It also back-propagates each rank's unweighted mean
+    (wrong gradients when shards hold unequal token counts), and its attention would see only
+    the shards' boundaries. For a model whose attention xtuner-rope patched, the loss goes
+    through ``sequence_parallel_loss`` instead (full-row boundaries published, labels shifted
+    over the full row, token-weighted); other models keep XTuner's method unchanged.
+
+    Returns:
+        True if applied (xtuner's SupervisedFinetune has the method).
+    """
+    try:
+        from xtuner.model.sft import SupervisedFinetune
+    except ImportError:
+        return False
+    original = getattr(SupervisedFinetune, "_compute_sequence_parallel_loss", None)
+    if original is None or getattr(original, "xtuner_rope_sp", False):
+        return False
+
+    @functools.wraps(original)
+    def _compute_sequence_parallel_loss(self, data):
+        from xtuner_rope.hooks import isolates_documents
+        from xtuner_rope.models.sequence_parallel import sequence_parallel_loss
+
+        if not isolates_documents(self.llm):
+            return original(self, data)
+        return sequence_parallel_loss(self.llm, data)
+
+    _compute_sequence_parallel_loss.xtuner_rope_sp = True
+    SupervisedFinetune._compute_sequence_parallel_loss = _compute_sequence_parallel_loss
+    return True
+
+
 def patch_hf_fp32_rotation(module_name: str) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
@@ -514,7 +551,7 @@ def apply() -> list[str]:
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
                   patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
-                  patch_sft_forward_names_missing_hook):
+                  patch_sft_forward_names_missing_hook, patch_sft_sequence_parallel_loss):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -41,7 +41,7 @@ from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulativ
 
 from .runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, choose_backend, hub_cumulative_len
 
-__all__ = ["sequence_parallel_active", "sequence_parallel_attention", "sequence_parallel_loss",
+__all__ = ["full_row_plan", "sequence_parallel_active", "sequence_parallel_attention", "sequence_parallel_loss",
            "sequence_parallel_size", "shard_rows"]
 
 
@@ -58,7 +58,12 @@ def sequence_parallel_active(layer: nn.Module) -> bool:
     return layer.training and sequence_parallel_size() > 1
 
 
-def _full_row_plan(b: int, s_full: int, device: torch.device):
+def full_row_plan(b: int, s_full: int, device: torch.device):
+    """The documents of the full ``[b, S]`` rows, from the boundaries ``shard_rows`` published.
+
+    Raises:
+        RuntimeError: nothing published (the batch did not go through ``shard_rows``).
+    """
     published = hub_cumulative_len()
     if published is None:
         raise RuntimeError(
@@ -96,7 +101,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # [b, S/sp, heads, h_d] -> [b, S, heads/sp, h_d] (head-dim split too under inner SP)
     q, k, v = pre_process_for_sequence_parallel_attn(q, k, v)
     b, s_full = q.shape[:2]
-    plan = _full_row_plan(b, s_full, q.device)
+    plan = full_row_plan(b, s_full, q.device)
     out = packed_attention(q, k, v, plan, choose_backend(q, eager))  # [b, S, n_h/sp, h_d]
     return post_process_for_sequence_parallel_attn(out).contiguous()  # [b, S/sp, n_h, h_d]
 
@@ -217,10 +222,15 @@ def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> di
     from xtuner.parallel.sequence import get_sequence_parallel_group, get_sequence_parallel_rank
 
     sp = sequence_parallel_size()
-    shard, n_supervised = shard_rows(data, sp, get_sequence_parallel_rank(), pad_index)
+    if not llm.training:  # the attention runs whole rows outside training (as XTuner decides)
+        sp = 1
+    shard, n_supervised = shard_rows(data, sp, get_sequence_parallel_rank() if sp > 1 else 0,
+                                     pad_index)
     logits = llm(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                  use_cache=False).logits  # [b, S/sp, vocab]
     token_sum = F.cross_entropy(logits.float().flatten(0, 1), shard["shifted_labels"].flatten(),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
     local = token_sum / max(n_supervised, 1)
+    if sp == 1:
+        return {"loss": local}
     return {"loss": _GroupSum.apply(local, get_sequence_parallel_group(), float(sp))}
