@@ -474,6 +474,67 @@ def patch_sft_sequence_parallel_loss() -> bool:
     return True
 
 
+def _xtuner_train_modules() -> list:
+    """The loaded copies of ``xtuner/tools/train.py`` (``xtuner train`` runs it as __main__)."""
+    found = []
+    for name in ("__main__", "xtuner.tools.train"):
+        module = sys.modules.get(name)
+        path = str(getattr(module, "__file__", "") or "").replace(os.sep, "/")
+        if path.endswith("xtuner/tools/train.py") and hasattr(module, "check_cfg"):
+            found.append(module)
+    return found
+
+
+def patch_xtuner_train_sequence_parallel_check() -> bool:
+    """Lift ``xtuner train``'s flash-attn requirement for sequence parallel where xtuner-rope serves.
+
+    xtuner 0.2.0 ``tools/train.py`` ``check_cfg`` asserts ``flash_attn`` is installed and
+    ``attn_implementation`` is unset or ``"flash_attention_2"`` whenever
+    ``sequence_parallel_size > 1`` (symptom: "`flash_attn` is required if you want to use
+    sequence parallel." on every machine without flash-attn, CPU included). With the config
+    prepared by ``enable_xtuner_rope`` the plugin's packed attention runs the sequence-parallel
+    attention on every backend (``models.sequence_parallel``): the check runs with that
+    requirement lifted (logged) and XTuner's DeepSpeed requirement for sequence parallel kept.
+    The wrapper applies once the plugin is imported by the config's ``model_resource``, which
+    ``xtuner train`` calls before ``check_cfg``.
+
+    Returns:
+        True if applied (``xtuner/tools/train.py`` is running in this process).
+    """
+    modules = [m for m in _xtuner_train_modules()
+               if not getattr(m.check_cfg, "xtuner_rope_sp", False)]
+    for module in modules:
+        original = module.check_cfg
+
+        @functools.wraps(original)
+        def check_cfg(cfg, args, _original=original):
+            from mmengine.logging import print_log
+
+            from xtuner_rope.startup import is_prepared
+
+            sp = cfg.get("sequence_parallel_size", 1)
+            if not (is_prepared() and isinstance(sp, int) and sp > 1):
+                return _original(cfg, args)
+            if args.deepspeed is None:
+                raise ValueError(
+                    f"sequence_parallel_size = {sp} without DeepSpeed: XTuner trains sequence "
+                    "parallel only under DeepSpeed. Add `--deepspeed <json>` to `xtuner train` "
+                    "(on CPU: configs/deepspeed/zero2_fp32_cpu.json), or set "
+                    "sequence_parallel_size = 1.")
+            print_log(f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
+                      "packed attention on every backend; XTuner's flash-attn requirement for "
+                      "sequence parallel is lifted.", logger="current")
+            cfg.sequence_parallel_size = 1
+            try:
+                return _original(cfg, args)
+            finally:
+                cfg.sequence_parallel_size = sp
+
+        check_cfg.xtuner_rope_sp = True
+        module.check_cfg = check_cfg
+    return bool(modules)
+
+
 def patch_hf_fp32_rotation(module_name: str) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
@@ -551,7 +612,8 @@ def apply() -> list[str]:
                   register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
                   patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
                   patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
-                  patch_sft_forward_names_missing_hook, patch_sft_sequence_parallel_loss):
+                  patch_sft_forward_names_missing_hook, patch_sft_sequence_parallel_loss,
+                  patch_xtuner_train_sequence_parallel_check):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)
