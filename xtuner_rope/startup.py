@@ -277,7 +277,20 @@ def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
             "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
             "sequence-parallel paths are not wired to its packed attention",
             "set sequence_parallel_size = 1 for this model")]
-    return []
+    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    if sp == 1 or not isinstance(collate, dict) or (
+            type_name(_get(collate, "type")) != "default_collate_fn"):
+        return []
+
+    def use_ours() -> None:
+        collate["type"] = LazyObject("xtuner_rope.collate", "rope_collate_fn")
+        collate["pad_to_multiple_of"] = sp
+
+    return [Finding(
+        "train_dataloader.collate_fn", f"default_collate_fn asserts that packed rows divide by "
+        f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
+        f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
+        "a segment of their own", use_ours)]
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
