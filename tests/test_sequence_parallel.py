@@ -28,10 +28,9 @@ import torch.nn.functional as F
 SP = 2
 VOCAB = 256
 ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
-# (family, attention class, key/value heads, heads)
-CASES = [("internlm2", "eager", 2, 4), ("internlm2", "sdpa", 2, 4), ("internlm2", "sdpa", 1, 4),
-         ("llama", "sdpa", 2, 4),
-         ("internlm2", "sdpa", 1, 3)]  # 3 heads, sp 2: XTuner's inner SP (head-dim split)
+# (family, attention class, key/value heads of 4)
+CASES = [("internlm2", "eager", 2), ("internlm2", "sdpa", 2), ("internlm2", "sdpa", 1),
+         ("llama", "sdpa", 2)]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -88,22 +87,7 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)  # [b, S', ...] shards back in sequence order
 
 
-def _model_kwargs(attn: str, n_kv: int, n_h: int) -> dict:
-    sizes = {} if n_h == 4 else dict(num_attention_heads=n_h, hidden_size=16 * n_h)
-    return dict(attn_implementation=attn, num_key_value_heads=n_kv, **sizes)
-
-
-def _fresh_inner_sequence_parallel() -> None:
-    """XTuner sizes its inner SP group once per process, from the first model's heads; each
-    case here stands for its own training process."""
-    import xtuner.parallel.sequence.setup_distributed as groups
-
-    groups._INNER_SEQUENCE_PARALLEL_GROUP = None
-    groups._INNER_SEQUENCE_PARALLEL_WORLD_SIZE = None
-    groups._INNER_SEQUENCE_PARALLEL_RANK = None
-
-
-def _check_case(family: str, attn: str, n_kv: int, n_h: int, path: str, rank: int) -> None:
+def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None:
     from mmengine.config import ConfigDict
     from transformers import AutoModelForCausalLM
     from xtuner.model import SupervisedFinetune
@@ -112,8 +96,7 @@ def _check_case(family: str, attn: str, n_kv: int, n_h: int, path: str, rank: in
     from xtuner_rope.hooks import patch_model
     from xtuner_rope.models.sequence_parallel import shard_rows
 
-    _fresh_inner_sequence_parallel()
-    reference = build_tiny(family, VOCAB, **_model_kwargs(attn, n_kv, n_h))
+    reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
     # XTuner's model as the stock configs build it: activation checkpointing on (the backward
     # recomputes every layer's all-to-all and reads the published boundaries again).
     llm = ConfigDict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=path,
@@ -190,8 +173,9 @@ def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
     from xtuner_rope.demo.tiny import build_tiny
 
     paths = []
-    for family, attn, n_kv, n_h in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
-        path = tmp_path / f"{family}-{attn}-{n_kv}-{n_h}"
-        build_tiny(family, VOCAB, **_model_kwargs(attn, n_kv, n_h)).save_pretrained(path)
+    for family, attn, n_kv in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
+        path = tmp_path / f"{family}-{attn}-{n_kv}"
+        build_tiny(family, VOCAB, attn_implementation=attn,
+                   num_key_value_heads=n_kv).save_pretrained(path)
         paths.append(str(path))
     mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)
