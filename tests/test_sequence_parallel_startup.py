@@ -55,3 +55,17 @@ def test_sequence_parallel_without_deepspeed_is_refused_with_the_edit(train_modu
                        r"`--deepspeed <json>` to `xtuner train` \(on CPU: "
                        r"configs/deepspeed/zero2_fp32_cpu.json\)"):
         train_module.check_cfg(_sp_cfg(2), Namespace(deepspeed=None))
+
+
+def test_heads_not_divisible_by_the_size_on_cpu_are_refused(monkeypatch):
+    import torch
+
+    from xtuner_rope.models import sequence_parallel
+
+    monkeypatch.setattr(sequence_parallel, "sequence_parallel_size", lambda: 2)
+    q = torch.zeros(1, 4, 3, 16)  # [b, s/sp, n_h, h_d]: 3 heads, sp 2
+    k = v = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match=r"sequence_parallel_size = 2 does not divide the 3 "
+                       r"attention heads: .*refuses CPU tensors .*Set sequence_parallel_size to "
+                       r"a divisor of 3, or train on GPUs"):
+        sequence_parallel.sequence_parallel_attention(q, k, v, eager=False)

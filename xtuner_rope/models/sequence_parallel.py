@@ -96,6 +96,12 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     sp = sequence_parallel_size()
     n_h, n_kv = q.shape[2], k.shape[2]
+    if n_h % sp and q.device.type == "cpu":
+        raise ValueError(
+            f"sequence_parallel_size = {sp} does not divide the {n_h} attention heads: XTuner's "
+            "inner sequence parallel (its fallback for that) gathers through "
+            "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0). Set "
+            f"sequence_parallel_size to a divisor of {n_h}, or train on GPUs.")
     if n_kv % sp or n_h % sp:  # XTuner's own GQA route: repeat kv to n_h heads
         k, v = (x.repeat_interleave(n_h // n_kv, dim=2) for x in (k, v))  # [b, S/sp, n_h, h_d]
     # [b, S/sp, heads, h_d] -> [b, S, heads/sp, h_d] (head-dim split too under inner SP)
