@@ -248,7 +248,7 @@ def test_clean_small_config_passes_and_conflicts_fail_with_the_setting_named(tmp
     assert report["exit_code"] == 0 and report["problems"] == []
     assert [f["setting"] for f in report["findings"]["fixes"]] == ["custom_hooks"]
     assert not startup.is_prepared()  # the doctor looked; it started no run in this process
-    report, _ = diagnose(config, {"sequence_parallel_size": 2}, progress=False)
+    report, _ = diagnose(config, {"sequence_parallel_size": 0}, progress=False)
     assert [c["setting"] for c in report["findings"]["conflicts"]] == ["sequence_parallel_size"]
     assert report["exit_code"] == 1
     assert report["problems"][0].startswith("conflict: sequence_parallel_size")

@@ -139,18 +139,21 @@ def test_unknown_collate_fn_with_packs_is_refused(stock, tmp_path):
         prepare_config(cfg)
 
 
-def test_sequence_parallel_is_refused(stock, tmp_path):
+def test_sequence_parallel_is_served_for_sft_and_a_bad_size_is_refused(stock, tmp_path):
     cfg = _cfg(stock[FULL], tmp_path,
                (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
-    with pytest.raises(ConfigConflict, match=r"(?s)sequence_parallel_size: 2: .* set "
-                       r"sequence_parallel_size = 1"):
+    prepare_config(cfg)  # served: models.sequence_parallel (tests/test_sequence_parallel.py)
+    cfg = _cfg(stock[FULL], tmp_path,
+               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0"))
+    with pytest.raises(ConfigConflict, match=r"(?s)sequence_parallel_size: 0 is not a positive "
+                       r"int\n  -> set sequence_parallel_size = 1 \(off\)"):
         prepare_config(cfg)
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
 def test_every_conflict_is_listed_at_once(stock, tmp_path):
     cfg = _cfg(stock[f"{FULL}/shipped"], tmp_path, (r"^batch_size = 1 ", "batch_size = 2 "),
-               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0"))
     with pytest.raises(ConfigConflict, match=r"(?s)3 setting\(s\).*1\. train_dataloader"
                        r".*2\. optim_wrapper.*3\. sequence_parallel_size") as err:
         prepare_config(cfg)

@@ -437,6 +437,104 @@ def patch_sft_forward_names_missing_hook() -> bool:
     return True
 
 
+def patch_sft_sequence_parallel_loss() -> bool:
+    """Give plugin-patched models the sequence-parallel loss of ``models.sequence_parallel``.
+
+    xtuner 0.2.0 ``SupervisedFinetune._compute_sequence_parallel_loss`` splits ``labels`` with
+    the row and lets the model shift them inside each shard: the first label of every shard
+    after the first (predicted by the previous shard's last token) is dropped, silently, one
+    supervised token per shard boundary. It also back-propagates each rank's unweighted mean
+    (wrong gradients when shards hold unequal token counts), and its attention would see only
+    the shards' boundaries. For a model whose attention xtuner-rope patched, the loss goes
+    through ``sequence_parallel_loss`` instead (full-row boundaries published, labels shifted
+    over the full row, token-weighted); other models keep XTuner's method unchanged.
+
+    Returns:
+        True if applied (xtuner's SupervisedFinetune has the method).
+    """
+    try:
+        from xtuner.model.sft import SupervisedFinetune
+    except ImportError:
+        return False
+    original = getattr(SupervisedFinetune, "_compute_sequence_parallel_loss", None)
+    if original is None or getattr(original, "xtuner_rope_sp", False):
+        return False
+
+    @functools.wraps(original)
+    def _compute_sequence_parallel_loss(self, data):
+        from xtuner_rope.hooks import isolates_documents
+        from xtuner_rope.models.sequence_parallel import sequence_parallel_loss
+
+        if not isolates_documents(self.llm):
+            return original(self, data)
+        return sequence_parallel_loss(self.llm, data)
+
+    _compute_sequence_parallel_loss.xtuner_rope_sp = True
+    SupervisedFinetune._compute_sequence_parallel_loss = _compute_sequence_parallel_loss
+    return True
+
+
+def _xtuner_train_modules() -> list:
+    """The loaded copies of ``xtuner/tools/train.py`` (``xtuner train`` runs it as __main__)."""
+    found = []
+    for name in ("__main__", "xtuner.tools.train"):
+        module = sys.modules.get(name)
+        path = str(getattr(module, "__file__", "") or "").replace(os.sep, "/")
+        if path.endswith("xtuner/tools/train.py") and hasattr(module, "check_cfg"):
+            found.append(module)
+    return found
+
+
+def patch_xtuner_train_sequence_parallel_check() -> bool:
+    """Lift ``xtuner train``'s flash-attn requirement for sequence parallel where xtuner-rope serves.
+
+    xtuner 0.2.0 ``tools/train.py`` ``check_cfg`` asserts ``flash_attn`` is installed and
+    ``attn_implementation`` is unset or ``"flash_attention_2"`` whenever
+    ``sequence_parallel_size > 1`` (symptom: "`flash_attn` is required if you want to use
+    sequence parallel." on every machine without flash-attn, CPU included). With the config
+    prepared by ``enable_xtuner_rope`` the plugin's packed attention runs the sequence-parallel
+    attention on every backend (``models.sequence_parallel``): the check runs with that
+    requirement lifted (logged) and XTuner's DeepSpeed requirement for sequence parallel kept.
+    The wrapper applies once the plugin is imported by the config's ``model_resource``, which
+    ``xtuner train`` calls before ``check_cfg``.
+
+    Returns:
+        True if applied (``xtuner/tools/train.py`` is running in this process).
+    """
+    modules = [m for m in _xtuner_train_modules()
+               if not getattr(m.check_cfg, "xtuner_rope_sp", False)]
+    for module in modules:
+        original = module.check_cfg
+
+        @functools.wraps(original)
+        def check_cfg(cfg, args, _original=original):
+            from mmengine.logging import print_log
+
+            from xtuner_rope.startup import is_prepared
+
+            sp = cfg.get("sequence_parallel_size", 1)
+            if not (is_prepared() and isinstance(sp, int) and sp > 1):
+                return _original(cfg, args)
+            if args.deepspeed is None:
+                raise ValueError(
+                    f"sequence_parallel_size = {sp} without DeepSpeed: XTuner trains sequence "
+                    "parallel only under DeepSpeed. Add `--deepspeed <json>` to `xtuner train` "
+                    "(on CPU: configs/deepspeed/zero2_fp32_cpu.json), or set "
+                    "sequence_parallel_size = 1.")
+            print_log(f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
+                      "packed attention on every backend; XTuner's flash-attn requirement for "
+                      "sequence parallel is lifted.", logger="current")
+            cfg.sequence_parallel_size = 1
+            try:
+                return _original(cfg, args)
+            finally:
+                cfg.sequence_parallel_size = sp
+
+        check_cfg.xtuner_rope_sp = True
+        module.check_cfg = check_cfg
+    return bool(modules)
+
+
 def patch_hf_fp32_rotation(module_name: str) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
@@ -769,7 +867,8 @@ def apply() -> list[str]:
                   patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
                   patch_sft_forward_names_missing_hook, patch_model_resource_llm_path,
                   patch_set_model_resource_llm_path, patch_xtuner_preference_rank,
-                  patch_xtuner_preference_target_zero):
+                  patch_xtuner_preference_target_zero, patch_sft_sequence_parallel_loss,
+                  patch_xtuner_train_sequence_parallel_check):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -275,12 +275,40 @@ def _runtime_findings(cfg: Config) -> list[Finding]:
             "optim_wrapper.type", "AmpOptimWrapper needs a GPU (MMEngine refuses it on this "
             "CPU-only machine)", "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "
             "and delete its loss_scale and dtype entries: full fp32 on CPU"))
+    return findings + _sequence_parallel_findings(cfg)
+
+
+def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
+    """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
+
+    Heads not divisible by the size need no refusal: XTuner's inner sequence parallel splits
+    the head dimension, and the plugin's all-to-all goes through it.
+    """
     sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
-    if isinstance(sp, int) and sp > 1:
-        findings.append(Finding(
-            "sequence_parallel_size", f"{sp}: xtuner-rope's packed attention does not split "
-            "sequences across ranks", "set sequence_parallel_size = 1 (or drop xtuner-rope)"))
-    return findings
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        return [Finding("sequence_parallel_size", f"{sp!r} is not a positive int",
+                        "set sequence_parallel_size = 1 (off) or the number of ranks per row")]
+    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
+    if sp > 1 and model != "SupervisedFinetune":
+        return [Finding(
+            "sequence_parallel_size", f"{sp} with model type {model}: xtuner-rope serves "
+            "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
+            "sequence-parallel paths are not wired to its packed attention",
+            "set sequence_parallel_size = 1 for this model")]
+    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    if sp == 1 or not isinstance(collate, dict) or (
+            type_name(_get(collate, "type")) != "default_collate_fn"):
+        return []
+
+    def use_ours() -> None:
+        collate["type"] = LazyObject("xtuner_rope.collate", "rope_collate_fn")
+        collate["pad_to_multiple_of"] = sp
+
+    return [Finding(
+        "train_dataloader.collate_fn", f"default_collate_fn asserts that packed rows divide by "
+        f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
+        f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
+        "a segment of their own", use_ours)]
 
 
 def inspect_config(cfg: Config) -> list[Finding]:

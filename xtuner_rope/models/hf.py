@@ -41,6 +41,12 @@ from .families import attention_classes, family_names, family_of_class, rotary_c
 from .hf_rope import HFValidatedRotaryEmbedding
 from .internlm2 import INTERNLM2_ATTENTION_CLASSES
 from .runtime import batch_document_plan, choose_backend, hub_cumulative_len
+from .sequence_parallel import (
+    full_row_plan,
+    sequence_parallel_active,
+    sequence_parallel_attention,
+    sequence_parallel_size,
+)
 
 # Attention and rotary classes of the supported families, by name (as XTuner's dispatch does);
 # the table with each family's quirks is models.families.FAMILIES.
@@ -129,6 +135,12 @@ def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     # promote q, k to fp32): back to the activation dtype, one rounding.
     query, key = query.to(value.dtype), key.to(value.dtype)
     b, _, s, h_d = query.shape
+    if key.shape[-2] == s and sequence_parallel_active(module):  # a shard of the row
+        _check_packable(module, full_row_plan(b, s * sequence_parallel_size(), query.device),
+                        h_d, kwargs)
+        eager = getattr(module, DENSE_KERNEL_ATTR) == "eager"
+        return sequence_parallel_attention(*(x.transpose(1, 2) for x in (query, key, value)),
+                                           eager), None
     plan = _plan(kwargs.get("position_ids"), b, s, key.shape[-2], query.device)
     if plan is None:
         return _dense(module, query, key, value, attention_mask, **kwargs)

@@ -21,6 +21,7 @@ from xtuner_rope.ops.rope import apply_rotary_pos_emb
 from .internlm2_kv_cache import extend_cache, past_length
 from .internlm2_rope import ValidatedRotaryEmbedding
 from .runtime import batch_document_plan, choose_backend
+from .sequence_parallel import sequence_parallel_active, sequence_parallel_attention
 
 INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
                                "InternLM2FlashAttention2")
@@ -91,10 +92,15 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
     k, v, present = extend_cache(self, k, v, past_key_value, use_cache,
                                  dict(sin=sin, cos=cos, cache_position=cache_position))
     # Boundaries only describe a fresh sequence: with cached keys, the model's mask is right.
-    plan = batch_document_plan(position_ids, b, s, q.device) if past_len == 0 else None
-    if plan is not None:
+    eager = type(self).__name__ == "InternLM2Attention"
+    sharded = past_len == 0 and sequence_parallel_active(self)  # a shard of the row: all-to-all
+    plan = None
+    if past_len == 0 and not sharded:
+        plan = batch_document_plan(position_ids, b, s, q.device)
+    if sharded:
+        out = sequence_parallel_attention(*(x.transpose(1, 2) for x in (q, k, v)), eager)
+    elif plan is not None:
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))  # [b, s, heads, h_d]
-        eager = type(self).__name__ == "InternLM2Attention"
         out = packed_attention(qs, ks, vs, plan, choose_backend(q, eager))
     else:
         out = _dense_attention(self, q, k, v, attention_mask, s)

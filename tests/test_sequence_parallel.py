@@ -1,0 +1,181 @@
+"""Sequence parallel on packed rows: two gloo processes (sp = 2) compute what one does.
+
+Two CPU processes form XTuner's sequence-parallel group (``init_sequence_parallel(2)``); each
+embeds only its shard of a packed batch whose rows hold several documents, a collate padding
+segment and (odd row length) the sequence-parallel padding segment. Checked against live
+references, in fp32:
+
+- the shards' logits, gathered, equal the patched model's on the whole batch in one process
+  (sp = 1) and each document's logits alone through the unpatched model;
+- the loss equals the one-process loss (XTuner's own ``outputs.loss``), every shard-boundary
+  label included, and the gradients averaged over the two ranks (what DDP / DeepSpeed do)
+  equal the one-process gradients;
+- XTuner 0.2.0's own ``_compute_sequence_parallel_loss`` does not (the dropped boundary
+  label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces.
+
+Cases: eager and SDPA attention classes, GQA with key/value heads divisible by sp (sent
+through the all-to-all as they are) and not (repeated first, as XTuner does).
+"""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+SP = 2
+VOCAB = 256
+ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
+# (family, attention class, key/value heads of 4)
+CASES = [("internlm2", "eager", 2), ("internlm2", "sdpa", 2), ("internlm2", "sdpa", 1),
+         ("llama", "sdpa", 2)]
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch():
+    from xtuner_rope.collate import rope_collate_fn
+
+    gen = torch.Generator().manual_seed(0)
+    items, docs = [], []
+    for row in ROWS:  # one XTuner-packed item per row, boundaries as cumulative_len
+        row_docs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in row]
+        ids = sum(row_docs, [])
+        cu = torch.tensor([0, *row]).cumsum(0).tolist()
+        items.append({"input_ids": ids, "labels": ids, "cumulative_len": cu})
+        docs.append(row_docs)
+    return rope_collate_fn(items, return_hf_format=True), docs
+
+
+def _reset_hub() -> None:
+    from mmengine import MessageHub
+    from mmengine.dist import get_rank
+
+    from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), None)
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
+
+
+def _as_hook_leaves_it(data: dict) -> dict:
+    from mmengine import MessageHub
+    from mmengine.dist import get_rank
+
+    from xtuner_rope.models.runtime import CUMULATIVE_KEY, VARLEN_HUB
+    from xtuner_rope.ops.packing import flat_cumulative
+
+    batch = dict(data)
+    rows = batch.pop("cumulative_len")
+    for key in ("max_seqlen", "num_unsupervised"):
+        batch.pop(key)
+    flat = flat_cumulative(rows, batch["input_ids"].shape[1])
+    MessageHub.get_instance(VARLEN_HUB).update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat)
+    return batch
+
+
+def _gather(x: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(SP)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)  # [b, S', ...] shards back in sequence order
+
+
+def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None:
+    from mmengine.config import ConfigDict
+    from transformers import AutoModelForCausalLM
+    from xtuner.model import SupervisedFinetune
+
+    from xtuner_rope.demo.tiny import build_tiny
+    from xtuner_rope.hooks import patch_model
+    from xtuner_rope.models.sequence_parallel import shard_rows
+
+    reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
+    # XTuner's model as the stock configs build it: activation checkpointing on (the backward
+    # recomputes every layer's all-to-all and reads the published boundaries again).
+    llm = ConfigDict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=path,
+               attn_implementation=attn, trust_remote_code=True)
+    sft = SupervisedFinetune(llm=llm, use_activation_checkpointing=True)
+    patch_model(sft)
+    patched = sft.llm
+    data, docs = _batch()
+    b, s = data["input_ids"].shape
+
+    # sp = 1: the whole batch in this process (eval mode: no sequence split).
+    _reset_hub()
+    patched.eval()
+    one = patched(input_ids=data["input_ids"], position_ids=data["position_ids"],
+                  labels=data["labels"])
+    one.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in patched.named_parameters()}
+    patched.zero_grad()
+
+    # sp = 2: this rank's shard only.
+    patched.train()
+    shard, _ = shard_rows(data, SP, rank)
+    assert shard["input_ids"].shape == (b, (s + 1) // SP)
+    logits = _gather(patched(**{k: shard[k] for k in ("input_ids", "position_ids")}).logits)
+    torch.testing.assert_close(logits[:, :s], one.logits.detach(), **TOL)
+    for r, row_docs in enumerate(docs):  # each document equals itself alone, unpatched
+        start = 0
+        for doc in row_docs:
+            alone = reference(input_ids=torch.tensor([doc])).logits[0]
+            torch.testing.assert_close(logits[r, start:start + len(doc)], alone, **TOL)
+            start += len(doc)
+
+    # As in training: PackedBatchCheckHook publishes the collate's boundaries and takes them
+    # out of the batch; SupervisedFinetune's sequence-parallel loss (compat's patch) runs.
+    batch = _as_hook_leaves_it(data)
+    sft.train()
+    loss = sft(batch, mode="loss")["loss"]
+    torch.testing.assert_close(loss, one.loss.detach(), **TOL)
+    loss.backward()
+    _reset_hub()
+    for name, p in patched.named_parameters():  # the data-parallel average over both ranks
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad / SP, want_grads[name], **TOL, msg=name)
+    patched.zero_grad()
+
+    # XTuner 0.2.0's own method (what compat's patch wraps), on the same batch padded to an
+    # even length and our attention: the label at each shard boundary is lost, the loss is off.
+    xtuner_method = SupervisedFinetune._compute_sequence_parallel_loss.__wrapped__
+    shard_rows(data, SP, rank)  # publishes the padded full-row boundaries
+    padded = {k: F.pad(data[k], (0, 1), value=v)
+              for k, v in (("input_ids", 0), ("labels", -100), ("position_ids", 0))}
+    xtuner_loss = xtuner_method(sft, padded)["loss"].detach()
+    _reset_hub()
+    assert (xtuner_loss - one.loss.detach()).abs() > 1e-3, (xtuner_loss, one.loss)
+
+
+def _worker(rank: int, port: int, paths: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(SP))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=SP)
+    try:
+        from xtuner.parallel.sequence import init_sequence_parallel
+
+        init_sequence_parallel(SP)
+        for case, path in zip(CASES, paths):
+            _check_case(*case, path, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
+    from xtuner_rope.demo.tiny import build_tiny
+
+    paths = []
+    for family, attn, n_kv in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
+        path = tmp_path / f"{family}-{attn}-{n_kv}"
+        build_tiny(family, VOCAB, attn_implementation=attn,
+                   num_key_value_heads=n_kv).save_pretrained(path)
+        paths.append(str(path))
+    mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)

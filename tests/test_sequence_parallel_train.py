@@ -1,0 +1,83 @@
+"""XTuner's stock sequence-parallel config through the real `xtuner train`: sp = 2 equals sp = 1.
+
+The stock ``internlm2_7b_full_finetune_custom_dataset_e1_sequence_parallel_4`` is copied with
+``xtuner copy-cfg``, given the user's own-machine edits (tiny InternLM2, local data, fp32 on
+CPU) and the README's one edit, with ``sequence_parallel_size = 2``. It trains on 2 CPU
+processes under the project's fp32 ZeRO-2 DeepSpeed settings (XTuner trains sequence parallel
+only under DeepSpeed): one optimizer step, one packed row split across the two ranks, rows of
+odd length (``max_length = 255``) so the sequence-parallel padding segment is in play. The
+same config with ``sequence_parallel_size = 1`` on one process gives the reference: the loss
+and every parameter after the step agree within 1e-5. ``shuffle_before_pack=False``: XTuner's
+shuffle before packing is unseeded, so two runs would otherwise train on different rows.
+"""
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import stock_configs as sc
+import torch
+
+STOCK = "internlm2_7b_full_finetune_custom_dataset_e1_sequence_parallel_4"
+ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
+OPTIONS = ["train_cfg.max_epochs=None", "train_cfg.max_iters=1",
+           "optim_wrapper.accumulative_counts=1",  # the stock file multiplies it by sp
+           "default_hooks.checkpoint.interval=1", "train_dataloader.num_workers=0",
+           "train_dataloader.dataset.shuffle_before_pack=False",
+           "log_processor.num_digits=8"]
+LOSS = re.compile(r"Iter\(train\) \[1/1\].*?loss: ([-+0-9.eE]+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp: Path, sp: int) -> Path:
+    sc.ensure_tiny_model()
+    stock = sc.copy_stock(STOCK, tmp / "stock")
+    data = sc.write_conversation_data(tmp / "data.json", n=400)
+    text = sc.enable_plugin(sc.localize(stock, data))
+    text = sc.sub_once(text, r"^sequence_parallel_size = 4$", f"sequence_parallel_size = {sp}")
+    text = sc.sub_once(text, r"^max_length = 512$", "max_length = 255")  # odd: sp padding
+    path = tmp / f"sp{sp}.py"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
+    """One optimizer step; the logged loss and the parameters DeepSpeed saved."""
+    env = dict(sc.venv_env(), PYTHONPATH=str(sc.REPO), OMP_NUM_THREADS="1")
+    args = [str(config), "--work-dir", str(work_dir), "--launcher", "pytorch",
+            "--deepspeed", ZERO2, "--cfg-options", *OPTIONS]
+    if nproc == 1:  # torchrun's environment for one process: exits 1 on failure
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
+        cmd = [sys.executable, "-m", "xtuner.tools.train", *args]
+    else:  # XTuner's launcher (exits 0 even on failure: judged by the log and checkpoint)
+        env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
+        cmd = ["xtuner", "train", *args]
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    output = proc.stdout + proc.stderr
+    states = work_dir / "iter_1.pth" / "mp_rank_00_model_states.pt"
+    assert proc.returncode == 0 and states.is_file(), output[-4000:]
+    losses = LOSS.findall(output)
+    assert losses, output[-4000:]
+    return float(losses[0]), torch.load(states, map_location="cpu", weights_only=False)["module"]
+
+
+@pytest.mark.slow
+def test_stock_sequence_parallel_config_trains_like_one_rank(tmp_path):
+    loss_1, params_1 = _train(_config(tmp_path / "one", 1), tmp_path / "w1", 1)
+    loss_2, params_2 = _train(_config(tmp_path / "two", 2), tmp_path / "w2", 2)
+    assert abs(loss_1 - loss_2) <= 1e-5, (loss_1, loss_2)
+    assert params_1.keys() == params_2.keys()
+    worst = max((params_1[k] - params_2[k]).abs().max().item() for k in params_1)
+    print(f"sp=2 vs sp=1 after one step: loss {loss_2:.8f} vs {loss_1:.8f}, "
+          f"max |parameter difference| {worst:.3g}")
+    assert worst <= 1e-5

@@ -1,0 +1,242 @@
+"""Sequence parallel (XTuner's Ulysses all-to-all over heads) for packed rows.
+
+With ``sequence_parallel_size = sp`` XTuner splits every ``[b, S]`` row into ``sp`` shards of
+``S / sp`` tokens, one per rank of the sequence-parallel group. Each rank embeds and projects
+only its shard; around attention an all-to-all trades the sequence split for a head split, so
+each rank attends over the *whole* row for ``n_h / sp`` heads. For packed rows that means:
+
+- positions are the full row's per-document positions, split with the row (RoPE runs on the
+  shard, before the all-to-all, on global positions);
+- the attention after the all-to-all needs the **full row's** boundaries: the shard's own
+  would cut documents at shard edges and misplace every token. ``sequence_parallel_loss``
+  publishes them (XTuner's ``MessageHub`` convention, ``models.runtime``) before splitting;
+- a row whose length is not a multiple of ``sp`` is padded by a segment of its own
+  (positions ``0, 1, ...``, no labels), never appended to the last document;
+- the labels are shifted over the full row before the split. XTuner 0.2.0's
+  ``SupervisedFinetune._compute_sequence_parallel_loss`` lets the model shift inside each
+  shard, which drops the first label of every shard after the first (the token the previous
+  shard's last token predicts);
+- the loss is token-weighted: each rank sums its shard's token losses over the full row's
+  supervised-token count, and the group's loss is the sum, exactly the one-rank mean.
+  XTuner weights each rank's *mean* by its token count in the forward but back-propagates
+  the unweighted mean, so ranks with unequal token counts get wrong gradients.
+
+GQA: key/value heads go through the all-to-all unrepeated when ``sp`` divides them; otherwise
+they are repeated to ``n_h`` first, and heads not divisible by ``sp`` take XTuner's "inner
+sequence parallel" (head-dim split) as XTuner does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mmengine import MessageHub
+from mmengine.dist import get_rank
+from torch import nn
+
+from xtuner_rope.batch.items import IGNORE_INDEX
+from xtuner_rope.ops.attention import document_plan, packed_attention
+from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
+
+from .runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, choose_backend, hub_cumulative_len
+
+__all__ = ["full_row_plan", "sequence_parallel_active", "sequence_parallel_attention", "sequence_parallel_loss",
+           "sequence_parallel_size", "shard_rows"]
+
+
+def sequence_parallel_size() -> int:
+    """XTuner's sequence-parallel world size (1 when no group was initialised)."""
+    from xtuner.parallel.sequence import get_sequence_parallel_world_size
+
+    return get_sequence_parallel_world_size() if dist.is_initialized() else 1
+
+
+def sequence_parallel_active(layer: nn.Module) -> bool:
+    """True where ``layer`` sees a shard of the row: training with ``sp > 1`` (as XTuner's
+    dispatch decides; evaluation and generation run whole rows)."""
+    return layer.training and sequence_parallel_size() > 1
+
+
+def full_row_plan(b: int, s_full: int, device: torch.device):
+    """The documents of the full ``[b, S]`` rows, from the boundaries ``shard_rows`` published.
+
+    Raises:
+        RuntimeError: nothing published (the batch did not go through ``shard_rows``).
+    """
+    published = hub_cumulative_len()
+    if published is None:
+        raise RuntimeError(
+            "xtuner-rope sequence parallel: no full-row boundaries published for this batch "
+            f"(MessageHub '{VARLEN_HUB}'). Shards alone cannot tell where documents are; train "
+            "through SupervisedFinetune (xtuner_rope.compat patches its sequence-parallel loss) "
+            "or call models.sequence_parallel.sequence_parallel_loss.")
+    return document_plan(None, b, s_full, device, published=published,
+                         source=f"MessageHub '{VARLEN_HUB}' (full row, sequence parallel)")
+
+
+def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                eager: bool) -> torch.Tensor:
+    """Packed attention of one shard's heads over the full row, through XTuner's all-to-all.
+
+    Args:
+        q: ``[b, S/sp, n_h, h_d]`` this rank's shard of queries (RoPE applied).
+        k: ``[b, S/sp, n_kv, h_d]`` keys of the shard (RoPE applied).
+        v: ``[b, S/sp, n_kv, h_d]`` values of the shard.
+        eager: Whether the layer's dense kernel is eager softmax (else SDPA), for the backend.
+
+    Returns:
+        ``[b, S/sp, n_h, h_d]`` attention output of this rank's shard, every token attending
+        only within its document of the full row.
+    """
+    from xtuner.parallel.sequence import (
+        post_process_for_sequence_parallel_attn,
+        pre_process_for_sequence_parallel_attn,
+    )
+
+    sp = sequence_parallel_size()
+    n_h, n_kv = q.shape[2], k.shape[2]
+    if n_h % sp and q.device.type == "cpu":
+        raise ValueError(
+            f"sequence_parallel_size = {sp} does not divide the {n_h} attention heads: XTuner's "
+            "inner sequence parallel (its fallback for that) gathers through "
+            "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0). Set "
+            f"sequence_parallel_size to a divisor of {n_h}, or train on GPUs.")
+    if n_kv % sp or n_h % sp:  # XTuner's own GQA route: repeat kv to n_h heads
+        k, v = (x.repeat_interleave(n_h // n_kv, dim=2) for x in (k, v))  # [b, S/sp, n_h, h_d]
+    # [b, S/sp, heads, h_d] -> [b, S, heads/sp, h_d] (head-dim split too under inner SP)
+    q, k, v = pre_process_for_sequence_parallel_attn(q, k, v)
+    b, s_full = q.shape[:2]
+    plan = full_row_plan(b, s_full, q.device)
+    out = packed_attention(q, k, v, plan, choose_backend(q, eager))  # [b, S, n_h/sp, h_d]
+    return post_process_for_sequence_parallel_attn(out).contiguous()  # [b, S/sp, n_h, h_d]
+
+
+def _row_boundaries(data: dict, b: int, s: int) -> list[torch.Tensor]:
+    """Per-row ``[0, ..., s]`` boundaries: the published flat ones, else position resets."""
+    flat = hub_cumulative_len()
+    if flat is not None:
+        flat = torch.as_tensor(flat).to("cpu", torch.int64).reshape(-1)
+    if flat is not None and int(flat[-1]) == b * s:  # else stale: read the positions
+        rows = []
+        for r in range(b):
+            inside = flat[(flat >= r * s) & (flat <= (r + 1) * s)]
+            rows.append((inside - r * s).to(torch.int32))
+        return rows
+    positions = data.get("position_ids")
+    if positions is None:
+        return [torch.tensor([0, s], dtype=torch.int32)] * b
+    return [cumulative_from_position_ids(row) for row in positions.detach().cpu().expand(b, s)]
+
+
+def _pad_row_tail(data: dict, rows: list[torch.Tensor], s: int, pad: int, pad_index: int):
+    """Append ``pad`` tokens to every row as a segment of their own (positions ``0..pad-1``,
+    labels ignored)."""
+    b = data["input_ids"].shape[0]
+    device = data["input_ids"].device
+
+    def tail(x: torch.Tensor, fill) -> torch.Tensor:
+        filler = fill if torch.is_tensor(fill) else torch.full((b, pad), fill, dtype=x.dtype)
+        return torch.cat([x, filler.to(device, x.dtype)], dim=1)  # [b, s + pad]
+
+    data["input_ids"] = tail(data["input_ids"], pad_index)
+    data["labels"] = tail(data["labels"], IGNORE_INDEX)
+    positions = data.get("position_ids")
+    if positions is None:
+        positions = torch.arange(s, device=device).expand(b, s)
+    data["position_ids"] = tail(positions.expand(b, s), torch.arange(pad).expand(b, pad))
+    return [torch.cat([cu, torch.tensor([s + pad], dtype=cu.dtype)]) for cu in rows]
+
+
+def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict, int]:
+    """Prepare a full ``[b, S]`` batch for sequence parallel and keep this rank's shard.
+
+    Pads rows to a multiple of ``sp`` with a segment of their own, publishes the full row's
+    boundaries (``MessageHub`` ``varlen_attn_args``, this rank's key) for the attention after
+    the all-to-all, shifts the labels over the full row, and splits ``input_ids``, the shifted
+    labels and ``position_ids`` along the sequence.
+
+    Args:
+        data: ``input_ids``, ``labels`` ``[b, S]``, optional ``position_ids`` ``[b, S]``
+            (per-document positions); not modified.
+        sp: Sequence-parallel world size; rank: this rank in the group.
+        pad_index: Token id of the padding segment.
+
+    Returns:
+        The shard's ``input_ids``, ``position_ids`` and ``shifted_labels`` (``[b, S'/sp]``,
+        ``S'`` the padded length: the label each token predicts), and the number of supervised
+        tokens of the full batch.
+    """
+    data = dict(data)
+    b, s = data["input_ids"].shape
+    rows = _row_boundaries(data, b, s)
+    pad = (-s) % sp
+    if pad:
+        rows = _pad_row_tail(data, rows, s, pad, pad_index)
+    s_full = s + pad
+    flat = flat_cumulative(rows, s_full)
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat.to(data["input_ids"].device))
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), int((flat[1:] - flat[:-1]).max()))
+    labels = data["labels"]
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    positions = data.get("position_ids")
+    if positions is None:
+        positions = torch.arange(s_full, device=labels.device)
+    positions = positions.expand(b, s_full)
+    width = s_full // sp
+    cut = slice(rank * width, (rank + 1) * width)
+    shard = {"input_ids": data["input_ids"][:, cut], "position_ids": positions[:, cut],
+             "shifted_labels": shifted[:, cut]}
+    return shard, int((shifted != IGNORE_INDEX).sum())
+
+
+class _GroupSum(torch.autograd.Function):
+    """Forward: the sum over the group; backward: ``scale`` times the incoming gradient.
+
+    The data-parallel gradient average runs over every rank, ``sp`` of which hold one row's
+    shards: scaling each rank's gradient by ``sp`` makes that average the gradient of the
+    group's summed loss, the one-rank gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, group, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        total = value.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None, None
+
+
+def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> dict:
+    """The token-weighted SFT loss of a full batch under sequence parallel (every label once).
+
+    Args:
+        llm: The causal LM whose attention is patched by xtuner-rope (this rank's replica).
+        data: The full batch as collated: ``input_ids``, ``labels`` ``[b, S]``, optional
+            ``position_ids``; ``attention_mask`` is not used (boundaries are).
+        pad_index: Token id of the padding segment added when ``S % sp != 0``.
+
+    Returns:
+        ``{'loss': scalar}``: the mean cross-entropy over the batch's supervised tokens, equal
+        on every rank of the group; back-propagating it gives every rank its share of the
+        one-rank gradient (see ``_GroupSum``).
+    """
+    from xtuner.parallel.sequence import get_sequence_parallel_group, get_sequence_parallel_rank
+
+    sp = sequence_parallel_size()
+    if not llm.training:  # the attention runs whole rows outside training (as XTuner decides)
+        sp = 1
+    shard, n_supervised = shard_rows(data, sp, get_sequence_parallel_rank() if sp > 1 else 0,
+                                     pad_index)
+    logits = llm(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                 use_cache=False).logits  # [b, S/sp, vocab]
+    token_sum = F.cross_entropy(logits.float().flatten(0, 1), shard["shifted_labels"].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+    local = token_sum / max(n_supervised, 1)
+    if sp == 1:
+        return {"loss": local}
+    return {"loss": _GroupSum.apply(local, get_sequence_parallel_group(), float(sp))}
