@@ -42,7 +42,8 @@ from .compat import cpu_only
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
                 "PackedBatchCheckHook": "xtuner_rope.hooks",
                 "PackingMetricsHook": "xtuner_rope.monitor",
-                "NonFiniteTripwireHook": "xtuner_rope.monitor"}
+                "NonFiniteTripwireHook": "xtuner_rope.monitor",
+                "TokenWeightedLossHook": "xtuner_rope.loss_norm"}
 MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
                        "    from xtuner_rope import enable_xtuner_rope\n"
                        "    model_resource = dict(fn=enable_xtuner_rope)")
