@@ -192,3 +192,54 @@ def test_batch_without_labels_is_refused():
     hook.active = True
     with pytest.raises(TypeError, match="no 'labels' tensor"):
         hook.before_train_iter(None, 0, data_batch={"data": {"input_ids": torch.ones(1, 2)}})
+
+
+def _steps_by_hand(llm, items, windows, lr):
+    """SGD on each window's token-weighted loss: sum of token losses / supervised tokens.
+
+    Each dialogue runs alone through the HF model (its mean loss times its token count).
+    """
+    params = [p for p in llm.parameters() if p.requires_grad]
+    for window in windows:
+        llm.zero_grad()
+        total = sum(supervised_tokens(torch.tensor([items[i]["labels"]])) for i in window)
+        for i in window:
+            ids = torch.tensor([items[i]["input_ids"]])
+            n = supervised_tokens(torch.tensor([items[i]["labels"]]))
+            (llm(input_ids=ids, labels=torch.tensor([items[i]["labels"]])).loss * n
+             / total).backward()
+        with torch.no_grad():
+            for p in params:
+                p -= lr * p.grad
+    return {k: v.detach().clone() for k, v in llm.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["token", "micro_batch"])
+def test_accumulation_with_a_last_incomplete_window(tmp_path, mode):
+    """MMEngine's OptimWrapper, accumulation 2 over 3 micro-batches: windows {0, 1} and {2}.
+
+    The last window is incomplete (MMEngine divides its loss by 1, not 2): with the token-
+    weighted loss both steps equal the steps by hand; XTuner's weighting differs.
+    """
+    import copy
+
+    from runners import tiny_runner, token_items
+
+    from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+
+    items = token_items([5, 30, 12, 40, 9])
+    runner = tiny_runner(tmp_path, items=items, batch_size=2, max_iters=3,
+                         custom_hooks=[ValidatedRoPEHook(), PackedBatchCheckHook(),
+                                       TokenWeightedLossHook()])
+    runner.cfg["loss_normalization"] = mode
+    runner.optim_wrapper = dict(optimizer=dict(type=torch.optim.SGD, lr=1.0),
+                                accumulative_counts=2)
+    expected = _steps_by_hand(copy.deepcopy(runner.model.llm), items, [[0, 1, 2, 3], [4]], 1.0)
+    runner.train()
+    got = {k: v.detach() for k, v in runner.model.llm.state_dict().items()}
+    worst = _relative(expected, got)
+    print(f"{mode}: parameters {worst:.1e} relative to the steps by hand")
+    if mode == "token":
+        assert worst <= RTOL, worst
+    else:
+        assert worst > 100 * RTOL, worst
