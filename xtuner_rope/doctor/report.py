@@ -9,6 +9,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.loss_weights import loss_weight_line
+
 
 def _pct(share: float | None) -> str:
     return "n/a" if share is None else f"{100 * share:.1f}%"
@@ -82,6 +84,7 @@ def format_summary(report: dict) -> str:
                                 else "NOT enabled (no model_resource from xtuner_rope)")]
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
     lines += _data_lines(report) + _collate_lines(report)
+    lines += loss_weight_line(report.get("loss_weights"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]
