@@ -243,3 +243,21 @@ def test_accumulation_with_a_last_incomplete_window(tmp_path, mode):
         assert worst <= RTOL, worst
     else:
         assert worst > 100 * RTOL, worst
+
+
+def test_unknown_optim_wrapper_is_refused():
+    with pytest.raises(TypeError, match=r"optim_wrapper object is not supported \(MMEngine "
+                                        r"OptimWrapper and subclasses, DeepSpeedOptimWrapper\)"):
+        TokenWeightedLossHook().wrap(object())
+
+
+def test_deepspeed_without_zero_is_refused():
+    import types
+
+    from mmengine._strategy.deepspeed import DeepSpeedOptimWrapper
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    wrapper = DeepSpeedOptimWrapper(optimizer)
+    wrapper.model = types.SimpleNamespace(optimizer=optimizer)  # DeepSpeed stage 0 keeps torch's
+    with pytest.raises(TypeError, match=r"DeepSpeed without ZeRO \(stage 0\) is not supported"):
+        TokenWeightedLossHook().wrap(wrapper)

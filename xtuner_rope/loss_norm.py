@@ -114,8 +114,7 @@ class TokenWeightedLossHook(Hook):
             print_log(f"xtuner-rope: token-weighted loss not applied: {type(model).__name__}'s "
                       "loss is not a mean over supervised tokens.", logger="current")
             return
-        self._wrap(runner.optim_wrapper)
-        self.active = True
+        self.wrap(runner.optim_wrapper)
         print_log("xtuner-rope: token-weighted loss: every optimizer step weights each "
                   "supervised token equally over all its micro-batches and ranks (sum of token "
                   "losses / supervised tokens); the logged loss is still each micro-batch's "
@@ -135,7 +134,12 @@ class TokenWeightedLossHook(Hook):
         self._saved, self.active = {}, False
 
     # -- the wrapping ---------------------------------------------------------------------
-    def _wrap(self, optim_wrapper) -> None:
+    def wrap(self, optim_wrapper) -> None:
+        """Make ``optim_wrapper`` token-weighted (what ``before_train`` does, for SFT).
+
+        Raises:
+            TypeError: an optimizer wrapper this hook does not know.
+        """
         self._optim_wrapper = optim_wrapper
         if isinstance(optim_wrapper, OptimWrapper):
             self._patch("scale_loss", lambda loss: loss * self._take_pending())
@@ -152,6 +156,7 @@ class TokenWeightedLossHook(Hook):
             raise TypeError(f"TokenWeightedLossHook: optim_wrapper {type(optim_wrapper).__name__}"
                             " is not supported (MMEngine OptimWrapper and subclasses, "
                             f"DeepSpeedOptimWrapper); set {OPT_OUT} to train without it.")
+        self.active = True
 
     def _wrap_deepspeed(self, optim_wrapper) -> None:
         update, step = optim_wrapper.update_params, optim_wrapper.step
