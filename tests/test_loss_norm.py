@@ -161,13 +161,14 @@ def test_one_optimizer_step_whatever_the_grouping(setup):
         "packed 4x2, 2 processes ZeRO-2": _train(packed_2, data, tmp / "z2", nproc=2,
                                                  deepspeed=ZERO2),
     }
-    # Without the fix (XTuner's weighting): accumulation and ranks weight tokens unequally.
-    unfixed = _train(packed_2, data, tmp / "ddp_off", nproc=2, mode="micro_batch")
+    # Without the fix (XTuner's weighting) accumulation weighs tokens unequally (ranks do the
+    # same: one process keeps the CI cost down).
+    unfixed = _train(packed_1, data, tmp / "p1_off", mode="micro_batch")
     for name, params in runs.items():
         print(f"{name}: parameters {_relative(reference, params):.1e} relative to padded 16x1, "
               f"update {_update_error(start, reference, params):.1e}")
     off = (_relative(reference, unfixed), _update_error(start, reference, unfixed))
-    print(f"XTuner's weighting, packed 4x2 on 2 processes: parameters {off[0]:.1e}, "
+    print(f"XTuner's weighting, packed 8x2 on 1 process: parameters {off[0]:.1e}, "
           f"update {off[1]:.1e}")
     for name, params in runs.items():
         assert _relative(reference, params) <= RTOL, name
