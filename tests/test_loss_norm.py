@@ -262,3 +262,15 @@ def test_deepspeed_without_zero_is_refused():
     wrapper.model = types.SimpleNamespace(optimizer=optimizer)  # DeepSpeed stage 0 keeps torch's
     with pytest.raises(TypeError, match=r"DeepSpeed without ZeRO \(stage 0\) is not supported"):
         TokenWeightedLossHook().wrap(wrapper)
+
+
+def test_unknown_loss_normalization_is_refused_at_start_up(tmp_path):
+    from mmengine.config import Config
+
+    from xtuner_rope.startup import ConfigConflict, prepare_config
+
+    cfg = Config(dict(loss_normalization="per_dialog"))
+    with pytest.raises(ConfigConflict, match=r"loss_normalization: expected one of \('token', "
+                                             r"'micro_batch'\), got 'per_dialog'\n  -> set "
+                                             r'loss_normalization = "token"'):
+        prepare_config(cfg)

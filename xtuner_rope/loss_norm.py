@@ -76,6 +76,20 @@ def loss_normalization(cfg: object) -> str:
     return mode
 
 
+def loss_normalization_findings(cfg) -> list:
+    """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
+    conflict, refused before anything is built."""
+    from xtuner_rope.startup import Finding
+
+    mode = cfg._cfg_dict.get(LOSS_NORMALIZATION_KEY, TOKEN)
+    if mode in LOSS_NORMALIZATIONS:
+        return []
+    return [Finding(LOSS_NORMALIZATION_KEY, f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
+                    f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
+                    f'token of a step weighs the same) or "{MICRO_BATCH}" (XTuner\'s '
+                    "per-micro-batch mean)")]
+
+
 def _unwrap(model: object) -> object:
     """The XTuner model under DDP / FSDP (``.module``) or DeepSpeed (wrapper -> engine -> module)."""
     while is_model_wrapper(model) or type(model).__name__ == "DeepSpeedEngine":
@@ -211,4 +225,4 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "loss_normalization", "supervised_tokens"]
+           "loss_normalization", "loss_normalization_findings", "supervised_tokens"]

@@ -37,6 +37,7 @@ from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
 from .compat import cpu_only
+from .loss_norm import loss_normalization_findings
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
@@ -281,6 +282,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
+    findings += loss_normalization_findings(cfg)  # xtuner_rope.loss_norm
     return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
 
 
