@@ -27,6 +27,7 @@ from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+from xtuner_rope.loss_norm import TokenWeightedLossHook
 from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
@@ -165,6 +166,9 @@ custom_hooks = [
     # packing figures next to the loss; stop at the first NaN/inf loss or grad norm, save the batch
     dict(type=PackingMetricsHook),
     dict(type=NonFiniteTripwireHook),
+    # every supervised token of an optimizer step weighs the same (opt out:
+    # loss_normalization = "micro_batch")
+    dict(type=TokenWeightedLossHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(
         type=EvaluateChatHook,

@@ -16,6 +16,7 @@ from xtuner_rope.ops.rope import apply_rotary_pos_emb  # noqa: E402
 
 from .collate import rope_collate_fn  # noqa: E402
 from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
+from .loss_norm import TokenWeightedLossHook  # noqa: E402
 from .models.internlm2 import patch_internlm2_attention  # noqa: E402
 from .models.internlm2_rope import ValidatedRotaryEmbedding  # noqa: E402
 from .monitor import NonFiniteTripwireHook, PackingMetricsHook  # noqa: E402
@@ -25,6 +26,7 @@ HOOKS.register_module(module=ValidatedRoPEHook, force=True)
 HOOKS.register_module(module=PackedBatchCheckHook, force=True)
 for _hook in (PackingMetricsHook, NonFiniteTripwireHook):
     HOOKS.register_module(module=_hook, force=True)
+HOOKS.register_module(module=TokenWeightedLossHook, force=True)
 FUNCTIONS.register_module(module=rope_collate_fn, force=True)
 
 __version__ = "0.1.0"
@@ -32,6 +34,7 @@ __all__ = [
     "NonFiniteTripwireHook",
     "PackedBatchCheckHook",
     "PackingMetricsHook",
+    "TokenWeightedLossHook",
     "ValidatedRoPEHook",
     "ValidatedRotaryEmbedding",
     "apply_rotary_pos_emb",

@@ -37,12 +37,14 @@ from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
 from .compat import cpu_only, keep_other_model_paths
+from .loss_norm import loss_normalization_findings
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
                 "PackedBatchCheckHook": "xtuner_rope.hooks",
                 "PackingMetricsHook": "xtuner_rope.monitor",
-                "NonFiniteTripwireHook": "xtuner_rope.monitor"}
+                "NonFiniteTripwireHook": "xtuner_rope.monitor",
+                "TokenWeightedLossHook": "xtuner_rope.loss_norm"}
 MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
                        "    from xtuner_rope import enable_xtuner_rope\n"
                        "    model_resource = dict(fn=enable_xtuner_rope)")
@@ -326,6 +328,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
+    findings += loss_normalization_findings(cfg)  # xtuner_rope.loss_norm
     from .preference import preference_findings  # these build on this module's Finding
     from .startup_multimodal import multimodal_findings
 

@@ -14,6 +14,7 @@ from functools import partial
 from mmengine.config import Config
 
 from xtuner_rope import startup
+from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
 from xtuner_rope.doctor.stats import (
@@ -212,10 +213,15 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
                     "batch_size": batch_size, "max_length": collate_kwargs.get("max_length"),
                     "order": "dataset order (no shuffle)",
                     "batches_total": -(-len(dataset) // batch_size), **plan_summary(plan)},
+        "loss_weights": dataset_loss_weights(
+            dataset, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
+                "accumulative_counts", 1), batches),
     }
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
                             or scan.documents > len(dataset))
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
+    if report["preference"]:  # TokenWeightedLossHook serves SupervisedFinetune only
+        report["loss_weights"] = None
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["exit_code"] = exit_code(report)

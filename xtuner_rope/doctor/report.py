@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 
 
@@ -85,6 +86,7 @@ def format_summary(report: dict) -> str:
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
     lines += (preference_lines(report) if report.get("preference") else _data_lines(report))
     lines += _collate_lines(report)
+    lines += loss_weight_line(report.get("loss_weights"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]
