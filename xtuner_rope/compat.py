@@ -673,18 +673,27 @@ def keep_other_model_paths(cfg) -> bool:
     After ``model_resource.fn`` returns, XTuner writes its result into *every* nested
     ``pretrained_model_name_or_path`` of the config: in a LLaVA config the CLIP encoder's and
     the image processor's become the LLM's path (``OSError: ... does not appear to have a file
-    named preprocessor_config.json``). xtuner-rope's ``model_resource`` functions return the
-    config's own path unchanged, so that write-back only ever changes the paths of other
-    models: it is skipped, once, by handing XTuner's walk an empty ``items()`` of the config.
-    Call from inside ``fn``; nothing happens when no nested path differs.
+    named preprocessor_config.json``). Another model's path is one a top-level
+    ``*_name_or_path`` setting other than the LLM's names (``visual_encoder_name_or_path``).
+    Where such paths exist, XTuner's write-back is done here for every other nested path (with
+    the config's own path, which xtuner-rope's ``model_resource`` functions return unchanged),
+    and XTuner's walk is skipped, once, by handing it an empty ``items()`` of the config. Call
+    from inside ``fn``; configs without another model's path are left to XTuner.
 
     Returns:
-        True if the write-back will be skipped.
+        True if the write-back was done here and XTuner's will be skipped.
     """
     top = cfg._cfg_dict
     path = dict.get(top, "pretrained_model_name_or_path")
-    if not any(v != path for v in _nested_paths(top)) or _model_resource_config() is not cfg:
+    others = {v for k, v in dict.items(top) if isinstance(v, str) and v != path
+              and k.endswith("_name_or_path")
+              and k not in ("pretrained_model_name_or_path", "llm_name_or_path")}
+    nested = list(_nested_paths(top))
+    if not any(value in others for _, _, value in nested) or _model_resource_config() is not cfg:
         return False
+    for node, key, value in nested:
+        if value not in others:
+            node[key] = path
     base = type(top)
 
     class _SkipWriteBack(base):
@@ -699,12 +708,12 @@ def keep_other_model_paths(cfg) -> bool:
 
 
 def _nested_paths(node, depth: int = 0):
-    """Every ``pretrained_model_name_or_path`` below the top level of a config dict."""
+    """``(dict, key, value)`` of every ``pretrained_model_name_or_path`` below the top level."""
     items = dict.items(node) if isinstance(node, dict) else enumerate(node) \
         if isinstance(node, list) else ()
     for key, value in items:
         if depth and key == "pretrained_model_name_or_path":
-            yield value
+            yield node, key, value
         if isinstance(value, (dict, list)):
             yield from _nested_paths(value, depth + 1)
 
