@@ -569,7 +569,7 @@ def patch_set_model_resource_llm_path() -> bool:
     return True
 
 
-def keep_other_model_paths(cfg) -> bool:
+def keep_other_model_paths(cfg, returned: str) -> bool:
     """Stop xtuner 0.2.0 ``set_model_resource`` overwriting the paths of other models.
 
     After ``model_resource.fn`` returns, XTuner writes its result into *every* nested
@@ -578,14 +578,16 @@ def keep_other_model_paths(cfg) -> bool:
     named preprocessor_config.json``). xtuner-rope's ``model_resource`` functions return the
     config's own path unchanged, so that write-back only ever changes the paths of other
     models: it is skipped, once, by handing XTuner's walk an empty ``items()`` of the config.
-    Call from inside ``fn``; nothing happens when no nested path differs.
+    Call from inside ``fn``; nothing happens when no nested path differs, or when ``fn``
+    returns another path than the config's (``returned``: then the write-back is XTuner's).
 
     Returns:
         True if the write-back will be skipped.
     """
     top = cfg._cfg_dict
     path = dict.get(top, "pretrained_model_name_or_path")
-    if not any(v != path for v in _nested_paths(top)) or _model_resource_config() is not cfg:
+    if returned != path or not any(v != path for v in _nested_paths(top)) \
+            or _model_resource_config() is not cfg:
         return False
     base = type(top)
 
