@@ -630,7 +630,7 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         return False
     import xtuner.model.llava as llava
 
-    from .models.llava import check_expanded_batch
+    from .models.llava import check_expanded_batch, restart_after_expansion
 
     current = llava.prepare_inputs_labels_for_multimodal
     original = getattr(current, "__wrapped__", current)
@@ -640,6 +640,10 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         out = original(llm=llm, **kwargs)
         if kwargs.get("pixel_values") is not None:
             check_expanded_batch(out, checked.max_position)
+            # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
+            out = restart_after_expansion(out, kwargs["input_ids"],
+                                          kwargs.get("attention_mask"),
+                                          kwargs["pixel_values"].shape[1])
         return out
 
     checked.max_position = max_position
