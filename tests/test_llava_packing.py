@@ -20,6 +20,7 @@ from mmengine.config import ConfigDict
 from xtuner_rope import llava_collate_fn
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.hooks import PackedBatchCheckHook, patch_model
 from xtuner_rope.ops.packing import plan_packs
@@ -141,3 +142,32 @@ def test_llava_collate_refuses_bad_input():
     with pytest.raises(TypeError, match=r"sample 0: expected a dict with input_ids, labels and "
                        r"pixel_values"):
         llava_collate_fn([{"input_ids": [1], "labels": [1]}], max_length=100, image_tokens=P)
+
+
+def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
+    """The tiny LLaVA recipe with ``llava_collate_fn`` through the real ``xtuner train``: the
+    LLM's inputs of iteration 1 are captured and each packed sample compared with itself alone
+    through the unpatched LLM."""
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+
+    text = (sc.REPO / "configs" / "tiny_llava_internlm2_short_dialogues.py").read_text()
+    text = sc.sub_once(text, r"collate_fn=dict\(type=default_collate_fn\)",
+                       "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)")
+    text = sc.sub_once(text, r"^(from xtuner_rope.demo.resources import tiny_llava\n)",
+                       r"\g<1>from xtuner_rope import llava_collate_fn\nfrom "
+                       "xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
+    text = sc.sub_once(text, r"^(custom_hooks = \[)$",
+                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    config = tmp_path / "tiny_llava_packed.py"
+    config.write_text(sc.sub_once(text, r"^max_epochs = 3$", "max_epochs = 1"))
+    proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    check_run(tmp_path / "run", min_iters=6)
+    assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
+    result = compare_llava_capture(config, tmp_path / "run" / LLAVA_CAPTURE_FILE)
+    saved = torch.load(tmp_path / "run" / LLAVA_CAPTURE_FILE, weights_only=False)
+    assert saved["inputs_embeds"].shape[0] == 1 and result["samples"] == 4, result  # one row
+    assert result["max_abs_diff"] <= 1e-5, result
+    assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
+    print(f"packed LLaVA run: {result['samples']} samples in 1 row, max |trained - alone| "
+          f"{result['max_abs_diff']:.3g}")
