@@ -127,6 +127,17 @@ def test_packed_llava_samples_equal_each_alone(models, picked, max_length, rows)
     print(f"{len(plan)} rows: max |packed - alone| {max(diffs):.3g}, unpatched {max(leaked):.3g}")
 
 
+def test_packed_llava_rows_on_an_unpatched_model_are_refused(models):
+    _, reference = models
+    batch = llava_collate_fn(_samples(4, seed=3), max_length=400, image_tokens=P,
+                             return_hf_format=True)
+    hook, runner = PackedBatchCheckHook(), SimpleNamespace(model=reference)
+    hook.before_val(runner)
+    with pytest.raises(ValueError, match=r"batch row 0 packs 4 segments, but the model's "
+                       r"attention does not isolate documents"):
+        hook.before_val_iter(runner, 0, {"data": batch, "data_samples": None})
+
+
 def test_llava_collate_refuses_bad_input():
     items = _samples(2, seed=2)
     with pytest.raises(ValueError, match=r"sample 0: \d+ tokens after its image placeholder "
