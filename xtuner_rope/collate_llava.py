@@ -19,7 +19,12 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.ops.packing import cumulative_from_lengths, plan_packs
+from xtuner_rope.ops.packing import (
+    cumulative_from_lengths,
+    plan_packs,
+    position_ids_from_starts,
+    segment_starts_from_cumulative,
+)
 
 __all__ = ["llava_collate_fn"]
 
@@ -66,7 +71,8 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
 
     Returns:
         ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
-        first token), ``attention_mask`` ``[b, s]`` (True on real tokens: XTuner's expansion
+        first token), ``position_ids`` ``[b, s]`` (restarting per sample, before the
+        expansion), ``attention_mask`` ``[b, s]`` (True on real tokens: XTuner's expansion
         drops the rest), ``pixel_values`` ``[n_images, 3, H, W]`` (per row: its samples'
         images in order, or one when the row has no placeholder), ``cumulative_len`` (``b``
         int32 tensors ``0 .. s``, before the expansion, padding its own segment),
@@ -115,7 +121,11 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
         mask[r, :col] = True
         pixel_values += images or [samples[row[0]][2]]  # XTuner takes one image per plain row
         cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
+    # Before the expansion (the batch checks and PackingMetricsHook read them; XTuner's
+    # expansion rebuilds them and the plugin restarts them per sample after it).
+    position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
     data = {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
+            "position_ids": position_ids,
             "pixel_values": torch.stack(pixel_values), "cumulative_len": cumulative_len,
             "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
             "num_unsupervised": 0}
