@@ -150,6 +150,11 @@ def test_llava_collate_refuses_bad_input():
     with pytest.raises(ValueError, match=r"sample 0, field 'input_ids': expected at most one "
                        r"image placeholder \(-200\)"):
         llava_collate_fn([two], max_length=100, image_tokens=P)
+    silent = [dict(x, labels=[-100] * len(x["input_ids"])) for x in items]
+    with pytest.raises(ValueError, match=r"all 2 samples of the batch have no supervised label"):
+        llava_collate_fn(silent, max_length=100, image_tokens=P)
+    assert llava_collate_fn(silent[:1] + items[1:], max_length=100, image_tokens=P,
+                            return_hf_format=True)["num_unsupervised"] == 1
     with pytest.raises(TypeError, match=r"sample 0: expected a dict with input_ids, labels and "
                        r"pixel_values"):
         llava_collate_fn([{"input_ids": [1], "labels": [1]}], max_length=100, image_tokens=P)

@@ -76,12 +76,12 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
         drops the rest), ``pixel_values`` ``[n_images, 3, H, W]`` (per row: its samples'
         images in order, or one when the row has no placeholder), ``cumulative_len`` (``b``
         int32 tensors ``0 .. s``, before the expansion, padding its own segment),
-        ``max_seqlen`` (longest segment before the expansion) and ``num_unsupervised`` (0); the rows hold
+        ``max_seqlen`` (longest segment before the expansion) and ``num_unsupervised`` (samples without a supervised label, kept); the rows hold
         the samples of ``ops.packing.plan_packs`` on the expanded lengths, in that order.
 
     Raises:
         ValueError: an option out of range, a sample longer than ``max_length`` once expanded,
-            a sample with more than one placeholder.
+            a sample with more than one placeholder, a batch without any supervised label.
         TypeError: a sample that is not an XTuner LLaVA item.
     """
     for name, value in (("max_length", max_length), ("image_tokens", image_tokens)):
@@ -92,6 +92,13 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
     if not instances:
         raise ValueError("llava_collate_fn: got an empty batch (0 samples); check the sampler.")
     samples = [_sample(i, item) for i, item in enumerate(instances)]
+    unsupervised = [i for i, (_, lab, _) in enumerate(samples)
+                    if not bool((lab[1:] != IGNORE_INDEX).any())]
+    if len(unsupervised) == len(samples):
+        raise ValueError(f"llava_collate_fn: all {len(samples)} samples of the batch have no "
+                         "supervised label (every label after the first token is -100): the "
+                         "mean loss would be 0/0 = NaN. Check the dataset's label masking and "
+                         "filter such samples (replies truncated away) out of the dataset.")
     lengths = [expanded_length(ids, image_tokens) for ids, _, _ in samples]
     for i, n in enumerate(lengths):
         if n > max_length:
@@ -128,5 +135,5 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
             "position_ids": position_ids,
             "pixel_values": torch.stack(pixel_values), "cumulative_len": cumulative_len,
             "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
-            "num_unsupervised": 0}
+            "num_unsupervised": len(unsupervised)}
     return data if return_hf_format else {"data": data, "data_samples": None}
