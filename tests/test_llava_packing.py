@@ -187,3 +187,27 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
     print(f"packed LLaVA run: {result['samples']} samples in 1 row, max |trained - alone| "
           f"{result['max_abs_diff']:.3g}")
+
+
+def test_expanded_boundaries_refuse_what_the_expansion_cannot_keep_apart():
+    from mmengine import MessageHub
+
+    from xtuner_rope.batch.image_packing import expand_row_boundaries
+    from xtuner_rope.models.llava import restart_after_expansion
+    from xtuner_rope.models.runtime import CUMULATIVE_KEY, VARLEN_HUB
+
+    ids = torch.tensor([5, IMAGE_TOKEN_INDEX, 6, 7, 0, 0])
+    mask = torch.tensor([True, True, True, True, False, False])
+    assert expand_row_boundaries(ids, mask, torch.tensor([0, 3, 4, 6]), P) == [3 + P - 1, 1]
+    with pytest.raises(ValueError, match=r"segment \[3, 6\) has 1 real tokens of 3: expected a "
+                       r"sample or padding, not both"):
+        expand_row_boundaries(ids, mask, torch.tensor([0, 3, 6]), P)
+    MessageHub.get_instance(VARLEN_HUB).update_info(CUMULATIVE_KEY.format(rank=0),
+                                                    torch.tensor([0, 3, 4, 6]))
+    out = {"inputs_embeds": torch.zeros(1, 10, 8), "attention_mask": torch.ones(1, 10).bool()}
+    try:
+        with pytest.raises(ValueError, match=r"row 0, field 'cumulative_len': expected 19 tokens "
+                           r"after the expansion \(segments \[18, 1\]\), got 10 in XTuner's"):
+            restart_after_expansion(out, ids[None], mask[None], P)
+    finally:
+        PackedBatchCheckHook._reset()
