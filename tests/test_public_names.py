@@ -24,6 +24,7 @@ PUBLIC = {
     "xtuner_rope.hooks": ["PackedBatchCheckHook", "ValidatedRoPEHook"],
     "xtuner_rope.monitor": ["NonFiniteError", "NonFiniteTripwireHook", "PackingMetricsHook"],
     "xtuner_rope.collate": ["rope_collate_fn", "IGNORE_INDEX", "DEFAULT_PAD_TOKEN_INDEX"],
+    "xtuner_rope.collate_llava": ["llava_collate_fn"],
     "xtuner_rope.batch.items": ["Sample", "parse_sample", "check_id_range", "is_supervised",
                                 "item_error", "IGNORE_INDEX"],
     "xtuner_rope.ops.rope": ["apply_rotary_pos_emb", "check_position_ids", "cos_sin",

@@ -15,6 +15,7 @@ compat.apply()
 from xtuner_rope.ops.rope import apply_rotary_pos_emb  # noqa: E402
 
 from .collate import rope_collate_fn  # noqa: E402
+from .collate_llava import llava_collate_fn  # noqa: E402
 from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
 from .loss_norm import TokenWeightedLossHook  # noqa: E402
 from .models.internlm2 import patch_internlm2_attention  # noqa: E402
@@ -28,6 +29,7 @@ for _hook in (PackingMetricsHook, NonFiniteTripwireHook):
     HOOKS.register_module(module=_hook, force=True)
 HOOKS.register_module(module=TokenWeightedLossHook, force=True)
 FUNCTIONS.register_module(module=rope_collate_fn, force=True)
+FUNCTIONS.register_module(module=llava_collate_fn, force=True)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -41,4 +43,5 @@ __all__ = [
     "enable_xtuner_rope",
     "patch_internlm2_attention",
     "rope_collate_fn",
+    "llava_collate_fn",
 ]

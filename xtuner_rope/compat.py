@@ -667,7 +667,7 @@ def patch_set_model_resource_llm_path() -> bool:
     return True
 
 
-def keep_other_model_paths(cfg) -> bool:
+def keep_other_model_paths(cfg, returned: str) -> bool:
     """Stop xtuner 0.2.0 ``set_model_resource`` overwriting the paths of other models.
 
     After ``model_resource.fn`` returns, XTuner writes its result into *every* nested
@@ -678,7 +678,8 @@ def keep_other_model_paths(cfg) -> bool:
     Where such paths exist, XTuner's write-back is done here for every other nested path (with
     the config's own path, which xtuner-rope's ``model_resource`` functions return unchanged),
     and XTuner's walk is skipped, once, by handing it an empty ``items()`` of the config. Call
-    from inside ``fn``; configs without another model's path are left to XTuner.
+    from inside ``fn``; configs without another model's path are left to XTuner, and so is
+    the write-back when ``fn`` returns another path than the config's (``returned``).
 
     Returns:
         True if the write-back was done here and XTuner's will be skipped.
@@ -689,7 +690,8 @@ def keep_other_model_paths(cfg) -> bool:
               and k.endswith("_name_or_path")
               and k not in ("pretrained_model_name_or_path", "llm_name_or_path")}
     nested = list(_nested_paths(top))
-    if not any(value in others for _, _, value in nested) or _model_resource_config() is not cfg:
+    if returned != path or not any(value in others for _, _, value in nested) \
+            or _model_resource_config() is not cfg:
         return False
     for node, key, value in nested:
         if value not in others:
@@ -735,7 +737,7 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         return False
     import xtuner.model.llava as llava
 
-    from .models.llava import check_expanded_batch
+    from .models.llava import check_expanded_batch, restart_after_expansion
 
     current = llava.prepare_inputs_labels_for_multimodal
     original = getattr(current, "__wrapped__", current)
@@ -745,6 +747,10 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         out = original(llm=llm, **kwargs)
         if kwargs.get("pixel_values") is not None:
             check_expanded_batch(out, checked.max_position)
+            # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
+            out = restart_after_expansion(out, kwargs["input_ids"],
+                                          kwargs.get("attention_mask"),
+                                          kwargs["pixel_values"].shape[1])
         return out
 
     checked.max_position = max_position

@@ -228,7 +228,8 @@ class PackedBatchCheckHook(Hook):
 
     def _refuse_leaky_packing(self, data: dict, rows: list[torch.Tensor]) -> None:
         """Packed rows on an unpatched model attend across documents: refuse, don't train."""
-        if self._isolating or "attention_mask" in data:
+        # Padded rows carry attention_mask; LLaVA rows always do (llava_collate_fn packs them).
+        if self._isolating or "attention_mask" in data and data.get("pixel_values") is None:
             return
         packed = [r for r, row in enumerate(rows) if len(row) > 2]
         if packed:

@@ -400,7 +400,7 @@ def prepare_started_config(path: str) -> str:
     cfg = _config_being_started()
     if cfg is not None:
         prepare_config(cfg)
-        keep_other_model_paths(cfg)  # a LLaVA config's CLIP paths are not the LLM's
+        keep_other_model_paths(cfg, path)  # a LLaVA config's CLIP paths are not the LLM's
     return path
 
 

@@ -5,7 +5,8 @@ expands each image placeholder into patch embeddings first. :class:`LLaVAIsolati
 (opt-in: ``dict(type=LLaVAIsolationCaptureHook)`` in ``custom_hooks``) therefore records the
 LLM's own inputs of iteration 1 (``inputs_embeds`` ``[b, s, d]``, ``attention_mask``,
 ``position_ids``, ``labels``) and its logits and loss, to ``<work_dir>/llava_isolation_capture.pt``.
-:func:`compare_llava_capture` runs each sample alone (its real tokens, positions ``0..n-1``)
+:func:`compare_llava_capture` runs each sample alone (its real tokens, positions ``0..n-1``;
+a packed row's samples are cut where its positions restart)
 through the config's LLM loaded fresh from its checkpoint in fp32, unpatched: 0 up to
 rounding when the run kept each sample to itself.
 """
@@ -79,6 +80,16 @@ def reference_llava_llm(cfg: Config) -> nn.Module:
     return BUILDER.build(llm_cfg).float().train()
 
 
+def _samples(lengths: list[int], positions: torch.Tensor | None):
+    """(row, start, length) of each sample: a row's real tokens, cut where positions restart
+    at 0 (rows packed by ``llava_collate_fn``; a padded row is one sample)."""
+    for r, n in enumerate(lengths):
+        starts = [0] if positions is None else \
+            [int(c) for c in (positions[r, :n] == 0).nonzero().reshape(-1)] or [0]
+        for a, e in zip(starts, starts[1:] + [n]):
+            yield r, a, e - a
+
+
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured sample's LLM logits against the same sample alone (unpatched, fp32).
 
@@ -95,18 +106,19 @@ def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
     b, s = embeds.shape[:2]
     mask = saved.get("attention_mask")
     lengths = mask.bool().sum(dim=1).tolist() if mask is not None else [s] * b
+    positions = saved.get("position_ids")
     llm = reference_llava_llm(Config.fromfile(str(config)))
     per_sample, loss_sum, count = [], 0.0, 0
     with torch.no_grad():
-        for r, n in enumerate(lengths):
-            alone = llm(inputs_embeds=embeds[r:r + 1, :n],
+        for r, a, n in _samples(lengths, positions):
+            alone = llm(inputs_embeds=embeds[r:r + 1, a:a + n],
                         position_ids=torch.arange(n)[None]).logits[0].float()
             per_sample.append({"tokens": n, "max_abs_logit": float(alone.abs().max()),
-                               "max_abs_diff": float((logits[r, :n] - alone).abs().max())})
-            labels = saved["labels"][r, :n]
+                               "max_abs_diff": float((logits[r, a:a + n] - alone).abs().max())})
+            labels = saved["labels"][r, a:a + n]
             loss_sum += float(F.cross_entropy(alone[:-1], labels[1:], reduction="sum",
                                               ignore_index=IGNORE_INDEX))
             count += int((labels[1:] != IGNORE_INDEX).sum())
-    return {"samples": b, "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
+    return {"samples": len(per_sample), "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
             "per_sample": per_sample,
             "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)}}

@@ -14,6 +14,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from mmengine import MessageHub
+from mmengine.dist import get_rank
+
+from xtuner_rope.batch.image_packing import expand_row_boundaries
+from xtuner_rope.ops.packing import (
+    cumulative_from_lengths,
+    flat_cumulative,
+    position_ids_from_starts,
+    segment_starts_from_cumulative,
+)
+
+from .runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, hub_cumulative_len
 
 IGNORE_INDEX = -100
 
@@ -62,3 +74,57 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
                     "range)", f"{longest} tokens after the images were expanded into patch "
                     "embeddings", "Lower max_length (it counts each image as one token), use "
                     "fewer images per sample, or raise max_position_embeddings.")
+
+
+def _row_boundaries(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
+    """Per-row boundaries ``0 .. s`` of a flat ``[n + 1]`` boundary tensor over ``b * s``."""
+    flat = torch.as_tensor(flat).reshape(-1).long().cpu()
+    return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
+
+
+def restart_after_expansion(out: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            image_tokens: int) -> dict:
+    """Packed LLaVA rows: boundaries and positions of the expanded sequence, published.
+
+    ``PackedBatchCheckHook`` publishes the collate's boundaries (``cumulative_len`` before the
+    expansion) in ``MessageHub``; XTuner's expansion then makes each row longer and numbers it
+    ``0..n-1`` as one sequence. Here each segment is measured after the expansion
+    (``batch.image_packing.expand_row_boundaries``), the positions restart at 0 per sample
+    and the expanded boundaries (padding a segment of its own) replace the published ones, so
+    the patched attention isolates the samples the LLM really sees. Without published
+    boundaries (XTuner's padded rows) ``out`` is returned unchanged.
+
+    Args:
+        out: The expansion's result (``inputs_embeds`` ``[b, s', d]``, ``attention_mask``,
+            ``position_ids``, ``labels`` ``[b, s']``); ``position_ids`` is replaced.
+        input_ids: ``[b, s]`` the ids before the expansion; attention_mask: ``[b, s]``.
+        image_tokens: ``P``, patch embeddings per image.
+
+    Raises:
+        ValueError: the expanded lengths disagree with the rows XTuner built.
+    """
+    published = hub_cumulative_len()
+    if published is None or out.get("inputs_embeds") is None:
+        return out
+    b, s = input_ids.shape
+    s_out = out["inputs_embeds"].shape[1]
+    mask = attention_mask.bool().cpu() if attention_mask is not None \
+        else torch.ones(b, s, dtype=torch.bool)
+    ids = input_ids.cpu()
+    cus = []
+    for r, cu in enumerate(_row_boundaries(published, b, s)):
+        lengths = expand_row_boundaries(ids[r], mask[r], cu, image_tokens)
+        n = sum(lengths)
+        got = int(out["attention_mask"][r].sum()) if out.get("attention_mask") is not None \
+            else s_out
+        if n != got:
+            raise _fail(r, "cumulative_len", f"{n} tokens after the expansion (segments "
+                        f"{lengths})", f"{got} in XTuner's expanded row", "Collate LLaVA "
+                        "samples with xtuner_rope.llava_collate_fn.")
+        cus.append(cumulative_from_lengths(lengths + ([s_out - n] if n < s_out else [])))
+    device = out["inputs_embeds"].device
+    positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat_cumulative(cus, s_out))
+    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), int(positions.max()) + 1)
+    return {**out, "position_ids": positions.to(device)}

@@ -1,0 +1,139 @@
+"""``llava_collate_fn``: XTuner's LLaVA samples packed into rows, planned on expanded lengths.
+
+XTuner 0.2.0 cannot pack LLaVA data (``LLaVADataset`` fixes ``pack_to_max_length=False``,
+``default_collate_fn`` asserts no images with ``use_varlen_attn``): short image dialogues are
+padded to the batch's longest. Here several samples share a row. The plan counts each image
+placeholder as the ``image_tokens`` patch embeddings it becomes; each row carries its samples'
+boundaries (``cumulative_len``, before the expansion) and exactly the images its placeholders
+take (one ignored image for a row without any, as XTuner's expansion takes one). After
+``LLaVAModel`` expands the placeholders, ``xtuner_rope.models.llava.restart_after_expansion``
+(installed by ``PackedBatchCheckHook``) expands the boundaries too and restarts the positions
+per sample, so the patched attention keeps each sample to itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from xtuner_rope.batch.image_packing import expanded_length
+from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.ops.packing import (
+    cumulative_from_lengths,
+    plan_packs,
+    position_ids_from_starts,
+    segment_starts_from_cumulative,
+)
+
+__all__ = ["llava_collate_fn"]
+
+IGNORE_INDEX = -100
+
+
+def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not isinstance(item, Mapping) or "input_ids" not in item or "labels" not in item \
+            or item.get("pixel_values") is None:
+        raise TypeError(f"llava_collate_fn: sample {i}: expected a dict with input_ids, labels "
+                        f"and pixel_values (XTuner's LLaVADataset item), got "
+                        f"{sorted(item) if isinstance(item, Mapping) else type(item).__name__}.")
+    ids = torch.as_tensor(item["input_ids"], dtype=torch.long).reshape(-1)
+    labels = torch.as_tensor(item["labels"], dtype=torch.long).reshape(-1)
+    pixels = torch.as_tensor(item["pixel_values"])
+    if ids.numel() == 0 or ids.shape != labels.shape:
+        raise ValueError(f"llava_collate_fn: sample {i}: expected input_ids and labels of one "
+                         f"length >= 1, got {ids.numel()} and {labels.numel()}.")
+    if int((ids == IMAGE_TOKEN_INDEX).sum()) > 1 or pixels.dim() != 3:
+        raise ValueError(f"llava_collate_fn: sample {i}, field 'input_ids': expected at most one "
+                         f"image placeholder ({IMAGE_TOKEN_INDEX}) and one [3, H, W] "
+                         f"pixel_values, got {int((ids == IMAGE_TOKEN_INDEX).sum())} placeholders "
+                         f"and pixel_values {tuple(pixels.shape)}. XTuner's LLaVADataset gives "
+                         "one image per sample: use one <image> per sample at most.")
+    return ids, labels, pixels
+
+
+def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
+                     max_length: int, image_tokens: int, pack: bool = True,
+                     return_hf_format: bool = False) -> dict:
+    """Collate XTuner LLaVA samples, several to a row (``pack=True``) or one to a row.
+
+    Args:
+        instances: ``LLaVADataset`` items: ``input_ids`` / ``labels`` (1-D, placeholder
+            ``-200`` where the image goes), ``pixel_values`` ``[3, H, W]`` (a zero image for a
+            text-only sample).
+        pad_index: Token id of the padding.
+        max_length: Row capacity in tokens *after* the image expansion.
+        image_tokens: ``P``, the patch embeddings one image becomes (``(image_size /
+            patch_size) ** 2`` for CLIP, CLS dropped).
+        pack: Pack samples into rows (first-fit decreasing on expanded lengths); False keeps
+            one sample per row (XTuner's padding, with the same fields).
+        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
+
+    Returns:
+        ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
+        first token), ``position_ids`` ``[b, s]`` (restarting per sample, before the
+        expansion), ``attention_mask`` ``[b, s]`` (True on real tokens: XTuner's expansion
+        drops the rest), ``pixel_values`` ``[n_images, 3, H, W]`` (per row: its samples'
+        images in order, or one when the row has no placeholder), ``cumulative_len`` (``b``
+        int32 tensors ``0 .. s``, before the expansion, padding its own segment),
+        ``max_seqlen`` (longest segment before the expansion) and ``num_unsupervised`` (samples without a supervised label, kept); the rows hold
+        the samples of ``ops.packing.plan_packs`` on the expanded lengths, in that order.
+
+    Raises:
+        ValueError: an option out of range, a sample longer than ``max_length`` once expanded,
+            a sample with more than one placeholder, a batch without any supervised label.
+        TypeError: a sample that is not an XTuner LLaVA item.
+    """
+    for name, value in (("max_length", max_length), ("image_tokens", image_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"llava_collate_fn: option {name}: expected an int >= 1, got "
+                             f"{value!r}. image_tokens is (image_size // patch_size) ** 2 of the "
+                             "vision tower (576 for CLIP-L/14 at 336 px).")
+    if not instances:
+        raise ValueError("llava_collate_fn: got an empty batch (0 samples); check the sampler.")
+    samples = [_sample(i, item) for i, item in enumerate(instances)]
+    unsupervised = [i for i, (_, lab, _) in enumerate(samples)
+                    if not bool((lab[1:] != IGNORE_INDEX).any())]
+    if len(unsupervised) == len(samples):
+        raise ValueError(f"llava_collate_fn: all {len(samples)} samples of the batch have no "
+                         "supervised label (every label after the first token is -100): the "
+                         "mean loss would be 0/0 = NaN. Check the dataset's label masking and "
+                         "filter such samples (replies truncated away) out of the dataset.")
+    lengths = [expanded_length(ids, image_tokens) for ids, _, _ in samples]
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"llava_collate_fn: sample {i}: {n} tokens after its image "
+                             f"placeholder became {image_tokens} patch embeddings, over "
+                             f"max_length={max_length}. Raise max_length or truncate the "
+                             "dataset's dialogues (LLaVADataset max_length counts the image as "
+                             "one token).")
+    plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
+    s = max(sum(samples[i][0].numel() for i in row) for row in plan)
+    b = len(plan)
+    input_ids = torch.full((b, s), int(pad_index), dtype=torch.long)
+    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    cumulative_len, pixel_values = [], []
+    for r, row in enumerate(plan):
+        col, sizes, images = 0, [], []
+        for i in row:
+            ids, lab, pixels = samples[i]
+            n = ids.numel()
+            input_ids[r, col:col + n], labels[r, col:col + n] = ids, lab
+            labels[r, col] = IGNORE_INDEX  # never predicted from the previous sample
+            if bool((ids == IMAGE_TOKEN_INDEX).any()):
+                images.append(pixels)
+            col += n
+            sizes.append(n)
+        mask[r, :col] = True
+        pixel_values += images or [samples[row[0]][2]]  # XTuner takes one image per plain row
+        cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
+    # Before the expansion (the batch checks and PackingMetricsHook read them; XTuner's
+    # expansion rebuilds them and the plugin restarts them per sample after it).
+    position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
+    data = {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
+            "position_ids": position_ids,
+            "pixel_values": torch.stack(pixel_values), "cumulative_len": cumulative_len,
+            "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
+            "num_unsupervised": len(unsupervised)}
+    return data if return_hf_format else {"data": data, "data_samples": None}
