@@ -280,6 +280,8 @@ def inspect_config(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
+    from .launch_findings import launch_findings  # here: it imports this module's Finding
+    findings += launch_findings(cfg)
     return findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
 
 
