@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="rows run at once (each is 1-2 cores)")
     p.add_argument("--only", choices=["missing", "failed", "all"], default="missing")
     p.add_argument("--iters", type=int, default=4, help="training iterations per row")
+    p.add_argument("--models", default=None,
+                   help="folder of the tiny checkpoints, built once per family (default: "
+                        "OUT/models; the tests use the repository's models/)")
     p.add_argument("--list", action="store_true", help="print the selected configs and exit")
     args = p.parse_args(argv)
     results_path = Path(args.results)
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
               f"  {str(row.get('message', ''))[:100]}", flush=True)
 
     results = zoo.sweep(args.patterns, Path(args.out), results_path, jobs=args.jobs,
-                        only=args.only, iters=args.iters, progress=progress)
+                        only=args.only, iters=args.iters, models=args.models,
+                        progress=progress)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(zoo.markdown(results), encoding="utf-8")

@@ -356,9 +356,11 @@ def select(names: list[str], results: dict, only: str) -> list[str]:
 
 
 def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
-          only: str = "missing", iters: int = 4,
+          only: str = "missing", iters: int = 4, models: Path | None = None,
           progress: Callable[[int, int, dict], None] | None = None) -> dict:
     """Run the selected rows (``jobs`` at a time), saving the results file after each row.
+
+    Tiny checkpoints are built once per family under ``models`` (default ``root/models``).
 
     Returns:
         All rows of the results file (the new ones included).
@@ -367,7 +369,7 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
-    models = root / "models"
+    models = Path(models) if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
     lock = threading.Lock()
