@@ -231,7 +231,7 @@ LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
      r"requires? (a )?(CUDA|GPU)|No GPU found|needs a GPU", "a CUDA GPU"),
     (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
-    (r"trust_remote_code|remote code", "the checkpoint's remote code (offline)"),
+    (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
     (r"(offline mode|couldn't connect|is not a local folder|"
      r"does not appear to have a file|We couldn't connect|LocalEntryNotFoundError|"
      r"Cannot find the requested files)", "the checkpoint or data from the hub (offline)"),
@@ -239,8 +239,9 @@ LACK_PATTERNS = (  # (log regex, what this machine lacks)
 
 
 def lacks_of(out: str) -> str | None:
-    """What the machine lacks, when the log says so (CUDA, flash-attn, the hub)."""
-    return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, out)), None)
+    """What the machine lacks, when the end of the log (the traceback) says so."""
+    tail = "\n".join(out.splitlines()[-40:])
+    return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, tail)), None)
 
 
 def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict:
