@@ -147,7 +147,7 @@ def localize(text: str, model: Path | None, data: Path) -> str:
 
     Checkpoint path (when a tiny one exists), every dataset path, ``max_length`` 512, no 4-bit
     quantization (bitsandbytes needs CUDA), fp32 ``OptimWrapper`` (AMP needs a GPU), one
-    short evaluation prompt, no gradient accumulation.
+    short evaluation prompt, no gradient accumulation, 2 packing workers.
     """
     if model is not None:
         text, _ = _sub(text, r'^pretrained_model_name_or_path = ".*"$',
@@ -164,6 +164,8 @@ def localize(text: str, model: Path | None, data: Path) -> str:
     text, _ = _sub(text, r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
                          r"(?:\n.*?)*?\n\1\),\n", "")
     text, _ = _sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
+    # 2 workers per packing map: the default 32 processes only queue up on a small machine.
+    text, _ = _sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=2,")
     text, amp = _sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
     if amp:
         text, _ = _sub(text, r'^\s*loss_scale="dynamic",\n', "")
