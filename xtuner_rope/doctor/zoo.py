@@ -28,6 +28,7 @@ import fnmatch
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -288,7 +289,8 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     """Sweep one stock config; returns its row (never raises for the config's own failure)."""
     start = time.time()
     folder = root / "rows" / name
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # a re-run never reads an earlier run's files
+    folder.mkdir(parents=True)
     family = family_of(name)
     row = {"config": name, "family": family, "date": time.strftime("%Y-%m-%d")}
     copied = subprocess.run(["xtuner", "copy-cfg", name, str(folder)], env=_env(),
