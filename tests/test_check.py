@@ -210,6 +210,7 @@ def test_stock_lora_with_dropout_passes_and_reports_the_backend_it_ran(stock, st
     assert "dropout modules (p 0.1)" in out and "off in both passes" in out
     model = report["model"]
     assert model["attention_layers"] == ["InternLM2Attention"]  # eager layers (stock llm dict)
+    assert model["attn_implementation"] == "eager"  # InternLM2's config.attn_implementation
     assert model["packed_backend"] == "eager"
     assert "packed backend eager (layers InternLM2Attention)" in out
     assert report["figures"]["grads"]["relative"] <= report["figures"]["grads"]["tolerance"]

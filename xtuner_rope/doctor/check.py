@@ -269,7 +269,9 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
                    "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks]},
         "model": {"class": type(llm).__name__, "path": str(getattr(llm, "name_or_path", "")),
                   "device": str(device), "dtype": str(dt).replace("torch.", ""),
-                  "attn_implementation": getattr(llm.config, "_attn_implementation", None),
+                  # What picks the layers' class: InternLM2's own config attribute, else HF's.
+                  "attn_implementation": getattr(llm.config, "attn_implementation", None)
+                  or getattr(llm.config, "_attn_implementation", None),
                   "packed_backend": measured.pop("backend"),
                   "attention_layers": sorted({type(m).__name__ for m in llm.modules()
                                               if type(m).__name__.endswith("Attention")
