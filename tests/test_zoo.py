@@ -78,5 +78,8 @@ def test_localize_makes_the_cpu_edits(tmp_path):
     assert "quantization_config" not in text and "AmpOptimWrapper" not in text
     assert "type=OptimWrapper," in text and "max_length = 512" in text
     compile(zoo.with_capture(text), "config", "exec")
+    gemma = Path(cfgs_name_path["gemma_2b_qlora_alpaca_e3"]).read_text()  # path in ( ... )
+    compile(zoo.enable_plugin(zoo.localize(gemma, None, tmp_path)), "gemma", "exec")
+    compile(zoo.enable_plugin(zoo.localize(gemma, tmp_path / "m", tmp_path)), "gemma", "exec")
     with pytest.raises(ValueError, match=r"no 'pretrained_model_name_or_path = \.\.\.' line"):
         zoo.enable_plugin("x = 1\n")

@@ -151,7 +151,7 @@ def localize(text: str, model: Path | None, data: Path) -> str:
     short evaluation prompt, no gradient accumulation, 2 packing workers.
     """
     if model is not None:
-        text, _ = _sub(text, r'^pretrained_model_name_or_path = ".*"$',
+        text, _ = _sub(text, r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
                        f'pretrained_model_name_or_path = "{model}"')
     for var in re.findall(r'^(\w*(?:path|_en|_zh)\w*) = "[^"]*"$', text, re.M):
         if var != "pretrained_model_name_or_path" and "prompt" not in var:
@@ -178,7 +178,8 @@ def localize(text: str, model: Path | None, data: Path) -> str:
 
 def enable_plugin(text: str) -> str:
     """The README's one edit: ``model_resource`` right after the model path in PART 1."""
-    text, n = _sub(text, r'^(pretrained_model_name_or_path = .*\n)', r"\g<1>" + PLUGIN_EDIT)
+    text, n = _sub(text, r'^(pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|.*)\n)',
+                   lambda m: m.group(1) + PLUGIN_EDIT)
     if n != 1:
         raise ValueError("zoo: the config has no 'pretrained_model_name_or_path = ...' line: "
                          "cannot make the README's edit")
@@ -237,7 +238,8 @@ LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
     (r"(offline mode|couldn't connect|is not a local folder|"
      r"does not appear to have a file|We couldn't connect|LocalEntryNotFoundError|"
-     r"Cannot find the requested files)", "the checkpoint or data from the hub (offline)"),
+     r"Cannot find the requested files|OfflineModeIsEnabled|Couldn't reach)",
+     "the checkpoint or data from the hub (offline)"),
 )
 
 
