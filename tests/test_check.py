@@ -183,3 +183,46 @@ def test_unrecorded_packs_that_cannot_be_found_are_refused(stock, tmp_path):
     with pytest.raises(ValueError, match=r"captured row 0 matches no pack.*"
                                          r"shuffle_before_pack=False"):
         compare_capture(config, tmp_path / "capture.pt")
+
+
+QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
+
+
+@pytest.fixture(scope="module")
+def stock_lora(stock) -> Path:
+    """XTuner's stock QLoRA config without 4-bit (CPU), ``lora_dropout=0.1`` as shipped."""
+    copied = sc.copy_stock(QLORA, stock["root"])
+    assert "lora_dropout=0.1" in copied.read_text()
+    return copied
+
+
+def test_stock_lora_with_dropout_passes_and_reports_the_backend_it_ran(stock, stock_lora,
+                                                                        tmp_path, capsys):
+    """Dropout 0.1 draws different masks for the packed and the per-document passes: the check
+    switches it off in both (and says so), so isolated documents pass; the backend it reports
+    is the one the patched attention chose in the packed pass, in the layers the model has."""
+    config = tmp_path / "lora.py"
+    config.write_text(sc.enable_plugin(sc.localize(stock_lora, stock["alpaca"], lora_only=True)))
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    report = _report(tmp_path / "out")
+    assert report["randomness"]["dropout_p"] == [0.1] and report["randomness"]["dropout_modules"]
+    assert "dropout modules (p 0.1)" in out and "off in both passes" in out
+    model = report["model"]
+    assert model["attention_layers"] == ["InternLM2Attention"]  # eager layers (stock llm dict)
+    assert model["attn_implementation"] == "eager"  # InternLM2's config.attn_implementation
+    assert model["packed_backend"] == "eager"
+    assert "packed backend eager (layers InternLM2Attention)" in out
+    assert report["figures"]["grads"]["relative"] <= report["figures"]["grads"]["tolerance"]
+    assert report["exit_code"] == 0, report["problems"]
+
+
+def test_stock_lora_without_the_edit_still_fails(stock, stock_lora, tmp_path, capsys):
+    """Dropout off does not hide a real leak: without the plugin the same config fails."""
+    config = tmp_path / "lora_plain.py"
+    config.write_text(sc.localize(stock_lora, stock["alpaca"], lora_only=True))
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    report = _report(tmp_path / "out")
+    assert report["figures"]["logits"]["max_abs_diff"] > 0.05
+    assert "off in both passes" in out and "documents attend to each other" in out

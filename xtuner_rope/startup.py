@@ -329,10 +329,12 @@ def inspect_config(cfg: Config) -> list[Finding]:
     if isinstance(loader, dict):
         findings += _packing_findings(loader) + _lossless_packing_findings(loader)
     findings += loss_normalization_findings(cfg)  # xtuner_rope.loss_norm
-    from .preference import preference_findings  # these build on this module's Finding
+    # These build on this module's Finding: imported here, not at the top (no import cycle).
+    from .launch_findings import launch_findings
+    from .preference import preference_findings
     from .startup_multimodal import multimodal_findings
 
-    findings += multimodal_findings(cfg)
+    findings += multimodal_findings(cfg) + launch_findings(cfg)
     return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
             + model_family_findings(cfg) + preference_findings(cfg))
 

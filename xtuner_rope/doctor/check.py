@@ -29,8 +29,10 @@ from mmengine.config import Config
 
 from xtuner_rope import startup
 from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
+from xtuner_rope.models.runtime import chosen_backends
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).
@@ -177,10 +179,20 @@ def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     """Reference passes (unpatched), the patch, packed passes; see the module docstring.
 
     Gradients are compared on the first batch (one ``.grad`` buffer holds their difference).
+    Dropout and router noise are off in every pass (``check_randomness``: different shapes draw
+    different masks); ``randomness`` says what was switched off. ``backend`` is what the patched
+    attention chose during the packed passes (``models.runtime.chosen_backends``).
     """
-    model, llm = runner.model, runner.model.llm
+    model = runner.model
     model.train()
     model.zero_grad(set_to_none=True)
+    with randomness_off(model) as randomness:
+        measured = _measure(runner, batches, hooks, new_tokens)
+    return {**measured, "randomness": randomness}
+
+
+def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
+    model, llm = runner.model, runner.model.llm
     refs = []
     for i, (data_batch, docs) in enumerate(batches):
         data = data_batch["data"]
@@ -191,6 +203,7 @@ def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     prompt = cm.prompt_of(batches[0][0]["data"], batches[0][1][0])
     generated_ref = cm.greedy(llm, prompt, new_tokens)
     patched = apply_patch(runner, hooks)
+    chosen_backends(reset=True)
     results = []
     for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
         b, s = data_batch["data"]["input_ids"].shape
@@ -204,7 +217,8 @@ def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
             "unconsumed_keys": dropped})
     diff = cm.grad_scale(model)
     model.zero_grad(set_to_none=True)
-    return {"patched": patched, "backend": cm.backend_of(llm), "batches": results,
+    return {"patched": patched, "backend": ", ".join(chosen_backends(reset=True)) or None,
+            "batches": results,
             "grads": {"max_abs_diff": diff, "max_abs_grad": ref_grad,
                       "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
                       "batch": 0},
@@ -258,8 +272,13 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
                    "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks]},
         "model": {"class": type(llm).__name__, "path": str(getattr(llm, "name_or_path", "")),
                   "device": str(device), "dtype": str(dt).replace("torch.", ""),
-                  "attn_implementation": getattr(llm.config, "_attn_implementation", None),
+                  # What picks the layers' class: InternLM2's own config attribute, else HF's.
+                  "attn_implementation": getattr(llm.config, "attn_implementation", None)
+                  or getattr(llm.config, "_attn_implementation", None),
                   "packed_backend": measured.pop("backend"),
+                  "attention_layers": sorted({type(m).__name__ for m in llm.modules()
+                                              if type(m).__name__.endswith("Attention")
+                                              or type(m).__name__.endswith("Attention2")}),
                   "parameters": sum(p.numel() for p in llm.parameters())},
         **measured,
     }

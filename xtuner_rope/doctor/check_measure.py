@@ -13,7 +13,6 @@ from mmengine.dist import get_rank
 
 from xtuner_rope.batch.checks import row_boundaries
 from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from xtuner_rope.ops.attention import packed_backend
 from xtuner_rope.ops.packing import cumulative_from_position_ids
 
 IGNORE_INDEX = -100
@@ -209,9 +208,3 @@ def greedy(llm, prompt: torch.Tensor, new_tokens: int) -> list[int]:
         llm.train(was_training)
     return out[0, ids.shape[1]:].tolist()
 
-
-def backend_of(llm) -> str:
-    """The packed attention backend the plugin picks for this model's device and dtype."""
-    param = next(llm.parameters())
-    probe = torch.empty(0, device=param.device, dtype=param.dtype)
-    return packed_backend(probe, eager=getattr(llm.config, "_attn_implementation", "") == "eager")

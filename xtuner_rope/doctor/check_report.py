@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from xtuner_rope.doctor.check_randomness import describe
 from xtuner_rope.startup import MODEL_RESOURCE_EDIT
 
 TOLERANCES = {  # relative, see the module docstring
@@ -101,7 +102,8 @@ def format_summary(report: dict) -> str:
         f"xtuner-rope check: {report['config']}",
         f"  model    {m['class']} ({m['parameters']:,} parameters), {m['dtype']} on "
         f"{m['device']}, attn_implementation={m['attn_implementation']}, packed backend "
-        f"{m['packed_backend'] if report['plugin']['patched'] else 'none (not patched)'}",
+        f"{_backend(report)}",
+        f"  random   {describe(report['randomness'])}",
         f"  batches  {len(report['batches'])}: {rows} rows, {docs} documents "
         f"(boundaries: {report['batches'][0]['boundaries']})",
         f"  logits   max |packed - alone| {fig['logits']['max_abs_diff']:.3g} "
@@ -120,6 +122,15 @@ def format_summary(report: dict) -> str:
         report["verdict"],
     ]
     return "\n".join(lines)
+
+
+def _backend(report: dict) -> str:
+    """The backend the packed pass ran, and the attention layers it ran in."""
+    m = report["model"]
+    layers = ", ".join(m.get("attention_layers") or []) or "no attention layer found"
+    if not report["plugin"]["patched"]:
+        return f"none (not patched; layers {layers})"
+    return f"{m['packed_backend'] or 'none (no packed row reached it)'} (layers {layers})"
 
 
 def write_report(report: dict, out: str | Path) -> Path:

@@ -17,7 +17,7 @@ from mmengine.logging import print_log
 from xtuner_rope.ops.attention import DocumentPlan, document_plan, packed_backend
 
 __all__ = ["CUMULATIVE_KEY", "MAX_SEQLEN_KEY", "VARLEN_HUB", "batch_document_plan",
-           "choose_backend", "hub_cumulative_len"]
+           "choose_backend", "chosen_backends", "hub_cumulative_len"]
 
 # MessageHub instance and key prefixes of XTuner's varlen convention.
 VARLEN_HUB = "varlen_attn_args"
@@ -25,6 +25,8 @@ CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
 MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
 
 _LOGGED: set = set()
+# Backends chosen since the last ``chosen_backends(reset=True)``: what ``check`` reports.
+_CHOSEN: set = set()
 
 
 def hub_cumulative_len() -> object:
@@ -49,9 +51,22 @@ def batch_document_plan(position_ids: torch.Tensor | None, b: int, s: int,
 def choose_backend(q: torch.Tensor, eager: bool) -> str:
     """``ops.attention.packed_backend``, logged once per (backend, device type, dtype)."""
     backend = packed_backend(q, eager)
+    _CHOSEN.add(backend)
     key = (backend, q.device.type, q.dtype)
     if key not in _LOGGED:
         _LOGGED.add(key)
         print_log(f"xtuner-rope: packed attention uses the '{backend}' backend "
                   f"({q.device.type}, {q.dtype}).", logger="current")
     return backend
+
+
+def chosen_backends(reset: bool = False) -> list[str]:
+    """The packed backends ``choose_backend`` returned since the last reset (sorted).
+
+    Args:
+        reset: Forget them afterwards (call before the passes to observe).
+    """
+    chosen = sorted(_CHOSEN)
+    if reset:
+        _CHOSEN.clear()
+    return chosen

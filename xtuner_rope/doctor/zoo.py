@@ -1,0 +1,429 @@
+"""XTuner's config zoo, swept as a new user meets it: one row per stock config.
+
+For each stock config (``xtuner list-cfg``, filtered by pattern) the sweep
+
+1. copies it with the real ``xtuner copy-cfg``;
+2. points it at a tiny random checkpoint of its family, built here
+   (:func:`xtuner_rope.demo.tiny.save_tiny`; a family without a tiny builder keeps its hub id,
+   so the run shows what happens offline), and at small local data that carries the columns of
+   every dataset format XTuner's stock map functions read (alpaca, alpaca_zh, code_alpaca,
+   oasst1/pretrain ``text``, OpenAI ``messages``, XTuner ``conversation``);
+3. makes the edits of a CPU machine (``tests/stock_configs.py`` localize does the same: no 4-bit
+   quantization, fp32 ``OptimWrapper``, short ``max_length``), then the README's one edit
+   (``model_resource = dict(fn=enable_xtuner_rope)``) and ``IsolationCaptureHook``;
+4. runs ``xtuner-rope doctor`` on it, then a few iterations of the real training script
+   (``python -m xtuner.tools.train``, which returns 1 on failure, unlike ``xtuner train``);
+5. where it trained, compares each document of the captured first batch with the same document
+   alone (:func:`xtuner_rope.doctor.check_capture.compare_capture`).
+
+Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict and whether the doctor
+predicted it (exit 0 exactly when the run trains isolated). Rows are written to a JSON file as
+they finish: the sweep resumes where it stopped, and ``only="failed"`` re-runs what did not
+train isolated or was mispredicted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+TRAINED = "trained isolated"
+REFUSED = "refused before loading"
+LACKS = "needs what this machine lacks"
+CRASHED = "crashed"
+LEAKED = "leaked"
+OUTCOMES = (TRAINED, REFUSED, LACKS, CRASHED, LEAKED)
+
+# Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
+# A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
+FAMILY_OF_PREFIX = (
+    ("internlm2_5", "internlm2"), ("internlm2", "internlm2"), ("internlm3", "internlm3"),
+    ("internlm_", "internlm"), ("llama3", "llama"), ("llama2", "llama"), ("llama_", "llama"),
+    ("yi_", "llama"), ("deepseek_coder", "llama"), ("deepseekcoder", "llama"),
+    ("deepseek_moe", "deepseek"), ("deepseek_v2", "deepseek_v2"), ("zephyr", "mistral"),
+    ("mistral", "mistral"), ("mixtral", "mixtral"), ("qwen1_5_moe", "qwen2_moe"),
+    ("qwen1_5", "qwen2"), ("qwen2", "qwen2"), ("qwen_", "qwen"), ("phi3", "phi3"),
+    ("gemma", "gemma"), ("cohere", "cohere"), ("starcoder", "starcoder"),
+    ("baichuan", "baichuan"), ("chatglm", "chatglm"), ("minicpm", "minicpm"),
+    ("llava", "llava"), ("internvl", "internvl"),
+)
+SHORT_RUN = ("train_cfg.max_epochs=None", "randomness.seed=0", "default_hooks.logger.interval=1")
+ISOLATION_TOLERANCE = 1e-5  # fp32: |packed - alone| <= tol * max(1, |logit|)
+PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
+               "model_resource = dict(fn=enable_xtuner_rope)\n")
+CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+
+
+def family_of(name: str) -> str | None:
+    """The model family of a stock config name (None when no prefix is known)."""
+    return next((fam for prefix, fam in FAMILY_OF_PREFIX if name.startswith(prefix)), None)
+
+
+def list_configs(patterns: Iterable[str] = ("*",)) -> list[str]:
+    """Stock config names of ``xtuner list-cfg`` matching a glob pattern, in pattern order
+    (the first pattern's matches first: the order of the command line is the priority)."""
+    from xtuner.configs import cfgs_name_path
+
+    names: list[str] = []
+    for pattern in patterns:
+        names += [n for n in sorted(cfgs_name_path)
+                  if fnmatch.fnmatch(n, pattern) and n not in names]
+    return names
+
+
+def mode_of(text: str, name: str) -> dict:
+    """Training mode of a stock config: ``tuning`` (full/lora/qlora) and ``packing``."""
+    tuning = "qlora" if "qlora" in name else "lora" if "lora" in name else "full"
+    if re.search(r"^use_varlen_attn = True", text, re.M):
+        packing = "varlen"
+    elif re.search(r"^pack_to_max_length = False", text, re.M):
+        packing = "unpacked"
+    else:
+        packing = "packed"
+    kind = next((k for k in ("dpo", "orpo", "reward", "llava", "internvl", "pretrain")
+                 if k in name), "sft")
+    return {"tuning": tuning, "packing": packing, "kind": kind}
+
+
+# ---------------------------------------------------------------- local data and checkpoints
+
+def write_universal_data(root: Path, n: int = 240) -> Path:
+    """One JSON file whose rows carry every column the stock map functions read.
+
+    Returns:
+        The directory holding ``train.json`` (``load_dataset(path=dir)`` and
+        ``load_dataset("json", data_files=[dir/train.json])`` both read it).
+    """
+    from xtuner_rope.demo.sample_data import generate_dialogues
+
+    rows = []
+    for dialogue in generate_dialogues(n, seed=0):
+        msgs = dialogue["messages"]
+        system = next((m["content"] for m in msgs if m["role"] == "system"), "")
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+        turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
+        turns[0]["system"] = system
+        rows.append({
+            "instruction": users[0], "input": "", "output": replies[0],
+            "instruction_zh": users[0], "input_zh": "", "output_zh": replies[0],
+            "prompt": users[0], "completion": replies[0],
+            "text": f"### Human: {users[0]}### Assistant: {replies[0]}",
+            "messages": msgs, "conversation": turns})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.json").write_text(json.dumps(rows), encoding="utf-8")
+    return root
+
+
+def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
+    """The family's tiny checkpoint under ``models`` (built once), or None without a builder."""
+    from xtuner_rope.demo.tiny import FAMILIES, save_tiny
+
+    if family not in FAMILIES:
+        return None
+    out = models / f"tiny-{family}"
+    if not (out / "config.json").is_file():
+        save_tiny(out, family)
+    return out
+
+
+# ---------------------------------------------------------------- the config edits
+
+def _sub(text: str, pattern: str, repl: str) -> tuple[str, int]:
+    return re.subn(pattern, repl, text, flags=re.M)
+
+
+def localize(text: str, model: Path | None, data: Path) -> str:
+    """The edits a user makes to run a stock config on this CPU machine with local files.
+
+    Checkpoint path (when a tiny one exists), every dataset path, ``max_length`` 512, no 4-bit
+    quantization (bitsandbytes needs CUDA), fp32 ``OptimWrapper`` (AMP needs a GPU), one
+    short evaluation prompt, no gradient accumulation, 2 packing workers.
+    """
+    if model is not None:
+        text, _ = _sub(text, r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
+                       f'pretrained_model_name_or_path = "{model}"')
+    for var in re.findall(r'^(\w*(?:path|_en|_zh)\w*) = "[^"]*"$', text, re.M):
+        if var != "pretrained_model_name_or_path" and "prompt" not in var:
+            text, _ = _sub(text, rf'^{var} = ".*"$', f'{var} = "{data}"')
+    text, _ = _sub(text, r"^data_files = \[.*\]$", f'data_files = ["{data / "train.json"}"]')
+    text, _ = _sub(text, r"^max_length = .*$", "max_length = 512")
+    text, _ = _sub(text, r"^accumulative_counts = .*$", "accumulative_counts = 1")
+    text, _ = _sub(text, r"^lr = .*$", "lr = 3e-3")
+    text, _ = _sub(text, r"^evaluation_inputs = \[(?:.|\n)*?\]$",
+                   'evaluation_inputs = ["What is 7 plus 5?"]')
+    text, _ = _sub(text, r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
+                         r"(?:\n.*?)*?\n\1\),\n", "")
+    text, _ = _sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
+    # 2 workers per packing map: the default 32 processes only queue up on a small machine.
+    text, _ = _sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=2,")
+    text, amp = _sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
+    if amp:
+        text, _ = _sub(text, r'^\s*loss_scale="dynamic",\n', "")
+        text, _ = _sub(text, r'^(\s*)dtype="(float16|bfloat16)",\n(?=(?:.*\n)*?\))', "")
+        text, _ = _sub(text, r"^(from mmengine.optim import .*)\bAmpOptimWrapper\b",
+                       r"\1OptimWrapper")
+    return text
+
+
+def enable_plugin(text: str) -> str:
+    """The README's one edit: ``model_resource`` right after the model path in PART 1."""
+    text, n = _sub(text, r'^(pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|.*)\n)',
+                   lambda m: m.group(1) + PLUGIN_EDIT)
+    if n != 1:
+        raise ValueError("zoo: the config has no 'pretrained_model_name_or_path = ...' line: "
+                         "cannot make the README's edit")
+    return text
+
+
+def with_capture(text: str) -> str:
+    """``IsolationCaptureHook`` first in ``custom_hooks`` (the run's first batch is saved)."""
+    text, n = _sub(text, r"^(custom_hooks = \[)", r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    if n != 1:
+        text += "\ncustom_hooks = [dict(type=IsolationCaptureHook)]\n"
+    return CAPTURE_IMPORT + text
+
+
+# ---------------------------------------------------------------- running one row
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int, log: Path) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
+                              timeout=timeout)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = 124
+        out = f"{exc.stdout or ''}{exc.stderr or ''}\nzoo: timed out after {timeout} s"
+    log.write_text(out if isinstance(out, str) else out.decode(errors="replace"),
+                   encoding="utf-8")
+    return code, out if isinstance(out, str) else out.decode(errors="replace")
+
+
+def _last_error(out: str) -> str:
+    """The last exception line of a log (``SomethingError: ...``), else its last line."""
+    lines = [x.strip() for x in out.splitlines() if x.strip()]
+    errors = [x for x in lines if re.match(r"^[\w.]*(Error|Exception|Conflict)\b.*:", x)]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def _refusal(out: str) -> str | None:
+    """The start-up's refusal (first named setting), if the log has one."""
+    if "ConfigConflict" not in out and "setting(s) of this config would make" not in out:
+        return None
+    match = re.search(r"^1\. (.*)$", out, re.M)
+    return (match.group(1) if match else _last_error(out))[:300]
+
+
+LACK_PATTERNS = (  # (log regex, what this machine lacks)
+    (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
+     r"requires? (a )?(CUDA|GPU)|No GPU found|needs a GPU", "a CUDA GPU"),
+    (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
+    (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
+    (r"(offline mode|couldn't connect|is not a local folder|"
+     r"does not appear to have a file|We couldn't connect|LocalEntryNotFoundError|"
+     r"Cannot find the requested files|OfflineModeIsEnabled|Couldn't reach)",
+     "the checkpoint or data from the hub (offline)"),
+)
+
+
+def lacks_of(out: str) -> str | None:
+    """What the machine lacks, when the end of the log (the traceback) says so."""
+    tail = "\n".join(out.splitlines()[-40:])
+    return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, tail)), None)
+
+
+def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict:
+    """The outcome of one training run (see :data:`OUTCOMES`) with its evidence."""
+    if code != 0:
+        refusal = _refusal(out)
+        if refusal:
+            return {"outcome": REFUSED, "message": refusal}
+        lacks = lacks_of(out)
+        if lacks:
+            return {"outcome": LACKS, "message": f"{lacks}: {_last_error(out)}"}
+        return {"outcome": CRASHED, "message": _last_error(out)}
+    from xtuner_rope.demo.runlog import check_run
+    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
+
+    try:
+        run = check_run(work, min_iters=iters)
+    except RuntimeError as exc:
+        return {"outcome": CRASHED, "message": str(exc)[:300]}
+    row = {"losses": [round(x, 4) for x in run.losses]}
+    capture = work / CAPTURE_FILE
+    if not capture.is_file():
+        return {**row, "outcome": CRASHED, "message": "trained but saved no isolation capture"}
+    try:
+        result = compare_capture(config, capture)
+    except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
+        return {**row, "outcome": CRASHED, "message": f"capture compare: {exc}"[:300]}
+    worst = max(d["max_abs_diff"] / max(1.0, d["max_abs_logit"]) for d in result["per_document"])
+    row.update(documents=result["documents"], rows=None, max_abs_diff=result["max_abs_diff"],
+               relative=worst, boundaries=result["boundaries"])
+    if worst > ISOLATION_TOLERANCE:
+        return {**row, "outcome": LEAKED,
+                "message": f"max |trained - alone| {result['max_abs_diff']:.3g} (relative "
+                           f"{worst:.3g})"}
+    return {**row, "outcome": TRAINED,
+            "message": f"{result['documents']} documents, max |trained - alone| "
+                       f"{result['max_abs_diff']:.3g}"}
+
+
+def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
+            doctor_batches: int = 20) -> dict:
+    """Sweep one stock config; returns its row (never raises for the config's own failure)."""
+    start = time.time()
+    folder = root / "rows" / name
+    shutil.rmtree(folder, ignore_errors=True)  # a re-run never reads an earlier run's files
+    folder.mkdir(parents=True)
+    family = family_of(name)
+    row = {"config": name, "family": family, "date": time.strftime("%Y-%m-%d")}
+    copied = subprocess.run(["xtuner", "copy-cfg", name, str(folder)], env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    stock = folder / f"{name}_copy.py"
+    if copied.returncode != 0 or not stock.is_file():
+        return {**row, "outcome": CRASHED, "message": "xtuner copy-cfg: "
+                + _last_error(copied.stdout + copied.stderr), "seconds": 0}
+    text = stock.read_text(encoding="utf-8")
+    row["mode"] = mode_of(text, name)
+    model = tiny_checkpoint(family, models)
+    row["checkpoint"] = "tiny (built here)" if model else "hub id (no tiny builder here)"
+    try:
+        config_text = with_capture(enable_plugin(localize(text, model, data)))
+    except ValueError as exc:
+        return {**row, "outcome": CRASHED, "message": str(exc), "doctor": None,
+                "seconds": round(time.time() - start)}
+    config = folder / f"{name}.py"
+    config.write_text(config_text, encoding="utf-8")
+    code, out = _run([sys.executable, "-m", "xtuner_rope.cli", "doctor", str(config), "--out",
+                      str(folder / "doctor"), "--batches", str(doctor_batches)],
+                     folder, 600, folder / "doctor.log")
+    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code)}
+    work = folder / "work"
+    code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
+                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}"],
+                     folder, 900, folder / "train.log")
+    row.update(judge_run(code, out, work, config, iters))
+    if row["outcome"] == REFUSED and _loaded(out):
+        row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
+    if row["outcome"] == LACKS:
+        row["predicted"] = None
+    else:
+        row["predicted"] = (row["doctor"]["exit_code"] == 0) == (row["outcome"] == TRAINED)
+    row["seconds"] = round(time.time() - start)
+    return row
+
+
+def _loaded(out: str) -> bool:
+    """Whether the log shows weights loaded (a refusal after that is too late)."""
+    return bool(re.search(r"Loading checkpoint shards|ValidatedRoPEHook: \d+", out))
+
+
+def _doctor_verdict(out: str, code: int) -> str:
+    lines = [x.strip() for x in out.splitlines() if x.strip()]
+    verdict = next((x for x in reversed(lines) if re.match(r"^(OK|FAIL)\b", x)), None)
+    return (verdict or _last_error(out))[:300] if code else (verdict or "OK")[:300]
+
+
+# ---------------------------------------------------------------- the sweep
+
+def load_results(path: Path) -> dict:
+    """``{config: row}`` of a results file (empty when absent)."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def select(names: list[str], results: dict, only: str) -> list[str]:
+    """The configs to run: ``missing`` (not in results), ``failed`` (not trained isolated and
+    not refused, or mispredicted by the doctor), or ``all``."""
+    if only == "all":
+        return names
+    if only == "missing":
+        return [n for n in names if n not in results]
+    if only == "failed":
+        return [n for n in names if n in results and (
+            results[n]["outcome"] in (CRASHED, LEAKED) or results[n].get("predicted") is False)]
+    raise ValueError(f"zoo: only={only!r}: expected one of missing, failed, all")
+
+
+def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
+          only: str = "missing", iters: int = 4, models: Path | None = None,
+          progress: Callable[[int, int, dict], None] | None = None) -> dict:
+    """Run the selected rows (``jobs`` at a time), saving the results file after each row.
+
+    Tiny checkpoints are built once per family under ``models`` (default ``root/models``).
+
+    Returns:
+        All rows of the results file (the new ones included).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    results = load_results(results_path)
+    names = select(list_configs(patterns), results, only)
+    data = write_universal_data(root / "data")
+    models = Path(models) if models else root / "models"
+    for family in sorted({family_of(n) for n in names} - {None}):
+        tiny_checkpoint(family, models)  # once, before the workers race for it
+    lock = threading.Lock()
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(run_row, n, root, data, models, iters): n for n in names}
+        for future in as_completed(futures):
+            name = futures[future]
+            try:
+                row = future.result()
+            except Exception as exc:  # noqa: BLE001 - the sweep goes on
+                row = {"config": name, "outcome": CRASHED, "message": f"zoo: {exc}"[:300]}
+            with lock:
+                results = load_results(results_path)
+                results[name] = row
+                results_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = results_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(results, indent=1, sort_keys=True), encoding="utf-8")
+                tmp.replace(results_path)
+                done += 1
+            if progress:
+                progress(done, len(names), row)
+    return load_results(results_path)
+
+
+def counts(results: dict) -> dict:
+    """Rows per outcome, and the doctor's predictions (right, wrong, not comparable)."""
+    out = {k: sum(1 for r in results.values() if r["outcome"] == k) for k in OUTCOMES}
+    out["doctor right"] = sum(1 for r in results.values() if r.get("predicted") is True)
+    out["doctor wrong"] = sum(1 for r in results.values() if r.get("predicted") is False)
+    return out
+
+
+def markdown(results: dict) -> str:
+    """The results as a markdown table (one row per config, sorted), with the counts."""
+    lines = ["| config | family | mode | outcome | detail | doctor | doctor = outcome |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(results):
+        r = results[name]
+        mode = r.get("mode") or {}
+        mode_s = "/".join(str(mode[k]) for k in ("kind", "tuning", "packing") if k in mode)
+        doctor = r.get("doctor") or {}
+        pred = {True: "yes", False: "**no**", None: "n/a"}[r.get("predicted")]
+        detail = str(r.get("message", "")).replace("|", "\\|").replace("\n", " ")[:160]
+        lines.append(f"| {name} | {r.get('family')} | {mode_s} | {r['outcome']} | {detail} | "
+                     f"exit {doctor.get('exit_code', '-')} | {pred} |")
+    c = counts(results)
+    lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in c.items())
+              + f" (of {len(results)} configs)."]
+    return "\n".join(lines) + "\n"
