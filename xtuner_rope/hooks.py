@@ -17,6 +17,7 @@ from torch import nn
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.batch.images import check_batch_with_images
+from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
 
@@ -38,6 +39,7 @@ from .models.internlm2 import (
 )
 from .models.internlm2_rope import ValidatedRotaryEmbedding
 from .models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from .models.sequence_parallel import sequence_parallel_size
 from .overrides import recheck_started_config
 from .startup import packing_source, require_prepared
 
@@ -181,7 +183,8 @@ class PackedBatchCheckHook(Hook):
     flat int32 tensor of boundaries over the ``[b * s]`` tokens. Both keys are reset to None in
     ``after_train_iter`` / ``after_val_iter``. When ``runner.cfg`` packs the train rows
     (``startup.packing_source``), a train batch without any boundary stops the run
-    (:func:`refuse_unbounded_packing`).
+    (:func:`refuse_unbounded_packing`). Under sequence parallel a train batch that XTuner's shard
+    split cannot cut stops it too (:mod:`xtuner_rope.batch.sequence_parallel`).
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.
@@ -282,6 +285,10 @@ class PackedBatchCheckHook(Hook):
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         # Only the train loader's packing is read from the config (startup.packing_source).
         self._check_and_publish(runner, data_batch, self._packed_by)
+        # Sequence parallel splits train rows only (batch.sequence_parallel).
+        shape = tuple(batch_data(data_batch, "PackedBatchCheckHook")["input_ids"].shape)
+        check_sequence_parallel_rows(shape, sequence_parallel_size(),
+                                     pads_itself=bool(self._isolating))
 
     def before_val_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         self._check_and_publish(runner, data_batch)

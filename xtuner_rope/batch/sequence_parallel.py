@@ -1,0 +1,45 @@
+"""What a collated batch must satisfy for XTuner's sequence-parallel shard split.
+
+With ``sequence_parallel_size = sp`` every ``[b, s]`` row is cut into ``sp`` shards of
+``s / sp`` tokens (``xtuner.parallel.sequence.split_for_sequence_parallel``). XTuner's split
+asserts ``s % sp == 0``; xtuner-rope's sequence-parallel loss (``models.sequence_parallel``)
+pads the row itself with a segment of its own, so only batches that take XTuner's own path
+(a model whose attention the plugin did not patch) need the collate function to pad.
+"""
+
+from __future__ import annotations
+
+__all__ = ["check_sequence_parallel_rows", "sequence_parallel_padding"]
+
+
+def sequence_parallel_padding(length: int, sp: int) -> int:
+    """Tokens a row of ``length`` needs to reach a multiple of ``sp`` (0 when it divides)."""
+    return (-length) % sp
+
+
+def check_sequence_parallel_rows(shape: tuple[int, int], sp: int, *, pads_itself: bool) -> None:
+    """Refuse a ``[b, s]`` batch the sequence-parallel split cannot cut into ``sp`` shards.
+
+    Args:
+        shape: ``(b, s)`` of the collated ``input_ids`` (every row is ``s`` long after the
+            collate function's padding).
+        sp: Sequence-parallel world size (1: nothing to check).
+        pads_itself: The loss pads rows to a multiple of ``sp`` (xtuner-rope's
+            sequence-parallel loss serves the model): any ``s`` works.
+
+    Raises:
+        ValueError: ``s`` is not a multiple of ``sp`` and XTuner's split would assert; the
+            message names the row length, the remainder and the collate edit.
+    """
+    b, s = shape
+    pad = sequence_parallel_padding(s, sp)
+    if sp <= 1 or pads_itself or not pad:
+        return
+    short = f" (shorter than the {sp} shards)" if s < sp else ""
+    raise ValueError(
+        f"sequence_parallel_size = {sp}: batch rows 0..{b - 1} are {s} tokens long{short}, not "
+        f"a multiple of {sp} ({s} % {sp} = {s % sp}); XTuner's split_for_sequence_parallel "
+        "asserts divisibility, and this model's attention is not patched by xtuner-rope (whose "
+        f"loss would add a {pad}-token padding segment itself). Collate with "
+        f"rope_collate_fn(..., pad_to_multiple_of={sp}) (from xtuner_rope.collate import "
+        "rope_collate_fn), or enable xtuner-rope (model_resource=dict(fn=enable_xtuner_rope)).")
