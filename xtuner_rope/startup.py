@@ -283,8 +283,9 @@ def _runtime_findings(cfg: Config) -> list[Finding]:
 def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
     """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
 
-    Heads not divisible by the size need no refusal: XTuner's inner sequence parallel splits
-    the head dimension, and the plugin's all-to-all goes through it.
+    Heads not divisible by the size need no refusal on GPUs: XTuner's inner sequence parallel
+    splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
+    machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
     """
     sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
@@ -333,8 +334,10 @@ def inspect_config(cfg: Config) -> list[Finding]:
     from .launch_findings import launch_findings
     from .preference import preference_findings
     from .startup_multimodal import multimodal_findings
+    from .startup_sequence_parallel import sequence_parallel_heads_findings
 
     findings += multimodal_findings(cfg) + launch_findings(cfg)
+    findings += sequence_parallel_heads_findings(cfg)
     return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
             + model_family_findings(cfg) + preference_findings(cfg))
 

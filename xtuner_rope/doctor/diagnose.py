@@ -17,6 +17,10 @@ from xtuner_rope import startup
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
+from xtuner_rope.doctor.sequence_parallel import (
+    sequence_parallel_figures,
+    sequence_parallel_warnings,
+)
 from xtuner_rope.doctor.stats import (
     length_percentiles,
     plan_summary,
@@ -220,10 +224,13 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
                             or scan.documents > len(dataset))
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
+    report["sequence_parallel"] = sequence_parallel_figures(
+        cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes)
     if report["preference"]:  # TokenWeightedLossHook serves SupervisedFinetune only
         report["loss_weights"] = None
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
+    report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["exit_code"] = exit_code(report)
     return report, lengths
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
+from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
 
 
 def _pct(share: float | None) -> str:
@@ -87,6 +88,7 @@ def format_summary(report: dict) -> str:
     lines += (preference_lines(report) if report.get("preference") else _data_lines(report))
     lines += _collate_lines(report)
     lines += loss_weight_line(report.get("loss_weights"))
+    lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]

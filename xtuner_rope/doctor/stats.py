@@ -139,6 +139,7 @@ class CollatePlan:
 
     batches: int = 0
     rows: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, int]] = field(default_factory=list)  # (b, s) of each batch
     real_tokens: int = 0
     config_slots: int = 0  # sum of b * s of the config's collate function
     padded_slots: int = 0  # XTuner default_collate_fn: every sample padded to the batch's longest
@@ -185,6 +186,7 @@ def simulate_collate(dataset: Sequence[Mapping], collate_fn: Callable, batch_siz
         plan.collate_warnings += [f"batch {batch}: {w.message}" for w in caught]
         lengths = [scan.lengths[i] for i in indices]
         plan.rows.append(b)
+        plan.shapes.append((b, s))
         plan.real_tokens += sum(lengths)
         plan.config_slots += b * s
         plan.padded_slots += len(lengths) * max(lengths)
