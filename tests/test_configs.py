@@ -205,6 +205,9 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
         for key in ("loss_scale", "dtype"):
             cfg.optim_wrapper.pop(key, None)
         cfg.optim_wrapper.type = OptimWrapper
+        if "deepspeed_config" in cfg:  # the start-up's edit: bf16 DeepSpeed refused on CPU
+            cfg.deepspeed_config = cfg.strategy.config = cfg.deepspeed_config.replace(
+                "_bf16.json", "_fp32_cpu.json")
     set_model_resource(cfg)  # as `xtuner train` does: replaces every nested model path
     if not quantize:
         cfg.model.llm.pop("quantization_config", None)
@@ -305,6 +308,6 @@ def test_config_dicts_are_plain_after_tiny_override(config):
     changed = {w for w in before.keys() | after.keys() if before.get(w) != after.get(w)}
     allowed = ("cfg.model.llm.quantization_config.",) if "qlora" in config else ()
     if not torch.cuda.is_available():
-        allowed += ("cfg.optim_wrapper.",)
+        allowed += ("cfg.optim_wrapper.", "cfg.deepspeed_config", "cfg.strategy.config")
     assert {w for w in changed if not w.startswith(allowed)} == set(), sorted(changed)
     assert ("cfg.optim_wrapper.type" in changed) is not torch.cuda.is_available()
