@@ -2,8 +2,9 @@
 
 Each pair takes a dialogue's first exchange: its system message (if any) and first user
 message are the shared prompt, its first assistant reply is ``chosen``, and the first reply
-of the next dialogue is ``rejected`` (fluent, but an answer to another question). The format
-is that of XTuner's ``orpo_dpo_mix_40k_map_fn`` (``chosen``/``rejected`` message lists sharing
+of the next dialogue is ``rejected`` (fluent, but an answer to another question; where that
+reply is the same text, as stock greetings recur, the first different reply after it). The
+format is that of XTuner's ``orpo_dpo_mix_40k_map_fn`` (``chosen``/``rejected`` message lists sharing
 their prompt, the last message the answer), which the stock DPO, ORPO and reward configs use.
 """
 
@@ -24,7 +25,7 @@ def _first_exchange(dialogue: dict) -> tuple[list[dict], str]:
 
 
 def preference_pairs(dialogues: list[dict], n: int) -> list[dict]:
-    """``n`` pairs from the first ``n + 1`` dialogues (deterministic: no randomness).
+    """``n`` pairs from the first ``n`` dialogues (deterministic: no randomness).
 
     Args:
         dialogues: Records in OpenAI chat format (``data/short_dialogues.jsonl``).
@@ -34,15 +35,22 @@ def preference_pairs(dialogues: list[dict], n: int) -> list[dict]:
         ``{"chosen": [...], "rejected": [...]}`` records.
 
     Raises:
-        ValueError: Fewer than ``n + 1`` dialogues.
+        ValueError: Fewer than ``n + 1`` dialogues, or no different reply after one of the
+            first ``n``.
     """
     if len(dialogues) < n + 1:
         raise ValueError(f"preference_pairs: {n} pairs need {n + 1} dialogues, got "
                          f"{len(dialogues)}; pass fewer pairs or more dialogues")
-    exchanges = [_first_exchange(d) for d in dialogues[:n + 1]]
-    return [{"chosen": prompt + [{"role": "assistant", "content": reply}],
-             "rejected": prompt + [{"role": "assistant", "content": other}]}
-            for (prompt, reply), (_, other) in zip(exchanges, exchanges[1:])]
+    exchanges = [_first_exchange(d) for d in dialogues]
+    pairs = []
+    for i, (prompt, reply) in enumerate(exchanges[:n]):
+        other = next((o for _, o in exchanges[i + 1:] if o != reply), None)
+        if other is None:
+            raise ValueError(f"preference_pairs: no reply after dialogue {i} differs from its "
+                             f"own ({reply[:40]!r}); pass more dialogues")
+        pairs.append({"chosen": prompt + [{"role": "assistant", "content": reply}],
+                      "rejected": prompt + [{"role": "assistant", "content": other}]})
+    return pairs
 
 
 def write_pairs(pairs: list[dict], path: str) -> None:
