@@ -26,7 +26,10 @@ CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py
 TINY_RECIPES = [c for c in CONFIGS if c.startswith("configs/tiny_")]  # CPU recipes
 GPU_RECIPES = [c for c in CONFIGS if c not in TINY_RECIPES]
 LLAVA_RECIPES = [c for c in CONFIGS if "llava" in c]  # multimodal: LLaVADataset, no packing
-TEXT_RECIPES = [c for c in CONFIGS if c not in LLAVA_RECIPES]
+# DPO / reward model on packed preference pairs (build_preference_dataset, preference_collate_fn)
+PREFERENCE_RECIPES = {"configs/tiny_internlm2_dpo_pairs.py": "DPO",
+                      "configs/tiny_internlm2_reward_pairs.py": "RewardModel"}
+TEXT_RECIPES = [c for c in CONFIGS if c not in LLAVA_RECIPES and c not in PREFERENCE_RECIPES]
 DEEPSPEED_JSONS = sorted(str(p.relative_to(REPO))
                          for p in (REPO / "configs" / "deepspeed").glob("*.json"))
 TINY_MODEL = "models/tiny-internlm2"
@@ -141,6 +144,50 @@ def test_llava_recipe_is_xtuner_style_and_enables_the_plugin(config):
     assert fn.__module__.startswith("xtuner_rope."), fn
     assert _type(cfg.optim_wrapper).__name__ == "OptimWrapper"  # fp32 on CPU
 
+@pytest.mark.parametrize("config", sorted(PREFERENCE_RECIPES))
+def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
+    """XTuner style, the edit, packed pairs everywhere, fp32; the start-up has nothing to change
+    or refuse; model, packed dataset and collate function build and take one step."""
+    from xtuner.dataset.collate_fns.preference_collate_fn import preference_collate_fn
+    from xtuner.dataset.preference_dataset import build_preference_dataset
+
+    from xtuner_rope.startup import PLUGIN_HOOKS, inspect_config, type_name
+
+    text = (REPO / config).read_text()
+    found = [text.find(f"PART {i}  {title}") for i, title in enumerate(BANNERS, start=1)]
+    assert -1 not in found and found == sorted(found), f"PART 1-5 banners: {found}"
+    part1 = text[found[0]:found[1]]
+    names = PART1_NAMES + ["model_resource", "pack_pairs", "max_packed_length"]
+    names += ["reward_token_id"] if "reward" in config else ["loss_beta"]
+    for name in names:
+        assert re.search(rf"^{name} = ", part1, re.M), f"{name} is not set in PART 1"
+
+    cfg = _load(config)
+    fn = _built(dict.get(cfg.model_resource, "fn"))
+    assert fn.__module__.startswith("xtuner_rope."), fn
+    assert type_name(dict.get(cfg.model, "type")) == PREFERENCE_RECIPES[config]
+    assert cfg.model.llm.pretrained_model_name_or_path == cfg.pretrained_model_name_or_path
+    assert cfg.tokenizer.pretrained_model_name_or_path == cfg.pretrained_model_name_or_path
+    loader = cfg.train_dataloader
+    assert _type(loader.dataset) is build_preference_dataset
+    assert loader.dataset.dataset.data_files.train == cfg.data_path
+    assert (REPO / cfg.data_path).stat().st_size < 200_000
+    assert _type(loader.collate_fn) is preference_collate_fn
+    assert cfg.pack_pairs is True and "use_varlen_attn" not in cfg  # no flash-attn switch
+    assert cfg.model.use_varlen_attn is loader.dataset.use_varlen_attn is \
+        loader.collate_fn.use_varlen_attn is True
+    assert loader.dataset.max_packed_length == cfg.max_packed_length and cfg.batch_size == 1
+    assert _type(cfg.optim_wrapper).__name__ == "OptimWrapper"  # fp32 on CPU
+    assert {type_name(dict.get(h, "type")) for h in cfg.custom_hooks} >= set(PLUGIN_HOOKS)
+    assert cfg.default_hooks.logger.interval <= 10
+
+    cfg = _tiny_cfg(config, quantize=False)
+    assert inspect_config(cfg) == []  # nothing to fix, nothing to refuse (doctor: OK)
+    model, batch = _train_step(cfg, tmp_path)
+    starts = int((batch["data"]["position_ids"][0] == 0).sum())
+    assert starts >= 4 and starts % 2 == 0, starts  # whole pairs, several in the packed row
+
+
 @pytest.mark.parametrize("path", DEEPSPEED_JSONS)
 def test_deepspeed_json_states_its_dtype(path):
     ds = json.loads((REPO / path).read_text())
@@ -239,7 +286,7 @@ def _train_step(cfg: Config, work_dir) -> tuple[torch.nn.Module, dict]:
     assert isolates_documents(model), "ValidatedRoPEHook did not patch the attention layers"
     for hook in plugin:
         hook.before_train_iter(runner, batch_idx=0, data_batch=batch)
-    loss = model(**batch, mode="loss")["loss"]
+    loss, _ = model.parse_losses(model(**batch, mode="loss"))  # as OptimWrapper steps
     loss.backward()
     for hook in plugin:
         hook.after_train_iter(runner, batch_idx=0, data_batch=batch, outputs=None)

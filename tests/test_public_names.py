@@ -60,6 +60,7 @@ PUBLIC = {
 # Commands and scripts the README (today's or earlier) tells users to run.
 COMMANDS = ["doctor", "convert", "chat"]
 TOOLS = ["tools/check_run.py", "tools/replay_batch.py", "tools/make_sample_data.py",
+         "tools/make_preference_data.py",
          "tools/make_tiny_internlm2.py", "tools/setup_env.sh", "tools/bench/packing.py",
          "tools/bench/rope.py", "tools/bench/hook_overhead.py", "tools/bench/monitor_overhead.py"]
 # Config `type='Name'` strings resolved through MMEngine's root registries.
