@@ -120,7 +120,9 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured document's logits against the same document alone (unpatched, fp32).
 
     Args:
-        config: The config that was trained (read as is; its ``llm`` is loaded from its path).
+        config: The config that was trained, started as ``xtuner train`` starts it (its
+            ``model_resource`` runs: e.g. the start-up's ``flash_attention_2 -> sdpa``); its
+            ``llm`` is loaded from its path.
         capture: The ``isolation_capture.pt`` written by :class:`IsolationCaptureHook`.
 
     Returns:
@@ -129,9 +131,11 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
         (stock XTuner packing) get them from the same packs rebuilt with
         ``use_varlen_attn=True`` (see :func:`xtuner_rope.doctor.check.first_batches`).
     """
+    from xtuner_rope.doctor.diagnose import start_like_xtuner_train
+
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     data = saved["data"]
-    cfg = Config.fromfile(str(config))
+    cfg, _, _ = start_like_xtuner_train(str(config))  # the start-up's fixes, as trained
     recorded = None if data.get("cumulative_len") is not None else _pack_boundaries(cfg, data)
     docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
     n_packed, _ = cm.label_count(data["labels"], docs)

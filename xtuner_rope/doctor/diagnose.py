@@ -17,6 +17,7 @@ from xtuner_rope import startup
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
+from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.stats import (
     length_percentiles,
     plan_summary,
@@ -224,6 +225,8 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
         report["loss_weights"] = None
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
+    report["problems"] += schedule_problems(cfg.get("param_scheduler"), len(dataset), batch_size,
+                                            bool(loader.get("drop_last", False)))
     report["exit_code"] = exit_code(report)
     return report, lengths
 
