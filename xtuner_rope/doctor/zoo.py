@@ -372,11 +372,12 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     Returns:
         All rows of the results file (the new ones included).
     """
+    root = Path(root).resolve()  # each row runs in its own folder: no path may be relative
     root.mkdir(parents=True, exist_ok=True)
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
-    models = Path(models) if models else root / "models"
+    models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
     lock = threading.Lock()
