@@ -91,7 +91,13 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert packing["tokens"] == {"before": sum(live), "after": sum(live), "lost": 0}
     assert packing["labels"] == {"before": labels, "after": labels, "lost": 0}
     assert packing["cut_dialogues"] > 0 and packing["unsupervised_pieces"] > 0
-    assert report["exit_code"] == 0
+    # 475 rows, 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
+    # it ("end should be larger than begin"): the one problem, with the edit
+    assert report["exit_code"] == 1 and len(report["problems"]) == 1
+    assert report["problems"][0].startswith("param_scheduler[0] (LinearLR, begin=0, end=0.03 "
+                                            "epochs, convert_to_iter_based=True) becomes begin=0"
+                                            ", end=0 iterations on this dataset (475 samples")
+    assert "warmup_ratio * max_epochs >= 0.0333" in report["problems"][0]
     assert text.count("\nmodel_resource = ") == 1
     config.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
     report, _ = diagnose(str(config), progress=False)

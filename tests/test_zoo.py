@@ -83,3 +83,12 @@ def test_localize_makes_the_cpu_edits(tmp_path):
     compile(zoo.enable_plugin(zoo.localize(gemma, tmp_path / "m", tmp_path)), "gemma", "exec")
     with pytest.raises(ValueError, match=r"no 'pretrained_model_name_or_path = \.\.\.' line"):
         zoo.enable_plugin("x = 1\n")
+
+
+def test_isolation_tolerance_follows_the_runs_dtype():
+    """A ``torch_dtype=torch.bfloat16`` config (stock Mistral full) trains in bf16 on CPU too:
+    its logits are judged with ``check``'s bf16 tolerance, an fp32 run with 1e-5."""
+    assert zoo.isolation_tolerance("float32") == zoo.ISOLATION_TOLERANCE == 1e-5
+    assert zoo.isolation_tolerance("bfloat16") == 8 * 2 ** -8  # 0.031; leaks move 0.2 to 2
+    with pytest.raises(KeyError):
+        zoo.isolation_tolerance("int8")

@@ -45,7 +45,7 @@ class IsolationCaptureHook(Hook):
     """Save the first training batch and the logits/loss the model computed from it.
 
     Writes ``isolation_capture.pt`` (``{'data': the collated batch, 'logits': [b, s, V] fp32,
-    'loss': float}``) into the run's work dir after iteration 1; nothing afterwards. For the
+    'loss': float, 'dtype': the model's dtype name, e.g. 'bfloat16'}``) into the run's work dir after iteration 1; nothing afterwards. For the
     tiny and test models: the logits of a 7B model on a long pack are gigabytes.
     """
 
@@ -61,6 +61,8 @@ class IsolationCaptureHook(Hook):
         if "logits" not in self._out and module.training:
             self._out["logits"] = output.logits.detach().float().cpu()
             self._out["loss"] = float(output.loss.detach())
+            # the weights' dtype (a bf16 run rounds its logits: see compare_capture)
+            self._out["dtype"] = str(next(module.parameters()).dtype).removeprefix("torch.")
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if runner.iter != 0 or not isinstance(data_batch, dict):
@@ -120,23 +122,29 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured document's logits against the same document alone (unpatched, fp32).
 
     Args:
-        config: The config that was trained (read as is; its ``llm`` is loaded from its path).
+        config: The config that was trained, started as ``xtuner train`` starts it (its
+            ``model_resource`` runs: e.g. the start-up's ``flash_attention_2 -> sdpa``); its
+            ``llm`` is loaded from its path.
         capture: The ``isolation_capture.pt`` written by :class:`IsolationCaptureHook`.
 
     Returns:
-        ``{'documents', 'boundaries', 'max_abs_diff', 'per_document': [...],
-        'loss': {'captured', 'documents'}}``. Packs that did not record their boundaries
+        ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document': [...],
+        'loss': {'captured', 'documents'}}``; ``dtype`` is the run's (a ``torch_dtype=bfloat16``
+        run is compared with the same bf16-rounded weights computing in fp32: judge it with
+        that dtype's tolerance). Packs that did not record their boundaries
         (stock XTuner packing) get them from the same packs rebuilt with
         ``use_varlen_attn=True`` (see :func:`xtuner_rope.doctor.check.first_batches`).
     """
+    from xtuner_rope.doctor.diagnose import start_like_xtuner_train
+
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     data = saved["data"]
-    cfg = Config.fromfile(str(config))
+    cfg, _, _ = start_like_xtuner_train(str(config))  # the start-up's fixes, as trained
     recorded = None if data.get("cumulative_len") is not None else _pack_boundaries(cfg, data)
     docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
     n_packed, _ = cm.label_count(data["labels"], docs)
     logits, loss = cm.documents_alone(reference_llm(cfg), data, docs, n_packed, backward=False)
     per_doc = cm.logits_differences(saved["logits"], logits, docs)
-    return {"documents": len(docs), "boundaries": source,
+    return {"documents": len(docs), "boundaries": source, "dtype": saved.get("dtype", "float32"),
             "max_abs_diff": max(d["max_abs_diff"] for d in per_doc), "per_document": per_doc,
             "loss": {"captured": saved["loss"], "documents": loss}}

@@ -17,6 +17,7 @@ from xtuner_rope import startup
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
+from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.sequence_parallel import (
     sequence_parallel_figures,
     sequence_parallel_warnings,
@@ -231,6 +232,8 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
+    report["problems"] += schedule_problems(cfg.get("param_scheduler"), len(dataset), batch_size,
+                                            bool(loader.get("drop_last", False)))
     report["exit_code"] = exit_code(report)
     return report, lengths
 

@@ -275,15 +275,26 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
         return {**row, "outcome": CRASHED, "message": f"capture compare: {exc}"[:300]}
     worst = max(d["max_abs_diff"] / max(1.0, d["max_abs_logit"]) for d in result["per_document"])
+    dtype = result["dtype"]
+    tolerance = isolation_tolerance(dtype)
     row.update(documents=result["documents"], rows=None, max_abs_diff=result["max_abs_diff"],
-               relative=worst, boundaries=result["boundaries"])
-    if worst > ISOLATION_TOLERANCE:
+               relative=worst, boundaries=result["boundaries"], dtype=dtype, tolerance=tolerance)
+    in_dtype = "" if dtype == "float32" else f" ({dtype} run, tolerance {tolerance:.3g})"
+    if worst > tolerance:
         return {**row, "outcome": LEAKED,
                 "message": f"max |trained - alone| {result['max_abs_diff']:.3g} (relative "
-                           f"{worst:.3g})"}
+                           f"{worst:.3g}){in_dtype}"}
     return {**row, "outcome": TRAINED,
             "message": f"{result['documents']} documents, max |trained - alone| "
-                       f"{result['max_abs_diff']:.3g}"}
+                       f"{result['max_abs_diff']:.3g}{in_dtype}"}
+
+
+def isolation_tolerance(dtype: str) -> float:
+    """Relative tolerance on the logits of a run in ``dtype``: fp32's, or ``check``'s for a
+    half-precision run (``torch_dtype=torch.bfloat16`` configs train in bf16 on CPU too)."""
+    from xtuner_rope.doctor.check_report import TOLERANCES
+
+    return ISOLATION_TOLERANCE if dtype == "float32" else TOLERANCES[dtype]["logits"]
 
 
 def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
@@ -372,11 +383,12 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     Returns:
         All rows of the results file (the new ones included).
     """
+    root = Path(root).resolve()  # each row runs in its own folder: no path may be relative
     root.mkdir(parents=True, exist_ok=True)
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
-    models = Path(models) if models else root / "models"
+    models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
     lock = threading.Lock()
