@@ -1,7 +1,7 @@
 """XTuner's stock sequence-parallel config through the real `xtuner train`: sp = 2 equals sp = 1.
 
 The stock ``internlm2_7b_full_finetune_custom_dataset_e1_sequence_parallel_4`` is copied with
-``xtuner copy-cfg``, given the user's own-machine edits (tiny InternLM2, local data, fp32 on
+``xtuner copy-cfg``, given the user's own-machine edits (a tiny model, local data, fp32 on
 CPU) and the README's one edit, with ``sequence_parallel_size = 2``. It trains on 2 CPU
 processes under the project's fp32 ZeRO-2 DeepSpeed settings (XTuner trains sequence parallel
 only under DeepSpeed): one optimizer step, one packed row split across the two ranks, rows of
@@ -9,6 +9,10 @@ odd length (``max_length = 255``) so the sequence-parallel padding segment is in
 same config with ``sequence_parallel_size = 1`` on one process gives the reference: the loss
 and every parameter after the step agree within 1e-5. ``shuffle_before_pack=False``: XTuner's
 shuffle before packing is unseeded, so two runs would otherwise train on different rows.
+
+Two tiny models, both GQA: XTuner's InternLM2 and transformers' own ``LlamaForCausalLM``
+(the stock config pointed at it; its chat template stays, the tokenizer is the shared tiny
+one). The stock copy and the data are shared by the four runs.
 """
 
 import re
@@ -20,6 +24,8 @@ from pathlib import Path
 import pytest
 import stock_configs as sc
 import torch
+
+from xtuner_rope.demo.tiny import save_tiny
 
 STOCK = "internlm2_7b_full_finetune_custom_dataset_e1_sequence_parallel_4"
 ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
@@ -37,13 +43,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp: Path, sp: int) -> Path:
-    sc.ensure_tiny_model()
-    stock = sc.copy_stock(STOCK, tmp / "stock")
-    data = sc.write_conversation_data(tmp / "data.json", n=400)
-    text = sc.enable_plugin(sc.localize(stock, data))
+@pytest.fixture(scope="module")
+def stock_and_data(tmp_path_factory) -> tuple[Path, Path]:
+    """The stock config copied once with ``xtuner copy-cfg`` and the local data, shared."""
+    root = tmp_path_factory.mktemp("sp-stock")
+    return sc.copy_stock(STOCK, root / "stock"), sc.write_conversation_data(root / "data.json",
+                                                                           n=400)
+
+
+def _model(family: str, root: Path) -> Path:
+    if family == "internlm2":
+        return sc.ensure_tiny_model()
+    return save_tiny(root / f"tiny-{family}", family, sc.SAMPLE_DATA)
+
+
+def _config(tmp: Path, stock: Path, data: Path, model: Path, sp: int) -> Path:
+    text = sc.enable_plugin(sc.localize(stock, data, model=model))
     text = sc.sub_once(text, r"^sequence_parallel_size = 4$", f"sequence_parallel_size = {sp}")
     text = sc.sub_once(text, r"^max_length = 512$", "max_length = 255")  # odd: sp padding
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"sp{sp}.py"
     path.write_text(text, encoding="utf-8")
     return path
@@ -72,12 +90,17 @@ def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
 
 
 @pytest.mark.slow
-def test_stock_sequence_parallel_config_trains_like_one_rank(tmp_path):
-    loss_1, params_1 = _train(_config(tmp_path / "one", 1), tmp_path / "w1", 1)
-    loss_2, params_2 = _train(_config(tmp_path / "two", 2), tmp_path / "w2", 2)
+@pytest.mark.parametrize("family", ["internlm2", "llama"])
+def test_stock_sequence_parallel_config_trains_like_one_rank(family, stock_and_data, tmp_path):
+    model = _model(family, tmp_path)
+    configs = {sp: _config(tmp_path / f"sp{sp}", *stock_and_data, model, sp) for sp in (1, 2)}
+    loss_1, params_1 = _train(configs[1], tmp_path / "w1", 1)
+    loss_2, params_2 = _train(configs[2], tmp_path / "w2", 2)
     assert abs(loss_1 - loss_2) <= 1e-5, (loss_1, loss_2)
     assert params_1.keys() == params_2.keys()
+    # the checkpoint is the family's own: Llama's q_proj, InternLM2's fused wqkv
+    assert any(".q_proj." in k for k in params_1) == (family == "llama")
     worst = max((params_1[k] - params_2[k]).abs().max().item() for k in params_1)
-    print(f"sp=2 vs sp=1 after one step: loss {loss_2:.8f} vs {loss_1:.8f}, "
+    print(f"{family}: sp=2 vs sp=1 after one step: loss {loss_2:.8f} vs {loss_1:.8f}, "
           f"max |parameter difference| {worst:.3g}")
     assert worst <= 1e-5
