@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stock_configs import PLUGIN_EDIT, sub_once
+from stock_configs import PLUGIN_EDIT, cpu_optim_wrapper, sub_once
 
 FINETUNE = "llava_internlm2_chat_7b_clip_vit_large_p14_336_e1_gpu8_finetune"
 PRETRAIN = "llava_internlm2_chat_1_8b_clip_vit_large_p14_336_e1_gpu8_pretrain"
@@ -41,10 +41,7 @@ def localize_llava(config: Path, llm: Path, clip: Path, data_json: Path, batch_s
     text = sub_once(text, r"^(        quantization_config=dict\((\n.*?)*?\n        \),\n)", "")  \
         if "quantization_config=" in text else text
     if cpu:
-        text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
-        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
-        text = sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
-                        "from mmengine.optim import OptimWrapper,")
+        text = cpu_optim_wrapper(text)
     return text
 
 

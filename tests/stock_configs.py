@@ -93,10 +93,7 @@ def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False
         text = sub_once(text, r"^        torch_dtype=torch.float16,\n        quantization_config="
                         r"dict\((\n.*?)*?\n        \),\n", "")
     if cpu:
-        text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
-        text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
-        text = sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
-                        "from mmengine.optim import OptimWrapper,")
+        text = cpu_optim_wrapper(text)
     return text
 
 
@@ -165,3 +162,11 @@ def assert_isolated_in_run(config: Path, work_dir: Path) -> dict:
     print(f"{config.stem}: {result['documents']} documents, max |trained - alone| "
           f"{result['max_abs_diff']:.3g}")
     return result
+
+
+def cpu_optim_wrapper(text: str) -> str:
+    """The README's CPU edit: fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``."""
+    text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
+    text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
+    return sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
+                    "from mmengine.optim import OptimWrapper,")
