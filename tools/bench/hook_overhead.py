@@ -12,13 +12,16 @@ Usage:
     python tools/bench/hook_overhead.py [--quick] [--threads 1] [--batches 50]
 """
 
-import argparse
 import statistics
 import time
 import types
 
 import torch
-from packing import batches_of, load_items  # tools/bench/packing.py, next to this file
+from packing import (  # tools/bench/packing.py, next to this file
+    batches_of,
+    load_items,
+    recipe_overhead_parser,
+)
 from tqdm import tqdm
 
 from xtuner_rope.collate import rope_collate_fn
@@ -32,19 +35,9 @@ LR, BETAS, MAX_NORM = 3e-3, (0.9, 0.98), 1.0
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--data', default='data/short_dialogues.jsonl')
-    parser.add_argument('--model', default='models/tiny-internlm2',
-                        help='tiny checkpoint whose tokenizer is used (built if missing)')
-    parser.add_argument('--batches', type=int, default=50, help='recipe batches timed')
-    parser.add_argument('--repeats', type=int, default=3, help='timed passes (median per batch)')
+    parser = recipe_overhead_parser(__doc__.split('\n')[0])
     parser.add_argument('--hook-calls', type=int, default=10,
                         help='hook calls per timing sample (it takes about a millisecond)')
-    parser.add_argument('--threads', type=int, default=1, help='torch CPU threads')
-    parser.add_argument('--clock', choices=('auto', 'cpu', 'wall'), default='auto',
-                        help='cpu: process CPU time (auto picks it for --threads 1)')
-    parser.add_argument('--seed', type=int, default=0, help='shuffle and model-init seed')
-    parser.add_argument('--quick', action='store_true', help='15 batches')
     args = parser.parse_args()
     args.max_length = 2048  # tokenization limit, as packing.py's load_items expects
     return args

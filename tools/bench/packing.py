@@ -66,6 +66,27 @@ def parse_args():
     return parser.parse_args()
 
 
+def recipe_overhead_parser(description: str, clock: bool = True) -> argparse.ArgumentParser:
+    """The options the recipe-overhead benches share (hook, monitor and loss-weighting overhead).
+
+    Their batches are the tiny recipe's; ``load_items`` needs ``args.max_length``, which each
+    bench sets to 2048 (the tokenization limit) after parsing.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument('--data', default='data/short_dialogues.jsonl')
+    parser.add_argument('--model', default='models/tiny-internlm2',
+                        help='tiny checkpoint whose tokenizer is used (built if missing)')
+    parser.add_argument('--batches', type=int, default=50, help='recipe batches timed')
+    parser.add_argument('--repeats', type=int, default=3, help='timed passes (median per batch)')
+    parser.add_argument('--threads', type=int, default=1, help='torch CPU threads')
+    if clock:
+        parser.add_argument('--clock', choices=('auto', 'cpu', 'wall'), default='auto',
+                            help='cpu: process CPU time (auto picks it for --threads 1)')
+    parser.add_argument('--seed', type=int, default=0, help='shuffle and model-init seed')
+    parser.add_argument('--quick', action='store_true', help='15 batches')
+    return parser
+
+
 def load_items(args):
     """The dialogues tokenized as XTuner does (internlm2_chat template), shuffled by seed."""
     import datasets
