@@ -1,9 +1,10 @@
 # The two commands of a fresh machine (run from the repository root):
 #   make demo   install, then fine-tune the tiny InternLM2 on data/ with `xtuner train`
 #   make test   install, then run the test suite
+#   make docs   build the documentation site (docs/, mkdocs.yml) into site/, strict
 #   make gpu-kit   wheels for the GPU machine, in parts (tools/gpu/build_kit.sh); there:
 #                  bash tools/gpu/run_gpu.sh
-.PHONY: setup demo test bench lint gpu-kit
+.PHONY: setup demo test bench lint docs gpu-kit
 
 VENV := $(CURDIR)/.venv
 # `xtuner train` starts `python`/`torchrun` from PATH: the venv must come first.
@@ -27,6 +28,9 @@ bench: setup
 
 lint: setup
 	$(RUN) ruff check .
+
+docs: setup
+	$(RUN) mkdocs build --strict
 
 gpu-kit:
 	bash tools/gpu/build_kit.sh

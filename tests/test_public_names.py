@@ -69,8 +69,10 @@ REGISTERED = {"HOOKS": ["ValidatedRoPEHook", "PackedBatchCheckHook", "PackingMet
 
 
 def _readme_names() -> set[tuple[str, str]]:
-    """(module, name) of every `from xtuner_rope... import A, B` and `xtuner_rope.x.Y` there."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    """(module, name) of every `from xtuner_rope... import A, B` and `xtuner_rope.x.Y` in the
+    README and the documentation site's pages (`docs/**/*.md`): names the docs document are API."""
+    sources = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    text = "\n".join(path.read_text(encoding="utf-8") for path in sources)
     found = set()
     for module, names in re.findall(r"from (xtuner_rope(?:\.\w+)*) import (\w+(?:, \w+)*)", text):
         found |= {(module, name.strip()) for name in names.split(",") if name.strip()}
