@@ -21,7 +21,7 @@ from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
 from runners import bare_runner
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
 TINY_RECIPES = [c for c in CONFIGS if c.startswith("configs/tiny_")]  # CPU recipes
 GPU_RECIPES = [c for c in CONFIGS if c not in TINY_RECIPES]

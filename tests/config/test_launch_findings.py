@@ -22,7 +22,7 @@ from xtuner_rope.launch_findings import (
 )
 from xtuner_rope.startup import ConfigConflict, prepare_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
 TRAIN = "/site-packages/xtuner/tools/train.py"
 

@@ -7,7 +7,7 @@ import pytest
 
 from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "data" / "preference_pairs.jsonl"
 DIALOGUES = REPO / "data" / "short_dialogues.jsonl"
 

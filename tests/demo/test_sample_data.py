@@ -9,7 +9,7 @@ import pytest
 
 from xtuner_rope.demo.sample_data import dialogue_words, generate_dialogues, to_jsonl, write_jsonl
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "short_dialogues.jsonl"
+DATA = Path(__file__).resolve().parents[2] / "data" / "short_dialogues.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny import SPECIAL_TOKENS, save_tiny, save_tiny_internlm2
 from xtuner_rope.startup import enable_xtuner_rope
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
 # Plain transformers, in a process that never imports xtuner_rope: the checkpoint and its
 # tokenizer load offline and run.

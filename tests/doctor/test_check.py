@@ -21,7 +21,7 @@ from xtuner_rope.doctor.check import train_dtype
 from xtuner_rope.doctor.check_measure import documents
 from xtuner_rope.doctor.check_report import TOLERANCES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INTERNLM2 = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
 QWEN2 = REPO / "configs" / "tiny_qwen2_short_dialogues.py"
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"

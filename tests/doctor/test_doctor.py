@@ -21,7 +21,7 @@ from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose, load_config
 from xtuner_rope.doctor.report import format_summary, write_outputs
 from xtuner_rope.doctor.stats import supervised_count
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
 DATA_FILE = "train_dataloader.dataset.dataset.data_files.train"
 

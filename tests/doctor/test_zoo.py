@@ -15,7 +15,7 @@ import stock_configs as sc
 
 from xtuner_rope.doctor import zoo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = {"internlm2_chat_1_8b_qlora_alpaca_e3": zoo.TRAINED,
           "cohere_100b_128k_sp32": zoo.REFUSED}
 

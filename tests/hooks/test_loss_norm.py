@@ -29,7 +29,7 @@ from stock_configs import venv_env
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.loss_norm import TokenWeightedLossHook, loss_normalization, supervised_tokens
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
 TINY = REPO / "models" / "tiny-internlm2"  # the recipe's checkpoint (built by its first run)
 ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"

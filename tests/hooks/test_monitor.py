@@ -13,7 +13,7 @@ import pytest
 import torch
 from mmengine.optim import OptimWrapper
 from runners import RecordingHook, tiny_runner
-from test_e2e import CONFIG, REPO, xtuner_train  # tests/ is on sys.path (rootdir conftest)
+from tiny_recipe import CONFIG, REPO, xtuner_train  # tests/support is on sys.path (conftest)
 
 from xtuner_rope.batch.stats import BatchStats, batch_stats
 from xtuner_rope.collate import rope_collate_fn

@@ -4,29 +4,11 @@
 produced (xtuner_rope.demo.runlog.check_run): logged losses and a saved checkpoint.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tiny_recipe import CONFIG, REPO, SHORT_RUN, xtuner_train  # noqa: F401 - tests/support
 
 from xtuner_rope.demo.runlog import check_run
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
-SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=30",
-             "default_hooks.logger.interval=5", "default_hooks.checkpoint.interval=30")
-
-
-def xtuner_train(work_dir: Path, *cfg_options: str,
-                 config: Path = CONFIG) -> subprocess.CompletedProcess:
-    """Run `xtuner train` on the tiny recipe from the repository root, as a user would."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
-    if cfg_options:
-        cmd += ["--cfg-options", *cfg_options]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow

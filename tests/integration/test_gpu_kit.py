@@ -18,7 +18,7 @@ from varlen_reference import varlen_attn_2_12
 from xtuner_rope.ops import attention
 from xtuner_rope.ops.attention import VarlenKernel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _load(path, name):

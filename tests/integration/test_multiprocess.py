@@ -27,7 +27,7 @@ import pytest
 
 from xtuner_rope.demo.runlog import check_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INTERNLM2 = "configs/tiny_internlm2_short_dialogues.py"
 QWEN2 = "configs/tiny_qwen2_short_dialogues.py"  # transformers' attention interface path
 ZERO2, ZERO3 = "configs/deepspeed/zero2_fp32_cpu.json", "configs/deepspeed/zero3_fp32_cpu.json"

@@ -18,7 +18,7 @@ import pytest
 
 from xtuner_rope.demo.runlog import check_run, train_losses
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["configs/tiny_internlm2_short_dialogues.py"]
 STOP, TOTAL = 6, 12
 LOSS_ATOL = 1e-6

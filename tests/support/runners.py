@@ -19,7 +19,7 @@ from xtuner.model import SupervisedFinetune
 from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.demo.resources import tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-internlm2"  # the checkpoint the stock-config runs train
 _RUNS = itertools.count()  # a fresh experiment name per runner: MMEngine keys singletons on it
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
 PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"

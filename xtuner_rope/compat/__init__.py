@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import types
+import warnings
 
 import torch
 
@@ -462,7 +463,7 @@ def patch_sft_sequence_parallel_loss() -> bool:
 
     @functools.wraps(original)
     def _compute_sequence_parallel_loss(self, data):
-        from xtuner_rope.hooks import isolates_documents
+        from xtuner_rope.models.dispatch import isolates_documents
         from xtuner_rope.models.sequence_parallel import sequence_parallel_loss
 
         if not isolates_documents(self.llm):
@@ -510,10 +511,12 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
         def check_cfg(cfg, args, _original=original):
             from mmengine.logging import print_log
 
-            from xtuner_rope.startup import is_prepared
-
+            # compat sits below the start-up (config/): read it only if it was imported; if
+            # not, nothing was prepared.
+            startup = sys.modules.get("xtuner_rope.config.startup")
             sp = cfg.get("sequence_parallel_size", 1)
-            if not (is_prepared() and isinstance(sp, int) and sp > 1):
+            prepared = startup is not None and startup.is_prepared()
+            if not (prepared and isinstance(sp, int) and sp > 1):
                 return _original(cfg, args)
             if args.deepspeed is None:
                 raise ValueError(
@@ -533,49 +536,6 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
         check_cfg.xtuner_rope_sp = True
         module.check_cfg = check_cfg
     return bool(modules)
-
-
-def patch_hf_fp32_rotation(module_name: str) -> bool:
-    """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
-
-    transformers 4.48 Llama / Qwen2 / Mistral (``modeling_<family>.apply_rotary_pos_emb``)
-    compute ``q * cos + rotate_half(q) * sin`` in the dtype of its inputs, and the upstream
-    rotary hands it cos/sin rounded to the activation dtype (bf16: 8 bits of mantissa). The
-    validated rotary (``models.hf_rope``) returns fp32 cos/sin instead; left alone, type
-    promotion would then make q and k fp32 (symptom: fp32 keys in the KV cache, SDPA refusing
-    mixed dtypes, ``StaticCache.update`` failing on ``index_copy_``). The wrapper rotates in
-    fp32 with ``rope.apply_rotary_pos_emb`` and returns q's dtype when cos is fp32 and q is not;
-    every other call (unpatched models hand cos in q's dtype, fp32 models) goes to the original
-    unchanged. It is rebound wherever the original is bound by name (XTuner 0.2.0's
-    ``dispatch/llama.py`` etc. import it). Not part of ``apply()``: ``patch_hf_model`` calls it
-    for the families it patches.
-
-    Args:
-        module_name: The family's modeling module, e.g.
-            ``"transformers.models.llama.modeling_llama"`` (imported if needed).
-
-    Returns:
-        True if the wrapper was installed now, False if it already was.
-    """
-    module = importlib.import_module(module_name)
-    original = module.apply_rotary_pos_emb
-    if getattr(original, "_xtuner_rope_fp32", False):
-        return False
-
-    @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        if cos.dtype == torch.float32 and q.dtype != torch.float32:
-            from xtuner_rope.ops.rope import apply_rotary_pos_emb as fp32_apply
-
-            return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return original(q, k, cos, sin, position_ids, unsqueeze_dim)
-
-    apply_rotary_pos_emb._xtuner_rope_fp32 = True
-    for loaded in list(sys.modules.values()):
-        namespace = getattr(loaded, "__dict__", None)
-        if namespace is not None and namespace.get("apply_rotary_pos_emb") is original:
-            loaded.apply_rotary_pos_emb = apply_rotary_pos_emb
-    return True
 
 
 @contextlib.contextmanager
@@ -887,3 +847,17 @@ def apply() -> list[str]:
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)
+
+
+# Model patches that lived here once and now live with their family in ``models``.
+MOVED_NAMES = {"patch_hf_fp32_rotation": "xtuner_rope.models.hf_rope"}
+
+
+def __getattr__(name: str) -> object:
+    """``compat.<moved name>``: the name from its new module, with a warning naming it."""
+    if name not in MOVED_NAMES:
+        raise AttributeError(f"module 'xtuner_rope.compat' has no attribute {name!r}")
+    new = MOVED_NAMES[name]
+    warnings.warn(f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
+                  f"{new} (`from {new} import {name}`).", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from .compat import cpu_only
-from .startup import Finding, type_name
+from xtuner_rope.compat import cpu_only
+
+from .startup import Finding, register_findings, type_name
 
 # The project's fp32 DeepSpeed settings for CPU runs, by ZeRO stage.
 FP32_CPU_JSON = {2: "configs/deepspeed/zero2_fp32_cpu.json",
@@ -97,7 +98,7 @@ def resolved_dtype(ds: dict) -> str | None:
     """
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
-    from .compat import patch_torch_cpu_bf16_query
+    from xtuner_rope.compat import patch_torch_cpu_bf16_query
 
     patch_torch_cpu_bf16_query()  # what the plugin's start-up does before xtuner reads it
     ds = auto_dtype_of_deepspeed_config(copy.deepcopy(ds))
@@ -168,6 +169,7 @@ def sampler_findings(cfg: Config, argv: list[str] | None = None,
         "(from mmengine.dataset import DefaultSampler)")]
 
 
+@register_findings(order=50)
 def launch_findings(cfg: Config) -> list[Finding]:
     """Every launch finding of this process's command line and environment (conflicts)."""
     return deepspeed_dtype_findings(cfg) + sampler_findings(cfg)

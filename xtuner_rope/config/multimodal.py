@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 from mmengine.config import Config
 
-from .compat import cpu_only
-from .startup import Finding, type_name
+from xtuner_rope.compat import cpu_only
+
+from .startup import Finding, register_findings, type_name
 
 __all__ = ["is_llava", "multimodal_findings"]
 
@@ -72,6 +73,7 @@ def _evaluate_chat_findings(cfg: Config) -> list[Finding]:
         drop)]
 
 
+@register_findings(order=40)
 def multimodal_findings(cfg: Config) -> list[Finding]:
     """What a multimodal config must change for xtuner-rope; nothing for a text config."""
     model = _get(cfg._cfg_dict, "model")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from .startup import Finding, type_name
+from .startup import Finding, register_findings, type_name
 
 PREFERENCE_DATASET = "build_preference_dataset"
 PREFERENCE_MODELS = ("DPO", "ORPO", "RewardModel")
@@ -105,6 +105,7 @@ def _packed_pairs_findings(cfg: Config, dataset: dict) -> list[Finding]:
         "max_packed_length for more pairs per row, or accumulative_counts for more per step)")]
 
 
+@register_findings(order=110)
 def preference_findings(cfg: Config) -> list[Finding]:
     """Conflicts of a preference config that XTuner would report late or never.
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from .compat import cpu_only
-from .startup import Finding
+from xtuner_rope.compat import cpu_only
+
+from .startup import Finding, register_findings
 
 __all__ = ["checkpoint_heads", "sequence_parallel_heads_findings"]
 
@@ -34,6 +35,7 @@ def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
     return str(config), heads if isinstance(heads, int) else None
 
 
+@register_findings(order=60)
 def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
     """Refuse ``sequence_parallel_size`` not dividing the attention heads on a CPU-only machine."""
     sp = cfg._cfg_dict.get("sequence_parallel_size", 1)

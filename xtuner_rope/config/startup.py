@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,7 @@ from mmengine.config import Config
 from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
-from .compat import cpu_only, keep_other_model_paths
-from .loss_norm import loss_normalization_findings
+from xtuner_rope.compat import cpu_only, keep_other_model_paths
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
@@ -52,6 +52,7 @@ MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
 # "fixes": what the start-up applied, so the re-check of the config that really trains can
 # name a fix that an override (``--cfg-options``, merged after the start-up) undid.
 _STATE = {"prepared": False, "fixes": []}
+FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` list)
 
 
 class ConfigConflict(ValueError):
@@ -152,7 +153,7 @@ def model_family_findings(cfg: Config) -> list[Finding]:
     A hub id that is not in the local cache cannot be known offline: nothing is found here and
     ``ValidatedRoPEHook`` refuses such a model after it loaded.
     """
-    from .models.families import UNSERVED_ADVICE, checkpoint_verdict
+    from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict
 
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
     verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
@@ -325,21 +326,37 @@ def inspect_config(cfg: Config) -> list[Finding]:
     Returns:
         The findings, fixes and conflicts, in config order.
     """
-    findings = _varlen_findings(cfg)
-    loader = _get(cfg._cfg_dict, "train_dataloader")
-    if isinstance(loader, dict):
-        findings += _packing_findings(loader) + _lossless_packing_findings(loader)
-    findings += loss_normalization_findings(cfg)  # xtuner_rope.loss_norm
-    # These build on this module's Finding: imported here, not at the top (no import cycle).
-    from .launch_findings import launch_findings
-    from .preference import preference_findings
-    from .startup_multimodal import multimodal_findings
-    from .startup_sequence_parallel import sequence_parallel_heads_findings
+    return [finding for _, check in sorted(FINDINGS, key=lambda entry: entry[0])
+            for finding in check(cfg)]
 
-    findings += multimodal_findings(cfg) + launch_findings(cfg)
-    findings += sequence_parallel_heads_findings(cfg)
-    return (findings + _hook_findings(cfg) + _runtime_findings(cfg) + flash_attn_findings(cfg)
-            + model_family_findings(cfg) + preference_findings(cfg))
+
+def register_findings(order: int) -> Callable[[FindingsFn], FindingsFn]:
+    """Decorator: add a findings function to what :func:`inspect_config` runs, at ``order``.
+
+    Findings modules (``config.multimodal``, ``config.launch``, ``hooks.loss_norm`` ...) register
+    themselves when imported (``xtuner_rope.activate`` imports them all); the order fixes where
+    their findings appear in the start-up's report (lower first; the slots are in ``FINDINGS``).
+    """
+    def register(check: FindingsFn) -> FindingsFn:
+        if all(registered is not check for _, registered in FINDINGS):
+            FINDINGS.append((order, check))
+        return check
+    return register
+
+
+def _loader_findings(cfg: Config) -> list[Finding]:
+    loader = _get(cfg._cfg_dict, "train_dataloader")
+    if not isinstance(loader, dict):
+        return []
+    return _packing_findings(loader) + _lossless_packing_findings(loader)
+
+
+# (order, findings function): this module's own; the others register with `register_findings`
+# at 30 (loss normalization), 40 (multimodal), 50 (launch), 60 (sequence-parallel heads) and
+# 110 (preference).
+FINDINGS: list[tuple[int, FindingsFn]] = [
+    (10, _varlen_findings), (20, _loader_findings), (70, _hook_findings),
+    (80, _runtime_findings), (90, flash_attn_findings), (100, model_family_findings)]
 
 
 def conflict_message(conflicts: list[Finding]) -> str:
@@ -383,6 +400,20 @@ def applied_fixes() -> list[Finding]:
 def is_prepared() -> bool:
     """True once :func:`prepare_config` ran in this process (through ``model_resource``)."""
     return _STATE["prepared"]
+
+
+@contextmanager
+def state_kept() -> Iterator[None]:
+    """Run the block and put the start-up's state (prepared, fixes) back as it was.
+
+    For tools that start a config as ``xtuner train`` does only to look at it (the doctor):
+    the process must not count as prepared afterwards.
+    """
+    kept = dict(_STATE)
+    try:
+        yield
+    finally:
+        _STATE.update(kept)
 
 
 def _config_being_started() -> Config | None:

@@ -211,7 +211,7 @@ def lossless_process_hf_dataset(dataset, **kwargs):
     """
     from xtuner.dataset.huggingface import process_hf_dataset
 
-    from .compat import xtuner_pack_step
+    from xtuner_rope.compat import xtuner_pack_step
 
     with xtuner_pack_step(pack_dataset):
         return process_hf_dataset(dataset, **kwargs)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
 from xtuner_rope.doctor import check_measure as cm
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge

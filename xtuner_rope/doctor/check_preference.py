@@ -18,14 +18,14 @@ import torch
 from mmengine import MessageHub
 from mmengine.config import Config
 
+from xtuner_rope.config.preference import PREFERENCE_MODELS
+from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
 from xtuner_rope.doctor.preference_capture import (
     PreferenceCaptureHook,
     capture_file,
     compare_preference_capture,
 )
 from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from xtuner_rope.preference import PREFERENCE_MODELS
-from xtuner_rope.startup import MODEL_RESOURCE_EDIT, type_name
 
 # fp32, relative to max(1, |value|): sums of ~100 log-probs differ by rounding only.
 TOLERANCE = 1e-5

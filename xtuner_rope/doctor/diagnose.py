@@ -9,11 +9,13 @@ fail or be silently wrong. Output files and the printed summary: :mod:`xtuner_ro
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 from mmengine.config import Config
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
+from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
@@ -28,7 +30,6 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
-from xtuner_rope.overrides import recheck_config
 
 DEFAULT_BATCHES = 200
 
@@ -59,13 +60,8 @@ def start_config(cfg: Config) -> None:
     """
     from xtuner.tools.utils import set_model_resource
 
-    state = dict(startup._STATE)
-    try:
+    with startup.state_kept(), contextlib.suppress(startup.ConfigConflict):
         set_model_resource(cfg)
-    except startup.ConfigConflict:
-        pass
-    finally:
-        startup._STATE.update(state)
 
 
 def start_like_xtuner_train(path: str, cfg_options: dict | None = None

@@ -164,7 +164,7 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
-    from xtuner_rope.checkpoint import load_checkpoint
+    from xtuner_rope.compat.checkpoint import load_checkpoint
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get('weights')

@@ -13,83 +13,25 @@ from mmengine import MessageHub
 from mmengine.dist import get_rank
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
-from torch import nn
 
+from xtuner_rope import compat
 from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
+from xtuner_rope.config.overrides import recheck_started_config
+from xtuner_rope.config.startup import packing_source, require_prepared
+from xtuner_rope.models.dispatch import (
+    VALIDATED_ROTARIES,
+    isolates_documents,
+    language_model,
+    patch_model,
+)
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
 
-from . import compat
-from .models.families import family_of_class
-from .models.hf import (
-    HF_ATTENTION_CLASSES,
-    HF_FAMILIES,
-    fp32_rotation_modules,
-    integration_for,
-    is_patched_hf_attention,
-    patch_hf_model,
-)
-from .models.hf_rope import HFValidatedRotaryEmbedding
-from .models.internlm2 import (
-    INTERNLM2_ATTENTION_CLASSES,
-    internlm2_attention_forward,
-    patch_internlm2_attention,
-)
-from .models.internlm2_rope import ValidatedRotaryEmbedding
-from .models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from .models.sequence_parallel import sequence_parallel_size
-from .overrides import recheck_started_config
-from .startup import packing_source, require_prepared
-
 DATA_BATCH = Optional[Union[dict, tuple, list]]
-
-
-VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
-
-
-def isolates_documents(model: nn.Module) -> bool:
-    """True if ``model`` has attention layers of a supported family, all carrying our patch."""
-    layers = [m for m in model.modules()
-              if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES + HF_ATTENTION_CLASSES]
-    return bool(layers) and all(
-        is_patched_hf_attention(m)
-        or getattr(m.forward, "__func__", None) is internlm2_attention_forward for m in layers)
-
-
-def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
-    """Patch ``model`` with the integration of its family.
-
-    Returns:
-        The number of attention layers patched and the family's name.
-
-    Raises:
-        ValueError: no supported family's attention layer in ``model``.
-    """
-    integration = integration_for(model)
-    if integration == "internlm2":
-        return patch_internlm2_attention(model, max_position=max_position), "InternLM2"
-    if integration == "hf":
-        layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
-        count = patch_hf_model(model, max_position=max_position)
-        for module_name in fp32_rotation_modules(layers):
-            compat.patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
-        # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".
-        return count, family_of_class(type(layers[0]).__name__).attention[0].removesuffix(
-            "Attention")
-    raise ValueError(
-        f"ValidatedRoPEHook: {type(_unwrap(model)).__name__} has no attention layer xtuner-rope "
-        f"can serve. Supported families: InternLM2 / InternLM2.5 (classes "
-        f"{', '.join(INTERNLM2_ATTENTION_CLASSES)}), {HF_FAMILIES} (classes "
-        f"{', '.join(HF_ATTENTION_CLASSES)}). Train this model without xtuner-rope.")
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module holding the HF model: through DDP/DeepSpeed ``.module`` and XTuner's ``.llm``."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(model, "llm", model)
 
 
 class ValidatedRoPEHook(Hook):
@@ -244,7 +186,7 @@ class PackedBatchCheckHook(Hook):
                 "collate with pack=False.")
 
     def _limits(self, runner) -> tuple[int | None, int | None]:
-        config = getattr(_unwrap(runner.model), "config", None)
+        config = getattr(language_model(runner.model), "config", None)
         vocab = self.vocab_size or getattr(config, "vocab_size", None)
         if self.max_position is not None:
             return vocab, self.max_position

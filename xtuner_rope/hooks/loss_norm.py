@@ -33,10 +33,11 @@ import torch
 from mmengine.dist import all_reduce, get_world_size
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
-from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data
+from xtuner_rope.config.startup import Finding, register_findings
+from xtuner_rope.models.dispatch import unwrap_model
 
 # The one setting (top level of the config) and its values.
 LOSS_NORMALIZATION_KEY = "loss_normalization"
@@ -76,11 +77,10 @@ def loss_normalization(cfg: object) -> str:
     return mode
 
 
+@register_findings(order=30)
 def loss_normalization_findings(cfg) -> list:
     """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
     conflict, refused before anything is built."""
-    from xtuner_rope.startup import Finding
-
     mode = cfg._cfg_dict.get(LOSS_NORMALIZATION_KEY, TOKEN)
     if mode in LOSS_NORMALIZATIONS:
         return []
@@ -88,14 +88,6 @@ def loss_normalization_findings(cfg) -> list:
                     f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
                     f'token of a step weighs the same) or "{MICRO_BATCH}" (XTuner\'s '
                     "per-micro-batch mean)")]
-
-
-def _unwrap(model: object) -> object:
-    """The XTuner model under DDP / FSDP (``.module``) or DeepSpeed (wrapper -> engine -> module)."""
-    while is_model_wrapper(model) or type(model).__name__ == "DeepSpeedEngine":
-        inner = model.__dict__.get("model")  # MMDeepSpeedEngineWrapper holds the engine
-        model = inner if inner is not None else model.module
-    return model
 
 
 class TokenWeightedLossHook(Hook):
@@ -119,7 +111,7 @@ class TokenWeightedLossHook(Hook):
 
     def before_train(self, runner) -> None:
         mode = loss_normalization(runner.cfg)
-        model = _unwrap(runner.model)
+        model = unwrap_model(runner.model)
         if mode == MICRO_BATCH:
             print_log(f"xtuner-rope: {OPT_OUT}: each micro-batch's mean loss, averaged over "
                       "accumulation steps and ranks (XTuner's weighting).", logger="current")

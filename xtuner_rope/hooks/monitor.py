@@ -15,14 +15,12 @@ import torch
 from mmengine import MessageHub
 from mmengine.dist import get_rank
 from mmengine.hooks import Hook, LoggerHook
-from torch import nn
 
 from xtuner_rope.batch.record import save_record
 from xtuner_rope.batch.stats import BatchStats, batch_stats
+from xtuner_rope.models.dispatch import isolates_documents, unwrap_model
+from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 from xtuner_rope.ops.packing import cumulative_from_position_ids
-
-from .hooks import isolates_documents
-from .models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
 
@@ -86,13 +84,6 @@ class NonFiniteError(RuntimeError):
     """Training produced a NaN or inf loss or gradient norm; the batch was saved for replay."""
 
 
-def _model_module(model: nn.Module) -> nn.Module:
-    """The MMEngine model inside DDP / DeepSpeed wrappers (``.module``), not XTuner's ``.llm``."""
-    while hasattr(model, 'module') and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 def _optimizers(runner) -> list:
     wrapper = getattr(runner, 'optim_wrapper', None)
     wrappers = getattr(wrapper, 'optim_wrappers', None)
@@ -141,7 +132,7 @@ class NonFiniteTripwireHook(Hook):
 
     def before_train(self, runner) -> None:
         self._runner = runner
-        model = _model_module(runner.model)
+        model = unwrap_model(runner.model)
         self._handles = [model.register_forward_hook(self._collect_losses)]
         self._handles += [opt.register_step_pre_hook(self._before_step)
                           for opt in _optimizers(runner)]
@@ -190,7 +181,7 @@ class NonFiniteTripwireHook(Hook):
         k = runner.iter + 1  # as the log line counts
         work_dir = Path(runner.work_dir)
         weights = work_dir / f'nonfinite_iter{k}_weights.pt'
-        model = _model_module(runner.model)
+        model = unwrap_model(runner.model)
         if self.save_weights:
             torch.save({n: t.detach().cpu() for n, t in model.state_dict().items()}, weights)
         path = save_record(work_dir / f'nonfinite_iter{k}.pt', self._record(
