@@ -11,7 +11,6 @@ from mmengine.config import Config
 from runners import tiny_runner
 from xtuner.dataset.collate_fns import default_collate_fn
 
-from xtuner_rope import hooks as hooks_module
 from xtuner_rope import startup
 from xtuner_rope.batch.sequence_parallel import (
     check_sequence_parallel_rows,
@@ -21,6 +20,7 @@ from xtuner_rope.collate import rope_collate_fn
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary
 from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.hooks import isolation as hooks_module
 from xtuner_rope.startup import ConfigConflict
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from mmengine import MessageHub
-from mmengine.dist import get_rank
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 
@@ -20,13 +18,13 @@ from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import packing_source, require_prepared
+from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import (
     VALIDATED_ROTARIES,
     isolates_documents,
     language_model,
     patch_model,
 )
-from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
@@ -214,15 +212,11 @@ class PackedBatchCheckHook(Hook):
         if not rows:
             return
         flat = flat_cumulative(rows, s)
-        hub = MessageHub.get_instance(VARLEN_HUB)
-        hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat)
-        hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), max_seqlen)
+        channel.publish(flat, max_seqlen)
 
     @staticmethod
     def _reset() -> None:
-        hub = MessageHub.get_instance(VARLEN_HUB)
-        hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), None)
-        hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
+        channel.clear()
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         # Only the train loader's packing is read from the config (startup.packing_source).

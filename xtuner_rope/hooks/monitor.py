@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from mmengine import MessageHub
 from mmengine.dist import get_rank
 from mmengine.hooks import Hook, LoggerHook
 
 from xtuner_rope.batch.record import save_record
 from xtuner_rope.batch.stats import BatchStats, batch_stats
+from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import isolates_documents, unwrap_model
-from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 from xtuner_rope.ops.packing import cumulative_from_position_ids
 
 DATA_BATCH = Optional[Union[dict, tuple, list]]
@@ -203,8 +202,7 @@ class NonFiniteTripwireHook(Hook):
                 if isinstance(t, torch.Tensor)}
         b, s = data['input_ids'].shape
         rows = data.get('position_ids', torch.arange(s).expand(b, s))  # none: one doc per row
-        hub = MessageHub.get_instance(VARLEN_HUB)
-        cumulative = hub.get_info(CUMULATIVE_KEY.format(rank=get_rank()))
+        cumulative, max_seqlen = channel.read()
         bad_grads = []
         if optimizer is not None:
             names = {p: n for n, p in runner.model.named_parameters()}
@@ -218,7 +216,7 @@ class NonFiniteTripwireHook(Hook):
             'stepped': stepped, 'data': data,
             'boundaries': [cumulative_from_position_ids(r) for r in rows],
             'varlen': {'cumulative_len': None if cumulative is None else cumulative.cpu(),
-                       'max_seqlen': hub.get_info(MAX_SEQLEN_KEY.format(rank=get_rank()))},
+                       'max_seqlen': max_seqlen},
             'isolating': isolates_documents(runner.model),
             'nonfinite_grads': bad_grads[:20],
             'config': str(getattr(runner.cfg, 'filename', '') or ''),
