@@ -117,6 +117,20 @@ def test_folders_on_one_floor_do_not_import_each_other():
     assert not across, "\n".join(across)
 
 
+def test_every_import_of_the_package_resolves():
+    """A relative import that a move left pointing at nothing fails here, not at run time."""
+    from xtuner_rope.deprecated import MOVED
+
+    def exists(module: str) -> bool:
+        path = PACKAGE.parent / Path(*module.split("."))
+        return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+    broken = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, _, target, _ in edges()
+              if target.split(".")[0] == "xtuner_rope" and not exists(target)
+              and target not in MOVED]
+    assert not broken, "\n".join(broken)
+
+
 def test_the_package_imports_no_old_module_path():
     from xtuner_rope.deprecated import MOVED
 

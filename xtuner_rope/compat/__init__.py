@@ -697,7 +697,7 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         return False
     import xtuner.model.llava as llava
 
-    from .models.llava import check_expanded_batch, restart_after_expansion
+    from xtuner_rope.models.llava import check_expanded_batch, restart_after_expansion
 
     current = llava.prepare_inputs_labels_for_multimodal
     original = getattr(current, "__wrapped__", current)
