@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -221,3 +222,22 @@ def test_check_packed_batch_at_its_documented_path():
         sys.modules.pop("xtuner_rope.validate", None)
         from xtuner_rope.validate import check_packed_batch as old
     assert old is check_packed_batch
+
+
+def test_the_config_import_activates_the_plugin_even_after_ops_alone():
+    """A config's `from xtuner_rope import enable_xtuner_rope` patches and registers, also in a
+    process that had imported only the (patch-free) math before."""
+    code = (
+        "import sys, xtuner_rope.ops.packing\n"
+        "assert 'mmengine' not in sys.modules\n"
+        "from xtuner_rope import enable_xtuner_rope\n"
+        "from mmengine.registry import FUNCTIONS, HOOKS\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "assert 'internlm2' in CONFIG_MAPPING, 'compat.apply() did not run'\n"
+        "missing = [n for n in ('ValidatedRoPEHook', 'PackedBatchCheckHook', 'PackingMetricsHook',"
+        " 'NonFiniteTripwireHook', 'TokenWeightedLossHook') if HOOKS.get(n) is None]\n"
+        "missing += [n for n in ('rope_collate_fn', 'llava_collate_fn') if FUNCTIONS.get(n) is None]\n"
+        "assert not missing, missing\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
