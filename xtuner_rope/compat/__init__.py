@@ -21,6 +21,19 @@ import torch
 
 _APPLIED: list[str] = []
 
+# Model patches that lived here once and now live with their family in ``models``.
+MOVED_NAMES = {"patch_hf_fp32_rotation": "xtuner_rope.models.hf_rope"}
+
+
+def __getattr__(name: str) -> object:
+    """``compat.<moved name>``: the name from its new module, with a warning naming it."""
+    if name not in MOVED_NAMES:
+        raise AttributeError(f"module 'xtuner_rope.compat' has no attribute {name!r}")
+    new = MOVED_NAMES[name]
+    warnings.warn(f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
+                  f"{new} (`from {new} import {name}`).", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)
+
 
 def _cpu_is_bf16_supported(including_emulation: bool = True) -> bool:
     """Stand-in for ``torch.cuda.is_bf16_supported`` on the ``torch.cpu`` namespace.
@@ -847,17 +860,3 @@ def apply() -> list[str]:
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)
-
-
-# Model patches that lived here once and now live with their family in ``models``.
-MOVED_NAMES = {"patch_hf_fp32_rotation": "xtuner_rope.models.hf_rope"}
-
-
-def __getattr__(name: str) -> object:
-    """``compat.<moved name>``: the name from its new module, with a warning naming it."""
-    if name not in MOVED_NAMES:
-        raise AttributeError(f"module 'xtuner_rope.compat' has no attribute {name!r}")
-    new = MOVED_NAMES[name]
-    warnings.warn(f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
-                  f"{new} (`from {new} import {name}`).", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
