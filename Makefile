@@ -1,10 +1,12 @@
 # The two commands of a fresh machine (run from the repository root):
 #   make demo   install, then fine-tune the tiny InternLM2 on data/ with `xtuner train`
-#   make test   install, then run the test suite
+#   make test   install, then run the test suite (everything: what CI runs)
+#   make test-fast   the unit tests only (no tests/integration, no `slow` runs): a few minutes
+#   make lint   ruff check and ruff format --check
 #   make docs   build the documentation site (docs/, mkdocs.yml) into site/, strict
 #   make gpu-kit   wheels for the GPU machine, in parts (tools/gpu/build_kit.sh); there:
 #                  bash tools/gpu/run_gpu.sh
-.PHONY: setup demo test bench lint docs gpu-kit
+.PHONY: setup demo test test-fast bench lint docs gpu-kit
 
 VENV := $(CURDIR)/.venv
 # `xtuner train` starts `python`/`torchrun` from PATH: the venv must come first.
@@ -22,12 +24,17 @@ demo: setup
 test: setup
 	$(RUN) python -m pytest -q
 
+# Everyday work: no real `xtuner train` / multi-process run (tests/integration, `-m slow`).
+test-fast: setup
+	$(RUN) python -m pytest -q --ignore=tests/integration -m "not slow"
+
 bench: setup
 	$(RUN) python tools/bench/rope.py
 	$(RUN) python tools/bench/packing.py
 
 lint: setup
 	$(RUN) ruff check .
+	$(RUN) ruff format --check .
 
 docs: setup
 	$(RUN) mkdocs build --strict

@@ -4,15 +4,22 @@ import copy
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
-import xtuner_rope  # noqa: F401  (applies compat: Auto registration, CPU patches)
-from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer
-from xtuner_rope.ops.rotate import use_fused_apply
+# Shared helpers (stock_configs, runners, gold ...) live in tests/support: tests in every folder
+# import them by name (`from stock_configs import ...`). Put it first, before any test imports.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+import xtuner_rope  # noqa: E402, F401  (applies compat: Auto registration, CPU patches)
+from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer  # noqa: E402
+from xtuner_rope.ops.rotate import use_fused_apply  # noqa: E402
 
 # Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed
 # derandomized set so a merge is never blocked by a new random draw; HYPOTHESIS_PROFILE=search

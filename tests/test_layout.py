@@ -1,13 +1,26 @@
 """The package's layout is its architecture: imports run downward only, no private imports.
 
-Layers, lowest first: ``ops/`` (torch-only math) <- ``batch/`` <- ``models/`` <- the face (the
-top-level modules users name in configs) <- the tools on top (``cli``, ``doctor/``, ``demo/``,
-the deprecated ``resources``). Every import inside the package, at module level or inside a
-function, is read from the source with ``ast``.
+Floors, lowest first (a module may import its own folder and any lower floor, nothing else):
+
+    0 ops/      family-free math, torch only (importing it patches nothing)
+    1 batch/    what the collate function and the batch hooks share
+    2 models/   one file per family, the family dispatch (models.dispatch)
+    3 compat/   every patch of a third-party gap (the one place that patches)
+    4 data/     collate functions, lossless pack step    | same floor: neither imports
+    4 config/   the start-up, its findings, the re-check | the other
+    5 hooks/    the MMEngine hooks (isolation, monitor, loss)
+    6 demo/     tiny checkpoints, sample data, run-log checks
+    7 doctor/   doctor, check, replay, zoo
+    8 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
+
+Every import inside the package, at module level or inside a function, is read from the
+source with ``ast``. Importing ``xtuner_rope.ops`` must leave MMEngine, transformers and XTuner
+unimported (checked in a fresh interpreter).
 """
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +29,9 @@ import pytest
 import xtuner_rope
 
 PACKAGE = Path(xtuner_rope.__file__).parent
-TOP = {"cli", "resources"}  # top-level modules that sit above the face
-LAYERS = {"ops": 0, "batch": 1, "models": 2, "doctor": 4, "demo": 4}
-FACE = 3
+FLOORS = {"ops": 0, "batch": 1, "models": 2, "compat": 3, "data": 4, "config": 4, "hooks": 5,
+          "demo": 6, "doctor": 7}
+TOP = 8  # the top-level modules: cli, resources, deprecated, __init__
 OPS_MAY_IMPORT = {"torch", "numpy", "flash_attn"}  # kernels; besides the stdlib and ops itself
 
 
@@ -27,13 +40,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer(module: str) -> int:
+def folder(module: str) -> str:
+    """The role folder of ``module`` (``"hooks"``), or ``""`` for a top-level module."""
     parts = module.split(".")
-    if len(parts) == 1:  # the package itself: __init__ re-exports the face
-        return FACE
-    if parts[1] in LAYERS:
-        return LAYERS[parts[1]]
-    return 4 if parts[1] in TOP else FACE
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else ""
+
+
+def layer(module: str) -> int:
+    return FLOORS.get(folder(module), TOP)
 
 
 def imports(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -74,7 +88,10 @@ def edges():
 
 def test_the_package_has_the_role_folders():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert folders == {"ops", "batch", "models", "doctor", "demo"}
+    assert folders == set(FLOORS)
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == {"__init__", "cli", "resources", "deprecated"}, "a new top-level module: " \
+        "put it in the role folder it belongs to (see the floors above)"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -85,11 +102,51 @@ def test_every_module_says_what_it_is(path):
 
 
 def test_imports_run_downward_only():
-    upward = [f"{p.relative_to(PACKAGE)}:{line}: {src} (layer {layer(src)}) imports {target} "
-              f"(layer {layer(target)})"
+    upward = [f"{p.relative_to(PACKAGE)}:{line}: {src} (floor {layer(src)}) imports {target} "
+              f"(floor {layer(target)})"
               for p, line, src, target, _ in edges()
               if target.split(".")[0] == "xtuner_rope" and layer(target) > layer(src)]
     assert not upward, "\n".join(upward)
+
+
+def test_folders_on_one_floor_do_not_import_each_other():
+    across = [f"{p.relative_to(PACKAGE)}:{line}: {src} imports {target}"
+              for p, line, src, target, _ in edges()
+              if target.split(".")[0] == "xtuner_rope" and folder(src) and folder(target)
+              and folder(src) != folder(target) and layer(src) == layer(target) < TOP]
+    assert not across, "\n".join(across)
+
+
+def test_every_import_of_the_package_resolves():
+    """A relative import that a move left pointing at nothing fails here, not at run time."""
+    from xtuner_rope.deprecated import MOVED
+
+    def exists(module: str) -> bool:
+        path = PACKAGE.parent / Path(*module.split("."))
+        return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+    broken = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, _, target, _ in edges()
+              if target.split(".")[0] == "xtuner_rope" and not exists(target)
+              and target not in MOVED]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_package_imports_no_old_module_path():
+    from xtuner_rope.deprecated import MOVED
+
+    old = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, _, target, _ in edges()
+           if target in MOVED]
+    assert not old, "import the new path:\n" + "\n".join(old)
+
+
+def test_importing_ops_patches_nothing():
+    code = ("import sys, xtuner_rope.ops.packing, xtuner_rope.ops.attention, xtuner_rope.ops.rope\n"
+            "loaded = [m for m in ('mmengine', 'transformers', 'xtuner', 'deepspeed', "
+            "'xtuner_rope.compat') if m in sys.modules]\n"
+            "assert not loaded, loaded")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_ops_imports_torch_and_the_standard_library_only():

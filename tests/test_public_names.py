@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ PUBLIC = {
                     "enable_xtuner_rope", "patch_internlm2_attention", "rope_collate_fn"],
     "xtuner_rope.startup": ["ConfigConflict", "Finding", "enable_xtuner_rope", "inspect_config",
                             "is_prepared", "prepare_config", "require_prepared"],
-    "xtuner_rope.hooks": ["PackedBatchCheckHook", "ValidatedRoPEHook"],
+    "xtuner_rope.hooks": ["PackedBatchCheckHook", "ValidatedRoPEHook",
+                          # issue 27: the hooks/ folder holds every hook
+                          "NonFiniteTripwireHook", "PackingMetricsHook", "TokenWeightedLossHook"],
     "xtuner_rope.monitor": ["NonFiniteError", "NonFiniteTripwireHook", "PackingMetricsHook"],
     "xtuner_rope.collate": ["rope_collate_fn", "IGNORE_INDEX", "DEFAULT_PAD_TOKEN_INDEX"],
     "xtuner_rope.collate_llava": ["llava_collate_fn"],
@@ -54,9 +58,37 @@ PUBLIC = {
     "xtuner_rope.demo.runlog": ["check_run", "train_losses"],
     "xtuner_rope.doctor.xtuner_tools": ["XTUNER_TOOLS", "resolved_model_options",
                                         "run_xtuner_tool"],
+    # Before the batch/ops split the README named this module as the public batch check.
+    "xtuner_rope.validate": ["check_packed_batch"],
+    # Issue 27's layout: the role folders' own paths (the old ones above still import).
+    "xtuner_rope.config.startup": ["enable_xtuner_rope", "inspect_config", "register_findings",
+                                   "state_kept"],
+    "xtuner_rope.data.collate": ["rope_collate_fn"],
+    "xtuner_rope.data.collate_llava": ["llava_collate_fn"],
+    "xtuner_rope.models.dispatch": ["isolates_documents", "language_model", "patch_model",
+                                    "unwrap_model"],
     # Earlier READMEs' `model_resource` targets (deprecated, see DEPRECATED).
     "xtuner_rope.resources": ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"],
 }
+# Old paths that moved: importing them warns and names the replacement (issue 27's layout).
+DEPRECATED_MODULES = {
+    "xtuner_rope.startup": "xtuner_rope.config.startup",
+    "xtuner_rope.startup_multimodal": "xtuner_rope.config.multimodal",
+    "xtuner_rope.startup_sequence_parallel": "xtuner_rope.config.sequence_parallel",
+    "xtuner_rope.launch_findings": "xtuner_rope.config.launch",
+    "xtuner_rope.preference": "xtuner_rope.config.preference",
+    "xtuner_rope.overrides": "xtuner_rope.config.overrides",
+    "xtuner_rope.collate": "xtuner_rope.data.collate",
+    "xtuner_rope.collate_llava": "xtuner_rope.data.collate_llava",
+    "xtuner_rope.packed_dataset": "xtuner_rope.data.packed_dataset",
+    "xtuner_rope.monitor": "xtuner_rope.hooks.monitor",
+    "xtuner_rope.loss_norm": "xtuner_rope.hooks.loss_norm",
+    "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
+    "xtuner_rope.validate": "xtuner_rope.batch.checks",
+}
+DEPRECATED_NAMES = [("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),
+                    ("xtuner_rope.hooks", "isolates_documents", "xtuner_rope.models.dispatch"),
+                    ("xtuner_rope.compat", "patch_hf_fp32_rotation", "xtuner_rope.models.hf_rope")]
 # Commands and scripts the README (today's or earlier) tells users to run.
 COMMANDS = ["doctor", "convert", "chat"]
 TOOLS = ["tools/check_run.py", "tools/replay_batch.py", "tools/make_sample_data.py",
@@ -159,3 +191,55 @@ def test_tiny_internlm2_is_a_warning_alias(tmp_path):
     with pytest.warns(FutureWarning, match=r"tiny_internlm2 is deprecated.*\n.*"
                       r"from xtuner_rope.demo.resources import tiny_checkpoint"):
         assert tiny_internlm2(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.parametrize("old", sorted(DEPRECATED_MODULES))
+def test_an_old_module_path_is_the_new_module_with_a_warning(old, monkeypatch):
+    new = importlib.import_module(DEPRECATED_MODULES[old])
+    monkeypatch.delitem(sys.modules, old, raising=False)  # warn again even if imported before
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} is deprecated: it moved to "
+                      rf"{re.escape(DEPRECATED_MODULES[old])}"):
+        moved = importlib.import_module(old)
+    assert moved is new  # one module object: its state (e.g. the start-up's) is shared
+
+
+@pytest.mark.parametrize(("module", "name", "new"), DEPRECATED_NAMES)
+def test_an_old_name_warns_and_is_the_new_one(module, name, new):
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(module)}\.{name} is deprecated.*"
+                      rf"{re.escape(new)}"):
+        value = getattr(importlib.import_module(module), name)
+    assert value is getattr(importlib.import_module(new), name)
+
+
+def test_the_table_of_old_paths_is_the_packages():
+    from xtuner_rope.deprecated import MOVED
+
+    assert MOVED == DEPRECATED_MODULES
+
+
+def test_check_packed_batch_at_its_documented_path():
+    from xtuner_rope.batch.checks import check_packed_batch
+
+    with pytest.warns(DeprecationWarning):
+        sys.modules.pop("xtuner_rope.validate", None)
+        from xtuner_rope.validate import check_packed_batch as old
+    assert old is check_packed_batch
+
+
+def test_the_config_import_activates_the_plugin_even_after_ops_alone():
+    """A config's `from xtuner_rope import enable_xtuner_rope` patches and registers, also in a
+    process that had imported only the (patch-free) math before."""
+    code = (
+        "import sys, xtuner_rope.ops.packing\n"
+        "assert 'mmengine' not in sys.modules\n"
+        "from xtuner_rope import enable_xtuner_rope\n"
+        "from mmengine.registry import FUNCTIONS, HOOKS\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "assert 'internlm2' in CONFIG_MAPPING, 'compat.apply() did not run'\n"
+        "missing = [n for n in ('ValidatedRoPEHook', 'PackedBatchCheckHook', 'PackingMetricsHook',"
+        " 'NonFiniteTripwireHook', 'TokenWeightedLossHook') if HOOKS.get(n) is None]\n"
+        "missing += [n for n in ('rope_collate_fn', 'llava_collate_fn') if FUNCTIONS.get(n) is None]\n"
+        "assert not missing, missing\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,47 +1,97 @@
 """xtuner-rope: correct, crash-free RoPE and packed short-dialogue SFT for XTuner 0.x.
 
 Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)`` (see
-``xtuner_rope.startup``). Importing the package applies the third-party patches of ``xtuner_rope.compat`` (each only
-where its gap exists) and registers the hooks in MMEngine's ``HOOKS`` and the collate
-function in MMEngine's ``FUNCTIONS``, so configs can name them by string as well as by object.
+``xtuner_rope.config.startup``). This module is the public API: the names of ``__all__``.
+
+Activation: ``import xtuner_rope`` (and importing any module of the face: ``config``, ``data``,
+``hooks``, ``compat``, ``doctor``, ``cli`` ..., or reading a public name such as
+``from xtuner_rope import enable_xtuner_rope``) applies the third-party patches of
+``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
+``HOOKS`` and the collate functions in ``FUNCTIONS``, so configs can name them by string as
+well as by object. Importing the family-free math alone (``import xtuner_rope.ops.packing``)
+activates nothing: no MMEngine, transformers or XTuner import, no patch.
 """
 
-from mmengine.registry import FUNCTIONS, HOOKS
+from __future__ import annotations
 
-from . import compat
+import importlib
+import sys
 
-compat.apply()
+from . import deprecated
 
-from xtuner_rope.ops.rope import apply_rotary_pos_emb  # noqa: E402
-
-from .collate import rope_collate_fn  # noqa: E402
-from .collate_llava import llava_collate_fn  # noqa: E402
-from .hooks import PackedBatchCheckHook, ValidatedRoPEHook  # noqa: E402
-from .loss_norm import TokenWeightedLossHook  # noqa: E402
-from .models.internlm2 import patch_internlm2_attention  # noqa: E402
-from .models.internlm2_rope import ValidatedRotaryEmbedding  # noqa: E402
-from .monitor import NonFiniteTripwireHook, PackingMetricsHook  # noqa: E402
-from .startup import enable_xtuner_rope  # noqa: E402
-
-HOOKS.register_module(module=ValidatedRoPEHook, force=True)
-HOOKS.register_module(module=PackedBatchCheckHook, force=True)
-for _hook in (PackingMetricsHook, NonFiniteTripwireHook):
-    HOOKS.register_module(module=_hook, force=True)
-HOOKS.register_module(module=TokenWeightedLossHook, force=True)
-FUNCTIONS.register_module(module=rope_collate_fn, force=True)
-FUNCTIONS.register_module(module=llava_collate_fn, force=True)
+deprecated.install()
 
 __version__ = "0.1.0"
-__all__ = [
-    "NonFiniteTripwireHook",
-    "PackedBatchCheckHook",
-    "PackingMetricsHook",
-    "TokenWeightedLossHook",
-    "ValidatedRoPEHook",
-    "ValidatedRotaryEmbedding",
-    "apply_rotary_pos_emb",
-    "enable_xtuner_rope",
-    "patch_internlm2_attention",
-    "rope_collate_fn",
-    "llava_collate_fn",
-]
+# Public name -> the module that defines it (imported on first use, see `activate`).
+PUBLIC_API = {
+    "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
+    "PackedBatchCheckHook": "xtuner_rope.hooks.isolation",
+    "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+    "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
+    "ValidatedRoPEHook": "xtuner_rope.hooks.isolation",
+    "ValidatedRotaryEmbedding": "xtuner_rope.models.internlm2_rope",
+    "apply_rotary_pos_emb": "xtuner_rope.ops.rope",
+    "enable_xtuner_rope": "xtuner_rope.config.startup",
+    "patch_internlm2_attention": "xtuner_rope.models.internlm2",
+    "rope_collate_fn": "xtuner_rope.data.collate",
+    "llava_collate_fn": "xtuner_rope.data.collate_llava",
+}
+__all__ = sorted(PUBLIC_API)
+# Where the plugin's findings functions live: importing them registers them with the start-up.
+FINDINGS_MODULES = ("xtuner_rope.config.multimodal", "xtuner_rope.config.launch",
+                    "xtuner_rope.config.sequence_parallel", "xtuner_rope.config.preference",
+                    "xtuner_rope.hooks.loss_norm")
+FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
+_activated = False
+
+
+def activate() -> None:
+    """Apply the compat patches, register hooks/collate and the findings (idempotent)."""
+    global _activated
+    if _activated:
+        return
+    _activated = True
+    from mmengine.registry import FUNCTIONS, HOOKS
+
+    from . import compat
+
+    compat.apply()
+    for module in FINDINGS_MODULES:
+        importlib.import_module(module)
+    for name, module in PUBLIC_API.items():
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        if name.endswith("Hook"):
+            HOOKS.register_module(module=value, force=True)
+        elif name.endswith("_collate_fn"):
+            FUNCTIONS.register_module(module=value, force=True)
+
+
+def __getattr__(name: str) -> object:
+    """A public name read before activation (``from xtuner_rope import X``): activate first."""
+    if name in PUBLIC_API:
+        activate()
+        return globals()[name]
+    raise AttributeError(f"module 'xtuner_rope' has no attribute {name!r}")
+
+
+def requested_module() -> str:
+    """The module the running import statement asked for: ``xtuner_rope`` or a submodule.
+
+    Python imports a package before its submodules, so ``import xtuner_rope.ops.packing`` runs
+    this file first. The name asked for is the one of the outermost ``_find_and_load`` frame of
+    importlib's bootstrap (the frames of the running import); outside an import, this package.
+    """
+    frame, asked = sys._getframe(1), __name__
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") and code.co_name == "_find_and_load":
+            asked = frame.f_locals.get("name", asked)
+        elif asked != __name__ and not code.co_filename.startswith("<frozen importlib"):
+            break  # the statement that started this import
+        frame = frame.f_back
+    return asked
+
+
+if not requested_module().startswith(FAMILY_FREE):
+    activate()

@@ -62,7 +62,7 @@ def _check(args) -> int:
     from xtuner_rope.doctor.check import run_check
     from xtuner_rope.doctor.check_report import format_summary, write_report
 
-    from .startup import ConfigConflict
+    from .config.startup import ConfigConflict
 
     out = Path(args.out or Path("work_dirs") / "check" / Path(args.config).stem)
     try:

@@ -21,7 +21,7 @@ import warnings
 
 from mmengine.logging import print_log
 
-from .startup import enable_xtuner_rope
+from .config.startup import enable_xtuner_rope
 
 # old name -> the edit that replaces it.
 REPLACEMENTS = {

@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.collate_llava import llava_collate_fn
+from xtuner_rope.data.collate_llava import llava_collate_fn
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny_clip import save_tiny_clip

@@ -27,10 +27,10 @@ from packing import (  # tools/bench/packing.py, next to this file
 )
 from tqdm import tqdm
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.tiny import build_tiny_internlm2
 from xtuner_rope.hooks import PackedBatchCheckHook
-from xtuner_rope.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
 from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
 # The recipe's PART 1 settings.

@@ -30,11 +30,11 @@ from packing import (  # tools/bench/packing.py, next to this file
 )
 from tqdm import tqdm
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.tiny import build_tiny_internlm2
 from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.models.internlm2 import patch_internlm2_attention
-from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
 
 # The recipe's PART 1 settings.
 MAX_LENGTH, PAD_TO_MULTIPLE_OF, BATCH_SIZE = 512, 64, 16

@@ -58,7 +58,7 @@ def run_one(which: str, folder: str, num_proc: int) -> dict:
     from datasets import Dataset
     from xtuner.dataset.huggingface import pack_dataset as xtuner_pack
 
-    from xtuner_rope.packed_dataset import pack_dataset as ours_pack
+    from xtuner_rope.data.packed_dataset import pack_dataset as ours_pack
 
     dataset = Dataset.from_file(folder)  # memory-mapped, as XTuner's tokenized cache
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

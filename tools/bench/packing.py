@@ -32,10 +32,11 @@ import types
 import torch
 from tqdm import tqdm
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny import build_tiny
-from xtuner_rope.hooks import PackedBatchCheckHook, patch_model
+from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.models.dispatch import patch_model
 
 SHARE_SWEEP = (8, 16, 24, 32, 64, 128, 256, 600)  # packed share for these batch sizes too
 

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import packing as cpu_bench  # noqa: E402 - tools/bench/packing.py, this script's sibling
 
 from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS  # noqa: E402
-from xtuner_rope.hooks import PackedBatchCheckHook, patch_model  # noqa: E402
+from xtuner_rope.hooks import PackedBatchCheckHook  # noqa: E402
+from xtuner_rope.models.dispatch import patch_model  # noqa: E402
 from xtuner_rope.ops.attention import packed_backend  # noqa: E402
 
 SHAPES = {

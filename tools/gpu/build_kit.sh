@@ -5,7 +5,7 @@
 # its own (64 MiB per call). Then, on the GPU machine: bash tools/gpu/run_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# PYVER=3.11 KIT=gpu_kit_py311 builds the same kit for another Python (tests/test_gpu_kit.py).
+# PYVER=3.11 KIT=gpu_kit_py311 builds the same kit for another Python (tests/integration/test_gpu_kit.py).
 PYVER=${PYVER:-3.12}
 if [ -z "${PY:-}" ]; then  # a working Python $PYVER (it builds DeepSpeed's wheel)
     for cand in python$PYVER /root/.pyenv/versions/$PYVER*/bin/python; do

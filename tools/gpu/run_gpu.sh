@@ -7,7 +7,7 @@
 # one part per call if need be: they stay on a warm machine). Installs the kit into a
 # virtualenv over the machine's own torch (--system-site-packages, --no-index), then runs, each
 # step under its own time limit (about 9 minutes in all):
-#   1. pytest: tests/test_gpu.py (the real varlen kernel against the reference, the gold tests
+#   1. pytest: tests/integration/test_gpu.py (the real varlen kernel against the reference, the gold tests
 #      on CUDA in bf16 and fp16 for each packed backend, the seed failures), the CPU varlen glue
 #      tests, and the CUDA tests of test_rope.py / test_attention.py;
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
@@ -89,8 +89,8 @@ step preflight 120 preflight || exit 98
 { cat "$steps/preflight.log"; nvidia-smi 2>&1 | head -15; } > "$OUT/env.txt"
 
 step pytest 300 python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
-    -k "gpu or cuda or varlen" tests/test_gpu.py tests/test_attention_varlen.py \
-    tests/test_rope.py tests/test_attention.py
+    -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
+    tests/ops/test_rope.py tests/ops/test_attention.py
 
 if xtuner-rope check --help > /dev/null 2>&1; then
     dtype=$(xtuner-rope check --help | grep -q -- --dtype && echo "--dtype bfloat16")

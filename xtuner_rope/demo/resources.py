@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..startup import prepare_started_config
+from ..config.startup import prepare_started_config
 
 __all__ = ["tiny_checkpoint", "tiny_llava"]
 

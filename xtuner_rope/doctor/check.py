@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
+from xtuner_rope.config.as_xtuner_train import start_file
 from xtuner_rope.doctor import check_measure as cm
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
@@ -48,14 +49,7 @@ def start_config(path: str, cfg_options: dict | None = None) -> Config:
     Raises:
         ConfigConflict: the plugin's start-up refuses a setting (message names the edit).
     """
-    from xtuner.tools.utils import set_model_resource
-
-    cfg = Config.fromfile(path)
-    if cfg.get("model_resource"):
-        set_model_resource(cfg)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    return cfg
+    return start_file(path, cfg_options)
 
 
 def build_runner(cfg: Config, work_dir: Path):

@@ -22,15 +22,9 @@ from mmengine.logging import print_log
 from torch import nn
 
 from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.models.dispatch import language_model
 
 CAPTURE_FILE = "isolation_capture.pt"
-
-
-def _llm(model: nn.Module) -> nn.Module:
-    """The HF model inside DDP/DeepSpeed wrappers and XTuner's ``SupervisedFinetune``."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(model, "llm", model)
 
 
 def _copy(value: object) -> object:
@@ -68,7 +62,7 @@ class IsolationCaptureHook(Hook):
         if runner.iter != 0 or not isinstance(data_batch, dict):
             return
         self._data = {k: _copy(v) for k, v in data_batch["data"].items()}
-        self._handle = _llm(runner.model).register_forward_hook(self._collect)
+        self._handle = language_model(runner.model).register_forward_hook(self._collect)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         if self._handle is None:

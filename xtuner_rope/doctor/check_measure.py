@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mmengine import MessageHub
-from mmengine.dist import get_rank
 
 from xtuner_rope.batch.checks import row_boundaries
-from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.models import channel
 from xtuner_rope.ops.packing import cumulative_from_position_ids
 
 IGNORE_INDEX = -100
@@ -134,9 +132,7 @@ def documents_alone(llm, data: dict, docs: list[Doc], n_labels: int,
 
 def reset_boundaries() -> None:
     """Clear the boundaries a hook published (what the hooks' ``after_train_iter`` do)."""
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), None)
-    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), None)
+    channel.clear()
 
 
 def packed_forward(runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[str, ...],

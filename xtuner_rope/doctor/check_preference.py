@@ -15,17 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mmengine import MessageHub
 from mmengine.config import Config
 
+from xtuner_rope.config.preference import PREFERENCE_MODELS
+from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
 from xtuner_rope.doctor.preference_capture import (
     PreferenceCaptureHook,
     capture_file,
     compare_preference_capture,
 )
-from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
-from xtuner_rope.preference import PREFERENCE_MODELS
-from xtuner_rope.startup import MODEL_RESOURCE_EDIT, type_name
+from xtuner_rope.models import channel
 
 # fp32, relative to max(1, |value|): sums of ~100 log-probs differ by rounding only.
 TOLERANCE = 1e-5
@@ -40,9 +39,7 @@ def is_preference_config(cfg: Config) -> bool:
 
 def _publish_without_plugin(data: dict) -> None:
     """What XTuner's ``VarlenAttnArgsToMessageHubHook`` does, for a config without the plugin."""
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    hub.update_info(CUMULATIVE_KEY.format(rank=0), data.pop("cumulative_len")[0])
-    hub.update_info(MAX_SEQLEN_KEY.format(rank=0), data.pop("max_seqlen", None))
+    channel.publish(data.pop("cumulative_len")[0], data.pop("max_seqlen", None), rank=0)
 
 
 def _training_forward(runner, hooks: dict, work_dir: Path) -> Path:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT
 from xtuner_rope.doctor.check_randomness import describe
-from xtuner_rope.startup import MODEL_RESOURCE_EDIT
 
 TOLERANCES = {  # relative, see the module docstring
     "float32": {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4},

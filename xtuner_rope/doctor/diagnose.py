@@ -13,7 +13,9 @@ from functools import partial
 
 from mmengine.config import Config
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
+from xtuner_rope.config.as_xtuner_train import start
+from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
@@ -28,7 +30,6 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
-from xtuner_rope.overrides import recheck_config
 
 DEFAULT_BATCHES = 200
 
@@ -57,15 +58,7 @@ def start_config(cfg: Config) -> None:
     :func:`xtuner_rope.startup.inspect_config`, and the data are checked all the same. The
     process is left as not prepared: the doctor looks, it does not start a run.
     """
-    from xtuner.tools.utils import set_model_resource
-
-    state = dict(startup._STATE)
-    try:
-        set_model_resource(cfg)
-    except startup.ConfigConflict:
-        pass
-    finally:
-        startup._STATE.update(state)
+    start(cfg, look_only=True)
 
 
 def start_like_xtuner_train(path: str, cfg_options: dict | None = None
@@ -86,10 +79,7 @@ def start_like_xtuner_train(path: str, cfg_options: dict | None = None
     cfg = Config.fromfile(path)
     resource = plugin_resource(cfg)
     findings = startup.inspect_config(cfg)  # before the start-up changes anything
-    if cfg.get("model_resource"):
-        start_config(cfg)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
+    start(cfg, cfg_options, look_only=True)
     if resource is None:
         return cfg, startup.inspect_config(cfg), resource
     if any(f.fix is None for f in findings):  # the start-up refuses: training stops there

@@ -35,8 +35,8 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     from xtuner.dataset.huggingface import process_hf_dataset
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.packed_dataset import pack_dataset as lossless_pack_dataset
-    from xtuner_rope.startup import type_name
+    from xtuner_rope.config.startup import type_name
+    from xtuner_rope.data.packed_dataset import pack_dataset as lossless_pack_dataset
 
     if seed is not None:
         set_random_seed(seed)

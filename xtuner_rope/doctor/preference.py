@@ -15,8 +15,8 @@ import copy
 
 from mmengine.config import Config
 
+from xtuner_rope.config.preference import preference_dataset
 from xtuner_rope.doctor.stats import length_percentiles
-from xtuner_rope.preference import preference_dataset
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

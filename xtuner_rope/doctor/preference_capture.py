@@ -24,6 +24,7 @@ from mmengine.logging import print_log
 from torch import nn
 
 from xtuner_rope.doctor.check_capture import reference_llm
+from xtuner_rope.models.dispatch import unwrap_model
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
 IGNORE = -100
@@ -33,13 +34,6 @@ def capture_file(rank: int = 0, world_size: int = 1) -> str:
     """The capture's file name: one per rank when several processes train."""
     return (PREFERENCE_CAPTURE_FILE if world_size == 1
             else PREFERENCE_CAPTURE_FILE.replace(".pt", f"_rank{rank}.pt"))
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """XTuner's DPO / ORPO / RewardModel inside DDP or DeepSpeed wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 def model_kind(model: nn.Module) -> str:
@@ -103,7 +97,7 @@ class PreferenceCaptureHook(Hook):
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if runner.iter != self.at_iter or not isinstance(data_batch, dict):
             return
-        model = _unwrap(runner.model)
+        model = unwrap_model(runner.model)
         kind = model_kind(model)
         data = {k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                 for k, v in data_batch["data"].items()}

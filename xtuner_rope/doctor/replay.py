@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from mmengine import MessageHub
 from torch import nn
 
 from xtuner_rope.batch.record import load_record, save_record
 from xtuner_rope.batch.stats import segment_ids
-from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+from xtuner_rope.models import channel
 
 __all__ = ['Finding', 'build_run_model', 'load_record', 'replay', 'save_record']
 
@@ -121,12 +120,10 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     """
     device = next(model.parameters()).device
     data = {k: v.to(device) for k, v in record['data'].items()}
-    hub = MessageHub.get_instance(VARLEN_HUB)
     varlen = record.get('varlen') or {}
     cumulative = varlen.get('cumulative_len')
-    hub.update_info(CUMULATIVE_KEY.format(rank=0), None if cumulative is None
-                    else cumulative.to(device))
-    hub.update_info(MAX_SEQLEN_KEY.format(rank=0), varlen.get('max_seqlen'))
+    channel.publish(None if cumulative is None else cumulative.to(device),
+                    varlen.get('max_seqlen'), rank=0)
     found: list[Finding] = []
     handles = _watch(model, record['data'], found)
     try:
@@ -141,8 +138,7 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     finally:
         for handle in handles:
             handle.remove()
-        hub.update_info(CUMULATIVE_KEY.format(rank=0), None)
-        hub.update_info(MAX_SEQLEN_KEY.format(rank=0), None)
+        channel.clear(rank=0)
     return found[0] if found else None
 
 
@@ -164,7 +160,7 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
-    from xtuner_rope.checkpoint import load_checkpoint
+    from xtuner_rope.compat.checkpoint import load_checkpoint
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get('weights')

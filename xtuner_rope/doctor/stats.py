@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from xtuner_rope.collate import IGNORE_INDEX
+from xtuner_rope.data.collate import IGNORE_INDEX
 
 FIRST_INDICES = 10  # how many offending indices a report lists per kind
 PERCENTILES = (0, 50, 90, 99, 100)

@@ -107,7 +107,9 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
     Raises:
         KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
     """
-    import xtuner_rope  # noqa: F401  (applies the compat patches before XTuner imports)
+    from xtuner_rope import compat
+
+    compat.apply()  # idempotent: the patches are in place before XTuner's tool imports
 
     module = XTUNER_TOOLS[command]
     if command == ("convert", "pth_to_hf") and "-h" not in argv and "--help" not in argv:

@@ -14,7 +14,10 @@ them per call; Cohere's interleaved layout is an ``interleaved=True`` flag.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import sys
 
 import torch
 from torch import nn
@@ -209,3 +212,46 @@ class HFValidatedRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, "
                 f"attention_scaling={self.attention_scaling}, limit={self.limit()[0]}")
+
+
+def patch_hf_fp32_rotation(module_name: str) -> bool:
+    """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
+
+    transformers 4.48 Llama / Qwen2 / Mistral (``modeling_<family>.apply_rotary_pos_emb``)
+    compute ``q * cos + rotate_half(q) * sin`` in the dtype of its inputs, and the upstream
+    rotary hands it cos/sin rounded to the activation dtype (bf16: 8 bits of mantissa). The
+    validated rotary (``models.hf_rope``) returns fp32 cos/sin instead; left alone, type
+    promotion would then make q and k fp32 (symptom: fp32 keys in the KV cache, SDPA refusing
+    mixed dtypes, ``StaticCache.update`` failing on ``index_copy_``). The wrapper rotates in
+    fp32 with ``rope.apply_rotary_pos_emb`` and returns q's dtype when cos is fp32 and q is not;
+    every other call (unpatched models hand cos in q's dtype, fp32 models) goes to the original
+    unchanged. It is rebound wherever the original is bound by name (XTuner 0.2.0's
+    ``dispatch/llama.py`` etc. import it). A model patch, so it lives with its family (``models``), not in
+    ``compat``: ``models.dispatch.patch_model`` calls it for the families it patches.
+
+    Args:
+        module_name: The family's modeling module, e.g.
+            ``"transformers.models.llama.modeling_llama"`` (imported if needed).
+
+    Returns:
+        True if the wrapper was installed now, False if it already was.
+    """
+    module = importlib.import_module(module_name)
+    original = module.apply_rotary_pos_emb
+    if getattr(original, "_xtuner_rope_fp32", False):
+        return False
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        if cos.dtype == torch.float32 and q.dtype != torch.float32:
+            from xtuner_rope.ops.rope import apply_rotary_pos_emb as fp32_apply
+
+            return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return original(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+    apply_rotary_pos_emb._xtuner_rope_fp32 = True
+    for loaded in list(sys.modules.values()):
+        namespace = getattr(loaded, "__dict__", None)
+        if namespace is not None and namespace.get("apply_rotary_pos_emb") is original:
+            loaded.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return True

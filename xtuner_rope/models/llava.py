@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from mmengine import MessageHub
-from mmengine.dist import get_rank
 
 from xtuner_rope.batch.image_packing import expand_row_boundaries
 from xtuner_rope.ops.packing import (
@@ -25,7 +23,8 @@ from xtuner_rope.ops.packing import (
     segment_starts_from_cumulative,
 )
 
-from .runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, hub_cumulative_len
+from . import channel
+from .runtime import hub_cumulative_len
 
 IGNORE_INDEX = -100
 
@@ -124,7 +123,5 @@ def restart_after_expansion(out: dict, input_ids: torch.Tensor, attention_mask: 
         cus.append(cumulative_from_lengths(lengths + ([s_out - n] if n < s_out else [])))
     device = out["inputs_embeds"].device
     positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat_cumulative(cus, s_out))
-    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), int(positions.max()) + 1)
+    channel.publish(flat_cumulative(cus, s_out), int(positions.max()) + 1)
     return {**out, "position_ids": positions.to(device)}

@@ -10,19 +10,15 @@ got.
 from __future__ import annotations
 
 import torch
-from mmengine import MessageHub
-from mmengine.dist import get_rank
 from mmengine.logging import print_log
 
 from xtuner_rope.ops.attention import DocumentPlan, document_plan, packed_backend
 
+from . import channel
+from .channel import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
+
 __all__ = ["CUMULATIVE_KEY", "MAX_SEQLEN_KEY", "VARLEN_HUB", "batch_document_plan",
            "choose_backend", "chosen_backends", "hub_cumulative_len"]
-
-# MessageHub instance and key prefixes of XTuner's varlen convention.
-VARLEN_HUB = "varlen_attn_args"
-CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
-MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
 
 _LOGGED: set = set()
 # Backends chosen since the last ``chosen_backends(reset=True)``: what ``check`` reports.
@@ -35,10 +31,7 @@ def hub_cumulative_len() -> object:
     Returns:
         What the hub holds (checked against the batch by ``document_plan``), or None.
     """
-    if not MessageHub.check_instance_created(VARLEN_HUB):
-        return None
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    return hub.get_info(CUMULATIVE_KEY.format(rank=get_rank()))
+    return channel.read()[0]
 
 
 def batch_document_plan(position_ids: torch.Tensor | None, b: int, s: int,

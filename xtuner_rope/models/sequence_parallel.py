@@ -31,15 +31,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from mmengine import MessageHub
-from mmengine.dist import get_rank
 from torch import nn
 
 from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.attention import document_plan, packed_attention
 from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 
-from .runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB, choose_backend, hub_cumulative_len
+from . import channel
+from .channel import VARLEN_HUB
+from .runtime import choose_backend, hub_cumulative_len
 
 __all__ = ["full_row_plan", "sequence_parallel_active", "sequence_parallel_attention", "sequence_parallel_loss",
            "sequence_parallel_size", "shard_rows"]
@@ -175,9 +175,7 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad
     flat = flat_cumulative(rows, s_full)
-    hub = MessageHub.get_instance(VARLEN_HUB)
-    hub.update_info(CUMULATIVE_KEY.format(rank=get_rank()), flat.to(data["input_ids"].device))
-    hub.update_info(MAX_SEQLEN_KEY.format(rank=get_rank()), int((flat[1:] - flat[:-1]).max()))
+    channel.publish(flat.to(data["input_ids"].device), int((flat[1:] - flat[:-1]).max()))
     labels = data["labels"]
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     positions = data.get("position_ids")

@@ -1,0 +1,94 @@
+"""The zoo sweep (``tools/zoo.py``): the real sweep on a fixed sample, and its edits.
+
+The sample: XTuner's stock InternLM2 QLoRA config (trains isolated on the tiny checkpoint, LoRA
+without 4-bit, packed) and the stock Cohere config (sequence parallel over 32 ranks: refused by
+the start-up before its checkpoint is looked up). Both must be predicted by the doctor.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import stock_configs as sc
+
+from xtuner_rope.doctor import zoo
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = {"internlm2_chat_1_8b_qlora_alpaca_e3": zoo.TRAINED,
+          "cohere_100b_128k_sp32": zoo.REFUSED}
+
+
+@pytest.mark.slow
+def test_sweep_of_the_fixed_sample(tmp_path):
+    sc.ensure_tiny_model()
+    results = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "zoo.py"), *SAMPLE, "--jobs", "2", "--out",
+         str(tmp_path / "zoo"), "--results", str(results), "--markdown",
+         str(tmp_path / "zoo.md"), "--models", str(REPO / "models")],
+        cwd=REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=900)
+    rows = json.loads(results.read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, outcome in SAMPLE.items():
+        assert rows[name]["outcome"] == outcome, rows[name]
+        assert rows[name]["predicted"] is True, rows[name]
+    trained = rows["internlm2_chat_1_8b_qlora_alpaca_e3"]
+    assert trained["documents"] > 1 and trained["relative"] <= zoo.ISOLATION_TOLERANCE
+    assert trained["mode"] == {"tuning": "qlora", "packing": "packed", "kind": "sft"}
+    assert "sequence_parallel_size: 32" in rows["cohere_100b_128k_sp32"]["message"]
+    assert "1/2" in proc.stdout and "2/2" in proc.stdout  # the progress bar
+    table = (tmp_path / "zoo.md").read_text()
+    assert "| internlm2_chat_1_8b_qlora_alpaca_e3 | internlm2 | sft/qlora/packed | " \
+           "trained isolated |" in table
+    assert "Counts: trained isolated 1, refused before loading 1" in table
+    # Resumable: nothing is left to run; nothing failed.
+    for only in ("missing", "failed"):
+        assert zoo.select(list(SAMPLE), rows, only) == []
+
+
+def test_select_resumes_and_reruns_failed():
+    rows = {"a": {"outcome": zoo.TRAINED, "predicted": True},
+            "b": {"outcome": zoo.CRASHED, "predicted": True},
+            "c": {"outcome": zoo.REFUSED, "predicted": False},
+            "d": {"outcome": zoo.LACKS, "predicted": None}}
+    assert zoo.select(["a", "b", "c", "d", "e"], rows, "missing") == ["e"]
+    assert zoo.select(["a", "b", "c", "d", "e"], rows, "failed") == ["b", "c"]
+    with pytest.raises(ValueError, match=r"only='x': expected one of missing, failed, all"):
+        zoo.select([], rows, "x")
+
+
+def test_patterns_keep_their_order_and_family():
+    names = zoo.list_configs(["zephyr_7b_beta_qlora_alpaca_e3", "internlm2_chat_1_8b_*"])
+    assert names[0] == "zephyr_7b_beta_qlora_alpaca_e3" and len(names) > 5
+    assert zoo.family_of("zephyr_7b_beta_qlora_alpaca_e3") == "mistral"
+    assert zoo.family_of("internlm2_5_chat_7b_qlora_alpaca_e3") == "internlm2"
+    assert zoo.family_of("qwen1_5_0_5b_chat_qlora_alpaca_e3") == "qwen2"
+
+
+def test_localize_makes_the_cpu_edits(tmp_path):
+    from xtuner.configs import cfgs_name_path  # the file `xtuner copy-cfg` copies
+
+    stock = Path(cfgs_name_path["llama2_7b_chat_qlora_alpaca_e3"]).read_text()
+    text = zoo.enable_plugin(zoo.localize(stock, tmp_path / "m", tmp_path / "d"))
+    assert f'pretrained_model_name_or_path = "{tmp_path / "m"}"\nfrom xtuner_rope import ' \
+           "enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n" in text
+    assert f'alpaca_en_path = "{tmp_path / "d"}"' in text
+    assert "quantization_config" not in text and "AmpOptimWrapper" not in text
+    assert "type=OptimWrapper," in text and "max_length = 512" in text
+    compile(zoo.with_capture(text), "config", "exec")
+    gemma = Path(cfgs_name_path["gemma_2b_qlora_alpaca_e3"]).read_text()  # path in ( ... )
+    compile(zoo.enable_plugin(zoo.localize(gemma, None, tmp_path)), "gemma", "exec")
+    compile(zoo.enable_plugin(zoo.localize(gemma, tmp_path / "m", tmp_path)), "gemma", "exec")
+    with pytest.raises(ValueError, match=r"no 'pretrained_model_name_or_path = \.\.\.' line"):
+        zoo.enable_plugin("x = 1\n")
+
+
+def test_isolation_tolerance_follows_the_runs_dtype():
+    """A ``torch_dtype=torch.bfloat16`` config (stock Mistral full) trains in bf16 on CPU too:
+    its logits are judged with ``check``'s bf16 tolerance, an fp32 run with 1e-5."""
+    assert zoo.isolation_tolerance("float32") == zoo.ISOLATION_TOLERANCE == 1e-5
+    assert zoo.isolation_tolerance("bfloat16") == 8 * 2 ** -8  # 0.031; leaks move 0.2 to 2
+    with pytest.raises(KeyError):
+        zoo.isolation_tolerance("int8")

@@ -1,0 +1,104 @@
+"""The GPU kit and the GPU benches, on CPU: parts split and reassembled, pins, bench runs.
+
+The full offline rehearsal (build a kit for .venv's Python, install it with no index into a
+fresh virtualenv over an emulated GPU image, run the suite's GPU files there) downloads about
+90 MB: opt-in with XTUNER_ROPE_KIT_TEST=1.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from varlen_reference import varlen_attn_2_12
+
+from xtuner_rope.ops import attention
+from xtuner_rope.ops.attention import VarlenKernel
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kit = _load("tools/gpu/kit.py", "gpu_kit_tool")
+
+
+def _wheels(folder, sizes):
+    folder.mkdir()
+    for i, size in enumerate(sizes):
+        (folder / f"pkg{i}-1.0-py3-none-any.whl").write_bytes(os.urandom(size))
+
+
+def test_split_keeps_parts_under_the_cap_and_assembles_byte_identical(tmp_path):
+    sizes = [900_000, 300_000, 250_000, 40_000, 10]  # the first is larger than a part
+    _wheels(tmp_path / "wheels", sizes)
+    parts = kit.split(tmp_path / "wheels", tmp_path / "kit", part_mib=0.5)
+    assert len(parts) >= 3
+    for part in parts:
+        assert sum(f.stat().st_size for f in part.iterdir()) <= 0.5 * kit.MIB
+    out = kit.assemble(tmp_path / "kit", tmp_path / "out")
+    assert len(out) == len(sizes)
+    for wheel in (tmp_path / "wheels").iterdir():
+        assert (tmp_path / "out" / wheel.name).read_bytes() == wheel.read_bytes()
+
+
+def test_assemble_names_the_missing_part_and_refuses_corrupt_wheels(tmp_path):
+    _wheels(tmp_path / "wheels", [900_000, 300_000])
+    kit.split(tmp_path / "wheels", tmp_path / "kit", part_mib=0.5)
+    piece = next((tmp_path / "kit" / "part2").iterdir())
+    data = piece.read_bytes()
+    piece.unlink()
+    with pytest.raises(SystemExit, match=r"part2 of .*kit not here: carry them"):
+        kit.assemble(tmp_path / "kit", tmp_path / "out")
+    piece.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(SystemExit, match=r"does not match its sha256: rebuild the kit"):
+        kit.assemble(tmp_path / "kit", tmp_path / "out")
+    with pytest.raises(SystemExit, match=r"part1/MANIFEST.json is missing: carry"):
+        kit.assemble(tmp_path / "nothing", tmp_path / "out")
+
+
+def _pins(path):
+    lines = (line.strip() for line in (REPO / path).read_text().splitlines())
+    pairs = (line.split("==") for line in lines if line and not line.startswith("#"))
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pairs}
+
+
+def test_kit_pins_are_the_tested_versions():
+    constraints, kit_pins = _pins("constraints.txt"), _pins("tools/gpu/kit_requirements.txt")
+    assert {"xtuner", "mmengine", "transformers", "datasets", "bitsandbytes"} <= set(kit_pins)
+    assert {name: v for name, v in kit_pins.items() if constraints.get(name) != v} == {}
+
+
+def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):
+    """With the reference kernel installed for CPU, the varlen candidates run too."""
+    monkeypatch.setattr(attention, "VARLEN_KERNEL", VarlenKernel(varlen_attn_2_12, ("cpu",)))
+    bench = _load("tools/bench/attention.py", "attention_bench")
+    results = bench.main(["--tokens", "64", "96", "--heads", "4", "--kv-heads", "2",
+                          "--head-dim", "16", "--max-doc", "20", "--repeats", "1",
+                          "--warmup", "0", "--no-flex"])
+    assert set(results[96]) == {"varlen_attn", "ours-varlen", "ours-buckets", "dense-mask"}
+    out = capsys.readouterr().out
+    assert "t=96" in out and "varlen_attn 1.00x" in out and "flex skipped" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("XTUNER_ROPE_KIT_TEST"),
+                    reason="downloads ~90 MB: set XTUNER_ROPE_KIT_TEST=1")
+def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = {**os.environ, "PYVER": version, "KIT": str(tmp_path / "kit"), "PY": sys.executable,
+           "WORK": str(tmp_path / "work")}
+    subprocess.run(["bash", "tools/gpu/build_kit.sh"], cwd=REPO, env=env, check=True)
+    done = subprocess.run(["bash", "tools/gpu/rehearse_cpu.sh", str(tmp_path / "kit")],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    summary = (tmp_path / "work" / "out" / "summary.txt").read_text()
+    assert done.returncode == 0, summary + done.stdout[-3000:]
+    assert re.search(r"^pytest rc=0", summary, re.M), summary

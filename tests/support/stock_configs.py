@@ -1,0 +1,172 @@
+"""XTuner's stock configs as a user gets them (`xtuner copy-cfg`), pointed at local files.
+
+``copy_stock`` runs the real ``xtuner copy-cfg``; ``localize`` makes the edits any user makes
+to run a stock config on their own machine and data (checkpoint path, data path, a shorter
+``max_length``, a learning rate that moves a randomly initialised tiny model, and on a CPU-only
+machine fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``); ``enable_plugin`` makes the one
+edit the README documents. Each edit is a text substitution that must match exactly once, so a
+change of XTuner's stock files fails loudly here instead of testing something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "models" / "tiny-internlm2"
+SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
+PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
+               "model_resource = dict(fn=enable_xtuner_rope)\n")
+
+
+def venv_env() -> dict:
+    """The environment `xtuner train` needs: this interpreter's bin first on PATH."""
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+
+def copy_stock(name: str, dst: Path) -> Path:
+    """``xtuner copy-cfg NAME DST``: the stock config file a user starts from."""
+    subprocess.run(["xtuner", "copy-cfg", name, str(dst)], check=True, env=venv_env(),
+                   capture_output=True, text=True, timeout=300)
+    return dst / f"{name}_copy.py"
+
+
+def sub_once(text: str, pattern: str, repl: str) -> str:
+    """``re.sub`` that must match exactly once (multiline)."""
+    new, count = re.subn(pattern, repl, text, flags=re.M)
+    if count != 1:
+        raise AssertionError(f"stock config edit {pattern!r} matched {count} times, expected 1")
+    return new
+
+
+def _turns(n: int):
+    """(system, [user, ...], [assistant, ...]) of the first ``n`` sample dialogues."""
+    with open(SAMPLE_DATA, encoding="utf-8") as f:
+        for line, _ in zip(f, range(n)):
+            msgs = json.loads(line)["messages"]
+            system = next((m["content"] for m in msgs if m["role"] == "system"), "")
+            yield (system, [m["content"] for m in msgs if m["role"] == "user"],
+                   [m["content"] for m in msgs if m["role"] == "assistant"])
+
+
+def write_alpaca_data(dst: Path, n: int = 400) -> Path:
+    """The sample dialogues' first exchange in alpaca format, in a directory for load_dataset."""
+    rows = [{"instruction": users[0], "input": "", "output": replies[0]}
+            for _, users, replies in _turns(n)]
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "train.json").write_text(json.dumps(rows), encoding="utf-8")
+    return dst
+
+
+def write_conversation_data(dst: Path, n: int = 400) -> Path:
+    """The sample dialogues in XTuner's ``conversation`` format (custom-dataset configs)."""
+    rows = []
+    for system, users, replies in _turns(n):
+        turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
+        turns[0]["system"] = system
+        rows.append({"conversation": turns})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(rows), encoding="utf-8")
+    return dst
+
+
+def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False,
+             model: Path = TINY_MODEL) -> str:
+    """The user's own-machine edits of a stock InternLM2 config; returns the new text."""
+    text = config.read_text(encoding="utf-8")
+    text = sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
+                    f'pretrained_model_name_or_path = "{model}"')
+    if "alpaca_en_path = " in text:
+        text = sub_once(text, r'^alpaca_en_path = ".*"$', f'alpaca_en_path = "{data}"')
+    else:
+        text = sub_once(text, r'^data_files = \[.*\]$', f'data_files = ["{data}"]')
+    text = sub_once(text, r"^max_length = \d+$", "max_length = 512")
+    text = sub_once(text, r"^lr = .*$", "lr = 3e-3")
+    text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
+    text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is 7 plus 5?"]')
+    if lora_only:  # LoRA without 4-bit quantization: bitsandbytes' kernels need CUDA
+        text = sub_once(text, r"^        torch_dtype=torch.float16,\n        quantization_config="
+                        r"dict\((\n.*?)*?\n        \),\n", "")
+    if cpu:
+        text = cpu_optim_wrapper(text)
+    return text
+
+
+def enable_plugin(text: str) -> str:
+    """The README's one edit: ``model_resource`` in PART 1, after the model path."""
+    return sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + PLUGIN_EDIT)
+
+
+def xtuner_train(config: Path, work_dir: Path, *cfg_options: str,
+                 timeout: int = 900) -> subprocess.CompletedProcess:
+    """The real ``xtuner train`` from the repository root (it exits 0 even on failure)."""
+    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
+    if cfg_options:
+        cmd += ["--cfg-options", *cfg_options]
+    return subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def tiny_with_remote_code(dst: Path) -> Path:
+    """The tiny checkpoint as real InternLM2 checkpoints ship: with its own modeling code.
+
+    Real checkpoints carry ``modeling_internlm2.py`` and an ``auto_map`` in ``config.json``,
+    so ``trust_remote_code=True`` loads them without xtuner-rope's Auto registration; this
+    copy uses the modeling code XTuner ships (the current hub version).
+    """
+    import shutil
+
+    import xtuner._lite.modelings.internlm2 as code
+
+    shutil.copytree(TINY_MODEL, dst)
+    for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
+        shutil.copy(Path(code.__file__).parent / name, dst / name)
+    config = json.loads((dst / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_internlm2.InternLM2Config",
+                          "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def ensure_tiny_model() -> Path:
+    """Build the tiny checkpoint where a fresh clone has none (deterministic, offline)."""
+    from xtuner_rope.demo.resources import tiny_checkpoint
+
+    return Path(tiny_checkpoint(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))
+
+
+CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+
+
+def with_capture(text: str) -> str:
+    """Add ``IsolationCaptureHook`` (first in ``custom_hooks``): iteration 1 is saved."""
+    text = sub_once(text, r"^(custom_hooks = \[)$",
+                    r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    return sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE_IMPORT)
+
+
+def assert_isolated_in_run(config: Path, work_dir: Path) -> dict:
+    """Each document of the run's first batch, as trained, equals the document alone (fp32)."""
+    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
+
+    result = compare_capture(config, work_dir / CAPTURE_FILE)
+    assert result["documents"] > 1, result
+    for doc in result["per_document"]:
+        assert doc["max_abs_diff"] <= 1e-5 * max(1.0, doc["max_abs_logit"]), doc
+    assert abs(result["loss"]["captured"] - result["loss"]["documents"]) <= 1e-5, result["loss"]
+    print(f"{config.stem}: {result['documents']} documents, max |trained - alone| "
+          f"{result['max_abs_diff']:.3g}")
+    return result
+
+
+def cpu_optim_wrapper(text: str) -> str:
+    """The README's CPU edit: fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``."""
+    text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
+    text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
+    return sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
+                    "from mmengine.optim import OptimWrapper,")

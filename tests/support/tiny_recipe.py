@@ -1,0 +1,25 @@
+"""The tiny recipe (configs/tiny_internlm2_short_dialogues.py) run through the real `xtuner train`.
+
+`xtuner train` exits 0 even when training crashes: judge a run by what it produced
+(xtuner_rope.demo.runlog.check_run), not by the return code.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
+SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=30",
+             "default_hooks.logger.interval=5", "default_hooks.checkpoint.interval=30")
+
+
+def xtuner_train(work_dir: Path, *cfg_options: str,
+                 config: Path = CONFIG) -> subprocess.CompletedProcess:
+    """Run `xtuner train` on the tiny recipe from the repository root, as a user would."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
+    if cfg_options:
+        cmd += ["--cfg-options", *cfg_options]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -1,0 +1,50 @@
+"""Start a config as ``xtuner train`` does: the one place the doctor, the check and the zoo do it.
+
+``xtuner/tools/train.py`` (XTuner 0.2.0) runs, in this order: ``Config.fromfile``, the config's
+``model_resource`` (``set_model_resource``: the plugin's start-up when the config enables it),
+then ``merge_from_dict(--cfg-options)``, then builds the Runner. A tool that predicts a run must
+see the config in that state, not the file's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from mmengine.config import Config
+
+from .startup import ConfigConflict, state_kept
+
+
+def start(cfg: Config, cfg_options: dict | None = None, look_only: bool = False) -> Config:
+    """Run ``cfg``'s ``model_resource`` and merge ``cfg_options``, in ``xtuner train``'s order.
+
+    Args:
+        cfg: The config as ``Config.fromfile`` returns it; changed in place.
+        cfg_options: The ``--cfg-options`` overrides, as a dict (None: none).
+        look_only: For tools that only look (the doctor): a conflict the start-up refuses is not
+            raised (the caller reports it from ``inspect_config``) and the process is left as
+            not prepared. Otherwise (the check, which builds the Runner) the process is prepared
+            as in a run and a conflict raises.
+
+    Returns:
+        ``cfg``.
+
+    Raises:
+        ConfigConflict: the start-up refuses a setting (not with ``look_only``).
+    """
+    from xtuner.tools.utils import set_model_resource
+
+    if cfg.get("model_resource"):
+        if look_only:
+            with state_kept(), contextlib.suppress(ConfigConflict):
+                set_model_resource(cfg)
+        else:
+            set_model_resource(cfg)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg
+
+
+def start_file(path: str, cfg_options: dict | None = None, look_only: bool = False) -> Config:
+    """:func:`start` on ``Config.fromfile(path)``: the config as ``xtuner train`` builds it."""
+    return start(Config.fromfile(path), cfg_options, look_only)

@@ -1,0 +1,175 @@
+"""How the run is launched: DeepSpeed dtypes on a CPU-only machine, samplers that need DeepSpeed.
+
+Two launch settings make ``xtuner train`` fail only after the model's weights are loaded; the
+start-up (and so ``xtuner-rope doctor``) names them first, with the edit:
+
+- a DeepSpeed config whose fp16/bf16 resolve to enabled on a CPU-only machine. XTuner's stock
+  ``deepspeed_zero2``/``zero3`` say ``"fp16": {"enabled": "auto"}``, and XTuner's
+  ``auto_dtype_of_deepspeed_config`` resolves ``auto`` with ``get_torch_device().is_available()``,
+  which is ``torch.cpu.is_available()`` (True) there; DeepSpeed's CPU accelerator then raises
+  ``ValueError: Type fp16 is not supported on your device`` when the engine is built (bf16 would
+  train in emulated bf16, while xtuner-rope's CPU guarantees are measured in fp32). The DeepSpeed
+  config comes either from the config (``strategy.config``) or from ``xtuner train``'s
+  ``--deepspeed`` argument, which ``xtuner/tools/train.py`` turns into ``strategy`` only *after*
+  ``model_resource`` ran: the start-up reads it from the command line of that script. The edit
+  points at the project's fp32 settings (``configs/deepspeed/zero{2,3}_fp32_cpu.json``).
+- a run of several processes whose sampler reads DeepSpeed's data-parallel group
+  (``InternRepoSampler``: ``xtuner.parallel.sequence.get_data_parallel_world_size``, set up by
+  XTuner's ``DeepSpeedStrategy``) without DeepSpeed: ``AssertionError: data parallel group is
+  not initialized`` when the dataloader is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+from mmengine.config import Config
+
+from xtuner_rope.compat import cpu_only
+
+from .startup import Finding, register_findings, type_name
+
+# The project's fp32 DeepSpeed settings for CPU runs, by ZeRO stage.
+FP32_CPU_JSON = {2: "configs/deepspeed/zero2_fp32_cpu.json",
+                 3: "configs/deepspeed/zero3_fp32_cpu.json"}
+REPO = Path(__file__).resolve().parents[1]
+# Samplers that take their rank and world size from DeepSpeed's data-parallel group.
+DEEPSPEED_SAMPLERS = ("InternRepoSampler",)
+
+
+def deepspeed_argument(argv: list[str] | None = None) -> str | None:
+    """``--deepspeed``'s value when this process is ``xtuner train`` (its ``tools/train.py``).
+
+    Args:
+        argv: The command line (default ``sys.argv``).
+
+    Returns:
+        The argument as given (a file or one of XTuner's names, e.g. ``deepspeed_zero2``), or
+        None when absent or when this process is not XTuner's training script.
+    """
+    argv = sys.argv if argv is None else argv
+    if not argv or not Path(argv[0]).as_posix().endswith("xtuner/tools/train.py"):
+        return None
+    for i, arg in enumerate(argv):
+        if arg == "--deepspeed" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--deepspeed="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _resolve(source: object) -> tuple[dict | None, str]:
+    """A DeepSpeed config (dict, file, or XTuner name) as a dict, and how to name it."""
+    if isinstance(source, dict):
+        return copy.deepcopy(dict(source)), "strategy.config"
+    if not isinstance(source, str):
+        return None, ""
+    path = source
+    if not os.path.isfile(path):
+        from xtuner.configs import cfgs_name_path
+
+        path = cfgs_name_path.get(source)
+        if path is None:  # xtuner train raises its own FileNotFoundError
+            return None, ""
+    return json.loads(Path(path).read_text(encoding="utf-8")), f"{source} ({path})"
+
+
+def _deepspeed_source(cfg: Config, argv: list[str] | None) -> tuple[object, str]:
+    """Where the run's DeepSpeed config comes from: the config's strategy or ``--deepspeed``."""
+    optim = dict.get(cfg._cfg_dict, "optim_wrapper")
+    strategy = dict.get(cfg._cfg_dict, "strategy")
+    if isinstance(strategy, dict) and type_name(strategy.get("type")).endswith(
+            "DeepSpeedStrategy"):
+        return strategy.get("config"), "strategy.config"
+    if isinstance(optim, dict) and type_name(optim.get("type")) == "DeepSpeedOptimWrapper":
+        return None, ""  # xtuner train keeps such a config's own strategy
+    arg = deepspeed_argument(argv)
+    return (arg, "--deepspeed") if arg else (None, "")
+
+
+def resolved_dtype(ds: dict) -> str | None:
+    """``fp16``/``bf16`` as XTuner resolves the DeepSpeed config on this machine, else None.
+
+    Runs XTuner's own ``auto_dtype_of_deepspeed_config`` (as ``xtuner train`` does) on a copy.
+    """
+    from xtuner.tools.utils import auto_dtype_of_deepspeed_config
+
+    from xtuner_rope.compat import patch_torch_cpu_bf16_query
+
+    patch_torch_cpu_bf16_query()  # what the plugin's start-up does before xtuner reads it
+    ds = auto_dtype_of_deepspeed_config(copy.deepcopy(ds))
+    for key in ("fp16", "bf16"):
+        if (ds.get(key) or {}).get("enabled") is True:
+            return key
+    return None
+
+
+def _fp32_json(stage: int) -> str:
+    """The project's fp32 CPU DeepSpeed json for ``stage`` (absolute in a checkout)."""
+    rel = FP32_CPU_JSON.get(stage, FP32_CPU_JSON[2])
+    return str(REPO / rel) if (REPO / rel).is_file() else rel
+
+
+def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list[Finding]:
+    """A DeepSpeed config that resolves to fp16/bf16 on this CPU-only machine: refused.
+
+    Args:
+        cfg: The config (lazy objects unbuilt).
+        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
+    """
+    if not cpu_only():
+        return []
+    source, where = _deepspeed_source(cfg, argv)
+    ds, name = _resolve(source)
+    if ds is None:
+        return []
+    dtype = resolved_dtype(ds)
+    if dtype is None:
+        return []
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 2))
+    fp32 = _fp32_json(stage)
+    edit = (f"pass --deepspeed {fp32} (xtuner-rope's repository; any json with "
+            '"fp16": {"enabled": false}, "bf16": {"enabled": false}) instead'
+            if where == "--deepspeed" else
+            f'set strategy.config = "{fp32}" (or "fp16"/"bf16" "enabled": false in yours)')
+    why = ("DeepSpeed raises 'Type fp16 is not supported on your device' when the engine is "
+           "built, after the weights are loaded" if dtype == "fp16" else
+           "bf16 would be emulated, and xtuner-rope's CPU guarantees are measured in fp32")
+    return [Finding(where, f"{name} resolves to {dtype} on this CPU-only machine "
+                    f"(XTuner's auto_dtype_of_deepspeed_config): {why}", edit)]
+
+
+def sampler_findings(cfg: Config, argv: list[str] | None = None,
+                     world_size: int | None = None) -> list[Finding]:
+    """A sampler that needs DeepSpeed's data-parallel group, on several processes without it.
+
+    Args:
+        cfg: The config (lazy objects unbuilt).
+        argv: The command line (default ``sys.argv``).
+        world_size: Processes of the run (default: ``WORLD_SIZE``, which torchrun sets).
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    loader = dict.get(cfg._cfg_dict, "train_dataloader")
+    sampler = loader.get("sampler") if isinstance(loader, dict) else None
+    name = type_name(sampler.get("type")) if isinstance(sampler, dict) else ""
+    needs = next((s for s in DEEPSPEED_SAMPLERS if name.endswith(s)), None)
+    if world_size < 2 or needs is None or _deepspeed_source(cfg, argv)[0] is not None:
+        return []
+    return [Finding(
+        "train_dataloader.sampler", f"{needs} takes its rank from DeepSpeed's data-parallel "
+        f"group, which only XTuner's DeepSpeedStrategy sets up; on {world_size} processes "
+        "without DeepSpeed the dataloader fails ('data parallel group is not initialized')",
+        "run with --deepspeed (deepspeed_zero2 on a GPU, "
+        f"{_fp32_json(2)} on CPU), or use sampler=dict(type=DefaultSampler, shuffle=True) "
+        "(from mmengine.dataset import DefaultSampler)")]
+
+
+@register_findings(order=50)
+def launch_findings(cfg: Config) -> list[Finding]:
+    """Every launch finding of this process's command line and environment (conflicts)."""
+    return deepspeed_dtype_findings(cfg) + sampler_findings(cfg)

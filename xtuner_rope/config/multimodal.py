@@ -1,0 +1,91 @@
+"""Start-up findings of XTuner's multimodal configs (LLaVA served, InternVL refused).
+
+Registered in :func:`xtuner_rope.startup.inspect_config`. The README's one edit works for a
+LLaVA config as for a text one (``compat.patch_model_resource_llm_path`` gives XTuner's
+``set_model_resource`` the LLM path it reads; ``compat.keep_other_model_paths`` keeps the CLIP
+encoder's and image processor's own paths). What the config itself must change is here:
+
+- on a CPU-only machine the stock ``torch_dtype=torch.float16`` LLM cannot run (torch:
+  "mat1 and mat2 must have the same dtype" at the first step): it is loaded in fp32 (logged);
+- XTuner's ``EvaluateChatHook`` with ``evaluation_images`` generates from ``inputs_embeds``,
+  which InternLM2's hub modeling code fails to do under transformers 4.48 ("The size of tensor
+  a (0) must match the size of tensor b ..." in the modeling code's own ``_update_causal_mask``,
+  before the plugin's attention runs): the hook is removed before it runs (logged), so
+  training is not stopped by it;
+- ``InternVL_V1_5`` models are refused: xtuner-rope has not been verified inside InternVL's
+  own forward, so it names what to do instead of training something unchecked.
+"""
+
+from __future__ import annotations
+
+import torch
+from mmengine.config import Config
+
+from xtuner_rope.compat import cpu_only
+
+from .startup import Finding, register_findings, type_name
+
+__all__ = ["is_llava", "multimodal_findings"]
+
+HALF_DTYPES = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
+
+
+def _get(node: object, key: str, default: object = None) -> object:
+    return dict.get(node, key, default) if isinstance(node, dict) else default
+
+
+def is_llava(cfg: Config) -> bool:
+    """True if the config's model is XTuner's ``LLaVAModel``."""
+    return type_name(_get(_get(cfg._cfg_dict, "model"), "type")) == "LLaVAModel"
+
+
+def _dtype_name(value: object) -> str:
+    return str(value) if not isinstance(value, torch.dtype) else f"{value}"
+
+
+def _half_llm_findings(llm: dict) -> list[Finding]:
+    dtype = _get(llm, "torch_dtype")
+    if not cpu_only() or _dtype_name(dtype) not in HALF_DTYPES \
+            or _get(llm, "quantization_config") is not None:
+        return []
+    return [Finding(
+        "model.llm.torch_dtype", f"{_dtype_name(dtype)} on this CPU-only machine: torch's CPU "
+        "matmuls refuse the mixed fp16/fp32 inputs of the LLaVA projector and LLM",
+        'set to "float32" (the LLM is loaded in full precision on CPU; a GPU run keeps the '
+        "config's dtype)", lambda: llm.__setitem__("torch_dtype", "float32"))]
+
+
+def _evaluate_chat_findings(cfg: Config) -> list[Finding]:
+    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    chat = [h for h in hooks if type_name(_get(h, "type")) == "EvaluateChatHook"
+            and _get(h, "evaluation_images")]
+    if not chat:
+        return []
+
+    def drop() -> None:
+        hooks[:] = [h for h in hooks if not any(h is c for c in chat)]
+
+    return [Finding(
+        "custom_hooks", "EvaluateChatHook with evaluation_images generates from inputs_embeds, "
+        "which InternLM2's modeling code fails to do under transformers 4.48 (RuntimeError: "
+        "The size of tensor a (0) must match the size of tensor b, before the first step)",
+        "removed EvaluateChatHook; try the trained model with `xtuner chat` after training",
+        drop)]
+
+
+@register_findings(order=40)
+def multimodal_findings(cfg: Config) -> list[Finding]:
+    """What a multimodal config must change for xtuner-rope; nothing for a text config."""
+    model = _get(cfg._cfg_dict, "model")
+    name = type_name(_get(model, "type"))
+    if name == "InternVL_V1_5":
+        return [Finding(
+            "model.type", "InternVL_V1_5: xtuner-rope has not been verified inside InternVL's "
+            "own forward (its InternLM2/Phi-3 LLM, its image-token packing), so it cannot vouch "
+            "for the positions or the isolation there", "train InternVL without xtuner-rope "
+            "(remove model_resource = dict(fn=enable_xtuner_rope)); LLaVA configs are served")]
+    if name != "LLaVAModel":
+        return []
+    llm = _get(model, "llm")
+    findings = _half_llm_findings(llm) if isinstance(llm, dict) else []
+    return findings + _evaluate_chat_findings(cfg)

@@ -1,0 +1,124 @@
+"""Start-up findings for XTuner's preference configs (DPO, ORPO, reward model).
+
+XTuner 0.2.0 builds preference data with ``build_preference_dataset`` (``use_varlen_attn=True``:
+``PackedDatasetWrapper`` packs whole pairs, chosen then rejected, ``cumulative_len`` per
+response) and collates it with ``preference_collate_fn``. Three of its settings fail late or
+silently, after the model has loaded; :func:`preference_findings` names them before anything
+is built (``startup.inspect_config`` calls it; the doctor prints the same findings):
+
+- ``reward_token_id`` outside the checkpoint's vocabulary (the stock reward configs ship
+  InternLM2's 92527): refused at the first batch, by a message about ``input_ids``;
+- ``batch_size`` > 1 with packed pairs: ``preference_collate_fn`` asserts batch size 1 at the
+  first batch;
+- ``use_varlen_attn`` that differs between the model, the dataset and the collate function:
+  a ``KeyError`` in the collate function, or (model off, data packed) chosen and rejected
+  log-probs taken from the wrong rows, silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mmengine.config import Config
+
+from .startup import Finding, register_findings, type_name
+
+PREFERENCE_DATASET = "build_preference_dataset"
+PREFERENCE_MODELS = ("DPO", "ORPO", "RewardModel")
+
+
+def _get(node: object, key: str, default: object = None) -> object:
+    return dict.get(node, key, default) if isinstance(node, dict) else default
+
+
+def preference_dataset(cfg: Config) -> dict | None:
+    """The train dataset dict if it is XTuner's ``build_preference_dataset``, else None."""
+    dataset = _get(_get(cfg._cfg_dict, "train_dataloader"), "dataset")
+    return dataset if type_name(_get(dataset, "type")) == PREFERENCE_DATASET else None
+
+
+def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
+    """``vocab_size`` of the local checkpoint the model loads, and the file it came from.
+
+    Returns:
+        ``(None, "")`` for a hub id or a checkpoint without ``vocab_size``.
+    """
+    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    path = _get(llm, "pretrained_model_name_or_path")
+    config = Path(path) / "config.json" if isinstance(path, str) else None
+    if config is None or not config.is_file():
+        return None, ""
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    return (vocab, str(config)) if isinstance(vocab, int) else (None, "")
+
+
+def _reward_token_finding(cfg: Config, dataset: dict) -> list[Finding]:
+    if not _get(dataset, "is_reward"):
+        return []
+    token = _get(dataset, "reward_token_id", -1)
+    vocab, source = checkpoint_vocab_size(cfg)
+    if not isinstance(token, int) or vocab is None or 0 <= token < vocab:
+        return []
+    where = ("reward_token_id (PART 1; train_dataloader.dataset.reward_token_id)"
+             if "reward_token_id" in cfg._cfg_dict else "train_dataloader.dataset.reward_token_id")
+    return [Finding(
+        where, f"{token} is outside the vocabulary of the model being trained (vocab_size "
+        f"{vocab}, from {source}): every pair ends with this token, so the first batch would "
+        "be refused (by a message about input_ids) after the model has loaded",
+        f"set reward_token_id to an id in 0..{vocab - 1} that this tokenizer reserves and never "
+        "produces (the stock 92527 is InternLM2's [UNUSED_TOKEN_130]; use the counterpart in "
+        "this vocabulary)")]
+
+
+def _varlen_flags(cfg: Config, dataset: dict) -> dict[str, object]:
+    loader = _get(cfg._cfg_dict, "train_dataloader")
+    collate = _get(loader, "collate_fn")
+    flags = {"train_dataloader.dataset.use_varlen_attn": bool(_get(dataset, "use_varlen_attn"))}
+    if type_name(_get(collate, "type")) == "preference_collate_fn":
+        flags["train_dataloader.collate_fn.use_varlen_attn"] = bool(
+            _get(collate, "use_varlen_attn"))
+    model = _get(cfg._cfg_dict, "model")
+    if type_name(_get(model, "type")) in PREFERENCE_MODELS:
+        flags["model.use_varlen_attn"] = bool(_get(model, "use_varlen_attn"))
+    return flags
+
+
+def _packed_pairs_findings(cfg: Config, dataset: dict) -> list[Finding]:
+    flags = _varlen_flags(cfg, dataset)
+    if len(set(flags.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in flags.items())
+        return [Finding(
+            "use_varlen_attn", f"packed preference pairs need the same use_varlen_attn on the "
+            f"model, the dataset and the collate function, got {listed}: the collate function "
+            "fails (KeyError) or the model takes chosen/rejected log-probs from the wrong rows",
+            "set use_varlen_attn = True (packed pairs) or False in PART 1 and pass that one "
+            "variable to all three")]
+    batch_size = _get(_get(cfg._cfg_dict, "train_dataloader"), "batch_size", 1)
+    if not flags["train_dataloader.dataset.use_varlen_attn"] or batch_size == 1:
+        return []
+    return [Finding(
+        "train_dataloader.batch_size", f"{batch_size}: packed preference pairs "
+        "(use_varlen_attn=True) take one packed row per batch; XTuner's preference_collate_fn "
+        "asserts batch size 1 at the first batch, after the model has loaded",
+        "set batch_size = 1 in PART 1: a packed row already holds several pairs (raise "
+        "max_packed_length for more pairs per row, or accumulative_counts for more per step)")]
+
+
+@register_findings(order=110)
+def preference_findings(cfg: Config) -> list[Finding]:
+    """Conflicts of a preference config that XTuner would report late or never.
+
+    Args:
+        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
+
+    Returns:
+        The conflicts (no fixes: each needs the user's choice), empty for other configs.
+    """
+    dataset = preference_dataset(cfg)
+    if dataset is None:
+        return []
+    return _reward_token_finding(cfg, dataset) + _packed_pairs_findings(cfg, dataset)
+
+
+__all__ = ["checkpoint_vocab_size", "preference_dataset", "preference_findings"]

@@ -1,0 +1,70 @@
+"""Old module paths that still import: each is the new module under its old name, with a warning.
+
+Issue 27 sorted the package's face into role folders (``config/``, ``data/``, ``hooks/``,
+``compat/``). Configs, scripts and notebooks written before it name the old modules
+(``from xtuner_rope.collate import rope_collate_fn``, ``xtuner_rope.startup``...): a finder on
+``sys.meta_path`` answers those names with the new module itself (the same object, so state such
+as ``startup`` 's and ``monkeypatch.setattr`` on it stay shared) and a ``DeprecationWarning``
+that names the replacement. Add a row to ``MOVED`` when a module moves; never leave a file at the
+old path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+
+# Old module -> the module it is now. Keep rows forever: a documented name is API.
+MOVED = {
+    "xtuner_rope.startup": "xtuner_rope.config.startup",
+    "xtuner_rope.startup_multimodal": "xtuner_rope.config.multimodal",
+    "xtuner_rope.startup_sequence_parallel": "xtuner_rope.config.sequence_parallel",
+    "xtuner_rope.launch_findings": "xtuner_rope.config.launch",
+    "xtuner_rope.preference": "xtuner_rope.config.preference",
+    "xtuner_rope.overrides": "xtuner_rope.config.overrides",
+    "xtuner_rope.collate": "xtuner_rope.data.collate",
+    "xtuner_rope.collate_llava": "xtuner_rope.data.collate_llava",
+    "xtuner_rope.packed_dataset": "xtuner_rope.data.packed_dataset",
+    "xtuner_rope.monitor": "xtuner_rope.hooks.monitor",
+    "xtuner_rope.loss_norm": "xtuner_rope.hooks.loss_norm",
+    "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
+    # Before the ops/batch split, check_packed_batch lived in a top-level `validate` module.
+    "xtuner_rope.validate": "xtuner_rope.batch.checks",
+}
+
+
+def message(old: str) -> str:
+    """The warning for importing ``old``: what it is now and the import to write instead."""
+    new = MOVED[old]
+    return (f"{old} is deprecated: it moved to {new} (same names). Write `import {new}` / "
+            f"`from {new} import ...` instead; the old path will keep working with this warning.")
+
+
+class _MovedModuleLoader(importlib.abc.Loader):
+    """Loads an old name as the new module object (nothing is executed twice)."""
+
+    def create_module(self, spec):
+        # stacklevel 2 skips importlib's own frames: the warning points at the importing line.
+        warnings.warn(message(spec.name), DeprecationWarning, stacklevel=2)
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        """Nothing to run: the new module was executed by its own import."""
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Finds the old names of ``MOVED`` (and only those) on ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader())
+
+
+def install() -> None:
+    """Put the finder on ``sys.meta_path`` once (first, so no stale file could shadow it)."""
+    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())

@@ -1,0 +1,225 @@
+"""MMEngine hooks that watch training: packing figures in the log, and a NaN/inf tripwire.
+
+- :class:`PackingMetricsHook` puts the figures of :mod:`xtuner_rope.batch.stats` next to the
+  loss in every log line and in ``vis_data/scalars.json``.
+- :class:`NonFiniteTripwireHook` stops the run at the first non-finite loss or gradient norm,
+  before the optimizer applies it, and saves the batch and the weights for
+  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.doctor.replay`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from mmengine.dist import get_rank
+from mmengine.hooks import Hook, LoggerHook
+
+from xtuner_rope.batch.record import save_record
+from xtuner_rope.batch.stats import BatchStats, batch_stats
+from xtuner_rope.models import channel
+from xtuner_rope.models.dispatch import isolates_documents, unwrap_model
+from xtuner_rope.ops.packing import cumulative_from_position_ids
+
+DATA_BATCH = Optional[Union[dict, tuple, list]]
+
+# Log names (``train/<name>`` in the MessageHub): figure of a window of iterations.
+METRICS = {
+    'docs_per_row': lambda w, total: w.documents / max(w.rows, 1),
+    'real_token_share': lambda w, total: w.real_tokens / max(w.tokens, 1),
+    'longest_doc': lambda w, total: w.longest_document,
+    'max_position_id': lambda w, total: w.max_position,
+    'unsupervised_seen': lambda w, total: total,
+}
+
+
+class PackingMetricsHook(Hook):
+    """Log documents per row, real-token share, longest document, largest position id and the
+    number of unsupervised documents seen so far.
+
+    Each figure is aggregated over the logging window by this hook (LogProcessor would show
+    only the latest value of a scalar not named like a loss/time): documents per row and the
+    real-token share are ratios of the window's sums, the longest document and the largest
+    position id are the window's maxima, ``unsupervised_seen`` is the run's running total
+    (continued on resume from the MessageHub). The hook writes ``train/<name>`` scalars into
+    ``runner.message_hub`` before each iteration; it does not edit the batch.
+
+    Args:
+        window: iterations per window; default: the LoggerHook's interval.
+        pad_index: the id the collator pads ``input_ids`` with (``rope_collate_fn``'s).
+    """
+
+    # After PackedBatchCheckHook (8): figures of batches that passed its checks. It reads the
+    # boundaries from position_ids, so it does not need the cumulative_len that hook pops.
+    priority = 9
+
+    def __init__(self, window: int | None = None, pad_index: int = 0) -> None:
+        self.window = window
+        self.pad_index = pad_index
+        self._stats = BatchStats()
+        self._unsupervised = 0
+
+    def before_train(self, runner) -> None:
+        if self.window is None:
+            loggers = [h for h in runner.hooks if isinstance(h, LoggerHook)]
+            self.window = loggers[0].interval if loggers else 10
+        seen = runner.message_hub.log_scalars.get('train/unsupervised_seen')
+        self._unsupervised = int(seen.current()) if seen is not None else 0
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
+        if not isinstance(data_batch, dict) or not isinstance(data_batch.get('data'), dict):
+            return
+        stats = batch_stats(data_batch['data'], pad_index=self.pad_index)
+        if runner.iter % self.window == 0:
+            self._stats = BatchStats()
+        self._stats = self._stats + stats
+        self._unsupervised += stats.unsupervised_documents
+        for name, figure in METRICS.items():
+            runner.message_hub.update_scalar(f'train/{name}',
+                                             float(figure(self._stats, self._unsupervised)))
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or inf loss or gradient norm; the batch was saved for replay."""
+
+
+def _optimizers(runner) -> list:
+    wrapper = getattr(runner, 'optim_wrapper', None)
+    wrappers = getattr(wrapper, 'optim_wrappers', None)
+    found = list(wrappers.values()) if isinstance(wrappers, dict) else [wrapper]
+    return [w.optimizer for w in found if w is not None
+            and hasattr(getattr(w, 'optimizer', None), 'register_step_pre_hook')]
+
+
+def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    if hasattr(torch.nn.utils, 'get_total_norm'):  # torch >= 2.6
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+class NonFiniteTripwireHook(Hook):
+    """Stop training at the first non-finite loss or gradient norm, before the weights change.
+
+    Before each iteration it keeps a reference to the batch (``data_batch['data']`` stays on
+    the CPU; the model works on its own device copy). A forward hook on the model collects the
+    iteration's loss tensors, and a ``register_step_pre_hook`` on each torch optimizer checks
+    them with the total gradient norm right before ``optimizer.step`` (after MMEngine's
+    clipping, which with ``error_if_nonfinite=False`` would step on NaN gradients): one device
+    sync per step. Iterations without a step (gradient accumulation, an fp16 step the
+    GradScaler skips) have their loss checked in ``after_train_iter``. Optimizers without step
+    hooks (DeepSpeed's) get only that later check, after their step.
+
+    On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the batch, its boundaries, the
+    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.doctor.replay`) and
+    ``nonfinite_iter<k>_weights.pt`` (the model's state dict as the batch saw it), then raises
+    :class:`NonFiniteError` naming both and the replay command.
+
+    Args:
+        save_weights: also save the model's weights (off for models too large to copy, e.g.
+            ZeRO-3 partitions; replay then needs ``--checkpoint``).
+    """
+
+    # Before RuntimeInfoHook (10) logs the iteration's loss; after PackedBatchCheckHook (8).
+    priority = 9
+
+    def __init__(self, save_weights: bool = True) -> None:
+        self.save_weights = save_weights
+        self._handles: list = []
+        self._batch: dict | None = None
+        self._losses: list[torch.Tensor] = []
+        self._checked = False
+
+    def before_train(self, runner) -> None:
+        self._runner = runner
+        model = unwrap_model(runner.model)
+        self._handles = [model.register_forward_hook(self._collect_losses)]
+        self._handles += [opt.register_step_pre_hook(self._before_step)
+                          for opt in _optimizers(runner)]
+        self._steps_checked = bool(self._handles[1:])
+
+    def after_train(self, runner) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
+        data = data_batch.get('data') if isinstance(data_batch, dict) else None
+        self._batch = dict(data) if isinstance(data, dict) else None
+        self._batch_idx = batch_idx
+        self._losses, self._checked = [], False
+
+    def _collect_losses(self, module, args, output) -> None:
+        if module.training and isinstance(output, dict):
+            self._losses += [v.detach() for k, v in output.items()
+                             if 'loss' in k and isinstance(v, torch.Tensor)]
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group['params']
+                 if p.grad is not None]
+        norm = _grad_norm(grads) if grads else None
+        losses = [loss.float().sum().reshape(1) for loss in self._losses]
+        values = torch.cat(losses + ([] if norm is None else [norm.float().reshape(1)
+                                                              .to(losses[0].device if losses
+                                                                  else norm.device)]))
+        values = values.tolist()  # the one sync of the check
+        self._checked = True
+        for name, value in zip(['loss'] * len(losses) + ['grad_norm'], values):
+            if value != value or value in (float('inf'), float('-inf')):
+                self._trip(self._runner, name, value, stepped=False, optimizer=optimizer)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None,
+                         outputs: Optional[dict] = None) -> None:
+        if self._checked or not isinstance(outputs, dict):
+            return
+        loss = outputs.get('loss')
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
+            # Without step hooks (DeepSpeed) the optimizer may already have applied it.
+            self._trip(runner, 'loss', float(loss.float().sum()), stepped=not self._steps_checked)
+
+    def _trip(self, runner, quantity: str, value: float, stepped: bool, optimizer=None) -> None:
+        k = runner.iter + 1  # as the log line counts
+        work_dir = Path(runner.work_dir)
+        weights = work_dir / f'nonfinite_iter{k}_weights.pt'
+        model = unwrap_model(runner.model)
+        if self.save_weights:
+            torch.save({n: t.detach().cpu() for n, t in model.state_dict().items()}, weights)
+        path = save_record(work_dir / f'nonfinite_iter{k}.pt', self._record(
+            runner, k, quantity, value, stepped, str(weights) if self.save_weights else None,
+            optimizer))
+        config = getattr(runner.cfg, 'filename', None) or '<your config>'
+        raise NonFiniteError(
+            f'NonFiniteTripwireHook: iteration {k}: non-finite {quantity} ({value}); training '
+            f'stopped {"after" if stepped else "before"} the optimizer step. The batch is saved '
+            f'in {path}' + (f' and the weights it ran with in {weights}' if self.save_weights
+                            else '') +
+            f'. Find the first layer and document that produced it with:\n'
+            f'    python tools/replay_batch.py {path} --config {config}')
+
+    def _record(self, runner, k: int, quantity: str, value: float, stepped: bool,
+                weights: str | None, optimizer) -> dict:
+        """Everything the replay needs: batch, boundaries, attention arguments, provenance."""
+        data = {n: t.detach().cpu() for n, t in (self._batch or {}).items()
+                if isinstance(t, torch.Tensor)}
+        b, s = data['input_ids'].shape
+        rows = data.get('position_ids', torch.arange(s).expand(b, s))  # none: one doc per row
+        cumulative, max_seqlen = channel.read()
+        bad_grads = []
+        if optimizer is not None:
+            names = {p: n for n, p in runner.model.named_parameters()}
+            bad_grads = [names.get(p, '?') for group in optimizer.param_groups
+                         for p in group['params']
+                         if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        last = Path(runner.work_dir) / 'last_checkpoint'
+        return {
+            'iteration': k, 'batch_idx': self._batch_idx, 'epoch': runner.epoch,
+            'seed': runner.seed, 'rank': get_rank(), 'quantity': quantity, 'value': value,
+            'stepped': stepped, 'data': data,
+            'boundaries': [cumulative_from_position_ids(r) for r in rows],
+            'varlen': {'cumulative_len': None if cumulative is None else cumulative.cpu(),
+                       'max_seqlen': max_seqlen},
+            'isolating': isolates_documents(runner.model),
+            'nonfinite_grads': bad_grads[:20],
+            'config': str(getattr(runner.cfg, 'filename', '') or ''),
+            'weights': weights,
+            'last_checkpoint': last.read_text().strip() if last.is_file() else None,
+        }

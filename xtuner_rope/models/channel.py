@@ -1,0 +1,52 @@
+"""The boundary channel: where a batch's document boundaries travel to the attention.
+
+XTuner's varlen convention (``VarlenAttnArgsToMessageHubHook``): one ``MessageHub`` instance,
+``varlen_attn_args``, and two keys per rank, ``cumulative_len_rank_{rank}`` (the flat
+``[n_docs + 1]`` boundaries of the batch, rows back to back) and ``max_seqlen_rank_{rank}``.
+Everything that publishes, reads or clears them calls this module: ``PackedBatchCheckHook``,
+the LLaVA and sequence-parallel models, ``models.runtime`` (the attention's read), the
+monitor, and the doctor's replay and check. ``ops`` never sees MMEngine: it gets the tensor.
+"""
+
+from __future__ import annotations
+
+from mmengine import MessageHub
+from mmengine.dist import get_rank
+
+# MessageHub instance and keys of XTuner's varlen convention.
+VARLEN_HUB = "varlen_attn_args"
+CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
+MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
+
+
+def _keys(rank: int | None) -> tuple[str, str]:
+    rank = get_rank() if rank is None else rank
+    return CUMULATIVE_KEY.format(rank=rank), MAX_SEQLEN_KEY.format(rank=rank)
+
+
+def publish(cumulative: object, max_seqlen: object, rank: int | None = None) -> None:
+    """Publish a batch's boundaries for the attention of ``rank`` (default: this process's).
+
+    Args:
+        cumulative: ``[n_docs + 1]`` flat boundaries (int tensor), or None for "none".
+        max_seqlen: The longest document (int), or None.
+        rank: The rank whose keys to set; XTuner's hook and the attention use the process's.
+    """
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    cumulative_key, max_seqlen_key = _keys(rank)
+    hub.update_info(cumulative_key, cumulative)
+    hub.update_info(max_seqlen_key, max_seqlen)
+
+
+def read(rank: int | None = None) -> tuple[object, object]:
+    """``(cumulative, max_seqlen)`` published for ``rank``; ``(None, None)`` if nothing was."""
+    if not MessageHub.check_instance_created(VARLEN_HUB):
+        return None, None
+    hub = MessageHub.get_instance(VARLEN_HUB)
+    cumulative_key, max_seqlen_key = _keys(rank)
+    return hub.get_info(cumulative_key), hub.get_info(max_seqlen_key)
+
+
+def clear(rank: int | None = None) -> None:
+    """Forget the published boundaries (a hook's ``after_train_iter``; the next batch is new)."""
+    publish(None, None, rank)

@@ -1,0 +1,84 @@
+"""Family dispatch: which integration serves a model, patching it, and unwrapping runner models.
+
+The table of families is ``models.families.FAMILIES``; ``integration_for`` (``models.hf``) reads a
+model's attention classes against it. This module is the one entry point the hooks, the doctor
+and the check call: ``patch_model`` patches whatever family the model is, ``isolates_documents``
+says whether it is patched, and ``unwrap_model`` / ``language_model`` are the one way to reach
+the XTuner model and the HF model inside DDP / DeepSpeed wrappers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .families import family_of_class
+from .hf import (
+    HF_ATTENTION_CLASSES,
+    HF_FAMILIES,
+    fp32_rotation_modules,
+    integration_for,
+    is_patched_hf_attention,
+    patch_hf_model,
+)
+from .hf_rope import HFValidatedRotaryEmbedding, patch_hf_fp32_rotation
+from .internlm2 import (
+    INTERNLM2_ATTENTION_CLASSES,
+    internlm2_attention_forward,
+    patch_internlm2_attention,
+)
+from .internlm2_rope import ValidatedRotaryEmbedding
+
+VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The runner's model inside DDP / FSDP / DeepSpeed wrappers (XTuner's SFT, DPO, reward...).
+
+    MMEngine's DDP wrappers and DeepSpeed's engine hold it as ``.module``; MMEngine's
+    ``MMDeepSpeedEngineWrapper`` (not a module) forwards ``.module`` to its engine's.
+    """
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The HF causal LM: through the wrappers (``unwrap_model``) and XTuner's ``.llm``."""
+    model = unwrap_model(model)
+    return getattr(model, "llm", model)
+
+
+def isolates_documents(model: nn.Module) -> bool:
+    """True if ``model`` has attention layers of a supported family, all carrying our patch."""
+    layers = [m for m in model.modules()
+              if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES + HF_ATTENTION_CLASSES]
+    return bool(layers) and all(
+        is_patched_hf_attention(m)
+        or getattr(m.forward, "__func__", None) is internlm2_attention_forward for m in layers)
+
+
+def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
+    """Patch ``model`` with the integration of its family.
+
+    Returns:
+        The number of attention layers patched and the family's name.
+
+    Raises:
+        ValueError: no supported family's attention layer in ``model``.
+    """
+    integration = integration_for(model)
+    if integration == "internlm2":
+        return patch_internlm2_attention(model, max_position=max_position), "InternLM2"
+    if integration == "hf":
+        layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
+        count = patch_hf_model(model, max_position=max_position)
+        for module_name in fp32_rotation_modules(layers):
+            patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
+        # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".
+        return count, family_of_class(type(layers[0]).__name__).attention[0].removesuffix(
+            "Attention")
+    raise ValueError(
+        f"ValidatedRoPEHook: {type(language_model(model)).__name__} has no attention layer "
+        f"xtuner-rope can serve. Supported families: InternLM2 / InternLM2.5 (classes "
+        f"{', '.join(INTERNLM2_ATTENTION_CLASSES)}), {HF_FAMILIES} (classes "
+        f"{', '.join(HF_ATTENTION_CLASSES)}). Train this model without xtuner-rope.")
