@@ -14,6 +14,12 @@ from functools import partial
 from mmengine.config import Config
 
 from xtuner_rope import startup
+from xtuner_rope.doctor.llava_stats import (
+    llava_figures,
+    llava_problems,
+    llava_view,
+    llava_warnings,
+)
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
@@ -193,10 +199,14 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
     dataset, dialogues = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
-    scan = scan_samples(dataset, collate_max_length=collate_kwargs.get("max_length"),
+    llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
+    items = dataset if llava is None else llava.scan_items
+    scan = scan_samples(items, collate_max_length=collate_kwargs.get("max_length"),
                         truncation_length=None if facts["pack_to_max_length"]
                         else facts["max_length"], progress=progress)
-    plan = simulate_collate(dataset, collate_fn, batch_size, batches, scan, progress=progress)
+    plan = simulate_collate(dataset if llava is None else llava.collate_items,
+                            collate_fn if llava is None else llava.collate_fn, batch_size,
+                            batches, scan, progress=progress)
     source = _source_rows(loader, facts)
     lengths = scan.lengths if dialogues is None else [len(r) for r in dialogues["input_ids"]]
     kept = len(dataset) if dialogues is None else len(dialogues)
@@ -219,9 +229,11 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
                     "order": "dataset order (no shuffle)",
                     "batches_total": -(-len(dataset) // batch_size), **plan_summary(plan)},
         "loss_weights": dataset_loss_weights(
-            dataset, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
+            items, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
                 "accumulative_counts", 1), batches),
     }
+    report["multimodal"] = None if llava is None else llava_figures(
+        llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length"))
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
                             or scan.documents > len(dataset))
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
@@ -232,6 +244,8 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
+    report["problems"] += llava_problems(report["multimodal"])
+    report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(cfg.get("param_scheduler"), len(dataset), batch_size,
                                             bool(loader.get("drop_last", False)))
     report["exit_code"] = exit_code(report)
