@@ -32,6 +32,7 @@ from xtuner_rope.doctor import check_measure as cm
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
+from xtuner_rope.doctor.llava_stats import refuse_unserved_model
 from xtuner_rope.models.runtime import chosen_backends
 from xtuner_rope.startup_multimodal import is_llava
 
@@ -249,6 +250,7 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
+    refuse_unserved_model(config)  # InternVL: refused by the start-up, named
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores

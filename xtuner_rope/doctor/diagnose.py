@@ -19,6 +19,7 @@ from xtuner_rope.doctor.llava_stats import (
     llava_problems,
     llava_view,
     llava_warnings,
+    refuse_unserved_model,
 )
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
@@ -193,6 +194,7 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
         and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
+    refuse_unserved_model(config)  # InternVL: refused before its data are read
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)

@@ -32,11 +32,32 @@ from xtuner_rope.doctor.stats import length_percentiles
 IGNORE_INDEX = -100
 
 __all__ = ["LLaVAView", "expand_item", "image_tokens_of", "llava_figures", "llava_lines",
-           "llava_problems", "llava_view", "llava_warnings"]
+           "llava_problems", "llava_view", "llava_warnings",
+           "refuse_unserved_model"]
 
 
 def _get(node: object, key: str, default: object = None) -> object:
     return node.get(key, default) if isinstance(node, Mapping) else default
+
+
+def refuse_unserved_model(path: str) -> None:
+    """Stop before any data when the start-up refuses the model itself (InternVL).
+
+    ``xtuner train`` never gets to the data of such a config (and XTuner's
+    ``set_model_resource`` dies on an InternVL config's missing
+    ``pretrained_model_name_or_path`` first), so neither the doctor nor the check reads them.
+
+    Raises:
+        ConfigConflict: the start-up's refusal of ``model.type``, with what to do.
+    """
+    from mmengine.config import Config
+
+    from xtuner_rope import startup
+
+    conflicts = [f for f in startup.inspect_config(Config.fromfile(path))
+                 if f.setting == "model.type" and f.fix is None]
+    if conflicts:
+        raise startup.ConfigConflict(startup.conflict_message(conflicts))
 
 
 def image_tokens_of(cfg) -> dict:
