@@ -49,3 +49,28 @@ def enable_plugin_llava(text: str, with_pretrained_alias: bool = False) -> str:
     """The README's one edit after ``llm_name_or_path`` (optionally the user's alias line too)."""
     alias = "pretrained_model_name_or_path = llm_name_or_path\n" if with_pretrained_alias else ""
     return sub_once(text, r'^(llm_name_or_path = ".*"\n)', r"\g<1>" + alias + PLUGIN_EDIT)
+
+
+def llava_assets(root: Path) -> dict:
+    """Tiny InternLM2 (hub-style remote code), tiny CLIP, drawn images + short text dialogues
+    (12 + 12) and the two stock configs copied with ``xtuner copy-cfg``, under ``root``."""
+    from stock_configs import copy_stock, ensure_tiny_model, tiny_with_remote_code
+
+    from xtuner_rope.demo.llava_data import write_llava_data
+    from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+    ensure_tiny_model()
+    return {"root": root, "llm": tiny_with_remote_code(root / "tiny-internlm2-remote"),
+            "clip": save_tiny_clip(root / "tiny-clip"),
+            "data": write_llava_data(root / "data", n_images=12, n_text=12),
+            "finetune": copy_stock(FINETUNE, root), "pretrain": copy_stock(PRETRAIN, root)}
+
+
+def with_llava_collate(text: str, max_length: int = 256, image_tokens: int = 16) -> str:
+    """Pack the config's samples at collate time: ``llava_collate_fn`` instead of XTuner's
+    ``default_collate_fn`` (the README's packing edit for LLaVA)."""
+    text = sub_once(text, r"collate_fn=dict\(type=default_collate_fn\)",
+                    f"collate_fn=dict(type=llava_collate_fn, max_length={max_length}, "
+                    f"image_tokens={image_tokens})")
+    return sub_once(text, r"^(from xtuner.dataset.collate_fns import default_collate_fn\n)",
+                    r"\g<1>from xtuner_rope import llava_collate_fn\n")
