@@ -74,3 +74,21 @@ def with_llava_collate(text: str, max_length: int = 256, image_tokens: int = 16)
                     f"image_tokens={image_tokens})")
     return sub_once(text, r"^(from xtuner.dataset.collate_fns import default_collate_fn\n)",
                     r"\g<1>from xtuner_rope import llava_collate_fn\n")
+
+
+def save_offline_text(config: Path, out_dir: Path) -> Path:
+    """The config's ``LLaVADataset`` text, tokenized once and saved where XTuner's
+    ``offline_processed_text_folder`` loads it (what ``xtuner process_untokenized_llava_data``
+    does for a large set; here it spares each test XTuner's 32-process tokenization)."""
+    from mmengine.config import Config
+    from xtuner.registry import BUILDER
+
+    cfg = Config.fromfile(str(config))
+    BUILDER.build(cfg.train_dataloader.dataset).text_data.save_to_disk(str(out_dir))
+    return out_dir
+
+
+def with_offline_text(text: str, folder: Path) -> str:
+    """Load the tokenized text from ``folder`` (``offline_processed_text_folder``)."""
+    return sub_once(text, r"^(llava_dataset = dict\(\n)",
+                    rf'\g<1>    offline_processed_text_folder="{folder}",\n')

@@ -29,9 +29,16 @@ P = 16  # tiny CLIP: (56 // 14) ** 2
 def llava(tmp_path_factory) -> dict:
     assets = lc.llava_assets(tmp_path_factory.mktemp("llava_dc"))
     root = assets["root"]
+    offline = {}
+    for stock in ("finetune", "pretrain"):  # tokenized once (each build would take ~20 s)
+        plain = root / f"{stock}_online.py"
+        plain.write_text(lc.localize_llava(assets[stock], assets["llm"], assets["clip"],
+                                           assets["data"]))
+        offline[stock] = lc.save_offline_text(plain, root / f"{stock}_text")
 
     def write(name: str, stock: str, edit: bool = True, packed: bool = False) -> Path:
         text = lc.localize_llava(assets[stock], assets["llm"], assets["clip"], assets["data"])
+        text = lc.with_offline_text(text, offline[stock])
         text = lc.enable_plugin_llava(text) if edit else text
         path = root / f"{name}.py"
         path.write_text(lc.with_llava_collate(text) if packed else text)
