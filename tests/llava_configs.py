@@ -80,11 +80,21 @@ def save_offline_text(config: Path, out_dir: Path) -> Path:
     """The config's ``LLaVADataset`` text, tokenized once and saved where XTuner's
     ``offline_processed_text_folder`` loads it (what ``xtuner process_untokenized_llava_data``
     does for a large set; here it spares each test XTuner's 32-process tokenization)."""
-    from mmengine.config import Config
-    from xtuner.registry import BUILDER
+    import json
 
-    cfg = Config.fromfile(str(config))
-    BUILDER.build(cfg.train_dataloader.dataset).text_data.save_to_disk(str(out_dir))
+    from datasets import Dataset, DatasetDict
+    from mmengine.config import Config
+    from xtuner.dataset.huggingface import process_hf_dataset
+
+    ds = Config.fromfile(str(config)).train_dataloader.dataset
+    rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
+    # LLaVADataset's own call, in one process (its default is 32 map processes).
+    text = process_hf_dataset(
+        dataset=DatasetDict({"train": Dataset.from_list(rows)}), tokenizer=ds.tokenizer,
+        max_length=ds.max_length, dataset_map_fn=ds.dataset_map_fn,
+        template_map_fn=ds.template_map_fn, split="train", remove_unused_columns=False,
+        pack_to_max_length=False, with_image_token=True, map_num_proc=1)
+    text.save_to_disk(str(out_dir))
     return out_dir
 
 
