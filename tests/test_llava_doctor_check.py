@@ -93,6 +93,11 @@ def test_check_padded_stock_finetune_passes_and_its_expansion_is_the_doctors_cou
     assert all(b["expansion"]["rows_expanded"] == b["expansion"]["rows_predicted"]
                for b in report["batches"])
     assert sum(b["image_samples"] for b in report["batches"]) == 12
+    cut = run_check(str(llava["configs"]["finetune"]), batches=1, work_dir=tmp_path / "cut",
+                    max_documents=2)  # whole rows kept, with the images they take
+    _passes(cut)
+    assert cut["batches"][0]["rows"] == cut["batches"][0]["documents"] == 2
+    assert cut["batches"][0]["expansion"]["samples_alone"] == finetune_doctor[1][:2]
 
 
 def test_check_packed_stock_pretrain_passes_with_projector_gradients(llava, tmp_path):
