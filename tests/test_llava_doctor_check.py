@@ -136,6 +136,9 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
     assert "train_dataloader.collate_fn.image_tokens=4, but the vision tower gives 16" in text
     assert "train_dataloader.dataset.image_folder: 12 of 12 samples name an image" in text
     assert "its image cannot be opened" in text
+    leaky, _ = diagnose(str(llava["configs"]["finetune_packed_no_edit"]), progress=False)
+    assert leaky["exit_code"] == 1 and leaky["packed"]  # llava_collate_fn rows, no plugin
+    assert "the data are packed: documents would attend to each other" in leaky["problems"][0]
 
 
 def test_llava_problems_name_the_setting(llava):

@@ -237,7 +237,8 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["multimodal"] = None if llava is None else llava_figures(
         llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length"))
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
-                            or scan.documents > len(dataset))
+                            or scan.documents > len(dataset)
+                            or bool(llava and llava.packed_rows))  # llava_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["sequence_parallel"] = sequence_parallel_figures(
         cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -149,13 +150,16 @@ class _ImageItems(Sequence):
 
 
 def _expanded_batch(out: object, image_tokens: int) -> dict:
-    """The collated batch's ``[b, s']`` shape after the expansion (XTuner re-pads rows)."""
+    """The collated batch's ``[b, s']`` shape after the expansion (XTuner re-pads rows), and
+    how many of its rows pack several samples (``cumulative_len`` with > 1 real segment)."""
     data = out.get("data", out) if isinstance(out, Mapping) else out
     ids, mask = data["input_ids"], data.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     rows = [expanded_length(row[m], image_tokens) for row, m in zip(ids, mask)]
+    packed = sum(sum(bool(m[a:e].any()) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())) > 1
+                 for cu, m in zip(data.get("cumulative_len") or [], mask))
     return {"data": {"input_ids": torch.zeros(len(rows), max(rows), dtype=torch.long),
-                     "expanded_row_lengths": rows}}
+                     "expanded_row_lengths": rows}, "packed_rows": packed}
 
 
 @dataclass
@@ -167,6 +171,12 @@ class LLaVAView:
     collate_fn: Callable  # the config's, then the expansion's arithmetic
     image_tokens: dict
     llm_max_position: int | None  # the LLM config's max_position_embeddings
+    packed_rows: int = 0  # rows of several samples seen by collate_fn so far
+
+    def collate(self, collate_fn: Callable, items: list) -> dict:
+        out = _expanded_batch(collate_fn(items), self.image_tokens["image_tokens"])
+        self.packed_rows += out.pop("packed_rows")
+        return out
 
 
 def _llm_max_position(cfg) -> int | None:
@@ -195,9 +205,10 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
         return None
     tokens = image_tokens_of(cfg)
     p = tokens["image_tokens"]
-    return LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset),
-                     lambda items: _expanded_batch(collate_fn(items), p), tokens,
-                     _llm_max_position(cfg))
+    view = LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset), collate_fn,
+                     tokens, _llm_max_position(cfg))
+    view.collate_fn = partial(view.collate, collate_fn)
+    return view
 
 
 def _crop_size(dataset) -> tuple[int, int] | None:
