@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -168,13 +167,14 @@ class LLaVAView:
 
     scan_items: Sequence  # expanded samples, for lengths and labels
     collate_items: Sequence  # real items, for the config's collate function
-    collate_fn: Callable  # the config's, then the expansion's arithmetic
+    config_collate_fn: Callable  # the config's, kwargs bound
     image_tokens: dict
     llm_max_position: int | None  # the LLM config's max_position_embeddings
     packed_rows: int = 0  # rows of several samples seen by collate_fn so far
 
-    def collate(self, collate_fn: Callable, items: list) -> dict:
-        out = _expanded_batch(collate_fn(items), self.image_tokens["image_tokens"])
+    def collate_fn(self, items: list) -> dict:
+        """The config's collate function, then the expansion's arithmetic (``[b, s']``)."""
+        out = _expanded_batch(self.config_collate_fn(items), self.image_tokens["image_tokens"])
         self.packed_rows += out.pop("packed_rows")
         return out
 
@@ -205,10 +205,8 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
         return None
     tokens = image_tokens_of(cfg)
     p = tokens["image_tokens"]
-    view = LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset), collate_fn,
+    return LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset), collate_fn,
                      tokens, _llm_max_position(cfg))
-    view.collate_fn = partial(view.collate, collate_fn)
-    return view
 
 
 def _crop_size(dataset) -> tuple[int, int] | None:
