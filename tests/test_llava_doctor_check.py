@@ -79,6 +79,17 @@ def test_doctor_counts_each_image_as_the_llm_sees_it(finetune_doctor):
     assert m["lengths_as_dataset"]["p100"] <= max(lengths) and raw_total > 0
     c = report["collate"]
     assert c["real_tokens"] == sum(lengths) and c["padded_slots"] == c["config_slots"]
+    order = m["sampler_order"]  # the stock LengthGroupedSampler's batches, padded
+    from mmengine.config import Config
+    from xtuner.dataset.samplers import LengthGroupedSampler
+    from xtuner.registry import BUILDER
+
+    cfg = Config.fromfile(report["config"])
+    dataset = BUILDER.build(cfg.train_dataloader.dataset)
+    indices = list(LengthGroupedSampler(dataset, 4, "modality_length", seed=0))
+    batches = [indices[i:i + 4] for i in range(0, 24, 4)]
+    share = sum(lengths) / sum(4 * max(lengths[i] for i in b) for b in batches)
+    assert order["sampler"] == "LengthGroupedSampler" and order["padded_share"] == share
 
 
 def test_check_padded_stock_finetune_passes_and_its_expansion_is_the_doctors_count(

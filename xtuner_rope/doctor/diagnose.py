@@ -20,6 +20,7 @@ from xtuner_rope.doctor.llava_stats import (
     llava_view,
     llava_warnings,
     refuse_unserved_model,
+    sampler_padding,
 )
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
@@ -236,6 +237,9 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     }
     report["multimodal"] = None if llava is None else llava_figures(
         llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length"))
+    if llava is not None and loader.get("sampler"):  # LengthGroupedSampler: its own order
+        report["multimodal"]["sampler_order"] = sampler_padding(cfg, dataset, scan.lengths,
+                                                                batch_size, batches)
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
                             or scan.documents > len(dataset)
                             or bool(llava and llava.packed_rows))  # llava_collate_fn rows
