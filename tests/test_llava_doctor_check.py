@@ -24,6 +24,8 @@ from xtuner_rope.doctor.llava_stats import image_tokens_of, llava_problems
 
 P = 16  # tiny CLIP: (56 // 14) ** 2
 
+pytestmark = pytest.mark.slow  # real model builds and passes (run in CI)
+
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> dict:
