@@ -106,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     from xtuner_rope.doctor.diagnose import diagnose
     from xtuner_rope.doctor.report import format_summary, write_outputs
 
-    report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
+    from .startup import ConfigConflict
+
+    try:
+        report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
+    except ConfigConflict as err:  # refused before any data (e.g. InternVL)
+        print(err)
+        return 1
     out = args.out or Path("work_dirs") / "doctor" / Path(args.config).stem
     paths = write_outputs(report, lengths, out)
     print(format_summary(report))

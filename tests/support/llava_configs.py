@@ -49,3 +49,56 @@ def enable_plugin_llava(text: str, with_pretrained_alias: bool = False) -> str:
     """The README's one edit after ``llm_name_or_path`` (optionally the user's alias line too)."""
     alias = "pretrained_model_name_or_path = llm_name_or_path\n" if with_pretrained_alias else ""
     return sub_once(text, r'^(llm_name_or_path = ".*"\n)', r"\g<1>" + alias + PLUGIN_EDIT)
+
+
+def llava_assets(root: Path) -> dict:
+    """Tiny InternLM2 (hub-style remote code), tiny CLIP, drawn images + short text dialogues
+    (12 + 12) and the two stock configs copied with ``xtuner copy-cfg``, under ``root``."""
+    from stock_configs import copy_stock, ensure_tiny_model, tiny_with_remote_code
+
+    from xtuner_rope.demo.llava_data import write_llava_data
+    from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+    ensure_tiny_model()
+    return {"root": root, "llm": tiny_with_remote_code(root / "tiny-internlm2-remote"),
+            "clip": save_tiny_clip(root / "tiny-clip"),
+            "data": write_llava_data(root / "data", n_images=12, n_text=12),
+            "finetune": copy_stock(FINETUNE, root), "pretrain": copy_stock(PRETRAIN, root)}
+
+
+def with_llava_collate(text: str, max_length: int = 256, image_tokens: int = 16) -> str:
+    """Pack the config's samples at collate time: ``llava_collate_fn`` instead of XTuner's
+    ``default_collate_fn`` (the README's packing edit for LLaVA)."""
+    text = sub_once(text, r"collate_fn=dict\(type=default_collate_fn\)",
+                    f"collate_fn=dict(type=llava_collate_fn, max_length={max_length}, "
+                    f"image_tokens={image_tokens})")
+    return sub_once(text, r"^(from xtuner.dataset.collate_fns import default_collate_fn\n)",
+                    r"\g<1>from xtuner_rope import llava_collate_fn\n")
+
+
+def save_offline_text(config: Path, out_dir: Path) -> Path:
+    """The config's ``LLaVADataset`` text, tokenized once and saved where XTuner's
+    ``offline_processed_text_folder`` loads it (what ``xtuner process_untokenized_llava_data``
+    does for a large set; here it spares each test XTuner's 32-process tokenization)."""
+    import json
+
+    from datasets import Dataset, DatasetDict
+    from mmengine.config import Config
+    from xtuner.dataset.huggingface import process_hf_dataset
+
+    ds = Config.fromfile(str(config)).train_dataloader.dataset
+    rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
+    # LLaVADataset's own call, in one process (its default is 32 map processes).
+    text = process_hf_dataset(
+        dataset=DatasetDict({"train": Dataset.from_list(rows)}), tokenizer=ds.tokenizer,
+        max_length=ds.max_length, dataset_map_fn=ds.dataset_map_fn,
+        template_map_fn=ds.template_map_fn, split="train", remove_unused_columns=False,
+        pack_to_max_length=False, with_image_token=True, map_num_proc=1)
+    text.save_to_disk(str(out_dir))
+    return out_dir
+
+
+def with_offline_text(text: str, folder: Path) -> str:
+    """Load the tokenized text from ``folder`` (``offline_processed_text_folder``)."""
+    return sub_once(text, r"^(llava_dataset = dict\(\n)",
+                    rf'\g<1>    offline_processed_text_folder="{folder}",\n')

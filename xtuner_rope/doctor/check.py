@@ -33,7 +33,9 @@ from xtuner_rope.doctor import check_measure as cm
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
+from xtuner_rope.doctor.llava_stats import refuse_unserved_model
 from xtuner_rope.models.runtime import chosen_backends
+from xtuner_rope.startup_multimodal import is_llava
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).
@@ -242,10 +244,15 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
+    refuse_unserved_model(config)  # InternVL: refused by the start-up, named
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
         return run_preference_check(cfg, config, Path(work_dir))
+    from xtuner_rope.doctor.llava_check import run_llava_check
+    if is_llava(cfg):  # LLaVAModel: the LLM's logits after the image expansion
+        return run_llava_check(cfg, config, cfg_options, batches, Path(work_dir), dtype,
+                               max_documents, new_tokens)
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device
     dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)

@@ -91,6 +91,9 @@ def format_summary(report: dict) -> str:
     if report.get("kind") == "preference":
         from xtuner_rope.doctor.check_preference import format_preference_summary
         return format_preference_summary(report)
+    if report.get("kind") == "llava":
+        from xtuner_rope.doctor.llava_check import format_llava_summary
+        return format_llava_summary(report)
     m, fig, gen = report["model"], report["figures"], report["generation"]
     docs = sum(b["documents"] for b in report["batches"])
     rows = sum(b["rows"] for b in report["batches"])

@@ -16,6 +16,14 @@ from mmengine.config import Config
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.doctor.llava_stats import (
+    llava_figures,
+    llava_problems,
+    llava_view,
+    llava_warnings,
+    refuse_unserved_model,
+    sampler_padding,
+)
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
 from xtuner_rope.doctor.preference import preference_figures, preference_warnings
@@ -177,16 +185,21 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
         and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
+    refuse_unserved_model(config)  # InternVL: refused before its data are read
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
     dataset, dialogues = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
-    scan = scan_samples(dataset, collate_max_length=collate_kwargs.get("max_length"),
+    llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
+    items = dataset if llava is None else llava.scan_items
+    scan = scan_samples(items, collate_max_length=collate_kwargs.get("max_length"),
                         truncation_length=None if facts["pack_to_max_length"]
                         else facts["max_length"], progress=progress)
-    plan = simulate_collate(dataset, collate_fn, batch_size, batches, scan, progress=progress)
+    plan = simulate_collate(dataset if llava is None else llava.collate_items,
+                            collate_fn if llava is None else llava.collate_fn, batch_size,
+                            batches, scan, progress=progress)
     source = _source_rows(loader, facts)
     lengths = scan.lengths if dialogues is None else [len(r) for r in dialogues["input_ids"]]
     kept = len(dataset) if dialogues is None else len(dialogues)
@@ -209,11 +222,17 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
                     "order": "dataset order (no shuffle)",
                     "batches_total": -(-len(dataset) // batch_size), **plan_summary(plan)},
         "loss_weights": dataset_loss_weights(
-            dataset, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
+            items, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
                 "accumulative_counts", 1), batches),
     }
+    report["multimodal"] = None if llava is None else llava_figures(
+        llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length"))
+    if llava is not None and loader.get("sampler"):  # LengthGroupedSampler: its own order
+        report["multimodal"]["sampler_order"] = sampler_padding(cfg, dataset, scan.lengths,
+                                                                batch_size, batches)
     report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
-                            or scan.documents > len(dataset))
+                            or scan.documents > len(dataset)
+                            or bool(llava and llava.packed_rows))  # llava_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["sequence_parallel"] = sequence_parallel_figures(
         cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes)
@@ -222,6 +241,8 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
+    report["problems"] += llava_problems(report["multimodal"])
+    report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(cfg.get("param_scheduler"), len(dataset), batch_size,
                                             bool(loader.get("drop_last", False)))
     report["exit_code"] = exit_code(report)

@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
@@ -86,6 +87,7 @@ def format_summary(report: dict) -> str:
                                 else "NOT enabled (no model_resource from xtuner_rope)")]
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
     lines += (preference_lines(report) if report.get("preference") else _data_lines(report))
+    lines += llava_lines(report.get("multimodal"))
     lines += _collate_lines(report)
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))

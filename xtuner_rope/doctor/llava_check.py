@@ -1,0 +1,322 @@
+"""``xtuner-rope check`` for XTuner's LLaVA configs, through the real ``LLaVAModel``.
+
+The config is started and its Runner built as for text SFT (:mod:`xtuner_rope.doctor.check`):
+the vision tower, projector and LLM the config names. The LLM never sees the collated batch:
+``LLaVAModel.forward`` expands each image placeholder into ``P`` patch embeddings first. So
+each sample of the config's first batches (padded by XTuner's ``default_collate_fn`` or
+packed by ``llava_collate_fn``) is located in the *expanded* rows (its length
+``n - 1 + P`` with an image, ``P`` from the tower's config as the doctor counts it), and:
+
+1. unpatched (the model as built): each sample alone, collated by itself with its own image
+   (XTuner's one-sample batch), through ``LLaVAModel``: the LLM's logits, loss and
+   gradients (projector and LLM, whatever the config trains);
+2. the plugin's hooks run as in training (``ValidatedRoPEHook`` patches the LLM,
+   ``PackedBatchCheckHook`` checks the batch, publishes its boundaries and expands them after
+   the image expansion);
+3. patched: the batch through ``LLaVAModel`` as the training step calls it; each sample's
+   LLM logits against step 1, the loss, the gradients; the real expansion's row lengths
+   against the doctor's arithmetic (a disagreement is a problem).
+
+Randomness is off in both passes (``check_randomness``), the backend the packed attention ran
+is reported, and the verdict uses ``check_report``'s tolerances.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from mmengine.config import Config
+
+from xtuner_rope.batch.image_packing import expand_row_boundaries, expanded_length
+from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.doctor.check_randomness import randomness_off
+from xtuner_rope.doctor.check_report import judge
+from xtuner_rope.doctor.llava_stats import image_tokens_of
+from xtuner_rope.models.runtime import chosen_backends
+
+IGNORE_INDEX = -100
+BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
+
+
+def _row_segments(data: dict) -> list[list[int]]:
+    """Each row's boundaries before the expansion: ``cumulative_len`` or one sample per row."""
+    b, s = data["input_ids"].shape
+    if data.get("cumulative_len") is not None:
+        return [[int(c) for c in cu] for cu in data["cumulative_len"]]
+    mask = data.get("attention_mask")
+    lengths = [int(m.sum()) for m in mask] if mask is not None else [s] * b
+    return [[0, n] if n == s else [0, n, s] for n in lengths]
+
+
+def llava_samples(data: dict, image_tokens: int) -> list[dict]:
+    """The samples of a collated LLaVA batch, where the LLM sees them and what they hold.
+
+    Args:
+        data: The collated batch (``input_ids``, ``labels``, ``attention_mask`` ``[b, s]``,
+            ``pixel_values`` ``[n, 3, H, W]`` taken in order: one per placeholder, one per row
+            without any; ``cumulative_len`` for packed rows).
+        image_tokens: ``P``.
+
+    Returns:
+        Per sample: ``row``, ``raw`` ``(start, end)`` before the expansion, ``expanded``
+        ``(start, end)`` in the expanded row, ``image`` (index into ``pixel_values``; for a
+        text-only sample the row's ignored image or the first image), ``has_image``.
+    """
+    ids = data["input_ids"]
+    mask = data.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    samples, image = [], 0
+    for r, cu in enumerate(_row_segments(data)):
+        row_image, col = image, 0
+        lengths = iter(expand_row_boundaries(ids[r], mask[r], torch.tensor(cu), image_tokens))
+        placeholders = 0
+        for a, e in zip(cu[:-1], cu[1:]):
+            if not bool(mask[r, a:e].any()):
+                continue
+            n = next(lengths)
+            has = bool((ids[r, a:e] == IMAGE_TOKEN_INDEX).any())
+            samples.append({"row": r, "raw": (a, e), "expanded": (col, col + n),
+                            "image": image if has else row_image, "has_image": has})
+            image += int((ids[r, a:e] == IMAGE_TOKEN_INDEX).sum())
+            placeholders += has
+            col += n
+        image += 0 if placeholders else 1  # XTuner's expansion takes one image per plain row
+    return samples
+
+
+def _alone_batch(data: dict, sample: dict) -> dict:
+    """One sample as XTuner's ``default_collate_fn`` collates it alone (its own image)."""
+    r, (a, e) = sample["row"], sample["raw"]
+    ids = data["input_ids"][r, a:e][None]
+    return {"data": {"input_ids": ids, "labels": data["labels"][r, a:e][None],
+                     "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                     "pixel_values": data["pixel_values"][sample["image"]][None]},
+            "data_samples": None}
+
+
+class _LLMInputs:
+    """Records what the LLM is called with (the expansion's output), per forward."""
+
+    def __init__(self, llm) -> None:
+        self.calls: list[dict] = []
+        self._handle = llm.register_forward_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs, output) -> None:
+        self.calls.append({k: kwargs[k].detach().cpu() for k in ("attention_mask",
+                           "position_ids", "labels") if kwargs.get(k) is not None})
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _alone(model, data: dict, samples: list[dict], n_labels: int, backward: bool,
+           recorder: _LLMInputs) -> tuple[list[torch.Tensor], float, list[int]]:
+    """Each sample alone through ``LLaVAModel``: logits ``[n', V]``, loss, expanded lengths."""
+    logits, total, lengths = [], 0.0, []
+    with torch.set_grad_enabled(backward):
+        for sample in samples:
+            batch = model.data_preprocessor(_alone_batch(data, sample), True)
+            out = model(**batch, mode="tensor")
+            labels = recorder.calls[-1]["labels"][0]
+            loss = cm.token_loss_sum(out.logits[0], labels) / n_labels
+            if backward:
+                (-loss).backward()
+            logits.append(out.logits[0].detach().float().cpu())
+            lengths.append(out.logits.shape[1])
+            total += float(loss.detach())
+    return logits, total, lengths
+
+
+def _prompt(data: dict, sample: dict) -> torch.Tensor:
+    """``[1, k]`` text ids of a sample up to its first supervised label, image dropped."""
+    r, (a, e) = sample["row"], sample["raw"]
+    ids, labels = data["input_ids"][r, a:e], data["labels"][r, a:e]
+    supervised = (labels != IGNORE_INDEX).nonzero().flatten()
+    k = int(supervised[0]) if len(supervised) else e - a
+    text = ids[:max(k, 1)]
+    text = text[text != IMAGE_TOKEN_INDEX]
+    return (text if len(text) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
+
+
+def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dict:
+    from xtuner_rope.doctor.check import apply_patch
+
+    model, llm = runner.model, runner.model.llm
+    recorder = _LLMInputs(llm)
+    try:
+        refs = []
+        for i, (data_batch, samples) in enumerate(batches):
+            data = data_batch["data"]
+            raw = [(s["row"], *s["raw"]) for s in samples]
+            n_packed, n_docs = cm.label_count(data["labels"], raw)
+            logits, loss, lengths = _alone(model, data, samples, n_packed, i == 0, recorder)
+            refs.append({"logits": logits, "loss": loss, "labels": (n_packed, n_docs),
+                         "lengths": lengths,
+                         "predicted": [expanded_length(
+                             data["input_ids"][s["row"], slice(*s["raw"])], p)
+                             for s in samples]})
+        ref_grad = cm.grad_scale(model)
+        first = batches[0]
+        prompt = _prompt(first[0]["data"], first[1][0])
+        generated_ref = cm.greedy(llm, prompt, new_tokens)
+        patched = apply_patch(runner, hooks)
+        chosen_backends(reset=True)
+        results = []
+        for i, ((data_batch, samples), ref) in enumerate(zip(batches, refs)):
+            b, s = data_batch["data"]["input_ids"].shape
+            packed = data_batch["data"].get("cumulative_len") is not None
+            recorder.calls.clear()
+            logits, loss, dropped = cm.packed_forward(runner, data_batch, hooks, BOUNDARY_HOOKS,
+                                                      backward=i == 0)
+            seen = recorder.calls[-1]
+            rows = (seen["attention_mask"].bool().sum(dim=1).tolist()
+                    if "attention_mask" in seen else [logits.shape[1]] * b)
+            predicted = [0] * b
+            for sample in samples:
+                predicted[sample["row"]] = max(predicted[sample["row"]], sample["expanded"][1])
+            docs = [(sm["row"], *sm["expanded"]) for sm in samples]
+            results.append({
+                "rows": b, "tokens_per_row": s, "expanded_tokens_per_row": logits.shape[1],
+                "documents": len(samples),
+                "image_samples": sum(sm["has_image"] for sm in samples),
+                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+                "logits": cm.logits_differences(logits, ref["logits"], docs),
+                "loss": {"packed": loss, "documents": ref["loss"]},
+                "expansion": {"image_tokens": p, "rows_predicted": predicted,
+                              "rows_expanded": rows, "samples_predicted": ref["predicted"],
+                              "samples_alone": ref["lengths"]},
+                "unconsumed_keys": dropped,
+                "boundaries": "cumulative_len, expanded after the image expansion" if packed
+                else "one sample per row (padded)"})
+        diff = cm.grad_scale(model)
+        model.zero_grad(set_to_none=True)
+    finally:
+        recorder.remove()
+    trainable = [n for n, q in model.named_parameters() if q.requires_grad]
+    return {"patched": patched, "backend": ", ".join(chosen_backends(reset=True)) or None,
+            "batches": results,
+            "grads": {"max_abs_diff": diff, "max_abs_grad": ref_grad,
+                      "parameters": sum(q.numel() for q in model.parameters() if q.requires_grad),
+                      "trained": sorted({n.split(".")[0] for n in trainable}), "batch": 0},
+            "generation": {"prompt_tokens": prompt.shape[1], "unpatched": generated_ref,
+                           "patched": cm.greedy(llm, prompt, new_tokens)}}
+
+
+def _cut(data_batch: dict, samples: list[dict], max_documents: int) -> list[dict]:
+    """Keep whole rows (each is its own sequence) up to ``max_documents`` samples, and the
+    images those rows take (one per placeholder, one per row without any)."""
+    data = data_batch["data"]
+    keep, count = 0, 0
+    for r in range(data["input_ids"].shape[0]):
+        n = sum(s["row"] == r for s in samples)
+        if keep and count + n > max_documents:
+            break
+        keep, count = keep + 1, count + n
+    if keep == data["input_ids"].shape[0]:
+        return samples
+    ids = data["input_ids"]
+    images = sum(max(1, int((ids[r] == IMAGE_TOKEN_INDEX).sum())) for r in range(keep))
+    for key in ("input_ids", "labels", "attention_mask", "position_ids"):
+        if isinstance(data.get(key), torch.Tensor) and data[key].dim() == 2:
+            data[key] = data[key][:keep]
+    data["pixel_values"] = data["pixel_values"][:images]
+    if data.get("cumulative_len") is not None:
+        data["cumulative_len"] = data["cumulative_len"][:keep]
+        data["max_seqlen"] = max(int((cu[1:] - cu[:-1]).max()) for cu in data["cumulative_len"])
+    return [s for s in samples if s["row"] < keep]
+
+
+def expansion_problems(report: dict) -> list[str]:
+    """The real expansion's lengths against the doctor's arithmetic (``n - k + k * P``)."""
+    problems = []
+    for i, b in enumerate(report["batches"]):
+        e = b["expansion"]
+        if e["rows_predicted"] != e["rows_expanded"] or \
+                e["samples_predicted"] != e["samples_alone"]:
+            problems.append(
+                f"batch {i}: XTuner's expansion made rows of {e['rows_expanded']} tokens "
+                f"(samples alone {e['samples_alone']}), the doctor's count with "
+                f"{e['image_tokens']} tokens per image gives {e['rows_predicted']} "
+                f"({e['samples_predicted']}): the doctor's figures are wrong for this tower")
+    return problems
+
+
+def run_llava_check(cfg: Config, config: str, cfg_options: dict | None, batches: int,
+                    work_dir: Path, dtype: str | None, max_documents: int,
+                    new_tokens: int) -> dict:
+    """Measure a started LLaVA config; see the module docstring.
+
+    Args: as :func:`xtuner_rope.doctor.check.run_check` (``cfg`` already started).
+
+    Returns:
+        The JSON-ready report (``kind='llava'``, the text check's fields plus ``multimodal``
+        and each batch's ``expansion``), with ``verdict``, ``problems`` and ``exit_code``.
+    """
+    from xtuner_rope.doctor import check as ch
+    from xtuner_rope.doctor.diagnose import plugin_resource
+
+    p = image_tokens_of(cfg)
+    runner = ch.build_runner(cfg, Path(work_dir))
+    device = next(runner.model.parameters()).device
+    dt = ch.DTYPES[dtype] if dtype else ch.train_dtype(cfg, device)
+    runner.model.to(dt)
+    hooks = ch.plugin_hooks(runner)
+    cut = []
+    for data_batch, _ in ch.first_batches(cfg, batches):
+        samples = llava_samples(data_batch["data"], p["image_tokens"])
+        cut.append((data_batch, _cut(data_batch, samples, max_documents)))
+    model = runner.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with randomness_off(model) as randomness:
+        measured = _measure(runner, cut, hooks, new_tokens, p["image_tokens"])
+    llm = model.llm
+    report = {
+        "kind": "llava", "config": str(config),
+        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "plugin": {"model_resource": plugin_resource(cfg), "patched": measured.pop("patched"),
+                   "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks]},
+        "model": {"class": f"LLaVAModel({type(model.visual_encoder).__name__} + "
+                           f"{type(llm).__name__})",
+                  "path": str(getattr(llm, "name_or_path", "")),
+                  "device": str(device), "dtype": str(dt).replace("torch.", ""),
+                  "attn_implementation": getattr(llm.config, "attn_implementation", None)
+                  or getattr(llm.config, "_attn_implementation", None),
+                  "packed_backend": measured.pop("backend"),
+                  "attention_layers": sorted({type(m).__name__ for m in llm.modules()
+                                              if type(m).__name__.endswith(("Attention",
+                                                                            "Attention2"))}),
+                  "parameters": sum(q.numel() for q in model.parameters())},
+        "multimodal": p,
+        "randomness": randomness, **measured,
+    }
+    verdict = judge(report)
+    extra = expansion_problems(report)
+    if extra:
+        verdict["problems"] = verdict["problems"] + extra
+        verdict["exit_code"] = 1
+        if verdict["verdict"].startswith("PASS"):
+            verdict["verdict"] = "FAIL: " + extra[0]
+    if verdict["verdict"].startswith("PASS"):
+        verdict["verdict"] = ("PASS: each sample's LLM logits, loss and gradients in the batch "
+                              "(after the image expansion) equal the sample alone through "
+                              "LLaVAModel; generation unchanged")
+    report.update(verdict)
+    return report
+
+
+def format_llava_summary(report: dict) -> str:
+    """The text check's summary plus the image lines."""
+    from xtuner_rope.doctor.check_report import format_summary
+
+    lines = format_summary({**report, "kind": "text"}).splitlines()
+    b = report["batches"][0]
+    e = b["expansion"]
+    at = next(i for i, line in enumerate(lines) if line.startswith("  batches"))
+    lines.insert(at + 1, f"  images   {b['image_samples']} of {b['documents']} samples with an "
+                 f"image, {e['image_tokens']} LLM tokens each; rows {b['tokens_per_row']} ids "
+                 f"-> {b['expanded_tokens_per_row']} tokens after XTuner's expansion (rows "
+                 f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})")
+    return "\n".join(lines)

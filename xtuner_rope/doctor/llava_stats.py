@@ -1,0 +1,385 @@
+"""The doctor on XTuner's LLaVA configs: lengths as the LLM sees them, after the image expansion.
+
+``LLaVAModel.forward`` (xtuner 0.2.0) runs the vision tower, keeps the hidden states of all
+patches but the CLS token (``hidden_states[visual_select_layer][:, 1:]``) and
+``prepare_inputs_labels_for_multimodal`` puts those ``P`` patch embeddings where the sample's
+``IMAGE_TOKEN_INDEX`` placeholder was (labels -100), then pads each row again to the longest
+expanded row. A sample of ``n`` ids with one image is ``n - 1 + P`` tokens for the LLM
+(``P = 576`` for CLIP-L/14 at 336 px); an image counted as one token (what the dataset's
+``input_ids`` show) understates every length, padding share and packing plan.
+
+:func:`llava_view` gives the doctor that picture: a view of the dataset whose items are the
+expanded sequences (each placeholder ``P`` placeholders, its label ``P`` times -100), read
+from the dataset's tokenized text without opening an image, and the config's collate
+function followed by the expansion's arithmetic, so every existing figure (percentiles,
+padding share, rows, tokens, loss weights) counts image tokens. ``P`` is read from the vision
+tower's config, never guessed; :func:`llava_figures` and :func:`llava_problems` add the
+image/text split and what ``xtuner train`` would refuse.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xtuner_rope.batch.image_packing import expanded_length
+from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.doctor.stats import length_percentiles
+
+IGNORE_INDEX = -100
+
+__all__ = ["LLaVAView", "expand_item", "image_tokens_of", "llava_figures", "llava_lines",
+           "llava_problems", "llava_view", "llava_warnings",
+           "refuse_unserved_model", "sampler_padding"]
+
+
+def _get(node: object, key: str, default: object = None) -> object:
+    return node.get(key, default) if isinstance(node, Mapping) else default
+
+
+def refuse_unserved_model(path: str) -> None:
+    """Stop before any data when the start-up refuses the model itself (InternVL).
+
+    ``xtuner train`` never gets to the data of such a config (and XTuner's
+    ``set_model_resource`` dies on an InternVL config's missing
+    ``pretrained_model_name_or_path`` first), so neither the doctor nor the check reads them.
+
+    Raises:
+        ConfigConflict: the start-up's refusal of ``model.type``, with what to do.
+    """
+    from mmengine.config import Config
+
+    from xtuner_rope import startup
+
+    conflicts = [f for f in startup.inspect_config(Config.fromfile(path))
+                 if f.setting == "model.type" and f.fix is None]
+    if conflicts:
+        raise startup.ConfigConflict(startup.conflict_message(conflicts))
+
+
+def image_tokens_of(cfg) -> dict:
+    """``P``, the patch embeddings one image becomes, from the vision tower's own config.
+
+    Args:
+        cfg: A started LLaVA config (``model.visual_encoder`` names the tower's path).
+
+    Returns:
+        ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
+
+    Raises:
+        ValueError: the tower's config has no ``image_size`` / ``patch_size`` (not a
+            ViT-style tower XTuner's ``LLaVAModel`` serves); the message names the setting.
+    """
+    from transformers import AutoConfig
+
+    encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
+    path = _get(encoder, "pretrained_model_name_or_path")
+    if path is None:
+        raise ValueError("xtuner-rope doctor: model.visual_encoder.pretrained_model_name_or_path"
+                         ": expected the vision tower's path, got none. Set "
+                         "visual_encoder_name_or_path in the config.")
+    config = AutoConfig.from_pretrained(str(path))
+    vision = getattr(config, "vision_config", config)  # a full CLIPConfig holds the tower's
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int) or patch < 1:
+        raise ValueError(f"xtuner-rope doctor: model.visual_encoder ({path}): expected a "
+                         f"ViT-style config with int image_size and patch_size, got "
+                         f"image_size={size!r}, patch_size={patch!r} ({type(vision).__name__}). "
+                         "XTuner's LLaVAModel drops one CLS token per image: use a CLIP tower.")
+    # (size / patch)^2 patch tokens + CLS; LLaVAModel keeps [:, 1:].
+    return {"image_tokens": (size // patch) ** 2, "image_size": size, "patch_size": patch,
+            "model_type": getattr(vision, "model_type", None), "path": str(path)}
+
+
+def expand_item(input_ids: Sequence[int], labels: Sequence[int], image_tokens: int) -> dict:
+    """One sample as the LLM sees it: each placeholder ``image_tokens`` times, labels -100.
+
+    Args:
+        input_ids: ``[n]`` ids, ``IMAGE_TOKEN_INDEX`` where an image goes.
+        labels: ``[n]`` labels.
+        image_tokens: ``P``.
+
+    Returns:
+        ``{'input_ids': [n - k + k * P], 'labels': [n - k + k * P]}`` (``k`` placeholders).
+    """
+    ids, labs = [], []
+    for token, label in zip(input_ids, labels):
+        if token == IMAGE_TOKEN_INDEX:
+            ids += [IMAGE_TOKEN_INDEX] * image_tokens
+            labs += [IGNORE_INDEX] * image_tokens
+        else:
+            ids.append(int(token))
+            labs.append(int(label))
+    return {"input_ids": ids, "labels": labs}
+
+
+class _ExpandedText(Sequence):
+    """The dataset's tokenized samples, expanded (no image is opened)."""
+
+    def __init__(self, text_data, image_tokens: int) -> None:
+        self._ids = text_data["input_ids"]
+        self._labels = text_data["labels"]
+        self._p = image_tokens
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return expand_item(self._ids[index], self._labels[index], self._p)
+
+
+class _ImageItems(Sequence):
+    """The dataset's real items (images loaded); a missing image is a refusal, not a crash."""
+
+    def __init__(self, dataset) -> None:
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        try:
+            return self._dataset[index]
+        except OSError as exc:  # FileNotFoundError, PIL's UnidentifiedImageError
+            raise ValueError(f"sample {index}: its image cannot be opened ({exc}); check "
+                             "train_dataloader.dataset.image_folder") from exc
+
+
+def _expanded_batch(out: object, image_tokens: int) -> dict:
+    """The collated batch's ``[b, s']`` shape after the expansion (XTuner re-pads rows), and
+    how many of its rows pack several samples (``cumulative_len`` with > 1 real segment)."""
+    data = out.get("data", out) if isinstance(out, Mapping) else out
+    ids, mask = data["input_ids"], data.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    rows = [expanded_length(row[m], image_tokens) for row, m in zip(ids, mask)]
+    packed = sum(sum(bool(m[a:e].any()) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())) > 1
+                 for cu, m in zip(data.get("cumulative_len") or [], mask))
+    return {"data": {"input_ids": torch.zeros(len(rows), max(rows), dtype=torch.long),
+                     "expanded_row_lengths": rows}, "packed_rows": packed}
+
+
+@dataclass
+class LLaVAView:
+    """What the doctor scans and collates for a LLaVA config (see the module docstring)."""
+
+    scan_items: Sequence  # expanded samples, for lengths and labels
+    collate_items: Sequence  # real items, for the config's collate function
+    config_collate_fn: Callable  # the config's, kwargs bound
+    image_tokens: dict
+    llm_max_position: int | None  # the LLM config's max_position_embeddings
+    packed_rows: int = 0  # rows of several samples seen by collate_fn so far
+
+    def collate_fn(self, items: list) -> dict:
+        """The config's collate function, then the expansion's arithmetic (``[b, s']``)."""
+        out = _expanded_batch(self.config_collate_fn(items), self.image_tokens["image_tokens"])
+        self.packed_rows += out.pop("packed_rows")
+        return out
+
+
+def _llm_max_position(cfg) -> int | None:
+    from transformers import AutoConfig
+
+    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    path = _get(llm, "pretrained_model_name_or_path")
+    if path is None:
+        return None
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
+    """The doctor's view of a LLaVA config's data; None for any other config.
+
+    Args:
+        cfg: The started config.
+        dataset: Its built train dataset (``LLaVADataset``: ``text_data`` holds the tokenized
+            samples).
+        collate_fn: The config's collate function, kwargs bound.
+    """
+    from xtuner_rope.startup_multimodal import is_llava
+
+    if not is_llava(cfg) or not hasattr(dataset, "text_data"):
+        return None
+    tokens = image_tokens_of(cfg)
+    p = tokens["image_tokens"]
+    return LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset), collate_fn,
+                     tokens, _llm_max_position(cfg))
+
+
+def _crop_size(dataset) -> tuple[int, int] | None:
+    processor = getattr(dataset, "image_processor", None)
+    crop = getattr(processor, "crop_size", None) or getattr(processor, "size", None)
+    if isinstance(crop, Mapping) and "height" in crop and "width" in crop:
+        return int(crop["height"]), int(crop["width"])
+    return None
+
+
+def sampler_padding(cfg, dataset, lengths: Sequence[int], batch_size: int,
+                    max_batches: int) -> dict:
+    """Real-token share of padded batches in the order of the config's own sampler.
+
+    The stock finetune configs sample with ``LengthGroupedSampler(length_property=
+    "modality_length")``: image and text samples in separate batches of similar length (as
+    the dataset counts them, an image one token), so XTuner's padding wastes less than in
+    dataset order. The sampler is built as the Runner builds it, seeded with
+    ``randomness.seed`` (0 when the config has none: training then draws one).
+
+    Args:
+        cfg: The started config.
+        dataset: The built train dataset.
+        lengths: ``[n]`` expanded sample lengths.
+        batch_size: Samples per batch.
+        max_batches: How many batches of the sampler to count.
+
+    Returns:
+        ``{'sampler', 'seed', 'batches', 'padded_share'}``.
+    """
+    from mmengine.registry import DATA_SAMPLERS
+
+    from xtuner_rope.startup import type_name
+
+    sampler_cfg = dict(_get(cfg.train_dataloader, "sampler") or {})
+    seed = _get(cfg.get("randomness"), "seed")
+    seed = 0 if seed is None else int(seed)
+    sampler = DATA_SAMPLERS.build(dict(sampler_cfg, dataset=dataset, seed=seed))
+    order = list(iter(sampler))[:max_batches * batch_size]
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    real = sum(lengths[i] for c in chunks for i in c)
+    slots = sum(len(c) * max(lengths[i] for i in c) for c in chunks)
+    return {"sampler": type_name(sampler_cfg.get("type")), "seed": seed,
+            "batches": len(chunks), "padded_share": real / slots if slots else None}
+
+
+def llava_figures(view: LLaVAView, dataset, collate_kwargs: Mapping,
+                  dataset_max_length: int | None = None) -> dict:
+    """Image and text samples, image-token share, lengths before and after the expansion.
+
+    Args:
+        view: :func:`llava_view` of the config.
+        dataset: The ``LLaVADataset``.
+        collate_kwargs: The collate function's kwargs (``image_tokens`` of
+            ``llava_collate_fn``).
+        dataset_max_length: ``LLaVADataset``'s ``max_length`` (it cuts the ids, an image
+            counted as one token): samples exactly that long were probably cut.
+    """
+    text = dataset.text_data
+    p = view.image_tokens["image_tokens"]
+    raw = [len(ids) for ids in text["input_ids"]]
+    images = [sum(1 for t in ids if t == IMAGE_TOKEN_INDEX) for ids in text["input_ids"]]
+    names = text["image"] if "image" in text.column_names else [None] * len(raw)
+    folder = getattr(dataset, "image_folder", None) or ""
+    missing = [i for i, name in enumerate(names)
+               if name is not None and not os.path.exists(os.path.join(folder, name))]
+    expanded = [n + k * (p - 1) for n, k in zip(raw, images)]
+    image_samples = [i for i, k in enumerate(images) if k]
+    return {
+        **view.image_tokens,
+        "image_source": f"{view.image_tokens['model_type']} image_size="
+                        f"{view.image_tokens['image_size']} patch_size="
+                        f"{view.image_tokens['patch_size']}: (image_size // patch_size)^2 "
+                        "patches, CLS dropped by LLaVAModel",
+        "processor_crop": _crop_size(dataset),
+        "collate_image_tokens": collate_kwargs.get("image_tokens"),
+        "image_samples": len(image_samples), "text_samples": len(raw) - len(image_samples),
+        "placeholders_per_sample_max": max(images, default=0),
+        "many_placeholders": [i for i, k in enumerate(images) if k > 1][:10],
+        "samples_naming_an_image": sum(n is not None for n in names),
+        "missing_images": {"count": len(missing), "first_indices": missing[:10]},
+        "image_tokens_total": sum(k * p for k in images),
+        "tokens_expanded": sum(expanded),
+        "image_token_share": sum(k * p for k in images) / sum(expanded) if expanded else None,
+        "lengths_as_dataset": length_percentiles(raw),  # each image one token
+        "lengths_image_samples": length_percentiles([expanded[i] for i in image_samples]),
+        "lengths_text_samples": length_percentiles(
+            [e for e, k in zip(expanded, images) if not k]),
+        "dataset_max_length": dataset_max_length,
+        "truncated": [i for i, n in enumerate(raw) if n == dataset_max_length][:10],
+        "truncated_count": sum(n == dataset_max_length for n in raw),
+        "llm_max_position": view.llm_max_position,
+    }
+
+
+def llava_problems(figures: Mapping | None) -> list[str]:
+    """What ``xtuner train`` would refuse or get wrong, each naming its setting."""
+    if not figures:
+        return []
+    p, problems = figures["image_tokens"], []
+    crop, size = figures["processor_crop"], figures["image_size"]
+    if crop is not None and crop != (size, size):
+        problems.append(
+            f"image_processor: crops images to {crop[0]}x{crop[1]}, but the vision tower "
+            f"(model.visual_encoder, {figures['path']}) takes {size}x{size}: its position "
+            "embeddings do not fit and the first step fails. Use the tower's own image "
+            "processor (the same path).")
+    if figures["collate_image_tokens"] not in (None, p):
+        problems.append(
+            f"train_dataloader.collate_fn.image_tokens={figures['collate_image_tokens']}, but "
+            f"the vision tower gives {p} patch embeddings per image ({figures['image_source']}):"
+            f" rows are planned on wrong lengths and the first step is refused. Set "
+            f"image_tokens={p}.")
+    if figures["many_placeholders"]:
+        problems.append(
+            f"samples with more than one <image> placeholder (first: "
+            f"{', '.join(map(str, figures['many_placeholders']))}): XTuner's LLaVADataset loads "
+            "one image per sample, so the batch check refuses them. Keep one <image> per "
+            "sample.")
+    missing = figures["missing_images"]
+    if missing["count"]:
+        problems.append(
+            f"train_dataloader.dataset.image_folder: {missing['count']} of "
+            f"{figures['samples_naming_an_image']} samples name an image that is not there "
+            f"(first: {', '.join(map(str, missing['first_indices']))}): the step that loads "
+            "one fails. Point image_folder at the images of data_path.")
+    longest = figures["lengths_image_samples"]["p100"] or 0
+    longest = max(longest, figures["lengths_text_samples"]["p100"] or 0)
+    max_position = figures["llm_max_position"]
+    if max_position is not None and longest > max_position:
+        problems.append(
+            f"max_length: samples reach {int(longest)} tokens once each image is {p} patch "
+            f"embeddings, over the LLM's max_position_embeddings={max_position}: the "
+            "expanded-sequence check refuses them. Lower max_length (LLaVADataset counts an "
+            "image as one token) or use fewer image tokens.")
+    return problems
+
+
+def llava_warnings(figures: Mapping | None) -> list[str]:
+    """Samples ``LLaVADataset`` probably cut (exactly its ``max_length`` ids long)."""
+    if not figures or not figures["truncated_count"]:
+        return []
+    return [f"{figures['truncated_count']} samples exactly max_length="
+            f"{figures['dataset_max_length']} ids long (an image counted as one), probably cut "
+            f"silently by LLaVADataset (first: {', '.join(map(str, figures['truncated']))})"]
+
+
+def llava_lines(figures: Mapping | None) -> list[str]:
+    """The doctor's summary lines for a LLaVA config."""
+    if not figures:
+        return []
+    share = figures["image_token_share"]
+
+    def pct(values: Mapping) -> str:
+        return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
+
+    return [
+        f"images       {figures['image_samples']} image samples, {figures['text_samples']} "
+        f"text-only; each image is {figures['image_tokens']} tokens for the LLM "
+        f"({figures['image_source']}); image tokens {figures['image_tokens_total']} of "
+        f"{figures['tokens_expanded']} ({'n/a' if share is None else f'{100 * share:.1f}%'})",
+        "             all lengths, rows and shares below count the expanded sequence "
+        "(XTuner's prepare_inputs_labels_for_multimodal)",
+        f"             image samples {pct(figures['lengths_image_samples'])}",
+        f"             text samples  {pct(figures['lengths_text_samples'])}",
+        f"             as the dataset counts them (image = 1 token) "
+        f"{pct(figures['lengths_as_dataset'])}",
+    ] + _sampler_line(figures.get("sampler_order"))
+
+
+def _sampler_line(order: Mapping | None) -> list[str]:
+    if not order or order["padded_share"] is None:
+        return []
+    return [f"             in {order['sampler']} order (seed {order['seed']}, first "
+            f"{order['batches']} batches) padded batches hold {100 * order['padded_share']:.1f}%"
+            " real tokens (XTuner default_collate_fn)"]
