@@ -66,15 +66,13 @@ def _started(*configs: Path) -> list[dict]:
 
 
 def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_path):
-    config = _config(llava, "finetune", tmp_path / "finetune.py")
-    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
-                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
-    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
+    config = _with_capture(_config(llava, "finetune", tmp_path / "finetune.py"))
     proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
     assert "pretrained_model_name_or_path: missing (a LLaVA config names its LLM" in out
-    assert "removed EvaluateChatHook" in out
+    assert "custom_hooks: EvaluateChatHook" not in out  # kept (compat fixes its generation)
+    assert_chat_hook_generated(tmp_path / "run")
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
     assert "the sequence its LLM sees after the image expansion is checked every step" in out
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
@@ -91,16 +89,66 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
           f"{result['max_abs_diff']:.3g}, losses {run.losses}")
 
 
-def test_pretrain_fp16_llm_fp32_on_cpu_and_user_alias_line_keeps_clip_paths(llava, tmp_path):
-    """The stock pretrain config (fp16 LLM) with the edit; the finetune one with the user's
-    ``pretrained_model_name_or_path = llm_name_or_path`` line too."""
+def assert_chat_hook_generated(work_dir: Path) -> None:
+    """XTuner's ``EvaluateChatHook`` generated for the image prompt, before and after training:
+    ``Sample output:`` with the prompt (``<image>``, the question) and new tokens after it."""
+    log = sorted(work_dir.glob("*/*.log"))[-1].read_text()
+    samples = log.split("Sample output:\n")[1:]
+    assert len(samples) >= 2, log[-3000:]  # before_train and after_train
+    for sample in samples:
+        prompt, _, generated = sample.partition("What is this?")
+        assert "<image>" in prompt, sample[:500]
+        reply = generated.split("\n20")[0]  # up to the next log line's timestamp
+        assert reply.split("[/UNUSED_TOKEN_146]", 1)[-1].strip(), sample[:500]
+
+
+def _with_capture(config: Path) -> Path:
+    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
+                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
+    return config
+
+
+def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tmp_path):
+    """The stock pretrain config (LLM frozen and loaded fp16, projector trained) with the edit,
+    its samples packed by ``llava_collate_fn``, through the real ``xtuner train``. Inside the
+    run the capture hook measures each packed sample against itself alone through an unpatched
+    copy of the LLM with the run's weights, and the same packed rows through that unpatched
+    LLM: the negative control, which must leak."""
+    config = _config(llava, "pretrain", tmp_path / "pretrain.py")
+    text = sc.sub_once(config.read_text(), r"collate_fn=dict\(type=default_collate_fn\)",
+                       "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)")
+    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)",
+                                  r"\g<1>from xtuner_rope import llava_collate_fn\n"))
+    proc = sc.xtuner_train(_with_capture(config), tmp_path / "run", "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    run = check_run(tmp_path / "run", min_iters=6)
+    assert "model.llm.torch_dtype: float16 on this CPU-only machine" in out, out[-3000:]
+    assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
+    assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE
+
+    saved = torch.load(tmp_path / "run" / LLAVA_CAPTURE_FILE, weights_only=False)
+    result = saved["in_run"]
+    assert result["rows"] == 1 and result["samples"] == 4, result  # one packed row
+    for sample in result["per_sample"]:
+        assert sample["max_abs_diff"] <= 1e-5 * max(1.0, sample["max_abs_logit"]), sample
+    assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
+    # Negative control: the first sample of a row sees nothing before it; the others leak.
+    assert result["per_sample"][0]["unpatched_max_abs_diff"] <= 1e-5, result["per_sample"][0]
+    assert result["unpatched_max_abs_diff"] > 1e-2, result
+    print(f"LLaVA pretrain, packed: {result['samples']} samples in {result['rows']} row(s), "
+          f"max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
+          f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}")
+
+
+def test_user_alias_line_keeps_clip_paths(llava, tmp_path):
+    """The finetune config with the user's ``pretrained_model_name_or_path = llm_name_or_path``
+    line too: XTuner's start-up keeps the CLIP encoder's and image processor's paths."""
     assert compat.cpu_only()
-    pretrain, alias = _started(_config(llava, "pretrain", tmp_path / "pretrain.py"),
-                               _config(llava, "finetune", tmp_path / "alias.py", alias=True))
-    assert pretrain["llm_dtype"] == "float32", pretrain
-    for paths in (pretrain, alias):
-        assert paths["llm"] == paths["tokenizer"] == str(llava["llm"])
-        assert paths["clip"] == paths["processor"] == str(llava["clip"])
+    (alias,) = _started(_config(llava, "finetune", tmp_path / "alias.py", alias=True))
+    assert alias["llm"] == alias["tokenizer"] == str(llava["llm"])
+    assert alias["clip"] == alias["processor"] == str(llava["clip"])
 
 
 def test_internvl_config_is_refused_at_start_up():
