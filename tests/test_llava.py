@@ -98,14 +98,15 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
           f"{result['max_abs_diff']:.3g}, losses {run.losses}")
 
 
-def assert_chat_hook_generated(work_dir: Path) -> None:
+def assert_chat_hook_generated(work_dir: Path,
+                               assistant: str = "<|im_start|>assistant\n") -> None:
     """XTuner's ``EvaluateChatHook`` generated for the image prompt, before and after training:
     each ``Sample output:`` holds the prompt (``<image>``, the question) and new text after it."""
     log = sorted(work_dir.glob("*/*.log"))[-1].read_text()
     samples = log.split(" - INFO - Sample output:\n")[1:]
     assert len(samples) >= 2, log[-3000:]  # before_train and after_train at least
     for sample in samples:
-        prompt, _, reply = sample.partition("<|im_start|>assistant\n")
+        prompt, _, reply = sample.partition(assistant)  # the template's assistant turn
         assert "<image>\nWhat is this?" in prompt, sample[:500]
         assert reply.split("\n20")[0].strip(), sample[:500]  # up to the next log line
 
@@ -187,6 +188,7 @@ def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm
     run = check_run(tmp_path / "run", min_iters=6)
     assert "ValidatedRoPEHook: 2 Llama attention layers" in out, out[-3000:]
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
+    assert_chat_hook_generated(tmp_path / "run", "<|start_header_id|>assistant<|end_header_id|>")
     result = _assert_in_run_isolation(tmp_path / "run")
     print(f"LLaVA Llama 3 finetune, packed: {result['samples']} samples in {result['rows']} "
           f"row(s), max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "

@@ -913,11 +913,12 @@ def _internlm2_causal_lm_classes(module) -> list[type]:
 
 
 def patch_internlm2_generation_from_embeds() -> bool:
-    """Let InternLM2's modeling code generate from ``inputs_embeds`` under transformers >= 4.42.
+    """Let InternLM2's modeling code generate from ``inputs_embeds`` under transformers 4.48.
 
     Written against transformers 4.48.0 and InternLM2's hub ``modeling_internlm2.py`` (the
-    version xtuner 0.2.0 ships at ``xtuner._lite.modelings.internlm2``). ``generate()`` now
-    hands the first step an empty ``DynamicCache`` instead of ``past_key_values=None``, and the
+    version xtuner 0.2.0 ships at ``xtuner._lite.modelings.internlm2``); other versions not
+    checked. ``generate()`` hands the first step an empty ``DynamicCache`` instead of
+    ``past_key_values=None``, and the
     modeling code's ``prepare_inputs_for_generation`` feeds ``inputs_embeds`` only
     ``if inputs_embeds is not None and past_key_values is None``: it feeds the empty ``[b, 0]``
     ``input_ids`` instead, with ``cache_position`` over the ``n`` prompt embeddings, and the
@@ -926,7 +927,8 @@ def patch_internlm2_generation_from_embeds() -> bool:
     ``EvaluateChatHook`` with ``evaluation_images`` (LLaVA: ``llm.generate(inputs_embeds=...)``),
     with or without xtuner-rope. Here the step is given its ``inputs_embeds`` when the cache is
     still empty (what transformers' own models check, ``cache_position[0] == 0``); later steps
-    are untouched. Applied to InternLM2 ``*ForCausalLM`` classes whose code has that check:
+    are untouched, and so is every step where the gap is absent (no ``Cache`` object, or
+    ``inputs_embeds`` already fed). Applied to InternLM2 ``*ForCausalLM`` classes whose code has that check:
     XTuner's shipped copies now, remote-code classes when ``transformers`` loads them.
 
     Returns:
@@ -935,8 +937,8 @@ def patch_internlm2_generation_from_embeds() -> bool:
     import transformers
     import transformers.dynamic_module_utils as dynamic
 
-    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 42):
-        return False  # generate() still started from past_key_values=None
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 36):
+        return False  # no Cache objects yet: generate() starts from past_key_values=None
     original = dynamic.get_class_in_module
     if getattr(original, "_xtuner_rope_embeds", False):
         return False
