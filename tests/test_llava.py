@@ -50,9 +50,15 @@ def llava(tmp_path_factory) -> dict:
             "pretrain": sc.copy_stock(lc.PRETRAIN, root)}
 
 
+def _short_chat(text: str) -> str:
+    """``EvaluateChatHook`` generates 32 tokens, not its default 600 (a short trial)."""
+    return sc.sub_once(text, r"^(\s+)(every_n_iters=evaluation_freq,)$",
+                       r"\1\2\n\1max_new_tokens=32,")
+
+
 def _config(llava: dict, name: str, path: Path, alias: bool = False) -> Path:
     text = lc.localize_llava(llava[name], llava["llm"], llava["clip"], llava["data"])
-    path.write_text(lc.enable_plugin_llava(text, with_pretrained_alias=alias))
+    path.write_text(lc.enable_plugin_llava(_short_chat(text), with_pretrained_alias=alias))
     return path
 
 
@@ -182,7 +188,7 @@ def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm
     stock = sc.copy_stock(LLAMA_FINETUNE, tmp_path)
     text = lc.localize_llava(stock, llama_llm, llava["clip"], llava["data"])
     config = tmp_path / "llama_finetune.py"
-    config.write_text(lc.enable_plugin_llava(text))
+    config.write_text(lc.enable_plugin_llava(_short_chat(text)))
     proc = sc.xtuner_train(_with_capture(_packed(config)), tmp_path / "run", "randomness.seed=0")
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
