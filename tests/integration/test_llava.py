@@ -1,12 +1,21 @@
-"""XTuner's stock LLaVA configs with the README's one edit, on a tiny CLIP + tiny InternLM2.
+"""XTuner's stock LLaVA configs with the README's one edit, on a tiny CLIP + tiny LLMs.
 
-One real ``xtuner train`` of the stock finetune config (copied with ``xtuner copy-cfg``, the
-user's own-machine edits of ``llava_configs.localize_llava``, the edit after
-``llm_name_or_path``), on drawn images plus short text-only dialogues, with the LLM's inputs of
-iteration 1 captured and each sample compared with itself alone through the unpatched LLM.
-The other claims (the user's ``pretrained_model_name_or_path = llm_name_or_path`` line, the
-fp16 pretrain config, InternVL) run XTuner's own start-up (``set_model_resource``) without
-training, and the batch checks run on hand-made batches.
+One real ``xtuner train`` per claim (copied with ``xtuner copy-cfg``, the user's own-machine
+edits of ``llava_configs.localize_llava``, the edit after ``llm_name_or_path``), on drawn
+images plus short text-only dialogues, with ``LLaVAIsolationCaptureHook`` recording the LLM's
+inputs and logits of iteration 1:
+
+- the InternLM2 finetune config, padded rows (XTuner's collate): each sample equals itself
+  alone through the unpatched LLM (offline, ``compare_llava_capture``); the stock
+  ``EvaluateChatHook`` generates for its image prompt;
+- the InternLM2 pretrain config (fp16 LLM switched to fp32 on CPU, LLM frozen), rows packed by
+  ``llava_collate_fn``: isolation measured inside the run, and the negative control (the same
+  packed rows through the unpatched LLM leak);
+- the Llama 3 finetune config on a tiny transformers Llama, packed: the same in-run figures.
+
+The other claims (the user's ``pretrained_model_name_or_path = llm_name_or_path`` line,
+InternVL) run XTuner's own start-up (``set_model_resource``) without training, and the batch
+checks run on hand-made batches.
 """
 
 import json
@@ -41,9 +50,15 @@ def llava(tmp_path_factory) -> dict:
             "pretrain": sc.copy_stock(lc.PRETRAIN, root)}
 
 
+def _short_chat(text: str) -> str:
+    """``EvaluateChatHook`` generates 32 tokens, not its default 600 (a short trial)."""
+    return sc.sub_once(text, r"^(\s+)(every_n_iters=evaluation_freq,)$",
+                       r"\1\2\n\1max_new_tokens=32,")
+
+
 def _config(llava: dict, name: str, path: Path, alias: bool = False) -> Path:
     text = lc.localize_llava(llava[name], llava["llm"], llava["clip"], llava["data"])
-    path.write_text(lc.enable_plugin_llava(text, with_pretrained_alias=alias))
+    path.write_text(lc.enable_plugin_llava(_short_chat(text), with_pretrained_alias=alias))
     return path
 
 
@@ -66,15 +81,13 @@ def _started(*configs: Path) -> list[dict]:
 
 
 def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_path):
-    config = _config(llava, "finetune", tmp_path / "finetune.py")
-    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
-                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
-    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
+    config = _with_capture(_config(llava, "finetune", tmp_path / "finetune.py"))
     proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
     assert "pretrained_model_name_or_path: missing (a LLaVA config names its LLM" in out
-    assert "removed EvaluateChatHook" in out
+    assert "custom_hooks: EvaluateChatHook" not in out  # kept (compat fixes its generation)
+    assert_chat_hook_generated(tmp_path / "run")
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
     assert "the sequence its LLM sees after the image expansion is checked every step" in out
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
@@ -91,16 +104,110 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
           f"{result['max_abs_diff']:.3g}, losses {run.losses}")
 
 
-def test_pretrain_fp16_llm_fp32_on_cpu_and_user_alias_line_keeps_clip_paths(llava, tmp_path):
-    """The stock pretrain config (fp16 LLM) with the edit; the finetune one with the user's
-    ``pretrained_model_name_or_path = llm_name_or_path`` line too."""
+def assert_chat_hook_generated(work_dir: Path,
+                               assistant: str = "<|im_start|>assistant\n") -> None:
+    """XTuner's ``EvaluateChatHook`` generated for the image prompt, before and after training:
+    each ``Sample output:`` holds the prompt (``<image>``, the question) and new text after it."""
+    log = sorted(work_dir.glob("*/*.log"))[-1].read_text()
+    samples = log.split(" - INFO - Sample output:\n")[1:]
+    assert len(samples) >= 2, log[-3000:]  # before_train and after_train at least
+    for sample in samples:
+        prompt, _, reply = sample.partition(assistant)  # the template's assistant turn
+        assert "<image>\nWhat is this?" in prompt, sample[:500]
+        assert reply.split("\n20")[0].strip(), sample[:500]  # up to the next log line
+
+
+def _with_capture(config: Path) -> Path:
+    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
+                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
+    return config
+
+
+def _packed(config: Path) -> Path:
+    """``llava_collate_fn`` instead of XTuner's ``default_collate_fn`` (rows packed)."""
+    text = sc.sub_once(config.read_text(), r"collate_fn=dict\(type=default_collate_fn\)",
+                       "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)")
+    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)",
+                                  r"\g<1>from xtuner_rope import llava_collate_fn\n"))
+    return config
+
+
+def _assert_in_run_isolation(work_dir: Path) -> dict:
+    """The capture hook's in-run figures: each packed sample equals itself alone through the
+    unpatched LLM (<= 1e-5 relative), the same rows through the unpatched LLM leak (> 1e-2)."""
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE
+
+    result = torch.load(work_dir / LLAVA_CAPTURE_FILE, weights_only=False)["in_run"]
+    assert result["rows"] < result["samples"], result  # rows really packed
+    for sample in result["per_sample"]:
+        assert sample["max_abs_diff"] <= 1e-5 * max(1.0, sample["max_abs_logit"]), sample
+    assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
+    # Negative control: a row's first sample sees nothing before it; the others leak.
+    firsts = [s for s in result["per_sample"] if s["start"] == 0]
+    assert all(s["unpatched_max_abs_diff"] <= 1e-5 for s in firsts), firsts
+    assert result["unpatched_max_abs_diff"] > 1e-2, result
+    return result
+
+
+def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tmp_path):
+    """The stock pretrain config (LLM frozen and loaded fp16, projector trained) with the edit,
+    its samples packed by ``llava_collate_fn``, through the real ``xtuner train``. Inside the
+    run the capture hook measures each packed sample against itself alone through an unpatched
+    copy of the LLM with the run's weights, and the same packed rows through that unpatched
+    LLM: the negative control, which must leak."""
+    config = _packed(_config(llava, "pretrain", tmp_path / "pretrain.py"))
+    proc = sc.xtuner_train(_with_capture(config), tmp_path / "run", "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    run = check_run(tmp_path / "run", min_iters=6)
+    assert "model.llm.torch_dtype: float16 on this CPU-only machine" in out, out[-3000:]
+    assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
+    assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
+    assert_chat_hook_generated(tmp_path / "run")  # the stock hook, on the patched packed model
+    result = _assert_in_run_isolation(tmp_path / "run")
+    assert result["rows"] == 1 and result["samples"] == 4, result  # one packed row
+    print(f"LLaVA pretrain, packed: {result['samples']} samples in {result['rows']} row(s), "
+          f"max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
+          f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}")
+
+
+LLAMA_FINETUNE = "llava_llama3_8b_instruct_full_clip_vit_large_p14_336_e1_gpu8_finetune"
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llava) -> Path:
+    from xtuner_rope.demo.tiny import save_tiny
+
+    return save_tiny(llava["root"] / "tiny-llama", "llama", sc.SAMPLE_DATA)
+
+
+def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm, tmp_path):
+    """XTuner's Llama 3 LLaVA finetune config (full LLM trained) on a tiny transformers Llama,
+    packed by ``llava_collate_fn``, through the real ``xtuner train``: isolation and the
+    negative control measured inside the run, as for InternLM2."""
+    stock = sc.copy_stock(LLAMA_FINETUNE, tmp_path)
+    text = lc.localize_llava(stock, llama_llm, llava["clip"], llava["data"])
+    config = tmp_path / "llama_finetune.py"
+    config.write_text(lc.enable_plugin_llava(_short_chat(text)))
+    proc = sc.xtuner_train(_with_capture(_packed(config)), tmp_path / "run", "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    run = check_run(tmp_path / "run", min_iters=6)
+    assert "ValidatedRoPEHook: 2 Llama attention layers" in out, out[-3000:]
+    assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
+    assert_chat_hook_generated(tmp_path / "run", "<|start_header_id|>assistant<|end_header_id|>")
+    result = _assert_in_run_isolation(tmp_path / "run")
+    print(f"LLaVA Llama 3 finetune, packed: {result['samples']} samples in {result['rows']} "
+          f"row(s), max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
+          f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}")
+
+
+def test_user_alias_line_keeps_clip_paths(llava, tmp_path):
+    """The finetune config with the user's ``pretrained_model_name_or_path = llm_name_or_path``
+    line too: XTuner's start-up keeps the CLIP encoder's and image processor's paths."""
     assert compat.cpu_only()
-    pretrain, alias = _started(_config(llava, "pretrain", tmp_path / "pretrain.py"),
-                               _config(llava, "finetune", tmp_path / "alias.py", alias=True))
-    assert pretrain["llm_dtype"] == "float32", pretrain
-    for paths in (pretrain, alias):
-        assert paths["llm"] == paths["tokenizer"] == str(llava["llm"])
-        assert paths["clip"] == paths["processor"] == str(llava["clip"])
+    (alias,) = _started(_config(llava, "finetune", tmp_path / "alias.py", alias=True))
+    assert alias["llm"] == alias["tokenizer"] == str(llava["llm"])
+    assert alias["clip"] == alias["processor"] == str(llava["clip"])
 
 
 def test_internvl_config_is_refused_at_start_up():

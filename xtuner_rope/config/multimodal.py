@@ -7,11 +7,10 @@ encoder's and image processor's own paths). What the config itself must change i
 
 - on a CPU-only machine the stock ``torch_dtype=torch.float16`` LLM cannot run (torch:
   "mat1 and mat2 must have the same dtype" at the first step): it is loaded in fp32 (logged);
-- XTuner's ``EvaluateChatHook`` with ``evaluation_images`` generates from ``inputs_embeds``,
-  which InternLM2's hub modeling code fails to do under transformers 4.48 ("The size of tensor
-  a (0) must match the size of tensor b ..." in the modeling code's own ``_update_causal_mask``,
-  before the plugin's attention runs): the hook is removed before it runs (logged), so
-  training is not stopped by it;
+- XTuner's ``EvaluateChatHook`` with ``evaluation_images`` is kept: its generation from
+  ``inputs_embeds`` died in InternLM2's modeling code under transformers 4.48 ("The size of
+  tensor a (0) must match the size of tensor b ...", an upstream gap, with or without the
+  plugin), which ``compat.patch_internlm2_generation_from_embeds`` closes;
 - ``InternVL_V1_5`` models are refused: xtuner-rope has not been verified inside InternVL's
   own forward, so it names what to do instead of training something unchecked.
 """
@@ -55,24 +54,6 @@ def _half_llm_findings(llm: dict) -> list[Finding]:
         "config's dtype)", lambda: llm.__setitem__("torch_dtype", "float32"))]
 
 
-def _evaluate_chat_findings(cfg: Config) -> list[Finding]:
-    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
-    chat = [h for h in hooks if type_name(_get(h, "type")) == "EvaluateChatHook"
-            and _get(h, "evaluation_images")]
-    if not chat:
-        return []
-
-    def drop() -> None:
-        hooks[:] = [h for h in hooks if not any(h is c for c in chat)]
-
-    return [Finding(
-        "custom_hooks", "EvaluateChatHook with evaluation_images generates from inputs_embeds, "
-        "which InternLM2's modeling code fails to do under transformers 4.48 (RuntimeError: "
-        "The size of tensor a (0) must match the size of tensor b, before the first step)",
-        "removed EvaluateChatHook; try the trained model with `xtuner chat` after training",
-        drop)]
-
-
 @register_findings(order=40)
 def multimodal_findings(cfg: Config) -> list[Finding]:
     """What a multimodal config must change for xtuner-rope; nothing for a text config."""
@@ -88,4 +69,4 @@ def multimodal_findings(cfg: Config) -> list[Finding]:
         return []
     llm = _get(model, "llm")
     findings = _half_llm_findings(llm) if isinstance(llm, dict) else []
-    return findings + _evaluate_chat_findings(cfg)
+    return findings

@@ -9,6 +9,14 @@ LLM's own inputs of iteration 1 (``inputs_embeds`` ``[b, s, d]``, ``attention_ma
 a packed row's samples are cut where its positions restart)
 through the config's LLM loaded fresh from its checkpoint in fp32, unpatched: 0 up to
 rounding when the run kept each sample to itself.
+
+Inside the run, the hook also measures (``negative_control=True``, the default): at the first
+step it builds the config's LLM again from its checkpoint, unpatched (the plugin patches layer
+instances, so a fresh model is the plain HF / remote-code one), gives it the run's LLM weights
+(``load_state_dict`` of the in-run LLM just before the step) and runs through it (a) each
+sample alone and (b) the captured rows as they are: a packed row through the unpatched LLM
+lets its samples attend to each other, the leak the plugin prevents. The figures are logged
+and saved under ``'in_run'`` (:func:`isolation_figures`).
 """
 
 from __future__ import annotations
@@ -38,14 +46,22 @@ class LLaVAIsolationCaptureHook(Hook):
     """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run.
 
     For tiny test models: the saved logits are ``[b, s, V]`` fp32.
+
+    Args:
+        negative_control: Also measure inside the run, through an unpatched copy of the LLM
+            with the run's weights: each sample alone against the captured logits, and the
+            captured rows through the unpatched LLM (the leak without the plugin when rows are
+            packed). Needs a full (not PEFT-wrapped) LLM.
     """
 
     # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8).
     priority = 7
 
-    def __init__(self) -> None:
+    def __init__(self, negative_control: bool = True) -> None:
+        self.negative_control = negative_control
         self._saved: dict = {}
         self._handle = None
+        self._reference: nn.Module | None = None
 
     def _collect(self, module, args, kwargs, output) -> None:
         if self._saved or not module.training:
@@ -54,11 +70,25 @@ class LLaVAIsolationCaptureHook(Hook):
                        for k, v in kwargs.items() if k in _FIELDS and v is not None}
         self._saved["logits"] = output.logits.detach().float().cpu()
         self._saved["loss"] = float(output.loss.detach())
+        if self._reference is not None:
+            inputs = {k: v.detach() for k, v in kwargs.items()
+                      if k in _FIELDS and k != "labels" and v is not None}
+            self._reference.train(module.training)
+            with torch.no_grad():
+                unpatched = self._reference(**inputs).logits.float().cpu()
+            self._saved["unpatched_logits"] = unpatched
+            self._saved["in_run"] = isolation_figures(self._reference, self._saved)
+            self._reference = None
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter == 0:
-            self._handle = inner_llm(runner.model).register_forward_hook(
-                self._collect, with_kwargs=True)
+        if runner.iter != 0:
+            return
+        llm = inner_llm(runner.model)
+        if self.negative_control:
+            self._reference = reference_llava_llm(runner.cfg)
+            self._reference.load_state_dict(llm.state_dict())  # the weights of this step
+            self._reference.to(next(llm.parameters()).device)
+        self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         if self._handle is None:
@@ -67,8 +97,14 @@ class LLaVAIsolationCaptureHook(Hook):
         self._handle = None
         path = Path(runner.work_dir) / LLAVA_CAPTURE_FILE
         torch.save(self._saved, path)
+        figures = self._saved.get("in_run")
+        measured = "" if figures is None else (
+            f" In the run, against each sample alone through the unpatched LLM: "
+            f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
+            f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
+            f"(negative control) {figures['unpatched_max_abs_diff']:.3g}.")
         print_log(f"LLaVAIsolationCaptureHook: saved iteration 1's LLM inputs and logits to "
-                  f"{path}.", logger="current")
+                  f"{path}.{measured}", logger="current")
 
 
 def reference_llava_llm(cfg: Config) -> nn.Module:
@@ -90,35 +126,62 @@ def _samples(lengths: list[int], positions: torch.Tensor | None):
             yield r, a, e - a
 
 
+def isolation_figures(llm: nn.Module, saved: dict) -> dict:
+    """Each captured sample against itself alone through ``llm`` (unpatched), fp32.
+
+    Args:
+        llm: The unpatched LLM with the weights of the captured step.
+        saved: The capture (``inputs_embeds`` ``[b, s, d]``, ``logits`` ``[b, s, V]``,
+            ``attention_mask`` / ``position_ids`` / ``labels`` ``[b, s]``, optionally
+            ``unpatched_logits`` ``[b, s, V]``: the same rows through ``llm``).
+
+    Returns:
+        ``{'rows', 'samples', 'max_abs_diff', 'unpatched_max_abs_diff' (None without
+        ``unpatched_logits``), 'per_sample': [{'row', 'start', 'tokens', 'max_abs_diff',
+        'unpatched_max_abs_diff', 'max_abs_logit'}], 'loss': {'captured', 'samples'}}``.
+    """
+    embeds, logits = saved["inputs_embeds"], saved["logits"]
+    unpatched = saved.get("unpatched_logits")
+    b, s = embeds.shape[:2]
+    mask = saved.get("attention_mask")
+    lengths = mask.bool().sum(dim=1).tolist() if mask is not None else [s] * b
+    positions = saved.get("position_ids")
+    device = next(llm.parameters()).device
+    per_sample, loss_sum, count = [], 0.0, 0
+    with torch.no_grad():
+        for r, a, n in _samples(lengths, positions):
+            alone = llm(inputs_embeds=embeds[r:r + 1, a:a + n].to(device),
+                        position_ids=torch.arange(n, device=device)[None]).logits[0].float().cpu()
+            per_sample.append({
+                "row": r, "start": a, "tokens": n, "max_abs_logit": float(alone.abs().max()),
+                "max_abs_diff": float((logits[r, a:a + n] - alone).abs().max()),
+                "unpatched_max_abs_diff": None if unpatched is None else
+                float((unpatched[r, a:a + n] - alone).abs().max())})
+            labels = saved["labels"][r, a:a + n]
+            loss_sum += float(F.cross_entropy(alone[:-1], labels[1:], reduction="sum",
+                                              ignore_index=IGNORE_INDEX))
+            count += int((labels[1:] != IGNORE_INDEX).sum())
+    return {"rows": b, "samples": len(per_sample),
+            "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
+            "unpatched_max_abs_diff": None if unpatched is None else
+            max(d["unpatched_max_abs_diff"] for d in per_sample),
+            "per_sample": per_sample,
+            "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)}}
+
+
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured sample's LLM logits against the same sample alone (unpatched, fp32).
+
+    Offline, after the run: the LLM is loaded fresh from the config's checkpoint (the weights
+    of the first step when the run starts from it; the hook's ``'in_run'`` figures use the
+    run's own weights).
 
     Args:
         config: The config that was trained (its LLM is loaded from its path).
         capture: The file written by :class:`LLaVAIsolationCaptureHook`.
 
     Returns:
-        ``{'samples', 'max_abs_diff', 'per_sample': [{'tokens', 'max_abs_diff',
-        'max_abs_logit'}], 'loss': {'captured', 'samples'}}``.
+        :func:`isolation_figures`' result.
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
-    embeds, logits = saved["inputs_embeds"], saved["logits"]
-    b, s = embeds.shape[:2]
-    mask = saved.get("attention_mask")
-    lengths = mask.bool().sum(dim=1).tolist() if mask is not None else [s] * b
-    positions = saved.get("position_ids")
-    llm = reference_llava_llm(Config.fromfile(str(config)))
-    per_sample, loss_sum, count = [], 0.0, 0
-    with torch.no_grad():
-        for r, a, n in _samples(lengths, positions):
-            alone = llm(inputs_embeds=embeds[r:r + 1, a:a + n],
-                        position_ids=torch.arange(n)[None]).logits[0].float()
-            per_sample.append({"tokens": n, "max_abs_logit": float(alone.abs().max()),
-                               "max_abs_diff": float((logits[r, a:a + n] - alone).abs().max())})
-            labels = saved["labels"][r, a:a + n]
-            loss_sum += float(F.cross_entropy(alone[:-1], labels[1:], reduction="sum",
-                                              ignore_index=IGNORE_INDEX))
-            count += int((labels[1:] != IGNORE_INDEX).sum())
-    return {"samples": len(per_sample), "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
-            "per_sample": per_sample,
-            "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)}}
+    return isolation_figures(reference_llava_llm(Config.fromfile(str(config))), saved)
