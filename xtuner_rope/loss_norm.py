@@ -23,7 +23,17 @@ MMEngine ``OptimWrapper`` (and subclasses, DDP) get their grads multiplied befor
 clips; DeepSpeed ZeRO divides its gradients by its loss scale (the same division clips and
 reports the norm), so the factor is handed to it as the loss scale of that one step.
 
-The logged ``loss`` is unchanged: each micro-batch's mean token loss, as XTuner logs it.
+Preference models (XTuner's ``DPO``, ``ORPO``, ``RewardModel``) average their loss over the
+*pairs* of each micro-batch (a pack holds a varying number of pairs): there the unit is the pair
+instead of the token, counted from the batch (``cumulative_len``: chosen then rejected per pair;
+unpacked: two rows per pair), and every pair of the step weighs the same. ORPO's loss also has a
+token-mean NLL term on the chosen responses: its odds-ratio term is pair-weighted exactly, its NLL
+term weighs each micro-batch by its pairs. ``RewardModel`` divides by the *rank-averaged*
+``1 / pairs`` of the micro-batch: on several ranks the hook undoes that with one more all-reduce
+of one number per micro-batch. DPO's ``kto_pair`` loss is not a mean over pairs (batch KL terms):
+left as XTuner weighs it (logged).
+
+The logged ``loss`` is unchanged: each micro-batch's mean token (or pair) loss, as XTuner logs it.
 Opt out with ``loss_normalization = "micro_batch"`` in the config (XTuner's own weighting).
 """
 
@@ -43,8 +53,10 @@ LOSS_NORMALIZATION_KEY = "loss_normalization"
 TOKEN, MICRO_BATCH = "token", "micro_batch"
 LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH)
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
-# XTuner models whose loss is a mean over supervised tokens (preference losses are not).
+# XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 TOKEN_MEAN_MODELS = ("SupervisedFinetune",)
+PAIR_MEAN_MODELS = ("DPO", "ORPO", "RewardModel")
+NOT_PAIR_MEAN_DPO_LOSSES = ("kto_pair",)  # batch-level KL terms: no per-pair decomposition
 OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
 
 
@@ -59,6 +71,30 @@ def supervised_tokens(labels: torch.Tensor) -> int:
         The count the model's mean loss divides by.
     """
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def preference_pairs(data: dict) -> int:
+    """Preference pairs in one micro-batch of XTuner's ``preference_collate_fn``.
+
+    Args:
+        data: the batch's ``data`` dict. Packed (``use_varlen_attn``): ``cumulative_len``, one
+            ``[responses + 1]`` boundary tensor per row, chosen then rejected response per pair.
+            Unpacked: ``input_ids`` ``[2 * pairs, s]``, chosen and rejected rows alternating.
+
+    Returns:
+        The count DPO / ORPO / reward losses average over.
+    """
+    cumulative = data.get("cumulative_len")
+    if cumulative is not None:  # a sequence-parallel padding segment would be the odd one
+        pairs = sum((len(bounds) - 1) // 2 for bounds in cumulative)
+    else:
+        pairs = int(data["input_ids"].shape[0]) // 2
+    if pairs == 0:
+        raise ValueError(f"preference_pairs: no pair in a batch of {tuple(data['input_ids'].shape)}"
+                         " input_ids (packed: cumulative_len, chosen then rejected per pair; "
+                         "unpacked: 2 rows per pair); was cumulative_len removed before "
+                         f"TokenWeightedLossHook ran? Set {OPT_OUT} to train without it.")
+    return pairs
 
 
 def loss_normalization(cfg: object) -> str:
@@ -108,10 +144,14 @@ class TokenWeightedLossHook(Hook):
     token mean (DPO, ORPO, reward models: logged).
     """
 
-    priority = "NORMAL"  # 50: any place works; it only counts labels before the train step
+    # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop
+    # ``cumulative_len`` (the pairs of a pack) out of the batch; it only reads the batch.
+    priority = 4
 
     def __init__(self) -> None:
         self.active = False
+        self.unit = "token"  # or "pair" (preference models)
+        self._reward_ranks = False  # RewardModel on several ranks: undo its rank-mean divisor
         self._pending: int | None = None  # the next micro-batch's supervised tokens
         self._window = 0  # supervised tokens of this rank since the last step
         self._saved: dict[str, object] = {}
@@ -124,8 +164,23 @@ class TokenWeightedLossHook(Hook):
             print_log(f"xtuner-rope: {OPT_OUT}: each micro-batch's mean loss, averaged over "
                       "accumulation steps and ranks (XTuner's weighting).", logger="current")
             return
-        if type(model).__name__ not in TOKEN_MEAN_MODELS:
-            print_log(f"xtuner-rope: token-weighted loss not applied: {type(model).__name__}'s "
+        name = type(model).__name__
+        if name in PAIR_MEAN_MODELS and getattr(model, "loss_type", None) in \
+                NOT_PAIR_MEAN_DPO_LOSSES:
+            print_log(f"xtuner-rope: pair-weighted loss not applied: {name}'s loss_type "
+                      f"{model.loss_type!r} is not a mean over pairs.", logger="current")
+            return
+        if name in PAIR_MEAN_MODELS:
+            self.unit = "pair"
+            self._reward_ranks = name == "RewardModel" and get_world_size() > 1
+            self.wrap(runner.optim_wrapper)
+            print_log("xtuner-rope: pair-weighted loss: every optimizer step weights each "
+                      "preference pair equally over all its micro-batches and ranks (sum of pair "
+                      "losses / pairs); the logged loss is still each micro-batch's mean. Opt "
+                      f"out: {OPT_OUT}.", logger="current")
+            return
+        if name not in TOKEN_MEAN_MODELS:
+            print_log(f"xtuner-rope: token-weighted loss not applied: {name}'s "
                       "loss is not a mean over supervised tokens.", logger="current")
             return
         self.wrap(runner.optim_wrapper)
@@ -135,7 +190,9 @@ class TokenWeightedLossHook(Hook):
                   f"mean. Opt out: {OPT_OUT}.", logger="current")
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if self.active:
+        if self.active and self.unit == "pair":
+            self._pending = preference_pairs(batch_data(data_batch, "TokenWeightedLossHook"))
+        elif self.active:
             labels = batch_data(data_batch, "TokenWeightedLossHook").get("labels")
             if not isinstance(labels, torch.Tensor):
                 raise TypeError("TokenWeightedLossHook: the batch has no 'labels' tensor to "
@@ -156,7 +213,7 @@ class TokenWeightedLossHook(Hook):
         """
         self._optim_wrapper = optim_wrapper
         if isinstance(optim_wrapper, OptimWrapper):
-            self._patch("scale_loss", lambda loss: loss * self._take_pending())
+            self._patch("scale_loss", lambda loss: loss * self._take_pending(loss))
             step = optim_wrapper.step
 
             def mmengine_step(**kwargs):
@@ -176,7 +233,7 @@ class TokenWeightedLossHook(Hook):
         update, step = optim_wrapper.update_params, optim_wrapper.step
 
         def deepspeed_update_params(loss):
-            return update(loss * self._take_pending())
+            return update(loss * self._take_pending(loss))
 
         def deepspeed_step(**kwargs):
             engine = optim_wrapper.model
@@ -202,10 +259,16 @@ class TokenWeightedLossHook(Hook):
         self._saved[name] = getattr(self._optim_wrapper, name)
         setattr(self._optim_wrapper, name, fn)
 
-    def _take_pending(self) -> int:
+    def _take_pending(self, loss: torch.Tensor) -> float:
+        """The factor that turns this micro-batch's mean loss into its sum (token or pair)."""
         assert self._pending is not None, "a train step without before_train_iter"
         count, self._pending = self._pending, None
         self._window += count
+        if self._reward_ranks:
+            # RewardModel's loss is sum * mean over ranks of 1 / pairs (xtuner/model/reward.py)
+            inverse = torch.tensor(1.0 / max(count, 1), dtype=torch.float64)
+            all_reduce(inverse, op="mean")
+            return 1.0 / inverse.item() if count else 0.0
         return count
 
     def _total(self) -> float:
@@ -225,4 +288,5 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "loss_normalization", "loss_normalization_findings", "supervised_tokens"]
+           "loss_normalization", "loss_normalization_findings", "preference_pairs",
+           "supervised_tokens"]
