@@ -183,7 +183,7 @@ def test_supervised_tokens_counts_after_the_shift():
 
 def test_unknown_loss_normalization_is_refused():
     with pytest.raises(ValueError, match=r"loss_normalization: expected one of \('token', "
-                                         r"'micro_batch'\), got 'tokens'"):
+                                         r"'micro_batch', 'dialogue'\), got 'tokens'"):
         loss_normalization({"loss_normalization": "tokens"})
     assert loss_normalization({}) == "token"
 
@@ -271,6 +271,6 @@ def test_unknown_loss_normalization_is_refused_at_start_up(tmp_path):
 
     cfg = Config(dict(loss_normalization="per_dialog"))
     with pytest.raises(ConfigConflict, match=r"loss_normalization: expected one of \('token', "
-                                             r"'micro_batch'\), got 'per_dialog'\n  -> set "
+                                             r"'micro_batch', 'dialogue'\), got 'per_dialog'\n  -> set "
                                              r'loss_normalization = "token"'):
         prepare_config(cfg)

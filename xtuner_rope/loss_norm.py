@@ -33,7 +33,15 @@ term weighs each micro-batch by its pairs. ``RewardModel`` divides by the *rank-
 of one number per micro-batch. DPO's ``kto_pair`` loss is not a mean over pairs (batch KL terms):
 left as XTuner weighs it (logged).
 
-The logged ``loss`` is unchanged: each micro-batch's mean token (or pair) loss, as XTuner logs it.
+``loss_normalization = "dialogue"`` (SFT) weighs every *dialogue* of the step equally instead:
+the step's loss is the mean over its dialogues (all micro-batches, all ranks) of each dialogue's
+mean token loss. Dialogues are the documents of a packed row (``cumulative_len``) or the rows of
+an unpacked batch. The model's loss becomes each micro-batch's mean over its dialogues, computed
+from the logits the forward already returns (per-token cross-entropy times ``1 / (supervised
+tokens of the token's dialogue)``): no extra forward; the counting unit of the step is the
+dialogue.
+
+The logged ``loss`` is each micro-batch's mean token (pair; dialogue) loss, as XTuner logs it.
 Opt out with ``loss_normalization = "micro_batch"`` in the config (XTuner's own weighting).
 """
 
@@ -46,12 +54,12 @@ from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 
-from xtuner_rope.batch.checks import batch_data
+from xtuner_rope.batch.checks import batch_data, row_boundaries
 
 # The one setting (top level of the config) and its values.
 LOSS_NORMALIZATION_KEY = "loss_normalization"
-TOKEN, MICRO_BATCH = "token", "micro_batch"
-LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH)
+TOKEN, MICRO_BATCH, DIALOGUE = "token", "micro_batch", "dialogue"
+LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH, DIALOGUE)
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 TOKEN_MEAN_MODELS = ("SupervisedFinetune",)
@@ -71,6 +79,37 @@ def supervised_tokens(labels: torch.Tensor) -> int:
         The count the model's mean loss divides by.
     """
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tensor, int]:
+    """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
+
+    Args:
+        labels: ``[b, s]`` XTuner labels (position ``t`` predicts ``labels[:, t + 1]``; a label
+            belongs to the dialogue of its own position).
+        boundaries: ``b`` 1-D ``cumulative_len`` tensors (packed rows: one segment per
+            dialogue, collate padding included), or None: every row is one dialogue.
+
+    Returns:
+        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]``: ``1 / n_d`` on each
+        supervised label of dialogue ``d`` (``n_d`` its supervised labels), 0 elsewhere; and the
+        number of dialogues with at least one supervised label.
+    """
+    b, s = labels.shape
+    segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue
+    if boundaries is not None:
+        first = 0
+        for row, bounds in enumerate(boundaries):
+            bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
+            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())
+            segment[row] = first + len(bounds) - 1  # positions after the last boundary
+            segment[row, :len(ids)] = first + ids[:s]
+            first += len(bounds)
+    segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
+    counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
+    weights = torch.zeros(b, s - 1, dtype=torch.float32)
+    weights[supervised] = 1.0 / counts[segment[supervised]].float()
+    return weights, int((counts > 0).sum())
 
 
 def preference_pairs(data: dict) -> int:
@@ -122,8 +161,8 @@ def loss_normalization_findings(cfg) -> list:
         return []
     return [Finding(LOSS_NORMALIZATION_KEY, f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
                     f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
-                    f'token of a step weighs the same) or "{MICRO_BATCH}" (XTuner\'s '
-                    "per-micro-batch mean)")]
+                    f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
+                    f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)')]
 
 
 def _unwrap(model: object) -> object:
@@ -139,9 +178,10 @@ class TokenWeightedLossHook(Hook):
 
     Wraps the runner's optimizer wrapper for the run (``before_train``; undone in
     ``after_train``): see the module docstring. Reads ``labels`` of each ``data_batch`` in
-    ``before_train_iter`` (CPU tensors: no device sync). Does nothing with
-    ``loss_normalization = "micro_batch"`` in the config, or for a model whose loss is not a
-    token mean (DPO, ORPO, reward models: logged).
+    ``before_train_iter`` (CPU tensors: no device sync). Preference models (DPO, ORPO, reward)
+    weigh pairs instead of tokens; ``loss_normalization = "dialogue"`` weighs SFT dialogues.
+    Does nothing with ``loss_normalization = "micro_batch"`` in the config, or for a model
+    whose loss is none of these means (logged).
     """
 
     # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop
@@ -152,6 +192,8 @@ class TokenWeightedLossHook(Hook):
         self.active = False
         self.unit = "token"  # or "pair" (preference models)
         self._reward_ranks = False  # RewardModel on several ranks: undo its rank-mean divisor
+        self._dialogue_weights: torch.Tensor | None = None  # [b, s - 1], the next micro-batch
+        self._patched_model = None
         self._pending: int | None = None  # the next micro-batch's supervised tokens
         self._window = 0  # supervised tokens of this rank since the last step
         self._saved: dict[str, object] = {}
@@ -183,6 +225,15 @@ class TokenWeightedLossHook(Hook):
             print_log(f"xtuner-rope: token-weighted loss not applied: {name}'s "
                       "loss is not a mean over supervised tokens.", logger="current")
             return
+        if mode == DIALOGUE:
+            self.unit = "dialogue"
+            self._patch_dialogue_loss(model)
+            self.wrap(runner.optim_wrapper)
+            print_log('xtuner-rope: loss_normalization = "dialogue": every optimizer step '
+                      "weights each dialogue equally over all its micro-batches and ranks (mean "
+                      "over dialogues of each dialogue's mean token loss); the logged loss is "
+                      "each micro-batch's mean over its dialogues.", logger="current")
+            return
         self.wrap(runner.optim_wrapper)
         print_log("xtuner-rope: token-weighted loss: every optimizer step weights each "
                   "supervised token equally over all its micro-batches and ranks (sum of token "
@@ -192,6 +243,12 @@ class TokenWeightedLossHook(Hook):
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if self.active and self.unit == "pair":
             self._pending = preference_pairs(batch_data(data_batch, "TokenWeightedLossHook"))
+        elif self.active and self.unit == "dialogue":
+            data = batch_data(data_batch, "TokenWeightedLossHook")
+            labels = data.get("labels")
+            bounds = (row_boundaries(data, labels.shape[0])
+                      if data.get("cumulative_len") is not None else None)
+            self._dialogue_weights, self._pending = dialogue_weights(labels, bounds)
         elif self.active:
             labels = batch_data(data_batch, "TokenWeightedLossHook").get("labels")
             if not isinstance(labels, torch.Tensor):
@@ -202,7 +259,36 @@ class TokenWeightedLossHook(Hook):
     def after_train(self, runner) -> None:
         for name in self._saved:
             delattr(self._optim_wrapper, name)  # the class's methods again
+        if self._patched_model is not None:
+            del self._patched_model.compute_loss
+            self._patched_model = None
         self._saved, self.active = {}, False
+
+    # -- the per-dialogue loss ------------------------------------------------------------
+    def _patch_dialogue_loss(self, model) -> None:
+        """``model.compute_loss`` returns the micro-batch's mean over dialogues of their mean
+        token loss, from the logits of the one forward (the HF model computes no loss)."""
+        from xtuner.parallel.sequence import get_sequence_parallel_world_size
+
+        if get_sequence_parallel_world_size() > 1:
+            raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" does not support '
+                             "sequence parallel yet; use the default "
+                             f'"{TOKEN}" with sequence_parallel_size > 1.')
+
+        def compute_loss(data, data_samples=None):
+            weights, dialogues = self._dialogue_weights, self._pending
+            assert weights is not None, "a train step without before_train_iter"
+            self._dialogue_weights = None
+            labels = data["labels"]
+            logits = model.llm(**{k: v for k, v in data.items() if k != "labels"}).logits
+            tokens = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX, reduction="none")
+            weights = weights.to(tokens.device).flatten()
+            return {"loss": (tokens * weights).sum() / max(dialogues, 1)}
+
+        model.compute_loss = compute_loss
+        self._patched_model = model
 
     # -- the wrapping ---------------------------------------------------------------------
     def wrap(self, optim_wrapper) -> None:
@@ -288,5 +374,5 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "loss_normalization", "loss_normalization_findings", "preference_pairs",
+           "dialogue_weights", "loss_normalization", "loss_normalization_findings", "preference_pairs",
            "supervised_tokens"]
