@@ -27,7 +27,12 @@ import torch
 from stock_configs import venv_env
 
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.loss_norm import TokenWeightedLossHook, loss_normalization, supervised_tokens
+from xtuner_rope.loss_norm import (
+    IGNORE_INDEX,
+    TokenWeightedLossHook,
+    loss_normalization,
+    supervised_tokens,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
@@ -306,3 +311,27 @@ def test_extra_groupings_zero1_and_dialogue_mode(setup):
     for name, (a, b) in list(figures.items())[:3]:
         assert _relative(a, b) <= RTOL, name
     assert _relative(per_dialogue, reference) > 100 * RTOL
+
+
+def test_llava_label_count_is_the_expanded_sequences():
+    """LLaVA: the hook counts the batch's labels; the LLM's loss divides by the labels of the
+    sequence after ``prepare_inputs_labels_for_multimodal`` expanded each placeholder into
+    patches. The counts agree (placeholder first, inside, absent; a supervised first token)."""
+    from xtuner.model.utils import prepare_inputs_labels_for_multimodal
+    from xtuner.utils import IMAGE_TOKEN_INDEX
+
+    from xtuner_rope.demo.tiny import build_tiny_internlm2
+
+    llm = build_tiny_internlm2(vocab_size=128)
+    ids = torch.randint(3, 100, (3, 10), generator=torch.Generator().manual_seed(0))
+    ids[0, 0] = ids[1, 4] = IMAGE_TOKEN_INDEX
+    labels = ids.masked_fill(ids == IMAGE_TOKEN_INDEX, IGNORE_INDEX)
+    labels[1, :3] = IGNORE_INDEX  # a prompt; row 2 is supervised from its first token on
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[2, 7:] = False  # padding
+    labels[2, 7:] = IGNORE_INDEX
+    patches = torch.randn(3, 5, llm.config.hidden_size)  # XTuner takes one per text row too
+    out = prepare_inputs_labels_for_multimodal(llm=llm, input_ids=ids, labels=labels,
+                                               attention_mask=mask, pixel_values=patches)
+    assert out["labels"].shape[1] == 14
+    assert supervised_tokens(labels) == supervised_tokens(out["labels"]) == 21

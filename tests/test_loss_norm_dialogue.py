@@ -88,3 +88,16 @@ def test_dialogue_mode_refuses_sequence_parallel(monkeypatch):
     with pytest.raises(ValueError, match=r'loss_normalization = "dialogue" does not support '
                                          r"sequence parallel yet"):
         TokenWeightedLossHook()._patch_dialogue_loss(object())
+
+
+def test_dialogue_mode_refuses_other_models():
+    """The per-dialogue loss replaces SupervisedFinetune's compute_loss; LLaVA's expands the
+    sequence first, so its weights would not line up: refused with the default named."""
+    import types
+
+    llava = type("LLaVAModel", (torch.nn.Module,), {})()  # only its class name is read
+    runner = types.SimpleNamespace(cfg={"loss_normalization": "dialogue"}, model=llava)
+    with pytest.raises(ValueError, match=r'loss_normalization = "dialogue" serves XTuner\'s '
+                                         r'SupervisedFinetune only, got LLaVAModel; use the '
+                                         r'default "token"'):
+        TokenWeightedLossHook().before_train(runner)

@@ -62,7 +62,9 @@ TOKEN, MICRO_BATCH, DIALOGUE = "token", "micro_batch", "dialogue"
 LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH, DIALOGUE)
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
-TOKEN_MEAN_MODELS = ("SupervisedFinetune",)
+# LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
+# placeholder they replace does too, so the batch's count is the expanded sequence's.
+TOKEN_MEAN_MODELS = ("SupervisedFinetune", "LLaVAModel")
 PAIR_MEAN_MODELS = ("DPO", "ORPO", "RewardModel")
 NOT_PAIR_MEAN_DPO_LOSSES = ("kto_pair",)  # batch-level KL terms: no per-pair decomposition
 OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
@@ -226,6 +228,10 @@ class TokenWeightedLossHook(Hook):
                       "loss is not a mean over supervised tokens.", logger="current")
             return
         if mode == DIALOGUE:
+            if name != "SupervisedFinetune":
+                raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" serves XTuner\'s '
+                                 f"SupervisedFinetune only, got {name}; use the default "
+                                 f'"{TOKEN}".')
             self.unit = "dialogue"
             self._patch_dialogue_loss(model)
             self.wrap(runner.optim_wrapper)
