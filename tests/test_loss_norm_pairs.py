@@ -125,7 +125,7 @@ def test_pair_counts_are_taken_per_micro_batch():
     batch = {"data": {"cumulative_len": [torch.tensor([0, 3, 7, 9, 12])],
                       "labels": torch.ones(1, 12)}}
     hook.before_train_iter(None, 0, data_batch=batch)
-    assert hook._take_pending(torch.tensor(1.0)) == 2 and hook._window == 2
+    assert hook._take_pending() == 2 and hook._window == 2
 
 
 def test_batch_without_pairs_is_refused():

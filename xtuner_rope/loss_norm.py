@@ -103,9 +103,9 @@ def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tenso
         first = 0
         for row, bounds in enumerate(boundaries):
             bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
-            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())
+            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())[:s]
             segment[row] = first + len(bounds) - 1  # positions after the last boundary
-            segment[row, :len(ids)] = first + ids[:s]
+            segment[row, :len(ids)] = first + ids
             first += len(bounds)
     segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
     counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
@@ -192,7 +192,7 @@ class TokenWeightedLossHook(Hook):
 
     def __init__(self) -> None:
         self.active = False
-        self.unit = "token"  # or "pair" (preference models)
+        self.unit = "token"  # "pair" (preference models) or "dialogue" (that mode)
         self._reward_ranks = False  # RewardModel on several ranks: undo its rank-mean divisor
         self._dialogue_weights: torch.Tensor | None = None  # [b, s - 1], the next micro-batch
         self._patched_model = None
@@ -305,7 +305,7 @@ class TokenWeightedLossHook(Hook):
         """
         self._optim_wrapper = optim_wrapper
         if isinstance(optim_wrapper, OptimWrapper):
-            self._patch("scale_loss", lambda loss: loss * self._take_pending(loss))
+            self._patch("scale_loss", lambda loss: loss * self._take_pending())
             step = optim_wrapper.step
 
             def mmengine_step(**kwargs):
@@ -325,7 +325,7 @@ class TokenWeightedLossHook(Hook):
         update, step = optim_wrapper.update_params, optim_wrapper.step
 
         def deepspeed_update_params(loss):
-            return update(loss * self._take_pending(loss))
+            return update(loss * self._take_pending())
 
         def deepspeed_step(**kwargs):
             engine = optim_wrapper.model
@@ -351,8 +351,9 @@ class TokenWeightedLossHook(Hook):
         self._saved[name] = getattr(self._optim_wrapper, name)
         setattr(self._optim_wrapper, name, fn)
 
-    def _take_pending(self, loss: torch.Tensor) -> float:
-        """The factor that turns this micro-batch's mean loss into its sum (token or pair)."""
+    def _take_pending(self) -> float:
+        """The factor that turns this micro-batch's mean loss into its sum (of token, pair or
+        dialogue losses)."""
         assert self._pending is not None, "a train step without before_train_iter"
         count, self._pending = self._pending, None
         self._window += count
@@ -380,5 +381,5 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "dialogue_weights", "loss_normalization", "loss_normalization_findings", "preference_pairs",
-           "supervised_tokens"]
+           "dialogue_weights", "loss_normalization", "loss_normalization_findings",
+           "preference_pairs", "supervised_tokens"]
