@@ -155,3 +155,26 @@ def test_extra_reward_model_step_whatever_the_packing(tmp_path):
     print(f"reward, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
           f"XTuner's weighting {off:.1e}")
     assert fixed <= RTOL and off > 100 * RTOL, (fixed, off)
+
+
+def test_kto_pair_is_left_as_xtuner_weighs_it():
+    """DPO's kto_pair loss has batch-level KL terms (no mean over pairs): not applied, logged."""
+    import types
+
+    from mmengine.logging import MMLogger
+
+    dpo = type("DPO", (torch.nn.Module,), {"loss_type": "kto_pair"})()  # its name and loss_type
+    runner = types.SimpleNamespace(cfg={}, model=dpo, optim_wrapper=None)
+    logger = MMLogger.get_instance("test_kto_pair", log_level="INFO")
+    records = []
+    handler = __import__("logging").Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        hook = TokenWeightedLossHook()
+        hook.before_train(runner)
+    finally:
+        logger.removeHandler(handler)
+    assert not hook.active
+    assert any("pair-weighted loss not applied: DPO's loss_type 'kto_pair'" in r.getMessage()
+               for r in records), [r.getMessage() for r in records]
