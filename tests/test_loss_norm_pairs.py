@@ -24,7 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 from stock_configs import venv_env
-from test_loss_norm import RTOL, _free_port, _initial, _parameters, _relative, _update_error
+from test_loss_norm import (
+    RTOL,
+    ZERO2,
+    _free_port,
+    _initial,
+    _parameters,
+    _relative,
+    _update_error,
+)
 
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.loss_norm import TokenWeightedLossHook, preference_pairs
@@ -60,7 +68,7 @@ def _config(tmp: Path, *, max_packed_length: int, accumulation: int, recipe: Pat
     return path
 
 
-def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1,
+def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspeed=None,
            mode: str | None = None) -> dict[str, torch.Tensor]:
     """One real run; the trained parameters after it (the frozen DPO reference dropped)."""
     options = [f"train_dataloader.dataset.dataset.data_files.train={data}"]
@@ -72,6 +80,8 @@ def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1,
     else:  # XTuner's own launcher (exits 0 on failure: the checkpoint judges)
         cmd = ["xtuner", "train", str(config), "--launcher", "pytorch"]
         env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
+    if deepspeed:
+        cmd += ["--deepspeed", deepspeed]
     cmd += ["--work-dir", str(work_dir), "--cfg-options", *options]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -178,3 +188,24 @@ def test_kto_pair_is_left_as_xtuner_weighs_it():
     assert not hook.active
     assert any("pair-weighted loss not applied: DPO's loss_type 'kto_pair'" in r.getMessage()
                for r in records), [r.getMessage() for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
+                    reason="by-hand figure (DPO under DeepSpeed ZeRO-2, 2 processes): "
+                           "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~3 min, not in CI)")
+def test_extra_dpo_zero2_step_whatever_the_packing(tmp_path):
+    """DPO, one pack on 1 process against packs x accumulation 2 on 2 processes under ZeRO-2
+    (the fp32 CPU json); XTuner's weighting differs."""
+    data = tmp_path / "pairs.jsonl"
+    lines = (REPO / "data" / "preference_pairs.jsonl").read_text(encoding="utf-8").splitlines()
+    data.write_text("\n".join(lines[:PAIRS]) + "\n", encoding="utf-8")
+    reference = _train(_config(tmp_path, max_packed_length=ONE_PACK, accumulation=1), data,
+                       tmp_path / "one_pack")
+    small = _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=2)
+    fixed = _relative(reference, _train(small, data, tmp_path / "z2", nproc=2, deepspeed=ZERO2))
+    off = _relative(reference, _train(small, data, tmp_path / "z2_off", nproc=2,
+                                      deepspeed=ZERO2, mode="micro_batch"))
+    print(f"DPO ZeRO-2, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
+          f"XTuner's weighting {off:.1e}")
+    assert fixed <= RTOL and off > 100 * RTOL, (fixed, off)
