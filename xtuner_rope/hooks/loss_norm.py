@@ -23,7 +23,25 @@ MMEngine ``OptimWrapper`` (and subclasses, DDP) get their grads multiplied befor
 clips; DeepSpeed ZeRO divides its gradients by its loss scale (the same division clips and
 reports the norm), so the factor is handed to it as the loss scale of that one step.
 
-The logged ``loss`` is unchanged: each micro-batch's mean token loss, as XTuner logs it.
+Preference models (XTuner's ``DPO``, ``ORPO``, ``RewardModel``) average their loss over the
+*pairs* of each micro-batch (a pack holds a varying number of pairs): there the unit is the pair
+instead of the token, counted from the batch (``cumulative_len``: chosen then rejected per pair;
+unpacked: two rows per pair), and every pair of the step weighs the same. ORPO's loss also has a
+token-mean NLL term on the chosen responses: its odds-ratio term is pair-weighted exactly, its NLL
+term weighs each micro-batch by its pairs. ``RewardModel`` divides by the *rank-averaged*
+``1 / pairs`` of the micro-batch: on several ranks the hook undoes that with one more all-reduce
+of one number per micro-batch. DPO's ``kto_pair`` loss is not a mean over pairs (batch KL terms):
+left as XTuner weighs it (logged).
+
+``loss_normalization = "dialogue"`` (SFT) weighs every *dialogue* of the step equally instead:
+the step's loss is the mean over its dialogues (all micro-batches, all ranks) of each dialogue's
+mean token loss. Dialogues are the documents of a packed row (``cumulative_len``) or the rows of
+an unpacked batch. The model's loss becomes each micro-batch's mean over its dialogues, computed
+from the logits the forward already returns (per-token cross-entropy times ``1 / (supervised
+tokens of the token's dialogue)``): no extra forward; the counting unit of the step is the
+dialogue.
+
+The logged ``loss`` is each micro-batch's mean token (pair; dialogue) loss, as XTuner logs it.
 Opt out with ``loss_normalization = "micro_batch"`` in the config (XTuner's own weighting).
 """
 
@@ -35,17 +53,21 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.optim import OptimWrapper
 
-from xtuner_rope.batch.checks import batch_data
+from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.config.startup import Finding, register_findings
 from xtuner_rope.models.dispatch import unwrap_model
 
 # The one setting (top level of the config) and its values.
 LOSS_NORMALIZATION_KEY = "loss_normalization"
-TOKEN, MICRO_BATCH = "token", "micro_batch"
-LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH)
+TOKEN, MICRO_BATCH, DIALOGUE = "token", "micro_batch", "dialogue"
+LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH, DIALOGUE)
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
-# XTuner models whose loss is a mean over supervised tokens (preference losses are not).
-TOKEN_MEAN_MODELS = ("SupervisedFinetune",)
+# XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
+# LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
+# placeholder they replace does too, so the batch's count is the expanded sequence's.
+TOKEN_MEAN_MODELS = ("SupervisedFinetune", "LLaVAModel")
+PAIR_MEAN_MODELS = ("DPO", "ORPO", "RewardModel")
+NOT_PAIR_MEAN_DPO_LOSSES = ("kto_pair",)  # batch-level KL terms: no per-pair decomposition
 OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
 
 
@@ -60,6 +82,61 @@ def supervised_tokens(labels: torch.Tensor) -> int:
         The count the model's mean loss divides by.
     """
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tensor, int]:
+    """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
+
+    Args:
+        labels: ``[b, s]`` XTuner labels (position ``t`` predicts ``labels[:, t + 1]``; a label
+            belongs to the dialogue of its own position).
+        boundaries: ``b`` 1-D ``cumulative_len`` tensors (packed rows: one segment per
+            dialogue, collate padding included), or None: every row is one dialogue.
+
+    Returns:
+        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]``: ``1 / n_d`` on each
+        supervised label of dialogue ``d`` (``n_d`` its supervised labels), 0 elsewhere; and the
+        number of dialogues with at least one supervised label.
+    """
+    b, s = labels.shape
+    segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue
+    if boundaries is not None:
+        first = 0
+        for row, bounds in enumerate(boundaries):
+            bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
+            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())[:s]
+            segment[row] = first + len(bounds) - 1  # positions after the last boundary
+            segment[row, :len(ids)] = first + ids
+            first += len(bounds)
+    segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
+    counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
+    weights = torch.zeros(b, s - 1, dtype=torch.float32)
+    weights[supervised] = 1.0 / counts[segment[supervised]].float()
+    return weights, int((counts > 0).sum())
+
+
+def preference_pairs(data: dict) -> int:
+    """Preference pairs in one micro-batch of XTuner's ``preference_collate_fn``.
+
+    Args:
+        data: the batch's ``data`` dict. Packed (``use_varlen_attn``): ``cumulative_len``, one
+            ``[responses + 1]`` boundary tensor per row, chosen then rejected response per pair.
+            Unpacked: ``input_ids`` ``[2 * pairs, s]``, chosen and rejected rows alternating.
+
+    Returns:
+        The count DPO / ORPO / reward losses average over.
+    """
+    cumulative = data.get("cumulative_len")
+    if cumulative is not None:  # a sequence-parallel padding segment would be the odd one
+        pairs = sum((len(bounds) - 1) // 2 for bounds in cumulative)
+    else:
+        pairs = int(data["input_ids"].shape[0]) // 2
+    if pairs == 0:
+        raise ValueError(f"preference_pairs: no pair in a batch of {tuple(data['input_ids'].shape)}"
+                         " input_ids (packed: cumulative_len, chosen then rejected per pair; "
+                         "unpacked: 2 rows per pair); was cumulative_len removed before "
+                         f"TokenWeightedLossHook ran? Set {OPT_OUT} to train without it.")
+    return pairs
 
 
 def loss_normalization(cfg: object) -> str:
@@ -86,8 +163,8 @@ def loss_normalization_findings(cfg) -> list:
         return []
     return [Finding(LOSS_NORMALIZATION_KEY, f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
                     f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
-                    f'token of a step weighs the same) or "{MICRO_BATCH}" (XTuner\'s '
-                    "per-micro-batch mean)")]
+                    f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
+                    f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)')]
 
 
 class TokenWeightedLossHook(Hook):
@@ -95,15 +172,22 @@ class TokenWeightedLossHook(Hook):
 
     Wraps the runner's optimizer wrapper for the run (``before_train``; undone in
     ``after_train``): see the module docstring. Reads ``labels`` of each ``data_batch`` in
-    ``before_train_iter`` (CPU tensors: no device sync). Does nothing with
-    ``loss_normalization = "micro_batch"`` in the config, or for a model whose loss is not a
-    token mean (DPO, ORPO, reward models: logged).
+    ``before_train_iter`` (CPU tensors: no device sync). Preference models (DPO, ORPO, reward)
+    weigh pairs instead of tokens; ``loss_normalization = "dialogue"`` weighs SFT dialogues.
+    Does nothing with ``loss_normalization = "micro_batch"`` in the config, or for a model
+    whose loss is none of these means (logged).
     """
 
-    priority = "NORMAL"  # 50: any place works; it only counts labels before the train step
+    # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop
+    # ``cumulative_len`` (the pairs of a pack) out of the batch; it only reads the batch.
+    priority = 4
 
     def __init__(self) -> None:
         self.active = False
+        self.unit = "token"  # "pair" (preference models) or "dialogue" (that mode)
+        self._reward_ranks = False  # RewardModel on several ranks: undo its rank-mean divisor
+        self._dialogue_weights: torch.Tensor | None = None  # [b, s - 1], the next micro-batch
+        self._patched_model = None
         self._pending: int | None = None  # the next micro-batch's supervised tokens
         self._window = 0  # supervised tokens of this rank since the last step
         self._saved: dict[str, object] = {}
@@ -116,9 +200,37 @@ class TokenWeightedLossHook(Hook):
             print_log(f"xtuner-rope: {OPT_OUT}: each micro-batch's mean loss, averaged over "
                       "accumulation steps and ranks (XTuner's weighting).", logger="current")
             return
-        if type(model).__name__ not in TOKEN_MEAN_MODELS:
-            print_log(f"xtuner-rope: token-weighted loss not applied: {type(model).__name__}'s "
+        name = type(model).__name__
+        if name in PAIR_MEAN_MODELS and getattr(model, "loss_type", None) in \
+                NOT_PAIR_MEAN_DPO_LOSSES:
+            print_log(f"xtuner-rope: pair-weighted loss not applied: {name}'s loss_type "
+                      f"{model.loss_type!r} is not a mean over pairs.", logger="current")
+            return
+        if name in PAIR_MEAN_MODELS:
+            self.unit = "pair"
+            self._reward_ranks = name == "RewardModel" and get_world_size() > 1
+            self.wrap(runner.optim_wrapper)
+            print_log("xtuner-rope: pair-weighted loss: every optimizer step weights each "
+                      "preference pair equally over all its micro-batches and ranks (sum of pair "
+                      "losses / pairs); the logged loss is still each micro-batch's mean. Opt "
+                      f"out: {OPT_OUT}.", logger="current")
+            return
+        if name not in TOKEN_MEAN_MODELS:
+            print_log(f"xtuner-rope: token-weighted loss not applied: {name}'s "
                       "loss is not a mean over supervised tokens.", logger="current")
+            return
+        if mode == DIALOGUE:
+            if name != "SupervisedFinetune":
+                raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" serves XTuner\'s '
+                                 f"SupervisedFinetune only, got {name}; use the default "
+                                 f'"{TOKEN}".')
+            self.unit = "dialogue"
+            self._patch_dialogue_loss(model)
+            self.wrap(runner.optim_wrapper)
+            print_log('xtuner-rope: loss_normalization = "dialogue": every optimizer step '
+                      "weights each dialogue equally over all its micro-batches and ranks (mean "
+                      "over dialogues of each dialogue's mean token loss); the logged loss is "
+                      "each micro-batch's mean over its dialogues.", logger="current")
             return
         self.wrap(runner.optim_wrapper)
         print_log("xtuner-rope: token-weighted loss: every optimizer step weights each "
@@ -127,7 +239,15 @@ class TokenWeightedLossHook(Hook):
                   f"mean. Opt out: {OPT_OUT}.", logger="current")
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if self.active:
+        if self.active and self.unit == "pair":
+            self._pending = preference_pairs(batch_data(data_batch, "TokenWeightedLossHook"))
+        elif self.active and self.unit == "dialogue":
+            data = batch_data(data_batch, "TokenWeightedLossHook")
+            labels = data.get("labels")
+            bounds = (row_boundaries(data, labels.shape[0])
+                      if data.get("cumulative_len") is not None else None)
+            self._dialogue_weights, self._pending = dialogue_weights(labels, bounds)
+        elif self.active:
             labels = batch_data(data_batch, "TokenWeightedLossHook").get("labels")
             if not isinstance(labels, torch.Tensor):
                 raise TypeError("TokenWeightedLossHook: the batch has no 'labels' tensor to "
@@ -137,7 +257,36 @@ class TokenWeightedLossHook(Hook):
     def after_train(self, runner) -> None:
         for name in self._saved:
             delattr(self._optim_wrapper, name)  # the class's methods again
+        if self._patched_model is not None:
+            del self._patched_model.compute_loss
+            self._patched_model = None
         self._saved, self.active = {}, False
+
+    # -- the per-dialogue loss ------------------------------------------------------------
+    def _patch_dialogue_loss(self, model) -> None:
+        """``model.compute_loss`` returns the micro-batch's mean over dialogues of their mean
+        token loss, from the logits of the one forward (the HF model computes no loss)."""
+        from xtuner.parallel.sequence import get_sequence_parallel_world_size
+
+        if get_sequence_parallel_world_size() > 1:
+            raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" does not support '
+                             "sequence parallel yet; use the default "
+                             f'"{TOKEN}" with sequence_parallel_size > 1.')
+
+        def compute_loss(data, data_samples=None):
+            weights, dialogues = self._dialogue_weights, self._pending
+            assert weights is not None, "a train step without before_train_iter"
+            self._dialogue_weights = None
+            labels = data["labels"]
+            logits = model.llm(**{k: v for k, v in data.items() if k != "labels"}).logits
+            tokens = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX, reduction="none")
+            weights = weights.to(tokens.device).flatten()
+            return {"loss": (tokens * weights).sum() / max(dialogues, 1)}
+
+        model.compute_loss = compute_loss
+        self._patched_model = model
 
     # -- the wrapping ---------------------------------------------------------------------
     def wrap(self, optim_wrapper) -> None:
@@ -194,10 +343,17 @@ class TokenWeightedLossHook(Hook):
         self._saved[name] = getattr(self._optim_wrapper, name)
         setattr(self._optim_wrapper, name, fn)
 
-    def _take_pending(self) -> int:
+    def _take_pending(self) -> float:
+        """The factor that turns this micro-batch's mean loss into its sum (of token, pair or
+        dialogue losses)."""
         assert self._pending is not None, "a train step without before_train_iter"
         count, self._pending = self._pending, None
         self._window += count
+        if self._reward_ranks:
+            # RewardModel's loss is sum * mean over ranks of 1 / pairs (xtuner/model/reward.py)
+            inverse = torch.tensor(1.0 / max(count, 1), dtype=torch.float64)
+            all_reduce(inverse, op="mean")
+            return 1.0 / inverse.item() if count else 0.0
         return count
 
     def _total(self) -> float:
@@ -217,4 +373,5 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "loss_normalization", "loss_normalization_findings", "supervised_tokens"]
+           "dialogue_weights", "loss_normalization", "loss_normalization_findings",
+           "preference_pairs", "supervised_tokens"]
