@@ -12,6 +12,7 @@ through the unpatched model (the leak without the plugin) must not.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -109,6 +110,63 @@ def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
     check_run(tmp_path, min_iters=3)
     for rank in range(2):
         _assert_isolated(pref[pc.DPO], tmp_path / capture_file(rank, 2), "dpo")
+
+
+ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
+ZERO3 = "configs/deepspeed/zero3_fp32_cpu.json"
+
+
+@pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
+def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name, kind, tmp_path):
+    """ORPO and the reward model on 2 processes under DeepSpeed ZeRO-2 (the project's fp32 CPU
+    json, gloo): each rank's pack, measured inside the run, equals each response alone."""
+    import subprocess
+
+    cmd = ["xtuner", "train", str(pref[name]), "--work-dir", str(tmp_path), "--launcher",
+           "pytorch", "--deepspeed", ZERO2, "--cfg-options", *RUN,
+           "env_cfg.dist_cfg.backend=gloo"]
+    env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    summary = check_run(tmp_path, min_iters=3)
+    # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
+    assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), proc.stderr[-3000:]
+    pairs = [_assert_isolated(pref[name], tmp_path / capture_file(rank, 2), kind)["pairs"]
+             for rank in range(2)]
+    # the packing figures of rank 0's log: pairs per row of the captured (3rd) batch
+    log = "\n".join(p.read_text() for p in tmp_path.glob("*/*.log"))
+    line = next(x for x in log.splitlines() if "Iter(train) [3/3]" in x)
+    logged = {k: float(re.search(rf"{k}: ([\d.]+)", line)[1])
+              for k in ("pairs_per_row", "docs_per_row", "real_token_share")}
+    assert logged["pairs_per_row"] == pairs[0] == logged["docs_per_row"] / 2, (logged, pairs)
+    assert logged["real_token_share"] == 1.0, logged  # one packed row per batch: no padding
+
+
+def _as_xtuner_train(monkeypatch, config: Path, *args: str) -> None:
+    """This process's command line as `xtuner train` has it (the start-up reads --deepspeed)."""
+    import xtuner.tools.train as train
+
+    monkeypatch.setattr("sys.argv", [train.__file__, str(config), *args])
+
+
+def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
+    """XTuner's DPO deep-copies the policy as reference: under ZeRO-3 it raises after loading."""
+    _as_xtuner_train(monkeypatch, pref[pc.DPO], "--deepspeed", str(sc.REPO / ZERO3))
+    cfg = Config.fromfile(str(pref[pc.DPO]))
+    with pytest.raises(startup.ConfigConflict,
+                       match=r"model\.ref_llm \(DPO\) with DeepSpeed ZeRO-3: None: XTuner's DPO "
+                             r"then makes the reference model with create_reference_model.*\n"
+                             r"  -> set model\.ref_llm = dict\(type=AutoModelForCausalLM"
+                             r".*or train DPO with ZeRO-2"):
+        startup.prepare_config(cfg)
+    cfg = Config.fromfile(str(pref[pc.DPO]))  # the edit: a reference model of its own
+    cfg.model.ref_llm = cfg.model.llm.copy()
+    startup.prepare_config(cfg)
+    for other in (ZERO2, None):  # ZeRO-2 and no DeepSpeed: accepted
+        args = ("--deepspeed", str(sc.REPO / other)) if other else ()
+        _as_xtuner_train(monkeypatch, pref[pc.DPO], *args)
+        startup.prepare_config(Config.fromfile(str(pref[pc.DPO])))
 
 
 def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):

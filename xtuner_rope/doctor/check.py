@@ -251,7 +251,7 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
-        return run_preference_check(cfg, config, Path(work_dir))
+        return run_preference_check(cfg, config, Path(work_dir), dtype)
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device
     dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)
