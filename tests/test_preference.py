@@ -46,7 +46,7 @@ def pref(tmp_path_factory) -> dict:
     model = sc.tiny_with_remote_code(root / "tiny-remote")
     data = pc.write_preference_pairs(root / "pairs.jsonl", n=200)
     configs = {}
-    for name in (pc.DPO, pc.ORPO, pc.REWARD):
+    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.DPO_QLORA):
         copy = sc.copy_stock(name, root)
         token = REWARD_TOKEN if name == pc.REWARD else None
         text = pc.localize_preference(copy, name, data, model=model, reward_token_id=token)
@@ -82,10 +82,12 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
 
 
 @pytest.mark.parametrize("name,kind", [(pc.DPO, "dpo"), (pc.ORPO, "orpo"),
-                                       (pc.REWARD, "reward")])
+                                       (pc.REWARD, "reward"), (pc.DPO_QLORA, "dpo")])
 def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
-    `dist.get_rank()` ("Default process group has not been initialized")."""
+    `dist.get_rank()` ("Default process group has not been initialized"). The QLoRA DPO
+    config (LoRA without 4-bit, lora_dropout 0): the reference is the policy with its adapter
+    disabled; the capture rebuilds both as plain models (adapter merged / removed)."""
     proc = sc.xtuner_train(pref[name], tmp_path, *RUN)
     check_run(tmp_path, min_iters=3)
     assert "Default process group has not been initialized" not in proc.stdout + proc.stderr
@@ -114,6 +116,9 @@ def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
 
 ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
 ZERO3 = "configs/deepspeed/zero3_fp32_cpu.json"
+# The stock 3% warm-up of an epoch rounds to 0 iterations on 2 processes with the reward
+# rows (64 rows, 32 per rank): MMEngine's "end should be larger than begin". 10% of an epoch.
+SHORT_WARMUP = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
 
 
 @pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
@@ -123,7 +128,7 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name,
     import subprocess
 
     cmd = ["xtuner", "train", str(pref[name]), "--work-dir", str(tmp_path), "--launcher",
-           "pytorch", "--deepspeed", ZERO2, "--cfg-options", *RUN,
+           "pytorch", "--deepspeed", ZERO2, "--cfg-options", *RUN, *SHORT_WARMUP,
            "env_cfg.dist_cfg.backend=gloo"]
     env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -198,14 +203,20 @@ def test_mismatched_varlen_switches_refused_at_start(pref):
         startup.prepare_config(cfg)
 
 
-def test_check_reward_model_passes(pref, tmp_path, capsys):
+@pytest.mark.parametrize("name,kind", [(pc.REWARD, "reward"), (pc.ORPO, "orpo")])
+def test_check_reward_and_orpo_models_pass(pref, name, kind, tmp_path, capsys):
     """`xtuner-rope check` on a reward config: before, AttributeError ('...has no attribute
-    logits'); now the scores and the reward token's hidden states, packed vs alone."""
+    logits'); now the scores and the reward token's hidden states, packed vs alone. ORPO: its
+    average log-probs; both: the model's own loss against the loss of the responses alone."""
     from xtuner_rope.cli import main
 
-    assert main(["check", str(pref[pc.REWARD]), "--out", str(tmp_path)]) == 0
+    assert main(["check", str(pref[name]), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "XTuner reward model" in out and "PASS: every response" in out, out
+    assert f"XTuner {kind} model" in out and "PASS: every response" in out, out
+    assert "float32 (tolerance 1e-05 relative)" in out, out
+    captured, alone = map(float, re.search(r"loss     packed ([\d.]+) vs responses alone "
+                                           r"([\d.]+)", out).groups())
+    assert abs(captured - alone) <= 1e-5 and captured > 0.1, out
 
 
 def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):

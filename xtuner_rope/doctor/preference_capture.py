@@ -70,6 +70,22 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Policy and reference weights of a LoRA DPO as two plain models (``llm.``, ``ref_llm.``).
+
+    XTuner's LoRA DPO has no ``ref_llm``: the reference is the policy with its adapter
+    disabled, and its ``state_dict`` holds the adapter only. The policy is a copy with the
+    adapter merged, the reference a copy with it removed; both load into the config's plain
+    ``llm``.
+    """
+    state = {}
+    for prefix, undo in (("llm.", "merge_and_unload"), ("ref_llm.", "unload")):
+        plain = getattr(copy.deepcopy(model.llm), undo)()
+        state.update({prefix + k: v.detach().float().cpu().clone()
+                      for k, v in plain.state_dict().items()})
+    return state
+
+
 class PreferenceCaptureHook(Hook):
     """Save one packed preference batch, the weights and the per-response values computed.
 
@@ -122,7 +138,8 @@ class PreferenceCaptureHook(Hook):
         kind = model_kind(model)
         data = {k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                 for k, v in data_batch["data"].items()}
-        state = _full_state_dict(model)
+        state = (_lora_dpo_state_dict(model) if kind == "dpo" and model.ref_llm is None
+                 else _full_state_dict(model))
         self._saved = {"kind": kind, "data": data, "state_dict": state, "values": {},
                        "world_size": get_world_size()}
         if kind == "dpo":
