@@ -1,8 +1,10 @@
 """XTuner's stock DPO, ORPO and reward-model varlen configs through the real `xtuner train`.
 
 Each config is copied with `xtuner copy-cfg`, localized (tiny InternLM2 with hub-style remote
-code, a few hundred local pairs, fp32 optimizer, see preference_configs.py) and turned on with
-the README's one edit. `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
+code, or a tiny Llama for the Llama 3 LoRA DPO config, a few hundred local pairs, fp32
+optimizer, see preference_configs.py) and turned on with the README's one edit. Runs: one
+process (DPO, ORPO, reward, LoRA DPO), 2 processes with DDP (DPO) and with DeepSpeed ZeRO-2
+(ORPO, reward; DPO under ZeRO-2/3 verified by hand, see docs/incoming/s6-pref.md). `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
 so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
 of policy and reference, and every reward score, computed on the packed row must equal the
 response run alone through the unpatched model, summed in float64 by the test; the same row
@@ -23,6 +25,7 @@ from mmengine.config import Config
 
 from xtuner_rope import startup
 from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.demo.tiny import save_tiny
 from xtuner_rope.doctor.preference_capture import capture_file, compare_preference_capture
 
 pytestmark = pytest.mark.slow
@@ -46,10 +49,12 @@ def pref(tmp_path_factory) -> dict:
     model = sc.tiny_with_remote_code(root / "tiny-remote")
     data = pc.write_preference_pairs(root / "pairs.jsonl", n=200)
     configs = {}
-    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.DPO_QLORA):
+    llama = save_tiny(root / "tiny-llama", family="llama")
+    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.LLAMA_DPO_QLORA):
         copy = sc.copy_stock(name, root)
         token = REWARD_TOKEN if name == pc.REWARD else None
-        text = pc.localize_preference(copy, name, data, model=model, reward_token_id=token)
+        text = pc.localize_preference(copy, name, data, reward_token_id=token,
+                                      model=llama if name == pc.LLAMA_DPO_QLORA else model)
         configs[name] = root / f"{name}.py"
         configs[name].write_text(pc.with_preference_capture(sc.enable_plugin(text)))
         configs[f"{name}_stock_token"] = root / f"{name}_stock_token.py"
@@ -77,17 +82,20 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
           f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
           f"{max(result['leak_max_abs_diff'].values()):.3g}" + (
               f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
-              f"{states['leak_max_abs_diff']:.3g}" if states else ""))
+              f"{states['leak_max_abs_diff']:.3g}" if states else "") + (
+              f"; loss {result['loss']['captured']:.7f} vs alone {result['loss']['alone']:.7f}"
+              if "alone" in result["loss"] else "; loss not compared"))
     return result
 
 
 @pytest.mark.parametrize("name,kind", [(pc.DPO, "dpo"), (pc.ORPO, "orpo"),
-                                       (pc.REWARD, "reward"), (pc.DPO_QLORA, "dpo")])
+                                       (pc.REWARD, "reward"), (pc.LLAMA_DPO_QLORA, "dpo")])
 def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
-    `dist.get_rank()` ("Default process group has not been initialized"). The QLoRA DPO
-    config (LoRA without 4-bit, lora_dropout 0): the reference is the policy with its adapter
-    disabled; the capture rebuilds both as plain models (adapter merged / removed)."""
+    `dist.get_rank()` ("Default process group has not been initialized"). The Llama 3 QLoRA
+    DPO config on a tiny Llama (LoRA without 4-bit, lora_dropout 0): the reference is the
+    policy with its adapter disabled; the capture rebuilds both as plain models (adapter
+    merged / removed)."""
     proc = sc.xtuner_train(pref[name], tmp_path, *RUN)
     check_run(tmp_path, min_iters=3)
     assert "Default process group has not been initialized" not in proc.stdout + proc.stderr
