@@ -28,9 +28,9 @@ from xtuner_rope.models.runtime import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HU
 from xtuner_rope.preference import PREFERENCE_MODELS
 from xtuner_rope.startup import MODEL_RESOURCE_EDIT, type_name
 
-# fp32, relative to max(1, |value|): sums of ~100 log-probs differ by rounding only. Other
-# dtypes: check_report.TOLERANCES (its "logits" entry for values, "loss" for the loss).
-TOLERANCE = 1e-5
+# Tolerances: check_report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
+# "logits" entry for log-probs, scores and states, "loss" for the loss); fp32: 1e-5, as sums
+# of ~100 log-probs differ by rounding only.
 BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
 
