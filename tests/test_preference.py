@@ -240,6 +240,20 @@ def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
     assert "reference_rejected" in out and "model_resource = dict(fn=enable_xtuner_rope)" in out
 
 
+def test_check_orpo_without_plugin_fails_on_log_probs_and_loss(pref, tmp_path, capsys):
+    """ORPO without the edit: the average log-probs and ORPO's own loss differ, with figures."""
+    from xtuner_rope.cli import main
+
+    config = tmp_path / "orpo_without_plugin.py"
+    config.write_text(pref[pc.ORPO].read_text().replace(sc.PLUGIN_EDIT, ""))
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL: chosen: packed differs from each response alone by 0\.0\d+", out)
+    captured, alone = map(float, re.search(r"problem: loss: packed ([\d.]+) vs responses alone "
+                                           r"([\d.]+)", out).groups())
+    assert abs(captured - alone) > 1e-3, out  # measured 7.009718 vs 7.003515
+
+
 def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):
     """Pairs, not packed rows, are described; pairs over max_packed_length are counted,
     against XTuner's own PackedDatasetWrapper bins."""
