@@ -1,8 +1,10 @@
 """XTuner's stock DPO, ORPO and reward-model varlen configs through the real `xtuner train`.
 
 Each config is copied with `xtuner copy-cfg`, localized (tiny InternLM2 with hub-style remote
-code, a few hundred local pairs, fp32 optimizer, see preference_configs.py) and turned on with
-the README's one edit. `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
+code, or a tiny Llama for the Llama 3 LoRA DPO config, a few hundred local pairs, fp32
+optimizer, see preference_configs.py) and turned on with the README's one edit. Runs: one
+process (DPO, ORPO, reward, LoRA DPO), 2 processes with DDP (DPO) and with DeepSpeed ZeRO-2
+(ORPO, reward; DPO under ZeRO-2/3 verified by hand, see docs/incoming/s6-pref.md). `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
 so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
 of policy and reference, and every reward score, computed on the packed row must equal the
 response run alone through the unpatched model, summed in float64 by the test; the same row
@@ -12,6 +14,7 @@ through the unpatched model (the leak without the plugin) must not.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from mmengine.config import Config
 
 from xtuner_rope import startup
 from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.demo.tiny import save_tiny
 from xtuner_rope.doctor.preference_capture import capture_file, compare_preference_capture
 
 pytestmark = pytest.mark.slow
@@ -45,10 +49,12 @@ def pref(tmp_path_factory) -> dict:
     model = sc.tiny_with_remote_code(root / "tiny-remote")
     data = pc.write_preference_pairs(root / "pairs.jsonl", n=200)
     configs = {}
-    for name in (pc.DPO, pc.ORPO, pc.REWARD):
+    llama = save_tiny(root / "tiny-llama", family="llama")
+    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.LLAMA_DPO_QLORA):
         copy = sc.copy_stock(name, root)
         token = REWARD_TOKEN if name == pc.REWARD else None
-        text = pc.localize_preference(copy, name, data, model=model, reward_token_id=token)
+        text = pc.localize_preference(copy, name, data, reward_token_id=token,
+                                      model=llama if name == pc.LLAMA_DPO_QLORA else model)
         configs[name] = root / f"{name}.py"
         configs[name].write_text(pc.with_preference_capture(sc.enable_plugin(text)))
         configs[f"{name}_stock_token"] = root / f"{name}_stock_token.py"
@@ -76,15 +82,20 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
           f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
           f"{max(result['leak_max_abs_diff'].values()):.3g}" + (
               f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
-              f"{states['leak_max_abs_diff']:.3g}" if states else ""))
+              f"{states['leak_max_abs_diff']:.3g}" if states else "") + (
+              f"; loss {result['loss']['captured']:.7f} vs alone {result['loss']['alone']:.7f}"
+              if "alone" in result["loss"] else "; loss not compared"))
     return result
 
 
 @pytest.mark.parametrize("name,kind", [(pc.DPO, "dpo"), (pc.ORPO, "orpo"),
-                                       (pc.REWARD, "reward")])
+                                       (pc.REWARD, "reward"), (pc.LLAMA_DPO_QLORA, "dpo")])
 def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
-    `dist.get_rank()` ("Default process group has not been initialized")."""
+    `dist.get_rank()` ("Default process group has not been initialized"). The Llama 3 QLoRA
+    DPO config on a tiny Llama (LoRA without 4-bit, lora_dropout 0): the reference is the
+    policy with its adapter disabled; the capture rebuilds both as plain models (adapter
+    merged / removed)."""
     proc = sc.xtuner_train(pref[name], tmp_path, *RUN)
     check_run(tmp_path, min_iters=3)
     assert "Default process group has not been initialized" not in proc.stdout + proc.stderr
@@ -109,6 +120,66 @@ def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
     check_run(tmp_path, min_iters=3)
     for rank in range(2):
         _assert_isolated(pref[pc.DPO], tmp_path / capture_file(rank, 2), "dpo")
+
+
+ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
+ZERO3 = "configs/deepspeed/zero3_fp32_cpu.json"
+# The stock 3% warm-up of an epoch rounds to 0 iterations on 2 processes with the reward
+# rows (64 rows, 32 per rank): MMEngine's "end should be larger than begin". 10% of an epoch.
+SHORT_WARMUP = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
+
+
+@pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
+def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name, kind, tmp_path):
+    """ORPO and the reward model on 2 processes under DeepSpeed ZeRO-2 (the project's fp32 CPU
+    json, gloo): each rank's pack, measured inside the run, equals each response alone."""
+    import subprocess
+
+    cmd = ["xtuner", "train", str(pref[name]), "--work-dir", str(tmp_path), "--launcher",
+           "pytorch", "--deepspeed", ZERO2, "--cfg-options", *RUN, *SHORT_WARMUP,
+           "env_cfg.dist_cfg.backend=gloo"]
+    env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    summary = check_run(tmp_path, min_iters=3)
+    # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
+    assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), proc.stderr[-3000:]
+    pairs = [_assert_isolated(pref[name], tmp_path / capture_file(rank, 2), kind)["pairs"]
+             for rank in range(2)]
+    # the packing figures of rank 0's log: pairs per row of the captured (3rd) batch
+    log = "\n".join(p.read_text() for p in tmp_path.glob("*/*.log"))
+    line = next(x for x in log.splitlines() if "Iter(train) [3/3]" in x)
+    logged = {k: float(re.search(rf"{k}: ([\d.]+)", line)[1])
+              for k in ("pairs_per_row", "docs_per_row", "real_token_share")}
+    assert logged["pairs_per_row"] == pairs[0] == logged["docs_per_row"] / 2, (logged, pairs)
+    assert logged["real_token_share"] == 1.0, logged  # one packed row per batch: no padding
+
+
+def _as_xtuner_train(monkeypatch, config: Path, *args: str) -> None:
+    """This process's command line as `xtuner train` has it (the start-up reads --deepspeed)."""
+    import xtuner.tools.train as train
+
+    monkeypatch.setattr("sys.argv", [train.__file__, str(config), *args])
+
+
+def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
+    """XTuner's DPO deep-copies the policy as reference: under ZeRO-3 it raises after loading."""
+    _as_xtuner_train(monkeypatch, pref[pc.DPO], "--deepspeed", str(sc.REPO / ZERO3))
+    cfg = Config.fromfile(str(pref[pc.DPO]))
+    with pytest.raises(startup.ConfigConflict,
+                       match=r"model\.ref_llm \(DPO\) with DeepSpeed ZeRO-3: None: XTuner's DPO "
+                             r"then makes the reference model with create_reference_model.*\n"
+                             r"  -> set model\.ref_llm = dict\(type=AutoModelForCausalLM"
+                             r".*or train DPO with ZeRO-2"):
+        startup.prepare_config(cfg)
+    cfg = Config.fromfile(str(pref[pc.DPO]))  # the edit: a reference model of its own
+    cfg.model.ref_llm = cfg.model.llm.copy()
+    startup.prepare_config(cfg)
+    for other in (ZERO2, None):  # ZeRO-2 and no DeepSpeed: accepted
+        args = ("--deepspeed", str(sc.REPO / other)) if other else ()
+        _as_xtuner_train(monkeypatch, pref[pc.DPO], *args)
+        startup.prepare_config(Config.fromfile(str(pref[pc.DPO])))
 
 
 def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):
@@ -140,14 +211,20 @@ def test_mismatched_varlen_switches_refused_at_start(pref):
         startup.prepare_config(cfg)
 
 
-def test_check_reward_model_passes(pref, tmp_path, capsys):
+@pytest.mark.parametrize("name,kind", [(pc.REWARD, "reward"), (pc.ORPO, "orpo")])
+def test_check_reward_and_orpo_models_pass(pref, name, kind, tmp_path, capsys):
     """`xtuner-rope check` on a reward config: before, AttributeError ('...has no attribute
-    logits'); now the scores and the reward token's hidden states, packed vs alone."""
+    logits'); now the scores and the reward token's hidden states, packed vs alone. ORPO: its
+    average log-probs; both: the model's own loss against the loss of the responses alone."""
     from xtuner_rope.cli import main
 
-    assert main(["check", str(pref[pc.REWARD]), "--out", str(tmp_path)]) == 0
+    assert main(["check", str(pref[name]), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "XTuner reward model" in out and "PASS: every response" in out, out
+    assert f"XTuner {kind} model" in out and "PASS: every response" in out, out
+    assert "float32 (tolerance 1e-05 relative)" in out, out
+    captured, alone = map(float, re.search(r"loss     packed ([\d.]+) vs responses alone "
+                                           r"([\d.]+)", out).groups())
+    assert abs(captured - alone) <= 1e-5 and captured > 0.1, out
 
 
 def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
@@ -161,6 +238,20 @@ def test_check_dpo_without_plugin_fails_on_the_leak(pref, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL: policy_chosen: packed differs from each response alone" in out, out
     assert "reference_rejected" in out and "model_resource = dict(fn=enable_xtuner_rope)" in out
+
+
+def test_check_orpo_without_plugin_fails_on_log_probs_and_loss(pref, tmp_path, capsys):
+    """ORPO without the edit: the average log-probs and ORPO's own loss differ, with figures."""
+    from xtuner_rope.cli import main
+
+    config = tmp_path / "orpo_without_plugin.py"
+    config.write_text(pref[pc.ORPO].read_text().replace(sc.PLUGIN_EDIT, ""))
+    assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL: chosen: packed differs from each response alone by 0\.0\d+", out)
+    captured, alone = map(float, re.search(r"problem: loss: packed ([\d.]+) vs responses alone "
+                                           r"([\d.]+)", out).groups())
+    assert abs(captured - alone) > 1e-3, out  # measured 7.009718 vs 7.003515
 
 
 def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):

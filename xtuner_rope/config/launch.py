@@ -173,3 +173,19 @@ def sampler_findings(cfg: Config, argv: list[str] | None = None,
 def launch_findings(cfg: Config) -> list[Finding]:
     """Every launch finding of this process's command line and environment (conflicts)."""
     return deepspeed_dtype_findings(cfg) + sampler_findings(cfg)
+
+
+def deepspeed_zero_stage(cfg: Config, argv: list[str] | None = None) -> int | None:
+    """The ZeRO stage of the run's DeepSpeed config (the config's strategy or ``--deepspeed``).
+
+    Args:
+        cfg: The config (lazy objects unbuilt).
+        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
+
+    Returns:
+        The stage (0-3), or None without DeepSpeed (or a file that cannot be read yet).
+    """
+    ds, _ = _resolve(_deepspeed_source(cfg, argv)[0])
+    if ds is None:
+        return None
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))

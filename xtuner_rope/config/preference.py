@@ -2,7 +2,7 @@
 
 XTuner 0.2.0 builds preference data with ``build_preference_dataset`` (``use_varlen_attn=True``:
 ``PackedDatasetWrapper`` packs whole pairs, chosen then rejected, ``cumulative_len`` per
-response) and collates it with ``preference_collate_fn``. Three of its settings fail late or
+response) and collates it with ``preference_collate_fn``. Four of its settings fail late or
 silently, after the model has loaded; :func:`preference_findings` names them before anything
 is built (``startup.inspect_config`` calls it; the doctor prints the same findings):
 
@@ -12,7 +12,9 @@ is built (``startup.inspect_config`` calls it; the doctor prints the same findin
   first batch;
 - ``use_varlen_attn`` that differs between the model, the dataset and the collate function:
   a ``KeyError`` in the collate function, or (model off, data packed) chosen and rejected
-  log-probs taken from the wrong rows, silently.
+  log-probs taken from the wrong rows, silently;
+- full-parameter DPO without ``ref_llm`` under DeepSpeed ZeRO-3 (``--deepspeed``): XTuner's
+  ``create_reference_model`` raises after the policy has loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from .startup import Finding, register_findings, type_name
 
 PREFERENCE_DATASET = "build_preference_dataset"
 PREFERENCE_MODELS = ("DPO", "ORPO", "RewardModel")
+# The edit that gives DPO under ZeRO-3 a reference model of its own (built partitioned).
+ZERO3_REFERENCE_EDIT = ("set model.ref_llm = dict(type=AutoModelForCausalLM.from_pretrained, "
+                        "pretrained_model_name_or_path=pretrained_model_name_or_path, "
+                        "trust_remote_code=True), the same dict as model.llm")
 
 
 def _get(node: object, key: str, default: object = None) -> object:
@@ -105,6 +111,26 @@ def _packed_pairs_findings(cfg: Config, dataset: dict) -> list[Finding]:
         "max_packed_length for more pairs per row, or accumulative_counts for more per step)")]
 
 
+def _zero3_reference_finding(cfg: Config) -> list[Finding]:
+    """Full-parameter DPO under DeepSpeed ZeRO-3: XTuner cannot copy the reference model."""
+    model = _get(cfg._cfg_dict, "model")
+    if (type_name(_get(model, "type")) != "DPO" or _get(model, "ref_llm") is not None
+            or _get(model, "lora") is not None):
+        return []
+    from .launch import deepspeed_zero_stage
+
+    if deepspeed_zero_stage(cfg) != 3:
+        return []
+    return [Finding(
+        "model.ref_llm (DPO) with DeepSpeed ZeRO-3", "None: XTuner's DPO then makes the "
+        "reference model with create_reference_model (a deepcopy of the policy), which raises "
+        "'DeepSpeed ZeRO-3 is enabled and is not compatible with create_reference_model()' "
+        "after the policy's weights are loaded (a deepcopy of ZeRO-3-partitioned weights "
+        "would copy empty shards)",
+        f"{ZERO3_REFERENCE_EDIT}, or train DPO with ZeRO-2 (--deepspeed "
+        "configs/deepspeed/zero2_fp32_cpu.json on CPU, deepspeed_zero2 on a GPU)")]
+
+
 @register_findings(order=110)
 def preference_findings(cfg: Config) -> list[Finding]:
     """Conflicts of a preference config that XTuner would report late or never.
@@ -118,7 +144,8 @@ def preference_findings(cfg: Config) -> list[Finding]:
     dataset = preference_dataset(cfg)
     if dataset is None:
         return []
-    return _reward_token_finding(cfg, dataset) + _packed_pairs_findings(cfg, dataset)
+    return (_reward_token_finding(cfg, dataset) + _packed_pairs_findings(cfg, dataset)
+            + _zero3_reference_finding(cfg))
 
 
 __all__ = ["checkpoint_vocab_size", "preference_dataset", "preference_findings"]

@@ -248,7 +248,7 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
-        return run_preference_check(cfg, config, Path(work_dir))
+        return run_preference_check(cfg, config, Path(work_dir), dtype)
     from xtuner_rope.doctor.llava_check import run_llava_check
     if is_llava(cfg):  # LLaVAModel: the LLM's logits after the image expansion
         return run_llava_check(cfg, config, cfg_options, batches, Path(work_dir), dtype,

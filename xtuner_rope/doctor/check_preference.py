@@ -19,6 +19,7 @@ from mmengine.config import Config
 
 from xtuner_rope.config.preference import PREFERENCE_MODELS
 from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
+from xtuner_rope.doctor.check_report import TOLERANCES
 from xtuner_rope.doctor.preference_capture import (
     PreferenceCaptureHook,
     capture_file,
@@ -26,8 +27,9 @@ from xtuner_rope.doctor.preference_capture import (
 )
 from xtuner_rope.models import channel
 
-# fp32, relative to max(1, |value|): sums of ~100 log-probs differ by rounding only.
-TOLERANCE = 1e-5
+# Tolerances: check_report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
+# "logits" entry for log-probs, scores and states, "loss" for the loss); fp32: 1e-5, as sums
+# of ~100 log-probs differ by rounding only.
 BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
 
@@ -60,20 +62,21 @@ def _training_forward(runner, hooks: dict, work_dir: Path) -> Path:
     return work_dir / capture_file()
 
 
-def _problems(result: dict, patched: bool) -> list[str]:
+def _problems(result: dict, patched: bool, tol: dict | None = None) -> list[str]:
+    tol = tol or TOLERANCES["float32"]
     problems = []
     for name, values in result["alone"].items():
         scale = max(1.0, max(abs(v) for v in values))
-        if result["max_abs_diff"][name] > TOLERANCE * scale:
+        if result["max_abs_diff"][name] > tol["logits"] * scale:
             problems.append(f"{name}: packed differs from each response alone by "
                             f"{result['max_abs_diff'][name]:.3g}: responses attend to each other")
     loss = result["loss"]
-    if "alone" in loss and abs(loss["captured"] - loss["alone"]) > TOLERANCE * max(
+    if "alone" in loss and abs(loss["captured"] - loss["alone"]) > tol["loss"] * max(
             1.0, abs(loss["alone"])):
         problems.append(f"loss: packed {loss['captured']:.6f} vs responses alone "
                         f"{loss['alone']:.6f}")
     states = result["reward_token_states"]
-    if states and states["max_abs_diff"] > TOLERANCE:
+    if states and states["max_abs_diff"] > tol["logits"] * max(1.0, states["max_abs"]):
         problems.append(f"reward token states: packed differ from each response alone by "
                         f"{states['max_abs_diff']:.3g}: responses attend to each other")
     if problems and not patched:
@@ -81,33 +84,47 @@ def _problems(result: dict, patched: bool) -> list[str]:
     return problems
 
 
-def run_preference_check(cfg: Config, config: str, work_dir: Path) -> dict:
+def run_preference_check(cfg: Config, config: str, work_dir: Path,
+                         dtype: str | None = None) -> dict:
     """Measure a started preference config; see the module docstring.
 
     Args:
         cfg: The config as ``xtuner train`` has it (``check.start_config``).
         config: Its file, for the report.
         work_dir: Runner work dir; the capture is written there.
+        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); the
+            default is the config's (``check.train_dtype``: float32 on CPU). The tolerances
+            are ``check_report.TOLERANCES`` of that dtype.
 
     Returns:
         The JSON-ready report (``kind='preference'``), with ``verdict``, ``problems`` and
         ``exit_code`` (1 on a leak).
     """
-    from xtuner_rope.doctor.check import apply_patch, build_runner, plugin_hooks
+    from xtuner_rope.doctor.check import (
+        DTYPES,
+        apply_patch,
+        build_runner,
+        plugin_hooks,
+        train_dtype,
+    )
 
     runner = build_runner(cfg, Path(work_dir))
-    runner.model.float()  # the comparison is fp32 against float64 sums
+    device = next(runner.model.parameters()).device
+    dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)
+    runner.model.to(dt)  # each response alone runs fp32, summed in float64
+    tol = TOLERANCES[str(dt).replace("torch.", "")]
     hooks = plugin_hooks(runner)
     patched = apply_patch(runner, hooks)
     with torch.enable_grad():
         capture = _training_forward(runner, hooks, Path(work_dir))
     result = compare_preference_capture(cfg, capture)
-    problems = _problems(result, patched)
+    problems = _problems(result, patched, tol)
     verdict = ("FAIL: " + problems[0] if problems else
                f"PASS: every response of the packed pairs gets the "
                f"{'reward score' if result['kind'] == 'reward' else 'log-probs'} it gets alone")
     return {"kind": "preference", "config": str(config), "plugin": {"patched": patched},
-            "model": result["kind"], **{k: result[k] for k in (
+            "model": result["kind"], "dtype": str(dt).replace("torch.", ""), "tolerance": tol,
+            **{k: result[k] for k in (
                 "pairs", "max_abs_diff", "leak_max_abs_diff", "loss", "reward_token_states")},
             "problems": problems, "verdict": verdict, "exit_code": 1 if problems else 0}
 
@@ -116,7 +133,8 @@ def format_preference_summary(report: dict) -> str:
     """The short text printed by ``xtuner-rope check`` for a preference model."""
     lines = [f"xtuner-rope check: {report['config']}",
              f"  model    XTuner {report['model']} model, {report['pairs']} pairs in the first "
-             f"packed row, {'patched' if report['plugin']['patched'] else 'not patched'}"]
+             f"packed row, {'patched' if report['plugin']['patched'] else 'not patched'}, "
+             f"{report['dtype']} (tolerance {report['tolerance']['logits']:.3g} relative)"]
     for name, diff in report["max_abs_diff"].items():
         lines.append(f"  {name:<18} max |packed - alone| {diff:.3g}  (unpatched packed row: "
                      f"{report['leak_max_abs_diff'][name]:.3g})")

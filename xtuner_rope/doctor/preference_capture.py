@@ -49,6 +49,37 @@ def model_kind(model: nn.Module) -> str:
     raise TypeError(f"{type(model).__name__} is not XTuner's DPO, ORPO or RewardModel")
 
 
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights in fp32 on the CPU, gathered first under DeepSpeed ZeRO-3.
+
+    ZeRO-3 leaves each process an empty placeholder per parameter (its shard lives elsewhere):
+    ``deepspeed.zero.GatheredParameters`` brings the full tensors back for the copy.
+    """
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if params:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Policy and reference weights of a LoRA DPO as two plain models (``llm.``, ``ref_llm.``).
+
+    XTuner's LoRA DPO has no ``ref_llm``: the reference is the policy with its adapter
+    disabled, and its ``state_dict`` holds the adapter only. The policy is a copy with the
+    adapter merged, the reference a copy with it removed; both load into the config's plain
+    ``llm``.
+    """
+    state = {}
+    for prefix, undo in (("llm.", "merge_and_unload"), ("ref_llm.", "unload")):
+        plain = getattr(copy.deepcopy(model.llm), undo)()
+        state.update({prefix + k: v.detach().float().cpu().clone()
+                      for k, v in plain.state_dict().items()})
+    return state
+
+
 class PreferenceCaptureHook(Hook):
     """Save one packed preference batch, the weights and the per-response values computed.
 
@@ -101,8 +132,10 @@ class PreferenceCaptureHook(Hook):
         kind = model_kind(model)
         data = {k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                 for k, v in data_batch["data"].items()}
-        state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-        self._saved = {"kind": kind, "data": data, "state_dict": state, "values": {}}
+        state = (_lora_dpo_state_dict(model) if kind == "dpo" and model.ref_llm is None
+                 else _full_state_dict(model))
+        self._saved = {"kind": kind, "data": data, "state_dict": state, "values": {},
+                       "world_size": get_world_size()}
         if kind == "dpo":
             self._wrap_logps(model, "policy_chosen,policy_rejected,"
                                     "reference_chosen,reference_rejected")
@@ -197,6 +230,70 @@ def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) ->
     return float(loss.mean())
 
 
+def orpo_loss(values: dict, counts: list[int], beta: float) -> float:
+    """XTuner's ORPO loss from per-response average log-probs, float64.
+
+    ``nll`` of the chosen responses (mean over all their supervised targets) minus the mean of
+    ``beta * logsigmoid(log odds ratio)`` over pairs (pairs whose ratio is NaN are skipped, as
+    XTuner does).
+
+    Args:
+        values: ``{'chosen': [pairs], 'rejected': [pairs]}`` average log-probs.
+        counts: Supervised targets of each chosen response, in pair order.
+        beta: The model's ``beta``.
+    """
+    chosen = torch.tensor(values["chosen"], dtype=torch.float64)
+    rejected = torch.tensor(values["rejected"], dtype=torch.float64)
+    n = torch.tensor(counts, dtype=torch.float64)
+    nll = -(chosen * n).sum() / n.sum()
+    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+    ratio = torch.nn.functional.logsigmoid(log_odds)
+    return float(nll - (beta * ratio[~ratio.isnan()]).mean())
+
+
+def reward_loss(values: dict, loss_type: str = "ranking", penalty_type: str = "log_barrier",
+                penalty_weight: float = 0.01) -> float | None:
+    """XTuner's reward-model loss of one process's batch from its scores, float64.
+
+    Ranking (or focal ranking) loss over pairs plus ``penalty_weight`` times the penalty on
+    every score, both summed and divided by the pairs (XTuner averages ``1 / pairs`` over
+    processes: equal to this on one process only). None for a type XTuner does not have.
+    """
+    chosen = torch.tensor(values["chosen"], dtype=torch.float64)
+    rejected = torch.tensor(values["rejected"], dtype=torch.float64)
+    rank = -torch.nn.functional.logsigmoid(chosen - rejected)
+    if loss_type == "focal":
+        p = 2 * torch.relu(torch.sigmoid(chosen - rejected) - 0.5)
+        rank = (1 - p) ** 2 * rank
+    elif loss_type != "ranking":
+        return None
+    scores = torch.cat([chosen, rejected])
+    if penalty_type == "log_barrier":
+        clamped = scores.clamp(-5 + 1e-3, 5 - 1e-3)
+        penalty = (-torch.log(5 - clamped) - torch.log(clamped + 5)).sum()
+    elif penalty_type == "L2":
+        penalty = (scores ** 2).sum()
+    elif penalty_type == "none":
+        penalty = torch.zeros((), dtype=torch.float64)
+    else:
+        return None
+    return float((rank.sum() + penalty_weight * penalty) / len(chosen))
+
+
+def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None:
+    """The model's loss recomputed from the responses alone (None: a loss type not covered)."""
+    model = cfg.model
+    if kind == "dpo":
+        return (dpo_sigmoid_loss(alone, model.get("beta", 0.1), model.get("label_smoothing", 0.0))
+                if model.get("loss_type", "sigmoid") == "sigmoid" else None)
+    if kind == "orpo":
+        labels = data["labels"][0]
+        counts = [int((labels[a + 1:b] != IGNORE).sum()) for a, b in _segments(data)][::2]
+        return orpo_loss(alone, counts, model.get("beta", 0.1))
+    return reward_loss(alone, model.get("loss_type", "ranking"),
+                       model.get("penalty_type", "log_barrier"), model.get("penalty_weight", 0.01))
+
+
 def _differences(captured: dict, expected: dict) -> dict:
     return {name: max(abs(float(c) - e) for c, e in zip(captured[name], expected[name]))
             for name in captured}
@@ -214,8 +311,9 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
         'max_abs_diff': {name: float}, 'leak_max_abs_diff': {name: float}, 'loss'}``:
         ``max_abs_diff`` is run vs alone, ``leak_max_abs_diff`` the unpatched packed row vs
         alone (the negative control); ``reward_token_states``: the same two figures for the
-        hidden states the reward head reads (reward models); ``loss``: the logged loss and, for DPO's sigmoid loss,
-        the same loss from the responses alone.
+        hidden states the reward head reads (reward models); ``loss``: the logged loss and
+        the same loss from the responses alone (DPO sigmoid, ORPO, reward ranking/focal with
+        its penalty; a reward loss only from a one-process capture).
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     cfg = config if isinstance(config, Config) else Config.fromfile(str(config))
@@ -231,12 +329,14 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
             out[f"{prefix}chosen"], out[f"{prefix}rejected"] = values[::2], values[1::2]
     captured = {k: v.tolist() for k, v in saved["values"].items()}
     loss = {"captured": saved.get("loss")}
-    if kind == "dpo" and cfg.model.get("loss_type", "sigmoid") == "sigmoid":
-        loss["alone"] = dpo_sigmoid_loss(alone, cfg.model.get("beta", 0.1),
-                                         cfg.model.get("label_smoothing", 0.0))
+    if kind != "reward" or saved.get("world_size", 1) == 1:  # reward: averaged over processes
+        alone_loss = _loss_alone(cfg, kind, alone, data)
+        if alone_loss is not None and loss["captured"] is not None:
+            loss["alone"] = alone_loss
     states = {}
     if kind == "reward":  # the head starts at zero: the states it reads tell more early on
         states = {"max_abs_diff": float((saved["hidden"] - hidden[False]).abs().max()),
+                  "max_abs": float(hidden[False].abs().max()),
                   "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max())}
     return {"kind": kind, "pairs": len(alone[next(iter(alone))]), "alone": alone,
             "reward_token_states": states,

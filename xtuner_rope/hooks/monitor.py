@@ -31,11 +31,15 @@ METRICS = {
     'max_position_id': lambda w, total: w.max_position,
     'unsupervised_seen': lambda w, total: total,
 }
+# XTuner's preference models (their rows hold chosen/rejected pairs): pairs_per_row is logged.
+PAIR_MODELS = ('DPO', 'ORPO', 'RewardModel')
 
 
 class PackingMetricsHook(Hook):
     """Log documents per row, real-token share, longest document, largest position id and the
-    number of unsupervised documents seen so far.
+    number of unsupervised documents seen so far; for XTuner's preference models (DPO, ORPO,
+    reward model), whose packed rows hold chosen and rejected responses as documents, also
+    ``pairs_per_row`` (half the responses per row).
 
     Each figure is aggregated over the logging window by this hook (LogProcessor would show
     only the latest value of a scalar not named like a loss/time): documents per row and the
@@ -58,8 +62,12 @@ class PackingMetricsHook(Hook):
         self.pad_index = pad_index
         self._stats = BatchStats()
         self._unsupervised = 0
+        self._pairs = False
 
     def before_train(self, runner) -> None:
+        # XTuner's DPO / ORPO / RewardModel: each pair is two documents (chosen, rejected)
+        model_classes = type(_model_module(runner.model)).__mro__
+        self._pairs = any(c.__name__ in PAIR_MODELS for c in model_classes)
         if self.window is None:
             loggers = [h for h in runner.hooks if isinstance(h, LoggerHook)]
             self.window = loggers[0].interval if loggers else 10
@@ -77,6 +85,9 @@ class PackingMetricsHook(Hook):
         for name, figure in METRICS.items():
             runner.message_hub.update_scalar(f'train/{name}',
                                              float(figure(self._stats, self._unsupervised)))
+        if self._pairs:
+            runner.message_hub.update_scalar(
+                'train/pairs_per_row', self._stats.documents / 2 / max(self._stats.rows, 1))
 
 
 class NonFiniteError(RuntimeError):
