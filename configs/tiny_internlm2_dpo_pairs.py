@@ -28,8 +28,8 @@ from xtuner.engine.runner import TrainLoop
 from xtuner.model.dpo import DPO
 from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.loss_norm import TokenWeightedLossHook
-from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
 #######################################################################

@@ -25,10 +25,10 @@ from xtuner.engine.hooks import DatasetInfoHook, EvaluateChatHook
 from xtuner.engine.runner import TrainLoop
 from xtuner.model import SupervisedFinetune
 from xtuner.utils import PROMPT_TEMPLATE
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.loss_norm import TokenWeightedLossHook
-from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
 #######################################################################

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from xtuner_rope.doctor.diagnose import diagnose
     from xtuner_rope.doctor.report import format_summary, write_outputs
 
-    from .startup import ConfigConflict
+    from .config.startup import ConfigConflict
 
     try:
         report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)

@@ -52,7 +52,7 @@ def local_checkpoint(path: str) -> str:
 
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
-        ConfigConflict: see :func:`xtuner_rope.startup.prepare_config`.
+        ConfigConflict: see :func:`xtuner_rope.config.startup.prepare_config`.
     """
     _warn_deprecated("local_checkpoint")
     return enable_xtuner_rope(path, local_only=True)

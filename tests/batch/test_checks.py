@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from xtuner.dataset import collate_fns
 
 from xtuner_rope.batch.checks import check_packed_batch
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 
 PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py
 

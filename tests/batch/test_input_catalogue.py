@@ -15,7 +15,7 @@ from xtuner._lite.modelings.internlm2 import modeling_internlm2 as upstream
 from xtuner.dataset.collate_fns import default_collate_fn
 
 from xtuner_rope.batch.checks import check_packed_batch, row_boundaries
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
 from xtuner_rope.models.runtime import VARLEN_HUB, batch_document_plan

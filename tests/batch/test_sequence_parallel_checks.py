@@ -11,17 +11,17 @@ from mmengine.config import Config
 from runners import tiny_runner
 from xtuner.dataset.collate_fns import default_collate_fn
 
-from xtuner_rope import startup
 from xtuner_rope.batch.sequence_parallel import (
     check_sequence_parallel_rows,
     sequence_parallel_padding,
 )
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.config import startup
+from xtuner_rope.config.startup import ConfigConflict
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary
 from xtuner_rope.hooks import PackedBatchCheckHook
 from xtuner_rope.hooks import isolation as hooks_module
-from xtuner_rope.startup import ConfigConflict
 
 
 def _items(lengths, vocab=256):

@@ -98,7 +98,7 @@ def test_every_named_object_resolves(config):
 
 @pytest.mark.parametrize("config", TEXT_RECIPES)
 def test_recipe_is_xtuner_style_and_enables_the_plugin(config):
-    from xtuner_rope.collate import rope_collate_fn
+    from xtuner_rope.data.collate import rope_collate_fn
     from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 
     text = (REPO / config).read_text()
@@ -151,7 +151,7 @@ def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
     from xtuner.dataset.collate_fns.preference_collate_fn import preference_collate_fn
     from xtuner.dataset.preference_dataset import build_preference_dataset
 
-    from xtuner_rope.startup import PLUGIN_HOOKS, inspect_config, type_name
+    from xtuner_rope.config.startup import PLUGIN_HOOKS, inspect_config, type_name
 
     text = (REPO / config).read_text()
     found = [text.find(f"PART {i}  {title}") for i, title in enumerate(BANNERS, start=1)]
@@ -341,7 +341,7 @@ def test_config_dicts_are_plain_after_tiny_override(config):
     wrapper, QLoRA's quantization left out) and what `xtuner train`'s start-up does to every
     config (the plugin's missing hooks put first in custom_hooks): nothing else.
     """
-    from xtuner_rope.startup import PLUGIN_HOOKS, type_name
+    from xtuner_rope.config.startup import PLUGIN_HOOKS, type_name
 
     real, cfg = _load(config), _tiny_cfg(config, quantize=False)
     assert isinstance(cfg.model, ConfigDict)

@@ -15,12 +15,12 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.launch_findings import (
+from xtuner_rope.config.launch import (
     deepspeed_argument,
     deepspeed_dtype_findings,
     sampler_findings,
 )
-from xtuner_rope.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import ConfigConflict, prepare_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

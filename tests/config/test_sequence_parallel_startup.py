@@ -5,8 +5,9 @@ from argparse import Namespace
 import pytest
 from mmengine.config import Config
 
-from xtuner_rope import compat, startup
-from xtuner_rope.startup import ConfigConflict, prepare_config
+from xtuner_rope import compat
+from xtuner_rope.config import startup
+from xtuner_rope.config.startup import ConfigConflict, prepare_config
 
 
 def _sp_cfg(sp, model_type="SupervisedFinetune") -> Config:

@@ -11,9 +11,9 @@ import torch
 from mmengine.config import Config
 from xtuner.registry import BUILDER
 
-from xtuner_rope import startup
-from xtuner_rope.packed_dataset import lossless_process_hf_dataset
-from xtuner_rope.startup import ConfigConflict, inspect_config, prepare_config, type_name
+from xtuner_rope.config import startup
+from xtuner_rope.config.startup import ConfigConflict, inspect_config, prepare_config, type_name
+from xtuner_rope.data.packed_dataset import lossless_process_hf_dataset
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
@@ -71,7 +71,7 @@ def test_stock_full_config_needs_only_fixes(stock, tmp_path):
     dumped = tmp_path / "dumped.py"
     cfg.dump(str(dumped))
     name = Config.fromfile(str(dumped)).train_dataloader.dataset.type
-    assert name == "xtuner_rope.packed_dataset.lossless_process_hf_dataset"
+    assert name == "xtuner_rope.data.packed_dataset.lossless_process_hf_dataset"
     assert BUILDER.get(name) is lossless_process_hf_dataset  # what xtuner train builds from it
     assert cfg.train_dataloader.collate_fn.use_varlen_attn is True
     hooks = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]

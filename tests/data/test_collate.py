@@ -1,4 +1,4 @@
-"""Tests for xtuner_rope.collate: properties, live XTuner references, every error message."""
+"""Tests for xtuner_rope.data.collate: properties, live XTuner references, every error message."""
 import warnings
 from itertools import accumulate
 
@@ -13,7 +13,7 @@ from xtuner.dataset import collate_fns
 from xtuner.dataset.utils import Packer
 
 from xtuner_rope.batch.checks import check_packed_batch
-from xtuner_rope.collate import DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, rope_collate_fn
+from xtuner_rope.data.collate import DEFAULT_PAD_TOKEN_INDEX, IGNORE_INDEX, rope_collate_fn
 from xtuner_rope.ops.packing import padded_length
 
 PROPERTY = settings(deadline=None)  # example counts: the hypothesis profiles in conftest.py

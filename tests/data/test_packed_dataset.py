@@ -1,4 +1,4 @@
-"""Lossless offline packing: XTuner's own packs, nothing dropped (xtuner_rope.packed_dataset).
+"""Lossless offline packing: XTuner's own packs, nothing dropped (xtuner_rope.data.packed_dataset).
 
 References are live: XTuner's ``Packer`` mapped in one stream (``map_num_proc=1``) for the
 packs, and XTuner's ``process_hf_dataset`` on the stock alpaca config (unpacked, and packed
@@ -16,8 +16,8 @@ from xtuner.dataset import huggingface as xtuner_hf
 from xtuner.dataset.utils import Packer
 from xtuner.registry import BUILDER
 
-from xtuner_rope import startup
-from xtuner_rope.packed_dataset import pack_dataset, pack_plan
+from xtuner_rope.config import startup
+from xtuner_rope.data.packed_dataset import pack_dataset, pack_plan
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from xtuner._lite.modelings.internlm2 import InternLM2ForCausalLM
 
+from xtuner_rope.config.startup import enable_xtuner_rope
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny import SPECIAL_TOKENS, save_tiny, save_tiny_internlm2
-from xtuner_rope.startup import enable_xtuner_rope
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"

@@ -15,8 +15,8 @@ import stock_configs as sc
 from matplotlib.image import imread
 from xtuner.registry import BUILDER
 
-from xtuner_rope import startup
 from xtuner_rope.cli import main
+from xtuner_rope.config import startup
 from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose, load_config
 from xtuner_rope.doctor.report import format_summary, write_outputs
 from xtuner_rope.doctor.stats import supervised_count
@@ -200,8 +200,8 @@ def test_samples_over_the_collate_max_length_fail(in_repo, bad_dialogues):
 
 SMALL_CONFIG = """\
 from datasets import load_dataset
-from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.startup import enable_xtuner_rope
+from xtuner_rope.data.collate import rope_collate_fn
+from xtuner_rope.config.startup import enable_xtuner_rope
 
 pretrained_model_name_or_path = "unused"
 model_resource = dict(fn=enable_xtuner_rope)

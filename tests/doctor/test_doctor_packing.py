@@ -12,8 +12,8 @@ from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.huggingface import pack_dataset as xtuner_pack_dataset
 
 from xtuner_rope.batch.stats import batch_stats
+from xtuner_rope.data.packed_dataset import pack_dataset
 from xtuner_rope.doctor.packing import packing_figures
-from xtuner_rope.packed_dataset import pack_dataset
 
 
 def _dialogues(n: int, seed: int) -> Dataset:

@@ -6,7 +6,7 @@ import torch
 from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.utils import Packer
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.doctor.stats import (
     _batch_shape,
     document_starts,

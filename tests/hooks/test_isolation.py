@@ -8,10 +8,10 @@ from mmengine.registry import FUNCTIONS, HOOKS
 from runners import RecordingHook, tiny_runner
 from xtuner.engine.hooks import EvaluateChatHook
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
+from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
-from xtuner_rope.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.ops.rotate import fused_kernel_calls
 
 

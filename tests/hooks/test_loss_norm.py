@@ -27,7 +27,7 @@ import torch
 from stock_configs import venv_env
 
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.loss_norm import (
+from xtuner_rope.hooks.loss_norm import (
     IGNORE_INDEX,
     TokenWeightedLossHook,
     loss_normalization,
@@ -63,7 +63,7 @@ def _config(tmp: Path, *, padded: bool, batch_size: int, accumulation: int) -> P
     text = text.replace("sampler=dict(type=DefaultSampler, shuffle=True)",
                         "sampler=dict(type=DefaultSampler, shuffle=False)")
     if padded:
-        text = text.replace("from xtuner_rope.collate import rope_collate_fn",
+        text = text.replace("from xtuner_rope.data.collate import rope_collate_fn",
                             "from xtuner.dataset.collate_fns import default_collate_fn")
         text, n = re.subn(r"collate_fn=dict\(\s*type=rope_collate_fn,.*?\),", PADDED_COLLATE,
                           text, flags=re.S)
@@ -274,7 +274,7 @@ def test_deepspeed_without_zero_is_refused():
 def test_unknown_loss_normalization_is_refused_at_start_up(tmp_path):
     from mmengine.config import Config
 
-    from xtuner_rope.startup import ConfigConflict, prepare_config
+    from xtuner_rope.config.startup import ConfigConflict, prepare_config
 
     cfg = Config(dict(loss_normalization="per_dialog"))
     with pytest.raises(ConfigConflict, match=r"loss_normalization: expected one of \('token', "

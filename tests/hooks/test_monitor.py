@@ -16,10 +16,10 @@ from runners import RecordingHook, tiny_runner
 from tiny_recipe import CONFIG, REPO, xtuner_train  # tests/support is on sys.path (conftest)
 
 from xtuner_rope.batch.stats import BatchStats, batch_stats
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.doctor.replay import build_run_model, load_record
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.monitor import NonFiniteError, NonFiniteTripwireHook, PackingMetricsHook
+from xtuner_rope.hooks.monitor import NonFiniteError, NonFiniteTripwireHook, PackingMetricsHook
 
 SHORT_RUN = ('train_cfg.max_epochs=None', 'train_cfg.max_iters=20',
              'default_hooks.logger.interval=5', 'default_hooks.checkpoint.interval=20')

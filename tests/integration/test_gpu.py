@@ -11,7 +11,7 @@ import torch
 from gold import build_pair, check_packed_equals_alone
 from varlen_reference import varlen_attn_2_10, varlen_attn_2_12
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
 from xtuner_rope.ops import attention
 from xtuner_rope.ops.attention import VarlenKernel, packed_backend

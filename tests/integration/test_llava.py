@@ -29,8 +29,9 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import compat, startup
+from xtuner_rope import compat
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
+from xtuner_rope.config import startup
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip

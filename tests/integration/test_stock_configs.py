@@ -14,7 +14,7 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
 from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"

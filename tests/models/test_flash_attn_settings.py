@@ -10,7 +10,7 @@ import pytest
 import stock_configs as sc
 from transformers.utils import is_flash_attn_2_available
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny import save_tiny
 from xtuner_rope.doctor.diagnose import start_like_xtuner_train

@@ -16,7 +16,7 @@ from transformers import Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-from xtuner_rope import startup
+from xtuner_rope.config import startup
 from xtuner_rope.demo.tiny import build_tiny_hf
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.hooks import patch_model
@@ -172,8 +172,8 @@ def _checkpoint(tmp_path, name, **config):
 
 SMALL_CONFIG = """\
 from datasets import load_dataset
-from xtuner_rope.collate import rope_collate_fn
-from xtuner_rope.startup import enable_xtuner_rope
+from xtuner_rope.data.collate import rope_collate_fn
+from xtuner_rope.config.startup import enable_xtuner_rope
 
 pretrained_model_name_or_path = {llm!r}
 model_resource = dict(fn=enable_xtuner_rope)

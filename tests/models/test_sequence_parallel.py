@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 def _batch():
-    from xtuner_rope.collate import rope_collate_fn
+    from xtuner_rope.data.collate import rope_collate_fn
 
     gen = torch.Generator().manual_seed(0)
     items, docs = [], []

@@ -9,7 +9,7 @@ from datasets import Dataset
 from runners import tiny_runner
 from torch import nn
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.models.internlm2 import internlm2_attention_forward, patch_internlm2_attention
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding

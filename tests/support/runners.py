@@ -16,7 +16,7 @@ from mmengine.runner import Runner
 from transformers import AutoModelForCausalLM
 from xtuner.model import SupervisedFinetune
 
-from xtuner_rope.collate import rope_collate_fn
+from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.resources import tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

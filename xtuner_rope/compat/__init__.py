@@ -559,7 +559,7 @@ def xtuner_pack_step(pack_fn):
     ``pack_dataset``, which maps the ``Packer`` over ``map_num_proc`` (default 32) shards:
     each worker drops its own leftover below ``max_length`` (38% of the tokens and labels of
     2,400 short alpaca dialogues lost, silently). Used only by
-    ``xtuner_rope.packed_dataset.lossless_process_hf_dataset`` (the config names it, the
+    ``xtuner_rope.data.packed_dataset.lossless_process_hf_dataset`` (the config names it, the
     start-up logs it); XTuner's function is restored on exit.
 
     Args:

@@ -1,6 +1,6 @@
 """Start-up findings of XTuner's multimodal configs (LLaVA served, InternVL refused).
 
-Registered in :func:`xtuner_rope.startup.inspect_config`. The README's one edit works for a
+Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit works for a
 LLaVA config as for a text one (``compat.patch_model_resource_llm_path`` gives XTuner's
 ``set_model_resource`` the LLM path it reads; ``compat.keep_other_model_paths`` keeps the CLIP
 encoder's and image processor's own paths). What the config itself must change is here:

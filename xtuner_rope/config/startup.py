@@ -42,9 +42,9 @@ from xtuner_rope.compat import cpu_only, keep_other_model_paths
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
                 "PackedBatchCheckHook": "xtuner_rope.hooks",
-                "PackingMetricsHook": "xtuner_rope.monitor",
-                "NonFiniteTripwireHook": "xtuner_rope.monitor",
-                "TokenWeightedLossHook": "xtuner_rope.loss_norm"}
+                "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+                "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
+                "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm"}
 MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
                        "    from xtuner_rope import enable_xtuner_rope\n"
                        "    model_resource = dict(fn=enable_xtuner_rope)")
@@ -106,7 +106,7 @@ def _datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
         yield from _datasets(_get(node, "dataset"), f"{where}.dataset")
 
 
-# XTuner's dataset builder and ours with the same arguments (xtuner_rope.packed_dataset).
+# XTuner's dataset builder and ours with the same arguments (xtuner_rope.data.packed_dataset).
 XTUNER_DATASET_TYPES = ("process_hf_dataset", "lossless_process_hf_dataset")
 
 
@@ -222,9 +222,9 @@ def _lossless_packing_findings(loader: dict) -> list[Finding]:
                 f"{where}.type", f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
                 "and drops each worker's last leftover below max_length (tokens and "
                 "supervised labels lost)", "set to lossless_process_hf_dataset "
-                "(xtuner_rope.packed_dataset, same arguments): XTuner's packs of the whole "
+                "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
                 "stream, the leftover kept as a short last row",
-                _setitem(dataset, "type", LazyObject("xtuner_rope.packed_dataset",
+                _setitem(dataset, "type", LazyObject("xtuner_rope.data.packed_dataset",
                                                      "lossless_process_hf_dataset"))))
     return findings
 
@@ -305,7 +305,7 @@ def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
         return []
 
     def use_ours() -> None:
-        collate["type"] = LazyObject("xtuner_rope.collate", "rope_collate_fn")
+        collate["type"] = LazyObject("xtuner_rope.data.collate", "rope_collate_fn")
         collate["pad_to_multiple_of"] = sp
 
     return [Finding(
@@ -504,7 +504,7 @@ def require_prepared(cfg: object, who: str) -> None:
         f"{who}: xtuner-rope was loaded after XTuner built the model, too late for its "
         "start-up: its patches (LoRA/QLoRA's bitsandbytes import, CPU training) and its "
         "config checks (packing without boundaries, use_varlen_attn, AMP on CPU) did not run. "
-        f"To fix, {MODEL_RESOURCE_EDIT}\n(or call xtuner_rope.startup.prepare_config(cfg) "
+        f"To fix, {MODEL_RESOURCE_EDIT}\n(or call xtuner_rope.config.startup.prepare_config(cfg) "
         "before building the Runner yourself).")
 
 

@@ -4,7 +4,7 @@
 first thing (``xtuner.tools.utils.set_model_resource``) and replaces every
 ``pretrained_model_name_or_path`` in the config with the returned path. :func:`tiny_checkpoint`
 builds the tiny checkpoint there when it is missing, then does what
-:func:`xtuner_rope.startup.enable_xtuner_rope` does (check and prepare the config).
+:func:`xtuner_rope.config.startup.enable_xtuner_rope` does (check and prepare the config).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def tiny_llava(path: str, clip_path: str = "models/tiny-clip",
 
     Builds what is missing (the tiny InternLM2 at ``path``, the tiny CLIP vision tower and
     image processor at ``clip_path``, drawn images plus short dialogues in LLaVA format under
-    ``data_dir``), then prepares the config as :func:`xtuner_rope.startup.enable_xtuner_rope`.
+    ``data_dir``), then prepares the config as :func:`xtuner_rope.config.startup.enable_xtuner_rope`.
 
     Returns:
         ``path``.

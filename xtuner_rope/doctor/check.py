@@ -29,13 +29,13 @@ from mmengine.config import Config
 
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start_file
+from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor import check_measure as cm
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
 from xtuner_rope.doctor.llava_stats import refuse_unserved_model
 from xtuner_rope.models.runtime import chosen_backends
-from xtuner_rope.startup_multimodal import is_llava
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).

@@ -63,7 +63,7 @@ def start_config(cfg: Config) -> None:
     """Run the config's ``model_resource`` like ``xtuner train`` (the plugin's fixes apply).
 
     A conflict the start-up refuses is not raised here: :func:`diagnose` reports it from
-    :func:`xtuner_rope.startup.inspect_config`, and the data are checked all the same. The
+    :func:`xtuner_rope.config.startup.inspect_config`, and the data are checked all the same. The
     process is left as not prepared: the doctor looks, it does not start a run.
     """
     start(cfg, look_only=True)
@@ -76,7 +76,7 @@ def start_like_xtuner_train(path: str, cfg_options: dict | None = None
     ``xtuner train``'s order (``xtuner/tools/train.py``): ``Config.fromfile``, then
     ``set_model_resource`` (the start-up fixes the file's config), then
     ``merge_from_dict(--cfg-options)``, then the runner, whose ``ValidatedRoPEHook`` checks the
-    merged config again before the first step (:func:`xtuner_rope.overrides.recheck_config`).
+    merged config again before the first step (:func:`xtuner_rope.config.overrides.recheck_config`).
 
     Returns:
         ``(cfg, findings, resource)``: the merged config; the start-up's fixes and conflicts on

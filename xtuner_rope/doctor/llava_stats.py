@@ -52,7 +52,7 @@ def refuse_unserved_model(path: str) -> None:
     """
     from mmengine.config import Config
 
-    from xtuner_rope import startup
+    from xtuner_rope.config import startup
 
     conflicts = [f for f in startup.inspect_config(Config.fromfile(path))
                  if f.setting == "model.type" and f.fix is None]
@@ -199,7 +199,7 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
             samples).
         collate_fn: The config's collate function, kwargs bound.
     """
-    from xtuner_rope.startup_multimodal import is_llava
+    from xtuner_rope.config.multimodal import is_llava
 
     if not is_llava(cfg) or not hasattr(dataset, "text_data"):
         return None
@@ -239,7 +239,7 @@ def sampler_padding(cfg, dataset, lengths: Sequence[int], batch_size: int,
     """
     from mmengine.registry import DATA_SAMPLERS
 
-    from xtuner_rope.startup import type_name
+    from xtuner_rope.config.startup import type_name
 
     sampler_cfg = dict(_get(cfg.train_dataloader, "sampler") or {})
     seed = _get(cfg.get("randomness"), "seed")

@@ -4,7 +4,7 @@ XTuner 0.2.0 averages the loss per micro-batch and MMEngine divides it by the ac
 count: a supervised token of micro-batch ``m`` in a window of ``a`` micro-batches weighs
 ``1 / (a * n_m)`` in the step (``n_m`` the micro-batch's supervised tokens; ranks divide all of
 a step's tokens alike and are left out). The plugin's token-weighted loss
-(:mod:`xtuner_rope.loss_norm`) gives every token of the window ``1 / N`` (``N = sum of n_m``).
+(:mod:`xtuner_rope.hooks.loss_norm`) gives every token of the window ``1 / N`` (``N = sum of n_m``).
 Per dialogue, the factor XTuner's weighting puts on it is ``N / (a * n_m)``; 1 means no change.
 """
 

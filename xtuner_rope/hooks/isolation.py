@@ -1,6 +1,6 @@
 """MMEngine hooks: thin glue between the runner and xtuner_rope's attention / validation code.
 
-``enable_xtuner_rope`` (the config's ``model_resource``, see ``xtuner_rope.startup``) adds both
+``enable_xtuner_rope`` (the config's ``model_resource``, see ``xtuner_rope.config.startup``) adds both
 hooks to ``custom_hooks``; list them yourself only to pass arguments.
 """
 

@@ -66,7 +66,7 @@ class PackingMetricsHook(Hook):
 
     def before_train(self, runner) -> None:
         # XTuner's DPO / ORPO / RewardModel: each pair is two documents (chosen, rejected)
-        model_classes = type(_model_module(runner.model)).__mro__
+        model_classes = type(unwrap_model(runner.model)).__mro__
         self._pairs = any(c.__name__ in PAIR_MODELS for c in model_classes)
         if self.window is None:
             loggers = [h for h in runner.hooks if isinstance(h, LoggerHook)]

@@ -35,9 +35,9 @@ from test_loss_norm import (
 )
 
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.loss_norm import TokenWeightedLossHook, preference_pairs
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook, preference_pairs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_dpo_pairs.py"
 PAIRS = 8
 ONE_PACK, SMALL_PACKS = 4096, 400  # max_packed_length: 8 pairs in 1 pack; 1, 2, 2, 3 pairs

@@ -18,7 +18,7 @@ from runners import tiny_runner, token_items
 from test_loss_norm import RTOL, _relative
 
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.loss_norm import TokenWeightedLossHook, dialogue_weights
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook, dialogue_weights
 
 LENGTHS = [5, 30, 12, 40, 9, 20]
 
