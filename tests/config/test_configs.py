@@ -266,7 +266,8 @@ def _train_step(cfg: Config, work_dir) -> tuple[torch.nn.Module, dict]:
     from mmengine.registry import FUNCTIONS, MODELS
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
+    from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
+    from xtuner_rope.models.dispatch import isolates_documents
 
     model = MODELS.build(cfg.model)
     dataset = BUILDER.build(cfg.train_dataloader.dataset)

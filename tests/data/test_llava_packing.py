@@ -22,7 +22,8 @@ from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
-from xtuner_rope.hooks import PackedBatchCheckHook, patch_model
+from xtuner_rope.hooks import PackedBatchCheckHook
+from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.ops.packing import plan_packs
 
 P = image_tokens()

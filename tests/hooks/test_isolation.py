@@ -9,8 +9,9 @@ from runners import RecordingHook, tiny_runner
 from xtuner.engine.hooks import EvaluateChatHook
 
 from xtuner_rope.data.collate import rope_collate_fn
-from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook, isolates_documents
+from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
+from xtuner_rope.models.dispatch import isolates_documents
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
 from xtuner_rope.ops.rotate import fused_kernel_calls
 

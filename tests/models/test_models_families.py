@@ -19,8 +19,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from xtuner_rope.config import startup
 from xtuner_rope.demo.tiny import build_tiny_hf
 from xtuner_rope.doctor.diagnose import diagnose
-from xtuner_rope.hooks import patch_model
 from xtuner_rope.models import HF_ATTENTION_CLASSES, HFValidatedRotaryEmbedding, integration_for
+from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.models.families import FAMILIES, checkpoint_verdict
 
 # Each family's quirk comes from demo.tiny.FAMILY_KWARGS (MoE experts, Gemma's MQA and

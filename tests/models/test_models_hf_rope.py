@@ -10,8 +10,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from xtuner_rope import compat
 from xtuner_rope.models import HFValidatedRotaryEmbedding
+from xtuner_rope.models.hf_rope import patch_hf_fp32_rotation
 
 LLAMA31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=8192)
@@ -138,7 +138,7 @@ def test_limits_and_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_family_apply_rotates_low_precision_q_k_in_fp32(dtype):
-    compat.patch_hf_fp32_rotation("transformers.models.llama.modeling_llama")
+    patch_hf_fp32_rotation("transformers.models.llama.modeling_llama")
     rotary = HFValidatedRotaryEmbedding(CONFIGS["yarn"])  # attention scaling 1.14
     positions = torch.randint(0, 131072, (2, 16))
     cos, sin = rotary(torch.zeros(2, 16, 8), positions)  # fp32 [2, 16, 128]
@@ -158,7 +158,7 @@ def test_family_apply_rotates_low_precision_q_k_in_fp32(dtype):
 
 
 def test_family_apply_unchanged_for_unpatched_calls():
-    compat.patch_hf_fp32_rotation("transformers.models.llama.modeling_llama")
+    patch_hf_fp32_rotation("transformers.models.llama.modeling_llama")
     original = modeling_llama.apply_rotary_pos_emb.__wrapped__
     q, k = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
     cos, sin = torch.randn(1, 6, 16), torch.randn(1, 6, 16)

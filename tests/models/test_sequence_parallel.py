@@ -93,7 +93,7 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
     from xtuner.model import SupervisedFinetune
 
     from xtuner_rope.demo.tiny import build_tiny
-    from xtuner_rope.hooks import patch_model
+    from xtuner_rope.models.dispatch import patch_model
     from xtuner_rope.models.sequence_parallel import shard_rows
 
     reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
-from xtuner_rope.hooks import patch_model
+from xtuner_rope.models.dispatch import patch_model
 
 ROWS = [[1, 5, 17, 9], [30, 2]]  # documents per row (32 tokens each)
 # Half-precision tolerances: two kernels round differently (fp32 runs match to ~1e-5).
