@@ -48,15 +48,62 @@ def test_sweep_of_the_fixed_sample(tmp_path):
         assert zoo.select(list(SAMPLE), rows, only) == []
 
 
+def _row(outcome, exit_code, reasons=(), **kw):
+    return {"outcome": outcome, "doctor": {"exit_code": exit_code, "reasons": list(reasons)},
+            **kw}
+
+
 def test_select_resumes_and_reruns_failed():
-    rows = {"a": {"outcome": zoo.TRAINED, "predicted": True},
-            "b": {"outcome": zoo.CRASHED, "predicted": True},
-            "c": {"outcome": zoo.REFUSED, "predicted": False},
-            "d": {"outcome": zoo.LACKS, "predicted": None}}
-    assert zoo.select(["a", "b", "c", "d", "e"], rows, "missing") == ["e"]
-    assert zoo.select(["a", "b", "c", "d", "e"], rows, "failed") == ["b", "c"]
+    rows = {"a": _row(zoo.TRAINED, 0),
+            "b": _row(zoo.CRASHED, 1, ["x: y"], message="ValueError: boom"),
+            "c": _row(zoo.REFUSED, 0, refused=["sequence_parallel_size"]),
+            "d": _row(zoo.LACKS, 1, ["OSError: offline"]),
+            "f": {"outcome": zoo.REFUSED, "doctor": {"exit_code": 1}}}  # no reasons recorded
+    assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "missing") == ["e"]
+    assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "failed") == ["b", "c", "f"]
     with pytest.raises(ValueError, match=r"only='x': expected one of missing, failed, all"):
         zoo.select([], rows, "x")
+
+
+def test_the_doctor_is_right_only_for_the_same_reason():
+    """Exit 1 counts only when the doctor named what stopped the run."""
+    refused = dict(refused=["sequence_parallel_size"], message="sequence_parallel_size: 32: no")
+    assert zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["sequence_parallel_size: 32: no"],
+                                  **refused)) is True
+    assert zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["OSError: couldn't connect"],
+                                  **refused)) is False  # right exit code, wrong reason
+    assert zoo.doctor_agrees(_row(zoo.REFUSED, 0, **refused)) is False
+    warmup = dict(refused=["param_scheduler[0]"], message="param_scheduler[0]: LinearLR ...")
+    assert zoo.doctor_agrees(_row(zoo.REFUSED_AT_DATA, 1, ["param_scheduler[0]: LinearLR, "
+                                                           "begin=0 ..."], **warmup)) is True
+    crash = dict(message="ValueError: end should be larger than begin, but got begin=0, end=0")
+    assert zoo.doctor_agrees(_row(zoo.CRASHED, 1, ["param_scheduler[0]: ... MMEngine refuses "
+                                                   "it (ValueError: end should be larger than "
+                                                   "begin, but got begin=0, end=0)"],
+                                  **crash)) is True
+    assert zoo.doctor_agrees(_row(zoo.CRASHED, 1, ["OSError: offline"], **crash)) is False
+    assert zoo.doctor_agrees(_row(zoo.TRAINED, 0)) is True
+    assert zoo.doctor_agrees(_row(zoo.TRAINED, 1, ["x: y"])) is False
+    assert zoo.doctor_agrees(_row(zoo.LACKS, 1, ["OSError: offline"])) is None
+    counts = zoo.counts({"a": _row(zoo.TRAINED, 0),
+                         "b": _row(zoo.REFUSED, 1, ["OSError: x"], **refused)})
+    assert counts["doctor right"] == 1 and counts["doctor wrong"] == 1
+
+
+def test_refusals_and_doctor_reasons_are_read_from_the_logs(tmp_path):
+    from xtuner_rope.startup import Finding, conflict_message
+
+    out = "noise\n" + conflict_message([Finding("a.b", "bad", "edit it"),
+                                        Finding("param_scheduler[0]", "LinearLR: 0", "longer")])
+    assert zoo.refused_settings(out) == ["a.b", "param_scheduler[0]"]
+    assert zoo.doctor_reasons(tmp_path / "none.json", out) == [
+        "a.b: bad", "param_scheduler[0]: LinearLR: 0"]
+    assert zoo.doctor_reasons(tmp_path / "none.json", "Traceback\nOSError: offline\n") == [
+        "OSError: offline"]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"findings": {"conflicts": [
+        {"setting": "s", "problem": "p", "edit": "e"}]}, "problems": ["q: r"]}))
+    assert zoo.doctor_reasons(report, "") == ["s: p", "q: r"]
 
 
 def test_patterns_keep_their_order_and_family():

@@ -870,6 +870,48 @@ def patch_xtuner_preference_target_zero() -> bool:
     return applied
 
 
+def patch_mmengine_warmup_rounding() -> bool:
+    """Turn "end should be larger than begin, but got begin=0, end=0" into an error naming the
+    warm-up, the dataset's length and the edit (``xtuner_rope.warmup``).
+
+    mmengine 0.10.x ``Runner._build_param_scheduler`` converts an epoch-based scheduler with
+    ``convert_to_iter_based=True`` by truncating ``end * len(train_dataloader)``; XTuner's stock
+    warm-up (``end=warmup_ratio * max_epochs``) becomes 0 iterations on a small dataset and the
+    scheduler's constructor raises a ``ValueError`` that names neither. The check runs just
+    before the original, with the same dataloader; nothing else changes.
+
+    Returns:
+        True if applied (mmengine's Runner has ``_build_param_scheduler``).
+    """
+    try:
+        from mmengine.runner import Runner
+    except ImportError:
+        return False
+    original = getattr(Runner, "_build_param_scheduler", None)
+    if original is None or getattr(original, "_xtuner_rope_warmup", False):
+        return False
+
+    @functools.wraps(original)
+    def build(self, scheduler, optim_wrapper):
+        from mmengine.runner import BaseLoop
+
+        from .warmup import refuse_rounded_warmup
+
+        if isinstance(self._train_loop, BaseLoop):
+            loader = self.train_dataloader
+            length = len(loader)
+            samples = len(loader.dataset) if hasattr(loader.dataset, "__len__") else "?"
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+                else 1
+            refuse_rounded_warmup(scheduler, length, f"{samples} samples, batch size "
+                                  f"{loader.batch_size}, {world} process(es)")
+        return original(self, scheduler, optim_wrapper)
+
+    build._xtuner_rope_warmup = True
+    Runner._build_param_scheduler = build
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
@@ -883,7 +925,7 @@ def apply() -> list[str]:
                   patch_sft_forward_names_missing_hook, patch_model_resource_llm_path,
                   patch_set_model_resource_llm_path, patch_xtuner_preference_rank,
                   patch_xtuner_preference_target_zero, patch_sft_sequence_parallel_loss,
-                  patch_xtuner_train_sequence_parallel_check):
+                  patch_xtuner_train_sequence_parallel_check, patch_mmengine_warmup_rounding):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -39,10 +39,15 @@ from pathlib import Path
 
 TRAINED = "trained isolated"
 REFUSED = "refused before loading"
+# Refused after the model loaded, at the first moment the data makes the problem knowable (the
+# warm-up rounding of ``xtuner_rope.warmup`` needs ``len(train_dataloader)``), never later.
+REFUSED_AT_DATA = "refused before training"
 LACKS = "needs what this machine lacks"
 CRASHED = "crashed"
 LEAKED = "leaked"
-OUTCOMES = (TRAINED, REFUSED, LACKS, CRASHED, LEAKED)
+OUTCOMES = (TRAINED, REFUSED, REFUSED_AT_DATA, LACKS, CRASHED, LEAKED)
+# Settings whose refusal needs the built dataset (so it comes after the model has loaded).
+DATA_SETTINGS = ("param_scheduler",)
 
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
@@ -231,6 +236,58 @@ def _refusal(out: str) -> str | None:
     return (match.group(1) if match else _last_error(out))[:300]
 
 
+def refused_settings(out: str) -> list[str]:
+    """The settings a refusal lists (``1. setting: problem`` lines of the last refusal)."""
+    head = out.rfind("setting(s) of this config would make")
+    if head < 0:
+        return []
+    return re.findall(r"^\d+\. ([^:\n]+):", out[head:], re.M)
+
+
+def doctor_reasons(report: Path, out: str) -> list[str]:
+    """What the doctor named: its conflicts and problems (``setting: problem``), else its error.
+
+    Args:
+        report: The doctor's ``report.json`` (absent when it stopped before writing one).
+        out: Its console output.
+    """
+    if report.is_file():
+        data = json.loads(report.read_text(encoding="utf-8"))
+        found = [f"{c['setting']}: {c['problem']}"
+                 for c in (data.get("findings") or {}).get("conflicts", [])]
+        return [x[:400] for x in found + [str(p) for p in data.get("problems", [])]]
+    listed = re.findall(r"^\d+\. (.+)$", out[max(out.rfind("setting(s) of this config"), 0):],
+                        re.M) if "setting(s) of this config would make" in out else []
+    return [x[:400] for x in listed] or [_last_error(out)]
+
+
+def _setting(reason: str) -> str:
+    return reason.split(":", 1)[0].strip()
+
+
+def doctor_agrees(row: dict) -> bool | None:
+    """Whether the doctor's verdict equals the row's outcome, reason included.
+
+    Exit 0 is right only for a run that trained isolated. Exit 1 is right only when the doctor
+    named what stopped the run: every setting the run refused among the doctor's settings, or a
+    crash's (leak's) error text in one of the doctor's reasons. None where the run could not
+    show its outcome here (``LACKS``) or the row predates recorded reasons.
+    """
+    doctor = row.get("doctor") or {}
+    if row["outcome"] == LACKS or "exit_code" not in doctor:
+        return None
+    if doctor["exit_code"] == 0 or row["outcome"] == TRAINED:
+        return doctor["exit_code"] == 0 and row["outcome"] == TRAINED
+    reasons = doctor.get("reasons")
+    if reasons is None:
+        return None
+    if row["outcome"] in (REFUSED, REFUSED_AT_DATA):
+        named = {_setting(r) for r in reasons}
+        return bool(row.get("refused")) and set(row["refused"]) <= named
+    error = re.sub(r"^[\w.]*(Error|Exception)\b:\s*", "", str(row.get("message", ""))).strip()
+    return bool(error) and any(error[:80] in r for r in reasons)
+
+
 LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
      r"requires? (a )?(CUDA|GPU)|No GPU found|needs a GPU", "a CUDA GPU"),
@@ -254,7 +311,7 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     if code != 0:
         refusal = _refusal(out)
         if refusal:
-            return {"outcome": REFUSED, "message": refusal}
+            return {"outcome": REFUSED, "message": refusal, "refused": refused_settings(out)}
         lacks = lacks_of(out)
         if lacks:
             return {"outcome": LACKS, "message": f"{lacks}: {_last_error(out)}"}
@@ -326,18 +383,20 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     code, out = _run([sys.executable, "-m", "xtuner_rope.cli", "doctor", str(config), "--out",
                       str(folder / "doctor"), "--batches", str(doctor_batches)],
                      folder, 600, folder / "doctor.log")
-    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code)}
+    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code),
+                     "reasons": doctor_reasons(folder / "doctor" / "report.json", out)
+                     if code else []}
     work = folder / "work"
     code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
                       str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}"],
                      folder, 900, folder / "train.log")
     row.update(judge_run(code, out, work, config, iters))
     if row["outcome"] == REFUSED and _loaded(out):
-        row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
-    if row["outcome"] == LACKS:
-        row["predicted"] = None
-    else:
-        row["predicted"] = (row["doctor"]["exit_code"] == 0) == (row["outcome"] == TRAINED)
+        if row["refused"] and all(s.startswith(DATA_SETTINGS) for s in row["refused"]):
+            row["outcome"] = REFUSED_AT_DATA  # as early as the dataset's length is known
+        else:
+            row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
+    row["predicted"] = doctor_agrees(row)
     row["seconds"] = round(time.time() - start)
     return row
 
@@ -369,7 +428,8 @@ def select(names: list[str], results: dict, only: str) -> list[str]:
         return [n for n in names if n not in results]
     if only == "failed":
         return [n for n in names if n in results and (
-            results[n]["outcome"] in (CRASHED, LEAKED) or results[n].get("predicted") is False)]
+            results[n]["outcome"] in (CRASHED, LEAKED) or doctor_agrees(results[n]) is False
+            or (doctor_agrees(results[n]) is None and results[n]["outcome"] != LACKS))]
     raise ValueError(f"zoo: only={only!r}: expected one of missing, failed, all")
 
 
@@ -415,10 +475,12 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
 
 
 def counts(results: dict) -> dict:
-    """Rows per outcome, and the doctor's predictions (right, wrong, not comparable)."""
+    """Rows per outcome, and the doctor's verdicts judged with their reasons
+    (:func:`doctor_agrees`: right, wrong, not comparable)."""
     out = {k: sum(1 for r in results.values() if r["outcome"] == k) for k in OUTCOMES}
-    out["doctor right"] = sum(1 for r in results.values() if r.get("predicted") is True)
-    out["doctor wrong"] = sum(1 for r in results.values() if r.get("predicted") is False)
+    verdicts = [doctor_agrees(r) for r in results.values()]
+    out["doctor right"] = sum(1 for v in verdicts if v is True)
+    out["doctor wrong"] = sum(1 for v in verdicts if v is False)
     return out
 
 
@@ -431,10 +493,12 @@ def markdown(results: dict) -> str:
         mode = r.get("mode") or {}
         mode_s = "/".join(str(mode[k]) for k in ("kind", "tuning", "packing") if k in mode)
         doctor = r.get("doctor") or {}
-        pred = {True: "yes", False: "**no**", None: "n/a"}[r.get("predicted")]
+        pred = {True: "yes", False: "**no**", None: "n/a"}[doctor_agrees(r)]
         detail = str(r.get("message", "")).replace("|", "\\|").replace("\n", " ")[:160]
+        said = "; ".join(doctor.get("reasons") or [])
+        said = f": {said}".replace("|", "\\|").replace("\n", " ")[:120] if said else ""
         lines.append(f"| {name} | {r.get('family')} | {mode_s} | {r['outcome']} | {detail} | "
-                     f"exit {doctor.get('exit_code', '-')} | {pred} |")
+                     f"exit {doctor.get('exit_code', '-')}{said} | {pred} |")
     c = counts(results)
     lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in c.items())
               + f" (of {len(results)} configs)."]
