@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args)
-    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.diagnose import diagnose, exit_code
     from xtuner_rope.doctor.report import format_summary, write_outputs
-    from xtuner_rope.doctor.verdict import refusal_when_data_fails
+    from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
 
     from .launch_findings import launched_with
     from .startup import ConfigConflict
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)
         return 1
+    sp = (report.get("sequence_parallel") or {}).get("size", 1)
+    report["problems"] += launch_problems(sp, args.deepspeed)  # xtuner train's own refusal
+    report["exit_code"] = exit_code(report)
     out = args.out or Path("work_dirs") / "doctor" / Path(args.config).stem
     paths = write_outputs(report, lengths, out)
     print(format_summary(report))

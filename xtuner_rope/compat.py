@@ -515,12 +515,14 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
             sp = cfg.get("sequence_parallel_size", 1)
             if not (is_prepared() and isinstance(sp, int) and sp > 1):
                 return _original(cfg, args)
-            if args.deepspeed is None:
-                raise ValueError(
-                    f"sequence_parallel_size = {sp} without DeepSpeed: XTuner trains sequence "
-                    "parallel only under DeepSpeed. Add `--deepspeed <json>` to `xtuner train` "
-                    "(on CPU: configs/deepspeed/zero2_fp32_cpu.json), or set "
-                    "sequence_parallel_size = 1.")
+            if args.deepspeed is None:  # a refusal before loading, listed as the start-up's
+                from xtuner_rope.startup import ConfigConflict, Finding, conflict_message
+
+                raise ConfigConflict(conflict_message([Finding(
+                    "sequence_parallel_size", f"sequence_parallel_size = {sp} without "
+                    "DeepSpeed: XTuner trains sequence parallel only under DeepSpeed",
+                    "Add `--deepspeed <json>` to `xtuner train` (on CPU: "
+                    "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1")]))
             print_log(f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
                       "packed attention on every backend; XTuner's flash-attn requirement for "
                       "sequence parallel is lifted.", logger="current")

@@ -39,3 +39,22 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
             f"{startup.conflict_message(conflicts)}\n(the doctor could not build the data "
             f"either: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
         ) from exc
+
+
+def launch_problems(sp: object, deepspeed: str | None) -> list[str]:
+    """What ``xtuner train CONFIG [--deepspeed X]`` refuses from its command line alone.
+
+    XTuner's ``check_cfg`` (``xtuner/tools/train.py``) refuses ``sequence_parallel_size > 1``
+    without ``--deepspeed`` (and a config of its own ``DeepSpeedStrategy`` still goes through
+    that check): the doctor, told the run's ``--deepspeed``, names it the same way.
+
+    Args:
+        sp: The config's ``sequence_parallel_size``.
+        deepspeed: The run's ``--deepspeed`` (None: launched without).
+    """
+    if deepspeed or not isinstance(sp, int) or sp <= 1:
+        return []
+    return [f"sequence_parallel_size: sequence_parallel_size = {sp} without DeepSpeed: XTuner "
+            "trains sequence parallel only under DeepSpeed (xtuner train refuses it before "
+            "loading)\n  -> pass the run's --deepspeed to the doctor as to xtuner train (on CPU: "
+            "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1"]
