@@ -67,6 +67,10 @@ ISOLATION_TOLERANCE = 1e-5  # fp32: |packed - alone| <= tol * max(1, |logit|)
 PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
                "model_resource = dict(fn=enable_xtuner_rope)\n")
 CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+PREFERENCE_KINDS = ("dpo", "orpo", "reward")
+PREFERENCE_CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import "
+                      "PreferenceCaptureHook  # noqa: E402\n"
+                      "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
 
 
 def family_of(name: str) -> str | None:
@@ -130,6 +134,22 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
     return root
 
 
+def write_preference_data(root: Path, n: int = 240) -> Path:
+    """Preference pairs in the stock map function's format (``orpo_dpo_mix_40k_map_fn``:
+    ``chosen``/``rejected`` message lists sharing their prompt), as JSON lines.
+
+    Returns:
+        The ``.jsonl`` file (``load_dataset("json", data_files=...)`` reads it).
+    """
+    from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
+    from xtuner_rope.demo.sample_data import generate_dialogues
+
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "preference_pairs.jsonl"
+    write_pairs(preference_pairs(generate_dialogues(n + 1, seed=0), n), str(path))
+    return path
+
+
 def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
     """The family's tiny checkpoint under ``models`` (built once), or None without a builder."""
     from xtuner_rope.demo.tiny import FAMILIES, save_tiny
@@ -148,13 +168,18 @@ def _sub(text: str, pattern: str, repl: str) -> tuple[str, int]:
     return re.subn(pattern, repl, text, flags=re.M)
 
 
-def localize(text: str, model: Path | None, data: Path) -> str:
+def localize(text: str, model: Path | None, data: Path, pairs: Path | None = None) -> str:
     """The edits a user makes to run a stock config on this CPU machine with local files.
 
     Checkpoint path (when a tiny one exists), every dataset path, ``max_length`` 512, no 4-bit
     quantization (bitsandbytes needs CUDA), fp32 ``OptimWrapper`` (AMP needs a GPU), one
-    short evaluation prompt, no gradient accumulation, 2 packing workers.
+    short evaluation prompt, no gradient accumulation, 2 packing workers. With ``pairs`` (a
+    preference config), its hub dataset becomes the local pairs file, read by one worker.
     """
+    if pairs is not None:
+        text, _ = _sub(text, r'type=load_dataset, path="[^"]+"',
+                       f'type=load_dataset, path="json", data_files="{pairs}"')
+        text, _ = _sub(text, r"^(\s*)num_proc=\d+,$", r"\1num_proc=1,")
     if model is not None:
         text, _ = _sub(text, r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
                        f'pretrained_model_name_or_path = "{model}"')
@@ -191,8 +216,11 @@ def enable_plugin(text: str) -> str:
     return text
 
 
-def with_capture(text: str) -> str:
-    """``IsolationCaptureHook`` first in ``custom_hooks`` (the run's first batch is saved)."""
+def with_capture(text: str, kind: str = "sft") -> str:
+    """``IsolationCaptureHook`` first in ``custom_hooks`` (the run's first batch is saved), or
+    for a preference config ``PreferenceCaptureHook`` (its third iteration and weights)."""
+    if kind in PREFERENCE_KINDS:
+        return text + PREFERENCE_CAPTURE
     text, n = _sub(text, r"^(custom_hooks = \[)", r"\g<1>\n    dict(type=IsolationCaptureHook),")
     if n != 1:
         text += "\ncustom_hooks = [dict(type=IsolationCaptureHook)]\n"
@@ -306,7 +334,8 @@ def lacks_of(out: str) -> str | None:
     return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, tail)), None)
 
 
-def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict:
+def judge_run(code: int, out: str, work: Path, config: Path, iters: int,
+              kind: str = "sft") -> dict:
     """The outcome of one training run (see :data:`OUTCOMES`) with its evidence."""
     if code != 0:
         refusal = _refusal(out)
@@ -324,6 +353,8 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     except RuntimeError as exc:
         return {"outcome": CRASHED, "message": str(exc)[:300]}
     row = {"losses": [round(x, 4) for x in run.losses]}
+    if kind in PREFERENCE_KINDS:
+        return {**row, **judge_preference(work, config)}
     capture = work / CAPTURE_FILE
     if not capture.is_file():
         return {**row, "outcome": CRASHED, "message": "trained but saved no isolation capture"}
@@ -344,6 +375,35 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     return {**row, "outcome": TRAINED,
             "message": f"{result['documents']} documents, max |trained - alone| "
                        f"{result['max_abs_diff']:.3g}{in_dtype}"}
+
+
+def judge_preference(work: Path, config: Path) -> dict:
+    """Each captured response's values (log-probs; the reward token's hidden states) against
+    the response alone through the unpatched model, relative to ``max(1, |value|)``."""
+    from xtuner_rope.doctor.preference_capture import (
+        PREFERENCE_CAPTURE_FILE,
+        compare_preference_capture,
+    )
+
+    capture = work / PREFERENCE_CAPTURE_FILE
+    if not capture.is_file():
+        return {"outcome": CRASHED, "message": "trained but saved no preference capture"}
+    try:
+        result = compare_preference_capture(config, capture)
+    except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
+        return {"outcome": CRASHED, "message": f"preference capture compare: {exc}"[:300]}
+    worst = max(diff / max(1.0, max(abs(v) for v in result["alone"][name]))
+                for name, diff in result["max_abs_diff"].items())
+    states = result.get("reward_token_states") or {}
+    if states:
+        worst = max(worst, states["max_abs_diff"])
+    leak = max(result["leak_max_abs_diff"].values())
+    row = {"documents": 2 * result["pairs"], "relative": worst, "dtype": "float32",
+           "tolerance": ISOLATION_TOLERANCE, "boundaries": "cumulative_len"}
+    what = (f"{result['pairs']} {result['kind']} pairs, responses vs alone relative {worst:.3g}"
+            f" (unpatched packed row: {leak:.3g})")
+    return {**row, "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
+            "message": what}
 
 
 def isolation_tolerance(dtype: str) -> float:
@@ -373,8 +433,12 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     row["mode"] = mode_of(text, name)
     model = tiny_checkpoint(family, models)
     row["checkpoint"] = "tiny (built here)" if model else "hub id (no tiny builder here)"
+    kind = row["mode"]["kind"]
+    pairs = root / "data" / "preference_pairs.jsonl" if kind in PREFERENCE_KINDS else None
+    if pairs is not None and not pairs.is_file():
+        write_preference_data(root / "data")
     try:
-        config_text = with_capture(enable_plugin(localize(text, model, data)))
+        config_text = with_capture(enable_plugin(localize(text, model, data, pairs)), kind)
     except ValueError as exc:
         return {**row, "outcome": CRASHED, "message": str(exc), "doctor": None,
                 "seconds": round(time.time() - start)}
@@ -390,7 +454,7 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
                       str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}"],
                      folder, 900, folder / "train.log")
-    row.update(judge_run(code, out, work, config, iters))
+    row.update(judge_run(code, out, work, config, iters, kind))
     if row["outcome"] == REFUSED and _loaded(out):
         if row["refused"] and all(s.startswith(DATA_SETTINGS) for s in row["refused"]):
             row["outcome"] = REFUSED_AT_DATA  # as early as the dataset's length is known
@@ -448,6 +512,7 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
+    write_preference_data(root / "data")  # once, before the workers read it
     models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
