@@ -452,7 +452,9 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
                      if code else []}
     work = folder / "work"
     code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
-                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}"],
+                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}",
+                      # a checkpoint at the end (stock ``save_steps = -1`` configs save none)
+                      f"default_hooks.checkpoint.interval={iters}"],
                      folder, 900, folder / "train.log")
     row.update(judge_run(code, out, work, config, iters, kind))
     if row["outcome"] == REFUSED and _loaded(out):
