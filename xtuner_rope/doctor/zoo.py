@@ -195,6 +195,7 @@ def localize(text: str, model: Path | None, data: Path, pairs: Path | None = Non
     text, _ = _sub(text, r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
                          r"(?:\n.*?)*?\n\1\),\n", "")
     text, _ = _sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
+    text, _ = _sub(text, r"^\s*load_in_8bit=True,\n", "")  # int8 LoRA: LoRA without 8-bit
     # 2 workers per packing map: the default 32 processes only queue up on a small machine.
     text, _ = _sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=2,")
     text, amp = _sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
@@ -318,7 +319,7 @@ def doctor_agrees(row: dict) -> bool | None:
 
 LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
-     r"requires? (a )?(CUDA|GPU)|No GPU found|needs a GPU", "a CUDA GPU"),
+     r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU", "a CUDA GPU"),
     (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
     (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
     (r"(offline mode|couldn't connect|is not a local folder|"
