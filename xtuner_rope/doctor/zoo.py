@@ -458,11 +458,11 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
                       f"default_hooks.checkpoint.interval={iters}"],
                      folder, 900, folder / "train.log")
     row.update(judge_run(code, out, work, config, iters, kind))
-    if row["outcome"] == REFUSED and _loaded(out):
-        if row["refused"] and all(s.startswith(DATA_SETTINGS) for s in row["refused"]):
-            row["outcome"] = REFUSED_AT_DATA  # as early as the dataset's length is known
-        else:
-            row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
+    if row["outcome"] == REFUSED and row["refused"] and all(
+            s.startswith(DATA_SETTINGS) for s in row["refused"]):
+        row["outcome"] = REFUSED_AT_DATA  # after the model, as soon as the data's length is known
+    elif row["outcome"] == REFUSED and _loaded(out):
+        row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
     row["predicted"] = doctor_agrees(row)
     row["seconds"] = round(time.time() - start)
     return row
