@@ -16,10 +16,12 @@ For each stock config (``xtuner list-cfg``, filtered by pattern) the sweep
 5. where it trained, compares each document of the captured first batch with the same document
    alone (:func:`xtuner_rope.doctor.check_capture.compare_capture`).
 
-Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict and whether the doctor
-predicted it (exit 0 exactly when the run trains isolated). Rows are written to a JSON file as
-they finish: the sweep resumes where it stopped, and ``only="failed"`` re-runs what did not
-train isolated or was mispredicted.
+Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict, its reasons, and
+whether the doctor predicted it (:func:`doctor_agrees`: exit 0 exactly when the run trains
+isolated, and an exit 1 only counts when the doctor named what stopped the run). Preference
+configs (DPO, ORPO, reward) run on local pairs and are judged per response against each response
+alone. Rows are written to a JSON file as they finish: the sweep resumes where it stopped, and
+``only="failed"`` re-runs what did not train isolated or was mispredicted.
 """
 
 from __future__ import annotations
