@@ -70,6 +70,11 @@ PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
                "model_resource = dict(fn=enable_xtuner_rope)\n")
 CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
 PREFERENCE_KINDS = ("dpo", "orpo", "reward")
+# LLaVA config-name prefix -> its LLM's tiny family (``llava_v15``/``vicuna``: Llama).
+LLAVA_LLM_OF_PREFIX = (("llava_internlm2", "internlm2"), ("llava_llama3", "llama"),
+                       ("llava_vicuna", "llama"), ("llava_v15", "llama"), ("llava_phi3", "phi3"),
+                       ("llava_internlm_", "internlm"))
+LLAVA_CAPTURE = ("from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
 PREFERENCE_CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import "
                       "PreferenceCaptureHook  # noqa: E402\n"
                       "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
@@ -103,6 +108,8 @@ def mode_of(text: str, name: str) -> dict:
         packing = "packed"
     kind = next((k for k in ("dpo", "orpo", "reward", "llava", "internvl", "pretrain")
                  if k in name), "sft")
+    if kind in ("llava", "internvl"):
+        packing = "unpacked"  # LLaVADataset hard-codes pack_to_max_length=False
     return {"tuning": tuning, "packing": packing, "kind": kind}
 
 
@@ -152,6 +159,65 @@ def write_preference_data(root: Path, n: int = 240) -> Path:
     return path
 
 
+def write_llava_images(root: Path) -> Path:
+    """12 drawn-image and 12 text dialogues in LLaVA's format; returns the JSON (its images
+    under ``images/`` next to it)."""
+    from xtuner_rope.demo.llava_data import write_llava_data
+
+    return write_llava_data(root, n_images=12, n_text=12)
+
+
+def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> str:
+    """A stock LLaVA config's own-machine edits (``tests/llava_configs.py`` makes the same):
+    the LLM and the tiny CLIP, local images, batch size 4, no projector checkpoint, a warm-up
+    of at least one of a few iterations, no quantization, fp32 ``OptimWrapper`` on CPU."""
+    if llm is not None:
+        text, _ = _sub(text, r'^llm_name_or_path = ".*"$', f'llm_name_or_path = "{llm}"')
+    text, _ = _sub(text, r'^visual_encoder_name_or_path = ".*"$',
+                   f'visual_encoder_name_or_path = "{clip}"')
+    text, _ = _sub(text, r'^pretrained_pth = ".*"(  # noqa: E501)?$', "pretrained_pth = None")
+    text, _ = _sub(text, r'^data_path = .*$', f'data_path = "{data_json}"')
+    text, _ = _sub(text, r'^image_folder = .*$', f'image_folder = "{data_json.parent / "images"}"')
+    text, _ = _sub(text, r"^batch_size = \d+", "batch_size = 4")
+    text, _ = _sub(text, r"^dataloader_num_workers = \d+", "dataloader_num_workers = 0")
+    text, _ = _sub(text, r"^warmup_ratio = .*$", "warmup_ratio = 0.3")
+    first = sorted((data_json.parent / "images").iterdir())[0]
+    text, _ = _sub(text, r'^evaluation_images = ".*"$', f'evaluation_images = "{first}"')
+    text, _ = _sub(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is this?"]')
+    return cpu_edits(text)
+
+
+def enable_plugin_llava(text: str) -> str:
+    """The README's one edit after ``llm_name_or_path``, with ``LLaVAIsolationCaptureHook``."""
+    text, n = _sub(text, r'^(llm_name_or_path = ".*"\n)', lambda m: m.group(1) + PLUGIN_EDIT)
+    if n != 1:
+        raise ValueError("zoo: the LLaVA config has no 'llm_name_or_path = ...' line")
+    text, n = _sub(text, r"^(custom_hooks = \[)$",
+                   r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    if n != 1:
+        text += "\ncustom_hooks = [dict(type=LLaVAIsolationCaptureHook)]\n"
+    return LLAVA_CAPTURE + text
+
+
+def judge_llava(work: Path, config: Path) -> dict:
+    """Each captured sample's LLM logits (after the image expansion) against the sample alone."""
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+
+    capture = work / LLAVA_CAPTURE_FILE
+    if not capture.is_file():
+        return {"outcome": CRASHED, "message": "trained but saved no LLaVA capture"}
+    try:
+        result = compare_llava_capture(config, capture)
+    except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
+        return {"outcome": CRASHED, "message": f"LLaVA capture compare: {exc}"[:300]}
+    worst = max(s["max_abs_diff"] / max(1.0, s["max_abs_logit"]) for s in result["per_sample"])
+    return {"documents": result["samples"], "relative": worst, "dtype": "float32",
+            "tolerance": ISOLATION_TOLERANCE, "boundaries": "LLaVA samples",
+            "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
+            "message": f"{result['samples']} image/text samples, max |trained - alone| "
+                       f"{result['max_abs_diff']:.3g}"}
+
+
 def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
     """The family's tiny checkpoint under ``models`` (built once), or None without a builder."""
     from xtuner_rope.demo.tiny import FAMILIES, save_tiny
@@ -189,6 +255,11 @@ def localize(text: str, model: Path | None, data: Path, pairs: Path | None = Non
         if var != "pretrained_model_name_or_path" and "prompt" not in var:
             text, _ = _sub(text, rf'^{var} = ".*"$', f'{var} = "{data}"')
     text, _ = _sub(text, r"^data_files = \[.*\]$", f'data_files = ["{data / "train.json"}"]')
+    return cpu_edits(text)
+
+
+def cpu_edits(text: str) -> str:
+    """The CPU machine's edits of :func:`localize` (no path changed)."""
     text, _ = _sub(text, r"^max_length = .*$", "max_length = 512")
     text, _ = _sub(text, r"^accumulative_counts = .*$", "accumulative_counts = 1")
     text, _ = _sub(text, r"^lr = .*$", "lr = 3e-3")
@@ -358,6 +429,8 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int,
     row = {"losses": [round(x, 4) for x in run.losses]}
     if kind in PREFERENCE_KINDS:
         return {**row, **judge_preference(work, config)}
+    if kind == "llava":
+        return {**row, **judge_llava(work, config)}
     capture = work / CAPTURE_FILE
     if not capture.is_file():
         return {**row, "outcome": CRASHED, "message": "trained but saved no isolation capture"}
@@ -441,7 +514,19 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     if pairs is not None and not pairs.is_file():
         write_preference_data(root / "data")
     try:
-        config_text = with_capture(enable_plugin(localize(text, model, data, pairs)), kind)
+        if kind == "llava":
+            from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+            llm_family = next((f for p, f in LLAVA_LLM_OF_PREFIX if name.startswith(p)), None)
+            model = tiny_checkpoint(llm_family, models)
+            clip = models / "tiny-clip"
+            if not (clip / "config.json").is_file():
+                save_tiny_clip(clip)
+            row["checkpoint"] = f"tiny {llm_family} + tiny CLIP" if model else "hub LLM"
+            config_text = enable_plugin_llava(localize_llava(
+                text, model, clip, root / "data" / "llava" / "llava_data.json"))
+        else:
+            config_text = with_capture(enable_plugin(localize(text, model, data, pairs)), kind)
     except ValueError as exc:
         return {**row, "outcome": CRASHED, "message": str(exc), "doctor": None,
                 "seconds": round(time.time() - start)}
@@ -518,6 +603,7 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
     write_preference_data(root / "data")  # once, before the workers read it
+    write_llava_images(root / "data" / "llava")
     models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
