@@ -2,12 +2,11 @@
 
 The sample, one row per way a stock config ends here, each judged with the doctor's reason:
 XTuner's stock InternLM2 QLoRA config (trains isolated on the tiny checkpoint, LoRA without
-4-bit, packed), the stock Llama 2 QLoRA oasst1 config (unpacked: one document per row), the
-stock Cohere config (sequence parallel over 32 ranks: refused by the start-up before its
-checkpoint is looked up), the stock DeepSeek-V2 config (XTuner's own modeling package: refused
-from the config alone) and the stock Qwen1.5 pretrain config (its warm-up rounds to 0 iterations
-on the small data: refused by name once the dataset's length is known, instead of MMEngine's
-"end should be larger than begin").
+4-bit, packed), the stock Cohere config (sequence parallel over 32 ranks: refused by the
+start-up before its checkpoint is looked up) and the stock Qwen1.5 pretrain config (its warm-up
+rounds to 0 iterations on the small data: refused by name once the dataset's length is known,
+instead of MMEngine's "end should be larger than begin"). DeepSeek-V2's refusal is tested from
+the config alone (``test_zoo_refusals.py``); the other families' rows are in ``docs/zoo``.
 """
 
 import json
@@ -22,9 +21,7 @@ from xtuner_rope.doctor import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = {"internlm2_chat_1_8b_qlora_alpaca_e3": zoo.TRAINED,
-          "llama2_7b_qlora_oasst1_512_e3": zoo.TRAINED,
           "cohere_100b_128k_sp32": zoo.REFUSED,
-          "deepseek_v2_lite_chat_full_alpaca_e3_32k_varlen": zoo.REFUSED,
           "qwen1_5_0_5b_full_custom_pretrain_e1": zoo.REFUSED_AT_DATA}
 
 
@@ -36,7 +33,7 @@ def test_sweep_of_the_fixed_sample(tmp_path):
         [sys.executable, str(REPO / "tools" / "zoo.py"), *SAMPLE, "--jobs", "2", "--out",
          str(tmp_path / "zoo"), "--results", str(results), "--markdown",
          str(tmp_path / "zoo.md"), "--models", str(REPO / "models")],
-        cwd=REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=900)
+        cwd=REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=1800)
     rows = json.loads(results.read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name, outcome in SAMPLE.items():
@@ -45,21 +42,16 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     trained = rows["internlm2_chat_1_8b_qlora_alpaca_e3"]
     assert trained["documents"] > 1 and trained["relative"] <= zoo.ISOLATION_TOLERANCE
     assert trained["mode"] == {"tuning": "qlora", "packing": "packed", "kind": "sft"}
-    unpacked = rows["llama2_7b_qlora_oasst1_512_e3"]
-    assert unpacked["mode"]["packing"] == "unpacked" and unpacked["documents"] >= 1
-    assert unpacked["boundaries"] == "one document per row"
     assert "sequence_parallel_size: 32" in rows["cohere_100b_128k_sp32"]["message"]
-    deepseek = rows["deepseek_v2_lite_chat_full_alpaca_e3_32k_varlen"]
-    assert deepseek["refused"] == ["model.llm.type"] and "DeepSeek-V2" in deepseek["message"]
     warmup = rows["qwen1_5_0_5b_full_custom_pretrain_e1"]
     assert warmup["refused"] == ["param_scheduler[0]"] and "warmup_ratio" in \
         " ".join(warmup["doctor"]["reasons"])
-    assert "1/5" in proc.stdout and "5/5" in proc.stdout  # the progress bar
+    assert "1/3" in proc.stdout and "3/3" in proc.stdout  # the progress bar
     table = (tmp_path / "zoo.md").read_text()
     assert "| internlm2_chat_1_8b_qlora_alpaca_e3 | internlm2 | sft/qlora/packed | " \
            "trained isolated |" in table
-    assert "Counts: trained isolated 2, refused before loading 2, refused before training 1, " \
-           "needs what this machine lacks 0, crashed 0, leaked 0, doctor right 5, " \
+    assert "Counts: trained isolated 1, refused before loading 1, refused before training 1, " \
+           "needs what this machine lacks 0, crashed 0, leaked 0, doctor right 3, " \
            "doctor wrong 0" in table
     # Resumable: nothing is left to run; nothing failed.
     for only in ("missing", "failed"):
