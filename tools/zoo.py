@@ -4,7 +4,8 @@
         --jobs 1 --out work_dirs/zoo --results docs/zoo/results.json --markdown docs/zoo/zoo.md
 
 Resumable: rows already in the results file are skipped (``--only missing``, the default);
-``--only failed`` re-runs crashed/leaked/mispredicted rows, ``--only all`` everything selected.
+``--only failed`` re-runs crashed/leaked/mispredicted rows, ``--only all`` everything selected;
+``--table-only`` rewrites the markdown from the results file (e.g. after an interrupted sweep).
 See ``xtuner_rope/doctor/zoo.py`` for what each row does.
 """
 
@@ -30,8 +31,14 @@ def main(argv=None) -> int:
                    help="folder of the tiny checkpoints, built once per family (default: "
                         "OUT/models; the tests use the repository's models/)")
     p.add_argument("--list", action="store_true", help="print the selected configs and exit")
+    p.add_argument("--table-only", action="store_true",
+                   help="rewrite the markdown table from the results file and exit")
     args = p.parse_args(argv)
     results_path = Path(args.results)
+    if args.table_only:
+        Path(args.markdown).write_text(zoo.markdown(zoo.load_results(results_path)),
+                                       encoding="utf-8")
+        return 0
     if args.list:
         names = zoo.select(zoo.list_configs(args.patterns), zoo.load_results(results_path),
                            args.only)

@@ -1,6 +1,6 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
-    xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...]
+    xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
     xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
     xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
     xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="sampler batches to collate (default: 200)")
     doctor.add_argument("--cfg-options", nargs="+", action=DictAction, default=None,
                         help="override config settings, key=value (as xtuner train)")
+    doctor.add_argument("--deepspeed", default=None,
+                        help="the DeepSpeed config the run will get (as xtuner train: a json or "
+                             "one of XTuner's names, e.g. deepspeed_zero2)")
     _add_check(commands, DictAction)
     _add_xtuner_tools(commands)
     return parser
@@ -103,16 +106,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args)
-    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.diagnose import diagnose, exit_code
     from xtuner_rope.doctor.report import format_summary, write_outputs
+    from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
 
+    from .config.launch import launched_with
     from .config.startup import ConfigConflict
 
     try:
-        report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
-    except ConfigConflict as err:  # refused before any data (e.g. InternVL)
+        with launched_with(args.deepspeed), refusal_when_data_fails(args.config,
+                                                                    args.cfg_options):
+            report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
+    except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)
         return 1
+    sp = (report.get("sequence_parallel") or {}).get("size", 1)
+    report["problems"] += launch_problems(sp, args.deepspeed)  # xtuner train's own refusal
+    report["exit_code"] = exit_code(report)
     out = args.out or Path("work_dirs") / "doctor" / Path(args.config).stem
     paths = write_outputs(report, lengths, out)
     print(format_summary(report))

@@ -52,7 +52,7 @@ def test_xtuner_flash_attn_check_for_sequence_parallel_is_lifted_when_prepared(
 
 def test_sequence_parallel_without_deepspeed_is_refused_with_the_edit(train_module, monkeypatch):
     monkeypatch.setitem(startup._STATE, "prepared", True)
-    with pytest.raises(ValueError, match=r"sequence_parallel_size = 2 without DeepSpeed: .*Add "
+    with pytest.raises(ValueError, match=r"(?s)sequence_parallel_size = 2 without DeepSpeed: .*Add "
                        r"`--deepspeed <json>` to `xtuner train` \(on CPU: "
                        r"configs/deepspeed/zero2_fp32_cpu.json\)"):
         train_module.check_cfg(_sp_cfg(2), Namespace(deepspeed=None))

@@ -94,8 +94,8 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     # 475 rows, 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
     # it ("end should be larger than begin"): the one problem, with the edit
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
-    assert report["problems"][0].startswith("param_scheduler[0] (LinearLR, begin=0, end=0.03 "
-                                            "epochs, convert_to_iter_based=True) becomes begin=0"
+    assert report["problems"][0].startswith("param_scheduler[0]: LinearLR, begin=0, end=0.03 "
+                                            "epochs, convert_to_iter_based=True, becomes begin=0"
                                             ", end=0 iterations on this dataset (475 samples")
     assert "warmup_ratio * max_epochs >= 0.0333" in report["problems"][0]
     assert text.count("\nmodel_resource = ") == 1
@@ -182,7 +182,7 @@ def test_xtuner_drops_assistant_less_and_loss_free_dialogues_and_truncates_long_
     # 32 samples are 2 steps of 16: the recipe's warm-up rounds to 0 steps, which MMEngine
     # refuses ("end should be larger than begin"); the data itself has no problem
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
-    assert report["problems"][0].startswith("param_scheduler[0] (LinearLR")
+    assert report["problems"][0].startswith("param_scheduler[0]: LinearLR")
     assert any("2 of 34 source rows were dropped" in w for w in report["warnings"])
 
 

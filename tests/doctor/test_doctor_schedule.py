@@ -51,7 +51,7 @@ def test_doctor_predicts_mmengine(samples, batch_size, warmup_ratio, max_epochs)
         with pytest.raises(ValueError, match="end should be larger than begin"):
             build_like_runner(schedulers, length)
         assert len(problems) == 1
-        assert "param_scheduler[0] (LinearLR" in problems[0]
+        assert problems[0].startswith("param_scheduler[0]: LinearLR, begin=0")
         assert "warmup_ratio" in problems[0] and f"{length} iterations per epoch" in problems[0]
     else:
         build_like_runner(schedulers, length)

@@ -531,12 +531,12 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
             prepared = startup is not None and startup.is_prepared()
             if not (prepared and isinstance(sp, int) and sp > 1):
                 return _original(cfg, args)
-            if args.deepspeed is None:
-                raise ValueError(
-                    f"sequence_parallel_size = {sp} without DeepSpeed: XTuner trains sequence "
-                    "parallel only under DeepSpeed. Add `--deepspeed <json>` to `xtuner train` "
-                    "(on CPU: configs/deepspeed/zero2_fp32_cpu.json), or set "
-                    "sequence_parallel_size = 1.")
+            if args.deepspeed is None:  # a refusal before loading, listed as the start-up's
+                raise startup.ConfigConflict(startup.conflict_message([startup.Finding(
+                    "sequence_parallel_size", f"sequence_parallel_size = {sp} without "
+                    "DeepSpeed: XTuner trains sequence parallel only under DeepSpeed",
+                    "Add `--deepspeed <json>` to `xtuner train` (on CPU: "
+                    "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1")]))
             print_log(f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
                       "packed attention on every backend; XTuner's flash-attn requirement for "
                       "sequence parallel is lifted.", logger="current")
@@ -936,6 +936,53 @@ def patch_internlm2_generation_from_embeds() -> bool:
     return True
 
 
+# Checks run on the schedulers MMEngine is about to build, (schedulers, iterations per epoch,
+# a description of the data) -> None or raise; the start-up's warm-up check registers itself here
+# (``xtuner_rope.config.warmup``), as compat may not import the start-up.
+SCHEDULER_CHECKS: list = []
+
+
+def patch_mmengine_warmup_rounding() -> bool:
+    """Turn "end should be larger than begin, but got begin=0, end=0" into an error naming the
+    warm-up, the dataset's length and the edit (``xtuner_rope.config.warmup``).
+
+    mmengine 0.10.x ``Runner._build_param_scheduler`` converts an epoch-based scheduler with
+    ``convert_to_iter_based=True`` by truncating ``end * len(train_dataloader)``; XTuner's stock
+    warm-up (``end=warmup_ratio * max_epochs``) becomes 0 iterations on a small dataset and the
+    scheduler's constructor raises a ``ValueError`` that names neither. The check runs just
+    before the original, with the same dataloader; nothing else changes.
+
+    Returns:
+        True if applied (mmengine's Runner has ``_build_param_scheduler``).
+    """
+    try:
+        from mmengine.runner import Runner
+    except ImportError:
+        return False
+    original = getattr(Runner, "_build_param_scheduler", None)
+    if original is None or getattr(original, "_xtuner_rope_warmup", False):
+        return False
+
+    @functools.wraps(original)
+    def build(self, scheduler, optim_wrapper):
+        from mmengine.runner import BaseLoop
+
+        if isinstance(self._train_loop, BaseLoop) and SCHEDULER_CHECKS:
+            loader = self.train_dataloader
+            length = len(loader)
+            samples = len(loader.dataset) if hasattr(loader.dataset, "__len__") else "?"
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+                else 1
+            for check in SCHEDULER_CHECKS:
+                check(scheduler, length, f"{samples} samples, batch size "
+                      f"{loader.batch_size}, {world} process(es)")
+        return original(self, scheduler, optim_wrapper)
+
+    build._xtuner_rope_warmup = True
+    Runner._build_param_scheduler = build
+    return True
+
+
 def apply() -> list[str]:
     """Apply every patch whose gap exists here; safe to call any number of times.
 
@@ -950,7 +997,7 @@ def apply() -> list[str]:
                   patch_set_model_resource_llm_path, patch_xtuner_preference_rank,
                   patch_xtuner_preference_target_zero, patch_sft_sequence_parallel_loss,
                   patch_xtuner_train_sequence_parallel_check,
-                  patch_internlm2_generation_from_embeds):
+                  patch_internlm2_generation_from_embeds, patch_mmengine_warmup_rounding):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

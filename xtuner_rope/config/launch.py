@@ -21,6 +21,7 @@ start-up (and so ``xtuner-rope doctor``) names them first, with the edit:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -41,6 +42,29 @@ REPO = Path(__file__).resolve().parents[1]
 DEEPSPEED_SAMPLERS = ("InternRepoSampler",)
 
 
+# ``--deepspeed`` of a run that is not this process: ``xtuner-rope doctor --deepspeed X`` sets it
+# (see :func:`launched_with`) so the start-up's findings are those of ``xtuner train --deepspeed X``.
+_LAUNCH: dict = {}
+
+
+@contextlib.contextmanager
+def launched_with(deepspeed: str | None):
+    """Inspect configs as if ``xtuner train ... --deepspeed deepspeed`` had started them.
+
+    Args:
+        deepspeed: The argument as ``xtuner train`` takes it (a json file or one of XTuner's
+            names, e.g. ``deepspeed_zero2``); None changes nothing.
+    """
+    saved = dict(_LAUNCH)
+    if deepspeed:
+        _LAUNCH["deepspeed"] = deepspeed
+    try:
+        yield
+    finally:
+        _LAUNCH.clear()
+        _LAUNCH.update(saved)
+
+
 def deepspeed_argument(argv: list[str] | None = None) -> str | None:
     """``--deepspeed``'s value when this process is ``xtuner train`` (its ``tools/train.py``).
 
@@ -49,8 +73,11 @@ def deepspeed_argument(argv: list[str] | None = None) -> str | None:
 
     Returns:
         The argument as given (a file or one of XTuner's names, e.g. ``deepspeed_zero2``), or
-        None when absent or when this process is not XTuner's training script.
+        None when absent or when this process is not XTuner's training script. Without
+        ``argv``, the doctor's ``--deepspeed`` (:func:`launched_with`) comes first.
     """
+    if argv is None and _LAUNCH.get("deepspeed"):
+        return _LAUNCH["deepspeed"]
     argv = sys.argv if argv is None else argv
     if not argv or not Path(argv[0]).as_posix().endswith("xtuner/tools/train.py"):
         return None

@@ -153,15 +153,18 @@ def model_family_findings(cfg: Config) -> list[Finding]:
     A hub id that is not in the local cache cannot be known offline: nothing is found here and
     ``ValidatedRoPEHook`` refuses such a model after it loaded.
     """
-    from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict
+    from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict, model_class_verdict
 
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
+    setting, verdict = "model.llm.type", model_class_verdict(
+        getattr(_get(llm, "type"), "_module", None))  # XTuner's own DeepSeek-V2 package
+    if verdict is None:
+        setting = "model.llm.pretrained_model_name_or_path"
+        verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
     if verdict is None or verdict[1] is None:
         return []
     where, refusal = verdict
-    return [Finding("model.llm.pretrained_model_name_or_path", f"{where}: {refusal}",
-                    UNSERVED_ADVICE)]
+    return [Finding(setting, f"{where}: {refusal}", UNSERVED_ADVICE)]
 
 
 def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:

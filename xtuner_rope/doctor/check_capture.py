@@ -134,7 +134,9 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     data = saved["data"]
     cfg, _, _ = start_like_xtuner_train(str(config))  # the start-up's fixes, as trained
-    recorded = None if data.get("cumulative_len") is not None else _pack_boundaries(cfg, data)
+    unpacked = not cfg.train_dataloader.dataset.get("pack_to_max_length", True)  # 1 per row
+    recorded = None if data.get("cumulative_len") is not None or unpacked \
+        else _pack_boundaries(cfg, data)
     docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
     n_packed, _ = cm.label_count(data["labels"], docs)
     logits, loss = cm.documents_alone(reference_llm(cfg), data, docs, n_packed, backward=False)

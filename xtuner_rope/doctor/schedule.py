@@ -9,36 +9,16 @@ a small dataset the warm-up rounds to 0 iterations and ``xtuner train`` stops af
 has loaded. The doctor knows the dataset's length, so it computes the same integers first.
 
 The plugin's start-up cannot: it runs before the dataset is built, so it does not know
-``len(train_dataloader)``.
+``len(train_dataloader)``; the run itself refuses the same schedulers, with the same message,
+right before MMEngine builds them (``xtuner_rope.config.warmup``).
 """
 
 from __future__ import annotations
 
-INF = 1e9  # MMEngine's INF for an open-ended scheduler
+# The conversion's integers and the message are shared with the run's own refusal.
+from xtuner_rope.config.warmup import INF, epoch_length, iteration_bounds, rounding_problems
 
-
-def epoch_length(samples: int, batch_size: int, drop_last: bool = False) -> int:
-    """``len(train_dataloader)`` on one process (MMEngine's ``DefaultSampler``, no drop)."""
-    return samples // batch_size if drop_last else -(-samples // batch_size)
-
-
-def iteration_bounds(scheduler: dict, length: int) -> tuple[int, int] | None:
-    """``(begin, end)`` in iterations as MMEngine builds a converted scheduler, else None.
-
-    Args:
-        scheduler: One ``param_scheduler`` dict of the config.
-        length: ``len(train_dataloader)`` (iterations per epoch).
-
-    Returns:
-        None when the scheduler is not converted (``by_epoch=False`` or no
-        ``convert_to_iter_based``), or has no ``end`` (MMEngine defaults it to the run's end).
-    """
-    if not scheduler.get("by_epoch", True) or not scheduler.get("convert_to_iter_based"):
-        return None
-    end = scheduler.get("end")
-    if end is None or end >= INF:
-        return None
-    return int(scheduler.get("begin", 0) * length), int(end * length)
+__all__ = ["INF", "epoch_length", "iteration_bounds", "schedule_problems"]
 
 
 def schedule_problems(param_scheduler, samples: int, batch_size: int,
@@ -56,27 +36,7 @@ def schedule_problems(param_scheduler, samples: int, batch_size: int,
         epoch, and the edit (a longer warm-up, ``warmup_ratio`` large enough for one iteration,
         or more data).
     """
-    if not param_scheduler:
-        return []
-    schedulers = [param_scheduler] if isinstance(param_scheduler, dict) else param_scheduler
     length = epoch_length(samples, batch_size, drop_last)
-    problems = []
-    for i, scheduler in enumerate(schedulers):
-        if not isinstance(scheduler, dict) or length <= 0:
-            continue
-        bounds = iteration_bounds(scheduler, length)
-        if bounds is None or bounds[1] > bounds[0]:
-            continue
-        begin, end = bounds
-        name = getattr(scheduler.get("type"), "__name__", scheduler.get("type"))
-        need = 1.0 / length
-        problems.append(
-            f"param_scheduler[{i}] ({name}, begin={scheduler.get('begin', 0)}, "
-            f"end={scheduler.get('end')} epochs, convert_to_iter_based=True) becomes "
-            f"begin={begin}, end={end} iterations on this dataset ({samples} samples, batch "
-            f"size {batch_size}: {length} iterations per epoch, 1 process): MMEngine refuses it "
-            f"when the Runner builds it (ValueError: end should be larger than begin)\n  -> the "
-            f"warm-up must last at least 1 iteration: set warmup_ratio so that warmup_ratio * "
-            f"max_epochs >= {need:.3g} (or give the scheduler an iteration-based "
-            f"end, by_epoch=False; or train on more data)")
-    return problems
+    data = f"{samples} samples, batch size {batch_size}, 1 process"
+    return [f"{setting}: {problem}\n  -> {edit}"
+            for setting, problem, edit in rounding_problems(param_scheduler, length, data)]

@@ -16,10 +16,12 @@ For each stock config (``xtuner list-cfg``, filtered by pattern) the sweep
 5. where it trained, compares each document of the captured first batch with the same document
    alone (:func:`xtuner_rope.doctor.check_capture.compare_capture`).
 
-Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict and whether the doctor
-predicted it (exit 0 exactly when the run trains isolated). Rows are written to a JSON file as
-they finish: the sweep resumes where it stopped, and ``only="failed"`` re-runs what did not
-train isolated or was mispredicted.
+Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict, its reasons, and
+whether the doctor predicted it (:func:`doctor_agrees`: exit 0 exactly when the run trains
+isolated, and an exit 1 only counts when the doctor named what stopped the run). Preference
+configs (DPO, ORPO, reward) run on local pairs and are judged per response against each response
+alone. Rows are written to a JSON file as they finish: the sweep resumes where it stopped, and
+``only="failed"`` re-runs what did not train isolated or was mispredicted.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ from pathlib import Path
 
 TRAINED = "trained isolated"
 REFUSED = "refused before loading"
+# Refused after the model loaded, at the first moment the data makes the problem knowable (the
+# warm-up rounding of ``xtuner_rope.config.warmup`` needs ``len(train_dataloader)``), never later.
+REFUSED_AT_DATA = "refused before training"
 LACKS = "needs what this machine lacks"
 CRASHED = "crashed"
 LEAKED = "leaked"
-OUTCOMES = (TRAINED, REFUSED, LACKS, CRASHED, LEAKED)
+OUTCOMES = (TRAINED, REFUSED, REFUSED_AT_DATA, LACKS, CRASHED, LEAKED)
+# Settings whose refusal needs the built dataset (so it comes after the model has loaded).
+DATA_SETTINGS = ("param_scheduler",)
 
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
@@ -62,6 +69,15 @@ ISOLATION_TOLERANCE = 1e-5  # fp32: |packed - alone| <= tol * max(1, |logit|)
 PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
                "model_resource = dict(fn=enable_xtuner_rope)\n")
 CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+PREFERENCE_KINDS = ("dpo", "orpo", "reward")
+# LLaVA config-name prefix -> its LLM's tiny family (``llava_v15``/``vicuna``: Llama).
+LLAVA_LLM_OF_PREFIX = (("llava_internlm2", "internlm2"), ("llava_llama3", "llama"),
+                       ("llava_vicuna", "llama"), ("llava_v15", "llama"), ("llava_phi3", "phi3"),
+                       ("llava_internlm_", "internlm"))
+LLAVA_CAPTURE = ("from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
+PREFERENCE_CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import "
+                      "PreferenceCaptureHook  # noqa: E402\n"
+                      "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
 
 
 def family_of(name: str) -> str | None:
@@ -92,6 +108,8 @@ def mode_of(text: str, name: str) -> dict:
         packing = "packed"
     kind = next((k for k in ("dpo", "orpo", "reward", "llava", "internvl", "pretrain")
                  if k in name), "sft")
+    if kind in ("llava", "internvl"):
+        packing = "unpacked"  # LLaVADataset hard-codes pack_to_max_length=False
     return {"tuning": tuning, "packing": packing, "kind": kind}
 
 
@@ -125,6 +143,81 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
     return root
 
 
+def write_preference_data(root: Path, n: int = 240) -> Path:
+    """Preference pairs in the stock map function's format (``orpo_dpo_mix_40k_map_fn``:
+    ``chosen``/``rejected`` message lists sharing their prompt), as JSON lines.
+
+    Returns:
+        The ``.jsonl`` file (``load_dataset("json", data_files=...)`` reads it).
+    """
+    from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
+    from xtuner_rope.demo.sample_data import generate_dialogues
+
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "preference_pairs.jsonl"
+    write_pairs(preference_pairs(generate_dialogues(n + 1, seed=0), n), str(path))
+    return path
+
+
+def write_llava_images(root: Path) -> Path:
+    """12 drawn-image and 12 text dialogues in LLaVA's format; returns the JSON (its images
+    under ``images/`` next to it)."""
+    from xtuner_rope.demo.llava_data import write_llava_data
+
+    return write_llava_data(root, n_images=12, n_text=12)
+
+
+def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> str:
+    """A stock LLaVA config's own-machine edits (``tests/llava_configs.py`` makes the same):
+    the LLM and the tiny CLIP, local images, batch size 4, no projector checkpoint, a warm-up
+    of at least one of a few iterations, no quantization, fp32 ``OptimWrapper`` on CPU."""
+    if llm is not None:
+        text, _ = _sub(text, r'^llm_name_or_path = ".*"$', f'llm_name_or_path = "{llm}"')
+    text, _ = _sub(text, r'^visual_encoder_name_or_path = ".*"$',
+                   f'visual_encoder_name_or_path = "{clip}"')
+    text, _ = _sub(text, r'^pretrained_pth = ".*"(  # noqa: E501)?$', "pretrained_pth = None")
+    text, _ = _sub(text, r'^data_path = .*$', f'data_path = "{data_json}"')
+    text, _ = _sub(text, r'^image_folder = .*$', f'image_folder = "{data_json.parent / "images"}"')
+    text, _ = _sub(text, r"^batch_size = \d+", "batch_size = 4")
+    text, _ = _sub(text, r"^dataloader_num_workers = \d+", "dataloader_num_workers = 0")
+    text, _ = _sub(text, r"^warmup_ratio = .*$", "warmup_ratio = 0.3")
+    first = sorted((data_json.parent / "images").iterdir())[0]
+    text, _ = _sub(text, r'^evaluation_images = ".*"$', f'evaluation_images = "{first}"')
+    text, _ = _sub(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is this?"]')
+    return cpu_edits(text)
+
+
+def enable_plugin_llava(text: str) -> str:
+    """The README's one edit after ``llm_name_or_path``, with ``LLaVAIsolationCaptureHook``."""
+    text, n = _sub(text, r'^(llm_name_or_path = ".*"\n)', lambda m: m.group(1) + PLUGIN_EDIT)
+    if n != 1:
+        raise ValueError("zoo: the LLaVA config has no 'llm_name_or_path = ...' line")
+    text, n = _sub(text, r"^(custom_hooks = \[)$",
+                   r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    if n != 1:
+        text += "\ncustom_hooks = [dict(type=LLaVAIsolationCaptureHook)]\n"
+    return LLAVA_CAPTURE + text
+
+
+def judge_llava(work: Path, config: Path) -> dict:
+    """Each captured sample's LLM logits (after the image expansion) against the sample alone."""
+    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+
+    capture = work / LLAVA_CAPTURE_FILE
+    if not capture.is_file():
+        return {"outcome": CRASHED, "message": "trained but saved no LLaVA capture"}
+    try:
+        result = compare_llava_capture(config, capture)
+    except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
+        return {"outcome": CRASHED, "message": f"LLaVA capture compare: {exc}"[:300]}
+    worst = max(s["max_abs_diff"] / max(1.0, s["max_abs_logit"]) for s in result["per_sample"])
+    return {"documents": result["samples"], "relative": worst, "dtype": "float32",
+            "tolerance": ISOLATION_TOLERANCE, "boundaries": "LLaVA samples",
+            "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
+            "message": f"{result['samples']} image/text samples, max |trained - alone| "
+                       f"{result['max_abs_diff']:.3g}"}
+
+
 def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
     """The family's tiny checkpoint under ``models`` (built once), or None without a builder."""
     from xtuner_rope.demo.tiny import FAMILIES, save_tiny
@@ -143,13 +236,18 @@ def _sub(text: str, pattern: str, repl: str) -> tuple[str, int]:
     return re.subn(pattern, repl, text, flags=re.M)
 
 
-def localize(text: str, model: Path | None, data: Path) -> str:
+def localize(text: str, model: Path | None, data: Path, pairs: Path | None = None) -> str:
     """The edits a user makes to run a stock config on this CPU machine with local files.
 
     Checkpoint path (when a tiny one exists), every dataset path, ``max_length`` 512, no 4-bit
     quantization (bitsandbytes needs CUDA), fp32 ``OptimWrapper`` (AMP needs a GPU), one
-    short evaluation prompt, no gradient accumulation, 2 packing workers.
+    short evaluation prompt, no gradient accumulation, 2 packing workers. With ``pairs`` (a
+    preference config), its hub dataset becomes the local pairs file, read by one worker.
     """
+    if pairs is not None:
+        text, _ = _sub(text, r'type=load_dataset, path="[^"]+"',
+                       f'type=load_dataset, path="json", data_files="{pairs}"')
+        text, _ = _sub(text, r"^(\s*)num_proc=\d+,$", r"\1num_proc=1,")
     if model is not None:
         text, _ = _sub(text, r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
                        f'pretrained_model_name_or_path = "{model}"')
@@ -157,6 +255,11 @@ def localize(text: str, model: Path | None, data: Path) -> str:
         if var != "pretrained_model_name_or_path" and "prompt" not in var:
             text, _ = _sub(text, rf'^{var} = ".*"$', f'{var} = "{data}"')
     text, _ = _sub(text, r"^data_files = \[.*\]$", f'data_files = ["{data / "train.json"}"]')
+    return cpu_edits(text)
+
+
+def cpu_edits(text: str) -> str:
+    """The CPU machine's edits of :func:`localize` (no path changed)."""
     text, _ = _sub(text, r"^max_length = .*$", "max_length = 512")
     text, _ = _sub(text, r"^accumulative_counts = .*$", "accumulative_counts = 1")
     text, _ = _sub(text, r"^lr = .*$", "lr = 3e-3")
@@ -165,6 +268,7 @@ def localize(text: str, model: Path | None, data: Path) -> str:
     text, _ = _sub(text, r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
                          r"(?:\n.*?)*?\n\1\),\n", "")
     text, _ = _sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
+    text, _ = _sub(text, r"^\s*load_in_8bit=True,\n", "")  # int8 LoRA: LoRA without 8-bit
     # 2 workers per packing map: the default 32 processes only queue up on a small machine.
     text, _ = _sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=2,")
     text, amp = _sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
@@ -186,8 +290,11 @@ def enable_plugin(text: str) -> str:
     return text
 
 
-def with_capture(text: str) -> str:
-    """``IsolationCaptureHook`` first in ``custom_hooks`` (the run's first batch is saved)."""
+def with_capture(text: str, kind: str = "sft") -> str:
+    """``IsolationCaptureHook`` first in ``custom_hooks`` (the run's first batch is saved), or
+    for a preference config ``PreferenceCaptureHook`` (its third iteration and weights)."""
+    if kind in PREFERENCE_KINDS:
+        return text + PREFERENCE_CAPTURE
     text, n = _sub(text, r"^(custom_hooks = \[)", r"\g<1>\n    dict(type=IsolationCaptureHook),")
     if n != 1:
         text += "\ncustom_hooks = [dict(type=IsolationCaptureHook)]\n"
@@ -231,9 +338,61 @@ def _refusal(out: str) -> str | None:
     return (match.group(1) if match else _last_error(out))[:300]
 
 
+def refused_settings(out: str) -> list[str]:
+    """The settings a refusal lists (``1. setting: problem`` lines of the last refusal)."""
+    head = out.rfind("setting(s) of this config would make")
+    if head < 0:
+        return []
+    return re.findall(r"^\d+\. ([^:\n]+):", out[head:], re.M)
+
+
+def doctor_reasons(report: Path, out: str) -> list[str]:
+    """What the doctor named: its conflicts and problems (``setting: problem``), else its error.
+
+    Args:
+        report: The doctor's ``report.json`` (absent when it stopped before writing one).
+        out: Its console output.
+    """
+    if report.is_file():
+        data = json.loads(report.read_text(encoding="utf-8"))
+        found = [f"{c['setting']}: {c['problem']}"
+                 for c in (data.get("findings") or {}).get("conflicts", [])]
+        return [x[:400] for x in found + [str(p) for p in data.get("problems", [])]]
+    listed = re.findall(r"^\d+\. (.+)$", out[max(out.rfind("setting(s) of this config"), 0):],
+                        re.M) if "setting(s) of this config would make" in out else []
+    return [x[:400] for x in listed] or [_last_error(out)]
+
+
+def _setting(reason: str) -> str:
+    return reason.split(":", 1)[0].strip()
+
+
+def doctor_agrees(row: dict) -> bool | None:
+    """Whether the doctor's verdict equals the row's outcome, reason included.
+
+    Exit 0 is right only for a run that trained isolated. Exit 1 is right only when the doctor
+    named what stopped the run: every setting the run refused among the doctor's settings, or a
+    crash's (leak's) error text in one of the doctor's reasons. None where the run could not
+    show its outcome here (``LACKS``) or the row predates recorded reasons.
+    """
+    doctor = row.get("doctor") or {}
+    if row["outcome"] == LACKS or "exit_code" not in doctor:
+        return None
+    if doctor["exit_code"] == 0 or row["outcome"] == TRAINED:
+        return doctor["exit_code"] == 0 and row["outcome"] == TRAINED
+    reasons = doctor.get("reasons")
+    if reasons is None:
+        return None
+    if row["outcome"] in (REFUSED, REFUSED_AT_DATA):
+        named = {_setting(r) for r in reasons}
+        return bool(row.get("refused")) and set(row["refused"]) <= named
+    error = re.sub(r"^[\w.]*(Error|Exception)\b:\s*", "", str(row.get("message", ""))).strip()
+    return bool(error) and any(error[:80] in r for r in reasons)
+
+
 LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
-     r"requires? (a )?(CUDA|GPU)|No GPU found|needs a GPU", "a CUDA GPU"),
+     r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU", "a CUDA GPU"),
     (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
     (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
     (r"(offline mode|couldn't connect|is not a local folder|"
@@ -249,12 +408,13 @@ def lacks_of(out: str) -> str | None:
     return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, tail)), None)
 
 
-def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict:
+def judge_run(code: int, out: str, work: Path, config: Path, iters: int,
+              kind: str = "sft") -> dict:
     """The outcome of one training run (see :data:`OUTCOMES`) with its evidence."""
     if code != 0:
         refusal = _refusal(out)
         if refusal:
-            return {"outcome": REFUSED, "message": refusal}
+            return {"outcome": REFUSED, "message": refusal, "refused": refused_settings(out)}
         lacks = lacks_of(out)
         if lacks:
             return {"outcome": LACKS, "message": f"{lacks}: {_last_error(out)}"}
@@ -267,6 +427,10 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     except RuntimeError as exc:
         return {"outcome": CRASHED, "message": str(exc)[:300]}
     row = {"losses": [round(x, 4) for x in run.losses]}
+    if kind in PREFERENCE_KINDS:
+        return {**row, **judge_preference(work, config)}
+    if kind == "llava":
+        return {**row, **judge_llava(work, config)}
     capture = work / CAPTURE_FILE
     if not capture.is_file():
         return {**row, "outcome": CRASHED, "message": "trained but saved no isolation capture"}
@@ -287,6 +451,35 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int) -> dict
     return {**row, "outcome": TRAINED,
             "message": f"{result['documents']} documents, max |trained - alone| "
                        f"{result['max_abs_diff']:.3g}{in_dtype}"}
+
+
+def judge_preference(work: Path, config: Path) -> dict:
+    """Each captured response's values (log-probs; the reward token's hidden states) against
+    the response alone through the unpatched model, relative to ``max(1, |value|)``."""
+    from xtuner_rope.doctor.preference_capture import (
+        PREFERENCE_CAPTURE_FILE,
+        compare_preference_capture,
+    )
+
+    capture = work / PREFERENCE_CAPTURE_FILE
+    if not capture.is_file():
+        return {"outcome": CRASHED, "message": "trained but saved no preference capture"}
+    try:
+        result = compare_preference_capture(config, capture)
+    except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
+        return {"outcome": CRASHED, "message": f"preference capture compare: {exc}"[:300]}
+    worst = max(diff / max(1.0, max(abs(v) for v in result["alone"][name]))
+                for name, diff in result["max_abs_diff"].items())
+    states = result.get("reward_token_states") or {}
+    if states:
+        worst = max(worst, states["max_abs_diff"])
+    leak = max(result["leak_max_abs_diff"].values())
+    row = {"documents": 2 * result["pairs"], "relative": worst, "dtype": "float32",
+           "tolerance": ISOLATION_TOLERANCE, "boundaries": "cumulative_len"}
+    what = (f"{result['pairs']} {result['kind']} pairs, responses vs alone relative {worst:.3g}"
+            f" (unpatched packed row: {leak:.3g})")
+    return {**row, "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
+            "message": what}
 
 
 def isolation_tolerance(dtype: str) -> float:
@@ -316,8 +509,24 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     row["mode"] = mode_of(text, name)
     model = tiny_checkpoint(family, models)
     row["checkpoint"] = "tiny (built here)" if model else "hub id (no tiny builder here)"
+    kind = row["mode"]["kind"]
+    pairs = root / "data" / "preference_pairs.jsonl" if kind in PREFERENCE_KINDS else None
+    if pairs is not None and not pairs.is_file():
+        write_preference_data(root / "data")
     try:
-        config_text = with_capture(enable_plugin(localize(text, model, data)))
+        if kind == "llava":
+            from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+            llm_family = next((f for p, f in LLAVA_LLM_OF_PREFIX if name.startswith(p)), None)
+            model = tiny_checkpoint(llm_family, models)
+            clip = models / "tiny-clip"
+            if not (clip / "config.json").is_file():
+                save_tiny_clip(clip)
+            row["checkpoint"] = f"tiny {llm_family} + tiny CLIP" if model else "hub LLM"
+            config_text = enable_plugin_llava(localize_llava(
+                text, model, clip, root / "data" / "llava" / "llava_data.json"))
+        else:
+            config_text = with_capture(enable_plugin(localize(text, model, data, pairs)), kind)
     except ValueError as exc:
         return {**row, "outcome": CRASHED, "message": str(exc), "doctor": None,
                 "seconds": round(time.time() - start)}
@@ -326,18 +535,22 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     code, out = _run([sys.executable, "-m", "xtuner_rope.cli", "doctor", str(config), "--out",
                       str(folder / "doctor"), "--batches", str(doctor_batches)],
                      folder, 600, folder / "doctor.log")
-    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code)}
+    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code),
+                     "reasons": doctor_reasons(folder / "doctor" / "report.json", out)
+                     if code else []}
     work = folder / "work"
     code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
-                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}"],
+                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}",
+                      # a checkpoint at the end (stock ``save_steps = -1`` configs save none)
+                      f"default_hooks.checkpoint.interval={iters}"],
                      folder, 900, folder / "train.log")
-    row.update(judge_run(code, out, work, config, iters))
-    if row["outcome"] == REFUSED and _loaded(out):
+    row.update(judge_run(code, out, work, config, iters, kind))
+    if row["outcome"] == REFUSED and row["refused"] and all(
+            s.startswith(DATA_SETTINGS) for s in row["refused"]):
+        row["outcome"] = REFUSED_AT_DATA  # after the model, as soon as the data's length is known
+    elif row["outcome"] == REFUSED and _loaded(out):
         row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
-    if row["outcome"] == LACKS:
-        row["predicted"] = None
-    else:
-        row["predicted"] = (row["doctor"]["exit_code"] == 0) == (row["outcome"] == TRAINED)
+    row["predicted"] = doctor_agrees(row)
     row["seconds"] = round(time.time() - start)
     return row
 
@@ -369,7 +582,8 @@ def select(names: list[str], results: dict, only: str) -> list[str]:
         return [n for n in names if n not in results]
     if only == "failed":
         return [n for n in names if n in results and (
-            results[n]["outcome"] in (CRASHED, LEAKED) or results[n].get("predicted") is False)]
+            results[n]["outcome"] in (CRASHED, LEAKED) or doctor_agrees(results[n]) is False
+            or (doctor_agrees(results[n]) is None and results[n]["outcome"] != LACKS))]
     raise ValueError(f"zoo: only={only!r}: expected one of missing, failed, all")
 
 
@@ -388,6 +602,8 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
     data = write_universal_data(root / "data")
+    write_preference_data(root / "data")  # once, before the workers read it
+    write_llava_images(root / "data" / "llava")
     models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
@@ -415,10 +631,12 @@ def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
 
 
 def counts(results: dict) -> dict:
-    """Rows per outcome, and the doctor's predictions (right, wrong, not comparable)."""
+    """Rows per outcome, and the doctor's verdicts judged with their reasons
+    (:func:`doctor_agrees`: right, wrong, not comparable)."""
     out = {k: sum(1 for r in results.values() if r["outcome"] == k) for k in OUTCOMES}
-    out["doctor right"] = sum(1 for r in results.values() if r.get("predicted") is True)
-    out["doctor wrong"] = sum(1 for r in results.values() if r.get("predicted") is False)
+    verdicts = [doctor_agrees(r) for r in results.values()]
+    out["doctor right"] = sum(1 for v in verdicts if v is True)
+    out["doctor wrong"] = sum(1 for v in verdicts if v is False)
     return out
 
 
@@ -431,10 +649,12 @@ def markdown(results: dict) -> str:
         mode = r.get("mode") or {}
         mode_s = "/".join(str(mode[k]) for k in ("kind", "tuning", "packing") if k in mode)
         doctor = r.get("doctor") or {}
-        pred = {True: "yes", False: "**no**", None: "n/a"}[r.get("predicted")]
+        pred = {True: "yes", False: "**no**", None: "n/a"}[doctor_agrees(r)]
         detail = str(r.get("message", "")).replace("|", "\\|").replace("\n", " ")[:160]
+        said = "; ".join(doctor.get("reasons") or [])
+        said = f": {said}".replace("|", "\\|").replace("\n", " ")[:120] if said else ""
         lines.append(f"| {name} | {r.get('family')} | {mode_s} | {r['outcome']} | {detail} | "
-                     f"exit {doctor.get('exit_code', '-')} | {pred} |")
+                     f"exit {doctor.get('exit_code', '-')}{said} | {pred} |")
     c = counts(results)
     lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in c.items())
               + f" (of {len(results)} configs)."]

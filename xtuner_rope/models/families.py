@@ -169,3 +169,46 @@ def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
         why += " (its modeling code is remote code)"
     return where, (f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, "
                    f"{family_names()})")
+
+
+# XTuner's own modeling packages (``xtuner.model.transformers_models``) -> model_type: the stock
+# DeepSeek-V2 configs build ``DeepseekV2ForCausalLM.from_pretrained`` from there, not from the
+# checkpoint, so the family is known from the config alone, before anything is downloaded.
+XTUNER_MODEL_PACKAGES = {"xtuner.model.transformers_models.deepseek_v2": "deepseek_v2"}
+
+
+def _import_error(package: str) -> str | None:
+    """Why ``package`` does not import here (None when it does)."""
+    import importlib
+
+    try:
+        importlib.import_module(package)
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the finding
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return None
+
+
+def model_class_verdict(class_path: object) -> tuple[str, str] | None:
+    """The refusal of an LLM built from one of XTuner's own modeling packages.
+
+    Args:
+        class_path: Dotted path of the config's ``llm`` ``type``
+            (``xtuner.model.transformers_models.deepseek_v2.DeepseekV2ForCausalLM``).
+
+    Returns:
+        ``(description, refusal)`` naming the family and why (and, when the package does not
+        import with the installed transformers, that error), or None for any other class.
+    """
+    if not isinstance(class_path, str):
+        return None
+    package = next((p for p in XTUNER_MODEL_PACKAGES if class_path.startswith(p + ".")), None)
+    if package is None:
+        return None
+    family, why = REFUSED[XTUNER_MODEL_PACKAGES[package]]
+    broken = _import_error(package)
+    if broken:
+        why += (f"; besides, XTuner's bundled modeling package {package} does not import here "
+                f"({broken})")
+    return (class_path,
+            f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, "
+            f"{family_names()})")

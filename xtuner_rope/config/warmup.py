@@ -1,0 +1,117 @@
+"""A warm-up that rounds to 0 iterations: MMEngine's epoch-to-iteration conversion, named.
+
+XTuner's stock configs warm up for a ratio of the run (``end=warmup_ratio * max_epochs``,
+``convert_to_iter_based=True``). MMEngine turns such a scheduler into an iteration-based one
+when the Runner builds it (``build_iter_from_epoch``: ``begin = int(begin * epoch_length)``,
+``end = int(end * epoch_length)``, ``epoch_length = len(train_dataloader)``), and the
+scheduler's constructor then refuses ``end <= begin`` with ``ValueError: end should be larger
+than begin, but got begin=0, end=0``: a message that names neither the setting nor the data.
+
+That happens on small data: 3% of a 30-iteration epoch truncates to 0 iterations. The truncation
+is MMEngine's documented conversion, not a defect to patch (rounding it up would train a warm-up
+the config did not ask for), so the run is refused with the setting, the dataset's length and
+the edit, at the first moment that length is known:
+
+- ``xtuner-rope doctor`` builds the dataset and computes the same integers
+  (``doctor/schedule.py``);
+- in ``xtuner train``, ``compat.patch_mmengine_warmup_rounding`` checks right before MMEngine
+  builds the schedulers (after the dataloader, hence after the model: the start-up in
+  ``model_resource`` runs before the dataset exists and cannot know its length).
+
+The arithmetic is pure Python; the module registers ``refuse_rounded_warmup`` in
+``compat.SCHEDULER_CHECKS`` when imported (``xtuner_rope.activate`` imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from xtuner_rope.compat import SCHEDULER_CHECKS
+
+from .startup import ConfigConflict, Finding, conflict_message
+
+INF = 1e9  # MMEngine's INF for an open-ended scheduler
+
+
+def epoch_length(samples: int, batch_size: int, drop_last: bool = False) -> int:
+    """``len(train_dataloader)`` on one process (MMEngine's ``DefaultSampler``, no drop)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def iteration_bounds(scheduler: dict, length: int) -> tuple[int, int] | None:
+    """``(begin, end)`` in iterations as MMEngine builds a converted scheduler, else None.
+
+    Args:
+        scheduler: One ``param_scheduler`` dict of the config.
+        length: ``len(train_dataloader)`` (iterations per epoch).
+
+    Returns:
+        None when the scheduler is not converted (``by_epoch=False`` or no
+        ``convert_to_iter_based``), or has no ``end`` (MMEngine defaults it to the run's end).
+    """
+    if not scheduler.get("by_epoch", True) or not scheduler.get("convert_to_iter_based"):
+        return None
+    end = scheduler.get("end")
+    if end is None or end >= INF:
+        return None
+    return int(scheduler.get("begin", 0) * length), int(end * length)
+
+
+def _type_name(value: object) -> str:
+    return str(getattr(value, "__name__", value))
+
+
+def rounding_problems(schedulers: object, length: int,
+                      data: str) -> list[tuple[str, str, str]]:
+    """The schedulers MMEngine would refuse once converted (``end <= begin``).
+
+    Args:
+        schedulers: ``param_scheduler`` of the config (a dict, a list of dicts, or None).
+        length: ``len(train_dataloader)``: iterations per epoch.
+        data: How that length came about, for the message
+            (``"475 samples, batch size 16"``).
+
+    Returns:
+        ``(setting, problem, edit)`` per refused scheduler: the setting
+        (``param_scheduler[0]``), what MMEngine would do with it on this data, and the edit
+        (``warmup_ratio`` long enough for one iteration, an iteration-based end, or more data).
+    """
+    if not schedulers or length <= 0:
+        return []
+    items = [schedulers] if isinstance(schedulers, dict) else list(schedulers)
+    found = []
+    for i, scheduler in enumerate(items):
+        if not isinstance(scheduler, dict):
+            continue
+        bounds = iteration_bounds(scheduler, length)
+        if bounds is None or bounds[1] > bounds[0]:
+            continue
+        begin, end = bounds
+        found.append((
+            f"param_scheduler[{i}]",
+            f"{_type_name(scheduler.get('type'))}, begin={scheduler.get('begin', 0)}, "
+            f"end={scheduler.get('end')} epochs, convert_to_iter_based=True, becomes "
+            f"begin={begin}, end={end} iterations on this dataset ({data}: {length} iterations "
+            f"per epoch): MMEngine refuses it when the Runner builds it (ValueError: end should "
+            f"be larger than begin)",
+            f"the warm-up must last at least 1 iteration: set warmup_ratio so that "
+            f"warmup_ratio * max_epochs >= {1.0 / length:.3g} (or give the scheduler an "
+            f"iteration-based end, by_epoch=False; or train on more data)"))
+    return found
+
+
+def refuse_rounded_warmup(schedulers: Iterable, length: int, data: str) -> None:
+    """Raise the start-up's ``ConfigConflict`` for the schedulers MMEngine would refuse.
+
+    Raises:
+        ConfigConflict: naming each scheduler, the dataset's iterations per epoch and the edit.
+    """
+    problems = rounding_problems(schedulers, length, data)
+    if problems:
+        raise ConfigConflict(conflict_message([Finding(*p) for p in problems]))
+
+
+# MMEngine's scheduler build runs it (compat.patch_mmengine_warmup_rounding): compat sits below
+# the start-up, so the check is handed down when this module is imported (at activation).
+if refuse_rounded_warmup not in SCHEDULER_CHECKS:
+    SCHEDULER_CHECKS.append(refuse_rounded_warmup)
