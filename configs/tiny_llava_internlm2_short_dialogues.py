@@ -41,8 +41,9 @@ llm_name_or_path = "models/tiny-internlm2"
 visual_encoder_name_or_path = "models/tiny-clip"
 # `xtuner train` calls this first: it builds the tiny models and data if needed, then starts
 # xtuner-rope (the plugin's compat patches load before XTuner builds anything).
-model_resource = dict(fn=tiny_llava, args=dict(clip_path=visual_encoder_name_or_path,
-                                               data_dir="data/tiny_llava"))
+model_resource = dict(
+    fn=tiny_llava, args=dict(clip_path=visual_encoder_name_or_path, data_dir="data/tiny_llava")
+)
 # No pretrain-stage projector for the tiny model (a real finetune names its iter_*.pth)
 pretrained_pth = None
 

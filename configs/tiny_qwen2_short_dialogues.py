@@ -38,8 +38,9 @@ from xtuner_rope.demo.resources import tiny_checkpoint
 pretrained_model_name_or_path = "models/tiny-qwen2"
 # `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
 # xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
-model_resource = dict(fn=tiny_checkpoint,
-                      args=dict(data_path="data/short_dialogues.jsonl", family="qwen2"))
+model_resource = dict(
+    fn=tiny_checkpoint, args=dict(data_path="data/short_dialogues.jsonl", family="qwen2")
+)
 attn_implementation = "sdpa"
 
 # Data

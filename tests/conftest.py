@@ -54,8 +54,10 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def _tiny_models():
-    return {impl: build_tiny_internlm2(256, seed=0, attn_implementation=impl)
-            for impl in ("eager", "sdpa")}
+    return {
+        impl: build_tiny_internlm2(256, seed=0, attn_implementation=impl)
+        for impl in ("eager", "sdpa")
+    }
 
 
 @pytest.fixture(params=["eager", "sdpa"])

@@ -21,8 +21,10 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 # The venv's own mkdocs (the one `make docs` runs), next to the interpreter running the tests.
 MKDOCS = Path(sys.executable).parent / "mkdocs"
-ONE_EDIT = ("from xtuner_rope import enable_xtuner_rope",
-            "model_resource = dict(fn=enable_xtuner_rope)")
+ONE_EDIT = (
+    "from xtuner_rope import enable_xtuner_rope",
+    "model_resource = dict(fn=enable_xtuner_rope)",
+)
 FIRST_SCREEN = 50  # lines
 MAX_README_LINES = 150
 
@@ -52,16 +54,27 @@ def _links(path: Path) -> list[tuple[int, str]]:
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
     if not MKDOCS.is_file():
         pytest.fail(f"{MKDOCS} missing: mkdocs is a dev extra (setup.cfg), run `make setup`")
-    return subprocess.run([str(MKDOCS), "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=config.parent, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(MKDOCS), "build", "--strict", "-f", str(config), "-d", str(site)],
+        cwd=config.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_readme_is_short_and_its_first_screen_has_the_commands_and_the_one_edit():
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines: move detail to docs/"
     first = "\n".join(lines[:FIRST_SCREEN])
-    for needed in ("make demo", "make test", *ONE_EDIT, "xtuner 0.2.0", "mmengine 0.10.6",
-                   "transformers 4.48.0"):
+    for needed in (
+        "make demo",
+        "make test",
+        *ONE_EDIT,
+        "xtuner 0.2.0",
+        "mmengine 0.10.6",
+        "transformers 4.48.0",
+    ):
         assert needed in first, f"README's first {FIRST_SCREEN} lines lack {needed!r}"
     # The one edit is a python block a user can copy, the two lines together.
     assert "```python\n" + "\n".join(ONE_EDIT) + "\n```" in first
@@ -88,8 +101,9 @@ def test_docs_home_is_the_readme_with_links_into_docs():
     home = (DOCS / "index.md").read_text(encoding="utf-8")
     readme = README.read_text(encoding="utf-8")
     comment, body = home.split("\n", 1)
-    assert comment.startswith("<!--") and body == readme.replace("](docs/", "]("), \
+    assert comment.startswith("<!--") and body == readme.replace("](docs/", "]("), (
         "docs/index.md must be README.md with its links made relative to docs/"
+    )
 
 
 def test_mkdocs_strict_build(tmp_path):

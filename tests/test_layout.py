@@ -17,6 +17,7 @@ Every import inside the package, at module level or inside a function, is read f
 source with ``ast``. Importing ``xtuner_rope.ops`` must leave MMEngine, transformers and XTuner
 unimported (checked in a fresh interpreter).
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,17 @@ import pytest
 import xtuner_rope
 
 PACKAGE = Path(xtuner_rope.__file__).parent
-FLOORS = {"ops": 0, "batch": 1, "models": 2, "compat": 3, "data": 4, "config": 4, "hooks": 5,
-          "demo": 6, "doctor": 7}
+FLOORS = {
+    "ops": 0,
+    "batch": 1,
+    "models": 2,
+    "compat": 3,
+    "data": 4,
+    "config": 4,
+    "hooks": 5,
+    "demo": 6,
+    "doctor": 7,
+}
 TOP = 8  # the top-level modules: cli, resources, deprecated, __init__
 OPS_MAY_IMPORT = {"torch", "numpy", "flash_attn"}  # kernels; besides the stdlib and ops itself
 
@@ -90,8 +100,9 @@ def test_the_package_has_the_role_folders():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == set(FLOORS)
     top = {p.stem for p in PACKAGE.glob("*.py")}
-    assert top == {"__init__", "cli", "resources", "deprecated"}, "a new top-level module: " \
-        "put it in the role folder it belongs to (see the floors above)"
+    assert top == {"__init__", "cli", "resources", "deprecated"}, (
+        "a new top-level module: put it in the role folder it belongs to (see the floors above)"
+    )
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -102,18 +113,25 @@ def test_every_module_says_what_it_is(path):
 
 
 def test_imports_run_downward_only():
-    upward = [f"{p.relative_to(PACKAGE)}:{line}: {src} (floor {layer(src)}) imports {target} "
-              f"(floor {layer(target)})"
-              for p, line, src, target, _ in edges()
-              if target.split(".")[0] == "xtuner_rope" and layer(target) > layer(src)]
+    upward = [
+        f"{p.relative_to(PACKAGE)}:{line}: {src} (floor {layer(src)}) imports {target} "
+        f"(floor {layer(target)})"
+        for p, line, src, target, _ in edges()
+        if target.split(".")[0] == "xtuner_rope" and layer(target) > layer(src)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def test_folders_on_one_floor_do_not_import_each_other():
-    across = [f"{p.relative_to(PACKAGE)}:{line}: {src} imports {target}"
-              for p, line, src, target, _ in edges()
-              if target.split(".")[0] == "xtuner_rope" and folder(src) and folder(target)
-              and folder(src) != folder(target) and layer(src) == layer(target) < TOP]
+    across = [
+        f"{p.relative_to(PACKAGE)}:{line}: {src} imports {target}"
+        for p, line, src, target, _ in edges()
+        if target.split(".")[0] == "xtuner_rope"
+        and folder(src)
+        and folder(target)
+        and folder(src) != folder(target)
+        and layer(src) == layer(target) < TOP
+    ]
     assert not across, "\n".join(across)
 
 
@@ -125,43 +143,57 @@ def test_every_import_of_the_package_resolves():
         path = PACKAGE.parent / Path(*module.split("."))
         return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
-    broken = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, _, target, _ in edges()
-              if target.split(".")[0] == "xtuner_rope" and not exists(target)
-              and target not in MOVED]
+    broken = [
+        f"{p.relative_to(PACKAGE)}:{line}: {target}"
+        for p, line, _, target, _ in edges()
+        if target.split(".")[0] == "xtuner_rope" and not exists(target) and target not in MOVED
+    ]
     assert not broken, "\n".join(broken)
 
 
 def test_the_package_imports_no_old_module_path():
     from xtuner_rope.deprecated import MOVED
 
-    old = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, _, target, _ in edges()
-           if target in MOVED]
+    old = [
+        f"{p.relative_to(PACKAGE)}:{line}: {target}"
+        for p, line, _, target, _ in edges()
+        if target in MOVED
+    ]
     assert not old, "import the new path:\n" + "\n".join(old)
 
 
 def test_importing_ops_patches_nothing():
-    code = ("import sys, xtuner_rope.ops.packing, xtuner_rope.ops.attention, xtuner_rope.ops.rope\n"
-            "loaded = [m for m in ('mmengine', 'transformers', 'xtuner', 'deepspeed', "
-            "'xtuner_rope.compat') if m in sys.modules]\n"
-            "assert not loaded, loaded")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys, xtuner_rope.ops.packing, xtuner_rope.ops.attention, xtuner_rope.ops.rope\n"
+        "loaded = [m for m in ('mmengine', 'transformers', 'xtuner', 'deepspeed', "
+        "'xtuner_rope.compat') if m in sys.modules]\n"
+        "assert not loaded, loaded"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_ops_imports_torch_and_the_standard_library_only():
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    bad = [f"{p.relative_to(PACKAGE)}:{line}: {target}" for p, line, src, target, _ in edges()
-           if layer(src) == 0 and target.split(".")[0] not in stdlib | OPS_MAY_IMPORT
-           and not target.startswith("xtuner_rope.ops")]
+    bad = [
+        f"{p.relative_to(PACKAGE)}:{line}: {target}"
+        for p, line, src, target, _ in edges()
+        if layer(src) == 0
+        and target.split(".")[0] not in stdlib | OPS_MAY_IMPORT
+        and not target.startswith("xtuner_rope.ops")
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_no_private_name_is_imported_from_another_module():
-    private = [f"{p.relative_to(PACKAGE)}:{line}: {name} from {target}"
-               for p, line, src, target, name in edges()
-               if target.split(".")[0] == "xtuner_rope" and target != src
-               and name.startswith("_") and not name.startswith("__")]
+    private = [
+        f"{p.relative_to(PACKAGE)}:{line}: {name} from {target}"
+        for p, line, src, target, name in edges()
+        if target.split(".")[0] == "xtuner_rope"
+        and target != src
+        and name.startswith("_")
+        and not name.startswith("__")
+    ]
     assert not private, "\n".join(private)
 
 
@@ -172,8 +204,9 @@ def test_module_level_imports_have_no_cycle():
         top_level = {id(n) for n in tree.body}
         src = module_name(path)
         for line, base, names in imports(path):
-            node_is_top = any(getattr(n, "lineno", None) == line and id(n) in top_level
-                              for n in tree.body)
+            node_is_top = any(
+                getattr(n, "lineno", None) == line and id(n) in top_level for n in tree.body
+            )
             if not node_is_top:
                 continue
             for target in [resolve(base, n) for n in names] or [base]:

@@ -18,55 +18,122 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC = {
-    "xtuner_rope": ["NonFiniteTripwireHook", "PackedBatchCheckHook", "PackingMetricsHook",
-                    "ValidatedRoPEHook", "ValidatedRotaryEmbedding", "apply_rotary_pos_emb",
-                    "enable_xtuner_rope", "patch_internlm2_attention", "rope_collate_fn"],
-    "xtuner_rope.startup": ["ConfigConflict", "Finding", "enable_xtuner_rope", "inspect_config",
-                            "is_prepared", "prepare_config", "require_prepared"],
-    "xtuner_rope.hooks": ["PackedBatchCheckHook", "ValidatedRoPEHook",
-                          # issue 27: the hooks/ folder holds every hook
-                          "NonFiniteTripwireHook", "PackingMetricsHook", "TokenWeightedLossHook"],
+    "xtuner_rope": [
+        "NonFiniteTripwireHook",
+        "PackedBatchCheckHook",
+        "PackingMetricsHook",
+        "ValidatedRoPEHook",
+        "ValidatedRotaryEmbedding",
+        "apply_rotary_pos_emb",
+        "enable_xtuner_rope",
+        "patch_internlm2_attention",
+        "rope_collate_fn",
+    ],
+    "xtuner_rope.startup": [
+        "ConfigConflict",
+        "Finding",
+        "enable_xtuner_rope",
+        "inspect_config",
+        "is_prepared",
+        "prepare_config",
+        "require_prepared",
+    ],
+    "xtuner_rope.hooks": [
+        "PackedBatchCheckHook",
+        "ValidatedRoPEHook",
+        # issue 27: the hooks/ folder holds every hook
+        "NonFiniteTripwireHook",
+        "PackingMetricsHook",
+        "TokenWeightedLossHook",
+    ],
     "xtuner_rope.monitor": ["NonFiniteError", "NonFiniteTripwireHook", "PackingMetricsHook"],
     "xtuner_rope.collate": ["rope_collate_fn", "IGNORE_INDEX", "DEFAULT_PAD_TOKEN_INDEX"],
     "xtuner_rope.collate_llava": ["llava_collate_fn"],
-    "xtuner_rope.batch.items": ["Sample", "parse_sample", "check_id_range", "is_supervised",
-                                "item_error", "IGNORE_INDEX"],
-    "xtuner_rope.ops.rope": ["apply_rotary_pos_emb", "check_position_ids", "cos_sin",
-                             "cos_sin_at", "inv_freq", "rotate_half", "use_fused_apply"],
+    "xtuner_rope.batch.items": [
+        "Sample",
+        "parse_sample",
+        "check_id_range",
+        "is_supervised",
+        "item_error",
+        "IGNORE_INDEX",
+    ],
+    "xtuner_rope.ops.rope": [
+        "apply_rotary_pos_emb",
+        "check_position_ids",
+        "cos_sin",
+        "cos_sin_at",
+        "inv_freq",
+        "rotate_half",
+        "use_fused_apply",
+    ],
     "xtuner_rope.models.internlm2_rope": ["ValidatedRotaryEmbedding"],
-    "xtuner_rope.models.runtime": ["VARLEN_HUB", "CUMULATIVE_KEY", "MAX_SEQLEN_KEY",
-                                   "batch_document_plan", "choose_backend",
-                                   "hub_cumulative_len"],
+    "xtuner_rope.models.runtime": [
+        "VARLEN_HUB",
+        "CUMULATIVE_KEY",
+        "MAX_SEQLEN_KEY",
+        "batch_document_plan",
+        "choose_backend",
+        "hub_cumulative_len",
+    ],
     "xtuner_rope.ops.boundaries": ["check_flat_boundaries"],
     "xtuner_rope.batch.record": ["RECORD_FORMAT", "load_record", "save_record"],
     "xtuner_rope.ops.positions": ["check_position_ids"],
     "xtuner_rope.batch.checks": ["check_packed_batch", "check_flat_boundaries", "row_boundaries"],
-    "xtuner_rope.ops.packing": ["cumulative_from_lengths", "lengths_from_cumulative",
-                                "position_ids_from_cumulative", "cumulative_from_position_ids",
-                                "segment_starts_from_cumulative", "position_ids_from_starts",
-                                "flat_cumulative", "plan_packs", "padded_length"],
+    "xtuner_rope.ops.packing": [
+        "cumulative_from_lengths",
+        "lengths_from_cumulative",
+        "position_ids_from_cumulative",
+        "cumulative_from_position_ids",
+        "segment_starts_from_cumulative",
+        "position_ids_from_starts",
+        "flat_cumulative",
+        "plan_packs",
+        "padded_length",
+    ],
     "xtuner_rope.batch.stats": ["BatchStats", "batch_stats", "segment_ids"],
     "xtuner_rope.ops.inputs": ["show", "to_int_tensor"],
-    "xtuner_rope.models": ["HF_ATTENTION_CLASSES", "INTERNLM2_ATTENTION_CLASSES",
-                           "PACKED_ATTENTION_KEY", "SUPPORTED_ROPE_TYPES",
-                           "HFValidatedRotaryEmbedding", "integration_for",
-                           "is_patched_hf_attention", "patch_hf_model",
-                           "patch_internlm2_attention"],
-    "xtuner_rope.doctor.replay": ["Finding", "build_run_model", "load_record", "replay",
-                                  "save_record"],
+    "xtuner_rope.models": [
+        "HF_ATTENTION_CLASSES",
+        "INTERNLM2_ATTENTION_CLASSES",
+        "PACKED_ATTENTION_KEY",
+        "SUPPORTED_ROPE_TYPES",
+        "HFValidatedRotaryEmbedding",
+        "integration_for",
+        "is_patched_hf_attention",
+        "patch_hf_model",
+        "patch_internlm2_attention",
+    ],
+    "xtuner_rope.doctor.replay": [
+        "Finding",
+        "build_run_model",
+        "load_record",
+        "replay",
+        "save_record",
+    ],
     "xtuner_rope.demo.resources": ["tiny_checkpoint"],
     "xtuner_rope.demo.runlog": ["check_run", "train_losses"],
-    "xtuner_rope.doctor.xtuner_tools": ["XTUNER_TOOLS", "resolved_model_options",
-                                        "run_xtuner_tool"],
+    "xtuner_rope.doctor.xtuner_tools": [
+        "XTUNER_TOOLS",
+        "resolved_model_options",
+        "run_xtuner_tool",
+    ],
     # Before the batch/ops split the README named this module as the public batch check.
     "xtuner_rope.validate": ["check_packed_batch"],
     # Issue 27's layout: the role folders' own paths (the old ones above still import).
-    "xtuner_rope.config.startup": ["enable_xtuner_rope", "inspect_config", "register_findings",
-                                   "state_kept"],
+    "xtuner_rope.config.startup": [
+        "enable_xtuner_rope",
+        "inspect_config",
+        "register_findings",
+        "state_kept",
+    ],
     "xtuner_rope.data.collate": ["rope_collate_fn"],
     "xtuner_rope.data.collate_llava": ["llava_collate_fn"],
-    "xtuner_rope.models.dispatch": ["isolates_documents", "language_model", "patch_model",
-                                    "unwrap_model"],
+    "xtuner_rope.models.dispatch": [
+        "isolates_documents",
+        "language_model",
+        "patch_model",
+        "unwrap_model",
+    ],
     # Earlier READMEs' `model_resource` targets (deprecated, see DEPRECATED).
     "xtuner_rope.resources": ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"],
 }
@@ -86,18 +153,35 @@ DEPRECATED_MODULES = {
     "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
     "xtuner_rope.validate": "xtuner_rope.batch.checks",
 }
-DEPRECATED_NAMES = [("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),
-                    ("xtuner_rope.hooks", "isolates_documents", "xtuner_rope.models.dispatch"),
-                    ("xtuner_rope.compat", "patch_hf_fp32_rotation", "xtuner_rope.models.hf_rope")]
+DEPRECATED_NAMES = [
+    ("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),
+    ("xtuner_rope.hooks", "isolates_documents", "xtuner_rope.models.dispatch"),
+    ("xtuner_rope.compat", "patch_hf_fp32_rotation", "xtuner_rope.models.hf_rope"),
+]
 # Commands and scripts the README (today's or earlier) tells users to run.
 COMMANDS = ["doctor", "convert", "chat"]
-TOOLS = ["tools/check_run.py", "tools/replay_batch.py", "tools/make_sample_data.py",
-         "tools/make_preference_data.py",
-         "tools/make_tiny_internlm2.py", "tools/setup_env.sh", "tools/bench/packing.py",
-         "tools/bench/rope.py", "tools/bench/hook_overhead.py", "tools/bench/monitor_overhead.py"]
+TOOLS = [
+    "tools/check_run.py",
+    "tools/replay_batch.py",
+    "tools/make_sample_data.py",
+    "tools/make_preference_data.py",
+    "tools/make_tiny_internlm2.py",
+    "tools/setup_env.sh",
+    "tools/bench/packing.py",
+    "tools/bench/rope.py",
+    "tools/bench/hook_overhead.py",
+    "tools/bench/monitor_overhead.py",
+]
 # Config `type='Name'` strings resolved through MMEngine's root registries.
-REGISTERED = {"HOOKS": ["ValidatedRoPEHook", "PackedBatchCheckHook", "PackingMetricsHook",
-                        "NonFiniteTripwireHook"], "FUNCTIONS": ["rope_collate_fn"]}
+REGISTERED = {
+    "HOOKS": [
+        "ValidatedRoPEHook",
+        "PackedBatchCheckHook",
+        "PackingMetricsHook",
+        "NonFiniteTripwireHook",
+    ],
+    "FUNCTIONS": ["rope_collate_fn"],
+}
 
 
 def _readme_names() -> set[tuple[str, str]]:
@@ -161,8 +245,9 @@ def test_commands_tools_and_registry_names(capsys):
     from mmengine import registry
 
     # `-h` of each command exits 0 (convert/chat pass it to XTuner's tool: its own help).
-    assert {command: _exit_status([command, "-h"]) for command in COMMANDS} == \
-        dict.fromkeys(COMMANDS, 0)
+    assert {command: _exit_status([command, "-h"]) for command in COMMANDS} == dict.fromkeys(
+        COMMANDS, 0
+    )
     assert _exit_status(["no-such-command"]) == 2
     assert "--prompt-template" in capsys.readouterr().out  # XTuner's chat help came through
     assert not [path for path in TOOLS if not (REPO / path).is_file()]
@@ -175,12 +260,17 @@ def test_local_checkpoint_is_a_warning_alias(tmp_path):
     from xtuner_rope.resources import local_checkpoint
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.warns(FutureWarning, match=r"local_checkpoint is deprecated.*\n.*from xtuner_rope "
-                      r"import enable_xtuner_rope\n.*model_resource = dict\(fn=enable_xtuner_rope, "
-                      r"args=dict\(local_only=True\)\)"):
+    with pytest.warns(
+        FutureWarning,
+        match=r"local_checkpoint is deprecated.*\n.*from xtuner_rope "
+        r"import enable_xtuner_rope\n.*model_resource = dict\(fn=enable_xtuner_rope, "
+        r"args=dict\(local_only=True\)\)",
+    ):
         assert local_checkpoint(str(tmp_path)) == str(tmp_path)
-    with pytest.warns(FutureWarning), \
-            pytest.raises(FileNotFoundError, match="is not a local checkpoint directory"):
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(FileNotFoundError, match="is not a local checkpoint directory"),
+    ):
         local_checkpoint(str(tmp_path / "missing"))
 
 
@@ -188,8 +278,11 @@ def test_tiny_internlm2_is_a_warning_alias(tmp_path):
     from xtuner_rope.resources import tiny_internlm2
 
     (tmp_path / "config.json").write_text("{}")  # present: nothing is built
-    with pytest.warns(FutureWarning, match=r"tiny_internlm2 is deprecated.*\n.*"
-                      r"from xtuner_rope.demo.resources import tiny_checkpoint"):
+    with pytest.warns(
+        FutureWarning,
+        match=r"tiny_internlm2 is deprecated.*\n.*"
+        r"from xtuner_rope.demo.resources import tiny_checkpoint",
+    ):
         assert tiny_internlm2(str(tmp_path)) == str(tmp_path)
 
 
@@ -197,16 +290,22 @@ def test_tiny_internlm2_is_a_warning_alias(tmp_path):
 def test_an_old_module_path_is_the_new_module_with_a_warning(old, monkeypatch):
     new = importlib.import_module(DEPRECATED_MODULES[old])
     monkeypatch.delitem(sys.modules, old, raising=False)  # warn again even if imported before
-    with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} is deprecated: it moved to "
-                      rf"{re.escape(DEPRECATED_MODULES[old])}"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"{re.escape(old)} is deprecated: it moved to "
+        rf"{re.escape(DEPRECATED_MODULES[old])}",
+    ):
         moved = importlib.import_module(old)
     assert moved is new  # one module object: its state (e.g. the start-up's) is shared
 
 
 @pytest.mark.parametrize(("module", "name", "new"), DEPRECATED_NAMES)
 def test_an_old_name_warns_and_is_the_new_one(module, name, new):
-    with pytest.warns(DeprecationWarning, match=rf"{re.escape(module)}\.{name} is deprecated.*"
-                      rf"{re.escape(new)}"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"{re.escape(module)}\.{name} is deprecated.*"
+        rf"{re.escape(new)}",
+    ):
         value = getattr(importlib.import_module(module), name)
     assert value is getattr(importlib.import_module(new), name)
 
@@ -239,7 +338,7 @@ def test_the_config_import_activates_the_plugin_even_after_ops_alone():
         "missing = [n for n in ('ValidatedRoPEHook', 'PackedBatchCheckHook', 'PackingMetricsHook',"
         " 'NonFiniteTripwireHook', 'TokenWeightedLossHook') if HOOKS.get(n) is None]\n"
         "missing += [n for n in ('rope_collate_fn', 'llava_collate_fn') if FUNCTIONS.get(n) is None]\n"
-        "assert not missing, missing\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600)
+        "assert not missing, missing\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Print the loss curve and checkpoint of an `xtuner train` run; exit 1 if it did not train.
 
-    python tools/check_run.py work_dirs/tiny_internlm2_short_dialogues --min-iters 150
+python tools/check_run.py work_dirs/tiny_internlm2_short_dialogues --min-iters 150
 """
 
 import argparse

@@ -29,8 +29,10 @@ def main():
     single = turns.count(1)
     print(f"wrote {len(dialogues)} dialogues to {args.out}")
     print(f"turns: {single} single-turn, {len(turns) - single} multi-turn (max {max(turns)})")
-    print(f"words per dialogue: min {min(words)}, mean {statistics.mean(words):.1f}, "
-          f"median {statistics.median(words):g}, max {max(words)}")
+    print(
+        f"words per dialogue: min {min(words)}, mean {statistics.mean(words):.1f}, "
+        f"median {statistics.median(words):g}, max {max(words)}"
+    )
 
 
 if __name__ == "__main__":

@@ -21,11 +21,18 @@ def parser(family: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     if family is None:
         p.add_argument("--family", required=True, choices=(*FAMILIES, "clip"), help="model family")
-    p.add_argument("--out", default=f"models/tiny-{family}" if family else None,
-                   required=family is None, help="checkpoint directory")
-    p.add_argument("--data", default=None,
-                   help="OpenAI-messages JSONL that trains the tokenizer (default: the "
-                        "package's sample dialogues, the bytes of data/short_dialogues.jsonl)")
+    p.add_argument(
+        "--out",
+        default=f"models/tiny-{family}" if family else None,
+        required=family is None,
+        help="checkpoint directory",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="OpenAI-messages JSONL that trains the tokenizer (default: the "
+        "package's sample dialogues, the bytes of data/short_dialogues.jsonl)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weight-initialisation seed")
     p.add_argument("--vocab-size", type=int, default=1024)
     return p

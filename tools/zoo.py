@@ -19,29 +19,41 @@ from xtuner_rope.doctor import zoo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("patterns", nargs="*", default=["*"],
-                   help="glob patterns of `xtuner list-cfg` names (default: all 594)")
+    p.add_argument(
+        "patterns",
+        nargs="*",
+        default=["*"],
+        help="glob patterns of `xtuner list-cfg` names (default: all 594)",
+    )
     p.add_argument("--out", default="work_dirs/zoo", help="working folder (copies, runs, logs)")
     p.add_argument("--results", default="docs/zoo/results.json", help="JSON results file")
     p.add_argument("--markdown", default="docs/zoo/zoo.md", help="markdown table to write")
     p.add_argument("--jobs", type=int, default=1, help="rows run at once (each is 1-2 cores)")
     p.add_argument("--only", choices=["missing", "failed", "all"], default="missing")
     p.add_argument("--iters", type=int, default=4, help="training iterations per row")
-    p.add_argument("--models", default=None,
-                   help="folder of the tiny checkpoints, built once per family (default: "
-                        "OUT/models; the tests use the repository's models/)")
+    p.add_argument(
+        "--models",
+        default=None,
+        help="folder of the tiny checkpoints, built once per family (default: "
+        "OUT/models; the tests use the repository's models/)",
+    )
     p.add_argument("--list", action="store_true", help="print the selected configs and exit")
-    p.add_argument("--table-only", action="store_true",
-                   help="rewrite the markdown table from the results file and exit")
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="rewrite the markdown table from the results file and exit",
+    )
     args = p.parse_args(argv)
     results_path = Path(args.results)
     if args.table_only:
-        Path(args.markdown).write_text(zoo.markdown(zoo.load_results(results_path)),
-                                       encoding="utf-8")
+        Path(args.markdown).write_text(
+            zoo.markdown(zoo.load_results(results_path)), encoding="utf-8"
+        )
         return 0
     if args.list:
-        names = zoo.select(zoo.list_configs(args.patterns), zoo.load_results(results_path),
-                           args.only)
+        names = zoo.select(
+            zoo.list_configs(args.patterns), zoo.load_results(results_path), args.only
+        )
         print("\n".join(names))
         return 0
     start = time.time()
@@ -49,13 +61,23 @@ def main(argv=None) -> int:
     def progress(done: int, total: int, row: dict) -> None:
         width = 30
         bar = "#" * (width * done // max(total, 1))
-        print(f"[{bar:<{width}}] {done}/{total} {time.time() - start:6.0f}s  {row['config']}: "
-              f"{row['outcome']} (doctor {'exit ' + str(row['doctor']['exit_code']) if row.get('doctor') else '-'})"
-              f"  {str(row.get('message', ''))[:100]}", flush=True)
+        print(
+            f"[{bar:<{width}}] {done}/{total} {time.time() - start:6.0f}s  {row['config']}: "
+            f"{row['outcome']} (doctor {'exit ' + str(row['doctor']['exit_code']) if row.get('doctor') else '-'})"
+            f"  {str(row.get('message', ''))[:100]}",
+            flush=True,
+        )
 
-    results = zoo.sweep(args.patterns, Path(args.out), results_path, jobs=args.jobs,
-                        only=args.only, iters=args.iters, models=args.models,
-                        progress=progress)
+    results = zoo.sweep(
+        args.patterns,
+        Path(args.out),
+        results_path,
+        jobs=args.jobs,
+        only=args.only,
+        iters=args.iters,
+        models=args.models,
+        progress=progress,
+    )
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(zoo.markdown(results), encoding="utf-8")

@@ -38,9 +38,14 @@ PUBLIC_API = {
 }
 __all__ = sorted(PUBLIC_API)
 # Where the plugin's findings functions live: importing them registers them with the start-up.
-FINDINGS_MODULES = ("xtuner_rope.config.multimodal", "xtuner_rope.config.launch",
-                    "xtuner_rope.config.sequence_parallel", "xtuner_rope.config.preference",
-                    "xtuner_rope.hooks.loss_norm", "xtuner_rope.config.warmup")
+FINDINGS_MODULES = (
+    "xtuner_rope.config.multimodal",
+    "xtuner_rope.config.launch",
+    "xtuner_rope.config.sequence_parallel",
+    "xtuner_rope.config.preference",
+    "xtuner_rope.hooks.loss_norm",
+    "xtuner_rope.config.warmup",
+)
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 _activated = False
 

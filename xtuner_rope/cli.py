@@ -1,10 +1,10 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
-    xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
-    xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
-    xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
-    xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
-    xtuner-rope chat MODEL [...]
+xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
+xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
+xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
+xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
+xtuner-rope chat MODEL [...]
 """
 
 from __future__ import annotations
@@ -20,20 +20,34 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtuner-rope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser(
-        "doctor", help="check a config's training data before training",
+        "doctor",
+        help="check a config's training data before training",
         description="Build the config's train dataset as `xtuner train` does and report what "
-                    "the plugin will see: lengths, bad samples, the collate plan, settings. "
-                    "Exit 1 when training would fail or be silently wrong.")
+        "the plugin will see: lengths, bad samples, the collate plan, settings. "
+        "Exit 1 when training would fail or be silently wrong.",
+    )
     doctor.add_argument("config", help="XTuner config file")
-    doctor.add_argument("--out", help="output folder for report.json and lengths.png "
-                                      "(default: work_dirs/doctor/<config stem>)")
-    doctor.add_argument("--batches", type=int, default=200,
-                        help="sampler batches to collate (default: 200)")
-    doctor.add_argument("--cfg-options", nargs="+", action=DictAction, default=None,
-                        help="override config settings, key=value (as xtuner train)")
-    doctor.add_argument("--deepspeed", default=None,
-                        help="the DeepSpeed config the run will get (as xtuner train: a json or "
-                             "one of XTuner's names, e.g. deepspeed_zero2)")
+    doctor.add_argument(
+        "--out",
+        help="output folder for report.json and lengths.png "
+        "(default: work_dirs/doctor/<config stem>)",
+    )
+    doctor.add_argument(
+        "--batches", type=int, default=200, help="sampler batches to collate (default: 200)"
+    )
+    doctor.add_argument(
+        "--cfg-options",
+        nargs="+",
+        action=DictAction,
+        default=None,
+        help="override config settings, key=value (as xtuner train)",
+    )
+    doctor.add_argument(
+        "--deepspeed",
+        default=None,
+        help="the DeepSpeed config the run will get (as xtuner train: a json or "
+        "one of XTuner's names, e.g. deepspeed_zero2)",
+    )
     _add_check(commands, DictAction)
     _add_xtuner_tools(commands)
     return parser
@@ -41,24 +55,44 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_check(commands, dict_action) -> None:
     check = commands.add_parser(
-        "check", help="prove document isolation on the config's own model and data",
+        "check",
+        help="prove document isolation on the config's own model and data",
         description="Start the config as `xtuner train` does, build its model and first packed "
-                    "batches, and compare each packed document with the same document alone "
-                    "(logits, loss, gradients) and patched with unpatched generation. "
-                    "Exit 1 when documents are not isolated or results differ.")
+        "batches, and compare each packed document with the same document alone "
+        "(logits, loss, gradients) and patched with unpatched generation. "
+        "Exit 1 when documents are not isolated or results differ.",
+    )
     check.add_argument("config", help="XTuner config file")
-    check.add_argument("--out", help="output folder for report.json and the runner's log "
-                                     "(default: work_dirs/check/<config stem>)")
+    check.add_argument(
+        "--out",
+        help="output folder for report.json and the runner's log "
+        "(default: work_dirs/check/<config stem>)",
+    )
     check.add_argument("--batches", type=int, default=1, help="batches to measure (default: 1)")
-    check.add_argument("--max-documents", type=int, default=8,
-                       help="documents per batch; rows are cut after them (default: 8)")
-    check.add_argument("--new-tokens", type=int, default=8,
-                       help="greedy tokens generated from the first prompt (default: 8)")
-    check.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                       help="override the training dtype (default: the config's on a GPU, "
-                            "float32 on CPU)")
-    check.add_argument("--cfg-options", nargs="+", action=dict_action, default=None,
-                       help="override config settings, key=value (as xtuner train)")
+    check.add_argument(
+        "--max-documents",
+        type=int,
+        default=8,
+        help="documents per batch; rows are cut after them (default: 8)",
+    )
+    check.add_argument(
+        "--new-tokens",
+        type=int,
+        default=8,
+        help="greedy tokens generated from the first prompt (default: 8)",
+    )
+    check.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="override the training dtype (default: the config's on a GPU, float32 on CPU)",
+    )
+    check.add_argument(
+        "--cfg-options",
+        nargs="+",
+        action=dict_action,
+        default=None,
+        help="override config settings, key=value (as xtuner train)",
+    )
 
 
 def _check(args) -> int:
@@ -69,9 +103,15 @@ def _check(args) -> int:
 
     out = Path(args.out or Path("work_dirs") / "check" / Path(args.config).stem)
     try:
-        report = run_check(args.config, args.cfg_options, batches=args.batches, work_dir=out,
-                           dtype=args.dtype, max_documents=args.max_documents,
-                           new_tokens=args.new_tokens)
+        report = run_check(
+            args.config,
+            args.cfg_options,
+            batches=args.batches,
+            work_dir=out,
+            dtype=args.dtype,
+            max_documents=args.max_documents,
+            new_tokens=args.new_tokens,
+        )
     except ConfigConflict as err:
         print(err)
         return 1
@@ -83,14 +123,17 @@ def _check(args) -> int:
 
 def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
     """`convert pth_to_hf`, `convert merge`, `chat`: XTuner's tools; their arguments pass on."""
-    note = ("XTuner's `xtuner {}` run with xtuner-rope loaded (CPU patches, InternLM2 "
-            "registration); same arguments (`-h` shows XTuner's), truthful exit status.")
+    note = (
+        "XTuner's `xtuner {}` run with xtuner-rope loaded (CPU patches, InternLM2 "
+        "registration); same arguments (`-h` shows XTuner's), truthful exit status."
+    )
     convert = commands.add_parser("convert", help="xtuner convert pth_to_hf / merge, plugin loaded")
     tools = convert.add_subparsers(dest="tool", required=True)
     for tool in ("pth_to_hf", "merge"):
         tools.add_parser(tool, add_help=False, description=note.format(f"convert {tool}"))
-    commands.add_parser("chat", add_help=False, help="xtuner chat, plugin loaded",
-                        description=note.format("chat"))
+    commands.add_parser(
+        "chat", add_help=False, help="xtuner chat, plugin loaded", description=note.format("chat")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config.startup import ConfigConflict
 
     try:
-        with launched_with(args.deepspeed), refusal_when_data_fails(args.config,
-                                                                    args.cfg_options):
+        with launched_with(args.deepspeed), refusal_when_data_fails(args.config, args.cfg_options):
             report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
     except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)

@@ -39,8 +39,10 @@ MOVED = {
 def message(old: str) -> str:
     """The warning for importing ``old``: what it is now and the import to write instead."""
     new = MOVED[old]
-    return (f"{old} is deprecated: it moved to {new} (same names). Write `import {new}` / "
-            f"`from {new} import ...` instead; the old path will keep working with this warning.")
+    return (
+        f"{old} is deprecated: it moved to {new} (same names). Write `import {new}` / "
+        f"`from {new} import ...` instead; the old path will keep working with this warning."
+    )
 
 
 class _MovedModuleLoader(importlib.abc.Loader):

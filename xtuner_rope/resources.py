@@ -25,18 +25,24 @@ from .config.startup import enable_xtuner_rope
 
 # old name -> the edit that replaces it.
 REPLACEMENTS = {
-    "local_checkpoint": ("from xtuner_rope import enable_xtuner_rope\n"
-                         "    model_resource = dict(fn=enable_xtuner_rope, "
-                         "args=dict(local_only=True))"),
-    "tiny_internlm2": ("from xtuner_rope.demo.resources import tiny_checkpoint\n"
-                       "    model_resource = dict(fn=tiny_checkpoint, args=dict(...))"),
+    "local_checkpoint": (
+        "from xtuner_rope import enable_xtuner_rope\n"
+        "    model_resource = dict(fn=enable_xtuner_rope, "
+        "args=dict(local_only=True))"
+    ),
+    "tiny_internlm2": (
+        "from xtuner_rope.demo.resources import tiny_checkpoint\n"
+        "    model_resource = dict(fn=tiny_checkpoint, args=dict(...))"
+    ),
 }
 
 
 def _warn_deprecated(name: str) -> None:
-    message = (f"xtuner_rope.resources.{name} is deprecated and will be removed; it still "
-               f"works. Replace the config's import and model_resource with:\n"
-               f"    {REPLACEMENTS[name]}")
+    message = (
+        f"xtuner_rope.resources.{name} is deprecated and will be removed; it still "
+        f"works. Replace the config's import and model_resource with:\n"
+        f"    {REPLACEMENTS[name]}"
+    )
     warnings.warn(message, FutureWarning, stacklevel=3)
     print_log(message, logger="current", level=logging.WARNING)
 
@@ -58,8 +64,12 @@ def local_checkpoint(path: str) -> str:
     return enable_xtuner_rope(path, local_only=True)
 
 
-def tiny_internlm2(path: str, data_path: str = "data/short_dialogues.jsonl", seed: int = 0,
-                   family: str = "internlm2") -> str:
+def tiny_internlm2(
+    path: str,
+    data_path: str = "data/short_dialogues.jsonl",
+    seed: int = 0,
+    family: str = "internlm2",
+) -> str:
     """Deprecated alias of :func:`xtuner_rope.demo.resources.tiny_checkpoint` (same arguments)."""
     from .demo.resources import tiny_checkpoint
 

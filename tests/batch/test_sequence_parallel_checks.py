@@ -26,8 +26,13 @@ from xtuner_rope.hooks import isolation as hooks_module
 
 def _items(lengths, vocab=256):
     g = torch.Generator().manual_seed(0)
-    return [dict(input_ids=torch.randint(3, vocab, (n,), generator=g).tolist(),
-                 labels=torch.randint(3, vocab, (n,), generator=g).tolist()) for n in lengths]
+    return [
+        dict(
+            input_ids=torch.randint(3, vocab, (n,), generator=g).tolist(),
+            labels=torch.randint(3, vocab, (n,), generator=g).tolist(),
+        )
+        for n in lengths
+    ]
 
 
 def test_padding_to_a_multiple_of_the_size():
@@ -38,10 +43,13 @@ def test_xtuner_collated_rows_not_divisible_are_refused_with_the_edit():
     # XTuner's own collate (one process: no SP group, so it does not pad) of 9- and 13-token rows.
     shape = tuple(default_collate_fn(_items([9, 13]))["data"]["input_ids"].shape)
     assert shape == (2, 13)
-    with pytest.raises(ValueError, match=r"sequence_parallel_size = 2: batch rows 0\.\.1 are 13 "
-                       r"tokens long, not a multiple of 2 \(13 % 2 = 1\); XTuner's "
-                       r"split_for_sequence_parallel asserts.*rope_collate_fn\(\.\.\., "
-                       r"pad_to_multiple_of=2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel_size = 2: batch rows 0\.\.1 are 13 "
+        r"tokens long, not a multiple of 2 \(13 % 2 = 1\); XTuner's "
+        r"split_for_sequence_parallel asserts.*rope_collate_fn\(\.\.\., "
+        r"pad_to_multiple_of=2\)",
+    ):
         check_sequence_parallel_rows(shape, 2, pads_itself=False)
     with pytest.raises(ValueError, match=r"are 3 tokens long \(shorter than the 4 shards\)"):
         check_sequence_parallel_rows((1, 3), 4, pads_itself=False)
@@ -56,8 +64,7 @@ def test_rope_collate_fn_padded_to_the_size_passes():
     check_sequence_parallel_rows((b, s), 4, pads_itself=False)
 
 
-def test_check_hook_refuses_an_indivisible_train_batch_on_an_unpatched_model(tmp_path,
-                                                                            monkeypatch):
+def test_check_hook_refuses_an_indivisible_train_batch_on_an_unpatched_model(tmp_path, monkeypatch):
     runner = tiny_runner(tmp_path)
     hook = PackedBatchCheckHook()
     hook.before_train(runner)  # no ValidatedRoPEHook: XTuner's own SP loss would run
@@ -65,8 +72,11 @@ def test_check_hook_refuses_an_indivisible_train_batch_on_an_unpatched_model(tmp
     hook.before_train_iter(runner, 0, batch)  # one process: no sequence parallel
     monkeypatch.setattr(hooks_module, "sequence_parallel_size", lambda: 5)
     batch = rope_collate_fn(_items([9, 12]), pack=False)
-    with pytest.raises(ValueError, match=r"sequence_parallel_size = 5: batch rows 0\.\.1 are 12 "
-                       r"tokens long.*pad_to_multiple_of=5"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel_size = 5: batch rows 0\.\.1 are 12 "
+        r"tokens long.*pad_to_multiple_of=5",
+    ):
         hook.before_train_iter(runner, 0, batch)
     hook.after_train_iter(runner, 0)
 
@@ -106,8 +116,7 @@ def test_doctor_reports_rows_against_the_sequence_parallel_size(sp_configs):
     # by the start-up, pads each odd row by exactly the padding segment the figures count.
     assert rows["padding_tokens"] == collate["config_slots"] - collate["real_tokens"] > 0
     assert rows["needing_padding"] == rows["padding_tokens"]  # sp = 2: one token per odd row
-    assert rows["padding_share"] == pytest.approx(
-        rows["padding_tokens"] / collate["config_slots"])
+    assert rows["padding_share"] == pytest.approx(rows["padding_tokens"] / collate["config_slots"])
     batches = figures["batches"]
     assert batches["not_divisible"] == 0 and batches["loss_padding_tokens"] == 0
     shortest = int(report["packing"]["row_lengths"]["p0"])  # the last row (lossless packing)
@@ -120,18 +129,27 @@ def test_doctor_reports_rows_against_the_sequence_parallel_size(sp_configs):
 def test_doctor_fails_on_heads_not_divisible_by_the_size_on_cpu(sp_configs):
     report, _ = diagnose(str(sp_configs[3]), progress=False, batches=5)
     assert report["exit_code"] == 1
-    assert any(re.search(r"conflict: sequence_parallel_size: 3 does not divide the 4 attention "
-                         r"heads \(from .*config\.json\).*\n  -> set sequence_parallel_size to a "
-                         r"divisor of 4 \(1, 2, 4\)", p) for p in report["problems"])
+    assert any(
+        re.search(
+            r"conflict: sequence_parallel_size: 3 does not divide the 4 attention "
+            r"heads \(from .*config\.json\).*\n  -> set sequence_parallel_size to a "
+            r"divisor of 4 \(1, 2, 4\)",
+            p,
+        )
+        for p in report["problems"]
+    )
     assert report["sequence_parallel"]["size"] == 3
 
 
 def test_start_up_refuses_heads_not_divisible_before_loading(sp_configs):
     cfg = Config.fromfile(str(sp_configs[3]))
-    with pytest.raises(ConfigConflict, match=r"sequence_parallel_size: 3 does not divide the 4 "
-                       r"attention heads \(from .*tiny-internlm2/config\.json\): XTuner's inner "
-                       r"sequence parallel.*refuses CPU tensors.*\n  -> set "
-                       r"sequence_parallel_size to a divisor of 4 \(1, 2, 4\), or train on GPUs"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"sequence_parallel_size: 3 does not divide the 4 "
+        r"attention heads \(from .*tiny-internlm2/config\.json\): XTuner's inner "
+        r"sequence parallel.*refuses CPU tensors.*\n  -> set "
+        r"sequence_parallel_size to a divisor of 4 \(1, 2, 4\), or train on GPUs",
+    ):
         startup.prepare_config(cfg)
     ok = Config.fromfile(str(sp_configs[2]))
     assert not any("attention heads" in f.problem for f in startup.inspect_config(ok))

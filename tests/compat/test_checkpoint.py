@@ -45,18 +45,30 @@ def _runner_checkpoint() -> dict:
     for value in (np.float64(2.5), np.float32(1.25), 3):
         hub.update_scalar("train/loss", value)
     hub.update_info("iter", 6)
-    return {"meta": {"seed": 1234, "iter": 6, "cfg": "model = dict()",
-                     "dataset_meta": ConfigDict(a=1), "flags": {1, 2},
-                     "lr": np.float64(1e-4), "hist": np.arange(4), "dtype": np.dtype("int32")},
-            "state_dict": {"w": torch.randn(3, 4)}, "message_hub": hub.state_dict()}
+    return {
+        "meta": {
+            "seed": 1234,
+            "iter": 6,
+            "cfg": "model = dict()",
+            "dataset_meta": ConfigDict(a=1),
+            "flags": {1, 2},
+            "lr": np.float64(1e-4),
+            "hist": np.arange(4),
+            "dtype": np.dtype("int32"),
+        },
+        "state_dict": {"w": torch.randn(3, 4)},
+        "message_hub": hub.state_dict(),
+    }
 
 
 def test_runner_checkpoints_load_through_every_patched_loader(tmp_path):
     path = tmp_path / "iter_6.pth"
     saved = _runner_checkpoint()
     torch.save(saved, path)
-    for loaded in (load_checkpoint(str(path)),
-                   CheckpointLoader.load_checkpoint(str(path), map_location="cpu")):
+    for loaded in (
+        load_checkpoint(str(path)),
+        CheckpointLoader.load_checkpoint(str(path), map_location="cpu"),
+    ):
         assert loaded["meta"]["seed"] == 1234 and loaded["meta"]["dataset_meta"].a == 1
         assert loaded["meta"]["hist"].tolist() == [0, 1, 2, 3]
         torch.testing.assert_close(loaded["state_dict"]["w"], saved["state_dict"]["w"])
@@ -69,13 +81,21 @@ def test_runner_checkpoints_load_through_every_patched_loader(tmp_path):
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
 def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path, legacy):
     marker, path = tmp_path / "code_ran", tmp_path / "downloaded.pth"
-    torch.save({**_runner_checkpoint(), "payload": _RunsCode(marker)}, path,
-               _use_new_zipfile_serialization=not legacy)
-    for load in (load_checkpoint, lambda p: CheckpointLoader.load_checkpoint(p, "cpu"),
-                 xtuner_tool_utils.get_seed_from_checkpoint):
-        with pytest.raises(UntrustedCheckpointError,
-                           match=rf"refused to load {path}: it names .*\bexec\b.* "
-                                 rf"set {TRUST_ENV}={path} "):
+    torch.save(
+        {**_runner_checkpoint(), "payload": _RunsCode(marker)},
+        path,
+        _use_new_zipfile_serialization=not legacy,
+    )
+    for load in (
+        load_checkpoint,
+        lambda p: CheckpointLoader.load_checkpoint(p, "cpu"),
+        xtuner_tool_utils.get_seed_from_checkpoint,
+    ):
+        with pytest.raises(
+            UntrustedCheckpointError,
+            match=rf"refused to load {path}: it names .*\bexec\b.* "
+            rf"set {TRUST_ENV}={path} ",
+        ):
             load(str(path))
     assert not marker.exists()
 
@@ -83,8 +103,11 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path, 
 def test_getattr_reaches_only_history_buffer_methods(tmp_path):
     path = tmp_path / "escape.pth"
     torch.save({"meta": {"seed": 1}, "x": _ReachesGlobals()}, path)
-    with pytest.raises(UntrustedCheckpointError, match=r"getattr\(<function HistoryBuffer\.min"
-                                                       r".*'__globals__'\)"):
+    with pytest.raises(
+        UntrustedCheckpointError,
+        match=r"getattr\(<function HistoryBuffer\.min"
+        r".*'__globals__'\)",
+    ):
         load_checkpoint(str(path))
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)  # and torch itself allows no getattr at all

@@ -31,7 +31,8 @@ def test_xtuner_device_queries_work_on_cpu():
     assert get_torch_device().is_bf16_supported() is False
     cfg = SupervisedFinetune._prepare_for_flash_attn(
         AutoConfig.for_model("internlm2").to_dict() | {"attn_implementation": "sdpa"},
-        InternLM2Config())
+        InternLM2Config(),
+    )
     assert cfg["attn_implementation"] == "sdpa"
     ds = auto_dtype_of_deepspeed_config({"bf16": {"enabled": "auto"}})
     assert ds["bf16"]["enabled"] is False
@@ -50,9 +51,11 @@ def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
     bare = _python("import bitsandbytes")
     assert bare.returncode != 0 and "triton.ops" in bare.stderr
-    fixed = _python("import xtuner_rope, bitsandbytes; from peft import LoraConfig, get_peft_model;"
-                    "import torch; m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
-                    "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)")
+    fixed = _python(
+        "import xtuner_rope, bitsandbytes; from peft import LoraConfig, get_peft_model;"
+        "import torch; m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
+        "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)"
+    )
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.strip().endswith("PeftModel")
 
@@ -61,11 +64,13 @@ def test_bitsandbytes_imports_after_peft_half_imported_it():
     """`xtuner train` imports peft (which half-imports bitsandbytes) before any plugin code."""
     if not compat._triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
-    code = ("import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"
-            "assert left and 'bitsandbytes' not in sys.modules, left;"
-            "import xtuner_rope, torch; from peft import LoraConfig, get_peft_model;"
-            "m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
-            "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)")
+    code = (
+        "import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"
+        "assert left and 'bitsandbytes' not in sys.modules, left;"
+        "import xtuner_rope, torch; from peft import LoraConfig, get_peft_model;"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
+        "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)"
+    )
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("PeftModel")

@@ -29,20 +29,28 @@ PROMPT, RESPONSE = 6, 10
 @pytest.fixture(scope="module")
 def llm_cfg() -> ConfigDict:
     sc.ensure_tiny_model()
-    return ConfigDict(type=AutoModelForCausalLM.from_pretrained,
-                      pretrained_model_name_or_path=str(sc.TINY_MODEL), trust_remote_code=True,
-                      torch_dtype=torch.float32, attn_implementation="eager")
+    return ConfigDict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=str(sc.TINY_MODEL),
+        trust_remote_code=True,
+        torch_dtype=torch.float32,
+        attn_implementation="eager",
+    )
 
 
 def _batch(rows: int = 4) -> dict:
     """Rows chosen, rejected, chosen, rejected; every response holds target id 0 twice or more."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(6, 1000, (rows, PROMPT + RESPONSE), generator=gen)
-    ids[:, PROMPT + 1::4] = 0  # a real token inside each response
+    ids[:, PROMPT + 1 :: 4] = 0  # a real token inside each response
     labels = ids.clone()
     labels[:, :PROMPT] = -100
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids).bool(),
-            "position_ids": torch.arange(ids.shape[1]).repeat(rows, 1)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": torch.ones_like(ids).bool(),
+        "position_ids": torch.arange(ids.shape[1]).repeat(rows, 1),
+    }
 
 
 def _logps(model, names: tuple[str, ...]) -> dict:
@@ -67,21 +75,34 @@ def _expected(model, average: bool) -> list[float]:
     batch = _batch()
     with torch.no_grad():
         logits = model.llm(input_ids=batch["input_ids"]).logits
-    return [response_logp(logits[r], batch["labels"][r], average=average)
-            for r in range(len(logits))]
+    return [
+        response_logp(logits[r], batch["labels"][r], average=average) for r in range(len(logits))
+    ]
 
 
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
 def test_target_id_zero_counts(llm_cfg, kind, monkeypatch):
     assert "patch_xtuner_preference_target_zero" in compat.apply()
     if kind == "dpo":
-        model, names, average = DPO(llm=copy.deepcopy(llm_cfg), use_varlen_attn=False,
-                                    use_activation_checkpointing=False), (
-            "policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected"), False
+        model, names, average = (
+            DPO(
+                llm=copy.deepcopy(llm_cfg),
+                use_varlen_attn=False,
+                use_activation_checkpointing=False,
+            ),
+            ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected"),
+            False,
+        )
     else:
-        model, names, average = ORPO(llm=copy.deepcopy(llm_cfg), use_varlen_attn=False,
-                                     use_activation_checkpointing=False), (
-            "chosen", "rejected"), True
+        model, names, average = (
+            ORPO(
+                llm=copy.deepcopy(llm_cfg),
+                use_varlen_attn=False,
+                use_activation_checkpointing=False,
+            ),
+            ("chosen", "rejected"),
+            True,
+        )
     expected = torch.tensor(_expected(model, average), dtype=torch.float64)
     got = _logps(model, names)
     for name in names:

@@ -27,16 +27,30 @@ TINY_RECIPES = [c for c in CONFIGS if c.startswith("configs/tiny_")]  # CPU reci
 GPU_RECIPES = [c for c in CONFIGS if c not in TINY_RECIPES]
 LLAVA_RECIPES = [c for c in CONFIGS if "llava" in c]  # multimodal: LLaVADataset, no packing
 # DPO / reward model on packed preference pairs (build_preference_dataset, preference_collate_fn)
-PREFERENCE_RECIPES = {"configs/tiny_internlm2_dpo_pairs.py": "DPO",
-                      "configs/tiny_internlm2_reward_pairs.py": "RewardModel"}
+PREFERENCE_RECIPES = {
+    "configs/tiny_internlm2_dpo_pairs.py": "DPO",
+    "configs/tiny_internlm2_reward_pairs.py": "RewardModel",
+}
 TEXT_RECIPES = [c for c in CONFIGS if c not in LLAVA_RECIPES and c not in PREFERENCE_RECIPES]
-DEEPSPEED_JSONS = sorted(str(p.relative_to(REPO))
-                         for p in (REPO / "configs" / "deepspeed").glob("*.json"))
+DEEPSPEED_JSONS = sorted(
+    str(p.relative_to(REPO)) for p in (REPO / "configs" / "deepspeed").glob("*.json")
+)
 TINY_MODEL = "models/tiny-internlm2"
-BANNERS = ["Settings", "Model & Tokenizer", "Dataset & Dataloader", "Scheduler & Optimizer",
-           "Runtime"]
-PART1_NAMES = ["pretrained_model_name_or_path", "data_path", "max_length", "batch_size", "lr",
-               "max_epochs"]
+BANNERS = [
+    "Settings",
+    "Model & Tokenizer",
+    "Dataset & Dataloader",
+    "Scheduler & Optimizer",
+    "Runtime",
+]
+PART1_NAMES = [
+    "pretrained_model_name_or_path",
+    "data_path",
+    "max_length",
+    "batch_size",
+    "lr",
+    "max_epochs",
+]
 
 
 def _load(config: str) -> Config:
@@ -59,8 +73,7 @@ def _registries():
     import mmengine.registry as mm
     from xtuner.registry import BUILDER, MAP_FUNC
 
-    return [obj for obj in vars(mm).values() if isinstance(obj, mm.Registry)] + [BUILDER,
-                                                                                  MAP_FUNC]
+    return [obj for obj in vars(mm).values() if isinstance(obj, mm.Registry)] + [BUILDER, MAP_FUNC]
 
 
 def _built(value):
@@ -72,12 +85,17 @@ def _type(node):
 
 
 def test_configs_are_found():
-    assert {"configs/tiny_internlm2_short_dialogues.py",
-            "configs/tiny_qwen2_short_dialogues.py"} <= set(TINY_RECIPES)
+    assert {
+        "configs/tiny_internlm2_short_dialogues.py",
+        "configs/tiny_qwen2_short_dialogues.py",
+    } <= set(TINY_RECIPES)
     assert len(GPU_RECIPES) >= 12, GPU_RECIPES
-    assert {"configs/deepspeed/zero2_bf16.json", "configs/deepspeed/zero3_bf16.json",
-            "configs/deepspeed/zero2_fp32_cpu.json",
-            "configs/deepspeed/zero3_fp32_cpu.json"} <= set(DEEPSPEED_JSONS)
+    assert {
+        "configs/deepspeed/zero2_bf16.json",
+        "configs/deepspeed/zero3_bf16.json",
+        "configs/deepspeed/zero2_fp32_cpu.json",
+        "configs/deepspeed/zero3_fp32_cpu.json",
+    } <= set(DEEPSPEED_JSONS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -89,11 +107,15 @@ def test_every_named_object_resolves(config):
         if isinstance(value, (LazyObject, LazyAttr)):
             assert value.build() is not None, where  # raises on a missing module or name
     registries = _registries()
-    names = [(w, v) for w, v in leaves if isinstance(v, str)
-             and (w.endswith(".type") or w == "cfg.runner_type")]
+    names = [
+        (w, v)
+        for w, v in leaves
+        if isinstance(v, str) and (w.endswith(".type") or w == "cfg.runner_type")
+    ]
     for where, name in names:
         assert any(registry.get(name) is not None for registry in registries), (
-            f"{where} = {name!r} is in no MMEngine/XTuner registry")
+            f"{where} = {name!r} is in no MMEngine/XTuner registry"
+        )
 
 
 @pytest.mark.parametrize("config", TEXT_RECIPES)
@@ -104,7 +126,7 @@ def test_recipe_is_xtuner_style_and_enables_the_plugin(config):
     text = (REPO / config).read_text()
     found = [text.find(f"PART {i}  {title}") for i, title in enumerate(BANNERS, start=1)]
     assert -1 not in found and found == sorted(found), f"PART 1-5 banners: {found}"
-    part1 = text[found[0]:found[1]]
+    part1 = text[found[0] : found[1]]
     for name in PART1_NAMES:
         assert re.search(rf"^{name} = ", part1, re.M), f"{name} is not set in PART 1"
 
@@ -125,24 +147,36 @@ def test_recipe_is_xtuner_style_and_enables_the_plugin(config):
     assert fn.__module__.startswith("xtuner_rope."), fn
 
 
-
 @pytest.mark.parametrize("config", LLAVA_RECIPES)
 def test_llava_recipe_is_xtuner_style_and_enables_the_plugin(config):
     text = (REPO / config).read_text()
     found = [text.find(f"PART {i}  ") for i in range(1, 6)]
     assert -1 not in found and found == sorted(found), f"PART 1-5 banners: {found}"
-    part1 = text[found[0]:found[1]]
-    for name in ("llm_name_or_path", "visual_encoder_name_or_path", "model_resource",
-                 "data_path", "image_folder", "max_length", "batch_size", "lr", "max_epochs"):
+    part1 = text[found[0] : found[1]]
+    for name in (
+        "llm_name_or_path",
+        "visual_encoder_name_or_path",
+        "model_resource",
+        "data_path",
+        "image_folder",
+        "max_length",
+        "batch_size",
+        "lr",
+        "max_epochs",
+    ):
         assert re.search(rf"^{name} = ", part1, re.M), f"{name} is not set in PART 1"
     cfg = _load(config)
     assert cfg.model.llm.pretrained_model_name_or_path == cfg.llm_name_or_path
-    assert cfg.model.visual_encoder.pretrained_model_name_or_path == \
-        cfg.visual_encoder_name_or_path == cfg.image_processor.pretrained_model_name_or_path
+    assert (
+        cfg.model.visual_encoder.pretrained_model_name_or_path
+        == cfg.visual_encoder_name_or_path
+        == cfg.image_processor.pretrained_model_name_or_path
+    )
     assert cfg.train_dataloader.dataset.data_path == cfg.data_path
     fn = _built(dict.get(cfg.model_resource, "fn"))
     assert fn.__module__.startswith("xtuner_rope."), fn
     assert _type(cfg.optim_wrapper).__name__ == "OptimWrapper"  # fp32 on CPU
+
 
 @pytest.mark.parametrize("config", sorted(PREFERENCE_RECIPES))
 def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
@@ -156,7 +190,7 @@ def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
     text = (REPO / config).read_text()
     found = [text.find(f"PART {i}  {title}") for i, title in enumerate(BANNERS, start=1)]
     assert -1 not in found and found == sorted(found), f"PART 1-5 banners: {found}"
-    part1 = text[found[0]:found[1]]
+    part1 = text[found[0] : found[1]]
     names = PART1_NAMES + ["model_resource", "pack_pairs", "max_packed_length"]
     names += ["reward_token_id"] if "reward" in config else ["loss_beta"]
     for name in names:
@@ -174,8 +208,12 @@ def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
     assert (REPO / cfg.data_path).stat().st_size < 200_000
     assert _type(loader.collate_fn) is preference_collate_fn
     assert cfg.pack_pairs is True and "use_varlen_attn" not in cfg  # no flash-attn switch
-    assert cfg.model.use_varlen_attn is loader.dataset.use_varlen_attn is \
-        loader.collate_fn.use_varlen_attn is True
+    assert (
+        cfg.model.use_varlen_attn
+        is loader.dataset.use_varlen_attn
+        is loader.collate_fn.use_varlen_attn
+        is True
+    )
     assert loader.dataset.max_packed_length == cfg.max_packed_length and cfg.batch_size == 1
     assert _type(cfg.optim_wrapper).__name__ == "OptimWrapper"  # fp32 on CPU
     assert {type_name(dict.get(h, "type")) for h in cfg.custom_hooks} >= set(PLUGIN_HOOKS)
@@ -229,8 +267,9 @@ def test_gpu_recipe_is_bf16(config):
 def _family(config: str) -> str:
     """The tiny stand-in family of a recipe, from its name."""
     name = Path(config).name
-    return "qwen2" if name.startswith("qwen") else "llama" if name.startswith("llama") \
-        else "internlm2"
+    return (
+        "qwen2" if name.startswith("qwen") else "llama" if name.startswith("llama") else "internlm2"
+    )
 
 
 def _tiny_cfg(config: str, quantize: bool) -> Config:
@@ -242,8 +281,9 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
     family = _family(config)
     tiny = TINY_MODEL if family == "internlm2" else f"models/tiny-{family}"
     # Build it if this is the first test to need it (a fresh clone has no models/).
-    tiny_checkpoint(str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"),
-                    family=family)
+    tiny_checkpoint(
+        str(REPO / tiny), data_path=str(REPO / "data" / "short_dialogues.jsonl"), family=family
+    )
     cfg = _load(config)
     cfg.pretrained_model_name_or_path = tiny
     if not torch.cuda.is_available():  # the README's CPU edit (the start-up refuses AMP here)
@@ -254,7 +294,8 @@ def _tiny_cfg(config: str, quantize: bool) -> Config:
         cfg.optim_wrapper.type = OptimWrapper
         if "deepspeed_config" in cfg:  # the start-up's edit: bf16 DeepSpeed refused on CPU
             cfg.deepspeed_config = cfg.strategy.config = cfg.deepspeed_config.replace(
-                "_bf16.json", "_fp32_cpu.json")
+                "_bf16.json", "_fp32_cpu.json"
+            )
     set_model_resource(cfg)  # as `xtuner train` does: replaces every nested model path
     if not quantize:
         cfg.model.llm.pop("quantization_config", None)
@@ -278,8 +319,15 @@ def _train_step(cfg: Config, work_dir) -> tuple[torch.nn.Module, dict]:
     batch = collate([dataset[i] for i in range(cfg.batch_size)])
 
     # A real Runner registers the plugin's hooks of the recipe, in its own order.
-    runner = bare_runner(model, work_dir, [copy.deepcopy(h) for h in cfg.custom_hooks
-                                           if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)])
+    runner = bare_runner(
+        model,
+        work_dir,
+        [
+            copy.deepcopy(h)
+            for h in cfg.custom_hooks
+            if _type(h) in (ValidatedRoPEHook, PackedBatchCheckHook)
+        ],
+    )
     plugin = [h for h in runner.hooks if isinstance(h, (ValidatedRoPEHook, PackedBatchCheckHook))]
     assert [type(h) for h in plugin] == [ValidatedRoPEHook, PackedBatchCheckHook]
     for hook in plugin:
@@ -301,8 +349,11 @@ def test_gpu_recipe_builds_and_steps_with_tiny_model(config, tmp_path):
     """On CPU: no DeepSpeed init, and QLoRA without quantization_config (needs CUDA kernels)."""
     cfg = _tiny_cfg(config, quantize=False)
     model, batch = _train_step(cfg, tmp_path)
-    expected = {"internlm2": "InternLM2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "llama": "LlamaForCausalLM"}[_family(config)]
+    expected = {
+        "internlm2": "InternLM2ForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "llama": "LlamaForCausalLM",
+    }[_family(config)]
     assert expected in {type(m).__name__ for m in model.modules()}
     data = batch["data"]
     b, s = data["input_ids"].shape
@@ -329,12 +380,20 @@ def test_qlora_recipe_quantizes_on_gpu(config, tmp_path):
 
 def _without_paths(node, where="cfg"):
     """{path: repr(value)} of every leaf below ``node`` but the checkpoint paths."""
-    return {w: repr(v) for w, v in _leaves(node, where)
-            if not w.endswith(".pretrained_model_name_or_path")}
+    return {
+        w: repr(v)
+        for w, v in _leaves(node, where)
+        if not w.endswith(".pretrained_model_name_or_path")
+    }
 
 
-@pytest.mark.parametrize("config", [next(c for c in GPU_RECIPES if "qlora" not in c),
-                                    next(c for c in GPU_RECIPES if "qlora" in c)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        next(c for c in GPU_RECIPES if "qlora" not in c),
+        next(c for c in GPU_RECIPES if "qlora" in c),
+    ],
+)
 def test_config_dicts_are_plain_after_tiny_override(config):
     """The override helper only swaps paths: it keeps ConfigDicts and leaves other keys alone.
 

@@ -34,8 +34,9 @@ def _cfg(**kw) -> Config:
 
 
 def test_deepspeed_argument_is_read_only_inside_xtuner_train():
-    assert deepspeed_argument([TRAIN, "c.py", "--deepspeed", "deepspeed_zero2"]) == \
-        "deepspeed_zero2"
+    assert (
+        deepspeed_argument([TRAIN, "c.py", "--deepspeed", "deepspeed_zero2"]) == "deepspeed_zero2"
+    )
     assert deepspeed_argument([TRAIN, "c.py", "--deepspeed=x.json"]) == "x.json"
     assert deepspeed_argument(["xtuner-rope", "doctor", "--deepspeed", "x.json"]) is None
     assert deepspeed_argument([TRAIN, "c.py"]) is None
@@ -44,25 +45,34 @@ def test_deepspeed_argument_is_read_only_inside_xtuner_train():
 @cpu_only
 def test_stock_deepspeed_zero2_on_cpu_is_refused_with_the_fp32_settings(monkeypatch):
     monkeypatch.setattr(sys, "argv", [TRAIN, "c.py", "--deepspeed", "deepspeed_zero2"])
-    with pytest.raises(ConfigConflict, match=r"(?s)--deepspeed: deepspeed_zero2 \(.*\) resolves to "
-                                             r"fp16 on this CPU-only machine.*Type fp16 is not "
-                                             r"supported.*pass --deepspeed .*zero2_fp32_cpu\.json"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)--deepspeed: deepspeed_zero2 \(.*\) resolves to "
+        r"fp16 on this CPU-only machine.*Type fp16 is not "
+        r"supported.*pass --deepspeed .*zero2_fp32_cpu\.json",
+    ):
         prepare_config(_cfg())
     fp32 = str(REPO / "configs/deepspeed/zero2_fp32_cpu.json")
     assert deepspeed_dtype_findings(_cfg(), [TRAIN, "c.py", "--deepspeed", fp32]) == []
 
 
 @cpu_only
-@pytest.mark.parametrize("ds, dtype", [
-    (dict(fp16=dict(enabled="auto"), zero_optimization=dict(stage=3)), "fp16"),
-    (dict(bf16=dict(enabled=True)), "bf16"),
-])
+@pytest.mark.parametrize(
+    "ds, dtype",
+    [
+        (dict(fp16=dict(enabled="auto"), zero_optimization=dict(stage=3)), "fp16"),
+        (dict(bf16=dict(enabled=True)), "bf16"),
+    ],
+)
 def test_strategy_config_with_half_precision_on_cpu_is_refused(ds, dtype):
     cfg = _cfg(strategy=dict(type="DeepSpeedStrategy", config=ds))
     stage = (ds.get("zero_optimization") or {}).get("stage", 2)
-    with pytest.raises(ConfigConflict, match=rf"(?s)strategy.config: strategy.config resolves to "
-                                             rf"{dtype} on this CPU-only machine.*"
-                                             rf"zero{stage}_fp32_cpu\.json"):
+    with pytest.raises(
+        ConfigConflict,
+        match=rf"(?s)strategy.config: strategy.config resolves to "
+        rf"{dtype} on this CPU-only machine.*"
+        rf"zero{stage}_fp32_cpu\.json",
+    ):
         prepare_config(cfg)
 
 
@@ -70,13 +80,18 @@ def test_intern_repo_sampler_on_two_processes_without_deepspeed_is_refused(monke
     cfg = Config(dict(train_dataloader=dict(sampler=dict(type="InternRepoSampler"))))
     monkeypatch.setattr(sys, "argv", [TRAIN, "c.py"])
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigConflict, match=r"(?s)train_dataloader.sampler: InternRepoSampler "
-                                             r"takes its rank from DeepSpeed's data-parallel "
-                                             r"group.*on 2 processes.*run with --deepspeed"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)train_dataloader.sampler: InternRepoSampler "
+        r"takes its rank from DeepSpeed's data-parallel "
+        r"group.*on 2 processes.*run with --deepspeed",
+    ):
         prepare_config(cfg)
     assert sampler_findings(cfg, argv=[TRAIN, "c.py"], world_size=1) == []
-    assert sampler_findings(cfg, argv=[TRAIN, "c.py", "--deepspeed", "deepspeed_zero2"],
-                            world_size=2) == []
+    assert (
+        sampler_findings(cfg, argv=[TRAIN, "c.py", "--deepspeed", "deepspeed_zero2"], world_size=2)
+        == []
+    )
 
 
 @cpu_only
@@ -85,10 +100,23 @@ def test_xtuner_train_with_stock_zero2_stops_before_loading(tmp_path):
     """The real ``python -m xtuner.tools.train ... --deepspeed deepspeed_zero2``: refused by
     the start-up (exit 1), never reaching DeepSpeed's engine or the model."""
     sc.ensure_tiny_model()
-    proc = subprocess.run([sys.executable, "-m", "xtuner.tools.train", str(RECIPE),
-                           "--work-dir", str(tmp_path), "--deepspeed", "deepspeed_zero2"],
-                          cwd=REPO, env=sc.venv_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "xtuner.tools.train",
+            str(RECIPE),
+            "--work-dir",
+            str(tmp_path),
+            "--deepspeed",
+            "deepspeed_zero2",
+        ],
+        cwd=REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "resolves to fp16 on this CPU-only machine" in out, out[-3000:]

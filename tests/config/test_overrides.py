@@ -27,11 +27,11 @@ DATASET_OFF = "train_dataloader.dataset.use_varlen_attn=False"
 COLLATE_OFF = "train_dataloader.collate_fn.use_varlen_attn=False"
 OVERRIDDEN = {
     "dataset": "train_dataloader.dataset.use_varlen_attn: the start-up's fix (set to True: "
-               "XTuner's Packer records the boundaries (same packs)) was overridden after it ran "
-               "(--cfg-options are merged after model_resource): process_hf_dataset("
-               "pack_to_max_length=True) joins dialogues without recording where each starts",
+    "XTuner's Packer records the boundaries (same packs)) was overridden after it ran "
+    "(--cfg-options are merged after model_resource): process_hf_dataset("
+    "pack_to_max_length=True) joins dialogues without recording where each starts",
     "collate": "train_dataloader.collate_fn.use_varlen_attn: the start-up's fix (set to True: "
-               "it keeps cumulative_len/position_ids (batch size 1)) was overridden after it ran",
+    "it keeps cumulative_len/position_ids (batch size 1)) was overridden after it ran",
 }
 EDIT = "make it so in the config file or in the --cfg-options"
 
@@ -49,19 +49,23 @@ def full_config(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("overrides, undone", [
-    ((DATASET_OFF,), ["dataset"]),  # was a raw KeyError: 'cumulative_len' in XTuner's collate
-    ((DATASET_OFF, COLLATE_OFF), ["dataset", "collate"]),  # trained with leaking attention
-])
-def test_overridden_fix_is_refused_before_the_first_step(full_config, tmp_path, overrides,
-                                                         undone):
+@pytest.mark.parametrize(
+    "overrides, undone",
+    [
+        ((DATASET_OFF,), ["dataset"]),  # was a raw KeyError: 'cumulative_len' in XTuner's collate
+        ((DATASET_OFF, COLLATE_OFF), ["dataset", "collate"]),  # trained with leaking attention
+    ],
+)
+def test_overridden_fix_is_refused_before_the_first_step(full_config, tmp_path, overrides, undone):
     work_dir = tmp_path / "run"
     proc = sc.xtuner_train(full_config, work_dir, *SHORT_RUN, *overrides)
     out = proc.stdout + proc.stderr
     assert "xtuner-rope: train_dataloader.dataset.use_varlen_attn: process_hf_dataset" in out
-    assert (f"ConfigConflict: ValidatedRoPEHook: checked again before the first step, on the "
-            f"config that really trains: xtuner-rope: {len(undone)} setting(s) of this config "
-            "would make training fail or silently wrong") in out
+    assert (
+        f"ConfigConflict: ValidatedRoPEHook: checked again before the first step, on the "
+        f"config that really trains: xtuner-rope: {len(undone)} setting(s) of this config "
+        "would make training fail or silently wrong"
+    ) in out
     for which in undone:
         assert OVERRIDDEN[which] in out, which
     assert EDIT in out
@@ -72,9 +76,25 @@ def test_overridden_fix_is_refused_before_the_first_step(full_config, tmp_path, 
 @pytest.mark.parametrize("overrides", [(DATASET_OFF,), (DATASET_OFF, COLLATE_OFF)])
 def test_doctor_applies_overrides_in_xtuner_trains_order(full_config, tmp_path, overrides):
     proc = subprocess.run(
-        [sys.executable, "-m", "xtuner_rope.cli", "doctor", str(full_config), "--batches", "2",
-         "--out", str(tmp_path / "doctor"), "--cfg-options", *overrides],
-        cwd=sc.REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "xtuner_rope.cli",
+            "doctor",
+            str(full_config),
+            "--batches",
+            "2",
+            "--out",
+            str(tmp_path / "doctor"),
+            "--cfg-options",
+            *overrides,
+        ],
+        cwd=sc.REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "start-up fix train_dataloader.dataset.use_varlen_attn" in proc.stdout
     assert f"PROBLEM      conflict: {OVERRIDDEN['dataset']}" in proc.stdout
@@ -83,8 +103,10 @@ def test_doctor_applies_overrides_in_xtuner_trains_order(full_config, tmp_path, 
 
 def _xtuner_packed_batch(use_varlen_attn: bool) -> dict:
     """One row of XTuner's Packer over three dialogues, through XTuner's default_collate_fn."""
-    docs = {"input_ids": [[1, 5, 6, 2], [1, 7, 8, 9, 2], [1, 4, 2]],
-            "labels": [[-100, 5, 6, 2], [-100, -100, 8, 9, 2], [-100, 4, 2]]}
+    docs = {
+        "input_ids": [[1, 5, 6, 2], [1, 7, 8, 9, 2], [1, 4, 2]],
+        "labels": [[-100, 5, 6, 2], [-100, -100, 8, 9, 2], [-100, 4, 2]],
+    }
     packed = Packer(12, use_varlen_attn=use_varlen_attn)(docs)
     row = {k: v[0] for k, v in packed.items()}
     return default_collate_fn([row], use_varlen_attn=use_varlen_attn)["data"]
@@ -93,13 +115,15 @@ def _xtuner_packed_batch(use_varlen_attn: bool) -> dict:
 def test_packed_rows_without_boundaries_stop_at_the_first_batch(full_config):
     cfg = Config.fromfile(str(full_config))
     packed_by = packing_source(cfg)
-    assert packed_by == ("train_dataloader.dataset (process_hf_dataset, "
-                         "pack_to_max_length=True)")
+    assert packed_by == ("train_dataloader.dataset (process_hf_dataset, pack_to_max_length=True)")
     leaky = _xtuner_packed_batch(use_varlen_attn=False)
     assert leaky["position_ids"].tolist() == [list(range(12))]  # one range over 3 dialogues
-    with pytest.raises(ValueError, match=r"rows of this batch are packed \(train_dataloader\."
-                       r"dataset \(process_hf_dataset, pack_to_max_length=True\)\) but reach the "
-                       r"model without document boundaries.*use_varlen_attn=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"rows of this batch are packed \(train_dataloader\."
+        r"dataset \(process_hf_dataset, pack_to_max_length=True\)\) but reach the "
+        r"model without document boundaries.*use_varlen_attn=True",
+    ):
         refuse_unbounded_packing(leaky, [], packed_by)
     refuse_unbounded_packing(leaky, [], None)  # a config that does not pack: plain rows
     bounded = _xtuner_packed_batch(use_varlen_attn=True)

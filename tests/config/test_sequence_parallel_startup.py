@@ -15,9 +15,12 @@ def _sp_cfg(sp, model_type="SupervisedFinetune") -> Config:
 
 
 def test_sequence_parallel_outside_sft_is_refused_with_the_edit():
-    with pytest.raises(ConfigConflict, match=r"sequence_parallel_size: 2 with model type DPO: "
-                       r"xtuner-rope serves sequence parallel for SupervisedFinetune \(SFT\) "
-                       r"only.*\n  -> set sequence_parallel_size = 1 for this model"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"sequence_parallel_size: 2 with model type DPO: "
+        r"xtuner-rope serves sequence parallel for SupervisedFinetune \(SFT\) "
+        r"only.*\n  -> set sequence_parallel_size = 1 for this model",
+    ):
         prepare_config(_sp_cfg(2, "DPO"))
 
 
@@ -39,11 +42,13 @@ def train_module(monkeypatch):
 
 
 def test_xtuner_flash_attn_check_for_sequence_parallel_is_lifted_when_prepared(
-        train_module, monkeypatch):
+    train_module, monkeypatch
+):
     cfg = Config(dict(sequence_parallel_size=2, model=dict(llm=dict(attn_implementation="sdpa"))))
     monkeypatch.setitem(startup._STATE, "prepared", False)  # the plugin is off: XTuner's check
-    with pytest.raises(AssertionError, match="`flash_attn` is required if you want to use "
-                       "sequence parallel"):
+    with pytest.raises(
+        AssertionError, match="`flash_attn` is required if you want to use sequence parallel"
+    ):
         train_module.check_cfg(cfg, Namespace(deepspeed="zero2.json"))
     monkeypatch.setitem(startup._STATE, "prepared", True)
     train_module.check_cfg(cfg, Namespace(deepspeed="zero2.json"))
@@ -52,9 +57,12 @@ def test_xtuner_flash_attn_check_for_sequence_parallel_is_lifted_when_prepared(
 
 def test_sequence_parallel_without_deepspeed_is_refused_with_the_edit(train_module, monkeypatch):
     monkeypatch.setitem(startup._STATE, "prepared", True)
-    with pytest.raises(ValueError, match=r"(?s)sequence_parallel_size = 2 without DeepSpeed: .*Add "
-                       r"`--deepspeed <json>` to `xtuner train` \(on CPU: "
-                       r"configs/deepspeed/zero2_fp32_cpu.json\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)sequence_parallel_size = 2 without DeepSpeed: .*Add "
+        r"`--deepspeed <json>` to `xtuner train` \(on CPU: "
+        r"configs/deepspeed/zero2_fp32_cpu.json\)",
+    ):
         train_module.check_cfg(_sp_cfg(2), Namespace(deepspeed=None))
 
 
@@ -66,7 +74,10 @@ def test_heads_not_divisible_by_the_size_on_cpu_are_refused(monkeypatch):
     monkeypatch.setattr(sequence_parallel, "sequence_parallel_size", lambda: 2)
     q = torch.zeros(1, 4, 3, 16)  # [b, s/sp, n_h, h_d]: 3 heads, sp 2
     k = v = torch.zeros(1, 4, 1, 16)
-    with pytest.raises(ValueError, match=r"sequence_parallel_size = 2 does not divide the 3 "
-                       r"attention heads: .*refuses CPU tensors .*Set sequence_parallel_size to "
-                       r"a divisor of 3, or train on GPUs"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel_size = 2 does not divide the 3 "
+        r"attention heads: .*refuses CPU tensors .*Set sequence_parallel_size to "
+        r"a divisor of 3, or train on GPUs",
+    ):
         sequence_parallel.sequence_parallel_attention(q, k, v, eager=False)

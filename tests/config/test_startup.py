@@ -59,15 +59,19 @@ def test_stock_full_config_needs_only_fixes(stock, tmp_path):
     cfg = _cfg(stock[FULL], tmp_path)
     findings = inspect_config(cfg)
     assert _conflicts(findings) == []
-    assert _fixes(findings) == ["custom_hooks", "train_dataloader.collate_fn.use_varlen_attn",
-                                "train_dataloader.dataset.type",
-                                "train_dataloader.dataset.use_varlen_attn"]
+    assert _fixes(findings) == [
+        "custom_hooks",
+        "train_dataloader.collate_fn.use_varlen_attn",
+        "train_dataloader.dataset.type",
+        "train_dataloader.dataset.use_varlen_attn",
+    ]
     assert cfg.train_dataloader.dataset.use_varlen_attn is False  # inspect changes nothing
     prepare_config(cfg)
     assert cfg.train_dataloader.dataset.use_varlen_attn is True
     # XTuner's packing drops each map worker's leftover: the lossless builder, visible in a dump
-    assert type_name(dict.get(cfg.train_dataloader.dataset, "type")) == \
-        "lossless_process_hf_dataset"
+    assert (
+        type_name(dict.get(cfg.train_dataloader.dataset, "type")) == "lossless_process_hf_dataset"
+    )
     dumped = tmp_path / "dumped.py"
     cfg.dump(str(dumped))
     name = Config.fromfile(str(dumped)).train_dataloader.dataset.type
@@ -75,8 +79,12 @@ def test_stock_full_config_needs_only_fixes(stock, tmp_path):
     assert BUILDER.get(name) is lossless_process_hf_dataset  # what xtuner train builds from it
     assert cfg.train_dataloader.collate_fn.use_varlen_attn is True
     hooks = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
-    assert hooks[:4] == ["ValidatedRoPEHook", "PackedBatchCheckHook", "PackingMetricsHook",
-                         "NonFiniteTripwireHook"]
+    assert hooks[:4] == [
+        "ValidatedRoPEHook",
+        "PackedBatchCheckHook",
+        "PackingMetricsHook",
+        "NonFiniteTripwireHook",
+    ]
     assert inspect_config(cfg) == []  # prepared once, nothing left
     assert startup.is_prepared()
 
@@ -85,8 +93,12 @@ def test_stock_varlen_switch_works_without_flash_attn(stock, tmp_path):
     cfg = _cfg(stock[VARLEN], tmp_path)
     assert cfg.use_varlen_attn is True
     fixes = prepare_config(cfg)
-    assert [f.setting for f in fixes] == ["use_varlen_attn", "custom_hooks",
-                                          "train_dataloader.dataset.type", "custom_hooks"]
+    assert [f.setting for f in fixes] == [
+        "use_varlen_attn",
+        "custom_hooks",
+        "train_dataloader.dataset.type",
+        "custom_hooks",
+    ]
     assert cfg.use_varlen_attn is False  # what XTuner's check_cfg reads
     assert cfg.model.use_varlen_attn is True and cfg.train_dataloader.dataset.use_varlen_attn
     names = [type_name(dict.get(h, "type")) for h in cfg.custom_hooks]
@@ -97,65 +109,99 @@ def test_xtuner_default_packing_is_seen_when_the_setting_is_omitted(stock, tmp_p
     """process_hf_dataset packs unless told otherwise: a config without the key packs too."""
     cfg = _cfg(stock[FULL], tmp_path, (r"^    pack_to_max_length=pack_to_max_length,\n", ""))
     assert "pack_to_max_length" not in cfg.train_dataloader.dataset
-    assert _fixes(inspect_config(cfg)) == ["custom_hooks",
-                                           "train_dataloader.collate_fn.use_varlen_attn",
-                                           "train_dataloader.dataset.type",
-                                           "train_dataloader.dataset.use_varlen_attn"]
+    assert _fixes(inspect_config(cfg)) == [
+        "custom_hooks",
+        "train_dataloader.collate_fn.use_varlen_attn",
+        "train_dataloader.dataset.type",
+        "train_dataloader.dataset.use_varlen_attn",
+    ]
 
 
 def test_rope_collate_fn_on_xtuner_packed_data_keeps_its_collate(stock, tmp_path):
-    cfg = _cfg(stock[FULL], tmp_path,
-               (r"^from xtuner.dataset.collate_fns import default_collate_fn$",
-                "from xtuner_rope import rope_collate_fn"),
-               (r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
-                "collate_fn=dict(type=rope_collate_fn, max_length=max_length)"),
-               (r"^batch_size = 1 ", "batch_size = 4 "))
-    assert _fixes(inspect_config(cfg)) == ["custom_hooks", "train_dataloader.dataset.type",
-                                           "train_dataloader.dataset.use_varlen_attn"]
+    cfg = _cfg(
+        stock[FULL],
+        tmp_path,
+        (
+            r"^from xtuner.dataset.collate_fns import default_collate_fn$",
+            "from xtuner_rope import rope_collate_fn",
+        ),
+        (
+            r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
+            "collate_fn=dict(type=rope_collate_fn, max_length=max_length)",
+        ),
+        (r"^batch_size = 1 ", "batch_size = 4 "),
+    )
+    assert _fixes(inspect_config(cfg)) == [
+        "custom_hooks",
+        "train_dataloader.dataset.type",
+        "train_dataloader.dataset.use_varlen_attn",
+    ]
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
 def test_amp_on_cpu_is_refused_with_the_edit(stock, tmp_path):
     cfg = Config.fromfile(str(stock[f"{FULL}/shipped"]))
-    with pytest.raises(ConfigConflict, match=r"(?s)1 setting\(s\).*optim_wrapper\.type: "
-                       r"AmpOptimWrapper needs a GPU.*use type=OptimWrapper .*delete its "
-                       r"loss_scale and dtype"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)1 setting\(s\).*optim_wrapper\.type: "
+        r"AmpOptimWrapper needs a GPU.*use type=OptimWrapper .*delete its "
+        r"loss_scale and dtype",
+    ):
         prepare_config(cfg)
 
 
 def test_default_collate_fn_with_packs_and_batch_size_above_one_is_refused(stock, tmp_path):
     cfg = _cfg(stock[FULL], tmp_path, (r"^batch_size = 1 ", "batch_size = 4 "))
-    with pytest.raises(ConfigConflict, match=r"train_dataloader\.collate_fn: packed rows: "
-                       r"XTuner's default_collate_fn keeps document boundaries only at "
-                       r"batch_size=1, got 4\n  -> use collate_fn=dict\(type=rope_collate_fn"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"train_dataloader\.collate_fn: packed rows: "
+        r"XTuner's default_collate_fn keeps document boundaries only at "
+        r"batch_size=1, got 4\n  -> use collate_fn=dict\(type=rope_collate_fn",
+    ):
         prepare_config(cfg)
 
 
 def test_unknown_collate_fn_with_packs_is_refused(stock, tmp_path):
-    cfg = _cfg(stock[FULL], tmp_path,
-               (r"collate_fn=dict\(type=default_collate_fn,", "collate_fn=dict(type='my_collate',"))
-    with pytest.raises(ConfigConflict, match="collate function my_collate is not known to keep "
-                       "document boundaries"):
+    cfg = _cfg(
+        stock[FULL],
+        tmp_path,
+        (r"collate_fn=dict\(type=default_collate_fn,", "collate_fn=dict(type='my_collate',"),
+    )
+    with pytest.raises(
+        ConfigConflict, match="collate function my_collate is not known to keep document boundaries"
+    ):
         prepare_config(cfg)
 
 
 def test_sequence_parallel_is_served_for_sft_and_a_bad_size_is_refused(stock, tmp_path):
-    cfg = _cfg(stock[FULL], tmp_path,
-               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+    cfg = _cfg(
+        stock[FULL], tmp_path, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2")
+    )
     prepare_config(cfg)  # served: models.sequence_parallel (tests/test_sequence_parallel.py)
-    cfg = _cfg(stock[FULL], tmp_path,
-               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0"))
-    with pytest.raises(ConfigConflict, match=r"(?s)sequence_parallel_size: 0 is not a positive "
-                       r"int\n  -> set sequence_parallel_size = 1 \(off\)"):
+    cfg = _cfg(
+        stock[FULL], tmp_path, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0")
+    )
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)sequence_parallel_size: 0 is not a positive "
+        r"int\n  -> set sequence_parallel_size = 1 \(off\)",
+    ):
         prepare_config(cfg)
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
 def test_every_conflict_is_listed_at_once(stock, tmp_path):
-    cfg = _cfg(stock[f"{FULL}/shipped"], tmp_path, (r"^batch_size = 1 ", "batch_size = 2 "),
-               (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0"))
-    with pytest.raises(ConfigConflict, match=r"(?s)3 setting\(s\).*1\. train_dataloader"
-                       r".*2\. optim_wrapper.*3\. sequence_parallel_size") as err:
+    cfg = _cfg(
+        stock[f"{FULL}/shipped"],
+        tmp_path,
+        (r"^batch_size = 1 ", "batch_size = 2 "),
+        (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 0"),
+    )
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)3 setting\(s\).*1\. train_dataloader"
+        r".*2\. optim_wrapper.*3\. sequence_parallel_size",
+    ) as err:
         prepare_config(cfg)
     assert "custom_hooks" not in str(err.value)  # fixes are not conflicts
 
@@ -163,8 +209,11 @@ def test_every_conflict_is_listed_at_once(stock, tmp_path):
 def test_a_config_not_prepared_at_start_up_is_refused_by_the_hook(stock, monkeypatch):
     cfg = Config.fromfile(str(stock[FULL]))
     monkeypatch.setitem(startup._STATE, "prepared", False)
-    with pytest.raises(ConfigConflict, match=r"(?s)ValidatedRoPEHook: xtuner-rope was loaded after "
-                       r"XTuner built the model.*model_resource = dict\(fn=enable_xtuner_rope\)"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)ValidatedRoPEHook: xtuner-rope was loaded after "
+        r"XTuner built the model.*model_resource = dict\(fn=enable_xtuner_rope\)",
+    ):
         startup.require_prepared(cfg, "ValidatedRoPEHook")
     startup.require_prepared(Config(dict(a=1)), "ValidatedRoPEHook")  # built in code: not judged
     monkeypatch.setitem(startup._STATE, "prepared", True)
@@ -172,8 +221,9 @@ def test_a_config_not_prepared_at_start_up_is_refused_by_the_hook(stock, monkeyp
 
 
 def test_enable_xtuner_rope_outside_xtuner_train_returns_the_path():
-    assert startup.enable_xtuner_rope("internlm/internlm2-chat-1_8b") == \
-        "internlm/internlm2-chat-1_8b"
+    assert (
+        startup.enable_xtuner_rope("internlm/internlm2-chat-1_8b") == "internlm/internlm2-chat-1_8b"
+    )
 
 
 def test_xtuner_set_model_resource_prepares_the_config(stock, tmp_path, monkeypatch):
@@ -191,6 +241,9 @@ def test_boundaries_that_reach_the_model_name_the_missing_hook():
     from xtuner.model.sft import SupervisedFinetune
 
     data = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cumulative_len": [None]}
-    with pytest.raises(ValueError, match=r"(?s)reached the model with 'cumulative_len' still in it"
-                       r".*model_resource = dict\(fn=enable_xtuner_rope\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)reached the model with 'cumulative_len' still in it"
+        r".*model_resource = dict\(fn=enable_xtuner_rope\)",
+    ):
         SupervisedFinetune.forward(None, data)

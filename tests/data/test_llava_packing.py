@@ -39,12 +39,23 @@ def models(tmp_path_factory):
     llm = sc.tiny_with_remote_code(root / "tiny-internlm2-remote")
     clip = save_tiny_clip(root / "tiny-clip")
     torch.manual_seed(0)
-    model = LLaVAModel(
-        llm=ConfigDict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=str(llm),
-                 trust_remote_code=True, torch_dtype=torch.float32),
-        visual_encoder=ConfigDict(type=CLIPVisionModel.from_pretrained,
-                            pretrained_model_name_or_path=str(clip)),
-        freeze_llm=True, freeze_visual_encoder=True).float().eval()
+    model = (
+        LLaVAModel(
+            llm=ConfigDict(
+                type=AutoModelForCausalLM.from_pretrained,
+                pretrained_model_name_or_path=str(llm),
+                trust_remote_code=True,
+                torch_dtype=torch.float32,
+            ),
+            visual_encoder=ConfigDict(
+                type=CLIPVisionModel.from_pretrained, pretrained_model_name_or_path=str(clip)
+            ),
+            freeze_llm=True,
+            freeze_visual_encoder=True,
+        )
+        .float()
+        .eval()
+    )
     reference = copy.deepcopy(model)  # unpatched
     patch_model(model)
     return model, reference
@@ -92,13 +103,13 @@ def _packed_logits(model, batch: dict, isolate: bool) -> torch.Tensor:
 
 
 def _per_sample_diffs(model, reference, items, max_length, isolate=True):
-    batch = llava_collate_fn(items, max_length=max_length, image_tokens=P,
-                             return_hf_format=True)
+    batch = llava_collate_fn(items, max_length=max_length, image_tokens=P, return_hf_format=True)
     lengths = [expanded_length(torch.tensor(x["input_ids"]), P) for x in items]
     plan = plan_packs(lengths, max_length)
     assert batch["input_ids"].shape[0] == len(plan)
     assert len(batch["pixel_values"]) == sum(
-        max(1, sum(IMAGE_TOKEN_INDEX in items[i]["input_ids"] for i in row)) for row in plan)
+        max(1, sum(IMAGE_TOKEN_INDEX in items[i]["input_ids"] for i in row)) for row in plan
+    )
     logits = _packed_logits(model if isolate else reference, batch, isolate)
     diffs = []
     for r, row in enumerate(plan):
@@ -106,16 +117,19 @@ def _per_sample_diffs(model, reference, items, max_length, isolate=True):
         for i in row:
             alone = _alone(reference, items[i])
             assert alone.shape[0] == lengths[i]
-            diffs.append(float((logits[r, col:col + lengths[i]] - alone).abs().max()))
+            diffs.append(float((logits[r, col : col + lengths[i]] - alone).abs().max()))
             col += lengths[i]
     return plan, diffs
 
 
-@pytest.mark.parametrize("picked,max_length,rows", [
-    (slice(None), 400, 1),  # image and text-only samples, one row
-    (slice(None), 100, 3),  # several rows, each with an image
-    (slice(1, None, 2), 400, 1),  # text-only samples: the row takes one (ignored) image
-])
+@pytest.mark.parametrize(
+    "picked,max_length,rows",
+    [
+        (slice(None), 400, 1),  # image and text-only samples, one row
+        (slice(None), 100, 3),  # several rows, each with an image
+        (slice(1, None, 2), 400, 1),  # text-only samples: the row takes one (ignored) image
+    ],
+)
 def test_packed_llava_samples_equal_each_alone(models, picked, max_length, rows):
     model, reference = models
     items = _samples(8, seed=1)[picked]
@@ -130,34 +144,50 @@ def test_packed_llava_samples_equal_each_alone(models, picked, max_length, rows)
 
 def test_packed_llava_rows_on_an_unpatched_model_are_refused(models):
     _, reference = models
-    batch = llava_collate_fn(_samples(4, seed=3), max_length=400, image_tokens=P,
-                             return_hf_format=True)
+    batch = llava_collate_fn(
+        _samples(4, seed=3), max_length=400, image_tokens=P, return_hf_format=True
+    )
     hook, runner = PackedBatchCheckHook(), SimpleNamespace(model=reference)
     hook.before_val(runner)
-    with pytest.raises(ValueError, match=r"batch row 0 packs 4 segments, but the model's "
-                       r"attention does not isolate documents"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch row 0 packs 4 segments, but the model's "
+        r"attention does not isolate documents",
+    ):
         hook.before_val_iter(runner, 0, {"data": batch, "data_samples": None})
 
 
 def test_llava_collate_refuses_bad_input():
     items = _samples(2, seed=2)
-    with pytest.raises(ValueError, match=r"sample 0: \d+ tokens after its image placeholder "
-                       r"became 16 patch embeddings, over max_length=10"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0: \d+ tokens after its image placeholder "
+        r"became 16 patch embeddings, over max_length=10",
+    ):
         llava_collate_fn(items, max_length=10, image_tokens=P)
     with pytest.raises(ValueError, match=r"option image_tokens: expected an int >= 1, got 0"):
         llava_collate_fn(items, max_length=100, image_tokens=0)
-    two = dict(items[0], input_ids=[5, IMAGE_TOKEN_INDEX, IMAGE_TOKEN_INDEX, 6],
-               labels=[-100] * 4)
-    with pytest.raises(ValueError, match=r"sample 0, field 'input_ids': expected at most one "
-                       r"image placeholder \(-200\)"):
+    two = dict(items[0], input_ids=[5, IMAGE_TOKEN_INDEX, IMAGE_TOKEN_INDEX, 6], labels=[-100] * 4)
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0, field 'input_ids': expected at most one "
+        r"image placeholder \(-200\)",
+    ):
         llava_collate_fn([two], max_length=100, image_tokens=P)
     silent = [dict(x, labels=[-100] * len(x["input_ids"])) for x in items]
     with pytest.raises(ValueError, match=r"all 2 samples of the batch have no supervised label"):
         llava_collate_fn(silent, max_length=100, image_tokens=P)
-    assert llava_collate_fn(silent[:1] + items[1:], max_length=100, image_tokens=P,
-                            return_hf_format=True)["num_unsupervised"] == 1
-    with pytest.raises(TypeError, match=r"sample 0: expected a dict with input_ids, labels and "
-                       r"pixel_values"):
+    assert (
+        llava_collate_fn(
+            silent[:1] + items[1:], max_length=100, image_tokens=P, return_hf_format=True
+        )["num_unsupervised"]
+        == 1
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"sample 0: expected a dict with input_ids, labels and "
+        r"pixel_values",
+    ):
         llava_collate_fn([{"input_ids": [1], "labels": [1]}], max_length=100, image_tokens=P)
 
 
@@ -168,13 +198,20 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
 
     text = (sc.REPO / "configs" / "tiny_llava_internlm2_short_dialogues.py").read_text()
-    text = sc.sub_once(text, r"collate_fn=dict\(type=default_collate_fn\)",
-                       "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)")
-    text = sc.sub_once(text, r"^(from xtuner_rope.demo.resources import tiny_llava\n)",
-                       r"\g<1>from xtuner_rope import llava_collate_fn\nfrom "
-                       "xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
-    text = sc.sub_once(text, r"^(custom_hooks = \[)$",
-                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    text = sc.sub_once(
+        text,
+        r"collate_fn=dict\(type=default_collate_fn\)",
+        "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)",
+    )
+    text = sc.sub_once(
+        text,
+        r"^(from xtuner_rope.demo.resources import tiny_llava\n)",
+        r"\g<1>from xtuner_rope import llava_collate_fn\nfrom "
+        "xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n",
+    )
+    text = sc.sub_once(
+        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),"
+    )
     config = tmp_path / "tiny_llava_packed.py"
     config.write_text(sc.sub_once(text, r"^max_epochs = 3$", "max_epochs = 1"))
     proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
@@ -186,8 +223,10 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     assert saved["inputs_embeds"].shape[0] == 1 and result["samples"] == 4, result  # one row
     assert result["max_abs_diff"] <= 1e-5, result
     assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
-    print(f"packed LLaVA run: {result['samples']} samples in 1 row, max |trained - alone| "
-          f"{result['max_abs_diff']:.3g}")
+    print(
+        f"packed LLaVA run: {result['samples']} samples in 1 row, max |trained - alone| "
+        f"{result['max_abs_diff']:.3g}"
+    )
 
 
 def test_expanded_boundaries_refuse_what_the_expansion_cannot_keep_apart():
@@ -200,15 +239,22 @@ def test_expanded_boundaries_refuse_what_the_expansion_cannot_keep_apart():
     ids = torch.tensor([5, IMAGE_TOKEN_INDEX, 6, 7, 0, 0])
     mask = torch.tensor([True, True, True, True, False, False])
     assert expand_row_boundaries(ids, mask, torch.tensor([0, 3, 4, 6]), P) == [3 + P - 1, 1]
-    with pytest.raises(ValueError, match=r"segment \[3, 6\) has 1 real tokens of 3: expected a "
-                       r"sample or padding, not both"):
+    with pytest.raises(
+        ValueError,
+        match=r"segment \[3, 6\) has 1 real tokens of 3: expected a "
+        r"sample or padding, not both",
+    ):
         expand_row_boundaries(ids, mask, torch.tensor([0, 3, 6]), P)
-    MessageHub.get_instance(VARLEN_HUB).update_info(CUMULATIVE_KEY.format(rank=0),
-                                                    torch.tensor([0, 3, 4, 6]))
+    MessageHub.get_instance(VARLEN_HUB).update_info(
+        CUMULATIVE_KEY.format(rank=0), torch.tensor([0, 3, 4, 6])
+    )
     out = {"inputs_embeds": torch.zeros(1, 10, 8), "attention_mask": torch.ones(1, 10).bool()}
     try:
-        with pytest.raises(ValueError, match=r"row 0, field 'cumulative_len': expected 19 tokens "
-                           r"after the expansion \(segments \[18, 1\]\), got 10 in XTuner's"):
+        with pytest.raises(
+            ValueError,
+            match=r"row 0, field 'cumulative_len': expected 19 tokens "
+            r"after the expansion \(segments \[18, 1\]\), got 10 in XTuner's",
+        ):
             restart_after_expansion(out, ids[None], mask[None], P)
     finally:
         PackedBatchCheckHook._reset()

@@ -24,20 +24,40 @@ FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 
 def _dialogues(lengths, seed: int = 0) -> Dataset:
     rng = np.random.default_rng(seed)
-    return Dataset.from_list([{"input_ids": rng.integers(0, 500, n).tolist(),
-                               "labels": rng.integers(-100, 500, n).tolist()} for n in lengths])
+    return Dataset.from_list(
+        [
+            {
+                "input_ids": rng.integers(0, 500, n).tolist(),
+                "labels": rng.integers(-100, 500, n).tolist(),
+            }
+            for n in lengths
+        ]
+    )
 
 
 def _xtuner_one_stream(dataset: Dataset, max_length: int, varlen: bool) -> Dataset:
     """XTuner's Packer over the whole dataset in one process (its map batches of 1000)."""
-    return dataset.map(Packer(max_length, use_varlen_attn=varlen), batched=True, num_proc=1,
-                       remove_columns=dataset.column_names)
+    return dataset.map(
+        Packer(max_length, use_varlen_attn=varlen),
+        batched=True,
+        num_proc=1,
+        remove_columns=dataset.column_names,
+    )
 
 
 @pytest.mark.parametrize("varlen", [True, False])
-@pytest.mark.parametrize("n, max_length, seed", [
-    (1, 7, 0), (37, 1, 1), (999, 64, 2), (1000, 50, 3), (2345, 97, 4), (3001, 4096, 5),
-    (2500, 3, 6)])
+@pytest.mark.parametrize(
+    "n, max_length, seed",
+    [
+        (1, 7, 0),
+        (37, 1, 1),
+        (999, 64, 2),
+        (1000, 50, 3),
+        (2345, 97, 4),
+        (3001, 4096, 5),
+        (2500, 3, 6),
+    ],
+)
 def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, seed, varlen):
     lengths = np.random.default_rng(seed).integers(1, 90, n)
     data = _dialogues(lengths, seed)
@@ -46,7 +66,7 @@ def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, see
     assert ours.column_names == ref.column_names
     assert ours.features == ref.features
     for column in ref.column_names:
-        assert ours[column][:len(ref)] == ref[column], column
+        assert ours[column][: len(ref)] == ref[column], column
     kept = sum(map(len, ours["input_ids"]))
     assert kept == lengths.sum()
     assert len(ours) - len(ref) == (1 if kept > sum(map(len, ref["input_ids"])) else 0)
@@ -66,14 +86,20 @@ def test_where_xtuner_loses_nothing_the_packs_are_the_same():
 
 def test_plan_of_nothing_and_bad_max_length():
     assert pack_plan(np.zeros(0, dtype=np.int64), 8).tolist() == [0]
-    with pytest.raises(ValueError, match=r"max_length must be a positive integer, got 0; set "
-                                         r"max_length in PART 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_length must be a positive integer, got 0; set "
+        r"max_length in PART 1",
+    ):
         pack_plan(np.array([3, 4]), 0)
 
 
 def test_untokenized_dataset_is_refused_with_its_columns():
-    with pytest.raises(ValueError, match=r"no column\(s\) \['labels'\] \(columns: "
-                                         r"\['input_ids'\]\); pack_to_max_length needs tokenized"):
+    with pytest.raises(
+        ValueError,
+        match=r"no column\(s\) \['labels'\] \(columns: "
+        r"\['input_ids'\]\); pack_to_max_length needs tokenized",
+    ):
         pack_dataset(Dataset.from_dict({"input_ids": [[1, 2]]}), 8, True, False, 1)
 
 
@@ -97,8 +123,10 @@ def _build(path: Path, plugin: bool, pack: bool = True) -> tuple[np.ndarray, np.
             if finding.fix is not None:
                 finding.fix()
     dataset = BUILDER.build(cfg.train_dataloader.dataset)
-    return tuple(np.concatenate([np.asarray(r, dtype=np.int64) for r in dataset[column]])
-                 for column in ("input_ids", "labels"))
+    return tuple(
+        np.concatenate([np.asarray(r, dtype=np.int64) for r in dataset[column]])
+        for column in ("input_ids", "labels")
+    )
 
 
 def _histogram(values: np.ndarray) -> np.ndarray:
@@ -114,12 +142,15 @@ def test_stock_alpaca_dataset_keeps_every_token_and_label(tmp_path):
     xtuner_tokens, xtuner_labels = _build(path, plugin=False)
     ours_tokens, ours_labels = _build(path, plugin=True)
     assert xtuner_hf.pack_dataset.__module__ == "xtuner.dataset.huggingface"  # restored
-    print(f"unpacked {len(tokens)} tokens / {(labels != -100).sum()} labels; XTuner packed "
-          f"{len(xtuner_tokens)} / {(xtuner_labels != -100).sum()}; lossless "
-          f"{len(ours_tokens)} / {(ours_labels != -100).sum()}")
+    print(
+        f"unpacked {len(tokens)} tokens / {(labels != -100).sum()} labels; XTuner packed "
+        f"{len(xtuner_tokens)} / {(xtuner_labels != -100).sum()}; lossless "
+        f"{len(ours_tokens)} / {(ours_labels != -100).sum()}"
+    )
     assert len(xtuner_tokens) < 0.9 * len(tokens)  # XTuner alone loses them
     assert (xtuner_labels != -100).sum() < (labels != -100).sum()
     # Every token id and every supervised label, as many times as in the unpacked dataset.
-    np.testing.assert_array_equal(np.bincount(ours_tokens, minlength=100_000),
-                                  np.bincount(tokens, minlength=100_000))
+    np.testing.assert_array_equal(
+        np.bincount(ours_tokens, minlength=100_000), np.bincount(tokens, minlength=100_000)
+    )
     np.testing.assert_array_equal(_histogram(ours_labels), _histogram(labels))

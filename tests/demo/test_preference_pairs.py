@@ -22,7 +22,8 @@ def test_committed_pairs_regenerate_byte_for_byte(dialogues, tmp_path):
     out = tmp_path / "pairs.jsonl"
     write_pairs(preference_pairs(dialogues, committed.count(b"\n")), str(out))
     assert out.read_bytes() == committed, (
-        "data/preference_pairs.jsonl is stale: run `python tools/make_preference_data.py`")
+        "data/preference_pairs.jsonl is stale: run `python tools/make_preference_data.py`"
+    )
     assert len(committed) < 200_000 and b"\r" not in committed
 
 
@@ -43,11 +44,23 @@ def test_pairs_share_the_prompt_and_differ_in_the_answer():
 
 
 def test_too_few_dialogues_is_refused(dialogues):
-    with pytest.raises(ValueError, match=r"preference_pairs: 5 pairs need 6 dialogues, got 5; "
-                                         r"pass fewer pairs or more dialogues"):
+    with pytest.raises(
+        ValueError,
+        match=r"preference_pairs: 5 pairs need 6 dialogues, got 5; "
+        r"pass fewer pairs or more dialogues",
+    ):
         preference_pairs(dialogues[:5], 5)
-    same = [{"messages": [{"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": "Hello!"}]}] * 3
-    with pytest.raises(ValueError, match=r"preference_pairs: no reply after dialogue 0 differs "
-                                         r"from its own \('Hello!'\); pass more dialogues"):
+    same = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"},
+            ]
+        }
+    ] * 3
+    with pytest.raises(
+        ValueError,
+        match=r"preference_pairs: no reply after dialogue 0 differs "
+        r"from its own \('Hello!'\); pass more dialogues",
+    ):
         preference_pairs(same, 2)

@@ -94,8 +94,12 @@ def test_shapes_of_real_data(dialogues):
 # Computed answers must be true: check every "a op b = c" the generator wrote.
 _EQUATION = re.compile(r"(-?\d+) ([-+x/]) (\d+) = (-?\d+)")
 _CELSIUS = re.compile(r"(-?\d+) x 9/5 = (-?\d+), plus 32 is (-?\d+)")
-_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "x": lambda a, b: a * b,
-        "/": lambda a, b: a / b}
+_OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "x": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+}
 
 
 def test_equations_are_correct(dialogues):
@@ -118,8 +122,16 @@ def test_short_arithmetic_answers_are_correct(dialogues):
             m = re.search(r"(\d+) ?(plus|minus|times|divided by|[-+*/]) ?(\d+)", user["content"])
             if m and re.fullmatch(r"-?\d+\.", reply["content"]) and "box" not in user["content"]:
                 a, op, b = int(m[1]), m[2], int(m[3])
-                expected = {"plus": a + b, "+": a + b, "minus": a - b, "-": a - b, "times": a * b,
-                            "*": a * b, "divided by": a // b, "/": a // b}[op]
+                expected = {
+                    "plus": a + b,
+                    "+": a + b,
+                    "minus": a - b,
+                    "-": a - b,
+                    "times": a * b,
+                    "*": a * b,
+                    "divided by": a // b,
+                    "/": a // b,
+                }[op]
                 assert int(reply["content"][:-1]) == expected, (user, reply)
                 checked += 1
     assert checked >= 20

@@ -69,8 +69,9 @@ def test_loads_offline_through_auto_classes_as_xtuners_internlm2(tiny_dir):
 def test_model_resource_builds_when_missing(tmp_path, tiny_dir):
     path = str(tmp_path / "tiny")
     assert tiny_checkpoint(path, data_path=str(SAMPLE_DATA)) == path
-    assert filecmp.cmp(tmp_path / "tiny" / "model.safetensors", tiny_dir / "model.safetensors",
-                       shallow=False)
+    assert filecmp.cmp(
+        tmp_path / "tiny" / "model.safetensors", tiny_dir / "model.safetensors", shallow=False
+    )
     assert tiny_checkpoint(path, data_path="does-not-exist.jsonl") == path  # present: no rebuild
 
 
@@ -82,8 +83,13 @@ def test_local_checkpoint_explains_a_missing_path(tmp_path, tiny_dir):
 
 def _tool(tmp_path: Path, script: str, *args: str) -> str:
     """Run ``tools/<script>`` from ``tmp_path``, far from the repository root."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / script), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -92,21 +98,36 @@ def _tool(tmp_path: Path, script: str, *args: str) -> str:
 def test_make_tiny_builds_every_family_from_any_directory(tmp_path, tiny_dir, monkeypatch):
     # The old command, run elsewhere, with the package's default data: the same checkpoint.
     assert "tiny internlm2 written to internlm2" in _tool(
-        tmp_path, "make_tiny_internlm2.py", "--out", "internlm2")
+        tmp_path, "make_tiny_internlm2.py", "--out", "internlm2"
+    )
     files = sorted(p.name for p in tiny_dir.iterdir())
     assert not filecmp.cmpfiles(tiny_dir, tmp_path / "internlm2", files, shallow=False)[1]
     assert "tiny mistral written to mistral" in _tool(
-        tmp_path, "make_tiny.py", "--family", "mistral", "--out", "mistral")
+        tmp_path, "make_tiny.py", "--family", "mistral", "--out", "mistral"
+    )
     monkeypatch.chdir(tmp_path)
     for family in ("llama", "qwen2"):
         save_tiny(family, family)
-    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, "llama", "qwen2", "mistral"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, "llama", "qwen2", "mistral"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert loaded == {name: [cls, 1024, 1024, 2, 64, True, False] for name, cls in (
-        ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-        ("mistral", "MistralForCausalLM"))}
-    with pytest.raises(ValueError, match=r"family 'gpt2' is not one of internlm2, llama, "
-                                         r"qwen2, mistral"):
+    assert loaded == {
+        name: [cls, 1024, 1024, 2, 64, True, False]
+        for name, cls in (
+            ("llama", "LlamaForCausalLM"),
+            ("qwen2", "Qwen2ForCausalLM"),
+            ("mistral", "MistralForCausalLM"),
+        )
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"family 'gpt2' is not one of internlm2, llama, "
+        r"qwen2, mistral",
+    ):
         save_tiny(tmp_path / "gpt2", "gpt2")

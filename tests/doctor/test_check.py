@@ -40,8 +40,9 @@ def _isolated(report: dict) -> None:
     batch = report["batches"][0]
     assert batch["documents"] > batch["rows"], batch  # really packed
     assert batch["labels"]["packed"] == batch["labels"]["documents"]
-    assert all(d["max_abs_diff"] <= tol["logits"] * max(1, d["max_abs_logit"])
-               for d in batch["logits"]), batch["logits"]
+    assert all(
+        d["max_abs_diff"] <= tol["logits"] * max(1, d["max_abs_logit"]) for d in batch["logits"]
+    ), batch["logits"]
     loss = batch["loss"]
     assert abs(loss["packed"] - loss["documents"]) <= tol["loss"] * max(1, loss["documents"])
     assert report["grads"]["max_abs_diff"] <= tol["grads"] * report["grads"]["max_abs_grad"]
@@ -53,9 +54,14 @@ def _isolated(report: dict) -> None:
 
 def test_tiny_internlm2_recipe_passes_through_console_script(tmp_path):
     script = Path(sys.executable).parent / "xtuner-rope"
-    proc = subprocess.run([str(script), "check", str(INTERNLM2), "--out", str(tmp_path)],
-                          cwd=REPO, env=sc.venv_env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [str(script), "check", str(INTERNLM2), "--out", str(tmp_path)],
+        cwd=REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS: each packed document gets the logits, loss and gradients" in proc.stdout
     assert "packed backend sdpa" in proc.stdout
@@ -80,8 +86,9 @@ def test_tiny_qwen2_recipe_passes(tmp_path, monkeypatch, capsys):
 def test_hook_free_run_fails_with_the_leak(tmp_path, monkeypatch, capsys):
     """The recipe with its hooks removed: nothing patches the model, documents leak."""
     monkeypatch.chdir(REPO)
-    code = main(["check", str(INTERNLM2), "--out", str(tmp_path),
-                 "--cfg-options", "custom_hooks=[]"])
+    code = main(
+        ["check", str(INTERNLM2), "--out", str(tmp_path), "--cfg-options", "custom_hooks=[]"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     report = _report(tmp_path)
@@ -96,8 +103,11 @@ def test_hook_free_run_fails_with_the_leak(tmp_path, monkeypatch, capsys):
 def stock(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("stock")
     sc.ensure_tiny_model()
-    return {"root": root, "alpaca": sc.write_alpaca_data(root / "alpaca"),
-            FULL: sc.copy_stock(FULL, root)}
+    return {
+        "root": root,
+        "alpaca": sc.write_alpaca_data(root / "alpaca"),
+        FULL: sc.copy_stock(FULL, root),
+    }
 
 
 def test_stock_config_without_the_edit_shows_xtuner_packing_leak(stock, tmp_path, capsys):
@@ -126,16 +136,26 @@ def test_conflict_is_printed_with_its_edit(stock, tmp_path, capsys):
     assert not (tmp_path / "out" / "report.json").exists()
 
 
-@pytest.mark.parametrize("cfg, device, expected", [
-    (dict(optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16")), "cpu", torch.float32),
-    (dict(optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16")), "cuda", torch.bfloat16),
-    (dict(optim_wrapper=dict(type="AmpOptimWrapper")), "cuda", torch.float16),
-    (dict(strategy=dict(config=str(REPO / "configs/deepspeed/zero2_bf16.json"))), "cuda",
-     torch.bfloat16),
-    (dict(strategy=dict(config=dict(fp16=dict(enabled=True)))), "cuda", torch.float16),
-    (dict(model=dict(llm=dict(torch_dtype=torch.bfloat16))), "cuda", torch.bfloat16),
-    (dict(), "cuda", torch.float32),
-])
+@pytest.mark.parametrize(
+    "cfg, device, expected",
+    [
+        (dict(optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16")), "cpu", torch.float32),
+        (
+            dict(optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16")),
+            "cuda",
+            torch.bfloat16,
+        ),
+        (dict(optim_wrapper=dict(type="AmpOptimWrapper")), "cuda", torch.float16),
+        (
+            dict(strategy=dict(config=str(REPO / "configs/deepspeed/zero2_bf16.json"))),
+            "cuda",
+            torch.bfloat16,
+        ),
+        (dict(strategy=dict(config=dict(fp16=dict(enabled=True)))), "cuda", torch.float16),
+        (dict(model=dict(llm=dict(torch_dtype=torch.bfloat16))), "cuda", torch.bfloat16),
+        (dict(), "cuda", torch.float32),
+    ],
+)
 def test_train_dtype(cfg, device, expected):
     assert train_dtype(Config(cfg), torch.device(device)) == expected
 
@@ -147,9 +167,13 @@ def test_documents_cut_after_max_documents():
     labels[:, 1:] = 1
     labels[0, 8:] = -100  # row 0: documents 0-3, 3-6, padding 6-10 (no label)
     labels[0, 6:8] = -100
-    data = {"input_ids": ids, "labels": labels, "position_ids": ids * 0,
-            "cumulative_len": [torch.tensor([0, 3, 6, 10]), torch.tensor([0, 4, 10])],
-            "max_seqlen": 6}
+    data = {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": ids * 0,
+        "cumulative_len": [torch.tensor([0, 3, 6, 10]), torch.tensor([0, 4, 10])],
+        "max_seqlen": 6,
+    }
     docs, source = documents(data, None, max_documents=2)
     assert source == "cumulative_len"
     assert docs == [(0, 0, 3), (0, 3, 6), (1, 0, 4), (1, 4, 6)]
@@ -158,10 +182,12 @@ def test_documents_cut_after_max_documents():
 
 
 def test_documents_refuses_a_batch_without_labels():
-    data = {"input_ids": torch.zeros(1, 4, dtype=torch.long),
-            "labels": torch.full((1, 4), -100)}
-    with pytest.raises(ValueError, match=r"first batch has no supervised label: nothing to "
-                                         r"compare.*xtuner-rope doctor"):
+    data = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.full((1, 4), -100)}
+    with pytest.raises(
+        ValueError,
+        match=r"first batch has no supervised label: nothing to "
+        r"compare.*xtuner-rope doctor",
+    ):
         documents(data, None, max_documents=8)
 
 
@@ -174,14 +200,26 @@ def test_unrecorded_packs_that_cannot_be_found_are_refused(stock, tmp_path):
     config = tmp_path / "stock.py"
     config.write_text(sc.localize(stock[FULL], stock["alpaca"]))
     cfg = Config.fromfile(str(config))
-    with pytest.raises(ValueError, match=r"pack 0 differs when the dataset records its "
-                                         r"boundaries.*use_varlen_attn=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"pack 0 differs when the dataset records its "
+        r"boundaries.*use_varlen_attn=True",
+    ):
         _recorded_packs(cfg.train_dataloader.dataset, [{"input_ids": [1, 2, 3]}], 1)
     ids = torch.tensor([[1, 5, 6, 7]])
-    torch.save({"data": {"input_ids": ids, "labels": ids, "attention_mask": ids > 0},
-                "logits": torch.zeros(1, 4, 8), "loss": 0.0}, tmp_path / "capture.pt")
-    with pytest.raises(ValueError, match=r"captured row 0 matches no pack.*"
-                                         r"shuffle_before_pack=False"):
+    torch.save(
+        {
+            "data": {"input_ids": ids, "labels": ids, "attention_mask": ids > 0},
+            "logits": torch.zeros(1, 4, 8),
+            "loss": 0.0,
+        },
+        tmp_path / "capture.pt",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"captured row 0 matches no pack.*"
+        r"shuffle_before_pack=False",
+    ):
         compare_capture(config, tmp_path / "capture.pt")
 
 
@@ -196,8 +234,9 @@ def stock_lora(stock) -> Path:
     return copied
 
 
-def test_stock_lora_with_dropout_passes_and_reports_the_backend_it_ran(stock, stock_lora,
-                                                                        tmp_path, capsys):
+def test_stock_lora_with_dropout_passes_and_reports_the_backend_it_ran(
+    stock, stock_lora, tmp_path, capsys
+):
     """Dropout 0.1 draws different masks for the packed and the per-document passes: the check
     switches it off in both (and says so), so isolated documents pass; the backend it reports
     is the one the patched attention chose in the packed pass, in the layers the model has."""

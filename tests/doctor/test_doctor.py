@@ -50,8 +50,9 @@ def test_tiny_recipe_is_healthy_and_counted_from_the_built_dataset(tiny):
     assert report["dataset"]["samples"] == len(dataset) == rows == 2400
     live = [len(item["input_ids"]) for item in dataset]
     assert lengths == live
-    assert report["lengths"] == {f"p{q}": float(np.percentile(live, q))
-                                 for q in (0, 50, 90, 99, 100)}
+    assert report["lengths"] == {
+        f"p{q}": float(np.percentile(live, q)) for q in (0, 50, 90, 99, 100)
+    }
     assert report["plugin"]["enabled"] and report["findings"]["conflicts"] == []
     assert all(v["count"] == 0 for v in report["samples"].values())
     collate = report["collate"]
@@ -76,8 +77,10 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     config = tmp_path / "tiny_packed.py"
     config.write_text(text, encoding="utf-8")
     report, lengths = diagnose(str(config), progress=False)
-    assert [f["setting"] for f in report["findings"]["fixes"]] == \
-        ["train_dataloader.dataset.use_varlen_attn", "train_dataloader.dataset.type"]
+    assert [f["setting"] for f in report["findings"]["fixes"]] == [
+        "train_dataloader.dataset.use_varlen_attn",
+        "train_dataloader.dataset.type",
+    ]
     # The lengths are the dialogues' (before packing), recomputed from XTuner's own builder.
     unpacked = BUILDER.build(load_config(str(TINY)).train_dataloader.dataset)
     live = [len(item["input_ids"]) for item in unpacked]
@@ -94,9 +97,11 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     # 475 rows, 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
     # it ("end should be larger than begin"): the one problem, with the edit
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
-    assert report["problems"][0].startswith("param_scheduler[0]: LinearLR, begin=0, end=0.03 "
-                                            "epochs, convert_to_iter_based=True, becomes begin=0"
-                                            ", end=0 iterations on this dataset (475 samples")
+    assert report["problems"][0].startswith(
+        "param_scheduler[0]: LinearLR, begin=0, end=0.03 "
+        "epochs, convert_to_iter_based=True, becomes begin=0"
+        ", end=0 iterations on this dataset (475 samples"
+    )
     assert "warmup_ratio * max_epochs >= 0.0333" in report["problems"][0]
     assert text.count("\nmodel_resource = ") == 1
     config.write_text(text.replace("\nmodel_resource = ", "\n_no_model_resource = "))
@@ -106,8 +111,9 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert "unfixed: train_dataloader.dataset.use_varlen_attn" in report["problems"][0]
     lost = report["packing"]["tokens"]["lost"]  # XTuner drops its last leftover
     assert 0 < lost < 512 and report["packing"]["unsupervised_seen"] is None
-    assert any(w.startswith(f"XTuner's offline packing drops {lost} of ")
-               for w in report["warnings"])
+    assert any(
+        w.startswith(f"XTuner's offline packing drops {lost} of ") for w in report["warnings"]
+    )
 
 
 @pytest.mark.slow
@@ -117,15 +123,17 @@ def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_p
     Not shuffled before packing, so that the doctor's packs are the training's whatever
     consumes numpy's global RNG before the dataset is built.
     """
-    text = sc.sub_once(TINY.read_text(), r"^    pack_to_max_length=False,$",
-                       "    pack_to_max_length=True,")
+    text = sc.sub_once(
+        TINY.read_text(), r"^    pack_to_max_length=False,$", "    pack_to_max_length=True,"
+    )
     text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
     config = tmp_path / "tiny_packed.py"
     # 475 rows, 30 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
     config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.1"))
     report, _ = diagnose(str(config), progress=False)
-    proc = sc.xtuner_train(config, tmp_path / "run", "default_hooks.logger.interval=1",
-                           timeout=1800)
+    proc = sc.xtuner_train(
+        config, tmp_path / "run", "default_hooks.logger.interval=1", timeout=1800
+    )
     out = proc.stdout + proc.stderr
     seen = re.findall(r"Iter\(train\) \[ *(\d+)/ *(\d+)\].*unsupervised_seen: ([0-9.]+)", out)
     assert seen and seen[-1][0] == seen[-1][1], out[-3000:]  # the epoch's last iteration
@@ -139,7 +147,8 @@ def test_packing_switched_on_by_an_override_is_refused_as_training_would(in_repo
     assert report["findings"]["fixes"] == [] and report["exit_code"] == 1
     assert report["problems"][0].startswith(
         "conflict: train_dataloader.dataset.use_varlen_attn: set after the start-up ran "
-        "(--cfg-options): process_hf_dataset(pack_to_max_length=True) joins dialogues")
+        "(--cfg-options): process_hf_dataset(pack_to_max_length=True) joins dialogues"
+    )
 
 
 def _dialogue(user: str, reply: str | None, loss: bool = True) -> dict:
@@ -154,21 +163,27 @@ def bad_dialogues(tmp_path_factory):
     """30 sample dialogues with 4 bad ones at source rows 5, 6, 10 and 11."""
     with open(REPO / "data" / "short_dialogues.jsonl", encoding="utf-8") as f:
         good = [json.loads(line) for line, _ in zip(f, range(30))]
-    rows = (good[:5] + [_dialogue("Say nothing.", "")]  # 5: empty reply
-            + [_dialogue("Hello?", None)]  # 6: no assistant turn
-            + good[5:8] + [_dialogue("Tell me about it.", "I like it a lot. " * 300)]  # 10: long
-            + [_dialogue("Shh.", "Not trained on.", loss=False)]  # 11: reply without loss
-            + good[8:])
+    rows = (
+        good[:5]
+        + [_dialogue("Say nothing.", "")]  # 5: empty reply
+        + [_dialogue("Hello?", None)]  # 6: no assistant turn
+        + good[5:8]
+        + [_dialogue("Tell me about it.", "I like it a lot. " * 300)]  # 10: long
+        + [_dialogue("Shh.", "Not trained on.", loss=False)]  # 11: reply without loss
+        + good[8:]
+    )
     path = tmp_path_factory.mktemp("bad") / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
 def test_xtuner_drops_assistant_less_and_loss_free_dialogues_and_truncates_long_ones(
-        in_repo, bad_dialogues):
+    in_repo, bad_dialogues
+):
     report, lengths = diagnose(str(TINY), {DATA_FILE: str(bad_dialogues)}, progress=False)
-    dataset = BUILDER.build(load_config(str(TINY), {DATA_FILE: str(bad_dialogues)})
-                            .train_dataloader.dataset)
+    dataset = BUILDER.build(
+        load_config(str(TINY), {DATA_FILE: str(bad_dialogues)}).train_dataloader.dataset
+    )
     assert report["dataset"]["source_rows"] == 34
     assert report["dataset"]["samples"] == len(dataset) == 32  # rows 6 and 11 dropped
     assert report["dataset"]["dropped_by_dataset"] == 2
@@ -215,8 +230,11 @@ TOKENIZED = [
     {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
     {"input_ids": [1, 2, 3], "labels": [1, -100, -100]},  # 1: only the never-used first label
     {"input_ids": [4, 5], "labels": [-100, -100]},  # 2: unsupervised; batch 1 = samples 2, 3
-    {"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, -100],
-     "cumulative_len": [0, 2, 4]},  # 3: packed, the only label is a document's first
+    {
+        "input_ids": [4, 5, 6, 7],
+        "labels": [-100, -100, 6, -100],
+        "cumulative_len": [0, 2, 4],
+    },  # 3: packed, the only label is a document's first
     {"input_ids": [], "labels": []},  # 4: empty
     {"input_ids": [1, 2, 3], "labels": [-100, 2]},  # 5: length mismatch
     {"input_ids": list(range(1, 11)), "labels": list(range(1, 11))},  # 6: over max_length=8
@@ -235,13 +253,22 @@ def _small_config(tmp_path: Path, rows: list[dict]) -> Path:
 def test_each_kind_of_bad_tokenized_sample_is_found(tmp_path):
     report, _ = diagnose(str(_small_config(tmp_path, TOKENIZED)), progress=False)
     found = {k: (v["count"], v["first_indices"]) for k, v in report["samples"].items()}
-    assert found == {"empty": (1, [4]), "unsupervised": (3, [1, 2, 3]), "over_long": (1, [6]),
-                     "truncated": (0, []), "length_mismatch": (1, [5])}
+    assert found == {
+        "empty": (1, [4]),
+        "unsupervised": (3, [1, 2, 3]),
+        "over_long": (1, [6]),
+        "truncated": (0, []),
+        "length_mismatch": (1, [5]),
+    }
     assert report["dataset"]["documents"] == 9  # 3 and 7 hold two documents, 4 none
     assert report["collate"]["unsupervised_batches"] == {"count": 1, "first_indices": [1]}
     assert report["exit_code"] == 1
-    for words in ("empty samples", "max_length=8", "len(labels) != len(input_ids)",
-                  "without any supervised label"):
+    for words in (
+        "empty samples",
+        "max_length=8",
+        "len(labels) != len(input_ids)",
+        "without any supervised label",
+    ):
         assert any(words in p for p in report["problems"]), words
     assert any("without a supervised label" in w for w in report["warnings"])
 
@@ -249,8 +276,7 @@ def test_each_kind_of_bad_tokenized_sample_is_found(tmp_path):
 GOOD = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 5
 
 
-def test_clean_small_config_passes_and_conflicts_fail_with_the_setting_named(tmp_path,
-                                                                            monkeypatch):
+def test_clean_small_config_passes_and_conflicts_fail_with_the_setting_named(tmp_path, monkeypatch):
     monkeypatch.setitem(startup._STATE, "prepared", False)
     config = str(_small_config(tmp_path, GOOD))
     report, _ = diagnose(config, progress=False)
@@ -291,9 +317,23 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-m", "xtuner_rope.cli", "doctor",
-                          str(_small_config(bad, TOKENIZED)), "--out", str(bad / "out"),
-                          "--batches", "3"], capture_output=True, text=True, env=env, cwd=REPO)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "xtuner_rope.cli",
+            "doctor",
+            str(_small_config(bad, TOKENIZED)),
+            "--out",
+            str(bad / "out"),
+            "--batches",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "FAIL: training would fail" in run.stdout
     assert json.loads((bad / "out" / "report.json").read_text())["collate"]["batches"] == 3
@@ -302,8 +342,11 @@ def test_cli_exit_codes_and_outputs(tmp_path):
 def test_setup_cfg_declares_the_console_script():
     parser = configparser.ConfigParser()
     parser.read(REPO / "setup.cfg")
-    scripts = [line for line in parser["options.entry_points"]["console_scripts"].splitlines()
-               if line.strip()]
+    scripts = [
+        line
+        for line in parser["options.entry_points"]["console_scripts"].splitlines()
+        if line.strip()
+    ]
     assert scripts == ["xtuner-rope = xtuner_rope.cli:main"]
     module, attr = scripts[0].split("=")[1].strip().split(":")
     assert getattr(importlib.import_module(module), attr) is main

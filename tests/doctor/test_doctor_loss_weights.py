@@ -34,8 +34,7 @@ def test_one_micro_batch_per_step_changes_nothing():
 
 def test_packed_rows_count_their_dialogues():
     rows = [{"cumulative_len": [0, 5, 9, 20]}, {"cumulative_len": [0, 7]}, {}]
-    figures = dataset_loss_weights(rows, [10, 40, 10], batch_size=1, accumulation=3,
-                                   max_batches=10)
+    figures = dataset_loss_weights(rows, [10, 40, 10], batch_size=1, accumulation=3, max_batches=10)
     # N = 60, a = 3: factors 2, 0.5, 2; the 3 dialogues of row 0 and the one of row 2 changed
     # by exactly 2x (not more).
     assert figures["max_over_min"] == pytest.approx(4.0)

@@ -40,14 +40,18 @@ def _recount(dialogues: Dataset, packed: Dataset) -> dict:
     unsupervised = 0
     for labels, bounds in zip(packed["labels"], packed["cumulative_len"]):
         for a, b in zip(bounds[:-1], bounds[1:]):
-            unsupervised += all(x == -100 for x in labels[a + 1:b])
+            unsupervised += all(x == -100 for x in labels[a + 1 : b])
     return {"cut_dialogues": cut, "unsupervised_seen": unsupervised}
 
 
 def _training_count(packed: Dataset) -> int:
     """``unsupervised_seen`` after one epoch, one row per batch, as the training hook sums it."""
-    return sum(batch_stats(default_collate_fn([packed[i]], use_varlen_attn=True)["data"])
-               .unsupervised_documents for i in range(len(packed)))
+    return sum(
+        batch_stats(
+            default_collate_fn([packed[i]], use_varlen_attn=True)["data"]
+        ).unsupervised_documents
+        for i in range(len(packed))
+    )
 
 
 @pytest.mark.parametrize("n, max_length, seed", [(300, 64, 0), (1200, 97, 1), (50, 1024, 2)])

@@ -16,10 +16,22 @@ from xtuner_rope.doctor.schedule import epoch_length, schedule_problems
 def stock_schedule(warmup_ratio: float, max_epochs: int) -> list[dict]:
     """The ``param_scheduler`` of XTuner 0.2.0's stock configs (PART 4)."""
     return [
-        dict(type=LinearLR, start_factor=1e-5, by_epoch=True, begin=0,
-             end=warmup_ratio * max_epochs, convert_to_iter_based=True),
-        dict(type=CosineAnnealingLR, eta_min=0.0, by_epoch=True,
-             begin=warmup_ratio * max_epochs, end=max_epochs, convert_to_iter_based=True),
+        dict(
+            type=LinearLR,
+            start_factor=1e-5,
+            by_epoch=True,
+            begin=0,
+            end=warmup_ratio * max_epochs,
+            convert_to_iter_based=True,
+        ),
+        dict(
+            type=CosineAnnealingLR,
+            eta_min=0.0,
+            by_epoch=True,
+            begin=warmup_ratio * max_epochs,
+            end=max_epochs,
+            convert_to_iter_based=True,
+        ),
     ]
 
 
@@ -30,19 +42,23 @@ def build_like_runner(schedulers: list[dict], length: int) -> None:
     model = torch.nn.Linear(2, 2)
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
     for scheduler in schedulers:
-        PARAM_SCHEDULERS.build(dict(scheduler),
-                               default_args=dict(optimizer=wrapper, epoch_length=length))
+        PARAM_SCHEDULERS.build(
+            dict(scheduler), default_args=dict(optimizer=wrapper, epoch_length=length)
+        )
 
 
-@pytest.mark.parametrize("samples,batch_size,warmup_ratio,max_epochs", [
-    (6, 1, 0.03, 1),     # the zoo's pretrain row: 6 packs, warm-up 0.18 iterations
-    (33, 1, 0.03, 1),    # 0.99 iterations: still 0
-    (34, 1, 0.03, 1),    # 1.02: 1 iteration, trains
-    (12, 1, 0.03, 3),    # the alpaca configs (3 epochs): 1.08, trains
-    (11, 1, 0.03, 3),    # 0.99: refused
-    (67, 2, 0.03, 1),    # 34 batches of 2 (the last one short): trains
-    (66, 2, 0.03, 1),    # 33 batches: refused
-])
+@pytest.mark.parametrize(
+    "samples,batch_size,warmup_ratio,max_epochs",
+    [
+        (6, 1, 0.03, 1),  # the zoo's pretrain row: 6 packs, warm-up 0.18 iterations
+        (33, 1, 0.03, 1),  # 0.99 iterations: still 0
+        (34, 1, 0.03, 1),  # 1.02: 1 iteration, trains
+        (12, 1, 0.03, 3),  # the alpaca configs (3 epochs): 1.08, trains
+        (11, 1, 0.03, 3),  # 0.99: refused
+        (67, 2, 0.03, 1),  # 34 batches of 2 (the last one short): trains
+        (66, 2, 0.03, 1),  # 33 batches: refused
+    ],
+)
 def test_doctor_predicts_mmengine(samples, batch_size, warmup_ratio, max_epochs):
     schedulers = stock_schedule(warmup_ratio, max_epochs)
     problems = schedule_problems(schedulers, samples, batch_size)
@@ -60,8 +76,7 @@ def test_doctor_predicts_mmengine(samples, batch_size, warmup_ratio, max_epochs)
 def test_iteration_schedules_and_open_ends_are_not_converted():
     assert schedule_problems(None, 1, 1) == []
     assert schedule_problems(dict(type=LinearLR, by_epoch=False, begin=0, end=10), 1, 1) == []
-    assert schedule_problems([dict(type=LinearLR, begin=0, convert_to_iter_based=True)], 1, 1) \
-        == []
+    assert schedule_problems([dict(type=LinearLR, begin=0, convert_to_iter_based=True)], 1, 1) == []
     # not converted: MMEngine keeps epochs (0 < 0.03), nothing to refuse
     assert schedule_problems([dict(type=LinearLR, begin=0, end=0.03)], 1, 1) == []
 

@@ -27,7 +27,7 @@ def _doc(n: int, first: int, supervised_from: int) -> tuple[list[int], list[int]
 def _reference_supervised(labels: list[int], starts: list[int]) -> int:
     """A plain per-document loop: every label but each document's first one."""
     ends = starts[1:] + [len(labels)]
-    return sum(sum(1 for lab in labels[a + 1:b] if lab != -100) for a, b in zip(starts, ends))
+    return sum(sum(1 for lab in labels[a + 1 : b] if lab != -100) for a, b in zip(starts, ends))
 
 
 def test_plain_item_has_one_document_and_its_first_label_never_counts():
@@ -54,8 +54,9 @@ def test_xtuner_packed_rows_follow_the_packers_boundaries(keep):
     # XTuner's last row carries the rest of the third document as a document of its own.
     tail = packer({"input_ids": [], "labels": []})
     rest = {"input_ids": tail["input_ids"][0], "labels": tail["labels"][0]}
-    rest[keep if keep != "both" else "cumulative_len"] = tail[keep if keep != "both"
-                                                              else "cumulative_len"][0]
+    rest[keep if keep != "both" else "cumulative_len"] = tail[
+        keep if keep != "both" else "cumulative_len"
+    ][0]
     assert len(rest["input_ids"]) == 4 and document_starts(rest) == [0]
     assert supervised_count(rest) == 3  # the continuation's first label is lost to the cut
 
@@ -71,8 +72,13 @@ def test_scan_finds_each_kind_at_its_index():
     ]
     scan = scan_samples(items, collate_max_length=5, truncation_length=5, progress=False)
     found = {k: (v.count, v.first_indices) for k, v in scan.issues.items()}
-    assert found == {"empty": (1, [1]), "unsupervised": (1, [2]), "over_long": (1, [4]),
-                     "truncated": (1, [5]), "length_mismatch": (1, [3])}
+    assert found == {
+        "empty": (1, [1]),
+        "unsupervised": (1, [2]),
+        "over_long": (1, [4]),
+        "truncated": (1, [5]),
+        "length_mismatch": (1, [3]),
+    }
     assert scan.lengths == [len(i["input_ids"]) for i in items]
     assert scan.supervised == [_reference_supervised(i["labels"], [0]) for i in items]
 
@@ -92,8 +98,10 @@ def test_percentiles_match_numpy():
 
 
 def _items(lengths):
-    return [{"input_ids": list(range(1, n + 1)), "labels": [-100] + list(range(2, n + 1))}
-            for n in lengths]
+    return [
+        {"input_ids": list(range(1, n + 1)), "labels": [-100] + list(range(2, n + 1))}
+        for n in lengths
+    ]
 
 
 def test_rope_collate_plan_matches_plan_packs_and_padding_to_the_longest():
@@ -101,17 +109,24 @@ def test_rope_collate_plan_matches_plan_packs_and_padding_to_the_longest():
     lengths = [int(x) for x in rng.integers(2, 40, size=37)]
     items = _items(lengths)
     scan = scan_samples(items, collate_max_length=64, truncation_length=None, progress=False)
-    collate = lambda batch: rope_collate_fn(batch, pack=True, max_length=64,  # noqa: E731
-                                            pad_to_multiple_of=8)
+
+    def collate(batch):
+        return rope_collate_fn(
+            batch,
+            pack=True,
+            max_length=64,
+            pad_to_multiple_of=8,
+        )
+
     plan = simulate_collate(items, collate, 8, 200, scan, progress=False)
     rows, config_slots, padded_slots = [], 0, 0
     for start in range(0, len(lengths), 8):
-        batch = lengths[start:start + 8]
+        batch = lengths[start : start + 8]
         packs = plan_packs(batch, 64)
         s = padded_length(max(sum(batch[i] for i in p) for p in packs), pad_to_multiple_of=8)
         rows.append(len(packs))
         config_slots += len(packs) * s
-        padded = default_collate_fn(items[start:start + 8])["data"]["input_ids"]
+        padded = default_collate_fn(items[start : start + 8])["data"]["input_ids"]
         padded_slots += padded.numel()
     assert plan.batches == 5 and plan.rows == rows
     assert (plan.config_slots, plan.padded_slots) == (config_slots, padded_slots)
@@ -124,8 +139,15 @@ def test_rope_collate_plan_matches_plan_packs_and_padding_to_the_longest():
 def test_simulation_stops_after_max_batches_and_records_refused_and_unsupervised_batches():
     items = _items([4, 4, 9, 4]) + [{"input_ids": [1, 2], "labels": [1, -100]}] * 2
     scan = scan_samples(items, collate_max_length=8, truncation_length=None, progress=False)
-    collate = lambda batch: rope_collate_fn(batch, pack=True, max_length=8,  # noqa: E731
-                                            drop_unsupervised=True)
+
+    def collate(batch):
+        return rope_collate_fn(
+            batch,
+            pack=True,
+            max_length=8,
+            drop_unsupervised=True,
+        )
+
     plan = simulate_collate(items, collate, 2, 3, scan, progress=False)
     assert plan.batches == 3
     assert [e["batch"] for e in plan.errors] == [1, 2]  # over-long sample; nothing supervised

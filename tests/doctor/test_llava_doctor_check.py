@@ -34,8 +34,9 @@ def llava(tmp_path_factory) -> dict:
     offline = {}
     for stock in ("finetune", "pretrain"):  # tokenized once (each build would take ~20 s)
         plain = root / f"{stock}_online.py"
-        plain.write_text(lc.localize_llava(assets[stock], assets["llm"], assets["clip"],
-                                           assets["data"]))
+        plain.write_text(
+            lc.localize_llava(assets[stock], assets["llm"], assets["clip"], assets["data"])
+        )
         offline[stock] = lc.save_offline_text(plain, root / f"{stock}_text")
 
     def write(name: str, stock: str, edit: bool = True, packed: bool = False) -> Path:
@@ -46,12 +47,17 @@ def llava(tmp_path_factory) -> dict:
         path.write_text(lc.with_llava_collate(text) if packed else text)
         return path
 
-    return {**assets, "configs": {
-        "finetune": write("finetune", "finetune"),
-        "pretrain_packed": write("pretrain_packed", "pretrain", packed=True),
-        "finetune_packed": write("finetune_packed", "finetune", packed=True),
-        "finetune_packed_no_edit": write("finetune_packed_no_edit", "finetune", edit=False,
-                                         packed=True)}}
+    return {
+        **assets,
+        "configs": {
+            "finetune": write("finetune", "finetune"),
+            "pretrain_packed": write("pretrain_packed", "pretrain", packed=True),
+            "finetune_packed": write("finetune_packed", "finetune", packed=True),
+            "finetune_packed_no_edit": write(
+                "finetune_packed_no_edit", "finetune", edit=False, packed=True
+            ),
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +69,9 @@ def _passes(report: dict) -> None:
     tol = TOLERANCES["float32"]
     assert report["kind"] == "llava" and report["plugin"]["patched"], report["plugin"]
     for batch in report["batches"]:
-        assert all(d["max_abs_diff"] <= tol["logits"] * max(1, d["max_abs_logit"])
-                   for d in batch["logits"]), batch["logits"]
+        assert all(
+            d["max_abs_diff"] <= tol["logits"] * max(1, d["max_abs_logit"]) for d in batch["logits"]
+        ), batch["logits"]
     assert report["grads"]["max_abs_grad"] > 0
     assert report["exit_code"] == 0 and report["problems"] == [], report["problems"]
 
@@ -89,25 +96,30 @@ def test_doctor_counts_each_image_as_the_llm_sees_it(finetune_doctor):
     cfg = Config.fromfile(report["config"])
     dataset = BUILDER.build(cfg.train_dataloader.dataset)
     indices = list(LengthGroupedSampler(dataset, 4, "modality_length", seed=0))
-    batches = [indices[i:i + 4] for i in range(0, 24, 4)]
+    batches = [indices[i : i + 4] for i in range(0, 24, 4)]
     share = sum(lengths) / sum(4 * max(lengths[i] for i in b) for b in batches)
     assert order["sampler"] == "LengthGroupedSampler" and order["padded_share"] == share
 
 
 def test_check_padded_stock_finetune_passes_and_its_expansion_is_the_doctors_count(
-        llava, finetune_doctor, tmp_path):
+    llava, finetune_doctor, tmp_path
+):
     """All 24 samples (6 padded batches of 4) through the real LLaVAModel: each alone has the
     length the doctor counted, and each equals itself in the padded batch."""
-    report = run_check(str(llava["configs"]["finetune"]), batches=6, work_dir=tmp_path,
-                       max_documents=8)
+    report = run_check(
+        str(llava["configs"]["finetune"]), batches=6, work_dir=tmp_path, max_documents=8
+    )
     _passes(report)
     alone = [n for b in report["batches"] for n in b["expansion"]["samples_alone"]]
     assert alone == finetune_doctor[1]  # the doctor's lengths, in dataset order
-    assert all(b["expansion"]["rows_expanded"] == b["expansion"]["rows_predicted"]
-               for b in report["batches"])
+    assert all(
+        b["expansion"]["rows_expanded"] == b["expansion"]["rows_predicted"]
+        for b in report["batches"]
+    )
     assert sum(b["image_samples"] for b in report["batches"]) == 12
-    cut = run_check(str(llava["configs"]["finetune"]), batches=1, work_dir=tmp_path / "cut",
-                    max_documents=2)  # whole rows kept, with the images they take
+    cut = run_check(
+        str(llava["configs"]["finetune"]), batches=1, work_dir=tmp_path / "cut", max_documents=2
+    )  # whole rows kept, with the images they take
     _passes(cut)
     assert cut["batches"][0]["rows"] == cut["batches"][0]["documents"] == 2
     assert cut["batches"][0]["expansion"]["samples_alone"] == finetune_doctor[1][:2]
@@ -141,9 +153,15 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
     assert report["exit_code"] == 0, report["problems"]
     assert c["rows_per_step"]["max"] < 4 and c["config_share"] > c["padded_share"]
     assert c["real_tokens"] == sum(lengths)
-    bad, _ = diagnose(config, {"train_dataloader.collate_fn.image_tokens": 4,
-                               "train_dataloader.dataset.image_folder": "/nonexistent"},
-                      batches=2, progress=False)
+    bad, _ = diagnose(
+        config,
+        {
+            "train_dataloader.collate_fn.image_tokens": 4,
+            "train_dataloader.dataset.image_folder": "/nonexistent",
+        },
+        batches=2,
+        progress=False,
+    )
     assert bad["exit_code"] == 1
     text = "\n".join(bad["problems"])
     assert "train_dataloader.collate_fn.image_tokens=4, but the vision tower gives 16" in text
@@ -157,12 +175,20 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
 def test_llava_problems_name_the_setting(llava):
     from mmengine.config import Config
 
-    figures = {"image_tokens": P, "image_size": 56, "path": "clip", "processor_crop": (64, 64),
-               "collate_image_tokens": None, "many_placeholders": [3],
-               "missing_images": {"count": 0, "first_indices": []},
-               "samples_naming_an_image": 1, "image_source": "clip",
-               "lengths_image_samples": {"p100": 300.0}, "lengths_text_samples": {"p100": 9.0},
-               "llm_max_position": 256}
+    figures = {
+        "image_tokens": P,
+        "image_size": 56,
+        "path": "clip",
+        "processor_crop": (64, 64),
+        "collate_image_tokens": None,
+        "many_placeholders": [3],
+        "missing_images": {"count": 0, "first_indices": []},
+        "samples_naming_an_image": 1,
+        "image_source": "clip",
+        "lengths_image_samples": {"p100": 300.0},
+        "lengths_text_samples": {"p100": 9.0},
+        "llm_max_position": 256,
+    }
     text = "\n".join(llava_problems(figures))
     assert "image_processor: crops images to 64x64, but the vision tower" in text
     assert "samples with more than one <image> placeholder (first: 3)" in text
@@ -170,12 +196,18 @@ def test_llava_problems_name_the_setting(llava):
     cfg = Config.fromfile(str(llava["configs"]["finetune"]))
     assert image_tokens_of(cfg)["image_tokens"] == P
     cfg.model.visual_encoder.pretrained_model_name_or_path = str(llava["llm"])
-    with pytest.raises(ValueError, match=r"model.visual_encoder \(.*\): expected a ViT-style "
-                       r"config with int image_size and patch_size, got image_size=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.visual_encoder \(.*\): expected a ViT-style "
+        r"config with int image_size and patch_size, got image_size=None",
+    ):
         image_tokens_of(cfg)
     cfg.model.visual_encoder.pretrained_model_name_or_path = None
-    with pytest.raises(ValueError, match=r"model.visual_encoder.pretrained_model_name_or_path: "
-                       r"expected the vision tower's path, got none"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.visual_encoder.pretrained_model_name_or_path: "
+        r"expected the vision tower's path, got none",
+    ):
         image_tokens_of(cfg)
 
 
@@ -188,5 +220,7 @@ def test_internvl_is_refused_by_doctor_and_check_before_its_data(tmp_path, capsy
     config.write_text(sc.sub_once(text, r"^(path = .*\n)", r"\g<1>" + sc.PLUGIN_EDIT))
     for command in ("doctor", "check"):
         assert main([command, str(config), "--out", str(tmp_path / command)]) == 1
-        assert "model.type: InternVL_V1_5: xtuner-rope has not been verified" \
+        assert (
+            "model.type: InternVL_V1_5: xtuner-rope has not been verified"
             in capsys.readouterr().out
+        )

@@ -26,8 +26,10 @@ from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
-OLD_EDIT = ("from xtuner_rope.resources import local_checkpoint\n"
-            "model_resource = dict(fn=local_checkpoint)\n")
+OLD_EDIT = (
+    "from xtuner_rope.resources import local_checkpoint\n"
+    "model_resource = dict(fn=local_checkpoint)\n"
+)
 SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=10", "randomness.seed=0")
 PROMPT = "What is 7 plus 5?"
 # Written by `save_pretrained` itself; every other config.json entry must be the base model's.
@@ -49,13 +51,22 @@ print(json.dumps({k: sorted(v) for k, v in info.items() if k != "error_msgs"}))
 
 
 def _run(*cmd: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), cwd=sc.REPO, env=sc.venv_env(), capture_output=True,
-                          text=True, input=stdin, timeout=900)
+    return subprocess.run(
+        list(cmd),
+        cwd=sc.REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=900,
+    )
 
 
 def _short_chat_eval(text: str) -> str:
     """The stock EvaluateChatHook answers in 8 new tokens instead of 600: shorter runs."""
-    return sc.sub_once(text, r"^        system=SYSTEM,$", "        system=SYSTEM,\n        max_new_tokens=8,")
+    return sc.sub_once(
+        text, r"^        system=SYSTEM,$", "        system=SYSTEM,\n        max_new_tokens=8,"
+    )
 
 
 def _train(config: Path, work_dir: Path) -> tuple[Path, str]:
@@ -73,8 +84,11 @@ def _train(config: Path, work_dir: Path) -> tuple[Path, str]:
 def stock(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("journey")
     sc.ensure_tiny_model()
-    return {"root": root, "data": sc.write_alpaca_data(root / "alpaca"),
-            "base": sc.tiny_with_remote_code(root / "tiny-remote-code")}
+    return {
+        "root": root,
+        "data": sc.write_alpaca_data(root / "alpaca"),
+        "base": sc.tiny_with_remote_code(root / "tiny-remote-code"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +97,11 @@ def full_run(stock) -> dict:
     root = stock["root"]
     text = sc.localize(sc.copy_stock(FULL, root), stock["data"], model=stock["base"])
     config = root / "full.py"
-    config.write_text(_short_chat_eval(sc.sub_once(
-        text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + OLD_EDIT)))
+    config.write_text(
+        _short_chat_eval(
+            sc.sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + OLD_EDIT)
+        )
+    )
     pth, out = _train(config, root / "run_full")
     return {"config": config, "pth": pth, "out": out}
 
@@ -117,8 +134,12 @@ def _plain_logits(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, dic
     """Logits of a saved model loaded by plain transformers in a fresh process."""
     ids_file, out = model_dir.parent / "ids.pt", model_dir.parent / f"{model_dir.name}_logits.pt"
     torch.save(ids, ids_file)
-    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(model_dir), str(ids_file),
-                           str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, str(model_dir), str(ids_file), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out), json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -151,8 +172,15 @@ def test_old_import_still_trains_and_warns(full_run):
 def converted(stock, full_run) -> Path:
     """`xtuner-rope convert pth_to_hf` of the full fine-tune, in fp32."""
     save = stock["root"] / "hf_full"
-    proc = _run("xtuner-rope", "convert", "pth_to_hf", str(full_run["config"]),
-                str(full_run["pth"]), str(save), "--fp32")
+    proc = _run(
+        "xtuner-rope",
+        "convert",
+        "pth_to_hf",
+        str(full_run["config"]),
+        str(full_run["pth"]),
+        str(save),
+        "--fp32",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return save
 
@@ -170,8 +198,15 @@ def test_pth_to_hf_round_trip_is_exact(stock, full_run, converted):
 
 def test_lora_convert_merge_round_trip(stock, lora_run):
     adapter, merged = stock["root"] / "hf_adapter", stock["root"] / "hf_merged"
-    proc = _run("xtuner-rope", "convert", "pth_to_hf", str(lora_run["config"]),
-                str(lora_run["pth"]), str(adapter), "--fp32")
+    proc = _run(
+        "xtuner-rope",
+        "convert",
+        "pth_to_hf",
+        str(lora_run["config"]),
+        str(lora_run["pth"]),
+        str(adapter),
+        "--fp32",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (adapter / "adapter_config.json").is_file()
     proc = _run("xtuner-rope", "convert", "merge", str(sc.TINY_MODEL), str(adapter), str(merged))
@@ -182,8 +217,10 @@ def test_lora_convert_merge_round_trip(stock, lora_run):
     assert info == {"missing_keys": [], "mismatched_keys": [], "unexpected_keys": []}
     trained = _trained_logits(lora_run["config"], lora_run["pth"], ids)
     diff = (logits - trained).abs().max().item()
-    print(f"LoRA merge round trip: max |logit diff| {diff:.2e} on logits up to "
-          f"{trained.abs().max():.2f} (merge works in fp16)")
+    print(
+        f"LoRA merge round trip: max |logit diff| {diff:.2e} on logits up to "
+        f"{trained.abs().max():.2f} (merge works in fp16)"
+    )
     # `xtuner convert merge` loads the base in fp16 and saves fp16 weights: the logits carry
     # fp16 rounding (4e-4 on logits up to 0.8 when measured), far below what the adapter
     # changes (0.65 when measured, checked below).
@@ -205,9 +242,19 @@ def test_chat_answers_greedy_like_generate(converted):
     model_dir = converted
     # No prompt template: the 10-iteration model answers a templated question with "." and
     # <|im_end|>; a raw prompt makes it continue for all 16 tokens, a longer greedy comparison.
-    proc = _run("xtuner-rope", "chat", str(model_dir), "--torch-dtype", "fp32",
-                "--temperature", "0", "--max-new-tokens", "16", "--no-streamer",
-                stdin=f"{PROMPT}\n\nEXIT\n\n")
+    proc = _run(
+        "xtuner-rope",
+        "chat",
+        str(model_dir),
+        "--torch-dtype",
+        "fp32",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--no-streamer",
+        stdin=f"{PROMPT}\n\nEXIT\n\n",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = proc.stdout.split(">>> ")[1].split("\ndouble enter")[0]
     answer = answer.split("Remove the memory of history responses")[0]  # printed past 16 tokens
@@ -215,18 +262,28 @@ def test_chat_answers_greedy_like_generate(converted):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
     ids = tokenizer.encode(PROMPT, return_tensors="pt")
-    out = model.generate(ids, max_new_tokens=16, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                         stopping_criteria=get_stop_criteria(tokenizer, []))
-    expected = tokenizer.decode(out[0][ids.shape[1]:])
+    out = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        stopping_criteria=get_stop_criteria(tokenizer, []),
+    )
+    expected = tokenizer.decode(out[0][ids.shape[1] :])
     assert answer == expected + ("" if expected.endswith("\n") else "\n")
     assert "Log: Exit!" in proc.stdout
 
 
 def test_failing_conversion_exits_nonzero(stock, full_run):
-    proc = _run("xtuner-rope", "convert", "pth_to_hf", str(full_run["config"]),
-                str(stock["root"] / "missing.pth"), str(stock["root"] / "hf_missing"))
+    proc = _run(
+        "xtuner-rope",
+        "convert",
+        "pth_to_hf",
+        str(full_run["config"]),
+        str(stock["root"] / "missing.pth"),
+        str(stock["root"] / "hf_missing"),
+    )
     assert proc.returncode == 1
     assert "FileNotFoundError: Cannot find" in proc.stderr
 
@@ -236,17 +293,23 @@ def test_convert_uses_the_path_model_resource_returns(tmp_path):
     from xtuner_rope.doctor.xtuner_tools import resolved_model_options
 
     config = tmp_path / "cfg.py"
-    config.write_text("from os.path import abspath\n"
-                      "pretrained_model_name_or_path = 'rel/model'\n"
-                      "model_resource = dict(fn=abspath)\n"
-                      "tokenizer = dict(pretrained_model_name_or_path=pretrained_model_name_or_path)\n"
-                      "model = dict(llm=dict(pretrained_model_name_or_path='rel/model'),\n"
-                      "             hooks=[dict(pretrained_model_name_or_path='x')])\n")
+    config.write_text(
+        "from os.path import abspath\n"
+        "pretrained_model_name_or_path = 'rel/model'\n"
+        "model_resource = dict(fn=abspath)\n"
+        "tokenizer = dict(pretrained_model_name_or_path=pretrained_model_name_or_path)\n"
+        "model = dict(llm=dict(pretrained_model_name_or_path='rel/model'),\n"
+        "             hooks=[dict(pretrained_model_name_or_path='x')])\n"
+    )
     resolved = str(Path("rel/model").resolve())
     assert sorted(resolved_model_options(str(config))) == sorted(
-        f"{key}={resolved}" for key in ("pretrained_model_name_or_path",
-                                        "tokenizer.pretrained_model_name_or_path",
-                                        "model.llm.pretrained_model_name_or_path",
-                                        "model.hooks.0.pretrained_model_name_or_path"))
+        f"{key}={resolved}"
+        for key in (
+            "pretrained_model_name_or_path",
+            "tokenizer.pretrained_model_name_or_path",
+            "model.llm.pretrained_model_name_or_path",
+            "model.hooks.0.pretrained_model_name_or_path",
+        )
+    )
     config.write_text(config.read_text().replace("fn=abspath", "fn=str"))  # path unchanged
     assert resolved_model_options(str(config)) == []

@@ -20,9 +20,11 @@ import stock_configs as sc
 from xtuner_rope.doctor import zoo
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = {"internlm2_chat_1_8b_qlora_alpaca_e3": zoo.TRAINED,
-          "cohere_100b_128k_sp32": zoo.REFUSED,
-          "qwen1_5_0_5b_full_custom_pretrain_e1": zoo.REFUSED_AT_DATA}
+SAMPLE = {
+    "internlm2_chat_1_8b_qlora_alpaca_e3": zoo.TRAINED,
+    "cohere_100b_128k_sp32": zoo.REFUSED,
+    "qwen1_5_0_5b_full_custom_pretrain_e1": zoo.REFUSED_AT_DATA,
+}
 
 
 @pytest.mark.slow
@@ -30,10 +32,27 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     sc.ensure_tiny_model()
     results = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "zoo.py"), *SAMPLE, "--jobs", "2", "--out",
-         str(tmp_path / "zoo"), "--results", str(results), "--markdown",
-         str(tmp_path / "zoo.md"), "--models", str(REPO / "models")],
-        cwd=REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            str(REPO / "tools" / "zoo.py"),
+            *SAMPLE,
+            "--jobs",
+            "2",
+            "--out",
+            str(tmp_path / "zoo"),
+            "--results",
+            str(results),
+            "--markdown",
+            str(tmp_path / "zoo.md"),
+            "--models",
+            str(REPO / "models"),
+        ],
+        cwd=REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     rows = json.loads(results.read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name, outcome in SAMPLE.items():
@@ -44,31 +63,37 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     assert trained["mode"] == {"tuning": "qlora", "packing": "packed", "kind": "sft"}
     assert "sequence_parallel_size: 32" in rows["cohere_100b_128k_sp32"]["message"]
     warmup = rows["qwen1_5_0_5b_full_custom_pretrain_e1"]
-    assert warmup["refused"] == ["param_scheduler[0]"] and "warmup_ratio" in \
-        " ".join(warmup["doctor"]["reasons"])
+    assert warmup["refused"] == ["param_scheduler[0]"] and "warmup_ratio" in " ".join(
+        warmup["doctor"]["reasons"]
+    )
     assert "1/3" in proc.stdout and "3/3" in proc.stdout  # the progress bar
     table = (tmp_path / "zoo.md").read_text()
-    assert "| internlm2_chat_1_8b_qlora_alpaca_e3 | internlm2 | sft/qlora/packed | " \
-           "trained isolated |" in table
-    assert "Counts: trained isolated 1, refused before loading 1, refused before training 1, " \
-           "needs what this machine lacks 0, crashed 0, leaked 0, doctor right 3, " \
-           "doctor wrong 0" in table
+    assert (
+        "| internlm2_chat_1_8b_qlora_alpaca_e3 | internlm2 | sft/qlora/packed | "
+        "trained isolated |" in table
+    )
+    assert (
+        "Counts: trained isolated 1, refused before loading 1, refused before training 1, "
+        "needs what this machine lacks 0, crashed 0, leaked 0, doctor right 3, "
+        "doctor wrong 0" in table
+    )
     # Resumable: nothing is left to run; nothing failed.
     for only in ("missing", "failed"):
         assert zoo.select(list(SAMPLE), rows, only) == []
 
 
 def _row(outcome, exit_code, reasons=(), **kw):
-    return {"outcome": outcome, "doctor": {"exit_code": exit_code, "reasons": list(reasons)},
-            **kw}
+    return {"outcome": outcome, "doctor": {"exit_code": exit_code, "reasons": list(reasons)}, **kw}
 
 
 def test_select_resumes_and_reruns_failed():
-    rows = {"a": _row(zoo.TRAINED, 0),
-            "b": _row(zoo.CRASHED, 1, ["x: y"], message="ValueError: boom"),
-            "c": _row(zoo.REFUSED, 0, refused=["sequence_parallel_size"]),
-            "d": _row(zoo.LACKS, 1, ["OSError: offline"]),
-            "f": {"outcome": zoo.REFUSED, "doctor": {"exit_code": 1}}}  # no reasons recorded
+    rows = {
+        "a": _row(zoo.TRAINED, 0),
+        "b": _row(zoo.CRASHED, 1, ["x: y"], message="ValueError: boom"),
+        "c": _row(zoo.REFUSED, 0, refused=["sequence_parallel_size"]),
+        "d": _row(zoo.LACKS, 1, ["OSError: offline"]),
+        "f": {"outcome": zoo.REFUSED, "doctor": {"exit_code": 1}},
+    }  # no reasons recorded
     assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "missing") == ["e"]
     assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "failed") == ["b", "c", "f"]
     with pytest.raises(ValueError, match=r"only='x': expected one of missing, failed, all"):
@@ -78,41 +103,70 @@ def test_select_resumes_and_reruns_failed():
 def test_the_doctor_is_right_only_for_the_same_reason():
     """Exit 1 counts only when the doctor named what stopped the run."""
     refused = dict(refused=["sequence_parallel_size"], message="sequence_parallel_size: 32: no")
-    assert zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["sequence_parallel_size: 32: no"],
-                                  **refused)) is True
-    assert zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["OSError: couldn't connect"],
-                                  **refused)) is False  # right exit code, wrong reason
+    assert (
+        zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["sequence_parallel_size: 32: no"], **refused))
+        is True
+    )
+    assert (
+        zoo.doctor_agrees(_row(zoo.REFUSED, 1, ["OSError: couldn't connect"], **refused)) is False
+    )  # right exit code, wrong reason
     assert zoo.doctor_agrees(_row(zoo.REFUSED, 0, **refused)) is False
     warmup = dict(refused=["param_scheduler[0]"], message="param_scheduler[0]: LinearLR ...")
-    assert zoo.doctor_agrees(_row(zoo.REFUSED_AT_DATA, 1, ["param_scheduler[0]: LinearLR, "
-                                                           "begin=0 ..."], **warmup)) is True
+    assert (
+        zoo.doctor_agrees(
+            _row(zoo.REFUSED_AT_DATA, 1, ["param_scheduler[0]: LinearLR, begin=0 ..."], **warmup)
+        )
+        is True
+    )
     crash = dict(message="ValueError: end should be larger than begin, but got begin=0, end=0")
-    assert zoo.doctor_agrees(_row(zoo.CRASHED, 1, ["param_scheduler[0]: ... MMEngine refuses "
-                                                   "it (ValueError: end should be larger than "
-                                                   "begin, but got begin=0, end=0)"],
-                                  **crash)) is True
+    assert (
+        zoo.doctor_agrees(
+            _row(
+                zoo.CRASHED,
+                1,
+                [
+                    "param_scheduler[0]: ... MMEngine refuses "
+                    "it (ValueError: end should be larger than "
+                    "begin, but got begin=0, end=0)"
+                ],
+                **crash,
+            )
+        )
+        is True
+    )
     assert zoo.doctor_agrees(_row(zoo.CRASHED, 1, ["OSError: offline"], **crash)) is False
     assert zoo.doctor_agrees(_row(zoo.TRAINED, 0)) is True
     assert zoo.doctor_agrees(_row(zoo.TRAINED, 1, ["x: y"])) is False
     assert zoo.doctor_agrees(_row(zoo.LACKS, 1, ["OSError: offline"])) is None
-    counts = zoo.counts({"a": _row(zoo.TRAINED, 0),
-                         "b": _row(zoo.REFUSED, 1, ["OSError: x"], **refused)})
+    counts = zoo.counts(
+        {"a": _row(zoo.TRAINED, 0), "b": _row(zoo.REFUSED, 1, ["OSError: x"], **refused)}
+    )
     assert counts["doctor right"] == 1 and counts["doctor wrong"] == 1
 
 
 def test_refusals_and_doctor_reasons_are_read_from_the_logs(tmp_path):
     from xtuner_rope.config.startup import Finding, conflict_message
 
-    out = "noise\n" + conflict_message([Finding("a.b", "bad", "edit it"),
-                                        Finding("param_scheduler[0]", "LinearLR: 0", "longer")])
+    out = "noise\n" + conflict_message(
+        [Finding("a.b", "bad", "edit it"), Finding("param_scheduler[0]", "LinearLR: 0", "longer")]
+    )
     assert zoo.refused_settings(out) == ["a.b", "param_scheduler[0]"]
     assert zoo.doctor_reasons(tmp_path / "none.json", out) == [
-        "a.b: bad", "param_scheduler[0]: LinearLR: 0"]
+        "a.b: bad",
+        "param_scheduler[0]: LinearLR: 0",
+    ]
     assert zoo.doctor_reasons(tmp_path / "none.json", "Traceback\nOSError: offline\n") == [
-        "OSError: offline"]
+        "OSError: offline"
+    ]
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"findings": {"conflicts": [
-        {"setting": "s", "problem": "p", "edit": "e"}]}, "problems": ["q: r"]}))
+    report.write_text(
+        json.dumps(
+            {
+                "findings": {"conflicts": [{"setting": "s", "problem": "p", "edit": "e"}]},
+                "problems": ["q: r"],
+            }
+        )
+    )
     assert zoo.doctor_reasons(report, "") == ["s: p", "q: r"]
 
 
@@ -129,8 +183,10 @@ def test_localize_makes_the_cpu_edits(tmp_path):
 
     stock = Path(cfgs_name_path["llama2_7b_chat_qlora_alpaca_e3"]).read_text()
     text = zoo.enable_plugin(zoo.localize(stock, tmp_path / "m", tmp_path / "d"))
-    assert f'pretrained_model_name_or_path = "{tmp_path / "m"}"\nfrom xtuner_rope import ' \
-           "enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n" in text
+    assert (
+        f'pretrained_model_name_or_path = "{tmp_path / "m"}"\nfrom xtuner_rope import '
+        "enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n" in text
+    )
     assert f'alpaca_en_path = "{tmp_path / "d"}"' in text
     assert "quantization_config" not in text and "AmpOptimWrapper" not in text
     assert "type=OptimWrapper," in text and "max_length = 512" in text
@@ -146,6 +202,6 @@ def test_isolation_tolerance_follows_the_runs_dtype():
     """A ``torch_dtype=torch.bfloat16`` config (stock Mistral full) trains in bf16 on CPU too:
     its logits are judged with ``check``'s bf16 tolerance, an fp32 run with 1e-5."""
     assert zoo.isolation_tolerance("float32") == zoo.ISOLATION_TOLERANCE == 1e-5
-    assert zoo.isolation_tolerance("bfloat16") == 8 * 2 ** -8  # 0.031; leaks move 0.2 to 2
+    assert zoo.isolation_tolerance("bfloat16") == 8 * 2**-8  # 0.031; leaks move 0.2 to 2
     with pytest.raises(KeyError):
         zoo.isolation_tolerance("int8")

@@ -31,21 +31,29 @@ def test_stock_deepseek_v2_is_refused_from_the_config_alone():
     from xtuner.configs import cfgs_name_path
 
     cfg = Config.fromfile(cfgs_name_path["deepseek_v2_lite_chat_full_alpaca_e3_32k_varlen"])
-    with pytest.raises(ConfigConflict, match=r"(?s)model\.llm\.type: xtuner\.model\."
-                       r"transformers_models\.deepseek_v2\.DeepseekV2ForCausalLM: DeepSeek-V2 "
-                       r"cannot be served by xtuner-rope: .*does not import here \(ImportError"
-                       r".*-> use a checkpoint of a served family"):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)model\.llm\.type: xtuner\.model\."
+        r"transformers_models\.deepseek_v2\.DeepseekV2ForCausalLM: DeepSeek-V2 "
+        r"cannot be served by xtuner-rope: .*does not import here \(ImportError"
+        r".*-> use a checkpoint of a served family",
+    ):
         prepare_config(cfg)
 
 
 def test_a_warmup_rounded_to_zero_iterations_is_refused_by_name():
-    stock = [dict(type="LinearLR", begin=0, end=0.03, convert_to_iter_based=True),
-             dict(type="CosineAnnealingLR", begin=0.03, end=1, convert_to_iter_based=True)]
-    with pytest.raises(ConfigConflict, match=r"(?s)param_scheduler\[0\]: LinearLR, begin=0, "
-                       r"end=0\.03 epochs.*becomes begin=0, end=0 iterations on this dataset "
-                       r"\(6 samples, batch size 1, 1 process\(es\): 6 iterations per epoch\)"
-                       r".*-> the warm-up must last at least 1 iteration: set warmup_ratio so "
-                       r"that warmup_ratio \* max_epochs >= 0\.167"):
+    stock = [
+        dict(type="LinearLR", begin=0, end=0.03, convert_to_iter_based=True),
+        dict(type="CosineAnnealingLR", begin=0.03, end=1, convert_to_iter_based=True),
+    ]
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)param_scheduler\[0\]: LinearLR, begin=0, "
+        r"end=0\.03 epochs.*becomes begin=0, end=0 iterations on this dataset "
+        r"\(6 samples, batch size 1, 1 process\(es\): 6 iterations per epoch\)"
+        r".*-> the warm-up must last at least 1 iteration: set warmup_ratio so "
+        r"that warmup_ratio \* max_epochs >= 0\.167",
+    ):
         refuse_rounded_warmup(stock, 6, "6 samples, batch size 1, 1 process(es)")
     assert rounding_problems(stock, 34, "34 samples") == []  # 1.02 iterations: trains
     refuse_rounded_warmup(stock, 34, "34 samples")
@@ -74,9 +82,25 @@ def test_launched_with_gives_the_start_up_the_deepspeed_argument():
 def test_doctor_names_the_deepspeed_dtype_on_cpu(tmp_path):
     sc.ensure_tiny_model()
     proc = subprocess.run(
-        [sys.executable, "-m", "xtuner_rope.cli", "doctor", str(RECIPE), "--deepspeed",
-         "deepspeed_zero2", "--batches", "2", "--out", str(tmp_path)],
-        cwd=REPO, env=sc.venv_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "xtuner_rope.cli",
+            "doctor",
+            str(RECIPE),
+            "--deepspeed",
+            "deepspeed_zero2",
+            "--batches",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "--deepspeed: deepspeed_zero2" in out and "resolves to fp16 on this CPU-only" in out
@@ -89,7 +113,9 @@ def test_doctor_names_sequence_parallel_without_deepspeed():
     from xtuner_rope.doctor.verdict import launch_problems
 
     (problem,) = launch_problems(4, None)
-    assert problem.startswith("sequence_parallel_size: sequence_parallel_size = 4 without "
-                              "DeepSpeed") and "zero2_fp32_cpu.json" in problem
+    assert (
+        problem.startswith("sequence_parallel_size: sequence_parallel_size = 4 without DeepSpeed")
+        and "zero2_fp32_cpu.json" in problem
+    )
     assert launch_problems(4, "configs/deepspeed/zero2_fp32_cpu.json") == []
     assert launch_problems(1, None) == [] and launch_problems(None, None) == []

@@ -23,8 +23,13 @@ def runner(tmp_path):
 
 
 def _batch(lengths, pack=True, vocab=256):
-    items = [dict(input_ids=torch.randint(3, vocab, (n,)).tolist(),
-                  labels=torch.randint(3, vocab, (n,)).tolist()) for n in lengths]
+    items = [
+        dict(
+            input_ids=torch.randint(3, vocab, (n,)).tolist(),
+            labels=torch.randint(3, vocab, (n,)).tolist(),
+        )
+        for n in lengths
+    ]
     return rope_collate_fn(items, pack=pack, max_length=64)
 
 
@@ -36,17 +41,29 @@ def test_hooks_and_collate_fn_are_registered_by_name():
 
 def test_runner_orders_the_plugin_hooks_before_every_default_hook(tmp_path):
     # Listed in the wrong order on purpose: the runner sorts them by their priorities.
-    runner = tiny_runner(tmp_path, custom_hooks=[
-        dict(type=NonFiniteTripwireHook), dict(type=PackingMetricsHook),
-        dict(type=PackedBatchCheckHook), dict(type=ValidatedRoPEHook)])
+    runner = tiny_runner(
+        tmp_path,
+        custom_hooks=[
+            dict(type=NonFiniteTripwireHook),
+            dict(type=PackingMetricsHook),
+            dict(type=PackedBatchCheckHook),
+            dict(type=ValidatedRoPEHook),
+        ],
+    )
     names = [type(h).__name__ for h in runner.hooks]
-    assert names[:5] == ["ValidatedRoPEHook", "PackedBatchCheckHook", "NonFiniteTripwireHook",
-                         "PackingMetricsHook", "RuntimeInfoHook"], names
+    assert names[:5] == [
+        "ValidatedRoPEHook",
+        "PackedBatchCheckHook",
+        "NonFiniteTripwireHook",
+        "PackingMetricsHook",
+        "RuntimeInfoHook",
+    ], names
     # EvaluateChatHook (needs a tokenizer to build) would sort after all of them.
     from mmengine.runner.priority import get_priority
 
-    assert max(get_priority(h.priority) for h in runner.hooks[:4]) < \
-        get_priority(EvaluateChatHook.priority)
+    assert max(get_priority(h.priority) for h in runner.hooks[:4]) < get_priority(
+        EvaluateChatHook.priority
+    )
 
 
 def test_real_training_iterations_see_the_patched_model_and_published_boundaries(tmp_path):
@@ -56,12 +73,18 @@ def test_real_training_iterations_see_the_patched_model_and_published_boundaries
 
     def probe(runner, data_batch):
         data = data_batch["data"]
-        return (isolates_documents(runner.model), "cumulative_len" in data,
-                hub.get_info("cumulative_len_rank_0") is not None)
+        return (
+            isolates_documents(runner.model),
+            "cumulative_len" in data,
+            hub.get_info("cumulative_len_rank_0") is not None,
+        )
 
     recorder = RecordingHook(probe)
-    runner = tiny_runner(tmp_path, max_iters=3, custom_hooks=[
-        dict(type=ValidatedRoPEHook), dict(type=PackedBatchCheckHook), recorder])
+    runner = tiny_runner(
+        tmp_path,
+        max_iters=3,
+        custom_hooks=[dict(type=ValidatedRoPEHook), dict(type=PackedBatchCheckHook), recorder],
+    )
     runner.train()
     assert recorder.before == [(True, False, True)] * 3
     assert recorder.after == [(True, False, False)] * 3
@@ -73,8 +96,10 @@ def test_validated_rope_hook_patches_model_inside_wrapper(runner):
     for stage in ("before_train", "before_val", "before_test"):
         getattr(ValidatedRoPEHook(), stage)(runner)
     assert isolates_documents(runner.model)
-    assert all(isinstance(layer.attention.rotary_emb, ValidatedRotaryEmbedding)
-               for layer in runner.model.llm.model.layers)
+    assert all(
+        isinstance(layer.attention.rotary_emb, ValidatedRotaryEmbedding)
+        for layer in runner.model.llm.model.layers
+    )
 
 
 def test_validated_rope_hook_turns_the_fused_kernel_on(runner, fused):
@@ -88,8 +113,9 @@ def test_validated_rope_hook_turns_the_fused_kernel_on(runner, fused):
     ValidatedRoPEHook(fused_apply=True).before_train(runner)
     assert use_fused_apply(True) is True
     calls = fused_kernel_calls()
-    torch.testing.assert_close(runner.model.llm(input_ids=ids).logits, eager_logits,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        runner.model.llm(input_ids=ids).logits, eager_logits, atol=1e-5, rtol=1e-5
+    )
     assert fused_kernel_calls() > calls  # the compiled kernel ran, not the eager fall-back
 
 
@@ -116,8 +142,11 @@ def test_check_hook_publishes_flat_boundaries_and_resets(runner):
 def test_check_hook_refuses_packed_rows_on_an_unpatched_model(runner):
     hook = PackedBatchCheckHook()
     hook.before_train(runner)
-    with pytest.raises(ValueError, match=r"row 0 packs \d segments, but the model's attention "
-                                         r"does not isolate documents.*ValidatedRoPEHook"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 0 packs \d segments, but the model's attention "
+        r"does not isolate documents.*ValidatedRoPEHook",
+    ):
         hook.before_train_iter(runner, 0, _batch([30, 20, 10]))
     # Padded rows carry an attention mask: fine without the patch.
     hook.before_train_iter(runner, 0, _batch([30, 20], pack=False))
@@ -142,5 +171,7 @@ def test_check_hook_uses_the_validated_rope_limit(runner):
 
 
 def test_check_hook_rejects_non_xtuner_batches(runner):
-    with pytest.raises(TypeError, match=r"PackedBatchCheckHook: expected an XTuner batch .*got list"):
+    with pytest.raises(
+        TypeError, match=r"PackedBatchCheckHook: expected an XTuner batch .*got list"
+    ):
         PackedBatchCheckHook().before_train_iter(runner, 0, [1, 2])

@@ -58,15 +58,25 @@ def _config(tmp: Path, *, padded: bool, batch_size: int, accumulation: int) -> P
     text = RECIPE.read_text(encoding="utf-8")
     text = text.replace("from torch.optim import AdamW", "from torch.optim import SGD, AdamW")
     text = re.sub(r"^batch_size = \d+", f"batch_size = {batch_size}", text, count=1, flags=re.M)
-    text = re.sub(r"^accumulative_counts = \d+", f"accumulative_counts = {accumulation}", text,
-                  count=1, flags=re.M)
-    text = text.replace("sampler=dict(type=DefaultSampler, shuffle=True)",
-                        "sampler=dict(type=DefaultSampler, shuffle=False)")
+    text = re.sub(
+        r"^accumulative_counts = \d+",
+        f"accumulative_counts = {accumulation}",
+        text,
+        count=1,
+        flags=re.M,
+    )
+    text = text.replace(
+        "sampler=dict(type=DefaultSampler, shuffle=True)",
+        "sampler=dict(type=DefaultSampler, shuffle=False)",
+    )
     if padded:
-        text = text.replace("from xtuner_rope.data.collate import rope_collate_fn",
-                            "from xtuner.dataset.collate_fns import default_collate_fn")
-        text, n = re.subn(r"collate_fn=dict\(\s*type=rope_collate_fn,.*?\),", PADDED_COLLATE,
-                          text, flags=re.S)
+        text = text.replace(
+            "from xtuner_rope.data.collate import rope_collate_fn",
+            "from xtuner.dataset.collate_fns import default_collate_fn",
+        )
+        text, n = re.subn(
+            r"collate_fn=dict\(\s*type=rope_collate_fn,.*?\),", PADDED_COLLATE, text, flags=re.S
+        )
         assert n == 1, "the recipe's collate_fn block changed"
     path = tmp / f"{'padded' if padded else 'packed'}_{batch_size}x{accumulation}.py"
     path.write_text(text + SGD_STEP, encoding="utf-8")
@@ -79,8 +89,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspeed=None,
-           mode: str | None = None) -> dict[str, torch.Tensor]:
+def _train(
+    config: Path,
+    data: Path,
+    work_dir: Path,
+    *,
+    nproc: int = 1,
+    deepspeed=None,
+    mode: str | None = None,
+) -> dict[str, torch.Tensor]:
     """One real run; the model's parameters after it (the checkpoint of its last iteration)."""
     options = [f"train_dataloader.dataset.dataset.data_files.train={data}"]
     if mode is not None:
@@ -100,8 +117,9 @@ def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspee
     summary = check_run(work_dir, min_iters=1)
     if mode != "micro_batch":
         log = "\n".join(p.read_text() for p in work_dir.glob("*/*.log"))
-        expected = ('loss_normalization = "dialogue":' if mode == "dialogue"
-                    else "token-weighted loss:")
+        expected = (
+            'loss_normalization = "dialogue":' if mode == "dialogue" else "token-weighted loss:"
+        )
         assert f"xtuner-rope: {expected}" in log, tail
     return _parameters(summary.checkpoint)
 
@@ -109,8 +127,9 @@ def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspee
 def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
     """MMEngine's ``state_dict`` or, for DeepSpeed, the module weights of its checkpoint dir."""
     if checkpoint.is_dir():
-        state = torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)["module"]
+        state = torch.load(
+            checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+        )["module"]
     else:
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     return {k.removeprefix("module."): v.float() for k, v in state.items()}
@@ -142,8 +161,11 @@ def _update_error(start: dict, a: dict, b: dict) -> float:
     2e-4 of its update). A wrong gradient shows here even where the parameters are large.
     """
     eps = torch.finfo(torch.float32).eps
-    return max(((a[k] - b[k]).abs() - 2 * eps * a[k].abs()).clamp_min(0).max().item()
-               / (a[k] - start[k]).abs().max().item() for k in a)
+    return max(
+        ((a[k] - b[k]).abs() - 2 * eps * a[k].abs()).clamp_min(0).max().item()
+        / (a[k] - start[k]).abs().max().item()
+        for k in a
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +187,22 @@ def test_one_optimizer_step_whatever_the_grouping(setup):
     runs = {
         "packed 8x2, 1 process": _train(packed_1, data, tmp / "p1"),
         "packed 4x2, 2 processes DDP": _train(packed_2, data, tmp / "ddp", nproc=2),
-        "packed 4x2, 2 processes ZeRO-2": _train(packed_2, data, tmp / "z2", nproc=2,
-                                                 deepspeed=ZERO2),
+        "packed 4x2, 2 processes ZeRO-2": _train(
+            packed_2, data, tmp / "z2", nproc=2, deepspeed=ZERO2
+        ),
     }
     # Without the fix (XTuner's weighting) accumulation weighs tokens unequally (ranks do the
     # same: one process keeps the CI cost down).
     unfixed = _train(packed_1, data, tmp / "p1_off", mode="micro_batch")
     for name, params in runs.items():
-        print(f"{name}: parameters {_relative(reference, params):.1e} relative to padded 16x1, "
-              f"update {_update_error(start, reference, params):.1e}")
+        print(
+            f"{name}: parameters {_relative(reference, params):.1e} relative to padded 16x1, "
+            f"update {_update_error(start, reference, params):.1e}"
+        )
     off = (_relative(reference, unfixed), _update_error(start, reference, unfixed))
-    print(f"XTuner's weighting, packed 8x2 on 1 process: parameters {off[0]:.1e}, "
-          f"update {off[1]:.1e}")
+    print(
+        f"XTuner's weighting, packed 8x2 on 1 process: parameters {off[0]:.1e}, update {off[1]:.1e}"
+    )
     for name, params in runs.items():
         assert _relative(reference, params) <= RTOL, name
         assert _update_error(start, reference, params) <= 10 * RTOL, name
@@ -189,8 +215,11 @@ def test_supervised_tokens_counts_after_the_shift():
 
 
 def test_unknown_loss_normalization_is_refused():
-    with pytest.raises(ValueError, match=r"loss_normalization: expected one of \('token', "
-                                         r"'micro_batch', 'dialogue'\), got 'tokens'"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_normalization: expected one of \('token', "
+        r"'micro_batch', 'dialogue'\), got 'tokens'",
+    ):
         loss_normalization({"loss_normalization": "tokens"})
     assert loss_normalization({}) == "token"
 
@@ -214,8 +243,9 @@ def _steps_by_hand(llm, items, windows, lr):
         for i in window:
             ids = torch.tensor([items[i]["input_ids"]])
             n = supervised_tokens(torch.tensor([items[i]["labels"]]))
-            (llm(input_ids=ids, labels=torch.tensor([items[i]["labels"]])).loss * n
-             / total).backward()
+            (
+                llm(input_ids=ids, labels=torch.tensor([items[i]["labels"]])).loss * n / total
+            ).backward()
         with torch.no_grad():
             for p in params:
                 p -= lr * p.grad
@@ -236,12 +266,15 @@ def test_accumulation_with_a_last_incomplete_window(tmp_path, mode):
     from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 
     items = token_items([5, 30, 12, 40, 9])
-    runner = tiny_runner(tmp_path, items=items, batch_size=2, max_iters=3,
-                         custom_hooks=[ValidatedRoPEHook(), PackedBatchCheckHook(),
-                                       TokenWeightedLossHook()])
+    runner = tiny_runner(
+        tmp_path,
+        items=items,
+        batch_size=2,
+        max_iters=3,
+        custom_hooks=[ValidatedRoPEHook(), PackedBatchCheckHook(), TokenWeightedLossHook()],
+    )
     runner.cfg["loss_normalization"] = mode
-    runner.optim_wrapper = dict(optimizer=dict(type=torch.optim.SGD, lr=1.0),
-                                accumulative_counts=2)
+    runner.optim_wrapper = dict(optimizer=dict(type=torch.optim.SGD, lr=1.0), accumulative_counts=2)
     expected = _steps_by_hand(copy.deepcopy(runner.model.llm), items, [[0, 1, 2, 3], [4]], 1.0)
     runner.train()
     got = {k: v.detach() for k, v in runner.model.llm.state_dict().items()}
@@ -254,8 +287,11 @@ def test_accumulation_with_a_last_incomplete_window(tmp_path, mode):
 
 
 def test_unknown_optim_wrapper_is_refused():
-    with pytest.raises(TypeError, match=r"optim_wrapper object is not supported \(MMEngine "
-                                        r"OptimWrapper and subclasses, DeepSpeedOptimWrapper\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"optim_wrapper object is not supported \(MMEngine "
+        r"OptimWrapper and subclasses, DeepSpeedOptimWrapper\)",
+    ):
         TokenWeightedLossHook().wrap(object())
 
 
@@ -277,16 +313,21 @@ def test_unknown_loss_normalization_is_refused_at_start_up(tmp_path):
     from xtuner_rope.config.startup import ConfigConflict, prepare_config
 
     cfg = Config(dict(loss_normalization="per_dialog"))
-    with pytest.raises(ConfigConflict, match=r"loss_normalization: expected one of \('token', "
-                                             r"'micro_batch', 'dialogue'\), got 'per_dialog'\n  -> set "
-                                             r'loss_normalization = "token"'):
+    with pytest.raises(
+        ConfigConflict,
+        match=r"loss_normalization: expected one of \('token', "
+        r"'micro_batch', 'dialogue'\), got 'per_dialog'\n  -> set "
+        r'loss_normalization = "token"',
+    ):
         prepare_config(cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
-                    reason="by-hand figures (ZeRO-1, dialogue mode on 2 processes): "
-                           "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~5 min, not in CI)")
+@pytest.mark.skipif(
+    not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
+    reason="by-hand figures (ZeRO-1, dialogue mode on 2 processes): "
+    "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~5 min, not in CI)",
+)
 def test_extra_groupings_zero1_and_dialogue_mode(setup):
     """ZeRO-1 (token mode) and ``loss_normalization = "dialogue"`` on 2 processes (DDP, ZeRO-2)
     against the padded 16 x 1 run of the same mode; XTuner's weighting differs."""
@@ -298,13 +339,21 @@ def test_extra_groupings_zero1_and_dialogue_mode(setup):
     (tmp / "zero1.json").write_text(json.dumps(zero1), encoding="utf-8")
     packed_2 = _config(tmp, padded=False, batch_size=4, accumulation=2)
     padded = _config(tmp, padded=True, batch_size=16, accumulation=1)
-    figures = {"token, ZeRO-1 4x2": (reference, _train(packed_2, data, tmp / "z1", nproc=2,
-                                                        deepspeed=str(tmp / "zero1.json")))}
+    figures = {
+        "token, ZeRO-1 4x2": (
+            reference,
+            _train(packed_2, data, tmp / "z1", nproc=2, deepspeed=str(tmp / "zero1.json")),
+        )
+    }
     per_dialogue = _train(padded, data, tmp / "padded_dlg", mode="dialogue")
-    figures["dialogue, DDP 4x2"] = (per_dialogue, _train(packed_2, data, tmp / "ddp_dlg",
-                                                         nproc=2, mode="dialogue"))
-    figures["dialogue, ZeRO-2 4x2"] = (per_dialogue, _train(
-        packed_2, data, tmp / "z2_dlg", nproc=2, deepspeed=ZERO2, mode="dialogue"))
+    figures["dialogue, DDP 4x2"] = (
+        per_dialogue,
+        _train(packed_2, data, tmp / "ddp_dlg", nproc=2, mode="dialogue"),
+    )
+    figures["dialogue, ZeRO-2 4x2"] = (
+        per_dialogue,
+        _train(packed_2, data, tmp / "z2_dlg", nproc=2, deepspeed=ZERO2, mode="dialogue"),
+    )
     figures["dialogue vs token, padded 16x1"] = (per_dialogue, reference)
     for name, (a, b) in figures.items():
         print(f"{name}: parameters {_relative(a, b):.1e}, update {_update_error(start, a, b):.1e}")
@@ -331,7 +380,8 @@ def test_llava_label_count_is_the_expanded_sequences():
     mask[2, 7:] = False  # padding
     labels[2, 7:] = IGNORE_INDEX
     patches = torch.randn(3, 5, llm.config.hidden_size)  # XTuner takes one per text row too
-    out = prepare_inputs_labels_for_multimodal(llm=llm, input_ids=ids, labels=labels,
-                                               attention_mask=mask, pixel_values=patches)
+    out = prepare_inputs_labels_for_multimodal(
+        llm=llm, input_ids=ids, labels=labels, attention_mask=mask, pixel_values=patches
+    )
     assert out["labels"].shape[1] == 14
     assert supervised_tokens(labels) == supervised_tokens(out["labels"]) == 21

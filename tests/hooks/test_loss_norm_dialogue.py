@@ -37,13 +37,18 @@ def _one_step_by_hand(llm, items, lr=1.0):
 
 
 def _train(tmp_path, items, *, batch_size, accumulation, mode, collate_fn=None):
-    runner = tiny_runner(tmp_path, items=items, batch_size=batch_size,
-                         max_iters=len(items) // batch_size, collate_fn=collate_fn,
-                         custom_hooks=[ValidatedRoPEHook(), PackedBatchCheckHook(),
-                                       TokenWeightedLossHook()])
+    runner = tiny_runner(
+        tmp_path,
+        items=items,
+        batch_size=batch_size,
+        max_iters=len(items) // batch_size,
+        collate_fn=collate_fn,
+        custom_hooks=[ValidatedRoPEHook(), PackedBatchCheckHook(), TokenWeightedLossHook()],
+    )
     runner.cfg["loss_normalization"] = mode
-    runner.optim_wrapper = dict(optimizer=dict(type=torch.optim.SGD, lr=1.0),
-                                accumulative_counts=accumulation)
+    runner.optim_wrapper = dict(
+        optimizer=dict(type=torch.optim.SGD, lr=1.0), accumulative_counts=accumulation
+    )
     runner.train()
     return {k: v.detach().clone() for k, v in runner.model.llm.state_dict().items()}
 
@@ -57,8 +62,9 @@ def test_one_step_per_dialogue_whatever_the_grouping(tmp_path):
     groupings = {
         "packed 6 x 1": dict(batch_size=6, accumulation=1),
         "packed 2 x 3": dict(batch_size=2, accumulation=3),
-        "padded 3 x 2 (XTuner's collate)": dict(batch_size=3, accumulation=2,
-                                                collate_fn=dict(type=default_collate_fn)),
+        "padded 3 x 2 (XTuner's collate)": dict(
+            batch_size=3, accumulation=2, collate_fn=dict(type=default_collate_fn)
+        ),
     }
     for i, (name, kw) in enumerate(groupings.items()):
         got = _train(tmp_path / f"g{i}", items, mode="dialogue", **kw)
@@ -66,8 +72,9 @@ def test_one_step_per_dialogue_whatever_the_grouping(tmp_path):
         print(f"dialogue mode, {name}: parameters {worst:.1e} relative to the step by hand")
         assert worst <= RTOL, name
     for mode in ("token", "micro_batch"):
-        other = _relative(expected, _train(tmp_path / mode, items, mode=mode, batch_size=2,
-                                           accumulation=3))
+        other = _relative(
+            expected, _train(tmp_path / mode, items, mode=mode, batch_size=2, accumulation=3)
+        )
         print(f"{mode} weighting, packed 2 x 3: {other:.1e} from the per-dialogue step")
         assert other > 100 * RTOL, mode
 
@@ -85,8 +92,11 @@ def test_dialogue_mode_refuses_sequence_parallel(monkeypatch):
     import xtuner.parallel.sequence as sp
 
     monkeypatch.setattr(sp, "get_sequence_parallel_world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r'loss_normalization = "dialogue" does not support '
-                                         r"sequence parallel yet"):
+    with pytest.raises(
+        ValueError,
+        match=r'loss_normalization = "dialogue" does not support '
+        r"sequence parallel yet",
+    ):
         TokenWeightedLossHook()._patch_dialogue_loss(object())
 
 
@@ -97,7 +107,10 @@ def test_dialogue_mode_refuses_other_models():
 
     llava = type("LLaVAModel", (torch.nn.Module,), {})()  # only its class name is read
     runner = types.SimpleNamespace(cfg={"loss_normalization": "dialogue"}, model=llava)
-    with pytest.raises(ValueError, match=r'loss_normalization = "dialogue" serves XTuner\'s '
-                                         r'SupervisedFinetune only, got LLaVAModel; use the '
-                                         r'default "token"'):
+    with pytest.raises(
+        ValueError,
+        match=r'loss_normalization = "dialogue" serves XTuner\'s '
+        r"SupervisedFinetune only, got LLaVAModel; use the "
+        r'default "token"',
+    ):
         TokenWeightedLossHook().before_train(runner)

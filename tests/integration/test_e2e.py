@@ -4,7 +4,6 @@
 produced (xtuner_rope.demo.runlog.check_run): logged losses and a saved checkpoint.
 """
 
-
 import pytest
 from tiny_recipe import CONFIG, REPO, SHORT_RUN, xtuner_train  # noqa: F401 - tests/support
 
@@ -41,11 +40,14 @@ def test_tiny_qwen2_recipe_isolates_documents_inside_xtuner_train(tmp_path, monk
     import stock_configs as sc
 
     text = (REPO / "configs" / "tiny_qwen2_short_dialogues.py").read_text()
-    text = sc.sub_once(text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    text = sc.sub_once(
+        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=IsolationCaptureHook),"
+    )
     config = tmp_path / "tiny_qwen2.py"
     config.write_text(sc.CAPTURE_IMPORT + text)
-    out = xtuner_train(tmp_path / "run", "train_cfg.max_epochs=None", "train_cfg.max_iters=1",
-                       config=config)
+    out = xtuner_train(
+        tmp_path / "run", "train_cfg.max_epochs=None", "train_cfg.max_iters=1", config=config
+    )
     assert "IsolationCaptureHook: saved" in out.stdout + out.stderr, out.stderr[-3000:]
     monkeypatch.chdir(REPO)  # the recipe's paths are relative to the repository root
     result = sc.assert_isolated_in_run(config, tmp_path / "run")

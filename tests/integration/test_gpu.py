@@ -17,8 +17,10 @@ from xtuner_rope.ops import attention
 from xtuner_rope.ops.attention import VarlenKernel, packed_backend
 from xtuner_rope.ops.rope import apply_rotary_pos_emb
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 HALF = [torch.bfloat16, torch.float16]
 
 
@@ -39,17 +41,21 @@ def test_torch_varlen_attn_matches_the_reference_kernel(dtype, n_kv):
     gqa = {"enable_gqa": True} if n_kv != 4 else {}
     reference = varlen_attn_2_12 if "window_size" in params else varlen_attn_2_10
     lengths = [1, 7, 64, 200, 3]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")
+    cu = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
     t = sum(lengths)
-    q, k, v = (torch.randn(t, n, 64, device="cuda", dtype=dtype, requires_grad=True)
-               for n in (4, n_kv, n_kv))
+    q, k, v = (
+        torch.randn(t, n, 64, device="cuda", dtype=dtype, requires_grad=True)
+        for n in (4, n_kv, n_kv)
+    )
     out = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), **causal, **gqa)
     want = reference(q, k, v, cu, cu, max(lengths), max(lengths), **causal, **gqa)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
     grad = torch.randn_like(out)
-    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad),
-                    torch.autograd.grad(want, (q, k, v), grad)):
+    for g, w in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)
+    ):
         torch.testing.assert_close(g.float(), w.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -69,8 +75,9 @@ def backend(request, monkeypatch):
 
 @pytest.mark.parametrize("bs", [1, 2])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("family,attn", [("internlm2", "eager"), ("internlm2", "sdpa"),
-                                         ("qwen2", "sdpa")])
+@pytest.mark.parametrize(
+    "family,attn", [("internlm2", "eager"), ("internlm2", "sdpa"), ("qwen2", "sdpa")]
+)
 def test_gold_on_cuda(backend, family, attn, dtype, bs):
     reference, model = build_pair(family, dtype, "cuda", attn)
     eager = attn == "eager" and family == "internlm2"
@@ -87,9 +94,13 @@ def test_short_dialogue_batches_train_without_device_assert_or_nan(dtype, pack):
     gen = torch.Generator().manual_seed(0)
     for step in range(4):
         lengths = torch.randint(1, 101, (16,), generator=gen).tolist()
-        items = [dict(input_ids=torch.randint(3, 256, (n,), generator=gen).tolist(),
-                      labels=torch.randint(3, 256, (n,), generator=gen).tolist())
-                 for n in lengths]
+        items = [
+            dict(
+                input_ids=torch.randint(3, 256, (n,), generator=gen).tolist(),
+                labels=torch.randint(3, 256, (n,), generator=gen).tolist(),
+            )
+            for n in lengths
+        ]
         if pack:
             data = rope_collate_fn(items, pack=True, max_length=256)["data"]
             data = {k: data[k] for k in ("input_ids", "labels", "position_ids")}

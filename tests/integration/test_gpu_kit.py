@@ -81,24 +81,53 @@ def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):
     """With the reference kernel installed for CPU, the varlen candidates run too."""
     monkeypatch.setattr(attention, "VARLEN_KERNEL", VarlenKernel(varlen_attn_2_12, ("cpu",)))
     bench = _load("tools/bench/attention.py", "attention_bench")
-    results = bench.main(["--tokens", "64", "96", "--heads", "4", "--kv-heads", "2",
-                          "--head-dim", "16", "--max-doc", "20", "--repeats", "1",
-                          "--warmup", "0", "--no-flex"])
+    results = bench.main(
+        [
+            "--tokens",
+            "64",
+            "96",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--max-doc",
+            "20",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-flex",
+        ]
+    )
     assert set(results[96]) == {"varlen_attn", "ours-varlen", "ours-buckets", "dense-mask"}
     out = capsys.readouterr().out
     assert "t=96" in out and "varlen_attn 1.00x" in out and "flex skipped" in out
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("XTUNER_ROPE_KIT_TEST"),
-                    reason="downloads ~90 MB: set XTUNER_ROPE_KIT_TEST=1")
+@pytest.mark.skipif(
+    not os.environ.get("XTUNER_ROPE_KIT_TEST"),
+    reason="downloads ~90 MB: set XTUNER_ROPE_KIT_TEST=1",
+)
 def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    env = {**os.environ, "PYVER": version, "KIT": str(tmp_path / "kit"), "PY": sys.executable,
-           "WORK": str(tmp_path / "work")}
+    env = {
+        **os.environ,
+        "PYVER": version,
+        "KIT": str(tmp_path / "kit"),
+        "PY": sys.executable,
+        "WORK": str(tmp_path / "work"),
+    }
     subprocess.run(["bash", "tools/gpu/build_kit.sh"], cwd=REPO, env=env, check=True)
-    done = subprocess.run(["bash", "tools/gpu/rehearse_cpu.sh", str(tmp_path / "kit")],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        ["bash", "tools/gpu/rehearse_cpu.sh", str(tmp_path / "kit")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     summary = (tmp_path / "work" / "out" / "summary.txt").read_text()
     assert done.returncode == 0, summary + done.stdout[-3000:]
     assert re.search(r"^pytest rc=0", summary, re.M), summary

@@ -37,24 +37,28 @@ from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.models.llava import check_expanded_batch
 
-CAPTURE = ("from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
+CAPTURE = "from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n"
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("llava")
     sc.ensure_tiny_model()
-    return {"root": root, "llm": sc.tiny_with_remote_code(root / "tiny-internlm2-remote"),
-            "clip": save_tiny_clip(root / "tiny-clip"),
-            "data": write_llava_data(root / "data", n_images=12, n_text=12),
-            "finetune": sc.copy_stock(lc.FINETUNE, root),
-            "pretrain": sc.copy_stock(lc.PRETRAIN, root)}
+    return {
+        "root": root,
+        "llm": sc.tiny_with_remote_code(root / "tiny-internlm2-remote"),
+        "clip": save_tiny_clip(root / "tiny-clip"),
+        "data": write_llava_data(root / "data", n_images=12, n_text=12),
+        "finetune": sc.copy_stock(lc.FINETUNE, root),
+        "pretrain": sc.copy_stock(lc.PRETRAIN, root),
+    }
 
 
 def _short_chat(text: str) -> str:
     """``EvaluateChatHook`` generates 32 tokens, not its default 600 (a short trial)."""
-    return sc.sub_once(text, r"^(\s+)(every_n_iters=evaluation_freq,)$",
-                       r"\1\2\n\1max_new_tokens=32,")
+    return sc.sub_once(
+        text, r"^(\s+)(every_n_iters=evaluation_freq,)$", r"\1\2\n\1max_new_tokens=32,"
+    )
 
 
 def _config(llava: dict, name: str, path: Path, alias: bool = False) -> Path:
@@ -65,20 +69,31 @@ def _config(llava: dict, name: str, path: Path, alias: bool = False) -> Path:
 
 def _started(*configs: Path) -> list[dict]:
     """XTuner's own start-up (``set_model_resource``) in one fresh process: the paths after it."""
-    code = ("import json, sys; from mmengine.config import Config; "
-            "from xtuner.tools.utils import set_model_resource\n"
-            "for path in sys.argv[1:]:\n"
-            "    cfg = Config.fromfile(path); set_model_resource(cfg); d = cfg._cfg_dict\n"
-            "    print('PATHS=' + json.dumps({'llm': d.model.llm.pretrained_model_name_or_path, "
-            "'clip': d.model.visual_encoder.pretrained_model_name_or_path, "
-            "'processor': d.image_processor.pretrained_model_name_or_path, "
-            "'tokenizer': d.tokenizer.pretrained_model_name_or_path, "
-            "'llm_dtype': str(d.model.llm.torch_dtype)}))")
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, configs)], capture_output=True,
-                          text=True, env=sc.venv_env(), timeout=300, cwd=sc.REPO)
+    code = (
+        "import json, sys; from mmengine.config import Config; "
+        "from xtuner.tools.utils import set_model_resource\n"
+        "for path in sys.argv[1:]:\n"
+        "    cfg = Config.fromfile(path); set_model_resource(cfg); d = cfg._cfg_dict\n"
+        "    print('PATHS=' + json.dumps({'llm': d.model.llm.pretrained_model_name_or_path, "
+        "'clip': d.model.visual_encoder.pretrained_model_name_or_path, "
+        "'processor': d.image_processor.pretrained_model_name_or_path, "
+        "'tokenizer': d.tokenizer.pretrained_model_name_or_path, "
+        "'llm_dtype': str(d.model.llm.torch_dtype)}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, configs)],
+        capture_output=True,
+        text=True,
+        env=sc.venv_env(),
+        timeout=300,
+        cwd=sc.REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(x.removeprefix("PATHS=")) for x in proc.stdout.splitlines()
-            if x.startswith("PATHS=")]
+    return [
+        json.loads(x.removeprefix("PATHS="))
+        for x in proc.stdout.splitlines()
+        if x.startswith("PATHS=")
+    ]
 
 
 def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_path):
@@ -101,12 +116,13 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
     for sample in result["per_sample"]:
         assert sample["max_abs_diff"] <= 1e-5 * max(1.0, sample["max_abs_logit"]), sample
     assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-5, result["loss"]
-    print(f"LLaVA finetune: {result['samples']} samples, max |trained - alone| "
-          f"{result['max_abs_diff']:.3g}, losses {run.losses}")
+    print(
+        f"LLaVA finetune: {result['samples']} samples, max |trained - alone| "
+        f"{result['max_abs_diff']:.3g}, losses {run.losses}"
+    )
 
 
-def assert_chat_hook_generated(work_dir: Path,
-                               assistant: str = "<|im_start|>assistant\n") -> None:
+def assert_chat_hook_generated(work_dir: Path, assistant: str = "<|im_start|>assistant\n") -> None:
     """XTuner's ``EvaluateChatHook`` generated for the image prompt, before and after training:
     each ``Sample output:`` holds the prompt (``<image>``, the question) and new text after it."""
     log = sorted(work_dir.glob("*/*.log"))[-1].read_text()
@@ -119,18 +135,29 @@ def assert_chat_hook_generated(work_dir: Path,
 
 
 def _with_capture(config: Path) -> Path:
-    text = sc.sub_once(config.read_text(), r"^(custom_hooks = \[)$",
-                       r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    text = sc.sub_once(
+        config.read_text(),
+        r"^(custom_hooks = \[)$",
+        r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),",
+    )
     config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE))
     return config
 
 
 def _packed(config: Path) -> Path:
     """``llava_collate_fn`` instead of XTuner's ``default_collate_fn`` (rows packed)."""
-    text = sc.sub_once(config.read_text(), r"collate_fn=dict\(type=default_collate_fn\)",
-                       "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)")
-    config.write_text(sc.sub_once(text, r"^(from xtuner.utils import .*\n)",
-                                  r"\g<1>from xtuner_rope import llava_collate_fn\n"))
+    text = sc.sub_once(
+        config.read_text(),
+        r"collate_fn=dict\(type=default_collate_fn\)",
+        "collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens=16)",
+    )
+    config.write_text(
+        sc.sub_once(
+            text,
+            r"^(from xtuner.utils import .*\n)",
+            r"\g<1>from xtuner_rope import llava_collate_fn\n",
+        )
+    )
     return config
 
 
@@ -167,9 +194,11 @@ def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tm
     assert_chat_hook_generated(tmp_path / "run")  # the stock hook, on the patched packed model
     result = _assert_in_run_isolation(tmp_path / "run")
     assert result["rows"] == 1 and result["samples"] == 4, result  # one packed row
-    print(f"LLaVA pretrain, packed: {result['samples']} samples in {result['rows']} row(s), "
-          f"max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
-          f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}")
+    print(
+        f"LLaVA pretrain, packed: {result['samples']} samples in {result['rows']} row(s), "
+        f"max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
+        f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}"
+    )
 
 
 LLAMA_FINETUNE = "llava_llama3_8b_instruct_full_clip_vit_large_p14_336_e1_gpu8_finetune"
@@ -197,9 +226,11 @@ def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
     assert_chat_hook_generated(tmp_path / "run", "<|start_header_id|>assistant<|end_header_id|>")
     result = _assert_in_run_isolation(tmp_path / "run")
-    print(f"LLaVA Llama 3 finetune, packed: {result['samples']} samples in {result['rows']} "
-          f"row(s), max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
-          f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}")
+    print(
+        f"LLaVA Llama 3 finetune, packed: {result['samples']} samples in {result['rows']} "
+        f"row(s), max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
+        f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}"
+    )
 
 
 def test_user_alias_line_keeps_clip_paths(llava, tmp_path):
@@ -215,27 +246,40 @@ def test_internvl_config_is_refused_at_start_up():
     from xtuner.configs import cfgs_name_path  # the file `xtuner copy-cfg` copies
 
     cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_lora_finetune"])
-    with pytest.raises(startup.ConfigConflict, match="model.type: InternVL_V1_5: xtuner-rope "
-                       "has not been verified inside InternVL's own forward"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match="model.type: InternVL_V1_5: xtuner-rope "
+        "has not been verified inside InternVL's own forward",
+    ):
         startup.prepare_config(cfg)
 
 
 def _image_batch(placeholders, images):
     ids = torch.randint(3, 100, (len(placeholders), 12))
     for r, n in enumerate(placeholders):
-        ids[r, 2:2 + n] = IMAGE_TOKEN_INDEX
+        ids[r, 2 : 2 + n] = IMAGE_TOKEN_INDEX
     labels = ids.masked_fill(ids == IMAGE_TOKEN_INDEX, -100)
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids).bool(),
-            "pixel_values": torch.zeros(images, 3, 8, 8)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": torch.ones_like(ids).bool(),
+        "pixel_values": torch.zeros(images, 3, 8, 8),
+    }
 
 
 def test_batch_check_counts_image_placeholders():
     check_batch_with_images(_image_batch([1, 0, 1], 3), vocab_size=1024)  # no tokenizer hint
-    with pytest.raises(ValueError, match=r"row 1 \(sample 1\), field 'input_ids': 2 image "
-                       r"placeholder\(s\) \(-200\), but field 'pixel_values' has 2 image"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 1 \(sample 1\), field 'input_ids': 2 image "
+        r"placeholder\(s\) \(-200\), but field 'pixel_values' has 2 image",
+    ):
         check_batch_with_images(_image_batch([1, 2], 2), vocab_size=1024)
-    with pytest.raises(ValueError, match=r"field 'pixel_values': 3 image\(s\), but the 2 "
-                       r"row\(s\) take 2 .*placeholders per row \[1, 0\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"field 'pixel_values': 3 image\(s\), but the 2 "
+        r"row\(s\) take 2 .*placeholders per row \[1, 0\]",
+    ):
         check_batch_with_images(_image_batch([1, 0], 3), vocab_size=1024)
     with pytest.raises(ValueError, match=r"field 'input_ids': expected ids in \[0, 50\)"):
         check_batch_with_images(_image_batch([1, 0], 2), vocab_size=50)
@@ -246,12 +290,18 @@ def test_expanded_sequence_is_checked_as_the_llm_sees_it():
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[0, :40], mask[1, :25] = True, True
     positions = torch.arange(40).expand(2, 40) * mask
-    out = {"inputs_embeds": torch.zeros(2, 40, 8), "attention_mask": mask,
-           "position_ids": positions}
+    out = {
+        "inputs_embeds": torch.zeros(2, 40, 8),
+        "attention_mask": mask,
+        "position_ids": positions,
+    }
     check_expanded_batch(out, max_position=64)
-    with pytest.raises(ValueError, match=r"after the image expansion\): row 0, field "
-                       r"'position_ids': expected positions < max_position=32 \(the RoPE "
-                       r"range\), got 40 tokens after the images were expanded"):
+    with pytest.raises(
+        ValueError,
+        match=r"after the image expansion\): row 0, field "
+        r"'position_ids': expected positions < max_position=32 \(the RoPE "
+        r"range\), got 40 tokens after the images were expanded",
+    ):
         check_expanded_batch(out, max_position=32)
     mask[1] = False
     with pytest.raises(ValueError, match=r"row 1, field 'attention_mask': expected at least one"):
@@ -270,8 +320,12 @@ def test_tiny_clip_and_llava_data_are_deterministic(tmp_path):
     assert ja.read_text() == jb.read_text()
     rows = json.loads(ja.read_text())
     assert sum("image" in r for r in rows) == 3 and "image" in rows[0]
-    assert all((ja.parent / "images" / r["image"]).read_bytes()
-               == (jb.parent / "images" / r["image"]).read_bytes() for r in rows if "image" in r)
+    assert all(
+        (ja.parent / "images" / r["image"]).read_bytes()
+        == (jb.parent / "images" / r["image"]).read_bytes()
+        for r in rows
+        if "image" in r
+    )
 
 
 def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
@@ -286,7 +340,10 @@ def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
     finally:
         startup._STATE.update(state)
     d = cfg._cfg_dict
-    assert d.pretrained_model_name_or_path == d.model.llm.pretrained_model_name_or_path \
+    assert (
+        d.pretrained_model_name_or_path
+        == d.model.llm.pretrained_model_name_or_path
         == str(llava["llm"])
+    )
     assert d.model.visual_encoder.pretrained_model_name_or_path == str(llava["clip"])
     assert d.image_processor.pretrained_model_name_or_path == str(llava["clip"])

@@ -54,11 +54,15 @@ def _config(tmp: Path, *, max_packed_length: int, accumulation: int, recipe: Pat
         (r"^accumulative_counts = \d+", f"accumulative_counts = {accumulation}"),
         (r"^max_packed_length = .*$", f"max_packed_length = {max_packed_length}"),
         (r"^max_norm = .*$", "max_norm = 1e9  # never clips"),
-        (r"optimizer=dict\(type=optim_type, lr=lr, betas=betas, weight_decay=weight_decay\)",
-         "optimizer=dict(type=optim_type, lr=lr, momentum=0.0, weight_decay=0.0)"),
+        (
+            r"optimizer=dict\(type=optim_type, lr=lr, betas=betas, weight_decay=weight_decay\)",
+            "optimizer=dict(type=optim_type, lr=lr, momentum=0.0, weight_decay=0.0)",
+        ),
         (r"shuffle_before_pack=True", "shuffle_before_pack=False"),
-        (r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
-         "sampler=dict(type=DefaultSampler, shuffle=False)"),
+        (
+            r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
+            "sampler=dict(type=DefaultSampler, shuffle=False)",
+        ),
     ]
     for pattern, new in edits:
         text, n = re.subn(pattern, new, text, count=1, flags=re.M)
@@ -68,8 +72,15 @@ def _config(tmp: Path, *, max_packed_length: int, accumulation: int, recipe: Pat
     return path
 
 
-def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspeed=None,
-           mode: str | None = None) -> dict[str, torch.Tensor]:
+def _train(
+    config: Path,
+    data: Path,
+    work_dir: Path,
+    *,
+    nproc: int = 1,
+    deepspeed=None,
+    mode: str | None = None,
+) -> dict[str, torch.Tensor]:
     """One real run; the trained parameters after it (the frozen DPO reference dropped)."""
     options = [f"train_dataloader.dataset.dataset.data_files.train={data}"]
     if mode is not None:
@@ -90,8 +101,9 @@ def _train(config: Path, data: Path, work_dir: Path, *, nproc: int = 1, deepspee
     log = "\n".join(p.read_text() for p in work_dir.glob("*/*.log"))
     expected = "pair-weighted loss:" if mode is None else f'loss_normalization = "{mode}"'
     assert f"xtuner-rope: {expected}" in log, tail
-    return {k: v for k, v in _parameters(summary.checkpoint).items()
-            if not k.startswith("ref_llm.")}
+    return {
+        k: v for k, v in _parameters(summary.checkpoint).items() if not k.startswith("ref_llm.")
+    }
 
 
 @pytest.mark.slow
@@ -100,21 +112,27 @@ def test_one_dpo_step_whatever_the_packing(tmp_path):
     lines = (REPO / "data" / "preference_pairs.jsonl").read_text(encoding="utf-8").splitlines()
     data.write_text("\n".join(lines[:PAIRS]) + "\n", encoding="utf-8")
     start = _initial()
-    reference = _train(_config(tmp_path, max_packed_length=ONE_PACK, accumulation=1), data,
-                       tmp_path / "one_pack")
+    reference = _train(
+        _config(tmp_path, max_packed_length=ONE_PACK, accumulation=1), data, tmp_path / "one_pack"
+    )
     small_4 = _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=4)
     runs = {
         "4 packs x accumulation 4, 1 process": _train(small_4, data, tmp_path / "p1"),
         "2 packs x accumulation 2, 2 processes DDP": _train(
-            _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=2), data,
-            tmp_path / "ddp", nproc=2),
+            _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=2),
+            data,
+            tmp_path / "ddp",
+            nproc=2,
+        ),
     }
     unfixed = _train(small_4, data, tmp_path / "p1_off", mode="micro_batch")
     moved = max((reference[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-3, f"the step did not move the policy ({moved:.1e})"
     for name, params in runs.items():
-        print(f"DPO {name}: parameters {_relative(reference, params):.1e} relative to one pack, "
-              f"update {_update_error(start, reference, params):.1e}")
+        print(
+            f"DPO {name}: parameters {_relative(reference, params):.1e} relative to one pack, "
+            f"update {_update_error(start, reference, params):.1e}"
+        )
     off = (_relative(reference, unfixed), _update_error(start, reference, unfixed))
     print(f"DPO, XTuner's weighting, 4 packs x 4: parameters {off[0]:.1e}, update {off[1]:.1e}")
     for name, params in runs.items():
@@ -132,23 +150,29 @@ def test_preference_pairs_counts_packed_and_unpacked_batches():
 def test_pair_counts_are_taken_per_micro_batch():
     hook = TokenWeightedLossHook()
     hook.active, hook.unit = True, "pair"
-    batch = {"data": {"cumulative_len": [torch.tensor([0, 3, 7, 9, 12])],
-                      "labels": torch.ones(1, 12)}}
+    batch = {
+        "data": {"cumulative_len": [torch.tensor([0, 3, 7, 9, 12])], "labels": torch.ones(1, 12)}
+    }
     hook.before_train_iter(None, 0, data_batch=batch)
     assert hook._take_pending() == 2 and hook._window == 2
 
 
 def test_batch_without_pairs_is_refused():
     """A packed row whose boundaries were taken out (a hook running first) has no pairs left."""
-    with pytest.raises(ValueError, match=r"preference_pairs: no pair in a batch of \(1, 12\) "
-                                         r"input_ids .* was cumulative_len removed"):
+    with pytest.raises(
+        ValueError,
+        match=r"preference_pairs: no pair in a batch of \(1, 12\) "
+        r"input_ids .* was cumulative_len removed",
+    ):
         preference_pairs({"input_ids": torch.ones(1, 12)})
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
-                    reason="by-hand figure (reward model, 2 processes): "
-                           "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~3 min, not in CI)")
+@pytest.mark.skipif(
+    not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
+    reason="by-hand figure (reward model, 2 processes): "
+    "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~3 min, not in CI)",
+)
 def test_extra_reward_model_step_whatever_the_packing(tmp_path):
     """XTuner's RewardModel divides by the rank-averaged 1 / pairs: one pack on 1 process
     against packs x accumulation 2 on 2 processes (DDP); XTuner's weighting differs."""
@@ -156,14 +180,19 @@ def test_extra_reward_model_step_whatever_the_packing(tmp_path):
     data = tmp_path / "pairs.jsonl"
     lines = (REPO / "data" / "preference_pairs.jsonl").read_text(encoding="utf-8").splitlines()
     data.write_text("\n".join(lines[:PAIRS]) + "\n", encoding="utf-8")
-    reference = _train(_config(tmp_path, max_packed_length=ONE_PACK, accumulation=1,
-                               recipe=recipe), data, tmp_path / "one_pack")
+    reference = _train(
+        _config(tmp_path, max_packed_length=ONE_PACK, accumulation=1, recipe=recipe),
+        data,
+        tmp_path / "one_pack",
+    )
     small = _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=2, recipe=recipe)
     ddp = _train(small, data, tmp_path / "ddp", nproc=2)
     unfixed = _train(small, data, tmp_path / "ddp_off", nproc=2, mode="micro_batch")
     fixed, off = _relative(reference, ddp), _relative(reference, unfixed)
-    print(f"reward, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
-          f"XTuner's weighting {off:.1e}")
+    print(
+        f"reward, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
+        f"XTuner's weighting {off:.1e}"
+    )
     assert fixed <= RTOL and off > 100 * RTOL, (fixed, off)
 
 
@@ -186,26 +215,35 @@ def test_kto_pair_is_left_as_xtuner_weighs_it():
     finally:
         logger.removeHandler(handler)
     assert not hook.active
-    assert any("pair-weighted loss not applied: DPO's loss_type 'kto_pair'" in r.getMessage()
-               for r in records), [r.getMessage() for r in records]
+    assert any(
+        "pair-weighted loss not applied: DPO's loss_type 'kto_pair'" in r.getMessage()
+        for r in records
+    ), [r.getMessage() for r in records]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
-                    reason="by-hand figure (DPO under DeepSpeed ZeRO-2, 2 processes): "
-                           "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~3 min, not in CI)")
+@pytest.mark.skipif(
+    not __import__("os").environ.get("XTUNER_ROPE_LOSS_NORM_EXTRA"),
+    reason="by-hand figure (DPO under DeepSpeed ZeRO-2, 2 processes): "
+    "XTUNER_ROPE_LOSS_NORM_EXTRA=1 to run (~3 min, not in CI)",
+)
 def test_extra_dpo_zero2_step_whatever_the_packing(tmp_path):
     """DPO, one pack on 1 process against packs x accumulation 2 on 2 processes under ZeRO-2
     (the fp32 CPU json); XTuner's weighting differs."""
     data = tmp_path / "pairs.jsonl"
     lines = (REPO / "data" / "preference_pairs.jsonl").read_text(encoding="utf-8").splitlines()
     data.write_text("\n".join(lines[:PAIRS]) + "\n", encoding="utf-8")
-    reference = _train(_config(tmp_path, max_packed_length=ONE_PACK, accumulation=1), data,
-                       tmp_path / "one_pack")
+    reference = _train(
+        _config(tmp_path, max_packed_length=ONE_PACK, accumulation=1), data, tmp_path / "one_pack"
+    )
     small = _config(tmp_path, max_packed_length=SMALL_PACKS, accumulation=2)
     fixed = _relative(reference, _train(small, data, tmp_path / "z2", nproc=2, deepspeed=ZERO2))
-    off = _relative(reference, _train(small, data, tmp_path / "z2_off", nproc=2,
-                                      deepspeed=ZERO2, mode="micro_batch"))
-    print(f"DPO ZeRO-2, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
-          f"XTuner's weighting {off:.1e}")
+    off = _relative(
+        reference,
+        _train(small, data, tmp_path / "z2_off", nproc=2, deepspeed=ZERO2, mode="micro_batch"),
+    )
+    print(
+        f"DPO ZeRO-2, packs x 2 on 2 processes: parameters {fixed:.1e} relative to one pack; "
+        f"XTuner's weighting {off:.1e}"
+    )
     assert fixed <= RTOL and off > 100 * RTOL, (fixed, off)

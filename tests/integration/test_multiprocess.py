@@ -40,8 +40,11 @@ NPROC = 2
 # first iteration and by 1e-2 within ten; a rank skipping the all-reduce, far more.
 LOSS_ATOL = 2e-5
 ITER_LINE = re.compile(r"Iter\(train\) \[\s*(\d+)/\d+\].*?loss: ([-+0-9.eE]+|nan|inf)")
-LOG_EVERY_ITER = ("default_hooks.logger.interval=1", "log_processor.window_size=1",
-                  "log_processor.num_digits=8")
+LOG_EVERY_ITER = (
+    "default_hooks.logger.interval=1",
+    "log_processor.window_size=1",
+    "log_processor.num_digits=8",
+)
 
 
 def _free_port() -> int:
@@ -92,11 +95,15 @@ def _write_pairs(config: str, out: Path) -> None:
 
 
 def _cfg_options(data_file: Path, batch_size: int) -> list[str]:
-    return ["train_cfg.max_epochs=None", f"train_cfg.max_iters={ITERS}",
-            f"train_dataloader.dataset.dataset.data_files.train={data_file}",
-            "train_dataloader.sampler.shuffle=False", f"train_dataloader.batch_size={batch_size}",
-            "log_level=DEBUG",  # DEBUG makes MMEngine keep one log file per rank
-            *LOG_EVERY_ITER]
+    return [
+        "train_cfg.max_epochs=None",
+        f"train_cfg.max_iters={ITERS}",
+        f"train_dataloader.dataset.dataset.data_files.train={data_file}",
+        "train_dataloader.sampler.shuffle=False",
+        f"train_dataloader.batch_size={batch_size}",
+        "log_level=DEBUG",  # DEBUG makes MMEngine keep one log file per rank
+        *LOG_EVERY_ITER,
+    ]
 
 
 def _rank_losses(work_dir: Path) -> dict[int, dict[int, float]]:
@@ -131,10 +138,17 @@ def reference(request, tmp_path_factory):
     data_file = tmp / "paired_dialogues.jsonl"
     _write_pairs(request.param, data_file)
     work_dir = tmp / "one_process"
-    cmd = [sys.executable, "-m", "xtuner.tools.train", request.param, "--work-dir",
-           str(work_dir), "--cfg-options", *_cfg_options(data_file, GLOBAL_BATCH)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "xtuner.tools.train",
+        request.param,
+        "--work-dir",
+        str(work_dir),
+        "--cfg-options",
+        *_cfg_options(data_file, GLOBAL_BATCH),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, _tail(proc)
     return request.param, data_file, _global_losses(work_dir, 1, _tail(proc))
 
@@ -157,10 +171,12 @@ def _two_process_losses(config: str, data_file: Path, deepspeed, work_dir: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference,deepspeed", [
-    (INTERNLM2, None), (INTERNLM2, ZERO2), (INTERNLM2, ZERO3), (QWEN2, None)],
+@pytest.mark.parametrize(
+    "reference,deepspeed",
+    [(INTERNLM2, None), (INTERNLM2, ZERO2), (INTERNLM2, ZERO3), (QWEN2, None)],
     ids=["internlm2-ddp", "internlm2-zero2", "internlm2-zero3", "qwen2-ddp"],
-    indirect=["reference"])
+    indirect=["reference"],
+)
 def test_two_processes_match_one(reference, deepspeed, tmp_path):
     config, data_file, one = reference
     two = _two_process_losses(config, data_file, deepspeed, tmp_path)
@@ -184,8 +200,10 @@ def test_zero3_repeated_runs_are_all_right(reference, tmp_path):
     for run in range(REPEAT_ZERO3):
         two = _two_process_losses(config, data_file, ZERO3, tmp_path / f"run{run}")
         worst.append(max(abs(a - b) for a, b in zip(one, two)))
-        print(f"zero3 run {run + 1}/{REPEAT_ZERO3}: max |1 - 2 processes| loss {worst[-1]:.2e}",
-              flush=True)
+        print(
+            f"zero3 run {run + 1}/{REPEAT_ZERO3}: max |1 - 2 processes| loss {worst[-1]:.2e}",
+            flush=True,
+        )
     wrong = [f"run {i + 1}: {w:.2e}" for i, w in enumerate(worst) if w > LOSS_ATOL]
     print(f"zero3: {len(wrong)} wrong runs of {REPEAT_ZERO3}")
     assert not wrong, f"{len(wrong)} of {REPEAT_ZERO3} ZeRO-3 runs off by more than {LOSS_ATOL}"
@@ -195,13 +213,16 @@ def test_log_parser_reads_per_rank_files(tmp_path):
     """The per-rank log names MMEngine 0.10.6 writes at DEBUG level, and a plain log."""
     run = tmp_path / "20260101_000000"
     run.mkdir()
-    line = ("2026/01/01 00:00:01 - mmengine - INFO - Iter(train) [ {i}/12]  lr: 3.0e-05  "
-            "grad_norm: 1.85  loss: {loss}\n")
+    line = (
+        "2026/01/01 00:00:01 - mmengine - INFO - Iter(train) [ {i}/12]  lr: 3.0e-05  "
+        "grad_norm: 1.85  loss: {loss}\n"
+    )
     (run / "20260101_000000_host_device0_rank0.log").write_text(line.format(i=1, loss="6.5"))
     (run / "20260101_000000_host_device1_rank1.log").write_text(line.format(i=1, loss="6.25"))
     assert _rank_losses(tmp_path) == {0: {1: 6.5}, 1: {1: 6.25}}
     (tmp_path / "solo" / "20260101_000000").mkdir(parents=True)
     (tmp_path / "solo" / "20260101_000000" / "20260101_000000.log").write_text(
-        line.format(i=12, loss="nan"))
+        line.format(i=12, loss="nan")
+    )
     losses = _rank_losses(tmp_path / "solo")
     assert list(losses) == [0] and losses[0][12] != losses[0][12]  # nan is read, then rejected

@@ -30,8 +30,12 @@ from xtuner_rope.doctor.preference_capture import capture_file, compare_preferen
 
 pytestmark = pytest.mark.slow
 
-RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=3", "randomness.seed=0",
-       "default_hooks.logger.interval=1")
+RUN = (
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=3",
+    "randomness.seed=0",
+    "default_hooks.logger.interval=1",
+)
 # A free token of the tiny vocabulary (1,024 ids, 6 special): ids 6.. are ordinary pieces,
 # but the reward token only has to be inside the vocabulary for this test.
 REWARD_TOKEN = 7
@@ -53,13 +57,19 @@ def pref(tmp_path_factory) -> dict:
     for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.LLAMA_DPO_QLORA):
         copy = sc.copy_stock(name, root)
         token = REWARD_TOKEN if name == pc.REWARD else None
-        text = pc.localize_preference(copy, name, data, reward_token_id=token,
-                                      model=llama if name == pc.LLAMA_DPO_QLORA else model)
+        text = pc.localize_preference(
+            copy,
+            name,
+            data,
+            reward_token_id=token,
+            model=llama if name == pc.LLAMA_DPO_QLORA else model,
+        )
         configs[name] = root / f"{name}.py"
         configs[name].write_text(pc.with_preference_capture(sc.enable_plugin(text)))
         configs[f"{name}_stock_token"] = root / f"{name}_stock_token.py"
-        configs[f"{name}_stock_token"].write_text(sc.enable_plugin(
-            pc.localize_preference(copy, name, data, model=model)))
+        configs[f"{name}_stock_token"].write_text(
+            sc.enable_plugin(pc.localize_preference(copy, name, data, model=model))
+        )
     return {"root": root, "model": model, **configs}
 
 
@@ -78,18 +88,29 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
     if "alone" in result["loss"]:
         assert abs(result["loss"]["captured"] - result["loss"]["alone"]) <= 1e-5, result["loss"]
     states = result["reward_token_states"]
-    print(f"{kind}: {result['pairs']} pairs, max |trained - alone| "
-          f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
-          f"{max(result['leak_max_abs_diff'].values()):.3g}" + (
-              f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
-              f"{states['leak_max_abs_diff']:.3g}" if states else "") + (
-              f"; loss {result['loss']['captured']:.7f} vs alone {result['loss']['alone']:.7f}"
-              if "alone" in result["loss"] else "; loss not compared"))
+    print(
+        f"{kind}: {result['pairs']} pairs, max |trained - alone| "
+        f"{max(result['max_abs_diff'].values()):.3g}, unpatched packed row off by "
+        f"{max(result['leak_max_abs_diff'].values()):.3g}"
+        + (
+            f"; reward token states {states['max_abs_diff']:.3g}, unpatched "
+            f"{states['leak_max_abs_diff']:.3g}"
+            if states
+            else ""
+        )
+        + (
+            f"; loss {result['loss']['captured']:.7f} vs alone {result['loss']['alone']:.7f}"
+            if "alone" in result["loss"]
+            else "; loss not compared"
+        )
+    )
     return result
 
 
-@pytest.mark.parametrize("name,kind", [(pc.DPO, "dpo"), (pc.ORPO, "orpo"),
-                                       (pc.REWARD, "reward"), (pc.LLAMA_DPO_QLORA, "dpo")])
+@pytest.mark.parametrize(
+    "name,kind",
+    [(pc.DPO, "dpo"), (pc.ORPO, "orpo"), (pc.REWARD, "reward"), (pc.LLAMA_DPO_QLORA, "dpo")],
+)
 def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
     `dist.get_rank()` ("Default process group has not been initialized"). The Llama 3 QLoRA
@@ -112,10 +133,25 @@ def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
     """`NPROC_PER_NODE=2 xtuner train --launcher pytorch` (torchrun, gloo): each rank's pack."""
     import subprocess
 
-    cmd = ["xtuner", "train", str(pref[pc.DPO]), "--work-dir", str(tmp_path), "--launcher",
-           "pytorch", "--cfg-options", *RUN, "env_cfg.dist_cfg.backend=gloo"]
-    env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [
+        "xtuner",
+        "train",
+        str(pref[pc.DPO]),
+        "--work-dir",
+        str(tmp_path),
+        "--launcher",
+        "pytorch",
+        "--cfg-options",
+        *RUN,
+        "env_cfg.dist_cfg.backend=gloo",
+    ]
+    env = dict(
+        sc.venv_env(),
+        NPROC_PER_NODE="2",
+        NNODES="1",
+        PORT=str(_free_port()),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
     check_run(tmp_path, min_iters=3)
     for rank in range(2):
@@ -135,23 +171,43 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name,
     json, gloo): each rank's pack, measured inside the run, equals each response alone."""
     import subprocess
 
-    cmd = ["xtuner", "train", str(pref[name]), "--work-dir", str(tmp_path), "--launcher",
-           "pytorch", "--deepspeed", ZERO2, "--cfg-options", *RUN, *SHORT_WARMUP,
-           "env_cfg.dist_cfg.backend=gloo"]
-    env = dict(sc.venv_env(), NPROC_PER_NODE="2", NNODES="1", PORT=str(_free_port()),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        "xtuner",
+        "train",
+        str(pref[name]),
+        "--work-dir",
+        str(tmp_path),
+        "--launcher",
+        "pytorch",
+        "--deepspeed",
+        ZERO2,
+        "--cfg-options",
+        *RUN,
+        *SHORT_WARMUP,
+        "env_cfg.dist_cfg.backend=gloo",
+    ]
+    env = dict(
+        sc.venv_env(),
+        NPROC_PER_NODE="2",
+        NNODES="1",
+        PORT=str(_free_port()),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
     summary = check_run(tmp_path, min_iters=3)
     # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
     assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), proc.stderr[-3000:]
-    pairs = [_assert_isolated(pref[name], tmp_path / capture_file(rank, 2), kind)["pairs"]
-             for rank in range(2)]
+    pairs = [
+        _assert_isolated(pref[name], tmp_path / capture_file(rank, 2), kind)["pairs"]
+        for rank in range(2)
+    ]
     # the packing figures of rank 0's log: pairs per row of the captured (3rd) batch
     log = "\n".join(p.read_text() for p in tmp_path.glob("*/*.log"))
     line = next(x for x in log.splitlines() if "Iter(train) [3/3]" in x)
-    logged = {k: float(re.search(rf"{k}: ([\d.]+)", line)[1])
-              for k in ("pairs_per_row", "docs_per_row", "real_token_share")}
+    logged = {
+        k: float(re.search(rf"{k}: ([\d.]+)", line)[1])
+        for k in ("pairs_per_row", "docs_per_row", "real_token_share")
+    }
     assert logged["pairs_per_row"] == pairs[0] == logged["docs_per_row"] / 2, (logged, pairs)
     assert logged["real_token_share"] == 1.0, logged  # one packed row per batch: no padding
 
@@ -167,11 +223,13 @@ def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
     """XTuner's DPO deep-copies the policy as reference: under ZeRO-3 it raises after loading."""
     _as_xtuner_train(monkeypatch, pref[pc.DPO], "--deepspeed", str(sc.REPO / ZERO3))
     cfg = Config.fromfile(str(pref[pc.DPO]))
-    with pytest.raises(startup.ConfigConflict,
-                       match=r"model\.ref_llm \(DPO\) with DeepSpeed ZeRO-3: None: XTuner's DPO "
-                             r"then makes the reference model with create_reference_model.*\n"
-                             r"  -> set model\.ref_llm = dict\(type=AutoModelForCausalLM"
-                             r".*or train DPO with ZeRO-2"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"model\.ref_llm \(DPO\) with DeepSpeed ZeRO-3: None: XTuner's DPO "
+        r"then makes the reference model with create_reference_model.*\n"
+        r"  -> set model\.ref_llm = dict\(type=AutoModelForCausalLM"
+        r".*or train DPO with ZeRO-2",
+    ):
         startup.prepare_config(cfg)
     cfg = Config.fromfile(str(pref[pc.DPO]))  # the edit: a reference model of its own
     cfg.model.ref_llm = cfg.model.llm.copy()
@@ -184,10 +242,12 @@ def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
 
 def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):
     cfg = Config.fromfile(str(pref[f"{pc.REWARD}_stock_token"]))
-    with pytest.raises(startup.ConfigConflict,
-                       match=r"reward_token_id \(PART 1; train_dataloader\.dataset\."
-                             r"reward_token_id\): 92527 is outside the vocabulary .*vocab_size "
-                             r"1024.*\n  -> set reward_token_id to an id in 0\.\.1023"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"reward_token_id \(PART 1; train_dataloader\.dataset\."
+        r"reward_token_id\): 92527 is outside the vocabulary .*vocab_size "
+        r"1024.*\n  -> set reward_token_id to an id in 0\.\.1023",
+    ):
         startup.prepare_config(cfg)
 
 
@@ -195,19 +255,23 @@ def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):
 def test_packed_pairs_at_batch_size_two_refused_at_start(pref, name):
     cfg = Config.fromfile(str(pref[name]))
     cfg.train_dataloader.batch_size = 2
-    with pytest.raises(startup.ConfigConflict,
-                       match=r"train_dataloader\.batch_size: 2: packed preference pairs .*"
-                             r"asserts batch size 1.*\n  -> set batch_size = 1"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"train_dataloader\.batch_size: 2: packed preference pairs .*"
+        r"asserts batch size 1.*\n  -> set batch_size = 1",
+    ):
         startup.prepare_config(cfg)
 
 
 def test_mismatched_varlen_switches_refused_at_start(pref):
     cfg = Config.fromfile(str(pref[pc.DPO]))
     cfg.model.use_varlen_attn = False
-    with pytest.raises(startup.ConfigConflict,
-                       match=r"use_varlen_attn: packed preference pairs need the same "
-                             r"use_varlen_attn .*model\.use_varlen_attn=False.*\n  -> set "
-                             r"use_varlen_attn = True"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"use_varlen_attn: packed preference pairs need the same "
+        r"use_varlen_attn .*model\.use_varlen_attn=False.*\n  -> set "
+        r"use_varlen_attn = True",
+    ):
         startup.prepare_config(cfg)
 
 
@@ -222,8 +286,14 @@ def test_check_reward_and_orpo_models_pass(pref, name, kind, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"XTuner {kind} model" in out and "PASS: every response" in out, out
     assert "float32 (tolerance 1e-05 relative)" in out, out
-    captured, alone = map(float, re.search(r"loss     packed ([\d.]+) vs responses alone "
-                                           r"([\d.]+)", out).groups())
+    captured, alone = map(
+        float,
+        re.search(
+            r"loss     packed ([\d.]+) vs responses alone "
+            r"([\d.]+)",
+            out,
+        ).groups(),
+    )
     assert abs(captured - alone) <= 1e-5 and captured > 0.1, out
 
 
@@ -249,8 +319,14 @@ def test_check_orpo_without_plugin_fails_on_log_probs_and_loss(pref, tmp_path, c
     assert main(["check", str(config), "--out", str(tmp_path / "out")]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL: chosen: packed differs from each response alone by 0\.0\d+", out)
-    captured, alone = map(float, re.search(r"problem: loss: packed ([\d.]+) vs responses alone "
-                                           r"([\d.]+)", out).groups())
+    captured, alone = map(
+        float,
+        re.search(
+            r"problem: loss: packed ([\d.]+) vs responses alone "
+            r"([\d.]+)",
+            out,
+        ).groups(),
+    )
     assert abs(captured - alone) > 1e-3, out  # measured 7.009718 vs 7.003515
 
 
@@ -264,8 +340,19 @@ def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):
 
     from xtuner_rope.cli import main
 
-    assert main(["doctor", str(pref[pc.DPO]), "--out", str(tmp_path), "--cfg-options",
-                 "train_dataloader.dataset.max_packed_length=200"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                str(pref[pc.DPO]),
+                "--out",
+                str(tmp_path),
+                "--cfg-options",
+                "train_dataloader.dataset.max_packed_length=200",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "report.json").read_text())["preference"]
     cfg = Config.fromfile(str(pref[pc.DPO]))

@@ -28,9 +28,19 @@ LOG_EVERY_ITER = ("default_hooks.logger.interval=1", "log_processor.window_size=
 
 def _train(config: str, work_dir: Path, max_iters: int, *extra: str) -> str:
     """`python -m xtuner.tools.train` (which, unlike `xtuner train`, returns 1 on a crash)."""
-    cmd = [sys.executable, "-m", "xtuner.tools.train", config, "--work-dir", str(work_dir),
-           *extra, "--cfg-options", "train_cfg.max_epochs=None",
-           f"train_cfg.max_iters={max_iters}", *LOG_EVERY_ITER]
+    cmd = [
+        sys.executable,
+        "-m",
+        "xtuner.tools.train",
+        config,
+        "--work-dir",
+        str(work_dir),
+        *extra,
+        "--cfg-options",
+        "train_cfg.max_epochs=None",
+        f"train_cfg.max_iters={max_iters}",
+        *LOG_EVERY_ITER,
+    ]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
@@ -61,6 +71,7 @@ def test_resume_continues_the_same_run(config, tmp_path):
     # The first N iterations are reproducible, and so is everything after the resume.
     assert train_losses(stopped)[1] == pytest.approx(straight_losses[:STOP], abs=LOSS_ATOL)
     assert resumed_losses == pytest.approx(straight_losses[STOP:], abs=LOSS_ATOL), (
-        f"resumed: {resumed_losses}\nuninterrupted: {straight_losses[STOP:]}")
+        f"resumed: {resumed_losses}\nuninterrupted: {straight_losses[STOP:]}"
+    )
     # The comparison has teeth: the losses after N move by much more than the tolerance.
     assert max(straight_losses[STOP:]) - min(straight_losses[STOP:]) > 1000 * LOSS_ATOL

@@ -29,11 +29,15 @@ from xtuner_rope.demo.tiny import save_tiny
 
 STOCK = "internlm2_7b_full_finetune_custom_dataset_e1_sequence_parallel_4"
 ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
-OPTIONS = ["train_cfg.max_epochs=None", "train_cfg.max_iters=1",
-           "optim_wrapper.accumulative_counts=1",  # the stock file multiplies it by sp
-           "default_hooks.checkpoint.interval=1", "train_dataloader.num_workers=0",
-           "train_dataloader.dataset.shuffle_before_pack=False",
-           "log_processor.num_digits=8"]
+OPTIONS = [
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=1",
+    "optim_wrapper.accumulative_counts=1",  # the stock file multiplies it by sp
+    "default_hooks.checkpoint.interval=1",
+    "train_dataloader.num_workers=0",
+    "train_dataloader.dataset.shuffle_before_pack=False",
+    "log_processor.num_digits=8",
+]
 LOSS = re.compile(r"Iter\(train\) \[1/1\].*?loss: ([-+0-9.eE]+)")
 
 
@@ -47,8 +51,9 @@ def _free_port() -> int:
 def stock_and_data(tmp_path_factory) -> tuple[Path, Path]:
     """The stock config copied once with ``xtuner copy-cfg`` and the local data, shared."""
     root = tmp_path_factory.mktemp("sp-stock")
-    return sc.copy_stock(STOCK, root / "stock"), sc.write_conversation_data(root / "data.json",
-                                                                           n=400)
+    return sc.copy_stock(STOCK, root / "stock"), sc.write_conversation_data(
+        root / "data.json", n=400
+    )
 
 
 def _model(family: str, root: Path) -> Path:
@@ -70,17 +75,30 @@ def _config(tmp: Path, stock: Path, data: Path, model: Path, sp: int) -> Path:
 def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
     """One optimizer step; the logged loss and the parameters DeepSpeed saved."""
     env = dict(sc.venv_env(), PYTHONPATH=str(sc.REPO), OMP_NUM_THREADS="1")
-    args = [str(config), "--work-dir", str(work_dir), "--launcher", "pytorch",
-            "--deepspeed", ZERO2, "--cfg-options", *OPTIONS]
+    args = [
+        str(config),
+        "--work-dir",
+        str(work_dir),
+        "--launcher",
+        "pytorch",
+        "--deepspeed",
+        ZERO2,
+        "--cfg-options",
+        *OPTIONS,
+    ]
     if nproc == 1:  # torchrun's environment for one process: exits 1 on failure
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+        env.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
         cmd = [sys.executable, "-m", "xtuner.tools.train", *args]
     else:  # XTuner's launcher (exits 0 even on failure: judged by the log and checkpoint)
         env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
         cmd = ["xtuner", "train", *args]
-    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     states = work_dir / "iter_1.pth" / "mp_rank_00_model_states.pt"
     assert proc.returncode == 0 and states.is_file(), output[-4000:]
@@ -101,6 +119,8 @@ def test_stock_sequence_parallel_config_trains_like_one_rank(family, stock_and_d
     # the checkpoint is the family's own: Llama's q_proj, InternLM2's fused wqkv
     assert any(".q_proj." in k for k in params_1) == (family == "llama")
     worst = max((params_1[k] - params_2[k]).abs().max().item() for k in params_1)
-    print(f"{family}: sp=2 vs sp=1 after one step: loss {loss_2:.8f} vs {loss_1:.8f}, "
-          f"max |parameter difference| {worst:.3g}")
+    print(
+        f"{family}: sp=2 vs sp=1 after one step: loss {loss_2:.8f} vs {loss_1:.8f}, "
+        f"max |parameter difference| {worst:.3g}"
+    )
     assert worst <= 1e-5

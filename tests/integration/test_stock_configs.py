@@ -22,19 +22,23 @@ QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
 VARLEN = "internlm2_7b_full_finetune_custom_dataset_e1"
 # The stock configs leave the seed random (randomness.seed=None): fix it, so a run's loss curve
 # is the same every time and the falling-loss assertion cannot pass or fail by chance.
-SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=20",
-             "default_hooks.logger.interval=5", "randomness.seed=0")
+SHORT_RUN = (
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=20",
+    "default_hooks.logger.interval=5",
+    "randomness.seed=0",
+)
 FIX_NOTES = {
     "dataset": "xtuner-rope: train_dataloader.dataset.use_varlen_attn: process_hf_dataset("
-               "pack_to_max_length=True) joins dialogues without recording where each starts",
+    "pack_to_max_length=True) joins dialogues without recording where each starts",
     "collate": "xtuner-rope: train_dataloader.collate_fn.use_varlen_attn: default_collate_fn "
-               "drops the packed rows' boundaries",
+    "drops the packed rows' boundaries",
     "hooks": "xtuner-rope: custom_hooks: ValidatedRoPEHook, PackedBatchCheckHook, "
-             "PackingMetricsHook, NonFiniteTripwireHook, TokenWeightedLossHook missing; added",
+    "PackingMetricsHook, NonFiniteTripwireHook, TokenWeightedLossHook missing; added",
     "varlen": "xtuner-rope: use_varlen_attn: XTuner's start-up check demands flash-attn",
     "varlen_hook": "removed VarlenAttnArgsToMessageHubHook",
     "lossless": "xtuner-rope: train_dataloader.dataset.type: process_hf_dataset packs in "
-                "map_num_proc=32 worker(s) and drops each worker's last leftover below max_length",
+    "map_num_proc=32 worker(s) and drops each worker's last leftover below max_length",
 }
 
 pytestmark = pytest.mark.slow
@@ -44,9 +48,12 @@ pytestmark = pytest.mark.slow
 def stock(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("stock")
     sc.ensure_tiny_model()
-    return {"root": root, "alpaca": sc.write_alpaca_data(root / "alpaca"),
-            "conversation": sc.write_conversation_data(root / "conv.json"),
-            **{name: sc.copy_stock(name, root) for name in (FULL, QLORA, VARLEN)}}
+    return {
+        "root": root,
+        "alpaca": sc.write_alpaca_data(root / "alpaca"),
+        "conversation": sc.write_conversation_data(root / "conv.json"),
+        **{name: sc.copy_stock(name, root) for name in (FULL, QLORA, VARLEN)},
+    }
 
 
 def _config(stock: dict, name: str, tmp_path: Path, plugin: bool = True, **localize) -> Path:
@@ -78,8 +85,10 @@ def _train(config: Path, work_dir: Path, *notes: str):
 def _documents_isolated(out: str) -> None:
     """The first batch held more segments than rows, and the attention isolated them."""
     line = next(x for x in out.splitlines() if "PackedBatchCheckHook: first batch" in x)
-    rows, segments = int(line.split("first batch ")[1].split(" rows")[0]), \
-        int(line.split("tokens, ")[1].split(" segments")[0])
+    rows, segments = (
+        int(line.split("first batch ")[1].split(" rows")[0]),
+        int(line.split("tokens, ")[1].split(" segments")[0]),
+    )
     assert segments > rows, line
 
 
@@ -95,8 +104,13 @@ def test_full_finetune_with_one_edit(stock, tmp_path):
 
 
 def test_lora_with_one_edit(stock, tmp_path):
-    run, out = _train(_config(stock, QLORA, tmp_path, lora_only=True), tmp_path / "run",
-                      "dataset", "collate", "hooks")
+    run, out = _train(
+        _config(stock, QLORA, tmp_path, lora_only=True),
+        tmp_path / "run",
+        "dataset",
+        "collate",
+        "hooks",
+    )
     _documents_isolated(out)
     state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     assert any(".lora_A." in key for key in state), list(state)[:5]
@@ -131,10 +145,24 @@ def test_stock_packing_without_the_edit_leaks_inside_xtuner_train(stock, tmp_pat
     config.write_text(sc.with_capture(text))
     env = sc.venv_env()
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(["xtuner", "train", str(config), "--work-dir", str(tmp_path / "run"),
-                           "--cfg-options", "train_cfg.max_epochs=None", "train_cfg.max_iters=1",
-                           "randomness.seed=0"], cwd=sc.REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            "xtuner",
+            "train",
+            str(config),
+            "--work-dir",
+            str(tmp_path / "run"),
+            "--cfg-options",
+            "train_cfg.max_epochs=None",
+            "train_cfg.max_iters=1",
+            "randomness.seed=0",
+        ],
+        cwd=sc.REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     assert "IsolationCaptureHook: saved" in out, out[-3000:]
     assert "ValidatedRoPEHook" not in out
@@ -164,13 +192,19 @@ def test_qlora_reaches_bitsandbytes_own_cuda_message(stock, tmp_path):
 def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
     """Our own QLoRA recipe (``enable_xtuner_rope(local_only=True)``) on the tiny checkpoint."""
     text = (sc.REPO / "configs" / "internlm2_chat_1_8b_qlora_short_dialogues.py").read_text()
-    text = sc.sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
-                       f'pretrained_model_name_or_path = "{sc.TINY_MODEL}"')
+    text = sc.sub_once(
+        text,
+        r'^pretrained_model_name_or_path = ".*"$',
+        f'pretrained_model_name_or_path = "{sc.TINY_MODEL}"',
+    )
     if not torch.cuda.is_available():
         text = sc.sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
         text = sc.sub_once(text, r'^    loss_scale="dynamic",\n    dtype="bfloat16",\n', "")
-        text = sc.sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
-                           "from mmengine.optim import OptimWrapper,")
+        text = sc.sub_once(
+            text,
+            r"^from mmengine.optim import AmpOptimWrapper,",
+            "from mmengine.optim import OptimWrapper,",
+        )
     config = tmp_path / "qlora.py"
     config.write_text(text)
     sc.ensure_tiny_model()
@@ -180,8 +214,7 @@ def test_project_qlora_recipe_reaches_bitsandbytes(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="AmpOptimWrapper is fine on a GPU")
 def test_conflict_is_refused_before_anything_is_built(stock, tmp_path):
     """The shipped AmpOptimWrapper on a CPU machine: refused with the edit, before the model."""
-    proc = sc.xtuner_train(_config(stock, FULL, tmp_path, cpu=False), tmp_path / "run",
-                           *SHORT_RUN)
+    proc = sc.xtuner_train(_config(stock, FULL, tmp_path, cpu=False), tmp_path / "run", *SHORT_RUN)
     out = proc.stdout + proc.stderr
     assert "ConfigConflict: xtuner-rope: 1 setting(s) of this config" in out
     assert "optim_wrapper.type: AmpOptimWrapper needs a GPU" in out
@@ -207,25 +240,51 @@ def _runner_without_start_up(stock, tmp_path, text_edits):
 
 def test_hooks_listed_without_start_up_are_refused(stock, tmp_path, monkeypatch):
     monkeypatch.setitem(startup._STATE, "prepared", False)
-    runner = _runner_without_start_up(stock, tmp_path, [
-        (r"^(from xtuner.utils import .*)$", r"\g<1>\nfrom xtuner_rope.hooks import "
-         "ValidatedRoPEHook, PackedBatchCheckHook"),
-        (r"^custom_hooks = \[$", "custom_hooks = [\n    dict(type=ValidatedRoPEHook),\n"
-         "    dict(type=PackedBatchCheckHook),")])
-    with pytest.raises(startup.ConfigConflict, match=r"(?s)ValidatedRoPEHook: xtuner-rope was "
-                       r"loaded after XTuner built the model.*enable_xtuner_rope"):
+    runner = _runner_without_start_up(
+        stock,
+        tmp_path,
+        [
+            (
+                r"^(from xtuner.utils import .*)$",
+                r"\g<1>\nfrom xtuner_rope.hooks import "
+                "ValidatedRoPEHook, PackedBatchCheckHook",
+            ),
+            (
+                r"^custom_hooks = \[$",
+                "custom_hooks = [\n    dict(type=ValidatedRoPEHook),\n"
+                "    dict(type=PackedBatchCheckHook),",
+            ),
+        ],
+    )
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"(?s)ValidatedRoPEHook: xtuner-rope was "
+        r"loaded after XTuner built the model.*enable_xtuner_rope",
+    ):
         runner.train()
 
 
 def test_rope_collate_fn_without_hooks_names_the_fix(stock, tmp_path, monkeypatch):
     monkeypatch.setitem(startup._STATE, "prepared", False)
-    runner = _runner_without_start_up(stock, tmp_path, [
-        (r"^pack_to_max_length = True$", "pack_to_max_length = False"),
-        (r"^from xtuner.dataset.collate_fns import default_collate_fn$",
-         "from xtuner_rope import rope_collate_fn"),
-        (r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
-         "collate_fn=dict(type=rope_collate_fn, pack=True, max_length=max_length)"),
-        (r"^batch_size = 1 ", "batch_size = 8 ")])
-    with pytest.raises(ValueError, match=r"(?s)reached the model with 'cumulative_len' still "
-                       r"in it.*model_resource = dict\(fn=enable_xtuner_rope\)"):
+    runner = _runner_without_start_up(
+        stock,
+        tmp_path,
+        [
+            (r"^pack_to_max_length = True$", "pack_to_max_length = False"),
+            (
+                r"^from xtuner.dataset.collate_fns import default_collate_fn$",
+                "from xtuner_rope import rope_collate_fn",
+            ),
+            (
+                r"collate_fn=dict\(type=default_collate_fn, use_varlen_attn=use_varlen_attn\)",
+                "collate_fn=dict(type=rope_collate_fn, pack=True, max_length=max_length)",
+            ),
+            (r"^batch_size = 1 ", "batch_size = 8 "),
+        ],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)reached the model with 'cumulative_len' still "
+        r"in it.*model_resource = dict\(fn=enable_xtuner_rope\)",
+    ):
         runner.train()

@@ -13,8 +13,12 @@ from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny import save_tiny
 
 PHI3 = "phi3_mini_4k_instruct_qlora_alpaca_e3"
-SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=8",
-             "default_hooks.logger.interval=2", "randomness.seed=0")
+SHORT_RUN = (
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=8",
+    "default_hooks.logger.interval=2",
+    "randomness.seed=0",
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +36,7 @@ def test_phi3_stock_qlora_config_trains_isolated_with_one_edit(tmp_path):
     assert "ValidatedRoPEHook: 2 Phi3 attention layers use the validated fp32 RoPE" in out
     assert run.losses[-1] < run.losses[0], run.losses
     result = sc.assert_isolated_in_run(config, tmp_path / "run")
-    print(f"{PHI3}: loss {run.losses}, {result['documents']} documents, "
-          f"max |trained - alone| {result['max_abs_diff']:.3g}")
-
+    print(
+        f"{PHI3}: loss {run.losses}, {result['documents']} documents, "
+        f"max |trained - alone| {result['max_abs_diff']:.3g}"
+    )

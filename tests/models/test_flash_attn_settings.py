@@ -16,13 +16,19 @@ from xtuner_rope.demo.tiny import save_tiny
 from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 
 MISTRAL = "mistral_7b_full_finetune_custom_dataset_e1"
-SWITCHED = ('xtuner-rope: model.llm.attn_implementation: "flash_attention_2" needs flash-attn, '
-            "which is not usable here (not installed, or no CUDA): the model would fail to "
-            "build or to run; set to \"sdpa\": xtuner-rope's packed attention isolates "
-            "documents on every backend.")
+SWITCHED = (
+    'xtuner-rope: model.llm.attn_implementation: "flash_attention_2" needs flash-attn, '
+    "which is not usable here (not installed, or no CUDA): the model would fail to "
+    'build or to run; set to "sdpa": xtuner-rope\'s packed attention isolates '
+    "documents on every backend."
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    is_flash_attn_2_available(), reason="flash-attn is usable here: nothing to switch")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        is_flash_attn_2_available(), reason="flash-attn is usable here: nothing to switch"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +52,24 @@ def test_doctor_reports_the_switch_and_an_override_that_undoes_it(mistral_config
     assert cfg.model.llm.attn_implementation == "sdpa"
     assert not any(f.fix is None for f in findings)
     _, findings, _ = start_like_xtuner_train(
-        str(mistral_config), {"model.llm.attn_implementation": "flash_attention_2"})
+        str(mistral_config), {"model.llm.attn_implementation": "flash_attention_2"}
+    )
     undone = [f for f in findings if f.fix is None]
     assert [f.setting for f in undone] == ["model.llm.attn_implementation"]
-    assert undone[0].problem.startswith("the start-up's fix (set to \"sdpa\"")
+    assert undone[0].problem.startswith('the start-up\'s fix (set to "sdpa"')
     assert not startup.is_prepared()  # the doctor looked; it started no run in this process
 
 
 def test_stock_mistral_config_trains_on_cpu_without_flash_attn(mistral_config, tmp_path):
     work_dir = tmp_path / "run"
-    proc = sc.xtuner_train(mistral_config, work_dir, "train_cfg.max_epochs=None",
-                           "train_cfg.max_iters=20", "default_hooks.logger.interval=5",
-                           "randomness.seed=0")
+    proc = sc.xtuner_train(
+        mistral_config,
+        work_dir,
+        "train_cfg.max_epochs=None",
+        "train_cfg.max_iters=20",
+        "default_hooks.logger.interval=5",
+        "randomness.seed=0",
+    )
     out = proc.stdout + proc.stderr
     assert SWITCHED in out
     assert "ValidatedRoPEHook: 2 Mistral attention layers" in out

@@ -33,16 +33,26 @@ VARIANTS = {
     "cohere": ("cohere", dict(use_qk_norm=False)),
     "cohere_qk_norm": ("cohere", dict(use_qk_norm=True)),
 }
-LONGROPE = dict(original_max_position_embeddings=64, max_position_embeddings=256,
-                rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
-                                  long_factor=[2.0 + i for i in range(8)]))
+LONGROPE = dict(
+    original_max_position_embeddings=64,
+    max_position_embeddings=256,
+    rope_scaling=dict(
+        type="longrope",
+        short_factor=[1.0 + i / 8 for i in range(8)],
+        long_factor=[2.0 + i for i in range(8)],
+    ),
+)
 
 
 def build(variant, attn, **overrides):
     """The tiny fp32 model of ``variant`` (2 layers, hidden 64, vocab 256, 256 positions)."""
     family, extra = VARIANTS[variant]
-    return build_tiny_hf(family, 256, attn_implementation=attn,
-                         **{"max_position_embeddings": 256, **extra, **overrides})
+    return build_tiny_hf(
+        family,
+        256,
+        attn_implementation=attn,
+        **{"max_position_embeddings": 256, **extra, **overrides},
+    )
 
 
 def gold_check(model, bs, source="positions", publisher=None):
@@ -98,8 +108,9 @@ def test_greedy_generation_unchanged(variant):
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0  # row 1 left-padded
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
-    torch.testing.assert_close(model.generate(ids, **kwargs), reference.generate(ids, **kwargs),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.generate(ids, **kwargs), reference.generate(ids, **kwargs), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
@@ -114,9 +125,10 @@ def test_moe_routing_per_token_equals_alone(variant):
         for r, row in enumerate(ROWS):
             start = 0
             for n in row:
-                alone = reference(ids[r:r + 1, start:start + n],
-                                  output_router_logits=True).router_logits[layer]  # [n, experts]
-                assert (router[r, start:start + n] - alone).abs().max() <= 1e-5, (layer, r, start)
+                alone = reference(
+                    ids[r : r + 1, start : start + n], output_router_logits=True
+                ).router_logits[layer]  # [n, experts]
+                assert (router[r, start : start + n] - alone).abs().max() <= 1e-5, (layer, r, start)
                 start += n
 
 
@@ -132,9 +144,16 @@ def test_bfloat16_packed_equals_alone(family):
 
 
 def test_family_table_keeps_the_old_names():
-    assert {"LlamaAttention", "Qwen2Attention", "MistralAttention", "Phi3Attention",
-            "MixtralAttention", "GemmaAttention", "CohereAttention",
-            "Qwen2MoeSdpaAttention"} <= set(HF_ATTENTION_CLASSES)
+    assert {
+        "LlamaAttention",
+        "Qwen2Attention",
+        "MistralAttention",
+        "Phi3Attention",
+        "MixtralAttention",
+        "GemmaAttention",
+        "CohereAttention",
+        "Qwen2MoeSdpaAttention",
+    } <= set(HF_ATTENTION_CLASSES)
     assert FAMILIES["cohere"].interleaved and not FAMILIES["cohere"].fp32_apply
     assert integration_for(build("qwen2_moe", "eager")) == "hf"
     assert patch_model(build("qwen2_moe", "sdpa")) == (2, "Qwen2Moe")  # named as in the log
@@ -143,8 +162,9 @@ def test_family_table_keeps_the_old_names():
 @pytest.mark.parametrize("kind", ["longrope", "su"])
 def test_phi3_longrope_matches_transformers(kind):
     scaling = dict(LONGROPE["rope_scaling"], type=kind)
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, **{**LONGROPE,
-                                                                 "rope_scaling": scaling})
+    config = Phi3Config(
+        hidden_size=64, num_attention_heads=4, **{**LONGROPE, "rope_scaling": scaling}
+    )
     ours, theirs = HFValidatedRotaryEmbedding(config), Phi3RotaryEmbedding(config)
     short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
     torch.testing.assert_close(ours.inv_freq, short, rtol=0, atol=0)
@@ -153,8 +173,11 @@ def test_phi3_longrope_matches_transformers(kind):
         positions, x = torch.arange(length)[None], torch.zeros(1, length, 8)
         torch.testing.assert_close(ours(x, positions), theirs(x, positions), rtol=0, atol=0)
     packed = torch.cat([torch.arange(100), torch.arange(20)])[None]  # a 100-token document
-    with pytest.raises(ValueError, match="longrope: a packed batch holds a document reaching "
-                                         "position 99, beyond original_max_position_embeddings=64"):
+    with pytest.raises(
+        ValueError,
+        match="longrope: a packed batch holds a document reaching "
+        "position 99, beyond original_max_position_embeddings=64",
+    ):
         ours(torch.zeros(1, 120, 8), packed)
 
 
@@ -185,15 +208,24 @@ train_dataloader = dict(
 )
 """
 REFUSED = [
-    ("starcoder", dict(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"]),
-     r"GPT-BigCode \(StarCoder\) cannot be served by xtuner-rope: it has no rotary"),
-    ("internlm", dict(model_type="internlm", auto_map={"AutoModelForCausalLM": "m.M"}),
-     r"InternLM \(1\) cannot be served by xtuner-rope: its modeling code is a checkpoint's "
-     "remote code"),
+    (
+        "starcoder",
+        dict(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"]),
+        r"GPT-BigCode \(StarCoder\) cannot be served by xtuner-rope: it has no rotary",
+    ),
+    (
+        "internlm",
+        dict(model_type="internlm", auto_map={"AutoModelForCausalLM": "m.M"}),
+        r"InternLM \(1\) cannot be served by xtuner-rope: its modeling code is a checkpoint's "
+        "remote code",
+    ),
     ("chatglm3", dict(model_type="chatglm"), r"ChatGLM 2/3 cannot be served"),
-    ("other", dict(model_type="my_llm", auto_map={}),
-     r"my_llm cannot be served by xtuner-rope: xtuner-rope has no integration for it \(its "
-     r"modeling code is remote code\)"),
+    (
+        "other",
+        dict(model_type="my_llm", auto_map={}),
+        r"my_llm cannot be served by xtuner-rope: xtuner-rope has no integration for it \(its "
+        r"modeling code is remote code\)",
+    ),
 ]
 
 
@@ -207,20 +239,25 @@ def test_start_up_refuses_unserved_families_before_loading(tmp_path, name, confi
     path.write_text(SMALL_CONFIG.format(llm=llm, data=str(data)))
     from mmengine.config import Config
 
-    with pytest.raises(startup.ConfigConflict, match=r"model.llm.pretrained_model_name_or_path: "
-                                                     f".*{message}.*\n  -> use a checkpoint of a "
-                                                     "served family"):
+    with pytest.raises(
+        startup.ConfigConflict,
+        match=r"model.llm.pretrained_model_name_or_path: "
+        f".*{message}.*\n  -> use a checkpoint of a "
+        "served family",
+    ):
         startup.prepare_config(Config.fromfile(str(path)))
     report, _ = diagnose(str(path), progress=False)  # the doctor says so too, exit 1
     assert report["exit_code"] == 1
     assert [c["setting"] for c in report["findings"]["conflicts"]] == [
-        "model.llm.pretrained_model_name_or_path"]
+        "model.llm.pretrained_model_name_or_path"
+    ]
 
 
 def test_served_and_unknowable_checkpoints_are_not_refused(tmp_path):
     for model_type in ("phi3", "mixtral", "qwen2_moe", "gemma", "cohere", "llama", "internlm2"):
-        where, refusal = checkpoint_verdict(_checkpoint(tmp_path, model_type,
-                                                        model_type=model_type))
+        where, refusal = checkpoint_verdict(
+            _checkpoint(tmp_path, model_type, model_type=model_type)
+        )
         assert refusal is None and model_type in where
     # A hub id not in the local cache, a directory without config.json, no model_type: not
     # knowable offline; ValidatedRoPEHook refuses such a model after loading.

@@ -30,12 +30,20 @@ from xtuner_rope.models import (
 from xtuner_rope.models.runtime import CUMULATIVE_KEY, VARLEN_HUB
 from xtuner_rope.ops.packing import flat_cumulative
 
-LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=64)
+LLAMA3_SCALING = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "llama3": (LlamaConfig, LlamaForCausalLM, dict(rope_theta=500000.0,
-                                                   rope_scaling=LLAMA3_SCALING)),
+    "llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING),
+    ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=64)),
 }
@@ -45,10 +53,18 @@ ROWS = [[5, 9, 3], [7, 6, 4]]  # document lengths per row; every row holds 17 to
 def build(family, attn, **overrides):
     """A tiny fp32 model of ``family`` (2 layers, hidden 64, GQA 4/2 heads, vocab 256)."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(vocab_size=256, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, pad_token_id=0, attn_implementation=attn,
-                        **{**extra, **overrides})
+    config = config_cls(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        attn_implementation=attn,
+        **{**extra, **overrides},
+    )
     torch.manual_seed(0)
     return model_cls(config).eval()
 
@@ -72,7 +88,7 @@ def per_document(model, ids, rows):
     for r, row in enumerate(rows):
         start = 0
         for n in row:
-            doc = ids[r:r + 1, start:start + n]
+            doc = ids[r : r + 1, start : start + n]
             out = model(doc).logits  # [1, n, vocab]
             loss_sum = loss_sum + F.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
             logits.append(out)
@@ -198,8 +214,11 @@ def test_integration_for_other_models(tiny_model):
 
 
 def test_refuses_models_without_a_supported_family(tiny_model):
-    with pytest.raises(ValueError, match=r"InternLM2ForCausalLM contains no attention layer of "
-                                         r"a supported family \(Llama"):
+    with pytest.raises(
+        ValueError,
+        match=r"InternLM2ForCausalLM contains no attention layer of "
+        r"a supported family \(Llama",
+    ):
         patch_hf_model(tiny_model)
     model = build("llama", "sdpa")
     del model.model.rotary_emb
@@ -230,8 +249,11 @@ def test_refuses_bad_position_ids():
     ids = torch.randint(1, 256, (1, 4))
     with pytest.raises(ValueError, match="must be non-negative, got -1 at row 0, column 2"):
         model(ids, position_ids=torch.tensor([[0, 1, -1, 2]]))
-    with pytest.raises(ValueError, match=r"holds 256 at row 0, column 3, beyond the supported "
-                                         r"range \[0, 256\) \(max_position_embeddings=256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 256 at row 0, column 3, beyond the supported "
+        r"range \[0, 256\) \(max_position_embeddings=256\)",
+    ):
         model(ids, position_ids=torch.tensor([[0, 1, 2, 256]]))
 
 

@@ -13,21 +13,43 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from xtuner_rope.models import HFValidatedRotaryEmbedding
 from xtuner_rope.models.hf_rope import patch_hf_fp32_rotation
 
-LLAMA31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-               original_max_position_embeddings=8192)
+LLAMA31 = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 CONFIGS = {  # head_dim 128, as the real models
-    "default": LlamaConfig(hidden_size=1024, num_attention_heads=8, rope_theta=500000.0,
-                           max_position_embeddings=8192),
-    "linear": LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=8192,
-                          rope_scaling=dict(type="linear", factor=4.0)),
-    "dynamic": LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=8192,
-                           rope_scaling=dict(rope_type="dynamic", factor=2.0)),
-    "llama3": LlamaConfig(hidden_size=1024, num_attention_heads=8, rope_theta=500000.0,
-                          max_position_embeddings=131072, rope_scaling=LLAMA31),
-    "yarn": Qwen2Config(hidden_size=1024, num_attention_heads=8, rope_theta=1e6,
-                        max_position_embeddings=32768,
-                        rope_scaling=dict(type="yarn", factor=4.0,
-                                          original_max_position_embeddings=32768)),
+    "default": LlamaConfig(
+        hidden_size=1024, num_attention_heads=8, rope_theta=500000.0, max_position_embeddings=8192
+    ),
+    "linear": LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=8,
+        max_position_embeddings=8192,
+        rope_scaling=dict(type="linear", factor=4.0),
+    ),
+    "dynamic": LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=8,
+        max_position_embeddings=8192,
+        rope_scaling=dict(rope_type="dynamic", factor=2.0),
+    ),
+    "llama3": LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling=LLAMA31,
+    ),
+    "yarn": Qwen2Config(
+        hidden_size=1024,
+        num_attention_heads=8,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768),
+    ),
 }
 POSITION = 32768
 
@@ -40,7 +62,7 @@ def float64_inv_freq(rope_type, config, seq_len):
     if rope_type == "dynamic" and seq_len > config.max_position_embeddings:
         ratio = scaling["factor"] * seq_len / config.max_position_embeddings - scaling["factor"] + 1
         base = base * ratio ** (dim / (dim - 2))
-    inv = base ** -exponents
+    inv = base**-exponents
     if rope_type == "linear":
         return inv / scaling["factor"], 1.0
     if rope_type == "llama3":
@@ -48,8 +70,12 @@ def float64_inv_freq(rope_type, config, seq_len):
         smooth = ((ctx / wavelength - 1.0) / 3.0).clamp(0, 1)  # low 1, high 4
         return (1 - smooth) * inv / scaling["factor"] + smooth * inv, 1.0
     if rope_type == "yarn":
-        turns_dim = [dim * math.log(config.max_position_embeddings / (t * 2 * math.pi))
-                     / (2 * math.log(base)) for t in (32, 1)]
+        turns_dim = [
+            dim
+            * math.log(config.max_position_embeddings / (t * 2 * math.pi))
+            / (2 * math.log(base))
+            for t in (32, 1)
+        ]
         low, high = max(math.floor(turns_dim[0]), 0), min(math.ceil(turns_dim[1]), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
         factor = scaling["factor"]
@@ -103,8 +129,9 @@ def test_dynamic_ntk_beyond_fp32_exact_positions_matches_float64():
     inv_freq = ours.inv_freq_at(int(positions.max()) + 1).double()
     angles = positions[0, :, None].double() * inv_freq
     angles = torch.cat((angles, angles), dim=-1)  # [5, h_d]
-    torch.testing.assert_close((cos[0].double(), sin[0].double()), (angles.cos(), angles.sin()),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        (cos[0].double(), sin[0].double()), (angles.cos(), angles.sin()), rtol=0, atol=1e-6
+    )
     # fp32 angles (upstream's arithmetic) would be off by far more.
     fp32 = positions[0, :, None].float() * inv_freq.float()
     assert (torch.cat((fp32, fp32), dim=-1).cos().double() - angles.cos()).abs().max() > 0.5
@@ -116,8 +143,9 @@ def test_dynamic_ntk_is_stateless():
     x = torch.zeros(1, 1, 8)
     ours(x, torch.tensor([[30000]]))  # a long batch first
     for pos in (12000, 100):
-        torch.testing.assert_close(ours(x, torch.tensor([[pos]])), fresh(x, torch.tensor([[pos]])),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            ours(x, torch.tensor([[pos]])), fresh(x, torch.tensor([[pos]])), rtol=0, atol=0
+        )
 
 
 def test_limits_and_errors():
@@ -130,8 +158,9 @@ def test_limits_and_errors():
         ours(torch.zeros(1, 1, 8), torch.tensor([[32768]]))
     with pytest.raises(TypeError, match="position_ids must be an integer tensor"):
         ours(torch.zeros(1, 1, 8), torch.tensor([[1.0]]))
-    longrope = LlamaConfig(rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 64,
-                                             long_factor=[1.0] * 64))
+    longrope = LlamaConfig(
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 64, long_factor=[1.0] * 64)
+    )
     with pytest.raises(ValueError, match="rope_type='longrope' of LlamaConfig is not supported"):
         HFValidatedRotaryEmbedding(longrope)
 
@@ -153,8 +182,8 @@ def test_family_apply_rotates_low_precision_q_k_in_fp32(dtype):
     rotated = torch.cat((-q64[..., half:], q64[..., :half]), dim=-1)
     truth = q64 * c64 + rotated * s64
     # One rounding of the result (half an ulp), plus fp32 rounding of the 4e4-sized terms.
-    tol = 2 ** -11 if dtype == torch.float16 else 2 ** -8
-    assert ((rq.double() - truth).abs() <= tol * truth.abs() + 40000 * 2 ** -22).all()
+    tol = 2**-11 if dtype == torch.float16 else 2**-8
+    assert ((rq.double() - truth).abs() <= tol * truth.abs() + 40000 * 2**-22).all()
 
 
 def test_family_apply_unchanged_for_unpatched_calls():

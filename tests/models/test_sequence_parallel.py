@@ -29,8 +29,12 @@ SP = 2
 VOCAB = 256
 ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
 # (family, attention class, key/value heads of 4)
-CASES = [("internlm2", "eager", 2), ("internlm2", "sdpa", 2), ("internlm2", "sdpa", 1),
-         ("llama", "sdpa", 2)]
+CASES = [
+    ("internlm2", "eager", 2),
+    ("internlm2", "sdpa", 2),
+    ("internlm2", "sdpa", 1),
+    ("llama", "sdpa", 2),
+]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -99,8 +103,12 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
     reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
     # XTuner's model as the stock configs build it: activation checkpointing on (the backward
     # recomputes every layer's all-to-all and reads the published boundaries again).
-    llm = ConfigDict(type=AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path=path,
-               attn_implementation=attn, trust_remote_code=True)
+    llm = ConfigDict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=path,
+        attn_implementation=attn,
+        trust_remote_code=True,
+    )
     sft = SupervisedFinetune(llm=llm, use_activation_checkpointing=True)
     patch_model(sft)
     patched = sft.llm
@@ -110,8 +118,9 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
     # sp = 1: the whole batch in this process (eval mode: no sequence split).
     _reset_hub()
     patched.eval()
-    one = patched(input_ids=data["input_ids"], position_ids=data["position_ids"],
-                  labels=data["labels"])
+    one = patched(
+        input_ids=data["input_ids"], position_ids=data["position_ids"], labels=data["labels"]
+    )
     one.loss.backward()
     want_grads = {n: p.grad.clone() for n, p in patched.named_parameters()}
     patched.zero_grad()
@@ -126,7 +135,7 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
         start = 0
         for doc in row_docs:
             alone = reference(input_ids=torch.tensor([doc])).logits[0]
-            torch.testing.assert_close(logits[r, start:start + len(doc)], alone, **TOL)
+            torch.testing.assert_close(logits[r, start : start + len(doc)], alone, **TOL)
             start += len(doc)
 
     # As in training: PackedBatchCheckHook publishes the collate's boundaries and takes them
@@ -147,16 +156,19 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
     # even length and our attention: the label at each shard boundary is lost, the loss is off.
     xtuner_method = SupervisedFinetune._compute_sequence_parallel_loss.__wrapped__
     shard_rows(data, SP, rank)  # publishes the padded full-row boundaries
-    padded = {k: F.pad(data[k], (0, 1), value=v)
-              for k, v in (("input_ids", 0), ("labels", -100), ("position_ids", 0))}
+    padded = {
+        k: F.pad(data[k], (0, 1), value=v)
+        for k, v in (("input_ids", 0), ("labels", -100), ("position_ids", 0))
+    }
     xtuner_loss = xtuner_method(sft, padded)["loss"].detach()
     _reset_hub()
     assert (xtuner_loss - one.loss.detach()).abs() > 1e-3, (xtuner_loss, one.loss)
 
 
 def _worker(rank: int, port: int, paths: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(SP))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(SP)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=SP)
     try:
@@ -175,7 +187,8 @@ def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
     paths = []
     for family, attn, n_kv in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
         path = tmp_path / f"{family}-{attn}-{n_kv}"
-        build_tiny(family, VOCAB, attn_implementation=attn,
-                   num_key_value_heads=n_kv).save_pretrained(path)
+        build_tiny(
+            family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv
+        ).save_pretrained(path)
         paths.append(str(path))
     mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)

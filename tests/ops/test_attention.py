@@ -30,8 +30,10 @@ def _alone(ref, doc):
     loss = F.cross_entropy(logits[:-1], doc[1:], reduction="sum") if len(doc) > 1 else None
     if loss is not None:
         loss.backward()
-    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-             for n, p in ref.named_parameters()}
+    grads = {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in ref.named_parameters()
+    }
     return logits.detach(), (0.0 if loss is None else loss.item()), grads
 
 
@@ -50,13 +52,18 @@ def test_packed_equals_unpacked_logits_loss_grads(tiny_model, batch_size):
     assert patch_internlm2_attention(model) == 2
     docs = _docs(LENGTHS)
     rows = _rows_of(docs, batch_size)
-    instances = [dict(input_ids=torch.cat([docs[i] for i in row]).tolist(),
-                      labels=torch.cat([docs[i] for i in row]).tolist(),
-                      cumulative_len=cumulative_from_lengths([len(docs[i]) for i in row]).tolist())
-                 for row in rows]
+    instances = [
+        dict(
+            input_ids=torch.cat([docs[i] for i in row]).tolist(),
+            labels=torch.cat([docs[i] for i in row]).tolist(),
+            cumulative_len=cumulative_from_lengths([len(docs[i]) for i in row]).tolist(),
+        )
+        for row in rows
+    ]
     batch = rope_collate_fn(instances, return_hf_format=True)
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                labels=batch["labels"])
+    out = model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]
+    )
     n_supervised = (batch["labels"][:, 1:] != -100).sum()
     (out.loss * n_supervised).backward()
 
@@ -65,13 +72,18 @@ def test_packed_equals_unpacked_logits_loss_grads(tiny_model, batch_size):
         offset = 0
         for i in row:
             logits, loss, grads = _alone(ref, docs[i])
-            got = out.logits[r, offset:offset + len(docs[i])].detach()
+            got = out.logits[r, offset : offset + len(docs[i])].detach()
             torch.testing.assert_close(got, logits, atol=1e-5, rtol=0)
             expected_loss += loss
-            expected_grads = grads if expected_grads is None else {
-                n: expected_grads[n] + g for n, g in grads.items()}
+            expected_grads = (
+                grads
+                if expected_grads is None
+                else {n: expected_grads[n] + g for n, g in grads.items()}
+            )
             offset += len(docs[i])
-    torch.testing.assert_close((out.loss * n_supervised).item(), expected_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        (out.loss * n_supervised).item(), expected_loss, rtol=1e-5, atol=1e-4
+    )
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -104,7 +116,7 @@ def test_hub_boundaries_isolate_without_position_resets(tiny_model):
     finally:
         hub.update_info("cumulative_len_rank_0", None)
     for r, start in ((0, 5), (1, 7)):
-        alone = ref(input_ids=ids[r:r + 1, start:], position_ids=torch.arange(start, 14)[None])
+        alone = ref(input_ids=ids[r : r + 1, start:], position_ids=torch.arange(start, 14)[None])
         torch.testing.assert_close(out[r, start:], alone.logits[0], atol=1e-5, rtol=0)
 
 
@@ -131,10 +143,17 @@ def test_xtuner_packed_dataset_rows_match_documents_alone(tiny_tokenizer, sample
 
     dialogues = sample_dialogues[:40]
     packed = process_hf_dataset(
-        dataset=Dataset.from_list(dialogues), tokenizer=tiny_tokenizer, max_length=128,
-        dataset_map_fn=openai_map_fn, pack_to_max_length=True, use_varlen_attn=True,
+        dataset=Dataset.from_list(dialogues),
+        tokenizer=tiny_tokenizer,
+        max_length=128,
+        dataset_map_fn=openai_map_fn,
+        pack_to_max_length=True,
+        use_varlen_attn=True,
         template_map_fn=template_map_fn_factory(template=PROMPT_TEMPLATE.internlm2_chat),
-        remove_unused_columns=True, shuffle_before_pack=False, map_num_proc=1)
+        remove_unused_columns=True,
+        shuffle_before_pack=False,
+        map_num_proc=1,
+    )
     ref = build_tiny_internlm2(len(tiny_tokenizer), attn_implementation="sdpa")
     model = copy.deepcopy(ref)
     patch_internlm2_attention(model)
@@ -143,7 +162,7 @@ def test_xtuner_packed_dataset_rows_match_documents_alone(tiny_tokenizer, sample
     for r, cu in enumerate(batch["cumulative_len"]):
         assert len(cu) >= 3, "expected several documents per XTuner-packed row"
         for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            alone = ref(input_ids=batch["input_ids"][r:r + 1, start:end]).logits[0]
+            alone = ref(input_ids=batch["input_ids"][r : r + 1, start:end]).logits[0]
             torch.testing.assert_close(logits[r, start:end], alone, atol=1e-5, rtol=0)
 
 
@@ -153,9 +172,12 @@ def test_generation_with_kv_cache_matches_unpatched(tiny_model):
     prompts = torch.randint(3, 256, (2, 9))
     mask = torch.ones_like(prompts)
     mask[1, :3] = 0  # left padding in the second prompt
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                  use_cache=True)
-    torch.testing.assert_close(tiny_model.generate(prompts, **kwargs), ref.generate(prompts, **kwargs))
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=True
+    )
+    torch.testing.assert_close(
+        tiny_model.generate(prompts, **kwargs), ref.generate(prompts, **kwargs)
+    )
 
 
 def test_patch_is_idempotent_and_covers_wrappers(tiny_model):
@@ -166,8 +188,10 @@ def test_patch_is_idempotent_and_covers_wrappers(tiny_model):
     attn = tiny_model.model.layers[0].attention
     assert isinstance(attn.rotary_emb, ValidatedRotaryEmbedding)
     assert attn.forward.__func__ is internlm2_attention_forward
-    peft = get_peft_model(copy.deepcopy(tiny_model.__class__(tiny_model.config)),
-                          LoraConfig(r=4, target_modules=["wqkv"]))
+    peft = get_peft_model(
+        copy.deepcopy(tiny_model.__class__(tiny_model.config)),
+        LoraConfig(r=4, target_modules=["wqkv"]),
+    )
     assert patch_internlm2_attention(peft) == 2
 
 
@@ -180,8 +204,8 @@ def test_patch_refuses_models_without_internlm2_attention():
 def test_plan_cost_grows_with_sum_of_squares(lengths):
     """Each document is padded by < 12.5% (to >= MIN_BUCKET): cost <= 1.27 sum(max(l,16)^2)."""
     plan = plan_documents(cumulative_from_lengths(lengths), torch.device("cpu"))
-    cost = sum(b.gather.shape[0] * b.length ** 2 for b in plan.buckets)
-    assert cost <= 1.125 ** 2 * sum(max(n, MIN_BUCKET) ** 2 for n in lengths)
+    cost = sum(b.gather.shape[0] * b.length**2 for b in plan.buckets)
+    assert cost <= 1.125**2 * sum(max(n, MIN_BUCKET) ** 2 for n in lengths)
     assert sum(int(b.valid.sum()) for b in plan.buckets) == sum(lengths)
     assert sorted(plan.inverse.tolist()) == list(range(sum(lengths)))
 
@@ -201,8 +225,11 @@ def test_packed_attention_matches_per_document_sdpa_forward_backward(backend):
     for n in lengths:
         sl = slice(start, start + n)
         qd, kd, vd = (x[:, sl].transpose(1, 2) for x in (q, k, v))  # [1, heads, n, h_d]
-        pieces.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                     enable_gqa=True).transpose(1, 2))
+        pieces.append(
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).transpose(
+                1, 2
+            )
+        )
         start += n
     expected = torch.cat(pieces, dim=1)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
@@ -218,8 +245,9 @@ def test_collate_pack_plan_rows_feed_patched_model(attn, tmp_path):
     ref, model = copy.deepcopy(runner.model.llm), runner.model.llm
     lengths = LENGTHS  # the 1-token sample has no supervised label: kept and counted
     docs = _docs(lengths)
-    batch = rope_collate_fn([dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs],
-                            pack=True, max_length=128)
+    batch = rope_collate_fn(
+        [dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs], pack=True, max_length=128
+    )
     rows = plan_packs(list(lengths), 128)
     ValidatedRoPEHook().before_train(runner)
     hook = PackedBatchCheckHook()
@@ -233,8 +261,9 @@ def test_collate_pack_plan_rows_feed_patched_model(attn, tmp_path):
         offset = 0
         for i in row:
             alone = ref(input_ids=docs[i][None]).logits[0]
-            torch.testing.assert_close(logits[r, offset:offset + len(docs[i])], alone,
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                logits[r, offset : offset + len(docs[i])], alone, atol=1e-5, rtol=0
+            )
             offset += len(docs[i])
 
 
@@ -250,7 +279,7 @@ def test_flash_or_sdpa_on_gpu_matches_documents_alone(tiny_model):
     offset = 0
     for d in docs:
         alone = ref(input_ids=d[None]).logits[0]
-        torch.testing.assert_close(logits[offset:offset + len(d)], alone, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(logits[offset : offset + len(d)], alone, atol=3e-2, rtol=3e-2)
         offset += len(d)
 
 
@@ -259,13 +288,15 @@ def test_patched_model_matches_unpatched_on_plain_and_padded_batches(tiny_model)
     ref = copy.deepcopy(tiny_model)
     patch_internlm2_attention(tiny_model)
     ids = torch.randint(3, 256, (2, 23))
-    torch.testing.assert_close(tiny_model(input_ids=ids).logits, ref(input_ids=ids).logits,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        tiny_model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-6, rtol=1e-5
+    )
     # Right-padded rows from rope_collate_fn: the padding is its own segment for the patched
     # model, the attention mask does the same job for the reference.
     docs = _docs((23, 9))
-    batch = rope_collate_fn([dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs],
-                            return_hf_format=True)
+    batch = rope_collate_fn(
+        [dict(input_ids=d.tolist(), labels=d.tolist()) for d in docs], return_hf_format=True
+    )
     got = tiny_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     want = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long()).logits
     torch.testing.assert_close(got[1, :9], want[1, :9], atol=1e-6, rtol=1e-5)

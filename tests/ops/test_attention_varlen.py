@@ -56,10 +56,14 @@ def test_varlen_glue_matches_per_document_attention_fwd_bwd(counted_kernel, dtyp
     pieces = []
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         # [1, heads, n, h_d] slices of the flattened tokens
-        qd, kd, vd = (x.reshape(bs * s, -1, h_d)[start:end].transpose(0, 1)[None]
-                      for x in (q32, k32, v32))
-        pieces.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                     enable_gqa=True)[0].transpose(0, 1))
+        qd, kd, vd = (
+            x.reshape(bs * s, -1, h_d)[start:end].transpose(0, 1)[None] for x in (q32, k32, v32)
+        )
+        pieces.append(
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        )
     expected = torch.cat(pieces).reshape(bs, s, n_h, h_d)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=3e-3, rtol=3e-3)
     torch.testing.assert_close(out.float(), expected, **tol)

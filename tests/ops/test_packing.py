@@ -1,4 +1,5 @@
 """Tests for xtuner_rope.ops.packing: compared against plain per-document Python loops."""
+
 from itertools import accumulate
 
 import pytest
@@ -68,7 +69,7 @@ def test_cumulative_from_position_ids_cut_document():
 
 
 def test_cumulative_from_lengths_rejects_empty_document():
-    with pytest.raises(ValueError, match=r'lengths\[1\]: expected a segment length >= 1, got 0'):
+    with pytest.raises(ValueError, match=r"lengths\[1\]: expected a segment length >= 1, got 0"):
         cumulative_from_lengths([3, 0, 2])
 
 
@@ -115,20 +116,31 @@ def test_plan_packs_first_fit_decreasing_example():
     assert plan_packs([], 4) == []
 
 
-@pytest.mark.parametrize('lengths, max_length, match', [
-    ([1, 2], 0, r'max_length: expected >= 1, got 0'),
-    ([3, 0], 4, r'lengths\[1\]: expected 1..max_length=4 tokens, got 0'),
-    ([5], 4, r'lengths\[0\]: expected 1..max_length=4 tokens, got 5; .*truncate'),
-])
+@pytest.mark.parametrize(
+    "lengths, max_length, match",
+    [
+        ([1, 2], 0, r"max_length: expected >= 1, got 0"),
+        ([3, 0], 4, r"lengths\[1\]: expected 1..max_length=4 tokens, got 0"),
+        ([5], 4, r"lengths\[0\]: expected 1..max_length=4 tokens, got 5; .*truncate"),
+    ],
+)
 def test_plan_packs_errors(lengths, max_length, match):
     with pytest.raises(ValueError, match=match):
         plan_packs(lengths, max_length)
 
 
-@pytest.mark.parametrize('longest, multiple, min_length, expected', [
-    (5, None, None, 5), (5, 8, None, 8), (8, 8, None, 8), (5, None, 7, 7),
-    (5, 4, 7, 8), (9, None, 3, 9), (1, 3, 0, 3),
-])
+@pytest.mark.parametrize(
+    "longest, multiple, min_length, expected",
+    [
+        (5, None, None, 5),
+        (5, 8, None, 8),
+        (8, 8, None, 8),
+        (5, None, 7, 7),
+        (5, 4, 7, 8),
+        (9, None, 3, 9),
+        (1, 3, 0, 3),
+    ],
+)
 def test_padded_length(longest, multiple, min_length, expected):
     assert padded_length(longest, pad_to_multiple_of=multiple, min_length=min_length) == expected
 
@@ -138,8 +150,10 @@ def test_padded_length(longest, multiple, min_length, expected):
 def test_flat_cumulative_offsets_each_row_by_its_start(rows_lengths):
     """Reference: walk the flattened [b * s] tokens row by row (rows padded to the longest)."""
     s = max(sum(lengths) for lengths in rows_lengths)
-    cus = [cumulative_from_lengths(lengths + ([s - sum(lengths)] if sum(lengths) < s else []))
-           for lengths in rows_lengths]
+    cus = [
+        cumulative_from_lengths(lengths + ([s - sum(lengths)] if sum(lengths) < s else []))
+        for lengths in rows_lengths
+    ]
     expected = []
     for r, cu in enumerate(cus):
         expected += [r * s + int(c) for c in cu[:-1]]

@@ -10,16 +10,19 @@ from xtuner_rope.ops import rotate
 from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply
 from xtuner_rope.ops.rotate import fused_kernel_calls
 
-TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
-       torch.float16: dict(atol=1e-5, rtol=1e-3)}
+TOL = {
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-5, rtol=1e-3),
+}
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize('transpose', [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transpose", [False, True])
 def test_fused_matches_eager(fused, dtype, transpose):
     # Odd sizes, cos/sin whose halves differ (so the transpose is not the inverse rotation).
     x = randn(2, 3, 7, 16, dtype=dtype)
@@ -54,25 +57,31 @@ def test_new_lengths_reuse_the_kernel(fused):
     # that new batch sizes, head counts and lengths must not compile again.
     for s in (5, 11):
         rotate.rotate(randn(2, 3, s, 16), randn(2, 1, s, 16), randn(2, 1, s, 16), False)
-    graphs, calls = counters['stats']['unique_graphs'], fused_kernel_calls()
+    graphs, calls = counters["stats"]["unique_graphs"], fused_kernel_calls()
     for b, n, s in ((3, 4, 37), (2, 6, 300)):
         x, cos, sin = randn(b, n, s, 16), randn(b, 1, s, 16, seed=1), randn(b, 1, s, 16, seed=2)
-        torch.testing.assert_close(rotate.rotate(x, cos, sin, False),
-                                   rotate.rotate_eager(x, cos, sin, False), **TOL[torch.float32])
-    assert counters['stats']['unique_graphs'] == graphs and fused_kernel_calls() == calls + 2
+        torch.testing.assert_close(
+            rotate.rotate(x, cos, sin, False),
+            rotate.rotate_eager(x, cos, sin, False),
+            **TOL[torch.float32],
+        )
+    assert counters["stats"]["unique_graphs"] == graphs and fused_kernel_calls() == calls + 2
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch):
     # What a machine without a C++ compiler (CPU) or Triton (CUDA) gets from torch.compile.
     def broken(*args):
-        raise RuntimeError('InvalidCxxCompiler: No working C++ compiler found')
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
-    monkeypatch.setitem(rotate._fused, 'fn', broken)
-    monkeypatch.setitem(rotate._fused, 'enabled', True)
+    monkeypatch.setitem(rotate._fused, "fn", broken)
+    monkeypatch.setitem(rotate._fused, "enabled", True)
     calls = fused_kernel_calls()
     x, cos, sin = randn(1, 2, 5, 8), randn(1, 1, 5, 8, seed=1), randn(1, 1, 5, 8, seed=2)
-    with pytest.warns(RuntimeWarning, match=r'fused RoPE kernel failed .* on cpu \(RuntimeError: '
-                                            r'InvalidCxxCompiler.*\); using the eager kernel'):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"fused RoPE kernel failed .* on cpu \(RuntimeError: "
+        r"InvalidCxxCompiler.*\); using the eager kernel",
+    ):
         out = rotate.rotate(x, cos, sin, False)
     torch.testing.assert_close(out, rotate.rotate_eager(x, cos, sin, False), rtol=0, atol=0)
     assert fused_kernel_calls() == calls  # the fall-back is not counted as a fused call
@@ -88,10 +97,11 @@ def test_use_fused_apply_returns_previous_state():
 def test_fused_kernel_inside_a_compiled_function(fused):
     # A user who compiles the whole model: the kernel is traced into that graph, not nested.
     x, cos, sin = randn(2, 3, 6, 16), randn(2, 1, 6, 16, seed=1), randn(2, 1, 6, 16, seed=2)
-    graphs, breaks = counters['stats']['unique_graphs'], sum(counters['graph_break'].values())
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     compiled = torch.compile(lambda t: rotate.rotate(t, cos, sin, False) * 2.0)
-    torch.testing.assert_close(compiled(x), rotate.rotate_eager(x, cos, sin, False) * 2.0,
-                               **TOL[torch.float32])
+    torch.testing.assert_close(
+        compiled(x), rotate.rotate_eager(x, cos, sin, False) * 2.0, **TOL[torch.float32]
+    )
     # One graph holding the rotation and the product, no break around the kernel.
-    assert counters['stats']['unique_graphs'] == graphs + 1
-    assert sum(counters['graph_break'].values()) == breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert sum(counters["graph_break"].values()) == breaks

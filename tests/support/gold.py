@@ -44,12 +44,13 @@ def check_packed_equals_alone(reference, model, bs, device="cpu"):
     for r, row in enumerate(docs):
         start = 0
         for doc in row:
-            got = logits[r, start:start + len(doc)]
+            got = logits[r, start : start + len(doc)]
             want = reference(input_ids=doc[None]).logits[0]
             torch.testing.assert_close(got.float(), want.float(), **LOGITS_TOL)
             loss = loss + F.cross_entropy(got[:-1].float(), doc[1:], reduction="sum")
-            expected_loss = expected_loss + F.cross_entropy(want[:-1].float(), doc[1:],
-                                                            reduction="sum")
+            expected_loss = expected_loss + F.cross_entropy(
+                want[:-1].float(), doc[1:], reduction="sum"
+            )
             start += len(doc)
     torch.testing.assert_close(loss, expected_loss, rtol=5e-3, atol=5e-2)
     loss.backward()

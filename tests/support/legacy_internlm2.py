@@ -57,11 +57,20 @@ class InternLM2Attention(xtuner_internlm2.InternLM2Attention):
     def __init__(self, config):
         super().__init__(config, layer_idx=0)
         del self.layer_idx  # the first-generation layers never knew their index
-        self.rotary_emb = LegacyRotaryEmbedding(self.head_dim, self.max_position_embeddings,
-                                                self.rope_theta)
+        self.rotary_emb = LegacyRotaryEmbedding(
+            self.head_dim, self.max_position_embeddings, self.rope_theta
+        )
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None,
-                past_key_value=None, output_attentions=False, use_cache=False, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_value=None,
+        output_attentions=False,
+        use_cache=False,
+        **kwargs,
+    ):
         b, s, _ = hidden_states.shape
         n_kv, n_rep, h_d = self.num_key_value_heads, self.num_key_value_groups, self.head_dim
         # Fused layout: per kv head, n_rep query heads, then one key and one value head.
@@ -99,7 +108,8 @@ def causal_mask_with_past(attention_mask, b, s, past, dtype, device):
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :].bool()
     return torch.zeros(b, 1, s, kv, dtype=dtype, device=device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 class LegacyInternLM2Model(xtuner_internlm2.InternLM2Model):
@@ -110,9 +120,19 @@ class LegacyInternLM2Model(xtuner_internlm2.InternLM2Model):
         for layer in self.layers:
             layer.attention = InternLM2Attention(config)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, inputs_embeds=None, use_cache=None,
-                output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         hidden = self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         b, s, _ = hidden.shape
@@ -122,14 +142,19 @@ class LegacyInternLM2Model(xtuner_internlm2.InternLM2Model):
         mask = causal_mask_with_past(attention_mask, b, s, past, hidden.dtype, hidden.device)
         presents = () if use_cache else None
         for idx, layer in enumerate(self.layers):
-            outputs = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                            past_key_value=None if past_key_values is None else past_key_values[idx],
-                            use_cache=use_cache)
+            outputs = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_value=None if past_key_values is None else past_key_values[idx],
+                use_cache=use_cache,
+            )
             hidden = outputs[0]
             if use_cache:
                 presents += (outputs[1],)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
-                                       past_key_values=presents)
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(hidden), past_key_values=presents
+        )
 
 
 class LegacyInternLM2ForCausalLM(xtuner_internlm2.InternLM2ForCausalLM):
@@ -143,23 +168,29 @@ class LegacyInternLM2ForCausalLM(xtuner_internlm2.InternLM2ForCausalLM):
         super().__init__(config)
         self.model = LegacyInternLM2Model(config)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
-                                      attention_mask=None, inputs_embeds=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, **kwargs
+    ):
         if past_key_values is not None:
             past = past_key_values[0][0].shape[2]
             # Only the tokens the cache has not seen (at least the last one).
-            input_ids = input_ids[:, min(past, input_ids.shape[1] - 1):]
+            input_ids = input_ids[:, min(past, input_ids.shape[1] - 1) :]
         position_ids = kwargs.get("position_ids")
         if attention_mask is not None and position_ids is None:
             # Left padding: count real tokens; pads get position 1, as the old code wrote it.
             position_ids = attention_mask.long().cumsum(-1) - 1
             position_ids.masked_fill_(attention_mask == 0, 1)
-            position_ids = position_ids[:, -input_ids.shape[1]:]
+            position_ids = position_ids[:, -input_ids.shape[1] :]
         inputs = {"input_ids": input_ids}
         if inputs_embeds is not None and past_key_values is None:
             inputs = {"inputs_embeds": inputs_embeds}
-        return {**inputs, "position_ids": position_ids, "past_key_values": past_key_values,
-                "use_cache": kwargs.get("use_cache"), "attention_mask": attention_mask}
+        return {
+            **inputs,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "use_cache": kwargs.get("use_cache"),
+            "attention_mask": attention_mask,
+        }
 
 
 def legacy_from(model):

@@ -20,10 +20,13 @@ ORPO = "internlm2_chat_1_8b_orpo_full_varlenattn"
 REWARD = "internlm2_chat_1_8b_reward_full_varlenattn_ultrafeedback"
 DPO_QLORA = "internlm2_chat_7b_dpo_qlora_varlenattn"
 LLAMA_DPO_QLORA = "llama3_8b_instruct_dpo_qlora_varlenattn"
-STOCK_DATASETS = {DPO: "mlabonne/orpo-dpo-mix-40k", ORPO: "mlabonne/orpo-dpo-mix-40k",
-                  DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
-                  LLAMA_DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
-                  REWARD: "argilla/ultrafeedback-binarized-preferences-cleaned"}
+STOCK_DATASETS = {
+    DPO: "mlabonne/orpo-dpo-mix-40k",
+    ORPO: "mlabonne/orpo-dpo-mix-40k",
+    DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
+    LLAMA_DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
+    REWARD: "argilla/ultrafeedback-binarized-preferences-cleaned",
+}
 
 
 def write_preference_pairs(dst: Path, n: int = 240) -> Path:
@@ -36,16 +39,27 @@ def write_preference_pairs(dst: Path, n: int = 240) -> Path:
     rows = []
     for (system, users, replies), (_, _, other) in zip(turns, turns[1:]):
         prompt = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": users[0]}]
-        rows.append({"chosen": prompt + [{"role": "assistant", "content": replies[0]}],
-                     "rejected": prompt + [{"role": "assistant", "content": other[0]}]})
+            {"role": "user", "content": users[0]}
+        ]
+        rows.append(
+            {
+                "chosen": prompt + [{"role": "assistant", "content": replies[0]}],
+                "rejected": prompt + [{"role": "assistant", "content": other[0]}],
+            }
+        )
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return dst
 
 
-def localize_preference(config: Path, name: str, data: Path, model: Path = sc.TINY_MODEL,
-                        max_length: int = 256, reward_token_id: int | None = None) -> str:
+def localize_preference(
+    config: Path,
+    name: str,
+    data: Path,
+    model: Path = sc.TINY_MODEL,
+    max_length: int = 256,
+    reward_token_id: int | None = None,
+) -> str:
     """The user's own-machine edits of a stock preference config; returns the new text.
 
     Args:
@@ -57,31 +71,48 @@ def localize_preference(config: Path, name: str, data: Path, model: Path = sc.TI
         reward_token_id: For reward configs: the id to use (None keeps the stock 92527).
     """
     text = config.read_text(encoding="utf-8")
-    text = sc.sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
-                       f'pretrained_model_name_or_path = "{model}"')
-    text = sc.sub_once(text, rf'path="{STOCK_DATASETS[name]}"',
-                       f'path="json", data_files="{data}"')
+    text = sc.sub_once(
+        text,
+        r'^pretrained_model_name_or_path = ".*"$',
+        f'pretrained_model_name_or_path = "{model}"',
+    )
+    text = sc.sub_once(text, rf'path="{STOCK_DATASETS[name]}"', f'path="json", data_files="{data}"')
     text = sc.sub_once(text, r"^max_length = \d+$", f"max_length = {max_length}")
     text = sc.sub_once(text, r"^lr = .*$", "lr = 1e-3")
     text = sc.sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
     text = sc.sub_once(text, r"^    num_proc=32,$", "    num_proc=1,")
-    if name in (DPO_QLORA, LLAMA_DPO_QLORA):  # LoRA without 4-bit (bitsandbytes' kernels need CUDA), no dropout
-        text = sc.sub_once(text, r"^        torch_dtype=torch.float16,\n        quantization_config="
-                           r"dict\((\n.*?)*?\n        \),\n", "")
+    if name in (
+        DPO_QLORA,
+        LLAMA_DPO_QLORA,
+    ):  # LoRA without 4-bit (bitsandbytes' kernels need CUDA), no dropout
+        text = sc.sub_once(
+            text,
+            r"^        torch_dtype=torch.float16,\n        quantization_config="
+            r"dict\((\n.*?)*?\n        \),\n",
+            "",
+        )
         text = sc.sub_once(text, r"^        lora_dropout=0.1,$", "        lora_dropout=0.0,")
     if reward_token_id is not None:
         text = sc.sub_once(text, r"^reward_token_id = \d+", f"reward_token_id = {reward_token_id}")
     if "evaluation_inputs = [" in text:
-        text = sc.sub_once(text, r"^evaluation_inputs = \[\n(.*\n)*?\]$",
-                           'evaluation_inputs = ["What is 7 plus 5?"]')
+        text = sc.sub_once(
+            text,
+            r"^evaluation_inputs = \[\n(.*\n)*?\]$",
+            'evaluation_inputs = ["What is 7 plus 5?"]',
+        )
     text = sc.sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
     text = sc.sub_once(text, r'^    loss_scale="dynamic",\n    dtype="float16",\n', "")
-    return sc.sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
-                       "from mmengine.optim import OptimWrapper,")
+    return sc.sub_once(
+        text,
+        r"^from mmengine.optim import AmpOptimWrapper,",
+        "from mmengine.optim import OptimWrapper,",
+    )
 
 
-CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import PreferenceCaptureHook  # noqa: E402\n"
-           "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
+CAPTURE = (
+    "\nfrom xtuner_rope.doctor.preference_capture import PreferenceCaptureHook  # noqa: E402\n"
+    "custom_hooks += [dict(type=PreferenceCaptureHook)]\n"
+)
 
 
 def with_preference_capture(text: str) -> str:

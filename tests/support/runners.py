@@ -31,8 +31,18 @@ def token_items(lengths, vocab=256, seed=0):
     return [dict(input_ids=i, labels=list(i)) for i in ids]
 
 
-def tiny_runner(work_dir, *, attn='sdpa', items=None, custom_hooks=(), max_iters=2,
-                batch_size=4, collate_fn=None, lr=1e-3, log_interval=10):
+def tiny_runner(
+    work_dir,
+    *,
+    attn="sdpa",
+    items=None,
+    custom_hooks=(),
+    max_iters=2,
+    batch_size=4,
+    collate_fn=None,
+    lr=1e-3,
+    log_interval=10,
+):
     """A Runner that trains the tiny InternLM2 for ``max_iters`` iterations on ``train()``.
 
     The model is built as in ``xtuner train``: ``SupervisedFinetune(llm=dict(...))`` loading
@@ -55,21 +65,31 @@ def tiny_runner(work_dir, *, attn='sdpa', items=None, custom_hooks=(), max_iters
     if items is None:
         items = token_items([5 + (7 * i) % 36 for i in range(16)])
     tiny_checkpoint(str(TINY), data_path=str(REPO / "data" / "short_dialogues.jsonl"))
-    llm = ConfigDict(type=AutoModelForCausalLM.from_pretrained,
-                     pretrained_model_name_or_path=str(TINY),
-                     trust_remote_code=True, torch_dtype=torch.float32, attn_implementation=attn)
+    llm = ConfigDict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=str(TINY),
+        trust_remote_code=True,
+        torch_dtype=torch.float32,
+        attn_implementation=attn,
+    )
     model = SupervisedFinetune(llm=llm, use_activation_checkpointing=False)
     return Runner(
-        model=model, work_dir=str(work_dir), experiment_name=f'tiny_runner_{next(_RUNS)}',
+        model=model,
+        work_dir=str(work_dir),
+        experiment_name=f"tiny_runner_{next(_RUNS)}",
         train_dataloader=dict(
-            dataset=items, batch_size=batch_size, num_workers=0,
+            dataset=items,
+            batch_size=batch_size,
+            num_workers=0,
             sampler=dict(type=DefaultSampler, shuffle=False),
-            collate_fn=collate_fn or dict(type=rope_collate_fn, pack=True, max_length=64)),
+            collate_fn=collate_fn or dict(type=rope_collate_fn, pack=True, max_length=64),
+        ),
         optim_wrapper=dict(optimizer=dict(type=torch.optim.SGD, lr=lr)),
         train_cfg=dict(by_epoch=False, max_iters=max_iters),
         default_hooks=dict(checkpoint=None, logger=dict(type=LoggerHook, interval=log_interval)),
         custom_hooks=list(custom_hooks),
-        log_level='WARNING')
+        log_level="WARNING",
+    )
 
 
 class RecordingHook(Hook):
@@ -79,7 +99,7 @@ class RecordingHook(Hook):
     number) have done before it in the same stage: the runner's real order.
     """
 
-    def __init__(self, probe, priority='NORMAL'):
+    def __init__(self, probe, priority="NORMAL"):
         self.probe = probe
         self.priority = priority
         self.before, self.after = [], []
@@ -104,6 +124,11 @@ def bare_runner(model, work_dir, custom_hooks=()):
     Returns:
         Runner: Built, not started.
     """
-    return Runner(model=model, work_dir=str(work_dir), custom_hooks=list(custom_hooks),
-                  experiment_name=f'bare_runner_{next(_RUNS)}', log_level='WARNING',
-                  default_hooks=dict(checkpoint=None))
+    return Runner(
+        model=model,
+        work_dir=str(work_dir),
+        custom_hooks=list(custom_hooks),
+        experiment_name=f"bare_runner_{next(_RUNS)}",
+        log_level="WARNING",
+        default_hooks=dict(checkpoint=None),
+    )

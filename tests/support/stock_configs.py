@@ -20,8 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
-PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
-               "model_resource = dict(fn=enable_xtuner_rope)\n")
+PLUGIN_EDIT = (
+    "from xtuner_rope import enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n"
+)
 
 
 def venv_env() -> dict:
@@ -31,8 +32,14 @@ def venv_env() -> dict:
 
 def copy_stock(name: str, dst: Path) -> Path:
     """``xtuner copy-cfg NAME DST``: the stock config file a user starts from."""
-    subprocess.run(["xtuner", "copy-cfg", name, str(dst)], check=True, env=venv_env(),
-                   capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        ["xtuner", "copy-cfg", name, str(dst)],
+        check=True,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return dst / f"{name}_copy.py"
 
 
@@ -50,14 +57,19 @@ def _turns(n: int):
         for line, _ in zip(f, range(n)):
             msgs = json.loads(line)["messages"]
             system = next((m["content"] for m in msgs if m["role"] == "system"), "")
-            yield (system, [m["content"] for m in msgs if m["role"] == "user"],
-                   [m["content"] for m in msgs if m["role"] == "assistant"])
+            yield (
+                system,
+                [m["content"] for m in msgs if m["role"] == "user"],
+                [m["content"] for m in msgs if m["role"] == "assistant"],
+            )
 
 
 def write_alpaca_data(dst: Path, n: int = 400) -> Path:
     """The sample dialogues' first exchange in alpaca format, in a directory for load_dataset."""
-    rows = [{"instruction": users[0], "input": "", "output": replies[0]}
-            for _, users, replies in _turns(n)]
+    rows = [
+        {"instruction": users[0], "input": "", "output": replies[0]}
+        for _, users, replies in _turns(n)
+    ]
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "train.json").write_text(json.dumps(rows), encoding="utf-8")
     return dst
@@ -75,23 +87,31 @@ def write_conversation_data(dst: Path, n: int = 400) -> Path:
     return dst
 
 
-def localize(config: Path, data: Path, cpu: bool = True, lora_only: bool = False,
-             model: Path = TINY_MODEL) -> str:
+def localize(
+    config: Path, data: Path, cpu: bool = True, lora_only: bool = False, model: Path = TINY_MODEL
+) -> str:
     """The user's own-machine edits of a stock InternLM2 config; returns the new text."""
     text = config.read_text(encoding="utf-8")
-    text = sub_once(text, r'^pretrained_model_name_or_path = ".*"$',
-                    f'pretrained_model_name_or_path = "{model}"')
+    text = sub_once(
+        text,
+        r'^pretrained_model_name_or_path = ".*"$',
+        f'pretrained_model_name_or_path = "{model}"',
+    )
     if "alpaca_en_path = " in text:
         text = sub_once(text, r'^alpaca_en_path = ".*"$', f'alpaca_en_path = "{data}"')
     else:
-        text = sub_once(text, r'^data_files = \[.*\]$', f'data_files = ["{data}"]')
+        text = sub_once(text, r"^data_files = \[.*\]$", f'data_files = ["{data}"]')
     text = sub_once(text, r"^max_length = \d+$", "max_length = 512")
     text = sub_once(text, r"^lr = .*$", "lr = 3e-3")
     text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
     text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is 7 plus 5?"]')
     if lora_only:  # LoRA without 4-bit quantization: bitsandbytes' kernels need CUDA
-        text = sub_once(text, r"^        torch_dtype=torch.float16,\n        quantization_config="
-                        r"dict\((\n.*?)*?\n        \),\n", "")
+        text = sub_once(
+            text,
+            r"^        torch_dtype=torch.float16,\n        quantization_config="
+            r"dict\((\n.*?)*?\n        \),\n",
+            "",
+        )
     if cpu:
         text = cpu_optim_wrapper(text)
     return text
@@ -102,14 +122,16 @@ def enable_plugin(text: str) -> str:
     return sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + PLUGIN_EDIT)
 
 
-def xtuner_train(config: Path, work_dir: Path, *cfg_options: str,
-                 timeout: int = 900) -> subprocess.CompletedProcess:
+def xtuner_train(
+    config: Path, work_dir: Path, *cfg_options: str, timeout: int = 900
+) -> subprocess.CompletedProcess:
     """The real ``xtuner train`` from the repository root (it exits 0 even on failure)."""
     cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
     if cfg_options:
         cmd += ["--cfg-options", *cfg_options]
-    return subprocess.run(cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=venv_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def tiny_with_remote_code(dst: Path) -> Path:
@@ -127,8 +149,10 @@ def tiny_with_remote_code(dst: Path) -> Path:
     for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
         shutil.copy(Path(code.__file__).parent / name, dst / name)
     config = json.loads((dst / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_internlm2.InternLM2Config",
-                          "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_internlm2.InternLM2Config",
+        "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
+    }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -145,8 +169,7 @@ CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureH
 
 def with_capture(text: str) -> str:
     """Add ``IsolationCaptureHook`` (first in ``custom_hooks``): iteration 1 is saved."""
-    text = sub_once(text, r"^(custom_hooks = \[)$",
-                    r"\g<1>\n    dict(type=IsolationCaptureHook),")
+    text = sub_once(text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=IsolationCaptureHook),")
     return sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE_IMPORT)
 
 
@@ -159,8 +182,10 @@ def assert_isolated_in_run(config: Path, work_dir: Path) -> dict:
     for doc in result["per_document"]:
         assert doc["max_abs_diff"] <= 1e-5 * max(1.0, doc["max_abs_logit"]), doc
     assert abs(result["loss"]["captured"] - result["loss"]["documents"]) <= 1e-5, result["loss"]
-    print(f"{config.stem}: {result['documents']} documents, max |trained - alone| "
-          f"{result['max_abs_diff']:.3g}")
+    print(
+        f"{config.stem}: {result['documents']} documents, max |trained - alone| "
+        f"{result['max_abs_diff']:.3g}"
+    )
     return result
 
 
@@ -168,5 +193,8 @@ def cpu_optim_wrapper(text: str) -> str:
     """The README's CPU edit: fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``."""
     text = sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
     text = sub_once(text, r'^    loss_scale="dynamic",\n(    dtype="(float16|bfloat16)",\n)?', "")
-    return sub_once(text, r"^from mmengine.optim import AmpOptimWrapper,",
-                    "from mmengine.optim import OptimWrapper,")
+    return sub_once(
+        text,
+        r"^from mmengine.optim import AmpOptimWrapper,",
+        "from mmengine.optim import OptimWrapper,",
+    )

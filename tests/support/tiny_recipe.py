@@ -11,12 +11,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
-SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=30",
-             "default_hooks.logger.interval=5", "default_hooks.checkpoint.interval=30")
+SHORT_RUN = (
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=30",
+    "default_hooks.logger.interval=5",
+    "default_hooks.checkpoint.interval=30",
+)
 
 
-def xtuner_train(work_dir: Path, *cfg_options: str,
-                 config: Path = CONFIG) -> subprocess.CompletedProcess:
+def xtuner_train(
+    work_dir: Path, *cfg_options: str, config: Path = CONFIG
+) -> subprocess.CompletedProcess:
     """Run `xtuner train` on the tiny recipe from the repository root, as a user would."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]

@@ -70,24 +70,30 @@ def candidates(args, q, k, v, lengths, plan):
         cu = plan.cu_seqlens
 
         def varlen_alone():
-            kk, vv = (k[0], v[0]) if gqa is not None else (
-                x[0].repeat_interleave(q.shape[2] // k.shape[2], dim=1) for x in (k, v))
-            return kernel.fn(q[0], kk, vv, cu, cu, plan.max_seqlen, plan.max_seqlen,
-                             **causal, **(gqa or {}))[None]
+            kk, vv = (
+                (k[0], v[0])
+                if gqa is not None
+                else (x[0].repeat_interleave(q.shape[2] // k.shape[2], dim=1) for x in (k, v))
+            )
+            return kernel.fn(
+                q[0], kk, vv, cu, cu, plan.max_seqlen, plan.max_seqlen, **causal, **(gqa or {})
+            )[None]
 
         runs["varlen_attn"] = varlen_alone
         runs["ours-varlen"] = lambda: packed_attention(q, k, v, plan, "varlen")
     else:
         runs["varlen_attn"] = f"unavailable on {device.type} (torch's kernel is CUDA-only)"
     runs["ours-buckets"] = lambda: packed_attention(q, k, v, plan, "sdpa")
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                  torch.tensor(lengths, device=device))  # [t] document id
+    doc = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )  # [t] document id
     pos = torch.arange(t, device=device)
 
     def dense_mask():
         mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])  # [t, t]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
         return out.transpose(1, 2)
 
     runs["dense-mask"] = dense_mask
@@ -108,8 +114,13 @@ def flex_candidate(q, k, v, doc):
         flex = torch.compile(flex_attention, dynamic=False)
 
         def run():
-            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                       block_mask=block, enable_gqa=True)
+            out = flex(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                block_mask=block,
+                enable_gqa=True,
+            )
             return out.transpose(1, 2)
 
         run()  # compile now, outside the timing
@@ -146,8 +157,10 @@ def bench_one(args, t):
     """One line: the ratios of every candidate at ``t`` tokens."""
     torch.manual_seed(args.seed)
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
-    q, k, v = (torch.randn(1, t, n, args.head_dim, device=device, dtype=dtype,
-                           requires_grad=True) for n in (args.heads, args.kv_heads, args.kv_heads))
+    q, k, v = (
+        torch.randn(1, t, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+        for n in (args.heads, args.kv_heads, args.kv_heads)
+    )
     lengths = document_lengths(t, args.max_doc, args.seed)
     start = time.perf_counter()
     plan = plan_documents(cumulative_from_lengths(lengths), device)
@@ -155,12 +168,17 @@ def bench_one(args, t):
     runs = candidates(args, q, k, v, lengths, plan)
     seconds = measure(args, runs, q, k, v)
     base = "varlen_attn" if "varlen_attn" in seconds else "ours-buckets"
-    parts = [f"{name} {seconds[name] / seconds[base]:.2f}x" if name in seconds else f"{name} {run}"
-             for name, run in runs.items()]
-    print(f"attention fwd+bwd t={t} ({len(lengths)} docs, max {plan.max_seqlen}) {args.dtype} "
-          f"{args.device}: " + " | ".join(parts) +
-          f"  [{base} {seconds[base] * 1e3:.2f} ms, median of {args.repeats}; plan "
-          f"{plan_s * 1e3:.1f} ms, once per forward]")
+    parts = [
+        f"{name} {seconds[name] / seconds[base]:.2f}x" if name in seconds else f"{name} {run}"
+        for name, run in runs.items()
+    ]
+    print(
+        f"attention fwd+bwd t={t} ({len(lengths)} docs, max {plan.max_seqlen}) {args.dtype} "
+        f"{args.device}: "
+        + " | ".join(parts)
+        + f"  [{base} {seconds[base] * 1e3:.2f} ms, median of {args.repeats}; plan "
+        f"{plan_s * 1e3:.1f} ms, once per forward]"
+    )
     return seconds
 
 

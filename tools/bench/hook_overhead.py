@@ -35,9 +35,13 @@ LR, BETAS, MAX_NORM = 3e-3, (0.9, 0.98), 1.0
 
 
 def parse_args():
-    parser = recipe_overhead_parser(__doc__.split('\n')[0])
-    parser.add_argument('--hook-calls', type=int, default=10,
-                        help='hook calls per timing sample (it takes about a millisecond)')
+    parser = recipe_overhead_parser(__doc__.split("\n")[0])
+    parser.add_argument(
+        "--hook-calls",
+        type=int,
+        default=10,
+        help="hook calls per timing sample (it takes about a millisecond)",
+    )
     args = parser.parse_args()
     args.max_length = 2048  # tokenization limit, as packing.py's load_items expects
     return args
@@ -45,7 +49,7 @@ def parse_args():
 
 def hook_seconds(hook, runner, data, calls, clock):
     """Mean time of one check + publish + reset on fresh shallow copies of ``data``."""
-    copies = [{'data': dict(data), 'data_samples': None} for _ in range(calls)]
+    copies = [{"data": dict(data), "data_samples": None} for _ in range(calls)]
     start = clock()
     for batch in copies:
         hook.before_train_iter(runner, 0, data_batch=batch)
@@ -55,11 +59,11 @@ def hook_seconds(hook, runner, data, calls, clock):
 
 def train_seconds(hook, runner, data, optimizer, clock):
     """One recipe iteration on ``data``: the hook publishes (untimed), then the step is timed."""
-    batch = {'data': dict(data), 'data_samples': None}
+    batch = {"data": dict(data), "data_samples": None}
     hook.before_train_iter(runner, 0, data_batch=batch)
     model = runner.model
     start = clock()
-    loss = model(**batch['data']).loss
+    loss = model(**batch["data"]).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     optimizer.step()
@@ -74,14 +78,17 @@ def main():
     if args.quick:
         args.batches = min(args.batches, 15)
     torch.set_num_threads(args.threads)
-    if args.clock == 'auto':
-        args.clock = 'cpu' if args.threads == 1 else 'wall'
-    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    if args.clock == "auto":
+        args.clock = "cpu" if args.threads == 1 else "wall"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     items, vocab_size = load_items(args)
-    batches = [rope_collate_fn(b, pack=True, max_length=MAX_LENGTH,
-                               pad_to_multiple_of=PAD_TO_MULTIPLE_OF)['data']
-               for b in batches_of(items, BATCH_SIZE)[:args.batches]]
-    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation='sdpa').train()
+    batches = [
+        rope_collate_fn(b, pack=True, max_length=MAX_LENGTH, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)[
+            "data"
+        ]
+        for b in batches_of(items, BATCH_SIZE)[: args.batches]
+    ]
+    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation="sdpa").train()
     patch_internlm2_attention(model)  # what the recipe's ValidatedRoPEHook does
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS)
     runner = types.SimpleNamespace(model=model)  # all the hook reads from the runner
@@ -92,7 +99,7 @@ def main():
         train_seconds(hook, runner, data, optimizer, clock)
     hook_t = [[] for _ in batches]
     train_t = [[] for _ in batches]
-    with tqdm(total=args.repeats * len(batches), desc='batches', leave=False) as bar:
+    with tqdm(total=args.repeats * len(batches), desc="batches", leave=False) as bar:
         for _ in range(args.repeats):
             for i, data in enumerate(batches):
                 hook_t[i].append(hook_seconds(hook, runner, data, args.hook_calls, clock))
@@ -100,15 +107,19 @@ def main():
                 bar.update()
     per_hook = statistics.mean(statistics.median(ts) for ts in hook_t)
     per_iter = statistics.mean(statistics.median(ts) for ts in train_t)
-    rows = statistics.mean(data['input_ids'].shape[0] for data in batches)
-    s = statistics.mean(data['input_ids'].shape[1] for data in batches)
-    print(f'setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues -> mean {rows:.2f} '
-          f'rows x s {s:.0f} (max_length {MAX_LENGTH}, pad_to_multiple_of {PAD_TO_MULTIPLE_OF}); '
-          f'fp32 SDPA, {args.threads} thread(s), {args.clock} time, median of {args.repeats} '
-          'repeats per batch')
-    print(f'PackedBatchCheckHook overhead: {1e3 * per_hook:.2f} ms per batch = '
-          f'{100 * per_hook / per_iter:.2f}% of a {1e3 * per_iter:.1f} ms training iteration')
+    rows = statistics.mean(data["input_ids"].shape[0] for data in batches)
+    s = statistics.mean(data["input_ids"].shape[1] for data in batches)
+    print(
+        f"setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues -> mean {rows:.2f} "
+        f"rows x s {s:.0f} (max_length {MAX_LENGTH}, pad_to_multiple_of {PAD_TO_MULTIPLE_OF}); "
+        f"fp32 SDPA, {args.threads} thread(s), {args.clock} time, median of {args.repeats} "
+        "repeats per batch"
+    )
+    print(
+        f"PackedBatchCheckHook overhead: {1e3 * per_hook:.2f} ms per batch = "
+        f"{100 * per_hook / per_iter:.2f}% of a {1e3 * per_iter:.1f} ms training iteration"
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

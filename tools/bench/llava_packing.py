@@ -36,9 +36,13 @@ def parse_args():
     parser.add_argument("--images", type=int, default=400, help="image dialogues")
     parser.add_argument("--texts", type=int, default=400, help="text-only dialogues")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per sampler batch")
-    parser.add_argument("--max-length", type=int, default=2048,
-                        help="packed row capacity after the expansion (the stock configs' LLM "
-                        "sees 2048: max_length = 2048 - 576 ids + 576 patch tokens)")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=2048,
+        help="packed row capacity after the expansion (the stock configs' LLM "
+        "sees 2048: max_length = 2048 - 576 ids + 576 patch tokens)",
+    )
     parser.add_argument("--image-tokens", type=int, nargs="+", default=[16, 576])
     parser.add_argument("--model", default="models/tiny-internlm2")
     return parser.parse_args()
@@ -54,15 +58,22 @@ def dataset(args, root: str):
     clip = save_tiny_clip(f"{root}/clip")
     data = write_llava_data(f"{root}/data", n_images=args.images, n_text=args.texts)
     return LLaVADataset(
-        data_path=str(data), image_folder=str(data.parent / "images"),
-        tokenizer=dict(type=AutoTokenizer.from_pretrained, pretrained_model_name_or_path=llm,
-                       trust_remote_code=True, padding_side="right"),
-        image_processor=dict(type=CLIPImageProcessor.from_pretrained,
-                             pretrained_model_name_or_path=str(clip)),
+        data_path=str(data),
+        image_folder=str(data.parent / "images"),
+        tokenizer=dict(
+            type=AutoTokenizer.from_pretrained,
+            pretrained_model_name_or_path=llm,
+            trust_remote_code=True,
+            padding_side="right",
+        ),
+        image_processor=dict(
+            type=CLIPImageProcessor.from_pretrained, pretrained_model_name_or_path=str(clip)
+        ),
         dataset_map_fn=llava_map_fn,
-        template_map_fn=dict(type=template_map_fn_factory,
-                             template=PROMPT_TEMPLATE.internlm2_chat),
-        max_length=2048, pad_image_to_square=True)
+        template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.internlm2_chat),
+        max_length=2048,
+        pad_image_to_square=True,
+    )
 
 
 def expanded_rows(data: dict, p: int) -> list[int]:
@@ -90,29 +101,50 @@ def main():
     n, bs = len(items), args.batch_size
     order = list(range(n))
     random.Random(0).shuffle(order)
-    shuffled = [order[i:i + bs] for i in range(0, n, bs)]
-    grouped_order = list(LengthGroupedSampler(ds, per_device_batch_size=bs,
-                                              length_property="modality_length", seed=0))
-    grouped = [grouped_order[i:i + bs] for i in range(0, n, bs)]
+    shuffled = [order[i : i + bs] for i in range(0, n, bs)]
+    grouped_order = list(
+        LengthGroupedSampler(
+            ds, per_device_batch_size=bs, length_property="modality_length", seed=0
+        )
+    )
+    grouped = [grouped_order[i : i + bs] for i in range(0, n, bs)]
     text_lengths = [len(x["input_ids"]) for x in items]
-    print(f"{n} samples ({args.images} with an image, {args.texts} text-only), "
-          f"{min(text_lengths)}-{max(text_lengths)} ids each, batches of {bs}")
+    print(
+        f"{n} samples ({args.images} with an image, {args.texts} text-only), "
+        f"{min(text_lengths)}-{max(text_lengths)} ids each, batches of {bs}"
+    )
     for p in args.image_tokens:
-        longest = max(len(x["input_ids"]) + (p - 1) * (IMAGE_TOKEN_INDEX in x["input_ids"])
-                      for x in items)
+        longest = max(
+            len(x["input_ids"]) + (p - 1) * (IMAGE_TOKEN_INDEX in x["input_ids"]) for x in items
+        )
         max_length = args.max_length
-        padded = [expanded_rows(default_collate_fn([items[i] for i in b])["data"], p)
-                  for b in shuffled]
-        stock = [expanded_rows(default_collate_fn([items[i] for i in b])["data"], p)
-                 for b in grouped]
-        packed = [expanded_rows(llava_collate_fn([items[i] for i in b], max_length=max_length,
-                                                 image_tokens=p, return_hf_format=True), p)
-                  for b in shuffled]
-        print(f"P = {p} patch tokens per image (longest sample {longest}, packed rows of at "
-              f"most {max_length}):")
-        for name, batches in (("padded, shuffled batches", padded),
-                              ("padded, LengthGroupedSampler (stock)", stock),
-                              ("packed, llava_collate_fn", packed)):
+        padded = [
+            expanded_rows(default_collate_fn([items[i] for i in b])["data"], p) for b in shuffled
+        ]
+        stock = [
+            expanded_rows(default_collate_fn([items[i] for i in b])["data"], p) for b in grouped
+        ]
+        packed = [
+            expanded_rows(
+                llava_collate_fn(
+                    [items[i] for i in b],
+                    max_length=max_length,
+                    image_tokens=p,
+                    return_hf_format=True,
+                ),
+                p,
+            )
+            for b in shuffled
+        ]
+        print(
+            f"P = {p} patch tokens per image (longest sample {longest}, packed rows of at "
+            f"most {max_length}):"
+        )
+        for name, batches in (
+            ("padded, shuffled batches", padded),
+            ("padded, LengthGroupedSampler (stock)", stock),
+            ("packed, llava_collate_fn", packed),
+        ):
             pad, rows, positions = share(batches)
             print(f"  {name:38s} padding share {pad:6.1%}  ({rows} rows, {positions} positions)")
 

@@ -39,7 +39,7 @@ LR, BETAS, MAX_NORM = 3e-3, (0.9, 0.98), 1.0
 
 
 def parse_args():
-    parser = recipe_overhead_parser(__doc__.split('\n')[0])
+    parser = recipe_overhead_parser(__doc__.split("\n")[0])
     args = parser.parse_args()
     args.max_length = 2048  # tokenization limit, as packing.py's load_items expects
     return args
@@ -50,12 +50,12 @@ def iteration_seconds(runner, check, wrapper, hook, data, clock):
 
     ``check`` (PackedBatchCheckHook) publishes the boundaries first, untimed, as in training.
     """
-    batch = {'data': dict(data), 'data_samples': None}
+    batch = {"data": dict(data), "data_samples": None}
     check.before_train_iter(runner, 0, data_batch=batch)
     start = clock()
     if hook is not None:
         hook.before_train_iter(runner, 0, data_batch=batch)
-    loss = runner.model(**batch['data']).loss
+    loss = runner.model(**batch["data"]).loss
     wrapper.update_params(loss)
     elapsed = clock() - start
     check.after_train_iter(runner, 0, data_batch=batch)
@@ -67,14 +67,17 @@ def main():
     if args.quick:
         args.batches = min(args.batches, 15)
     torch.set_num_threads(args.threads)
-    if args.clock == 'auto':
-        args.clock = 'cpu' if args.threads == 1 else 'wall'
-    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    if args.clock == "auto":
+        args.clock = "cpu" if args.threads == 1 else "wall"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     items, vocab_size = load_items(args)
-    batches = [rope_collate_fn(b, pack=True, max_length=MAX_LENGTH,
-                               pad_to_multiple_of=PAD_TO_MULTIPLE_OF)['data']
-               for b in batches_of(items, BATCH_SIZE)[:args.batches]]
-    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation='sdpa').train()
+    batches = [
+        rope_collate_fn(b, pack=True, max_length=MAX_LENGTH, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)[
+            "data"
+        ]
+        for b in batches_of(items, BATCH_SIZE)[: args.batches]
+    ]
+    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation="sdpa").train()
     patch_internlm2_attention(model)  # what the recipe's ValidatedRoPEHook does
     # One optimizer, two wrappers: the plain one and the hook's (the step is the same work).
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS)
@@ -83,7 +86,7 @@ def main():
     weighted = OptimWrapper(optimizer, clip_grad=clip)
     hook = TokenWeightedLossHook()
     hook.wrap(weighted)
-    runs = {'plain': (plain, None), 'weighted': (weighted, hook)}
+    runs = {"plain": (plain, None), "weighted": (weighted, hook)}
     runner = types.SimpleNamespace(model=model)  # all PackedBatchCheckHook reads from it
     check = PackedBatchCheckHook()
     check.before_train(runner)
@@ -91,25 +94,30 @@ def main():
         for wrapper, h in runs.values():
             iteration_seconds(runner, check, wrapper, h, data, clock)
     times = {name: [[] for _ in batches] for name in runs}
-    with tqdm(total=args.repeats * len(batches), desc='batches', leave=False) as bar:
+    with tqdm(total=args.repeats * len(batches), desc="batches", leave=False) as bar:
         for repeat in range(args.repeats):
             for i, data in enumerate(batches):
                 order = list(runs.items())  # alternate who goes first (caches, clock drift)
                 for name, (wrapper, h) in order[::-1] if (repeat + i) % 2 else order:
-                    times[name][i].append(
-                        iteration_seconds(runner, check, wrapper, h, data, clock))
+                    times[name][i].append(iteration_seconds(runner, check, wrapper, h, data, clock))
                 bar.update()
     per = {name: statistics.mean(statistics.median(ts) for ts in t) for name, t in times.items()}
     direct = direct_seconds(runner, check, hook, batches, clock)
-    extra = per['weighted'] - per['plain']
-    print(f'setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues (max_length '
-          f'{MAX_LENGTH}); fp32 SDPA, AdamW, clip {MAX_NORM}, {args.threads} thread(s), '
-          f'{args.clock} time, median of {args.repeats} repeats per batch')
-    print(f'TokenWeightedLossHook overhead: {1e3 * extra:.2f} ms per iteration = '
-          f'{100 * extra / per["plain"]:.2f}% of a {1e3 * per["plain"]:.1f} ms training '
-          'iteration')
-    print(f'its own work alone (label count + loss x count + gradient rescale): '
-          f'{1e3 * direct:.3f} ms = {100 * direct / per["plain"]:.2f}% of the iteration')
+    extra = per["weighted"] - per["plain"]
+    print(
+        f"setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues (max_length "
+        f"{MAX_LENGTH}); fp32 SDPA, AdamW, clip {MAX_NORM}, {args.threads} thread(s), "
+        f"{args.clock} time, median of {args.repeats} repeats per batch"
+    )
+    print(
+        f"TokenWeightedLossHook overhead: {1e3 * extra:.2f} ms per iteration = "
+        f"{100 * extra / per['plain']:.2f}% of a {1e3 * per['plain']:.1f} ms training "
+        "iteration"
+    )
+    print(
+        f"its own work alone (label count + loss x count + gradient rescale): "
+        f"{1e3 * direct:.3f} ms = {100 * direct / per['plain']:.2f}% of the iteration"
+    )
 
 
 def direct_seconds(runner, check, hook, batches, clock, calls=20):
@@ -118,12 +126,13 @@ def direct_seconds(runner, check, hook, batches, clock, calls=20):
     The label count (``before_train_iter``), the loss times the count and the rescale of
     every gradient (as at the step; one process: no all-reduce) on the model's parameters.
     """
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-             for p in runner.model.parameters()]
+    grads = [
+        p.grad if p.grad is not None else torch.zeros_like(p) for p in runner.model.parameters()
+    ]
     loss = torch.ones((), requires_grad=True)
     total = 0.0
     for data in batches:
-        batch = {'data': dict(data), 'data_samples': None}
+        batch = {"data": dict(data), "data_samples": None}
         check.before_train_iter(runner, 0, data_batch=batch)
         start = clock()
         for _ in range(calls):
@@ -135,5 +144,5 @@ def direct_seconds(runner, check, hook, batches, clock, calls=20):
     return total / len(batches)
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

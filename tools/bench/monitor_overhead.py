@@ -42,7 +42,7 @@ LR, BETAS, MAX_NORM = 3e-3, (0.9, 0.98), 1.0
 
 
 def parse_args():
-    parser = recipe_overhead_parser(__doc__.split('\n')[0], clock=False)
+    parser = recipe_overhead_parser(__doc__.split("\n")[0], clock=False)
     args = parser.parse_args()
     args.max_length = 2048  # tokenization limit, as packing.py's load_items expects
     return args
@@ -50,17 +50,27 @@ def parse_args():
 
 def iteration(model, optimizer, tripwire, runner, data, clock):
     """One recipe iteration; returns (seconds of the step, seconds of the hooks' work)."""
-    batch = {'data': dict(data), 'data_samples': None}
+    batch = {"data": dict(data), "data_samples": None}
     runner.check.before_train_iter(runner, 0, data_batch=batch)  # untimed, runs first in a run
-    hooks = _time(lambda: (runner.metrics.before_train_iter(runner, 0, data_batch=batch),
-                           tripwire.before_train_iter(runner, 0, data_batch=batch)), clock)
+    hooks = _time(
+        lambda: (
+            runner.metrics.before_train_iter(runner, 0, data_batch=batch),
+            tripwire.before_train_iter(runner, 0, data_batch=batch),
+        ),
+        clock,
+    )
     start = clock()
-    loss = model(**batch['data']).loss
+    loss = model(**batch["data"]).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     # What the tripwire's forward hook and optimizer step pre-hook do in a run.
-    check = _time(lambda: (tripwire._collect_losses(model, (), {'loss': loss}),
-                           tripwire._before_step(optimizer, (), {})), clock)
+    check = _time(
+        lambda: (
+            tripwire._collect_losses(model, (), {"loss": loss}),
+            tripwire._before_step(optimizer, (), {}),
+        ),
+        clock,
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     elapsed = clock() - start - check
@@ -81,15 +91,23 @@ def main():
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     items, vocab_size = load_items(args)
-    batches = [rope_collate_fn(b, pack=True, max_length=MAX_LENGTH,
-                               pad_to_multiple_of=PAD_TO_MULTIPLE_OF)['data']
-               for b in batches_of(items, BATCH_SIZE)[:args.batches]]
-    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation='sdpa').train()
+    batches = [
+        rope_collate_fn(b, pack=True, max_length=MAX_LENGTH, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)[
+            "data"
+        ]
+        for b in batches_of(items, BATCH_SIZE)[: args.batches]
+    ]
+    model = build_tiny_internlm2(vocab_size, seed=args.seed, attn_implementation="sdpa").train()
     patch_internlm2_attention(model)  # what the recipe's ValidatedRoPEHook does
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS)
-    runner = types.SimpleNamespace(model=model, iter=0, hooks=[], work_dir=tempfile.mkdtemp(),
-                                   message_hub=MessageHub.get_instance('monitor_overhead'),
-                                   optim_wrapper=None)
+    runner = types.SimpleNamespace(
+        model=model,
+        iter=0,
+        hooks=[],
+        work_dir=tempfile.mkdtemp(),
+        message_hub=MessageHub.get_instance("monitor_overhead"),
+        optim_wrapper=None,
+    )
     runner.check = PackedBatchCheckHook()  # publishes the boundaries, pops cumulative_len
     runner.check.before_train(runner)
     runner.metrics = PackingMetricsHook(window=10)
@@ -99,7 +117,7 @@ def main():
     for data in batches[:2]:  # warm-up
         iteration(model, optimizer, tripwire, runner, data, clock)
     step_t, hook_t = [[] for _ in batches], [[] for _ in batches]
-    with tqdm(total=args.repeats * len(batches), desc='batches', leave=False) as bar:
+    with tqdm(total=args.repeats * len(batches), desc="batches", leave=False) as bar:
         for _ in range(args.repeats):
             for i, data in enumerate(batches):
                 runner.iter += 1
@@ -109,11 +127,15 @@ def main():
                 bar.update()
     per_hook = statistics.mean(statistics.median(ts) for ts in hook_t)
     per_iter = statistics.mean(statistics.median(ts) for ts in step_t)
-    print(f'setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues, fp32 SDPA, '
-          f'{args.threads} thread(s), median of {args.repeats} repeats per batch')
-    print(f'monitor hooks overhead: {1e3 * per_hook:.3f} ms per batch = '
-          f'{100 * per_hook / per_iter:.2f}% of a {1e3 * per_iter:.1f} ms training iteration')
+    print(
+        f"setup: {len(batches)} recipe batches of {BATCH_SIZE} dialogues, fp32 SDPA, "
+        f"{args.threads} thread(s), median of {args.repeats} repeats per batch"
+    )
+    print(
+        f"monitor hooks overhead: {1e3 * per_hook:.3f} ms per batch = "
+        f"{100 * per_hook / per_iter:.2f}% of a {1e3 * per_iter:.1f} ms training iteration"
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

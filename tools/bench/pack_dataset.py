@@ -41,13 +41,18 @@ def make_dataset(n: int, path: Path, seed: int = 0, chunk: int = 50_000) -> int:
             lengths = rng.integers(8, 101, min(chunk, n - first))
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             ids = rng.integers(3, 92_000, offsets[-1])
-            prompt = np.repeat((lengths * rng.uniform(0.2, 0.8, len(lengths))).astype(int),
-                               lengths)
-            labels = np.where(np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths) < prompt,
-                              -100, ids)
-            writer.write_table(pa.table({
-                k: pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(v))
-                for k, v in (("input_ids", ids), ("labels", labels))}))
+            prompt = np.repeat((lengths * rng.uniform(0.2, 0.8, len(lengths))).astype(int), lengths)
+            labels = np.where(
+                np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths) < prompt, -100, ids
+            )
+            writer.write_table(
+                pa.table(
+                    {
+                        k: pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(v))
+                        for k, v in (("input_ids", ids), ("labels", labels))
+                    }
+                )
+            )
         writer.finalize()
     return path.stat().st_size
 
@@ -63,18 +68,23 @@ def run_one(which: str, folder: str, num_proc: int) -> dict:
     dataset = Dataset.from_file(folder)  # memory-mapped, as XTuner's tokenized cache
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    packed = (xtuner_pack if which == "xtuner" else ours_pack)(dataset, 2048, True, True,
-                                                               num_proc)
+    packed = (xtuner_pack if which == "xtuner" else ours_pack)(dataset, 2048, True, True, num_proc)
     seconds = time.perf_counter() - start
-    peak, workers = (resource.getrusage(who).ru_maxrss / 1024
-                     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    peak, workers = (
+        resource.getrusage(who).ru_maxrss / 1024
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     table = packed.with_format("arrow")[:]
     labels = pc.list_flatten(table.column("labels"))
-    return {"seconds": seconds, "rows": len(packed),
-            "tokens": len(pc.list_flatten(table.column("input_ids"))),
-            "labels": int(pc.sum(pc.not_equal(labels, -100)).as_py()),
-            "rss_before_mib": rss_before / 1024,
-            "peak_rss_mib": peak, "worker_peak_rss_mib": workers}
+    return {
+        "seconds": seconds,
+        "rows": len(packed),
+        "tokens": len(pc.list_flatten(table.column("input_ids"))),
+        "labels": int(pc.sum(pc.not_equal(labels, -100)).as_py()),
+        "rss_before_mib": rss_before / 1024,
+        "peak_rss_mib": peak,
+        "worker_peak_rss_mib": workers,
+    }
 
 
 def main() -> None:
@@ -92,17 +102,30 @@ def main() -> None:
         print(f"{args.dialogues} dialogues, tokenized Arrow size {nbytes / 2**20:.0f} MiB")
         results = {}
         for which in ("xtuner", "ours"):
-            out = subprocess.run([sys.executable, __file__, "--num-proc", str(args.num_proc),
-                                  "--child", which, str(folder)],
-                                 check=True, capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--num-proc",
+                    str(args.num_proc),
+                    "--child",
+                    which,
+                    str(folder),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             results[which] = json.loads(out.stdout.strip().splitlines()[-1])
             print(which, json.dumps({k: round(v, 1) for k, v in results[which].items()}))
     x, o = results["xtuner"], results["ours"]
-    print(f"time ours/XTuner {o['seconds'] / x['seconds']:.2f}x; peak RSS ours "
-          f"{o['peak_rss_mib']:.0f} MiB (workers {o['worker_peak_rss_mib']:.0f}) vs XTuner "
-          f"{x['peak_rss_mib']:.0f} MiB (workers {x['worker_peak_rss_mib']:.0f}); tokenized "
-          f"{nbytes / 2**20:.0f} MiB; tokens kept ours {o['tokens']} / XTuner {x['tokens']}, "
-          f"labels ours {o['labels']} / XTuner {x['labels']}")
+    print(
+        f"time ours/XTuner {o['seconds'] / x['seconds']:.2f}x; peak RSS ours "
+        f"{o['peak_rss_mib']:.0f} MiB (workers {o['worker_peak_rss_mib']:.0f}) vs XTuner "
+        f"{x['peak_rss_mib']:.0f} MiB (workers {x['worker_peak_rss_mib']:.0f}); tokenized "
+        f"{nbytes / 2**20:.0f} MiB; tokens kept ours {o['tokens']} / XTuner {x['tokens']}, "
+        f"labels ours {o['labels']} / XTuner {x['labels']}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,16 @@ from xtuner_rope.ops.attention import packed_backend  # noqa: E402
 
 SHAPES = {
     "tiny": {},
-    "internlm2-1.8b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                           num_attention_heads=16, num_key_value_heads=8, vocab_size=92544,
-                           max_position_embeddings=32768, rope_theta=1000000),
+    "internlm2-1.8b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=92544,
+        max_position_embeddings=32768,
+        rope_theta=1000000,
+    ),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,32 +102,42 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
     items, vocab_size = cpu_bench.load_items(args)
-    items = items[:args.train_batches * args.batch]
+    items = items[: args.train_batches * args.batch]
     args.pack_batch = args.pad_batch = args.batch
     pack_batches = [cpu_bench.packed(b, args) for b in cpu_bench.batches_of(items, args.batch)]
     pad_batches = [cpu_bench.padded(b) for b in cpu_bench.batches_of(items, args.batch)]
     base = build_model(args, vocab_size)
     isolated = copy.deepcopy(base)
     patch_model(isolated)
-    variants = [DeviceVariant("isolated", isolated, pack_batches, PackedBatchCheckHook(),
-                              device=args.device),
-                DeviceVariant("padded", base, pad_batches, device=args.device)]
+    variants = [
+        DeviceVariant(
+            "isolated", isolated, pack_batches, PackedBatchCheckHook(), device=args.device
+        ),
+        DeviceVariant("padded", base, pad_batches, device=args.device),
+    ]
     args.clock = "wall"
-    times = {k: sum(v) for k, v in cpu_bench.time_variants(variants, len(pack_batches),
-                                                           args).items()}
+    times = {
+        k: sum(v) for k, v in cpu_bench.time_variants(variants, len(pack_batches), args).items()
+    }
     real = sum(len(item["input_ids"]) for item in items)
-    slots = {name: sum(b["data"]["input_ids"].numel() for b in batches)
-             for name, batches in (("packed", pack_batches), ("padded", pad_batches))}
+    slots = {
+        name: sum(b["data"]["input_ids"].numel() for b in batches)
+        for name, batches in (("packed", pack_batches), ("padded", pad_batches))
+    }
     probe = torch.zeros(1, device=args.device, dtype=DTYPES[args.dtype])
     backend = packed_backend(probe, eager=False)
     speedup = times["padded"] / times["isolated"]
-    print(f"packing {args.shapes} {args.dtype} {args.device} (packed backend '{backend}'): "
-          f"{len(pack_batches)} batches of {args.batch} dialogues, {real} real tokens; "
-          f"packed share {100 * real / slots['packed']:.1f}%, padded {100 * real / slots['padded']:.1f}%")
-    print(f"packing tokens/s: packed+isolated {real / times['isolated']:.0f} | xtuner padded "
-          f"{real / times['padded']:.0f} -> {speedup:.2f}x padded (ideal "
-          f"{slots['padded'] / slots['packed']:.2f}x; median of {args.repeats} interleaved "
-          f"repeats per batch; total {time.perf_counter() - start:.0f} s)")
+    print(
+        f"packing {args.shapes} {args.dtype} {args.device} (packed backend '{backend}'): "
+        f"{len(pack_batches)} batches of {args.batch} dialogues, {real} real tokens; "
+        f"packed share {100 * real / slots['packed']:.1f}%, padded {100 * real / slots['padded']:.1f}%"
+    )
+    print(
+        f"packing tokens/s: packed+isolated {real / times['isolated']:.0f} | xtuner padded "
+        f"{real / times['padded']:.0f} -> {speedup:.2f}x padded (ideal "
+        f"{slots['padded'] / slots['packed']:.2f}x; median of {args.repeats} interleaved "
+        f"repeats per batch; total {time.perf_counter() - start:.0f} s)"
+    )
     return speedup
 
 

@@ -29,30 +29,44 @@ from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
 from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply
 
-DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--dtype', choices=sorted(DTYPES), default='fp32')
-    parser.add_argument('--batch', type=int, default=1)
-    parser.add_argument('--heads', type=int, default=16)
-    parser.add_argument('--kv-heads', type=int, default=8)
-    parser.add_argument('--seq', type=int, default=2048)
-    parser.add_argument('--head-dim', type=int, default=128)
-    parser.add_argument('--repeats', type=int, default=50)
-    parser.add_argument('--warmup', type=int, default=5)
-    parser.add_argument('--threads', type=int, default=2, help='torch CPU threads')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--transposed', action='store_true',
-                        help='q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them')
-    parser.add_argument('--backward', action='store_true', help='time forward + backward')
-    parser.add_argument('--no-fused', action='store_true',
-                        help='skip the fused kernel (and its few seconds of compiling)')
-    parser.add_argument('--stat', choices=['median', 'min'], default='median',
-                        help='statistic over repeats (min resists other jobs on the machine)')
-    parser.add_argument('--clock', choices=['wall', 'cpu'], default='wall',
-                        help='cpu: process CPU time (use with --threads 1 on a busy machine)')
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--transposed",
+        action="store_true",
+        help="q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them",
+    )
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="skip the fused kernel (and its few seconds of compiling)",
+    )
+    parser.add_argument(
+        "--stat",
+        choices=["median", "min"],
+        default="median",
+        help="statistic over repeats (min resists other jobs on the machine)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time (use with --threads 1 on a busy machine)",
+    )
     return parser.parse_args()
 
 
@@ -68,8 +82,9 @@ def make_inputs(args):
         return x.requires_grad_(args.backward)
 
     q, k = heads(args.heads), heads(args.kv_heads)
-    rotary = ValidatedRotaryEmbedding(args.head_dim, max_position_embeddings=args.seq,
-                                      device=device)
+    rotary = ValidatedRotaryEmbedding(
+        args.head_dim, max_position_embeddings=args.seq, device=device
+    )
     cos, sin = rotary(k, torch.arange(args.seq, device=device)[None].expand(args.batch, -1))
     grads = (torch.randn_like(q), torch.randn_like(k))
     return q, k, cos, sin, grads
@@ -91,12 +106,16 @@ def candidates(args, q, k, cos, sin, grads):
             if args.backward:
                 torch.autograd.backward((q_out, k_out), grads)
             use_fused_apply(False)
+
         return run
 
-    runs = {'clone': clone, 'hf-eager': timed(hf_apply_rotary_pos_emb),
-            'xtuner_rope': timed(apply_rotary_pos_emb)}
+    runs = {
+        "clone": clone,
+        "hf-eager": timed(hf_apply_rotary_pos_emb),
+        "xtuner_rope": timed(apply_rotary_pos_emb),
+    }
     if not args.no_fused:
-        runs['xtuner_rope-fused'] = timed(apply_rotary_pos_emb, fused=True)
+        runs["xtuner_rope-fused"] = timed(apply_rotary_pos_emb, fused=True)
     return runs
 
 
@@ -106,13 +125,13 @@ def measure(args, runs):
     Each timed run follows an untimed run of the same candidate: otherwise one candidate pays
     the page faults of memory that the allocator returned to the OS after the previous one.
     """
-    sync = torch.cuda.synchronize if args.device.startswith('cuda') else (lambda: None)
-    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for _ in range(args.warmup):
         for run in runs.values():
             run()
     times = {name: [] for name in runs}
-    for _ in tqdm(range(args.repeats), desc='rope bench', leave=False, disable=None):
+    for _ in tqdm(range(args.repeats), desc="rope bench", leave=False, disable=None):
         for name, run in runs.items():
             run()
             sync()
@@ -120,7 +139,7 @@ def measure(args, runs):
             run()
             sync()
             times[name].append(clock() - start)
-    stat = statistics.median if args.stat == 'median' else min
+    stat = statistics.median if args.stat == "median" else min
     return {name: stat(values) for name, values in times.items()}
 
 
@@ -130,16 +149,21 @@ def main():
     torch.manual_seed(0)
     q, k, cos, sin, grads = make_inputs(args)
     medians = measure(args, candidates(args, q, k, cos, sin, grads))
-    floor = medians['clone']
-    what = 'apply fwd+bwd' if args.backward else 'apply'
-    ratios = ' | '.join(f'{name} {seconds / floor:.2f}x' for name, seconds in medians.items())
+    floor = medians["clone"]
+    what = "apply fwd+bwd" if args.backward else "apply"
+    ratios = " | ".join(f"{name} {seconds / floor:.2f}x" for name, seconds in medians.items())
     # Share of copy bandwidth (the clone's bytes/s): the GPU target is >= 80% for the fused apply.
-    ratios += ''.join(f' | {name} at {100 * floor / seconds:.0f}% of copy bandwidth'
-                      for name, seconds in medians.items() if name.endswith('-fused'))
-    print(f'rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}'
-          .replace(', ', ',') + f'  ({args.stat} of {args.repeats}, clone {floor * 1e3:.2f} ms '
-                                f'{args.clock}, {args.threads} threads)')
+    ratios += "".join(
+        f" | {name} at {100 * floor / seconds:.0f}% of copy bandwidth"
+        for name, seconds in medians.items()
+        if name.endswith("-fused")
+    )
+    print(
+        f"rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}".replace(", ", ",")
+        + f"  ({args.stat} of {args.repeats}, clone {floor * 1e3:.2f} ms "
+        f"{args.clock}, {args.threads} threads)"
+    )
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

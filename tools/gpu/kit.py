@@ -36,8 +36,10 @@ def _pieces(path: Path, cap: int) -> list[tuple[str, int, int]]:
     size = path.stat().st_size
     if size <= cap:
         return [(path.name, 0, size)]
-    return [(f"{path.name}.piece{i:02d}", off, min(cap, size - off))
-            for i, off in enumerate(range(0, size, cap))]
+    return [
+        (f"{path.name}.piece{i:02d}", off, min(cap, size - off))
+        for i, off in enumerate(range(0, size, cap))
+    ]
 
 
 def split(src: Path, dest: Path, part_mib: float) -> list[Path]:
@@ -55,8 +57,11 @@ def split(src: Path, dest: Path, part_mib: float) -> list[Path]:
     manifest = {"part_mib": part_mib, "wheels": {}}
     parts: list[list] = [[64 * 1024, []]]  # [bytes used, [(wheel, piece, offset, size)]]
     for wheel in wheels:
-        entry = manifest["wheels"][wheel.name] = {"sha256": _sha256(wheel),
-                                                  "size": wheel.stat().st_size, "pieces": []}
+        entry = manifest["wheels"][wheel.name] = {
+            "sha256": _sha256(wheel),
+            "size": wheel.stat().st_size,
+            "pieces": [],
+        }
         for piece, offset, size in _pieces(wheel, cap - 64 * 1024):
             part = next((p for p in parts if p[0] + size <= cap), None)
             if part is None:
@@ -87,14 +92,24 @@ def assemble(kit: Path, dest: Path) -> list[Path]:
     """
     manifest_path = kit / "part1" / MANIFEST
     if not manifest_path.is_file():
-        raise SystemExit(f"kit.py assemble: {manifest_path} is missing: carry {kit}/part1 "
-                         "(built by `make gpu-kit`)")
+        raise SystemExit(
+            f"kit.py assemble: {manifest_path} is missing: carry {kit}/part1 "
+            "(built by `make gpu-kit`)"
+        )
     manifest = json.loads(manifest_path.read_text())
-    missing = sorted({part for e in manifest["wheels"].values() for part, piece in e["pieces"]
-                      if not (kit / part / piece).is_file()})
+    missing = sorted(
+        {
+            part
+            for e in manifest["wheels"].values()
+            for part, piece in e["pieces"]
+            if not (kit / part / piece).is_file()
+        }
+    )
     if missing:
-        raise SystemExit(f"kit.py assemble: {', '.join(missing)} of {kit} not here: carry them "
-                         "(each part alone fits one call), then run again")
+        raise SystemExit(
+            f"kit.py assemble: {', '.join(missing)} of {kit} not here: carry them "
+            "(each part alone fits one call), then run again"
+        )
     dest.mkdir(parents=True, exist_ok=True)
     out = []
     for name, entry in manifest["wheels"].items():

@@ -26,10 +26,16 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--patched", action="store_true",
-                        help="import xtuner_rope first (applies xtuner_rope.compat)")
-    parser.add_argument("--sequential", action="store_true",
-                        help='DeepSpeed\'s own workaround: "stage3_allgather_sequential": true')
+    parser.add_argument(
+        "--patched",
+        action="store_true",
+        help="import xtuner_rope first (applies xtuner_rope.compat)",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help='DeepSpeed\'s own workaround: "stage3_allgather_sequential": true',
+    )
     return parser.parse_args()
 
 
@@ -37,16 +43,21 @@ def _engine(args: argparse.Namespace):
     import deepspeed
 
     zero = {"stage": 3, "overlap_comm": False, "stage3_allgather_sequential": args.sequential}
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_allow_untested_optimizer": True,
+    }
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width)
-                                      for _ in range(args.layers)))
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      model_parameters=model.parameters())
+        model = torch.nn.Sequential(
+            *(torch.nn.Linear(args.width, args.width) for _ in range(args.layers))
+        )
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=model.parameters()
+    )
     return engine
 
 
@@ -71,8 +82,10 @@ def main() -> None:
         time.sleep(0.002)  # any gather still running lands in this window
         later = _snapshot(engine)
         racy += any(not torch.equal(a, b) for a, b in zip(right_after, later))
-    print(f"rank {rank}: {racy} of {args.steps} steps read parameters still being gathered",
-          flush=True)
+    print(
+        f"rank {rank}: {racy} of {args.steps} steps read parameters still being gathered",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def expanded_length(ids: torch.Tensor, image_tokens: int) -> int:
     return int(ids.numel()) + k * (image_tokens - 1)
 
 
-def expand_row_boundaries(ids: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor,
-                          image_tokens: int) -> list[int]:
+def expand_row_boundaries(
+    ids: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, image_tokens: int
+) -> list[int]:
     """A collated row's real segments, measured after the image expansion.
 
     Args:
@@ -51,8 +52,10 @@ def expand_row_boundaries(ids: torch.Tensor, mask: torch.Tensor, cu: torch.Tenso
         if real == 0:
             continue
         if real != end - start:
-            raise ValueError(f"expand_row_boundaries: segment [{start}, {end}) has {real} real "
-                             f"tokens of {end - start}: expected a sample or padding, not both. "
-                             "Collate LLaVA samples with xtuner_rope.llava_collate_fn.")
+            raise ValueError(
+                f"expand_row_boundaries: segment [{start}, {end}) has {real} real "
+                f"tokens of {end - start}: expected a sample or padding, not both. "
+                "Collate LLaVA samples with xtuner_rope.llava_collate_fn."
+            )
         lengths.append(expanded_length(ids[start:end], image_tokens))
     return lengths

@@ -19,8 +19,12 @@ from .checks import check_packed_batch
 
 IMAGE_TOKEN_INDEX = -200  # xtuner.utils.IMAGE_TOKEN_INDEX (0.2.0)
 
-__all__ = ["IMAGE_TOKEN_INDEX", "check_batch_with_images", "check_image_placeholders",
-           "image_count"]
+__all__ = [
+    "IMAGE_TOKEN_INDEX",
+    "check_batch_with_images",
+    "check_image_placeholders",
+    "image_count",
+]
 
 
 def image_count(pixel_values: object) -> int:
@@ -29,9 +33,11 @@ def image_count(pixel_values: object) -> int:
         return pixel_values.shape[0] if pixel_values.dim() == 4 else 1
     if isinstance(pixel_values, (list, tuple)):
         return len(pixel_values)
-    raise TypeError(f"check_image_placeholders: field 'pixel_values': expected a [n, 3, H, W] "
-                    f"tensor or a list of images, got {type(pixel_values).__name__}. Collate "
-                    "LLaVA samples with XTuner's default_collate_fn.")
+    raise TypeError(
+        f"check_image_placeholders: field 'pixel_values': expected a [n, 3, H, W] "
+        f"tensor or a list of images, got {type(pixel_values).__name__}. Collate "
+        "LLaVA samples with XTuner's default_collate_fn."
+    )
 
 
 def check_image_placeholders(data: Mapping) -> list[int]:
@@ -60,19 +66,22 @@ def check_image_placeholders(data: Mapping) -> list[int]:
                 f"{count} image placeholder(s) ({IMAGE_TOKEN_INDEX}), but field 'pixel_values' "
                 f"has {images} image(s) for {len(counts)} row(s) and {images - used} left for "
                 "this one. XTuner's LLaVADataset gives each sample one image (a zero image "
-                "without <image>): use one <image> per sample at most, or bring its images.")
+                "without <image>): use one <image> per sample at most, or bring its images."
+            )
         used += need
     if used != images:
         raise ValueError(
             f"check_image_placeholders: field 'pixel_values': {images} image(s), but the "
             f"{len(counts)} row(s) take {used} (one per placeholder {IMAGE_TOKEN_INDEX}, one "
             f"per row without any; placeholders per row {counts}): later samples would get "
-            "another sample's picture. Collate images and input_ids from the same samples.")
+            "another sample's picture. Collate images and input_ids from the same samples."
+        )
     return counts
 
 
-def check_batch_with_images(data: Mapping, *, vocab_size: int | None = None,
-                            max_position: int | None = None) -> None:
+def check_batch_with_images(
+    data: Mapping, *, vocab_size: int | None = None, max_position: int | None = None
+) -> None:
     """:func:`check_packed_batch`, knowing XTuner's image placeholder when images came.
 
     Without ``pixel_values`` this is :func:`check_packed_batch`. With them, placeholders are
@@ -85,5 +94,8 @@ def check_batch_with_images(data: Mapping, *, vocab_size: int | None = None,
         return
     check_image_placeholders(data)
     ids = data["input_ids"]
-    check_packed_batch({**data, "input_ids": ids.masked_fill(ids == IMAGE_TOKEN_INDEX, 0)},
-                       vocab_size=vocab_size, max_position=None)
+    check_packed_batch(
+        {**data, "input_ids": ids.masked_fill(ids == IMAGE_TOKEN_INDEX, 0)},
+        vocab_size=vocab_size,
+        max_position=None,
+    )

@@ -3,15 +3,16 @@
 Written by the tripwire (``monitor.py``), read by the replay (``doctor/replay.py``): tensors,
 numbers and strings only, so it loads with ``weights_only=True``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-__all__ = ['RECORD_FORMAT', 'load_record', 'save_record']
+__all__ = ["RECORD_FORMAT", "load_record", "save_record"]
 
-RECORD_FORMAT = 'xtuner_rope.nonfinite/1'
+RECORD_FORMAT = "xtuner_rope.nonfinite/1"
 
 
 def save_record(path: str | Path, record: dict) -> Path:
@@ -28,10 +29,12 @@ def load_record(path: str | Path) -> dict:
     Raises:
         ValueError: the file is not such a record.
     """
-    record = torch.load(path, map_location='cpu', weights_only=True)
-    if not isinstance(record, dict) or record.get('format') != RECORD_FORMAT:
-        got = record.get('format') if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f'load_record: {path}: expected a NonFiniteTripwireHook batch file '
-                         f'(format {RECORD_FORMAT!r}), got {got!r}. Pass the file named in the '
-                         'tripwire error.')
+    record = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ValueError(
+            f"load_record: {path}: expected a NonFiniteTripwireHook batch file "
+            f"(format {RECORD_FORMAT!r}), got {got!r}. Pass the file named in the "
+            "tripwire error."
+        )
     return record

@@ -42,4 +42,5 @@ def check_sequence_parallel_rows(shape: tuple[int, int], sp: int, *, pads_itself
         "asserts divisibility, and this model's attention is not patched by xtuner-rope (whose "
         f"loss would add a {pad}-token padding segment itself). Collate with "
         f"rope_collate_fn(..., pad_to_multiple_of={sp}) (from xtuner_rope.data.collate import "
-        "rope_collate_fn), or enable xtuner-rope (model_resource=dict(fn=enable_xtuner_rope)).")
+        "rope_collate_fn), or enable xtuner-rope (model_resource=dict(fn=enable_xtuner_rope))."
+    )

@@ -12,6 +12,7 @@ row's tail as segments of their own, several where the tail is longer than the R
 allows). A real document at a row's end made only of pad ids with no label would be counted
 as padding.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ['BatchStats', 'batch_stats', 'segment_ids']
+__all__ = ["BatchStats", "batch_stats", "segment_ids"]
 
 IGNORE_INDEX = -100
 
@@ -49,15 +50,21 @@ class BatchStats:
 
     def __add__(self, other: BatchStats) -> BatchStats:
         return BatchStats(
-            self.rows + other.rows, self.tokens + other.tokens,
-            self.real_tokens + other.real_tokens, self.documents + other.documents,
+            self.rows + other.rows,
+            self.tokens + other.tokens,
+            self.real_tokens + other.real_tokens,
+            self.documents + other.documents,
             max(self.longest_document, other.longest_document),
             max(self.max_position, other.max_position),
-            self.unsupervised_documents + other.unsupervised_documents)
+            self.unsupervised_documents + other.unsupervised_documents,
+        )
 
 
-def segment_ids(position_ids: torch.Tensor | None, shape: tuple[int, int],
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def segment_ids(
+    position_ids: torch.Tensor | None,
+    shape: tuple[int, int],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Number every segment of the batch, row by row.
 
     Args:
@@ -71,8 +78,7 @@ def segment_ids(position_ids: torch.Tensor | None, shape: tuple[int, int],
         start (column 0 of every row included).
     """
     b, s = shape
-    starts = (torch.zeros(b, s, dtype=torch.bool) if position_ids is None
-              else position_ids == 0)
+    starts = torch.zeros(b, s, dtype=torch.bool) if position_ids is None else position_ids == 0
     if attention_mask is not None:
         mask = attention_mask.bool()
         starts[:, 1:] |= mask[:, :-1] & ~mask[:, 1:]  # first masked column after a real one
@@ -82,9 +88,9 @@ def segment_ids(position_ids: torch.Tensor | None, shape: tuple[int, int],
 
 def _padding_tokens(data: Mapping, pad_index: int) -> torch.Tensor:
     """``[b, s]`` bool, True on tokens that look like padding (see the module docstring)."""
-    if data.get('attention_mask') is not None:
-        return ~data['attention_mask'].bool()
-    return (data['input_ids'] == pad_index) & (data['labels'] == IGNORE_INDEX)
+    if data.get("attention_mask") is not None:
+        return ~data["attention_mask"].bool()
+    return (data["input_ids"] == pad_index) & (data["labels"] == IGNORE_INDEX)
 
 
 def _row_tails(real: torch.Tensor) -> torch.Tensor:
@@ -114,24 +120,28 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     Raises:
         ValueError: ``input_ids`` is not ``[b, s]`` or another field has another shape.
     """
-    input_ids = data['input_ids']
+    input_ids = data["input_ids"]
     if input_ids.dim() != 2:
-        raise ValueError(f"batch_stats: field 'input_ids': expected a [b, s] tensor, got shape "
-                         f'{list(input_ids.shape)}. Pass data_batch["data"] of a collated batch.')
+        raise ValueError(
+            f"batch_stats: field 'input_ids': expected a [b, s] tensor, got shape "
+            f'{list(input_ids.shape)}. Pass data_batch["data"] of a collated batch.'
+        )
     b, s = input_ids.shape
-    for field in ('labels', 'position_ids', 'attention_mask'):
+    for field in ("labels", "position_ids", "attention_mask"):
         if data.get(field) is not None and tuple(data[field].shape) != (b, s):
-            raise ValueError(f'batch_stats: field {field!r}: expected shape {[b, s]} like '
-                             f'input_ids, got {list(data[field].shape)}. Collate all fields '
-                             'together.')
-    position_ids = data.get('position_ids')
-    seg = segment_ids(position_ids, (b, s), data.get('attention_mask')).reshape(-1)
+            raise ValueError(
+                f"batch_stats: field {field!r}: expected shape {[b, s]} like "
+                f"input_ids, got {list(data[field].shape)}. Collate all fields "
+                "together."
+            )
+    position_ids = data.get("position_ids")
+    seg = segment_ids(position_ids, (b, s), data.get("attention_mask")).reshape(-1)
     n_seg = int(seg[-1]) + 1
     real = ~_row_tails(~_padding_tokens(data, pad_index)).reshape(-1)
     # A label is used by the loss unless it is -100 or the first of its segment.
     first = torch.ones_like(real)
     first[1:] = seg[1:] != seg[:-1]
-    used = (data['labels'].reshape(-1) != IGNORE_INDEX) & ~first
+    used = (data["labels"].reshape(-1) != IGNORE_INDEX) & ~first
     # One integer bincount of (segment, real, used) gives every per-segment count at once.
     counts = torch.bincount(seg * 4 + real * 2 + used, minlength=4 * n_seg).reshape(n_seg, 4)
     docs = counts[:, 2] + counts[:, 3] > 0  # segments of the row's tail hold no real token
@@ -139,8 +149,15 @@ def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
     doc_lengths = counts.sum(1) * docs
     peak = position_ids.max() if position_ids is not None else torch.tensor(s - 1)
     # One conversion to Python ints: this runs every iteration, small ops dominate its cost.
-    n_docs, real, longest, n_unsup, max_pos = torch.stack([
-        docs.sum(), doc_lengths.sum(), doc_lengths.max(), unsupervised.sum(), peak]).tolist()
-    return BatchStats(rows=b, tokens=b * s, real_tokens=real, documents=n_docs,
-                      longest_document=longest, max_position=max_pos,
-                      unsupervised_documents=n_unsup)
+    n_docs, real, longest, n_unsup, max_pos = torch.stack(
+        [docs.sum(), doc_lengths.sum(), doc_lengths.max(), unsupervised.sum(), peak]
+    ).tolist()
+    return BatchStats(
+        rows=b,
+        tokens=b * s,
+        real_tokens=real,
+        documents=n_docs,
+        longest_document=longest,
+        max_position=max_pos,
+        unsupervised_documents=n_unsup,
+    )

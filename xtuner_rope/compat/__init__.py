@@ -30,8 +30,12 @@ def __getattr__(name: str) -> object:
     if name not in MOVED_NAMES:
         raise AttributeError(f"module 'xtuner_rope.compat' has no attribute {name!r}")
     new = MOVED_NAMES[name]
-    warnings.warn(f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
-                  f"{new} (`from {new} import {name}`).", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
+        f"{new} (`from {new} import {name}`).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return getattr(importlib.import_module(new), name)
 
 
@@ -100,8 +104,9 @@ def _triton_lacks_ops() -> bool:
     spec = importlib.util.find_spec("triton")
     if spec is None or not spec.submodule_search_locations:
         return False
-    return not any(os.path.isdir(os.path.join(loc, "ops"))
-                   for loc in spec.submodule_search_locations)
+    return not any(
+        os.path.isdir(os.path.join(loc, "ops")) for loc in spec.submodule_search_locations
+    )
 
 
 def _forget_failed_bitsandbytes_import() -> bool:
@@ -173,8 +178,10 @@ def _init_dist_pytorch_cpu(backend: str, init_backend: str = "torch", **kwargs) 
 
         deepspeed.init_distributed(dist_backend=backend, **kwargs)
     else:
-        raise ValueError(f"xtuner_rope.compat: init_backend {init_backend!r} is not supported on "
-                         "a CPU-only machine; use 'torch' (DDP) or 'deepspeed'.")
+        raise ValueError(
+            f"xtuner_rope.compat: init_backend {init_backend!r} is not supported on "
+            "a CPU-only machine; use 'torch' (DDP) or 'deepspeed'."
+        )
 
 
 def patch_mmengine_dist_init_on_cpu() -> bool:
@@ -340,8 +347,11 @@ def patch_deepspeed_zero3_cpu_gather() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     coalesced = zero3.Init._allgather_params_coalesced
-    if (get_accelerator().device_name() != "cpu" or isinstance(zero3.dist, _GatherHandleRecorder)
-            or not _waits_only_for_last_gather(coalesced)):
+    if (
+        get_accelerator().device_name() != "cpu"
+        or isinstance(zero3.dist, _GatherHandleRecorder)
+        or not _waits_only_for_last_gather(coalesced)
+    ):
         return False
     recorder = _GatherHandleRecorder(zero3.dist)
 
@@ -422,7 +432,8 @@ def _refuse_unconsumed_boundaries(forward):
                 "(the HF forward does not take it): the hook that consumes it is missing. "
                 "Add to PART 1 of the config:\n    from xtuner_rope import enable_xtuner_rope\n"
                 "    model_resource = dict(fn=enable_xtuner_rope)\n(it adds the plugin's hooks), "
-                "or, without xtuner-rope, collate with use_varlen_attn=False.")
+                "or, without xtuner-rope, collate with use_varlen_attn=False."
+            )
         return forward(self, data, data_samples, mode)
 
     checked_forward.xtuner_rope_checked = True
@@ -515,8 +526,9 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
     Returns:
         True if applied (``xtuner/tools/train.py`` is running in this process).
     """
-    modules = [m for m in _xtuner_train_modules()
-               if not getattr(m.check_cfg, "xtuner_rope_sp", False)]
+    modules = [
+        m for m in _xtuner_train_modules() if not getattr(m.check_cfg, "xtuner_rope_sp", False)
+    ]
     for module in modules:
         original = module.check_cfg
 
@@ -532,14 +544,25 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
             if not (prepared and isinstance(sp, int) and sp > 1):
                 return _original(cfg, args)
             if args.deepspeed is None:  # a refusal before loading, listed as the start-up's
-                raise startup.ConfigConflict(startup.conflict_message([startup.Finding(
-                    "sequence_parallel_size", f"sequence_parallel_size = {sp} without "
-                    "DeepSpeed: XTuner trains sequence parallel only under DeepSpeed",
-                    "Add `--deepspeed <json>` to `xtuner train` (on CPU: "
-                    "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1")]))
-            print_log(f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
-                      "packed attention on every backend; XTuner's flash-attn requirement for "
-                      "sequence parallel is lifted.", logger="current")
+                raise startup.ConfigConflict(
+                    startup.conflict_message(
+                        [
+                            startup.Finding(
+                                "sequence_parallel_size",
+                                f"sequence_parallel_size = {sp} without "
+                                "DeepSpeed: XTuner trains sequence parallel only under DeepSpeed",
+                                "Add `--deepspeed <json>` to `xtuner train` (on CPU: "
+                                "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1",
+                            )
+                        ]
+                    )
+                )
+            print_log(
+                f"xtuner-rope: sequence_parallel_size = {sp} is served by xtuner-rope's "
+                "packed attention on every backend; XTuner's flash-attn requirement for "
+                "sequence parallel is lifted.",
+                logger="current",
+            )
             cfg.sequence_parallel_size = 1
             try:
                 return _original(cfg, args)
@@ -579,8 +602,9 @@ def _model_resource_config():
     """The config of a running xtuner 0.2.0 ``set_model_resource`` up the stack, or None."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "set_model_resource" \
-                and frame.f_code.co_filename.endswith(os.path.join("xtuner", "tools", "utils.py")):
+        if frame.f_code.co_name == "set_model_resource" and frame.f_code.co_filename.endswith(
+            os.path.join("xtuner", "tools", "utils.py")
+        ):
             cfg = frame.f_locals.get("cfg")
             return cfg if hasattr(cfg, "_cfg_dict") else None
         frame = frame.f_back
@@ -610,9 +634,12 @@ def _give_llm_path(cfg) -> bool:
     cfg._cfg_dict["pretrained_model_name_or_path"] = llm_path
     from mmengine.logging import print_log
 
-    print_log("xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA config names its "
-              f"LLM llm_name_or_path); set to llm_name_or_path = {llm_path!r} for XTuner's "
-              "set_model_resource.", logger="current")
+    print_log(
+        "xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA config names its "
+        f"LLM llm_name_or_path); set to llm_name_or_path = {llm_path!r} for XTuner's "
+        "set_model_resource.",
+        logger="current",
+    )
     return True
 
 
@@ -659,12 +686,20 @@ def keep_other_model_paths(cfg, returned: str) -> bool:
     """
     top = cfg._cfg_dict
     path = dict.get(top, "pretrained_model_name_or_path")
-    others = {v for k, v in dict.items(top) if isinstance(v, str) and v != path
-              and k.endswith("_name_or_path")
-              and k not in ("pretrained_model_name_or_path", "llm_name_or_path")}
+    others = {
+        v
+        for k, v in dict.items(top)
+        if isinstance(v, str)
+        and v != path
+        and k.endswith("_name_or_path")
+        and k not in ("pretrained_model_name_or_path", "llm_name_or_path")
+    }
     nested = list(_nested_paths(top))
-    if returned != path or not any(value in others for _, _, value in nested) \
-            or _model_resource_config() is not cfg:
+    if (
+        returned != path
+        or not any(value in others for _, _, value in nested)
+        or _model_resource_config() is not cfg
+    ):
         return False
     for node, key, value in nested:
         if value not in others:
@@ -684,8 +719,13 @@ def keep_other_model_paths(cfg, returned: str) -> bool:
 
 def _nested_paths(node, depth: int = 0):
     """``(dict, key, value)`` of every ``pretrained_model_name_or_path`` below the top level."""
-    items = dict.items(node) if isinstance(node, dict) else enumerate(node) \
-        if isinstance(node, list) else ()
+    items = (
+        dict.items(node)
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
     for key, value in items:
         if depth and key == "pretrained_model_name_or_path":
             yield node, key, value
@@ -721,9 +761,12 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         if kwargs.get("pixel_values") is not None:
             check_expanded_batch(out, checked.max_position)
             # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
-            out = restart_after_expansion(out, kwargs["input_ids"],
-                                          kwargs.get("attention_mask"),
-                                          kwargs["pixel_values"].shape[1])
+            out = restart_after_expansion(
+                out,
+                kwargs["input_ids"],
+                kwargs.get("attention_mask"),
+                kwargs["pixel_values"].shape[1],
+            )
         return out
 
     checked.max_position = max_position
@@ -731,10 +774,14 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
     if current is original:
         from mmengine.logging import print_log
 
-        print_log("xtuner-rope: LLaVAModel: the sequence its LLM sees after the image expansion "
-                  f"is checked every step (attended tokens, positions < {max_position}).",
-                  logger="current")
+        print_log(
+            "xtuner-rope: LLaVAModel: the sequence its LLM sees after the image expansion "
+            f"is checked every step (attended tokens, positions < {max_position}).",
+            logger="current",
+        )
     return True
+
+
 class _RankWithoutGroup:
     """``torch.distributed`` as xtuner's DPO/ORPO modules see it: rank 0 without a group."""
 
@@ -767,8 +814,11 @@ def patch_xtuner_preference_rank() -> bool:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        if module.__dict__.get("dist") is torch.distributed and \
-                "dist.get_rank()" in inspect.getsource(getattr(module, cls).compute_loss):
+        if module.__dict__.get(
+            "dist"
+        ) is torch.distributed and "dist.get_rank()" in inspect.getsource(
+            getattr(module, cls).compute_loss
+        ):
             module.dist = _RankWithoutGroup(torch.distributed)
             applied = True
     return applied
@@ -807,8 +857,9 @@ def _gather_with_targets(gather):
                 split_for_sequence_parallel,
             )
 
-            targets = split_for_sequence_parallel(targets, dim=1,
-                                                  sp_group=get_sequence_parallel_group())
+            targets = split_for_sequence_parallel(
+                targets, dim=1, sp_group=get_sequence_parallel_group()
+            )
         return gather(self, logits, labels, mask if targets is None else targets.to(mask.device))
 
     return wrapped
@@ -833,8 +884,9 @@ def patch_xtuner_preference_target_zero() -> bool:
             model = getattr(importlib.import_module(name), cls)
         except ImportError:
             continue
-        if getattr(model.compute_loss, "_xtuner_rope_targets", False) or \
-                "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
+        if getattr(
+            model.compute_loss, "_xtuner_rope_targets", False
+        ) or "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
             continue
         model.compute_loss = _keep_target_id_zero(model.compute_loss)
         model.compute_loss._xtuner_rope_targets = True
@@ -865,12 +917,22 @@ def _fix_generation_from_embeds(cls: type) -> bool:
         return False
 
     @functools.wraps(method)
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None,
-                                      attention_mask=None, inputs_embeds=None, **kwargs):
-        out = method(self, input_ids, past_key_values=past_key_values,
-                     attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
-        if inputs_embeds is not None and "inputs_embeds" not in out \
-                and _is_empty_cache(past_key_values):
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None, **kwargs
+    ):
+        out = method(
+            self,
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        if (
+            inputs_embeds is not None
+            and "inputs_embeds" not in out
+            and _is_empty_cache(past_key_values)
+        ):
             out.pop("input_ids", None)  # the empty [b, 0] ids generate() starts from
             out["inputs_embeds"] = inputs_embeds
         return out
@@ -881,8 +943,11 @@ def _fix_generation_from_embeds(cls: type) -> bool:
 
 
 def _internlm2_causal_lm_classes(module) -> list[type]:
-    return [v for k, v in vars(module).items()
-            if isinstance(v, type) and k.startswith("InternLM2") and k.endswith("ForCausalLM")]
+    return [
+        v
+        for k, v in vars(module).items()
+        if isinstance(v, type) and k.startswith("InternLM2") and k.endswith("ForCausalLM")
+    ]
 
 
 def patch_internlm2_generation_from_embeds() -> bool:
@@ -971,11 +1036,13 @@ def patch_mmengine_warmup_rounding() -> bool:
             loader = self.train_dataloader
             length = len(loader)
             samples = len(loader.dataset) if hasattr(loader.dataset, "__len__") else "?"
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
-                else 1
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             for check in SCHEDULER_CHECKS:
-                check(scheduler, length, f"{samples} samples, batch size "
-                      f"{loader.batch_size}, {world} process(es)")
+                check(
+                    scheduler,
+                    length,
+                    f"{samples} samples, batch size {loader.batch_size}, {world} process(es)",
+                )
         return original(self, scheduler, optim_wrapper)
 
     build._xtuner_rope_warmup = True
@@ -989,15 +1056,25 @@ def apply() -> list[str]:
     Returns:
         The names of the patches applied so far in this process.
     """
-    for patch in (patch_torch_cpu_bf16_query, patch_bitsandbytes_triton_probe,
-                  register_internlm2_auto_classes, patch_mmengine_dist_init_on_cpu,
-                  patch_mmengine_ddp_device_ids_on_cpu, patch_deepspeed_cpu_allgather_grad_mode,
-                  patch_deepspeed_zero3_cpu_gather, patch_checkpoint_loading,
-                  patch_sft_forward_names_missing_hook, patch_model_resource_llm_path,
-                  patch_set_model_resource_llm_path, patch_xtuner_preference_rank,
-                  patch_xtuner_preference_target_zero, patch_sft_sequence_parallel_loss,
-                  patch_xtuner_train_sequence_parallel_check,
-                  patch_internlm2_generation_from_embeds, patch_mmengine_warmup_rounding):
+    for patch in (
+        patch_torch_cpu_bf16_query,
+        patch_bitsandbytes_triton_probe,
+        register_internlm2_auto_classes,
+        patch_mmengine_dist_init_on_cpu,
+        patch_mmengine_ddp_device_ids_on_cpu,
+        patch_deepspeed_cpu_allgather_grad_mode,
+        patch_deepspeed_zero3_cpu_gather,
+        patch_checkpoint_loading,
+        patch_sft_forward_names_missing_hook,
+        patch_model_resource_llm_path,
+        patch_set_model_resource_llm_path,
+        patch_xtuner_preference_rank,
+        patch_xtuner_preference_target_zero,
+        patch_sft_sequence_parallel_loss,
+        patch_xtuner_train_sequence_parallel_check,
+        patch_internlm2_generation_from_embeds,
+        patch_mmengine_warmup_rounding,
+    ):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)
     return list(_APPLIED)

@@ -43,7 +43,8 @@ def _history_buffer_getattr(owner, name: str):
     if owner is not HistoryBuffer or name.startswith("_") or not callable(method):
         raise pickle.UnpicklingError(
             f"checkpoint asks for getattr({owner!r}, {name!r}); only public HistoryBuffer "
-            "methods are allowed")
+            "methods are allowed"
+        )
     return method
 
 
@@ -57,14 +58,37 @@ def runner_checkpoint_globals() -> list:
     from mmengine.logging import HistoryBuffer
 
     multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    dtype_classes = [type(np.dtype(name)) for name in
-                     ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                      "uint64", "float16", "float32", "float64", "complex64", "complex128")]
+    dtype_classes = [
+        type(np.dtype(name))
+        for name in (
+            "bool",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float16",
+            "float32",
+            "float64",
+            "complex64",
+            "complex128",
+        )
+    ]
     # ConfigDict and set: in DeepSpeed's model-states file (read for the seed on resume).
-    return [HistoryBuffer, ConfigDict, set, (_history_buffer_getattr, "builtins.getattr"),
-            (multiarray._reconstruct, f"{multiarray.__name__}._reconstruct"),
-            (multiarray.scalar, f"{multiarray.__name__}.scalar"),
-            np.ndarray, np.dtype, *dtype_classes]
+    return [
+        HistoryBuffer,
+        ConfigDict,
+        set,
+        (_history_buffer_getattr, "builtins.getattr"),
+        (multiarray._reconstruct, f"{multiarray.__name__}._reconstruct"),
+        (multiarray.scalar, f"{multiarray.__name__}.scalar"),
+        np.ndarray,
+        np.dtype,
+        *dtype_classes,
+    ]
 
 
 def is_trusted(path: str) -> bool:
@@ -86,9 +110,11 @@ def _what_is_refused(path: str, error: Exception) -> str:
     text = str(error)
     found = found or re.findall(r"Unsupported global: GLOBAL (\S+)", text)
     if found:
-        return (f"it names {', '.join(found)}, which runner checkpoints do not hold (allowed: "
-                "tensors, containers, MMEngine's HistoryBuffer and ConfigDict, numpy "
-                "arrays/scalars/dtypes)")
+        return (
+            f"it names {', '.join(found)}, which runner checkpoints do not hold (allowed: "
+            "tensors, containers, MMEngine's HistoryBuffer and ConfigDict, numpy "
+            "arrays/scalars/dtypes)"
+        )
     reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
     return f"it fails the weights-only check ({reason.group(1) if reason else text.strip()})"
 
@@ -99,7 +125,8 @@ def _refusal(path: str, error: Exception) -> UntrustedCheckpointError:
         "anything else can run arbitrary code. If you trust this file (you wrote it, or know "
         f"where it comes from), set {TRUST_ENV}={path} (files or folders, separated by "
         f"'{os.pathsep}'); or, for a type that is safe to rebuild, call "
-        "torch.serialization.add_safe_globals([...]) first.")
+        "torch.serialization.add_safe_globals([...]) first."
+    )
 
 
 def load_checkpoint(path: str, map_location="cpu"):

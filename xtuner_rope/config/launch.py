@@ -35,8 +35,10 @@ from xtuner_rope.compat import cpu_only
 from .startup import Finding, register_findings, type_name
 
 # The project's fp32 DeepSpeed settings for CPU runs, by ZeRO stage.
-FP32_CPU_JSON = {2: "configs/deepspeed/zero2_fp32_cpu.json",
-                 3: "configs/deepspeed/zero3_fp32_cpu.json"}
+FP32_CPU_JSON = {
+    2: "configs/deepspeed/zero2_fp32_cpu.json",
+    3: "configs/deepspeed/zero3_fp32_cpu.json",
+}
 REPO = Path(__file__).resolve().parents[1]
 # Samplers that take their rank and world size from DeepSpeed's data-parallel group.
 DEEPSPEED_SAMPLERS = ("InternRepoSampler",)
@@ -109,8 +111,7 @@ def _deepspeed_source(cfg: Config, argv: list[str] | None) -> tuple[object, str]
     """Where the run's DeepSpeed config comes from: the config's strategy or ``--deepspeed``."""
     optim = dict.get(cfg._cfg_dict, "optim_wrapper")
     strategy = dict.get(cfg._cfg_dict, "strategy")
-    if isinstance(strategy, dict) and type_name(strategy.get("type")).endswith(
-            "DeepSpeedStrategy"):
+    if isinstance(strategy, dict) and type_name(strategy.get("type")).endswith("DeepSpeedStrategy"):
         return strategy.get("config"), "strategy.config"
     if isinstance(optim, dict) and type_name(optim.get("type")) == "DeepSpeedOptimWrapper":
         return None, ""  # xtuner train keeps such a config's own strategy
@@ -159,19 +160,31 @@ def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list
         return []
     stage = int((ds.get("zero_optimization") or {}).get("stage", 2))
     fp32 = _fp32_json(stage)
-    edit = (f"pass --deepspeed {fp32} (xtuner-rope's repository; any json with "
-            '"fp16": {"enabled": false}, "bf16": {"enabled": false}) instead'
-            if where == "--deepspeed" else
-            f'set strategy.config = "{fp32}" (or "fp16"/"bf16" "enabled": false in yours)')
-    why = ("DeepSpeed raises 'Type fp16 is not supported on your device' when the engine is "
-           "built, after the weights are loaded" if dtype == "fp16" else
-           "bf16 would be emulated, and xtuner-rope's CPU guarantees are measured in fp32")
-    return [Finding(where, f"{name} resolves to {dtype} on this CPU-only machine "
-                    f"(XTuner's auto_dtype_of_deepspeed_config): {why}", edit)]
+    edit = (
+        f"pass --deepspeed {fp32} (xtuner-rope's repository; any json with "
+        '"fp16": {"enabled": false}, "bf16": {"enabled": false}) instead'
+        if where == "--deepspeed"
+        else f'set strategy.config = "{fp32}" (or "fp16"/"bf16" "enabled": false in yours)'
+    )
+    why = (
+        "DeepSpeed raises 'Type fp16 is not supported on your device' when the engine is "
+        "built, after the weights are loaded"
+        if dtype == "fp16"
+        else "bf16 would be emulated, and xtuner-rope's CPU guarantees are measured in fp32"
+    )
+    return [
+        Finding(
+            where,
+            f"{name} resolves to {dtype} on this CPU-only machine "
+            f"(XTuner's auto_dtype_of_deepspeed_config): {why}",
+            edit,
+        )
+    ]
 
 
-def sampler_findings(cfg: Config, argv: list[str] | None = None,
-                     world_size: int | None = None) -> list[Finding]:
+def sampler_findings(
+    cfg: Config, argv: list[str] | None = None, world_size: int | None = None
+) -> list[Finding]:
     """A sampler that needs DeepSpeed's data-parallel group, on several processes without it.
 
     Args:
@@ -187,13 +200,17 @@ def sampler_findings(cfg: Config, argv: list[str] | None = None,
     needs = next((s for s in DEEPSPEED_SAMPLERS if name.endswith(s)), None)
     if world_size < 2 or needs is None or _deepspeed_source(cfg, argv)[0] is not None:
         return []
-    return [Finding(
-        "train_dataloader.sampler", f"{needs} takes its rank from DeepSpeed's data-parallel "
-        f"group, which only XTuner's DeepSpeedStrategy sets up; on {world_size} processes "
-        "without DeepSpeed the dataloader fails ('data parallel group is not initialized')",
-        "run with --deepspeed (deepspeed_zero2 on a GPU, "
-        f"{_fp32_json(2)} on CPU), or use sampler=dict(type=DefaultSampler, shuffle=True) "
-        "(from mmengine.dataset import DefaultSampler)")]
+    return [
+        Finding(
+            "train_dataloader.sampler",
+            f"{needs} takes its rank from DeepSpeed's data-parallel "
+            f"group, which only XTuner's DeepSpeedStrategy sets up; on {world_size} processes "
+            "without DeepSpeed the dataloader fails ('data parallel group is not initialized')",
+            "run with --deepspeed (deepspeed_zero2 on a GPU, "
+            f"{_fp32_json(2)} on CPU), or use sampler=dict(type=DefaultSampler, shuffle=True) "
+            "(from mmengine.dataset import DefaultSampler)",
+        )
+    ]
 
 
 @register_findings(order=50)

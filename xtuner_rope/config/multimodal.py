@@ -44,14 +44,22 @@ def _dtype_name(value: object) -> str:
 
 def _half_llm_findings(llm: dict) -> list[Finding]:
     dtype = _get(llm, "torch_dtype")
-    if not cpu_only() or _dtype_name(dtype) not in HALF_DTYPES \
-            or _get(llm, "quantization_config") is not None:
+    if (
+        not cpu_only()
+        or _dtype_name(dtype) not in HALF_DTYPES
+        or _get(llm, "quantization_config") is not None
+    ):
         return []
-    return [Finding(
-        "model.llm.torch_dtype", f"{_dtype_name(dtype)} on this CPU-only machine: torch's CPU "
-        "matmuls refuse the mixed fp16/fp32 inputs of the LLaVA projector and LLM",
-        'set to "float32" (the LLM is loaded in full precision on CPU; a GPU run keeps the '
-        "config's dtype)", lambda: llm.__setitem__("torch_dtype", "float32"))]
+    return [
+        Finding(
+            "model.llm.torch_dtype",
+            f"{_dtype_name(dtype)} on this CPU-only machine: torch's CPU "
+            "matmuls refuse the mixed fp16/fp32 inputs of the LLaVA projector and LLM",
+            'set to "float32" (the LLM is loaded in full precision on CPU; a GPU run keeps the '
+            "config's dtype)",
+            lambda: llm.__setitem__("torch_dtype", "float32"),
+        )
+    ]
 
 
 @register_findings(order=40)
@@ -60,11 +68,16 @@ def multimodal_findings(cfg: Config) -> list[Finding]:
     model = _get(cfg._cfg_dict, "model")
     name = type_name(_get(model, "type"))
     if name == "InternVL_V1_5":
-        return [Finding(
-            "model.type", "InternVL_V1_5: xtuner-rope has not been verified inside InternVL's "
-            "own forward (its InternLM2/Phi-3 LLM, its image-token packing), so it cannot vouch "
-            "for the positions or the isolation there", "train InternVL without xtuner-rope "
-            "(remove model_resource = dict(fn=enable_xtuner_rope)); LLaVA configs are served")]
+        return [
+            Finding(
+                "model.type",
+                "InternVL_V1_5: xtuner-rope has not been verified inside InternVL's "
+                "own forward (its InternLM2/Phi-3 LLM, its image-token packing), so it cannot vouch "
+                "for the positions or the isolation there",
+                "train InternVL without xtuner-rope "
+                "(remove model_resource = dict(fn=enable_xtuner_rope)); LLaVA configs are served",
+            )
+        ]
     if name != "LLaVAModel":
         return []
     llm = _get(model, "llm")

@@ -42,13 +42,20 @@ def recheck_config(cfg: Config, fixes: list[Finding] | None = None) -> list[Find
     conflicts = []
     for f in inspect_config(cfg):
         if f.setting in fixed:
-            problem = (f"the start-up's fix ({fixed[f.setting].edit}) was overridden after it "
-                       f"ran (--cfg-options are merged after model_resource): {f.problem}")
+            problem = (
+                f"the start-up's fix ({fixed[f.setting].edit}) was overridden after it "
+                f"ran (--cfg-options are merged after model_resource): {f.problem}"
+            )
         else:
             problem = f"set after the start-up ran (--cfg-options): {f.problem}"
-        edit = f.edit if f.fix is None else (
-            f"{f.edit}; make it so in the config file or in the --cfg-options: merged after the "
-            "start-up, an override cannot be fixed by it")
+        edit = (
+            f.edit
+            if f.fix is None
+            else (
+                f"{f.edit}; make it so in the config file or in the --cfg-options: merged after the "
+                "start-up, an override cannot be fixed by it"
+            )
+        )
         conflicts.append(Finding(f.setting, problem, edit))
     return conflicts
 
@@ -70,8 +77,10 @@ def recheck_started_config(cfg: object, who: str) -> None:
         return
     conflicts = recheck_config(cfg)
     if conflicts:
-        raise ConfigConflict(f"{who}: checked again before the first step, on the config that "
-                             f"really trains: {conflict_message(conflicts)}")
+        raise ConfigConflict(
+            f"{who}: checked again before the first step, on the config that "
+            f"really trains: {conflict_message(conflicts)}"
+        )
 
 
 __all__ = ["recheck_config", "recheck_started_config"]

@@ -45,10 +45,14 @@ def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
     if heads is None or heads % sp == 0:
         return []
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-    return [Finding(
-        "sequence_parallel_size", f"{sp} does not divide the {heads} attention heads (from "
-        f"{where}): XTuner's inner sequence parallel, its fallback for that, gathers through "
-        "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0) after the "
-        "weights are loaded",
-        f"set sequence_parallel_size to a divisor of {heads} ({', '.join(map(str, divisors))}), "
-        "or train on GPUs")]
+    return [
+        Finding(
+            "sequence_parallel_size",
+            f"{sp} does not divide the {heads} attention heads (from "
+            f"{where}): XTuner's inner sequence parallel, its fallback for that, gathers through "
+            "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0) after the "
+            "weights are loaded",
+            f"set sequence_parallel_size to a divisor of {heads} ({', '.join(map(str, divisors))}), "
+            "or train on GPUs",
+        )
+    ]

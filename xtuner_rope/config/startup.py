@@ -40,14 +40,18 @@ from mmengine.logging import print_log
 from xtuner_rope.compat import cpu_only, keep_other_model_paths
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
-PLUGIN_HOOKS = {"ValidatedRoPEHook": "xtuner_rope.hooks",
-                "PackedBatchCheckHook": "xtuner_rope.hooks",
-                "PackingMetricsHook": "xtuner_rope.hooks.monitor",
-                "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
-                "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm"}
-MODEL_RESOURCE_EDIT = ("add to PART 1 of the config:\n"
-                       "    from xtuner_rope import enable_xtuner_rope\n"
-                       "    model_resource = dict(fn=enable_xtuner_rope)")
+PLUGIN_HOOKS = {
+    "ValidatedRoPEHook": "xtuner_rope.hooks",
+    "PackedBatchCheckHook": "xtuner_rope.hooks",
+    "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+    "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
+    "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
+}
+MODEL_RESOURCE_EDIT = (
+    "add to PART 1 of the config:\n"
+    "    from xtuner_rope import enable_xtuner_rope\n"
+    "    model_resource = dict(fn=enable_xtuner_rope)"
+)
 
 # "fixes": what the start-up applied, so the re-check of the config that really trains can
 # name a fix that an override (``--cfg-options``, merged after the start-up) undid.
@@ -112,8 +116,9 @@ XTUNER_DATASET_TYPES = ("process_hf_dataset", "lossless_process_hf_dataset")
 
 def _xtuner_packs(dataset: dict) -> bool:
     """``process_hf_dataset`` packing (its ``pack_to_max_length`` defaults to True)."""
-    return (type_name(_get(dataset, "type")) in XTUNER_DATASET_TYPES
-            and bool(_get(dataset, "pack_to_max_length", True)))
+    return type_name(_get(dataset, "type")) in XTUNER_DATASET_TYPES and bool(
+        _get(dataset, "pack_to_max_length", True)
+    )
 
 
 def _packs_without_boundaries(dataset: dict) -> bool:
@@ -139,11 +144,16 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
         source, asked = _checkpoint_attn_implementation(llm)
     if asked != "flash_attention_2":
         return []
-    return [Finding(
-        "model.llm.attn_implementation", f'"flash_attention_2"{source} needs flash-attn, which '
-        "is not usable here (not installed, or no CUDA): the model would fail to build or to "
-        "run", 'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every '
-        "backend", _setitem(llm, "attn_implementation", "sdpa"))]
+    return [
+        Finding(
+            "model.llm.attn_implementation",
+            f'"flash_attention_2"{source} needs flash-attn, which '
+            "is not usable here (not installed, or no CUDA): the model would fail to build or to "
+            "run",
+            'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every backend',
+            _setitem(llm, "attn_implementation", "sdpa"),
+        )
+    ]
 
 
 def model_family_findings(cfg: Config) -> list[Finding]:
@@ -156,8 +166,10 @@ def model_family_findings(cfg: Config) -> list[Finding]:
     from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict, model_class_verdict
 
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    setting, verdict = "model.llm.type", model_class_verdict(
-        getattr(_get(llm, "type"), "_module", None))  # XTuner's own DeepSeek-V2 package
+    setting, verdict = (
+        "model.llm.type",
+        model_class_verdict(getattr(_get(llm, "type"), "_module", None)),
+    )  # XTuner's own DeepSeek-V2 package
     if verdict is None:
         setting = "model.llm.pretrained_model_name_or_path"
         verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
@@ -188,11 +200,16 @@ def _packing_findings(loader: dict) -> list[Finding]:
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
         packed = packed or _xtuner_packs(dataset)
         if _packs_without_boundaries(dataset):
-            findings.append(Finding(
-                f"{where}.use_varlen_attn", "process_hf_dataset(pack_to_max_length=True) joins "
-                "dialogues without recording where each starts: documents would attend to each "
-                "other", "set to True: XTuner's Packer records the boundaries (same packs)",
-                _setitem(dataset, "use_varlen_attn", True)))
+            findings.append(
+                Finding(
+                    f"{where}.use_varlen_attn",
+                    "process_hf_dataset(pack_to_max_length=True) joins "
+                    "dialogues without recording where each starts: documents would attend to each "
+                    "other",
+                    "set to True: XTuner's Packer records the boundaries (same packs)",
+                    _setitem(dataset, "use_varlen_attn", True),
+                )
+            )
     collate = _get(loader, "collate_fn")
     name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
     batch_size = _get(loader, "batch_size", 1)
@@ -200,18 +217,29 @@ def _packing_findings(loader: dict) -> list[Finding]:
         return findings
     if name == "default_collate_fn" and batch_size == 1:
         if not _get(collate, "use_varlen_attn"):
-            findings.append(Finding(
-                "train_dataloader.collate_fn.use_varlen_attn", "default_collate_fn drops the "
-                "packed rows' boundaries", "set to True: it keeps cumulative_len/position_ids "
-                "(batch size 1)", _setitem(collate, "use_varlen_attn", True)))
+            findings.append(
+                Finding(
+                    "train_dataloader.collate_fn.use_varlen_attn",
+                    "default_collate_fn drops the packed rows' boundaries",
+                    "set to True: it keeps cumulative_len/position_ids (batch size 1)",
+                    _setitem(collate, "use_varlen_attn", True),
+                )
+            )
         return findings
-    why = (f"XTuner's default_collate_fn keeps document boundaries only at batch_size=1, got "
-           f"{batch_size}" if name == "default_collate_fn" else
-           f"collate function {name} is not known to keep document boundaries")
-    findings.append(Finding(
-        "train_dataloader.collate_fn", f"packed rows: {why}",
-        "use collate_fn=dict(type=rope_collate_fn, max_length=max_length) "
-        "(from xtuner_rope import rope_collate_fn; any batch size)"))
+    why = (
+        f"XTuner's default_collate_fn keeps document boundaries only at batch_size=1, got "
+        f"{batch_size}"
+        if name == "default_collate_fn"
+        else f"collate function {name} is not known to keep document boundaries"
+    )
+    findings.append(
+        Finding(
+            "train_dataloader.collate_fn",
+            f"packed rows: {why}",
+            "use collate_fn=dict(type=rope_collate_fn, max_length=max_length) "
+            "(from xtuner_rope import rope_collate_fn; any batch size)",
+        )
+    )
     return findings
 
 
@@ -221,14 +249,24 @@ def _lossless_packing_findings(loader: dict) -> list[Finding]:
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
         if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
             procs = _get(dataset, "map_num_proc", 32)
-            findings.append(Finding(
-                f"{where}.type", f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
-                "and drops each worker's last leftover below max_length (tokens and "
-                "supervised labels lost)", "set to lossless_process_hf_dataset "
-                "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
-                "stream, the leftover kept as a short last row",
-                _setitem(dataset, "type", LazyObject("xtuner_rope.data.packed_dataset",
-                                                     "lossless_process_hf_dataset"))))
+            findings.append(
+                Finding(
+                    f"{where}.type",
+                    f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
+                    "and drops each worker's last leftover below max_length (tokens and "
+                    "supervised labels lost)",
+                    "set to lossless_process_hf_dataset "
+                    "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
+                    "stream, the leftover kept as a short last row",
+                    _setitem(
+                        dataset,
+                        "type",
+                        LazyObject(
+                            "xtuner_rope.data.packed_dataset", "lossless_process_hf_dataset"
+                        ),
+                    ),
+                )
+            )
     return findings
 
 
@@ -236,21 +274,31 @@ def _varlen_findings(cfg: Config) -> list[Finding]:
     """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
     if not _get(cfg._cfg_dict, "use_varlen_attn"):
         return []
-    findings = [Finding(
-        "use_varlen_attn", "XTuner's start-up check demands flash-attn and batch size 1 for it",
-        "set to False at the top level only (the model, dataset and collate function keep "
-        "theirs): xtuner-rope isolates documents itself, on every attention backend",
-        _setitem(cfg._cfg_dict, "use_varlen_attn", False))]
+    findings = [
+        Finding(
+            "use_varlen_attn",
+            "XTuner's start-up check demands flash-attn and batch size 1 for it",
+            "set to False at the top level only (the model, dataset and collate function keep "
+            "theirs): xtuner-rope isolates documents itself, on every attention backend",
+            _setitem(cfg._cfg_dict, "use_varlen_attn", False),
+        )
+    ]
     hooks = _get(cfg._cfg_dict, "custom_hooks") or []
     varlen = [h for h in hooks if type_name(_get(h, "type")) == "VarlenAttnArgsToMessageHubHook"]
     if varlen:
+
         def drop() -> None:
             hooks[:] = [h for h in hooks if not any(h is v for v in varlen)]
 
-        findings.append(Finding(
-            "custom_hooks", "VarlenAttnArgsToMessageHubHook publishes the boundaries that "
-            "PackedBatchCheckHook publishes (checked) under the same MessageHub keys",
-            "removed VarlenAttnArgsToMessageHubHook", drop))
+        findings.append(
+            Finding(
+                "custom_hooks",
+                "VarlenAttnArgsToMessageHubHook publishes the boundaries that "
+                "PackedBatchCheckHook publishes (checked) under the same MessageHub keys",
+                "removed VarlenAttnArgsToMessageHubHook",
+                drop,
+            )
+        )
     return findings
 
 
@@ -268,8 +316,14 @@ def _hook_findings(cfg: Config) -> list[Finding]:
         else:
             hooks[:0] = added
 
-    return [Finding("custom_hooks", f"{', '.join(missing)} missing",
-                    f"added {', '.join(f'dict(type={n})' for n in missing)}", add)]
+    return [
+        Finding(
+            "custom_hooks",
+            f"{', '.join(missing)} missing",
+            f"added {', '.join(f'dict(type={n})' for n in missing)}",
+            add,
+        )
+    ]
 
 
 def _runtime_findings(cfg: Config) -> list[Finding]:
@@ -277,10 +331,14 @@ def _runtime_findings(cfg: Config) -> list[Finding]:
     findings = []
     optim = _get(cfg._cfg_dict, "optim_wrapper")
     if type_name(_get(optim, "type")) == "AmpOptimWrapper" and cpu_only():
-        findings.append(Finding(
-            "optim_wrapper.type", "AmpOptimWrapper needs a GPU (MMEngine refuses it on this "
-            "CPU-only machine)", "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "
-            "and delete its loss_scale and dtype entries: full fp32 on CPU"))
+        findings.append(
+            Finding(
+                "optim_wrapper.type",
+                "AmpOptimWrapper needs a GPU (MMEngine refuses it on this CPU-only machine)",
+                "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "
+                "and delete its loss_scale and dtype entries: full fp32 on CPU",
+            )
+        )
     return findings + _sequence_parallel_findings(cfg)
 
 
@@ -293,29 +351,46 @@ def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
     """
     sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        return [Finding("sequence_parallel_size", f"{sp!r} is not a positive int",
-                        "set sequence_parallel_size = 1 (off) or the number of ranks per row")]
+        return [
+            Finding(
+                "sequence_parallel_size",
+                f"{sp!r} is not a positive int",
+                "set sequence_parallel_size = 1 (off) or the number of ranks per row",
+            )
+        ]
     model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
     if sp > 1 and model != "SupervisedFinetune":
-        return [Finding(
-            "sequence_parallel_size", f"{sp} with model type {model}: xtuner-rope serves "
-            "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
-            "sequence-parallel paths are not wired to its packed attention",
-            "set sequence_parallel_size = 1 for this model")]
+        return [
+            Finding(
+                "sequence_parallel_size",
+                f"{sp} with model type {model}: xtuner-rope serves "
+                "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
+                "sequence-parallel paths are not wired to its packed attention",
+                "set sequence_parallel_size = 1 for this model",
+            )
+        ]
     collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
-    if sp == 1 or not isinstance(collate, dict) or (
-            type_name(_get(collate, "type")) != "default_collate_fn"):
+    if (
+        sp == 1
+        or not isinstance(collate, dict)
+        or (type_name(_get(collate, "type")) != "default_collate_fn")
+    ):
         return []
 
     def use_ours() -> None:
         collate["type"] = LazyObject("xtuner_rope.data.collate", "rope_collate_fn")
         collate["pad_to_multiple_of"] = sp
 
-    return [Finding(
-        "train_dataloader.collate_fn", f"default_collate_fn asserts that packed rows divide by "
-        f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
-        f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
-        "a segment of their own", use_ours)]
+    return [
+        Finding(
+            "train_dataloader.collate_fn",
+            f"default_collate_fn asserts that packed rows divide by "
+            f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
+            f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
+            "a segment of their own",
+            use_ours,
+        )
+    ]
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
@@ -329,8 +404,11 @@ def inspect_config(cfg: Config) -> list[Finding]:
     Returns:
         The findings, fixes and conflicts, in config order.
     """
-    return [finding for _, check in sorted(FINDINGS, key=lambda entry: entry[0])
-            for finding in check(cfg)]
+    return [
+        finding
+        for _, check in sorted(FINDINGS, key=lambda entry: entry[0])
+        for finding in check(cfg)
+    ]
 
 
 def register_findings(order: int) -> Callable[[FindingsFn], FindingsFn]:
@@ -340,10 +418,12 @@ def register_findings(order: int) -> Callable[[FindingsFn], FindingsFn]:
     themselves when imported (``xtuner_rope.activate`` imports them all); the order fixes where
     their findings appear in the start-up's report (lower first; the slots are in ``FINDINGS``).
     """
+
     def register(check: FindingsFn) -> FindingsFn:
         if all(registered is not check for _, registered in FINDINGS):
             FINDINGS.append((order, check))
         return check
+
     return register
 
 
@@ -358,15 +438,22 @@ def _loader_findings(cfg: Config) -> list[Finding]:
 # at 30 (loss normalization), 40 (multimodal), 50 (launch), 60 (sequence-parallel heads) and
 # 110 (preference).
 FINDINGS: list[tuple[int, FindingsFn]] = [
-    (10, _varlen_findings), (20, _loader_findings), (70, _hook_findings),
-    (80, _runtime_findings), (90, flash_attn_findings), (100, model_family_findings)]
+    (10, _varlen_findings),
+    (20, _loader_findings),
+    (70, _hook_findings),
+    (80, _runtime_findings),
+    (90, flash_attn_findings),
+    (100, model_family_findings),
+]
 
 
 def conflict_message(conflicts: list[Finding]) -> str:
     """One error text listing every conflict with the edit that resolves it."""
     items = "\n".join(f"{i}. {c}" for i, c in enumerate(conflicts, 1))
-    return (f"xtuner-rope: {len(conflicts)} setting(s) of this config would make training fail "
-            f"or silently wrong; edit the config and start again:\n{items}")
+    return (
+        f"xtuner-rope: {len(conflicts)} setting(s) of this config would make training fail "
+        f"or silently wrong; edit the config and start again:\n{items}"
+    )
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
@@ -468,7 +555,8 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
             f"model_resource: pretrained_model_name_or_path={path!r} is not a local checkpoint "
             "directory (no config.json there). Download it first, e.g. `huggingface-cli download "
             "internlm/internlm2-chat-7b --local-dir <dir>`, and set "
-            "pretrained_model_name_or_path in PART 1 of the config to <dir>.")
+            "pretrained_model_name_or_path in PART 1 of the config to <dir>."
+        )
     return prepare_started_config(path)
 
 
@@ -508,8 +596,17 @@ def require_prepared(cfg: object, who: str) -> None:
         "start-up: its patches (LoRA/QLoRA's bitsandbytes import, CPU training) and its "
         "config checks (packing without boundaries, use_varlen_attn, AMP on CPU) did not run. "
         f"To fix, {MODEL_RESOURCE_EDIT}\n(or call xtuner_rope.config.startup.prepare_config(cfg) "
-        "before building the Runner yourself).")
+        "before building the Runner yourself)."
+    )
 
 
-__all__ = ["ConfigConflict", "Finding", "enable_xtuner_rope", "inspect_config",
-           "is_prepared", "packing_source", "prepare_config", "require_prepared"]
+__all__ = [
+    "ConfigConflict",
+    "Finding",
+    "enable_xtuner_rope",
+    "inspect_config",
+    "is_prepared",
+    "packing_source",
+    "prepare_config",
+    "require_prepared",
+]

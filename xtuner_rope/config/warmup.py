@@ -61,8 +61,7 @@ def _type_name(value: object) -> str:
     return str(getattr(value, "__name__", value))
 
 
-def rounding_problems(schedulers: object, length: int,
-                      data: str) -> list[tuple[str, str, str]]:
+def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[str, str, str]]:
     """The schedulers MMEngine would refuse once converted (``end <= begin``).
 
     Args:
@@ -87,16 +86,19 @@ def rounding_problems(schedulers: object, length: int,
         if bounds is None or bounds[1] > bounds[0]:
             continue
         begin, end = bounds
-        found.append((
-            f"param_scheduler[{i}]",
-            f"{_type_name(scheduler.get('type'))}, begin={scheduler.get('begin', 0)}, "
-            f"end={scheduler.get('end')} epochs, convert_to_iter_based=True, becomes "
-            f"begin={begin}, end={end} iterations on this dataset ({data}: {length} iterations "
-            f"per epoch): MMEngine refuses it when the Runner builds it (ValueError: end should "
-            f"be larger than begin)",
-            f"the warm-up must last at least 1 iteration: set warmup_ratio so that "
-            f"warmup_ratio * max_epochs >= {1.0 / length:.3g} (or give the scheduler an "
-            f"iteration-based end, by_epoch=False; or train on more data)"))
+        found.append(
+            (
+                f"param_scheduler[{i}]",
+                f"{_type_name(scheduler.get('type'))}, begin={scheduler.get('begin', 0)}, "
+                f"end={scheduler.get('end')} epochs, convert_to_iter_based=True, becomes "
+                f"begin={begin}, end={end} iterations on this dataset ({data}: {length} iterations "
+                f"per epoch): MMEngine refuses it when the Runner builds it (ValueError: end should "
+                f"be larger than begin)",
+                f"the warm-up must last at least 1 iteration: set warmup_ratio so that "
+                f"warmup_ratio * max_epochs >= {1.0 / length:.3g} (or give the scheduler an "
+                f"iteration-based end, by_epoch=False; or train on more data)",
+            )
+        )
     return found
 
 

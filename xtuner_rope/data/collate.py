@@ -6,6 +6,7 @@ at 0 at each segment and the boundaries travel as ``cumulative_len``, so packed 
 get the same RoPE angles as alone and a boundary-aware attention can isolate them.
 See :func:`rope_collate_fn`.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -32,7 +33,7 @@ from xtuner_rope.ops.packing import (
     segment_starts_from_cumulative,
 )
 
-__all__ = ['rope_collate_fn', 'IGNORE_INDEX', 'DEFAULT_PAD_TOKEN_INDEX']
+__all__ = ["rope_collate_fn", "IGNORE_INDEX", "DEFAULT_PAD_TOKEN_INDEX"]
 
 # Same value as xtuner.utils (checked in tests), like IGNORE_INDEX.
 DEFAULT_PAD_TOKEN_INDEX = 0
@@ -46,17 +47,22 @@ def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]
     """
     bad = [s.index for s in samples if not is_supervised(s)]
     if len(bad) == len(samples):
-        shown = f'{bad[:20]}{"..." if len(bad) > 20 else ""}'
-        raise ValueError(f'rope_collate_fn: all {len(samples)} samples of the batch have no '
-                         f'supervised label (indices {shown}): the mean loss would be 0/0 = NaN. '
-                         "A label counts when it is != -100 after a document's first token "
-                         '(the causal shift never uses that one). Check the dataset label '
-                         'masking and filter such samples (1-token samples, replies truncated '
-                         'away) out of the dataset.')
+        shown = f"{bad[:20]}{'...' if len(bad) > 20 else ''}"
+        raise ValueError(
+            f"rope_collate_fn: all {len(samples)} samples of the batch have no "
+            f"supervised label (indices {shown}): the mean loss would be 0/0 = NaN. "
+            "A label counts when it is != -100 after a document's first token "
+            "(the causal shift never uses that one). Check the dataset label "
+            "masking and filter such samples (1-token samples, replies truncated "
+            "away) out of the dataset."
+        )
     if not bad or not drop:
         return samples, len(bad)
-    warnings.warn(f'rope_collate_fn: dropped {len(bad)} of {len(samples)} samples with no '
-                  f'supervised label (batch indices {bad}).', stacklevel=3)
+    warnings.warn(
+        f"rope_collate_fn: dropped {len(bad)} of {len(samples)} samples with no "
+        f"supervised label (batch indices {bad}).",
+        stacklevel=3,
+    )
     dropped = set(bad)
     return [s for s in samples if s.index not in dropped], 0
 
@@ -64,30 +70,40 @@ def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]
 def _check_options(pad_index: object, flags: dict, ints: dict, pack: bool) -> None:
     """Types and ranges of the collate options; ``ints`` maps name -> (value, lowest)."""
     if not isinstance(pad_index, Integral) or isinstance(pad_index, bool):
-        raise TypeError(f'rope_collate_fn: option pad_index: expected an int token id >= 0, got '
-                        f"{show(pad_index)}. Pass the tokenizer's pad_token_id (XTuner's "
-                        'default: 0).')
+        raise TypeError(
+            f"rope_collate_fn: option pad_index: expected an int token id >= 0, got "
+            f"{show(pad_index)}. Pass the tokenizer's pad_token_id (XTuner's "
+            "default: 0)."
+        )
     if pad_index < 0:
-        raise ValueError(f'rope_collate_fn: option pad_index: expected an int token id >= 0 (a '
-                         f"row of the embedding), got {pad_index}. Pass the tokenizer's "
-                         'pad_token_id (XTuner\'s default: 0).')
+        raise ValueError(
+            f"rope_collate_fn: option pad_index: expected an int token id >= 0 (a "
+            f"row of the embedding), got {pad_index}. Pass the tokenizer's "
+            "pad_token_id (XTuner's default: 0)."
+        )
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise TypeError(f'rope_collate_fn: option {name}: expected True or False, got '
-                            f'{show(value)}.')
+            raise TypeError(
+                f"rope_collate_fn: option {name}: expected True or False, got {show(value)}."
+            )
     for name, (value, low) in ints.items():
         if value is None:
             continue
         if not isinstance(value, Integral) or isinstance(value, bool):
-            raise TypeError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
-                            f'got {show(value)}.')
+            raise TypeError(
+                f"rope_collate_fn: option {name}: expected None or an int >= {low}, "
+                f"got {show(value)}."
+            )
         if value < low:
-            raise ValueError(f'rope_collate_fn: option {name}: expected None or an int >= {low}, '
-                             f'got {value!r}.')
-    if pack and ints['max_length'][0] is None:
-        raise ValueError('rope_collate_fn: option max_length: expected an int when pack=True, '
-                         'got None. Set collate_fn=dict(..., pack=True, '
-                         'max_length=<tokens per row>).')
+            raise ValueError(
+                f"rope_collate_fn: option {name}: expected None or an int >= {low}, got {value!r}."
+            )
+    if pack and ints["max_length"][0] is None:
+        raise ValueError(
+            "rope_collate_fn: option max_length: expected an int when pack=True, "
+            "got None. Set collate_fn=dict(..., pack=True, "
+            "max_length=<tokens per row>)."
+        )
 
 
 def _check_lengths(samples: list[Sample], max_length: int | None) -> None:
@@ -95,9 +111,14 @@ def _check_lengths(samples: list[Sample], max_length: int | None) -> None:
         return
     for s in samples:
         if s.input_ids.numel() > max_length:
-            raise item_error(s.index, 'input_ids', f'at most max_length={max_length} tokens',
-                             s.input_ids.numel(), 'Truncate in the dataset (process_hf_dataset('
-                             'max_length=...)) or raise the collate max_length.')
+            raise item_error(
+                s.index,
+                "input_ids",
+                f"at most max_length={max_length} tokens",
+                s.input_ids.numel(),
+                "Truncate in the dataset (process_hf_dataset("
+                "max_length=...)) or raise the collate max_length.",
+            )
 
 
 def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,8 +147,9 @@ def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
     return torch.tensor([*range(n + cap, s, cap), s], dtype=torch.int32)
 
 
-def _pad_rows(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: int,
-              pad_index: int) -> dict:
+def _pad_rows(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: int, pad_index: int
+) -> dict:
     b = len(rows)
     input_ids = torch.full((b, s), pad_index, dtype=torch.long)
     labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
@@ -139,15 +161,27 @@ def _pad_rows(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], s: in
         # Padding is segments of its own: positions 0, 1, ... and attended only by itself.
         cumulative_len.append(cu if n == s else torch.cat([cu, _padding_boundaries(n, s, longest)]))
     position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
-    return {'input_ids': input_ids, 'labels': labels, 'position_ids': position_ids,
-            'cumulative_len': cumulative_len, 'max_seqlen': int(position_ids.max()) + 1}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "cumulative_len": cumulative_len,
+        "max_seqlen": int(position_ids.max()) + 1,
+    }
 
 
-def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_TOKEN_INDEX, *,
-                    use_varlen_attn: bool = False, pack: bool = False,
-                    max_length: int | None = None, pad_to_multiple_of: int | None = None,
-                    min_length: int | None = None, return_hf_format: bool = False,
-                    drop_unsupervised: bool = False) -> dict:
+def rope_collate_fn(
+    instances: Sequence[Mapping],
+    pad_index: int = DEFAULT_PAD_TOKEN_INDEX,
+    *,
+    use_varlen_attn: bool = False,
+    pack: bool = False,
+    max_length: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    min_length: int | None = None,
+    return_hf_format: bool = False,
+    drop_unsupervised: bool = False,
+) -> dict:
     """Collate XTuner items into a batch whose rows carry document boundaries.
 
     Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
@@ -193,15 +227,27 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
             an option of the wrong type.
     """
     del use_varlen_attn  # boundaries are always returned; kept for XTuner configs
-    _check_options(pad_index, {'pack': pack, 'return_hf_format': return_hf_format,
-                               'drop_unsupervised': drop_unsupervised},
-                   {'max_length': (max_length, 1), 'pad_to_multiple_of': (pad_to_multiple_of, 1),
-                    'min_length': (min_length, 0)}, pack)
+    _check_options(
+        pad_index,
+        {
+            "pack": pack,
+            "return_hf_format": return_hf_format,
+            "drop_unsupervised": drop_unsupervised,
+        },
+        {
+            "max_length": (max_length, 1),
+            "pad_to_multiple_of": (pad_to_multiple_of, 1),
+            "min_length": (min_length, 0),
+        },
+        pack,
+    )
     if isinstance(instances, (str, bytes, Mapping)) or not isinstance(instances, Sequence):
-        raise TypeError(f'rope_collate_fn: expected a list of samples (dicts), got '
-                        f'{show(instances)}. Use it as the DataLoader collate_fn.')
+        raise TypeError(
+            f"rope_collate_fn: expected a list of samples (dicts), got "
+            f"{show(instances)}. Use it as the DataLoader collate_fn."
+        )
     if len(instances) == 0:
-        raise ValueError('rope_collate_fn: got an empty batch (0 samples); check the sampler.')
+        raise ValueError("rope_collate_fn: got an empty batch (0 samples); check the sampler.")
     samples = [parse_sample(i, item) for i, item in enumerate(instances)]
     check_id_range(samples)
     _check_lengths(samples, max_length)
@@ -211,11 +257,14 @@ def rope_collate_fn(instances: Sequence[Mapping], pad_index: int = DEFAULT_PAD_T
     else:
         plan = [[i] for i in range(len(samples))]
     rows = [_assemble_row([samples[i] for i in row]) for row in plan]
-    s = padded_length(max(ids.numel() for ids, _, _ in rows),
-                      pad_to_multiple_of=pad_to_multiple_of, min_length=min_length)
+    s = padded_length(
+        max(ids.numel() for ids, _, _ in rows),
+        pad_to_multiple_of=pad_to_multiple_of,
+        min_length=min_length,
+    )
     data = _pad_rows(rows, s, int(pad_index))
-    data['num_unsupervised'] = unsupervised
+    data["num_unsupervised"] = unsupervised
     if not pack and not any(smp.carries_boundaries for smp in samples):
         lengths = torch.tensor([ids.numel() for ids, _, _ in rows])
-        data['attention_mask'] = torch.arange(s).expand(len(rows), s) < lengths[:, None]
-    return data if return_hf_format else {'data': data, 'data_samples': None}
+        data["attention_mask"] = torch.arange(s).expand(len(rows), s) < lengths[:, None]
+    return data if return_hf_format else {"data": data, "data_samples": None}

@@ -32,29 +32,45 @@ IGNORE_INDEX = -100
 
 
 def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not isinstance(item, Mapping) or "input_ids" not in item or "labels" not in item \
-            or item.get("pixel_values") is None:
-        raise TypeError(f"llava_collate_fn: sample {i}: expected a dict with input_ids, labels "
-                        f"and pixel_values (XTuner's LLaVADataset item), got "
-                        f"{sorted(item) if isinstance(item, Mapping) else type(item).__name__}.")
+    if (
+        not isinstance(item, Mapping)
+        or "input_ids" not in item
+        or "labels" not in item
+        or item.get("pixel_values") is None
+    ):
+        raise TypeError(
+            f"llava_collate_fn: sample {i}: expected a dict with input_ids, labels "
+            f"and pixel_values (XTuner's LLaVADataset item), got "
+            f"{sorted(item) if isinstance(item, Mapping) else type(item).__name__}."
+        )
     ids = torch.as_tensor(item["input_ids"], dtype=torch.long).reshape(-1)
     labels = torch.as_tensor(item["labels"], dtype=torch.long).reshape(-1)
     pixels = torch.as_tensor(item["pixel_values"])
     if ids.numel() == 0 or ids.shape != labels.shape:
-        raise ValueError(f"llava_collate_fn: sample {i}: expected input_ids and labels of one "
-                         f"length >= 1, got {ids.numel()} and {labels.numel()}.")
+        raise ValueError(
+            f"llava_collate_fn: sample {i}: expected input_ids and labels of one "
+            f"length >= 1, got {ids.numel()} and {labels.numel()}."
+        )
     if int((ids == IMAGE_TOKEN_INDEX).sum()) > 1 or pixels.dim() != 3:
-        raise ValueError(f"llava_collate_fn: sample {i}, field 'input_ids': expected at most one "
-                         f"image placeholder ({IMAGE_TOKEN_INDEX}) and one [3, H, W] "
-                         f"pixel_values, got {int((ids == IMAGE_TOKEN_INDEX).sum())} placeholders "
-                         f"and pixel_values {tuple(pixels.shape)}. XTuner's LLaVADataset gives "
-                         "one image per sample: use one <image> per sample at most.")
+        raise ValueError(
+            f"llava_collate_fn: sample {i}, field 'input_ids': expected at most one "
+            f"image placeholder ({IMAGE_TOKEN_INDEX}) and one [3, H, W] "
+            f"pixel_values, got {int((ids == IMAGE_TOKEN_INDEX).sum())} placeholders "
+            f"and pixel_values {tuple(pixels.shape)}. XTuner's LLaVADataset gives "
+            "one image per sample: use one <image> per sample at most."
+        )
     return ids, labels, pixels
 
 
-def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
-                     max_length: int, image_tokens: int, pack: bool = True,
-                     return_hf_format: bool = False) -> dict:
+def llava_collate_fn(
+    instances: Sequence[Mapping],
+    pad_index: int = 0,
+    *,
+    max_length: int,
+    image_tokens: int,
+    pack: bool = True,
+    return_hf_format: bool = False,
+) -> dict:
     """Collate XTuner LLaVA samples, several to a row (``pack=True``) or one to a row.
 
     Args:
@@ -86,27 +102,34 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
     """
     for name, value in (("max_length", max_length), ("image_tokens", image_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"llava_collate_fn: option {name}: expected an int >= 1, got "
-                             f"{value!r}. image_tokens is (image_size // patch_size) ** 2 of the "
-                             "vision tower (576 for CLIP-L/14 at 336 px).")
+            raise ValueError(
+                f"llava_collate_fn: option {name}: expected an int >= 1, got "
+                f"{value!r}. image_tokens is (image_size // patch_size) ** 2 of the "
+                "vision tower (576 for CLIP-L/14 at 336 px)."
+            )
     if not instances:
         raise ValueError("llava_collate_fn: got an empty batch (0 samples); check the sampler.")
     samples = [_sample(i, item) for i, item in enumerate(instances)]
-    unsupervised = [i for i, (_, lab, _) in enumerate(samples)
-                    if not bool((lab[1:] != IGNORE_INDEX).any())]
+    unsupervised = [
+        i for i, (_, lab, _) in enumerate(samples) if not bool((lab[1:] != IGNORE_INDEX).any())
+    ]
     if len(unsupervised) == len(samples):
-        raise ValueError(f"llava_collate_fn: all {len(samples)} samples of the batch have no "
-                         "supervised label (every label after the first token is -100): the "
-                         "mean loss would be 0/0 = NaN. Check the dataset's label masking and "
-                         "filter such samples (replies truncated away) out of the dataset.")
+        raise ValueError(
+            f"llava_collate_fn: all {len(samples)} samples of the batch have no "
+            "supervised label (every label after the first token is -100): the "
+            "mean loss would be 0/0 = NaN. Check the dataset's label masking and "
+            "filter such samples (replies truncated away) out of the dataset."
+        )
     lengths = [expanded_length(ids, image_tokens) for ids, _, _ in samples]
     for i, n in enumerate(lengths):
         if n > max_length:
-            raise ValueError(f"llava_collate_fn: sample {i}: {n} tokens after its image "
-                             f"placeholder became {image_tokens} patch embeddings, over "
-                             f"max_length={max_length}. Raise max_length or truncate the "
-                             "dataset's dialogues (LLaVADataset max_length counts the image as "
-                             "one token).")
+            raise ValueError(
+                f"llava_collate_fn: sample {i}: {n} tokens after its image "
+                f"placeholder became {image_tokens} patch embeddings, over "
+                f"max_length={max_length}. Raise max_length or truncate the "
+                "dataset's dialogues (LLaVADataset max_length counts the image as "
+                "one token)."
+            )
     plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
     s = max(sum(samples[i][0].numel() for i in row) for row in plan)
     b = len(plan)
@@ -119,7 +142,7 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
         for i in row:
             ids, lab, pixels = samples[i]
             n = ids.numel()
-            input_ids[r, col:col + n], labels[r, col:col + n] = ids, lab
+            input_ids[r, col : col + n], labels[r, col : col + n] = ids, lab
             labels[r, col] = IGNORE_INDEX  # never predicted from the previous sample
             if bool((ids == IMAGE_TOKEN_INDEX).any()):
                 images.append(pixels)
@@ -131,9 +154,14 @@ def llava_collate_fn(instances: Sequence[Mapping], pad_index: int = 0, *,
     # Before the expansion (the batch checks and PackingMetricsHook read them; XTuner's
     # expansion rebuilds them and the plugin restarts them per sample after it).
     position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
-    data = {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
-            "position_ids": position_ids,
-            "pixel_values": torch.stack(pixel_values), "cumulative_len": cumulative_len,
-            "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
-            "num_unsupervised": len(unsupervised)}
+    data = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "pixel_values": torch.stack(pixel_values),
+        "cumulative_len": cumulative_len,
+        "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
+        "num_unsupervised": len(unsupervised),
+    }
     return data if return_hf_format else {"data": data, "data_samples": None}

@@ -31,8 +31,9 @@ XTUNER_MAP_BATCH = 1000  # datasets.map's default batch_size: XTuner's Packer se
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
 
 
-def pack_plan(lengths: np.ndarray, max_length: int,
-              batch_size: int = XTUNER_MAP_BATCH) -> np.ndarray:
+def pack_plan(
+    lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
+) -> np.ndarray:
     """Where XTuner's Packer cuts one stream of dialogues, the final leftover kept.
 
     The Packer concatenates each batch onto the previous leftover and cuts whole
@@ -51,12 +52,14 @@ def pack_plan(lengths: np.ndarray, max_length: int,
         ValueError: ``max_length`` is not a positive integer.
     """
     if not isinstance(max_length, (int, np.integer)) or max_length <= 0:
-        raise ValueError(f"pack_dataset: max_length must be a positive integer, got "
-                         f"{max_length!r}; set max_length in PART 1 of the config.")
+        raise ValueError(
+            f"pack_dataset: max_length must be a positive integer, got "
+            f"{max_length!r}; set max_length in PART 1 of the config."
+        )
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
     total = int(ends[-1]) if len(ends) else 0
     cuts, start = [np.zeros(1, dtype=np.int64)], 0
-    for end in ends[batch_size - 1::batch_size].tolist() + [total]:
+    for end in ends[batch_size - 1 :: batch_size].tolist() + [total]:
         rows = (end - start) // max_length
         if rows:
             cuts.append(start + max_length * np.arange(1, rows + 1, dtype=np.int64))
@@ -125,15 +128,18 @@ def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool):
     cuts = pack_plan(lengths, max_length)
     flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
     for first in range(0, len(cuts) - 1, ROWS_PER_WRITE):
-        rows = cuts[first:first + ROWS_PER_WRITE + 1]
+        rows = cuts[first : first + ROWS_PER_WRITE + 1]
         offsets = rows - rows[0]
-        columns = {k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())
-                   for k, v in flat.items()}
+        columns = {
+            k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())
+            for k, v in flat.items()
+        }
         if use_varlen_attn:
             cum_values, cum_offsets = _row_boundaries(doc_offsets, rows)
             columns["cumulative_len"] = _list_array(cum_offsets, pa.array(cum_values))
             columns["position_ids"] = _list_array(
-                offsets, pa.array(_position_ids(cum_values, cum_offsets)))
+                offsets, pa.array(_position_ids(cum_values, cum_offsets))
+            )
         yield pa.table(columns)
 
 
@@ -142,8 +148,9 @@ def _output_path(dataset) -> Path:
     from datasets.fingerprint import get_temporary_cache_files_directory
 
     files = dataset.cache_files
-    folder = Path(files[0]["filename"]).parent if files else \
-        Path(get_temporary_cache_files_directory())
+    folder = (
+        Path(files[0]["filename"]).parent if files else Path(get_temporary_cache_files_directory())
+    )
     return folder / f"xtuner-rope-packed-{uuid.uuid4().hex}.arrow"
 
 
@@ -168,9 +175,11 @@ def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_
 
     missing = {"input_ids", "labels"} - set(dataset.column_names)
     if missing:
-        raise ValueError(f"pack_dataset: the tokenized dataset has no column(s) {sorted(missing)} "
-                         f"(columns: {dataset.column_names}); pack_to_max_length needs "
-                         "tokenized dialogues (input_ids and labels).")
+        raise ValueError(
+            f"pack_dataset: the tokenized dataset has no column(s) {sorted(missing)} "
+            f"(columns: {dataset.column_names}); pack_to_max_length needs "
+            "tokenized dialogues (input_ids and labels)."
+        )
     if shuffle_before_pack:
         dataset = dataset.shuffle()
         dataset = dataset.flatten_indices(num_proc=map_num_proc)
@@ -182,17 +191,21 @@ def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_
         writer.finalize()
     packed = Dataset.from_file(str(path))
     tokens, labels = _token_counts(table)
-    print_log(f"xtuner-rope: packed {len(dataset)} dialogues ({tokens} tokens, {labels} "
-              f"supervised labels) into {len(packed)} rows of max_length={max_length}; "
-              "nothing dropped.", logger="current")
+    print_log(
+        f"xtuner-rope: packed {len(dataset)} dialogues ({tokens} tokens, {labels} "
+        f"supervised labels) into {len(packed)} rows of max_length={max_length}; "
+        "nothing dropped.",
+        logger="current",
+    )
     return packed
 
 
 def _token_counts(table: pa.Table) -> tuple[int, int]:
     """Tokens and labels other than -100 (XTuner's IGNORE_INDEX) of a tokenized table."""
     labels = pc.list_flatten(table.column("labels"))
-    return len(pc.list_flatten(table.column("input_ids"))), \
-        int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+    return len(pc.list_flatten(table.column("input_ids"))), int(
+        pc.sum(pc.not_equal(labels, -100)).as_py() or 0
+    )
 
 
 def lossless_process_hf_dataset(dataset, **kwargs):

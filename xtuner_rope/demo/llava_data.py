@@ -14,11 +14,20 @@ import json
 import random
 from pathlib import Path
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
-           "yellow": (230, 210, 40), "purple": (140, 60, 180)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 210, 40),
+    "purple": (140, 60, 180),
+}
 SHAPES = ("circle", "square", "triangle")
-QUESTIONS = ("What is in the picture?", "Describe the image in a few words.",
-             "Which shape and colour do you see?", "What colour is the shape?")
+QUESTIONS = (
+    "What is in the picture?",
+    "Describe the image in a few words.",
+    "Which shape and colour do you see?",
+    "What colour is the shape?",
+)
 IMAGE_TOKEN = "<image>"  # xtuner.utils.DEFAULT_IMAGE_TOKEN
 
 
@@ -47,13 +56,21 @@ def _text_samples(n: int) -> list[dict]:
     for i, dialogue in enumerate(d["messages"] for d in generate_dialogues(n)):
         user = next(m["content"] for m in dialogue if m["role"] == "user")
         reply = next(m["content"] for m in dialogue if m["role"] == "assistant")
-        rows.append({"id": f"text-{i}", "conversations": [
-            {"from": "human", "value": user}, {"from": "gpt", "value": reply}]})
+        rows.append(
+            {
+                "id": f"text-{i}",
+                "conversations": [
+                    {"from": "human", "value": user},
+                    {"from": "gpt", "value": reply},
+                ],
+            }
+        )
     return rows
 
 
-def write_llava_data(out_dir: str | Path, n_images: int = 12, n_text: int = 12,
-                     seed: int = 0) -> Path:
+def write_llava_data(
+    out_dir: str | Path, n_images: int = 12, n_text: int = 12, seed: int = 0
+) -> Path:
     """Write ``images/*.png`` and ``llava_data.json`` under ``out_dir``; return the JSON path.
 
     Args:
@@ -73,12 +90,20 @@ def write_llava_data(out_dir: str | Path, n_images: int = 12, n_text: int = 12,
         shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
         name = f"{i:03d}_{colour}_{shape}.png"
         draw_shape(shape, colour).save(out_dir / "images" / name)
-        image_rows.append({"id": f"image-{i}", "image": name, "conversations": [
-            {"from": "human", "value": f"{IMAGE_TOKEN}\n{rng.choice(QUESTIONS)}"},
-            {"from": "gpt", "value": f"A {colour} {shape}."}]})
+        image_rows.append(
+            {
+                "id": f"image-{i}",
+                "image": name,
+                "conversations": [
+                    {"from": "human", "value": f"{IMAGE_TOKEN}\n{rng.choice(QUESTIONS)}"},
+                    {"from": "gpt", "value": f"A {colour} {shape}."},
+                ],
+            }
+        )
     text_rows = _text_samples(n_text)
-    rows = image_rows[:1] + rng.sample(image_rows[1:] + text_rows, len(image_rows) - 1
-                                       + len(text_rows))  # an image row first: its keys
+    rows = image_rows[:1] + rng.sample(
+        image_rows[1:] + text_rows, len(image_rows) - 1 + len(text_rows)
+    )  # an image row first: its keys
     path = out_dir / "llava_data.json"
     path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return path

@@ -39,17 +39,25 @@ def preference_pairs(dialogues: list[dict], n: int) -> list[dict]:
             first ``n``.
     """
     if len(dialogues) < n + 1:
-        raise ValueError(f"preference_pairs: {n} pairs need {n + 1} dialogues, got "
-                         f"{len(dialogues)}; pass fewer pairs or more dialogues")
+        raise ValueError(
+            f"preference_pairs: {n} pairs need {n + 1} dialogues, got "
+            f"{len(dialogues)}; pass fewer pairs or more dialogues"
+        )
     exchanges = [_first_exchange(d) for d in dialogues]
     pairs = []
     for i, (prompt, reply) in enumerate(exchanges[:n]):
-        other = next((o for _, o in exchanges[i + 1:] if o != reply), None)
+        other = next((o for _, o in exchanges[i + 1 :] if o != reply), None)
         if other is None:
-            raise ValueError(f"preference_pairs: no reply after dialogue {i} differs from its "
-                             f"own ({reply[:40]!r}); pass more dialogues")
-        pairs.append({"chosen": prompt + [{"role": "assistant", "content": reply}],
-                      "rejected": prompt + [{"role": "assistant", "content": other}]})
+            raise ValueError(
+                f"preference_pairs: no reply after dialogue {i} differs from its "
+                f"own ({reply[:40]!r}); pass more dialogues"
+            )
+        pairs.append(
+            {
+                "chosen": prompt + [{"role": "assistant", "content": reply}],
+                "rejected": prompt + [{"role": "assistant", "content": other}],
+            }
+        )
     return pairs
 
 

@@ -18,8 +18,9 @@ from ..config.startup import prepare_started_config
 __all__ = ["tiny_checkpoint", "tiny_llava"]
 
 
-def tiny_checkpoint(path: str, data_path: str | None = None, seed: int = 0,
-                    family: str = "internlm2") -> str:
+def tiny_checkpoint(
+    path: str, data_path: str | None = None, seed: int = 0, family: str = "internlm2"
+) -> str:
     """Return the embedded tiny checkpoint at ``path``, building it if it is missing.
 
     Safe under several processes: each builds into its own temporary directory and renames it
@@ -61,8 +62,9 @@ def _build_once(path: str, marker: str, build) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def tiny_llava(path: str, clip_path: str = "models/tiny-clip",
-               data_dir: str = "data/tiny_llava", seed: int = 0) -> str:
+def tiny_llava(
+    path: str, clip_path: str = "models/tiny-clip", data_dir: str = "data/tiny_llava", seed: int = 0
+) -> str:
     """The tiny LLaVA recipe's ``model_resource``: tiny LLM, tiny CLIP and data, then start.
 
     Builds what is missing (the tiny InternLM2 at ``path``, the tiny CLIP vision tower and

@@ -50,8 +50,10 @@ def check_run(work_dir: str | Path, min_iters: int = 1) -> RunSummary:
     where = f"see {logs[-1]}" if logs else f"no log under {work_dir}"
     iters, losses = train_losses(work_dir)
     if not iters or iters[-1] < min_iters:
-        raise RuntimeError(f"training logged iterations {iters[-3:]} (expected up to at least "
-                           f"{min_iters}): it crashed or never started; {where}")
+        raise RuntimeError(
+            f"training logged iterations {iters[-3:]} (expected up to at least "
+            f"{min_iters}): it crashed or never started; {where}"
+        )
     if any(loss != loss or loss in (float("inf"), float("-inf")) for loss in losses):
         raise RuntimeError(f"non-finite training loss {losses}; {where}")
     pointer = work_dir / "last_checkpoint"

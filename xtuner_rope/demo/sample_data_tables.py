@@ -11,21 +11,25 @@ def _table(spec):
 
 
 # "country=capital" pairs by continent; the article lives in the name ("the Netherlands").
-CAPITALS = [(country, city, continent) for continent, spec in {
-    "Europe": "France=Paris; Germany=Berlin; Italy=Rome; Spain=Madrid; Portugal=Lisbon; "
-              "Ireland=Dublin; the United Kingdom=London; Greece=Athens; Norway=Oslo; "
-              "Sweden=Stockholm; Finland=Helsinki; Denmark=Copenhagen; Poland=Warsaw; "
-              "Austria=Vienna; Hungary=Budapest; the Czech Republic=Prague; Belgium=Brussels; "
-              "Iceland=Reykjavik; Ukraine=Kyiv",
-    "Asia": "Japan=Tokyo; China=Beijing; India=New Delhi; South Korea=Seoul; Thailand=Bangkok; "
-            "Vietnam=Hanoi; the Philippines=Manila; Saudi Arabia=Riyadh",
-    "North America": "Canada=Ottawa; Mexico=Mexico City; Cuba=Havana; "
-                     "the United States=Washington, D.C.",
-    "South America": "Brazil=Brasilia; Argentina=Buenos Aires; Peru=Lima; Chile=Santiago; "
-                     "Colombia=Bogota",
-    "Africa": "Egypt=Cairo; Kenya=Nairobi; Nigeria=Abuja; Morocco=Rabat; Ghana=Accra",
-    "Oceania": "Australia=Canberra; New Zealand=Wellington",
-}.items() for country, city in (pair.split("=") for pair in spec.split("; "))]
+CAPITALS = [
+    (country, city, continent)
+    for continent, spec in {
+        "Europe": "France=Paris; Germany=Berlin; Italy=Rome; Spain=Madrid; Portugal=Lisbon; "
+        "Ireland=Dublin; the United Kingdom=London; Greece=Athens; Norway=Oslo; "
+        "Sweden=Stockholm; Finland=Helsinki; Denmark=Copenhagen; Poland=Warsaw; "
+        "Austria=Vienna; Hungary=Budapest; the Czech Republic=Prague; Belgium=Brussels; "
+        "Iceland=Reykjavik; Ukraine=Kyiv",
+        "Asia": "Japan=Tokyo; China=Beijing; India=New Delhi; South Korea=Seoul; Thailand=Bangkok; "
+        "Vietnam=Hanoi; the Philippines=Manila; Saudi Arabia=Riyadh",
+        "North America": "Canada=Ottawa; Mexico=Mexico City; Cuba=Havana; "
+        "the United States=Washington, D.C.",
+        "South America": "Brazil=Brasilia; Argentina=Buenos Aires; Peru=Lima; Chile=Santiago; "
+        "Colombia=Bogota",
+        "Africa": "Egypt=Cairo; Kenya=Nairobi; Nigeria=Abuja; Morocco=Rabat; Ghana=Accra",
+        "Oceania": "Australia=Canberra; New Zealand=Wellington",
+    }.items()
+    for country, city in (pair.split("=") for pair in spec.split("; "))
+]
 
 # question | short answer | full answer
 FACTS = _table("""
@@ -160,11 +164,40 @@ buys|bought|fresh bread at the market
 teaches|taught|math at the local school
 """)
 SUBJECTS = ["She", "He", "My brother", "The teacher", "Our neighbor", "Anna", "Tom"]
-REQUESTS = ["send me the file", "close the door", "call me back later", "check these numbers",
-             "turn down the music", "book a table for two", "review my draft", "wait a moment"]
-WORDS = ["banana", "strawberry", "elephant", "mississippi", "committee", "bookkeeper", "apple",
-          "necessary", "rhythm", "balloon", "library", "computer", "umbrella", "giraffe",
-          "pepper", "success", "coffee", "parallel", "tomorrow", "address", "happiness", "level"]
+REQUESTS = [
+    "send me the file",
+    "close the door",
+    "call me back later",
+    "check these numbers",
+    "turn down the music",
+    "book a table for two",
+    "review my draft",
+    "wait a moment",
+]
+WORDS = [
+    "banana",
+    "strawberry",
+    "elephant",
+    "mississippi",
+    "committee",
+    "bookkeeper",
+    "apple",
+    "necessary",
+    "rhythm",
+    "balloon",
+    "library",
+    "computer",
+    "umbrella",
+    "giraffe",
+    "pepper",
+    "success",
+    "coffee",
+    "parallel",
+    "tomorrow",
+    "address",
+    "happiness",
+    "level",
+]
 UNITS = _table("""
 a kilometer|kilometers|meters|1000
 a meter|meters|centimeters|100
@@ -180,18 +213,52 @@ a year|years|months|12
 """)
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
-           "September", "October", "November", "December"]
-ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
-             "ninth", "tenth", "eleventh", "twelfth"]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+ORDINALS = [
+    "first",
+    "second",
+    "third",
+    "fourth",
+    "fifth",
+    "sixth",
+    "seventh",
+    "eighth",
+    "ninth",
+    "tenth",
+    "eleventh",
+    "twelfth",
+]
 
 # Greetings repeat on purpose: real chat logs are full of identical "Hello!" turns.
 HELLO_USER = ["hi", "hello", "Hello!", "Hi there", "hey", "Hi!", "Good morning", "Hello"]
-HELLO_BOT = ["Hello! How can I help you today?", "Hi there! What can I do for you?", "Hello!",
-              "Hi! How can I help?", "Hello! What would you like to know?"]
+HELLO_BOT = [
+    "Hello! How can I help you today?",
+    "Hi there! What can I do for you?",
+    "Hello!",
+    "Hi! How can I help?",
+    "Hello! What would you like to know?",
+]
 THANKS_USER = ["thanks", "thank you", "Thanks!", "great, thanks", "Thank you very much."]
-THANKS_BOT = ["You're welcome!", "Happy to help.", "You're welcome. Anything else?",
-               "Glad I could help!", "Anytime!"]
+THANKS_BOT = [
+    "You're welcome!",
+    "Happy to help.",
+    "You're welcome. Anything else?",
+    "Glad I could help!",
+    "Anytime!",
+]
 SMALL_TALK = _table("""
 How are you?|I'm doing well, thanks for asking. How can I help you today?
 how are you doing today|Pretty good, thank you! What can I do for you?
@@ -217,6 +284,12 @@ SYSTEM_PROMPTS = [
     "plain English, and avoid long lists unless the user asks for one.",
 ]
 # Context the user sometimes types before the question; real prompts are rarely bare.
-PREFIXES = ["Quick question: ", "Hey, ", "I'm helping my son with his homework. ",
-             "I always forget this one. ", "Settle a bet for me. ", "Sorry if this is basic, but ",
-             "I'm studying for a quiz tomorrow and want to check something. "]
+PREFIXES = [
+    "Quick question: ",
+    "Hey, ",
+    "I'm helping my son with his homework. ",
+    "I always forget this one. ",
+    "Settle a bet for me. ",
+    "Sorry if this is basic, but ",
+    "I'm studying for a quiz tomorrow and want to check something. ",
+]

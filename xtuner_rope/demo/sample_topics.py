@@ -36,8 +36,15 @@ def _arithmetic(rng):
         a, b = b, a
     r = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
     word = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}[op]
-    user = rng.choice([f"What is {a} {word} {b}?", f"What's {a} {op} {b}?",
-                       f"Calculate {a} {op} {b}.", f"{a} {op} {b} = ?", f"{a}{op}{b}"])
+    user = rng.choice(
+        [
+            f"What is {a} {word} {b}?",
+            f"What's {a} {op} {b}?",
+            f"Calculate {a} {op} {b}.",
+            f"{a} {op} {b} = ?",
+            f"{a}{op}{b}",
+        ]
+    )
     full = f"{a} {word} {b} is {r}."
     if op == "*" and a >= 10 and a % 10:
         t, u = a - a % 10, a % 10
@@ -48,11 +55,17 @@ def _arithmetic(rng):
         full += f" Check: {r} + {b} = {a}."
     elif op == "+" and a >= 10 and b >= 10:
         ta, tb = a - a % 10, b - b % 10
-        full += (f" Add the tens, {ta} + {tb} = {ta + tb}, then the ones, {a % 10} + {b % 10} = "
-                 f"{a % 10 + b % 10}, and {ta + tb} + {a % 10 + b % 10} = {r}.")
+        full += (
+            f" Add the tens, {ta} + {tb} = {ta + tb}, then the ones, {a % 10} + {b % 10} = "
+            f"{a % 10 + b % 10}, and {ta + tb} + {a % 10 + b % 10} = {r}."
+        )
     c = rng.randint(2, 9)
-    follow = rng.choice([(f"And if you add {c} to that?", f"{r} + {c} = {r + c}."),
-                         (f"Now multiply that by {c}.", f"{r} x {c} = {r * c}.")])
+    follow = rng.choice(
+        [
+            (f"And if you add {c} to that?", f"{r} + {c} = {r + c}."),
+            (f"Now multiply that by {c}.", f"{r} x {c} = {r * c}."),
+        ]
+    )
     return [(user, _pick(rng, f"{r}.", full)), follow]
 
 
@@ -73,8 +86,10 @@ def _conversion(rng):
         c = 5 * rng.randint(-8, 20)  # multiples of 5 keep C * 9 / 5 an integer
         f = c * 9 // 5 + 32
         user = rng.choice([f"What is {c} degrees Celsius in Fahrenheit?", f"Convert {c}C to F."])
-        full = (f"Multiply by 9/5 and add 32: {c} x 9/5 = {c * 9 // 5}, plus 32 is {f}. "
-                f"So {c} degrees Celsius is {f} degrees Fahrenheit.")
+        full = (
+            f"Multiply by 9/5 and add 32: {c} x 9/5 = {c * 9 // 5}, plus 32 is {f}. "
+            f"So {c} degrees Celsius is {f} degrees Fahrenheit."
+        )
         return [(user, _pick(rng, f"{f} degrees Fahrenheit.", full))]
     one, big, small, factor = rng.choice(T.UNITS)
     factor, v = int(factor), rng.randint(2, 12)
@@ -83,8 +98,9 @@ def _conversion(rng):
         user = rng.choice([f"How many {small} are in {v} {big}?", f"Convert {v} {big} to {small}."])
         full = f"{why}, so {v} {big} is {v} x {factor} = {v * factor} {small}."
         return [(user, _pick(rng, f"{v * factor} {small}.", full))]
-    user = rng.choice([f"How many {big} is {v * factor} {small}?",
-                       f"Convert {v * factor} {small} to {big}."])
+    user = rng.choice(
+        [f"How many {big} is {v * factor} {small}?", f"Convert {v * factor} {small} to {big}."]
+    )
     full = f"{why}, so {v * factor} {small} is {v * factor} / {factor} = {v} {big}."
     return [(user, _pick(rng, f"{v} {big}.", full))]
 
@@ -92,8 +108,14 @@ def _conversion(rng):
 def _geography(rng):
     """Capital cities, with a "what about X?" follow-up on a second country."""
     (country, city, continent), (c2, city2, _) = rng.sample(T.CAPITALS, 2)
-    user = rng.choice([f"What is the capital of {country}?", f"Capital of {country}?",
-                       f"Which city is the capital of {country}?", f"capital of {country}"])
+    user = rng.choice(
+        [
+            f"What is the capital of {country}?",
+            f"Capital of {country}?",
+            f"Which city is the capital of {country}?",
+            f"capital of {country}",
+        ]
+    )
     full = f"The capital of {country} is {_end(city)} {_cap(country)} is in {continent}."
     follow = (f"What about {c2}?", _pick(rng, _end(city2), f"The capital of {c2} is {_end(city2)}"))
     return [(user, _pick(rng, _end(city), full)), follow]
@@ -124,8 +146,11 @@ def _yes_no(rng):
     if kind == 3:
         (country, city, _), (_, other, _) = rng.sample(T.CAPITALS, 2)
         guess = rng.choice([city, other])
-        full = (f"Yes, {city} is the capital of {country}." if guess == city
-                else f"No, the capital of {country} is {_end(city)}")
+        full = (
+            f"Yes, {city} is the capital of {country}."
+            if guess == city
+            else f"No, the capital of {country} is {_end(city)}"
+        )
         user = f"Is {guess} the capital of {country}?"
         return [(user, _pick(rng, "Yes." if guess == city else "No.", full))]
     question, ans, why = rng.choice(T.YES_NO)
@@ -138,8 +163,13 @@ def _translation(rng):
     lang, lang2 = rng.sample(range(3), 2)
     word, target, target2 = row[0], row[1 + lang], row[1 + lang2]
     name = T.LANGUAGES[lang]
-    user = rng.choice([f"How do you say '{word}' in {name}?", f"Translate '{word}' to {name}.",
-                       f"{word} in {name}?"])
+    user = rng.choice(
+        [
+            f"How do you say '{word}' in {name}?",
+            f"Translate '{word}' to {name}.",
+            f"{word} in {name}?",
+        ]
+    )
     full = f"'{_cap(word)}' in {name} is '{target}'."
     follow = (f"And in {T.LANGUAGES[lang2]}?", f"In {T.LANGUAGES[lang2]} it is '{target2}'.")
     return [(user, _pick(rng, _cap(target) + ".", full)), follow]
@@ -167,8 +197,13 @@ def _list_items(rng):
     name, *items = rng.choice(T.CATEGORIES)
     k = rng.randint(2, 5)
     picked = rng.sample(items, k)
-    user = rng.choice([f"Name {T.NUMBER_WORDS[k]} {name}.", f"List {T.NUMBER_WORDS[k]} {name}.",
-                       f"Give me {T.NUMBER_WORDS[k]} {name}, please."])
+    user = rng.choice(
+        [
+            f"Name {T.NUMBER_WORDS[k]} {name}.",
+            f"List {T.NUMBER_WORDS[k]} {name}.",
+            f"Give me {T.NUMBER_WORDS[k]} {name}, please.",
+        ]
+    )
     style = rng.randrange(3)
     if style == 0:
         return [(user, _cap(", ".join(picked[:-1]) + " and " + picked[-1] + "."))]
@@ -186,16 +221,24 @@ def _ordering(rng):
     if kind == 1:
         pool = [row[0] for row in T.TRANSLATIONS if " " not in row[0]]
         words = rng.sample(pool, rng.randint(3, 5))
-        return [("Put these words in alphabetical order: " + ", ".join(words),
-                 ", ".join(sorted(words)) + ".")]
+        return [
+            (
+                "Put these words in alphabetical order: " + ", ".join(words),
+                ", ".join(sorted(words)) + ".",
+            )
+        ]
     if kind == 2:
         i = rng.randrange(7)
         nxt = T.DAYS[(i + 1) % 7]
         full = f"{nxt} comes after {T.DAYS[i]}."
         return [(f"What day comes after {T.DAYS[i]}?", _pick(rng, nxt + ".", full))]
     i = rng.randrange(12)
-    return [(f"What is the {T.ORDINALS[i]} month of the year?",
-             _pick(rng, T.MONTHS[i] + ".", f"The {T.ORDINALS[i]} month is {T.MONTHS[i]}."))]
+    return [
+        (
+            f"What is the {T.ORDINALS[i]} month of the year?",
+            _pick(rng, T.MONTHS[i] + ".", f"The {T.ORDINALS[i]} month is {T.MONTHS[i]}."),
+        )
+    ]
 
 
 def _explain(rng):
@@ -208,8 +251,12 @@ def _compose(rng):
     occasion, opening, *rest = rng.choice(T.MESSAGES)
     to, sender = rng.sample(T.NAMES, 2)
     body = [opening] + sorted(rng.sample(rest, rng.randint(1, 2)), key=rest.index)
-    user = rng.choice([f"Write {to} a short {occasion}.",
-                       f"Can you write {to} a {occasion}? Sign it from {sender}."])
+    user = rng.choice(
+        [
+            f"Write {to} a short {occasion}.",
+            f"Can you write {to} a {occasion}? Sign it from {sender}.",
+        ]
+    )
     sign = sender if "Sign it" in user else "[Your name]"
     greeting = rng.choice([f"Dear {to},", f"Hi {to},", f"{to},"])
     closing = rng.choice(["Best wishes,", "Warmly,", "Take care,", "Cheers,"])
@@ -226,11 +273,18 @@ def _letters(rng):
     # A few letters that never occur teach the answer "zero" instead of always "at least one".
     letter = rng.choice(word) if rng.random() < 0.9 else rng.choice("qxzj")
     n = word.count(letter)
-    user = rng.choice([f"How many times does the letter '{letter}' appear in '{word}'?",
-                       f"How many {letter}'s are in {word}?"])
+    user = rng.choice(
+        [
+            f"How many times does the letter '{letter}' appear in '{word}'?",
+            f"How many {letter}'s are in {word}?",
+        ]
+    )
     times = "once" if n == 1 else f"{n} times"
-    full = (f"Spelled out, '{word}' is {spelled}. The letter '{letter}' appears {times}." if n
-            else f"The letter '{letter}' does not appear in '{word}'.")
+    full = (
+        f"Spelled out, '{word}' is {spelled}. The letter '{letter}' appears {times}."
+        if n
+        else f"The letter '{letter}' does not appear in '{word}'."
+    )
     return [(user, _pick(rng, f"{n}.", full))]
 
 
@@ -248,8 +302,12 @@ def _rewrite(rng):
     if kind == 2:
         return [(f"Rewrite this in capital letters: {sentence}", sentence.upper())]
     n = len(sentence.split())
-    return [(f"How many words are in this sentence? {sentence}",
-             _pick(rng, f"{n}.", f"The sentence has {n} words."))]
+    return [
+        (
+            f"How many words are in this sentence? {sentence}",
+            _pick(rng, f"{n}.", f"The sentence has {n} words."),
+        )
+    ]
 
 
 def _small_talk(rng):
@@ -258,10 +316,24 @@ def _small_talk(rng):
 
 
 # (topic, weight): checkable topics weigh more because they are what a demo model can get right.
-_TOPICS = [(_arithmetic, 3), (_word_problem, 1), (_conversion, 2), (_geography, 3), (_fact, 2),
-           (_yes_no, 2), (_translation, 2), (_definition, 2), (_howto, 2), (_list_items, 2),
-           (_ordering, 1), (_letters, 2), (_rewrite, 2), (_small_talk, 1), (_explain, 4),
-           (_compose, 3)]
+_TOPICS = [
+    (_arithmetic, 3),
+    (_word_problem, 1),
+    (_conversion, 2),
+    (_geography, 3),
+    (_fact, 2),
+    (_yes_no, 2),
+    (_translation, 2),
+    (_definition, 2),
+    (_howto, 2),
+    (_list_items, 2),
+    (_ordering, 1),
+    (_letters, 2),
+    (_rewrite, 2),
+    (_small_talk, 1),
+    (_explain, 4),
+    (_compose, 3),
+]
 
 
 def topic(rng):

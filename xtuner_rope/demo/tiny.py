@@ -46,8 +46,17 @@ CHAT_TEMPLATE = (
 )
 
 
-FAMILIES = ("internlm2", "llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma",
-            "cohere")
+FAMILIES = (
+    "internlm2",
+    "llama",
+    "qwen2",
+    "mistral",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "gemma",
+    "cohere",
+)
 
 # Each family's quirk in its tiny model, on top of TINY_MODEL_KWARGS: MoE with 4 experts of
 # which 2 route each token (Qwen2-MoE: plus its shared expert); Gemma's MQA (1 kv head) with
@@ -55,8 +64,12 @@ FAMILIES = ("internlm2", "llama", "qwen2", "mistral", "phi3", "mixtral", "qwen2_
 # ``use_qk_norm`` override).
 FAMILY_KWARGS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                      shared_expert_intermediate_size=128),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+    ),
     "gemma": dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
     "cohere": dict(tie_word_embeddings=True),
 }
@@ -161,8 +174,16 @@ def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
     """
     import transformers
 
-    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi3",
-             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "gemma": "Gemma", "cohere": "Cohere"}
+    names = {
+        "llama": "Llama",
+        "qwen2": "Qwen2",
+        "mistral": "Mistral",
+        "phi3": "Phi3",
+        "mixtral": "Mixtral",
+        "qwen2_moe": "Qwen2Moe",
+        "gemma": "Gemma",
+        "cohere": "Cohere",
+    }
     if family not in names:
         raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(names)}.")
     config_cls = getattr(transformers, f"{names[family]}Config")
@@ -184,8 +205,13 @@ def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
     return build_tiny_hf(family, vocab_size, seed=seed, **overrides)
 
 
-def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path | None = None,
-                        seed: int = 0, vocab_size: int = 1024, family: str = "internlm2") -> Path:
+def save_tiny_internlm2(
+    out_dir: str | Path,
+    dialogues_jsonl: str | Path | None = None,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    family: str = "internlm2",
+) -> Path:
     """Train the tokenizer, build the model and save both as one checkpoint directory.
 
     The tokenizer files are saved with the weights, so ``AutoTokenizer`` and
@@ -216,9 +242,13 @@ def save_tiny_internlm2(out_dir: str | Path, dialogues_jsonl: str | Path | None 
     return out_dir
 
 
-def save_tiny(out_dir: str | Path, family: str = "internlm2",
-              dialogues_jsonl: str | Path | None = None, seed: int = 0,
-              vocab_size: int = 1024) -> Path:
+def save_tiny(
+    out_dir: str | Path,
+    family: str = "internlm2",
+    dialogues_jsonl: str | Path | None = None,
+    seed: int = 0,
+    vocab_size: int = 1024,
+) -> Path:
     """The tiny checkpoint of ``family`` written to ``out_dir`` (see :func:`save_tiny_internlm2`).
 
     Raises:
@@ -226,5 +256,6 @@ def save_tiny(out_dir: str | Path, family: str = "internlm2",
     """
     if family not in FAMILIES:
         raise ValueError(f"save_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
-    return save_tiny_internlm2(out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size,
-                               family=family)
+    return save_tiny_internlm2(
+        out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size, family=family
+    )

@@ -14,12 +14,21 @@ from pathlib import Path
 import torch
 
 # 56 / 14 = 4 patches a side: 16 patch embeddings per image reach the LLM.
-TINY_CLIP_KWARGS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
+TINY_CLIP_KWARGS = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=56,
+    patch_size=14,
+    projection_dim=32,
+)
 
 
-def image_tokens(image_size: int = TINY_CLIP_KWARGS["image_size"],
-                 patch_size: int = TINY_CLIP_KWARGS["patch_size"]) -> int:
+def image_tokens(
+    image_size: int = TINY_CLIP_KWARGS["image_size"],
+    patch_size: int = TINY_CLIP_KWARGS["patch_size"],
+) -> int:
     """How many positions one image takes in the LLM's sequence (patches, CLS dropped)."""
     return (image_size // patch_size) ** 2
 
@@ -33,8 +42,9 @@ def build_tiny_clip(seed: int = 0, **overrides):
         torch.manual_seed(seed)
         model = CLIPVisionModel(config)
     size = config.image_size
-    processor = CLIPImageProcessor(size={"shortest_edge": size},
-                                   crop_size={"height": size, "width": size})
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
     return model.eval(), processor
 
 

@@ -122,9 +122,12 @@ def first_batches(cfg: Config, count: int) -> list[tuple[dict, list[list[int]] |
     dataset = BUILDER.build(loader.dataset)
     batch_size = int(loader.get("batch_size", 1))
     recorded = None
-    if len(dataset) and "cumulative_len" not in dataset[0] and startup.type_name(
-            loader.dataset.get("type")) == "process_hf_dataset" \
-            and loader.dataset.get("pack_to_max_length", True):
+    if (
+        len(dataset)
+        and "cumulative_len" not in dataset[0]
+        and startup.type_name(loader.dataset.get("type")) == "process_hf_dataset"
+        and loader.dataset.get("pack_to_max_length", True)
+    ):
         np.random.set_state(state)
         recorded = _recorded_packs(loader.dataset, dataset, count * batch_size)
     batches = []
@@ -149,7 +152,8 @@ def _recorded_packs(dataset_cfg: dict, dataset, n: int) -> list[list[int]]:
                 f"xtuner-rope check: pack {j} differs when the dataset records its boundaries "
                 "(use_varlen_attn=True): cannot tell where its documents are. Set "
                 "train_dataloader.dataset.use_varlen_attn=True (same packs, boundaries "
-                "recorded), or enable the plugin, whose start-up does that.")
+                "recorded), or enable the plugin, whose start-up does that."
+            )
         out.append([int(c) for c in varlen[j]["cumulative_len"]])
     return out
 
@@ -203,28 +207,49 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     results = []
     for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
         b, s = data_batch["data"]["input_ids"].shape
-        logits, loss, dropped = cm.packed_forward(runner, data_batch, hooks, BOUNDARY_HOOKS,
-                                                  backward=i == 0)
-        results.append({
-            "rows": b, "tokens_per_row": s, "documents": len(docs),
-            "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-            "logits": cm.logits_differences(logits, ref["logits"], docs),
-            "loss": {"packed": loss, "documents": ref["loss"]},
-            "unconsumed_keys": dropped})
+        logits, loss, dropped = cm.packed_forward(
+            runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0
+        )
+        results.append(
+            {
+                "rows": b,
+                "tokens_per_row": s,
+                "documents": len(docs),
+                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+                "logits": cm.logits_differences(logits, ref["logits"], docs),
+                "loss": {"packed": loss, "documents": ref["loss"]},
+                "unconsumed_keys": dropped,
+            }
+        )
     diff = cm.grad_scale(model)
     model.zero_grad(set_to_none=True)
-    return {"patched": patched, "backend": ", ".join(chosen_backends(reset=True)) or None,
-            "batches": results,
-            "grads": {"max_abs_diff": diff, "max_abs_grad": ref_grad,
-                      "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
-                      "batch": 0},
-            "generation": {"prompt_tokens": prompt.shape[1], "unpatched": generated_ref,
-                           "patched": cm.greedy(llm, prompt, new_tokens)}}
+    return {
+        "patched": patched,
+        "backend": ", ".join(chosen_backends(reset=True)) or None,
+        "batches": results,
+        "grads": {
+            "max_abs_diff": diff,
+            "max_abs_grad": ref_grad,
+            "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
+            "batch": 0,
+        },
+        "generation": {
+            "prompt_tokens": prompt.shape[1],
+            "unpatched": generated_ref,
+            "patched": cm.greedy(llm, prompt, new_tokens),
+        },
+    }
 
 
-def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
-              work_dir: str | Path = "work_dirs/check", dtype: str | None = None,
-              max_documents: int = 8, new_tokens: int = 8) -> dict:
+def run_check(
+    config: str,
+    cfg_options: dict | None = None,
+    batches: int = 1,
+    work_dir: str | Path = "work_dirs/check",
+    dtype: str | None = None,
+    max_documents: int = 8,
+    new_tokens: int = 8,
+) -> dict:
     """Measure isolation and equality on the config's own model and data; see the module doc.
 
     Memory: one copy of the model, one set of gradients (the reference's are negated into
@@ -247,12 +272,15 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
     refuse_unserved_model(config)  # InternVL: refused by the start-up, named
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
+
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
         return run_preference_check(cfg, config, Path(work_dir), dtype)
     from xtuner_rope.doctor.llava_check import run_llava_check
+
     if is_llava(cfg):  # LLaVAModel: the LLM's logits after the image expansion
-        return run_llava_check(cfg, config, cfg_options, batches, Path(work_dir), dtype,
-                               max_documents, new_tokens)
+        return run_llava_check(
+            cfg, config, cfg_options, batches, Path(work_dir), dtype, max_documents, new_tokens
+        )
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device
     dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)
@@ -268,19 +296,32 @@ def run_check(config: str, cfg_options: dict | None = None, batches: int = 1,
         result["boundaries"] = source
     llm = runner.model.llm
     report = {
-        "config": str(config), "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
-        "plugin": {"model_resource": plugin_resource(cfg), "patched": measured.pop("patched"),
-                   "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks]},
-        "model": {"class": type(llm).__name__, "path": str(getattr(llm, "name_or_path", "")),
-                  "device": str(device), "dtype": str(dt).replace("torch.", ""),
-                  # What picks the layers' class: InternLM2's own config attribute, else HF's.
-                  "attn_implementation": getattr(llm.config, "attn_implementation", None)
-                  or getattr(llm.config, "_attn_implementation", None),
-                  "packed_backend": measured.pop("backend"),
-                  "attention_layers": sorted({type(m).__name__ for m in llm.modules()
-                                              if type(m).__name__.endswith("Attention")
-                                              or type(m).__name__.endswith("Attention2")}),
-                  "parameters": sum(p.numel() for p in llm.parameters())},
+        "config": str(config),
+        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "plugin": {
+            "model_resource": plugin_resource(cfg),
+            "patched": measured.pop("patched"),
+            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
+        },
+        "model": {
+            "class": type(llm).__name__,
+            "path": str(getattr(llm, "name_or_path", "")),
+            "device": str(device),
+            "dtype": str(dt).replace("torch.", ""),
+            # What picks the layers' class: InternLM2's own config attribute, else HF's.
+            "attn_implementation": getattr(llm.config, "attn_implementation", None)
+            or getattr(llm.config, "_attn_implementation", None),
+            "packed_backend": measured.pop("backend"),
+            "attention_layers": sorted(
+                {
+                    type(m).__name__
+                    for m in llm.modules()
+                    if type(m).__name__.endswith("Attention")
+                    or type(m).__name__.endswith("Attention2")
+                }
+            ),
+            "parameters": sum(p.numel() for p in llm.parameters()),
+        },
         **measured,
     }
     report.update(judge(report))

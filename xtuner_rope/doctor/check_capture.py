@@ -71,8 +71,10 @@ class IsolationCaptureHook(Hook):
         self._handle = None
         path = Path(runner.work_dir) / CAPTURE_FILE
         torch.save({"data": self._data, **self._out}, path)
-        print_log(f"IsolationCaptureHook: saved iteration 1's batch and logits to {path}.",
-                  logger="current")
+        print_log(
+            f"IsolationCaptureHook: saved iteration 1's batch and logits to {path}.",
+            logger="current",
+        )
 
 
 def reference_llm(cfg: Config) -> nn.Module:
@@ -97,17 +99,21 @@ def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
 
     dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
     dataset_cfg["use_varlen_attn"] = True
-    packs = {tuple(p["input_ids"]): [int(c) for c in p["cumulative_len"]]
-             for p in BUILDER.build(dataset_cfg)}
+    packs = {
+        tuple(p["input_ids"]): [int(c) for c in p["cumulative_len"]]
+        for p in BUILDER.build(dataset_cfg)
+    }
     mask = data.get("attention_mask")
     rows = []
     for r, row in enumerate(data["input_ids"]):
         n = int(mask[r].sum()) if mask is not None else len(row)
         key = tuple(row[:n].tolist())
         if key not in packs:
-            raise ValueError(f"compare_capture: captured row {r} matches no pack of the dataset "
-                             "rebuilt with use_varlen_attn=True; set train_dataloader.dataset."
-                             "shuffle_before_pack=False (packs differ from run to run).")
+            raise ValueError(
+                f"compare_capture: captured row {r} matches no pack of the dataset "
+                "rebuilt with use_varlen_attn=True; set train_dataloader.dataset."
+                "shuffle_before_pack=False (packs differ from run to run)."
+            )
         rows.append(packs[key])
     return rows
 
@@ -135,12 +141,18 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     data = saved["data"]
     cfg, _, _ = start_like_xtuner_train(str(config))  # the start-up's fixes, as trained
     unpacked = not cfg.train_dataloader.dataset.get("pack_to_max_length", True)  # 1 per row
-    recorded = None if data.get("cumulative_len") is not None or unpacked \
-        else _pack_boundaries(cfg, data)
-    docs, source = cm.documents(data, recorded, max_documents=10 ** 9)  # nothing is cut
+    recorded = (
+        None if data.get("cumulative_len") is not None or unpacked else _pack_boundaries(cfg, data)
+    )
+    docs, source = cm.documents(data, recorded, max_documents=10**9)  # nothing is cut
     n_packed, _ = cm.label_count(data["labels"], docs)
     logits, loss = cm.documents_alone(reference_llm(cfg), data, docs, n_packed, backward=False)
     per_doc = cm.logits_differences(saved["logits"], logits, docs)
-    return {"documents": len(docs), "boundaries": source, "dtype": saved.get("dtype", "float32"),
-            "max_abs_diff": max(d["max_abs_diff"] for d in per_doc), "per_document": per_doc,
-            "loss": {"captured": saved["loss"], "documents": loss}}
+    return {
+        "documents": len(docs),
+        "boundaries": source,
+        "dtype": saved.get("dtype", "float32"),
+        "max_abs_diff": max(d["max_abs_diff"] for d in per_doc),
+        "per_document": per_doc,
+        "loss": {"captured": saved["loss"], "documents": loss},
+    }

@@ -26,8 +26,9 @@ def _row_segments(data: dict, recorded: list[list[int]] | None) -> tuple[list[li
     if data.get("cumulative_len") is not None:
         return [[int(c) for c in cu] for cu in row_boundaries(data, b)], "cumulative_len"
     if recorded is not None:
-        return [cu if cu[-1] == s else cu + [s] for cu in recorded], \
-            "XTuner's packs rebuilt with use_varlen_attn=True (not recorded in the batch)"
+        return [
+            cu if cu[-1] == s else cu + [s] for cu in recorded
+        ], "XTuner's packs rebuilt with use_varlen_attn=True (not recorded in the batch)"
     position_ids = data.get("position_ids")
     if position_ids is not None:
         rows = [cumulative_from_position_ids(p).tolist() for p in position_ids.expand(b, s)]
@@ -38,8 +39,9 @@ def _row_segments(data: dict, recorded: list[list[int]] | None) -> tuple[list[li
     return [[0, n] if n == s else [0, n, s] for n in lengths], "one document per row"
 
 
-def documents(data: dict, recorded: list[list[int]] | None,
-              max_documents: int) -> tuple[list[tuple[int, int, int]], str]:
+def documents(
+    data: dict, recorded: list[list[int]] | None, max_documents: int
+) -> tuple[list[tuple[int, int, int]], str]:
     """Cut the batch after its first ``max_documents`` documents; list its documents.
 
     A document is a segment with a supervised label after its first token (padding segments
@@ -53,11 +55,17 @@ def documents(data: dict, recorded: list[list[int]] | None,
     """
     rows, source = _row_segments(data, recorded)
     labels = data["labels"]
-    spans = [(r, a, e) for r, cu in enumerate(rows) for a, e in zip(cu[:-1], cu[1:])
-             if bool((labels[r, a + 1:e] != IGNORE_INDEX).any())]
+    spans = [
+        (r, a, e)
+        for r, cu in enumerate(rows)
+        for a, e in zip(cu[:-1], cu[1:])
+        if bool((labels[r, a + 1 : e] != IGNORE_INDEX).any())
+    ]
     if not spans:
-        raise ValueError("xtuner-rope check: the first batch has no supervised label: nothing "
-                         "to compare. Check the dataset's label masking (xtuner-rope doctor).")
+        raise ValueError(
+            "xtuner-rope check: the first batch has no supervised label: nothing "
+            "to compare. Check the dataset's label masking (xtuner-rope doctor)."
+        )
     cut = max(e for _, _, e in spans[:max_documents])
     if cut < data["input_ids"].shape[1]:
         _cut_rows(data, rows, cut)
@@ -71,8 +79,7 @@ def _cut_rows(data: dict, rows: list[list[int]], cut: int) -> None:
         if isinstance(data.get(key), torch.Tensor) and data[key].dim() == 2:
             data[key] = data[key][:, :cut]
     if data.get("cumulative_len") is not None:
-        cus = [torch.tensor([c for c in cu if c < cut] + [cut], dtype=torch.int32)
-               for cu in rows]
+        cus = [torch.tensor([c for c in cu if c < cut] + [cut], dtype=torch.int32) for cu in rows]
         data["cumulative_len"] = cus
         if "max_seqlen" in data:
             data["max_seqlen"] = max(int((cu[1:] - cu[:-1]).max()) for cu in cus)
@@ -90,18 +97,23 @@ def label_count(labels: torch.Tensor, docs: list[Doc]) -> tuple[int, int]:
         (the packed loss predicts it from the previous document).
     """
     packed = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    alone = sum(int((labels[r, a + 1:e] != IGNORE_INDEX).sum()) for r, a, e in docs)
+    alone = sum(int((labels[r, a + 1 : e] != IGNORE_INDEX).sum()) for r, a, e in docs)
     return packed, alone
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies of one sequence (``logits [n, V]``, ``labels [n]``)."""
-    return F.cross_entropy(logits[:-1].float(), labels[1:].to(logits.device),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits[:-1].float(),
+        labels[1:].to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
-def documents_alone(llm, data: dict, docs: list[Doc], n_labels: int,
-                    backward: bool) -> tuple[list[torch.Tensor], float]:
+def documents_alone(
+    llm, data: dict, docs: list[Doc], n_labels: int, backward: bool
+) -> tuple[list[torch.Tensor], float]:
     """Each document through ``llm`` alone (positions from 0, no other token).
 
     Args:
@@ -135,8 +147,9 @@ def reset_boundaries() -> None:
     channel.clear()
 
 
-def packed_forward(runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[str, ...],
-                   backward: bool) -> tuple[torch.Tensor, float, list[str]]:
+def packed_forward(
+    runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[str, ...], backward: bool
+) -> tuple[torch.Tensor, float, list[str]]:
     """The packed batch through the model as MMEngine's training step runs it.
 
     The boundary hooks' ``before_train_iter`` (priority order) publish the boundaries and pop
@@ -166,19 +179,29 @@ def packed_forward(runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[
     return out.logits.detach().float().cpu(), float(out.loss.detach()), dropped
 
 
-def logits_differences(packed: torch.Tensor, alone: list[torch.Tensor],
-                       docs: list[Doc]) -> list[dict]:
+def logits_differences(
+    packed: torch.Tensor, alone: list[torch.Tensor], docs: list[Doc]
+) -> list[dict]:
     """Per document: max ``|packed - alone|`` of its logits, and the largest logit alone."""
-    return [{"row": r, "start": a, "tokens": e - a,
-             "max_abs_diff": float((packed[r, a:e] - ref).abs().max()),
-             "max_abs_logit": float(ref.abs().max())}
-            for (r, a, e), ref in zip(docs, alone)]
+    return [
+        {
+            "row": r,
+            "start": a,
+            "tokens": e - a,
+            "max_abs_diff": float((packed[r, a:e] - ref).abs().max()),
+            "max_abs_logit": float(ref.abs().max()),
+        }
+        for (r, a, e), ref in zip(docs, alone)
+    ]
 
 
 def grad_scale(model) -> float:
     """Largest ``|grad|`` over the trainable parameters (0.0 when none has a gradient)."""
-    values = [p.grad.detach().abs().max() for p in model.parameters()
-              if p.requires_grad and p.grad is not None]
+    values = [
+        p.grad.detach().abs().max()
+        for p in model.parameters()
+        if p.requires_grad and p.grad is not None
+    ]
     return float(torch.stack(values).max().float()) if values else 0.0
 
 
@@ -187,7 +210,7 @@ def prompt_of(data: dict, doc: Doc) -> torch.Tensor:
     r, a, e = doc
     supervised = (data["labels"][r, a:e] != IGNORE_INDEX).nonzero().flatten()
     k = max(int(supervised[0]) if len(supervised) else e - a, 1)
-    return data["input_ids"][r, a:a + k][None]
+    return data["input_ids"][r, a : a + k][None]
 
 
 @torch.no_grad()
@@ -197,10 +220,14 @@ def greedy(llm, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     llm.eval()
     try:
         ids = prompt.to(next(llm.parameters()).device)
-        out = llm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           pad_token_id=0)
+        out = llm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
     finally:
         llm.train(was_training)
-    return out[0, ids.shape[1]:].tolist()
-
+    return out[0, ids.shape[1] :].tolist()

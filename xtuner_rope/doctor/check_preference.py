@@ -68,24 +68,31 @@ def _problems(result: dict, patched: bool, tol: dict | None = None) -> list[str]
     for name, values in result["alone"].items():
         scale = max(1.0, max(abs(v) for v in values))
         if result["max_abs_diff"][name] > tol["logits"] * scale:
-            problems.append(f"{name}: packed differs from each response alone by "
-                            f"{result['max_abs_diff'][name]:.3g}: responses attend to each other")
+            problems.append(
+                f"{name}: packed differs from each response alone by "
+                f"{result['max_abs_diff'][name]:.3g}: responses attend to each other"
+            )
     loss = result["loss"]
     if "alone" in loss and abs(loss["captured"] - loss["alone"]) > tol["loss"] * max(
-            1.0, abs(loss["alone"])):
-        problems.append(f"loss: packed {loss['captured']:.6f} vs responses alone "
-                        f"{loss['alone']:.6f}")
+        1.0, abs(loss["alone"])
+    ):
+        problems.append(
+            f"loss: packed {loss['captured']:.6f} vs responses alone {loss['alone']:.6f}"
+        )
     states = result["reward_token_states"]
     if states and states["max_abs_diff"] > tol["logits"] * max(1.0, states["max_abs"]):
-        problems.append(f"reward token states: packed differ from each response alone by "
-                        f"{states['max_abs_diff']:.3g}: responses attend to each other")
+        problems.append(
+            f"reward token states: packed differ from each response alone by "
+            f"{states['max_abs_diff']:.3g}: responses attend to each other"
+        )
     if problems and not patched:
         problems.append(f"xtuner-rope's patch is not applied: to enable it, {MODEL_RESOURCE_EDIT}")
     return problems
 
 
-def run_preference_check(cfg: Config, config: str, work_dir: Path,
-                         dtype: str | None = None) -> dict:
+def run_preference_check(
+    cfg: Config, config: str, work_dir: Path, dtype: str | None = None
+) -> dict:
     """Measure a started preference config; see the module docstring.
 
     Args:
@@ -119,31 +126,51 @@ def run_preference_check(cfg: Config, config: str, work_dir: Path,
         capture = _training_forward(runner, hooks, Path(work_dir))
     result = compare_preference_capture(cfg, capture)
     problems = _problems(result, patched, tol)
-    verdict = ("FAIL: " + problems[0] if problems else
-               f"PASS: every response of the packed pairs gets the "
-               f"{'reward score' if result['kind'] == 'reward' else 'log-probs'} it gets alone")
-    return {"kind": "preference", "config": str(config), "plugin": {"patched": patched},
-            "model": result["kind"], "dtype": str(dt).replace("torch.", ""), "tolerance": tol,
-            **{k: result[k] for k in (
-                "pairs", "max_abs_diff", "leak_max_abs_diff", "loss", "reward_token_states")},
-            "problems": problems, "verdict": verdict, "exit_code": 1 if problems else 0}
+    verdict = (
+        "FAIL: " + problems[0]
+        if problems
+        else f"PASS: every response of the packed pairs gets the "
+        f"{'reward score' if result['kind'] == 'reward' else 'log-probs'} it gets alone"
+    )
+    return {
+        "kind": "preference",
+        "config": str(config),
+        "plugin": {"patched": patched},
+        "model": result["kind"],
+        "dtype": str(dt).replace("torch.", ""),
+        "tolerance": tol,
+        **{
+            k: result[k]
+            for k in ("pairs", "max_abs_diff", "leak_max_abs_diff", "loss", "reward_token_states")
+        },
+        "problems": problems,
+        "verdict": verdict,
+        "exit_code": 1 if problems else 0,
+    }
 
 
 def format_preference_summary(report: dict) -> str:
     """The short text printed by ``xtuner-rope check`` for a preference model."""
-    lines = [f"xtuner-rope check: {report['config']}",
-             f"  model    XTuner {report['model']} model, {report['pairs']} pairs in the first "
-             f"packed row, {'patched' if report['plugin']['patched'] else 'not patched'}, "
-             f"{report['dtype']} (tolerance {report['tolerance']['logits']:.3g} relative)"]
+    lines = [
+        f"xtuner-rope check: {report['config']}",
+        f"  model    XTuner {report['model']} model, {report['pairs']} pairs in the first "
+        f"packed row, {'patched' if report['plugin']['patched'] else 'not patched'}, "
+        f"{report['dtype']} (tolerance {report['tolerance']['logits']:.3g} relative)",
+    ]
     for name, diff in report["max_abs_diff"].items():
-        lines.append(f"  {name:<18} max |packed - alone| {diff:.3g}  (unpatched packed row: "
-                     f"{report['leak_max_abs_diff'][name]:.3g})")
+        lines.append(
+            f"  {name:<18} max |packed - alone| {diff:.3g}  (unpatched packed row: "
+            f"{report['leak_max_abs_diff'][name]:.3g})"
+        )
     states = report["reward_token_states"]
     if states:  # the reward head starts at zero: the states it reads show a leak at once
-        lines.append(f"  reward token states max |packed - alone| {states['max_abs_diff']:.3g}  "
-                     f"(unpatched packed row: {states['leak_max_abs_diff']:.3g})")
+        lines.append(
+            f"  reward token states max |packed - alone| {states['max_abs_diff']:.3g}  "
+            f"(unpatched packed row: {states['leak_max_abs_diff']:.3g})"
+        )
     if "alone" in report["loss"]:
-        lines.append(f"  loss     packed {report['loss']['captured']:.6f} vs responses alone "
-                     f"{report['loss']['alone']:.6f}")
-    return "\n".join([*lines, *[f"  problem: {p}" for p in report["problems"]],
-                      report["verdict"]])
+        lines.append(
+            f"  loss     packed {report['loss']['captured']:.6f} vs responses alone "
+            f"{report['loss']['alone']:.6f}"
+        )
+    return "\n".join([*lines, *[f"  problem: {p}" for p in report["problems"]], report["verdict"]])

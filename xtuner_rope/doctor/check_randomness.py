@@ -55,9 +55,11 @@ def randomness_off(model: nn.Module) -> Iterator[dict]:
                 restore.append((module, name, value))
                 setattr(module, name, 0.0)
     try:
-        yield {"dropout_modules": sum(1 for m, n, _ in restore if n == "p"),
-               "dropout_p": sorted(probabilities),
-               "attributes": {k: sorted(v) for k, v in sorted(attributes.items())}}
+        yield {
+            "dropout_modules": sum(1 for m, n, _ in restore if n == "p"),
+            "dropout_p": sorted(probabilities),
+            "attributes": {k: sorted(v) for k, v in sorted(attributes.items())},
+        }
     finally:
         for module, name, value in restore:
             setattr(module, name, value)
@@ -69,8 +71,10 @@ def describe(off: dict) -> str:
     if off["dropout_modules"]:
         ps = ", ".join(f"{p:g}" for p in off["dropout_p"])
         parts.append(f"{off['dropout_modules']} dropout modules (p {ps})")
-    parts += [f"{name} {', '.join(f'{v:g}' for v in values)}"
-              for name, values in off["attributes"].items()]
+    parts += [
+        f"{name} {', '.join(f'{v:g}' for v in values)}"
+        for name, values in off["attributes"].items()
+    ]
     if not parts:
         return "none in this model (no dropout, no router noise)"
     return "off in both passes (packed and alone): " + "; ".join(parts)

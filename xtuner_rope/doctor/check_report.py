@@ -22,8 +22,8 @@ from xtuner_rope.doctor.check_randomness import describe
 
 TOLERANCES = {  # relative, see the module docstring
     "float32": {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4},
-    "bfloat16": {"logits": 8 * 2 ** -8, "loss": 8 * 2 ** -8, "grads": 8 * 2 ** -8},
-    "float16": {"logits": 8 * 2 ** -11, "loss": 8 * 2 ** -11, "grads": 8 * 2 ** -11},
+    "bfloat16": {"logits": 8 * 2**-8, "loss": 8 * 2**-8, "grads": 8 * 2**-8},
+    "float16": {"logits": 8 * 2**-11, "loss": 8 * 2**-11, "grads": 8 * 2**-11},
 }
 
 
@@ -40,14 +40,22 @@ def figures(report: dict) -> dict:
     loss = max(losses, key=lambda x: abs(x["packed"] - x["documents"]))
     grads = report["grads"]
     return {
-        "logits": {"max_abs_diff": worst["max_abs_diff"], "tolerance": tol["logits"],
-                   "relative": worst["max_abs_diff"] / max(1.0, worst["max_abs_logit"]),
-                   "worst_document": {k: worst[k] for k in ("batch", "row", "start", "tokens")}},
-        "loss": {"abs_diff": abs(loss["packed"] - loss["documents"]), "tolerance": tol["loss"],
-                 "relative": abs(loss["packed"] - loss["documents"])
-                 / max(1.0, abs(loss["documents"]))},
-        "grads": {"max_abs_diff": grads["max_abs_diff"], "tolerance": tol["grads"],
-                  "relative": grads["max_abs_diff"] / max(grads["max_abs_grad"], 1e-30)},
+        "logits": {
+            "max_abs_diff": worst["max_abs_diff"],
+            "tolerance": tol["logits"],
+            "relative": worst["max_abs_diff"] / max(1.0, worst["max_abs_logit"]),
+            "worst_document": {k: worst[k] for k in ("batch", "row", "start", "tokens")},
+        },
+        "loss": {
+            "abs_diff": abs(loss["packed"] - loss["documents"]),
+            "tolerance": tol["loss"],
+            "relative": abs(loss["packed"] - loss["documents"]) / max(1.0, abs(loss["documents"])),
+        },
+        "grads": {
+            "max_abs_diff": grads["max_abs_diff"],
+            "tolerance": tol["grads"],
+            "relative": grads["max_abs_diff"] / max(grads["max_abs_grad"], 1e-30),
+        },
     }
 
 
@@ -60,39 +68,57 @@ def judge(report: dict) -> dict:
         problems.append(
             f"logits: a packed document differs from the same document alone by "
             f"{fig['logits']['max_abs_diff']:.3g} (batch {w['batch']}, row {w['row']}, tokens "
-            f"{w['start']}..{w['start'] + w['tokens']}): documents attend to each other")
+            f"{w['start']}..{w['start'] + w['tokens']}): documents attend to each other"
+        )
     for name in ("loss", "grads"):
         if fig[name]["relative"] > fig[name]["tolerance"]:
-            problems.append(f"{name}: packed differs from the documents' by "
-                            f"{fig[name]['relative']:.3g} (relative)")
+            problems.append(
+                f"{name}: packed differs from the documents' by "
+                f"{fig[name]['relative']:.3g} (relative)"
+            )
     for i, b in enumerate(report["batches"]):
         if b["labels"]["packed"] != b["labels"]["documents"]:
-            problems.append(f"batch {i}: {b['labels']['packed'] - b['labels']['documents']} "
-                            "label(s) on a document's first token: the packed loss predicts "
-                            "them from the previous document")
+            problems.append(
+                f"batch {i}: {b['labels']['packed'] - b['labels']['documents']} "
+                "label(s) on a document's first token: the packed loss predicts "
+                "them from the previous document"
+            )
         if b["unconsumed_keys"]:
-            problems.append(f"batch {i}: {', '.join(b['unconsumed_keys'])} reached the model: "
-                            "no hook consumes the boundaries (training would refuse the batch)")
+            problems.append(
+                f"batch {i}: {', '.join(b['unconsumed_keys'])} reached the model: "
+                "no hook consumes the boundaries (training would refuse the batch)"
+            )
     gen = report["generation"]
     if gen["patched"] != gen["unpatched"]:
         problems.append(f"generation: patched {gen['patched']} != unpatched {gen['unpatched']}")
     if problems and not report["plugin"]["patched"]:
-        problems.append("xtuner-rope's patch is not applied (no ValidatedRoPEHook): to enable "
-                        f"the plugin, {MODEL_RESOURCE_EDIT}")
-    verdict = ("FAIL: " + problems[0].splitlines()[0] if problems else
-               "PASS: each packed document gets the logits, loss and gradients it gets alone; "
-               "generation unchanged")
-    return {"figures": fig, "problems": problems, "verdict": verdict,
-            "exit_code": 1 if problems else 0}
+        problems.append(
+            "xtuner-rope's patch is not applied (no ValidatedRoPEHook): to enable "
+            f"the plugin, {MODEL_RESOURCE_EDIT}"
+        )
+    verdict = (
+        "FAIL: " + problems[0].splitlines()[0]
+        if problems
+        else "PASS: each packed document gets the logits, loss and gradients it gets alone; "
+        "generation unchanged"
+    )
+    return {
+        "figures": fig,
+        "problems": problems,
+        "verdict": verdict,
+        "exit_code": 1 if problems else 0,
+    }
 
 
 def format_summary(report: dict) -> str:
     """The short text printed by ``xtuner-rope check``."""
     if report.get("kind") == "preference":
         from xtuner_rope.doctor.check_preference import format_preference_summary
+
         return format_preference_summary(report)
     if report.get("kind") == "llava":
         from xtuner_rope.doctor.llava_check import format_llava_summary
+
         return format_llava_summary(report)
     m, fig, gen = report["model"], report["figures"], report["generation"]
     docs = sum(b["documents"] for b in report["batches"])

@@ -69,8 +69,9 @@ def start_config(cfg: Config) -> None:
     start(cfg, look_only=True)
 
 
-def start_like_xtuner_train(path: str, cfg_options: dict | None = None
-                            ) -> tuple[Config, list[startup.Finding], str | None]:
+def start_like_xtuner_train(
+    path: str, cfg_options: dict | None = None
+) -> tuple[Config, list[startup.Finding], str | None]:
     """The config as ``xtuner train`` trains it, and every finding training would meet.
 
     ``xtuner train``'s order (``xtuner/tools/train.py``): ``Config.fromfile``, then
@@ -116,9 +117,11 @@ def build_collate_fn(loader: dict):
     if isinstance(fn, str):
         name, fn = fn, FUNCTIONS.get(fn)
         if fn is None:
-            raise ValueError(f"train_dataloader.collate_fn.type: expected a function object or a "
-                             f"name registered in MMEngine's FUNCTIONS, got {name!r}. Import the "
-                             "function in the config and pass type=<function>.")
+            raise ValueError(
+                f"train_dataloader.collate_fn.type: expected a function object or a "
+                f"name registered in MMEngine's FUNCTIONS, got {name!r}. Import the "
+                "function in the config and pass type=<function>."
+            )
     return partial(fn, **kwargs), startup.type_name(fn), kwargs
 
 
@@ -127,9 +130,12 @@ def _dataset_facts(loader: dict) -> dict:
     ds = loader.get("dataset") or {}
     name = startup.type_name(ds.get("type"))
     xtuner = name in startup.XTUNER_DATASET_TYPES
-    return {"type": name, "max_length": ds.get("max_length") if xtuner else None,
-            # process_hf_dataset packs unless told not to
-            "pack_to_max_length": bool(ds.get("pack_to_max_length", True)) if xtuner else False}
+    return {
+        "type": name,
+        "max_length": ds.get("max_length") if xtuner else None,
+        # process_hf_dataset packs unless told not to
+        "pack_to_max_length": bool(ds.get("pack_to_max_length", True)) if xtuner else False,
+    }
 
 
 def _source_rows(loader: dict, facts: dict) -> int | None:
@@ -137,8 +143,11 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
     from xtuner.registry import BUILDER
 
     ds = loader.get("dataset") or {}
-    if facts["type"] not in startup.XTUNER_DATASET_TYPES \
-            or not isinstance(ds.get("dataset"), dict) or ds.get("max_dataset_length"):
+    if (
+        facts["type"] not in startup.XTUNER_DATASET_TYPES
+        or not isinstance(ds.get("dataset"), dict)
+        or ds.get("max_dataset_length")
+    ):
         return None
     raw = BUILDER.build(ds["dataset"])
     split = ds.get("split", "train")
@@ -163,16 +172,22 @@ def _findings(findings: list[startup.Finding]) -> dict:
     def as_dict(f: startup.Finding) -> dict:
         return {"setting": f.setting, "problem": f.problem, "edit": f.edit}
 
-    return {"fixes": [as_dict(f) for f in findings if f.fix is not None],
-            "conflicts": [as_dict(f) for f in findings if f.fix is None]}
+    return {
+        "fixes": [as_dict(f) for f in findings if f.fix is not None],
+        "conflicts": [as_dict(f) for f in findings if f.fix is None],
+    }
 
 
 def _jsonable(value: object) -> object:
     return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
 
 
-def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAULT_BATCHES,
-             progress: bool = True) -> tuple[dict, list[int]]:
+def diagnose(
+    config: str,
+    cfg_options: dict | None = None,
+    batches: int = DEFAULT_BATCHES,
+    progress: bool = True,
+) -> tuple[dict, list[int]]:
     """Check a config's train data and settings; see the module docstring.
 
     Args:
@@ -194,48 +209,86 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     batch_size = int(loader.get("batch_size", 1))
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = dataset if llava is None else llava.scan_items
-    scan = scan_samples(items, collate_max_length=collate_kwargs.get("max_length"),
-                        truncation_length=None if facts["pack_to_max_length"]
-                        else facts["max_length"], progress=progress)
-    plan = simulate_collate(dataset if llava is None else llava.collate_items,
-                            collate_fn if llava is None else llava.collate_fn, batch_size,
-                            batches, scan, progress=progress)
+    scan = scan_samples(
+        items,
+        collate_max_length=collate_kwargs.get("max_length"),
+        truncation_length=None if facts["pack_to_max_length"] else facts["max_length"],
+        progress=progress,
+    )
+    plan = simulate_collate(
+        dataset if llava is None else llava.collate_items,
+        collate_fn if llava is None else llava.collate_fn,
+        batch_size,
+        batches,
+        scan,
+        progress=progress,
+    )
     source = _source_rows(loader, facts)
     lengths = scan.lengths if dialogues is None else [len(r) for r in dialogues["input_ids"]]
     kept = len(dataset) if dialogues is None else len(dialogues)
     report = {
         "config": str(config),
-        "plugin": {"enabled": resource is not None, "model_resource": resource,
-                   "edit": None if resource else startup.MODEL_RESOURCE_EDIT},
+        "plugin": {
+            "enabled": resource is not None,
+            "model_resource": resource,
+            "edit": None if resource else startup.MODEL_RESOURCE_EDIT,
+        },
         "findings": _findings(findings),
-        "dataset": {**facts, "samples": len(dataset), "documents": scan.documents,
-                    "tokens": int(sum(scan.lengths)), "source_rows": source, "dialogues": kept,
-                    "dropped_by_dataset": None if source is None else source - kept},
+        "dataset": {
+            **facts,
+            "samples": len(dataset),
+            "documents": scan.documents,
+            "tokens": int(sum(scan.lengths)),
+            "source_rows": source,
+            "dialogues": kept,
+            "dropped_by_dataset": None if source is None else source - kept,
+        },
         "lengths": length_percentiles(lengths),  # of the dialogues, before any packing
-        "packing": None if dialogues is None else {
+        "packing": None
+        if dialogues is None
+        else {
             **packing_figures(dialogues, dataset, facts["max_length"]),
-            "row_lengths": length_percentiles(scan.lengths)},
+            "row_lengths": length_percentiles(scan.lengths),
+        },
         "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
-        "collate": {"name": collate_name,
-                    "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
-                    "batch_size": batch_size, "max_length": collate_kwargs.get("max_length"),
-                    "order": "dataset order (no shuffle)",
-                    "batches_total": -(-len(dataset) // batch_size), **plan_summary(plan)},
+        "collate": {
+            "name": collate_name,
+            "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
+            "batch_size": batch_size,
+            "max_length": collate_kwargs.get("max_length"),
+            "order": "dataset order (no shuffle)",
+            "batches_total": -(-len(dataset) // batch_size),
+            **plan_summary(plan),
+        },
         "loss_weights": dataset_loss_weights(
-            items, scan.supervised, batch_size, (cfg.get("optim_wrapper") or {}).get(
-                "accumulative_counts", 1), batches),
+            items,
+            scan.supervised,
+            batch_size,
+            (cfg.get("optim_wrapper") or {}).get("accumulative_counts", 1),
+            batches,
+        ),
     }
-    report["multimodal"] = None if llava is None else llava_figures(
-        llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length"))
+    report["multimodal"] = (
+        None
+        if llava is None
+        else llava_figures(
+            llava, dataset, collate_kwargs, (loader.get("dataset") or {}).get("max_length")
+        )
+    )
     if llava is not None and loader.get("sampler"):  # LengthGroupedSampler: its own order
-        report["multimodal"]["sampler_order"] = sampler_padding(cfg, dataset, scan.lengths,
-                                                                batch_size, batches)
-    report["packed"] = bool(facts["pack_to_max_length"] or collate_kwargs.get("pack")
-                            or scan.documents > len(dataset)
-                            or bool(llava and llava.packed_rows))  # llava_collate_fn rows
+        report["multimodal"]["sampler_order"] = sampler_padding(
+            cfg, dataset, scan.lengths, batch_size, batches
+        )
+    report["packed"] = bool(
+        facts["pack_to_max_length"]
+        or collate_kwargs.get("pack")
+        or scan.documents > len(dataset)
+        or bool(llava and llava.packed_rows)
+    )  # llava_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["sequence_parallel"] = sequence_parallel_figures(
-        cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes)
+        cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes
+    )
     if report["preference"]:  # TokenWeightedLossHook serves SupervisedFinetune only
         report["loss_weights"] = None
     report["problems"], report["warnings"] = judge(report)
@@ -243,8 +296,9 @@ def diagnose(config: str, cfg_options: dict | None = None, batches: int = DEFAUL
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += llava_problems(report["multimodal"])
     report["warnings"] += llava_warnings(report["multimodal"])
-    report["problems"] += schedule_problems(cfg.get("param_scheduler"), len(dataset), batch_size,
-                                            bool(loader.get("drop_last", False)))
+    report["problems"] += schedule_problems(
+        cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))
+    )
     report["exit_code"] = exit_code(report)
     return report, lengths
 
@@ -261,43 +315,67 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
     the documents); empty, over-long or label-mismatched samples; a sampler batch without a
     supervised label; a batch the collate function refuses. Warnings: the rest.
     """
-    problems = [f"conflict: {c['setting']}: {c['problem']}\n  -> {c['edit']}"
-                for c in report["findings"]["conflicts"]]
+    problems = [
+        f"conflict: {c['setting']}: {c['problem']}\n  -> {c['edit']}"
+        for c in report["findings"]["conflicts"]
+    ]
     warnings = []
     if not report["plugin"]["enabled"]:
-        unfixed = "".join(f"\n  unfixed: {f['setting']}: {f['problem']}"
-                          for f in report["findings"]["fixes"])
-        text = (f"xtuner-rope is not enabled (no model_resource from xtuner_rope): its start-up "
-                f"fixes do not run. To enable it, {startup.MODEL_RESOURCE_EDIT}{unfixed}")
+        unfixed = "".join(
+            f"\n  unfixed: {f['setting']}: {f['problem']}" for f in report["findings"]["fixes"]
+        )
+        text = (
+            f"xtuner-rope is not enabled (no model_resource from xtuner_rope): its start-up "
+            f"fixes do not run. To enable it, {startup.MODEL_RESOURCE_EDIT}{unfixed}"
+        )
         (problems if report["packed"] else warnings).append(
-            text + ("\n  the data are packed: documents would attend to each other"
-                    if report["packed"] else ""))
+            text
+            + (
+                "\n  the data are packed: documents would attend to each other"
+                if report["packed"]
+                else ""
+            )
+        )
     samples, collate = report["samples"], report["collate"]
-    why = {"empty": "empty samples (0 tokens)",
-           "over_long": f"samples longer than the collate max_length={collate['max_length']}",
-           "length_mismatch": "samples with len(labels) != len(input_ids)"}
+    why = {
+        "empty": "empty samples (0 tokens)",
+        "over_long": f"samples longer than the collate max_length={collate['max_length']}",
+        "length_mismatch": "samples with len(labels) != len(input_ids)",
+    }
     problems += [f"{why[k]}: {_where(samples[k])}" for k in why if samples[k]["count"]]
     if collate["unsupervised_batches"]["count"]:
-        problems.append("sampler batches without any supervised label (nothing to train on): "
-                        + _where(collate["unsupervised_batches"], "batches"))
-    problems += [f"collate_fn refuses batch {e['batch']} (samples from {e['first_sample']}): "
-                 f"{e['error']}" for e in collate["errors"][:10]]
+        problems.append(
+            "sampler batches without any supervised label (nothing to train on): "
+            + _where(collate["unsupervised_batches"], "batches")
+        )
+    problems += [
+        f"collate_fn refuses batch {e['batch']} (samples from {e['first_sample']}): {e['error']}"
+        for e in collate["errors"][:10]
+    ]
     if samples["unsupervised"]["count"]:
-        warnings.append("samples without a supervised label (they add no loss): "
-                        + _where(samples["unsupervised"]))
+        warnings.append(
+            "samples without a supervised label (they add no loss): "
+            + _where(samples["unsupervised"])
+        )
     if samples["truncated"]["count"]:
-        warnings.append(f"samples exactly max_length={report['dataset']['max_length']} long, "
-                        "probably cut silently by XTuner: " + _where(samples["truncated"]))
+        warnings.append(
+            f"samples exactly max_length={report['dataset']['max_length']} long, "
+            "probably cut silently by XTuner: " + _where(samples["truncated"])
+        )
     if report["dataset"]["dropped_by_dataset"]:
-        warnings.append(f"{report['dataset']['dropped_by_dataset']} of "
-                        f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
-                        "(no assistant reply, or no label left after truncation)")
+        warnings.append(
+            f"{report['dataset']['dropped_by_dataset']} of "
+            f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
+            "(no assistant reply, or no label left after truncation)"
+        )
     packing = report["packing"] or {}
     if packing.get("tokens", {}).get("lost"):
         t, lab = packing["tokens"], packing["labels"]
-        warnings.append(f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
-                        f"{lab['lost']} of {lab['before']} supervised labels (each map_num_proc "
-                        "shard's leftover); with xtuner-rope enabled nothing is dropped")
+        warnings.append(
+            f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
+            f"{lab['lost']} of {lab['before']} supervised labels (each map_num_proc "
+            "shard's leftover); with xtuner-rope enabled nothing is dropped"
+        )
     warnings += collate["collate_warnings"]
     return problems, warnings
 

@@ -66,13 +66,19 @@ class LLaVAIsolationCaptureHook(Hook):
     def _collect(self, module, args, kwargs, output) -> None:
         if self._saved or not module.training:
             return
-        self._saved = {k: (v.detach().float().cpu() if k == "inputs_embeds" else v.cpu())
-                       for k, v in kwargs.items() if k in _FIELDS and v is not None}
+        self._saved = {
+            k: (v.detach().float().cpu() if k == "inputs_embeds" else v.cpu())
+            for k, v in kwargs.items()
+            if k in _FIELDS and v is not None
+        }
         self._saved["logits"] = output.logits.detach().float().cpu()
         self._saved["loss"] = float(output.loss.detach())
         if self._reference is not None:
-            inputs = {k: v.detach() for k, v in kwargs.items()
-                      if k in _FIELDS and k != "labels" and v is not None}
+            inputs = {
+                k: v.detach()
+                for k, v in kwargs.items()
+                if k in _FIELDS and k != "labels" and v is not None
+            }
             self._reference.train(module.training)
             with torch.no_grad():
                 unpatched = self._reference(**inputs).logits.float().cpu()
@@ -98,13 +104,21 @@ class LLaVAIsolationCaptureHook(Hook):
         path = Path(runner.work_dir) / LLAVA_CAPTURE_FILE
         torch.save(self._saved, path)
         figures = self._saved.get("in_run")
-        measured = "" if figures is None else (
-            f" In the run, against each sample alone through the unpatched LLM: "
-            f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
-            f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
-            f"(negative control) {figures['unpatched_max_abs_diff']:.3g}.")
-        print_log(f"LLaVAIsolationCaptureHook: saved iteration 1's LLM inputs and logits to "
-                  f"{path}.{measured}", logger="current")
+        measured = (
+            ""
+            if figures is None
+            else (
+                f" In the run, against each sample alone through the unpatched LLM: "
+                f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
+                f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
+                f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
+            )
+        )
+        print_log(
+            f"LLaVAIsolationCaptureHook: saved iteration 1's LLM inputs and logits to "
+            f"{path}.{measured}",
+            logger="current",
+        )
 
 
 def reference_llava_llm(cfg: Config) -> nn.Module:
@@ -120,8 +134,11 @@ def _samples(lengths: list[int], positions: torch.Tensor | None):
     """(row, start, length) of each sample: a row's real tokens, cut where positions restart
     at 0 (rows packed by ``llava_collate_fn``; a padded row is one sample)."""
     for r, n in enumerate(lengths):
-        starts = [0] if positions is None else \
-            [int(c) for c in (positions[r, :n] == 0).nonzero().reshape(-1)] or [0]
+        starts = (
+            [0]
+            if positions is None
+            else [int(c) for c in (positions[r, :n] == 0).nonzero().reshape(-1)] or [0]
+        )
         for a, e in zip(starts, starts[1:] + [n]):
             yield r, a, e - a
 
@@ -150,23 +167,42 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
     per_sample, loss_sum, count = [], 0.0, 0
     with torch.no_grad():
         for r, a, n in _samples(lengths, positions):
-            alone = llm(inputs_embeds=embeds[r:r + 1, a:a + n].to(device),
-                        position_ids=torch.arange(n, device=device)[None]).logits[0].float().cpu()
-            per_sample.append({
-                "row": r, "start": a, "tokens": n, "max_abs_logit": float(alone.abs().max()),
-                "max_abs_diff": float((logits[r, a:a + n] - alone).abs().max()),
-                "unpatched_max_abs_diff": None if unpatched is None else
-                float((unpatched[r, a:a + n] - alone).abs().max())})
-            labels = saved["labels"][r, a:a + n]
-            loss_sum += float(F.cross_entropy(alone[:-1], labels[1:], reduction="sum",
-                                              ignore_index=IGNORE_INDEX))
+            alone = (
+                llm(
+                    inputs_embeds=embeds[r : r + 1, a : a + n].to(device),
+                    position_ids=torch.arange(n, device=device)[None],
+                )
+                .logits[0]
+                .float()
+                .cpu()
+            )
+            per_sample.append(
+                {
+                    "row": r,
+                    "start": a,
+                    "tokens": n,
+                    "max_abs_logit": float(alone.abs().max()),
+                    "max_abs_diff": float((logits[r, a : a + n] - alone).abs().max()),
+                    "unpatched_max_abs_diff": None
+                    if unpatched is None
+                    else float((unpatched[r, a : a + n] - alone).abs().max()),
+                }
+            )
+            labels = saved["labels"][r, a : a + n]
+            loss_sum += float(
+                F.cross_entropy(alone[:-1], labels[1:], reduction="sum", ignore_index=IGNORE_INDEX)
+            )
             count += int((labels[1:] != IGNORE_INDEX).sum())
-    return {"rows": b, "samples": len(per_sample),
-            "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
-            "unpatched_max_abs_diff": None if unpatched is None else
-            max(d["unpatched_max_abs_diff"] for d in per_sample),
-            "per_sample": per_sample,
-            "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)}}
+    return {
+        "rows": b,
+        "samples": len(per_sample),
+        "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
+        "unpatched_max_abs_diff": None
+        if unpatched is None
+        else max(d["unpatched_max_abs_diff"] for d in per_sample),
+        "per_sample": per_sample,
+        "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)},
+    }
 
 
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:

@@ -77,8 +77,15 @@ def llava_samples(data: dict, image_tokens: int) -> list[dict]:
                 continue
             n = next(lengths)
             has = bool((ids[r, a:e] == IMAGE_TOKEN_INDEX).any())
-            samples.append({"row": r, "raw": (a, e), "expanded": (col, col + n),
-                            "image": image if has else row_image, "has_image": has})
+            samples.append(
+                {
+                    "row": r,
+                    "raw": (a, e),
+                    "expanded": (col, col + n),
+                    "image": image if has else row_image,
+                    "has_image": has,
+                }
+            )
             image += int((ids[r, a:e] == IMAGE_TOKEN_INDEX).sum())
             placeholders += has
             col += n
@@ -90,10 +97,15 @@ def _alone_batch(data: dict, sample: dict) -> dict:
     """One sample as XTuner's ``default_collate_fn`` collates it alone (its own image)."""
     r, (a, e) = sample["row"], sample["raw"]
     ids = data["input_ids"][r, a:e][None]
-    return {"data": {"input_ids": ids, "labels": data["labels"][r, a:e][None],
-                     "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                     "pixel_values": data["pixel_values"][sample["image"]][None]},
-            "data_samples": None}
+    return {
+        "data": {
+            "input_ids": ids,
+            "labels": data["labels"][r, a:e][None],
+            "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+            "pixel_values": data["pixel_values"][sample["image"]][None],
+        },
+        "data_samples": None,
+    }
 
 
 class _LLMInputs:
@@ -104,15 +116,21 @@ class _LLMInputs:
         self._handle = llm.register_forward_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs, output) -> None:
-        self.calls.append({k: kwargs[k].detach().cpu() for k in ("attention_mask",
-                           "position_ids", "labels") if kwargs.get(k) is not None})
+        self.calls.append(
+            {
+                k: kwargs[k].detach().cpu()
+                for k in ("attention_mask", "position_ids", "labels")
+                if kwargs.get(k) is not None
+            }
+        )
 
     def remove(self) -> None:
         self._handle.remove()
 
 
-def _alone(model, data: dict, samples: list[dict], n_labels: int, backward: bool,
-           recorder: _LLMInputs) -> tuple[list[torch.Tensor], float, list[int]]:
+def _alone(
+    model, data: dict, samples: list[dict], n_labels: int, backward: bool, recorder: _LLMInputs
+) -> tuple[list[torch.Tensor], float, list[int]]:
     """Each sample alone through ``LLaVAModel``: logits ``[n', V]``, loss, expanded lengths."""
     logits, total, lengths = [], 0.0, []
     with torch.set_grad_enabled(backward):
@@ -135,7 +153,7 @@ def _prompt(data: dict, sample: dict) -> torch.Tensor:
     ids, labels = data["input_ids"][r, a:e], data["labels"][r, a:e]
     supervised = (labels != IGNORE_INDEX).nonzero().flatten()
     k = int(supervised[0]) if len(supervised) else e - a
-    text = ids[:max(k, 1)]
+    text = ids[: max(k, 1)]
     text = text[text != IMAGE_TOKEN_INDEX]
     return (text if len(text) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
 
@@ -152,11 +170,18 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
             raw = [(s["row"], *s["raw"]) for s in samples]
             n_packed, n_docs = cm.label_count(data["labels"], raw)
             logits, loss, lengths = _alone(model, data, samples, n_packed, i == 0, recorder)
-            refs.append({"logits": logits, "loss": loss, "labels": (n_packed, n_docs),
-                         "lengths": lengths,
-                         "predicted": [expanded_length(
-                             data["input_ids"][s["row"], slice(*s["raw"])], p)
-                             for s in samples]})
+            refs.append(
+                {
+                    "logits": logits,
+                    "loss": loss,
+                    "labels": (n_packed, n_docs),
+                    "lengths": lengths,
+                    "predicted": [
+                        expanded_length(data["input_ids"][s["row"], slice(*s["raw"])], p)
+                        for s in samples
+                    ],
+                }
+            )
         ref_grad = cm.grad_scale(model)
         first = batches[0]
         prompt = _prompt(first[0]["data"], first[1][0])
@@ -168,40 +193,64 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
             b, s = data_batch["data"]["input_ids"].shape
             packed = data_batch["data"].get("cumulative_len") is not None
             recorder.calls.clear()
-            logits, loss, dropped = cm.packed_forward(runner, data_batch, hooks, BOUNDARY_HOOKS,
-                                                      backward=i == 0)
+            logits, loss, dropped = cm.packed_forward(
+                runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0
+            )
             seen = recorder.calls[-1]
-            rows = (seen["attention_mask"].bool().sum(dim=1).tolist()
-                    if "attention_mask" in seen else [logits.shape[1]] * b)
+            rows = (
+                seen["attention_mask"].bool().sum(dim=1).tolist()
+                if "attention_mask" in seen
+                else [logits.shape[1]] * b
+            )
             predicted = [0] * b
             for sample in samples:
                 predicted[sample["row"]] = max(predicted[sample["row"]], sample["expanded"][1])
             docs = [(sm["row"], *sm["expanded"]) for sm in samples]
-            results.append({
-                "rows": b, "tokens_per_row": s, "expanded_tokens_per_row": logits.shape[1],
-                "documents": len(samples),
-                "image_samples": sum(sm["has_image"] for sm in samples),
-                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-                "logits": cm.logits_differences(logits, ref["logits"], docs),
-                "loss": {"packed": loss, "documents": ref["loss"]},
-                "expansion": {"image_tokens": p, "rows_predicted": predicted,
-                              "rows_expanded": rows, "samples_predicted": ref["predicted"],
-                              "samples_alone": ref["lengths"]},
-                "unconsumed_keys": dropped,
-                "boundaries": "cumulative_len, expanded after the image expansion" if packed
-                else "one sample per row (padded)"})
+            results.append(
+                {
+                    "rows": b,
+                    "tokens_per_row": s,
+                    "expanded_tokens_per_row": logits.shape[1],
+                    "documents": len(samples),
+                    "image_samples": sum(sm["has_image"] for sm in samples),
+                    "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+                    "logits": cm.logits_differences(logits, ref["logits"], docs),
+                    "loss": {"packed": loss, "documents": ref["loss"]},
+                    "expansion": {
+                        "image_tokens": p,
+                        "rows_predicted": predicted,
+                        "rows_expanded": rows,
+                        "samples_predicted": ref["predicted"],
+                        "samples_alone": ref["lengths"],
+                    },
+                    "unconsumed_keys": dropped,
+                    "boundaries": "cumulative_len, expanded after the image expansion"
+                    if packed
+                    else "one sample per row (padded)",
+                }
+            )
         diff = cm.grad_scale(model)
         model.zero_grad(set_to_none=True)
     finally:
         recorder.remove()
     trainable = [n for n, q in model.named_parameters() if q.requires_grad]
-    return {"patched": patched, "backend": ", ".join(chosen_backends(reset=True)) or None,
-            "batches": results,
-            "grads": {"max_abs_diff": diff, "max_abs_grad": ref_grad,
-                      "parameters": sum(q.numel() for q in model.parameters() if q.requires_grad),
-                      "trained": sorted({n.split(".")[0] for n in trainable}), "batch": 0},
-            "generation": {"prompt_tokens": prompt.shape[1], "unpatched": generated_ref,
-                           "patched": cm.greedy(llm, prompt, new_tokens)}}
+    return {
+        "patched": patched,
+        "backend": ", ".join(chosen_backends(reset=True)) or None,
+        "batches": results,
+        "grads": {
+            "max_abs_diff": diff,
+            "max_abs_grad": ref_grad,
+            "parameters": sum(q.numel() for q in model.parameters() if q.requires_grad),
+            "trained": sorted({n.split(".")[0] for n in trainable}),
+            "batch": 0,
+        },
+        "generation": {
+            "prompt_tokens": prompt.shape[1],
+            "unpatched": generated_ref,
+            "patched": cm.greedy(llm, prompt, new_tokens),
+        },
+    }
 
 
 def _cut(data_batch: dict, samples: list[dict], max_documents: int) -> list[dict]:
@@ -233,19 +282,29 @@ def expansion_problems(report: dict) -> list[str]:
     problems = []
     for i, b in enumerate(report["batches"]):
         e = b["expansion"]
-        if e["rows_predicted"] != e["rows_expanded"] or \
-                e["samples_predicted"] != e["samples_alone"]:
+        if (
+            e["rows_predicted"] != e["rows_expanded"]
+            or e["samples_predicted"] != e["samples_alone"]
+        ):
             problems.append(
                 f"batch {i}: XTuner's expansion made rows of {e['rows_expanded']} tokens "
                 f"(samples alone {e['samples_alone']}), the doctor's count with "
                 f"{e['image_tokens']} tokens per image gives {e['rows_predicted']} "
-                f"({e['samples_predicted']}): the doctor's figures are wrong for this tower")
+                f"({e['samples_predicted']}): the doctor's figures are wrong for this tower"
+            )
     return problems
 
 
-def run_llava_check(cfg: Config, config: str, cfg_options: dict | None, batches: int,
-                    work_dir: Path, dtype: str | None, max_documents: int,
-                    new_tokens: int) -> dict:
+def run_llava_check(
+    cfg: Config,
+    config: str,
+    cfg_options: dict | None,
+    batches: int,
+    work_dir: Path,
+    dtype: str | None,
+    max_documents: int,
+    new_tokens: int,
+) -> dict:
     """Measure a started LLaVA config; see the module docstring.
 
     Args: as :func:`xtuner_rope.doctor.check.run_check` (``cfg`` already started).
@@ -274,23 +333,34 @@ def run_llava_check(cfg: Config, config: str, cfg_options: dict | None, batches:
         measured = _measure(runner, cut, hooks, new_tokens, p["image_tokens"])
     llm = model.llm
     report = {
-        "kind": "llava", "config": str(config),
+        "kind": "llava",
+        "config": str(config),
         "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
-        "plugin": {"model_resource": plugin_resource(cfg), "patched": measured.pop("patched"),
-                   "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks]},
-        "model": {"class": f"LLaVAModel({type(model.visual_encoder).__name__} + "
-                           f"{type(llm).__name__})",
-                  "path": str(getattr(llm, "name_or_path", "")),
-                  "device": str(device), "dtype": str(dt).replace("torch.", ""),
-                  "attn_implementation": getattr(llm.config, "attn_implementation", None)
-                  or getattr(llm.config, "_attn_implementation", None),
-                  "packed_backend": measured.pop("backend"),
-                  "attention_layers": sorted({type(m).__name__ for m in llm.modules()
-                                              if type(m).__name__.endswith(("Attention",
-                                                                            "Attention2"))}),
-                  "parameters": sum(q.numel() for q in model.parameters())},
+        "plugin": {
+            "model_resource": plugin_resource(cfg),
+            "patched": measured.pop("patched"),
+            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
+        },
+        "model": {
+            "class": f"LLaVAModel({type(model.visual_encoder).__name__} + {type(llm).__name__})",
+            "path": str(getattr(llm, "name_or_path", "")),
+            "device": str(device),
+            "dtype": str(dt).replace("torch.", ""),
+            "attn_implementation": getattr(llm.config, "attn_implementation", None)
+            or getattr(llm.config, "_attn_implementation", None),
+            "packed_backend": measured.pop("backend"),
+            "attention_layers": sorted(
+                {
+                    type(m).__name__
+                    for m in llm.modules()
+                    if type(m).__name__.endswith(("Attention", "Attention2"))
+                }
+            ),
+            "parameters": sum(q.numel() for q in model.parameters()),
+        },
         "multimodal": p,
-        "randomness": randomness, **measured,
+        "randomness": randomness,
+        **measured,
     }
     verdict = judge(report)
     extra = expansion_problems(report)
@@ -300,9 +370,11 @@ def run_llava_check(cfg: Config, config: str, cfg_options: dict | None, batches:
         if verdict["verdict"].startswith("PASS"):
             verdict["verdict"] = "FAIL: " + extra[0]
     if verdict["verdict"].startswith("PASS"):
-        verdict["verdict"] = ("PASS: each sample's LLM logits, loss and gradients in the batch "
-                              "(after the image expansion) equal the sample alone through "
-                              "LLaVAModel; generation unchanged")
+        verdict["verdict"] = (
+            "PASS: each sample's LLM logits, loss and gradients in the batch "
+            "(after the image expansion) equal the sample alone through "
+            "LLaVAModel; generation unchanged"
+        )
     report.update(verdict)
     return report
 
@@ -315,8 +387,11 @@ def format_llava_summary(report: dict) -> str:
     b = report["batches"][0]
     e = b["expansion"]
     at = next(i for i, line in enumerate(lines) if line.startswith("  batches"))
-    lines.insert(at + 1, f"  images   {b['image_samples']} of {b['documents']} samples with an "
-                 f"image, {e['image_tokens']} LLM tokens each; rows {b['tokens_per_row']} ids "
-                 f"-> {b['expanded_tokens_per_row']} tokens after XTuner's expansion (rows "
-                 f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})")
+    lines.insert(
+        at + 1,
+        f"  images   {b['image_samples']} of {b['documents']} samples with an "
+        f"image, {e['image_tokens']} LLM tokens each; rows {b['tokens_per_row']} ids "
+        f"-> {b['expanded_tokens_per_row']} tokens after XTuner's expansion (rows "
+        f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})",
+    )
     return "\n".join(lines)

@@ -31,9 +31,18 @@ from xtuner_rope.doctor.stats import length_percentiles
 
 IGNORE_INDEX = -100
 
-__all__ = ["LLaVAView", "expand_item", "image_tokens_of", "llava_figures", "llava_lines",
-           "llava_problems", "llava_view", "llava_warnings",
-           "refuse_unserved_model", "sampler_padding"]
+__all__ = [
+    "LLaVAView",
+    "expand_item",
+    "image_tokens_of",
+    "llava_figures",
+    "llava_lines",
+    "llava_problems",
+    "llava_view",
+    "llava_warnings",
+    "refuse_unserved_model",
+    "sampler_padding",
+]
 
 
 def _get(node: object, key: str, default: object = None) -> object:
@@ -54,8 +63,11 @@ def refuse_unserved_model(path: str) -> None:
 
     from xtuner_rope.config import startup
 
-    conflicts = [f for f in startup.inspect_config(Config.fromfile(path))
-                 if f.setting == "model.type" and f.fix is None]
+    conflicts = [
+        f
+        for f in startup.inspect_config(Config.fromfile(path))
+        if f.setting == "model.type" and f.fix is None
+    ]
     if conflicts:
         raise startup.ConfigConflict(startup.conflict_message(conflicts))
 
@@ -78,20 +90,29 @@ def image_tokens_of(cfg) -> dict:
     encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
     path = _get(encoder, "pretrained_model_name_or_path")
     if path is None:
-        raise ValueError("xtuner-rope doctor: model.visual_encoder.pretrained_model_name_or_path"
-                         ": expected the vision tower's path, got none. Set "
-                         "visual_encoder_name_or_path in the config.")
+        raise ValueError(
+            "xtuner-rope doctor: model.visual_encoder.pretrained_model_name_or_path"
+            ": expected the vision tower's path, got none. Set "
+            "visual_encoder_name_or_path in the config."
+        )
     config = AutoConfig.from_pretrained(str(path))
     vision = getattr(config, "vision_config", config)  # a full CLIPConfig holds the tower's
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     if not isinstance(size, int) or not isinstance(patch, int) or patch < 1:
-        raise ValueError(f"xtuner-rope doctor: model.visual_encoder ({path}): expected a "
-                         f"ViT-style config with int image_size and patch_size, got "
-                         f"image_size={size!r}, patch_size={patch!r} ({type(vision).__name__}). "
-                         "XTuner's LLaVAModel drops one CLS token per image: use a CLIP tower.")
+        raise ValueError(
+            f"xtuner-rope doctor: model.visual_encoder ({path}): expected a "
+            f"ViT-style config with int image_size and patch_size, got "
+            f"image_size={size!r}, patch_size={patch!r} ({type(vision).__name__}). "
+            "XTuner's LLaVAModel drops one CLS token per image: use a CLIP tower."
+        )
     # (size / patch)^2 patch tokens + CLS; LLaVAModel keeps [:, 1:].
-    return {"image_tokens": (size // patch) ** 2, "image_size": size, "patch_size": patch,
-            "model_type": getattr(vision, "model_type", None), "path": str(path)}
+    return {
+        "image_tokens": (size // patch) ** 2,
+        "image_size": size,
+        "patch_size": patch,
+        "model_type": getattr(vision, "model_type", None),
+        "path": str(path),
+    }
 
 
 def expand_item(input_ids: Sequence[int], labels: Sequence[int], image_tokens: int) -> dict:
@@ -144,8 +165,10 @@ class _ImageItems(Sequence):
         try:
             return self._dataset[index]
         except OSError as exc:  # FileNotFoundError, PIL's UnidentifiedImageError
-            raise ValueError(f"sample {index}: its image cannot be opened ({exc}); check "
-                             "train_dataloader.dataset.image_folder") from exc
+            raise ValueError(
+                f"sample {index}: its image cannot be opened ({exc}); check "
+                "train_dataloader.dataset.image_folder"
+            ) from exc
 
 
 def _expanded_batch(out: object, image_tokens: int) -> dict:
@@ -155,10 +178,17 @@ def _expanded_batch(out: object, image_tokens: int) -> dict:
     ids, mask = data["input_ids"], data.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     rows = [expanded_length(row[m], image_tokens) for row, m in zip(ids, mask)]
-    packed = sum(sum(bool(m[a:e].any()) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())) > 1
-                 for cu, m in zip(data.get("cumulative_len") or [], mask))
-    return {"data": {"input_ids": torch.zeros(len(rows), max(rows), dtype=torch.long),
-                     "expanded_row_lengths": rows}, "packed_rows": packed}
+    packed = sum(
+        sum(bool(m[a:e].any()) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())) > 1
+        for cu, m in zip(data.get("cumulative_len") or [], mask)
+    )
+    return {
+        "data": {
+            "input_ids": torch.zeros(len(rows), max(rows), dtype=torch.long),
+            "expanded_row_lengths": rows,
+        },
+        "packed_rows": packed,
+    }
 
 
 @dataclass
@@ -205,8 +235,13 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
         return None
     tokens = image_tokens_of(cfg)
     p = tokens["image_tokens"]
-    return LLaVAView(_ExpandedText(dataset.text_data, p), _ImageItems(dataset), collate_fn,
-                     tokens, _llm_max_position(cfg))
+    return LLaVAView(
+        _ExpandedText(dataset.text_data, p),
+        _ImageItems(dataset),
+        collate_fn,
+        tokens,
+        _llm_max_position(cfg),
+    )
 
 
 def _crop_size(dataset) -> tuple[int, int] | None:
@@ -217,8 +252,9 @@ def _crop_size(dataset) -> tuple[int, int] | None:
     return None
 
 
-def sampler_padding(cfg, dataset, lengths: Sequence[int], batch_size: int,
-                    max_batches: int) -> dict:
+def sampler_padding(
+    cfg, dataset, lengths: Sequence[int], batch_size: int, max_batches: int
+) -> dict:
     """Real-token share of padded batches in the order of the config's own sampler.
 
     The stock finetune configs sample with ``LengthGroupedSampler(length_property=
@@ -245,16 +281,21 @@ def sampler_padding(cfg, dataset, lengths: Sequence[int], batch_size: int,
     seed = _get(cfg.get("randomness"), "seed")
     seed = 0 if seed is None else int(seed)
     sampler = DATA_SAMPLERS.build(dict(sampler_cfg, dataset=dataset, seed=seed))
-    order = list(iter(sampler))[:max_batches * batch_size]
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    order = list(iter(sampler))[: max_batches * batch_size]
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     real = sum(lengths[i] for c in chunks for i in c)
     slots = sum(len(c) * max(lengths[i] for i in c) for c in chunks)
-    return {"sampler": type_name(sampler_cfg.get("type")), "seed": seed,
-            "batches": len(chunks), "padded_share": real / slots if slots else None}
+    return {
+        "sampler": type_name(sampler_cfg.get("type")),
+        "seed": seed,
+        "batches": len(chunks),
+        "padded_share": real / slots if slots else None,
+    }
 
 
-def llava_figures(view: LLaVAView, dataset, collate_kwargs: Mapping,
-                  dataset_max_length: int | None = None) -> dict:
+def llava_figures(
+    view: LLaVAView, dataset, collate_kwargs: Mapping, dataset_max_length: int | None = None
+) -> dict:
     """Image and text samples, image-token share, lengths before and after the expansion.
 
     Args:
@@ -271,19 +312,23 @@ def llava_figures(view: LLaVAView, dataset, collate_kwargs: Mapping,
     images = [sum(1 for t in ids if t == IMAGE_TOKEN_INDEX) for ids in text["input_ids"]]
     names = text["image"] if "image" in text.column_names else [None] * len(raw)
     folder = getattr(dataset, "image_folder", None) or ""
-    missing = [i for i, name in enumerate(names)
-               if name is not None and not os.path.exists(os.path.join(folder, name))]
+    missing = [
+        i
+        for i, name in enumerate(names)
+        if name is not None and not os.path.exists(os.path.join(folder, name))
+    ]
     expanded = [n + k * (p - 1) for n, k in zip(raw, images)]
     image_samples = [i for i, k in enumerate(images) if k]
     return {
         **view.image_tokens,
         "image_source": f"{view.image_tokens['model_type']} image_size="
-                        f"{view.image_tokens['image_size']} patch_size="
-                        f"{view.image_tokens['patch_size']}: (image_size // patch_size)^2 "
-                        "patches, CLS dropped by LLaVAModel",
+        f"{view.image_tokens['image_size']} patch_size="
+        f"{view.image_tokens['patch_size']}: (image_size // patch_size)^2 "
+        "patches, CLS dropped by LLaVAModel",
         "processor_crop": _crop_size(dataset),
         "collate_image_tokens": collate_kwargs.get("image_tokens"),
-        "image_samples": len(image_samples), "text_samples": len(raw) - len(image_samples),
+        "image_samples": len(image_samples),
+        "text_samples": len(raw) - len(image_samples),
         "placeholders_per_sample_max": max(images, default=0),
         "many_placeholders": [i for i, k in enumerate(images) if k > 1][:10],
         "samples_naming_an_image": sum(n is not None for n in names),
@@ -293,8 +338,7 @@ def llava_figures(view: LLaVAView, dataset, collate_kwargs: Mapping,
         "image_token_share": sum(k * p for k in images) / sum(expanded) if expanded else None,
         "lengths_as_dataset": length_percentiles(raw),  # each image one token
         "lengths_image_samples": length_percentiles([expanded[i] for i in image_samples]),
-        "lengths_text_samples": length_percentiles(
-            [e for e, k in zip(expanded, images) if not k]),
+        "lengths_text_samples": length_percentiles([e for e, k in zip(expanded, images) if not k]),
         "dataset_max_length": dataset_max_length,
         "truncated": [i for i, n in enumerate(raw) if n == dataset_max_length][:10],
         "truncated_count": sum(n == dataset_max_length for n in raw),
@@ -313,26 +357,30 @@ def llava_problems(figures: Mapping | None) -> list[str]:
             f"image_processor: crops images to {crop[0]}x{crop[1]}, but the vision tower "
             f"(model.visual_encoder, {figures['path']}) takes {size}x{size}: its position "
             "embeddings do not fit and the first step fails. Use the tower's own image "
-            "processor (the same path).")
+            "processor (the same path)."
+        )
     if figures["collate_image_tokens"] not in (None, p):
         problems.append(
             f"train_dataloader.collate_fn.image_tokens={figures['collate_image_tokens']}, but "
             f"the vision tower gives {p} patch embeddings per image ({figures['image_source']}):"
             f" rows are planned on wrong lengths and the first step is refused. Set "
-            f"image_tokens={p}.")
+            f"image_tokens={p}."
+        )
     if figures["many_placeholders"]:
         problems.append(
             f"samples with more than one <image> placeholder (first: "
             f"{', '.join(map(str, figures['many_placeholders']))}): XTuner's LLaVADataset loads "
             "one image per sample, so the batch check refuses them. Keep one <image> per "
-            "sample.")
+            "sample."
+        )
     missing = figures["missing_images"]
     if missing["count"]:
         problems.append(
             f"train_dataloader.dataset.image_folder: {missing['count']} of "
             f"{figures['samples_naming_an_image']} samples name an image that is not there "
             f"(first: {', '.join(map(str, missing['first_indices']))}): the step that loads "
-            "one fails. Point image_folder at the images of data_path.")
+            "one fails. Point image_folder at the images of data_path."
+        )
     longest = figures["lengths_image_samples"]["p100"] or 0
     longest = max(longest, figures["lengths_text_samples"]["p100"] or 0)
     max_position = figures["llm_max_position"]
@@ -341,7 +389,8 @@ def llava_problems(figures: Mapping | None) -> list[str]:
             f"max_length: samples reach {int(longest)} tokens once each image is {p} patch "
             f"embeddings, over the LLM's max_position_embeddings={max_position}: the "
             "expanded-sequence check refuses them. Lower max_length (LLaVADataset counts an "
-            "image as one token) or use fewer image tokens.")
+            "image as one token) or use fewer image tokens."
+        )
     return problems
 
 
@@ -349,9 +398,11 @@ def llava_warnings(figures: Mapping | None) -> list[str]:
     """Samples ``LLaVADataset`` probably cut (exactly its ``max_length`` ids long)."""
     if not figures or not figures["truncated_count"]:
         return []
-    return [f"{figures['truncated_count']} samples exactly max_length="
-            f"{figures['dataset_max_length']} ids long (an image counted as one), probably cut "
-            f"silently by LLaVADataset (first: {', '.join(map(str, figures['truncated']))})"]
+    return [
+        f"{figures['truncated_count']} samples exactly max_length="
+        f"{figures['dataset_max_length']} ids long (an image counted as one), probably cut "
+        f"silently by LLaVADataset (first: {', '.join(map(str, figures['truncated']))})"
+    ]
 
 
 def llava_lines(figures: Mapping | None) -> list[str]:
@@ -380,6 +431,8 @@ def llava_lines(figures: Mapping | None) -> list[str]:
 def _sampler_line(order: Mapping | None) -> list[str]:
     if not order or order["padded_share"] is None:
         return []
-    return [f"             in {order['sampler']} order (seed {order['seed']}, first "
-            f"{order['batches']} batches) padded batches hold {100 * order['padded_share']:.1f}%"
-            " real tokens (XTuner default_collate_fn)"]
+    return [
+        f"             in {order['sampler']} order (seed {order['seed']}, first "
+        f"{order['batches']} batches) padded batches hold {100 * order['padded_share']:.1f}%"
+        " real tokens (XTuner default_collate_fn)"
+    ]

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 CHANGE = 2.0
 
 
-def token_weight_figures(batches: Sequence[Sequence[int]], dialogues: Sequence[int],
-                         accumulation: int) -> dict:
+def token_weight_figures(
+    batches: Sequence[Sequence[int]], dialogues: Sequence[int], accumulation: int
+) -> dict:
     """Per-token weight inequality of XTuner's per-micro-batch loss, against token weighting.
 
     Args:
@@ -36,7 +37,7 @@ def token_weight_figures(batches: Sequence[Sequence[int]], dialogues: Sequence[i
     factors, weights = [], []  # per supervised micro-batch: N / (a * n_m), its dialogues
     windows = 0
     for start in range(0, len(batches), accumulation):
-        counts = [sum(batch) for batch in batches[start:start + accumulation]]
+        counts = [sum(batch) for batch in batches[start : start + accumulation]]
         windows += 1
         total = sum(counts)
         for offset, n in enumerate(counts):
@@ -44,13 +45,22 @@ def token_weight_figures(batches: Sequence[Sequence[int]], dialogues: Sequence[i
                 factors.append(total / (len(counts) * n))
                 weights.append(dialogues[start + offset])
     changed = sum(w for f, w in zip(factors, weights) if f > CHANGE or f < 1 / CHANGE)
-    return {"accumulation": accumulation, "micro_batches": len(batches), "windows": windows,
-            "max_over_min": max(factors) / min(factors) if factors else None,
-            "changed_2x_share": changed / sum(weights) if weights else None}
+    return {
+        "accumulation": accumulation,
+        "micro_batches": len(batches),
+        "windows": windows,
+        "max_over_min": max(factors) / min(factors) if factors else None,
+        "changed_2x_share": changed / sum(weights) if weights else None,
+    }
 
 
-def dataset_loss_weights(dataset: Sequence, supervised: Sequence[int], batch_size: int,
-                         accumulation: int, max_batches: int) -> dict:
+def dataset_loss_weights(
+    dataset: Sequence,
+    supervised: Sequence[int],
+    batch_size: int,
+    accumulation: int,
+    max_batches: int,
+) -> dict:
     """:func:`token_weight_figures` for the first ``max_batches`` sampler batches of a dataset.
 
     Args:
@@ -78,7 +88,9 @@ def loss_weight_line(figures: dict | None) -> list[str]:
     """The doctor summary's line for the figures (none when there is nothing to say)."""
     if not figures or figures["max_over_min"] is None:
         return []
-    return [f"loss weights without the token-weighted loss: max/min per-token weight "
-            f"{figures['max_over_min']:.2f}x, {figures['changed_2x_share']:.1%} of dialogues "
-            f"weighted >2x differently (accumulation {figures['accumulation']}, "
-            f"{figures['micro_batches']} micro-batches)"]
+    return [
+        f"loss weights without the token-weighted loss: max/min per-token weight "
+        f"{figures['max_over_min']:.2f}x, {figures['changed_2x_share']:.1%} of dialogues "
+        f"weighted >2x differently (accumulation {figures['accumulation']}, "
+        f"{figures['micro_batches']} micro-batches)"
+    ]

@@ -45,19 +45,22 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     shuffle = kwargs.pop("shuffle_before_pack", True)
     varlen = bool(kwargs.pop("use_varlen_attn", False))
     procs = kwargs.get("map_num_proc", 32)
-    dialogues = BUILDER.build(dict(kwargs, type=process_hf_dataset, pack_to_max_length=False,
-                                   remove_unused_columns=True))
+    dialogues = BUILDER.build(
+        dict(kwargs, type=process_hf_dataset, pack_to_max_length=False, remove_unused_columns=True)
+    )
     if shuffle:  # as XTuner's pack_dataset does, before its Packer
         dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
     pack = lossless_pack_dataset if lossless else xtuner_pack_dataset
-    packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False,
-                  procs)
+    packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
     return dialogues, packed
 
 
 def _flat(rows: list) -> np.ndarray:
-    return np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]) if rows else \
-        np.zeros(0, dtype=np.int64)
+    return (
+        np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+        if rows
+        else np.zeros(0, dtype=np.int64)
+    )
 
 
 def _segment_starts(packed) -> np.ndarray | None:
@@ -66,8 +69,12 @@ def _segment_starts(packed) -> np.ndarray | None:
         return None
     row_lengths = np.asarray([len(r) for r in packed["input_ids"]], dtype=np.int64)
     row_starts = np.concatenate([[0], np.cumsum(row_lengths)[:-1]])
-    return np.concatenate([start + np.asarray(bounds[:-1], dtype=np.int64)
-                           for start, bounds in zip(row_starts, packed["cumulative_len"])])
+    return np.concatenate(
+        [
+            start + np.asarray(bounds[:-1], dtype=np.int64)
+            for start, bounds in zip(row_starts, packed["cumulative_len"])
+        ]
+    )
 
 
 def packing_figures(dialogues, packed, max_length: int) -> dict:
@@ -88,12 +95,19 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
     """
     tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
     packed_labels = _flat(packed["labels"])
-    figures = {"dialogues": len(dialogues), "rows": len(packed), "max_length": max_length,
-               "tokens": _kept(len(tokens), len(packed_labels)),
-               "labels": _kept(int((labels != IGNORE_INDEX).sum()),
-                               int((packed_labels != IGNORE_INDEX).sum())),
-               "cut_dialogues": None, "pieces": None, "unsupervised_pieces": None,
-               "unsupervised_seen": None}
+    figures = {
+        "dialogues": len(dialogues),
+        "rows": len(packed),
+        "max_length": max_length,
+        "tokens": _kept(len(tokens), len(packed_labels)),
+        "labels": _kept(
+            int((labels != IGNORE_INDEX).sum()), int((packed_labels != IGNORE_INDEX).sum())
+        ),
+        "cut_dialogues": None,
+        "pieces": None,
+        "unsupervised_pieces": None,
+        "unsupervised_seen": None,
+    }
     starts = _segment_starts(packed)
     if starts is None or figures["tokens"]["lost"] or not len(tokens):
         return figures
@@ -105,9 +119,12 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
     used[starts] = False  # a document's first label is never predicted from its document
     unsupervised = np.add.reduceat(used.astype(np.int64), starts) == 0
     piece = parts[doc_of_segment] > 1
-    figures.update(cut_dialogues=int((parts > 1).sum()), pieces=int(piece.sum()),
-                   unsupervised_pieces=int((unsupervised & piece).sum()),
-                   unsupervised_seen=int(unsupervised.sum()))
+    figures.update(
+        cut_dialogues=int((parts > 1).sum()),
+        pieces=int(piece.sum()),
+        unsupervised_pieces=int((unsupervised & piece).sum()),
+        unsupervised_seen=int(unsupervised.sum()),
+    )
     return figures
 
 

@@ -57,20 +57,29 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
     max_length = dataset_cfg.get("max_length")
     return {
         "kind": "reward" if dataset_cfg.get("is_reward") else "dpo/orpo",
-        "pairs": len(pairs), "max_length": max_length, "packed": packed,
+        "pairs": len(pairs),
+        "max_length": max_length,
+        "packed": packed,
         "max_packed_length": max_packed if packed else None,
-        "truncated_responses": sum((len(p["chosen_ids"]) >= max_length) + (
-            len(p["rejected_ids"]) >= max_length) for p in pairs) if max_length else 0,
+        "truncated_responses": sum(
+            (len(p["chosen_ids"]) >= max_length) + (len(p["rejected_ids"]) >= max_length)
+            for p in pairs
+        )
+        if max_length
+        else 0,
         "lengths": {
-            "prompt": length_percentiles([_shared_prefix(p["chosen_ids"], p["rejected_ids"])
-                                          for p in pairs]),
+            "prompt": length_percentiles(
+                [_shared_prefix(p["chosen_ids"], p["rejected_ids"]) for p in pairs]
+            ),
             "chosen": length_percentiles([len(p["chosen_ids"]) for p in pairs]),
-            "rejected": length_percentiles([len(p["rejected_ids"]) for p in pairs])},
+            "rejected": length_percentiles([len(p["rejected_ids"]) for p in pairs]),
+        },
         "dropped_over_max_packed_length": dropped,
         "rows": rows,
         "pairs_per_row": (len(pairs) - dropped) / rows if rows else None,
         "real_token_share": (sum(t for t in totals if t <= max_packed) / (rows * max_packed))
-        if rows else None,
+        if rows
+        else None,
     }
 
 
@@ -81,9 +90,11 @@ def _pct(values: dict) -> str:
 def preference_lines(report: dict) -> list[str]:
     """The doctor's dataset lines for preference data (instead of the dialogue lines)."""
     p, samples = report["preference"], report["samples"]
-    lines = [f"dataset      {report['dataset']['type']} ({p['kind']}): {p['pairs']} pairs, "
-             f"max_length={p['max_length']} per response ({p['truncated_responses']} responses "
-             "cut to it)"]
+    lines = [
+        f"dataset      {report['dataset']['type']} ({p['kind']}): {p['pairs']} pairs, "
+        f"max_length={p['max_length']} per response ({p['truncated_responses']} responses "
+        "cut to it)"
+    ]
     lines += [f"lengths      {part:<8} {_pct(v)}" for part, v in p["lengths"].items()]
     if p["packed"]:
         lines.append(
@@ -91,9 +102,9 @@ def preference_lines(report: dict) -> list[str]:
             f"{p['pairs'] - p['dropped_over_max_packed_length']} pairs -> {p['rows']} rows "
             f"({p['pairs_per_row']:.2f} pairs per row, {p['real_token_share']:.1%} of "
             f"max_packed_length filled); {p['dropped_over_max_packed_length']} pairs dropped "
-            "(chosen + rejected longer than max_packed_length)")
-    lines.append("samples      " + "  ".join(
-        f"{k}={v['count']}" for k, v in samples.items()))
+            "(chosen + rejected longer than max_packed_length)"
+        )
+    lines.append("samples      " + "  ".join(f"{k}={v['count']}" for k, v in samples.items()))
     return lines
 
 
@@ -102,7 +113,9 @@ def preference_warnings(report: dict) -> list[str]:
     p = report.get("preference")
     if not p or not p["dropped_over_max_packed_length"]:
         return []
-    return [f"{p['dropped_over_max_packed_length']} of {p['pairs']} pairs are longer than "
-            f"max_packed_length={p['max_packed_length']} (chosen + rejected) and are dropped by "
-            "PackedDatasetWrapper: raise max_packed_length (at least 2 * max_length keeps "
-            "every pair)"]
+    return [
+        f"{p['dropped_over_max_packed_length']} of {p['pairs']} pairs are longer than "
+        f"max_packed_length={p['max_packed_length']} (chosen + rejected) and are dropped by "
+        "PackedDatasetWrapper: raise max_packed_length (at least 2 * max_length keeps "
+        "every pair)"
+    ]

@@ -32,8 +32,11 @@ IGNORE = -100
 
 def capture_file(rank: int = 0, world_size: int = 1) -> str:
     """The capture's file name: one per rank when several processes train."""
-    return (PREFERENCE_CAPTURE_FILE if world_size == 1
-            else PREFERENCE_CAPTURE_FILE.replace(".pt", f"_rank{rank}.pt"))
+    return (
+        PREFERENCE_CAPTURE_FILE
+        if world_size == 1
+        else PREFERENCE_CAPTURE_FILE.replace(".pt", f"_rank{rank}.pt")
+    )
 
 
 def model_kind(model: nn.Module) -> str:
@@ -75,8 +78,9 @@ def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for prefix, undo in (("llm.", "merge_and_unload"), ("ref_llm.", "unload")):
         plain = getattr(copy.deepcopy(model.llm), undo)()
-        state.update({prefix + k: v.detach().float().cpu().clone()
-                      for k, v in plain.state_dict().items()})
+        state.update(
+            {prefix + k: v.detach().float().cpu().clone() for k, v in plain.state_dict().items()}
+        )
     return state
 
 
@@ -130,15 +134,26 @@ class PreferenceCaptureHook(Hook):
             return
         model = unwrap_model(runner.model)
         kind = model_kind(model)
-        data = {k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                for k, v in data_batch["data"].items()}
-        state = (_lora_dpo_state_dict(model) if kind == "dpo" and model.ref_llm is None
-                 else _full_state_dict(model))
-        self._saved = {"kind": kind, "data": data, "state_dict": state, "values": {},
-                       "world_size": get_world_size()}
+        data = {
+            k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for k, v in data_batch["data"].items()
+        }
+        state = (
+            _lora_dpo_state_dict(model)
+            if kind == "dpo" and model.ref_llm is None
+            else _full_state_dict(model)
+        )
+        self._saved = {
+            "kind": kind,
+            "data": data,
+            "state_dict": state,
+            "values": {},
+            "world_size": get_world_size(),
+        }
         if kind == "dpo":
-            self._wrap_logps(model, "policy_chosen,policy_rejected,"
-                                    "reference_chosen,reference_rejected")
+            self._wrap_logps(
+                model, "policy_chosen,policy_rejected,reference_chosen,reference_rejected"
+            )
         elif kind == "orpo":
             self._wrap_logps(model, "chosen,rejected")
         else:
@@ -155,8 +170,11 @@ class PreferenceCaptureHook(Hook):
         path = Path(runner.work_dir) / capture_file(get_rank(), get_world_size())
         torch.save(self._saved, path)
         self._saved = None
-        print_log(f"PreferenceCaptureHook: saved iteration {self.at_iter + 1}'s batch, weights "
-                  f"and per-response values to {path}.", logger="current")
+        print_log(
+            f"PreferenceCaptureHook: saved iteration {self.at_iter + 1}'s batch, weights "
+            f"and per-response values to {path}.",
+            logger="current",
+        )
 
 
 def _segments(data: dict) -> list[tuple[int, int]]:
@@ -185,16 +203,18 @@ def response_logp(logits: torch.Tensor, labels: torch.Tensor, average: bool = Fa
 def _llm_with(cfg: Config, state: dict, prefix: str) -> nn.Module:
     """The config's LLM, unpatched, fp32, with the captured weights under ``prefix``."""
     llm = reference_llm(cfg).eval()
-    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    target = llm if prefix != "llm." or any(k.startswith("model.") for k in weights) \
-        else llm.model  # RewardModel keeps the base model (no LM head) as .llm
+    weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    target = (
+        llm if prefix != "llm." or any(k.startswith("model.") for k in weights) else llm.model
+    )  # RewardModel keeps the base model (no LM head) as .llm
     target.load_state_dict(weights)
     return llm
 
 
 @torch.no_grad()
-def _values(llm: nn.Module, data: dict, kind: str, head: torch.Tensor | None,
-            packed: bool) -> tuple[list[float], torch.Tensor | None]:
+def _values(
+    llm: nn.Module, data: dict, kind: str, head: torch.Tensor | None, packed: bool
+) -> tuple[list[float], torch.Tensor | None]:
     """Per response: its log-prob (DPO/ORPO) or reward score, alone or from the packed row.
 
     Returns:
@@ -204,29 +224,45 @@ def _values(llm: nn.Module, data: dict, kind: str, head: torch.Tensor | None,
     ids, labels = data["input_ids"], data["labels"]
     segments = _segments(data)
     if packed:  # the leak: one causal range over the row, positions restarting per response
-        row = llm.model(input_ids=ids, position_ids=data["position_ids"])[0] if head is not None \
+        row = (
+            llm.model(input_ids=ids, position_ids=data["position_ids"])[0]
+            if head is not None
             else llm(input_ids=ids, position_ids=data["position_ids"]).logits
+        )
         outs = [row[0, a:b] for a, b in segments]
     else:
-        outs = [(llm.model(input_ids=ids[:, a:b])[0] if head is not None
-                 else llm(input_ids=ids[:, a:b]).logits)[0] for a, b in segments]
+        outs = [
+            (
+                llm.model(input_ids=ids[:, a:b])[0]
+                if head is not None
+                else llm(input_ids=ids[:, a:b]).logits
+            )[0]
+            for a, b in segments
+        ]
     if head is not None:  # reward score at the response's reward token
-        hidden = torch.cat([out[labels[0, a:b] != IGNORE].double()
-                            for out, (a, b) in zip(outs, segments)])
+        hidden = torch.cat(
+            [out[labels[0, a:b] != IGNORE].double() for out, (a, b) in zip(outs, segments)]
+        )
         return (hidden @ head.double().T).reshape(-1).tolist(), hidden
-    return [response_logp(out, labels[0, a:b], average=kind == "orpo")
-            for out, (a, b) in zip(outs, segments)], None
+    return [
+        response_logp(out, labels[0, a:b], average=kind == "orpo")
+        for out, (a, b) in zip(outs, segments)
+    ], None
 
 
 def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) -> float:
     """XTuner's DPO ``sigmoid`` loss (mean over pairs) from per-response log-probs, float64."""
+
     def as64(name: str) -> torch.Tensor:
         return torch.tensor(values[name], dtype=torch.float64)
 
     margin = (as64("policy_chosen") - as64("policy_rejected")) - (
-        as64("reference_chosen") - as64("reference_rejected"))
-    loss = (-torch.nn.functional.logsigmoid(beta * margin) * (1 - label_smoothing)
-            - torch.nn.functional.logsigmoid(-beta * margin) * label_smoothing)
+        as64("reference_chosen") - as64("reference_rejected")
+    )
+    loss = (
+        -torch.nn.functional.logsigmoid(beta * margin) * (1 - label_smoothing)
+        - torch.nn.functional.logsigmoid(-beta * margin) * label_smoothing
+    )
     return float(loss.mean())
 
 
@@ -251,8 +287,12 @@ def orpo_loss(values: dict, counts: list[int], beta: float) -> float:
     return float(nll - (beta * ratio[~ratio.isnan()]).mean())
 
 
-def reward_loss(values: dict, loss_type: str = "ranking", penalty_type: str = "log_barrier",
-                penalty_weight: float = 0.01) -> float | None:
+def reward_loss(
+    values: dict,
+    loss_type: str = "ranking",
+    penalty_type: str = "log_barrier",
+    penalty_weight: float = 0.01,
+) -> float | None:
     """XTuner's reward-model loss of one process's batch from its scores, float64.
 
     Ranking (or focal ranking) loss over pairs plus ``penalty_weight`` times the penalty on
@@ -272,7 +312,7 @@ def reward_loss(values: dict, loss_type: str = "ranking", penalty_type: str = "l
         clamped = scores.clamp(-5 + 1e-3, 5 - 1e-3)
         penalty = (-torch.log(5 - clamped) - torch.log(clamped + 5)).sum()
     elif penalty_type == "L2":
-        penalty = (scores ** 2).sum()
+        penalty = (scores**2).sum()
     elif penalty_type == "none":
         penalty = torch.zeros((), dtype=torch.float64)
     else:
@@ -284,19 +324,28 @@ def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None
     """The model's loss recomputed from the responses alone (None: a loss type not covered)."""
     model = cfg.model
     if kind == "dpo":
-        return (dpo_sigmoid_loss(alone, model.get("beta", 0.1), model.get("label_smoothing", 0.0))
-                if model.get("loss_type", "sigmoid") == "sigmoid" else None)
+        return (
+            dpo_sigmoid_loss(alone, model.get("beta", 0.1), model.get("label_smoothing", 0.0))
+            if model.get("loss_type", "sigmoid") == "sigmoid"
+            else None
+        )
     if kind == "orpo":
         labels = data["labels"][0]
-        counts = [int((labels[a + 1:b] != IGNORE).sum()) for a, b in _segments(data)][::2]
+        counts = [int((labels[a + 1 : b] != IGNORE).sum()) for a, b in _segments(data)][::2]
         return orpo_loss(alone, counts, model.get("beta", 0.1))
-    return reward_loss(alone, model.get("loss_type", "ranking"),
-                       model.get("penalty_type", "log_barrier"), model.get("penalty_weight", 0.01))
+    return reward_loss(
+        alone,
+        model.get("loss_type", "ranking"),
+        model.get("penalty_type", "log_barrier"),
+        model.get("penalty_weight", 0.01),
+    )
 
 
 def _differences(captured: dict, expected: dict) -> dict:
-    return {name: max(abs(float(c) - e) for c, e in zip(captured[name], expected[name]))
-            for name in captured}
+    return {
+        name: max(abs(float(c) - e) for c, e in zip(captured[name], expected[name]))
+        for name in captured
+    }
 
 
 def compare_preference_capture(config: str | Path | Config, capture: str | Path) -> dict:
@@ -318,9 +367,11 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     cfg = config if isinstance(config, Config) else Config.fromfile(str(config))
     kind, data, state = saved["kind"], saved["data"], saved["state_dict"]
-    models = ({"policy_": _llm_with(cfg, state, "llm."),
-               "reference_": _llm_with(cfg, state, "ref_llm.")} if kind == "dpo"
-              else {"": _llm_with(cfg, state, "llm.")})
+    models = (
+        {"policy_": _llm_with(cfg, state, "llm."), "reference_": _llm_with(cfg, state, "ref_llm.")}
+        if kind == "dpo"
+        else {"": _llm_with(cfg, state, "llm.")}
+    )
     head = state.get("v_head.weight") if kind == "reward" else None
     alone, leak, hidden = {}, {}, {}
     for prefix, llm in models.items():
@@ -335,10 +386,18 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
             loss["alone"] = alone_loss
     states = {}
     if kind == "reward":  # the head starts at zero: the states it reads tell more early on
-        states = {"max_abs_diff": float((saved["hidden"] - hidden[False]).abs().max()),
-                  "max_abs": float(hidden[False].abs().max()),
-                  "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max())}
-    return {"kind": kind, "pairs": len(alone[next(iter(alone))]), "alone": alone,
-            "reward_token_states": states,
-            "captured": captured, "max_abs_diff": _differences(captured, alone),
-            "leak_max_abs_diff": _differences(leak, alone), "loss": loss}
+        states = {
+            "max_abs_diff": float((saved["hidden"] - hidden[False]).abs().max()),
+            "max_abs": float(hidden[False].abs().max()),
+            "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max()),
+        }
+    return {
+        "kind": kind,
+        "pairs": len(alone[next(iter(alone))]),
+        "alone": alone,
+        "reward_token_states": states,
+        "captured": captured,
+        "max_abs_diff": _differences(captured, alone),
+        "leak_max_abs_diff": _differences(leak, alone),
+        "loss": loss,
+    }

@@ -7,6 +7,7 @@ tripwire fires before the optimizer step). :func:`replay` rebuilds that forward 
 pass with a hook on every submodule and reports the first module whose output (or output
 gradient) is non-finite, with the row, document and token range it sits in.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from xtuner_rope.batch.record import load_record, save_record
 from xtuner_rope.batch.stats import segment_ids
 from xtuner_rope.models import channel
 
-__all__ = ['Finding', 'build_run_model', 'load_record', 'replay', 'save_record']
+__all__ = ["Finding", "build_run_model", "load_record", "replay", "save_record"]
+
 
 @dataclass
 class Finding:
@@ -37,13 +39,17 @@ class Finding:
     documents: list[tuple[int, int]] = field(default_factory=list)  # every (row, document) hit
 
     def describe(self) -> str:
-        what = 'output' if self.phase == 'forward' else 'output gradient'
-        text = (f'first non-finite value ({self.kind}): {self.phase} {what} of '
-                f'{self.module or "<model>"} ({self.module_type}), shape {self.shape}')
+        what = "output" if self.phase == "forward" else "output gradient"
+        text = (
+            f"first non-finite value ({self.kind}): {self.phase} {what} of "
+            f"{self.module or '<model>'} ({self.module_type}), shape {self.shape}"
+        )
         if self.row is not None:
-            text += (f'; row {self.row}, document {self.document}, tokens '
-                     f'[{self.tokens[0]}, {self.tokens[1]}), first bad token at column '
-                     f'{self.column}; documents hit (row, document): {self.documents}')
+            text += (
+                f"; row {self.row}, document {self.document}, tokens "
+                f"[{self.tokens[0]}, {self.tokens[1]}), first bad token at column "
+                f"{self.column}; documents hit (row, document): {self.documents}"
+            )
         return text
 
 
@@ -60,13 +66,13 @@ def _token_layout(t: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
 
 
 def _finding(phase: str, name: str, module: nn.Module, t: torch.Tensor, data: dict) -> Finding:
-    b, s = data['input_ids'].shape
-    kind = 'nan' if bool(torch.isnan(t).any()) else 'inf'
+    b, s = data["input_ids"].shape
+    kind = "nan" if bool(torch.isnan(t).any()) else "inf"
     found = Finding(phase, name, type(module).__name__, kind, list(t.shape))
     tokens = _token_layout(t, b, s)
     if tokens is None or not bool(tokens.any()):
         return found
-    seg = segment_ids(data.get('position_ids'), (b, s), data.get('attention_mask'))
+    seg = segment_ids(data.get("position_ids"), (b, s), data.get("attention_mask"))
     first_seg = seg[:, :1]
     hits = sorted({(r, int(seg[r, c] - first_seg[r])) for r, c in tokens.nonzero().tolist()})
     r, c = tokens.nonzero()[0].tolist()
@@ -90,19 +96,22 @@ def _tensors(output) -> list[torch.Tensor]:
 
 def _watch(model: nn.Module, data: dict, found: list[Finding]) -> list:
     """Forward hooks on every module recording the first non-finite output and output grad."""
+
     def on_forward(name, module, _args, output):
         for t in _tensors(output):
             if not found and not bool(torch.isfinite(t.detach()).all()):
-                found.append(_finding('forward', name, module, t, data))
+                found.append(_finding("forward", name, module, t, data))
             if t.requires_grad:
                 t.register_hook(lambda g, name=name, module=module: on_backward(name, module, g))
 
     def on_backward(name, module, grad):
         if not found and not bool(torch.isfinite(grad).all()):
-            found.append(_finding('backward', name, module, grad, data))
+            found.append(_finding("backward", name, module, grad, data))
 
-    return [m.register_forward_hook(lambda mod, a, o, name=name: on_forward(name, mod, a, o))
-            for name, m in model.named_modules()]
+    return [
+        m.register_forward_hook(lambda mod, a, o, name=name: on_forward(name, mod, a, o))
+        for name, m in model.named_modules()
+    ]
 
 
 def replay(model: nn.Module, record: dict) -> Finding | None:
@@ -119,20 +128,22 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
         depends on something not saved, e.g. a data-parallel peer's gradients).
     """
     device = next(model.parameters()).device
-    data = {k: v.to(device) for k, v in record['data'].items()}
-    varlen = record.get('varlen') or {}
-    cumulative = varlen.get('cumulative_len')
-    channel.publish(None if cumulative is None else cumulative.to(device),
-                    varlen.get('max_seqlen'), rank=0)
+    data = {k: v.to(device) for k, v in record["data"].items()}
+    varlen = record.get("varlen") or {}
+    cumulative = varlen.get("cumulative_len")
+    channel.publish(
+        None if cumulative is None else cumulative.to(device), varlen.get("max_seqlen"), rank=0
+    )
     found: list[Finding] = []
-    handles = _watch(model, record['data'], found)
+    handles = _watch(model, record["data"], found)
     try:
         model.train()
-        losses = model(data, mode='loss')  # XTuner's SupervisedFinetune.forward(data, ...)
-        loss = sum(v.sum() for k, v in losses.items() if 'loss' in k)
+        losses = model(data, mode="loss")  # XTuner's SupervisedFinetune.forward(data, ...)
+        loss = sum(v.sum() for k, v in losses.items() if "loss" in k)
         if not found and not bool(torch.isfinite(loss)):
-            found.append(Finding('forward', 'loss', 'loss', 'nan' if bool(torch.isnan(loss))
-                                 else 'inf', []))
+            found.append(
+                Finding("forward", "loss", "loss", "nan" if bool(torch.isnan(loss)) else "inf", [])
+            )
         if not found:
             loss.backward()
     finally:
@@ -142,8 +153,12 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     return found[0] if found else None
 
 
-def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | None = None,
-                    cfg_options: dict | None = None) -> nn.Module:
+def build_run_model(
+    config: str | Path,
+    record: dict,
+    checkpoint: str | Path | None = None,
+    cfg_options: dict | None = None,
+) -> nn.Module:
     """The run's model, built from its config, with the weights it had when the batch failed.
 
     Args:
@@ -163,10 +178,12 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     from xtuner_rope.compat.checkpoint import load_checkpoint
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
-    weights = checkpoint or record.get('weights')
+    weights = checkpoint or record.get("weights")
     if weights is None:
-        raise ValueError('build_run_model: the batch file names no weights file (the run had '
-                         'save_weights=False); pass --checkpoint with the checkpoint to replay.')
+        raise ValueError(
+            "build_run_model: the batch file names no weights file (the run had "
+            "save_weights=False); pass --checkpoint with the checkpoint to replay."
+        )
     cfg = Config.fromfile(str(config))
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
@@ -175,8 +192,8 @@ def build_run_model(config: str | Path, record: dict, checkpoint: str | Path | N
     if checkpoint:  # a runner checkpoint: weights-only, with the runner's own types allowed
         state = load_checkpoint(str(checkpoint))
     else:
-        state = torch.load(weights, map_location='cpu', weights_only=True)
-    model.load_state_dict(state.get('state_dict', state) if checkpoint else state)
-    if record.get('isolating'):
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    model.load_state_dict(state.get("state_dict", state) if checkpoint else state)
+    if record.get("isolating"):
         patch_internlm2_attention(model)  # what the run's ValidatedRoPEHook did
     return model

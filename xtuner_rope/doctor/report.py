@@ -28,13 +28,17 @@ def _occ(occ: dict) -> str:
 
 def _data_lines(report: dict) -> list[str]:
     ds, lengths, samples = report["dataset"], report["lengths"], report["samples"]
-    source = "" if ds["source_rows"] is None else \
-        f" (from {ds['source_rows']} source rows, {ds['dropped_by_dataset']} dropped by XTuner)"
+    source = (
+        ""
+        if ds["source_rows"] is None
+        else f" (from {ds['source_rows']} source rows, {ds['dropped_by_dataset']} dropped by XTuner)"
+    )
     return [
         f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
         f"documents, {ds['tokens']} tokens; max_length={ds['max_length']}, "
         f"pack_to_max_length={ds['pack_to_max_length']}",
-        "lengths      " + ("dialogues before packing: " if report["packing"] else "")
+        "lengths      "
+        + ("dialogues before packing: " if report["packing"] else "")
         + _percentiles(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
     ] + _packing_lines(report["packing"])
@@ -48,14 +52,18 @@ def _packing_lines(p: dict | None) -> list[str]:
     if not p:
         return []
     t, lab = p["tokens"], p["labels"]
-    lines = [f"packing      {p['dialogues']} dialogues -> {p['rows']} rows of max_length="
-             f"{p['max_length']}: tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
-             f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']})",
-             f"             row lengths {_percentiles(p['row_lengths'])}"]
+    lines = [
+        f"packing      {p['dialogues']} dialogues -> {p['rows']} rows of max_length="
+        f"{p['max_length']}: tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
+        f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']})",
+        f"             row lengths {_percentiles(p['row_lengths'])}",
+    ]
     if p["cut_dialogues"] is not None:
-        lines.append(f"             {p['cut_dialogues']} dialogues cut at row edges "
-                     f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
-                     f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}")
+        lines.append(
+            f"             {p['cut_dialogues']} dialogues cut at row edges "
+            f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
+            f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
+        )
     return lines
 
 
@@ -82,24 +90,34 @@ def format_summary(report: dict) -> str:
     """The human summary the CLI prints."""
     plugin = report["plugin"]
     findings = report["findings"]
-    lines = [f"xtuner-rope doctor: {report['config']}",
-             "plugin       " + (f"enabled ({plugin['model_resource']})" if plugin["enabled"]
-                                else "NOT enabled (no model_resource from xtuner_rope)")]
+    lines = [
+        f"xtuner-rope doctor: {report['config']}",
+        "plugin       "
+        + (
+            f"enabled ({plugin['model_resource']})"
+            if plugin["enabled"]
+            else "NOT enabled (no model_resource from xtuner_rope)"
+        ),
+    ]
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
-    lines += (preference_lines(report) if report.get("preference") else _data_lines(report))
+    lines += preference_lines(report) if report.get("preference") else _data_lines(report)
     lines += llava_lines(report.get("multimodal"))
     lines += _collate_lines(report)
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
-    verdict = ("FAIL: training would fail or be silently wrong (exit 1)" if report["exit_code"]
-               else "OK: nothing that would fail or corrupt training (exit 0)")
+    verdict = (
+        "FAIL: training would fail or be silently wrong (exit 1)"
+        if report["exit_code"]
+        else "OK: nothing that would fail or corrupt training (exit 0)"
+    )
     return "\n".join(lines + [verdict])
 
 
-def plot_lengths(lengths: Sequence[int], max_length: int | None, path: Path,
-                 title: str, unit: str = "sample") -> None:
+def plot_lengths(
+    lengths: Sequence[int], max_length: int | None, path: Path, title: str, unit: str = "sample"
+) -> None:
     """Histogram of sample lengths, ``max_length`` marked, as a PNG (Agg backend, no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -130,6 +148,11 @@ def write_outputs(report: dict, lengths: Sequence[int], out_dir: str | Path) -> 
     paths["report"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     max_length = report["collate"]["max_length"] or report["dataset"]["max_length"]
     unit = "dialogue" if report["packing"] else "sample"  # offline packing: before packing
-    plot_lengths(lengths, max_length, paths["lengths"],
-                 f"{Path(report['config']).stem}: {len(lengths)} {unit}s", unit)
+    plot_lengths(
+        lengths,
+        max_length,
+        paths["lengths"],
+        f"{Path(report['config']).stem}: {len(lengths)} {unit}s",
+        unit,
+    )
     return paths

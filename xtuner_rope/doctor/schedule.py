@@ -21,8 +21,9 @@ from xtuner_rope.config.warmup import INF, epoch_length, iteration_bounds, round
 __all__ = ["INF", "epoch_length", "iteration_bounds", "schedule_problems"]
 
 
-def schedule_problems(param_scheduler, samples: int, batch_size: int,
-                      drop_last: bool = False) -> list[str]:
+def schedule_problems(
+    param_scheduler, samples: int, batch_size: int, drop_last: bool = False
+) -> list[str]:
     """The schedulers MMEngine would refuse (``end <= begin`` after conversion), as problems.
 
     Args:
@@ -38,5 +39,7 @@ def schedule_problems(param_scheduler, samples: int, batch_size: int,
     """
     length = epoch_length(samples, batch_size, drop_last)
     data = f"{samples} samples, batch size {batch_size}, 1 process"
-    return [f"{setting}: {problem}\n  -> {edit}"
-            for setting, problem, edit in rounding_problems(param_scheduler, length, data)]
+    return [
+        f"{setting}: {problem}\n  -> {edit}"
+        for setting, problem, edit in rounding_problems(param_scheduler, length, data)
+    ]

@@ -18,8 +18,9 @@ from xtuner_rope.doctor.stats import Occurrences
 __all__ = ["sequence_parallel_figures", "sequence_parallel_lines", "sequence_parallel_warnings"]
 
 
-def sequence_parallel_figures(sp: object, row_lengths: Sequence[int],
-                              shapes: Sequence[tuple[int, int]]) -> dict | None:
+def sequence_parallel_figures(
+    sp: object, row_lengths: Sequence[int], shapes: Sequence[tuple[int, int]]
+) -> dict | None:
     """The sequence-parallel figures of a dataset's rows and its collated batches.
 
     Args:
@@ -46,16 +47,19 @@ def sequence_parallel_figures(sp: object, row_lengths: Sequence[int],
     shards = [(s + sequence_parallel_padding(s, sp)) // sp for _, s in shapes]
     return {
         "size": sp,
-        "rows": {"count": len(row_lengths), "shorter_than_size": vars(shorter),
-                 "needing_padding": sum(1 for p in pads if p),
-                 "padding_tokens": padding,
-                 "padding_share": padding / (tokens + padding) if tokens + padding else None},
-        "batches": {"count": len(shapes),
-                    "not_divisible": sum(1 for _, s in shapes if s % sp),
-                    "loss_padding_tokens": sum(b * sequence_parallel_padding(s, sp)
-                                               for b, s in shapes),
-                    "shard_length": {"min": min(shards, default=None),
-                                     "max": max(shards, default=None)}},
+        "rows": {
+            "count": len(row_lengths),
+            "shorter_than_size": vars(shorter),
+            "needing_padding": sum(1 for p in pads if p),
+            "padding_tokens": padding,
+            "padding_share": padding / (tokens + padding) if tokens + padding else None,
+        },
+        "batches": {
+            "count": len(shapes),
+            "not_divisible": sum(1 for _, s in shapes if s % sp),
+            "loss_padding_tokens": sum(b * sequence_parallel_padding(s, sp) for b, s in shapes),
+            "shard_length": {"min": min(shards, default=None), "max": max(shards, default=None)},
+        },
     }
 
 
@@ -65,10 +69,12 @@ def sequence_parallel_warnings(figures: dict | None) -> list[str]:
         return []
     occ = figures["rows"]["shorter_than_size"]
     more = ", ..." if occ["count"] > len(occ["first_indices"]) else ""
-    return [f"sequence_parallel_size={figures['size']}: {occ['count']} rows are shorter than "
-            f"the size (first: {', '.join(map(str, occ['first_indices']))}{more}): some ranks "
-            "get a shard of padding only (no loss, the compute spent all the same); pack the "
-            "rows or lower sequence_parallel_size"]
+    return [
+        f"sequence_parallel_size={figures['size']}: {occ['count']} rows are shorter than "
+        f"the size (first: {', '.join(map(str, occ['first_indices']))}{more}): some ranks "
+        "get a shard of padding only (no loss, the compute spent all the same); pack the "
+        "rows or lower sequence_parallel_size"
+    ]
 
 
 def sequence_parallel_lines(figures: dict | None) -> list[str]:

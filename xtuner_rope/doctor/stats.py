@@ -80,13 +80,21 @@ class SampleScan:
     lengths: list[int] = field(default_factory=list)
     supervised: list[int] = field(default_factory=list)
     documents: int = 0
-    issues: dict[str, Occurrences] = field(default_factory=lambda: {
-        k: Occurrences() for k in ("empty", "unsupervised", "over_long", "truncated",
-                                   "length_mismatch")})
+    issues: dict[str, Occurrences] = field(
+        default_factory=lambda: {
+            k: Occurrences()
+            for k in ("empty", "unsupervised", "over_long", "truncated", "length_mismatch")
+        }
+    )
 
 
-def scan_samples(dataset: Sequence[Mapping], *, collate_max_length: int | None,
-                 truncation_length: int | None, progress: bool = True) -> SampleScan:
+def scan_samples(
+    dataset: Sequence[Mapping],
+    *,
+    collate_max_length: int | None,
+    truncation_length: int | None,
+    progress: bool = True,
+) -> SampleScan:
     """Check every sample of a built dataset.
 
     Args:
@@ -108,10 +116,13 @@ def scan_samples(dataset: Sequence[Mapping], *, collate_max_length: int | None,
         scan.lengths.append(n)
         scan.supervised.append(supervised)
         scan.documents += len(document_starts(item))
-        checks = {"empty": n == 0, "unsupervised": n > 0 and supervised == 0,
-                  "over_long": collate_max_length is not None and n > collate_max_length,
-                  "truncated": truncation_length is not None and n == truncation_length,
-                  "length_mismatch": n != n_labels}
+        checks = {
+            "empty": n == 0,
+            "unsupervised": n > 0 and supervised == 0,
+            "over_long": collate_max_length is not None and n > collate_max_length,
+            "truncated": truncation_length is not None and n == truncation_length,
+            "length_mismatch": n != n_labels,
+        }
         for kind, hit in checks.items():
             if hit:
                 scan.issues[kind].add(index)
@@ -148,8 +159,14 @@ class CollatePlan:
     collate_warnings: list[str] = field(default_factory=list)
 
 
-def simulate_collate(dataset: Sequence[Mapping], collate_fn: Callable, batch_size: int,
-                     max_batches: int, scan: SampleScan, progress: bool = True) -> CollatePlan:
+def simulate_collate(
+    dataset: Sequence[Mapping],
+    collate_fn: Callable,
+    batch_size: int,
+    max_batches: int,
+    scan: SampleScan,
+    progress: bool = True,
+) -> CollatePlan:
     """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples.
 
     A batch the collate function refuses is recorded in ``errors`` (its message) and left out
@@ -180,8 +197,13 @@ def simulate_collate(dataset: Sequence[Mapping], collate_fn: Callable, batch_siz
                 b, s = _batch_shape(collate_fn([dataset[i] for i in indices]))
         # KeyError: XTuner's default_collate_fn(use_varlen_attn=True) on rows without boundaries
         except (ValueError, TypeError, KeyError, AssertionError, RuntimeError) as exc:
-            plan.errors.append({"batch": batch, "first_sample": indices[0],
-                                "error": f"{type(exc).__name__}: {exc}"})
+            plan.errors.append(
+                {
+                    "batch": batch,
+                    "first_sample": indices[0],
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
             continue
         plan.collate_warnings += [f"batch {batch}: {w.message}" for w in caught]
         lengths = [scan.lengths[i] for i in indices]
@@ -195,15 +217,18 @@ def simulate_collate(dataset: Sequence[Mapping], collate_fn: Callable, batch_siz
 
 def plan_summary(plan: CollatePlan) -> dict:
     """The plan's numbers, JSON-ready: rows per step and real-token shares."""
+
     def share(slots: int) -> float | None:
         return plan.real_tokens / slots if slots else None
 
     config_share, padded_share = share(plan.config_slots), share(plan.padded_slots)
     return {
         "batches": plan.batches,
-        "rows_per_step": {"mean": float(np.mean(plan.rows)) if plan.rows else None,
-                          "min": min(plan.rows, default=None),
-                          "max": max(plan.rows, default=None)},
+        "rows_per_step": {
+            "mean": float(np.mean(plan.rows)) if plan.rows else None,
+            "min": min(plan.rows, default=None),
+            "max": max(plan.rows, default=None),
+        },
         "real_tokens": plan.real_tokens,
         "config_slots": plan.config_slots,
         "padded_slots": plan.padded_slots,

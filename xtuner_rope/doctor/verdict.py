@@ -54,7 +54,9 @@ def launch_problems(sp: object, deepspeed: str | None) -> list[str]:
     """
     if deepspeed or not isinstance(sp, int) or sp <= 1:
         return []
-    return [f"sequence_parallel_size: sequence_parallel_size = {sp} without DeepSpeed: XTuner "
-            "trains sequence parallel only under DeepSpeed (xtuner train refuses it before "
-            "loading)\n  -> pass the run's --deepspeed to the doctor as to xtuner train (on CPU: "
-            "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1"]
+    return [
+        f"sequence_parallel_size: sequence_parallel_size = {sp} without DeepSpeed: XTuner "
+        "trains sequence parallel only under DeepSpeed (xtuner train refuses it before "
+        "loading)\n  -> pass the run's --deepspeed to the doctor as to xtuner train (on CPU: "
+        "configs/deepspeed/zero2_fp32_cpu.json), or set sequence_parallel_size = 1"
+    ]

@@ -54,30 +54,57 @@ DATA_SETTINGS = ("param_scheduler",)
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
 FAMILY_OF_PREFIX = (
-    ("internlm2_5", "internlm2"), ("internlm2", "internlm2"), ("internlm3", "internlm3"),
-    ("internlm_", "internlm"), ("llama3", "llama"), ("llama2", "llama"), ("llama_", "llama"),
-    ("yi_", "llama"), ("deepseek_coder", "llama"), ("deepseekcoder", "llama"),
-    ("deepseek_moe", "deepseek"), ("deepseek_v2", "deepseek_v2"), ("zephyr", "mistral"),
-    ("mistral", "mistral"), ("mixtral", "mixtral"), ("qwen1_5_moe", "qwen2_moe"),
-    ("qwen1_5", "qwen2"), ("qwen2", "qwen2"), ("qwen_", "qwen"), ("phi3", "phi3"),
-    ("gemma", "gemma"), ("cohere", "cohere"), ("starcoder", "starcoder"),
-    ("baichuan", "baichuan"), ("chatglm", "chatglm"), ("minicpm", "minicpm"),
-    ("llava", "llava"), ("internvl", "internvl"),
+    ("internlm2_5", "internlm2"),
+    ("internlm2", "internlm2"),
+    ("internlm3", "internlm3"),
+    ("internlm_", "internlm"),
+    ("llama3", "llama"),
+    ("llama2", "llama"),
+    ("llama_", "llama"),
+    ("yi_", "llama"),
+    ("deepseek_coder", "llama"),
+    ("deepseekcoder", "llama"),
+    ("deepseek_moe", "deepseek"),
+    ("deepseek_v2", "deepseek_v2"),
+    ("zephyr", "mistral"),
+    ("mistral", "mistral"),
+    ("mixtral", "mixtral"),
+    ("qwen1_5_moe", "qwen2_moe"),
+    ("qwen1_5", "qwen2"),
+    ("qwen2", "qwen2"),
+    ("qwen_", "qwen"),
+    ("phi3", "phi3"),
+    ("gemma", "gemma"),
+    ("cohere", "cohere"),
+    ("starcoder", "starcoder"),
+    ("baichuan", "baichuan"),
+    ("chatglm", "chatglm"),
+    ("minicpm", "minicpm"),
+    ("llava", "llava"),
+    ("internvl", "internvl"),
 )
 SHORT_RUN = ("train_cfg.max_epochs=None", "randomness.seed=0", "default_hooks.logger.interval=1")
 ISOLATION_TOLERANCE = 1e-5  # fp32: |packed - alone| <= tol * max(1, |logit|)
-PLUGIN_EDIT = ("from xtuner_rope import enable_xtuner_rope\n"
-               "model_resource = dict(fn=enable_xtuner_rope)\n")
+PLUGIN_EDIT = (
+    "from xtuner_rope import enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n"
+)
 CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
 PREFERENCE_KINDS = ("dpo", "orpo", "reward")
 # LLaVA config-name prefix -> its LLM's tiny family (``llava_v15``/``vicuna``: Llama).
-LLAVA_LLM_OF_PREFIX = (("llava_internlm2", "internlm2"), ("llava_llama3", "llama"),
-                       ("llava_vicuna", "llama"), ("llava_v15", "llama"), ("llava_phi3", "phi3"),
-                       ("llava_internlm_", "internlm"))
-LLAVA_CAPTURE = ("from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n")
-PREFERENCE_CAPTURE = ("\nfrom xtuner_rope.doctor.preference_capture import "
-                      "PreferenceCaptureHook  # noqa: E402\n"
-                      "custom_hooks += [dict(type=PreferenceCaptureHook)]\n")
+LLAVA_LLM_OF_PREFIX = (
+    ("llava_internlm2", "internlm2"),
+    ("llava_llama3", "llama"),
+    ("llava_vicuna", "llama"),
+    ("llava_v15", "llama"),
+    ("llava_phi3", "phi3"),
+    ("llava_internlm_", "internlm"),
+)
+LLAVA_CAPTURE = "from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n"
+PREFERENCE_CAPTURE = (
+    "\nfrom xtuner_rope.doctor.preference_capture import "
+    "PreferenceCaptureHook  # noqa: E402\n"
+    "custom_hooks += [dict(type=PreferenceCaptureHook)]\n"
+)
 
 
 def family_of(name: str) -> str | None:
@@ -92,8 +119,9 @@ def list_configs(patterns: Iterable[str] = ("*",)) -> list[str]:
 
     names: list[str] = []
     for pattern in patterns:
-        names += [n for n in sorted(cfgs_name_path)
-                  if fnmatch.fnmatch(n, pattern) and n not in names]
+        names += [
+            n for n in sorted(cfgs_name_path) if fnmatch.fnmatch(n, pattern) and n not in names
+        ]
     return names
 
 
@@ -106,14 +134,16 @@ def mode_of(text: str, name: str) -> dict:
         packing = "unpacked"
     else:
         packing = "packed"
-    kind = next((k for k in ("dpo", "orpo", "reward", "llava", "internvl", "pretrain")
-                 if k in name), "sft")
+    kind = next(
+        (k for k in ("dpo", "orpo", "reward", "llava", "internvl", "pretrain") if k in name), "sft"
+    )
     if kind in ("llava", "internvl"):
         packing = "unpacked"  # LLaVADataset hard-codes pack_to_max_length=False
     return {"tuning": tuning, "packing": packing, "kind": kind}
 
 
 # ---------------------------------------------------------------- local data and checkpoints
+
 
 def write_universal_data(root: Path, n: int = 240) -> Path:
     """One JSON file whose rows carry every column the stock map functions read.
@@ -132,12 +162,21 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
         replies = [m["content"] for m in msgs if m["role"] == "assistant"]
         turns = [{"input": u, "output": r} for u, r in zip(users, replies)]
         turns[0]["system"] = system
-        rows.append({
-            "instruction": users[0], "input": "", "output": replies[0],
-            "instruction_zh": users[0], "input_zh": "", "output_zh": replies[0],
-            "prompt": users[0], "completion": replies[0],
-            "text": f"### Human: {users[0]}### Assistant: {replies[0]}",
-            "messages": msgs, "conversation": turns})
+        rows.append(
+            {
+                "instruction": users[0],
+                "input": "",
+                "output": replies[0],
+                "instruction_zh": users[0],
+                "input_zh": "",
+                "output_zh": replies[0],
+                "prompt": users[0],
+                "completion": replies[0],
+                "text": f"### Human: {users[0]}### Assistant: {replies[0]}",
+                "messages": msgs,
+                "conversation": turns,
+            }
+        )
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.json").write_text(json.dumps(rows), encoding="utf-8")
     return root
@@ -173,11 +212,12 @@ def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> 
     of at least one of a few iterations, no quantization, fp32 ``OptimWrapper`` on CPU."""
     if llm is not None:
         text, _ = _sub(text, r'^llm_name_or_path = ".*"$', f'llm_name_or_path = "{llm}"')
-    text, _ = _sub(text, r'^visual_encoder_name_or_path = ".*"$',
-                   f'visual_encoder_name_or_path = "{clip}"')
+    text, _ = _sub(
+        text, r'^visual_encoder_name_or_path = ".*"$', f'visual_encoder_name_or_path = "{clip}"'
+    )
     text, _ = _sub(text, r'^pretrained_pth = ".*"(  # noqa: E501)?$', "pretrained_pth = None")
-    text, _ = _sub(text, r'^data_path = .*$', f'data_path = "{data_json}"')
-    text, _ = _sub(text, r'^image_folder = .*$', f'image_folder = "{data_json.parent / "images"}"')
+    text, _ = _sub(text, r"^data_path = .*$", f'data_path = "{data_json}"')
+    text, _ = _sub(text, r"^image_folder = .*$", f'image_folder = "{data_json.parent / "images"}"')
     text, _ = _sub(text, r"^batch_size = \d+", "batch_size = 4")
     text, _ = _sub(text, r"^dataloader_num_workers = \d+", "dataloader_num_workers = 0")
     text, _ = _sub(text, r"^warmup_ratio = .*$", "warmup_ratio = 0.3")
@@ -192,8 +232,9 @@ def enable_plugin_llava(text: str) -> str:
     text, n = _sub(text, r'^(llm_name_or_path = ".*"\n)', lambda m: m.group(1) + PLUGIN_EDIT)
     if n != 1:
         raise ValueError("zoo: the LLaVA config has no 'llm_name_or_path = ...' line")
-    text, n = _sub(text, r"^(custom_hooks = \[)$",
-                   r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),")
+    text, n = _sub(
+        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),"
+    )
     if n != 1:
         text += "\ncustom_hooks = [dict(type=LLaVAIsolationCaptureHook)]\n"
     return LLAVA_CAPTURE + text
@@ -211,11 +252,16 @@ def judge_llava(work: Path, config: Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
         return {"outcome": CRASHED, "message": f"LLaVA capture compare: {exc}"[:300]}
     worst = max(s["max_abs_diff"] / max(1.0, s["max_abs_logit"]) for s in result["per_sample"])
-    return {"documents": result["samples"], "relative": worst, "dtype": "float32",
-            "tolerance": ISOLATION_TOLERANCE, "boundaries": "LLaVA samples",
-            "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
-            "message": f"{result['samples']} image/text samples, max |trained - alone| "
-                       f"{result['max_abs_diff']:.3g}"}
+    return {
+        "documents": result["samples"],
+        "relative": worst,
+        "dtype": "float32",
+        "tolerance": ISOLATION_TOLERANCE,
+        "boundaries": "LLaVA samples",
+        "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
+        "message": f"{result['samples']} image/text samples, max |trained - alone| "
+        f"{result['max_abs_diff']:.3g}",
+    }
 
 
 def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
@@ -232,6 +278,7 @@ def tiny_checkpoint(family: str | None, models: Path) -> Path | None:
 
 # ---------------------------------------------------------------- the config edits
 
+
 def _sub(text: str, pattern: str, repl: str) -> tuple[str, int]:
     return re.subn(pattern, repl, text, flags=re.M)
 
@@ -245,12 +292,18 @@ def localize(text: str, model: Path | None, data: Path, pairs: Path | None = Non
     preference config), its hub dataset becomes the local pairs file, read by one worker.
     """
     if pairs is not None:
-        text, _ = _sub(text, r'type=load_dataset, path="[^"]+"',
-                       f'type=load_dataset, path="json", data_files="{pairs}"')
+        text, _ = _sub(
+            text,
+            r'type=load_dataset, path="[^"]+"',
+            f'type=load_dataset, path="json", data_files="{pairs}"',
+        )
         text, _ = _sub(text, r"^(\s*)num_proc=\d+,$", r"\1num_proc=1,")
     if model is not None:
-        text, _ = _sub(text, r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
-                       f'pretrained_model_name_or_path = "{model}"')
+        text, _ = _sub(
+            text,
+            r'^pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|".*")$',
+            f'pretrained_model_name_or_path = "{model}"',
+        )
     for var in re.findall(r'^(\w*(?:path|_en|_zh)\w*) = "[^"]*"$', text, re.M):
         if var != "pretrained_model_name_or_path" and "prompt" not in var:
             text, _ = _sub(text, rf'^{var} = ".*"$', f'{var} = "{data}"')
@@ -263,10 +316,15 @@ def cpu_edits(text: str) -> str:
     text, _ = _sub(text, r"^max_length = .*$", "max_length = 512")
     text, _ = _sub(text, r"^accumulative_counts = .*$", "accumulative_counts = 1")
     text, _ = _sub(text, r"^lr = .*$", "lr = 3e-3")
-    text, _ = _sub(text, r"^evaluation_inputs = \[(?:.|\n)*?\]$",
-                   'evaluation_inputs = ["What is 7 plus 5?"]')
-    text, _ = _sub(text, r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
-                         r"(?:\n.*?)*?\n\1\),\n", "")
+    text, _ = _sub(
+        text, r"^evaluation_inputs = \[(?:.|\n)*?\]$", 'evaluation_inputs = ["What is 7 plus 5?"]'
+    )
+    text, _ = _sub(
+        text,
+        r"^(\s*)torch_dtype=torch.float16,\n\s*quantization_config=dict\("
+        r"(?:\n.*?)*?\n\1\),\n",
+        "",
+    )
     text, _ = _sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
     text, _ = _sub(text, r"^\s*load_in_8bit=True,\n", "")  # int8 LoRA: LoRA without 8-bit
     # 2 workers per packing map: the default 32 processes only queue up on a small machine.
@@ -275,18 +333,24 @@ def cpu_edits(text: str) -> str:
     if amp:
         text, _ = _sub(text, r'^\s*loss_scale="dynamic",\n', "")
         text, _ = _sub(text, r'^(\s*)dtype="(float16|bfloat16)",\n(?=(?:.*\n)*?\))', "")
-        text, _ = _sub(text, r"^(from mmengine.optim import .*)\bAmpOptimWrapper\b",
-                       r"\1OptimWrapper")
+        text, _ = _sub(
+            text, r"^(from mmengine.optim import .*)\bAmpOptimWrapper\b", r"\1OptimWrapper"
+        )
     return text
 
 
 def enable_plugin(text: str) -> str:
     """The README's one edit: ``model_resource`` right after the model path in PART 1."""
-    text, n = _sub(text, r'^(pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|.*)\n)',
-                   lambda m: m.group(1) + PLUGIN_EDIT)
+    text, n = _sub(
+        text,
+        r"^(pretrained_model_name_or_path = (?:\(\n(?:.*\n)*?\)|.*)\n)",
+        lambda m: m.group(1) + PLUGIN_EDIT,
+    )
     if n != 1:
-        raise ValueError("zoo: the config has no 'pretrained_model_name_or_path = ...' line: "
-                         "cannot make the README's edit")
+        raise ValueError(
+            "zoo: the config has no 'pretrained_model_name_or_path = ...' line: "
+            "cannot make the README's edit"
+        )
     return text
 
 
@@ -303,23 +367,29 @@ def with_capture(text: str, kind: str = "sft") -> str:
 
 # ---------------------------------------------------------------- running one row
 
+
 def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int, log: Path) -> tuple[int, str]:
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+        )
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         code = 124
         out = f"{exc.stdout or ''}{exc.stderr or ''}\nzoo: timed out after {timeout} s"
-    log.write_text(out if isinstance(out, str) else out.decode(errors="replace"),
-                   encoding="utf-8")
+    log.write_text(out if isinstance(out, str) else out.decode(errors="replace"), encoding="utf-8")
     return code, out if isinstance(out, str) else out.decode(errors="replace")
 
 
@@ -355,11 +425,16 @@ def doctor_reasons(report: Path, out: str) -> list[str]:
     """
     if report.is_file():
         data = json.loads(report.read_text(encoding="utf-8"))
-        found = [f"{c['setting']}: {c['problem']}"
-                 for c in (data.get("findings") or {}).get("conflicts", [])]
+        found = [
+            f"{c['setting']}: {c['problem']}"
+            for c in (data.get("findings") or {}).get("conflicts", [])
+        ]
         return [x[:400] for x in found + [str(p) for p in data.get("problems", [])]]
-    listed = re.findall(r"^\d+\. (.+)$", out[max(out.rfind("setting(s) of this config"), 0):],
-                        re.M) if "setting(s) of this config would make" in out else []
+    listed = (
+        re.findall(r"^\d+\. (.+)$", out[max(out.rfind("setting(s) of this config"), 0) :], re.M)
+        if "setting(s) of this config would make" in out
+        else []
+    )
     return [x[:400] for x in listed] or [_last_error(out)]
 
 
@@ -391,14 +466,19 @@ def doctor_agrees(row: dict) -> bool | None:
 
 
 LACK_PATTERNS = (  # (log regex, what this machine lacks)
-    (r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
-     r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU", "a CUDA GPU"),
+    (
+        r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
+        r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU",
+        "a CUDA GPU",
+    ),
     (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
     (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
-    (r"(offline mode|couldn't connect|is not a local folder|"
-     r"does not appear to have a file|We couldn't connect|LocalEntryNotFoundError|"
-     r"Cannot find the requested files|OfflineModeIsEnabled|Couldn't reach)",
-     "the checkpoint or data from the hub (offline)"),
+    (
+        r"(offline mode|couldn't connect|is not a local folder|"
+        r"does not appear to have a file|We couldn't connect|LocalEntryNotFoundError|"
+        r"Cannot find the requested files|OfflineModeIsEnabled|Couldn't reach)",
+        "the checkpoint or data from the hub (offline)",
+    ),
 )
 
 
@@ -408,8 +488,7 @@ def lacks_of(out: str) -> str | None:
     return next((what for pattern, what in LACK_PATTERNS if re.search(pattern, tail)), None)
 
 
-def judge_run(code: int, out: str, work: Path, config: Path, iters: int,
-              kind: str = "sft") -> dict:
+def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: str = "sft") -> dict:
     """The outcome of one training run (see :data:`OUTCOMES`) with its evidence."""
     if code != 0:
         refusal = _refusal(out)
@@ -441,16 +520,29 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int,
     worst = max(d["max_abs_diff"] / max(1.0, d["max_abs_logit"]) for d in result["per_document"])
     dtype = result["dtype"]
     tolerance = isolation_tolerance(dtype)
-    row.update(documents=result["documents"], rows=None, max_abs_diff=result["max_abs_diff"],
-               relative=worst, boundaries=result["boundaries"], dtype=dtype, tolerance=tolerance)
+    row.update(
+        documents=result["documents"],
+        rows=None,
+        max_abs_diff=result["max_abs_diff"],
+        relative=worst,
+        boundaries=result["boundaries"],
+        dtype=dtype,
+        tolerance=tolerance,
+    )
     in_dtype = "" if dtype == "float32" else f" ({dtype} run, tolerance {tolerance:.3g})"
     if worst > tolerance:
-        return {**row, "outcome": LEAKED,
-                "message": f"max |trained - alone| {result['max_abs_diff']:.3g} (relative "
-                           f"{worst:.3g}){in_dtype}"}
-    return {**row, "outcome": TRAINED,
-            "message": f"{result['documents']} documents, max |trained - alone| "
-                       f"{result['max_abs_diff']:.3g}{in_dtype}"}
+        return {
+            **row,
+            "outcome": LEAKED,
+            "message": f"max |trained - alone| {result['max_abs_diff']:.3g} (relative "
+            f"{worst:.3g}){in_dtype}",
+        }
+    return {
+        **row,
+        "outcome": TRAINED,
+        "message": f"{result['documents']} documents, max |trained - alone| "
+        f"{result['max_abs_diff']:.3g}{in_dtype}",
+    }
 
 
 def judge_preference(work: Path, config: Path) -> dict:
@@ -468,18 +560,26 @@ def judge_preference(work: Path, config: Path) -> dict:
         result = compare_preference_capture(config, capture)
     except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
         return {"outcome": CRASHED, "message": f"preference capture compare: {exc}"[:300]}
-    worst = max(diff / max(1.0, max(abs(v) for v in result["alone"][name]))
-                for name, diff in result["max_abs_diff"].items())
+    worst = max(
+        diff / max(1.0, max(abs(v) for v in result["alone"][name]))
+        for name, diff in result["max_abs_diff"].items()
+    )
     states = result.get("reward_token_states") or {}
     if states:
         worst = max(worst, states["max_abs_diff"])
     leak = max(result["leak_max_abs_diff"].values())
-    row = {"documents": 2 * result["pairs"], "relative": worst, "dtype": "float32",
-           "tolerance": ISOLATION_TOLERANCE, "boundaries": "cumulative_len"}
-    what = (f"{result['pairs']} {result['kind']} pairs, responses vs alone relative {worst:.3g}"
-            f" (unpatched packed row: {leak:.3g})")
-    return {**row, "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
-            "message": what}
+    row = {
+        "documents": 2 * result["pairs"],
+        "relative": worst,
+        "dtype": "float32",
+        "tolerance": ISOLATION_TOLERANCE,
+        "boundaries": "cumulative_len",
+    }
+    what = (
+        f"{result['pairs']} {result['kind']} pairs, responses vs alone relative {worst:.3g}"
+        f" (unpatched packed row: {leak:.3g})"
+    )
+    return {**row, "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED, "message": what}
 
 
 def isolation_tolerance(dtype: str) -> float:
@@ -490,8 +590,9 @@ def isolation_tolerance(dtype: str) -> float:
     return ISOLATION_TOLERANCE if dtype == "float32" else TOLERANCES[dtype]["logits"]
 
 
-def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
-            doctor_batches: int = 20) -> dict:
+def run_row(
+    name: str, root: Path, data: Path, models: Path, iters: int = 4, doctor_batches: int = 20
+) -> dict:
     """Sweep one stock config; returns its row (never raises for the config's own failure)."""
     start = time.time()
     folder = root / "rows" / name
@@ -499,12 +600,21 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
     folder.mkdir(parents=True)
     family = family_of(name)
     row = {"config": name, "family": family, "date": time.strftime("%Y-%m-%d")}
-    copied = subprocess.run(["xtuner", "copy-cfg", name, str(folder)], env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    copied = subprocess.run(
+        ["xtuner", "copy-cfg", name, str(folder)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     stock = folder / f"{name}_copy.py"
     if copied.returncode != 0 or not stock.is_file():
-        return {**row, "outcome": CRASHED, "message": "xtuner copy-cfg: "
-                + _last_error(copied.stdout + copied.stderr), "seconds": 0}
+        return {
+            **row,
+            "outcome": CRASHED,
+            "message": "xtuner copy-cfg: " + _last_error(copied.stdout + copied.stderr),
+            "seconds": 0,
+        }
     text = stock.read_text(encoding="utf-8")
     row["mode"] = mode_of(text, name)
     model = tiny_checkpoint(family, models)
@@ -523,30 +633,67 @@ def run_row(name: str, root: Path, data: Path, models: Path, iters: int = 4,
             if not (clip / "config.json").is_file():
                 save_tiny_clip(clip)
             row["checkpoint"] = f"tiny {llm_family} + tiny CLIP" if model else "hub LLM"
-            config_text = enable_plugin_llava(localize_llava(
-                text, model, clip, root / "data" / "llava" / "llava_data.json"))
+            config_text = enable_plugin_llava(
+                localize_llava(text, model, clip, root / "data" / "llava" / "llava_data.json")
+            )
         else:
             config_text = with_capture(enable_plugin(localize(text, model, data, pairs)), kind)
     except ValueError as exc:
-        return {**row, "outcome": CRASHED, "message": str(exc), "doctor": None,
-                "seconds": round(time.time() - start)}
+        return {
+            **row,
+            "outcome": CRASHED,
+            "message": str(exc),
+            "doctor": None,
+            "seconds": round(time.time() - start),
+        }
     config = folder / f"{name}.py"
     config.write_text(config_text, encoding="utf-8")
-    code, out = _run([sys.executable, "-m", "xtuner_rope.cli", "doctor", str(config), "--out",
-                      str(folder / "doctor"), "--batches", str(doctor_batches)],
-                     folder, 600, folder / "doctor.log")
-    row["doctor"] = {"exit_code": code, "verdict": _doctor_verdict(out, code),
-                     "reasons": doctor_reasons(folder / "doctor" / "report.json", out)
-                     if code else []}
+    code, out = _run(
+        [
+            sys.executable,
+            "-m",
+            "xtuner_rope.cli",
+            "doctor",
+            str(config),
+            "--out",
+            str(folder / "doctor"),
+            "--batches",
+            str(doctor_batches),
+        ],
+        folder,
+        600,
+        folder / "doctor.log",
+    )
+    row["doctor"] = {
+        "exit_code": code,
+        "verdict": _doctor_verdict(out, code),
+        "reasons": doctor_reasons(folder / "doctor" / "report.json", out) if code else [],
+    }
     work = folder / "work"
-    code, out = _run([sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir",
-                      str(work), "--cfg-options", *SHORT_RUN, f"train_cfg.max_iters={iters}",
-                      # a checkpoint at the end (stock ``save_steps = -1`` configs save none)
-                      f"default_hooks.checkpoint.interval={iters}"],
-                     folder, 900, folder / "train.log")
+    code, out = _run(
+        [
+            sys.executable,
+            "-m",
+            "xtuner.tools.train",
+            str(config),
+            "--work-dir",
+            str(work),
+            "--cfg-options",
+            *SHORT_RUN,
+            f"train_cfg.max_iters={iters}",
+            # a checkpoint at the end (stock ``save_steps = -1`` configs save none)
+            f"default_hooks.checkpoint.interval={iters}",
+        ],
+        folder,
+        900,
+        folder / "train.log",
+    )
     row.update(judge_run(code, out, work, config, iters, kind))
-    if row["outcome"] == REFUSED and row["refused"] and all(
-            s.startswith(DATA_SETTINGS) for s in row["refused"]):
+    if (
+        row["outcome"] == REFUSED
+        and row["refused"]
+        and all(s.startswith(DATA_SETTINGS) for s in row["refused"])
+    ):
         row["outcome"] = REFUSED_AT_DATA  # after the model, as soon as the data's length is known
     elif row["outcome"] == REFUSED and _loaded(out):
         row["outcome"], row["message"] = CRASHED, "refused after loading: " + row["message"]
@@ -568,6 +715,7 @@ def _doctor_verdict(out: str, code: int) -> str:
 
 # ---------------------------------------------------------------- the sweep
 
+
 def load_results(path: Path) -> dict:
     """``{config: row}`` of a results file (empty when absent)."""
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -581,15 +729,29 @@ def select(names: list[str], results: dict, only: str) -> list[str]:
     if only == "missing":
         return [n for n in names if n not in results]
     if only == "failed":
-        return [n for n in names if n in results and (
-            results[n]["outcome"] in (CRASHED, LEAKED) or doctor_agrees(results[n]) is False
-            or (doctor_agrees(results[n]) is None and results[n]["outcome"] != LACKS))]
+        return [
+            n
+            for n in names
+            if n in results
+            and (
+                results[n]["outcome"] in (CRASHED, LEAKED)
+                or doctor_agrees(results[n]) is False
+                or (doctor_agrees(results[n]) is None and results[n]["outcome"] != LACKS)
+            )
+        ]
     raise ValueError(f"zoo: only={only!r}: expected one of missing, failed, all")
 
 
-def sweep(patterns: list[str], root: Path, results_path: Path, jobs: int = 1,
-          only: str = "missing", iters: int = 4, models: Path | None = None,
-          progress: Callable[[int, int, dict], None] | None = None) -> dict:
+def sweep(
+    patterns: list[str],
+    root: Path,
+    results_path: Path,
+    jobs: int = 1,
+    only: str = "missing",
+    iters: int = 4,
+    models: Path | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> dict:
     """Run the selected rows (``jobs`` at a time), saving the results file after each row.
 
     Tiny checkpoints are built once per family under ``models`` (default ``root/models``).
@@ -642,8 +804,10 @@ def counts(results: dict) -> dict:
 
 def markdown(results: dict) -> str:
     """The results as a markdown table (one row per config, sorted), with the counts."""
-    lines = ["| config | family | mode | outcome | detail | doctor | doctor = outcome |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | family | mode | outcome | detail | doctor | doctor = outcome |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in sorted(results):
         r = results[name]
         mode = r.get("mode") or {}
@@ -653,9 +817,13 @@ def markdown(results: dict) -> str:
         detail = str(r.get("message", "")).replace("|", "\\|").replace("\n", " ")[:160]
         said = "; ".join(doctor.get("reasons") or [])
         said = f": {said}".replace("|", "\\|").replace("\n", " ")[:120] if said else ""
-        lines.append(f"| {name} | {r.get('family')} | {mode_s} | {r['outcome']} | {detail} | "
-                     f"exit {doctor.get('exit_code', '-')}{said} | {pred} |")
+        lines.append(
+            f"| {name} | {r.get('family')} | {mode_s} | {r['outcome']} | {detail} | "
+            f"exit {doctor.get('exit_code', '-')}{said} | {pred} |"
+        )
     c = counts(results)
-    lines += ["", "Counts: " + ", ".join(f"{k} {v}" for k, v in c.items())
-              + f" (of {len(results)} configs)."]
+    lines += [
+        "",
+        "Counts: " + ", ".join(f"{k} {v}" for k, v in c.items()) + f" (of {len(results)} configs).",
+    ]
     return "\n".join(lines) + "\n"

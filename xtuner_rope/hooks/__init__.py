@@ -17,8 +17,13 @@ from .isolation import PackedBatchCheckHook, ValidatedRoPEHook
 from .loss_norm import TokenWeightedLossHook
 from .monitor import NonFiniteTripwireHook, PackingMetricsHook
 
-__all__ = ["NonFiniteTripwireHook", "PackedBatchCheckHook", "PackingMetricsHook",
-           "TokenWeightedLossHook", "ValidatedRoPEHook"]
+__all__ = [
+    "NonFiniteTripwireHook",
+    "PackedBatchCheckHook",
+    "PackingMetricsHook",
+    "TokenWeightedLossHook",
+    "ValidatedRoPEHook",
+]
 # Names the old ``xtuner_rope/hooks.py`` module held besides the hooks -> where they live now.
 MOVED_NAMES = {
     "patch_model": "xtuner_rope.models.dispatch",
@@ -34,6 +39,10 @@ def __getattr__(name: str) -> object:
     if name not in MOVED_NAMES:
         raise AttributeError(f"module 'xtuner_rope.hooks' has no attribute {name!r}")
     new = MOVED_NAMES[name]
-    warnings.warn(f"xtuner_rope.hooks.{name} is deprecated: import it from {new} "
-                  f"(`from {new} import {name}`).", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        f"xtuner_rope.hooks.{name} is deprecated: import it from {new} "
+        f"(`from {new} import {name}`).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return getattr(importlib.import_module(new), name)

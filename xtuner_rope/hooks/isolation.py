@@ -67,9 +67,12 @@ class ValidatedRoPEHook(Hook):
         if self.fused_apply:
             use_fused_apply(True)
         kernel = "fused (torch.compile)" if self.fused_apply else "eager"
-        print_log(f"ValidatedRoPEHook: {count} {family} attention layers use the validated fp32 "
-                  f"RoPE ({kernel} kernel) and document-isolating attention; positions must be "
-                  f"< {limit} ({why}).", logger="current")
+        print_log(
+            f"ValidatedRoPEHook: {count} {family} attention layers use the validated fp32 "
+            f"RoPE ({kernel} kernel) and document-isolating attention; positions must be "
+            f"< {limit} ({why}).",
+            logger="current",
+        )
 
     def before_train(self, runner) -> None:
         self._patch(runner)
@@ -100,8 +103,11 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
     positions = data.get("position_ids")
     if packed_by is None or rows:
         return
-    if isinstance(positions, torch.Tensor) and positions.dim() == 2 \
-            and bool((positions[:, 1:] == 0).any()):
+    if (
+        isinstance(positions, torch.Tensor)
+        and positions.dim() == 2
+        and bool((positions[:, 1:] == 0).any())
+    ):
         return  # position resets: the patched attention isolates the documents
     raise ValueError(
         f"PackedBatchCheckHook: the rows of this batch are packed ({packed_by}) but reach the "
@@ -109,7 +115,8 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
         "per row): the dialogues of a row would attend to each other. Keep the boundaries: "
         "set use_varlen_attn=True on the dataset and on default_collate_fn (the start-up does "
         "it; drop any --cfg-options that sets them False), or collate with "
-        "dict(type=rope_collate_fn, pack=True, max_length=max_length).")
+        "dict(type=rope_collate_fn, pack=True, max_length=max_length)."
+    )
 
 
 class PackedBatchCheckHook(Hook):
@@ -157,10 +164,14 @@ class PackedBatchCheckHook(Hook):
             return
         self._reported = True
         segments = sum(len(row) - 1 for row in rows)
-        how = (f"{segments} segments (documents and padding) isolated by the attention"
-               if rows else "no document boundaries (plain padded rows)")
-        print_log(f"PackedBatchCheckHook: first batch {b} rows x {s} tokens, {how}.",
-                  logger="current")
+        how = (
+            f"{segments} segments (documents and padding) isolated by the attention"
+            if rows
+            else "no document boundaries (plain padded rows)"
+        )
+        print_log(
+            f"PackedBatchCheckHook: first batch {b} rows x {s} tokens, {how}.", logger="current"
+        )
 
     def before_train(self, runner) -> None:
         self._inspect_model(runner)
@@ -181,21 +192,24 @@ class PackedBatchCheckHook(Hook):
                 "segments, but the model's attention does not isolate documents (documents would "
                 "silently attend to each other). Add dict(type=ValidatedRoPEHook) to custom_hooks "
                 "(the start-up through model_resource=dict(fn=enable_xtuner_rope) adds it), or "
-                "collate with pack=False.")
+                "collate with pack=False."
+            )
 
     def _limits(self, runner) -> tuple[int | None, int | None]:
         config = getattr(language_model(runner.model), "config", None)
         vocab = self.vocab_size or getattr(config, "vocab_size", None)
         if self.max_position is not None:
             return vocab, self.max_position
-        rotary = next((m for m in runner.model.modules()
-                       if isinstance(m, VALIDATED_ROTARIES)), None)
+        rotary = next(
+            (m for m in runner.model.modules() if isinstance(m, VALIDATED_ROTARIES)), None
+        )
         if rotary is not None:
             return vocab, rotary.limit()[0]
         return vocab, getattr(config, "max_position_embeddings", None)
 
-    def _check_and_publish(self, runner, data_batch: DATA_BATCH,
-                           packed_by: str | None = None) -> None:
+    def _check_and_publish(
+        self, runner, data_batch: DATA_BATCH, packed_by: str | None = None
+    ) -> None:
         data = batch_data(data_batch, "PackedBatchCheckHook")
         if self._checked_limits is None:
             self._inspect_model(runner)
@@ -223,16 +237,19 @@ class PackedBatchCheckHook(Hook):
         self._check_and_publish(runner, data_batch, self._packed_by)
         # Sequence parallel splits train rows only (batch.sequence_parallel).
         shape = tuple(batch_data(data_batch, "PackedBatchCheckHook")["input_ids"].shape)
-        check_sequence_parallel_rows(shape, sequence_parallel_size(),
-                                     pads_itself=bool(self._isolating))
+        check_sequence_parallel_rows(
+            shape, sequence_parallel_size(), pads_itself=bool(self._isolating)
+        )
 
     def before_val_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
         self._check_and_publish(runner, data_batch)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None,
-                         outputs: Optional[dict] = None) -> None:
+    def after_train_iter(
+        self, runner, batch_idx: int, data_batch: DATA_BATCH = None, outputs: Optional[dict] = None
+    ) -> None:
         self._reset()
 
-    def after_val_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None,
-                       outputs=None) -> None:
+    def after_val_iter(
+        self, runner, batch_idx: int, data_batch: DATA_BATCH = None, outputs=None
+    ) -> None:
         self._reset()

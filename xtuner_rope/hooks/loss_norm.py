@@ -106,7 +106,7 @@ def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tenso
             bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
             ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())[:s]
             segment[row] = first + len(bounds) - 1  # positions after the last boundary
-            segment[row, :len(ids)] = first + ids
+            segment[row, : len(ids)] = first + ids
             first += len(bounds)
     segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
     counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
@@ -132,10 +132,12 @@ def preference_pairs(data: dict) -> int:
     else:
         pairs = int(data["input_ids"].shape[0]) // 2
     if pairs == 0:
-        raise ValueError(f"preference_pairs: no pair in a batch of {tuple(data['input_ids'].shape)}"
-                         " input_ids (packed: cumulative_len, chosen then rejected per pair; "
-                         "unpacked: 2 rows per pair); was cumulative_len removed before "
-                         f"TokenWeightedLossHook ran? Set {OPT_OUT} to train without it.")
+        raise ValueError(
+            f"preference_pairs: no pair in a batch of {tuple(data['input_ids'].shape)}"
+            " input_ids (packed: cumulative_len, chosen then rejected per pair; "
+            "unpacked: 2 rows per pair); was cumulative_len removed before "
+            f"TokenWeightedLossHook ran? Set {OPT_OUT} to train without it."
+        )
     return pairs
 
 
@@ -148,9 +150,11 @@ def loss_normalization(cfg: object) -> str:
     # MMEngine's Config is no Mapping, but has ``get``; a runner built in code has a dict.
     mode = cfg.get(LOSS_NORMALIZATION_KEY, TOKEN) if hasattr(cfg, "get") else TOKEN
     if mode not in LOSS_NORMALIZATIONS:
-        raise ValueError(f"{LOSS_NORMALIZATION_KEY}: expected one of {LOSS_NORMALIZATIONS}, got "
-                         f"{mode!r}. Set it at the top level of the config, or delete it for "
-                         f'the default "{TOKEN}".')
+        raise ValueError(
+            f"{LOSS_NORMALIZATION_KEY}: expected one of {LOSS_NORMALIZATIONS}, got "
+            f"{mode!r}. Set it at the top level of the config, or delete it for "
+            f'the default "{TOKEN}".'
+        )
     return mode
 
 
@@ -161,10 +165,15 @@ def loss_normalization_findings(cfg) -> list:
     mode = cfg._cfg_dict.get(LOSS_NORMALIZATION_KEY, TOKEN)
     if mode in LOSS_NORMALIZATIONS:
         return []
-    return [Finding(LOSS_NORMALIZATION_KEY, f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
-                    f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
-                    f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
-                    f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)')]
+    return [
+        Finding(
+            LOSS_NORMALIZATION_KEY,
+            f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
+            f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
+            f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
+            f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)',
+        )
+    ]
 
 
 class TokenWeightedLossHook(Hook):
@@ -197,46 +206,68 @@ class TokenWeightedLossHook(Hook):
         mode = loss_normalization(runner.cfg)
         model = unwrap_model(runner.model)
         if mode == MICRO_BATCH:
-            print_log(f"xtuner-rope: {OPT_OUT}: each micro-batch's mean loss, averaged over "
-                      "accumulation steps and ranks (XTuner's weighting).", logger="current")
+            print_log(
+                f"xtuner-rope: {OPT_OUT}: each micro-batch's mean loss, averaged over "
+                "accumulation steps and ranks (XTuner's weighting).",
+                logger="current",
+            )
             return
         name = type(model).__name__
-        if name in PAIR_MEAN_MODELS and getattr(model, "loss_type", None) in \
-                NOT_PAIR_MEAN_DPO_LOSSES:
-            print_log(f"xtuner-rope: pair-weighted loss not applied: {name}'s loss_type "
-                      f"{model.loss_type!r} is not a mean over pairs.", logger="current")
+        if (
+            name in PAIR_MEAN_MODELS
+            and getattr(model, "loss_type", None) in NOT_PAIR_MEAN_DPO_LOSSES
+        ):
+            print_log(
+                f"xtuner-rope: pair-weighted loss not applied: {name}'s loss_type "
+                f"{model.loss_type!r} is not a mean over pairs.",
+                logger="current",
+            )
             return
         if name in PAIR_MEAN_MODELS:
             self.unit = "pair"
             self._reward_ranks = name == "RewardModel" and get_world_size() > 1
             self.wrap(runner.optim_wrapper)
-            print_log("xtuner-rope: pair-weighted loss: every optimizer step weights each "
-                      "preference pair equally over all its micro-batches and ranks (sum of pair "
-                      "losses / pairs); the logged loss is still each micro-batch's mean. Opt "
-                      f"out: {OPT_OUT}.", logger="current")
+            print_log(
+                "xtuner-rope: pair-weighted loss: every optimizer step weights each "
+                "preference pair equally over all its micro-batches and ranks (sum of pair "
+                "losses / pairs); the logged loss is still each micro-batch's mean. Opt "
+                f"out: {OPT_OUT}.",
+                logger="current",
+            )
             return
         if name not in TOKEN_MEAN_MODELS:
-            print_log(f"xtuner-rope: token-weighted loss not applied: {name}'s "
-                      "loss is not a mean over supervised tokens.", logger="current")
+            print_log(
+                f"xtuner-rope: token-weighted loss not applied: {name}'s "
+                "loss is not a mean over supervised tokens.",
+                logger="current",
+            )
             return
         if mode == DIALOGUE:
             if name != "SupervisedFinetune":
-                raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" serves XTuner\'s '
-                                 f"SupervisedFinetune only, got {name}; use the default "
-                                 f'"{TOKEN}".')
+                raise ValueError(
+                    f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" serves XTuner\'s '
+                    f"SupervisedFinetune only, got {name}; use the default "
+                    f'"{TOKEN}".'
+                )
             self.unit = "dialogue"
             self._patch_dialogue_loss(model)
             self.wrap(runner.optim_wrapper)
-            print_log('xtuner-rope: loss_normalization = "dialogue": every optimizer step '
-                      "weights each dialogue equally over all its micro-batches and ranks (mean "
-                      "over dialogues of each dialogue's mean token loss); the logged loss is "
-                      "each micro-batch's mean over its dialogues.", logger="current")
+            print_log(
+                'xtuner-rope: loss_normalization = "dialogue": every optimizer step '
+                "weights each dialogue equally over all its micro-batches and ranks (mean "
+                "over dialogues of each dialogue's mean token loss); the logged loss is "
+                "each micro-batch's mean over its dialogues.",
+                logger="current",
+            )
             return
         self.wrap(runner.optim_wrapper)
-        print_log("xtuner-rope: token-weighted loss: every optimizer step weights each "
-                  "supervised token equally over all its micro-batches and ranks (sum of token "
-                  "losses / supervised tokens); the logged loss is still each micro-batch's "
-                  f"mean. Opt out: {OPT_OUT}.", logger="current")
+        print_log(
+            "xtuner-rope: token-weighted loss: every optimizer step weights each "
+            "supervised token equally over all its micro-batches and ranks (sum of token "
+            "losses / supervised tokens); the logged loss is still each micro-batch's "
+            f"mean. Opt out: {OPT_OUT}.",
+            logger="current",
+        )
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if self.active and self.unit == "pair":
@@ -244,14 +275,19 @@ class TokenWeightedLossHook(Hook):
         elif self.active and self.unit == "dialogue":
             data = batch_data(data_batch, "TokenWeightedLossHook")
             labels = data.get("labels")
-            bounds = (row_boundaries(data, labels.shape[0])
-                      if data.get("cumulative_len") is not None else None)
+            bounds = (
+                row_boundaries(data, labels.shape[0])
+                if data.get("cumulative_len") is not None
+                else None
+            )
             self._dialogue_weights, self._pending = dialogue_weights(labels, bounds)
         elif self.active:
             labels = batch_data(data_batch, "TokenWeightedLossHook").get("labels")
             if not isinstance(labels, torch.Tensor):
-                raise TypeError("TokenWeightedLossHook: the batch has no 'labels' tensor to "
-                                f'count supervised tokens in; set {OPT_OUT} to train without it.')
+                raise TypeError(
+                    "TokenWeightedLossHook: the batch has no 'labels' tensor to "
+                    f"count supervised tokens in; set {OPT_OUT} to train without it."
+                )
             self._pending = supervised_tokens(labels)
 
     def after_train(self, runner) -> None:
@@ -269,9 +305,11 @@ class TokenWeightedLossHook(Hook):
         from xtuner.parallel.sequence import get_sequence_parallel_world_size
 
         if get_sequence_parallel_world_size() > 1:
-            raise ValueError(f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" does not support '
-                             "sequence parallel yet; use the default "
-                             f'"{TOKEN}" with sequence_parallel_size > 1.')
+            raise ValueError(
+                f'{LOSS_NORMALIZATION_KEY} = "{DIALOGUE}" does not support '
+                "sequence parallel yet; use the default "
+                f'"{TOKEN}" with sequence_parallel_size > 1.'
+            )
 
         def compute_loss(data, data_samples=None):
             weights, dialogues = self._dialogue_weights, self._pending
@@ -280,8 +318,11 @@ class TokenWeightedLossHook(Hook):
             labels = data["labels"]
             logits = model.llm(**{k: v for k, v in data.items() if k != "labels"}).logits
             tokens = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                ignore_index=IGNORE_INDEX, reduction="none")
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )
             weights = weights.to(tokens.device).flatten()
             return {"loss": (tokens * weights).sum() / max(dialogues, 1)}
 
@@ -308,9 +349,11 @@ class TokenWeightedLossHook(Hook):
         elif type(optim_wrapper).__name__ == "DeepSpeedOptimWrapper":
             self._wrap_deepspeed(optim_wrapper)
         else:
-            raise TypeError(f"TokenWeightedLossHook: optim_wrapper {type(optim_wrapper).__name__}"
-                            " is not supported (MMEngine OptimWrapper and subclasses, "
-                            f"DeepSpeedOptimWrapper); set {OPT_OUT} to train without it.")
+            raise TypeError(
+                f"TokenWeightedLossHook: optim_wrapper {type(optim_wrapper).__name__}"
+                " is not supported (MMEngine OptimWrapper and subclasses, "
+                f"DeepSpeedOptimWrapper); set {OPT_OUT} to train without it."
+            )
         self.active = True
 
     def _wrap_deepspeed(self, optim_wrapper) -> None:
@@ -326,7 +369,8 @@ class TokenWeightedLossHook(Hook):
             # ZeRO divides gradients (and the norm it clips and reports) by its loss scale.
             zero = engine.optimizer
             zero.external_loss_scale = self._total() / (
-                engine.gradient_accumulation_steps() * get_world_size())
+                engine.gradient_accumulation_steps() * get_world_size()
+            )
             zero.custom_loss_scaler = True
             try:
                 return step(**kwargs)
@@ -334,8 +378,10 @@ class TokenWeightedLossHook(Hook):
                 zero.custom_loss_scaler, zero.external_loss_scale = False, None
 
         if not hasattr(optim_wrapper.model.optimizer, "custom_loss_scaler"):
-            raise TypeError("TokenWeightedLossHook: DeepSpeed without ZeRO (stage 0) is not "
-                            f"supported; use ZeRO-1/2/3 or set {OPT_OUT}.")
+            raise TypeError(
+                "TokenWeightedLossHook: DeepSpeed without ZeRO (stage 0) is not "
+                f"supported; use ZeRO-1/2/3 or set {OPT_OUT}."
+            )
         self._patch("update_params", deepspeed_update_params)
         self._patch("step", deepspeed_step)
 
@@ -366,12 +412,23 @@ class TokenWeightedLossHook(Hook):
 
     @staticmethod
     def _rescale_grads(optimizer: torch.optim.Optimizer, factor: float) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if grads:
             torch._foreach_mul_(grads, factor)
 
 
-__all__ = ["LOSS_NORMALIZATIONS", "LOSS_NORMALIZATION_KEY", "TokenWeightedLossHook",
-           "dialogue_weights", "loss_normalization", "loss_normalization_findings",
-           "preference_pairs", "supervised_tokens"]
+__all__ = [
+    "LOSS_NORMALIZATIONS",
+    "LOSS_NORMALIZATION_KEY",
+    "TokenWeightedLossHook",
+    "dialogue_weights",
+    "loss_normalization",
+    "loss_normalization_findings",
+    "preference_pairs",
+    "supervised_tokens",
+]

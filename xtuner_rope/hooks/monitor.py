@@ -6,6 +6,7 @@
   before the optimizer applies it, and saves the batch and the weights for
   ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.doctor.replay`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,14 @@ DATA_BATCH = Optional[Union[dict, tuple, list]]
 
 # Log names (``train/<name>`` in the MessageHub): figure of a window of iterations.
 METRICS = {
-    'docs_per_row': lambda w, total: w.documents / max(w.rows, 1),
-    'real_token_share': lambda w, total: w.real_tokens / max(w.tokens, 1),
-    'longest_doc': lambda w, total: w.longest_document,
-    'max_position_id': lambda w, total: w.max_position,
-    'unsupervised_seen': lambda w, total: total,
+    "docs_per_row": lambda w, total: w.documents / max(w.rows, 1),
+    "real_token_share": lambda w, total: w.real_tokens / max(w.tokens, 1),
+    "longest_doc": lambda w, total: w.longest_document,
+    "max_position_id": lambda w, total: w.max_position,
+    "unsupervised_seen": lambda w, total: total,
 }
 # XTuner's preference models (their rows hold chosen/rejected pairs): pairs_per_row is logged.
-PAIR_MODELS = ('DPO', 'ORPO', 'RewardModel')
+PAIR_MODELS = ("DPO", "ORPO", "RewardModel")
 
 
 class PackingMetricsHook(Hook):
@@ -71,23 +72,25 @@ class PackingMetricsHook(Hook):
         if self.window is None:
             loggers = [h for h in runner.hooks if isinstance(h, LoggerHook)]
             self.window = loggers[0].interval if loggers else 10
-        seen = runner.message_hub.log_scalars.get('train/unsupervised_seen')
+        seen = runner.message_hub.log_scalars.get("train/unsupervised_seen")
         self._unsupervised = int(seen.current()) if seen is not None else 0
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
-        if not isinstance(data_batch, dict) or not isinstance(data_batch.get('data'), dict):
+        if not isinstance(data_batch, dict) or not isinstance(data_batch.get("data"), dict):
             return
-        stats = batch_stats(data_batch['data'], pad_index=self.pad_index)
+        stats = batch_stats(data_batch["data"], pad_index=self.pad_index)
         if runner.iter % self.window == 0:
             self._stats = BatchStats()
         self._stats = self._stats + stats
         self._unsupervised += stats.unsupervised_documents
         for name, figure in METRICS.items():
-            runner.message_hub.update_scalar(f'train/{name}',
-                                             float(figure(self._stats, self._unsupervised)))
+            runner.message_hub.update_scalar(
+                f"train/{name}", float(figure(self._stats, self._unsupervised))
+            )
         if self._pairs:
             runner.message_hub.update_scalar(
-                'train/pairs_per_row', self._stats.documents / 2 / max(self._stats.rows, 1))
+                "train/pairs_per_row", self._stats.documents / 2 / max(self._stats.rows, 1)
+            )
 
 
 class NonFiniteError(RuntimeError):
@@ -95,15 +98,18 @@ class NonFiniteError(RuntimeError):
 
 
 def _optimizers(runner) -> list:
-    wrapper = getattr(runner, 'optim_wrapper', None)
-    wrappers = getattr(wrapper, 'optim_wrappers', None)
+    wrapper = getattr(runner, "optim_wrapper", None)
+    wrappers = getattr(wrapper, "optim_wrappers", None)
     found = list(wrappers.values()) if isinstance(wrappers, dict) else [wrapper]
-    return [w.optimizer for w in found if w is not None
-            and hasattr(getattr(w, 'optimizer', None), 'register_step_pre_hook')]
+    return [
+        w.optimizer
+        for w in found
+        if w is not None and hasattr(getattr(w, "optimizer", None), "register_step_pre_hook")
+    ]
 
 
 def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    if hasattr(torch.nn.utils, 'get_total_norm'):  # torch >= 2.6
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
@@ -144,8 +150,9 @@ class NonFiniteTripwireHook(Hook):
         self._runner = runner
         model = unwrap_model(runner.model)
         self._handles = [model.register_forward_hook(self._collect_losses)]
-        self._handles += [opt.register_step_pre_hook(self._before_step)
-                          for opt in _optimizers(runner)]
+        self._handles += [
+            opt.register_step_pre_hook(self._before_step) for opt in _optimizers(runner)
+        ]
         self._steps_checked = bool(self._handles[1:])
 
     def after_train(self, runner) -> None:
@@ -154,83 +161,126 @@ class NonFiniteTripwireHook(Hook):
         self._handles = []
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
-        data = data_batch.get('data') if isinstance(data_batch, dict) else None
+        data = data_batch.get("data") if isinstance(data_batch, dict) else None
         self._batch = dict(data) if isinstance(data, dict) else None
         self._batch_idx = batch_idx
         self._losses, self._checked = [], False
 
     def _collect_losses(self, module, args, output) -> None:
         if module.training and isinstance(output, dict):
-            self._losses += [v.detach() for k, v in output.items()
-                             if 'loss' in k and isinstance(v, torch.Tensor)]
+            self._losses += [
+                v.detach() for k, v in output.items() if "loss" in k and isinstance(v, torch.Tensor)
+            ]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group['params']
-                 if p.grad is not None]
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         norm = _grad_norm(grads) if grads else None
         losses = [loss.float().sum().reshape(1) for loss in self._losses]
-        values = torch.cat(losses + ([] if norm is None else [norm.float().reshape(1)
-                                                              .to(losses[0].device if losses
-                                                                  else norm.device)]))
+        values = torch.cat(
+            losses
+            + (
+                []
+                if norm is None
+                else [norm.float().reshape(1).to(losses[0].device if losses else norm.device)]
+            )
+        )
         values = values.tolist()  # the one sync of the check
         self._checked = True
-        for name, value in zip(['loss'] * len(losses) + ['grad_norm'], values):
-            if value != value or value in (float('inf'), float('-inf')):
+        for name, value in zip(["loss"] * len(losses) + ["grad_norm"], values):
+            if value != value or value in (float("inf"), float("-inf")):
                 self._trip(self._runner, name, value, stepped=False, optimizer=optimizer)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None,
-                         outputs: Optional[dict] = None) -> None:
+    def after_train_iter(
+        self, runner, batch_idx: int, data_batch: DATA_BATCH = None, outputs: Optional[dict] = None
+    ) -> None:
         if self._checked or not isinstance(outputs, dict):
             return
-        loss = outputs.get('loss')
+        loss = outputs.get("loss")
         if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
             # Without step hooks (DeepSpeed) the optimizer may already have applied it.
-            self._trip(runner, 'loss', float(loss.float().sum()), stepped=not self._steps_checked)
+            self._trip(runner, "loss", float(loss.float().sum()), stepped=not self._steps_checked)
 
     def _trip(self, runner, quantity: str, value: float, stepped: bool, optimizer=None) -> None:
         k = runner.iter + 1  # as the log line counts
         work_dir = Path(runner.work_dir)
-        weights = work_dir / f'nonfinite_iter{k}_weights.pt'
+        weights = work_dir / f"nonfinite_iter{k}_weights.pt"
         model = unwrap_model(runner.model)
         if self.save_weights:
             torch.save({n: t.detach().cpu() for n, t in model.state_dict().items()}, weights)
-        path = save_record(work_dir / f'nonfinite_iter{k}.pt', self._record(
-            runner, k, quantity, value, stepped, str(weights) if self.save_weights else None,
-            optimizer))
-        config = getattr(runner.cfg, 'filename', None) or '<your config>'
+        path = save_record(
+            work_dir / f"nonfinite_iter{k}.pt",
+            self._record(
+                runner,
+                k,
+                quantity,
+                value,
+                stepped,
+                str(weights) if self.save_weights else None,
+                optimizer,
+            ),
+        )
+        config = getattr(runner.cfg, "filename", None) or "<your config>"
         raise NonFiniteError(
-            f'NonFiniteTripwireHook: iteration {k}: non-finite {quantity} ({value}); training '
-            f'stopped {"after" if stepped else "before"} the optimizer step. The batch is saved '
-            f'in {path}' + (f' and the weights it ran with in {weights}' if self.save_weights
-                            else '') +
-            f'. Find the first layer and document that produced it with:\n'
-            f'    python tools/replay_batch.py {path} --config {config}')
+            f"NonFiniteTripwireHook: iteration {k}: non-finite {quantity} ({value}); training "
+            f"stopped {'after' if stepped else 'before'} the optimizer step. The batch is saved "
+            f"in {path}"
+            + (f" and the weights it ran with in {weights}" if self.save_weights else "")
+            + f". Find the first layer and document that produced it with:\n"
+            f"    python tools/replay_batch.py {path} --config {config}"
+        )
 
-    def _record(self, runner, k: int, quantity: str, value: float, stepped: bool,
-                weights: str | None, optimizer) -> dict:
+    def _record(
+        self,
+        runner,
+        k: int,
+        quantity: str,
+        value: float,
+        stepped: bool,
+        weights: str | None,
+        optimizer,
+    ) -> dict:
         """Everything the replay needs: batch, boundaries, attention arguments, provenance."""
-        data = {n: t.detach().cpu() for n, t in (self._batch or {}).items()
-                if isinstance(t, torch.Tensor)}
-        b, s = data['input_ids'].shape
-        rows = data.get('position_ids', torch.arange(s).expand(b, s))  # none: one doc per row
+        data = {
+            n: t.detach().cpu()
+            for n, t in (self._batch or {}).items()
+            if isinstance(t, torch.Tensor)
+        }
+        b, s = data["input_ids"].shape
+        rows = data.get("position_ids", torch.arange(s).expand(b, s))  # none: one doc per row
         cumulative, max_seqlen = channel.read()
         bad_grads = []
         if optimizer is not None:
             names = {p: n for n, p in runner.model.named_parameters()}
-            bad_grads = [names.get(p, '?') for group in optimizer.param_groups
-                         for p in group['params']
-                         if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        last = Path(runner.work_dir) / 'last_checkpoint'
+            bad_grads = [
+                names.get(p, "?")
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
+        last = Path(runner.work_dir) / "last_checkpoint"
         return {
-            'iteration': k, 'batch_idx': self._batch_idx, 'epoch': runner.epoch,
-            'seed': runner.seed, 'rank': get_rank(), 'quantity': quantity, 'value': value,
-            'stepped': stepped, 'data': data,
-            'boundaries': [cumulative_from_position_ids(r) for r in rows],
-            'varlen': {'cumulative_len': None if cumulative is None else cumulative.cpu(),
-                       'max_seqlen': max_seqlen},
-            'isolating': isolates_documents(runner.model),
-            'nonfinite_grads': bad_grads[:20],
-            'config': str(getattr(runner.cfg, 'filename', '') or ''),
-            'weights': weights,
-            'last_checkpoint': last.read_text().strip() if last.is_file() else None,
+            "iteration": k,
+            "batch_idx": self._batch_idx,
+            "epoch": runner.epoch,
+            "seed": runner.seed,
+            "rank": get_rank(),
+            "quantity": quantity,
+            "value": value,
+            "stepped": stepped,
+            "data": data,
+            "boundaries": [cumulative_from_position_ids(r) for r in rows],
+            "varlen": {
+                "cumulative_len": None if cumulative is None else cumulative.cpu(),
+                "max_seqlen": max_seqlen,
+            },
+            "isolating": isolates_documents(runner.model),
+            "nonfinite_grads": bad_grads[:20],
+            "config": str(getattr(runner.cfg, "filename", "") or ""),
+            "weights": weights,
+            "last_checkpoint": last.read_text().strip() if last.is_file() else None,
         }

@@ -50,11 +50,16 @@ def language_model(model: nn.Module) -> nn.Module:
 
 def isolates_documents(model: nn.Module) -> bool:
     """True if ``model`` has attention layers of a supported family, all carrying our patch."""
-    layers = [m for m in model.modules()
-              if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES + HF_ATTENTION_CLASSES]
+    layers = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in INTERNLM2_ATTENTION_CLASSES + HF_ATTENTION_CLASSES
+    ]
     return bool(layers) and all(
         is_patched_hf_attention(m)
-        or getattr(m.forward, "__func__", None) is internlm2_attention_forward for m in layers)
+        or getattr(m.forward, "__func__", None) is internlm2_attention_forward
+        for m in layers
+    )
 
 
 def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
@@ -76,9 +81,11 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
             patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
         # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".
         return count, family_of_class(type(layers[0]).__name__).attention[0].removesuffix(
-            "Attention")
+            "Attention"
+        )
     raise ValueError(
         f"ValidatedRoPEHook: {type(language_model(model)).__name__} has no attention layer "
         f"xtuner-rope can serve. Supported families: InternLM2 / InternLM2.5 (classes "
         f"{', '.join(INTERNLM2_ATTENTION_CLASSES)}), {HF_FAMILIES} (classes "
-        f"{', '.join(HF_ATTENTION_CLASSES)}). Train this model without xtuner-rope.")
+        f"{', '.join(HF_ATTENTION_CLASSES)}). Train this model without xtuner-rope."
+    )

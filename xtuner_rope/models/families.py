@@ -50,8 +50,14 @@ class Family:
 
 
 def _family(key: str, name: str, cls: str, **quirks) -> Family:
-    return Family(name, (key,), f"transformers.models.{key}.modeling_{key}", (f"{cls}Attention",),
-                  (f"{cls}RotaryEmbedding",), **quirks)
+    return Family(
+        name,
+        (key,),
+        f"transformers.models.{key}.modeling_{key}",
+        (f"{cls}Attention",),
+        (f"{cls}RotaryEmbedding",),
+        **quirks,
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -63,24 +69,34 @@ FAMILIES: dict[str, Family] = {
     "gemma": _family("gemma", "Gemma", "Gemma"),
     "cohere": _family("cohere", "Cohere", "Cohere", interleaved=True, fp32_apply=False),
     "qwen2_moe": Family(
-        "Qwen2-MoE (Qwen1.5-MoE)", ("qwen2_moe",),
+        "Qwen2-MoE (Qwen1.5-MoE)",
+        ("qwen2_moe",),
         "transformers.models.qwen2_moe.modeling_qwen2_moe",
         ("Qwen2MoeAttention", "Qwen2MoeSdpaAttention", "Qwen2MoeFlashAttention2"),
-        ("Qwen2MoeRotaryEmbedding",), interface="forward"),
+        ("Qwen2MoeRotaryEmbedding",),
+        interface="forward",
+    ),
 }
 
-_REMOTE = ("its modeling code is a checkpoint's remote code that xtuner-rope has no integration "
-           "for (its attention and rotary are not validated)")
-UNSERVED_ADVICE = ("use a checkpoint of a served family, or train this one without xtuner-rope: "
-                   "remove `model_resource = dict(fn=enable_xtuner_rope)` and the xtuner_rope "
-                   "hooks/collate from the config, and train without packing "
-                   "(pack_to_max_length=False) or with XTuner's own varlen attention on a GPU "
-                   "with flash-attn")
+_REMOTE = (
+    "its modeling code is a checkpoint's remote code that xtuner-rope has no integration "
+    "for (its attention and rotary are not validated)"
+)
+UNSERVED_ADVICE = (
+    "use a checkpoint of a served family, or train this one without xtuner-rope: "
+    "remove `model_resource = dict(fn=enable_xtuner_rope)` and the xtuner_rope "
+    "hooks/collate from the config, and train without packing "
+    "(pack_to_max_length=False) or with XTuner's own varlen attention on a GPU "
+    "with flash-attn"
+)
 # model_type -> (family, why not). InternLM2 is served by models/internlm2.py (not listed).
 REFUSED: dict[str, tuple[str, str]] = {
-    "gpt_bigcode": ("GPT-BigCode (StarCoder)", "it has no rotary position embedding (learned "
-                    "absolute positions), so there is no RoPE to validate and its attention "
-                    "has no document-isolating integration"),
+    "gpt_bigcode": (
+        "GPT-BigCode (StarCoder)",
+        "it has no rotary position embedding (learned "
+        "absolute positions), so there is no RoPE to validate and its attention "
+        "has no document-isolating integration",
+    ),
     "internlm": ("InternLM (1)", _REMOTE),
     "internlm3": ("InternLM3", _REMOTE),
     "baichuan": ("Baichuan / Baichuan2", _REMOTE),
@@ -167,8 +183,9 @@ def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
     family, why = REFUSED.get(model_type, (model_type, "xtuner-rope has no integration for it"))
     if "auto_map" in data and model_type not in REFUSED:
         why += " (its modeling code is remote code)"
-    return where, (f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, "
-                   f"{family_names()})")
+    return where, (
+        f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, {family_names()})"
+    )
 
 
 # XTuner's own modeling packages (``xtuner.model.transformers_models``) -> model_type: the stock
@@ -207,8 +224,11 @@ def model_class_verdict(class_path: object) -> tuple[str, str] | None:
     family, why = REFUSED[XTUNER_MODEL_PACKAGES[package]]
     broken = _import_error(package)
     if broken:
-        why += (f"; besides, XTuner's bundled modeling package {package} does not import here "
-                f"({broken})")
-    return (class_path,
-            f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, "
-            f"{family_names()})")
+        why += (
+            f"; besides, XTuner's bundled modeling package {package} does not import here "
+            f"({broken})"
+        )
+    return (
+        class_path,
+        f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, {family_names()})",
+    )

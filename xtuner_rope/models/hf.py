@@ -74,8 +74,9 @@ def _plan(position_ids, b: int, s: int, kv_len: int, device: torch.device):
     """The packed layout of this call, or None where the original kernel must run."""
     if kv_len != s:  # cached keys: a generation step, whose mask the model already built
         return None
-    if hub_cumulative_len() is None and (position_ids is None
-                                         or not _rows_start_at_zero(position_ids)):
+    if hub_cumulative_len() is None and (
+        position_ids is None or not _rows_start_at_zero(position_ids)
+    ):
         return None  # no published boundaries, and a left-padded prompt is no pack
     return batch_document_plan(position_ids, b, s, device)
 
@@ -96,23 +97,32 @@ def _check_packable(module: nn.Module, plan, head_dim: int, kwargs: dict) -> Non
         raise ValueError(
             f"{name} layer {module.layer_idx}: attention dropout {kwargs['dropout']} is not "
             "supported on packed batches (the packed kernels have no dropout); set "
-            "config.attention_dropout = 0.0, or collate with pack=False.")
+            "config.attention_dropout = 0.0, or collate with pack=False."
+        )
     scaling = kwargs.get("scaling")
-    if scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-12 * scaling:
+    if scaling is not None and abs(scaling - head_dim**-0.5) > 1e-12 * scaling:
         raise ValueError(
             f"{name} layer {module.layer_idx}: attention scaling {scaling} differs from "
-            f"head_dim ** -0.5 = {head_dim ** -0.5}, which the packed kernels use; this model "
-            "cannot train on packed batches.")
+            f"head_dim ** -0.5 = {head_dim**-0.5}, which the packed kernels use; this model "
+            "cannot train on packed batches."
+        )
     window = kwargs.get("sliding_window")
     if window is not None and plan.max_seqlen > window:
         raise ValueError(
             f"{name} layer {module.layer_idx}: a packed document of {plan.max_seqlen} tokens is "
             f"longer than the sliding window ({window}), which the packed kernels do not "
-            "apply; keep documents within the window (max_length) or collate with pack=False.")
+            "apply; keep documents within the window (max_length) or collate with pack=False."
+        )
 
 
-def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+def hf_packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
     """``ALL_ATTENTION_FUNCTIONS`` entry: document-isolating on packed rows, else the original.
 
     Args:
@@ -136,24 +146,35 @@ def hf_packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     query, key = query.to(value.dtype), key.to(value.dtype)
     b, _, s, h_d = query.shape
     if key.shape[-2] == s and sequence_parallel_active(module):  # a shard of the row
-        _check_packable(module, full_row_plan(b, s * sequence_parallel_size(), query.device),
-                        h_d, kwargs)
+        _check_packable(
+            module, full_row_plan(b, s * sequence_parallel_size(), query.device), h_d, kwargs
+        )
         eager = getattr(module, DENSE_KERNEL_ATTR) == "eager"
-        return sequence_parallel_attention(*(x.transpose(1, 2) for x in (query, key, value)),
-                                           eager), None
+        return sequence_parallel_attention(
+            *(x.transpose(1, 2) for x in (query, key, value)), eager
+        ), None
     plan = _plan(kwargs.get("position_ids"), b, s, key.shape[-2], query.device)
     if plan is None:
         return _dense(module, query, key, value, attention_mask, **kwargs)
     _check_packable(module, plan, h_d, kwargs)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, heads, h_d]
     return packed_attention(
-        q, k, v, plan, choose_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")), None
+        q, k, v, plan, choose_backend(query, getattr(module, DENSE_KERNEL_ATTR) == "eager")
+    ), None
 
 
-def moe_attention_forward(self, hidden_states: torch.Tensor, attention_mask=None,
-                          position_ids=None, past_key_value=None, output_attentions=False,
-                          use_cache=False, cache_position=None, position_embeddings=None,
-                          **kwargs):
+def moe_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask=None,
+    position_ids=None,
+    past_key_value=None,
+    output_attentions=False,
+    use_cache=False,
+    cache_position=None,
+    position_embeddings=None,
+    **kwargs,
+):
     """Qwen2-MoE attention (any of its backend classes): packed rows isolated, the rest upstream.
 
     Same signature and return as transformers 4.48 ``Qwen2MoeAttention.forward``:
@@ -162,28 +183,46 @@ def moe_attention_forward(self, hidden_states: torch.Tensor, attention_mask=None
     """
     b, s, _ = hidden_states.shape
     cached = past_key_value.get_seq_length(self.layer_idx) if past_key_value is not None else 0
-    plan = None if output_attentions else _plan(position_ids, b, s, s + cached,
-                                                hidden_states.device)
+    plan = (
+        None if output_attentions else _plan(position_ids, b, s, s + cached, hidden_states.device)
+    )
     if plan is None:
-        return type(self).forward(self, hidden_states, attention_mask, position_ids,
-                                  past_key_value, output_attentions, use_cache, cache_position,
-                                  position_embeddings, **kwargs)
+        return type(self).forward(
+            self,
+            hidden_states,
+            attention_mask,
+            position_ids,
+            past_key_value,
+            output_attentions,
+            use_cache,
+            cache_position,
+            position_embeddings,
+            **kwargs,
+        )
     family = sys.modules[type(self).__module__]
-    q, k, v = (proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, h_d]
-               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = (
+        proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, h_d]
+        for proj in (self.q_proj, self.k_proj, self.v_proj)
+    )
     cos, sin = position_embeddings
     q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_value is not None:
-        k, v = past_key_value.update(k, v, self.layer_idx, {"sin": sin, "cos": cos,
-                                                            "cache_position": cache_position})
+        k, v = past_key_value.update(
+            k, v, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position}
+        )
     q, k = q.to(v.dtype), k.to(v.dtype)
     config = self.config
     window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
-    _check_packable(self, plan, self.head_dim, dict(
-        dropout=self.attention_dropout if self.training else 0.0, sliding_window=window))
+    _check_packable(
+        self,
+        plan,
+        self.head_dim,
+        dict(dropout=self.attention_dropout if self.training else 0.0, sliding_window=window),
+    )
     eager = getattr(self, DENSE_KERNEL_ATTR) == "eager"
-    out = packed_attention(*(x.transpose(1, 2) for x in (q, k, v)), plan,
-                           choose_backend(q, eager))  # [b, s, n_h, h_d]
+    out = packed_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), plan, choose_backend(q, eager)
+    )  # [b, s, n_h, h_d]
     return self.o_proj(out.reshape(b, s, -1)), None, past_key_value
 
 
@@ -203,8 +242,13 @@ def fp32_rotation_modules(layers: list[nn.Module]) -> list[str]:
     """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` needs
     ``compat.patch_hf_fp32_rotation`` (Cohere's upcasts to fp32 itself, and rotates interleaved
     halves, which the wrapper's kernel does not)."""
-    return sorted({type(layer).__module__ for layer in layers
-                   if family_of_class(type(layer).__name__).fp32_apply})
+    return sorted(
+        {
+            type(layer).__module__
+            for layer in layers
+            if family_of_class(type(layer).__name__).fp32_apply
+        }
+    )
 
 
 def integration_for(model: nn.Module) -> str | None:
@@ -226,8 +270,13 @@ def _route(layers: list[nn.Module]) -> None:
         family = family_of_class(type(layer).__name__)
         if family.interface == "forward":  # one class per backend; the first is eager
             name = type(layer).__name__
-            kernel = ("eager" if name == family.attention[0] else
-                      "flash_attention_2" if "Flash" in name else "sdpa")
+            kernel = (
+                "eager"
+                if name == family.attention[0]
+                else "flash_attention_2"
+                if "Flash" in name
+                else "sdpa"
+            )
             setattr(layer, DENSE_KERNEL_ATTR, kernel)
             # An instance attribute, as XTuner's own dispatch does: other instances untouched.
             layer.forward = types.MethodType(moe_attention_forward, layer)
@@ -248,8 +297,9 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
         for name, child in list(parent.named_children()):
             if type(child).__name__ in HF_ROTARY_CLASSES:
                 family = family_of_class(type(child).__name__)
-                child = HFValidatedRotaryEmbedding.from_module(child, max_position,
-                                                               family.interleaved)
+                child = HFValidatedRotaryEmbedding.from_module(
+                    child, max_position, family.interleaved
+                )
                 setattr(parent, name, child)
             if isinstance(child, HFValidatedRotaryEmbedding):
                 if max_position is not None:
@@ -283,12 +333,14 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
             f"patch_hf_model: {type(model).__name__} contains no attention layer of a supported "
             f"family ({HF_FAMILIES}: classes {', '.join(HF_ATTENTION_CLASSES)}). InternLM2 is "
             "served by patch_internlm2_attention; for other models drop ValidatedRoPEHook and "
-            "train without packing (pack=False).")
+            "train without packing (pack=False)."
+        )
     if not _swap_rotaries(model, max_position):
         raise ValueError(
             f"patch_hf_model: {type(model).__name__} has {type(layers[0]).__name__} layers but "
             f"no model-level rotary module ({', '.join(HF_ROTARY_CLASSES)}); this layout "
-            "(transformers other than 4.48?) is not supported.")
+            "(transformers other than 4.48?) is not supported."
+        )
     ALL_ATTENTION_FUNCTIONS[PACKED_ATTENTION_KEY] = hf_packed_attention
     _route(layers)
     return len(layers)

@@ -27,8 +27,10 @@ from xtuner_rope.ops.rope import cos_sin_at
 from xtuner_rope.ops.rope import inv_freq as default_inv_freq
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-_ADVICE = ("truncate or split the sequence, enable rope_scaling, or pass max_position= to "
-           "patch_hf_model to allow more")
+_ADVICE = (
+    "truncate or split the sequence, enable rope_scaling, or pass max_position= to "
+    "patch_hf_model to allow more"
+)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -77,38 +79,47 @@ class HFValidatedRotaryEmbedding(nn.Module):
         ValueError: A ``rope_type`` outside ``SUPPORTED_ROPE_TYPES``.
     """
 
-    def __init__(self, config, max_position: int | None = None, device=None,
-                 interleaved: bool = False):
+    def __init__(
+        self, config, max_position: int | None = None, device=None, interleaved: bool = False
+    ):
         super().__init__()
         self.config, self.interleaved = config, interleaved
         scaling = dict(getattr(config, "rope_scaling", None) or {})
         self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         longrope_unsized = self.rope_type == "longrope" and not (
-            getattr(config, "original_max_position_embeddings", None) or scaling.get("factor"))
+            getattr(config, "original_max_position_embeddings", None) or scaling.get("factor")
+        )
         if self.rope_type not in SUPPORTED_ROPE_TYPES or longrope_unsized:
             raise ValueError(
                 f"rope_scaling rope_type={self.rope_type!r} of {type(config).__name__} is not "
                 f"supported by the validated RoPE (supported: {', '.join(SUPPORTED_ROPE_TYPES)}; "
                 "longrope with original_max_position_embeddings or a factor, as Phi-3's); "
-                "train without ValidatedRoPEHook / patch_hf_model for this model.")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                "train without ValidatedRoPEHook / patch_hf_model for this model."
+            )
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
         self.base = float(config.rope_theta)
         self.max_position_embeddings = config.max_position_embeddings
         self.scaling, self.max_position = scaling, max_position
         self.attention_scaling = 1.0
         if self.rope_type == "yarn":
-            self.attention_scaling = scaling.get("attention_factor") or 0.1 * math.log(
-                scaling["factor"]) + 1.0
+            self.attention_scaling = (
+                scaling.get("attention_factor") or 0.1 * math.log(scaling["factor"]) + 1.0
+            )
         if self.rope_type == "longrope":  # transformers' own: its attention factor too
             self.attention_scaling = self._longrope(None, device)[1]
-            self.original = (getattr(config, "original_max_position_embeddings", None)
-                             or config.max_position_embeddings)
+            self.original = (
+                getattr(config, "original_max_position_embeddings", None)
+                or config.max_position_embeddings
+            )
         self.register_buffer("inv_freq", self.inv_freq_at(None, device), persistent=False)
 
     @classmethod
-    def from_module(cls, rotary: nn.Module, max_position: int | None = None,
-                    interleaved: bool = False):
+    def from_module(
+        cls, rotary: nn.Module, max_position: int | None = None, interleaved: bool = False
+    ):
         """Build one from an upstream rotary module (its ``config``, on its ``inv_freq`` device)."""
         return cls(rotary.config, max_position, rotary.inv_freq.device, interleaved)
 
@@ -150,11 +161,13 @@ class HFValidatedRotaryEmbedding(nn.Module):
             return None, "dynamic NTK scaling"
         if self.rope_type in ("default", "longrope"):  # longrope: max_position_embeddings
             return self.max_position_embeddings, desc
-        original = (self.scaling.get("original_max_position_embeddings")
-                    or self.max_position_embeddings)
+        original = (
+            self.scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        )
         scaled = int(original * self.scaling["factor"])
         return max(scaled, self.max_position_embeddings), (
-            f"{desc}, {self.rope_type} scaling factor {self.scaling['factor']} x {original}")
+            f"{desc}, {self.rope_type} scaling factor {self.scaling['factor']} x {original}"
+        )
 
     def _apply(self, fn, recurse=True):
         # model.bfloat16() / .half() (DeepSpeed calls them) cast every floating buffer:
@@ -206,12 +219,15 @@ class HFValidatedRotaryEmbedding(nn.Module):
                 f"original_max_position_embeddings={self.original}; upstream then rotates every "
                 "document of the batch with the long factors, which the shorter documents alone "
                 f"would not get. Keep packed documents within {self.original} tokens (max_length) "
-                "or collate with pack=False.")
+                "or collate with pack=False."
+            )
         return self.inv_freq_at(hi + 1, device)
 
     def extra_repr(self) -> str:
-        return (f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, "
-                f"attention_scaling={self.attention_scaling}, limit={self.limit()[0]}")
+        return (
+            f"dim={self.dim}, base={self.base}, rope_type={self.rope_type}, "
+            f"attention_scaling={self.attention_scaling}, limit={self.limit()[0]}"
+        )
 
 
 def patch_hf_fp32_rotation(module_name: str) -> bool:

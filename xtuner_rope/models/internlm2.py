@@ -23,8 +23,11 @@ from .internlm2_rope import ValidatedRotaryEmbedding
 from .runtime import batch_document_plan, choose_backend
 from .sequence_parallel import sequence_parallel_active, sequence_parallel_attention
 
-INTERNLM2_ATTENTION_CLASSES = ("InternLM2Attention", "InternLM2SdpaAttention",
-                               "InternLM2FlashAttention2")
+INTERNLM2_ATTENTION_CLASSES = (
+    "InternLM2Attention",
+    "InternLM2SdpaAttention",
+    "InternLM2FlashAttention2",
+)
 
 
 def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> torch.Tensor:
@@ -45,8 +48,9 @@ def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> t
     n_rep = q.shape[1] // k.shape[1]
     mask = None if attention_mask is None else attention_mask[:, :, :, : k.shape[-2]]
     if type(layer).__name__ == "InternLM2SdpaAttention":
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1,
-                                             is_causal=mask is None and q_len > 1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=n_rep > 1, is_causal=mask is None and q_len > 1
+        )
         return out.transpose(1, 2)
     k = k.repeat_interleave(n_rep, dim=1)  # [b, n_h, kv_len, h_d]
     v = v.repeat_interleave(n_rep, dim=1)
@@ -70,9 +74,17 @@ def _project_qkv(layer: nn.Module, hidden_states: torch.Tensor):
     return q, qkv[..., -2, :], qkv[..., -1, :]
 
 
-def internlm2_attention_forward(self, hidden_states, attention_mask=None, position_ids=None,
-                                past_key_value=None, output_attentions=False, use_cache=False,
-                                cache_position=None, **kwargs):
+def internlm2_attention_forward(
+    self,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,
+    past_key_value=None,
+    output_attentions=False,
+    use_cache=False,
+    cache_position=None,
+    **kwargs,
+):
     """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, and
     documents isolated whenever the batch is packed.
 
@@ -89,8 +101,9 @@ def internlm2_attention_forward(self, hidden_states, attention_mask=None, positi
         positions = torch.arange(past_len, past_len + s)[None]  # [1, s]
     cos, sin = self.rotary_emb(v, positions)  # [b, s, h_d] at the new tokens' positions
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k, v, present = extend_cache(self, k, v, past_key_value, use_cache,
-                                 dict(sin=sin, cos=cos, cache_position=cache_position))
+    k, v, present = extend_cache(
+        self, k, v, past_key_value, use_cache, dict(sin=sin, cos=cos, cache_position=cache_position)
+    )
     # Boundaries only describe a fresh sequence: with cached keys, the model's mask is right.
     eager = type(self).__name__ == "InternLM2Attention"
     sharded = past_len == 0 and sequence_parallel_active(self)  # a shard of the row: all-to-all
@@ -130,11 +143,13 @@ def patch_internlm2_attention(model: nn.Module, max_position: int | None = None)
         raise ValueError(
             f"patch_internlm2_attention: {type(model).__name__} contains no InternLM2 attention "
             f"layer (looked for classes {', '.join(INTERNLM2_ATTENTION_CLASSES)}). Pass the "
-            "InternLM2 model (or a wrapper around it), or drop ValidatedRoPEHook for other models.")
+            "InternLM2 model (or a wrapper around it), or drop ValidatedRoPEHook for other models."
+        )
     for layer in layers:
         if not isinstance(layer.rotary_emb, ValidatedRotaryEmbedding):
-            layer.rotary_emb = ValidatedRotaryEmbedding.from_module(layer.rotary_emb,
-                                                                     max_position=max_position)
+            layer.rotary_emb = ValidatedRotaryEmbedding.from_module(
+                layer.rotary_emb, max_position=max_position
+            )
         # An instance attribute, as XTuner's own dispatch does: other instances are untouched.
         layer.forward = types.MethodType(internlm2_attention_forward, layer)
     return len(layers)

@@ -34,22 +34,28 @@ def _layer_idx(layer: nn.Module) -> int:
             "layer_idx, so it cannot tell the Cache which layer it is. First-generation "
             "InternLM2 code keeps a (key, value) tuple per layer: pass the legacy tuple "
             "past_key_values (e.g. generate with a model whose _supports_cache_class is False), "
-            "or set layer.layer_idx on every attention layer.")
+            "or set layer.layer_idx on every attention layer."
+        )
     return idx
 
 
 def _check_pair(layer: nn.Module, past_key_value) -> tuple[torch.Tensor, torch.Tensor]:
     """A tuple-contract past as ``(k, v)``, or a TypeError saying what arrived."""
-    if (not isinstance(past_key_value, (tuple, list)) or len(past_key_value) != 2
-            or not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in past_key_value)):
+    if (
+        not isinstance(past_key_value, (tuple, list))
+        or len(past_key_value) != 2
+        or not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in past_key_value)
+    ):
         got = type(past_key_value).__name__
         if isinstance(past_key_value, (tuple, list)):
             got = f"{got} of {len(past_key_value)} " + ", ".join(
-                type(x).__name__ for x in past_key_value)
+                type(x).__name__ for x in past_key_value
+            )
         raise TypeError(
             f"{type(layer).__name__}: past_key_value must be a transformers Cache, None, or "
             f"this layer's (key, value) pair of [b, n_kv, past, h_d] tensors; got {got}. "
-            "Pass past_key_values[layer] (not the whole per-model tuple) to each layer.")
+            "Pass past_key_values[layer] (not the whole per-model tuple) to each layer."
+        )
     return past_key_value[0], past_key_value[1]
 
 
@@ -67,8 +73,14 @@ def past_length(layer: nn.Module, past_key_value) -> int:
     return _check_pair(layer, past_key_value)[0].shape[-2]
 
 
-def extend_cache(layer: nn.Module, k: torch.Tensor, v: torch.Tensor, past_key_value,
-                 use_cache: bool, cache_kwargs: dict):
+def extend_cache(
+    layer: nn.Module,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_key_value,
+    use_cache: bool,
+    cache_kwargs: dict,
+):
     """Append this step's keys and values to the cache, as the layer's contract does.
 
     Args:

@@ -12,11 +12,10 @@ from torch import nn
 
 from xtuner_rope.ops.rope import check_position_ids, cos_sin_at, inv_freq
 
-__all__ = ['ValidatedRotaryEmbedding']
+__all__ = ["ValidatedRotaryEmbedding"]
 
-_SCALING_TYPES = (None, 'linear', 'dynamic')
-_BEYOND = ('truncate or split the sequence, enable rope_scaling, or pass max_position= to '
-           'allow more')
+_SCALING_TYPES = (None, "linear", "dynamic")
+_BEYOND = "truncate or split the sequence, enable rope_scaling, or pass max_position= to allow more"
 
 
 class ValidatedRotaryEmbedding(nn.Module):
@@ -39,22 +38,32 @@ class ValidatedRotaryEmbedding(nn.Module):
     # 32-layer model holds one copy, not 32. L grows to the next power of two, never shrinks.
     _TABLES = {}
 
-    def __init__(self, dim, max_position_embeddings=2048, base=10000, scaling_type=None,
-                 scaling_factor=1.0, max_position=None, device=None):
+    def __init__(
+        self,
+        dim,
+        max_position_embeddings=2048,
+        base=10000,
+        scaling_type=None,
+        scaling_factor=1.0,
+        max_position=None,
+        device=None,
+    ):
         super().__init__()
         if dim <= 0 or dim % 2:
-            raise ValueError(f'dim (rotary head dim) must be a positive even number, got {dim}')
+            raise ValueError(f"dim (rotary head dim) must be a positive even number, got {dim}")
         if scaling_type not in _SCALING_TYPES:
-            raise ValueError(f"scaling_type must be None, 'linear' or 'dynamic', got "
-                             f'{scaling_type!r}; check rope_scaling["type"] in the model config')
+            raise ValueError(
+                f"scaling_type must be None, 'linear' or 'dynamic', got "
+                f'{scaling_type!r}; check rope_scaling["type"] in the model config'
+            )
         if scaling_factor <= 0:
-            raise ValueError(f'scaling_factor must be positive, got {scaling_factor}')
+            raise ValueError(f"scaling_factor must be positive, got {scaling_factor}")
         self.dim, self.base = dim, base
         self.max_position_embeddings = max_position_embeddings
         self.scaling_type, self.scaling_factor = scaling_type, scaling_factor
         self.max_position = max_position
-        self.register_buffer('inv_freq', inv_freq(base, dim, device), persistent=False)
-        factor = scaling_factor if scaling_type == 'linear' else 1.0
+        self.register_buffer("inv_freq", inv_freq(base, dim, device), persistent=False)
+        factor = scaling_factor if scaling_type == "linear" else 1.0
         self._tables = self._TABLES.setdefault((dim, float(base), float(factor)), {})
 
     @classmethod
@@ -67,28 +76,37 @@ class ValidatedRotaryEmbedding(nn.Module):
         Raises:
             TypeError: The module lacks `dim`, `base`, `max_position_embeddings` or `inv_freq`.
         """
-        needed = ('dim', 'base', 'max_position_embeddings', 'inv_freq')
+        needed = ("dim", "base", "max_position_embeddings", "inv_freq")
         missing = [name for name in needed if not hasattr(rotary_module, name)]
         if missing:
-            raise TypeError(f'from_module expects an InternLM2 rotary embedding, got '
-                            f'{type(rotary_module).__name__} without {", ".join(missing)}')
+            raise TypeError(
+                f"from_module expects an InternLM2 rotary embedding, got "
+                f"{type(rotary_module).__name__} without {', '.join(missing)}"
+            )
         module, name = rotary_module, type(rotary_module).__name__
-        scaling_type = getattr(module, 'scaling_type', None)
-        if 'Dynamic' in name or 'Linear' in name:
-            scaling_type = 'dynamic' if 'Dynamic' in name else 'linear'
-        return cls(module.dim, module.max_position_embeddings, module.base, scaling_type,
-                   getattr(module, 'scaling_factor', 1.0), max_position, module.inv_freq.device)
+        scaling_type = getattr(module, "scaling_type", None)
+        if "Dynamic" in name or "Linear" in name:
+            scaling_type = "dynamic" if "Dynamic" in name else "linear"
+        return cls(
+            module.dim,
+            module.max_position_embeddings,
+            module.base,
+            scaling_type,
+            getattr(module, "scaling_factor", 1.0),
+            max_position,
+            module.inv_freq.device,
+        )
 
     def limit(self):
         """(limit, description): positions must be below limit; None means unbounded."""
         if self.max_position is not None:
-            return self.max_position, f'max_position={self.max_position}'
-        if self.scaling_type == 'dynamic':
-            return None, 'dynamic NTK scaling'
-        desc = f'max_position_embeddings={self.max_position_embeddings}'
-        if self.scaling_type == 'linear':
+            return self.max_position, f"max_position={self.max_position}"
+        if self.scaling_type == "dynamic":
+            return None, "dynamic NTK scaling"
+        desc = f"max_position_embeddings={self.max_position_embeddings}"
+        if self.scaling_type == "linear":
             limit = int(self.max_position_embeddings * self.scaling_factor)
-            return limit, f'{desc} x linear scaling factor {self.scaling_factor}'
+            return limit, f"{desc} x linear scaling factor {self.scaling_factor}"
         return self.max_position_embeddings, desc
 
     def _apply(self, fn, recurse=True):
@@ -109,9 +127,10 @@ class ValidatedRotaryEmbedding(nn.Module):
         tables = self._tables.get(device)
         if tables is None or tables[0].shape[0] < length:
             rows = 1 << max(length - 1, 0).bit_length()
-            divisor = self.scaling_factor if self.scaling_type == 'linear' else None
-            tables = cos_sin_at(torch.arange(rows, device=device), self.inv_freq.to(device),
-                                rows - 1, divisor)
+            divisor = self.scaling_factor if self.scaling_type == "linear" else None
+            tables = cos_sin_at(
+                torch.arange(rows, device=device), self.inv_freq.to(device), rows - 1, divisor
+            )
             self._tables[device] = tables
         return tables
 
@@ -124,7 +143,7 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     def _cos_sin_at(self, position_ids, hi):
         """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`."""
-        if self.scaling_type == 'dynamic' and hi + 1 > self.max_position_embeddings:
+        if self.scaling_type == "dynamic" and hi + 1 > self.max_position_embeddings:
             inv_freq = self._ntk_inv_freq(hi + 1, position_ids.device)
             return cos_sin_at(position_ids, inv_freq, hi)
         cos, sin = self._table(position_ids.device, hi + 1)
@@ -153,20 +172,23 @@ class ValidatedRotaryEmbedding(nn.Module):
         """
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f'the rotary embedding needs x = value_states [b, n_kv, s, h_d] '
-                            f'(a tensor), got {got}')
+            raise TypeError(
+                f"the rotary embedding needs x = value_states [b, n_kv, s, h_d] "
+                f"(a tensor), got {got}"
+            )
         if isinstance(position_ids, Integral) and not isinstance(position_ids, bool):
             position_ids, seq_len = None, position_ids
         if seq_len is not None:
             if position_ids is not None:
-                raise ValueError('pass position_ids or seq_len to the rotary embedding, not both')
+                raise ValueError("pass position_ids or seq_len to the rotary embedding, not both")
             seq_len = self._check_seq_len(seq_len)
             position_ids, hi = torch.arange(seq_len, device=x.device), seq_len - 1  # [s]
         else:
             if position_ids is None:  # built and checked on the CPU: no device sync
                 position_ids = torch.arange(x.shape[-2])[None]  # [1, s]
-            _, hi = check_position_ids(position_ids, x.shape[0], x.shape[-2], *self.limit(),
-                                       _BEYOND)
+            _, hi = check_position_ids(
+                position_ids, x.shape[0], x.shape[-2], *self.limit(), _BEYOND
+            )
             position_ids = position_ids.to(x.device)
         cos, sin = self._cos_sin_at(position_ids, hi)
         return cos.to(x.dtype), sin.to(x.dtype)
@@ -174,15 +196,19 @@ class ValidatedRotaryEmbedding(nn.Module):
     def _check_seq_len(self, seq_len):
         """seq_len of the old signature as a Python int, checked like position ids."""
         if not isinstance(seq_len, Integral) or isinstance(seq_len, bool):
-            raise TypeError(f'seq_len must be a positive int, got {type(seq_len).__name__}')
+            raise TypeError(f"seq_len must be a positive int, got {type(seq_len).__name__}")
         if seq_len <= 0:
-            raise ValueError(f'seq_len must be a positive int, got {seq_len}')
+            raise ValueError(f"seq_len must be a positive int, got {seq_len}")
         limit, desc = self.limit()
         if limit is not None and seq_len > limit:
-            raise ValueError(f'seq_len={seq_len} is beyond the supported range of {limit} '
-                             f'positions ({desc}); {_BEYOND}')
+            raise ValueError(
+                f"seq_len={seq_len} is beyond the supported range of {limit} "
+                f"positions ({desc}); {_BEYOND}"
+            )
         return int(seq_len)
 
     def extra_repr(self):
-        return (f'dim={self.dim}, base={self.base}, scaling_type={self.scaling_type}, '
-                f'scaling_factor={self.scaling_factor}, limit={self.limit()[0]}')
+        return (
+            f"dim={self.dim}, base={self.base}, scaling_type={self.scaling_type}, "
+            f"scaling_factor={self.scaling_factor}, limit={self.limit()[0]}"
+        )

@@ -30,8 +30,10 @@ IGNORE_INDEX = -100
 
 
 def _fail(row: int, field: str, expected: str, got: object, fix: str) -> ValueError:
-    return ValueError(f"check_expanded_batch (after the image expansion): row {row}, field "
-                      f"{field!r}: expected {expected}, got {got}. {fix}")
+    return ValueError(
+        f"check_expanded_batch (after the image expansion): row {row}, field "
+        f"{field!r}: expected {expected}, got {got}. {fix}"
+    )
 
 
 def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
@@ -51,12 +53,16 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
     embeds = out["inputs_embeds"]
     b, s = embeds.shape[:2]
     mask = out.get("attention_mask")
-    lengths = (mask.bool().sum(dim=1) if mask is not None
-               else torch.full((b,), s, dtype=torch.long))
+    lengths = mask.bool().sum(dim=1) if mask is not None else torch.full((b,), s, dtype=torch.long)
     empty = (lengths == 0).nonzero()
     if len(empty):
-        raise _fail(int(empty[0]), "attention_mask", "at least one attended token", "none",
-                    "Drop empty samples: an all-masked row gives NaN attention.")
+        raise _fail(
+            int(empty[0]),
+            "attention_mask",
+            "at least one attended token",
+            "none",
+            "Drop empty samples: an all-masked row gives NaN attention.",
+        )
     positions = out.get("position_ids")
     if positions is not None:
         expected = torch.arange(s, device=positions.device).expand(b, s)
@@ -64,15 +70,24 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
         bad = (positions != expected) & real
         if bool(bad.any()):
             r, c = (int(v) for v in bad.nonzero()[0])
-            raise _fail(r, "position_ids", f"{c} at column {c} (0..n-1 over the row's tokens)",
-                        int(positions[r, c]), "Report this: XTuner's expansion rebuilds them.")
+            raise _fail(
+                r,
+                "position_ids",
+                f"{c} at column {c} (0..n-1 over the row's tokens)",
+                int(positions[r, c]),
+                "Report this: XTuner's expansion rebuilds them.",
+            )
     longest = int(lengths.max())
     if max_position is not None and longest > max_position:
         r = int(lengths.argmax())
-        raise _fail(r, "position_ids", f"positions < max_position={max_position} (the RoPE "
-                    "range)", f"{longest} tokens after the images were expanded into patch "
-                    "embeddings", "Lower max_length (it counts each image as one token), use "
-                    "fewer images per sample, or raise max_position_embeddings.")
+        raise _fail(
+            r,
+            "position_ids",
+            f"positions < max_position={max_position} (the RoPE range)",
+            f"{longest} tokens after the images were expanded into patch embeddings",
+            "Lower max_length (it counts each image as one token), use "
+            "fewer images per sample, or raise max_position_embeddings.",
+        )
 
 
 def _row_boundaries(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
@@ -81,8 +96,9 @@ def _row_boundaries(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
     return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
 
 
-def restart_after_expansion(out: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                            image_tokens: int) -> dict:
+def restart_after_expansion(
+    out: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_tokens: int
+) -> dict:
     """Packed LLaVA rows: boundaries and positions of the expanded sequence, published.
 
     ``PackedBatchCheckHook`` publishes the collate's boundaries (``cumulative_len`` before the
@@ -107,19 +123,27 @@ def restart_after_expansion(out: dict, input_ids: torch.Tensor, attention_mask: 
         return out
     b, s = input_ids.shape
     s_out = out["inputs_embeds"].shape[1]
-    mask = attention_mask.bool().cpu() if attention_mask is not None \
+    mask = (
+        attention_mask.bool().cpu()
+        if attention_mask is not None
         else torch.ones(b, s, dtype=torch.bool)
+    )
     ids = input_ids.cpu()
     cus = []
     for r, cu in enumerate(_row_boundaries(published, b, s)):
         lengths = expand_row_boundaries(ids[r], mask[r], cu, image_tokens)
         n = sum(lengths)
-        got = int(out["attention_mask"][r].sum()) if out.get("attention_mask") is not None \
-            else s_out
+        got = (
+            int(out["attention_mask"][r].sum()) if out.get("attention_mask") is not None else s_out
+        )
         if n != got:
-            raise _fail(r, "cumulative_len", f"{n} tokens after the expansion (segments "
-                        f"{lengths})", f"{got} in XTuner's expanded row", "Collate LLaVA "
-                        "samples with xtuner_rope.llava_collate_fn.")
+            raise _fail(
+                r,
+                "cumulative_len",
+                f"{n} tokens after the expansion (segments {lengths})",
+                f"{got} in XTuner's expanded row",
+                "Collate LLaVA samples with xtuner_rope.llava_collate_fn.",
+            )
         cus.append(cumulative_from_lengths(lengths + ([s_out - n] if n < s_out else [])))
     device = out["inputs_embeds"].device
     positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))

@@ -17,8 +17,15 @@ from xtuner_rope.ops.attention import DocumentPlan, document_plan, packed_backen
 from . import channel
 from .channel import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
 
-__all__ = ["CUMULATIVE_KEY", "MAX_SEQLEN_KEY", "VARLEN_HUB", "batch_document_plan",
-           "choose_backend", "chosen_backends", "hub_cumulative_len"]
+__all__ = [
+    "CUMULATIVE_KEY",
+    "MAX_SEQLEN_KEY",
+    "VARLEN_HUB",
+    "batch_document_plan",
+    "choose_backend",
+    "chosen_backends",
+    "hub_cumulative_len",
+]
 
 _LOGGED: set = set()
 # Backends chosen since the last ``chosen_backends(reset=True)``: what ``check`` reports.
@@ -34,11 +41,18 @@ def hub_cumulative_len() -> object:
     return channel.read()[0]
 
 
-def batch_document_plan(position_ids: torch.Tensor | None, b: int, s: int,
-                        device: torch.device) -> DocumentPlan | None:
+def batch_document_plan(
+    position_ids: torch.Tensor | None, b: int, s: int, device: torch.device
+) -> DocumentPlan | None:
     """``ops.attention.document_plan`` with this rank's published boundaries, if any."""
-    return document_plan(position_ids, b, s, device, published=hub_cumulative_len(),
-                         source=f"MessageHub '{VARLEN_HUB}'")
+    return document_plan(
+        position_ids,
+        b,
+        s,
+        device,
+        published=hub_cumulative_len(),
+        source=f"MessageHub '{VARLEN_HUB}'",
+    )
 
 
 def choose_backend(q: torch.Tensor, eager: bool) -> str:
@@ -48,8 +62,11 @@ def choose_backend(q: torch.Tensor, eager: bool) -> str:
     key = (backend, q.device.type, q.dtype)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        print_log(f"xtuner-rope: packed attention uses the '{backend}' backend "
-                  f"({q.device.type}, {q.dtype}).", logger="current")
+        print_log(
+            f"xtuner-rope: packed attention uses the '{backend}' backend "
+            f"({q.device.type}, {q.dtype}).",
+            logger="current",
+        )
     return backend
 
 

@@ -41,8 +41,14 @@ from . import channel
 from .channel import VARLEN_HUB
 from .runtime import choose_backend, hub_cumulative_len
 
-__all__ = ["full_row_plan", "sequence_parallel_active", "sequence_parallel_attention", "sequence_parallel_loss",
-           "sequence_parallel_size", "shard_rows"]
+__all__ = [
+    "full_row_plan",
+    "sequence_parallel_active",
+    "sequence_parallel_attention",
+    "sequence_parallel_loss",
+    "sequence_parallel_size",
+    "shard_rows",
+]
 
 
 def sequence_parallel_size() -> int:
@@ -70,13 +76,21 @@ def full_row_plan(b: int, s_full: int, device: torch.device):
             "xtuner-rope sequence parallel: no full-row boundaries published for this batch "
             f"(MessageHub '{VARLEN_HUB}'). Shards alone cannot tell where documents are; train "
             "through SupervisedFinetune (xtuner_rope.compat patches its sequence-parallel loss) "
-            "or call models.sequence_parallel.sequence_parallel_loss.")
-    return document_plan(None, b, s_full, device, published=published,
-                         source=f"MessageHub '{VARLEN_HUB}' (full row, sequence parallel)")
+            "or call models.sequence_parallel.sequence_parallel_loss."
+        )
+    return document_plan(
+        None,
+        b,
+        s_full,
+        device,
+        published=published,
+        source=f"MessageHub '{VARLEN_HUB}' (full row, sequence parallel)",
+    )
 
 
-def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                eager: bool) -> torch.Tensor:
+def sequence_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eager: bool
+) -> torch.Tensor:
     """Packed attention of one shard's heads over the full row, through XTuner's all-to-all.
 
     Args:
@@ -101,7 +115,8 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             f"sequence_parallel_size = {sp} does not divide the {n_h} attention heads: XTuner's "
             "inner sequence parallel (its fallback for that) gathers through "
             "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0). Set "
-            f"sequence_parallel_size to a divisor of {n_h}, or train on GPUs.")
+            f"sequence_parallel_size to a divisor of {n_h}, or train on GPUs."
+        )
     if n_kv % sp or n_h % sp:  # XTuner's own GQA route: repeat kv to n_h heads
         k, v = (x.repeat_interleave(n_h // n_kv, dim=2) for x in (k, v))  # [b, S/sp, n_h, h_d]
     # [b, S/sp, heads, h_d] -> [b, S, heads/sp, h_d] (head-dim split too under inner SP)
@@ -184,8 +199,11 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     positions = positions.expand(b, s_full)
     width = s_full // sp
     cut = slice(rank * width, (rank + 1) * width)
-    shard = {"input_ids": data["input_ids"][:, cut], "position_ids": positions[:, cut],
-             "shifted_labels": shifted[:, cut]}
+    shard = {
+        "input_ids": data["input_ids"][:, cut],
+        "position_ids": positions[:, cut],
+        "shifted_labels": shifted[:, cut],
+    }
     return shard, int((shifted != IGNORE_INDEX).sum())
 
 
@@ -228,12 +246,18 @@ def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> di
     sp = sequence_parallel_size()
     if not llm.training:  # the attention runs whole rows outside training (as XTuner decides)
         sp = 1
-    shard, n_supervised = shard_rows(data, sp, get_sequence_parallel_rank() if sp > 1 else 0,
-                                     pad_index)
-    logits = llm(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
-                 use_cache=False).logits  # [b, S/sp, vocab]
-    token_sum = F.cross_entropy(logits.float().flatten(0, 1), shard["shifted_labels"].flatten(),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
+    shard, n_supervised = shard_rows(
+        data, sp, get_sequence_parallel_rank() if sp > 1 else 0, pad_index
+    )
+    logits = llm(
+        input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False
+    ).logits  # [b, S/sp, vocab]
+    token_sum = F.cross_entropy(
+        logits.float().flatten(0, 1),
+        shard["shifted_labels"].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     local = token_sum / max(n_supervised, 1)
     if sp == 1:
         return {"loss": local}

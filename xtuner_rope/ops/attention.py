@@ -39,7 +39,6 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the fused varlen kernels a
 MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
 
 
-
 @dataclass
 class _Bucket:
     """Documents padded to a common length ``length`` for one attention call."""
@@ -118,9 +117,14 @@ def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.T
     return flat_cumulative(cus, s)
 
 
-def document_plan(position_ids: torch.Tensor | None, b: int, s: int, device: torch.device,
-                  published: object = None, source: str = "published boundaries"
-                  ) -> DocumentPlan | None:
+def document_plan(
+    position_ids: torch.Tensor | None,
+    b: int,
+    s: int,
+    device: torch.device,
+    published: object = None,
+    source: str = "published boundaries",
+) -> DocumentPlan | None:
     """The document layout of this forward: published boundaries first, then position resets.
 
     Published boundaries (the trainer's, e.g. ``models.runtime.hub_cumulative_len()``) are
@@ -143,12 +147,14 @@ def document_plan(position_ids: torch.Tensor | None, b: int, s: int, device: tor
     if cu is not None:
         if not isinstance(cu, torch.Tensor):  # checked before the identity-keyed cache
             cu = check_flat_boundaries(cu, b, s, source)
-        return _cached_plan(cu, ("hub", b, s),
-                            lambda: check_flat_boundaries(cu, b, s, source), device)
+        return _cached_plan(
+            cu, ("hub", b, s), lambda: check_flat_boundaries(cu, b, s, source), device
+        )
     if position_ids is None:
         return None
-    return _cached_plan(position_ids, ("pos", b, s),
-                        lambda: _cu_from_position_ids(position_ids, b, s), device)
+    return _cached_plan(
+        position_ids, ("pos", b, s), lambda: _cu_from_position_ids(position_ids, b, s), device
+    )
 
 
 @dataclass(frozen=True)
@@ -234,8 +240,9 @@ def _bucket_attention(q, k, v, causal_softmax: bool) -> torch.Tensor:
     return probs @ v
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentPlan,
-                     backend: str = "sdpa") -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentPlan, backend: str = "sdpa"
+) -> torch.Tensor:
     """Causal attention restricted to each document of a packed batch.
 
     Args:
@@ -254,15 +261,25 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(q_t, k_t, v_t, plan.cu_seqlens, plan.cu_seqlens,
-                                     plan.max_seqlen, plan.max_seqlen, causal=True)
+        out = flash_attn_varlen_func(
+            q_t,
+            k_t,
+            v_t,
+            plan.cu_seqlens,
+            plan.cu_seqlens,
+            plan.max_seqlen,
+            plan.max_seqlen,
+            causal=True,
+        )
         return out.reshape(b, s, n_h, h_d)
     if backend == "varlen":
         kernel = varlen_kernel()
         if kernel is None:
-            raise RuntimeError("packed_attention(backend='varlen') needs torch >= 2.10 "
-                               f"(torch.nn.attention.varlen); this is torch {torch.__version__}: "
-                               "use backend='sdpa'.")
+            raise RuntimeError(
+                "packed_attention(backend='varlen') needs torch >= 2.10 "
+                f"(torch.nn.attention.varlen); this is torch {torch.__version__}: "
+                "use backend='sdpa'."
+            )
         return _varlen_attention(q_t, k_t, v_t, plan, kernel.fn).reshape(b, s, n_h, h_d)
     pieces = []
     for bucket in plan.buckets:

@@ -5,6 +5,7 @@ that name neither the sample nor the field (``Could not infer dtype of NoneType`
 public entry points (``rope_collate_fn``, ``check_packed_batch``, the attention's hub
 boundaries) convert through :func:`to_int_tensor` instead. Torch only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from numbers import Integral
 
 import torch
 
-__all__ = ['show', 'to_int_tensor']
+__all__ = ["show", "to_int_tensor"]
 
 INT64_RANGE = (-(1 << 63), 1 << 63)
 
@@ -20,7 +21,7 @@ INT64_RANGE = (-(1 << 63), 1 << 63)
 def show(value: object) -> str:
     """Short description of an offending value for an error message."""
     text = repr(value)
-    return f'{type(value).__name__} {text[:40]}{"..." if len(text) > 40 else ""}'
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def _conversion_error(value: object, where: str, fix: str) -> Exception:
@@ -29,15 +30,19 @@ def _conversion_error(value: object, where: str, fix: str) -> Exception:
     for k, v in enumerate(items):
         if isinstance(v, Integral) and not isinstance(v, bool):
             if not INT64_RANGE[0] <= int(v) < INT64_RANGE[1]:
-                return ValueError(f'{where}: expected ints in the int64 range, got {v} at index '
-                                  f'{k}. {fix}')
+                return ValueError(
+                    f"{where}: expected ints in the int64 range, got {v} at index {k}. {fix}"
+                )
         elif isinstance(v, (list, tuple)):
-            return ValueError(f'{where}: expected a flat sequence of ints, got a nested '
-                              f'{type(v).__name__} at index {k}. {fix}')
+            return ValueError(
+                f"{where}: expected a flat sequence of ints, got a nested "
+                f"{type(v).__name__} at index {k}. {fix}"
+            )
         elif not isinstance(v, (float, complex, bool)):
-            return TypeError(f'{where}: expected ints, got {show(v)} at index {k}. {fix}')
-    return TypeError(f'{where}: expected a list, tuple, array or tensor of ints, got '
-                     f'{show(value)}. {fix}')
+            return TypeError(f"{where}: expected ints, got {show(v)} at index {k}. {fix}")
+    return TypeError(
+        f"{where}: expected a list, tuple, array or tensor of ints, got {show(value)}. {fix}"
+    )
 
 
 def to_int_tensor(value: object, where: str, fix: str) -> torch.Tensor:
@@ -59,7 +64,7 @@ def to_int_tensor(value: object, where: str, fix: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         tensor = value
     elif value is None or isinstance(value, (str, bytes, Mapping)):
-        raise TypeError(f'{where}: expected a list or tensor of ints, got {show(value)}. {fix}')
+        raise TypeError(f"{where}: expected a list or tensor of ints, got {show(value)}. {fix}")
     else:
         try:
             tensor = torch.as_tensor(value)
@@ -69,5 +74,5 @@ def to_int_tensor(value: object, where: str, fix: str) -> torch.Tensor:
         return tensor.long()
     dtype = tensor.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(f'{where}: expected integer values, got dtype {dtype}. {fix}')
+        raise TypeError(f"{where}: expected integer values, got dtype {dtype}. {fix}")
     return tensor

@@ -12,6 +12,7 @@ Vocabulary used across xtuner-rope:
 
 This module imports torch only: no MMEngine, no XTuner.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -20,15 +21,15 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
-    'cumulative_from_lengths',
-    'lengths_from_cumulative',
-    'position_ids_from_cumulative',
-    'cumulative_from_position_ids',
-    'segment_starts_from_cumulative',
-    'position_ids_from_starts',
-    'flat_cumulative',
-    'plan_packs',
-    'padded_length',
+    "cumulative_from_lengths",
+    "lengths_from_cumulative",
+    "position_ids_from_cumulative",
+    "cumulative_from_position_ids",
+    "segment_starts_from_cumulative",
+    "position_ids_from_starts",
+    "flat_cumulative",
+    "plan_packs",
+    "padded_length",
 ]
 
 IntSeq = Sequence[int] | torch.Tensor
@@ -51,8 +52,9 @@ def cumulative_from_lengths(lengths: IntSeq) -> torch.Tensor:
     if lengths.numel() and int(lengths.min()) < 1:
         bad = int((lengths < 1).nonzero()[0])
         raise ValueError(
-            f'lengths[{bad}]: expected a segment length >= 1, got {int(lengths[bad])}; '
-            'drop empty documents before packing.')
+            f"lengths[{bad}]: expected a segment length >= 1, got {int(lengths[bad])}; "
+            "drop empty documents before packing."
+        )
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     cu[1:] = lengths.cumsum(0)
     return cu
@@ -114,8 +116,9 @@ def flat_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
     Returns:
         ``[n_docs + 1]`` int32 boundaries ``0 .. b * s``.
     """
-    starts = [torch.as_tensor(cu).reshape(-1)[:-1].to(torch.int32) + r * s
-              for r, cu in enumerate(cus)]
+    starts = [
+        torch.as_tensor(cu).reshape(-1)[:-1].to(torch.int32) + r * s for r, cu in enumerate(cus)
+    ]
     return torch.cat(starts + [torch.tensor([len(cus) * s], dtype=torch.int32)])
 
 
@@ -157,8 +160,9 @@ def position_ids_from_starts(starts: torch.Tensor) -> torch.Tensor:
     return cols - last_start
 
 
-def _first_fit_decreasing(lengths: Sequence[int], order: list[int],
-                          max_length: int) -> list[list[int]]:
+def _first_fit_decreasing(
+    lengths: Sequence[int], order: list[int], max_length: int
+) -> list[list[int]]:
     rows: list[list[int]] = []
     room: list[int] = []
     for i in order:
@@ -210,12 +214,13 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
         ValueError: ``max_length`` < 1, or an item is empty or longer than ``max_length``.
     """
     if max_length < 1:
-        raise ValueError(f'max_length: expected >= 1, got {max_length}.')
+        raise ValueError(f"max_length: expected >= 1, got {max_length}.")
     for i, length in enumerate(lengths):
         if not 1 <= length <= max_length:
             raise ValueError(
-                f'lengths[{i}]: expected 1..max_length={max_length} tokens, got {length}; '
-                'drop empty items and truncate long ones before packing.')
+                f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {length}; "
+                "drop empty items and truncate long ones before packing."
+            )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows = _first_fit_decreasing(lengths, order, max_length)
     if len(rows) > 1:
@@ -226,8 +231,9 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
-def padded_length(longest: int, *, pad_to_multiple_of: int | None = None,
-                  min_length: int | None = None) -> int:
+def padded_length(
+    longest: int, *, pad_to_multiple_of: int | None = None, min_length: int | None = None
+) -> int:
     """Row length ``s`` for a batch whose longest row holds ``longest`` tokens.
 
     Rounds up to a multiple of ``pad_to_multiple_of`` and to at least ``min_length``

@@ -24,9 +24,9 @@ def _min_max(position_ids):
     key = None
     if not position_ids.is_inference():  # inference tensors have no version counter
         key = (position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape))
-        ref = _last_range.get('ref')
-        if ref is not None and ref() is position_ids and _last_range['key'] == key:
-            return _last_range['value']
+        ref = _last_range.get("ref")
+        if ref is not None and ref() is position_ids and _last_range["key"] == key:
+            return _last_range["value"]
     lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
     if key is not None:
         _last_range.update(ref=weakref.ref(position_ids), key=key, value=(lo, hi))
@@ -39,7 +39,7 @@ def _first(position_ids, mask):
     return position_ids[row, col].item(), row, col
 
 
-def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc='', advice=''):
+def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc="", advice=""):
     """Check position ids before they index anything; return their (min, max).
 
     Args:
@@ -58,31 +58,43 @@ def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc='', 
         ValueError: Wrong shape, a negative position or a position >= limit.
     """
     if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f'position_ids must be a torch.Tensor, got {type(position_ids).__name__}')
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
     dtype = position_ids.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(f'position_ids must be an integer tensor (torch.long), got {dtype}; '
-                        'build them with torch.arange(...) or call .long() on them')
+        raise TypeError(
+            f"position_ids must be an integer tensor (torch.long), got {dtype}; "
+            "build them with torch.arange(...) or call .long() on them"
+        )
     shape = tuple(position_ids.shape)
     if len(shape) != 2:
-        raise ValueError(f'position_ids must be 2-D [b, s], got shape {shape}; '
-                         'use position_ids.view(1, -1) for a single sequence')
+        raise ValueError(
+            f"position_ids must be 2-D [b, s], got shape {shape}; "
+            "use position_ids.view(1, -1) for a single sequence"
+        )
     if shape[0] not in (1, batch) or shape[1] != seq_len:
-        raise ValueError(f'position_ids has shape {shape} but the activations have batch '
-                         f'{batch} and sequence length {seq_len}: expected (1, {seq_len}) or '
-                         f'({batch}, {seq_len}), one position per token')
-    if position_ids.device.type == 'meta':
-        raise ValueError('position_ids is a meta tensor (no values to check or index with); '
-                         'materialize the model and its inputs (to_empty / real data) first')
+        raise ValueError(
+            f"position_ids has shape {shape} but the activations have batch "
+            f"{batch} and sequence length {seq_len}: expected (1, {seq_len}) or "
+            f"({batch}, {seq_len}), one position per token"
+        )
+    if position_ids.device.type == "meta":
+        raise ValueError(
+            "position_ids is a meta tensor (no values to check or index with); "
+            "materialize the model and its inputs (to_empty / real data) first"
+        )
     lo, hi = _min_max(position_ids)
     if lo < 0:
         value, row, col = _first(position_ids, position_ids < 0)
-        raise ValueError(f'position_ids must be non-negative, got {value} at row {row}, column '
-                         f'{col}; positions count tokens from 0 within each document')
+        raise ValueError(
+            f"position_ids must be non-negative, got {value} at row {row}, column "
+            f"{col}; positions count tokens from 0 within each document"
+        )
     if limit is not None and hi >= limit:
         # The largest position, not the first beyond the limit: rope_collate_fn keeps padding
         # segments shorter than the longest document, so this is the document at fault.
         value, row, col = _first(position_ids, position_ids == hi)
-        raise ValueError(f'position_ids holds {value} at row {row}, column {col}, beyond the '
-                         f'supported range [0, {limit}) ({limit_desc}); {advice}')
+        raise ValueError(
+            f"position_ids holds {value} at row {row}, column {col}, beyond the "
+            f"supported range [0, {limit}) ({limit_desc}); {advice}"
+        )
     return lo, hi

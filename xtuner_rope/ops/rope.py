@@ -13,8 +13,18 @@ from torch.autograd.function import once_differentiable
 from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rotate import rotate, use_fused_apply
 
-__all__ = ['FP32_EXACT_POSITIONS', 'apply_rotary_pos_emb', 'check_position_ids', 'cos_sin',
-           'cos_sin_at', 'inv_freq', 'no_autocast', 'rotate_half', 'use_fused_apply']
+__all__ = [
+    "FP32_EXACT_POSITIONS",
+    "apply_rotary_pos_emb",
+    "check_position_ids",
+    "cos_sin",
+    "cos_sin_at",
+    "inv_freq",
+    "no_autocast",
+    "rotate_half",
+    "use_fused_apply",
+]
+
 
 def no_autocast(device):
     """Autocast off on `device` (where it exists): angles are computed in fp32."""
@@ -93,42 +103,62 @@ def _table_rows(cos, sin, q, position_ids, unsqueeze_dim):
     seq_len = q.shape[2 if unsqueeze_dim == 1 else 1]  # q is [b, n_h, s, h_d] or [b, s, n_h, h_d]
     if position_ids is None:
         position_ids = torch.arange(seq_len)[None]  # [1, s]
-    desc = f'rows of the {cos.shape[0]}-row cos/sin table'
-    check_position_ids(position_ids, q.shape[0], seq_len, cos.shape[0], desc,
-                       'get longer tables from the rotary embedding (larger seq_len)')
+    desc = f"rows of the {cos.shape[0]}-row cos/sin table"
+    check_position_ids(
+        position_ids,
+        q.shape[0],
+        seq_len,
+        cos.shape[0],
+        desc,
+        "get longer tables from the rotary embedding (larger seq_len)",
+    )
     position_ids = position_ids.to(cos.device).long()
     return cos[position_ids], sin[position_ids]  # [b, s, h_d]
 
 
 def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
     """Types and shapes of `apply_rotary_pos_emb`'s inputs; shape reads only (no device sync)."""
-    for name, t in (('q', q), ('k', k), ('cos', cos), ('sin', sin)):
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f'apply_rotary_pos_emb: {name} must be a floating-point tensor, got '
-                            f'{got}; pass the rotary embedding\'s cos/sin and the projected q/k')
+            raise TypeError(
+                f"apply_rotary_pos_emb: {name} must be a floating-point tensor, got "
+                f"{got}; pass the rotary embedding's cos/sin and the projected q/k"
+            )
     if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f'apply_rotary_pos_emb: expected 4-D q/k with the heads at '
-                         f'unsqueeze_dim 1 ([b, n_h, s, h_d]) or 2 ([b, s, n_h, h_d]), got q '
-                         f'{tuple(q.shape)}, k {tuple(k.shape)}, unsqueeze_dim={unsqueeze_dim!r}')
+        raise ValueError(
+            f"apply_rotary_pos_emb: expected 4-D q/k with the heads at "
+            f"unsqueeze_dim 1 ([b, n_h, s, h_d]) or 2 ([b, s, n_h, h_d]), got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, unsqueeze_dim={unsqueeze_dim!r}"
+        )
     head_dim, s_dim = q.shape[-1], 3 - unsqueeze_dim
     b, s = q.shape[0], q.shape[s_dim]
     if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
-        raise ValueError(f'apply_rotary_pos_emb needs one even head dim h_d, got q '
-                         f'{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}')
+        raise ValueError(
+            f"apply_rotary_pos_emb needs one even head dim h_d, got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
+        )
     if k.shape[0] != b or k.shape[s_dim] != s:
-        raise ValueError(f'apply_rotary_pos_emb: k {tuple(k.shape)} must have the batch {b} and '
-                         f'sequence length {s} of q {tuple(q.shape)}')
+        raise ValueError(
+            f"apply_rotary_pos_emb: k {tuple(k.shape)} must have the batch {b} and "
+            f"sequence length {s} of q {tuple(q.shape)}"
+        )
     if sin.shape != cos.shape:
-        raise ValueError(f'apply_rotary_pos_emb: sin {tuple(sin.shape)} must have the shape of '
-                         f'cos {tuple(cos.shape)}')
+        raise ValueError(
+            f"apply_rotary_pos_emb: sin {tuple(sin.shape)} must have the shape of "
+            f"cos {tuple(cos.shape)}"
+        )
     if cos.dim() == 3 and (cos.shape[0] not in (1, b) or cos.shape[1] != s):
-        raise ValueError(f'apply_rotary_pos_emb: cos/sin {tuple(cos.shape)} do not match q '
-                         f'{tuple(q.shape)}: expected [1, {s}, {head_dim}] or [{b}, {s}, '
-                         f'{head_dim}] (one row per token); compute them from these position_ids')
+        raise ValueError(
+            f"apply_rotary_pos_emb: cos/sin {tuple(cos.shape)} do not match q "
+            f"{tuple(q.shape)}: expected [1, {s}, {head_dim}] or [{b}, {s}, "
+            f"{head_dim}] (one row per token); compute them from these position_ids"
+        )
     if cos.dim() not in (2, 3):
-        raise ValueError(f'apply_rotary_pos_emb: cos/sin must be [b, s, h_d] or [L, h_d] '
-                         f'tables, got {tuple(cos.shape)}')
+        raise ValueError(
+            f"apply_rotary_pos_emb: cos/sin must be [b, s, h_d] or [L, h_d] "
+            f"tables, got {tuple(cos.shape)}"
+        )
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -18,7 +18,7 @@ import torch
 _CHUNK_ELEMENTS = 1 << 19
 # The fused kernel: off, or the compiled function (None until the first call compiles it), and
 # how many `rotate` calls it served (the public answer to "did the compiled kernel run?").
-_fused = {'enabled': False, 'fn': None, 'calls': 0}
+_fused = {"enabled": False, "fn": None, "calls": 0}
 
 
 def rotate_eager(x, cos, sin, transpose):
@@ -33,7 +33,7 @@ def rotate_eager(x, cos, sin, transpose):
     # On accelerators one chunk: there each chunk costs kernel launches, not cache misses.
     dim = max((d for d in range(x.dim() - 1) if x.shape[d] > 1), key=x.stride, default=0)
     step = max(1, _CHUNK_ELEMENTS * x.shape[dim] // max(x.numel(), 1))
-    step = step if x.device.type == 'cpu' else max(x.shape[dim], 1)
+    step = step if x.device.type == "cpu" else max(x.shape[dim], 1)
 
     def chunks(t):  # t's pieces matching x's chunks, or t itself where it broadcasts
         return t.split(step, dim) if t.shape[dim] > 1 else itertools.repeat(t)
@@ -42,8 +42,9 @@ def rotate_eager(x, cos, sin, transpose):
     # out_1 += x_2 * w_1 and out_2 += x_1 * w_2: the rotate_half terms, without the cat.
     w_1, w_2, v_1 = (sin_2, sin_1, 1.0) if transpose else (sin_1, sin_2, -1.0)
     out, scratch = torch.empty_like(x), None
-    for x_c, out_c, cos_c, w_1c, w_2c in zip(x.split(step, dim), out.split(step, dim),
-                                             chunks(cos), chunks(w_1), chunks(w_2)):
+    for x_c, out_c, cos_c, w_1c, w_2c in zip(
+        x.split(step, dim), out.split(step, dim), chunks(cos), chunks(w_1), chunks(w_2)
+    ):
         src, acc = x_c, out_c
         if x.dtype != torch.float32:
             # Ops mixing bf16/fp16 with fp32 take a slow scalar path on CPU: upcast the chunk
@@ -83,8 +84,8 @@ def use_fused_apply(enabled=True):
     Returns:
         bool: Whether it was on before.
     """
-    before = _fused['enabled']
-    _fused['enabled'] = bool(enabled)
+    before = _fused["enabled"]
+    _fused["enabled"] = bool(enabled)
     return before
 
 
@@ -99,20 +100,20 @@ def fused_kernel_calls():
     Returns:
         int: The count since the process started.
     """
-    return _fused['calls']
+    return _fused["calls"]
 
 
 def _rotate_fused(x, cos, sin, transpose):
     if torch.compiler.is_compiling():  # inside a compiled model: let its compiler fuse this
         return _rotate_fp32(x, cos, sin, transpose)
-    if _fused['fn'] is None:
+    if _fused["fn"] is None:
         # The head dim stays static (the loop vectorises over it); batch, heads and sequence
         # are marked dynamic below, so new lengths reuse the kernel instead of recompiling.
-        _fused['fn'] = torch.compile(_rotate_fp32, dynamic=False)
+        _fused["fn"] = torch.compile(_rotate_fp32, dynamic=False)
     for t in (x, cos, sin):
         for d in range(t.dim() - 1):
             torch._dynamo.maybe_mark_dynamic(t, d)
-    return _fused['fn'](x, cos, sin, transpose)
+    return _fused["fn"](x, cos, sin, transpose)
 
 
 def rotate(x, cos, sin, transpose):
@@ -127,17 +128,21 @@ def rotate(x, cos, sin, transpose):
     Returns:
         torch.Tensor: The rotated x in x's dtype.
     """
-    if _fused['enabled']:
+    if _fused["enabled"]:
         try:
             out = _rotate_fused(x, cos, sin, transpose)
         except Exception as error:  # noqa: BLE001 - any compile failure: keep training, eagerly
-            _fused['enabled'] = False
-            warnings.warn(f'xtuner_rope: the fused RoPE kernel failed to compile or run on '
-                          f'{x.device.type} ({type(error).__name__}: {str(error)[:300]}); using '
-                          'the eager kernel from now on (call use_fused_apply(False) to silence '
-                          'this).', RuntimeWarning, stacklevel=2)
+            _fused["enabled"] = False
+            warnings.warn(
+                f"xtuner_rope: the fused RoPE kernel failed to compile or run on "
+                f"{x.device.type} ({type(error).__name__}: {str(error)[:300]}); using "
+                "the eager kernel from now on (call use_fused_apply(False) to silence "
+                "this).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         else:
             if not torch.compiler.is_compiling():
-                _fused['calls'] += 1
+                _fused["calls"] += 1
             return out
     return rotate_eager(x, cos, sin, transpose)
