@@ -97,6 +97,23 @@ def test_every_relative_link_resolves():
     assert _links(README), "the README links to no docs page"
 
 
+# A repository file the text tells users to run or read: `tests/...py`, `tools/...py`, `configs/...`.
+REPO_FILE = re.compile(
+    r"(?<![\w/.])((?:tests|tools|configs|data)/[\w./-]+\.(?:py|sh|jsonl|json))\b"
+)
+
+
+def test_every_named_repository_file_exists():
+    """Commands in the docs name test files, tools and recipes: each must be there (moves too)."""
+    missing = []
+    for path in [README, *_pages()]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in REPO_FILE.findall(line):
+                if not (REPO / name).exists() and not any(REPO.glob(name)):
+                    missing.append(f"{path.relative_to(REPO)}:{number}: {name}")
+    assert not missing, missing
+
+
 def test_docs_home_is_the_readme_with_links_into_docs():
     home = (DOCS / "index.md").read_text(encoding="utf-8")
     readme = README.read_text(encoding="utf-8")
