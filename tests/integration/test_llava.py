@@ -19,6 +19,7 @@ checks run on hand-made batches.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -252,6 +253,34 @@ def test_internvl_config_is_refused_at_start_up():
         "has not been verified inside InternVL's own forward",
     ):
         startup.prepare_config(cfg)
+
+
+def test_internvl_xtuner_train_with_the_edit_is_refused_not_a_key_error(tmp_path):
+    """The real `xtuner train` of a copied InternVL config with the edit stops at the start-up.
+
+    InternVL configs name their model ``path`` (no ``pretrained_model_name_or_path``): without
+    compat's fallback XTuner's ``set_model_resource`` dies with ``KeyError`` before the plugin
+    can say why InternVL is refused.
+    """
+    from xtuner.configs import cfgs_name_path
+
+    text = Path(cfgs_name_path["internvl_v2_internlm2_2b_lora_finetune"]).read_text()
+    config = tmp_path / "internvl.py"
+    config.write_text(sc.sub_once(text, r"^(path = .*\n)", r"\g<1>" + sc.PLUGIN_EDIT))
+    env = {**os.environ, "PYTHONPATH": str(sc.REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-3000:]
+    assert "KeyError" not in out, out[-3000:]
+    assert "model.type: InternVL_V1_5: xtuner-rope has not been verified" in out, out[-3000:]
+    assert "set to path = " in out, out[-3000:]
 
 
 def _image_batch(placeholders, images):

@@ -624,19 +624,36 @@ def patch_model_resource_llm_path() -> bool:
     return _give_llm_path(_model_resource_config())
 
 
+def _llm_path_setting(cfg) -> str | None:
+    """The top-level setting that names the LLM of a config without ``pretrained_model_name_or_path``.
+
+    LLaVA configs name it ``llm_name_or_path``; XTuner's InternVL configs name the whole model
+    ``path`` (its ``model.model_path``): the start-up then refuses InternVL with its reason
+    instead of XTuner's ``KeyError``.
+    """
+    if isinstance(dict.get(cfg._cfg_dict, "llm_name_or_path"), str):
+        return "llm_name_or_path"
+    model = dict.get(cfg._cfg_dict, "model")
+    path = dict.get(cfg._cfg_dict, "path")
+    if isinstance(path, str) and isinstance(model, dict) and model.get("model_path") == path:
+        return "path"
+    return None
+
+
 def _give_llm_path(cfg) -> bool:
-    """``cfg.pretrained_model_name_or_path = cfg.llm_name_or_path`` where only the latter is set."""
+    """``cfg.pretrained_model_name_or_path = cfg.llm_name_or_path`` (or InternVL's ``path``)."""
     if cfg is None or "pretrained_model_name_or_path" in cfg._cfg_dict:
         return False
-    llm_path = dict.get(cfg._cfg_dict, "llm_name_or_path")
-    if not isinstance(llm_path, str):
+    setting = _llm_path_setting(cfg)
+    if setting is None:
         return False
+    llm_path = dict.get(cfg._cfg_dict, setting)
     cfg._cfg_dict["pretrained_model_name_or_path"] = llm_path
     from mmengine.logging import print_log
 
     print_log(
-        "xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA config names its "
-        f"LLM llm_name_or_path); set to llm_name_or_path = {llm_path!r} for XTuner's "
+        "xtuner-rope: pretrained_model_name_or_path: missing (a LLaVA/InternVL config names "
+        f"its LLM {setting}); set to {setting} = {llm_path!r} for XTuner's "
         "set_model_resource.",
         logger="current",
     )
