@@ -22,7 +22,7 @@ demo: setup
 	$(RUN) python tools/check_run.py $(DEMO_DIR) --min-iters 150
 
 test: setup
-	$(RUN) python -m pytest -q
+	$(RUN) python -m pytest -q --durations=25
 
 # Everyday work: no real `xtuner train` / multi-process run (tests/integration, `-m slow`).
 test-fast: setup
