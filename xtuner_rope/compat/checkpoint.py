@@ -11,6 +11,9 @@ Trusting a file: set ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` to the checkpoint files
 trust (separated by ``os.pathsep``); a checkpoint at or under one of them loads with
 ``weights_only=False``. A type that is safe to rebuild can instead be allow-listed for every
 load with ``torch.serialization.add_safe_globals([...])`` (in the config, say).
+
+``patch_checkpoint_loading`` (applied by ``compat.apply()``) routes MMEngine's and XTuner's
+loaders of runner checkpoints through ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -154,9 +157,7 @@ def load_checkpoint(path: str, map_location="cpu"):
 
 
 def _load_from_local_checked(filename: str, map_location=None):
-    """MMEngine's loader for local checkpoint paths, through ``checkpoint.load_checkpoint``."""
-    from .checkpoint import load_checkpoint
-
+    """MMEngine's loader for local checkpoint paths, through :func:`load_checkpoint`."""
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f"{filename} can not be found.")
@@ -165,8 +166,6 @@ def _load_from_local_checked(filename: str, map_location=None):
 
 def _seed_from_checkpoint(path: str) -> int:
     """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory."""
-    from .checkpoint import load_checkpoint
-
     if os.path.isdir(path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files
 
@@ -185,7 +184,7 @@ def patch_checkpoint_loading() -> bool:
     the runner's own checkpoints without an allow-list; those hold the message hub
     (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
     load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
-    (mmengine issue #1655). Both loaders go through ``checkpoint.load_checkpoint``:
+    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`:
     ``weights_only=True`` with exactly those types allowed; any other type is refused with its
     name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
 

@@ -1,4 +1,4 @@
-"""Where the code runs: ``cpu_only`` (no accelerator MMEngine can drive), which most patches ask first."""
+"""Where the code runs: ``cpu_only`` (no accelerator MMEngine can drive), asked by most patches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""XTuner ``SupervisedFinetune`` and ``xtuner train`` patches: the missing-hook error, the sequence-parallel loss and check."""
+"""XTuner SFT patches: the missing-hook error, the sequence-parallel loss, ``xtuner train``'s SP check."""
 
 from __future__ import annotations
 
