@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from xtuner_rope import compat
+from xtuner_rope.compat import bitsandbytes_triton, deepspeed_cpu
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -47,7 +48,7 @@ def test_cpu_bf16_patch_is_needed_without_the_plugin():
 
 
 def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
-    if not compat._triton_lacks_ops():
+    if not bitsandbytes_triton._triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
     bare = _python("import bitsandbytes")
     assert bare.returncode != 0 and "triton.ops" in bare.stderr
@@ -62,7 +63,7 @@ def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
 
 def test_bitsandbytes_imports_after_peft_half_imported_it():
     """`xtuner train` imports peft (which half-imports bitsandbytes) before any plugin code."""
-    if not compat._triton_lacks_ops():
+    if not bitsandbytes_triton._triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
     code = (
         "import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"
@@ -110,7 +111,7 @@ class _Comm:
 
 
 def test_gather_recorder_waits_for_every_gather_started_inside():
-    recorder = compat._GatherHandleRecorder(_Comm())
+    recorder = deepspeed_cpu._GatherHandleRecorder(_Comm())
     assert recorder.world == 2  # everything else is DeepSpeed's own
     before = recorder.all_gather_into_tensor(None, None, async_op=True)
     with recorder.every_gather_waited():
@@ -127,13 +128,34 @@ def test_zero3_gather_patch_applies_where_deepspeed_waits_for_the_last_gather_on
     import deepspeed.runtime.zero.partition_parameters as zero3
 
     assert "patch_deepspeed_zero3_cpu_gather" in compat.apply()
-    assert isinstance(zero3.dist, compat._GatherHandleRecorder)
+    assert isinstance(zero3.dist, deepspeed_cpu._GatherHandleRecorder)
     original = zero3.Init._allgather_params_coalesced.__wrapped__
-    assert compat._waits_only_for_last_gather(original)  # deepspeed 0.19.6: the bug is there
+    assert deepspeed_cpu._waits_only_for_last_gather(original)  # deepspeed 0.19.6: the bug is there
 
     def fixed(launch_handles):  # the shape of the upstream fix (DeepSpeed PR #8539)
         for handle in launch_handles:
             handle.wait()
 
-    assert not compat._waits_only_for_last_gather(fixed)
+    assert not deepspeed_cpu._waits_only_for_last_gather(fixed)
     assert not compat.patch_deepspeed_zero3_cpu_gather()  # applied once, never twice
+
+
+def test_every_public_name_of_the_patch_modules_is_importable_from_compat():
+    """``compat`` is a package of one module per third party; ``compat.X`` stays the address."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(compat.__path__):
+        module = importlib.import_module(f"xtuner_rope.compat.{info.name}")
+        public = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and getattr(value, "__module__", module.__name__) == module.__name__
+            and (callable(value) or name.isupper())
+        ]
+        if info.name == "checkpoint":  # the loader's own names live at compat.checkpoint
+            public = [name for name in public if name.startswith("patch_")]
+        missing = [name for name in public if getattr(compat, name, None) is not vars(module)[name]]
+        assert not missing, f"xtuner_rope.compat.{info.name}: {missing} not re-exported by compat"
+        assert set(public) <= set(compat.__all__)

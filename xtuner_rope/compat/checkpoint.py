@@ -11,6 +11,9 @@ Trusting a file: set ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` to the checkpoint files
 trust (separated by ``os.pathsep``); a checkpoint at or under one of them loads with
 ``weights_only=False``. A type that is safe to rebuild can instead be allow-listed for every
 load with ``torch.serialization.add_safe_globals([...])`` (in the config, say).
+
+``patch_checkpoint_loading`` (applied by ``compat.apply()``) routes MMEngine's and XTuner's
+loaders of runner checkpoints through ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 
 import numpy as np
 import torch
@@ -150,3 +154,55 @@ def load_checkpoint(path: str, map_location="cpu"):
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
             raise _refusal(path, error) from error
+
+
+def _load_from_local_checked(filename: str, map_location=None):
+    """MMEngine's loader for local checkpoint paths, through :func:`load_checkpoint`."""
+    filename = os.path.expanduser(filename)
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(f"{filename} can not be found.")
+    return load_checkpoint(filename, map_location)
+
+
+def _seed_from_checkpoint(path: str) -> int:
+    """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory."""
+    if os.path.isdir(path):
+        from deepspeed.utils.zero_to_fp32 import get_model_state_files
+
+        path = get_model_state_files(path)[0]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"Cannot find {path}")
+    return load_checkpoint(path)["meta"]["seed"]
+
+
+def patch_checkpoint_loading() -> bool:
+    """Let ``xtuner train --resume`` and ``load_from`` load on torch >= 2.6, still weights-only.
+
+    torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
+    (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
+    (``tools.utils.get_seed_from_checkpoint``, called first by ``xtuner train --resume``) load
+    the runner's own checkpoints without an allow-list; those hold the message hub
+    (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
+    load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
+    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`:
+    ``weights_only=True`` with exactly those types allowed; any other type is refused with its
+    name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
+
+    Returns:
+        True if applied (torch >= 2.6).
+    """
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version("2.6"):
+        return False
+    import xtuner.tools.utils as xtuner_tool_utils
+    from mmengine.runner.checkpoint import CheckpointLoader
+
+    CheckpointLoader.register_scheme(prefixes="", force=True)(_load_from_local_checked)
+    # `xtuner/tools/train.py` (run as __main__) imported the function by name: rebind it there.
+    original = xtuner_tool_utils.get_seed_from_checkpoint
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get("get_seed_from_checkpoint") is original:
+            module.get_seed_from_checkpoint = _seed_from_checkpoint
+    return True

@@ -1,0 +1,63 @@
+"""bitsandbytes patch: its triton probe answered False where triton lacks ``triton.ops``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+
+def _triton_lacks_ops() -> bool:
+    """True if triton is installed without the ``triton.ops`` package (removed in triton 3.2)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not any(
+        os.path.isdir(os.path.join(loc, "ops")) for loc in spec.submodule_search_locations
+    )
+
+
+def _forget_failed_bitsandbytes_import() -> bool:
+    """Drop the modules a failed ``import bitsandbytes`` left behind; True if there were any.
+
+    Python removes the package that raised from ``sys.modules`` but keeps the submodules that
+    finished loading (``bitsandbytes.triton.triton_utils`` among them). A later import would
+    reuse those and fail again, whatever the probe answers.
+    """
+    leftovers = [m for m in sys.modules if m.startswith("bitsandbytes.")]
+    if "bitsandbytes" in sys.modules or not leftovers:
+        return False
+    for name in leftovers:
+        del sys.modules[name]
+    return True
+
+
+def patch_bitsandbytes_triton_probe() -> bool:
+    """Let bitsandbytes 0.45 import next to a triton without ``triton.ops``.
+
+    xtuner 0.2.0 pins ``bitsandbytes==0.45.0``, whose optional int8 "SwitchBack" triton
+    kernels import ``triton.ops.matmul_perf_model`` whenever triton is installed. triton 3.2+
+    (shipped with torch >= 2.6, e.g. triton 3.9 with torch 2.15) removed ``triton.ops``, so
+    ``import bitsandbytes`` fails with ``ModuleNotFoundError: No module named 'triton.ops'`` and
+    takes every LoRA/QLoRA ``get_peft_model`` with it (peft imports bitsandbytes for its bnb
+    layers). bitsandbytes already has a path for "no triton": we answer its own probe
+    (``bitsandbytes.triton.triton_utils.is_triton_available``) with False, which disables only
+    those optional triton kernels; 4-bit QLoRA does not use them.
+
+    Whatever was imported first: ``xtuner train`` imports peft before any config code runs,
+    and peft's availability check half-imports bitsandbytes (the package fails, its finished
+    submodules stay in ``sys.modules``). Those leftovers are dropped so that the next import,
+    from ``get_peft_model``, starts clean and meets the probe.
+
+    Returns:
+        True if applied (triton lacks ``triton.ops`` and bitsandbytes is not fully imported).
+    """
+    name = "bitsandbytes.triton.triton_utils"
+    if "bitsandbytes" in sys.modules or not _triton_lacks_ops():
+        return False
+    _forget_failed_bitsandbytes_import()
+    probe = types.ModuleType(name, "xtuner_rope.compat: triton without triton.ops counts as absent")
+    probe.is_triton_available = lambda: False
+    sys.modules[name] = probe
+    return True

@@ -1,0 +1,146 @@
+"""DeepSpeed patches on CPU: the allgather grad mode (ZeRO-1/2) and the ZeRO-3 parameter gather."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import types
+
+import torch
+
+from .devices import cpu_only
+
+
+def _deepspeed_flat_buffer_requires_grad() -> bool:
+    """True if the installed DeepSpeed predates 0.19.0 (which detached ZeRO-1/2's flat buffer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("deepspeed")) < Version("0.19.0")
+    except PackageNotFoundError:
+        return False
+
+
+def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
+    """Let DeepSpeed < 0.19 ZeRO-1/2 take its optimizer step over gloo on a CPU-only machine.
+
+    deepspeed 0.17.6 - 0.18.9 build ZeRO-1/2's flat parameter buffer with ``torch.cat`` of the
+    parameters and keep it attached to autograd (0.19.0 added ``.detach()``). After the step,
+    ``runtime.utils.all_gather_into_tensor_dp_groups`` gathers the updated partitions into it;
+    torch 2.15's gloo ``all_gather_into_tensor`` writes through ``split`` views of its output,
+    so the first ``optimizer.step()`` dies with ``RuntimeError: Output 0 of Split is a view and
+    is being modified inplace``. NCCL writes the buffer directly (GPUs are unaffected). The
+    gather is a weight update, never differentiated: run it under ``torch.no_grad()``.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
+    """
+    if not cpu_only() or not _deepspeed_flat_buffer_requires_grad():
+        return False
+    import deepspeed.runtime.utils as ds_utils
+
+    gather = getattr(ds_utils, "all_gather_into_tensor_dp_groups", None)
+    if gather is None:  # an older DeepSpeed gathers another way
+        return False
+
+    @functools.wraps(gather)
+    def gather_without_grad(*args, **kwargs):
+        with torch.no_grad():
+            return gather(*args, **kwargs)
+
+    ds_utils.all_gather_into_tensor_dp_groups = gather_without_grad
+    return True
+
+
+class _GatherHandleRecorder:
+    """``deepspeed.comm`` as ``partition_parameters`` sees it, recording async gather handles.
+
+    Every attribute is DeepSpeed's own; ``all_gather_into_tensor`` and ``all_gather`` also put
+    the handle they return into this thread's open recording, if one is open (see
+    ``every_gather_waited``). Outside a recording they behave exactly as before.
+    """
+
+    def __init__(self, comm: types.ModuleType):
+        self._comm = comm
+        self._local = threading.local()
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def _record(self, handle):
+        pending = getattr(self._local, "pending", None)
+        if pending is not None and handle is not None:
+            pending.append(handle)
+        return handle
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._record(self._comm.all_gather_into_tensor(*args, **kwargs))
+
+    def all_gather(self, *args, **kwargs):
+        return self._record(self._comm.all_gather(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def every_gather_waited(self):
+        """Record the gathers started inside the block; on leaving it, wait for each."""
+        outer = getattr(self._local, "pending", None)
+        self._local.pending = []
+        try:
+            yield
+            for handle in self._local.pending:
+                handle.wait()
+        finally:
+            self._local.pending = outer
+
+
+def _waits_only_for_last_gather(method) -> bool:
+    """True if DeepSpeed's coalesced gather still waits on its last handle only (no PR #8539)."""
+    try:
+        return "launch_handles[-1].wait()" in inspect.getsource(method)
+    except (OSError, TypeError):  # no source shipped: waiting twice is harmless, so patch
+        return True
+
+
+def patch_deepspeed_zero3_cpu_gather() -> bool:
+    """Make ZeRO-3's coalesced parameter gather wait for every all-gather on the CPU accelerator.
+
+    deepspeed 0.19.6 (the pinned version) ``Init._allgather_params_coalesced``
+    (``runtime/zero/partition_parameters.py``) starts one async ``all_gather_into_tensor`` per
+    parameter, waits on the last handle only, points ``param.data`` at the gather buffers and
+    skips the closing ``synchronize`` because the CPU accelerator ``resolves_data_dependency()``.
+    On CUDA the gathers run in order on one stream; gloo runs them on background threads, out of
+    order, so a rank reads parameters that are not yet written (symptom: 2-process ZeRO-3 on CPU
+    gives one rank a wrong loss at a random iteration, then both drift; parameters still
+    changing after ``engine.step()`` returned, ``tools/repro/zero3_gather.py``). DeepSpeed PR
+    #8539 waits for every handle, in releases mmengine 0.10.6 can no longer import. We do the
+    same from outside: the module's ``dist`` records the handles the method starts, and the
+    method returns only once each of them is waited.
+
+    Returns:
+        True if applied (DeepSpeed picked its CPU accelerator and lacks the upstream fix).
+    """
+    if not cpu_only():
+        return False
+    import deepspeed.runtime.zero.partition_parameters as zero3
+    from deepspeed.accelerator import get_accelerator
+
+    coalesced = zero3.Init._allgather_params_coalesced
+    if (
+        get_accelerator().device_name() != "cpu"
+        or isinstance(zero3.dist, _GatherHandleRecorder)
+        or not _waits_only_for_last_gather(coalesced)
+    ):
+        return False
+    recorder = _GatherHandleRecorder(zero3.dist)
+
+    @functools.wraps(coalesced)
+    def gather_waiting_for_all(self, *args, **kwargs):
+        with recorder.every_gather_waited():
+            return coalesced(self, *args, **kwargs)
+
+    zero3.dist = recorder
+    zero3.Init._allgather_params_coalesced = gather_waiting_for_all
+    return True

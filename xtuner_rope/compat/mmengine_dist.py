@@ -1,0 +1,78 @@
+"""MMEngine patches for a CPU-only machine: process-group start (gloo) and DDP without ``device_ids``."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .devices import cpu_only
+
+
+def _init_dist_pytorch_cpu(backend: str, init_backend: str = "torch", **kwargs) -> None:
+    """mmengine 0.10.6's ``_init_dist_pytorch`` for a CPU-only machine.
+
+    Same steps minus ``torch.cuda.set_device(local_rank)``, and NCCL (which needs GPUs)
+    replaced by gloo, the backend torch ships for CPU tensors.
+    """
+    if backend == "nccl":
+        backend = "gloo"
+    if init_backend == "torch":
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+    elif init_backend == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, **kwargs)
+    else:
+        raise ValueError(
+            f"xtuner_rope.compat: init_backend {init_backend!r} is not supported on "
+            "a CPU-only machine; use 'torch' (DDP) or 'deepspeed'."
+        )
+
+
+def patch_mmengine_dist_init_on_cpu() -> bool:
+    """Let ``--launcher pytorch`` start a process group on a CPU-only machine.
+
+    mmengine 0.10.6 ``mmengine.dist.utils._init_dist_pytorch`` (used by ``Runner`` and by the
+    DeepSpeed strategy) always calls ``torch.cuda.set_device(local_rank)``, which dies with
+    ``RuntimeError: Found no NVIDIA driver on your system`` on a CPU-only machine (torch 2.15
+    CUDA build), and XTuner configs ask for ``dist_cfg=dict(backend='nccl')``, which needs GPUs.
+    ``init_dist`` looks the function up at call time, so replacing it is enough.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here).
+    """
+    if not cpu_only():
+        return False
+    import mmengine.dist.utils as dist_utils
+
+    dist_utils._init_dist_pytorch = _init_dist_pytorch_cpu
+    return True
+
+
+def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
+    """Wrap CPU models in DDP without ``device_ids`` on a CPU-only machine.
+
+    mmengine 0.10.6 ``Runner.wrap_model`` (and ``DDPStrategy``) always passes
+    ``device_ids=[LOCAL_RANK]`` to ``MMDistributedDataParallel``; torch's DDP refuses that for a
+    CPU module (``ValueError: DistributedDataParallel device_ids and output_device arguments
+    only work with single-device/multiple-device GPU modules or CPU modules``). On a machine
+    without accelerators every module is on the CPU, where ``device_ids`` must be None.
+
+    Returns:
+        True if applied (no CUDA/NPU/MLU/MUSA device here).
+    """
+    if not cpu_only():
+        return False
+    from mmengine.model import MMDistributedDataParallel
+
+    original_init = MMDistributedDataParallel.__init__
+
+    @functools.wraps(original_init)
+    def init_without_device_ids(self, module, detect_anomalous_params=False, **kwargs):
+        kwargs["device_ids"] = None
+        kwargs["output_device"] = None
+        original_init(self, module, detect_anomalous_params, **kwargs)
+
+    MMDistributedDataParallel.__init__ = init_without_device_ids
+    return True
