@@ -191,6 +191,7 @@ def test_llava_collate_refuses_bad_input():
         llava_collate_fn([{"input_ids": [1], "labels": [1]}], max_length=100, image_tokens=P)
 
 
+@pytest.mark.slow
 def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     """The tiny LLaVA recipe with ``llava_collate_fn`` through the real ``xtuner train``: the
     LLM's inputs of iteration 1 are captured and each packed sample compared with itself alone
