@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 
+
+@contextlib.contextmanager
 def xtuner_pack_step(pack_fn):
     """Run XTuner's ``process_hf_dataset`` with ``pack_fn`` as its pack step, for one call.
 
