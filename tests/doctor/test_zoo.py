@@ -8,8 +8,9 @@ rounds to 0 iterations on the small data: refused by name once the dataset's len
 instead of MMEngine's "end should be larger than begin"), and, for every other covered family,
 its cheapest stock config that trains isolated (Llama 3 QLoRA, Mistral full varlen in bf16,
 Phi-3 QLoRA, Mixtral QLoRA, Qwen1.5-MoE full, Gemma QLoRA; LoRA without 4-bit). One sweep
-session, ``--jobs 2``: the 6 family rows cost 215 s of CPU (user + sys) in all, measured
-2026-11-24 under a load average of 6. DeepSeek-V2's refusal is tested from the config alone
+session, ``--jobs 2``: the 6 family rows cost 215 s of CPU (user + sys) in all (about 110 s
+of wall on an idle 2-core machine); the whole test took 310 s under a load average of 5-7
+(2026-11-24), the 3-row sample before it 99.5 s at a load of 1. DeepSeek-V2's refusal is tested from the config alone
 (``test_zoo_refusals.py``); the other rows are in ``docs/zoo``.
 """
 
