@@ -54,7 +54,7 @@ def pref(tmp_path_factory) -> dict:
     data = pc.write_preference_pairs(root / "pairs.jsonl", n=200)
     configs = {}
     llama = save_tiny(root / "tiny-llama", family="llama")
-    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.LLAMA_DPO_QLORA):
+    for name in (pc.DPO, pc.ORPO, pc.REWARD, pc.LLAMA_DPO_QLORA, pc.DPO_UNPACKED):
         copy = sc.copy_stock(name, root)
         token = REWARD_TOKEN if name == pc.REWARD else None
         text = pc.localize_preference(
@@ -114,13 +114,47 @@ def _assert_isolated(config: Path, capture: Path, kind: str) -> dict:
 def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, tmp_path):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
     `dist.get_rank()` ("Default process group has not been initialized"). The Llama 3 QLoRA
-    DPO config on a tiny Llama (LoRA without 4-bit, lora_dropout 0): the reference is the
-    policy with its adapter disabled; the capture rebuilds both as plain models (adapter
-    merged / removed)."""
+    DPO config on a tiny Llama (LoRA without 4-bit, the stock lora_dropout 0.1: the capture
+    runs its iteration with dropout off, as the responses alone are computed; with dropout
+    on the policy log-probs differed by ~2e-3, relative 1.7e-5): the reference is the policy
+    with its adapter disabled; the capture rebuilds both as plain models (adapter merged /
+    removed)."""
     proc = sc.xtuner_train(pref[name], tmp_path, *RUN)
     check_run(tmp_path, min_iters=3)
     assert "Default process group has not been initialized" not in proc.stdout + proc.stderr
     _assert_isolated(pref[name], tmp_path / capture_file(), kind)
+
+
+def test_stock_unpacked_dpo_trains_and_matches_each_response_alone(pref, tmp_path):
+    """XTuner's stock DPO without varlen: ``preference_collate_fn`` puts each response in a
+    row of its own (right-padded, ``attention_mask``), nothing to isolate; the capture still
+    holds every log-prob the run computed, equal to the response alone, and no leak control
+    (no packed row) is reported."""
+    sc.xtuner_train(pref[pc.DPO_UNPACKED], tmp_path, *RUN)
+    check_run(tmp_path, min_iters=3)
+    result = compare_preference_capture(pref[pc.DPO_UNPACKED], tmp_path / capture_file())
+    assert result["packed"] is False and result["leak_max_abs_diff"] == {}, result
+    assert result["pairs"] == 1 and set(result["captured"]) == set(result["alone"]), result
+    for name, values in result["alone"].items():
+        assert result["max_abs_diff"][name] <= RTOL * max(1.0, *map(abs, values)), result
+    assert abs(result["loss"]["captured"] - result["loss"]["alone"]) <= 1e-5, result["loss"]
+
+
+def test_doctor_reads_unpacked_pairs_as_pairs(pref, tmp_path):
+    """Unpacked pairs have no ``input_ids`` (``chosen_ids``/``rejected_ids``): the doctor
+    scans each pair's two responses instead of reporting 200 empty samples and 200 batches
+    without a supervised label (its verdict on the stock unpacked DPO config was a false
+    FAIL while the run trained)."""
+    import json
+
+    from xtuner_rope.cli import main
+
+    assert main(["doctor", str(pref[pc.DPO_UNPACKED]), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["samples"]["empty"]["count"] == 0, report["samples"]
+    assert report["collate"]["unsupervised_batches"]["count"] == 0, report["collate"]
+    assert report["dataset"]["samples"] == report["preference"]["pairs"] == 200, report
+    assert not report["packed"] and report["preference"]["packed"] is False, report
 
 
 def _free_port() -> int:

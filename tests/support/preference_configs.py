@@ -16,12 +16,14 @@ from pathlib import Path
 import stock_configs as sc
 
 DPO = "internlm2_chat_1_8b_dpo_full_varlenattn"
+DPO_UNPACKED = "internlm2_chat_1_8b_dpo_full"  # use_varlen_attn = False: a response a row
 ORPO = "internlm2_chat_1_8b_orpo_full_varlenattn"
 REWARD = "internlm2_chat_1_8b_reward_full_varlenattn_ultrafeedback"
 DPO_QLORA = "internlm2_chat_7b_dpo_qlora_varlenattn"
 LLAMA_DPO_QLORA = "llama3_8b_instruct_dpo_qlora_varlenattn"
 STOCK_DATASETS = {
     DPO: "mlabonne/orpo-dpo-mix-40k",
+    DPO_UNPACKED: "mlabonne/orpo-dpo-mix-40k",
     ORPO: "mlabonne/orpo-dpo-mix-40k",
     DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
     LLAMA_DPO_QLORA: "mlabonne/orpo-dpo-mix-40k",
@@ -84,14 +86,13 @@ def localize_preference(
     if name in (
         DPO_QLORA,
         LLAMA_DPO_QLORA,
-    ):  # LoRA without 4-bit (bitsandbytes' kernels need CUDA), no dropout
+    ):  # LoRA without 4-bit (bitsandbytes' kernels need CUDA); the stock lora_dropout=0.1
         text = sc.sub_once(
             text,
             r"^        torch_dtype=torch.float16,\n        quantization_config="
             r"dict\((\n.*?)*?\n        \),\n",
             "",
         )
-        text = sc.sub_once(text, r"^        lora_dropout=0.1,$", "        lora_dropout=0.0,")
     if reward_token_id is not None:
         text = sc.sub_once(text, r"^reward_token_id = \d+", f"reward_token_id = {reward_token_id}")
     if "evaluation_inputs = [" in text:

@@ -26,7 +26,11 @@ from xtuner_rope.doctor.llava_stats import (
 )
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
-from xtuner_rope.doctor.preference import preference_figures, preference_warnings
+from xtuner_rope.doctor.preference import (
+    doctor_samples,
+    preference_figures,
+    preference_warnings,
+)
 from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.sequence_parallel import (
     sequence_parallel_figures,
@@ -208,7 +212,7 @@ def diagnose(
     dataset, dialogues = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
-    items = dataset if llava is None else llava.scan_items
+    items = doctor_samples(dataset) if llava is None else llava.scan_items
     scan = scan_samples(
         items,
         collate_max_length=collate_kwargs.get("max_length"),

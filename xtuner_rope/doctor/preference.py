@@ -12,6 +12,7 @@ real-token share of the rows.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 
 from mmengine.config import Config
 
@@ -36,6 +37,37 @@ def _pairs(dataset_cfg: dict) -> list[dict]:
     unpacked = copy.deepcopy(dataset_cfg)
     unpacked["use_varlen_attn"] = False
     return list(BUILDER.build(unpacked))
+
+
+class PairSamples(Sequence):
+    """An unpacked preference dataset seen as the doctor's samples: one per pair.
+
+    Without ``use_varlen_attn`` a pair is ``chosen_ids``/``rejected_ids`` (no ``input_ids``),
+    and ``preference_collate_fn`` makes two rows of it. Sample ``i`` is pair ``i``'s two
+    responses end to end (``input_ids``/``labels`` ``[len(chosen) + len(rejected)]``), so the
+    sample checks (empty, unsupervised, length mismatch) and the sampler's batches (one index
+    per pair) read the pairs instead of finding 0 tokens in every sample.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        pair = self.dataset[index]
+        return {
+            "input_ids": list(pair["chosen_ids"]) + list(pair["rejected_ids"]),
+            "labels": list(pair["chosen_labels"]) + list(pair["rejected_labels"]),
+        }
+
+
+def doctor_samples(dataset: Sequence[Mapping]) -> Sequence[Mapping]:
+    """The items the doctor scans: :class:`PairSamples` for unpacked pairs, else ``dataset``."""
+    first = dataset[0] if len(dataset) else {}
+    unpacked_pairs = "input_ids" not in first and "chosen_ids" in first
+    return PairSamples(dataset) if unpacked_pairs else dataset
 
 
 def preference_figures(cfg: Config, dataset) -> dict | None:

@@ -24,6 +24,7 @@ from mmengine.logging import print_log
 from torch import nn
 
 from xtuner_rope.doctor.check_capture import reference_llm
+from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.models.dispatch import unwrap_model
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
@@ -85,11 +86,15 @@ def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class PreferenceCaptureHook(Hook):
-    """Save one packed preference batch, the weights and the per-response values computed.
+    """Save one preference batch, the weights and the per-response values computed.
 
     Writes ``preference_capture.pt`` (``preference_capture_rank{r}.pt`` on several processes)
     into the work dir after iteration ``at_iter + 1``:
-    ``{'kind', 'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss'}``. For tiny test
+    ``{'kind', 'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss',
+    'randomness_off'}``. Packed pairs (``use_varlen_attn``) and unpacked ones (one response
+    per row) alike. The captured iteration runs with dropout and router noise off
+    (:func:`~xtuner_rope.doctor.check_randomness.randomness_off`, restored after it;
+    ``randomness_off`` says what was off), as the responses alone are computed. For tiny test
     models (the weights are saved).
 
     Args:
@@ -110,22 +115,24 @@ class PreferenceCaptureHook(Hook):
             self._saved["values"][key] = value.detach().float().cpu().reshape(-1)
 
     def _wrap_logps(self, model: nn.Module, names: str) -> None:
-        original = model.get_var_len_atten_logps
+        # packed pairs (varlen): per response from the boundaries; unpacked: one row each
+        method = "get_var_len_atten_logps" if model.use_varlen_attn else "get_logps"
+        original = getattr(model, method)
 
         def recorded(*args, **kwargs):
             out = original(*args, **kwargs)
             self._record(names, out)
             return out
 
-        model.get_var_len_atten_logps = recorded
-        self._handles.append(lambda: model.__dict__.pop("get_var_len_atten_logps", None))
+        setattr(model, method, recorded)
+        self._handles.append(lambda: model.__dict__.pop(method, None))
 
     def _hook_reward_head(self, model: nn.Module, labels: torch.Tensor) -> None:
         def collect(module, args, output) -> None:
-            scores = output.detach().float().cpu()[0, :, 0]
-            self._record("chosen,rejected", (scores[labels[0] == 0], scores[labels[0] == 1]))
+            scores = output.detach().float().cpu()[..., 0]  # [b, s]: 1 packed row or 2 per pair
+            self._record("chosen,rejected", (scores[labels == 0], scores[labels == 1]))
             # [pairs * 2, h]: the reward tokens' hidden states, in row order
-            self._saved["hidden"] = args[0].detach().float().cpu()[0][labels[0] != IGNORE]
+            self._saved["hidden"] = args[0].detach().float().cpu()[labels != IGNORE]
 
         self._handles.append(model.v_head.register_forward_hook(collect).remove)
 
@@ -150,6 +157,11 @@ class PreferenceCaptureHook(Hook):
             "values": {},
             "world_size": get_world_size(),
         }
+        # The alone passes run without dropout: so does the captured step (a LoRA policy's
+        # lora_dropout=0.1 would otherwise differ by ~1e-3 in its summed log-probs).
+        quiet = randomness_off(model)
+        self._saved["randomness_off"] = quiet.__enter__()
+        self._handles.append(lambda: quiet.__exit__(None, None, None))
         if kind == "dpo":
             self._wrap_logps(
                 model, "policy_chosen,policy_rejected,reference_chosen,reference_rejected"
@@ -177,12 +189,25 @@ class PreferenceCaptureHook(Hook):
         )
 
 
-def _segments(data: dict) -> list[tuple[int, int]]:
-    """``(start, end)`` of each response of the captured row: chosen, rejected, chosen, ..."""
-    cumulative = data["cumulative_len"]
+def _segments(data: dict) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of each captured response, in order: chosen, rejected, ...
+
+    Packed pairs (``use_varlen_attn``): the spans of row 0 between its ``cumulative_len``.
+    Unpacked pairs (``preference_collate_fn`` without varlen): row ``r`` is response ``r``
+    alone, right-padded; its ``attention_mask`` gives its length.
+    """
+    cumulative = data.get("cumulative_len")
+    if cumulative is None:
+        lengths = data["attention_mask"].sum(-1).tolist()
+        return [(r, 0, int(n)) for r, n in enumerate(lengths)]
     cumulative = cumulative[0] if isinstance(cumulative, (list, tuple)) else cumulative
     bounds = [int(c) for c in cumulative]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def is_packed(data: dict) -> bool:
+    """Whether the captured batch packs pairs into a row (boundaries recorded)."""
+    return data.get("cumulative_len") is not None
 
 
 def response_logp(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> float:
@@ -229,24 +254,24 @@ def _values(
             if head is not None
             else llm(input_ids=ids, position_ids=data["position_ids"]).logits
         )
-        outs = [row[0, a:b] for a, b in segments]
+        outs = [row[r, a:b] for r, a, b in segments]
     else:
         outs = [
             (
-                llm.model(input_ids=ids[:, a:b])[0]
+                llm.model(input_ids=ids[r : r + 1, a:b])[0]
                 if head is not None
-                else llm(input_ids=ids[:, a:b]).logits
+                else llm(input_ids=ids[r : r + 1, a:b]).logits
             )[0]
-            for a, b in segments
+            for r, a, b in segments
         ]
     if head is not None:  # reward score at the response's reward token
         hidden = torch.cat(
-            [out[labels[0, a:b] != IGNORE].double() for out, (a, b) in zip(outs, segments)]
+            [out[labels[r, a:b] != IGNORE].double() for out, (r, a, b) in zip(outs, segments)]
         )
         return (hidden @ head.double().T).reshape(-1).tolist(), hidden
     return [
-        response_logp(out, labels[0, a:b], average=kind == "orpo")
-        for out, (a, b) in zip(outs, segments)
+        response_logp(out, labels[r, a:b], average=kind == "orpo")
+        for out, (r, a, b) in zip(outs, segments)
     ], None
 
 
@@ -330,8 +355,9 @@ def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None
             else None
         )
     if kind == "orpo":
-        labels = data["labels"][0]
-        counts = [int((labels[a + 1 : b] != IGNORE).sum()) for a, b in _segments(data)][::2]
+        labels = data["labels"]
+        counts = [int((labels[r, a + 1 : b] != IGNORE).sum()) for r, a, b in _segments(data)]
+        counts = counts[::2]
         return orpo_loss(alone, counts, model.get("beta", 0.1))
     return reward_loss(
         alone,
@@ -359,7 +385,8 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
         ``{'kind', 'pairs', 'alone': {name: [values]}, 'captured': {name: [values]},
         'max_abs_diff': {name: float}, 'leak_max_abs_diff': {name: float}, 'loss'}``:
         ``max_abs_diff`` is run vs alone, ``leak_max_abs_diff`` the unpatched packed row vs
-        alone (the negative control); ``reward_token_states``: the same two figures for the
+        alone (the negative control; empty for unpacked pairs, one response per row, where
+        nothing can leak); ``packed``: whether the pairs were packed; ``reward_token_states``: the same two figures for the
         hidden states the reward head reads (reward models); ``loss``: the logged loss and
         the same loss from the responses alone (DPO sigmoid, ORPO, reward ranking/focal with
         its penalty; a reward loss only from a one-process capture).
@@ -374,8 +401,9 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
     )
     head = state.get("v_head.weight") if kind == "reward" else None
     alone, leak, hidden = {}, {}, {}
+    runs = ((False, alone), (True, leak)) if is_packed(data) else ((False, alone),)
     for prefix, llm in models.items():
-        for packed, out in ((False, alone), (True, leak)):
+        for packed, out in runs:
             values, hidden[packed] = _values(llm, data, kind, head, packed)
             out[f"{prefix}chosen"], out[f"{prefix}rejected"] = values[::2], values[1::2]
     captured = {k: v.tolist() for k, v in saved["values"].items()}
@@ -389,10 +417,13 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
         states = {
             "max_abs_diff": float((saved["hidden"] - hidden[False]).abs().max()),
             "max_abs": float(hidden[False].abs().max()),
-            "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max()),
+            "leak_max_abs_diff": float((hidden[True] - hidden[False]).abs().max())
+            if True in hidden
+            else None,
         }
     return {
         "kind": kind,
+        "packed": is_packed(data),
         "pairs": len(alone[next(iter(alone))]),
         "alone": alone,
         "reward_token_states": states,

@@ -139,6 +139,8 @@ def mode_of(text: str, name: str) -> dict:
     )
     if kind in ("llava", "internvl"):
         packing = "unpacked"  # LLaVADataset hard-codes pack_to_max_length=False
+    if kind in PREFERENCE_KINDS and packing == "packed":
+        packing = "unpacked"  # build_preference_dataset packs pairs only with use_varlen_attn
     return {"tuning": tuning, "packing": packing, "kind": kind}
 
 
@@ -567,17 +569,21 @@ def judge_preference(work: Path, config: Path) -> dict:
     states = result.get("reward_token_states") or {}
     if states:
         worst = max(worst, states["max_abs_diff"])
-    leak = max(result["leak_max_abs_diff"].values())
     row = {
         "documents": 2 * result["pairs"],
         "relative": worst,
         "dtype": "float32",
         "tolerance": ISOLATION_TOLERANCE,
-        "boundaries": "cumulative_len",
+        "boundaries": "cumulative_len" if result["packed"] else "unpacked (one response a row)",
     }
+    control = (
+        f"unpatched packed row: {max(result['leak_max_abs_diff'].values()):.3g}"
+        if result["packed"]
+        else "unpacked: one response a row, nothing to isolate"
+    )
     what = (
         f"{result['pairs']} {result['kind']} pairs, responses vs alone relative {worst:.3g}"
-        f" (unpatched packed row: {leak:.3g})"
+        f" ({control})"
     )
     return {**row, "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED, "message": what}
 
