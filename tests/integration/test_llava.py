@@ -102,7 +102,7 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
     proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
-    assert "pretrained_model_name_or_path: missing (a LLaVA config names its LLM" in out
+    assert "pretrained_model_name_or_path: missing (a LLaVA/InternVL config names its LLM" in out
     assert "custom_hooks: EvaluateChatHook" not in out  # kept (compat fixes its generation)
     assert_chat_hook_generated(tmp_path / "run")
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
