@@ -361,7 +361,10 @@ def test_check_orpo_without_plugin_fails_on_log_probs_and_loss(pref, tmp_path, c
             out,
         ).groups(),
     )
-    assert abs(captured - alone) > 1e-3, out  # measured 7.009718 vs 7.003515
+    # Beyond check's fp32 tolerance (1e-5 relative). How far depends on which pairs share the
+    # first packed row (XTuner's PackedDatasetWrapper shuffles with numpy's global state):
+    # measured 7.009718 vs 7.003515 and 7.004110 vs 7.004848.
+    assert abs(captured - alone) > 1e-5 * max(1.0, abs(alone)), out
 
 
 def test_doctor_counts_pairs_and_drops(pref, tmp_path, capsys):
