@@ -31,6 +31,7 @@ from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start_file
 from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.doctor.check_measure import BOUNDARY_HOOKS
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.diagnose import build_collate_fn, plugin_resource
@@ -38,8 +39,6 @@ from xtuner_rope.doctor.llava_stats import refuse_unserved_model
 from xtuner_rope.models.runtime import chosen_backends
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Hooks that carry the batch's document boundaries to the attention (ours and XTuner's).
-BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
 
 def start_config(path: str, cfg_options: dict | None = None) -> Config:
@@ -241,6 +240,53 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     }
 
 
+def report_head(
+    cfg: Config,
+    config: str,
+    cfg_options: dict | None,
+    hooks: dict,
+    measured: dict,
+    llm,
+    device,
+    dt: torch.dtype,
+    *,
+    model_class: str,
+    parameters: int,
+) -> dict:
+    """The report's config, plugin and model entries (pops ``patched`` and ``backend``).
+
+    Shared by the text check and the LLaVA check (``llava_check``): what was checked, with the
+    attention the language model really ran (the layers' classes and the packed backend chosen).
+    """
+    return {
+        "config": str(config),
+        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "plugin": {
+            "model_resource": plugin_resource(cfg),
+            "patched": measured.pop("patched"),
+            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
+        },
+        "model": {
+            "class": model_class,
+            "path": str(getattr(llm, "name_or_path", "")),
+            "device": str(device),
+            "dtype": str(dt).replace("torch.", ""),
+            # What picks the layers' class: InternLM2's own config attribute, else HF's.
+            "attn_implementation": getattr(llm.config, "attn_implementation", None)
+            or getattr(llm.config, "_attn_implementation", None),
+            "packed_backend": measured.pop("backend"),
+            "attention_layers": sorted(
+                {
+                    type(m).__name__
+                    for m in llm.modules()
+                    if type(m).__name__.endswith(("Attention", "Attention2"))
+                }
+            ),
+            "parameters": parameters,
+        },
+    }
+
+
 def run_check(
     config: str,
     cfg_options: dict | None = None,
@@ -296,32 +342,18 @@ def run_check(
         result["boundaries"] = source
     llm = runner.model.llm
     report = {
-        "config": str(config),
-        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
-        "plugin": {
-            "model_resource": plugin_resource(cfg),
-            "patched": measured.pop("patched"),
-            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
-        },
-        "model": {
-            "class": type(llm).__name__,
-            "path": str(getattr(llm, "name_or_path", "")),
-            "device": str(device),
-            "dtype": str(dt).replace("torch.", ""),
-            # What picks the layers' class: InternLM2's own config attribute, else HF's.
-            "attn_implementation": getattr(llm.config, "attn_implementation", None)
-            or getattr(llm.config, "_attn_implementation", None),
-            "packed_backend": measured.pop("backend"),
-            "attention_layers": sorted(
-                {
-                    type(m).__name__
-                    for m in llm.modules()
-                    if type(m).__name__.endswith("Attention")
-                    or type(m).__name__.endswith("Attention2")
-                }
-            ),
-            "parameters": sum(p.numel() for p in llm.parameters()),
-        },
+        **report_head(
+            cfg,
+            config,
+            cfg_options,
+            hooks,
+            measured,
+            llm,
+            device,
+            dt,
+            model_class=type(llm).__name__,
+            parameters=sum(p.numel() for p in llm.parameters()),
+        ),
         **measured,
     }
     report.update(judge(report))

@@ -13,6 +13,10 @@ from xtuner_rope.batch.checks import row_boundaries
 from xtuner_rope.models import channel
 from xtuner_rope.ops.packing import cumulative_from_position_ids
 
+# The hooks that turn a packed batch's boundaries into what attention reads (the plugin's, and
+# XTuner's own for use_varlen_attn): every check pass runs them before its forward.
+BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
+
 IGNORE_INDEX = -100
 # Keys of XTuner batches that the HF forward does not take (the boundary hooks pop them).
 BOUNDARY_KEYS = ("cumulative_len", "max_seqlen", "num_unsupervised")

@@ -19,6 +19,7 @@ from mmengine.config import Config
 
 from xtuner_rope.config.preference import PREFERENCE_MODELS
 from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
+from xtuner_rope.doctor.check_measure import BOUNDARY_HOOKS
 from xtuner_rope.doctor.check_report import TOLERANCES
 from xtuner_rope.doctor.preference_capture import (
     PreferenceCaptureHook,
@@ -30,7 +31,6 @@ from xtuner_rope.models import channel
 # Tolerances: check_report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
 # "logits" entry for log-probs, scores and states, "loss" for the loss); fp32: 1e-5, as sums
 # of ~100 log-probs differ by rounding only.
-BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
 
 def is_preference_config(cfg: Config) -> bool:

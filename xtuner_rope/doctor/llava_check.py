@@ -31,13 +31,13 @@ from mmengine.config import Config
 from xtuner_rope.batch.image_packing import expand_row_boundaries, expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.doctor.check_measure import BOUNDARY_HOOKS
 from xtuner_rope.doctor.check_randomness import randomness_off
 from xtuner_rope.doctor.check_report import judge
 from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.runtime import chosen_backends
 
 IGNORE_INDEX = -100
-BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
 
 def _row_segments(data: dict) -> list[list[int]]:
@@ -314,7 +314,6 @@ def run_llava_check(
         and each batch's ``expansion``), with ``verdict``, ``problems`` and ``exit_code``.
     """
     from xtuner_rope.doctor import check as ch
-    from xtuner_rope.doctor.diagnose import plugin_resource
 
     p = image_tokens_of(cfg)
     runner = ch.build_runner(cfg, Path(work_dir))
@@ -334,30 +333,18 @@ def run_llava_check(
     llm = model.llm
     report = {
         "kind": "llava",
-        "config": str(config),
-        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
-        "plugin": {
-            "model_resource": plugin_resource(cfg),
-            "patched": measured.pop("patched"),
-            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
-        },
-        "model": {
-            "class": f"LLaVAModel({type(model.visual_encoder).__name__} + {type(llm).__name__})",
-            "path": str(getattr(llm, "name_or_path", "")),
-            "device": str(device),
-            "dtype": str(dt).replace("torch.", ""),
-            "attn_implementation": getattr(llm.config, "attn_implementation", None)
-            or getattr(llm.config, "_attn_implementation", None),
-            "packed_backend": measured.pop("backend"),
-            "attention_layers": sorted(
-                {
-                    type(m).__name__
-                    for m in llm.modules()
-                    if type(m).__name__.endswith(("Attention", "Attention2"))
-                }
-            ),
-            "parameters": sum(q.numel() for q in model.parameters()),
-        },
+        **ch.report_head(
+            cfg,
+            config,
+            cfg_options,
+            hooks,
+            measured,
+            llm,
+            device,
+            dt,
+            model_class=f"LLaVAModel({type(model.visual_encoder).__name__} + {type(llm).__name__})",
+            parameters=sum(q.numel() for q in model.parameters()),
+        ),
         "multimodal": p,
         "randomness": randomness,
         **measured,
