@@ -164,7 +164,11 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
     )
     assert bad["exit_code"] == 1
     text = "\n".join(bad["problems"])
-    assert "train_dataloader.collate_fn.image_tokens=4, but the vision tower gives 16" in text
+    assert (  # the start-up's finding (config.llava_collate), the one xtuner train meets
+        "conflict: train_dataloader.collate_fn.image_tokens: set after the start-up ran "
+        "(--cfg-options): 4, but the vision tower" in text
+    )
+    assert "-> set image_tokens=16" in text
     assert "train_dataloader.dataset.image_folder: 12 of 12 samples name an image" in text
     assert "its image cannot be opened" in text
     leaky, _ = diagnose(str(llava["configs"]["finetune_packed_no_edit"]), progress=False)

@@ -30,6 +30,9 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from torch import nn
 
+from xtuner_rope.doctor.capture_weights import plain_state_dict, plain_weights_refusal
+from xtuner_rope.doctor.check_randomness import randomness_off
+
 LLAVA_CAPTURE_FILE = "llava_isolation_capture.pt"
 _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
 IGNORE_INDEX = -100
@@ -51,7 +54,9 @@ class LLaVAIsolationCaptureHook(Hook):
         negative_control: Also measure inside the run, through an unpatched copy of the LLM
             with the run's weights: each sample alone against the captured logits, and the
             captured rows through the unpatched LLM (the leak without the plugin when rows are
-            packed). Needs a full (not PEFT-wrapped) LLM.
+            packed). A LoRA LLM is merged into a copy and ZeRO-3 shards are gathered for it
+            (``doctor.capture_weights``); LoRA under ZeRO-3 is refused before the first step.
+            The captured step runs with dropout off (as the reference passes do).
     """
 
     # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8).
@@ -62,6 +67,15 @@ class LLaVAIsolationCaptureHook(Hook):
         self._saved: dict = {}
         self._handle = None
         self._reference: nn.Module | None = None
+        self._quiet = None  # randomness_off of the captured step
+
+    def before_train(self, runner) -> None:
+        """Refuse, before any step, a negative control this LLM cannot have."""
+        refusal = self.negative_control and plain_weights_refusal(
+            inner_llm(runner.model), type(self).__name__
+        )
+        if refusal:
+            raise ValueError(refusal)
 
     def _collect(self, module, args, kwargs, output) -> None:
         if self._saved or not module.training:
@@ -92,8 +106,12 @@ class LLaVAIsolationCaptureHook(Hook):
         llm = inner_llm(runner.model)
         if self.negative_control:
             self._reference = reference_llava_llm(runner.cfg)
-            self._reference.load_state_dict(llm.state_dict())  # the weights of this step
+            # The weights of this step, LoRA merged / ZeRO-3 gathered.
+            self._reference.load_state_dict(plain_state_dict(llm))
             self._reference.to(next(llm.parameters()).device)
+        # LoRA's lora_dropout would make the step differ from the reference passes.
+        self._quiet = randomness_off(llm)
+        self._quiet.__enter__()
         self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
@@ -101,6 +119,7 @@ class LLaVAIsolationCaptureHook(Hook):
             return
         self._handle.remove()
         self._handle = None
+        self._quiet.__exit__(None, None, None)
         path = Path(runner.work_dir) / LLAVA_CAPTURE_FILE
         torch.save(self._saved, path)
         figures = self._saved.get("in_run")

@@ -75,6 +75,9 @@ def refuse_unserved_model(path: str) -> None:
 def image_tokens_of(cfg) -> dict:
     """``P``, the patch embeddings one image becomes, from the vision tower's own config.
 
+    The start-up's reading (``config.llava_collate.tower_image_tokens``), so the doctor and
+    the run count the same ``P``.
+
     Args:
         cfg: A started LLaVA config (``model.visual_encoder`` names the tower's path).
 
@@ -85,34 +88,10 @@ def image_tokens_of(cfg) -> dict:
         ValueError: the tower's config has no ``image_size`` / ``patch_size`` (not a
             ViT-style tower XTuner's ``LLaVAModel`` serves); the message names the setting.
     """
-    from transformers import AutoConfig
+    from xtuner_rope.config.llava_collate import tower_image_tokens
 
     encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
-    path = _get(encoder, "pretrained_model_name_or_path")
-    if path is None:
-        raise ValueError(
-            "xtuner-rope doctor: model.visual_encoder.pretrained_model_name_or_path"
-            ": expected the vision tower's path, got none. Set "
-            "visual_encoder_name_or_path in the config."
-        )
-    config = AutoConfig.from_pretrained(str(path))
-    vision = getattr(config, "vision_config", config)  # a full CLIPConfig holds the tower's
-    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
-    if not isinstance(size, int) or not isinstance(patch, int) or patch < 1:
-        raise ValueError(
-            f"xtuner-rope doctor: model.visual_encoder ({path}): expected a "
-            f"ViT-style config with int image_size and patch_size, got "
-            f"image_size={size!r}, patch_size={patch!r} ({type(vision).__name__}). "
-            "XTuner's LLaVAModel drops one CLS token per image: use a CLIP tower."
-        )
-    # (size / patch)^2 patch tokens + CLS; LLaVAModel keeps [:, 1:].
-    return {
-        "image_tokens": (size // patch) ** 2,
-        "image_size": size,
-        "patch_size": patch,
-        "model_type": getattr(vision, "model_type", None),
-        "path": str(path),
-    }
+    return tower_image_tokens(_get(encoder, "pretrained_model_name_or_path"))
 
 
 def expand_item(input_ids: Sequence[int], labels: Sequence[int], image_tokens: int) -> dict:
@@ -359,13 +338,8 @@ def llava_problems(figures: Mapping | None) -> list[str]:
             "embeddings do not fit and the first step fails. Use the tower's own image "
             "processor (the same path)."
         )
-    if figures["collate_image_tokens"] not in (None, p):
-        problems.append(
-            f"train_dataloader.collate_fn.image_tokens={figures['collate_image_tokens']}, but "
-            f"the vision tower gives {p} patch embeddings per image ({figures['image_source']}):"
-            f" rows are planned on wrong lengths and the first step is refused. Set "
-            f"image_tokens={p}."
-        )
+    # llava_collate_fn's image_tokens against P: a start-up conflict (config.llava_collate),
+    # reported by the doctor with the start-up's findings, refused by the run the same way.
     if figures["many_placeholders"]:
         problems.append(
             f"samples with more than one <image> placeholder (first: "

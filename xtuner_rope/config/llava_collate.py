@@ -1,0 +1,118 @@
+"""Start-up finding of ``llava_collate_fn``: its ``image_tokens`` must be the tower's ``P``.
+
+``llava_collate_fn`` plans rows on the expanded lengths, each image placeholder counted as
+``image_tokens`` patch embeddings. ``LLaVAModel`` really inserts ``P`` of them, ``P = (image_size
+// patch_size) ** 2`` of the vision tower (its CLS token dropped, ``hidden_states[...][:, 1:]``
+in xtuner 0.2.0). A wrong value does not fail loudly where it happens:
+
+- too small: image rows come out longer than ``max_length`` once expanded, and training goes
+  on silently on rows the config never asked for (memory, and the doctor's figures, off);
+- too large: every image sample looks longer than it is; the text-only batches train, and the
+  run dies at the first image batch with a ``max_length`` message that blames the wrong
+  setting.
+
+The tower's ``config.json`` is read here, before anything is built, so ``xtuner train`` refuses
+the config at start-up, and ``xtuner-rope doctor`` reports the same finding (it runs the same
+start-up). A tower whose config cannot be read offline yet (a hub id not in the cache) is
+judged again before the first step, when ``ValidatedRoPEHook`` re-checks the started config
+(the model, and so the tower's config, is loaded by then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mmengine.config import Config
+
+from .startup import Finding, register_findings, type_name
+
+__all__ = ["image_tokens_finding", "llava_collate_findings", "tower_image_tokens"]
+
+
+def _get(node: object, key: str, default: object = None) -> object:
+    return node.get(key, default) if isinstance(node, Mapping) else default
+
+
+def tower_image_tokens(path: object, local_only: bool = False) -> dict:
+    """``P``, the patch embeddings one image becomes, from the vision tower's own config.
+
+    Args:
+        path: ``model.visual_encoder.pretrained_model_name_or_path``.
+        local_only: Read only what is on disk (the start-up: no download before a run).
+
+    Returns:
+        ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
+
+    Raises:
+        ValueError: no path, or a config without int ``image_size`` / ``patch_size`` (not a
+            ViT-style tower ``LLaVAModel`` serves); the message names the setting.
+        OSError: the config cannot be read (``local_only`` and not on disk).
+    """
+    from transformers import AutoConfig
+
+    if path is None:
+        raise ValueError(
+            "model.visual_encoder.pretrained_model_name_or_path: expected the vision tower's "
+            "path, got none. Set visual_encoder_name_or_path in the config."
+        )
+    config = AutoConfig.from_pretrained(str(path), local_files_only=local_only)
+    vision = getattr(config, "vision_config", config)  # a full CLIPConfig holds the tower's
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int) or patch < 1:
+        raise ValueError(
+            f"model.visual_encoder ({path}): expected a ViT-style config with int "
+            f"image_size and patch_size, got image_size={size!r}, patch_size={patch!r} "
+            f"({type(vision).__name__}). XTuner's LLaVAModel drops one CLS token per "
+            "image: use a CLIP tower."
+        )
+    # (size / patch)^2 patch tokens + CLS; LLaVAModel keeps [:, 1:].
+    return {
+        "image_tokens": (size // patch) ** 2,
+        "image_size": size,
+        "patch_size": patch,
+        "model_type": getattr(vision, "model_type", None),
+        "path": str(path),
+    }
+
+
+def image_tokens_finding(asked: object, tower: Mapping) -> Finding | None:
+    """The refusal of ``llava_collate_fn(image_tokens=asked)`` for ``tower``; None when equal.
+
+    Args:
+        asked: ``train_dataloader.collate_fn.image_tokens``.
+        tower: :func:`tower_image_tokens` of the config's vision tower.
+    """
+    p = tower["image_tokens"]
+    if asked == p:
+        return None
+    effect = (
+        "image rows would come out longer than max_length once expanded and train silently"
+        if isinstance(asked, int) and asked < p
+        else "image samples would look longer than they are and the first image batch would "
+        "be refused as over max_length"
+    )
+    return Finding(
+        "train_dataloader.collate_fn.image_tokens",
+        f"{asked!r}, but the vision tower (model.visual_encoder, {tower['path']}) gives {p} "
+        f"patch embeddings per image ({tower['model_type']} image_size={tower['image_size']} "
+        f"patch_size={tower['patch_size']}: (image_size // patch_size)^2, CLS dropped by "
+        f"LLaVAModel): llava_collate_fn plans its rows on wrong lengths ({effect})",
+        f"set image_tokens={p}",
+    )
+
+
+@register_findings(order=45)
+def llava_collate_findings(cfg: Config) -> list[Finding]:
+    """``llava_collate_fn``'s ``image_tokens`` against the tower's ``P`` (see the module)."""
+    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    if type_name(_get(collate, "type")) != "llava_collate_fn":
+        return []
+    encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
+    try:
+        tower = tower_image_tokens(_get(encoder, "pretrained_model_name_or_path"), local_only=True)
+    except (OSError, ValueError):
+        # Not readable offline (yet), or not a ViT tower (the doctor names that): the re-check
+        # before the first step reads it again once the model is loaded.
+        return []
+    finding = image_tokens_finding(_get(collate, "image_tokens"), tower)
+    return [] if finding is None else [finding]

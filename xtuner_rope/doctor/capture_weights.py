@@ -1,0 +1,71 @@
+"""The weights of a run's LLM as a plain (unpatched, unwrapped) model loads them.
+
+The in-run negative controls (``LLaVAIsolationCaptureHook``) give a fresh copy of the config's
+LLM the run's own weights. ``llm.state_dict()`` is that only for a full LLM on one process:
+
+- a PEFT (LoRA/QLoRA) LLM's keys are ``base_model.model.<name>.base_layer.weight`` plus the
+  adapter's ``lora_A``/``lora_B``: a plain model raises "Error(s) in loading state_dict ...
+  Missing key(s)". Merged into a copy (``merge_and_unload``), it is the plain model's dict;
+- under DeepSpeed ZeRO-3 each process holds an empty placeholder per parameter: the full
+  tensors are gathered first (``deepspeed.zero.GatheredParameters``).
+
+A PEFT LLM under ZeRO-3 would need both at once (a copy of gathered LoRA layers): refused by
+:func:`plain_weights_refusal` before the first step, naming the way that works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["is_peft", "is_zero3", "plain_state_dict", "plain_weights_refusal"]
+
+
+def is_peft(module: nn.Module) -> bool:
+    """True for a PEFT-wrapped model (LoRA/QLoRA adapters)."""
+    return hasattr(module, "peft_config") and hasattr(module, "merge_and_unload")
+
+
+def is_zero3(module: nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 partitions the module's parameters (``ds_id`` on each)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def plain_weights_refusal(module: nn.Module, who: str) -> str | None:
+    """Why the weights of ``module`` cannot be given to a plain model; None when they can."""
+    if is_peft(module) and is_zero3(module):
+        return (
+            f"{who}: negative_control=True gives an unpatched copy of the LLM the run's "
+            "weights, but this LLM is LoRA (PEFT) under DeepSpeed ZeRO-3, whose adapters cannot "
+            "be merged into a copy while partitioned. Set negative_control=False (the capture "
+            "and compare_llava_capture still run), or run the control under ZeRO-2 or on one "
+            "process."
+        )
+    return None
+
+
+def plain_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s weights under the names of the plain model, fp32 on the CPU.
+
+    Args:
+        module: The run's LLM (full, PEFT-wrapped, or partitioned by ZeRO-3).
+
+    Raises:
+        ValueError: a PEFT LLM under ZeRO-3 (:func:`plain_weights_refusal`).
+    """
+    refusal = plain_weights_refusal(module, "plain_state_dict")
+    if refusal:
+        raise ValueError(refusal)
+    if is_peft(module):
+        module = copy.deepcopy(module).merge_and_unload()
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    gathered = contextlib.nullcontext()
+    if params:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
