@@ -26,7 +26,12 @@ from mmengine.config import Config
 
 from .startup import Finding, register_findings, type_name
 
-__all__ = ["image_tokens_finding", "llava_collate_findings", "tower_image_tokens"]
+__all__ = [
+    "image_tokens_finding",
+    "image_tokens_from_config",
+    "llava_collate_findings",
+    "tower_image_tokens",
+]
 
 
 def _get(node: object, key: str, default: object = None) -> object:
@@ -56,6 +61,15 @@ def tower_image_tokens(path: object, local_only: bool = False) -> dict:
             "path, got none. Set visual_encoder_name_or_path in the config."
         )
     config = AutoConfig.from_pretrained(str(path), local_files_only=local_only)
+    return image_tokens_from_config(config, str(path))
+
+
+def image_tokens_from_config(config: object, path: str) -> dict:
+    """:func:`tower_image_tokens` of a loaded tower config (a built model's ``.config``).
+
+    Raises:
+        ValueError: no int ``image_size`` / ``patch_size`` (not a ViT-style tower).
+    """
     vision = getattr(config, "vision_config", config)  # a full CLIPConfig holds the tower's
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     if not isinstance(size, int) or not isinstance(patch, int) or patch < 1:
@@ -71,7 +85,7 @@ def tower_image_tokens(path: object, local_only: bool = False) -> dict:
         "image_size": size,
         "patch_size": patch,
         "model_type": getattr(vision, "model_type", None),
-        "path": str(path),
+        "path": path,
     }
 
 

@@ -17,6 +17,7 @@ from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.doctor.llava_stats import (
+    llava_data_of,
     llava_figures,
     llava_problems,
     llava_view,
@@ -299,6 +300,7 @@ def diagnose(
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += llava_problems(report["multimodal"])
+    report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
     report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(
         cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))

@@ -35,6 +35,7 @@ __all__ = [
     "LLaVAView",
     "expand_item",
     "image_tokens_of",
+    "llava_data_of",
     "llava_figures",
     "llava_lines",
     "llava_problems",
@@ -329,7 +330,7 @@ def llava_problems(figures: Mapping | None) -> list[str]:
     """What ``xtuner train`` would refuse or get wrong, each naming its setting."""
     if not figures:
         return []
-    p, problems = figures["image_tokens"], []
+    problems = []
     crop, size = figures["processor_crop"], figures["image_size"]
     if crop is not None and crop != (size, size):
         problems.append(
@@ -340,32 +341,29 @@ def llava_problems(figures: Mapping | None) -> list[str]:
         )
     # llava_collate_fn's image_tokens against P: a start-up conflict (config.llava_collate),
     # reported by the doctor with the start-up's findings, refused by the run the same way.
-    if figures["many_placeholders"]:
-        problems.append(
-            f"samples with more than one <image> placeholder (first: "
-            f"{', '.join(map(str, figures['many_placeholders']))}): XTuner's LLaVADataset loads "
-            "one image per sample, so the batch check refuses them. Keep one <image> per "
-            "sample."
-        )
-    missing = figures["missing_images"]
-    if missing["count"]:
-        problems.append(
-            f"train_dataloader.dataset.image_folder: {missing['count']} of "
-            f"{figures['samples_naming_an_image']} samples name an image that is not there "
-            f"(first: {', '.join(map(str, missing['first_indices']))}): the step that loads "
-            "one fails. Point image_folder at the images of data_path."
-        )
-    longest = figures["lengths_image_samples"]["p100"] or 0
-    longest = max(longest, figures["lengths_text_samples"]["p100"] or 0)
-    max_position = figures["llm_max_position"]
-    if max_position is not None and longest > max_position:
-        problems.append(
-            f"max_length: samples reach {int(longest)} tokens once each image is {p} patch "
-            f"embeddings, over the LLM's max_position_embeddings={max_position}: the "
-            "expanded-sequence check refuses them. Lower max_length (LLaVADataset counts an "
-            "image as one token) or use fewer image tokens."
-        )
+    # Missing/unreadable images, <image> against the images, lengths against the RoPE range:
+    # data.llava_dataset_checks (llava_data_of), the checks the run makes before its first step.
     return problems
+
+
+def llava_data_of(view: LLaVAView, dataset) -> list[str]:
+    """The run's own data checks (``data.llava_dataset_checks``) on the doctor's dataset.
+
+    ``llava_collate_fn``'s row capacity is left out: the doctor's scan reports samples over the
+    collate ``max_length`` already.
+    """
+    from xtuner_rope.data.llava_dataset_checks import llava_data_problems
+
+    text = dataset.text_data
+    ids = text["input_ids"]
+    names = text["image"] if "image" in text.column_names else [None] * len(ids)
+    return llava_data_problems(
+        ids,
+        names,
+        getattr(dataset, "image_folder", None) or "",
+        view.image_tokens["image_tokens"],
+        max_position=view.llm_max_position,
+    )
 
 
 def llava_warnings(figures: Mapping | None) -> list[str]:

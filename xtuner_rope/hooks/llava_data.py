@@ -1,0 +1,46 @@
+"""Before the first step of a LLaVA run: its whole training data checked, not batch by batch.
+
+``PackedBatchCheckHook.before_train`` calls :func:`check_llava_train_data`: the train dataset
+(``LLaVADataset``), the vision tower's ``P`` (from the built model), ``llava_collate_fn``'s row
+capacity and the LLM's RoPE range go to :func:`xtuner_rope.data.llava_dataset_checks.
+check_llava_dataset`, the same checks ``xtuner-rope doctor`` reports.
+"""
+
+from __future__ import annotations
+
+from xtuner_rope.config.llava_collate import image_tokens_from_config
+from xtuner_rope.data.llava_dataset_checks import check_llava_dataset
+
+
+def _llava_model(model):
+    return next((m for m in model.modules() if type(m).__name__ == "LLaVAModel"), None)
+
+
+def _row_capacity(collate_fn) -> int | None:
+    """``max_length`` of a ``llava_collate_fn`` (MMEngine binds it with ``functools.partial``)."""
+    func = getattr(collate_fn, "func", collate_fn)
+    if getattr(func, "__name__", None) != "llava_collate_fn":
+        return None
+    return getattr(collate_fn, "keywords", {}).get("max_length")
+
+
+def check_llava_train_data(runner, max_position: int | None) -> None:
+    """Refuse a LLaVA run whose training data would fail or train silently wrong.
+
+    Args:
+        runner: The MMEngine runner (its model holds XTuner's ``LLaVAModel``; anything else
+            is left alone).
+        max_position: The LLM's RoPE range (``PackedBatchCheckHook``'s limit).
+
+    Raises:
+        ValueError: see :func:`xtuner_rope.data.llava_dataset_checks.check_llava_dataset`.
+    """
+    llava = _llava_model(runner.model)
+    loader = getattr(runner, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    if llava is None or not hasattr(dataset, "text_data"):
+        return
+    tower = image_tokens_from_config(llava.visual_encoder.config, "model.visual_encoder")
+    check_llava_dataset(
+        dataset, tower["image_tokens"], _row_capacity(loader.collate_fn), max_position
+    )
