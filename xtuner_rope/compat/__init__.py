@@ -32,7 +32,12 @@ from .xtuner_model_resource import (
     patch_set_model_resource_llm_path,
 )
 from .xtuner_packing import xtuner_pack_step
-from .xtuner_preference import patch_xtuner_preference_rank, patch_xtuner_preference_target_zero
+from .xtuner_preference import (
+    patch_preference_map_fn_errors,
+    patch_preference_unpacked_pairs,
+    patch_xtuner_preference_rank,
+    patch_xtuner_preference_target_zero,
+)
 from .xtuner_sft import (
     patch_sft_forward_names_missing_hook,
     patch_sft_sequence_parallel_loss,
@@ -64,6 +69,8 @@ __all__ = [
     "patch_llava_expansion_check",
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
+    "patch_preference_unpacked_pairs",
+    "patch_preference_map_fn_errors",
 ]
 
 _APPLIED: list[str] = []
@@ -106,6 +113,8 @@ def apply() -> list[str]:
         patch_set_model_resource_llm_path,
         patch_xtuner_preference_rank,
         patch_xtuner_preference_target_zero,
+        patch_preference_unpacked_pairs,
+        patch_preference_map_fn_errors,
         patch_sft_sequence_parallel_loss,
         patch_xtuner_train_sequence_parallel_check,
         patch_internlm2_generation_from_embeds,

@@ -121,3 +121,90 @@ def patch_xtuner_preference_target_zero() -> bool:
         model._gather_masked_logits = _gather_with_targets(model._gather_masked_logits)
         applied = True
     return applied
+
+
+def patch_preference_unpacked_pairs() -> bool:
+    """``PackedDatasetWrapper`` keeps the pairs it packed, in dataset order (``unpacked_pairs``).
+
+    xtuner 0.2.0's wrapper packs whole pairs after a shuffle and drops every pair longer than
+    ``max_packed_length``, logging only a count: the pairs cannot be named afterwards, and the
+    dropped ones are gone. ``xtuner_rope.data.preference_checks`` needs both (the check before
+    the first step); the reference costs no copy (the wrapper's rows hold the same dicts).
+
+    Returns:
+        True if the wrapper is patched (now or before).
+    """
+    try:
+        from xtuner.dataset.preference_dataset import PackedDatasetWrapper
+    except ImportError:
+        return False
+    init = PackedDatasetWrapper.__init__
+    if getattr(init, "_xtuner_rope_keeps_pairs", False):
+        return True
+
+    @functools.wraps(init)
+    def keeping(self, dataset, *args, **kwargs):
+        init(self, dataset, *args, **kwargs)
+        self.unpacked_pairs = dataset
+
+    keeping._xtuner_rope_keeps_pairs = True
+    PackedDatasetWrapper.__init__ = keeping
+    return True
+
+
+def _failing_row(dataset, map_fn) -> tuple[int, Exception] | None:
+    for i in range(len(dataset)):
+        try:
+            map_fn(dataset[i])
+        except Exception as exc:  # noqa: BLE001 - named in the caller's message
+            return i, exc
+    return None
+
+
+def patch_preference_map_fn_errors() -> bool:
+    """A preference ``dataset_map_fn`` that fails names the source row and what a pair needs.
+
+    xtuner 0.2.0's ``build_preference_dataset`` maps the raw rows with ``datasets.map``: a
+    one-sided row (``orpo_dpo_mix_40k_map_fn``: ``assert len(chosen) == len(rejected)``), a
+    row without its answer turn or without ``rejected`` dies there with a bare
+    ``AssertionError`` / ``KeyError`` and no row named. On such a failure the rows are mapped
+    again one by one to find the first that fails, and a ``ValueError`` names it.
+
+    Returns:
+        True if ``map_dataset`` is patched (now or before).
+    """
+    try:
+        import xtuner.dataset.preference_dataset as preference
+    except ImportError:
+        return False
+    original = preference.map_dataset
+    if getattr(original, "_xtuner_rope_names_rows", False):
+        return True
+
+    @functools.wraps(original)
+    def named(dataset, dataset_map_fn, map_num_proc):
+        try:
+            return original(dataset, dataset_map_fn, map_num_proc)
+        except Exception as exc:
+            fn = (
+                preference.MAP_FUNC.get(dataset_map_fn) if isinstance(dataset_map_fn, str) else None
+            )
+            found = (
+                _failing_row(dataset, fn or dataset_map_fn)
+                if callable(fn or dataset_map_fn)
+                else None
+            )
+            if found is None:
+                raise
+            row, error = found
+            name = getattr(fn or dataset_map_fn, "__name__", str(dataset_map_fn))
+            raise ValueError(
+                f"build_preference_dataset: source row {row}: dataset_map_fn {name} failed "
+                f"({type(error).__name__}: {error or 'assertion'}). Expected a pair: 'chosen' "
+                "and 'rejected' conversations with the same turns, each ending with its own "
+                "assistant answer. Fix or remove the row."
+            ) from exc
+
+    named._xtuner_rope_names_rows = True
+    preference.map_dataset = named
+    return True

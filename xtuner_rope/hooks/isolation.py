@@ -18,7 +18,7 @@ from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import packing_source, require_prepared
-from xtuner_rope.hooks.llava_data import check_llava_train_data
+from xtuner_rope.hooks.train_data import check_train_data
 from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import (
     VALIDATED_ROTARIES,
@@ -177,7 +177,7 @@ class PackedBatchCheckHook(Hook):
     def before_train(self, runner) -> None:
         self._inspect_model(runner)
         self._packed_by = packing_source(getattr(runner, "cfg", None))
-        check_llava_train_data(runner, self._checked_limits[1])  # LLaVA: all samples, now
+        check_train_data(runner, self._checked_limits[1])  # LLaVA, preference: all samples
 
     def before_val(self, runner) -> None:
         self._inspect_model(runner)

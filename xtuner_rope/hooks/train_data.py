@@ -1,15 +1,20 @@
-"""Before the first step of a LLaVA run: its whole training data checked, not batch by batch.
+"""Before the first step: the whole training data checked, not batch by batch.
 
-``PackedBatchCheckHook.before_train`` calls :func:`check_llava_train_data`: the train dataset
-(``LLaVADataset``), the vision tower's ``P`` (from the built model), ``llava_collate_fn``'s row
-capacity and the LLM's RoPE range go to :func:`xtuner_rope.data.llava_dataset_checks.
-check_llava_dataset`, the same checks ``xtuner-rope doctor`` reports.
+``PackedBatchCheckHook.before_train`` calls :func:`check_train_data`:
+
+- a LLaVA run (``LLaVADataset``): the vision tower's ``P`` (from the built model),
+  ``llava_collate_fn``'s row capacity and the LLM's RoPE range go to
+  :func:`xtuner_rope.data.llava_dataset_checks.check_llava_dataset`, the checks
+  ``xtuner-rope doctor`` reports too;
+- a preference run (``PreferenceDataset`` / ``PackedDatasetWrapper``):
+  :func:`xtuner_rope.data.preference_checks.check_preference_dataset`.
 """
 
 from __future__ import annotations
 
 from xtuner_rope.config.llava_collate import image_tokens_from_config
 from xtuner_rope.data.llava_dataset_checks import check_llava_dataset
+from xtuner_rope.data.preference_checks import check_preference_dataset
 
 
 def _llava_model(model):
@@ -44,3 +49,15 @@ def check_llava_train_data(runner, max_position: int | None) -> None:
     check_llava_dataset(
         dataset, tower["image_tokens"], _row_capacity(loader.collate_fn), max_position
     )
+
+
+def check_train_data(runner, max_position: int | None) -> None:
+    """Refuse a run whose training data would fail or train silently wrong (see the module).
+
+    Raises:
+        ValueError: the problems found, each naming its samples (pairs) and the fix.
+    """
+    check_llava_train_data(runner, max_position)
+    dataset = getattr(getattr(runner, "train_dataloader", None), "dataset", None)
+    if dataset is not None:
+        check_preference_dataset(dataset)
