@@ -11,6 +11,8 @@ override can thus undo a start-up fix or bring a conflict in after the start-up 
 
 from __future__ import annotations
 
+import sys
+
 from mmengine.config import Config
 
 from .startup import (
@@ -23,7 +25,37 @@ from .startup import (
 )
 
 
-def recheck_config(cfg: Config, fixes: list[Finding] | None = None) -> list[Finding]:
+def cfg_options_argument(argv: list[str] | None = None) -> list[str]:
+    """The ``--cfg-options`` of this process's command line (``xtuner train``), as given.
+
+    Args:
+        argv: The command line (default ``sys.argv``).
+
+    Returns:
+        The ``key=value`` tokens after ``--cfg-options`` up to the next option; empty if none.
+    """
+    argv = sys.argv if argv is None else argv
+    given, taking = [], False
+    for arg in argv[1:]:
+        if arg.startswith("--"):
+            taking = arg == "--cfg-options"
+            continue
+        if taking:
+            given.append(arg)
+    return given
+
+
+def _named(overrides: object) -> str:
+    """`` (--cfg-options given: a=1 b=2)``: what the user really changed (the finding's setting
+    may be another one the override affects: sequence_parallel_size -> the collate function)."""
+    if isinstance(overrides, dict):
+        overrides = [f"{k}={v}" for k, v in overrides.items()]
+    return f" (--cfg-options given: {' '.join(overrides)})" if overrides else ""
+
+
+def recheck_config(
+    cfg: Config, fixes: list[Finding] | None = None, overrides: object = None
+) -> list[Finding]:
     """What the start-up would say about ``cfg`` now, as conflicts only (nothing can be fixed).
 
     ``xtuner train`` merges ``--cfg-options`` after the start-up ran (``set_model_resource``,
@@ -34,6 +66,8 @@ def recheck_config(cfg: Config, fixes: list[Finding] | None = None) -> list[Find
     Args:
         cfg: The config that trains (``runner.cfg``, every override merged).
         fixes: What the start-up applied; default: what it applied in this process.
+        overrides: The ``--cfg-options`` given (a dict, or ``key=value`` strings), named at
+            the end of each problem: the finding's setting may not be the one changed.
 
     Returns:
         The conflicts, each with the edit; empty when the start-up's verdict still holds.
@@ -56,7 +90,7 @@ def recheck_config(cfg: Config, fixes: list[Finding] | None = None) -> list[Find
                 "start-up, an override cannot be fixed by it"
             )
         )
-        conflicts.append(Finding(f.setting, problem, edit))
+        conflicts.append(Finding(f.setting, problem + _named(overrides), edit))
     return conflicts
 
 
@@ -75,7 +109,7 @@ def recheck_started_config(cfg: object, who: str) -> None:
     """
     if not isinstance(cfg, Config) or cfg.filename is None or not is_prepared():
         return
-    conflicts = recheck_config(cfg)
+    conflicts = recheck_config(cfg, overrides=cfg_options_argument())
     if conflicts:
         raise ConfigConflict(
             f"{who}: checked again before the first step, on the config that "
@@ -83,4 +117,4 @@ def recheck_started_config(cfg: object, who: str) -> None:
         )
 
 
-__all__ = ["recheck_config", "recheck_started_config"]
+__all__ = ["cfg_options_argument", "recheck_config", "recheck_started_config"]

@@ -99,7 +99,7 @@ def start_like_xtuner_train(
     if any(f.fix is None for f in findings):  # the start-up refuses: training stops there
         return cfg, findings, resource
     fixes = [f for f in findings if f.fix is not None]
-    return cfg, findings + recheck_config(cfg, fixes), resource
+    return cfg, findings + recheck_config(cfg, fixes, cfg_options), resource
 
 
 def build_collate_fn(loader: dict):
