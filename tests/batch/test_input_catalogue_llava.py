@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
-from xtuner_rope.config.llava_collate import image_tokens_finding
+from xtuner_rope.config.llava_tower import image_tokens_finding
 from xtuner_rope.data.collate_llava import llava_collate_fn
 from xtuner_rope.data.llava_dataset_checks import check_llava_dataset, llava_data_problems
 

@@ -1,6 +1,6 @@
 """``llava_collate_fn``'s ``image_tokens`` against the vision tower: refused at start-up.
 
-The doctor and ``xtuner train`` meet the same finding (``config.llava_collate``): the doctor
+The doctor and ``xtuner train`` meet the same finding (``config.llava_tower``): the doctor
 through the start-up it runs, the run through ``model_resource`` (before any weight loads) or,
 for a ``--cfg-options`` override, through ``ValidatedRoPEHook``'s re-check before the first
 step. Both ways (too small, too large) are refused with ``Set image_tokens=P``.
@@ -14,7 +14,7 @@ import pytest
 from mmengine.config import Config
 
 from xtuner_rope.config.as_xtuner_train import start_file
-from xtuner_rope.config.llava_collate import llava_collate_findings, tower_image_tokens
+from xtuner_rope.config.llava_tower import llava_collate_findings, tower_image_tokens
 from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.config.startup import ConfigConflict, state_kept
 from xtuner_rope.demo.resources import tiny_llava

@@ -20,7 +20,7 @@ from xtuner_rope.cli import main
 from xtuner_rope.doctor.check import run_check
 from xtuner_rope.doctor.check_report import TOLERANCES
 from xtuner_rope.doctor.diagnose import diagnose
-from xtuner_rope.doctor.llava_stats import image_tokens_of, llava_problems
+from xtuner_rope.doctor.llava_stats import image_tokens_of
 
 P = 16  # tiny CLIP: (56 // 14) ** 2
 
@@ -164,7 +164,7 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
     )
     assert bad["exit_code"] == 1
     text = "\n".join(bad["problems"])
-    assert (  # the start-up's finding (config.llava_collate), the one xtuner train meets
+    assert (  # the start-up's finding (config.llava_tower), the one xtuner train meets
         "conflict: train_dataloader.collate_fn.image_tokens: set after the start-up ran "
         "(--cfg-options): 4, but the vision tower" in text
     )
@@ -176,27 +176,22 @@ def test_doctor_plans_packed_rows_on_expanded_lengths_and_names_llava_mistakes(l
     assert "the data are packed: documents would attend to each other" in leaky["problems"][0]
 
 
-def test_llava_problems_name_the_setting(llava):
+def test_llava_settings_against_the_tower_name_the_setting(llava, tmp_path):
     from mmengine.config import Config
+    from transformers import CLIPImageProcessor
 
-    figures = {
-        "image_tokens": P,
-        "image_size": 56,
-        "path": "clip",
-        "processor_crop": (64, 64),
-        "collate_image_tokens": None,
-        "many_placeholders": [3],
-        "missing_images": {"count": 0, "first_indices": []},
-        "samples_naming_an_image": 1,
-        "image_source": "clip",
-        "lengths_image_samples": {"p100": 300.0},
-        "lengths_text_samples": {"p100": 9.0},
-        "llm_max_position": 256,
-    }
-    text = "\n".join(llava_problems(figures))
-    assert "image_processor: crops images to 64x64, but the vision tower" in text
-    # more than one <image>, lengths over the RoPE range: the run's data checks, which the
-    # doctor runs too (tests/batch/test_input_catalogue_llava.py)
+    from xtuner_rope.config.llava_tower import crop_size_findings
+
+    cfg = Config.fromfile(str(llava["configs"]["finetune"]))
+    assert crop_size_findings(cfg) == []
+    other = CLIPImageProcessor(crop_size={"height": 64, "width": 64})
+    other.save_pretrained(tmp_path / "processor")
+    cfg.train_dataloader.dataset.image_processor.pretrained_model_name_or_path = str(
+        tmp_path / "processor"
+    )
+    (finding,) = crop_size_findings(cfg)
+    assert finding.setting == "image_processor" and finding.fix is None
+    assert finding.problem.startswith("crops images to 64x64, but the vision tower")
     cfg = Config.fromfile(str(llava["configs"]["finetune"]))
     assert image_tokens_of(cfg)["image_tokens"] == P
     cfg.model.visual_encoder.pretrained_model_name_or_path = str(llava["llm"])

@@ -19,7 +19,6 @@ from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.doctor.llava_stats import (
     llava_data_of,
     llava_figures,
-    llava_problems,
     llava_view,
     llava_warnings,
     refuse_unserved_model,
@@ -299,7 +298,6 @@ def diagnose(
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
-    report["problems"] += llava_problems(report["multimodal"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
     report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(

@@ -13,8 +13,10 @@ expanded sequences (each placeholder ``P`` placeholders, its label ``P`` times -
 from the dataset's tokenized text without opening an image, and the config's collate
 function followed by the expansion's arithmetic, so every existing figure (percentiles,
 padding share, rows, tokens, loss weights) counts image tokens. ``P`` is read from the vision
-tower's config, never guessed; :func:`llava_figures` and :func:`llava_problems` add the
-image/text split and what ``xtuner train`` would refuse.
+tower's config, never guessed; :func:`llava_figures` adds the
+image/text split; :func:`llava_data_of` runs the data checks a LLaVA run makes before its first
+step (the settings checked against the vision tower are start-up findings,
+``config.llava_tower``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ __all__ = [
     "llava_data_of",
     "llava_figures",
     "llava_lines",
-    "llava_problems",
     "llava_view",
     "llava_warnings",
     "refuse_unserved_model",
@@ -76,7 +77,7 @@ def refuse_unserved_model(path: str) -> None:
 def image_tokens_of(cfg) -> dict:
     """``P``, the patch embeddings one image becomes, from the vision tower's own config.
 
-    The start-up's reading (``config.llava_collate.tower_image_tokens``), so the doctor and
+    The start-up's reading (``config.llava_tower.tower_image_tokens``), so the doctor and
     the run count the same ``P``.
 
     Args:
@@ -89,7 +90,7 @@ def image_tokens_of(cfg) -> dict:
         ValueError: the tower's config has no ``image_size`` / ``patch_size`` (not a
             ViT-style tower XTuner's ``LLaVAModel`` serves); the message names the setting.
     """
-    from xtuner_rope.config.llava_collate import tower_image_tokens
+    from xtuner_rope.config.llava_tower import tower_image_tokens
 
     encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
     return tower_image_tokens(_get(encoder, "pretrained_model_name_or_path"))
@@ -324,26 +325,6 @@ def llava_figures(
         "truncated_count": sum(n == dataset_max_length for n in raw),
         "llm_max_position": view.llm_max_position,
     }
-
-
-def llava_problems(figures: Mapping | None) -> list[str]:
-    """What ``xtuner train`` would refuse or get wrong, each naming its setting."""
-    if not figures:
-        return []
-    problems = []
-    crop, size = figures["processor_crop"], figures["image_size"]
-    if crop is not None and crop != (size, size):
-        problems.append(
-            f"image_processor: crops images to {crop[0]}x{crop[1]}, but the vision tower "
-            f"(model.visual_encoder, {figures['path']}) takes {size}x{size}: its position "
-            "embeddings do not fit and the first step fails. Use the tower's own image "
-            "processor (the same path)."
-        )
-    # llava_collate_fn's image_tokens against P: a start-up conflict (config.llava_collate),
-    # reported by the doctor with the start-up's findings, refused by the run the same way.
-    # Missing/unreadable images, <image> against the images, lengths against the RoPE range:
-    # data.llava_dataset_checks (llava_data_of), the checks the run makes before its first step.
-    return problems
 
 
 def llava_data_of(view: LLaVAView, dataset) -> list[str]:

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from xtuner_rope.config.llava_collate import image_tokens_from_config
+from xtuner_rope.config.llava_tower import image_tokens_from_config
 from xtuner_rope.data.llava_dataset_checks import check_llava_dataset
 from xtuner_rope.data.preference_checks import check_preference_dataset
 

@@ -1,4 +1,7 @@
-"""Start-up finding of ``llava_collate_fn``: its ``image_tokens`` must be the tower's ``P``.
+"""Start-up findings of LLaVA configs against their vision tower (``image_tokens``, crop size).
+
+``llava_collate_fn``'s ``image_tokens`` must be the tower's ``P``, and the image processor must
+crop to the size the tower takes.
 
 ``llava_collate_fn`` plans rows on the expanded lengths, each image placeholder counted as
 ``image_tokens`` patch embeddings. ``LLaVAModel`` really inserts ``P`` of them, ``P = (image_size
@@ -11,7 +14,10 @@ in xtuner 0.2.0). A wrong value does not fail loudly where it happens:
   run dies at the first image batch with a ``max_length`` message that blames the wrong
   setting.
 
-The tower's ``config.json`` is read here, before anything is built, so ``xtuner train`` refuses
+An image processor that crops to another size than the tower's ``image_size`` makes CLIP's
+position embeddings not fit: the first step dies in transformers ("Input image size ... doesn't
+match model"). The tower's ``config.json`` (and the processor's ``preprocessor_config.json``)
+are read here, before anything is built, so ``xtuner train`` refuses
 the config at start-up, and ``xtuner-rope doctor`` reports the same finding (it runs the same
 start-up). A tower whose config cannot be read offline yet (a hub id not in the cache) is
 judged again before the first step, when ``ValidatedRoPEHook`` re-checks the started config
@@ -27,6 +33,7 @@ from mmengine.config import Config
 from .startup import Finding, register_findings, type_name
 
 __all__ = [
+    "crop_size_findings",
     "image_tokens_finding",
     "image_tokens_from_config",
     "llava_collate_findings",
@@ -130,3 +137,45 @@ def llava_collate_findings(cfg: Config) -> list[Finding]:
         return []
     finding = image_tokens_finding(_get(collate, "image_tokens"), tower)
     return [] if finding is None else [finding]
+
+
+def _processor_crop(path: object) -> tuple[int, int] | None:
+    """``(height, width)`` a local image processor crops (or resizes) to; None if unknown."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "preprocessor_config.json" if isinstance(path, str) else None
+    if config is None or not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    crop = data.get("crop_size") if data.get("do_center_crop", True) else None
+    crop = crop or data.get("size")
+    if isinstance(crop, Mapping) and "height" in crop and "width" in crop:
+        return int(crop["height"]), int(crop["width"])
+    return None
+
+
+@register_findings(order=46)
+def crop_size_findings(cfg: Config) -> list[Finding]:
+    """The LLaVA dataset's image processor against the tower's ``image_size`` (see the module)."""
+    model = _get(cfg._cfg_dict, "model")
+    if type_name(_get(model, "type")) != "LLaVAModel":
+        return []
+    dataset = _get(_get(cfg._cfg_dict, "train_dataloader"), "dataset")
+    crop = _processor_crop(_get(_get(dataset, "image_processor"), "pretrained_model_name_or_path"))
+    path = _get(_get(model, "visual_encoder"), "pretrained_model_name_or_path")
+    try:
+        size = tower_image_tokens(path, local_only=True)["image_size"]
+    except (OSError, ValueError):
+        return []
+    if crop is None or crop == (size, size):
+        return []
+    return [
+        Finding(
+            "image_processor",
+            f"crops images to {crop[0]}x{crop[1]}, but the vision tower (model.visual_encoder, "
+            f"{path}) takes {size}x{size}: its position embeddings do not fit and the first "
+            "step fails",
+            "use the tower's own image processor (the same path as visual_encoder_name_or_path)",
+        )
+    ]
