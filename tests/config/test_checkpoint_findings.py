@@ -202,3 +202,19 @@ def test_xtuner_train_offline_hub_id_ends_in_our_message(tmp_path, offline_hub):
     assert "OSError" not in out and "LocalEntryNotFoundError" not in out
     assert proc.returncode == 0  # XTuner's CLI drops the status: why `xtuner-rope train` exists
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # and so the child's (xtuner_train copies it)
+
+
+def test_the_checkpoint_judged_is_the_one_xtuner_loads(tmp_path, offline_hub):
+    """Inside `set_model_resource` the top-level path is written into the model's right after
+    the start-up: that one is judged; outside (the re-check after `--cfg-options`), the model's."""
+    from xtuner.tools.utils import set_model_resource
+
+    tiny = str(sc.ensure_tiny_model())
+    config = recipe(tmp_path, tiny)
+    cfg = Config.fromfile(str(config))
+    cfg.model.llm.pretrained_model_name_or_path = HUB_ID  # the model's own, about to be replaced
+    assert [f.setting for f in checkpoint_config_findings(cfg)] == [SETTING]
+    with startup.state_kept():  # XTuner's own: enable_xtuner_rope(top-level path), write-back
+        set_model_resource(cfg)
+    assert cfg.model.llm.pretrained_model_name_or_path == tiny
+    assert checkpoint_config_findings(cfg) == []

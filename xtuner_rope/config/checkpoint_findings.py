@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_being_started
 from xtuner_rope.models.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from xtuner_rope.models.families import model_class_verdict
 
@@ -33,14 +34,15 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def llm_checkpoint_path(cfg: Config) -> object:
-    """The checkpoint XTuner will load the LLM from.
+    """The checkpoint XTuner will load the LLM from: ``model.llm.pretrained_model_name_or_path``.
 
-    With ``model_resource`` set, ``xtuner train`` writes ``fn(cfg.pretrained_model_name_or_path)``
-    into every nested ``pretrained_model_name_or_path`` (xtuner-rope's functions return the path
-    unchanged): the top-level setting is the one loaded. Else ``model.llm``'s own.
+    Except while ``xtuner train``'s ``set_model_resource`` starts ``cfg`` (the start-up runs
+    inside it): right after, XTuner writes ``fn(cfg.pretrained_model_name_or_path)`` into every
+    nested path (xtuner-rope's functions return it unchanged), so the top-level setting is the
+    one that loads. ``--cfg-options`` are merged after that, into the nested paths.
     """
     top = _get(cfg._cfg_dict, "pretrained_model_name_or_path")
-    if _get(cfg._cfg_dict, "model_resource") and isinstance(top, str):
+    if isinstance(top, str) and config_being_started() is cfg:
         return top
     return _get(_get(_get(cfg._cfg_dict, "model"), "llm"), "pretrained_model_name_or_path")
 
