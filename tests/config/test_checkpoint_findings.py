@@ -49,13 +49,17 @@ def remote_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch) -> dict[str, str]:
-    """No hub and an empty Hugging Face cache, here and in child processes."""
+    """No hub and an empty Hugging Face cache, here and in child processes (as if set before
+    the hub client and transformers were imported, which read these at import)."""
+    import transformers.utils.hub
     from huggingface_hub import constants
 
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hf-cache")}
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(transformers.utils.hub, "_is_offline_mode", True)
     return env
 
 
@@ -218,3 +222,18 @@ def test_the_checkpoint_judged_is_the_one_xtuner_loads(tmp_path, offline_hub):
         set_model_resource(cfg)
     assert cfg.model.llm.pretrained_model_name_or_path == tiny
     assert checkpoint_config_findings(cfg) == []
+
+
+def test_internvl_whole_model_path_is_left_to_its_own_findings(offline_hub):
+    """InternVL names its whole model (`model.model_path`, a hub id), no `model.llm`: not this
+    rule's (its own findings judge it); an unreadable LLM path next to it would be."""
+    cfg = Config(
+        dict(
+            path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5",
+            pretrained_model_name_or_path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5",
+            model=dict(type="InternVL_V1_5", model_path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5"),
+        )
+    )
+    assert checkpoint_config_findings(cfg) == []
+    cfg.model.llm = dict(pretrained_model_name_or_path=HUB_ID)  # negative control
+    assert [f.setting for f in checkpoint_config_findings(cfg)] == [SETTING]
