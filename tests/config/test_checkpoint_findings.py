@@ -224,16 +224,33 @@ def test_the_checkpoint_judged_is_the_one_xtuner_loads(tmp_path, offline_hub):
     assert checkpoint_config_findings(cfg) == []
 
 
-def test_internvl_whole_model_path_is_left_to_its_own_findings(offline_hub):
-    """InternVL names its whole model (`model.model_path`, a hub id), no `model.llm`: not this
-    rule's (its own findings judge it); an unreadable LLM path next to it would be."""
-    cfg = Config(
-        dict(
-            path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5",
-            pretrained_model_name_or_path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5",
-            model=dict(type="InternVL_V1_5", model_path="OpenGVLab/Mini-InternVL-Chat-2B-V1-5"),
+def test_internvl_whole_model_path_is_left_to_its_own_findings(tmp_path, offline_hub):
+    """InternVL names its whole model (`model.model_path`; the top-level path XTuner's start-up
+    reads is set from it), no `model.llm`: neither checkpoint rule judges it, not even inside
+    `set_model_resource` (its own findings do); an LLM path next to it would be judged."""
+    from xtuner.tools.utils import set_model_resource
+
+    internvl = tmp_path / "internvl"
+    internvl.mkdir()
+    (internvl / "config.json").write_text(
+        json.dumps(
+            {"model_type": "internvl_chat", "auto_map": {"AutoModel": "m.InternVLChatModel"}}
         )
     )
-    assert checkpoint_config_findings(cfg) == []
+    seen = []
+
+    def judge(path):
+        seen.extend(startup.model_family_findings(cfg) + checkpoint_config_findings(cfg))
+        return path
+
+    cfg = Config(
+        dict(
+            pretrained_model_name_or_path=str(internvl),
+            model_resource=dict(fn=judge),
+            model=dict(type="InternVL_V1_5", model_path=str(internvl)),
+        )
+    )
+    set_model_resource(cfg)
+    assert seen == [] and checkpoint_config_findings(cfg) == []
     cfg.model.llm = dict(pretrained_model_name_or_path=HUB_ID)  # negative control
     assert [f.setting for f in checkpoint_config_findings(cfg)] == [SETTING]

@@ -39,12 +39,16 @@ def llm_checkpoint_path(cfg: Config) -> object:
     Except while ``xtuner train``'s ``set_model_resource`` starts ``cfg`` (the start-up runs
     inside it): right after, XTuner writes ``fn(cfg.pretrained_model_name_or_path)`` into every
     nested path (xtuner-rope's functions return it unchanged), so the top-level setting is the
-    one that loads. ``--cfg-options`` are merged after that, into the nested paths.
+    one that loads. ``--cfg-options`` are merged after that, into the nested paths. None
+    without a ``model.llm`` dict (InternVL names its whole model instead: not an LLM path).
     """
+    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    if not isinstance(llm, dict):
+        return None
     top = _get(cfg._cfg_dict, "pretrained_model_name_or_path")
     if isinstance(top, str) and config_being_started() is cfg:
         return top
-    return _get(_get(_get(cfg._cfg_dict, "model"), "llm"), "pretrained_model_name_or_path")
+    return _get(llm, "pretrained_model_name_or_path")
 
 
 def llm_checkpoint_config(cfg: Config) -> CheckpointConfig | None:
@@ -83,9 +87,7 @@ def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
     if model_class_verdict(getattr(_get(llm, "type"), "_module", None)) is not None:
         return []  # refused by its class (model_family_findings), whatever its checkpoint
-    if not isinstance(llm, dict):
-        return []  # no LLM dict (InternVL names its whole model): judged elsewhere
-    config = llm_checkpoint_config(cfg)
+    config = llm_checkpoint_config(cfg)  # None without a model.llm dict (InternVL)
     if config is None or config.data is not None:
         return []
     return [
