@@ -165,6 +165,8 @@ def test_unreadable_config_json_is_refused_with_what_to_do(case, tmp_path, offli
 def test_offline_hub_id_doctor_agrees(tmp_path, offline_hub, capsys):
     said = doctor_says(recipe(tmp_path, HUB_ID), tmp_path / "doctor", capsys)
     assert f"{SETTING}: {OFFLINE}" in said
+    # At once, as the run: not after a failed build of the data from the same checkpoint.
+    assert "could not build the data" not in said
 
 
 def test_reader_reads_local_and_cached_checkpoints(tmp_path, offline_hub):

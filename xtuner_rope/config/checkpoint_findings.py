@@ -24,9 +24,15 @@ from xtuner_rope.models.families import model_class_verdict
 
 from .startup import Finding, register_findings
 
-__all__ = ["checkpoint_config_findings", "llm_checkpoint_config", "llm_checkpoint_path"]
+__all__ = [
+    "checkpoint_config_findings",
+    "is_unreadable_checkpoint",
+    "llm_checkpoint_config",
+    "llm_checkpoint_path",
+]
 
 SETTING = "model.llm.pretrained_model_name_or_path"
+CANNOT_READ = "its config.json cannot be read"
 
 
 def _get(node: object, key: str, default: object = None) -> object:
@@ -72,6 +78,11 @@ def _advice(name: str, hub: bool) -> str:
     )
 
 
+def is_unreadable_checkpoint(finding: Finding) -> bool:
+    """``finding`` is this module's refusal (the LLM's ``config.json`` cannot be read)."""
+    return finding.fix is None and finding.setting == SETTING and CANNOT_READ in finding.problem
+
+
 @register_findings(order=100)
 def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     """Refuse an LLM whose ``config.json`` cannot be read, before anything loads.
@@ -93,7 +104,7 @@ def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     return [
         Finding(
             SETTING,
-            f"{config.name!r}: its config.json cannot be read: {config.problem}. Nothing of "
+            f"{config.name!r}: {CANNOT_READ}: {config.problem}. Nothing of "
             "the model is known before its weights would load (family, attention, RoPE), and "
             "XTuner would stop on the same path later, in a traceback of the hub client",
             _advice(config.name, config.hub),
