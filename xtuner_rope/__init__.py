@@ -41,6 +41,7 @@ __all__ = sorted(PUBLIC_API)
 FINDINGS_MODULES = (
     "xtuner_rope.config.multimodal",
     "xtuner_rope.config.llava_tower",
+    "xtuner_rope.config.checkpoint_findings",
     "xtuner_rope.config.launch",
     "xtuner_rope.config.sequence_parallel",
     "xtuner_rope.config.preference",

@@ -1,5 +1,6 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
+xtuner-rope train CONFIG [...]   (xtuner train, same arguments and launchers, real exit status)
 xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
 xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
 xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
@@ -19,6 +20,13 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="xtuner-rope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="xtuner train, with an exit status that says whether training finished",
+        description="XTuner's `xtuner train`, same arguments and launchers (`-h` shows "
+        "XTuner's); exit status non-zero when training did not finish.",
+    )
     doctor = commands.add_parser(
         "doctor",
         help="check a config's training data before training",
@@ -138,6 +146,11 @@ def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched
+        from xtuner_rope.doctor.xtuner_train import run_xtuner_train
+
+        return run_xtuner_train(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):

@@ -141,7 +141,7 @@ def test_doctor_fails_on_heads_not_divisible_by_the_size_on_cpu(sp_configs):
     assert report["sequence_parallel"]["size"] == 3
 
 
-def test_start_up_refuses_heads_not_divisible_before_loading(sp_configs):
+def test_start_up_refuses_heads_not_divisible_before_loading(sp_configs, monkeypatch):
     cfg = Config.fromfile(str(sp_configs[3]))
     with pytest.raises(
         ConfigConflict,
@@ -153,6 +153,7 @@ def test_start_up_refuses_heads_not_divisible_before_loading(sp_configs):
         startup.prepare_config(cfg)
     ok = Config.fromfile(str(sp_configs[2]))
     assert not any("attention heads" in f.problem for f in startup.inspect_config(ok))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id whose config.json cannot be read
     ok.model.llm.pretrained_model_name_or_path = "internlm/internlm2-7b"  # not downloaded
     ok.sequence_parallel_size = 3
     assert not any("attention heads" in f.problem for f in startup.inspect_config(ok))

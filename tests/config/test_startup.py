@@ -138,14 +138,30 @@ def test_rope_collate_fn_on_xtuner_packed_data_keeps_its_collate(stock, tmp_path
     ]
 
 
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """No hub and an empty Hugging Face cache: the shipped configs' hub ids cannot be read."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
+
+
+UNREADABLE = (
+    r"model\.llm\.pretrained_model_name_or_path: 'internlm/internlm2-chat-1_8b': its "
+    r"config\.json cannot be read: no such local directory, and as a hub id it is not in the "
+    r"local Hugging Face cache while offline mode is on"
+)
+
+
 @pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
-def test_amp_on_cpu_is_refused_with_the_edit(stock, tmp_path):
+def test_amp_on_cpu_is_refused_with_the_edit(stock, tmp_path, offline_hub):
     cfg = Config.fromfile(str(stock[f"{FULL}/shipped"]))
     with pytest.raises(
         ConfigConflict,
-        match=r"(?s)1 setting\(s\).*optim_wrapper\.type: "
+        match=r"(?s)2 setting\(s\).*optim_wrapper\.type: "
         r"AmpOptimWrapper needs a GPU.*use type=OptimWrapper .*delete its "
-        r"loss_scale and dtype",
+        rf"loss_scale and dtype.*{UNREADABLE}",
     ):
         prepare_config(cfg)
 
@@ -190,7 +206,7 @@ def test_sequence_parallel_is_served_for_sft_and_a_bad_size_is_refused(stock, tm
 
 
 @pytest.mark.skipif(not CPU_ONLY, reason="AmpOptimWrapper is fine on a GPU")
-def test_every_conflict_is_listed_at_once(stock, tmp_path):
+def test_every_conflict_is_listed_at_once(stock, tmp_path, offline_hub):
     cfg = _cfg(
         stock[f"{FULL}/shipped"],
         tmp_path,
@@ -199,8 +215,8 @@ def test_every_conflict_is_listed_at_once(stock, tmp_path):
     )
     with pytest.raises(
         ConfigConflict,
-        match=r"(?s)3 setting\(s\).*1\. train_dataloader"
-        r".*2\. optim_wrapper.*3\. sequence_parallel_size",
+        match=r"(?s)4 setting\(s\).*1\. train_dataloader"
+        rf".*2\. optim_wrapper.*3\. sequence_parallel_size.*4\. {UNREADABLE}",
     ) as err:
         prepare_config(cfg)
     assert "custom_hooks" not in str(err.value)  # fixes are not conflicts

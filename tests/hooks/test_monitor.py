@@ -297,9 +297,13 @@ def test_tripwire_stops_a_real_run_and_the_replay_names_layer_and_document(tmp_p
     _poisoned_checkpoint(tmp_path / "model", token)
     work = tmp_path / "work"
     proc = xtuner_train(
-        work, *SHORT_RUN, f"model.llm.pretrained_model_name_or_path={tmp_path / 'model'}"
+        work,
+        *SHORT_RUN,
+        f"model.llm.pretrained_model_name_or_path={tmp_path / 'model'}",
+        command="xtuner-rope",
     )
     out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]  # stopped: not a finished training
     batch_file = work / "nonfinite_iter5.pt"
     assert (
         f"NonFiniteError: NonFiniteTripwireHook: iteration 5: non-finite loss (nan); "

@@ -1,7 +1,9 @@
-"""The tiny recipe end to end through XTuner's real `xtuner train` entry point.
+"""The tiny recipe end to end through XTuner's real `xtuner train` launch.
 
 `xtuner train` exits 0 even when training crashes, so these tests judge a run by what it
-produced (xtuner_rope.demo.runlog.check_run): logged losses and a saved checkpoint.
+produced (xtuner_rope.demo.runlog.check_run): logged losses and a saved checkpoint. The first
+two run `xtuner-rope train` (the same child process, with its exit status): 0 for the run that
+finished, 1 for the one that crashed.
 """
 
 import pytest
@@ -12,7 +14,7 @@ from xtuner_rope.demo.runlog import check_run
 
 @pytest.mark.slow
 def test_tiny_recipe_trains_and_saves(tmp_path):
-    proc = xtuner_train(tmp_path, *SHORT_RUN)
+    proc = xtuner_train(tmp_path, *SHORT_RUN, command="xtuner-rope")
     run = check_run(tmp_path, min_iters=30)
     assert run.iters == [5, 10, 15, 20, 25, 30]
     # From ~6.5 (log of the 1024-token vocabulary is 6.9) the loss must clearly fall.
@@ -24,13 +26,16 @@ def test_tiny_recipe_trains_and_saves(tmp_path):
 
 
 @pytest.mark.slow
-def test_broken_recipe_is_reported_although_xtuner_train_exits_0(tmp_path):
-    """Break the config (rows too short for the dialogues): training must be seen as failed."""
-    proc = xtuner_train(tmp_path, *SHORT_RUN, "train_dataloader.collate_fn.max_length=8")
-    assert proc.returncode == 0  # the upstream trap this test guards against
+def test_broken_recipe_is_reported_and_xtuner_rope_train_exits_1(tmp_path):
+    """Break the config (rows too short for the dialogues): training must be seen as failed,
+    by its outputs and by `xtuner-rope train`'s status (`xtuner train` would exit 0)."""
+    proc = xtuner_train(
+        tmp_path, *SHORT_RUN, "train_dataloader.collate_fn.max_length=8", command="xtuner-rope"
+    )
     with pytest.raises(RuntimeError, match="crashed or never started"):
         check_run(tmp_path, min_iters=30)
     assert "rope_collate_fn: sample" in proc.stdout + proc.stderr
+    assert proc.returncode == 1
 
 
 @pytest.mark.slow

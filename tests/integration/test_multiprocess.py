@@ -159,14 +159,16 @@ REPEAT_ZERO3 = int(os.environ.get("XTUNER_ROPE_REPEAT_ZERO3", "0"))
 
 
 def _two_process_losses(config: str, data_file: Path, deepspeed, work_dir: Path) -> list[float]:
-    """`xtuner train` on 2 CPU processes; per iteration the mean of the ranks' losses."""
-    cmd = ["xtuner", "train", config, "--work-dir", str(work_dir), "--launcher", "pytorch"]
+    """`xtuner-rope train` (XTuner's torchrun launch, with its status) on 2 CPU processes; per
+    iteration the mean of the ranks' losses."""
+    cmd = ["xtuner-rope", "train", config, "--work-dir", str(work_dir), "--launcher", "pytorch"]
     if deepspeed:
         cmd += ["--deepspeed", deepspeed]
     cmd += ["--cfg-options", *_cfg_options(data_file, GLOBAL_BATCH // NPROC)]
     env = _env(NPROC_PER_NODE=str(NPROC), NNODES="1", PORT=str(_free_port()))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    # `xtuner train` exits 0 even when its torchrun failed: judge by the logs and checkpoint.
+    # `xtuner train` would exit 0 even when its torchrun failed; `xtuner-rope train` does not.
+    assert proc.returncode == 0, _tail(proc)
     return _global_losses(work_dir, NPROC, _tail(proc))
 
 

@@ -224,7 +224,7 @@ REFUSED = [
         "other",
         dict(model_type="my_llm", auto_map={}),
         r"my_llm cannot be served by xtuner-rope: xtuner-rope has no integration for it \(its "
-        r"modeling code is remote code\)",
+        r"modeling code is the checkpoint's own remote code: auto_map \{\}\)",
     ),
 ]
 
@@ -259,8 +259,9 @@ def test_served_and_unknowable_checkpoints_are_not_refused(tmp_path):
             _checkpoint(tmp_path, model_type, model_type=model_type)
         )
         assert refusal is None and model_type in where
-    # A hub id not in the local cache, a directory without config.json, no model_type: not
-    # knowable offline; ValidatedRoPEHook refuses such a model after loading.
+    # A config.json that cannot be read (a hub id offline, a directory without one): no
+    # verdict here (config.checkpoint_findings refuses it); no model_type: ValidatedRoPEHook
+    # refuses such a model after loading.
     assert checkpoint_verdict("no-such-org/no-such-model") is None
     assert checkpoint_verdict(str(tmp_path)) is None
     assert checkpoint_verdict(_checkpoint(tmp_path, "untyped", architectures=["X"])) is None

@@ -1,7 +1,7 @@
 """The tiny recipe (configs/tiny_internlm2_short_dialogues.py) run through the real `xtuner train`.
 
-`xtuner train` exits 0 even when training crashes: judge a run by what it produced
-(xtuner_rope.demo.runlog.check_run), not by the return code.
+`xtuner train` exits 0 even when training crashes: judge its runs by what they produced
+(xtuner_rope.demo.runlog.check_run), not by the return code; `xtuner-rope train` returns it.
 """
 
 import os
@@ -20,11 +20,12 @@ SHORT_RUN = (
 
 
 def xtuner_train(
-    work_dir: Path, *cfg_options: str, config: Path = CONFIG
+    work_dir: Path, *cfg_options: str, config: Path = CONFIG, command: str = "xtuner"
 ) -> subprocess.CompletedProcess:
-    """Run `xtuner train` on the tiny recipe from the repository root, as a user would."""
+    """Run `xtuner train` (or `xtuner-rope train`: ``command="xtuner-rope"``, which returns the
+    training's status) on the tiny recipe from the repository root, as a user would."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = ["xtuner", "train", str(config), "--work-dir", str(work_dir)]
+    cmd = [command, "train", str(config), "--work-dir", str(work_dir)]
     if cfg_options:
         cmd += ["--cfg-options", *cfg_options]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

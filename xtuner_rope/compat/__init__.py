@@ -27,6 +27,7 @@ from .transformers_internlm2 import (
 )
 from .xtuner_llava import patch_llava_expansion_check
 from .xtuner_model_resource import (
+    config_being_started,
     keep_other_model_paths,
     patch_model_resource_llm_path,
     patch_set_model_resource_llm_path,
@@ -65,6 +66,7 @@ __all__ = [
     "xtuner_pack_step",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",
+    "config_being_started",
     "keep_other_model_paths",
     "patch_llava_expansion_check",
     "patch_xtuner_preference_rank",

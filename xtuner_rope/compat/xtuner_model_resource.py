@@ -20,6 +20,16 @@ def _model_resource_config():
     return None
 
 
+def config_being_started():
+    """The config whose ``model_resource`` xtuner 0.2.0 ``set_model_resource`` is running now.
+
+    Inside that call (``xtuner train``'s, or the doctor's start-up) XTuner writes the path
+    ``fn`` returns into every nested ``pretrained_model_name_or_path`` right after: the
+    top-level setting is the checkpoint that will load. None outside it.
+    """
+    return _model_resource_config()
+
+
 def patch_model_resource_llm_path() -> bool:
     """Give a LLaVA config the ``pretrained_model_name_or_path`` XTuner's start-up reads.
 

@@ -19,11 +19,9 @@ is built (``startup.inspect_config`` calls it; the doctor prints the same findin
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from mmengine.config import Config
 
+from .checkpoint_findings import llm_checkpoint_config
 from .startup import Finding, register_findings, type_name
 
 PREFERENCE_DATASET = "build_preference_dataset"
@@ -50,15 +48,13 @@ def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
     """``vocab_size`` of the local checkpoint the model loads, and the file it came from.
 
     Returns:
-        ``(None, "")`` for a hub id or a checkpoint without ``vocab_size``.
+        ``(None, "")`` for a ``config.json`` that cannot be read or has no ``vocab_size``.
     """
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    path = _get(llm, "pretrained_model_name_or_path")
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    config = llm_checkpoint_config(cfg)
+    if config is None or config.data is None:
         return None, ""
-    vocab = json.loads(config.read_text()).get("vocab_size")
-    return (vocab, str(config)) if isinstance(vocab, int) else (None, "")
+    vocab = config.get("vocab_size")
+    return (vocab, config.source) if isinstance(vocab, int) else (None, "")
 
 
 def _reward_token_finding(cfg: Config, dataset: dict) -> list[Finding]:

@@ -11,28 +11,24 @@ too). The LLM's local ``config.json`` gives the head counts: the start-up (and s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from mmengine.config import Config
 
 from xtuner_rope.compat import cpu_only
 
+from .checkpoint_findings import llm_checkpoint_config
 from .startup import Finding, register_findings
 
 __all__ = ["checkpoint_heads", "sequence_parallel_heads_findings"]
 
 
 def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
-    """``(config.json path, num_attention_heads)`` of the LLM's local checkpoint (None: unknown,
-    e.g. a hub id that is not downloaded)."""
-    llm = (cfg._cfg_dict.get("model") or {}).get("llm") or {}
-    path = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    """``(config.json source, num_attention_heads)`` of the LLM's checkpoint (None: unknown,
+    e.g. a ``config.json`` that cannot be read, refused by ``config.checkpoint_findings``)."""
+    config = llm_checkpoint_config(cfg)
+    if config is None or config.data is None:
         return "", None
-    heads = json.loads(config.read_text()).get("num_attention_heads")
-    return str(config), heads if isinstance(heads, int) else None
+    heads = config.get("num_attention_heads")
+    return config.source, heads if isinstance(heads, int) else None
 
 
 @register_findings(order=60)

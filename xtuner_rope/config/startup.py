@@ -141,7 +141,7 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
         return []
     source, asked = "", _get(llm, "attn_implementation")
     if asked is None:
-        source, asked = _checkpoint_attn_implementation(llm)
+        source, asked = _checkpoint_attn_implementation(cfg)
     if asked != "flash_attention_2":
         return []
     return [
@@ -160,10 +160,13 @@ def model_family_findings(cfg: Config) -> list[Finding]:
     """The LLM's family, read from its ``config.json`` before a weight loads: refuse what
     xtuner-rope cannot serve (``models.families.REFUSED``: GPT-BigCode, remote-code families).
 
-    A hub id that is not in the local cache cannot be known offline: nothing is found here and
-    ``ValidatedRoPEHook`` refuses such a model after it loaded.
+    A checkpoint whose ``config.json`` cannot be read (a hub id offline) is refused by
+    ``config.checkpoint_findings``; one without ``model_type`` by ``ValidatedRoPEHook`` after
+    it loaded.
     """
     from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict, model_class_verdict
+
+    from .checkpoint_findings import llm_checkpoint_path
 
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
     setting, verdict = (
@@ -172,22 +175,21 @@ def model_family_findings(cfg: Config) -> list[Finding]:
     )  # XTuner's own DeepSeek-V2 package
     if verdict is None:
         setting = "model.llm.pretrained_model_name_or_path"
-        verdict = checkpoint_verdict(_get(llm, "pretrained_model_name_or_path"))
+        verdict = checkpoint_verdict(llm_checkpoint_path(cfg))
     if verdict is None or verdict[1] is None:
         return []
     where, refusal = verdict
     return [Finding(setting, f"{where}: {refusal}", UNSERVED_ADVICE)]
 
 
-def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:
-    """``attn_implementation`` of the LLM's local ``config.json`` (None for a hub id)."""
-    import json
+def _checkpoint_attn_implementation(cfg: Config) -> tuple[str, object]:
+    """``attn_implementation`` of the LLM's ``config.json`` (None when unreadable)."""
+    from .checkpoint_findings import llm_checkpoint_config
 
-    path = _get(llm, "pretrained_model_name_or_path")
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    config = llm_checkpoint_config(cfg)
+    if config is None or config.data is None:
         return "", None
-    return f" (from {config})", json.loads(config.read_text()).get("attn_implementation")
+    return f" (from {config.source})", config.get("attn_implementation")
 
 
 def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:

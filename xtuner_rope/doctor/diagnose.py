@@ -42,6 +42,7 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
+from xtuner_rope.doctor.verdict import refuse_unreadable_checkpoint
 
 DEFAULT_BATCHES = 200
 
@@ -206,6 +207,7 @@ def diagnose(
     """
     refuse_unserved_model(config)  # InternVL: refused before its data are read
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
+    refuse_unreadable_checkpoint(findings)  # no data without the checkpoint's tokenizer
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)

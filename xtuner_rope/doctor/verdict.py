@@ -25,6 +25,8 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
     """
     try:
         yield
+    except startup.ConfigConflict:  # the start-up's refusal itself, already the verdict
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless the start-up refuses
         from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 
@@ -39,6 +41,27 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
             f"{startup.conflict_message(conflicts)}\n(the doctor could not build the data "
             f"either: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
         ) from exc
+
+
+def refuse_unreadable_checkpoint(findings: list) -> None:
+    """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``.
+
+    The data's tokenizer comes from that same checkpoint in XTuner's configs: building it would
+    end in the hub client's retries and error, where ``xtuner train`` stops at the start-up's
+    refusal first. The doctor says what the run says, at once.
+
+    Args:
+        findings: The start-up's findings of the config (``start_like_xtuner_train``).
+
+    Raises:
+        ConfigConflict: every conflict of the start-up (its message), when one of them is
+            ``config.checkpoint_findings``' refusal.
+    """
+    from xtuner_rope.config.checkpoint_findings import is_unreadable_checkpoint
+
+    conflicts = [f for f in findings if f.fix is None]
+    if any(is_unreadable_checkpoint(f) for f in conflicts):
+        raise startup.ConfigConflict(startup.conflict_message(conflicts))
 
 
 def launch_problems(sp: object, deepspeed: str | None) -> list[str]:

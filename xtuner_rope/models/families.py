@@ -13,15 +13,16 @@ rotary classes by name (as XTuner's dispatch finds layers) and its quirks:
   to rotate bf16/fp16 q, k in fp32 (Cohere's already upcasts to fp32 itself).
 
 ``REFUSED`` names what cannot be served, by ``config.json`` ``model_type``; ``checkpoint_verdict``
-reads a local checkpoint's ``config.json`` (no weight, no remote code) so the start-up can refuse
-before anything loads. Pure Python: nothing here imports torch or transformers.
+reads a checkpoint's ``config.json`` (``checkpoint_config``: no weight, no remote code) so the
+start-up can refuse before anything loads. Pure Python: nothing here imports torch or
+transformers.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from .checkpoint_config import read_checkpoint_config
 
 
 @dataclass(frozen=True)
@@ -136,22 +137,18 @@ def family_names() -> str:
     return ", ".join(f.name for f in FAMILIES.values())
 
 
-def _config_json(path: object) -> Path | None:
-    """The ``config.json`` of a local directory, or of a hub id already in the local cache."""
-    if not isinstance(path, str) or not path:
-        return None
-    local = Path(path) / "config.json"
-    if local.is_file():
-        return local
-    if Path(path).exists() or path.count("/") != 1:
-        return None  # a local path without config.json, or no hub id
-    try:  # offline: only what a previous download left in the cache
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-    except Exception:  # noqa: BLE001 - an unknowable id is not an error here
-        return None
-    return Path(cached) if isinstance(cached, str) else None
+def remote_code(auto_map: object) -> str:
+    """The remote model class a checkpoint's ``auto_map`` names (``"modeling_x.XForCausalLM"``),
+    the ``auto_map`` itself when it names none of the model classes, ``""`` without one."""
+    if not isinstance(auto_map, dict):
+        return ""
+    for key in ("AutoModelForCausalLM", "AutoModel"):
+        target = auto_map.get(key)
+        if isinstance(target, (list, tuple)):
+            target = target[0]
+        if isinstance(target, str):
+            return target
+    return f"auto_map {auto_map}"
 
 
 def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
@@ -161,28 +158,27 @@ def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
         path: ``pretrained_model_name_or_path`` of the config's LLM.
 
     Returns:
-        None where it cannot be known offline (a hub id not in the local Hugging Face cache,
-        no ``config.json``, no ``model_type``): the model hook refuses after loading, as a
-        fallback. Else ``(description, None)`` for a served family and
-        ``(description, refusal)`` for one that is refused, the refusal naming the family and
-        why (``UNSERVED_ADVICE`` says what to do).
+        None where its ``config.json`` cannot be read (``config.checkpoint_findings`` refuses
+        that) or names no ``model_type`` (the model hook refuses after loading, as a fallback).
+        Else ``(description, None)`` for a served family and ``(description, refusal)`` for
+        one that is refused, the refusal naming the family and why (``UNSERVED_ADVICE`` says
+        what to do).
     """
-    config = _config_json(path)
-    if config is None:
+    config = read_checkpoint_config(path)
+    if config is None or config.data is None:
         return None
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    model_type = str(data.get("model_type") or "").lower()
+    model_type = str(config.get("model_type") or "").lower()
     if not model_type:
         return None
-    where = f"{config} (model_type {model_type!r}, architectures {data.get('architectures')})"
+    where = (
+        f"{config.source} (model_type {model_type!r}, architectures {config.get('architectures')})"
+    )
     if model_type in served_model_types():
         return where, None
     family, why = REFUSED.get(model_type, (model_type, "xtuner-rope has no integration for it"))
-    if "auto_map" in data and model_type not in REFUSED:
-        why += " (its modeling code is remote code)"
+    remote = remote_code(config.get("auto_map"))
+    if remote and model_type not in REFUSED:
+        why += f" (its modeling code is the checkpoint's own remote code: {remote})"
     return where, (
         f"{family} cannot be served by xtuner-rope: {why} (served: InternLM2, {family_names()})"
     )

@@ -1,0 +1,169 @@
+"""The one reader of a checkpoint's ``config.json``, before anything of the model loads.
+
+Everything the start-up knows of a model before its weights load comes from this file: its
+family (``model_type``, ``auto_map``), its attention heads, its vocabulary, the attention it
+asks for. :func:`read_checkpoint_config` finds it where ``from_pretrained`` would:
+
+- a local directory: ``<dir>/config.json``;
+- a hub id (``org/name``): the local Hugging Face cache first; else, unless offline mode is on
+  (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``), one request for that file alone (no
+  retry, no weight: a few kilobytes), remembered for the process.
+
+When it cannot be read, :attr:`CheckpointConfig.problem` says why in words a user can act on.
+Pure Python: no torch or transformers import (``huggingface_hub`` and ``requests`` are imported
+only for a hub id).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUB_TIMEOUT_S = 10  # one request for config.json; from_pretrained would retry for ~30 s
+HTTP_REASONS = {  # the hub answers 401 for a missing repo too (it does not tell private ones)
+    401: ": no such repo, or a gated/private one (check the id; `huggingface-cli login`)",
+    403: ": gated (accept its terms on the hub, then `huggingface-cli login`)",
+    404: ": no such repo or file (check the id)",
+}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """A checkpoint's ``config.json``, or why it cannot be read.
+
+    Attributes:
+        name: ``pretrained_model_name_or_path`` as the config gives it.
+        source: Where it was read (a file, or the hub's URL); ``""`` when it was not.
+        data: The parsed ``config.json``; None when it cannot be read.
+        problem: Why it cannot be read (``""`` when it was).
+        hub: ``name`` is a hub id (not a local path).
+    """
+
+    name: str
+    source: str = ""
+    data: dict | None = field(default=None, repr=False)
+    problem: str = ""
+    hub: bool = False
+
+    def get(self, key: str, default: object = None) -> object:
+        """``config.json[key]``; ``default`` when absent or unreadable."""
+        return (self.data or {}).get(key, default)
+
+
+def _parse(name: str, text: str, source: str, hub: bool) -> CheckpointConfig:
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        return CheckpointConfig(name, problem=f"{source} is not valid JSON ({err})", hub=hub)
+    if not isinstance(data, dict):
+        return CheckpointConfig(name, problem=f"{source} holds no JSON object", hub=hub)
+    return CheckpointConfig(name, source, data, hub=hub)
+
+
+def is_hub_id(name: str) -> bool:
+    """``name`` is a valid Hugging Face repo id (``org/name`` or ``name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def offline() -> bool:
+    """Offline mode of ``huggingface_hub`` / transformers, as set in the environment."""
+    truthy = ("1", "ON", "YES", "TRUE")
+    return any(
+        os.environ.get(var, "").upper() in truthy
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _read_local(name: str, path: Path) -> CheckpointConfig:
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            return CheckpointConfig(
+                name, problem=f"the directory {path} has no config.json (not a checkpoint)"
+            )
+        try:
+            return _parse(name, config.read_text(encoding="utf-8"), str(config), hub=False)
+        except OSError as err:
+            return CheckpointConfig(name, problem=f"{config} cannot be read ({err})")
+    return CheckpointConfig(name, problem=f"{path} is a file, not a checkpoint directory")
+
+
+@functools.lru_cache(maxsize=64)
+def _read_hub(name: str, offline_mode: bool, cache_dir: str) -> CheckpointConfig:
+    """``config.json`` of hub id ``name``: the local cache, else one request (cached here)."""
+    from huggingface_hub import hf_hub_url, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir)
+    if isinstance(cached, str):
+        return _parse(name, Path(cached).read_text(encoding="utf-8"), cached, hub=True)
+    if offline_mode:
+        return CheckpointConfig(
+            name,
+            problem="no such local directory, and as a hub id it is not in the local Hugging "
+            "Face cache while offline mode is on (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)",
+            hub=True,
+        )
+    import requests
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(name, "config.json")
+    try:
+        response = requests.get(url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S)
+    except requests.RequestException as err:
+        cause = re.search(r"Caused by (\w+)", str(err))  # urllib3's root cause, e.g. DNS
+        reason = type(err).__name__ + (f", {cause.group(1)}" if cause else "")
+        return CheckpointConfig(
+            name,
+            problem=f"no such local directory, and as a hub id it is not in the local Hugging "
+            f"Face cache and {url.split('/' + name)[0]} cannot be reached from here ({reason})",
+            hub=True,
+        )
+    if response.status_code != 200:
+        why = HTTP_REASONS.get(response.status_code, "")
+        return CheckpointConfig(
+            name,
+            problem=f"no such local directory, and as a hub id the hub does not give its "
+            f"config.json ({url}: HTTP "
+            f"{response.status_code}{why})",
+            hub=True,
+        )
+    return _parse(name, response.text, url, hub=True)
+
+
+def read_checkpoint_config(name: object) -> CheckpointConfig | None:
+    """Read the ``config.json`` of the checkpoint ``from_pretrained(name)`` would load.
+
+    Args:
+        name: ``pretrained_model_name_or_path`` of the config's LLM.
+
+    Returns:
+        None when ``name`` is not a non-empty string (nothing to read); else the
+        :class:`CheckpointConfig`, with ``problem`` set when it cannot be read: a local
+        directory without ``config.json``, a path that does not exist and is no hub id, a hub
+        id that is neither cached nor reachable, a file that is not JSON.
+    """
+    if not isinstance(name, str) or not name:
+        return None
+    path = Path(name).expanduser()
+    if path.exists():
+        return _read_local(name, path)
+    if not is_hub_id(name):
+        return CheckpointConfig(
+            name, problem=f"no such directory ({path.absolute()}), and not a hub id (org/name)"
+        )
+    from huggingface_hub import constants
+
+    return _read_hub(name, offline(), str(constants.HF_HUB_CACHE))
+
+
+__all__ = ["CheckpointConfig", "is_hub_id", "offline", "read_checkpoint_config"]
