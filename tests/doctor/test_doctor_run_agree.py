@@ -102,9 +102,15 @@ CASES = {
         + 'optim_wrapper = dict(type="AmpOptimWrapper")\n',
         "optim_wrapper.type",
     ),
-    "model_family_findings": (
-        'model["llm"]["pretrained_model_name_or_path"] = "{bigcode}"\n',
+    "model_family_findings": (  # as configs write it: the top-level path, the llm's from it
+        'pretrained_model_name_or_path = "{bigcode}"\n'
+        'model["llm"]["pretrained_model_name_or_path"] = pretrained_model_name_or_path\n',
         "model.llm.",
+    ),
+    "checkpoint_config_findings": (
+        'pretrained_model_name_or_path = "{noconfig}"\n'
+        'model["llm"]["pretrained_model_name_or_path"] = pretrained_model_name_or_path\n',
+        "model.llm.pretrained_model_name_or_path",
     ),
     "preference_findings": (
         "model.update(type='RewardModel')\n"
@@ -131,12 +137,14 @@ def assets(tmp_path_factory) -> dict:
     CLIPImageProcessor(crop_size={"height": 64, "width": 64}).save_pretrained(root / "proc")
     (root / "bigcode").mkdir()
     (root / "bigcode" / "config.json").write_text(json.dumps({"model_type": "gpt_bigcode"}))
+    (root / "noconfig").mkdir()  # a checkpoint folder without config.json
     return {
         "root": root,
         "tiny": str(ensure_tiny_model()),
         "clip": str(save_tiny_clip(root / "clip")),
         "processor": str(root / "proc"),
         "bigcode": str(root / "bigcode"),
+        "noconfig": str(root / "noconfig"),
     }
 
 
