@@ -40,6 +40,7 @@ __all__ = sorted(PUBLIC_API)
 # Where the plugin's findings functions live: importing them registers them with the start-up.
 FINDINGS_MODULES = (
     "xtuner_rope.config.multimodal",
+    "xtuner_rope.config.internvl",
     "xtuner_rope.config.launch",
     "xtuner_rope.config.sequence_parallel",
     "xtuner_rope.config.preference",
