@@ -67,3 +67,29 @@ def internvl_assets(root: Path) -> dict:
         INTERNLM2_LORA: copy_stock(INTERNLM2_LORA, root),
         PHI3_FULL: copy_stock(PHI3_FULL, root),
     }
+
+
+CAPTURE_IMPORT = "from xtuner_rope.doctor.internvl_capture import InternVLIsolationCaptureHook\n"
+
+
+def with_internvl_capture(text: str) -> str:
+    """Add ``InternVLIsolationCaptureHook`` to ``custom_hooks``: iteration 1 is saved."""
+    text = sub_once(
+        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=InternVLIsolationCaptureHook),"
+    )
+    return sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE_IMPORT)
+
+
+def with_internvl_collate(text: str, max_length: int = 512) -> str:
+    """Pack whole samples into rows: ``internvl_collate_fn`` instead of ``default_collate_fn``
+    (the docs' packing edit for InternVL)."""
+    text = sub_once(
+        text,
+        r"collate_fn=dict\(type=default_collate_fn\)",
+        f"collate_fn=dict(type=internvl_collate_fn, max_length={max_length})",
+    )
+    return sub_once(
+        text,
+        r"^(from xtuner.dataset.collate_fns import default_collate_fn\n)",
+        r"\g<1>from xtuner_rope import internvl_collate_fn\n",
+    )
