@@ -321,7 +321,12 @@ def run_check(
 
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
         return run_preference_check(cfg, config, Path(work_dir), dtype)
+    from xtuner_rope.config.internvl import is_internvl
+    from xtuner_rope.doctor.internvl_check import run_internvl_check
     from xtuner_rope.doctor.llava_check import run_llava_check
+
+    if is_internvl(cfg):  # InternVL_V1_5: the LLM's logits with the vision tokens written in
+        return run_internvl_check(cfg, config, batches, Path(work_dir))
 
     if is_llava(cfg):  # LLaVAModel: the LLM's logits after the image expansion
         return run_llava_check(
