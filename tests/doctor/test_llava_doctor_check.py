@@ -220,6 +220,4 @@ def test_internvl_qlora_is_refused_by_doctor_and_check_before_its_data(tmp_path,
     config.write_text(sc.sub_once(text, r"^(path = .*\n)", r"\g<1>" + sc.PLUGIN_EDIT))
     for command in ("doctor", "check"):
         assert main([command, str(config), "--out", str(tmp_path / command)]) == 1
-        assert (
-            "model.quantization_llm: True on this CPU-only machine" in capsys.readouterr().out
-        )
+        assert "model.quantization_llm: True on this CPU-only machine" in capsys.readouterr().out

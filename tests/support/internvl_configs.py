@@ -46,10 +46,15 @@ def enable_plugin_internvl(text: str) -> str:
     return sub_once(text, r'^(path = ".*"\n)', r"\g<1>" + PLUGIN_EDIT)
 
 
+_ASSETS: dict = {}
+
+
 def internvl_assets(root: Path) -> dict:
     """Tiny InternVL checkpoints around a tiny InternLM2 (hub-style remote code) and a tiny
     Phi-3, LLaVA-format data (8 drawn images + 8 short text-only dialogues) and the two
     stock configs copied with ``xtuner copy-cfg``, under ``root``."""
+    if _ASSETS:  # one set per test session (the doctor and the integration tests share it)
+        return _ASSETS
     from stock_configs import copy_stock, ensure_tiny_model, tiny_with_remote_code
 
     from xtuner_rope.demo.llava_data import write_llava_data
@@ -59,14 +64,15 @@ def internvl_assets(root: Path) -> dict:
     ensure_tiny_model()
     internlm2 = tiny_with_remote_code(root / "tiny-internlm2-remote")
     phi3 = save_tiny(root / "tiny-phi3", "phi3")
-    return {
+    _ASSETS.update({
         "root": root,
         "internlm2": save_tiny_internvl(internlm2, root / "tiny-internvl2-internlm2"),
         "phi3": save_tiny_internvl(phi3, root / "tiny-internvl2-phi3"),
         "data": write_llava_data(root / "data", n_images=8, n_text=8),
         INTERNLM2_LORA: copy_stock(INTERNLM2_LORA, root),
         PHI3_FULL: copy_stock(PHI3_FULL, root),
-    }
+    })  # fmt: skip
+    return _ASSETS
 
 
 CAPTURE_IMPORT = "from xtuner_rope.doctor.internvl_capture import InternVLIsolationCaptureHook\n"

@@ -56,7 +56,7 @@ def _copy_code(llm_dir: Path, out: Path) -> None:
     import xtuner._lite.modelings.internvl2 as internvl2
 
     for name in ("configuration_internvl_chat.py", "modeling_internvl_chat.py"):
-        shutil.copy(HUB_CODE / name, out / name)
+        shutil.copy(HUB_CODE / f"{name}.in", out / name)  # stored as .py.in: not package modules
     for name in ("configuration_intern_vit.py", "modeling_intern_vit.py"):
         shutil.copy(Path(internvl2.__file__).parent / name, out / name)
     # The wrapper imports InternLM2's code whatever the LLM (the hub's InternVL2-4B ships
@@ -134,5 +134,7 @@ def save_tiny_internvl(llm_dir: str | Path, out_dir: str | Path, seed: int = 0) 
     saved = json.loads((out / "config.json").read_text())
     for key in ("_commit_hash", "_name_or_path"):
         saved.pop(key, None)
-    (out / "config.json").write_text(json.dumps({**saved, "auto_map": config["auto_map"]}, indent=2))
+    (out / "config.json").write_text(
+        json.dumps({**saved, "auto_map": config["auto_map"]}, indent=2)
+    )
     return out

@@ -315,7 +315,7 @@ def run_check(
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
-    refuse_unserved_model(config)  # InternVL: refused by the start-up, named
+    refuse_unserved_model(config)  # a model the start-up refuses, named
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
 

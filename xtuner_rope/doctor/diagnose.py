@@ -16,6 +16,7 @@ from mmengine.config import Config
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
     llava_figures,
     llava_problems,
@@ -204,7 +205,7 @@ def diagnose(
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
         and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
-    refuse_unserved_model(config)  # InternVL: refused before its data are read
+    refuse_unserved_model(config)  # a model the start-up refuses: before its data are read
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
@@ -298,6 +299,8 @@ def diagnose(
     report["problems"], report["warnings"] = judge(report)
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
+    report["internvl"] = internvl_figures(cfg, dataset, batch_size)
+    report["problems"] += internvl_problems(report["internvl"])
     report["problems"] += llava_problems(report["multimodal"])
     report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(

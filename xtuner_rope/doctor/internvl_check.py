@@ -67,8 +67,7 @@ def _batch_result(reference, seen: dict, labels: torch.Tensor, ids: torch.Tensor
     figures = isolation_figures(reference, saved)
     figures["image_tokens"] = int((ids == p[0]).sum()) if p else 0
     figures["within_tolerance"] = all(
-        s["max_abs_diff"] <= TOLERANCE * max(1.0, s["max_abs_logit"])
-        for s in figures["per_sample"]
+        s["max_abs_diff"] <= TOLERANCE * max(1.0, s["max_abs_logit"]) for s in figures["per_sample"]
     )
     return figures
 
@@ -109,8 +108,7 @@ def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -
         "config": str(config),
         "plugin": {"patched": patched, "hooks": sorted(hooks)},
         "model": {
-            "class": f"InternVL_V1_5({type(chat.vision_model).__name__} + "
-            f"{type(llm).__name__})",
+            "class": f"InternVL_V1_5({type(chat.vision_model).__name__} + {type(llm).__name__})",
             "path": str(cfg.model.model_path),
         },
         "multimodal": {
