@@ -65,3 +65,26 @@ def test_an_llm_xtuner_cannot_template_is_refused(load_kept, tmp_path):
         match=r"model.model_path: .*config.json: llm_config.architectures\[0\] = 'Qwen2ForCausalLM'",
     ):
         startup.prepare_config(cfg)
+
+
+def test_packing_rows_shorter_than_the_dataset_are_raised_to_it(load_kept, tmp_path):
+    from xtuner_rope.data.collate_internvl import internvl_collate_fn
+
+    cfg = _stock("internvl_v2_phi3_4b_finetune", _checkpoint(tmp_path, "Phi3ForCausalLM", "phi3"))
+    cfg.train_dataloader.collate_fn = dict(type=internvl_collate_fn, max_length=1024)
+    (fix,) = [f for f in internvl_findings(cfg) if f.setting.startswith("train_dataloader")]
+    fix.fix()
+    assert cfg.train_dataloader.collate_fn.max_length == 8192  # the dataset's max_length
+    assert not [f for f in internvl_findings(cfg) if f.setting.startswith("train_dataloader")]
+
+
+def test_llava_collate_on_internvl_samples_is_refused(load_kept, tmp_path):
+    from xtuner_rope.data.collate_llava import llava_collate_fn
+
+    cfg = _stock("internvl_v2_phi3_4b_finetune", _checkpoint(tmp_path, "Phi3ForCausalLM", "phi3"))
+    cfg.train_dataloader.collate_fn = dict(type=llava_collate_fn, max_length=1024, image_tokens=256)
+    with pytest.raises(
+        startup.ConfigConflict,
+        match="train_dataloader.collate_fn: llava_collate_fn on InternVL samples",
+    ):
+        startup.prepare_config(cfg)

@@ -11,7 +11,9 @@ the checkpoint; what has one right answer is fixed here (each logged), through
   for transformers' Phi-3); xtuner-rope's attention isolates samples on every backend;
 - bf16 weights on a CPU-only machine: fp32 (as a LLaVA config's fp16 LLM).
 
-Refused before any weight loads: 4-bit quantization (``quantization_llm`` /
+``internvl_collate_fn`` rows shorter than the dataset's ``max_length`` are raised to it (a row
+holds at least the longest sample). Refused before any weight loads: the LLaVA or text collate
+function on InternVL samples, 4-bit quantization (``quantization_llm`` /
 ``quantization_vit``) on a CPU-only machine (bitsandbytes' 4-bit layers need a GPU), and a
 local checkpoint whose LLM XTuner's ``InternVL_V1_5_Dataset`` cannot template (InternLM2 and
 Phi-3 only: it raises ``NotImplementedError`` after the model loaded).
@@ -104,6 +106,39 @@ def _llm_finding(config: dict | None, where: str) -> list[Finding]:
     ]
 
 
+def _collate_findings(cfg: Config) -> list[Finding]:
+    """The collate function of an InternVL config: XTuner's, or ``internvl_collate_fn`` with
+    rows that hold the dataset's longest sample; the LLaVA/text collators do not fit."""
+    loader = _get(cfg._cfg_dict, "train_dataloader")
+    collate = _get(loader, "collate_fn")
+    name = type_name(_get(collate, "type"))
+    if name in ("llava_collate_fn", "rope_collate_fn"):
+        return [
+            Finding(
+                "train_dataloader.collate_fn",
+                f"{name} on InternVL samples: their images are <IMG_CONTEXT> tokens and tile "
+                "stacks, not LLaVA's placeholder or text rows",
+                "use internvl_collate_fn (from xtuner_rope import internvl_collate_fn) with "
+                "max_length set to the dataset's",
+            )
+        ]
+    longest = _get(_get(loader, "dataset"), "max_length")
+    if name != "internvl_collate_fn" or not isinstance(longest, int):
+        return []
+    rows = _get(collate, "max_length")
+    if isinstance(rows, int) and rows >= longest:
+        return []
+    return [
+        Finding(
+            "train_dataloader.collate_fn.max_length",
+            f"{rows!r}, under the dataset's max_length={longest}: a sample the dataset keeps "
+            "would not fit a row and the collate function would refuse its batch",
+            f"set to {longest} (a row holds at least the longest sample)",
+            lambda: collate.__setitem__("max_length", longest),
+        )
+    ]
+
+
 @register_findings(order=41)
 def internvl_findings(cfg: Config) -> list[Finding]:
     """What an ``InternVL_V1_5`` config needs for xtuner-rope; nothing for other configs."""
@@ -111,7 +146,7 @@ def internvl_findings(cfg: Config) -> list[Finding]:
         return []
     model = _get(cfg._cfg_dict, "model")
     config, where = checkpoint_config(cfg)
-    findings = _quantization_findings(model) + _llm_finding(config, where)
+    findings = _quantization_findings(model) + _llm_finding(config, where) + _collate_findings(cfg)
     findings += _attention_finding((config or {}).get("llm_config", {}))
     if cpu_only() and "torch_dtype" not in INTERNVL_LOAD:
         findings.append(
