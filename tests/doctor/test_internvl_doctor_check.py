@@ -63,3 +63,14 @@ def test_doctor_names_image_tokens_cut_by_max_length(configs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "max_length=40: cuts the image tokens of 8 sample(s) (first: sample " in out, out
     assert "<IMG_CONTEXT> kept)" in out, out
+
+
+def test_doctor_refuses_packed_rows_without_the_edit(configs, tmp_path, capsys):
+    """``internvl_collate_fn`` without the plugin: ``InternVL_V1_5`` ignores the boundaries and
+    the samples of a row would attend to each other; the doctor names it (exit 1)."""
+    text = ic.with_internvl_collate(configs["phi3"].read_text())
+    config = tmp_path / "packed_without_edit.py"
+    config.write_text(text.replace(ic.PLUGIN_EDIT, ""))
+    assert main(["doctor", str(config), "--out", str(tmp_path / "doctor")]) == 1
+    out = capsys.readouterr().out
+    assert "the data are packed: documents would attend to each other" in out, out

@@ -289,7 +289,8 @@ def diagnose(
         or collate_kwargs.get("pack")
         or scan.documents > len(dataset)
         or bool(llava and llava.packed_rows)
-    )  # llava_collate_fn rows
+        or (collate_name == "internvl_collate_fn" and collate_kwargs.get("pack", True))
+    )  # llava_collate_fn / internvl_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["sequence_parallel"] = sequence_parallel_figures(
         cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes
