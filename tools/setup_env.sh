@@ -13,6 +13,6 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # The CUDA build of torch (with its matching torchvision) runs on CPU-only machines too:
 # PyPI has no CPU torchvision, and the CPU torch wheel breaks transformers' imports with it.
-.venv/bin/python -m pip install --quiet -e '.[dev]' -c constraints.txt
+.venv/bin/python -m pip install --quiet -e '.[dev,internvl]' -c constraints.txt
 echo "$want" > "$stamp"
 echo "xtuner-rope installed in $(pwd)/.venv"

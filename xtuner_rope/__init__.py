@@ -35,6 +35,7 @@ PUBLIC_API = {
     "patch_internlm2_attention": "xtuner_rope.models.internlm2",
     "rope_collate_fn": "xtuner_rope.data.collate",
     "llava_collate_fn": "xtuner_rope.data.collate_llava",
+    "internvl_collate_fn": "xtuner_rope.data.collate_internvl",
 }
 __all__ = sorted(PUBLIC_API)
 # Where the plugin's findings functions live: importing them registers them with the start-up.
@@ -42,6 +43,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.multimodal",
     "xtuner_rope.config.llava_tower",
     "xtuner_rope.config.checkpoint_findings",
+    "xtuner_rope.config.internvl",
     "xtuner_rope.config.launch",
     "xtuner_rope.config.sequence_parallel",
     "xtuner_rope.config.preference",

@@ -14,7 +14,7 @@ inputs and logits of iteration 1:
 - the Llama 3 finetune config on a tiny transformers Llama, packed: the same in-run figures.
 
 The other claims (the user's ``pretrained_model_name_or_path = llm_name_or_path`` line,
-InternVL) run XTuner's own start-up (``set_model_resource``) without training, and the batch
+InternVL's QLoRA refusal on CPU) run XTuner's own start-up (``set_model_resource``) without training, and the batch
 checks run on hand-made batches.
 """
 
@@ -243,28 +243,31 @@ def test_user_alias_line_keeps_clip_paths(llava, tmp_path):
     assert alias["clip"] == alias["processor"] == str(llava["clip"])
 
 
-def test_internvl_config_is_refused_at_start_up():
+def test_internvl_qlora_config_is_refused_on_cpu_at_start_up():
+    """InternVL configs are served (``tests/integration/test_internvl.py``); their 4-bit
+    quantization needs a GPU: refused on a CPU-only machine before the weights load."""
     from xtuner.configs import cfgs_name_path  # the file `xtuner copy-cfg` copies
 
-    cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_lora_finetune"])
+    cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_qlora_finetune"])
+    assert compat.cpu_only()
     with pytest.raises(
         startup.ConfigConflict,
-        match="model.type: InternVL_V1_5: xtuner-rope "
-        "has not been verified inside InternVL's own forward",
+        match="model.quantization_llm: True on this CPU-only machine: bitsandbytes' 4-bit",
     ):
         startup.prepare_config(cfg)
 
 
 def test_internvl_xtuner_train_with_the_edit_is_refused_not_a_key_error(tmp_path):
-    """The real `xtuner train` of a copied InternVL config with the edit stops at the start-up.
+    """The real `xtuner train` of a copied InternVL QLoRA config with the edit stops at the
+    start-up on CPU, naming the setting.
 
     InternVL configs name their model ``path`` (no ``pretrained_model_name_or_path``): without
     compat's fallback XTuner's ``set_model_resource`` dies with ``KeyError`` before the plugin
-    can say why InternVL is refused.
+    can say what to change.
     """
     from xtuner.configs import cfgs_name_path
 
-    text = Path(cfgs_name_path["internvl_v2_internlm2_2b_lora_finetune"]).read_text()
+    text = Path(cfgs_name_path["internvl_v2_internlm2_2b_qlora_finetune"]).read_text()
     config = tmp_path / "internvl.py"
     config.write_text(sc.sub_once(text, r"^(path = .*\n)", r"\g<1>" + sc.PLUGIN_EDIT))
     env = {**os.environ, "PYTHONPATH": str(sc.REPO)}
@@ -279,7 +282,7 @@ def test_internvl_xtuner_train_with_the_edit_is_refused_not_a_key_error(tmp_path
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-3000:]
     assert "KeyError" not in out, out[-3000:]
-    assert "model.type: InternVL_V1_5: xtuner-rope has not been verified" in out, out[-3000:]
+    assert "model.quantization_llm: True on this CPU-only machine" in out, out[-3000:]
     assert "set to path = " in out, out[-3000:]
 
 

@@ -25,6 +25,7 @@ from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,
     register_internlm2_auto_classes,
 )
+from .xtuner_internvl import INTERNVL_LOAD, patch_internvl_loading, patch_internvl_rank
 from .xtuner_llava import patch_llava_expansion_check
 from .xtuner_model_resource import (
     config_being_started,
@@ -69,6 +70,9 @@ __all__ = [
     "config_being_started",
     "keep_other_model_paths",
     "patch_llava_expansion_check",
+    "INTERNVL_LOAD",
+    "patch_internvl_loading",
+    "patch_internvl_rank",
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
@@ -121,6 +125,8 @@ def apply() -> list[str]:
         patch_xtuner_train_sequence_parallel_check,
         patch_internlm2_generation_from_embeds,
         patch_mmengine_warmup_rounding,
+        patch_internvl_loading,
+        patch_internvl_rank,
     ):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)

@@ -1,4 +1,4 @@
-"""Start-up findings of XTuner's multimodal configs (LLaVA served, InternVL refused).
+"""Start-up findings of XTuner's LLaVA configs (InternVL's: ``config.internvl``).
 
 Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit works for a
 LLaVA config as for a text one (``compat.patch_model_resource_llm_path`` gives XTuner's
@@ -10,9 +10,7 @@ encoder's and image processor's own paths). What the config itself must change i
 - XTuner's ``EvaluateChatHook`` with ``evaluation_images`` is kept: its generation from
   ``inputs_embeds`` died in InternLM2's modeling code under transformers 4.48 ("The size of
   tensor a (0) must match the size of tensor b ...", an upstream gap, with or without the
-  plugin), which ``compat.patch_internlm2_generation_from_embeds`` closes;
-- ``InternVL_V1_5`` models are refused: xtuner-rope has not been verified inside InternVL's
-  own forward, so it names what to do instead of training something unchecked.
+  plugin), which ``compat.patch_internlm2_generation_from_embeds`` closes.
 """
 
 from __future__ import annotations
@@ -67,17 +65,6 @@ def multimodal_findings(cfg: Config) -> list[Finding]:
     """What a multimodal config must change for xtuner-rope; nothing for a text config."""
     model = _get(cfg._cfg_dict, "model")
     name = type_name(_get(model, "type"))
-    if name == "InternVL_V1_5":
-        return [
-            Finding(
-                "model.type",
-                "InternVL_V1_5: xtuner-rope has not been verified inside InternVL's "
-                "own forward (its InternLM2/Phi-3 LLM, its image-token packing), so it cannot vouch "
-                "for the positions or the isolation there",
-                "train InternVL without xtuner-rope "
-                "(remove model_resource = dict(fn=enable_xtuner_rope)); LLaVA configs are served",
-            )
-        ]
     if name != "LLaVAModel":
         return []
     llm = _get(model, "llm")

@@ -315,13 +315,18 @@ def run_check(
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
-    refuse_unserved_model(config)  # InternVL: refused by the start-up, named
+    refuse_unserved_model(config)  # a model the start-up refuses, named
     cfg = start_config(config, cfg_options)
     from xtuner_rope.doctor.check_preference import is_preference_config, run_preference_check
 
     if is_preference_config(cfg):  # DPO / ORPO / reward model: log-probs and scores
         return run_preference_check(cfg, config, Path(work_dir), dtype)
+    from xtuner_rope.config.internvl import is_internvl
+    from xtuner_rope.doctor.internvl_check import run_internvl_check
     from xtuner_rope.doctor.llava_check import run_llava_check
+
+    if is_internvl(cfg):  # InternVL_V1_5: the LLM's logits with the vision tokens written in
+        return run_internvl_check(cfg, config, batches, Path(work_dir))
 
     if is_llava(cfg):  # LLaVAModel: the LLM's logits after the image expansion
         return run_llava_check(

@@ -116,6 +116,10 @@ def format_summary(report: dict) -> str:
         from xtuner_rope.doctor.check_preference import format_preference_summary
 
         return format_preference_summary(report)
+    if report.get("kind") == "internvl":
+        from xtuner_rope.doctor.internvl_check import format_internvl_summary
+
+        return format_internvl_summary(report)
     if report.get("kind") == "llava":
         from xtuner_rope.doctor.llava_check import format_llava_summary
 

@@ -16,6 +16,7 @@ from mmengine.config import Config
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
     llava_data_of,
     llava_figures,
@@ -205,7 +206,7 @@ def diagnose(
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
         and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
-    refuse_unserved_model(config)  # InternVL: refused before its data are read
+    refuse_unserved_model(config)  # a model the start-up refuses: before its data are read
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     refuse_unreadable_checkpoint(findings)  # no data without the checkpoint's tokenizer
     loader = cfg.train_dataloader
@@ -290,7 +291,8 @@ def diagnose(
         or collate_kwargs.get("pack")
         or scan.documents > len(dataset)
         or bool(llava and llava.packed_rows)
-    )  # llava_collate_fn rows
+        or (collate_name == "internvl_collate_fn" and collate_kwargs.get("pack", True))
+    )  # llava_collate_fn / internvl_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
     report["sequence_parallel"] = sequence_parallel_figures(
         cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes
@@ -301,6 +303,8 @@ def diagnose(
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
+    report["internvl"] = internvl_figures(cfg, dataset, batch_size)
+    report["problems"] += internvl_problems(report["internvl"])
     report["warnings"] += llava_warnings(report["multimodal"])
     report["problems"] += schedule_problems(
         cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))

@@ -52,11 +52,10 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def refuse_unserved_model(path: str) -> None:
-    """Stop before any data when the start-up refuses the model itself (InternVL).
+    """Stop before any data when the start-up refuses the model itself (``model.type``).
 
-    ``xtuner train`` never gets to the data of such a config (and XTuner's
-    ``set_model_resource`` dies on an InternVL config's missing
-    ``pretrained_model_name_or_path`` first), so neither the doctor nor the check reads them.
+    ``xtuner train`` never gets to the data of such a config, so neither the doctor nor the
+    check reads them.
 
     Raises:
         ConfigConflict: the start-up's refusal of ``model.type``, with what to do.

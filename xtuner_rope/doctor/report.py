@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
@@ -102,6 +103,7 @@ def format_summary(report: dict) -> str:
     lines += [f"start-up fix {f['setting']}: {f['edit']}" for f in findings["fixes"]]
     lines += preference_lines(report) if report.get("preference") else _data_lines(report)
     lines += llava_lines(report.get("multimodal"))
+    lines += internvl_lines(report.get("internvl"))
     lines += _collate_lines(report)
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))

@@ -15,6 +15,7 @@ from mmengine.logging import print_log
 from xtuner_rope import compat
 from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.batch.images import check_batch_with_images
+from xtuner_rope.batch.internvl_tiles import check_image_context
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import packing_source, require_prepared
@@ -26,6 +27,7 @@ from xtuner_rope.models.dispatch import (
     language_model,
     patch_model,
 )
+from xtuner_rope.models.internvl import internvl_image_tokens
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
@@ -158,6 +160,7 @@ class PackedBatchCheckHook(Hook):
         self._checked_limits = self._limits(runner)
         self._reported = False
         compat.patch_llava_expansion_check(runner.model, self._checked_limits[1])
+        self._internvl = internvl_image_tokens(runner.model)
 
     def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:
         """One log line per loop: what the first batch holds, so a run shows its packing."""
@@ -216,7 +219,12 @@ class PackedBatchCheckHook(Hook):
         if self._checked_limits is None:
             self._inspect_model(runner)
         vocab, max_position = self._checked_limits
-        check_batch_with_images(data, vocab_size=vocab, max_position=max_position)
+        if getattr(self, "_internvl", None) is not None:  # ids hold the image tokens already
+            check_image_context(data, *self._internvl)
+            text = {k: v for k, v in data.items() if k != "pixel_values"}
+            check_batch_with_images(text, vocab_size=vocab, max_position=max_position)
+        else:
+            check_batch_with_images(data, vocab_size=vocab, max_position=max_position)
         b, s = data["input_ids"].shape
         rows = row_boundaries(data, b) if data.get("cumulative_len") is not None else []
         self._refuse_leaky_packing(data, rows)

@@ -27,6 +27,7 @@ from .internlm2 import (
     patch_internlm2_attention,
 )
 from .internlm2_rope import ValidatedRotaryEmbedding
+from .internvl import internvl_chat_model
 
 VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
 
@@ -43,9 +44,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def language_model(model: nn.Module) -> nn.Module:
-    """The HF causal LM: through the wrappers (``unwrap_model``) and XTuner's ``.llm``."""
+    """The HF causal LM: through the wrappers (``unwrap_model``), XTuner's ``.llm`` and
+    ``InternVL_V1_5``'s ``.model.language_model``."""
     model = unwrap_model(model)
-    return getattr(model, "llm", model)
+    chat = internvl_chat_model(model)
+    return chat.language_model if chat is not None else getattr(model, "llm", model)
 
 
 def isolates_documents(model: nn.Module) -> bool:

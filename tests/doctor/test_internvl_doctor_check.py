@@ -1,0 +1,76 @@
+"""``xtuner-rope doctor`` and ``check`` on XTuner's stock InternVL configs (tiny checkpoints).
+
+Both stock configs (``internvl_configs``: copied, localized, the one edit) exit 0 on both tools;
+the doctor reads the tokens per tile from the checkpoint's config and names, with the sample,
+an image file that is missing and image tokens that ``max_length`` cuts (exit 1).
+"""
+
+import json
+from pathlib import Path
+
+import internvl_configs as ic
+import pytest
+
+from xtuner_rope.cli import main
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict:
+    assets = ic.internvl_assets(tmp_path_factory.mktemp("internvl"))
+    root = tmp_path_factory.mktemp("internvl_configs")
+    out = {}
+    for name, model in ((ic.INTERNLM2_LORA, "internlm2"), (ic.PHI3_FULL, "phi3")):
+        text = ic.localize_internvl(assets[name], assets[model], assets["data"])
+        out[model] = root / f"{model}.py"
+        out[model].write_text(ic.enable_plugin_internvl(text))
+    out["assets"] = assets
+    return out
+
+
+@pytest.mark.parametrize("model", ["internlm2", "phi3"])
+def test_doctor_and_check_pass_on_stock_configs(configs, model, tmp_path, capsys):
+    assert main(["doctor", str(configs[model]), "--out", str(tmp_path / "doctor")]) == 0
+    out = capsys.readouterr().out
+    assert "InternVL: 16 LLM tokens per tile (from " in out, out
+    assert "8 image and 8 text-only samples" in out, out
+    assert main(["check", str(configs[model]), "--out", str(tmp_path / "check")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: each sample's LLM logits in the batch" in out, out
+    report = json.loads((tmp_path / "check" / "report.json").read_text())
+    assert report["multimodal"]["tokens_per_tile"] == 16
+    assert report["batches"][0]["image_tokens"] > 0  # the batch holds images
+
+
+def test_doctor_names_a_missing_image_file_with_the_sample(configs, tmp_path, capsys):
+    data = json.loads(Path(configs["assets"]["data"]).read_text())
+    gone = next(i for i, row in enumerate(data) if row.get("image"))
+    data[gone]["image"] = "no_such_picture.png"
+    moved = Path(configs["assets"]["data"]).with_name("missing.json")
+    moved.write_text(json.dumps(data))
+    config = tmp_path / "missing.py"
+    config.write_text(
+        configs["internlm2"].read_text().replace(str(configs["assets"]["data"]), str(moved))
+    )
+    assert main(["doctor", str(config), "--out", str(tmp_path / "doctor")]) == 1
+    out = capsys.readouterr().out
+    assert f"first: sample {gone} (id {data[gone]['id']}): " in out, out
+    assert "no_such_picture.png): XTuner's InternVL_V1_5_Dataset prints the error" in out, out
+
+
+def test_doctor_names_image_tokens_cut_by_max_length(configs, tmp_path, capsys):
+    options = ["--cfg-options", "train_dataloader.dataset.max_length=40"]
+    assert main(["doctor", str(configs["phi3"]), "--out", str(tmp_path / "d"), *options]) == 1
+    out = capsys.readouterr().out
+    assert "max_length=40: cuts the image tokens of 8 sample(s) (first: sample " in out, out
+    assert "<IMG_CONTEXT> kept)" in out, out
+
+
+def test_doctor_refuses_packed_rows_without_the_edit(configs, tmp_path, capsys):
+    """``internvl_collate_fn`` without the plugin: ``InternVL_V1_5`` ignores the boundaries and
+    the samples of a row would attend to each other; the doctor names it (exit 1)."""
+    text = ic.with_internvl_collate(configs["phi3"].read_text())
+    config = tmp_path / "packed_without_edit.py"
+    config.write_text(text.replace(ic.PLUGIN_EDIT, ""))
+    assert main(["doctor", str(config), "--out", str(tmp_path / "doctor")]) == 1
+    out = capsys.readouterr().out
+    assert "the data are packed: documents would attend to each other" in out, out

@@ -1,0 +1,121 @@
+"""XTuner's stock InternVL configs with the README's one edit, on tiny InternVL checkpoints.
+
+Two real ``xtuner train`` runs (copied with ``xtuner copy-cfg``, the user's own-machine edits of
+``internvl_configs.localize_internvl``, the edit after ``path = ...``, 8 drawn-image and 8 short
+text-only dialogues, ``max_length`` 512, batch 4, 4 iterations), each with
+``InternVLIsolationCaptureHook`` recording what reached the LLM at iteration 1:
+
+- ``internvl_v2_internlm2_2b_lora_finetune`` (tiny InternLM2 with hub-style remote code, LoRA),
+  padded rows as shipped (``default_collate_fn``);
+- ``internvl_v2_phi3_4b_finetune`` (tiny Phi-3, full fine-tune), rows packed by
+  ``internvl_collate_fn``, with the in-run negative control (the same packed rows through an
+  unpatched copy of the LLM leak).
+
+For both, a fresh process rebuilds the config's model unpatched, gives its LLM the step's
+weights and runs each captured sample alone: within 1e-4 of the run's logits.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import internvl_configs as ic
+import pytest
+import stock_configs as sc
+import torch
+
+from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.doctor.internvl_capture import INTERNVL_CAPTURE_FILE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def internvl(tmp_path_factory) -> dict:
+    return ic.internvl_assets(tmp_path_factory.mktemp("internvl"))
+
+
+def _config(internvl: dict, name: str, model: str, path: Path, packed: bool = False) -> Path:
+    text = ic.localize_internvl(internvl[name], internvl[model], internvl["data"])
+    text = ic.with_internvl_capture(ic.enable_plugin_internvl(text))
+    path.write_text(ic.with_internvl_collate(text) if packed else text)
+    return path
+
+
+def _fresh_compare(config: Path, work_dir: Path) -> dict:
+    """``compare_internvl_capture`` in a fresh process (nothing of the run's patches)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "xtuner_rope.doctor.internvl_capture", str(config),
+         str(work_dir / INTERNVL_CAPTURE_FILE)],
+        capture_output=True, text=True, env=sc.venv_env(), cwd=sc.REPO, timeout=600,
+    )  # fmt: skip
+    line = [x for x in proc.stdout.splitlines() if x.startswith("INTERNVL_COMPARE=")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[0].removeprefix("INTERNVL_COMPARE="))
+
+
+def _assert_isolated(result: dict) -> None:
+    for sample in result["per_sample"]:
+        assert sample["max_abs_diff"] <= 1e-4, sample
+    assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-4, result["loss"]
+
+
+def _train(config: Path, work_dir: Path) -> str:
+    proc = sc.xtuner_train(config, work_dir, "randomness.seed=0")
+    out = proc.stdout + proc.stderr
+    check_run(work_dir, min_iters=4)
+    assert "set to path = " in out, out[-3000:]  # the edit after `path = ...` reached XTuner
+    assert 'XTuner loads the LLM with attn_implementation="flash_attention_2"' in out
+    assert "loaded in float32" in out, out[-3000:]
+    assert "InternVLIsolationCaptureHook: saved" in out, out[-3000:]
+    return out
+
+
+def _images_in(saved: dict, internvl: dict, model: str) -> int:
+    """Samples of the captured batch that hold an image (``<IMG_CONTEXT>`` ids)."""
+    from transformers import AutoTokenizer
+
+    context = AutoTokenizer.from_pretrained(internvl[model]).convert_tokens_to_ids("<IMG_CONTEXT>")
+    return int((saved["input_ids"] == context).any(dim=1).sum())
+
+
+def test_internlm2_lora_config_trains_padded_each_sample_as_alone(internvl, tmp_path):
+    config = _config(internvl, ic.INTERNLM2_LORA, "internlm2", tmp_path / "internlm2_lora.py")
+    out = _train(config, tmp_path / "run")
+    assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out, out[-3000:]
+    assert "PackedBatchCheckHook: first batch 4 rows x" in out, out[-3000:]
+    saved = torch.load(tmp_path / "run" / INTERNVL_CAPTURE_FILE, weights_only=False)
+    assert any("lora_A" in k for k in saved["llm_state"]), "LoRA on the LLM"
+    assert len(set(saved["attention_mask"].sum(dim=1).tolist())) > 1  # padded rows
+    result = _fresh_compare(config, tmp_path / "run")
+    _assert_isolated(result)
+    assert result["samples"] == 4, result
+    print(
+        f"InternVL InternLM2 LoRA, padded: {result['samples']} samples "
+        f"({_images_in(saved, internvl, 'internlm2')} with an image), max |trained - alone| "
+        f"{result['max_abs_diff']:.3g} (fresh process)"
+    )
+
+
+def test_phi3_full_config_trains_packed_isolated_and_unpatched_rows_leak(internvl, tmp_path):
+    config = _config(internvl, ic.PHI3_FULL, "phi3", tmp_path / "phi3_full.py", packed=True)
+    out = _train(config, tmp_path / "run")
+    assert "ValidatedRoPEHook: 2 Phi3 attention layers" in out, out[-3000:]
+    assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
+    saved = torch.load(tmp_path / "run" / INTERNVL_CAPTURE_FILE, weights_only=False)
+    in_run = saved["in_run"]
+    assert in_run["rows"] == 1 and in_run["samples"] == 4, in_run
+    _assert_isolated(in_run)
+    # Negative control: a row's first sample sees nothing before it; the others leak.
+    firsts = [s for s in in_run["per_sample"] if s["start"] == 0]
+    assert all(s["unpatched_max_abs_diff"] <= 1e-4 for s in firsts), firsts
+    assert in_run["unpatched_max_abs_diff"] > 1e-2, in_run
+    result = _fresh_compare(config, tmp_path / "run")
+    _assert_isolated(result)
+    print(
+        f"InternVL Phi-3 full, packed: {result['samples']} samples "
+        f"({_images_in(saved, internvl, 'phi3')} with an image) in {result['rows']} row, "
+        f"max |trained - alone| {result['max_abs_diff']:.3g} (fresh process), "
+        f"{in_run['max_abs_diff']:.3g} in the run; unpatched rows {in_run['unpatched_max_abs_diff']:.3g}"
+    )

@@ -1,0 +1,77 @@
+"""Batch checks of XTuner's InternVL batches: image-context tokens against image tiles.
+
+``InternVL_V1_5_Dataset`` (xtuner 0.2.0) writes each image into the ids as ``<img>`` + ``P x
+tiles`` ``<IMG_CONTEXT>`` + ``</img>`` (``P`` tokens per tile after the pixel shuffle) and
+brings the image's tiles as ``pixel_values`` ``[tiles, 3, H, W]``; a text-only sample brings
+one zero tile. ``InternVL_V1_5._llm_forward`` keeps the tiles whose pixels do not sum to 0
+(``image_flags``) and writes their ``P`` vision tokens, in order, over the batch's
+``<IMG_CONTEXT>`` positions. When the counts disagree it prints a warning and writes only the
+first vision tokens: later samples silently get another sample's picture.
+:func:`check_image_context` names the row before the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["check_image_context", "image_tiles"]
+
+
+def image_tiles(pixel_values: torch.Tensor) -> int:
+    """Tiles XTuner keeps of ``[t, 3, H, W]`` (those whose pixels do not sum to 0)."""
+    return int((pixel_values.reshape(pixel_values.shape[0], -1).sum(dim=1) != 0).sum())
+
+
+def _row_tiles(pixel_values: object, rows: int) -> list[torch.Tensor] | None:
+    """Each row's ``[t, 3, H, W]`` tiles, or None when the batch holds them flat."""
+    if isinstance(pixel_values, (list, tuple)):
+        entries = [torch.as_tensor(p) for p in pixel_values]
+        entries = [p[None] if p.dim() == 3 else p for p in entries]
+    elif isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 5:
+        entries = list(pixel_values)
+    else:
+        return None
+    return entries if len(entries) == rows else None
+
+
+def check_image_context(data: Mapping, context_id: int, tokens_per_tile: int) -> list[int]:
+    """Each row's ``<IMG_CONTEXT>`` tokens against its image tiles.
+
+    Args:
+        data: Batch dict: ``input_ids`` ``[b, s]``, ``pixel_values`` (a ``[b, t, 3, H, W]``
+            tensor or a list of ``b`` ``[t_r, 3, H, W]``: one entry per row, as XTuner's
+            ``default_collate_fn`` and ``internvl_collate_fn`` give).
+        context_id: The tokenizer's ``<IMG_CONTEXT>`` id (``img_context_token_id``).
+        tokens_per_tile: ``P``, the checkpoint's ``num_image_token``.
+
+    Returns:
+        The ``<IMG_CONTEXT>`` count of each row.
+
+    Raises:
+        ValueError: a row's count is not ``P x`` its kept tiles (or, for a batch whose tiles
+            cannot be told apart by row, the batch's total); the message names row and counts.
+    """
+    ids = data["input_ids"]
+    counts = (ids == context_id).sum(dim=1).tolist()
+    pixels = data.get("pixel_values")
+    if pixels is None:
+        return counts
+    rows = _row_tiles(pixels, len(counts))
+    if rows is None:
+        tiles = [image_tiles(torch.as_tensor(pixels).reshape(-1, *pixels.shape[-3:]))]
+        counts_by = [sum(counts)]
+    else:
+        tiles, counts_by = [image_tiles(p) for p in rows], counts
+    for r, (n, t) in enumerate(zip(counts_by, tiles)):
+        if n != t * tokens_per_tile:
+            where = f"row {r}" if rows is not None else "the batch"
+            raise ValueError(
+                f"check_image_context: {where}, field 'input_ids': {n} <IMG_CONTEXT> token(s) "
+                f"(id {context_id}), expected {tokens_per_tile} per image tile x {t} tile(s) "
+                f"in field 'pixel_values' = {t * tokens_per_tile}. InternVL_V1_5 would "
+                "write the wrong vision tokens (or none) there. A max_length that cuts an "
+                "image's tokens does this: raise max_length or shorten the sample."
+            )
+    return counts

@@ -1,0 +1,102 @@
+"""XTuner ``InternVL_V1_5`` patches: what it hard-codes at load time, and its rank query.
+
+xtuner 0.2.0 ``InternVL_V1_5.__init__`` loads the checkpoint with ``torch_dtype=torch.bfloat16``
+and sets its LLM's attention to ``"flash_attention_2"`` unconditionally (a config cannot say
+otherwise); ``_llm_forward`` calls ``torch.distributed.get_rank()`` at every step.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+# What the start-up decided (``config.internvl``): ``torch_dtype`` and the LLM's
+# ``attn_implementation`` to load with instead of XTuner's hard-coded ones; empty: XTuner's.
+INTERNVL_LOAD: dict = {}
+
+
+class _AutoModelWithOverrides:
+    """``transformers.AutoModel`` as ``xtuner.model.internvl`` sees it: the start-up's load
+    settings (``INTERNVL_LOAD``) replace the hard-coded dtype and LLM attention."""
+
+    def __init__(self, auto_model):
+        self._auto_model = auto_model
+
+    def __getattr__(self, name: str):
+        return getattr(self._auto_model, name)
+
+    def from_pretrained(self, path, *args, **kwargs):
+        config = kwargs.get("config")
+        attn = INTERNVL_LOAD.get("attn_implementation")
+        llm_config = getattr(config, "llm_config", None)
+        if attn is not None and llm_config is not None:
+            # InternLM2 remote code reads ``attn_implementation``; transformers' models
+            # ``_attn_implementation`` (XTuner sets the one of the LLM's model_type).
+            if getattr(llm_config, "model_type", None) == "internlm2":
+                llm_config.attn_implementation = attn
+            else:
+                llm_config._attn_implementation = attn
+        if INTERNVL_LOAD.get("torch_dtype") is not None:
+            kwargs["torch_dtype"] = INTERNVL_LOAD["torch_dtype"]
+        return self._auto_model.from_pretrained(path, *args, **kwargs)
+
+
+def patch_internvl_loading() -> bool:
+    """Load XTuner's InternVL checkpoints with the start-up's dtype and LLM attention.
+
+    xtuner 0.2.0 ``InternVL_V1_5.__init__`` forces ``flash_attention_2`` on the LLM (without
+    flash-attn: transformers' ``ImportError`` while building Phi-3, InternLM2 remote code's
+    at the first step) and bf16 weights (on a CPU-only machine: training in bf16 while the
+    config's ``OptimWrapper`` is fp32). The module's ``AutoModel`` is wrapped (once) so the
+    settings in ``INTERNVL_LOAD``, which ``config.internvl``'s start-up fixes set and log,
+    replace those; with ``INTERNVL_LOAD`` empty XTuner's own load runs unchanged.
+
+    Returns:
+        True if applied (XTuner has ``xtuner.model.internvl``).
+    """
+    try:
+        import xtuner.model.internvl as internvl
+    except ImportError:
+        return False
+    if not isinstance(internvl.AutoModel, _AutoModelWithOverrides):
+        internvl.AutoModel = _AutoModelWithOverrides(internvl.AutoModel)
+    return True
+
+
+class _RankWithoutGroup(types.ModuleType):
+    """``torch.distributed`` whose ``get_rank`` is 0 without a process group (MMEngine's)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    def get_rank(self, group=None) -> int:
+        return torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+
+
+class _TorchWithRankWithoutGroup(types.ModuleType):
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def patch_internvl_rank() -> bool:
+    """Let a single-process ``xtuner train`` run XTuner's InternVL configs.
+
+    xtuner 0.2.0 ``InternVL_V1_5._llm_forward`` prints a log line when
+    ``torch.distributed.get_rank() == 0``: without a process group (``xtuner train`` with no
+    launcher) every step dies with ``ValueError: Default process group has not been
+    initialized``. The module's ``torch`` is swapped for a view of torch whose
+    ``distributed.get_rank`` is 0 without a group; everything else is torch's.
+
+    Returns:
+        True if applied.
+    """
+    try:
+        import xtuner.model.internvl as internvl
+    except ImportError:
+        return False
+    if internvl.torch is torch:
+        view = _TorchWithRankWithoutGroup("torch")
+        view.distributed = _RankWithoutGroup("torch.distributed")
+        internvl.torch = view
+    return True

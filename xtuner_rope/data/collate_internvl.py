@@ -1,0 +1,134 @@
+"""``internvl_collate_fn``: XTuner's InternVL samples, several whole samples to a row.
+
+XTuner 0.2.0's InternVL configs collate with ``default_collate_fn``: one sample per row, padded
+to the batch's longest, so short text-only dialogues beside image dialogues are mostly
+padding. ``InternVL_V1_5_Dataset`` already writes each image into the ids (``<img>`` + ``P x
+tiles`` ``<IMG_CONTEXT>`` + ``</img>``): a sample's length is what the LLM sees, and a row can
+hold several whole samples. Each row carries its samples' boundaries (``cumulative_len``,
+published by ``PackedBatchCheckHook`` for the patched attention), positions restarting at 0 per
+sample, and its samples' tiles in sample order (``pixel_values``: one ``[t_r, 3, H, W]`` entry
+per row, text-only samples' zero tiles included: XTuner drops those by their zero pixels and
+writes the other tiles' vision tokens over the ``<IMG_CONTEXT>`` ids in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from xtuner_rope.ops.packing import (
+    cumulative_from_lengths,
+    plan_packs,
+    position_ids_from_starts,
+    segment_starts_from_cumulative,
+)
+
+__all__ = ["internvl_collate_fn"]
+
+IGNORE_INDEX = -100
+
+
+def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not isinstance(item, Mapping) or any(
+        item.get(k) is None for k in ("input_ids", "labels", "pixel_values")
+    ):
+        raise TypeError(
+            f"internvl_collate_fn: sample {i}: expected a dict with input_ids, labels and "
+            "pixel_values (XTuner's InternVL_V1_5_Dataset item), got "
+            f"{sorted(item) if isinstance(item, Mapping) else type(item).__name__}."
+        )
+    ids = torch.as_tensor(item["input_ids"], dtype=torch.long).reshape(-1)
+    labels = torch.as_tensor(item["labels"], dtype=torch.long).reshape(-1)
+    tiles = torch.as_tensor(item["pixel_values"])
+    if ids.numel() == 0 or ids.shape != labels.shape or tiles.dim() != 4:
+        raise ValueError(
+            f"internvl_collate_fn: sample {i}: expected input_ids and labels of one length "
+            f">= 1 and pixel_values [tiles, 3, H, W], got {ids.numel()} and {labels.numel()} "
+            f"ids/labels and pixel_values {tuple(tiles.shape)}."
+        )
+    return ids, labels, tiles
+
+
+def internvl_collate_fn(
+    instances: Sequence[Mapping],
+    pad_index: int = 0,
+    *,
+    max_length: int,
+    pack: bool = True,
+    return_hf_format: bool = False,
+) -> dict:
+    """Collate XTuner InternVL samples, several whole samples to a row (``pack=True``).
+
+    Args:
+        instances: ``InternVL_V1_5_Dataset`` items: ``input_ids`` / ``labels`` (1-D, image
+            tokens included), ``pixel_values`` ``[tiles, 3, H, W]`` (one zero tile for a
+            text-only sample).
+        pad_index: Token id of the padding.
+        max_length: Row capacity in tokens (the dataset's ``max_length`` or more).
+        pack: Pack samples into rows (``ops.packing.plan_packs``); False: one sample per row.
+        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
+
+    Returns:
+        ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
+        first token), ``position_ids`` ``[b, s]`` (restarting per sample), ``attention_mask``
+        ``[b, s]`` (True on real tokens), ``pixel_values`` (a list of ``b`` ``[t_r, 3, H, W]``:
+        each row's samples' tiles in order), ``cumulative_len`` (``b`` int32 tensors ``0 ..
+        s``, padding its own segment), ``max_seqlen`` and ``num_unsupervised``.
+
+    Raises:
+        ValueError: ``max_length`` < 1, a sample longer than ``max_length``, an empty batch, a
+            batch without any supervised label.
+        TypeError: a sample that is not an XTuner InternVL item.
+    """
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        raise ValueError(
+            f"internvl_collate_fn: option max_length: expected an int >= 1, got {max_length!r}."
+        )
+    if not instances:
+        raise ValueError("internvl_collate_fn: got an empty batch (0 samples); check the sampler.")
+    samples = [_sample(i, item) for i, item in enumerate(instances)]
+    unsupervised = [i for i, (_, lab, _) in enumerate(samples) if not (lab[1:] != -100).any()]
+    if len(unsupervised) == len(samples):
+        raise ValueError(
+            f"internvl_collate_fn: all {len(samples)} samples of the batch have no supervised "
+            "label (every label after the first token is -100): the mean loss would be 0/0. "
+            "Filter such samples (replies cut away by max_length) out of the dataset."
+        )
+    lengths = [ids.numel() for ids, _, _ in samples]
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(
+                f"internvl_collate_fn: sample {i}: {n} tokens (image tokens included), over "
+                f"max_length={max_length}. Raise max_length to the dataset's max_length."
+            )
+    plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
+    s = max(sum(lengths[i] for i in row) for row in plan)
+    b = len(plan)
+    input_ids = torch.full((b, s), int(pad_index), dtype=torch.long)
+    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    cumulative_len, pixel_values = [], []
+    for r, row in enumerate(plan):
+        col = 0
+        for i in row:
+            ids, lab, _ = samples[i]
+            input_ids[r, col : col + ids.numel()], labels[r, col : col + ids.numel()] = ids, lab
+            labels[r, col] = IGNORE_INDEX  # never predicted from the previous sample
+            col += ids.numel()
+        mask[r, :col] = True
+        sizes = [lengths[i] for i in row]
+        cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
+        pixel_values.append(torch.cat([samples[i][2] for i in row]))  # [t_r, 3, H, W]
+    position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
+    data = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "pixel_values": pixel_values,
+        "cumulative_len": cumulative_len,
+        "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
+        "num_unsupervised": len(unsupervised),
+    }
+    return data if return_hf_format else {"data": data, "data_samples": None}

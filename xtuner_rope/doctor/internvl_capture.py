@@ -1,0 +1,163 @@
+"""Isolation inside a real InternVL ``xtuner train`` run: capture what the LLM saw, compare.
+
+``InternVL_V1_5._llm_forward`` (xtuner 0.2.0) writes the vision tokens over the
+``<IMG_CONTEXT>`` embeddings and calls its ``language_model`` with ``inputs_embeds`` ``[b, s,
+d]``, ``attention_mask`` and ``position_ids`` ``[b, s]``. :class:`InternVLIsolationCaptureHook`
+(opt-in: ``dict(type=InternVLIsolationCaptureHook)`` in ``custom_hooks``) records those inputs
+at iteration 1, the batch's labels, the LLM's weights of that step and its logits, to
+``<work_dir>/internvl_isolation_capture.pt``. The logits are the same patched LLM on the same
+inputs with dropout off (XTuner's LoRA configs train with ``lora_dropout=0.05``, which makes the
+training forward itself random); ``logits_train`` keeps the training forward's.
+
+:func:`compare_internvl_capture` (in a fresh process: ``python -m
+xtuner_rope.doctor.internvl_capture CONFIG CAPTURE``) builds the config's ``InternVL_V1_5``
+again, unpatched, gives its LLM the step's weights and runs each sample alone (its real tokens,
+positions ``0..n-1``; a packed row's samples are cut where its positions restart). With
+``negative_control=True`` (the default) the hook measures the same inside the run and also runs
+the captured rows as they are through the unpatched copy: packed rows leak there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from mmengine.config import Config
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from torch import nn
+
+from xtuner_rope.doctor.llava_capture import isolation_figures
+from xtuner_rope.models.dispatch import language_model
+
+INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
+_INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
+IGNORE_INDEX = -100
+
+
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """XTuner's InternVL loss: mean cross-entropy of the shifted labels over the batch."""
+    return float(
+        F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+    )
+
+
+class InternVLIsolationCaptureHook(Hook):
+    """Save the LLM's inputs, weights and logits of the first step of an InternVL run.
+
+    For tiny test models: the saved logits are ``[b, s, V]`` fp32, the weights whole.
+
+    Args:
+        negative_control: Also measure inside the run, through an unpatched copy of the LLM
+            with the run's weights: each sample alone, and the captured rows as they are.
+    """
+
+    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
+    priority = 7
+
+    def __init__(self, negative_control: bool = True) -> None:
+        self.negative_control = negative_control
+        self._saved: dict = {}
+        self._handle = None
+        self._reference: nn.Module | None = None
+
+    def _collect(self, module, args, kwargs, output) -> None:
+        if "logits" in self._saved or not module.training:
+            return
+        inputs = {k: kwargs[k].detach() for k in _INPUTS if kwargs.get(k) is not None}
+        self._saved.update({k: v.float().cpu() for k, v in inputs.items()})
+        self._saved["logits_train"] = output.logits.detach().float().cpu()
+        with torch.no_grad():
+            module.eval()
+            try:
+                self._saved["logits"] = module(**inputs).logits.float().cpu()
+            finally:
+                module.train()
+        self._saved["loss"] = batch_loss(self._saved["logits"], self._saved["labels"])
+        if self._reference is not None:
+            with torch.no_grad():
+                self._saved["unpatched_logits"] = self._reference(**inputs).logits.float().cpu()
+            self._saved["in_run"] = isolation_figures(self._reference, self._saved)
+            self._reference = None
+
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        if runner.iter != 0:
+            return
+        llm = language_model(runner.model)
+        self._saved = {
+            "labels": data_batch["data"]["labels"].cpu(),
+            "input_ids": data_batch["data"]["input_ids"].cpu(),
+            "llm_state": {k: v.detach().cpu().clone() for k, v in llm.state_dict().items()},
+        }
+        if self.negative_control:
+            self._reference = reference_internvl_llm(runner.cfg)
+            self._reference.load_state_dict(self._saved["llm_state"])
+            self._reference.to(next(llm.parameters()).device).eval()
+        self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        if self._handle is None:
+            return
+        self._handle.remove()
+        self._handle = None
+        path = Path(runner.work_dir) / INTERNVL_CAPTURE_FILE
+        torch.save(self._saved, path)
+        figures = self._saved.get("in_run")
+        measured = (
+            ""
+            if figures is None
+            else (
+                f" In the run, against each sample alone through the unpatched LLM: "
+                f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
+                f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
+                f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
+            )
+        )
+        print_log(
+            f"InternVLIsolationCaptureHook: saved iteration 1's LLM inputs, weights and logits "
+            f"to {path}.{measured}",
+            logger="current",
+        )
+
+
+def reference_internvl_llm(cfg: Config) -> nn.Module:
+    """The config's InternVL LLM built again by XTuner (LoRA-wrapped as in the run), unpatched,
+    fp32, with an attention that runs here; its weights are the checkpoint's until loaded."""
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.config.internvl import internvl_findings
+
+    kept = dict(INTERNVL_LOAD)
+    try:
+        for finding in internvl_findings(cfg):
+            if finding.fix is not None:
+                finding.fix()
+        INTERNVL_LOAD["torch_dtype"] = torch.float32
+        model = BUILDER.build(cfg.model)
+    finally:
+        INTERNVL_LOAD.clear()
+        INTERNVL_LOAD.update(kept)
+    return language_model(model).float().eval()
+
+
+def compare_internvl_capture(config: str | Path, capture: str | Path) -> dict:
+    """Each captured sample's LLM logits against the same sample alone, unpatched, with the
+    step's weights (the capture's ``llm_state``); :func:`isolation_figures`' result."""
+    saved = torch.load(capture, map_location="cpu", weights_only=False)
+    cfg = Config.fromfile(str(config))
+    llm = reference_internvl_llm(cfg)
+    llm.load_state_dict(saved["llm_state"])
+    return isolation_figures(llm, saved)
+
+
+if __name__ == "__main__":  # python -m xtuner_rope.doctor.internvl_capture CONFIG CAPTURE
+    result = compare_internvl_capture(sys.argv[1], sys.argv[2])
+    print("INTERNVL_COMPARE=" + json.dumps({k: v for k, v in result.items()}))

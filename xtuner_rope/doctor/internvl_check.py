@@ -1,0 +1,144 @@
+"""``xtuner-rope check`` on an InternVL config: each sample in its batch equals itself alone.
+
+For a config whose model is XTuner's ``InternVL_V1_5``: the config's real model is built by
+the runner (the plugin's start-up applied), an unpatched copy of its LLM is built by XTuner
+again and given the same weights, and the first batches of the config's own dataset and
+collate function (padded by ``default_collate_fn`` or packed by ``internvl_collate_fn``) go
+through the real ``InternVL_V1_5`` forward, patched, with the plugin's batch hook publishing
+their boundaries as in training. What reaches the LLM there (``inputs_embeds`` with the vision
+tokens written in, mask, positions) is then run sample by sample through the unpatched LLM:
+each sample's logits must match, fp32, within 1e-5 (relative to the logits' size). The same
+rows through the unpatched LLM are reported beside it: for packed rows they leak (the figure
+the plugin removes). Dropout is off in both (``check_randomness``). Gradients and generation
+are not compared for InternVL (the text and LLaVA checks do).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from mmengine.config import Config
+
+from xtuner_rope.doctor.check_randomness import randomness_off
+from xtuner_rope.doctor.internvl_capture import batch_loss, reference_internvl_llm
+from xtuner_rope.doctor.llava_capture import isolation_figures
+from xtuner_rope.models.dispatch import language_model
+from xtuner_rope.models.internvl import internvl_image_tokens
+
+TOLERANCE = 1e-5  # fp32, relative to max(1, |logit|)
+
+
+def _llm_inputs(runner, hooks: dict, i: int, data_batch: dict) -> dict:
+    """One batch through the patched ``InternVL_V1_5``: the LLM's inputs and logits."""
+    llm = language_model(runner.model)
+    seen: dict = {}
+
+    def collect(module, args, kwargs, output):
+        seen.update(
+            {k: kwargs[k].detach() for k in ("inputs_embeds", "attention_mask", "position_ids")}
+        )
+        seen["logits"] = output.logits.detach().float().cpu()
+
+    check = hooks.get("PackedBatchCheckHook")
+    handle = llm.register_forward_hook(collect, with_kwargs=True)
+    try:
+        if check is not None:
+            check.before_train_iter(runner, i, data_batch)  # publishes the rows' boundaries
+        data = runner.model.data_preprocessor(data_batch, True)
+        with torch.no_grad():
+            runner.model(**data, mode="loss")
+    finally:
+        handle.remove()
+        if check is not None:
+            check.after_train_iter(runner, i, data_batch, None)
+    return seen
+
+
+def _batch_result(reference, seen: dict, labels: torch.Tensor, ids: torch.Tensor, p) -> dict:
+    saved = {
+        **{k: v.float().cpu() if k == "inputs_embeds" else v.cpu() for k, v in seen.items()},
+        "labels": labels.cpu(),
+    }
+    inputs = {k: seen[k] for k in ("inputs_embeds", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        saved["unpatched_logits"] = reference(**inputs).logits.float().cpu()
+    saved["loss"] = batch_loss(saved["logits"], saved["labels"])
+    figures = isolation_figures(reference, saved)
+    figures["image_tokens"] = int((ids == p[0]).sum()) if p else 0
+    figures["within_tolerance"] = all(
+        s["max_abs_diff"] <= TOLERANCE * max(1.0, s["max_abs_logit"]) for s in figures["per_sample"]
+    )
+    return figures
+
+
+def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -> dict:
+    """Measure a started InternVL config; see the module docstring.
+
+    Returns:
+        The JSON-ready report (``kind='internvl'``), with ``verdict``, ``problems`` and
+        ``exit_code`` (0: every sample within tolerance).
+    """
+    from xtuner_rope.doctor import check as ch
+
+    runner = ch.build_runner(cfg, Path(work_dir))
+    runner.model.float()  # the check compares in fp32 (XTuner loads bf16 on GPUs)
+    hooks = ch.plugin_hooks(runner)
+    llm = language_model(runner.model)
+    reference = reference_internvl_llm(cfg)  # built before the patch: unpatched
+    patched = ch.apply_patch(runner, hooks)
+    reference.load_state_dict(llm.state_dict())
+    p = internvl_image_tokens(runner.model)
+    results = []
+    with randomness_off(runner.model) as randomness:
+        for i, (data_batch, _) in enumerate(ch.first_batches(cfg, batches)):
+            data = data_batch["data"]
+            seen = _llm_inputs(runner, hooks, i, data_batch)
+            results.append(_batch_result(reference, seen, data["labels"], data["input_ids"], p))
+    bad = [
+        f"batch {b}, row {s['row']}, sample at column {s['start']}: max |batch - alone| "
+        f"{s['max_abs_diff']:.3g} over {TOLERANCE:g} x max(1, |logit| {s['max_abs_logit']:.3g})"
+        for b, r in enumerate(results)
+        for s in r["per_sample"]
+        if s["max_abs_diff"] > TOLERANCE * max(1.0, s["max_abs_logit"])
+    ]
+    chat = runner.model.model
+    return {
+        "kind": "internvl",
+        "config": str(config),
+        "plugin": {"patched": patched, "hooks": sorted(hooks)},
+        "model": {
+            "class": f"InternVL_V1_5({type(chat.vision_model).__name__} + {type(llm).__name__})",
+            "path": str(cfg.model.model_path),
+        },
+        "multimodal": {
+            "img_context_token_id": p[0] if p else None,
+            "tokens_per_tile": p[1] if p else None,
+        },
+        "randomness": randomness,
+        "batches": results,
+        "problems": bad,
+        "verdict": (
+            "FAIL: " + bad[0]
+            if bad
+            else "PASS: each sample's LLM logits in the batch (vision tokens written in) equal "
+            "the sample alone through the unpatched LLM"
+        ),
+        "exit_code": 1 if bad else 0,
+    }
+
+
+def format_internvl_summary(report: dict) -> str:
+    """The text printed by ``xtuner-rope check`` for an InternVL config."""
+    lines = [f"xtuner-rope check: {report['config']}", f"  model    {report['model']['class']}"]
+    mm = report["multimodal"]
+    lines.append(f"  images   {mm['tokens_per_tile']} LLM tokens per tile (checkpoint config)")
+    for b, r in enumerate(report["batches"]):
+        control = r["unpatched_max_abs_diff"]
+        lines.append(
+            f"  batch {b}  {r['samples']} samples in {r['rows']} rows ({r['image_tokens']} image "
+            f"tokens): max |batch - alone| {r['max_abs_diff']:.3g}; same rows unpatched "
+            f"{control:.3g}; loss {r['loss']['captured']:.6g} vs alone {r['loss']['samples']:.6g}"
+        )
+    lines.append(report["verdict"])
+    return "\n".join(lines)
