@@ -66,7 +66,12 @@ CASES = {
         LOADER.format(batch=2, dataset=TEXT, collate=ROPE) + 'loss_normalization = "sequence"\n',
         "loss_normalization",
     ),
-    "multimodal_findings": ("model.update(type='InternVL_V1_5')\n", "model.type"),
+    "multimodal_findings": None,  # LLaVA's fp16 LLM on CPU: fixed (InternVL is served now)
+    "internvl_findings": (
+        "model.update(type='InternVL_V1_5', model_path=pretrained_model_name_or_path, "
+        "quantization_llm=True)\n",
+        "model.quantization_llm",
+    ),
     "llava_collate_findings": (
         "model.update(type='LLaVAModel', visual_encoder=dict(pretrained_model_name_or_path="
         '"{clip}"))\n'
