@@ -125,28 +125,32 @@ def _relative(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
 
 
-def _kill_and_resume(
-    config: Path, tmp: Path, *, iters: int, counts: int, kill_at: int, **run
-) -> dict:
-    """Uninterrupted, killed at ``kill_at`` (mid-window), resumed: the three runs' results."""
-    straight, killed = tmp / "straight", tmp / "killed"
-    out = _run(config, straight, **run)
+def _straight(config: Path, work_dir: Path, *, iters: int, **run) -> dict[str, torch.Tensor]:
+    """The uninterrupted run; its final parameters. Its log names the interval fix."""
+    out = _run(config, work_dir, **run)
     assert "xtuner-rope: default_hooks.checkpoint.interval:" in out, out[-4000:]
-    final = check_run(straight, min_iters=iters).checkpoint
+    final = check_run(work_dir, min_iters=iters).checkpoint
     assert final.name == f"iter_{iters}.pth", final
+    return _parameters(final)
 
-    out = _run(config, killed, kill_at=kill_at, **run)
-    done, _ = train_losses(killed)
+
+def _kill_and_resume(
+    config: Path, work_dir: Path, *, iters: int, counts: int, kill_at: int, **run
+) -> dict[str, torch.Tensor]:
+    """Killed by SIGKILL after ``kill_at`` (mid-window), resumed from its newest checkpoint;
+    the final parameters of the resumed run."""
+    out = _run(config, work_dir, kill_at=kill_at, **run)
+    done, _ = train_losses(work_dir)
     assert done and done[-1] == kill_at, (done, out[-4000:])  # it died right there
-    newest = (killed / "last_checkpoint").read_text().strip()
+    newest = (work_dir / "last_checkpoint").read_text().strip()
     boundary = kill_at // counts * counts
     assert Path(newest).name == f"iter_{boundary}.pth", newest  # aligned: not iter_{kill_at}
 
-    out = _run(config, killed, resume=newest, **run)
+    out = _run(config, work_dir, resume=newest, **run)
     assert re.search(rf"resumed epoch: \d+, iter: {boundary}", out), out[-4000:]
-    resumed = check_run(killed, min_iters=iters).checkpoint
+    resumed = check_run(work_dir, min_iters=iters).checkpoint
     assert resumed.name == f"iter_{iters}.pth", resumed
-    return {"straight": _parameters(final), "resumed": _parameters(resumed)}
+    return _parameters(resumed)
 
 
 LOG_EVERY_ITER = ("default_hooks.logger.interval=1", "log_processor.window_size=1")
@@ -201,31 +205,32 @@ SCENARIOS = {
     "dpo-plain": ("dpo", 8, 1, None, 16, 8, 12),
     "dpo-zero2": ("dpo", 4, 2, ZERO2, 8, 4, 6),
 }
-_RESULTS: dict[str, dict] = {}  # scenario -> parameters, shared with the cross-strategy test
+_STRAIGHT: dict[str, dict] = {}  # scenario -> uninterrupted parameters, shared by the tests
 
 
-def _scenario(name: str, tmp: Path) -> dict:
-    if name not in _RESULTS:
-        recipe, arg, nproc, deepspeed, iters, counts, kill_at = SCENARIOS[name]
-        config = (_sft_config if recipe == "sft" else _dpo_config)(tmp, arg)
-        _RESULTS[name] = _kill_and_resume(
-            config,
-            tmp,
-            iters=iters,
-            counts=counts,
-            kill_at=kill_at,
-            nproc=nproc,
-            deepspeed=deepspeed,
-            options=LOG_EVERY_ITER,
-        )
-    return _RESULTS[name]
+def _setup(name: str, tmp: Path) -> tuple[Path, dict]:
+    recipe, arg, nproc, deepspeed, iters, counts, kill_at = SCENARIOS[name]
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = (_sft_config if recipe == "sft" else _dpo_config)(tmp, arg)
+    run = dict(iters=iters, nproc=nproc, deepspeed=deepspeed, options=LOG_EVERY_ITER)
+    return config, run
+
+
+def _uninterrupted(name: str, tmp: Path) -> dict[str, torch.Tensor]:
+    if name not in _STRAIGHT:
+        config, run = _setup(name, tmp)
+        _STRAIGHT[name] = _straight(config, tmp / "straight", **run)
+    return _STRAIGHT[name]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_killed_mid_window_and_resumed_equals_uninterrupted(name, tmp_path):
-    runs = _scenario(name, tmp_path)
-    difference = _relative(runs["straight"], runs["resumed"])
+    straight = _uninterrupted(name, tmp_path)
+    config, run = _setup(name, tmp_path)
+    _, _, _, _, _, counts, kill_at = SCENARIOS[name]
+    resumed = _kill_and_resume(config, tmp_path / "killed", counts=counts, kill_at=kill_at, **run)
+    difference = _relative(straight, resumed)
     print(f"{name}: resumed vs uninterrupted, parameters {difference:.1e} relative")
     assert difference <= RESUME_RTOL, difference
 
@@ -235,8 +240,8 @@ def test_killed_mid_window_and_resumed_equals_uninterrupted(name, tmp_path):
 def test_two_processes_zero2_step_equals_one_process(recipe, tmp_path):
     """Same micro-batches per step on 1 process (plain) and 2 (ZeRO-2): the token-weighted
     (SFT) and pair-weighted (DPO) steps agree. For SFT also ZeRO-1 (one more run)."""
-    plain = _scenario(f"{recipe}-plain", tmp_path / "plain")["straight"]
-    zero2 = _scenario(f"{recipe}-zero2", tmp_path / "zero2")["straight"]
+    plain = _uninterrupted(f"{recipe}-plain", tmp_path / "plain")
+    zero2 = _uninterrupted(f"{recipe}-zero2", tmp_path / "zero2")
     figures = {"ZeRO-2": _relative(plain, zero2)}
     if recipe == "sft":
         zero1_json = tmp_path / "zero1.json"
@@ -273,7 +278,10 @@ def test_stock_config_killed_and_resumed(tmp_path):
         "randomness.seed=0",
         *LOG_EVERY_ITER,
     )
-    runs = _kill_and_resume(config, tmp_path, iters=12, counts=4, kill_at=10, options=options)
-    difference = _relative(runs["straight"], runs["resumed"])
+    straight = _straight(config, tmp_path / "straight", iters=12, options=options)
+    resumed = _kill_and_resume(
+        config, tmp_path / "killed", iters=12, counts=4, kill_at=10, options=options
+    )
+    difference = _relative(straight, resumed)
     print(f"stock {STOCK}: resumed vs uninterrupted, parameters {difference:.1e} relative")
     assert difference <= RESUME_RTOL, difference

@@ -42,9 +42,16 @@ class MidWindowResumeError(RuntimeError):
 
 
 def _accumulative_counts(cfg_dict: dict) -> int:
-    optim = dict.get(cfg_dict, "optim_wrapper")
-    counts = optim.get("accumulative_counts", 1) if isinstance(optim, dict) else 1
-    return counts if isinstance(counts, int) and not isinstance(counts, bool) else 1
+    """``optim_wrapper.accumulative_counts``, or a DeepSpeed strategy's own accumulation."""
+    for part, key in (
+        ("optim_wrapper", "accumulative_counts"),
+        ("strategy", "gradient_accumulation_steps"),
+    ):
+        node = dict.get(cfg_dict, part)
+        counts = node.get(key) if isinstance(node, dict) else None
+        if isinstance(counts, int) and not isinstance(counts, bool) and counts > 1:
+            return counts
+    return 1
 
 
 @register_findings(order=55)
