@@ -133,7 +133,7 @@ def check_resume(runner) -> None:
         MidWindowResumeError: the checkpoint's window was open (its record), or it has no record
             and its iteration is not a multiple of the run's ``accumulative_counts``.
     """
-    done = runner.iter
+    done = getattr(runner, "iter", 0)  # a runner stand-in of a unit test may have none
     if done == 0:
         return  # a fresh run (``load_from`` loads weights only)
     counts = accumulation_state(runner.optim_wrapper)[0]
