@@ -48,6 +48,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.sequence_parallel",
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
+    "xtuner_rope.hooks.accumulation",
     "xtuner_rope.config.warmup",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing

@@ -16,9 +16,11 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope.config.launch import (
+    LAUNCHER_ENV,
     deepspeed_argument,
     deepspeed_dtype_findings,
     sampler_findings,
+    single_process_deepspeed_findings,
 )
 from xtuner_rope.config.startup import ConfigConflict, prepare_config
 
@@ -122,3 +124,23 @@ def test_xtuner_train_with_stock_zero2_stops_before_loading(tmp_path):
     assert "resolves to fp16 on this CPU-only machine" in out, out[-3000:]
     assert "zero2_fp32_cpu.json" in out
     assert "ConfigConflict" in out and "ValueError: Type fp16" not in out
+
+
+def test_one_process_deepspeed_gets_a_one_process_torchrun_environment():
+    """``xtuner train CFG --deepspeed X`` without a launcher: DeepSpeed would look for MPI; the
+    start-up's fix gives the process torchrun's variables (the real run: the SP = 1 reference of
+    tests/integration/test_sequence_parallel_train.py)."""
+    argv = [TRAIN, "c.py", "--deepspeed", "configs/deepspeed/zero2_fp32_cpu.json"]
+    environ = {"MASTER_PORT": "29555"}
+    (fix,) = single_process_deepspeed_findings(_cfg(), argv, environ)
+    assert fix.setting == "--deepspeed without --launcher"
+    assert "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR: DeepSpeed would look for MPI" in fix.problem
+    fix.fix()
+    assert environ == dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555"
+    )
+    assert single_process_deepspeed_findings(_cfg(), argv, environ) == []  # all set now
+    full = dict.fromkeys(LAUNCHER_ENV, "0")
+    for other in (argv + ["--launcher", "pytorch"], argv[:2], ["python", *argv[1:]]):
+        assert single_process_deepspeed_findings(_cfg(), other, {}) == [], other
+    assert single_process_deepspeed_findings(_cfg(), argv, full) == []

@@ -1,77 +1,287 @@
-"""A run stopped at iteration N and resumed with `--resume` continues as if never stopped.
+"""A run SIGKILLed inside an accumulation window and resumed ends where the uninterrupted run ends.
 
-MMEngine resumes iteration-based training by reloading weights, optimizer, scheduler and the
-seed from the checkpoint and then skipping the N batches already trained (the sampler is
-re-seeded identically and advanced). If any of that were off - another shuffle, no skip,
-a fresh optimizer - the losses after N would differ from the uninterrupted run by far more
-than the tolerance. CPU fp32 with the same seed and thread count is deterministic, so the
-tolerance only absorbs float noise we have not seen (measured difference: 0).
+Each scenario trains a recipe three times through the real ``xtuner train``: uninterrupted; again
+with a hook that sends its own process a real ``SIGKILL`` after a mid-window iteration; and
+``--resume`` from the newest checkpoint the killed run wrote. ``save_steps`` is deliberately not a
+multiple of ``accumulative_counts``: the start-up raises the checkpoint interval to the next
+multiple (logged), so the killed run's newest checkpoint sits at a window boundary and the resumed
+run's final weights equal the uninterrupted run's (fp32, CPU, same seed: measured 0.0; asserted
+<= 1e-6 relative). Before the start-up fix, a checkpoint inside the window lost its gradients
+(9.4e-3 on the tiny recipe, 3.3e-4 on the DPO pairs).
+
+Scenarios: the tiny recipe (SFT) and the DPO pairs recipe, each with the plain ``OptimWrapper``
+on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``). SGD with
+momentum (state to resume), constant LR, no clipping. The one-process and two-process runs see the
+same micro-batches per optimizer step, so their uninterrupted runs must also agree with each other
+(the token/pair-weighted step under ZeRO-2, and ZeRO-1 for SFT: one more run).
 """
+
+from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import stock_configs as sc
+import torch
 
 from xtuner_rope.demo.runlog import check_run, train_losses
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = ["configs/tiny_internlm2_short_dialogues.py"]
-STOP, TOTAL = 6, 12
-LOSS_ATOL = 1e-6
-# Per-iteration losses at full precision in vis_data/scalars.json.
-LOG_EVERY_ITER = ("default_hooks.logger.interval=1", "log_processor.window_size=1")
+SUPPORT = REPO / "tests" / "support"
+ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
+RESUME_RTOL = 1e-6  # the issue's bound; measured 0.0
+STRATEGY_RTOL = 1e-5  # 1 vs 2 processes: fp32 summation order (packing, all-reduce)
+KILL_HOOK = "from sigkill_hook import SigkillAtIterationHook\n"
+SGD_STEP = """
+optim_wrapper = dict(
+    type=OptimWrapper,
+    optimizer=dict(type=SGD, lr={lr}, momentum=0.9, weight_decay=0.0),
+    clip_grad=dict(max_norm=1e9),  # never clips (DeepSpeed would default to 1.0)
+    accumulative_counts=accumulative_counts,
+)
+param_scheduler = []  # constant LR
+custom_hooks.append(dict(type=SigkillAtIterationHook))
+"""
 
 
-def _train(config: str, work_dir: Path, max_iters: int, *extra: str) -> str:
-    """`python -m xtuner.tools.train` (which, unlike `xtuner train`, returns 1 on a crash)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "xtuner.tools.train",
-        config,
-        "--work-dir",
-        str(work_dir),
-        *extra,
-        "--cfg-options",
-        "train_cfg.max_epochs=None",
-        f"train_cfg.max_iters={max_iters}",
-        *LOG_EVERY_ITER,
-    ]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+def _edit(text: str, edits: list[tuple[str, str]]) -> str:
+    for pattern, new in edits:
+        text = sc.sub_once(text, pattern, new)
+    return text
+
+
+def _recipe(tmp: Path, name: str, text: str, *, counts: int, save_steps: int, lr: float) -> Path:
+    """A config with accumulation ``counts``, ``save_steps``, SGD and the kill hook."""
+    text = _edit(
+        text,
+        [
+            (r"^accumulative_counts = \d+.*$", f"accumulative_counts = {counts}"),
+            (r"^save_steps = \d+.*$", f"save_steps = {save_steps}"),
+            (
+                r"^(from mmengine.optim import .*\n)",
+                r"\g<1>from torch.optim import SGD\n" + KILL_HOOK,
+            ),
+        ],
+    )
+    path = tmp / f"{name}.py"
+    path.write_text(text + SGD_STEP.format(lr=lr), encoding="utf-8")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(
+    config: Path, work_dir: Path, *, nproc=1, deepspeed=None, kill_at=None, resume=None, options=()
+) -> str:
+    """One real run; its output. ``kill_at``: SIGKILL after that iteration."""
+    env = dict(sc.venv_env(), PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]))
+    env.pop("XTUNER_ROPE_SIGKILL_AT", None)
+    if kill_at:
+        env["XTUNER_ROPE_SIGKILL_AT"] = str(kill_at)
+    if nproc == 1:  # returns the child's status (-9 when killed)
+        cmd = [sys.executable, "-m", "xtuner.tools.train", str(config)]
+    else:  # XTuner's launcher (torchrun), as on a GPU node
+        cmd = ["xtuner", "train", str(config), "--launcher", "pytorch"]
+        env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
+    if deepspeed:
+        cmd += ["--deepspeed", deepspeed]
+    if resume:
+        cmd += ["--resume", str(resume)]
+    cmd += ["--work-dir", str(work_dir)]
+    if options:
+        cmd += ["--cfg-options", *options]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
+    if nproc == 1:
+        assert proc.returncode == (-9 if kill_at else 0), output[-4000:]
     return output
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS)
-def test_resume_continues_the_same_run(config, tmp_path):
-    stopped, resumed, straight = tmp_path / "stopped", tmp_path / "resumed", tmp_path / "straight"
+def _parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's parameters in an MMEngine ``.pth`` or a DeepSpeed checkpoint directory."""
+    if checkpoint.is_dir():
+        state = torch.load(checkpoint / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    else:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return {
+        k.removeprefix("module."): v.float()
+        for k, v in state.items()
+        if not k.removeprefix("module.").startswith("ref_llm.")  # DPO's frozen reference
+    }
 
-    _train(config, stopped, STOP)
-    checkpoint = check_run(stopped, min_iters=STOP).checkpoint
-    assert checkpoint.name == f"iter_{STOP}.pth"
 
-    output = _train(config, resumed, TOTAL, "--resume", str(checkpoint))
-    assert re.search(rf"resumed epoch: \d+, iter: {STOP}", output), output[-4000:]
-    check_run(resumed, min_iters=TOTAL)
-    resumed_iters, resumed_losses = train_losses(resumed)
-    # Training went on from N + 1: nothing before it was trained (or logged) again.
-    assert resumed_iters == list(range(STOP + 1, TOTAL + 1))
+def _relative(a: dict, b: dict) -> float:
+    """Largest relative difference over the tensors: max |a - b| / max |a|."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
 
-    _train(config, straight, TOTAL)
-    straight_iters, straight_losses = train_losses(straight)
-    assert straight_iters == list(range(1, TOTAL + 1))
 
-    # The first N iterations are reproducible, and so is everything after the resume.
-    assert train_losses(stopped)[1] == pytest.approx(straight_losses[:STOP], abs=LOSS_ATOL)
-    assert resumed_losses == pytest.approx(straight_losses[STOP:], abs=LOSS_ATOL), (
-        f"resumed: {resumed_losses}\nuninterrupted: {straight_losses[STOP:]}"
+def _straight(config: Path, work_dir: Path, *, iters: int, **run) -> dict[str, torch.Tensor]:
+    """The uninterrupted run; its final parameters. Its log names the interval fix."""
+    out = _run(config, work_dir, **run)
+    assert "xtuner-rope: default_hooks.checkpoint.interval:" in out, out[-4000:]
+    final = check_run(work_dir, min_iters=iters).checkpoint
+    assert final.name == f"iter_{iters}.pth", final
+    return _parameters(final)
+
+
+def _kill_and_resume(
+    config: Path, work_dir: Path, *, iters: int, counts: int, kill_at: int, **run
+) -> dict[str, torch.Tensor]:
+    """Killed by SIGKILL after ``kill_at`` (mid-window), resumed from its newest checkpoint;
+    the final parameters of the resumed run."""
+    out = _run(config, work_dir, kill_at=kill_at, **run)
+    done, _ = train_losses(work_dir)
+    assert done and done[-1] == kill_at, (done, out[-4000:])  # it died right there
+    newest = (work_dir / "last_checkpoint").read_text().strip()
+    boundary = kill_at // counts * counts
+    assert Path(newest).name == f"iter_{boundary}.pth", newest  # aligned: not iter_{kill_at}
+
+    out = _run(config, work_dir, resume=newest, **run)
+    assert re.search(rf"resumed epoch: \d+, iter: {boundary}", out), out[-4000:]
+    resumed = check_run(work_dir, min_iters=iters).checkpoint
+    assert resumed.name == f"iter_{iters}.pth", resumed
+    return _parameters(resumed)
+
+
+LOG_EVERY_ITER = ("default_hooks.logger.interval=1", "log_processor.window_size=1")
+SFT_DIALOGUES, DPO_PAIRS = 32, 42  # 42 pairs pack into 16 rows of <= 400 tokens (1-5 pairs)
+
+
+def _data(tmp: Path, source: str, n: int) -> Path:
+    lines = (REPO / "data" / source).read_text(encoding="utf-8").splitlines()
+    path = tmp / f"first_{n}_{source}"
+    path.write_text("\n".join(lines[:n]) + "\n", encoding="utf-8")
+    return path
+
+
+def _sft_config(tmp: Path, batch_size: int) -> Path:
+    """The tiny recipe, accumulation 4, save_steps 3, a fixed order of 32 dialogues."""
+    text = _edit(
+        (REPO / "configs" / "tiny_internlm2_short_dialogues.py").read_text(encoding="utf-8"),
+        [
+            (r"^batch_size = \d+", f"batch_size = {batch_size}"),
+            (r'^data_path = ".*"$', f'data_path = "{_data(tmp, "short_dialogues.jsonl", 32)}"'),
+            (
+                r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
+                "sampler=dict(type=DefaultSampler, shuffle=False)",
+            ),
+        ],
     )
-    # The comparison has teeth: the losses after N move by much more than the tolerance.
-    assert max(straight_losses[STOP:]) - min(straight_losses[STOP:]) > 1000 * LOSS_ATOL
+    return _recipe(tmp, f"sft_{batch_size}", text, counts=4, save_steps=3, lr=0.1)
+
+
+def _dpo_config(tmp: Path, counts: int) -> Path:
+    """The DPO pairs recipe, 16 packed rows in a fixed order, accumulation ``counts``."""
+    text = _edit(
+        (REPO / "configs" / "tiny_internlm2_dpo_pairs.py").read_text(encoding="utf-8"),
+        [
+            (r'^data_path = ".*"$', f'data_path = "{_data(tmp, "preference_pairs.jsonl", 42)}"'),
+            (r"^max_packed_length = .*$", "max_packed_length = 400"),
+            (r"^max_epochs = \d+", "max_epochs = 1"),
+            (r"shuffle_before_pack=True", "shuffle_before_pack=False"),
+            (
+                r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
+                "sampler=dict(type=DefaultSampler, shuffle=False)",
+            ),
+        ],
+    )
+    return _recipe(tmp, f"dpo_{counts}", text, counts=counts, save_steps=3, lr=1.0)
+
+
+# name: (config builder argument, processes, DeepSpeed, iterations, accumulation, kill after)
+SCENARIOS = {
+    "sft-plain": ("sft", 4, 1, None, 8, 4, 6),
+    "sft-zero2": ("sft", 2, 2, ZERO2, 8, 4, 6),
+    "dpo-plain": ("dpo", 8, 1, None, 16, 8, 12),
+    "dpo-zero2": ("dpo", 4, 2, ZERO2, 8, 4, 6),
+}
+_STRAIGHT: dict[str, dict] = {}  # scenario -> uninterrupted parameters, shared by the tests
+
+
+def _setup(name: str, tmp: Path) -> tuple[Path, dict]:
+    recipe, arg, nproc, deepspeed, iters, counts, kill_at = SCENARIOS[name]
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = (_sft_config if recipe == "sft" else _dpo_config)(tmp, arg)
+    run = dict(iters=iters, nproc=nproc, deepspeed=deepspeed, options=LOG_EVERY_ITER)
+    return config, run
+
+
+def _uninterrupted(name: str, tmp: Path) -> dict[str, torch.Tensor]:
+    if name not in _STRAIGHT:
+        config, run = _setup(name, tmp)
+        _STRAIGHT[name] = _straight(config, tmp / "straight", **run)
+    return _STRAIGHT[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_killed_mid_window_and_resumed_equals_uninterrupted(name, tmp_path):
+    straight = _uninterrupted(name, tmp_path)
+    config, run = _setup(name, tmp_path)
+    _, _, _, _, _, counts, kill_at = SCENARIOS[name]
+    resumed = _kill_and_resume(config, tmp_path / "killed", counts=counts, kill_at=kill_at, **run)
+    difference = _relative(straight, resumed)
+    print(f"{name}: resumed vs uninterrupted, parameters {difference:.1e} relative")
+    assert difference <= RESUME_RTOL, difference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["sft", "dpo"])
+def test_two_processes_zero2_step_equals_one_process(recipe, tmp_path):
+    """Same micro-batches per step on 1 process (plain) and 2 (ZeRO-2): the token-weighted
+    (SFT) and pair-weighted (DPO) steps agree. For SFT also ZeRO-1 (one more run)."""
+    plain = _uninterrupted(f"{recipe}-plain", tmp_path / "plain")
+    zero2 = _uninterrupted(f"{recipe}-zero2", tmp_path / "zero2")
+    figures = {"ZeRO-2": _relative(plain, zero2)}
+    if recipe == "sft":
+        zero1_json = tmp_path / "zero1.json"
+        zero1_json.write_text(
+            (REPO / ZERO2).read_text(encoding="utf-8").replace('"stage": 2', '"stage": 1')
+        )
+        assert '"stage": 1' in zero1_json.read_text()
+        config = _sft_config(tmp_path, 2)
+        _run(config, tmp_path / "zero1", nproc=2, deepspeed=str(zero1_json), options=LOG_EVERY_ITER)
+        figures["ZeRO-1"] = _relative(
+            plain, _parameters(check_run(tmp_path / "zero1", min_iters=8).checkpoint)
+        )
+    print(f"{recipe}: 2 processes vs 1, parameters relative: {figures}")
+    for strategy, difference in figures.items():
+        assert difference <= STRATEGY_RTOL, (strategy, difference)
+
+
+STOCK = "internlm2_chat_1_8b_full_alpaca_e3"
+
+
+@pytest.mark.slow
+def test_stock_config_killed_and_resumed(tmp_path):
+    """``xtuner copy-cfg`` of a stock config (its save_steps 500 is no multiple of its
+    accumulative_counts 16 either), localized, accumulation 4 and save_steps 6: aligned to 8;
+    killed after iteration 10, resumed from iter_8, equal to the uninterrupted 12 iterations."""
+    sc.ensure_tiny_model()
+    text = sc.enable_plugin(
+        sc.localize(sc.copy_stock(STOCK, tmp_path), sc.write_alpaca_data(tmp_path / "alpaca"))
+    )
+    config = _recipe(tmp_path, "stock", text, counts=4, save_steps=6, lr=0.1)
+    options = (
+        "train_cfg.max_epochs=None",
+        "train_cfg.max_iters=12",
+        "randomness.seed=0",
+        *LOG_EVERY_ITER,
+    )
+    straight = _straight(config, tmp_path / "straight", iters=12, options=options)
+    resumed = _kill_and_resume(
+        config, tmp_path / "killed", iters=12, counts=4, kill_at=10, options=options
+    )
+    difference = _relative(straight, resumed)
+    print(f"stock {STOCK}: resumed vs uninterrupted, parameters {difference:.1e} relative")
+    assert difference <= RESUME_RTOL, difference

@@ -13,12 +13,19 @@ shuffle before packing is unseeded, so two runs would otherwise train on differe
 Two tiny models, both GQA: XTuner's InternLM2 and transformers' own ``LlamaForCausalLM``
 (the stock config pointed at it; its chat template stays, the tokenizer is the shared tiny
 one). The stock copy and the data are shared by the four runs.
+
+The step is plain SGD at learning rate 1, without clipping and without warm-up, so the
+parameters move by the gradient itself: a gradient off by the sequence-parallel scale (each
+rank's gradient times ``sp``, ``models.sequence_parallel._GroupSum``) moves them by half or
+twice as much, far beyond the tolerance (AdamW with clipping at the warm-up's learning rate,
+~1e-6, hid it). The SP = 1 reference is the plain one-process command a user types, ``xtuner
+train CFG --deepspeed configs/deepspeed/zero2_fp32_cpu.json`` (no launcher: the start-up gives
+the process torchrun's environment, see ``config.launch.single_process_deepspeed_findings``).
 """
 
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,8 +69,24 @@ def _model(family: str, root: Path) -> Path:
     return save_tiny(root / f"tiny-{family}", family, sc.SAMPLE_DATA)
 
 
+# Plain SGD, lr 1, no clipping, no schedule: the step is the gradient (see the docstring).
+SGD_EDITS = [
+    (r"^from torch.optim import AdamW$", "from torch.optim import SGD, AdamW"),
+    (r"^optim_type = AdamW$", "optim_type = SGD"),
+    (r"^lr = .*$", "lr = 1.0"),
+    (r"^max_norm = .*$", "max_norm = 1e9  # never clips"),
+    (
+        r"optimizer=dict\(type=optim_type, lr=lr, betas=betas, weight_decay=weight_decay\)",
+        "optimizer=dict(type=optim_type, lr=lr, momentum=0.0, weight_decay=0.0)",
+    ),
+]
+
+
 def _config(tmp: Path, stock: Path, data: Path, model: Path, sp: int) -> Path:
     text = sc.enable_plugin(sc.localize(stock, data, model=model))
+    for pattern, new in SGD_EDITS:
+        text = sc.sub_once(text, pattern, new)
+    text += "\nparam_scheduler = []  # constant LR\n"
     text = sc.sub_once(text, r"^sequence_parallel_size = 4$", f"sequence_parallel_size = {sp}")
     text = sc.sub_once(text, r"^max_length = 512$", "max_length = 255")  # odd: sp padding
     tmp.mkdir(parents=True, exist_ok=True)
@@ -75,29 +98,16 @@ def _config(tmp: Path, stock: Path, data: Path, model: Path, sp: int) -> Path:
 def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
     """One optimizer step; the logged loss and the parameters DeepSpeed saved."""
     env = dict(sc.venv_env(), PYTHONPATH=str(sc.REPO), OMP_NUM_THREADS="1")
-    args = [
-        str(config),
-        "--work-dir",
-        str(work_dir),
-        "--launcher",
-        "pytorch",
-        "--deepspeed",
-        ZERO2,
-        "--cfg-options",
-        *OPTIONS,
-    ]
-    if nproc == 1:  # torchrun's environment for one process: exits 1 on failure
-        env.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
-        cmd = [sys.executable, "-m", "xtuner.tools.train", *args]
-    else:  # XTuner's launcher (exits 0 even on failure: judged by the log and checkpoint)
-        env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
+    args = [str(config), "--work-dir", str(work_dir), "--deepspeed", ZERO2]
+    if nproc == 1:  # one process, no launcher and no torchrun variables, as a user types it
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
         cmd = ["xtuner", "train", *args]
+    else:  # XTuner's launcher
+        env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
+        cmd = ["xtuner", "train", *args, "--launcher", "pytorch"]
+    cmd += ["--cfg-options", *OPTIONS]
+    # `xtuner train` exits 0 even on failure: judged by the log and the checkpoint.
     proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     states = work_dir / "iter_1.pth" / "mp_rank_00_model_states.pt"
@@ -124,3 +134,16 @@ def test_stock_sequence_parallel_config_trains_like_one_rank(family, stock_and_d
         f"max |parameter difference| {worst:.3g}"
     )
     assert worst <= 1e-5
+    start = _initial(model)
+    moved = max((params_1[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1000 * 1e-5, moved  # the step moves parameters far beyond the tolerance
+
+
+def _initial(model: Path) -> dict:
+    """The checkpoint the runs start from, under the names of DeepSpeed's module state."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(model.glob("*.safetensors")):
+        state.update(load_file(file))
+    return {f"llm.{k}": v.float() for k, v in state.items()}

@@ -213,10 +213,76 @@ def sampler_findings(
     ]
 
 
+# What torchrun sets and DeepSpeed's ``init_distributed`` reads; without all of them DeepSpeed
+# 0.19.6 looks for MPI (``mpi_discovery``: ``No module named 'mpi4py'`` after the model loaded).
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launcher(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--launcher" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--launcher="):
+            return arg.split("=", 1)[1]
+    return "none"
+
+
+def single_process_deepspeed_findings(
+    cfg: Config, argv: list[str] | None = None, environ: dict | None = None
+) -> list[Finding]:
+    """``xtuner train CFG --deepspeed X.json`` in one process, without a launcher: a fix.
+
+    DeepSpeed starts its process group from torchrun's variables; without them it looks for
+    MPI and dies with ``No module named 'mpi4py'`` once the model is built (and ``xtuner
+    train`` exits 0). The fix gives this process the variables of a one-process torchrun
+    (``MASTER_PORT``: a free port), before DeepSpeed reads them. Only inside ``xtuner train``
+    (``tools/train.py``), which runs ``model_resource`` first.
+
+    Args:
+        cfg: The config (lazy objects unbuilt).
+        argv: The command line (default ``sys.argv``).
+        environ: The environment to read and fix (default ``os.environ``).
+    """
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    if not argv or not Path(argv[0]).as_posix().endswith("xtuner/tools/train.py"):
+        return []
+    if _launcher(argv) != "none" or _deepspeed_source(cfg, argv)[0] is None:
+        return []
+    missing = [key for key in LAUNCHER_ENV if key not in environ]
+    if not missing:
+        return []
+
+    def one_process() -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        defaults = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        for key in missing:
+            environ[key] = defaults.get(key, port)
+
+    return [
+        Finding(
+            "--deepspeed without --launcher",
+            f"DeepSpeed in one process without {', '.join(missing)}: DeepSpeed would look for "
+            "MPI ('No module named mpi4py') after the model is built",
+            "set this process's environment as a one-process torchrun would (RANK=0 "
+            "LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>)",
+            one_process,
+        )
+    ]
+
+
 @register_findings(order=50)
 def launch_findings(cfg: Config) -> list[Finding]:
-    """Every launch finding of this process's command line and environment (conflicts)."""
-    return deepspeed_dtype_findings(cfg) + sampler_findings(cfg)
+    """Every launch finding of this process's command line and environment."""
+    return (
+        deepspeed_dtype_findings(cfg)
+        + sampler_findings(cfg)
+        + single_process_deepspeed_findings(cfg)
+    )
 
 
 def deepspeed_zero_stage(cfg: Config, argv: list[str] | None = None) -> int | None:

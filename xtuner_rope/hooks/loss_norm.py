@@ -55,6 +55,7 @@ from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.config.startup import Finding, register_findings
+from xtuner_rope.hooks.accumulation import check_resume, record_window
 from xtuner_rope.models.dispatch import unwrap_model
 
 # The one setting (top level of the config) and its values.
@@ -184,7 +185,9 @@ class TokenWeightedLossHook(Hook):
     ``before_train_iter`` (CPU tensors: no device sync). Preference models (DPO, ORPO, reward)
     weigh pairs instead of tokens; ``loss_normalization = "dialogue"`` weighs SFT dialogues.
     Does nothing with ``loss_normalization = "micro_batch"`` in the config, or for a model
-    whose loss is none of these means (logged).
+    whose loss is none of these means (logged). In every mode it records the accumulation
+    window in the message hub each iteration and refuses a resume from a mid-window checkpoint
+    (``hooks.accumulation``).
     """
 
     # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop
@@ -203,6 +206,7 @@ class TokenWeightedLossHook(Hook):
         self._optim_wrapper = None
 
     def before_train(self, runner) -> None:
+        check_resume(runner)  # a mid-window checkpoint is refused before any step
         mode = loss_normalization(runner.cfg)
         model = unwrap_model(runner.model)
         if mode == MICRO_BATCH:
@@ -289,6 +293,9 @@ class TokenWeightedLossHook(Hook):
                     f"count supervised tokens in; set {OPT_OUT} to train without it."
                 )
             self._pending = supervised_tokens(labels)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        record_window(runner)  # before CheckpointHook (90) saves the message hub
 
     def after_train(self, runner) -> None:
         for name in self._saved:
