@@ -54,6 +54,7 @@ CASES = {
     "_varlen_findings": None,
     "_hook_findings": None,
     "flash_attn_findings": None,
+    "checkpoint_interval_findings": None,  # raised to a multiple of accumulative_counts
     "_loader_findings": (
         LOADER.format(
             batch=2,
