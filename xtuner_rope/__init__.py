@@ -42,6 +42,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.multimodal",
     "xtuner_rope.config.launch",
     "xtuner_rope.config.sequence_parallel",
+    "xtuner_rope.config.rope_scaling",
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.config.warmup",

@@ -20,7 +20,10 @@ gets the frequencies of its call's longest one, as upstream computes them.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from mmengine.logging import print_log
 from torch import nn
 
 from xtuner_rope.ops.rope_documents import document_lengths
@@ -31,6 +34,7 @@ from .sequence_parallel import sequence_parallel_active
 
 __all__ = [
     "PER_DOCUMENT_KEY",
+    "per_document_rope_setting",
     "reset_upstream_rotaries",
     "rotary_document_lengths",
     "set_per_document_rope",
@@ -89,6 +93,37 @@ def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
             module.per_document = bool(enabled)
             count += 1
     return count
+
+
+def per_document_rope_setting(runner) -> bool:
+    """Apply the config's ``per_document_rope`` (default True) to the runner's patched model.
+
+    ``per_document_rope = False`` in the config (or ``--cfg-options per_document_rope=False``)
+    turns per-document frequencies off, e.g. to see ``xtuner-rope check`` fail without them.
+
+    Returns:
+        The setting applied.
+
+    Raises:
+        TypeError: the setting is not a bool.
+    """
+    cfg = getattr(runner, "cfg", None)
+    enabled = cfg.get(PER_DOCUMENT_KEY, True) if cfg is not None else True
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            f"config setting {PER_DOCUMENT_KEY}: expected True or False, got {enabled!r} "
+            f"({type(enabled).__name__}); leave it out (True) or set {PER_DOCUMENT_KEY} = False"
+        )
+    set_per_document_rope(runner.model, enabled)
+    if not enabled:
+        print_log(
+            f"xtuner-rope: {PER_DOCUMENT_KEY} = False: documents of packed rows get the "
+            "length-dependent RoPE frequencies of their row's longest document (upstream's "
+            "per-call choice), not their own.",
+            logger="current",
+            level=logging.WARNING,
+        )
+    return enabled
 
 
 def reset_upstream_rotaries(model: nn.Module) -> int:
