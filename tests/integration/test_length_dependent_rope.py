@@ -71,6 +71,14 @@ def test_stock_config_trains_each_document_with_its_own_frequencies(name, tmp_pa
     assert rope["threshold"] == THRESHOLD and rope["per_document"] is True
     assert 0 < rope["documents_past_threshold"] < rope["documents"], rope
     assert "get their own frequencies" in capsys.readouterr().out
+    past = sum(n > THRESHOLD for n in lengths)
+    with capsys.disabled():
+        print(
+            f"\n{name}: {len(lengths)} documents of iteration 1 ({past} past {THRESHOLD} "
+            f"tokens), max |trained - alone| {result['max_abs_diff']:.3g}; doctor: "
+            f"{rope['documents_past_threshold']} of {rope['documents']} documents past the "
+            "threshold"
+        )
 
     if name.startswith("llama"):  # the check's verdict, with and without the fix
         check = ["check", str(config), "--max-documents", "16"]
@@ -80,4 +88,6 @@ def test_stock_config_trains_each_document_with_its_own_frequencies(name, tmp_pa
         report = json.loads((tmp_path / "off" / "report.json").read_text())
         worst = max(d["max_abs_diff"] for d in report["batches"][0]["logits"])
         assert worst > 1e-4, report["batches"][0]["logits"]
+        with capsys.disabled():
+            print(f"check with per_document_rope=False: max |packed - alone| {worst:.3g}")
     torch.set_grad_enabled(True)

@@ -18,6 +18,7 @@ through the all-to-all as they are) and not (repeated first, as XTuner does), an
 checkpoints (each document gets the frequencies of its full-row length, on every shard).
 """
 
+import copy
 import os
 import socket
 
@@ -108,7 +109,11 @@ def _check_case(family: str, attn: str, n_kv: int, overrides: dict, path: str, r
     from xtuner_rope.models.sequence_parallel import shard_rows
 
     reference = build_tiny(
-        family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv, **overrides
+        family,
+        VOCAB,
+        attn_implementation=attn,
+        num_key_value_heads=n_kv,
+        **copy.deepcopy(overrides),
     )
     # XTuner's model as the stock configs build it: activation checkpointing on (the backward
     # recomputes every layer's all-to-all and reads the published boundaries again).
@@ -197,8 +202,12 @@ def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
     paths = []
     for i, (family, attn, n_kv, overrides) in enumerate(CASES):  # loaded as XTuner's llm=dict
         path = tmp_path / f"{i}-{family}-{attn}-{n_kv}"
-        build_tiny(
-            family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv, **overrides
+        build_tiny(  # transformers' configs write into rope_scaling: each gets its own copy
+            family,
+            VOCAB,
+            attn_implementation=attn,
+            num_key_value_heads=n_kv,
+            **copy.deepcopy(overrides),
         ).save_pretrained(path)
         paths.append(str(path))
     mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)
