@@ -168,7 +168,7 @@ def assert_packed_equals_alone(reference, patched, generator):
     ref_loss.backward()
     for (name, p), ref in zip(patched.named_parameters(), reference.parameters()):
         scale = float(ref.grad.abs().max())
-        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0)), name
+        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
