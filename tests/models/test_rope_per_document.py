@@ -81,6 +81,9 @@ CASES = {
     ("internlm2 remote code", "dynamic"): dict(
         max_position_embeddings=64, rope_scaling=dict(type="dynamic", factor=2.0)
     ),
+    ("internlm2 remote code", "linear"): dict(
+        max_position_embeddings=64, rope_scaling=dict(type="linear", factor=4.0)
+    ),
 }
 
 
