@@ -46,6 +46,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.internvl",
     "xtuner_rope.config.launch",
     "xtuner_rope.config.sequence_parallel",
+    "xtuner_rope.config.rope_scaling",
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.hooks.accumulation",

@@ -172,13 +172,13 @@ def test_phi3_longrope_matches_transformers(kind):
     for length in (40, 64, 65, 200):  # short factors up to 64 positions, long ones beyond
         positions, x = torch.arange(length)[None], torch.zeros(1, length, 8)
         torch.testing.assert_close(ours(x, positions), theirs(x, positions), rtol=0, atol=0)
-    packed = torch.cat([torch.arange(100), torch.arange(20)])[None]  # a 100-token document
-    with pytest.raises(
-        ValueError,
-        match="longrope: a packed batch holds a document reaching "
-        "position 99, beyond original_max_position_embeddings=64",
-    ):
-        ours(torch.zeros(1, 120, 8), packed)
+    # Packed: the 100-token document gets the long factors, the 20-token one the short ones,
+    # each as it gets them alone (issue 31; this was refused before).
+    packed = torch.cat([torch.arange(100), torch.arange(20)])[None]
+    cos, sin = ours(torch.zeros(1, 120, 8), packed)
+    for a, n in ((0, 100), (100, 20)):
+        alone = theirs(torch.zeros(1, n, 8), torch.arange(n)[None])
+        torch.testing.assert_close((cos[:, a : a + n], sin[:, a : a + n]), alone, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bs", [1, 2])

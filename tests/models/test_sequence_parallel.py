@@ -14,9 +14,11 @@ references, in fp32:
   label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces.
 
 Cases: eager and SDPA attention classes, GQA with key/value heads divisible by sp (sent
-through the all-to-all as they are) and not (repeated first, as XTuner does).
+through the all-to-all as they are) and not (repeated first, as XTuner does), and dynamic-NTK
+checkpoints (each document gets the frequencies of its full-row length, on every shard).
 """
 
+import copy
 import os
 import socket
 
@@ -28,12 +30,17 @@ import torch.nn.functional as F
 SP = 2
 VOCAB = 256
 ROWS = [[9, 17, 5], [30, 3]]  # documents per row; the longest row (33) is odd: sp padding
-# (family, attention class, key/value heads of 4)
+# Dynamic NTK past 16 positions: the 17- and 30-token documents get their own frequencies,
+# from the full row's document lengths (a shard alone cannot see where its documents end).
+DYNAMIC = dict(max_position_embeddings=16, rope_scaling=dict(type="dynamic", factor=4.0))
+# (family, attention class, key/value heads of 4, config overrides)
 CASES = [
-    ("internlm2", "eager", 2),
-    ("internlm2", "sdpa", 2),
-    ("internlm2", "sdpa", 1),
-    ("llama", "sdpa", 2),
+    ("internlm2", "eager", 2, {}),
+    ("internlm2", "sdpa", 2, {}),
+    ("internlm2", "sdpa", 1, {}),
+    ("llama", "sdpa", 2, {}),
+    ("llama", "sdpa", 2, DYNAMIC),
+    ("internlm2", "eager", 2, DYNAMIC),
 ]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -91,16 +98,23 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)  # [b, S', ...] shards back in sequence order
 
 
-def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None:
+def _check_case(family: str, attn: str, n_kv: int, overrides: dict, path: str, rank: int) -> None:
     from mmengine.config import ConfigDict
     from transformers import AutoModelForCausalLM
     from xtuner.model import SupervisedFinetune
 
     from xtuner_rope.demo.tiny import build_tiny
     from xtuner_rope.models.dispatch import patch_model
+    from xtuner_rope.models.rope_documents import reset_upstream_rotaries
     from xtuner_rope.models.sequence_parallel import shard_rows
 
-    reference = build_tiny(family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv)
+    reference = build_tiny(
+        family,
+        VOCAB,
+        attn_implementation=attn,
+        num_key_value_heads=n_kv,
+        **copy.deepcopy(overrides),
+    )
     # XTuner's model as the stock configs build it: activation checkpointing on (the backward
     # recomputes every layer's all-to-all and reads the published boundaries again).
     llm = ConfigDict(
@@ -134,6 +148,7 @@ def _check_case(family: str, attn: str, n_kv: int, path: str, rank: int) -> None
     for r, row_docs in enumerate(docs):  # each document equals itself alone, unpatched
         start = 0
         for doc in row_docs:
+            reset_upstream_rotaries(reference)  # dynamic NTK is stateful upstream
             alone = reference(input_ids=torch.tensor([doc])).logits[0]
             torch.testing.assert_close(logits[r, start : start + len(doc)], alone, **TOL)
             start += len(doc)
@@ -185,10 +200,14 @@ def test_sequence_parallel_equals_one_rank_and_documents_alone(tmp_path):
     from xtuner_rope.demo.tiny import build_tiny
 
     paths = []
-    for family, attn, n_kv in CASES:  # checkpoints, loaded as XTuner's llm=dict(...) does
-        path = tmp_path / f"{family}-{attn}-{n_kv}"
-        build_tiny(
-            family, VOCAB, attn_implementation=attn, num_key_value_heads=n_kv
+    for i, (family, attn, n_kv, overrides) in enumerate(CASES):  # loaded as XTuner's llm=dict
+        path = tmp_path / f"{i}-{family}-{attn}-{n_kv}"
+        build_tiny(  # transformers' configs write into rope_scaling: each gets its own copy
+            family,
+            VOCAB,
+            attn_implementation=attn,
+            num_key_value_heads=n_kv,
+            **copy.deepcopy(overrides),
         ).save_pretrained(path)
         paths.append(str(path))
     mp.spawn(_worker, args=(_free_port(), paths), nprocs=SP, join=True)

@@ -437,8 +437,8 @@ def _loader_findings(cfg: Config) -> list[Finding]:
 
 
 # (order, findings function): this module's own; the others register with `register_findings`
-# at 30 (loss normalization), 40 (multimodal), 50 (launch), 60 (sequence-parallel heads) and
-# 110 (preference).
+# at 30 (loss normalization), 40 (multimodal), 50 (launch), 60 (sequence-parallel heads),
+# 65 (RoPE scaling) and 110 (preference).
 FINDINGS: list[tuple[int, FindingsFn]] = [
     (10, _varlen_findings),
     (20, _loader_findings),

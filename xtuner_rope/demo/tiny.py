@@ -211,6 +211,7 @@ def save_tiny_internlm2(
     seed: int = 0,
     vocab_size: int = 1024,
     family: str = "internlm2",
+    **overrides,
 ) -> Path:
     """Train the tokenizer, build the model and save both as one checkpoint directory.
 
@@ -226,13 +227,14 @@ def save_tiny_internlm2(
         seed: Weight-initialisation seed.
         vocab_size: Tokenizer vocabulary size.
         family: One of :data:`FAMILIES` (default ``'internlm2'``).
+        **overrides: Config fields of the model (e.g. ``rope_scaling``, ``max_position_embeddings``).
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
     out_dir = Path(out_dir)
     tokenizer = train_tokenizer(iter_dialogue_texts(dialogues_jsonl), vocab_size=vocab_size)
-    model = build_tiny(family, len(tokenizer), seed=seed)
+    model = build_tiny(family, len(tokenizer), seed=seed, **overrides)
     # Without these, save_pretrained copies XTuner's modeling files and writes `auto_map`, and
     # `trust_remote_code=True` would then load a second, dynamic copy of the classes.
     model._auto_class = None
@@ -248,6 +250,7 @@ def save_tiny(
     dialogues_jsonl: str | Path | None = None,
     seed: int = 0,
     vocab_size: int = 1024,
+    **overrides,
 ) -> Path:
     """The tiny checkpoint of ``family`` written to ``out_dir`` (see :func:`save_tiny_internlm2`).
 
@@ -257,5 +260,5 @@ def save_tiny(
     if family not in FAMILIES:
         raise ValueError(f"save_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
     return save_tiny_internlm2(
-        out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size, family=family
+        out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size, family=family, **overrides
     )

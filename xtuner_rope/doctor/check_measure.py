@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from xtuner_rope.batch.checks import row_boundaries
 from xtuner_rope.models import channel
+from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.ops.packing import cumulative_from_position_ids
 
 # The hooks that turn a packed batch's boundaries into what attention reads (the plugin's, and
@@ -135,6 +136,7 @@ def documents_alone(
     logits, total = [], 0.0
     with torch.set_grad_enabled(backward):
         for r, a, e in docs:
+            reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: each doc as loaded
             ids = data["input_ids"][r, a:e].to(device)[None]  # [1, len]
             positions = torch.arange(e - a, device=device)[None]  # [1, len]
             out = llm(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
@@ -222,6 +224,7 @@ def greedy(llm, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     """``new_tokens`` greedy tokens after ``prompt`` (eval mode; the KV cache as upstream)."""
     was_training = llm.training
     llm.eval()
+    reset_upstream_rotaries(llm)  # as loaded (unpatched dynamic NTK keeps grown frequencies)
     try:
         ids = prompt.to(next(llm.parameters()).device)
         out = llm.generate(

@@ -32,6 +32,7 @@ from xtuner_rope.doctor.preference import (
     preference_figures,
     preference_warnings,
 )
+from xtuner_rope.doctor.rope import rope_figures, rope_problems
 from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.sequence_parallel import (
     sequence_parallel_figures,
@@ -299,7 +300,9 @@ def diagnose(
     )
     if report["preference"]:  # TokenWeightedLossHook serves SupervisedFinetune only
         report["loss_weights"] = None
+    report["rope"] = rope_figures(cfg, lengths, report["packed"])
     report["problems"], report["warnings"] = judge(report)
+    report["problems"] += rope_problems(report["rope"])
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)

@@ -13,6 +13,7 @@ from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
+from xtuner_rope.doctor.rope import rope_lines
 from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
 
 
@@ -107,6 +108,7 @@ def format_summary(report: dict) -> str:
     lines += _collate_lines(report)
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
+    lines += rope_lines(report.get("rope"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     verdict = (

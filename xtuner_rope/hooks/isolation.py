@@ -28,6 +28,7 @@ from xtuner_rope.models.dispatch import (
     patch_model,
 )
 from xtuner_rope.models.internvl import internvl_image_tokens
+from xtuner_rope.models.rope_documents import per_document_rope_setting
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 from xtuner_rope.ops.packing import flat_cumulative
 from xtuner_rope.ops.rope import use_fused_apply
@@ -65,6 +66,7 @@ class ValidatedRoPEHook(Hook):
         require_prepared(getattr(runner, "cfg", None), type(self).__name__)
         recheck_started_config(getattr(runner, "cfg", None), type(self).__name__)
         count, family = patch_model(runner.model, max_position=self.max_position)
+        per_document_rope_setting(runner)
         rotary = next(m for m in runner.model.modules() if isinstance(m, VALIDATED_ROTARIES))
         limit, why = rotary.limit()
         if self.fused_apply:

@@ -5,7 +5,9 @@ remote-code classes by name, both KV-cache contracts. ``hf.py`` (+ ``hf_rope.py`
 transformers families (Llama, Qwen2, Mistral, Phi-3, Mixtral, Gemma, Cohere, Qwen2-MoE) through
 their attention interface (Qwen2-MoE: its layers' forward) and their model-level rotary.
 ``families.py``: the table of those families and their quirks, and what is refused (read from a
-checkpoint's ``config.json`` before loading).
+checkpoint's ``config.json`` before loading). ``rope_documents.py``: length-dependent RoPE
+(dynamic NTK, LongRoPE) per packed document; ``rope_settings.py``: a checkpoint's RoPE read from
+``config.json``.
 """
 
 from .hf import (

@@ -17,6 +17,9 @@ from mmengine.dist import get_rank
 VARLEN_HUB = "varlen_attn_args"
 CUMULATIVE_KEY = "cumulative_len_rank_{rank}"
 MAX_SEQLEN_KEY = "max_seqlen_rank_{rank}"
+# Sequence parallel only: each token's document length in the full row, for this rank's shard
+# (length-dependent RoPE, ``models.rope_documents``; the shard alone cannot see document ends).
+LENGTHS_KEY = "document_lengths_rank_{rank}"
 
 
 def _keys(rank: int | None) -> tuple[str, str]:
@@ -47,6 +50,21 @@ def read(rank: int | None = None) -> tuple[object, object]:
     return hub.get_info(cumulative_key), hub.get_info(max_seqlen_key)
 
 
+def publish_lengths(lengths: object, rank: int | None = None) -> None:
+    """Publish the ``[b, S/sp]`` document length of each token of this rank's shard (or None)."""
+    rank = get_rank() if rank is None else rank
+    MessageHub.get_instance(VARLEN_HUB).update_info(LENGTHS_KEY.format(rank=rank), lengths)
+
+
+def read_lengths(rank: int | None = None) -> object:
+    """The shard's document lengths published by :func:`publish_lengths`, or None."""
+    if not MessageHub.check_instance_created(VARLEN_HUB):
+        return None
+    rank = get_rank() if rank is None else rank
+    return MessageHub.get_instance(VARLEN_HUB).get_info(LENGTHS_KEY.format(rank=rank))
+
+
 def clear(rank: int | None = None) -> None:
     """Forget the published boundaries (a hook's ``after_train_iter``; the next batch is new)."""
     publish(None, None, rank)
+    publish_lengths(None, rank)

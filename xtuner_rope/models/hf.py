@@ -40,7 +40,7 @@ from xtuner_rope.ops.attention import packed_attention
 from .families import attention_classes, family_names, family_of_class, rotary_classes
 from .hf_rope import HFValidatedRotaryEmbedding
 from .internlm2 import INTERNLM2_ATTENTION_CLASSES
-from .runtime import batch_document_plan, choose_backend, hub_cumulative_len
+from .runtime import batch_document_plan, choose_backend, hub_cumulative_len, rows_start_at_zero
 from .sequence_parallel import (
     full_row_plan,
     sequence_parallel_active,
@@ -56,26 +56,13 @@ HF_FAMILIES = family_names()
 PACKED_ATTENTION_KEY = "xtuner_rope_packed"
 DENSE_KERNEL_ATTR = "xtuner_rope_dense_kernel"
 
-# Whether the last position_ids tensor seen starts every row at 0 (left padding does not):
-# every layer gets the same tensor, so the host read happens once per forward.
-_STARTS: dict = {}
-
-
-def _rows_start_at_zero(position_ids: torch.Tensor) -> bool:
-    key = position_ids._version
-    if _STARTS.get("source") is not position_ids or _STARTS.get("key") != key:
-        starts = bool((position_ids[:, 0] == 0).all())
-        _STARTS.clear()
-        _STARTS.update(source=position_ids, key=key, value=starts)
-    return _STARTS["value"]
-
 
 def _plan(position_ids, b: int, s: int, kv_len: int, device: torch.device):
     """The packed layout of this call, or None where the original kernel must run."""
     if kv_len != s:  # cached keys: a generation step, whose mask the model already built
         return None
     if hub_cumulative_len() is None and (
-        position_ids is None or not _rows_start_at_zero(position_ids)
+        position_ids is None or not rows_start_at_zero(position_ids)
     ):
         return None  # no published boundaries, and a left-padded prompt is no pack
     return batch_document_plan(position_ids, b, s, device)

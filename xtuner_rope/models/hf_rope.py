@@ -10,6 +10,10 @@ from the real positions (the yarn / llama3 attention scaling applied), dynamic N
 call from that call's positions, and a ValueError for a bad position id. Phi-3's ``longrope``
 (``"su"`` in older configs) uses transformers' own frequencies, short or long as upstream picks
 them per call; Cohere's interleaved layout is an ``interleaved=True`` flag.
+
+Length-dependent frequencies (dynamic NTK; LongRoPE where the upstream class switches factors
+per call, Phi-3's) go per document in packed rows: each document gets what transformers computes
+for its own length (``models.rope_documents``); one sequence per row keeps the per-call choice.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from torch import nn
 from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rope import cos_sin_at
 from xtuner_rope.ops.rope import inv_freq as default_inv_freq
+from xtuner_rope.ops.rope_documents import per_token_inv_freq
+
+from .rope_documents import rotary_document_lengths
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 _ADVICE = (
@@ -74,16 +81,28 @@ class HFValidatedRotaryEmbedding(nn.Module):
         device: Device of ``inv_freq``.
         interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere) instead of
             ``[f0, f1, ..., f0, f1, ...]``.
+        longrope_per_call: The upstream class switches LongRoPE factors per call by length
+            (transformers 4.48: Phi-3's only; Llama's & co. keep the short factors).
+
+    Attributes:
+        per_document: Length-dependent frequencies per document of a packed row (default);
+            False gives every document its call's (upstream's per-call choice).
 
     Raises:
         ValueError: A ``rope_type`` outside ``SUPPORTED_ROPE_TYPES``.
     """
 
     def __init__(
-        self, config, max_position: int | None = None, device=None, interleaved: bool = False
+        self,
+        config,
+        max_position: int | None = None,
+        device=None,
+        interleaved: bool = False,
+        longrope_per_call: bool = True,
     ):
         super().__init__()
         self.config, self.interleaved = config, interleaved
+        self.per_document = True
         scaling = dict(getattr(config, "rope_scaling", None) or {})
         self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         longrope_unsized = self.rope_type == "longrope" and not (
@@ -114,6 +133,14 @@ class HFValidatedRotaryEmbedding(nn.Module):
                 getattr(config, "original_max_position_embeddings", None)
                 or config.max_position_embeddings
             )
+        # Where upstream's frequencies depend on the length served, and up to which length
+        # they do not change (transformers: `_dynamic_frequency_update` grows past
+        # max_position_embeddings; `_longrope_frequency_update` switches past the original).
+        self.threshold = None
+        if self.rope_type == "dynamic":
+            self.threshold = self.max_position_embeddings
+        elif self.rope_type == "longrope" and longrope_per_call:
+            self.threshold = self.original
         self.register_buffer("inv_freq", self.inv_freq_at(None, device), persistent=False)
 
     @classmethod
@@ -121,7 +148,8 @@ class HFValidatedRotaryEmbedding(nn.Module):
         cls, rotary: nn.Module, max_position: int | None = None, interleaved: bool = False
     ):
         """Build one from an upstream rotary module (its ``config``, on its ``inv_freq`` device)."""
-        return cls(rotary.config, max_position, rotary.inv_freq.device, interleaved)
+        per_call = hasattr(type(rotary), "_longrope_frequency_update")
+        return cls(rotary.config, max_position, rotary.inv_freq.device, interleaved, per_call)
 
     def _longrope(self, seq_len: int | None, device=None):
         """transformers' longrope (fp32): short factors up to ``original_max_position_embeddings``
@@ -151,6 +179,17 @@ class HFValidatedRotaryEmbedding(nn.Module):
         if self.rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, scaling)
         return inv_freq
+
+    def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
+        """fp32 inverse frequencies upstream computes for a call of ``seq_len`` tokens
+        (``seq_len`` past ``threshold``): transformers' own function, called as its
+        ``_dynamic_frequency_update`` calls it (an int64 tensor length: fp32 arithmetic)."""
+        if self.rope_type == "longrope":
+            return self._longrope(self.original + 1, device)[0]
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        length = torch.tensor(seq_len, dtype=torch.int64, device=device)
+        return ROPE_INIT_FUNCTIONS["dynamic"](self.config, device, seq_len=length)[0].float()
 
     def limit(self) -> tuple[int | None, str]:
         """(limit, description): positions must be below limit; None means unbounded."""
@@ -198,10 +237,8 @@ class HFValidatedRotaryEmbedding(nn.Module):
             position_ids = torch.arange(s)[None]  # [1, s]
         _, hi = check_position_ids(position_ids, b, s, *self.limit(), _ADVICE)
         inv_freq = self.inv_freq.to(x.device)
-        if self.rope_type == "dynamic" and hi + 1 > self.max_position_embeddings:
-            inv_freq = self.inv_freq_at(hi + 1, x.device)  # this call only: no sticky growth
-        if self.rope_type == "longrope" and hi + 1 > self.original:
-            inv_freq = self._long_factors(position_ids, hi, x.device)
+        if self.threshold is not None and hi + 1 > self.threshold:
+            inv_freq = self._call_inv_freq(position_ids, b, s, hi, x.device)
         cos, sin = cos_sin_at(position_ids.to(x.device), inv_freq, hi)  # [b, s, h_d]
         if self.interleaved:  # [f0, f1, .., f0, f1, ..] -> [f0, f0, f1, f1, ..]
             half = cos.shape[-1] // 2
@@ -210,18 +247,21 @@ class HFValidatedRotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos, sin
 
-    def _long_factors(self, position_ids: torch.Tensor, hi: int, device) -> torch.Tensor:
-        """longrope's long frequencies; refused where a packed row would hand them to documents
-        that alone get the short ones (upstream picks one set per call, by the largest position)."""
-        if position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any()):
-            raise ValueError(
-                f"longrope: a packed batch holds a document reaching position {hi}, beyond "
-                f"original_max_position_embeddings={self.original}; upstream then rotates every "
-                "document of the batch with the long factors, which the shorter documents alone "
-                f"would not get. Keep packed documents within {self.original} tokens (max_length) "
-                "or collate with pack=False."
-            )
-        return self.inv_freq_at(hi + 1, device)
+    def _call_inv_freq(self, position_ids, b: int, s: int, hi: int, device) -> torch.Tensor:
+        """A call reaching past ``threshold``: ``[b, s, h_d/2]`` frequencies of each token's
+        document in packed rows, else ``[h_d/2]`` of the call's length (upstream's choice; this
+        call only: no sticky growth)."""
+        lengths = None
+        if self.per_document:
+            lengths = rotary_document_lengths(self, position_ids, b, s, device, zero_start=True)
+        if lengths is None:
+            return self.length_inv_freq(hi + 1, device)
+        return per_token_inv_freq(
+            lengths,
+            self.inv_freq.to(device),
+            self.threshold,
+            functools.partial(self.length_inv_freq, device=device),
+        )
 
     def extra_repr(self) -> str:
         return (

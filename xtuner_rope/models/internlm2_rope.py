@@ -2,7 +2,9 @@
 
 A drop-in for XTuner 0.2.0's (and InternLM2 remote code's) rotary classes, default, linear and
 dynamic-NTK scaling, that keeps `inv_freq` in fp32 after `module.bfloat16()`, keeps dynamic NTK
-stateless and rejects bad position ids before any table lookup or kernel sees them.
+stateless and rejects bad position ids before any table lookup or kernel sees them. Dynamic NTK
+goes per document in packed rows (`models.rope_documents`): each document gets the base its own
+length gives it alone.
 """
 
 from numbers import Integral
@@ -11,6 +13,9 @@ import torch
 from torch import nn
 
 from xtuner_rope.ops.rope import check_position_ids, cos_sin_at, inv_freq
+from xtuner_rope.ops.rope_documents import per_token_inv_freq
+
+from .rope_documents import rotary_document_lengths
 
 __all__ = ["ValidatedRotaryEmbedding"]
 
@@ -29,6 +34,10 @@ class ValidatedRotaryEmbedding(nn.Module):
         scaling_factor (float): Factor of the scaling.
         max_position (int, optional): Overrides the range limit on positions (see `limit`).
         device (torch.device, optional): Device of `inv_freq`.
+
+    Attributes:
+        per_document (bool): Dynamic-NTK frequencies per document of a packed row (default);
+            False gives every document its call's (upstream's per-call choice).
 
     Raises:
         ValueError: Odd dim, unknown scaling type or non-positive scaling factor.
@@ -62,6 +71,7 @@ class ValidatedRotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.scaling_type, self.scaling_factor = scaling_type, scaling_factor
         self.max_position = max_position
+        self.per_document = True
         self.register_buffer("inv_freq", inv_freq(base, dim, device), persistent=False)
         factor = scaling_factor if scaling_type == "linear" else 1.0
         self._tables = self._TABLES.setdefault((dim, float(base), float(factor)), {})
@@ -141,14 +151,31 @@ class ValidatedRotaryEmbedding(nn.Module):
         ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
         return inv_freq(self.base * ratio ** (dim / (dim - 2)), dim, device)
 
-    def _cos_sin_at(self, position_ids, hi):
-        """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`."""
+    def _cos_sin_at(self, position_ids, hi, b=1):
+        """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`
+        (`b`: rows of the activations, for `[1, s]` position ids)."""
         if self.scaling_type == "dynamic" and hi + 1 > self.max_position_embeddings:
-            inv_freq = self._ntk_inv_freq(hi + 1, position_ids.device)
-            return cos_sin_at(position_ids, inv_freq, hi)
+            return cos_sin_at(position_ids, self._call_inv_freq(position_ids, hi, b), hi)
         cos, sin = self._table(position_ids.device, hi + 1)
         position_ids = position_ids.long()
         return cos[position_ids], sin[position_ids]
+
+    def _call_inv_freq(self, position_ids, hi, b):
+        """Dynamic NTK past the threshold: `[b, s, h_d/2]` per document in packed rows, else
+        `[h_d/2]` for the call's length (upstream's choice; this call only, not sticky)."""
+        device = position_ids.device
+        lengths = None
+        if self.per_document and position_ids.dim() == 2:
+            s = position_ids.shape[1]
+            lengths = rotary_document_lengths(self, position_ids, b, s, device, zero_start=False)
+        if lengths is None:
+            return self._ntk_inv_freq(hi + 1, device)
+        return per_token_inv_freq(
+            lengths,
+            self.inv_freq.to(device),
+            self.max_position_embeddings,
+            lambda n: self._ntk_inv_freq(n, device),
+        )
 
     @torch.no_grad()
     def forward(self, x, position_ids=None, seq_len=None):
@@ -190,7 +217,7 @@ class ValidatedRotaryEmbedding(nn.Module):
                 position_ids, x.shape[0], x.shape[-2], *self.limit(), _BEYOND
             )
             position_ids = position_ids.to(x.device)
-        cos, sin = self._cos_sin_at(position_ids, hi)
+        cos, sin = self._cos_sin_at(position_ids, hi, x.shape[0])
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def _check_seq_len(self, seq_len):

@@ -25,6 +25,7 @@ __all__ = [
     "choose_backend",
     "chosen_backends",
     "hub_cumulative_len",
+    "rows_start_at_zero",
 ]
 
 _LOGGED: set = set()
@@ -39,6 +40,22 @@ def hub_cumulative_len() -> object:
         What the hub holds (checked against the batch by ``document_plan``), or None.
     """
     return channel.read()[0]
+
+
+# Whether the last position_ids tensor seen starts every row at 0 (left padding does not):
+# every layer gets the same tensor, so the host read happens once per forward.
+_STARTS: dict = {}
+
+
+def rows_start_at_zero(position_ids: torch.Tensor) -> bool:
+    """True if every row of ``position_ids`` ``[b, s]`` starts at 0 (a left-padded prompt does
+    not): one host read per tensor, cached for the next layer."""
+    key = position_ids._version
+    if _STARTS.get("source") is not position_ids or _STARTS.get("key") != key:
+        starts = bool((position_ids[:, 0] == 0).all())
+        _STARTS.clear()
+        _STARTS.update(source=position_ids, key=key, value=starts)
+    return _STARTS["value"]
 
 
 def batch_document_plan(

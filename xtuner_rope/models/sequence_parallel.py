@@ -36,6 +36,7 @@ from torch import nn
 from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.attention import document_plan, packed_attention
 from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
+from xtuner_rope.ops.rope_documents import document_lengths
 
 from . import channel
 from .channel import VARLEN_HUB
@@ -199,6 +200,9 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     positions = positions.expand(b, s_full)
     width = s_full // sp
     cut = slice(rank * width, (rank + 1) * width)
+    # Length-dependent RoPE of the shard needs each token's document length in the full row.
+    lengths = document_lengths(positions, flat.to(positions.device), b, s_full)  # [b, S']
+    channel.publish_lengths(lengths[:, cut])
     shard = {
         "input_ids": data["input_ids"][:, cut],
         "position_ids": positions[:, cut],

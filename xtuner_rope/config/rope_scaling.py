@@ -1,0 +1,38 @@
+"""Start-up check of the checkpoint's RoPE scaling, before any weight loads.
+
+Length-dependent RoPE (dynamic NTK, LongRoPE) is served per packed document
+(``models.rope_documents``): nothing about it is refused. What is refused is what no model can
+compute: a ``rope_scaling`` type the family does not know or one lacking the fields its
+frequencies need (``models.rope_settings``). Upstream fails on those too, but only after the
+weights load (transformers at the model build, the validated RoPE at the patch); read from the
+checkpoint's ``config.json``, the start-up and ``xtuner-rope doctor`` say it first, with the
+setting to change.
+"""
+
+from __future__ import annotations
+
+from mmengine.config import Config
+
+from xtuner_rope.models.rope_settings import checkpoint_rope
+
+from .startup import Finding, register_findings
+
+__all__ = ["rope_scaling_findings"]
+
+
+@register_findings(order=65)
+def rope_scaling_findings(cfg: Config) -> list[Finding]:
+    """Refuse a checkpoint whose ``rope_scaling`` cannot be computed (read from config.json)."""
+    llm = (cfg._cfg_dict.get("model") or {}).get("llm") or {}
+    path = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
+    where, setting = checkpoint_rope(path)
+    if setting is None or setting.refusal is None:
+        return []
+    return [
+        Finding(
+            "model.llm.pretrained_model_name_or_path",
+            f"{where}: {setting.refusal}; the model would fail after its weights load",
+            "fix rope_scaling in the checkpoint's config.json (a type the family computes, with "
+            'its fields: e.g. {"type": "dynamic", "factor": 2.0}), or remove it',
+        )
+    ]

@@ -1,0 +1,125 @@
+"""A checkpoint's RoPE setting, read from its ``config.json`` before anything loads.
+
+What the start-up refuses (``config.rope_scaling``) and what the doctor reports
+(``doctor.rope``) come from here, so both say what the run will do:
+
+- whether the frequencies depend on the length served, and up to which length they do not
+  (the threshold): dynamic NTK past ``max_position_embeddings`` (transformers' families and
+  InternLM2's classes); LongRoPE past ``original_max_position_embeddings`` where the family's
+  rotary switches per call (Phi-3; transformers 4.48's Llama, Qwen2 & co. keep the short
+  factors whatever the length, so theirs does not depend on it);
+- what cannot be served: a ``rope_type`` outside transformers 4.48's (InternLM2: outside
+  ``linear`` / ``dynamic``), a scaling without the fields its frequencies need. Upstream fails
+  on those too, after the weights load.
+
+Pure Python: nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .families import FAMILIES
+
+__all__ = ["RopeSetting", "checkpoint_rope", "rope_setting"]
+
+HF_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+INTERNLM2_ROPE_TYPES = ("linear", "dynamic")
+# Fields each rope_type's frequencies need (transformers 4.48 / InternLM2's _init_rope).
+REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
+}
+# Families whose 4.48 rotary switches LongRoPE factors per call (`_longrope_frequency_update`).
+LONGROPE_PER_CALL = ("phi3",)
+
+
+@dataclass(frozen=True)
+class RopeSetting:
+    """The RoPE of one checkpoint, as ``config.json`` gives it.
+
+    Attributes:
+        model_type: ``config.json`` ``model_type``.
+        rope_type: ``default`` or the ``rope_scaling`` type (``su`` read as ``longrope``).
+        threshold: The longest length whose frequencies do not depend on it; None when they
+            never do.
+        refusal: Why it cannot be served (None when it can).
+    """
+
+    model_type: str
+    rope_type: str
+    threshold: int | None
+    refusal: str | None = None
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.threshold is not None
+
+
+def rope_setting(config: dict) -> RopeSetting | None:
+    """The setting of a ``config.json`` dict; None for a family xtuner-rope does not serve."""
+    model_type = config.get("model_type")
+    served = model_type == "internlm2" or any(
+        model_type in f.model_types for f in FAMILIES.values()
+    )
+    if not served:
+        return None
+    scaling = config.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        return RopeSetting(model_type, "?", None, f"rope_scaling {scaling!r} is not a dict")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config reads them as longrope
+        rope_type = "longrope"
+    known = INTERNLM2_ROPE_TYPES + ("default",) if model_type == "internlm2" else HF_ROPE_TYPES
+    if rope_type not in known:
+        return RopeSetting(
+            model_type,
+            str(rope_type),
+            None,
+            f"rope_scaling type {rope_type!r} is not one {model_type} computes "
+            f"(known: {', '.join(known)})",
+        )
+    fields = dict(scaling, original_max_position_embeddings=_original(config, scaling))
+    missing = [k for k in REQUIRED.get(rope_type, ()) if fields.get(k) is None]
+    if rope_type == "longrope" and not (
+        config.get("original_max_position_embeddings") or scaling.get("factor")
+    ):
+        missing.append("original_max_position_embeddings (or rope_scaling factor)")
+    if missing:
+        return RopeSetting(
+            model_type,
+            rope_type,
+            None,
+            f"rope_scaling type {rope_type!r} lacks {', '.join(missing)}, which its "
+            "frequencies need",
+        )
+    return RopeSetting(model_type, rope_type, _threshold(model_type, rope_type, config))
+
+
+def _original(config: dict, scaling: dict) -> object:
+    return scaling.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
+
+
+def _threshold(model_type: str, rope_type: str, config: dict) -> int | None:
+    mpe = config.get("max_position_embeddings", 2048)
+    if rope_type == "dynamic":
+        return int(mpe)
+    if rope_type == "longrope" and model_type in LONGROPE_PER_CALL:
+        return int(config.get("original_max_position_embeddings") or mpe)
+    return None
+
+
+def checkpoint_rope(path: object) -> tuple[str, RopeSetting | None]:
+    """``(config.json path, setting)`` of a local checkpoint; ``("", None)`` when unknown
+    (a hub id not downloaded, no ``config.json``, a family not served)."""
+    config = Path(path) / "config.json" if isinstance(path, str) else None
+    if config is None or not config.is_file():
+        return "", None
+    return str(config), rope_setting(json.loads(config.read_text(encoding="utf-8")))

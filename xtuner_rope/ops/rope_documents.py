@@ -1,0 +1,68 @@
+"""Per-document RoPE frequencies for packed rows: each document gets what it gets alone.
+
+Some RoPE variants choose their frequencies from the length of the sequence they serve:
+dynamic NTK scales the base once a sequence is longer than ``max_position_embeddings``, and
+LongRoPE (Phi-3) switches from its short to its long factors past
+``original_max_position_embeddings``. Upstream picks them once per forward call, from the largest
+position of the batch, so in a packed row every document would get the frequencies of the row's
+longest one. Here each document's length is its own last position + 1 (what upstream measures
+when the document runs alone), and every token gets the inverse frequencies of its document.
+
+Torch only: the family modules (``models.hf_rope``, ``models.internlm2_rope``) say where the
+documents are and how a length maps to frequencies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["document_lengths", "per_token_inv_freq"]
+
+
+def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: int, s: int):
+    """Each token's document length (the document's last position + 1), ``[b, s]`` int64.
+
+    Args:
+        position_ids: ``[b, s]`` or ``[1, s]`` integer positions.
+        cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens (rows never
+            share a document), e.g. ``DocumentPlan.cu_seqlens``.
+        b: Rows; s: row length.
+
+    Returns:
+        ``[b, s]`` int64 on ``position_ids``' device.
+    """
+    flat = position_ids.expand(b, s).reshape(-1)  # [t]
+    cu = cu_seqlens.to(flat.device, torch.int64)
+    lengths = flat[cu[1:] - 1] + 1  # [n_docs] last position + 1
+    return torch.repeat_interleave(lengths, cu[1:] - cu[:-1]).view(b, s)  # [b, s]
+
+
+def per_token_inv_freq(
+    lengths: torch.Tensor,
+    base_inv_freq: torch.Tensor,
+    threshold: int,
+    inv_freq_of: Callable[[int], torch.Tensor],
+) -> torch.Tensor:
+    """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]``.
+
+    Documents up to ``threshold`` tokens keep ``base_inv_freq``; each longer length gets
+    ``inv_freq_of(length)`` (computed once per distinct length: a handful per batch).
+
+    Args:
+        lengths: ``[b, s]`` document length of every token (see :func:`document_lengths`).
+        base_inv_freq: ``[h_d/2]`` fp32 frequencies of the short documents.
+        threshold: The longest length that keeps ``base_inv_freq``.
+        inv_freq_of: Length -> ``[h_d/2]`` fp32 frequencies upstream uses for that length.
+
+    Returns:
+        ``[b, s, h_d/2]`` fp32, on ``lengths``' device.
+    """
+    distinct, index = torch.unique(lengths, return_inverse=True)  # one host sync per forward
+    rows = [
+        base_inv_freq if n <= threshold else inv_freq_of(n).to(base_inv_freq.device)
+        for n in distinct.tolist()
+    ]
+    table = torch.stack(rows).float().to(lengths.device)  # [n_distinct, h_d/2]
+    return table[index]  # [b, s, h_d/2]
