@@ -118,6 +118,11 @@ CASES = {
         'model["llm"]["pretrained_model_name_or_path"] = pretrained_model_name_or_path\n',
         "model.llm.pretrained_model_name_or_path",
     ),
+    "rope_scaling_findings": (
+        'pretrained_model_name_or_path = "{badrope}"\n'
+        'model["llm"]["pretrained_model_name_or_path"] = pretrained_model_name_or_path\n',
+        "model.llm.pretrained_model_name_or_path",
+    ),
     "preference_findings": (
         "model.update(type='RewardModel')\n"
         + LOADER.format(
@@ -144,6 +149,10 @@ def assets(tmp_path_factory) -> dict:
     (root / "bigcode").mkdir()
     (root / "bigcode" / "config.json").write_text(json.dumps({"model_type": "gpt_bigcode"}))
     (root / "noconfig").mkdir()  # a checkpoint folder without config.json
+    (root / "badrope").mkdir()  # a Llama whose rope_scaling no model computes
+    bad = {"model_type": "llama", "max_position_embeddings": 64}
+    bad["rope_scaling"] = {"rope_type": "bogus", "factor": 2.0}
+    (root / "badrope" / "config.json").write_text(json.dumps(bad))
     return {
         "root": root,
         "tiny": str(ensure_tiny_model()),
@@ -151,6 +160,7 @@ def assets(tmp_path_factory) -> dict:
         "processor": str(root / "proc"),
         "bigcode": str(root / "bigcode"),
         "noconfig": str(root / "noconfig"),
+        "badrope": str(root / "badrope"),
     }
 
 
