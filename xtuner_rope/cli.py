@@ -96,8 +96,7 @@ def _add_check(commands, dict_action) -> None:
 
 
 def _check(args) -> int:
-    from xtuner_rope.doctor.check import run_check
-    from xtuner_rope.doctor.check_report import format_summary, write_report
+    from xtuner_rope.check import format_summary, run_check, write_report
 
     from .config.startup import ConfigConflict
 

@@ -26,23 +26,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mmengine.config import Config
-from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from torch import nn
+
+from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.models.dispatch import language_model
 
 LLAVA_CAPTURE_FILE = "llava_isolation_capture.pt"
 _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
 IGNORE_INDEX = -100
 
 
-def inner_llm(model: nn.Module) -> nn.Module:
-    """The HF LLM inside DDP/DeepSpeed wrappers and XTuner's ``LLaVAModel`` (``.llm``)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(model, "llm", model)
-
-
-class LLaVAIsolationCaptureHook(Hook):
+class LLaVAIsolationCaptureHook(CaptureHook):
     """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run.
 
     For tiny test models: the saved logits are ``[b, s, V]`` fp32.
@@ -54,13 +48,10 @@ class LLaVAIsolationCaptureHook(Hook):
             packed). Needs a full (not PEFT-wrapped) LLM.
     """
 
-    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8).
-    priority = 7
-
     def __init__(self, negative_control: bool = True) -> None:
+        super().__init__(at_iter=0)
         self.negative_control = negative_control
         self._saved: dict = {}
-        self._handle = None
         self._reference: nn.Module | None = None
 
     def _collect(self, module, args, kwargs, output) -> None:
@@ -86,24 +77,22 @@ class LLaVAIsolationCaptureHook(Hook):
             self._saved["in_run"] = isolation_figures(self._reference, self._saved)
             self._reference = None
 
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != 0:
-            return
-        llm = inner_llm(runner.model)
+    def install(self, runner, data_batch: dict) -> None:
+        llm = language_model(runner.model)
         if self.negative_control:
             self._reference = reference_llava_llm(runner.cfg)
             self._reference.load_state_dict(llm.state_dict())  # the weights of this step
             self._reference.to(next(llm.parameters()).device)
-        self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
+        self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._handle is None:
-            return
-        self._handle.remove()
-        self._handle = None
-        path = Path(runner.work_dir) / LLAVA_CAPTURE_FILE
-        torch.save(self._saved, path)
-        figures = self._saved.get("in_run")
+    def saved(self, runner, outputs: dict | None) -> dict:
+        return self._saved
+
+    def file_name(self) -> str:
+        return LLAVA_CAPTURE_FILE
+
+    def message(self, path: Path, saved: dict) -> str:
+        figures = saved.get("in_run")
         measured = (
             ""
             if figures is None
@@ -114,11 +103,7 @@ class LLaVAIsolationCaptureHook(Hook):
                 f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
             )
         )
-        print_log(
-            f"LLaVAIsolationCaptureHook: saved iteration 1's LLM inputs and logits to "
-            f"{path}.{measured}",
-            logger="current",
-        )
+        return f"saved iteration 1's LLM inputs and logits to {path}.{measured}"
 
 
 def reference_llava_llm(cfg: Config) -> nn.Module:
