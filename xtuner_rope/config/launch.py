@@ -213,7 +213,7 @@ def sampler_findings(
     ]
 
 
-@register_findings(order=50)
+@register_findings("launch")
 def launch_findings(cfg: Config) -> list[Finding]:
     """Every launch finding of this process's command line and environment (conflicts)."""
     return deepspeed_dtype_findings(cfg) + sampler_findings(cfg)
