@@ -9,9 +9,9 @@ checkpoint's ``config.json`` before a weight loads.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mmengine.config import Config
+
+from xtuner_rope.models.checkpoint import checkpoint_config
 
 from .fields import lazy_get as _get
 from .fields import setter as _setitem
@@ -78,10 +78,8 @@ def model_family_findings(cfg: Config) -> list[Finding]:
 
 def _checkpoint_attn_implementation(llm: dict) -> tuple[str, object]:
     """``attn_implementation`` of the LLM's local ``config.json`` (None for a hub id)."""
-    import json
-
-    path = _get(llm, "pretrained_model_name_or_path")
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    found = checkpoint_config(_get(llm, "pretrained_model_name_or_path"))
+    if found is None:
         return "", None
-    return f" (from {config})", json.loads(config.read_text()).get("attn_implementation")
+    config, data = found
+    return f" (from {config})", data.get("attn_implementation")

@@ -19,10 +19,9 @@ is built (``startup.inspect_config`` calls it; the doctor prints the same findin
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from mmengine.config import Config
+
+from xtuner_rope.models.checkpoint import checkpoint_config
 
 from .startup import Finding, register_findings, type_name
 
@@ -54,10 +53,11 @@ def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
     """
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
     path = _get(llm, "pretrained_model_name_or_path")
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    found = checkpoint_config(path)
+    if found is None:
         return None, ""
-    vocab = json.loads(config.read_text()).get("vocab_size")
+    config, data = found
+    vocab = data.get("vocab_size")
     return (vocab, str(config)) if isinstance(vocab, int) else (None, "")
 
 

@@ -15,13 +15,11 @@ too). The LLM's local ``config.json`` gives the head counts: the start-up (and s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
 from xtuner_rope.compat import cpu_only
+from xtuner_rope.models.checkpoint import checkpoint_config
 
 from .fields import lazy_get as _get
 from .fields import type_name
@@ -39,10 +37,11 @@ def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
     e.g. a hub id that is not downloaded)."""
     llm = (cfg._cfg_dict.get("model") or {}).get("llm") or {}
     path = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
+    found = checkpoint_config(path)
+    if found is None:
         return "", None
-    heads = json.loads(config.read_text()).get("num_attention_heads")
+    config, data = found
+    heads = data.get("num_attention_heads")
     return str(config), heads if isinstance(heads, int) else None
 
 

@@ -22,12 +22,12 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mmengine.config import Config
 from mmengine.logging import print_log
 
 from xtuner_rope.compat import keep_other_model_paths
+from xtuner_rope.models.checkpoint import config_json_path
 
 # Read through this module by the findings, the hooks and the doctor since before the split.
 from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
@@ -246,7 +246,7 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
         FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``; the message
             says how to fix it.
     """
-    if local_only and not (Path(path) / "config.json").is_file():
+    if local_only and config_json_path(path) is None:
         raise FileNotFoundError(
             f"model_resource: pretrained_model_name_or_path={path!r} is not a local checkpoint "
             "directory (no config.json there). Download it first, e.g. `huggingface-cli download "

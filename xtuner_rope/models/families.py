@@ -19,9 +19,9 @@ before anything loads. Pure Python: nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from .checkpoint import checkpoint_config
 
 
 @dataclass(frozen=True)
@@ -136,24 +136,6 @@ def family_names() -> str:
     return ", ".join(f.name for f in FAMILIES.values())
 
 
-def _config_json(path: object) -> Path | None:
-    """The ``config.json`` of a local directory, or of a hub id already in the local cache."""
-    if not isinstance(path, str) or not path:
-        return None
-    local = Path(path) / "config.json"
-    if local.is_file():
-        return local
-    if Path(path).exists() or path.count("/") != 1:
-        return None  # a local path without config.json, or no hub id
-    try:  # offline: only what a previous download left in the cache
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-    except Exception:  # noqa: BLE001 - an unknowable id is not an error here
-        return None
-    return Path(cached) if isinstance(cached, str) else None
-
-
 def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
     """What a local checkpoint's ``config.json`` says about serving it.
 
@@ -167,13 +149,13 @@ def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
         ``(description, refusal)`` for one that is refused, the refusal naming the family and
         why (``UNSERVED_ADVICE`` says what to do).
     """
-    config = _config_json(path)
-    if config is None:
-        return None
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+        found = checkpoint_config(path, cached=True)
+    except ValueError:
+        return None  # unreadable: the model's own loading says so, with its error
+    if found is None:
         return None
+    config, data = found
     model_type = str(data.get("model_type") or "").lower()
     if not model_type:
         return None
