@@ -10,7 +10,8 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     4 config/   the start-up, its findings, the re-check | the other
     5 hooks/    the MMEngine hooks (isolation, monitor, loss)
     6 demo/     tiny checkpoints, sample data, run-log checks
-    7 doctor/   the dataset doctor (``xtuner-rope doctor``), replay, XTuner's tools
+    7 doctor/   the dataset doctor (``xtuner-rope doctor``)   | same floor: neither imports
+    7 outputs/  replay of a recorded batch, XTuner's tools  | the other
     8 capture/  the captures of real runs, the packed-against-alone measurements
     9 check/    ``xtuner-rope check``: runner, report, one module per kind, ``KINDS``
    10 zoo       the sweep of XTuner's stock configs (still doctor/zoo.py on this branch)
@@ -44,6 +45,7 @@ FLOORS = {
     "hooks": 5,
     "demo": 6,
     "doctor": 7,
+    "outputs": 7,
     "capture": 8,
     "check": 9,
 }

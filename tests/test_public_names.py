@@ -147,6 +147,12 @@ PUBLIC = {
         "compare_preference_capture",
         "capture_file",
     ],
+    "xtuner_rope.outputs.replay": ["build_run_model", "load_record", "replay", "save_record"],
+    "xtuner_rope.outputs.xtuner_tools": [
+        "XTUNER_TOOLS",
+        "resolved_model_options",
+        "run_xtuner_tool",
+    ],
     # The names the docs gave these before issue 35, at their old paths.
     "xtuner_rope.doctor.check": ["run_check", "start_config", "train_dtype", "first_batches"],
     "xtuner_rope.doctor.check_report": ["TOLERANCES", "judge", "format_summary", "write_report"],
@@ -184,6 +190,8 @@ DEPRECATED_MODULES = {
     "xtuner_rope.doctor.check_capture": "xtuner_rope.capture.text",
     "xtuner_rope.doctor.llava_capture": "xtuner_rope.capture.llava",
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
+    "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
+    "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
 }
 DEPRECATED_NAMES = [
     ("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        from xtuner_rope.doctor.xtuner_tools import run_xtuner_tool
+        from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
         return run_xtuner_tool(command, rest)

@@ -9,8 +9,8 @@ that names the replacement. Add a row to ``MOVED`` when a module moves; never le
 old path.
 
 Issue 35 sorted the top floor by job: ``xtuner-rope check`` went to ``check/``, the captures of
-real runs and the measurements they share with it to ``capture/``; ``doctor/`` kept the dataset
-doctor. The old paths work until :data:`REMOVED_IN` and warn until then.
+real runs and the measurements they share with it to ``capture/``, replay and XTuner's tools
+to ``outputs/``; ``doctor/`` kept the dataset doctor. The old paths work until :data:`REMOVED_IN` and warn until then.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ MOVED = {
     "xtuner_rope.doctor.check_capture": "xtuner_rope.capture.text",
     "xtuner_rope.doctor.llava_capture": "xtuner_rope.capture.llava",
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
+    "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
+    "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
 }
 
 
