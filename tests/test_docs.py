@@ -144,3 +144,48 @@ def test_mkdocs_strict_build_fails_on_a_broken_link(tmp_path, broken):
     built = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert built.returncode != 0
     assert "no-such" in built.stdout + built.stderr
+
+
+def _doc_counts():
+    """``tools/doc_counts.py`` as a module (tools/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doc_counts", REPO / "tools" / "doc_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_drifted_count_is_reported(tmp_path):
+    """Negative control of the counts below: a page stating 3 modules of a 2-module package."""
+    counts = _doc_counts()
+    (tmp_path / "xtuner_rope" / "ops").mkdir(parents=True)
+    for name in ("__init__.py", "ops/__init__.py"):
+        (tmp_path / "xtuner_rope" / name).write_text('"""."""\n')
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("<!-- count:modules -->3<!-- /count --> modules\n")
+    (tmp_path / "docs" / "a.md").write_text("`ops/` <!-- count:modules:ops -->1<!-- /count -->\n")
+    assert counts.drifts(tmp_path) == ["README.md: count:modules states 3, the code has 2"]
+    assert counts.write(tmp_path) == 1
+    assert counts.drifts(tmp_path) == []
+    assert "<!-- count:modules -->2<!-- /count -->" in (tmp_path / "README.md").read_text()
+
+
+def test_stated_module_and_config_counts_are_the_codes():
+    counts = _doc_counts()
+    actual = counts.file_counts(REPO)
+    stated = [(p, n, v) for p, n, v in counts.stated(REPO) if n.startswith(("modules", "configs"))]
+    assert stated, "the docs state the package's module counts (docs/architecture.md)"
+    wrong = [
+        f"{page.relative_to(REPO)}: count:{name} states {value}, the code has {actual.get(name)}"
+        for page, name, value in stated
+        if actual.get(name) != value
+    ]
+    assert not wrong, "run `python tools/doc_counts.py --write`:\n" + "\n".join(wrong)
+
+
+@pytest.mark.slow  # collects the whole suite once (~20 s on an idle machine; nothing runs)
+def test_stated_test_counts_are_the_codes():
+    drifted = _doc_counts().drifts(REPO)
+    assert not drifted, "run `python tools/doc_counts.py --write`:\n" + "\n".join(drifted)

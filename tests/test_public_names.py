@@ -134,6 +134,34 @@ PUBLIC = {
         "patch_model",
         "unwrap_model",
     ],
+    # Issue 35: `xtuner-rope check` and the captures, by job (the old doctor.* paths import too).
+    "xtuner_rope.check": ["run_check", "format_summary", "write_report", "KINDS", "TOLERANCES"],
+    "xtuner_rope.capture.text": ["IsolationCaptureHook", "compare_capture", "CAPTURE_FILE"],
+    "xtuner_rope.capture.llava": [
+        "LLaVAIsolationCaptureHook",
+        "compare_llava_capture",
+        "LLAVA_CAPTURE_FILE",
+    ],
+    "xtuner_rope.capture.preference": [
+        "PreferenceCaptureHook",
+        "compare_preference_capture",
+        "capture_file",
+    ],
+    "xtuner_rope.outputs.replay": ["build_run_model", "load_record", "replay", "save_record"],
+    "xtuner_rope.outputs.xtuner_tools": [
+        "XTUNER_TOOLS",
+        "resolved_model_options",
+        "run_xtuner_tool",
+    ],
+    # The names the docs gave these before issue 35, at their old paths.
+    "xtuner_rope.doctor.check": ["run_check", "start_config", "train_dtype", "first_batches"],
+    "xtuner_rope.doctor.check_report": ["TOLERANCES", "judge", "format_summary", "write_report"],
+    "xtuner_rope.doctor.check_capture": ["IsolationCaptureHook", "compare_capture"],
+    "xtuner_rope.doctor.llava_capture": ["LLaVAIsolationCaptureHook", "compare_llava_capture"],
+    "xtuner_rope.doctor.preference_capture": [
+        "PreferenceCaptureHook",
+        "compare_preference_capture",
+    ],
     # Earlier READMEs' `model_resource` targets (deprecated, see DEPRECATED).
     "xtuner_rope.resources": ["enable_xtuner_rope", "local_checkpoint", "tiny_internlm2"],
 }
@@ -152,6 +180,18 @@ DEPRECATED_MODULES = {
     "xtuner_rope.loss_norm": "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
     "xtuner_rope.validate": "xtuner_rope.batch.checks",
+    # Issue 35: the top floor sorted by job.
+    "xtuner_rope.doctor.check": "xtuner_rope.check",
+    "xtuner_rope.doctor.check_report": "xtuner_rope.check",
+    "xtuner_rope.doctor.check_preference": "xtuner_rope.check.preference",
+    "xtuner_rope.doctor.llava_check": "xtuner_rope.check.llava",
+    "xtuner_rope.doctor.check_measure": "xtuner_rope.capture.measure",
+    "xtuner_rope.doctor.check_randomness": "xtuner_rope.capture.randomness",
+    "xtuner_rope.doctor.check_capture": "xtuner_rope.capture.text",
+    "xtuner_rope.doctor.llava_capture": "xtuner_rope.capture.llava",
+    "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
+    "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
+    "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
 }
 DEPRECATED_NAMES = [
     ("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),
@@ -308,6 +348,14 @@ def test_an_old_name_warns_and_is_the_new_one(module, name, new):
     ):
         value = getattr(importlib.import_module(module), name)
     assert value is getattr(importlib.import_module(new), name)
+
+
+def test_the_warning_names_the_release_that_drops_the_old_path():
+    from xtuner_rope.deprecated import REMOVED_IN, message
+
+    assert REMOVED_IN.count(".") == 2 and f"until xtuner-rope {REMOVED_IN}" in message(
+        "xtuner_rope.doctor.check"
+    )
 
 
 def test_the_table_of_old_paths_is_the_packages():

@@ -13,7 +13,7 @@ import sys
 
 from mmengine.config import DictAction
 
-from xtuner_rope.doctor.replay import build_run_model, load_record, replay
+from xtuner_rope.outputs.replay import build_run_model, load_record, replay
 
 
 def parse_args():

@@ -40,6 +40,9 @@ PUBLIC_API = {
 __all__ = sorted(PUBLIC_API)
 # Where the plugin's findings functions live: importing them registers them with the start-up.
 FINDINGS_MODULES = (
+    "xtuner_rope.config.packing",
+    "xtuner_rope.config.runtime",
+    "xtuner_rope.config.families",
     "xtuner_rope.config.multimodal",
     "xtuner_rope.config.llava_tower",
     "xtuner_rope.config.checkpoint_findings",

@@ -104,8 +104,7 @@ def _add_check(commands, dict_action) -> None:
 
 
 def _check(args) -> int:
-    from xtuner_rope.doctor.check import run_check
-    from xtuner_rope.doctor.check_report import format_summary, write_report
+    from xtuner_rope.check import format_summary, run_check, write_report
 
     from .config.startup import ConfigConflict
 
@@ -148,13 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched
-        from xtuner_rope.doctor.xtuner_train import run_xtuner_train
+        from xtuner_rope.outputs.xtuner_train import run_xtuner_train
 
         return run_xtuner_train(argv[1:])
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        from xtuner_rope.doctor.xtuner_tools import run_xtuner_tool
+        from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
         return run_xtuner_tool(command, rest)

@@ -7,6 +7,10 @@ Issue 27 sorted the package's face into role folders (``config/``, ``data/``, ``
 as ``startup`` 's and ``monkeypatch.setattr`` on it stay shared) and a ``DeprecationWarning``
 that names the replacement. Add a row to ``MOVED`` when a module moves; never leave a file at the
 old path.
+
+Issue 35 sorted the top floor by job: ``xtuner-rope check`` went to ``check/``, the captures of
+real runs and the measurements they share with it to ``capture/``, replay and XTuner's tools
+to ``outputs/``; ``doctor/`` kept the dataset doctor. The old paths work until :data:`REMOVED_IN` and warn until then.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ import importlib.machinery
 import sys
 import warnings
 
-# Old module -> the module it is now. Keep rows forever: a documented name is API.
+# The release that drops the old paths below (the package is 0.1.x today): a documented name is
+# API, so an old path keeps working, with the warning, for every 0.x release before it.
+REMOVED_IN = "1.0.0"
+
+# Old module -> the module it is now.
 MOVED = {
     "xtuner_rope.startup": "xtuner_rope.config.startup",
     "xtuner_rope.startup_multimodal": "xtuner_rope.config.multimodal",
@@ -33,6 +41,19 @@ MOVED = {
     "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
     # Before the ops/batch split, check_packed_batch lived in a top-level `validate` module.
     "xtuner_rope.validate": "xtuner_rope.batch.checks",
+    # Issue 35: the top floor sorted by job (check/, capture/; doctor/ keeps the dataset doctor).
+    # The old check and check_report modules are the check package: it holds all their names.
+    "xtuner_rope.doctor.check": "xtuner_rope.check",
+    "xtuner_rope.doctor.check_report": "xtuner_rope.check",
+    "xtuner_rope.doctor.check_preference": "xtuner_rope.check.preference",
+    "xtuner_rope.doctor.llava_check": "xtuner_rope.check.llava",
+    "xtuner_rope.doctor.check_measure": "xtuner_rope.capture.measure",
+    "xtuner_rope.doctor.check_randomness": "xtuner_rope.capture.randomness",
+    "xtuner_rope.doctor.check_capture": "xtuner_rope.capture.text",
+    "xtuner_rope.doctor.llava_capture": "xtuner_rope.capture.llava",
+    "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
+    "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
+    "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
 }
 
 
@@ -41,7 +62,8 @@ def message(old: str) -> str:
     new = MOVED[old]
     return (
         f"{old} is deprecated: it moved to {new} (same names). Write `import {new}` / "
-        f"`from {new} import ...` instead; the old path will keep working with this warning."
+        f"`from {new} import ...` instead; the old path keeps working, with this warning, "
+        f"until xtuner-rope {REMOVED_IN}."
     )
 
 

@@ -196,7 +196,7 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     """The tiny LLaVA recipe with ``llava_collate_fn`` through the real ``xtuner train``: the
     LLM's inputs of iteration 1 are captured and each packed sample compared with itself alone
     through the unpatched LLM."""
-    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
 
     text = (sc.REPO / "configs" / "tiny_llava_internlm2_short_dialogues.py").read_text()
     text = sc.sub_once(
@@ -208,7 +208,7 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
         text,
         r"^(from xtuner_rope.demo.resources import tiny_llava\n)",
         r"\g<1>from xtuner_rope import llava_collate_fn\nfrom "
-        "xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n",
+        "xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n",
     )
     text = sc.sub_once(
         text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=LLaVAIsolationCaptureHook),"

@@ -17,9 +17,9 @@ from tiny_recipe import CONFIG, REPO, xtuner_train  # tests/support is on sys.pa
 
 from xtuner_rope.batch.stats import BatchStats, batch_stats
 from xtuner_rope.data.collate import rope_collate_fn
-from xtuner_rope.doctor.replay import build_run_model, load_record
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.monitor import NonFiniteError, NonFiniteTripwireHook, PackingMetricsHook
+from xtuner_rope.outputs.replay import build_run_model, load_record
 
 SHORT_RUN = (
     "train_cfg.max_epochs=None",
@@ -363,9 +363,9 @@ def test_replay_names_the_first_poisoned_layer_and_every_document_it_hits():
     from xtuner.model import SupervisedFinetune
 
     from xtuner_rope.demo.resources import tiny_checkpoint
-    from xtuner_rope.doctor.replay import replay
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
     from xtuner_rope.ops.packing import flat_cumulative
+    from xtuner_rope.outputs.replay import replay
 
     path = tiny_checkpoint(
         str(REPO / "models" / "tiny-internlm2"),

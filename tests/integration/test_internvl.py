@@ -25,8 +25,8 @@ import pytest
 import stock_configs as sc
 import torch
 
+from xtuner_rope.capture.internvl import INTERNVL_CAPTURE_FILE
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.doctor.internvl_capture import INTERNVL_CAPTURE_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _config(internvl: dict, name: str, model: str, path: Path, packed: bool = Fa
 def _fresh_compare(config: Path, work_dir: Path) -> dict:
     """``compare_internvl_capture`` in a fresh process (nothing of the run's patches)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "xtuner_rope.doctor.internvl_capture", str(config),
+        [sys.executable, "-m", "xtuner_rope.capture.internvl", str(config),
          str(work_dir / INTERNVL_CAPTURE_FILE)],
         capture_output=True, text=True, env=sc.venv_env(), cwd=sc.REPO, timeout=600,
     )  # fmt: skip

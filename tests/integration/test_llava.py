@@ -38,7 +38,7 @@ from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.models.llava import check_expanded_batch
 
-CAPTURE = "from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n"
+CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_pat
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
     assert "the sequence its LLM sees after the image expansion is checked every step" in out
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
-    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
 
     result = compare_llava_capture(config, tmp_path / "run" / LLAVA_CAPTURE_FILE)
     saved = torch.load(tmp_path / "run" / LLAVA_CAPTURE_FILE, weights_only=False)
@@ -165,7 +165,7 @@ def _packed(config: Path) -> Path:
 def _assert_in_run_isolation(work_dir: Path) -> dict:
     """The capture hook's in-run figures: each packed sample equals itself alone through the
     unpatched LLM (<= 1e-5 relative), the same rows through the unpatched LLM leak (> 1e-2)."""
-    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE
+    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE
 
     result = torch.load(work_dir / LLAVA_CAPTURE_FILE, weights_only=False)["in_run"]
     assert result["rows"] < result["samples"], result  # rows really packed

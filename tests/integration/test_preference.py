@@ -23,10 +23,10 @@ import pytest
 import stock_configs as sc
 from mmengine.config import Config
 
+from xtuner_rope.capture.preference import capture_file, compare_preference_capture
 from xtuner_rope.config import startup
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny import save_tiny
-from xtuner_rope.doctor.preference_capture import capture_file, compare_preference_capture
 
 pytestmark = pytest.mark.slow
 

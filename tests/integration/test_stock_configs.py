@@ -166,7 +166,7 @@ def test_stock_packing_without_the_edit_leaks_inside_xtuner_train(stock, tmp_pat
     out = proc.stdout + proc.stderr
     assert "IsolationCaptureHook: saved" in out, out[-3000:]
     assert "ValidatedRoPEHook" not in out
-    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
+    from xtuner_rope.capture.text import CAPTURE_FILE, compare_capture
 
     result = compare_capture(config, tmp_path / "run" / CAPTURE_FILE)
     assert result["documents"] > 1

@@ -75,7 +75,7 @@ def internvl_assets(root: Path) -> dict:
     return _ASSETS
 
 
-CAPTURE_IMPORT = "from xtuner_rope.doctor.internvl_capture import InternVLIsolationCaptureHook\n"
+CAPTURE_IMPORT = "from xtuner_rope.capture.internvl import InternVLIsolationCaptureHook\n"
 
 
 def with_internvl_capture(text: str) -> str:

@@ -111,7 +111,7 @@ def localize_preference(
 
 
 CAPTURE = (
-    "\nfrom xtuner_rope.doctor.preference_capture import PreferenceCaptureHook  # noqa: E402\n"
+    "\nfrom xtuner_rope.capture.preference import PreferenceCaptureHook  # noqa: E402\n"
     "custom_hooks += [dict(type=PreferenceCaptureHook)]\n"
 )
 

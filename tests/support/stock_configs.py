@@ -164,7 +164,7 @@ def ensure_tiny_model() -> Path:
     return Path(tiny_checkpoint(str(TINY_MODEL), data_path=str(SAMPLE_DATA)))
 
 
-CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+CAPTURE_IMPORT = "from xtuner_rope.capture.text import IsolationCaptureHook\n"
 
 
 def with_capture(text: str) -> str:
@@ -175,7 +175,7 @@ def with_capture(text: str) -> str:
 
 def assert_isolated_in_run(config: Path, work_dir: Path) -> dict:
     """Each document of the run's first batch, as trained, equals the document alone (fp32)."""
-    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
+    from xtuner_rope.capture.text import CAPTURE_FILE, compare_capture
 
     result = compare_capture(config, work_dir / CAPTURE_FILE)
     assert result["documents"] > 1, result

@@ -1,6 +1,6 @@
 """The file a ``NonFiniteTripwireHook`` failure leaves: one batch and how to rebuild its pass.
 
-Written by the tripwire (``monitor.py``), read by the replay (``doctor/replay.py``): tensors,
+Written by the tripwire (``monitor.py``), read by the replay (``outputs/replay.py``): tensors,
 numbers and strings only, so it loads with ``weights_only=True``.
 """
 

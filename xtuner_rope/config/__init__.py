@@ -1,9 +1,47 @@
 """The config's start-up: what ``enable_xtuner_rope`` inspects, fixes and refuses, and re-checks.
 
 - ``startup``: ``enable_xtuner_rope`` (XTuner's ``model_resource``), ``inspect_config`` and
-  ``prepare_config`` over the registered findings functions (``register_findings``);
-- findings modules, one concern each: ``multimodal`` (LLaVA), ``internvl``, ``sequence_parallel``,
-  ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
-  the loss-normalization findings live with their hook (``xtuner_rope.hooks.loss_norm``);
+  ``prepare_config`` over the registered findings functions (``register_findings``, at the named
+  slots of ``startup.SLOTS``);
+- ``fields``: reading a config without building it (``type_name``, its datasets, its packing);
+- findings modules, one topic each: ``packing`` (boundaries recorded and kept, nothing dropped,
+  the stock ``use_varlen_attn``), ``runtime`` (the plugin's hooks, AMP on CPU),
+  ``sequence_parallel``, ``families`` (flash-attn, unserved families), ``checkpoint_findings``
+  (a ``config.json`` that cannot be read), ``rope_scaling`` (a ``rope_scaling`` no model
+  computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
+  ``internvl``, ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
+  the loss-normalization and checkpoint-interval findings live with their hooks
+  (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
+
+Importing the package registers its findings modules: ``inspect_config`` never runs without
+the start-up's own findings, whatever imported it first.
 """
+
+from . import (
+    checkpoint_findings,
+    families,
+    internvl,
+    launch,
+    llava_tower,
+    multimodal,
+    packing,
+    preference,
+    rope_scaling,
+    runtime,
+    sequence_parallel,
+)
+
+__all__ = [
+    "checkpoint_findings",
+    "families",
+    "internvl",
+    "launch",
+    "llava_tower",
+    "multimodal",
+    "packing",
+    "preference",
+    "rope_scaling",
+    "runtime",
+    "sequence_parallel",
+]

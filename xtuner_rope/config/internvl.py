@@ -139,7 +139,7 @@ def _collate_findings(cfg: Config) -> list[Finding]:
     ]
 
 
-@register_findings(order=41)
+@register_findings("internvl")
 def internvl_findings(cfg: Config) -> list[Finding]:
     """What an ``InternVL_V1_5`` config needs for xtuner-rope; nothing for other configs."""
     if not is_internvl(cfg):

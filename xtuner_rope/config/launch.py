@@ -275,7 +275,7 @@ def single_process_deepspeed_findings(
     ]
 
 
-@register_findings(order=50)
+@register_findings("launch")
 def launch_findings(cfg: Config) -> list[Finding]:
     """Every launch finding of this process's command line and environment."""
     return (

@@ -122,7 +122,7 @@ def image_tokens_finding(asked: object, tower: Mapping) -> Finding | None:
     )
 
 
-@register_findings(order=45)
+@register_findings("llava_tower")
 def llava_collate_findings(cfg: Config) -> list[Finding]:
     """``llava_collate_fn``'s ``image_tokens`` against the tower's ``P`` (see the module)."""
     collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
@@ -155,7 +155,7 @@ def _processor_crop(path: object) -> tuple[int, int] | None:
     return None
 
 
-@register_findings(order=46)
+@register_findings("llava_tower")
 def crop_size_findings(cfg: Config) -> list[Finding]:
     """The LLaVA dataset's image processor against the tower's ``image_size`` (see the module)."""
     model = _get(cfg._cfg_dict, "model")

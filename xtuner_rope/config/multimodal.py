@@ -60,7 +60,7 @@ def _half_llm_findings(llm: dict) -> list[Finding]:
     ]
 
 
-@register_findings(order=40)
+@register_findings("multimodal")
 def multimodal_findings(cfg: Config) -> list[Finding]:
     """What a multimodal config must change for xtuner-rope; nothing for a text config."""
     model = _get(cfg._cfg_dict, "model")

@@ -152,7 +152,7 @@ def _zero3_reference_finding(cfg: Config) -> list[Finding]:
     ]
 
 
-@register_findings(order=110)
+@register_findings("preference")
 def preference_findings(cfg: Config) -> list[Finding]:
     """Conflicts of a preference config that XTuner would report late or never.
 

@@ -20,7 +20,7 @@ from .startup import Finding, register_findings
 __all__ = ["rope_scaling_findings"]
 
 
-@register_findings(order=65)
+@register_findings("rope_scaling")
 def rope_scaling_findings(cfg: Config) -> list[Finding]:
     """Refuse a checkpoint whose ``rope_scaling`` cannot be computed (read from config.json)."""
     llm = (cfg._cfg_dict.get("model") or {}).get("llm") or {}

@@ -1,4 +1,8 @@
-"""Start-up check of sequence parallel against the LLM's head counts, before any weight loads.
+"""Start-up findings of sequence parallel: the size itself, and the LLM's head counts.
+
+``sequence_parallel_size`` is served for SFT (``models.sequence_parallel``) and refused for the
+other models; XTuner's ``default_collate_fn`` becomes ``rope_collate_fn`` padded to a multiple of
+it (:func:`sequence_parallel_size_findings`, run in the start-up's ``runtime`` slot).
 
 With ``sequence_parallel_size = sp``, XTuner's all-to-all gives each rank ``n_h / sp`` heads.
 When ``sp`` does not divide ``n_h`` XTuner falls back to its "inner sequence parallel" (a
@@ -12,13 +16,20 @@ too). The LLM's local ``config.json`` gives the head counts: the start-up (and s
 from __future__ import annotations
 
 from mmengine.config import Config
+from mmengine.config.lazy import LazyObject
 
 from xtuner_rope.compat import cpu_only
 
 from .checkpoint_findings import llm_checkpoint_config
+from .fields import lazy_get as _get
+from .fields import type_name
 from .startup import Finding, register_findings
 
-__all__ = ["checkpoint_heads", "sequence_parallel_heads_findings"]
+__all__ = [
+    "checkpoint_heads",
+    "sequence_parallel_heads_findings",
+    "sequence_parallel_size_findings",
+]
 
 
 def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
@@ -31,12 +42,12 @@ def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
     return config.source, heads if isinstance(heads, int) else None
 
 
-@register_findings(order=60)
+@register_findings("sequence_parallel")
 def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
     """Refuse ``sequence_parallel_size`` not dividing the attention heads on a CPU-only machine."""
     sp = cfg._cfg_dict.get("sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1 or not cpu_only():
-        return []  # a bad size is refused by startup._sequence_parallel_findings
+        return []  # a bad size is refused by sequence_parallel_size_findings
     where, heads = checkpoint_heads(cfg)
     if heads is None or heads % sp == 0:
         return []
@@ -50,5 +61,56 @@ def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
             "weights are loaded",
             f"set sequence_parallel_size to a divisor of {heads} ({', '.join(map(str, divisors))}), "
             "or train on GPUs",
+        )
+    ]
+
+
+def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
+    """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
+
+    Heads not divisible by the size need no refusal on GPUs: XTuner's inner sequence parallel
+    splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
+    machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
+    """
+    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        return [
+            Finding(
+                "sequence_parallel_size",
+                f"{sp!r} is not a positive int",
+                "set sequence_parallel_size = 1 (off) or the number of ranks per row",
+            )
+        ]
+    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
+    if sp > 1 and model != "SupervisedFinetune":
+        return [
+            Finding(
+                "sequence_parallel_size",
+                f"{sp} with model type {model}: xtuner-rope serves "
+                "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
+                "sequence-parallel paths are not wired to its packed attention",
+                "set sequence_parallel_size = 1 for this model",
+            )
+        ]
+    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    if (
+        sp == 1
+        or not isinstance(collate, dict)
+        or (type_name(_get(collate, "type")) != "default_collate_fn")
+    ):
+        return []
+
+    def use_ours() -> None:
+        collate["type"] = LazyObject("xtuner_rope.data.collate", "rope_collate_fn")
+        collate["pad_to_multiple_of"] = sp
+
+    return [
+        Finding(
+            "train_dataloader.collate_fn",
+            f"default_collate_fn asserts that packed rows divide by "
+            f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
+            f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
+            "a segment of their own",
+            use_ours,
         )
     ]

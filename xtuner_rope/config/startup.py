@@ -3,26 +3,17 @@
 ``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
 set_model_resource``), before its own config check, the distributed start, the model and the
 dataset. :func:`enable_xtuner_rope` is meant for that slot: importing it loads the plugin (and
-its ``compat`` patches) early enough, and it reads the config that is being started, so every
-setting that conflicts with the plugin is refused before a single weight is loaded, with the
-setting and the exact edit named. What has one right answer is done here instead of asked for,
-and each change is logged:
+its ``compat`` patches) early enough, and it reads the config being started, so every setting
+that conflicts with the plugin is refused before a weight is loaded, with the setting and the
+exact edit named; what has one right answer is fixed instead, and logged.
 
-- the plugin's hooks are added to ``custom_hooks`` (no hook entry to forget): the validated
-  RoPE and packed attention, the per-batch checks, the packing figures in the log and the
-  non-finite-loss tripwire;
-- XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
-  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same) and
-  drops nothing (``type=lossless_process_hf_dataset``, same arguments: XTuner's
-  ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover);
-- XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
-  size 1 only, as in XTuner);
-- the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
-  documents itself, so XTuner's flash-attn check is switched off and its
-  ``VarlenAttnArgsToMessageHubHook`` leaves room for ours (same MessageHub keys).
-
-:func:`inspect_config` is pure (the ``xtuner-rope doctor`` and the hooks call it too);
-:func:`prepare_config` applies the fixes and raises :class:`ConfigConflict` for the rest.
+This module is the findings engine: :class:`Finding`, :func:`register_findings` (at a named
+slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks call it too) and
+:func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
+findings live by topic, each module registering its own: ``config.packing``, ``config.runtime``
+(plugin hooks, AMP on CPU, ``sequence_parallel_size``), ``config.families``,
+``config.multimodal``, ``config.launch``, ``config.sequence_parallel``, ``config.preference``,
+``hooks.loss_norm``. ``config.fields`` reads a config without building it.
 """
 
 from __future__ import annotations
@@ -34,19 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmengine.config import Config
-from mmengine.config.lazy import LazyAttr, LazyObject
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import cpu_only, keep_other_model_paths
+from xtuner_rope.compat import keep_other_model_paths
 
-# The plugin's hooks, in the order they are added to custom_hooks, and where they live.
-PLUGIN_HOOKS = {
-    "ValidatedRoPEHook": "xtuner_rope.hooks",
-    "PackedBatchCheckHook": "xtuner_rope.hooks",
-    "PackingMetricsHook": "xtuner_rope.hooks.monitor",
-    "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
-    "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
-}
+# Read through this module by the findings, the hooks and the doctor since before the split.
+from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
+from .fields import packing_source as packing_source
+from .fields import type_name as type_name
+
 MODEL_RESOURCE_EDIT = (
     "add to PART 1 of the config:\n"
     "    from xtuner_rope import enable_xtuner_rope\n"
@@ -83,318 +70,6 @@ class Finding:
         return f"{self.setting}: {self.problem}\n  -> {self.edit}"
 
 
-def type_name(value: object) -> str:
-    """The name of a config ``type``, without building MMEngine's lazy objects."""
-    if isinstance(value, (LazyObject, LazyAttr)):
-        return str(value)
-    if isinstance(value, str):
-        return value.rsplit(".", 1)[-1]
-    func = getattr(value, "func", value)  # functools.partial
-    return getattr(func, "__name__", type(value).__name__)
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    """``node[key]`` of a (Config)dict without building lazy values; ``default`` otherwise."""
-    return dict.get(node, key, default) if isinstance(node, dict) else default
-
-
-def _datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
-    """Every dataset dict below a dataloader's ``dataset`` (through ``datasets=[...]`` lists)."""
-    if not isinstance(node, dict):
-        return
-    yield where, node
-    children = _get(node, "datasets")
-    for i, child in enumerate(children if isinstance(children, (list, tuple)) else []):
-        yield from _datasets(child, f"{where}.datasets[{i}]")
-    if isinstance(_get(node, "dataset"), dict):
-        yield from _datasets(_get(node, "dataset"), f"{where}.dataset")
-
-
-# XTuner's dataset builder and ours with the same arguments (xtuner_rope.data.packed_dataset).
-XTUNER_DATASET_TYPES = ("process_hf_dataset", "lossless_process_hf_dataset")
-
-
-def _xtuner_packs(dataset: dict) -> bool:
-    """``process_hf_dataset`` packing (its ``pack_to_max_length`` defaults to True)."""
-    return type_name(_get(dataset, "type")) in XTUNER_DATASET_TYPES and bool(
-        _get(dataset, "pack_to_max_length", True)
-    )
-
-
-def _packs_without_boundaries(dataset: dict) -> bool:
-    return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
-
-
-def flash_attn_findings(cfg: Config) -> list[Finding]:
-    """``attn_implementation="flash_attention_2"`` where flash-attn cannot run: use SDPA.
-
-    Two places ask for it: ``model.llm.attn_implementation`` (XTuner's stock Mistral configs;
-    transformers then refuses to build the model) and, when the LLM dict sets none, a local
-    checkpoint's ``config.json`` (InternLM2 remote code picks its attention class from
-    ``config.attn_implementation`` and imports flash-attn at the first forward). The packed
-    attention of xtuner-rope isolates documents on every backend, so SDPA loses nothing.
-    """
-    from transformers.utils import is_flash_attn_2_available
-
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    if not isinstance(llm, dict) or is_flash_attn_2_available():
-        return []
-    source, asked = "", _get(llm, "attn_implementation")
-    if asked is None:
-        source, asked = _checkpoint_attn_implementation(cfg)
-    if asked != "flash_attention_2":
-        return []
-    return [
-        Finding(
-            "model.llm.attn_implementation",
-            f'"flash_attention_2"{source} needs flash-attn, which '
-            "is not usable here (not installed, or no CUDA): the model would fail to build or to "
-            "run",
-            'set to "sdpa": xtuner-rope\'s packed attention isolates documents on every backend',
-            _setitem(llm, "attn_implementation", "sdpa"),
-        )
-    ]
-
-
-def model_family_findings(cfg: Config) -> list[Finding]:
-    """The LLM's family, read from its ``config.json`` before a weight loads: refuse what
-    xtuner-rope cannot serve (``models.families.REFUSED``: GPT-BigCode, remote-code families).
-
-    A checkpoint whose ``config.json`` cannot be read (a hub id offline) is refused by
-    ``config.checkpoint_findings``; one without ``model_type`` by ``ValidatedRoPEHook`` after
-    it loaded.
-    """
-    from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict, model_class_verdict
-
-    from .checkpoint_findings import llm_checkpoint_path
-
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    setting, verdict = (
-        "model.llm.type",
-        model_class_verdict(getattr(_get(llm, "type"), "_module", None)),
-    )  # XTuner's own DeepSeek-V2 package
-    if verdict is None:
-        setting = "model.llm.pretrained_model_name_or_path"
-        verdict = checkpoint_verdict(llm_checkpoint_path(cfg))
-    if verdict is None or verdict[1] is None:
-        return []
-    where, refusal = verdict
-    return [Finding(setting, f"{where}: {refusal}", UNSERVED_ADVICE)]
-
-
-def _checkpoint_attn_implementation(cfg: Config) -> tuple[str, object]:
-    """``attn_implementation`` of the LLM's ``config.json`` (None when unreadable)."""
-    from .checkpoint_findings import llm_checkpoint_config
-
-    config = llm_checkpoint_config(cfg)
-    if config is None or config.data is None:
-        return "", None
-    return f" (from {config.source})", config.get("attn_implementation")
-
-
-def _setitem(node: dict, key: str, value: object) -> Callable[[], None]:
-    return lambda: node.__setitem__(key, value)
-
-
-def _packing_findings(loader: dict) -> list[Finding]:
-    """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
-    findings, packed = [], False
-    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        packed = packed or _xtuner_packs(dataset)
-        if _packs_without_boundaries(dataset):
-            findings.append(
-                Finding(
-                    f"{where}.use_varlen_attn",
-                    "process_hf_dataset(pack_to_max_length=True) joins "
-                    "dialogues without recording where each starts: documents would attend to each "
-                    "other",
-                    "set to True: XTuner's Packer records the boundaries (same packs)",
-                    _setitem(dataset, "use_varlen_attn", True),
-                )
-            )
-    collate = _get(loader, "collate_fn")
-    name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
-    batch_size = _get(loader, "batch_size", 1)
-    if not packed or name == "rope_collate_fn":
-        return findings
-    if name == "default_collate_fn" and batch_size == 1:
-        if not _get(collate, "use_varlen_attn"):
-            findings.append(
-                Finding(
-                    "train_dataloader.collate_fn.use_varlen_attn",
-                    "default_collate_fn drops the packed rows' boundaries",
-                    "set to True: it keeps cumulative_len/position_ids (batch size 1)",
-                    _setitem(collate, "use_varlen_attn", True),
-                )
-            )
-        return findings
-    why = (
-        f"XTuner's default_collate_fn keeps document boundaries only at batch_size=1, got "
-        f"{batch_size}"
-        if name == "default_collate_fn"
-        else f"collate function {name} is not known to keep document boundaries"
-    )
-    findings.append(
-        Finding(
-            "train_dataloader.collate_fn",
-            f"packed rows: {why}",
-            "use collate_fn=dict(type=rope_collate_fn, max_length=max_length) "
-            "(from xtuner_rope import rope_collate_fn; any batch size)",
-        )
-    )
-    return findings
-
-
-def _lossless_packing_findings(loader: dict) -> list[Finding]:
-    """XTuner's offline packing drops each ``map_num_proc`` shard's leftover: use ours."""
-    findings = []
-    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
-            procs = _get(dataset, "map_num_proc", 32)
-            findings.append(
-                Finding(
-                    f"{where}.type",
-                    f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
-                    "and drops each worker's last leftover below max_length (tokens and "
-                    "supervised labels lost)",
-                    "set to lossless_process_hf_dataset "
-                    "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
-                    "stream, the leftover kept as a short last row",
-                    _setitem(
-                        dataset,
-                        "type",
-                        LazyObject(
-                            "xtuner_rope.data.packed_dataset", "lossless_process_hf_dataset"
-                        ),
-                    ),
-                )
-            )
-    return findings
-
-
-def _varlen_findings(cfg: Config) -> list[Finding]:
-    """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
-    if not _get(cfg._cfg_dict, "use_varlen_attn"):
-        return []
-    findings = [
-        Finding(
-            "use_varlen_attn",
-            "XTuner's start-up check demands flash-attn and batch size 1 for it",
-            "set to False at the top level only (the model, dataset and collate function keep "
-            "theirs): xtuner-rope isolates documents itself, on every attention backend",
-            _setitem(cfg._cfg_dict, "use_varlen_attn", False),
-        )
-    ]
-    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
-    varlen = [h for h in hooks if type_name(_get(h, "type")) == "VarlenAttnArgsToMessageHubHook"]
-    if varlen:
-
-        def drop() -> None:
-            hooks[:] = [h for h in hooks if not any(h is v for v in varlen)]
-
-        findings.append(
-            Finding(
-                "custom_hooks",
-                "VarlenAttnArgsToMessageHubHook publishes the boundaries that "
-                "PackedBatchCheckHook publishes (checked) under the same MessageHub keys",
-                "removed VarlenAttnArgsToMessageHubHook",
-                drop,
-            )
-        )
-    return findings
-
-
-def _hook_findings(cfg: Config) -> list[Finding]:
-    hooks = _get(cfg._cfg_dict, "custom_hooks")
-    present = {type_name(_get(h, "type")) for h in hooks or []}
-    missing = [name for name in PLUGIN_HOOKS if name not in present]
-    if not missing:
-        return []
-
-    def add() -> None:
-        added = [dict(type=LazyObject(PLUGIN_HOOKS[name], name)) for name in missing]
-        if hooks is None:
-            cfg._cfg_dict["custom_hooks"] = added
-        else:
-            hooks[:0] = added
-
-    return [
-        Finding(
-            "custom_hooks",
-            f"{', '.join(missing)} missing",
-            f"added {', '.join(f'dict(type={n})' for n in missing)}",
-            add,
-        )
-    ]
-
-
-def _runtime_findings(cfg: Config) -> list[Finding]:
-    """Settings the plugin cannot serve on this machine or at all."""
-    findings = []
-    optim = _get(cfg._cfg_dict, "optim_wrapper")
-    if type_name(_get(optim, "type")) == "AmpOptimWrapper" and cpu_only():
-        findings.append(
-            Finding(
-                "optim_wrapper.type",
-                "AmpOptimWrapper needs a GPU (MMEngine refuses it on this CPU-only machine)",
-                "use type=OptimWrapper (from mmengine.optim import OptimWrapper) "
-                "and delete its loss_scale and dtype entries: full fp32 on CPU",
-            )
-        )
-    return findings + _sequence_parallel_findings(cfg)
-
-
-def _sequence_parallel_findings(cfg: Config) -> list[Finding]:
-    """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
-
-    Heads not divisible by the size need no refusal on GPUs: XTuner's inner sequence parallel
-    splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
-    machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
-    """
-    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        return [
-            Finding(
-                "sequence_parallel_size",
-                f"{sp!r} is not a positive int",
-                "set sequence_parallel_size = 1 (off) or the number of ranks per row",
-            )
-        ]
-    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
-    if sp > 1 and model != "SupervisedFinetune":
-        return [
-            Finding(
-                "sequence_parallel_size",
-                f"{sp} with model type {model}: xtuner-rope serves "
-                "sequence parallel for SupervisedFinetune (SFT) only; XTuner's DPO/ORPO/reward "
-                "sequence-parallel paths are not wired to its packed attention",
-                "set sequence_parallel_size = 1 for this model",
-            )
-        ]
-    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
-    if (
-        sp == 1
-        or not isinstance(collate, dict)
-        or (type_name(_get(collate, "type")) != "default_collate_fn")
-    ):
-        return []
-
-    def use_ours() -> None:
-        collate["type"] = LazyObject("xtuner_rope.data.collate", "rope_collate_fn")
-        collate["pad_to_multiple_of"] = sp
-
-    return [
-        Finding(
-            "train_dataloader.collate_fn",
-            f"default_collate_fn asserts that packed rows divide by "
-            f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
-            f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
-            "a segment of their own",
-            use_ours,
-        )
-    ]
-
-
 def inspect_config(cfg: Config) -> list[Finding]:
     """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve.
 
@@ -408,18 +83,58 @@ def inspect_config(cfg: Config) -> list[Finding]:
     """
     return [
         finding
-        for _, check in sorted(FINDINGS, key=lambda entry: entry[0])
+        for _, check in sorted(FINDINGS, key=lambda entry: slot_rank(entry[0]))
         for finding in check(cfg)
     ]
 
 
-def register_findings(order: int) -> Callable[[FindingsFn], FindingsFn]:
-    """Decorator: add a findings function to what :func:`inspect_config` runs, at ``order``.
+# Where each topic's findings appear in the start-up's report and are applied, first to last.
+SLOTS = (
+    "varlen",  # config.packing: the stock use_varlen_attn switch
+    "packing",  # config.packing: boundaries recorded and kept, nothing dropped
+    "loss",  # hooks.loss_norm: loss_normalization
+    "multimodal",  # config.multimodal: LLaVA's LLM
+    "internvl",  # config.internvl: InternVL_V1_5 (LLM attention, fp32 on CPU, 4-bit, collate)
+    "llava_tower",  # config.llava_tower: image_tokens and crop size against the vision tower
+    "launch",  # config.launch: DeepSpeed, launcher, devices
+    "checkpoints",  # hooks.accumulation: checkpoints at accumulation-window boundaries
+    "sequence_parallel",  # config.sequence_parallel: heads not divisible on CPU
+    "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
+    "hooks",  # config.runtime: the plugin's hooks in custom_hooks
+    "runtime",  # config.runtime: AMP on CPU, sequence_parallel_size
+    "attention",  # config.families: flash_attention_2 where flash-attn cannot run
+    "family",  # config.families: unserved families
+    "checkpoint",  # config.checkpoint_findings: a config.json that cannot be read
+    "preference",  # config.preference: DPO, ORPO, reward model
+)
 
-    Findings modules (``config.multimodal``, ``config.launch``, ``hooks.loss_norm`` ...) register
-    themselves when imported (``xtuner_rope.activate`` imports them all); the order fixes where
-    their findings appear in the start-up's report (lower first; the slots are in ``FINDINGS``).
+
+def slot_rank(slot: str) -> int:
+    """The place of ``slot`` in the report (its index in :data:`SLOTS`).
+
+    Raises:
+        ValueError: ``slot`` names no slot (an order number of an earlier release, say).
     """
+    if slot not in SLOTS:
+        raise ValueError(
+            f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "
+            "(xtuner_rope.config.startup.SLOTS), or add a slot there"
+        )
+    return SLOTS.index(slot)
+
+
+def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
+    """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order``.
+
+    Findings modules register themselves when imported (``xtuner_rope.activate`` imports them
+    all, ``config/__init__`` the ``config/`` ones); the slot fixes where their findings appear
+    in the report and when their fixes apply (:data:`SLOTS`, first to last; functions of one
+    slot in the order they registered).
+
+    Raises:
+        ValueError: ``order`` names no slot.
+    """
+    slot_rank(order)  # refuse an unknown slot when the module registers, not at start-up
 
     def register(check: FindingsFn) -> FindingsFn:
         if all(registered is not check for _, registered in FINDINGS):
@@ -429,24 +144,8 @@ def register_findings(order: int) -> Callable[[FindingsFn], FindingsFn]:
     return register
 
 
-def _loader_findings(cfg: Config) -> list[Finding]:
-    loader = _get(cfg._cfg_dict, "train_dataloader")
-    if not isinstance(loader, dict):
-        return []
-    return _packing_findings(loader) + _lossless_packing_findings(loader)
-
-
-# (order, findings function): this module's own; the others register with `register_findings`
-# at 30 (loss normalization), 40 (multimodal), 50 (launch), 60 (sequence-parallel heads),
-# 65 (RoPE scaling) and 110 (preference).
-FINDINGS: list[tuple[int, FindingsFn]] = [
-    (10, _varlen_findings),
-    (20, _loader_findings),
-    (70, _hook_findings),
-    (80, _runtime_findings),
-    (90, flash_attn_findings),
-    (100, model_family_findings),
-]
+# (slot, findings function), in registration order: every findings module registers its own.
+FINDINGS: list[tuple[str, FindingsFn]] = []
 
 
 def conflict_message(conflicts: list[Finding]) -> str:
@@ -560,24 +259,6 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
             "pretrained_model_name_or_path in PART 1 of the config to <dir>."
         )
     return prepare_started_config(path)
-
-
-def packing_source(cfg: object) -> str | None:
-    """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
-
-    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True)
-    or ``rope_collate_fn(pack=True)``: such rows must reach the model with boundaries.
-    """
-    loader = _get(getattr(cfg, "_cfg_dict", None), "train_dataloader")
-    if not isinstance(loader, dict):
-        return None
-    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        if _xtuner_packs(dataset):
-            return f"{where} (process_hf_dataset, pack_to_max_length=True)"
-    collate = _get(loader, "collate_fn")
-    if type_name(_get(collate, "type")) == "rope_collate_fn" and _get(collate, "pack"):
-        return "train_dataloader.collate_fn (rope_collate_fn, pack=True)"
-    return None
 
 
 def require_prepared(cfg: object, who: str) -> None:

@@ -14,7 +14,7 @@ For each stock config (``xtuner list-cfg``, filtered by pattern) the sweep
 4. runs ``xtuner-rope doctor`` on it, then a few iterations of the real training script
    (``python -m xtuner.tools.train``, which returns 1 on failure, unlike ``xtuner train``);
 5. where it trained, compares each document of the captured first batch with the same document
-   alone (:func:`xtuner_rope.doctor.check_capture.compare_capture`).
+   alone (:func:`xtuner_rope.capture.text.compare_capture`).
 
 Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict, its reasons, and
 whether the doctor predicted it (:func:`doctor_agrees`: exit 0 exactly when the run trains
@@ -88,7 +88,7 @@ ISOLATION_TOLERANCE = 1e-5  # fp32: |packed - alone| <= tol * max(1, |logit|)
 PLUGIN_EDIT = (
     "from xtuner_rope import enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n"
 )
-CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+CAPTURE_IMPORT = "from xtuner_rope.capture.text import IsolationCaptureHook\n"
 PREFERENCE_KINDS = ("dpo", "orpo", "reward")
 # LLaVA config-name prefix -> its LLM's tiny family (``llava_v15``/``vicuna``: Llama).
 LLAVA_LLM_OF_PREFIX = (
@@ -99,9 +99,9 @@ LLAVA_LLM_OF_PREFIX = (
     ("llava_phi3", "phi3"),
     ("llava_internlm_", "internlm"),
 )
-LLAVA_CAPTURE = "from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n"
+LLAVA_CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 PREFERENCE_CAPTURE = (
-    "\nfrom xtuner_rope.doctor.preference_capture import "
+    "\nfrom xtuner_rope.capture.preference import "
     "PreferenceCaptureHook  # noqa: E402\n"
     "custom_hooks += [dict(type=PreferenceCaptureHook)]\n"
 )
@@ -244,7 +244,7 @@ def enable_plugin_llava(text: str) -> str:
 
 def judge_llava(work: Path, config: Path) -> dict:
     """Each captured sample's LLM logits (after the image expansion) against the sample alone."""
-    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
 
     capture = work / LLAVA_CAPTURE_FILE
     if not capture.is_file():
@@ -500,8 +500,8 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
         if lacks:
             return {"outcome": LACKS, "message": f"{lacks}: {_last_error(out)}"}
         return {"outcome": CRASHED, "message": _last_error(out)}
+    from xtuner_rope.capture.text import CAPTURE_FILE, compare_capture
     from xtuner_rope.demo.runlog import check_run
-    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
 
     try:
         run = check_run(work, min_iters=iters)
@@ -550,7 +550,7 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
 def judge_preference(work: Path, config: Path) -> dict:
     """Each captured response's values (log-probs; the reward token's hidden states) against
     the response alone through the unpatched model, relative to ``max(1, |value|)``."""
-    from xtuner_rope.doctor.preference_capture import (
+    from xtuner_rope.capture.preference import (
         PREFERENCE_CAPTURE_FILE,
         compare_preference_capture,
     )
@@ -591,7 +591,7 @@ def judge_preference(work: Path, config: Path) -> dict:
 def isolation_tolerance(dtype: str) -> float:
     """Relative tolerance on the logits of a run in ``dtype``: fp32's, or ``check``'s for a
     half-precision run (``torch_dtype=torch.bfloat16`` configs train in bf16 on CPU too)."""
-    from xtuner_rope.doctor.check_report import TOLERANCES
+    from xtuner_rope.check.report import TOLERANCES
 
     return ISOLATION_TOLERANCE if dtype == "float32" else TOLERANCES[dtype]["logits"]
 

@@ -159,7 +159,7 @@ def loss_normalization(cfg: object) -> str:
     return mode
 
 
-@register_findings(order=30)
+@register_findings("loss")
 def loss_normalization_findings(cfg) -> list:
     """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
     conflict, refused before anything is built."""

@@ -4,7 +4,7 @@
   loss in every log line and in ``vis_data/scalars.json``.
 - :class:`NonFiniteTripwireHook` stops the run at the first non-finite loss or gradient norm,
   before the optimizer applies it, and saves the batch and the weights for
-  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.doctor.replay`).
+  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.outputs.replay`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class NonFiniteTripwireHook(Hook):
     hooks (DeepSpeed's) get only that later check, after their step.
 
     On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the batch, its boundaries, the
-    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.doctor.replay`) and
+    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.outputs.replay`) and
     ``nonfinite_iter<k>_weights.pt`` (the model's state dict as the batch saw it), then raises
     :class:`NonFiniteError` naming both and the replay command.
 

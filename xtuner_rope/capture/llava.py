@@ -26,26 +26,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mmengine.config import Config
-from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.doctor.capture_weights import plain_state_dict, plain_weights_refusal
-from xtuner_rope.doctor.check_randomness import randomness_off
+from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.capture.weights import plain_state_dict, plain_weights_refusal
+from xtuner_rope.models.dispatch import language_model
 
 LLAVA_CAPTURE_FILE = "llava_isolation_capture.pt"
 _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
 IGNORE_INDEX = -100
 
 
-def inner_llm(model: nn.Module) -> nn.Module:
-    """The HF LLM inside DDP/DeepSpeed wrappers and XTuner's ``LLaVAModel`` (``.llm``)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return getattr(model, "llm", model)
-
-
-class LLaVAIsolationCaptureHook(Hook):
+class LLaVAIsolationCaptureHook(CaptureHook):
     """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run.
 
     For tiny test models: the saved logits are ``[b, s, V]`` fp32.
@@ -55,24 +48,20 @@ class LLaVAIsolationCaptureHook(Hook):
             with the run's weights: each sample alone against the captured logits, and the
             captured rows through the unpatched LLM (the leak without the plugin when rows are
             packed). A LoRA LLM is merged into a copy and ZeRO-3 shards are gathered for it
-            (``doctor.capture_weights``); LoRA under ZeRO-3 is refused before the first step.
+            (``capture.weights``); LoRA under ZeRO-3 is refused before the first step.
             The captured step runs with dropout off (as the reference passes do).
     """
 
-    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8).
-    priority = 7
-
     def __init__(self, negative_control: bool = True) -> None:
+        super().__init__(at_iter=0)
         self.negative_control = negative_control
         self._saved: dict = {}
-        self._handle = None
         self._reference: nn.Module | None = None
-        self._quiet = None  # randomness_off of the captured step
 
     def before_train(self, runner) -> None:
         """Refuse, before any step, a negative control this LLM cannot have."""
         refusal = self.negative_control and plain_weights_refusal(
-            inner_llm(runner.model), type(self).__name__
+            language_model(runner.model), type(self).__name__
         )
         if refusal:
             raise ValueError(refusal)
@@ -100,29 +89,27 @@ class LLaVAIsolationCaptureHook(Hook):
             self._saved["in_run"] = isolation_figures(self._reference, self._saved)
             self._reference = None
 
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != 0:
-            return
-        llm = inner_llm(runner.model)
+    def install(self, runner, data_batch: dict) -> None:
+        llm = language_model(runner.model)
         if self.negative_control:
             self._reference = reference_llava_llm(runner.cfg)
             # The weights of this step, LoRA merged / ZeRO-3 gathered.
             self._reference.load_state_dict(plain_state_dict(llm))
             self._reference.to(next(llm.parameters()).device)
         # LoRA's lora_dropout would make the step differ from the reference passes.
-        self._quiet = randomness_off(llm)
-        self._quiet.__enter__()
-        self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
+        quiet = randomness_off(llm)
+        quiet.__enter__()
+        self.on_undo(lambda: quiet.__exit__(None, None, None))
+        self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._handle is None:
-            return
-        self._handle.remove()
-        self._handle = None
-        self._quiet.__exit__(None, None, None)
-        path = Path(runner.work_dir) / LLAVA_CAPTURE_FILE
-        torch.save(self._saved, path)
-        figures = self._saved.get("in_run")
+    def saved(self, runner, outputs: dict | None) -> dict:
+        return self._saved
+
+    def file_name(self) -> str:
+        return LLAVA_CAPTURE_FILE
+
+    def message(self, path: Path, saved: dict) -> str:
+        figures = saved.get("in_run")
         measured = (
             ""
             if figures is None
@@ -133,11 +120,7 @@ class LLaVAIsolationCaptureHook(Hook):
                 f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
             )
         )
-        print_log(
-            f"LLaVAIsolationCaptureHook: saved iteration 1's LLM inputs and logits to "
-            f"{path}.{measured}",
-            logger="current",
-        )
+        return f"saved iteration 1's LLM inputs and logits to {path}.{measured}"
 
 
 def reference_llava_llm(cfg: Config) -> nn.Module:

@@ -16,10 +16,10 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from xtuner_rope.capture.measure import documents
+from xtuner_rope.check.report import TOLERANCES
+from xtuner_rope.check.runner import train_dtype
 from xtuner_rope.cli import main
-from xtuner_rope.doctor.check import train_dtype
-from xtuner_rope.doctor.check_measure import documents
-from xtuner_rope.doctor.check_report import TOLERANCES
 
 REPO = Path(__file__).resolve().parents[2]
 INTERNLM2 = REPO / "configs" / "tiny_internlm2_short_dialogues.py"
@@ -194,8 +194,8 @@ def test_documents_refuses_a_batch_without_labels():
 def test_unrecorded_packs_that_cannot_be_found_are_refused(stock, tmp_path):
     """Boundaries of stock packs are looked up in the same packs rebuilt with their boundaries;
     a pack that is not there is refused with the setting to change, never guessed."""
-    from xtuner_rope.doctor.check import _recorded_packs
-    from xtuner_rope.doctor.check_capture import compare_capture
+    from xtuner_rope.capture.text import compare_capture
+    from xtuner_rope.check.runner import _recorded_packs
 
     config = tmp_path / "stock.py"
     config.write_text(sc.localize(stock[FULL], stock["alpaca"]))

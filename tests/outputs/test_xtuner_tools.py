@@ -290,7 +290,7 @@ def test_failing_conversion_exits_nonzero(stock, full_run):
 
 def test_convert_uses_the_path_model_resource_returns(tmp_path):
     """As `xtuner train` does: every pretrained_model_name_or_path becomes the returned path."""
-    from xtuner_rope.doctor.xtuner_tools import resolved_model_options
+    from xtuner_rope.outputs.xtuner_tools import resolved_model_options
 
     config = tmp_path / "cfg.py"
     config.write_text(

@@ -1,12 +1,12 @@
 """``xtuner-rope check`` for XTuner's preference models (DPO, ORPO, reward model).
 
-The config is started and its Runner built as for SFT (:mod:`xtuner_rope.doctor.check`); the
+The config is started and its Runner built as for SFT (:mod:`xtuner_rope.check.runner`); the
 first batch of its own dataset and collate function (packed pairs) goes through the model's
 ``compute_loss`` as in a training step, with the plugin's hooks run as in training, while
-:class:`~xtuner_rope.doctor.preference_capture.PreferenceCaptureHook` records what the model
+:class:`~xtuner_rope.capture.preference.PreferenceCaptureHook` records what the model
 computed: policy and reference chosen/rejected log-probs (DPO), chosen/rejected average
 log-probs (ORPO), reward scores (reward model), and the weights. Then
-:func:`~xtuner_rope.doctor.preference_capture.compare_preference_capture` runs each response
+:func:`~xtuner_rope.capture.preference.compare_preference_capture` runs each response
 alone through the unpatched model (float64 sums) and the packed row unpatched (the leak).
 """
 
@@ -17,20 +17,24 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.config.preference import PREFERENCE_MODELS
-from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
-from xtuner_rope.doctor.check_measure import BOUNDARY_HOOKS
-from xtuner_rope.doctor.check_report import TOLERANCES
-from xtuner_rope.doctor.preference_capture import (
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.capture.preference import (
     PreferenceCaptureHook,
     capture_file,
     compare_preference_capture,
 )
+from xtuner_rope.check.report import TOLERANCES
+from xtuner_rope.check.runner import CheckRequest, apply_patch, prepared_runner
+from xtuner_rope.config.preference import PREFERENCE_MODELS
+from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
 from xtuner_rope.models import channel
 
-# Tolerances: check_report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
+# Tolerances: check.report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
 # "logits" entry for log-probs, scores and states, "loss" for the loss); fp32: 1e-5, as sums
 # of ~100 log-probs differ by rounding only.
+
+
+KIND = "preference"
 
 
 def is_preference_config(cfg: Config) -> bool:
@@ -101,26 +105,15 @@ def run_preference_check(
         work_dir: Runner work dir; the capture is written there.
         dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); the
             default is the config's (``check.train_dtype``: float32 on CPU). The tolerances
-            are ``check_report.TOLERANCES`` of that dtype.
+            are ``check.report.TOLERANCES`` of that dtype.
 
     Returns:
         The JSON-ready report (``kind='preference'``), with ``verdict``, ``problems`` and
         ``exit_code`` (1 on a leak).
     """
-    from xtuner_rope.doctor.check import (
-        DTYPES,
-        apply_patch,
-        build_runner,
-        plugin_hooks,
-        train_dtype,
-    )
-
-    runner = build_runner(cfg, Path(work_dir))
-    device = next(runner.model.parameters()).device
-    dt = DTYPES[dtype] if dtype else train_dtype(cfg, device)
-    runner.model.to(dt)  # each response alone runs fp32, summed in float64
+    # each response alone runs fp32, summed in float64
+    runner, _, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
     tol = TOLERANCES[str(dt).replace("torch.", "")]
-    hooks = plugin_hooks(runner)
     patched = apply_patch(runner, hooks)
     with torch.enable_grad():
         capture = _training_forward(runner, hooks, Path(work_dir))
@@ -174,3 +167,14 @@ def format_preference_summary(report: dict) -> str:
             f"{report['loss']['alone']:.6f}"
         )
     return "\n".join([*lines, *[f"  problem: {p}" for p in report["problems"]], report["verdict"]])
+
+
+applies = is_preference_config  # the kind's test (``KINDS``)
+
+
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """The kind's entry (``KINDS``): :func:`run_preference_check` of the request."""
+    return run_preference_check(cfg, request.config, request.work_dir, request.dtype)
+
+
+summary = format_preference_summary  # the kind's summary (``KINDS``)

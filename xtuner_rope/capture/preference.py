@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 from mmengine.dist import get_rank, get_world_size
-from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.doctor.check_capture import reference_llm
-from xtuner_rope.doctor.check_randomness import randomness_off
+from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.capture.text import reference_llm
 from xtuner_rope.models.dispatch import unwrap_model
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
@@ -85,7 +84,7 @@ def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-class PreferenceCaptureHook(Hook):
+class PreferenceCaptureHook(CaptureHook):
     """Save one preference batch, the weights and the per-response values computed.
 
     Writes ``preference_capture.pt`` (``preference_capture_rank{r}.pt`` on several processes)
@@ -93,7 +92,7 @@ class PreferenceCaptureHook(Hook):
     ``{'kind', 'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss',
     'randomness_off'}``. Packed pairs (``use_varlen_attn``) and unpacked ones (one response
     per row) alike. The captured iteration runs with dropout and router noise off
-    (:func:`~xtuner_rope.doctor.check_randomness.randomness_off`, restored after it;
+    (:func:`~xtuner_rope.capture.randomness.randomness_off`, restored after it;
     ``randomness_off`` says what was off), as the responses alone are computed. For tiny test
     models (the weights are saved).
 
@@ -102,13 +101,9 @@ class PreferenceCaptureHook(Hook):
             reference (and a reward head initialised to zero) differ.
     """
 
-    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
-    priority = 7
-
     def __init__(self, at_iter: int = 2) -> None:
-        self.at_iter = at_iter
+        super().__init__(at_iter=at_iter)
         self._saved: dict | None = None
-        self._handles: list = []
 
     def _record(self, name: str, values) -> None:
         for key, value in zip(name.split(","), values):
@@ -125,7 +120,7 @@ class PreferenceCaptureHook(Hook):
             return out
 
         setattr(model, method, recorded)
-        self._handles.append(lambda: model.__dict__.pop(method, None))
+        self.on_undo(lambda: model.__dict__.pop(method, None))
 
     def _hook_reward_head(self, model: nn.Module, labels: torch.Tensor) -> None:
         def collect(module, args, output) -> None:
@@ -134,11 +129,9 @@ class PreferenceCaptureHook(Hook):
             # [pairs * 2, h]: the reward tokens' hidden states, in row order
             self._saved["hidden"] = args[0].detach().float().cpu()[labels != IGNORE]
 
-        self._handles.append(model.v_head.register_forward_hook(collect).remove)
+        self.on_undo(model.v_head.register_forward_hook(collect).remove)
 
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != self.at_iter or not isinstance(data_batch, dict):
-            return
+    def install(self, runner, data_batch: dict) -> None:
         model = unwrap_model(runner.model)
         kind = model_kind(model)
         data = {
@@ -161,7 +154,7 @@ class PreferenceCaptureHook(Hook):
         # lora_dropout=0.1 would otherwise differ by ~1e-3 in its summed log-probs).
         quiet = randomness_off(model)
         self._saved["randomness_off"] = quiet.__enter__()
-        self._handles.append(lambda: quiet.__exit__(None, None, None))
+        self.on_undo(lambda: quiet.__exit__(None, None, None))
         if kind == "dpo":
             self._wrap_logps(
                 model, "policy_chosen,policy_rejected,reference_chosen,reference_rejected"
@@ -171,21 +164,19 @@ class PreferenceCaptureHook(Hook):
         else:
             self._hook_reward_head(model, data["labels"])
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._saved is None:
-            return
-        for undo in self._handles:
-            undo()
-        self._handles = []
+    def saved(self, runner, outputs: dict | None) -> dict:
+        saved, self._saved = self._saved, None
         loss = (outputs or {}).get("loss")
-        self._saved["loss"] = float(loss) if loss is not None else None
-        path = Path(runner.work_dir) / capture_file(get_rank(), get_world_size())
-        torch.save(self._saved, path)
-        self._saved = None
-        print_log(
-            f"PreferenceCaptureHook: saved iteration {self.at_iter + 1}'s batch, weights "
-            f"and per-response values to {path}.",
-            logger="current",
+        saved["loss"] = float(loss) if loss is not None else None
+        return saved
+
+    def file_name(self) -> str:
+        return capture_file(get_rank(), get_world_size())
+
+    def message(self, path: Path, saved: dict) -> str:
+        return (
+            f"saved iteration {self.at_iter + 1}'s batch, weights and per-response values "
+            f"to {path}."
         )
 
 

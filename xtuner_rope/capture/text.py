@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 from mmengine.config import Config
-from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.doctor import check_measure as cm
+from xtuner_rope.capture import measure as cm
+from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.models.dispatch import language_model
 
 CAPTURE_FILE = "isolation_capture.pt"
@@ -35,7 +34,7 @@ def _copy(value: object) -> object:
     return value
 
 
-class IsolationCaptureHook(Hook):
+class IsolationCaptureHook(CaptureHook):
     """Save the first training batch and the logits/loss the model computed from it.
 
     Writes ``isolation_capture.pt`` (``{'data': the collated batch, 'logits': [b, s, V] fp32,
@@ -43,13 +42,10 @@ class IsolationCaptureHook(Hook):
     tiny and test models: the logits of a 7B model on a long pack are gigabytes.
     """
 
-    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
-    priority = 7
-
     def __init__(self) -> None:
+        super().__init__(at_iter=0)
         self._data: dict | None = None
         self._out: dict = {}
-        self._handle = None
 
     def _collect(self, module, args, output) -> None:
         if "logits" not in self._out and module.training:
@@ -58,23 +54,18 @@ class IsolationCaptureHook(Hook):
             # the weights' dtype (a bf16 run rounds its logits: see compare_capture)
             self._out["dtype"] = str(next(module.parameters()).dtype).removeprefix("torch.")
 
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != 0 or not isinstance(data_batch, dict):
-            return
+    def install(self, runner, data_batch: dict) -> None:
         self._data = {k: _copy(v) for k, v in data_batch["data"].items()}
-        self._handle = language_model(runner.model).register_forward_hook(self._collect)
+        self.on_undo(language_model(runner.model).register_forward_hook(self._collect).remove)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._handle is None:
-            return
-        self._handle.remove()
-        self._handle = None
-        path = Path(runner.work_dir) / CAPTURE_FILE
-        torch.save({"data": self._data, **self._out}, path)
-        print_log(
-            f"IsolationCaptureHook: saved iteration 1's batch and logits to {path}.",
-            logger="current",
-        )
+    def saved(self, runner, outputs: dict | None) -> dict:
+        return {"data": self._data, **self._out}
+
+    def file_name(self) -> str:
+        return CAPTURE_FILE
+
+    def message(self, path: Path, saved: dict) -> str:
+        return f"saved iteration 1's batch and logits to {path}."
 
 
 def reference_llm(cfg: Config) -> nn.Module:
@@ -133,7 +124,7 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
         run is compared with the same bf16-rounded weights computing in fp32: judge it with
         that dtype's tolerance). Packs that did not record their boundaries
         (stock XTuner packing) get them from the same packs rebuilt with
-        ``use_varlen_attn=True`` (see :func:`xtuner_rope.doctor.check.first_batches`).
+        ``use_varlen_attn=True`` (see :func:`xtuner_rope.check.runner.first_batches`).
     """
     from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 

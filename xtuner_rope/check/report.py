@@ -1,4 +1,4 @@
-"""Verdict, tolerances, printed summary and ``report.json`` of ``xtuner-rope check``.
+"""Tolerances, verdict, the report's head and ``report.json`` of ``xtuner-rope check``.
 
 Tolerances are relative to the size of what is compared (``max(1, |reference|)``): a packed
 document and the same document alone run the same weights through different kernel calls
@@ -17,8 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from mmengine.config import Config
+
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
 from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT
-from xtuner_rope.doctor.check_randomness import describe
+from xtuner_rope.doctor.diagnose import plugin_resource
 
 TOLERANCES = {  # relative, see the module docstring
     "float32": {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4},
@@ -110,60 +114,51 @@ def judge(report: dict) -> dict:
     }
 
 
-def format_summary(report: dict) -> str:
-    """The short text printed by ``xtuner-rope check``."""
-    if report.get("kind") == "preference":
-        from xtuner_rope.doctor.check_preference import format_preference_summary
+def report_head(
+    cfg: Config,
+    config: str,
+    cfg_options: dict | None,
+    hooks: dict,
+    measured: dict,
+    llm,
+    device,
+    dt: torch.dtype,
+    *,
+    model_class: str,
+    parameters: int,
+) -> dict:
+    """The report's config, plugin and model entries (pops ``patched`` and ``backend``).
 
-        return format_preference_summary(report)
-    if report.get("kind") == "internvl":
-        from xtuner_rope.doctor.internvl_check import format_internvl_summary
-
-        return format_internvl_summary(report)
-    if report.get("kind") == "llava":
-        from xtuner_rope.doctor.llava_check import format_llava_summary
-
-        return format_llava_summary(report)
-    m, fig, gen = report["model"], report["figures"], report["generation"]
-    docs = sum(b["documents"] for b in report["batches"])
-    rows = sum(b["rows"] for b in report["batches"])
-
-    def ok(name: str) -> str:
-        return "ok" if fig[name]["relative"] <= fig[name]["tolerance"] else "FAIL"
-
-    lines = [
-        f"xtuner-rope check: {report['config']}",
-        f"  model    {m['class']} ({m['parameters']:,} parameters), {m['dtype']} on "
-        f"{m['device']}, attn_implementation={m['attn_implementation']}, packed backend "
-        f"{_backend(report)}",
-        f"  random   {describe(report['randomness'])}",
-        f"  batches  {len(report['batches'])}: {rows} rows, {docs} documents "
-        f"(boundaries: {report['batches'][0]['boundaries']})",
-        f"  logits   max |packed - alone| {fig['logits']['max_abs_diff']:.3g} "
-        f"(relative {fig['logits']['relative']:.3g}, tolerance {fig['logits']['tolerance']:.3g})"
-        f"  {ok('logits')}",
-        f"  loss     packed {report['batches'][0]['loss']['packed']:.6f} vs documents "
-        f"{report['batches'][0]['loss']['documents']:.6f} (relative {fig['loss']['relative']:.3g}"
-        f", tolerance {fig['loss']['tolerance']:.3g})  {ok('loss')}",
-        f"  grads    max |packed - sum of documents| {fig['grads']['max_abs_diff']:.3g} over "
-        f"{report['grads']['parameters']:,} parameters (relative {fig['grads']['relative']:.3g}, "
-        f"tolerance {fig['grads']['tolerance']:.3g})  {ok('grads')}",
-        f"  generate {len(gen['patched'])} greedy tokens, patched "
-        f"{'==' if gen['patched'] == gen['unpatched'] else '!='} unpatched  "
-        f"{'ok' if gen['patched'] == gen['unpatched'] else 'FAIL'}",
-        *[f"  problem: {p}" for p in report["problems"]],
-        report["verdict"],
-    ]
-    return "\n".join(lines)
-
-
-def _backend(report: dict) -> str:
-    """The backend the packed pass ran, and the attention layers it ran in."""
-    m = report["model"]
-    layers = ", ".join(m.get("attention_layers") or []) or "no attention layer found"
-    if not report["plugin"]["patched"]:
-        return f"none (not patched; layers {layers})"
-    return f"{m['packed_backend'] or 'none (no packed row reached it)'} (layers {layers})"
+    Shared by the text check and the LLaVA check (``check.llava``): what was checked, with the
+    attention the language model really ran (the layers' classes and the packed backend chosen).
+    """
+    return {
+        "config": str(config),
+        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "plugin": {
+            "model_resource": plugin_resource(cfg),
+            "patched": measured.pop("patched"),
+            "hooks": [n for n in ("ValidatedRoPEHook", *BOUNDARY_HOOKS) if n in hooks],
+        },
+        "model": {
+            "class": model_class,
+            "path": str(getattr(llm, "name_or_path", "")),
+            "device": str(device),
+            "dtype": str(dt).replace("torch.", ""),
+            # What picks the layers' class: InternLM2's own config attribute, else HF's.
+            "attn_implementation": getattr(llm.config, "attn_implementation", None)
+            or getattr(llm.config, "_attn_implementation", None),
+            "packed_backend": measured.pop("backend"),
+            "attention_layers": sorted(
+                {
+                    type(m).__name__
+                    for m in llm.modules()
+                    if type(m).__name__.endswith(("Attention", "Attention2"))
+                }
+            ),
+            "parameters": parameters,
+        },
+    }
 
 
 def write_report(report: dict, out: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """The measurements of ``xtuner-rope check``: a batch's documents, packed against alone.
 
-Shared with the isolation capture of real runs (:mod:`xtuner_rope.doctor.check_capture`). All
+Shared with the isolation capture of real runs (:mod:`xtuner_rope.capture.text`). All
 logits and losses are compared in fp32 (the model's logits upcast), on the CPU.
 """
 

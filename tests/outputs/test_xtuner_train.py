@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from xtuner_rope.cli import main
-from xtuner_rope.doctor.xtuner_train import run_xtuner_train, train_script
+from xtuner_rope.outputs.xtuner_train import run_xtuner_train, train_script
 
 RECORDER = '#!/bin/sh\nprintf "%s\\n" "$(basename "$0")" "$@" > "$XTR_RECORD"\nexit 3\n'
 ARGS = [

@@ -16,9 +16,9 @@ from pathlib import Path
 import llava_configs as lc
 import pytest
 
+from xtuner_rope.check import run_check
+from xtuner_rope.check.report import TOLERANCES
 from xtuner_rope.cli import main
-from xtuner_rope.doctor.check import run_check
-from xtuner_rope.doctor.check_report import TOLERANCES
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.llava_stats import image_tokens_of
 

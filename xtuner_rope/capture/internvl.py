@@ -10,7 +10,7 @@ inputs with dropout off (XTuner's LoRA configs train with ``lora_dropout=0.05``,
 training forward itself random); ``logits_train`` keeps the training forward's.
 
 :func:`compare_internvl_capture` (in a fresh process: ``python -m
-xtuner_rope.doctor.internvl_capture CONFIG CAPTURE``) builds the config's ``InternVL_V1_5``
+xtuner_rope.capture.internvl CONFIG CAPTURE``) builds the config's ``InternVL_V1_5``
 again, unpatched, gives its LLM the step's weights and runs each sample alone (its real tokens,
 positions ``0..n-1``; a packed row's samples are cut where its positions restart). With
 ``negative_control=True`` (the default) the hook measures the same inside the run and also runs
@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mmengine.config import Config
-from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.doctor.llava_capture import isolation_figures
+from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.models.dispatch import language_model
 
 INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
@@ -49,7 +48,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     )
 
 
-class InternVLIsolationCaptureHook(Hook):
+class InternVLIsolationCaptureHook(CaptureHook):
     """Save the LLM's inputs, weights and logits of the first step of an InternVL run.
 
     For tiny test models: the saved logits are ``[b, s, V]`` fp32, the weights whole.
@@ -59,13 +58,10 @@ class InternVLIsolationCaptureHook(Hook):
             with the run's weights: each sample alone, and the captured rows as they are.
     """
 
-    # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
-    priority = 7
-
     def __init__(self, negative_control: bool = True) -> None:
+        super().__init__(at_iter=0)
         self.negative_control = negative_control
         self._saved: dict = {}
-        self._handle = None
         self._reference: nn.Module | None = None
 
     def _collect(self, module, args, kwargs, output) -> None:
@@ -87,9 +83,7 @@ class InternVLIsolationCaptureHook(Hook):
             self._saved["in_run"] = isolation_figures(self._reference, self._saved)
             self._reference = None
 
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != 0:
-            return
+    def install(self, runner, data_batch: dict) -> None:
         llm = language_model(runner.model)
         self._saved = {
             "labels": data_batch["data"]["labels"].cpu(),
@@ -100,16 +94,16 @@ class InternVLIsolationCaptureHook(Hook):
             self._reference = reference_internvl_llm(runner.cfg)
             self._reference.load_state_dict(self._saved["llm_state"])
             self._reference.to(next(llm.parameters()).device).eval()
-        self._handle = llm.register_forward_hook(self._collect, with_kwargs=True)
+        self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._handle is None:
-            return
-        self._handle.remove()
-        self._handle = None
-        path = Path(runner.work_dir) / INTERNVL_CAPTURE_FILE
-        torch.save(self._saved, path)
-        figures = self._saved.get("in_run")
+    def saved(self, runner, outputs: dict | None) -> dict:
+        return self._saved
+
+    def file_name(self) -> str:
+        return INTERNVL_CAPTURE_FILE
+
+    def message(self, path: Path, saved: dict) -> str:
+        figures = saved.get("in_run")
         measured = (
             ""
             if figures is None
@@ -120,11 +114,7 @@ class InternVLIsolationCaptureHook(Hook):
                 f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
             )
         )
-        print_log(
-            f"InternVLIsolationCaptureHook: saved iteration 1's LLM inputs, weights and logits "
-            f"to {path}.{measured}",
-            logger="current",
-        )
+        return f"saved iteration 1's LLM inputs, weights and logits to {path}.{measured}"
 
 
 def reference_internvl_llm(cfg: Config) -> nn.Module:
@@ -158,6 +148,6 @@ def compare_internvl_capture(config: str | Path, capture: str | Path) -> dict:
     return isolation_figures(llm, saved)
 
 
-if __name__ == "__main__":  # python -m xtuner_rope.doctor.internvl_capture CONFIG CAPTURE
+if __name__ == "__main__":  # python -m xtuner_rope.capture.internvl CONFIG CAPTURE
     result = compare_internvl_capture(sys.argv[1], sys.argv[2])
     print("INTERNVL_COMPARE=" + json.dumps({k: v for k, v in result.items()}))

@@ -12,7 +12,7 @@ import peft
 import pytest
 import torch
 
-from xtuner_rope.doctor.capture_weights import is_peft, plain_state_dict, plain_weights_refusal
+from xtuner_rope.capture.weights import is_peft, plain_state_dict, plain_weights_refusal
 
 
 @pytest.fixture

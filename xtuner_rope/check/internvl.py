@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.doctor.check_randomness import randomness_off
-from xtuner_rope.doctor.internvl_capture import batch_loss, reference_internvl_llm
-from xtuner_rope.doctor.llava_capture import isolation_figures
+from xtuner_rope.capture.internvl import batch_loss, reference_internvl_llm
+from xtuner_rope.capture.llava import isolation_figures
+from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.internvl import internvl_image_tokens
 
@@ -142,3 +142,23 @@ def format_internvl_summary(report: dict) -> str:
         )
     lines.append(report["verdict"])
     return "\n".join(lines)
+
+
+KIND = "internvl"
+
+
+def applies(cfg: Config) -> bool:
+    """A config whose model is XTuner's ``InternVL_V1_5``."""
+    from xtuner_rope.config.internvl import is_internvl
+
+    return is_internvl(cfg)
+
+
+def run(cfg: Config, request) -> dict:
+    """The kind's entry (``KINDS``): :func:`run_internvl_check` of the request."""
+    return run_internvl_check(cfg, request.config, request.batches, request.work_dir)
+
+
+def summary(report: dict) -> str:
+    """The kind's summary (``KINDS``): :func:`format_internvl_summary`."""
+    return format_internvl_summary(report)

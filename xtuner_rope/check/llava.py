@@ -1,6 +1,6 @@
 """``xtuner-rope check`` for XTuner's LLaVA configs, through the real ``LLaVAModel``.
 
-The config is started and its Runner built as for text SFT (:mod:`xtuner_rope.doctor.check`):
+The config is started and its Runner built as for text SFT (:mod:`xtuner_rope.check.runner`):
 the vision tower, projector and LLM the config names. The LLM never sees the collated batch:
 ``LLaVAModel.forward`` expands each image placeholder into ``P`` patch embeddings first. So
 each sample of the config's first batches (padded by XTuner's ``default_collate_fn`` or
@@ -17,8 +17,8 @@ packed by ``llava_collate_fn``) is located in the *expanded* rows (its length
    LLM logits against step 1, the loss, the gradients; the real expansion's row lengths
    against the doctor's arithmetic (a disagreement is a problem).
 
-Randomness is off in both passes (``check_randomness``), the backend the packed attention ran
-is reported, and the verdict uses ``check_report``'s tolerances.
+Randomness is off in both passes (``capture.randomness``), the backend the packed attention ran
+is reported, and the verdict uses ``check.report``'s tolerances.
 """
 
 from __future__ import annotations
@@ -30,14 +30,23 @@ from mmengine.config import Config
 
 from xtuner_rope.batch.image_packing import expand_row_boundaries, expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.doctor import check_measure as cm
-from xtuner_rope.doctor.check_measure import BOUNDARY_HOOKS
-from xtuner_rope.doctor.check_randomness import randomness_off
-from xtuner_rope.doctor.check_report import judge
+from xtuner_rope.capture import measure as cm
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.check.report import judge, report_head
+from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
+from xtuner_rope.check.text import format_text_summary
+from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.runtime import chosen_backends
 
 IGNORE_INDEX = -100
+KIND = "llava"
+
+
+def applies(cfg: Config) -> bool:
+    """A config whose model is XTuner's ``LLaVAModel``."""
+    return is_llava(cfg)
 
 
 def _row_segments(data: dict) -> list[list[int]]:
@@ -159,8 +168,6 @@ def _prompt(data: dict, sample: dict) -> torch.Tensor:
 
 
 def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dict:
-    from xtuner_rope.doctor.check import apply_patch
-
     model, llm = runner.model, runner.model.llm
     recorder = _LLMInputs(llm)
     try:
@@ -307,22 +314,16 @@ def run_llava_check(
 ) -> dict:
     """Measure a started LLaVA config; see the module docstring.
 
-    Args: as :func:`xtuner_rope.doctor.check.run_check` (``cfg`` already started).
+    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
 
     Returns:
         The JSON-ready report (``kind='llava'``, the text check's fields plus ``multimodal``
         and each batch's ``expansion``), with ``verdict``, ``problems`` and ``exit_code``.
     """
-    from xtuner_rope.doctor import check as ch
-
     p = image_tokens_of(cfg)
-    runner = ch.build_runner(cfg, Path(work_dir))
-    device = next(runner.model.parameters()).device
-    dt = ch.DTYPES[dtype] if dtype else ch.train_dtype(cfg, device)
-    runner.model.to(dt)
-    hooks = ch.plugin_hooks(runner)
+    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
     cut = []
-    for data_batch, _ in ch.first_batches(cfg, batches):
+    for data_batch, _ in first_batches(cfg, batches):
         samples = llava_samples(data_batch["data"], p["image_tokens"])
         cut.append((data_batch, _cut(data_batch, samples, max_documents)))
     model = runner.model
@@ -333,7 +334,7 @@ def run_llava_check(
     llm = model.llm
     report = {
         "kind": "llava",
-        **ch.report_head(
+        **report_head(
             cfg,
             config,
             cfg_options,
@@ -368,9 +369,7 @@ def run_llava_check(
 
 def format_llava_summary(report: dict) -> str:
     """The text check's summary plus the image lines."""
-    from xtuner_rope.doctor.check_report import format_summary
-
-    lines = format_summary({**report, "kind": "text"}).splitlines()
+    lines = format_text_summary(report).splitlines()
     b = report["batches"][0]
     e = b["expansion"]
     at = next(i for i, line in enumerate(lines) if line.startswith("  batches"))
@@ -382,3 +381,20 @@ def format_llava_summary(report: dict) -> str:
         f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})",
     )
     return "\n".join(lines)
+
+
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """The kind's entry (``KINDS``): :func:`run_llava_check` of the request."""
+    return run_llava_check(
+        cfg,
+        request.config,
+        request.cfg_options,
+        request.batches,
+        request.work_dir,
+        request.dtype,
+        request.max_documents,
+        request.new_tokens,
+    )
+
+
+summary = format_llava_summary  # the kind's summary (``KINDS``)

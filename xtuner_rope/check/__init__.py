@@ -1,0 +1,51 @@
+"""``xtuner-rope check``: prove isolation on the user's own model, dtype, kernel and data.
+
+Floors, lowest first: ``runner`` (the config started, its Runner built, its first batches),
+``report`` (tolerances, ``judge``, the report's head, ``report.json``), one module per kind
+(``text``, ``llava``, ``preference``: the same small interface) and ``kinds`` (the ``KINDS``
+table that ``run_check`` and ``format_summary`` dispatch on). The measurements themselves (a
+batch's documents, packed against alone; randomness off) live in :mod:`xtuner_rope.capture`,
+shared with the captures of real runs.
+
+The names below are the command's API (and what the old ``xtuner_rope.doctor.check`` and
+``xtuner_rope.doctor.check_report`` modules held).
+"""
+
+from xtuner_rope.check.kinds import KINDS, format_summary, kind_of, run_check
+from xtuner_rope.check.report import TOLERANCES, figures, judge, report_head, write_report
+from xtuner_rope.check.runner import (
+    DTYPES,
+    CheckRequest,
+    PreparedRunner,
+    apply_patch,
+    build_runner,
+    first_batches,
+    plugin_hooks,
+    prepared_runner,
+    start_config,
+    train_dtype,
+)
+from xtuner_rope.check.text import measure
+
+__all__ = [
+    "DTYPES",
+    "KINDS",
+    "TOLERANCES",
+    "CheckRequest",
+    "PreparedRunner",
+    "apply_patch",
+    "build_runner",
+    "figures",
+    "first_batches",
+    "format_summary",
+    "judge",
+    "kind_of",
+    "measure",
+    "plugin_hooks",
+    "prepared_runner",
+    "report_head",
+    "run_check",
+    "start_config",
+    "train_dtype",
+    "write_report",
+]

@@ -1,0 +1,217 @@
+"""``xtuner-rope check`` of a text (SFT) config: prove isolation on the user's own model and data.
+
+The config is started and its Runner built by :mod:`xtuner_rope.check.runner` (the user's
+model, dtype, kernel and data). Then, for each of the first batches,
+:mod:`xtuner_rope.capture.measure` compares the packed rows with each document alone:
+
+1. unpatched (the model as built): each document alone, its logits, loss and gradients;
+   greedy generation of the first document's prompt;
+2. the plugin's hooks run as in training (``ValidatedRoPEHook.before_train`` patches the model,
+   the boundary hooks' ``before_train_iter`` publish the batch's boundaries);
+3. patched: the packed batch through ``SupervisedFinetune`` as the training step calls it; its
+   logits, loss and gradients against step 1; the same generation.
+
+A config without the plugin is measured the same way (nothing is patched): the differences
+are the leak of XTuner's own packing. The unpatched reference is the same module before the
+patch, so a 7B model is held once; see :func:`xtuner_rope.check.kinds.run_check` for the
+memory bounds. The kind's interface (``KIND``, ``applies``, ``run``, ``summary``) is the one
+:data:`xtuner_rope.check.kinds.KINDS` dispatches on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmengine.config import Config
+
+from xtuner_rope.capture import measure as cm
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.capture.randomness import describe, randomness_off
+from xtuner_rope.check.report import judge, report_head
+from xtuner_rope.check.runner import (
+    CheckRequest,
+    apply_patch,
+    first_batches,
+    prepared_runner,
+)
+from xtuner_rope.models.runtime import chosen_backends
+
+KIND = "text"
+
+
+def applies(cfg: Config) -> bool:
+    """Every config: the text check is the last entry of ``KINDS``, the one left."""
+    return True
+
+
+def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
+    """Reference passes (unpatched), the patch, packed passes; see the module docstring.
+
+    Gradients are compared on the first batch (one ``.grad`` buffer holds their difference).
+    Dropout and router noise are off in every pass (``capture.randomness``: different shapes draw
+    different masks); ``randomness`` says what was switched off. ``backend`` is what the patched
+    attention chose during the packed passes (``models.runtime.chosen_backends``).
+    """
+    model = runner.model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with randomness_off(model) as randomness:
+        measured = _measure(runner, batches, hooks, new_tokens)
+    return {**measured, "randomness": randomness}
+
+
+def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
+    model, llm = runner.model, runner.model.llm
+    refs = []
+    for i, (data_batch, docs) in enumerate(batches):
+        data = data_batch["data"]
+        n_packed, n_docs = cm.label_count(data["labels"], docs)
+        logits, loss = cm.documents_alone(llm, data, docs, n_packed, backward=i == 0)
+        refs.append({"logits": logits, "loss": loss, "labels": (n_packed, n_docs)})
+    ref_grad = cm.grad_scale(model)
+    prompt = cm.prompt_of(batches[0][0]["data"], batches[0][1][0])
+    generated_ref = cm.greedy(llm, prompt, new_tokens)
+    patched = apply_patch(runner, hooks)
+    chosen_backends(reset=True)
+    results = []
+    for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
+        b, s = data_batch["data"]["input_ids"].shape
+        logits, loss, dropped = cm.packed_forward(
+            runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0
+        )
+        results.append(
+            {
+                "rows": b,
+                "tokens_per_row": s,
+                "documents": len(docs),
+                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+                "logits": cm.logits_differences(logits, ref["logits"], docs),
+                "loss": {"packed": loss, "documents": ref["loss"]},
+                "unconsumed_keys": dropped,
+            }
+        )
+    diff = cm.grad_scale(model)
+    model.zero_grad(set_to_none=True)
+    return {
+        "patched": patched,
+        "backend": ", ".join(chosen_backends(reset=True)) or None,
+        "batches": results,
+        "grads": {
+            "max_abs_diff": diff,
+            "max_abs_grad": ref_grad,
+            "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
+            "batch": 0,
+        },
+        "generation": {
+            "prompt_tokens": prompt.shape[1],
+            "unpatched": generated_ref,
+            "patched": cm.greedy(llm, prompt, new_tokens),
+        },
+    }
+
+
+def run_text_check(
+    cfg: Config,
+    config: str,
+    cfg_options: dict | None,
+    batches: int,
+    work_dir: Path,
+    dtype: str | None,
+    max_documents: int,
+    new_tokens: int,
+) -> dict:
+    """Measure a started text config; see the module docstring.
+
+    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
+
+    Returns:
+        The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
+    """
+    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    cut, sources = [], []
+    for data_batch, recorded in first_batches(cfg, batches):
+        docs, source = cm.documents(data_batch["data"], recorded, max_documents)
+        cut.append((data_batch, docs))
+        sources.append(source)
+    measured = measure(runner, cut, hooks, new_tokens)
+    for result, source in zip(measured["batches"], sources):
+        result["boundaries"] = source
+    llm = runner.model.llm
+    report = {
+        **report_head(
+            cfg,
+            config,
+            cfg_options,
+            hooks,
+            measured,
+            llm,
+            device,
+            dt,
+            model_class=type(llm).__name__,
+            parameters=sum(p.numel() for p in llm.parameters()),
+        ),
+        **measured,
+    }
+    report.update(judge(report))
+    return report
+
+
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """The kind's entry (``KINDS``): :func:`run_text_check` of the request."""
+    return run_text_check(
+        cfg,
+        request.config,
+        request.cfg_options,
+        request.batches,
+        request.work_dir,
+        request.dtype,
+        request.max_documents,
+        request.new_tokens,
+    )
+
+
+def format_text_summary(report: dict) -> str:
+    """The short text printed by ``xtuner-rope check`` for a text (SFT) config."""
+    m, fig, gen = report["model"], report["figures"], report["generation"]
+    docs = sum(b["documents"] for b in report["batches"])
+    rows = sum(b["rows"] for b in report["batches"])
+
+    def ok(name: str) -> str:
+        return "ok" if fig[name]["relative"] <= fig[name]["tolerance"] else "FAIL"
+
+    lines = [
+        f"xtuner-rope check: {report['config']}",
+        f"  model    {m['class']} ({m['parameters']:,} parameters), {m['dtype']} on "
+        f"{m['device']}, attn_implementation={m['attn_implementation']}, packed backend "
+        f"{_backend(report)}",
+        f"  random   {describe(report['randomness'])}",
+        f"  batches  {len(report['batches'])}: {rows} rows, {docs} documents "
+        f"(boundaries: {report['batches'][0]['boundaries']})",
+        f"  logits   max |packed - alone| {fig['logits']['max_abs_diff']:.3g} "
+        f"(relative {fig['logits']['relative']:.3g}, tolerance {fig['logits']['tolerance']:.3g})"
+        f"  {ok('logits')}",
+        f"  loss     packed {report['batches'][0]['loss']['packed']:.6f} vs documents "
+        f"{report['batches'][0]['loss']['documents']:.6f} (relative {fig['loss']['relative']:.3g}"
+        f", tolerance {fig['loss']['tolerance']:.3g})  {ok('loss')}",
+        f"  grads    max |packed - sum of documents| {fig['grads']['max_abs_diff']:.3g} over "
+        f"{report['grads']['parameters']:,} parameters (relative {fig['grads']['relative']:.3g}, "
+        f"tolerance {fig['grads']['tolerance']:.3g})  {ok('grads')}",
+        f"  generate {len(gen['patched'])} greedy tokens, patched "
+        f"{'==' if gen['patched'] == gen['unpatched'] else '!='} unpatched  "
+        f"{'ok' if gen['patched'] == gen['unpatched'] else 'FAIL'}",
+        *[f"  problem: {p}" for p in report["problems"]],
+        report["verdict"],
+    ]
+    return "\n".join(lines)
+
+
+def _backend(report: dict) -> str:
+    """The backend the packed pass ran, and the attention layers it ran in."""
+    m = report["model"]
+    layers = ", ".join(m.get("attention_layers") or []) or "no attention layer found"
+    if not report["plugin"]["patched"]:
+        return f"none (not patched; layers {layers})"
+    return f"{m['packed_backend'] or 'none (no packed row reached it)'} (layers {layers})"
+
+
+summary = format_text_summary  # the kind's summary (``KINDS``)

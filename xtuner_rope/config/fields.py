@@ -1,0 +1,85 @@
+"""Reading an XTuner config without building it: a field, a ``type``'s name, its datasets.
+
+XTuner configs are parsed by MMEngine in lazy-import mode: their ``type=`` values are
+``LazyObject`` s that import a module when built. The start-up's findings (and the hooks, the
+doctor, the check) read a config before anything is built, so they read it through these:
+``lazy_get`` (``node[key]`` of a dict, nothing built), ``type_name`` (a ``type``'s name),
+``walk_datasets`` (every dataset dict below a dataloader), ``xtuner_packs`` /
+:func:`packing_source` (whether and where the train rows are packed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from mmengine.config.lazy import LazyAttr, LazyObject
+
+__all__ = [
+    "XTUNER_DATASET_TYPES",
+    "lazy_get",
+    "packing_source",
+    "setter",
+    "type_name",
+    "walk_datasets",
+    "xtuner_packs",
+]
+
+
+def type_name(value: object) -> str:
+    """The name of a config ``type``, without building MMEngine's lazy objects."""
+    if isinstance(value, (LazyObject, LazyAttr)):
+        return str(value)
+    if isinstance(value, str):
+        return value.rsplit(".", 1)[-1]
+    func = getattr(value, "func", value)  # functools.partial
+    return getattr(func, "__name__", type(value).__name__)
+
+
+def lazy_get(node: object, key: str, default: object = None) -> object:
+    """``node[key]`` of a (Config)dict without building lazy values; ``default`` otherwise."""
+    return dict.get(node, key, default) if isinstance(node, dict) else default
+
+
+def walk_datasets(node: object, where: str) -> Iterator[tuple[str, dict]]:
+    """Every dataset dict below a dataloader's ``dataset`` (through ``datasets=[...]`` lists)."""
+    if not isinstance(node, dict):
+        return
+    yield where, node
+    children = lazy_get(node, "datasets")
+    for i, child in enumerate(children if isinstance(children, (list, tuple)) else []):
+        yield from walk_datasets(child, f"{where}.datasets[{i}]")
+    if isinstance(lazy_get(node, "dataset"), dict):
+        yield from walk_datasets(lazy_get(node, "dataset"), f"{where}.dataset")
+
+
+def setter(node: dict, key: str, value: object) -> Callable[[], None]:
+    return lambda: node.__setitem__(key, value)
+
+
+# XTuner's dataset builder and ours with the same arguments (xtuner_rope.data.packed_dataset).
+XTUNER_DATASET_TYPES = ("process_hf_dataset", "lossless_process_hf_dataset")
+
+
+def xtuner_packs(dataset: dict) -> bool:
+    """``process_hf_dataset`` packing (its ``pack_to_max_length`` defaults to True)."""
+    return type_name(lazy_get(dataset, "type")) in XTUNER_DATASET_TYPES and bool(
+        lazy_get(dataset, "pack_to_max_length", True)
+    )
+
+
+def packing_source(cfg: object) -> str | None:
+    """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
+
+    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True)
+    or ``rope_collate_fn(pack=True)``: such rows must reach the model with boundaries.
+    """
+    loader = lazy_get(getattr(cfg, "_cfg_dict", None), "train_dataloader")
+    if not isinstance(loader, dict):
+        return None
+    for where, dataset in walk_datasets(lazy_get(loader, "dataset"), "train_dataloader.dataset"):
+        if xtuner_packs(dataset):
+            return f"{where} (process_hf_dataset, pack_to_max_length=True)"
+    collate = lazy_get(loader, "collate_fn")
+    if type_name(lazy_get(collate, "type")) == "rope_collate_fn" and lazy_get(collate, "pack"):
+        return "train_dataloader.collate_fn (rope_collate_fn, pack=True)"
+    return None

@@ -1,0 +1,146 @@
+"""Start-up findings of packing: XTuner's packs record their boundaries, keep them through the
+collate function, drop nothing; the stock ``use_varlen_attn`` switch is served by the plugin.
+
+- XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
+  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same) and
+  drops nothing (``type=lossless_process_hf_dataset``, same arguments: XTuner's
+  ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover);
+- XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
+  size 1 only, as in XTuner);
+- the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
+  documents itself, so XTuner's flash-attn check is switched off and its
+  ``VarlenAttnArgsToMessageHubHook`` leaves room for ours (same MessageHub keys).
+"""
+
+from __future__ import annotations
+
+from mmengine.config import Config
+from mmengine.config.lazy import LazyObject
+
+from .fields import lazy_get as _get
+from .fields import setter as _setitem
+from .fields import type_name
+from .fields import walk_datasets as _datasets
+from .fields import xtuner_packs as _xtuner_packs
+from .startup import Finding, register_findings
+
+
+def _packs_without_boundaries(dataset: dict) -> bool:
+    return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
+
+
+def _packing_findings(loader: dict) -> list[Finding]:
+    """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
+    findings, packed = [], False
+    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        packed = packed or _xtuner_packs(dataset)
+        if _packs_without_boundaries(dataset):
+            findings.append(
+                Finding(
+                    f"{where}.use_varlen_attn",
+                    "process_hf_dataset(pack_to_max_length=True) joins "
+                    "dialogues without recording where each starts: documents would attend to each "
+                    "other",
+                    "set to True: XTuner's Packer records the boundaries (same packs)",
+                    _setitem(dataset, "use_varlen_attn", True),
+                )
+            )
+    collate = _get(loader, "collate_fn")
+    name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
+    batch_size = _get(loader, "batch_size", 1)
+    if not packed or name == "rope_collate_fn":
+        return findings
+    if name == "default_collate_fn" and batch_size == 1:
+        if not _get(collate, "use_varlen_attn"):
+            findings.append(
+                Finding(
+                    "train_dataloader.collate_fn.use_varlen_attn",
+                    "default_collate_fn drops the packed rows' boundaries",
+                    "set to True: it keeps cumulative_len/position_ids (batch size 1)",
+                    _setitem(collate, "use_varlen_attn", True),
+                )
+            )
+        return findings
+    why = (
+        f"XTuner's default_collate_fn keeps document boundaries only at batch_size=1, got "
+        f"{batch_size}"
+        if name == "default_collate_fn"
+        else f"collate function {name} is not known to keep document boundaries"
+    )
+    findings.append(
+        Finding(
+            "train_dataloader.collate_fn",
+            f"packed rows: {why}",
+            "use collate_fn=dict(type=rope_collate_fn, max_length=max_length) "
+            "(from xtuner_rope import rope_collate_fn; any batch size)",
+        )
+    )
+    return findings
+
+
+def _lossless_packing_findings(loader: dict) -> list[Finding]:
+    """XTuner's offline packing drops each ``map_num_proc`` shard's leftover: use ours."""
+    findings = []
+    for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
+            procs = _get(dataset, "map_num_proc", 32)
+            findings.append(
+                Finding(
+                    f"{where}.type",
+                    f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
+                    "and drops each worker's last leftover below max_length (tokens and "
+                    "supervised labels lost)",
+                    "set to lossless_process_hf_dataset "
+                    "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
+                    "stream, the leftover kept as a short last row",
+                    _setitem(
+                        dataset,
+                        "type",
+                        LazyObject(
+                            "xtuner_rope.data.packed_dataset", "lossless_process_hf_dataset"
+                        ),
+                    ),
+                )
+            )
+    return findings
+
+
+@register_findings("varlen")
+def _varlen_findings(cfg: Config) -> list[Finding]:
+    """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
+    if not _get(cfg._cfg_dict, "use_varlen_attn"):
+        return []
+    findings = [
+        Finding(
+            "use_varlen_attn",
+            "XTuner's start-up check demands flash-attn and batch size 1 for it",
+            "set to False at the top level only (the model, dataset and collate function keep "
+            "theirs): xtuner-rope isolates documents itself, on every attention backend",
+            _setitem(cfg._cfg_dict, "use_varlen_attn", False),
+        )
+    ]
+    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    varlen = [h for h in hooks if type_name(_get(h, "type")) == "VarlenAttnArgsToMessageHubHook"]
+    if varlen:
+
+        def drop() -> None:
+            hooks[:] = [h for h in hooks if not any(h is v for v in varlen)]
+
+        findings.append(
+            Finding(
+                "custom_hooks",
+                "VarlenAttnArgsToMessageHubHook publishes the boundaries that "
+                "PackedBatchCheckHook publishes (checked) under the same MessageHub keys",
+                "removed VarlenAttnArgsToMessageHubHook",
+                drop,
+            )
+        )
+    return findings
+
+
+@register_findings("packing")
+def _loader_findings(cfg: Config) -> list[Finding]:
+    loader = _get(cfg._cfg_dict, "train_dataloader")
+    if not isinstance(loader, dict):
+        return []
+    return _packing_findings(loader) + _lossless_packing_findings(loader)
