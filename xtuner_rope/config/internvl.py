@@ -21,7 +21,6 @@ Phi-3 only: it raises ``NotImplementedError`` after the model loaded).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -47,11 +46,13 @@ def is_internvl(cfg: Config) -> bool:
 
 def checkpoint_config(cfg: Config) -> tuple[dict | None, str]:
     """The InternVL checkpoint's ``config.json`` (None for a hub id) and its path."""
+    from xtuner_rope.models.checkpoint_config import read_checkpoint_config
+
     path = _get(_get(cfg._cfg_dict, "model"), "model_path")
-    file = Path(path) / "config.json" if isinstance(path, str) else None
-    if file is None or not file.is_file():
-        return None, str(path)
-    return json.loads(file.read_text()), str(file)
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        return None, str(path)  # a hub id: XTuner's own loading reads it
+    config = read_checkpoint_config(path)
+    return config.data, config.source or str(path)
 
 
 def _set_load(key: str, value: object):

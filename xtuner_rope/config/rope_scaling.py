@@ -15,6 +15,7 @@ from mmengine.config import Config
 
 from xtuner_rope.models.rope_settings import checkpoint_rope
 
+from .checkpoint_findings import llm_checkpoint_path
 from .startup import Finding, register_findings
 
 __all__ = ["rope_scaling_findings"]
@@ -23,9 +24,7 @@ __all__ = ["rope_scaling_findings"]
 @register_findings("rope_scaling")
 def rope_scaling_findings(cfg: Config) -> list[Finding]:
     """Refuse a checkpoint whose ``rope_scaling`` cannot be computed (read from config.json)."""
-    llm = (cfg._cfg_dict.get("model") or {}).get("llm") or {}
-    path = llm.get("pretrained_model_name_or_path") if isinstance(llm, dict) else None
-    where, setting = checkpoint_rope(path)
+    where, setting = checkpoint_rope(llm_checkpoint_path(cfg))  # the checkpoint that loads
     if setting is None or setting.refusal is None:
         return []
     return [

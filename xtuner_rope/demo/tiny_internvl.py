@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from xtuner_rope.models.checkpoint_config import read_checkpoint_config
+
 HUB_CODE = Path(__file__).with_name("internvl_hub")
 # The hub's InternVL2 tokenizers add these; XTuner's dataset uses the first three.
 SPECIAL_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>"]
@@ -83,7 +85,10 @@ def save_tiny_internvl(llm_dir: str | Path, out_dir: str | Path, seed: int = 0) 
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     llm_dir, out = Path(llm_dir), Path(out_dir)
-    llm_config = json.loads((llm_dir / "config.json").read_text())
+    read = read_checkpoint_config(str(llm_dir))
+    if read is None or read.data is None:
+        raise ValueError(f"save_tiny_internvl: {llm_dir}: {read.problem if read else 'no path'}")
+    llm_config = read.data
     architecture = (llm_config.get("architectures") or ["?"])[0]
     if architecture not in TEMPLATES:
         raise ValueError(
@@ -131,7 +136,7 @@ def save_tiny_internvl(llm_dir: str | Path, out_dir: str | Path, seed: int = 0) 
         torch.manual_seed(seed)
         model = chat_class(chat_config, language_model=llm)
     model.save_pretrained(out, safe_serialization=True)
-    saved = json.loads((out / "config.json").read_text())
+    saved = dict(read_checkpoint_config(str(out)).data)
     for key in ("_commit_hash", "_name_or_path"):
         saved.pop(key, None)
     (out / "config.json").write_text(

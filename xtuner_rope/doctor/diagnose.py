@@ -44,7 +44,6 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
-from xtuner_rope.doctor.verdict import refuse_unreadable_checkpoint
 
 DEFAULT_BATCHES = 200
 
@@ -187,6 +186,27 @@ def _findings(findings: list[startup.Finding]) -> dict:
 
 def _jsonable(value: object) -> object:
     return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def refuse_unreadable_checkpoint(findings: list) -> None:
+    """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``.
+
+    The data's tokenizer comes from that same checkpoint in XTuner's configs: building it would
+    end in the hub client's retries and error, where ``xtuner train`` stops at the start-up's
+    refusal first. The doctor says what the run says, at once.
+
+    Args:
+        findings: The start-up's findings of the config (``start_like_xtuner_train``).
+
+    Raises:
+        ConfigConflict: every conflict of the start-up (its message), when one of them is
+            ``config.checkpoint_findings``' refusal.
+    """
+    from xtuner_rope.config.checkpoint_findings import is_unreadable_checkpoint
+
+    conflicts = [f for f in findings if f.fix is None]
+    if any(is_unreadable_checkpoint(f) for f in conflicts):
+        raise startup.ConfigConflict(startup.conflict_message(conflicts))
 
 
 def diagnose(

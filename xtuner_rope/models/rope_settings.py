@@ -17,9 +17,7 @@ Pure Python: nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from .families import FAMILIES
 
@@ -119,7 +117,9 @@ def _threshold(model_type: str, rope_type: str, config: dict) -> int | None:
 def checkpoint_rope(path: object) -> tuple[str, RopeSetting | None]:
     """``(config.json path, setting)`` of a local checkpoint; ``("", None)`` when unknown
     (a hub id not downloaded, no ``config.json``, a family not served)."""
-    config = Path(path) / "config.json" if isinstance(path, str) else None
-    if config is None or not config.is_file():
-        return "", None
-    return str(config), rope_setting(json.loads(config.read_text(encoding="utf-8")))
+    from .checkpoint_config import read_checkpoint_config
+
+    config = read_checkpoint_config(path)
+    if config is None or config.data is None:
+        return "", None  # unreadable: config.checkpoint_findings refuses that
+    return config.source, rope_setting(config.data)
