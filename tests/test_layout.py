@@ -10,8 +10,10 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     4 config/   the start-up, its findings, the re-check | the other
     5 hooks/    the MMEngine hooks (isolation, monitor, loss)
     6 demo/     tiny checkpoints, sample data, run-log checks
-    7 doctor/   doctor, check, replay, zoo
-    8 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
+    7 doctor/   doctor, check, replay
+    8 zoo/      the sweep of XTuner's stock configs and their classes (a maintainer's tool
+                that drives the doctor and the captures: above them)
+    9 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
 
 Every import inside the package, at module level or inside a function, is read from the
 source with ``ast``. Importing ``xtuner_rope.ops`` must leave MMEngine, transformers and XTuner
@@ -40,8 +42,9 @@ FLOORS = {
     "hooks": 5,
     "demo": 6,
     "doctor": 7,
+    "zoo": 8,
 }
-TOP = 8  # the top-level modules: cli, resources, deprecated, __init__
+TOP = 9  # the top-level modules: cli, resources, deprecated, __init__
 OPS_MAY_IMPORT = {"torch", "numpy", "flash_attn"}  # kernels; besides the stdlib and ops itself
 
 

@@ -152,6 +152,7 @@ DEPRECATED_MODULES = {
     "xtuner_rope.loss_norm": "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
     "xtuner_rope.validate": "xtuner_rope.batch.checks",
+    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
 }
 DEPRECATED_NAMES = [
     ("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),

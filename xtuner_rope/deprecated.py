@@ -33,6 +33,8 @@ MOVED = {
     "xtuner_rope.checkpoint": "xtuner_rope.compat.checkpoint",
     # Before the ops/batch split, check_packed_batch lived in a top-level `validate` module.
     "xtuner_rope.validate": "xtuner_rope.batch.checks",
+    # Issue 35: the zoo sweep left doctor/ for its own package (localize, run, judge, classes).
+    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
 }
 
 
