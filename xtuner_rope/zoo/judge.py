@@ -117,10 +117,12 @@ def doctor_agrees(row: dict) -> bool | None:
 LACK_PATTERNS = (  # (log regex, what this machine lacks)
     (
         r"Torch not compiled with CUDA|CUDA (is )?(not available|driver)|"
-        r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU",
+        r"requires? (a )?(CUDA|GPU)|CUDA is required|No GPU found|needs a GPU|"
+        r"Found no NVIDIA driver",
         "a CUDA GPU",
     ),
     (r"flash_attn|FlashAttention2 has been toggled on", "flash-attn (CUDA)"),
+    (r"Failed to import modelscope|No module named 'modelscope'", "ModelScope (its hub)"),
     (r"contains custom code which must be executed", "the checkpoint's remote code (offline)"),
     (
         r"(offline mode|couldn't connect|is not a local folder|"

@@ -9,7 +9,10 @@ README's one edit (:func:`enable_plugin`) and a capture hook (:func:`with_captur
 from __future__ import annotations
 
 import ast
+import functools
+import io
 import re
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +122,10 @@ def localize_paths(text: str, model: Path | None, data: Path) -> str:
             return match.group(0) if model is None else f'{name} = "{model}"'
         if name == "pretrained_pth":  # a LLaVA pretrain checkpoint nobody has yet
             return "pretrained_pth = None"
-        return f'{name} = "{data}"'
+        if re.search(r"\.(json|jsonl|parquet)$", value):  # a file setting gets a file
+            return f'{name} = "{data / "train.json"}"'
+        slash = "/" if value.endswith("/") else ""  # ``data_root + "file.json"`` stays a path
+        return f'{name} = "{data}{slash}"'
 
     text, _ = sub(text, STRING_SETTING, edit)
     text, _ = sub(text, r"^data_files = \[(?:.|\n)*?\]$", f'data_files = ["{data / "train.json"}"]')
@@ -159,7 +165,9 @@ def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> 
     text, _ = sub(
         text, r'^visual_encoder_name_or_path = ".*"$', f'visual_encoder_name_or_path = "{clip}"'
     )
-    text, _ = sub(text, r"^(\w*data_path) = (?:\(\n(?:.*\n)*?\).*|.*)$", rf'\1 = "{data_json}"')
+    # Every annotation file (``*data_path``, ``refcoco_path``), not the checkpoints' settings.
+    data_file = r"^((?!\w*name_or_path)\w*_path) = (?:\(\n(?:.*\n)*?\).*|.*)$"
+    text, _ = sub(text, data_file, rf'\1 = "{data_json}"')
     images = data_json.parent / "images"
     text, _ = sub(text, r"^(\w*image_folder) = .*$", rf'\1 = "{images}"')
     text, _ = sub(text, r"^batch_size = \d+", "batch_size = 4")
@@ -263,23 +271,19 @@ def localized(text: str, kind: str, files: LocalFiles) -> str:
     return with_capture(enable_plugin(localize(text, files.model, files.data, pairs)), kind)
 
 
-def path_literals(text: str) -> list[str]:
+@functools.lru_cache(maxsize=2048)
+def path_literals(text: str) -> tuple[str, ...]:
     """The path-like string constants of a config's code (comments are not code), except the
     suffixes joined to another setting (``data_root + "x.json"``: they follow ``data_root``)."""
-    tree = ast.parse(text)
-    suffixes = {
-        id(node.right)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.BinOp) and isinstance(node.left, (ast.Name, ast.BinOp))
-    }
-    return [
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and is_path_like(node.value)
-        and id(node) not in suffixes
-    ]
+    found, previous = [], ""
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.STRING and previous != "+":
+            value = ast.literal_eval(token.string)
+            if isinstance(value, str) and is_path_like(value):
+                found.append(value)
+        if token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+            previous = token.string
+    return tuple(found)
 
 
 def surviving_paths(stock: str, edited: str, kept: tuple[str, ...] = ()) -> list[str]:
