@@ -45,6 +45,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.config.warmup",
+    "xtuner_rope.config.frameworks",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 _activated = False

@@ -6,6 +6,7 @@ with an outcome that shows what the plugin does there.
 """
 
 import pytest
+import stock_configs as sc
 
 from xtuner_rope import zoo
 
@@ -106,3 +107,15 @@ def test_a_packed_row_of_one_document_covers_nothing(texts):
         assert bool(result[3]) is covers
     crashed = {"outcome": zoo.CRASHED, "mode": {}}
     assert zoo.coverage({("x", "y"): [packed]}, {packed: crashed})[0][3] == []
+
+
+def test_the_docs_state_the_sweeps_figures(texts):
+    """The zoo's figures in the docs are the ones its results give (a re-sweep that is not
+    written back to the docs fails here)."""
+    docs = sc.REPO / "docs"
+    results = zoo.load_results(docs / "zoo" / "results.json")
+    assert (docs / "zoo" / "zoo.md").read_text() == zoo.markdown(results)
+    table, _ = zoo.classes_markdown(texts, results)
+    assert (docs / "zoo" / "classes.md").read_text() == table
+    closing = table.splitlines()[-1]
+    assert closing in (docs / "tools" / "zoo.md").read_text().replace("\n", " ")

@@ -76,7 +76,7 @@ def doctor_reasons(report: Path, out: str) -> list[str]:
         ]
         return [x[:400] for x in found + [str(p) for p in data.get("problems", [])]]
     listed = (
-        re.findall(r"^\d+\. (.+)$", out[max(out.rfind("setting(s) of this config"), 0) :], re.M)
+        re.findall(r"^\d+\. (.+)$", out[max(out.find("setting(s) of this config"), 0) :], re.M)
         if "setting(s) of this config would make" in out
         else []
     )
