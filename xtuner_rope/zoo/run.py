@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,9 +68,9 @@ def list_configs(patterns: Iterable[str] = ("*",)) -> list[str]:
 
 
 def not_a_config(text: str) -> str:
-    """What a listed file that is no training config is (a script: its docstring's first line)."""
-    first = next((x.strip('"# ') for x in text.splitlines() if x.strip()), "")
-    return f"a script shipped beside the configs, not a training config ({first[:80]})"
+    """What a listed file that is no training config is: a script, by the functions it defines."""
+    defs = ", ".join(re.findall(r"^def (\w+)", text, re.M)) or "no function"
+    return f"a script shipped beside the configs (defines {defs}), no model = dict(...) to train"
 
 
 # ---------------------------------------------------------------- running one row
