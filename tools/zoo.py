@@ -11,6 +11,7 @@ Resumable: rows already in the results file are skipped (``--only missing``, the
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--list", action="store_true", help="print the selected configs and exit")
     p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="apply the current judging rules to the recorded rows of the results file (a "
+        "row recorded as trained isolated with no row of two documents becomes not "
+        "exercised), rewrite it and the markdown, and exit",
+    )
+    p.add_argument(
         "--classes",
         action="store_true",
         help="print the classes of all stock configs (read from their text) with the swept "
@@ -59,6 +67,10 @@ def main(argv=None) -> int:
         if args.classes_markdown:
             Path(args.classes_markdown).write_text(table, encoding="utf-8")
         return 1 if uncovered else 0
+    if args.rejudge:
+        rows = {n: zoo.rejudge(r) for n, r in zoo.load_results(results_path).items()}
+        results_path.write_text(json.dumps(rows, indent=1, sort_keys=True), encoding="utf-8")
+        args.table_only = True
     if args.table_only:
         Path(args.markdown).write_text(
             zoo.markdown(zoo.load_results(results_path)), encoding="utf-8"

@@ -119,3 +119,19 @@ def test_the_doctor_is_not_scored_on_the_sweeps_own_errors():
     assert zoo.doctor_agrees(crashed) is False  # a real crash with another reason still counts
     idle = {"outcome": zoo.NOT_EXERCISED, "doctor": {"exit_code": 0, "reasons": []}}
     assert zoo.doctor_agrees(idle) is True  # it trained: exit 0 was right
+
+
+def test_recorded_rows_are_rejudged_by_the_current_rule():
+    """Rows recorded before the two-document rule (``tools/zoo.py --rejudge``)."""
+    one = {"outcome": zoo.TRAINED, "documents": 1, "message": "1 documents, max 1.8e-07"}
+    assert zoo.rejudge(one)["outcome"] == zoo.NOT_EXERCISED
+    assert "recorded: 1 documents" in zoo.rejudge(one)["message"]
+    pairs = {"outcome": zoo.TRAINED, "documents": 2, "boundaries": "unpacked (one response a row)"}
+    assert zoo.rejudge({**pairs, "message": "1 dpo pairs"})["outcome"] == zoo.NOT_EXERCISED
+    packed = {"outcome": zoo.TRAINED, "documents": 12, "boundaries": "cumulative_len"}
+    assert zoo.rejudge({**packed, "message": "12 documents"}) == {
+        **packed,
+        "message": "12 documents",
+    }
+    leaked = {"outcome": zoo.LEAKED, "documents": 1, "message": "x"}
+    assert zoo.rejudge(leaked) is leaked

@@ -48,6 +48,7 @@ from xtuner_rope.zoo.judge import (
     judge_run,
     lacks_of,
     refused_settings,
+    rejudge,
 )
 from xtuner_rope.zoo.localize import (
     LocalFiles,
@@ -102,6 +103,7 @@ __all__ = [
     "mode_of",
     "path_literals",
     "refused_settings",
+    "rejudge",
     "run_row",
     "select",
     "stock_texts",

@@ -297,7 +297,20 @@ def judge_llava(work: Path, config: Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
         return {"outcome": SWEEP_ERROR, "message": f"LLaVA capture compare: {exc}"[:300]}
     worst = max(s["max_abs_diff"] / max(1.0, s["max_abs_logit"]) for s in result["per_sample"])
+    per_row: dict[int, int] = {}
+    for sample in result["per_sample"]:
+        per_row[sample["row"]] = per_row.get(sample["row"], 0) + 1
+    if worst <= ISOLATION_TOLERANCE and max(per_row.values()) < 2:
+        return {
+            "documents": result["samples"],
+            "most_in_a_row": 1,
+            "relative": worst,
+            "outcome": NOT_EXERCISED,
+            "message": f"no row held two samples ({len(per_row)} padded row(s) of one): "
+            f"isolation not exercised (max |trained - alone| {result['max_abs_diff']:.3g})",
+        }
     return {
+        "most_in_a_row": max(per_row.values()),
         "documents": result["samples"],
         "relative": worst,
         "dtype": "float32",
@@ -318,3 +331,17 @@ def doctor_verdict(out: str, code: int) -> str:
     lines = [x.strip() for x in out.splitlines() if x.strip()]
     verdict = next((x for x in reversed(lines) if re.match(r"^(OK|FAIL)\b", x)), None)
     return (verdict or last_error(out))[:300] if code else (verdict or "OK")[:300]
+
+
+def rejudge(row: dict) -> dict:
+    """A recorded row under the current rule: "trained isolated" needs a row that held two
+    documents. Rows recorded before the rule carry their document count and boundaries only:
+    one document, or an unpacked preference batch (one response a row), is "not exercised"."""
+    if row.get("outcome") != TRAINED:
+        return row
+    most = row.get("most_in_a_row")
+    single = most < 2 if most is not None else row.get("documents", 2) < 2
+    if not (single or str(row.get("boundaries", "")).startswith("unpacked")):
+        return row
+    message = f"no row held two documents: isolation not exercised (recorded: {row['message']})"
+    return {**row, "outcome": NOT_EXERCISED, "message": message[:300]}
