@@ -135,3 +135,12 @@ def test_recorded_rows_are_rejudged_by_the_current_rule():
     }
     leaked = {"outcome": zoo.LEAKED, "documents": 1, "message": "x"}
     assert zoo.rejudge(leaked) is leaked
+
+
+def test_a_crash_inside_the_sweeps_capture_hook_is_a_sweep_error(tmp_path):
+    log = TRACEBACK.replace(
+        "    runner.train()\n",
+        '    runner.train()\n  File "/x/xtuner_rope/doctor/llava_capture.py", line 95, in before\n',
+    )
+    row = zoo.judge_run(1, log, tmp_path, tmp_path / "c.py", iters=4)
+    assert row["outcome"] == zoo.SWEEP_ERROR and row["message"].startswith("capture hook: ")

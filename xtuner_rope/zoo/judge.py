@@ -164,6 +164,9 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
         lacks = lacks_of(out)
         if lacks:
             return {"outcome": LACKS, "message": f"{lacks}: {last_error(out)}"}
+        if re.search(r"xtuner_rope/doctor/\w*capture\.py", "\n".join(out.splitlines()[-60:])):
+            # the traceback runs through the sweep's own capture hook: its failure, not the config's
+            return {"outcome": SWEEP_ERROR, "message": f"capture hook: {last_error(out)}"}
         return {"outcome": CRASHED, "message": last_error(out)}
     from xtuner_rope.demo.runlog import check_run
     from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture

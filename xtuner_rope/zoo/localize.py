@@ -133,6 +133,8 @@ def localize_paths(text: str, model: Path | None, data: Path) -> str:
     files = f'"{data / "train.json"}"'
     text, _ = sub(text, rf"^(\s*)data_files={DATA_FILES},", rf"\1data_files=[{files}],")
     text, _ = sub(text, r'data_dir="[^"]*",\s*', "")
+    # A hub dataset's configuration name (medical's "finetune") means nothing to a local folder.
+    text, _ = sub(text, r"^data_config_name = .*$", "data_config_name = None")
     return sub(text, r'^(\s*)path="[^"]*/[^"]*",', rf'\1path="{data}",')[0]
 
 

@@ -279,7 +279,9 @@ def sweep(
     root.mkdir(parents=True, exist_ok=True)
     results = load_results(results_path)
     names = select(list_configs(patterns), results, only)
-    data = write_universal_data(root / "data")
+    # The dialogues alone in their folder: a loader that reads a whole folder (the intern-repo
+    # untokenized dataset walks it) must not meet the pairs or the LLaVA data.
+    data = write_universal_data(root / "data" / "dialogues")
     write_preference_data(root / "data")  # once, before the workers read it
     write_llava_images(root / "data" / "llava")
     models = Path(models).resolve() if models else root / "models"
