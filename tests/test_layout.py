@@ -11,10 +11,11 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     5 hooks/    the MMEngine hooks (isolation, monitor, loss)
     6 demo/     tiny checkpoints, sample data, run-log checks
     7 doctor/   the dataset doctor (``xtuner-rope doctor``)   | same floor: neither imports
-    7 outputs/  replay of a recorded batch, XTuner's tools  | the other
+    7 outputs/  xtuner-rope train, replay of a recorded batch, XTuner's tools  | the other
     8 capture/  the captures of real runs, the packed-against-alone measurements
     9 check/    ``xtuner-rope check``: runner, report, one module per kind, ``KINDS``
-   10 zoo       the sweep of XTuner's stock configs (still doctor/zoo.py on this branch)
+   10 zoo/      the sweep of XTuner's stock configs and their classes (a maintainer's tool
+                that drives the doctor and the captures: above them)
    11 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
 
 Every import inside the package, at module level or inside a function, is read from the
@@ -48,11 +49,9 @@ FLOORS = {
     "outputs": 7,
     "capture": 8,
     "check": 9,
+    "zoo": 10,
 }
 TOP = 11  # the top-level modules: cli, resources, deprecated, __init__
-# Modules whose floor is not their folder's, until they move (issue 35: the zoo sweep leaves
-# doctor/ for a folder of its own, above check/).
-MODULE_FLOORS = {"xtuner_rope.doctor.zoo": 10}
 OPS_MAY_IMPORT = {"torch", "numpy", "flash_attn"}  # kernels; besides the stdlib and ops itself
 
 

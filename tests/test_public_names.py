@@ -192,6 +192,7 @@ DEPRECATED_MODULES = {
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
     "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
     "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
+    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
 }
 DEPRECATED_NAMES = [
     ("xtuner_rope.hooks", "patch_model", "xtuner_rope.models.dispatch"),

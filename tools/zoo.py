@@ -6,15 +6,17 @@
 Resumable: rows already in the results file are skipped (``--only missing``, the default);
 ``--only failed`` re-runs crashed/leaked/mispredicted rows, ``--only all`` everything selected;
 ``--table-only`` rewrites the markdown from the results file (e.g. after an interrupted sweep).
-See ``xtuner_rope/doctor/zoo.py`` for what each row does.
+``--classes`` prints the classes of all stock configs with the rows that cover them
+(``--classes-markdown FILE`` writes the table). See ``xtuner_rope/zoo/`` for what each row does.
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-from xtuner_rope.doctor import zoo
+from xtuner_rope import zoo
 
 
 def main(argv=None) -> int:
@@ -39,12 +41,36 @@ def main(argv=None) -> int:
     )
     p.add_argument("--list", action="store_true", help="print the selected configs and exit")
     p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="apply the current judging rules to the recorded rows of the results file (a "
+        "row recorded as trained isolated with no row of two documents becomes not "
+        "exercised), rewrite it and the markdown, and exit",
+    )
+    p.add_argument(
+        "--classes",
+        action="store_true",
+        help="print the classes of all stock configs (read from their text) with the swept "
+        "rows covering each, and exit (1 when a class is uncovered)",
+    )
+    p.add_argument("--classes-markdown", default=None, help="with --classes: also write it here")
+    p.add_argument(
         "--table-only",
         action="store_true",
         help="rewrite the markdown table from the results file and exit",
     )
     args = p.parse_args(argv)
     results_path = Path(args.results)
+    if args.classes:
+        table, uncovered = zoo.classes_markdown(zoo.stock_texts(), zoo.load_results(results_path))
+        print(table, end="")
+        if args.classes_markdown:
+            Path(args.classes_markdown).write_text(table, encoding="utf-8")
+        return 1 if uncovered else 0
+    if args.rejudge:
+        rows = {n: zoo.rejudge(r) for n, r in zoo.load_results(results_path).items()}
+        results_path.write_text(json.dumps(rows, indent=1, sort_keys=True), encoding="utf-8")
+        args.table_only = True
     if args.table_only:
         Path(args.markdown).write_text(
             zoo.markdown(zoo.load_results(results_path)), encoding="utf-8"
@@ -83,7 +109,8 @@ def main(argv=None) -> int:
         Path(args.markdown).write_text(zoo.markdown(results), encoding="utf-8")
     counts = zoo.counts(results)
     print(", ".join(f"{k} {v}" for k, v in counts.items()))
-    return 1 if counts[zoo.CRASHED] or counts[zoo.LEAKED] or counts["doctor wrong"] else 0
+    failed = counts[zoo.CRASHED] + counts[zoo.LEAKED] + counts[zoo.SWEEP_ERROR]
+    return 1 if failed or counts["doctor wrong"] else 0
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.hooks.accumulation",
     "xtuner_rope.config.warmup",
+    "xtuner_rope.config.frameworks",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 _activated = False

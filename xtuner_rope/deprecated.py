@@ -54,6 +54,8 @@ MOVED = {
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
     "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
     "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
+    # Issue 35: the zoo sweep left doctor/ for its own package (localize, run, judge, classes).
+    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
 }
 
 

@@ -123,6 +123,7 @@ CASES = {
         'model["llm"]["pretrained_model_name_or_path"] = pretrained_model_name_or_path\n',
         "model.llm.pretrained_model_name_or_path",
     ),
+    "huggingface_trainer_findings": ('framework = "huggingface"\n', "framework"),
     "preference_findings": (
         "model.update(type='RewardModel')\n"
         + LOADER.format(

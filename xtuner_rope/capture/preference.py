@@ -84,6 +84,25 @@ def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA preference model's weights as a plain model (``llm.``) and its other parts.
+
+    XTuner's ``state_dict`` of a LoRA model holds the adapter only: the policy is a copy with
+    the adapter merged; the rest (a reward model's ``v_head``) is copied as it is.
+    """
+    merged = copy.deepcopy(model.llm).merge_and_unload()
+    state = {"llm." + k: v.detach().float().cpu().clone() for k, v in merged.state_dict().items()}
+    for name, part in model.named_children():
+        if name != "llm":  # a reference model (ZeRO-3 DPO) is plain: copied as it is
+            state.update(
+                {
+                    f"{name}.{k}": v.detach().float().cpu().clone()
+                    for k, v in part.state_dict().items()
+                }
+            )
+    return state
+
+
 class PreferenceCaptureHook(CaptureHook):
     """Save one preference batch, the weights and the per-response values computed.
 
@@ -138,11 +157,11 @@ class PreferenceCaptureHook(CaptureHook):
             k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
             for k, v in data_batch["data"].items()
         }
-        state = (
-            _lora_dpo_state_dict(model)
-            if kind == "dpo" and model.ref_llm is None
-            else _full_state_dict(model)
-        )
+        lora = hasattr(model.llm, "merge_and_unload")  # a peft model: its adapter is trained
+        if kind == "dpo" and model.ref_llm is None:
+            state = _lora_dpo_state_dict(model)
+        else:
+            state = _lora_state_dict(model) if lora else _full_state_dict(model)
         self._saved = {
             "kind": kind,
             "data": data,

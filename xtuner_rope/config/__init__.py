@@ -9,7 +9,7 @@
   ``sequence_parallel``, ``families`` (flash-attn, unserved families), ``checkpoint_findings``
   (a ``config.json`` that cannot be read), ``rope_scaling`` (a ``rope_scaling`` no model
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
-  ``internvl``, ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
+  ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
   the loss-normalization and checkpoint-interval findings live with their hooks
   (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
@@ -21,6 +21,7 @@ the start-up's own findings, whatever imported it first.
 from . import (
     checkpoint_findings,
     families,
+    frameworks,
     internvl,
     launch,
     llava_tower,
@@ -35,6 +36,7 @@ from . import (
 __all__ = [
     "checkpoint_findings",
     "families",
+    "frameworks",
     "internvl",
     "launch",
     "llava_tower",

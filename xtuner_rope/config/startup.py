@@ -91,6 +91,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
 # Where each topic's findings appear in the start-up's report and are applied, first to last.
 SLOTS = (
     "varlen",  # config.packing: the stock use_varlen_attn switch
+    "framework",  # config.frameworks: XTuner's Hugging Face Trainer configs
     "packing",  # config.packing: boundaries recorded and kept, nothing dropped
     "loss",  # hooks.loss_norm: loss_normalization
     "multimodal",  # config.multimodal: LLaVA's LLM

@@ -1,4 +1,4 @@
-"""The zoo sweep (``tools/zoo.py``): the real sweep on a fixed sample, and its edits.
+"""The zoo sweep (``tools/zoo.py``, ``xtuner_rope.zoo``): the real sweep on a fixed sample.
 
 The sample, one row per way a stock config ends here, each judged with the doctor's reason:
 XTuner's stock InternLM2 QLoRA config (trains isolated on the tiny checkpoint, LoRA without
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import stock_configs as sc
 
-from xtuner_rope.doctor import zoo
+from xtuner_rope import zoo
 from xtuner_rope.models.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,9 +76,9 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     for name, outcome in SAMPLE.items():
         if outcome == zoo.TRAINED:  # packed rows, each document equal to itself alone
             row = rows[name]
-            assert row["documents"] > 1 and row["relative"] <= row["tolerance"], row
+            assert row["most_in_a_row"] > 1 and row["relative"] <= row["tolerance"], row
     trained = rows["internlm2_chat_1_8b_qlora_alpaca_e3"]
-    assert trained["documents"] > 1 and trained["relative"] <= zoo.ISOLATION_TOLERANCE
+    assert trained["most_in_a_row"] > 1 and trained["relative"] <= zoo.ISOLATION_TOLERANCE
     assert trained["mode"] == {"tuning": "qlora", "packing": "packed", "kind": "sft"}
     assert "sequence_parallel_size: 32" in rows["cohere_100b_128k_sp32"]["message"]
     warmup = rows["qwen1_5_0_5b_full_custom_pretrain_e1"]
@@ -92,9 +92,9 @@ def test_sweep_of_the_fixed_sample(tmp_path):
         "trained isolated |" in table
     )
     assert (
-        "Counts: trained isolated 7, refused before loading 1, refused before training 1, "
-        "needs what this machine lacks 0, crashed 0, leaked 0, doctor right 9, "
-        "doctor wrong 0" in table
+        "Counts: trained isolated 7, not exercised 0, refused before loading 1, refused before "
+        "training 1, needs what this machine lacks 0, not a training config 0, crashed 0, "
+        "leaked 0, sweep error 0, doctor right 9, doctor wrong 0" in table
     )
     # Resumable: nothing is left to run; nothing failed.
     for only in ("missing", "failed"):
@@ -115,6 +115,7 @@ def test_select_resumes_and_reruns_failed():
     }  # no reasons recorded
     assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "missing") == ["e"]
     assert zoo.select(["a", "b", "c", "d", "e", "f"], rows, "failed") == ["b", "c", "f"]
+    assert zoo.select(["g"], {"g": _row(zoo.SWEEP_ERROR, 1, ["x: y"])}, "failed") == ["g"]
     with pytest.raises(ValueError, match=r"only='x': expected one of missing, failed, all"):
         zoo.select([], rows, "x")
 
@@ -224,3 +225,16 @@ def test_isolation_tolerance_follows_the_runs_dtype():
     assert zoo.isolation_tolerance("bfloat16") == 8 * 2**-8  # 0.031; leaks move 0.2 to 2
     with pytest.raises(KeyError):
         zoo.isolation_tolerance("int8")
+
+
+def test_the_old_import_path_warns_and_names_the_new_one():
+    import importlib
+    import sys
+
+    sys.modules.pop("xtuner_rope.doctor.zoo", None)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"xtuner_rope\.doctor\.zoo is deprecated: it moved to xtuner_rope\.zoo",
+    ):
+        old = importlib.import_module("xtuner_rope.doctor.zoo")
+    assert old is zoo and old.run_row is zoo.run_row

@@ -5,7 +5,7 @@
   the config alone (no checkpoint is looked up).
 - A warm-up that MMEngine's epoch-to-iteration conversion rounds to 0 iterations is refused with
   the setting, the dataset's length and the edit (the real run: the zoo sample,
-  ``tests/test_zoo.py``).
+  ``tests/zoo/test_zoo.py``).
 - ``xtuner-rope doctor --deepspeed X`` inspects the config as ``xtuner train --deepspeed X``.
 """
 

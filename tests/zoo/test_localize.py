@@ -1,0 +1,71 @@
+"""The zoo's localizer (``xtuner_rope.zoo.localize``) over the text of every stock config.
+
+No hub id or cluster path of a stock config survives the edits of its kind: every model, data
+and folder path setting points at local files (the known miss was
+``mistral_7b_w_untokenized_dataset``: a model path line ending in ``# noqa: E501`` and its
+``dataset_folder``). A checkpoint id is kept only on purpose (no tiny builder for the family)
+and only when the caller says so. Reads the installed XTuner's config files; runs nothing.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from xtuner_rope import zoo
+
+FILES = zoo.LocalFiles(
+    model=Path("/local/model"),
+    data=Path("/local/data"),
+    pairs=Path("/local/pairs.jsonl"),
+    clip=Path("/local/clip"),
+    llava_json=Path("/local/llava/llava_data.json"),
+)
+
+
+@pytest.fixture(scope="module")
+def edited() -> dict[str, tuple[str, str]]:
+    """``{config: (stock text, localized text)}`` of every training config of ``list-cfg``."""
+    out = {}
+    for name, text in zoo.stock_texts().items():
+        kind = zoo.kind_of(text, name)
+        if kind not in ("deepspeed_json", "script"):
+            out[name] = (text, zoo.localized(text, kind, FILES))
+    return out
+
+
+def test_every_training_config_is_localized_completely(edited):
+    assert len(edited) == 594 - 5 - 4  # less the DeepSpeed jsons and conversion scripts
+    left = {n: zoo.surviving_paths(s, e) for n, (s, e) in edited.items()}
+    assert {n: p for n, p in left.items() if p} == {}
+    for name, (_, text) in edited.items():
+        compile(text, name, "exec")  # still a config MMEngine can read
+
+
+def test_the_check_sees_what_an_unedited_config_points_at(edited):
+    """The negative control: the stock text itself keeps all its paths, the known miss too."""
+    stock, text = edited["mistral_7b_w_untokenized_dataset"]
+    assert zoo.surviving_paths(stock, stock) == [
+        "/mnt/petrelfs/share_data/basemodel/checkpoints/llm/hf_hub/models--mistralai--"
+        "Mistral-7B-v0.1/snapshots/5e9c98b96d071dce59368012254c55b0ec6f8658",
+        "/mnt/petrelfs/share_data/caoweihan/v1_sample_with_legal_cate",
+    ]
+    assert 'pretrained_model_name_or_path = "/local/model"' in text
+    assert 'dataset_folder = "/local/data"' in text
+    unchecked = sum(1 for s, _ in edited.values() if zoo.surviving_paths(s, s))
+    assert unchecked == len(edited)  # every config names at least one path to replace
+
+
+def test_a_checkpoint_id_is_kept_only_on_purpose():
+    """Without a tiny builder the hub id stays (the row then shows what happens offline); it
+    counts as left behind unless the caller names it as kept."""
+    stock = zoo.stock_texts(["qwen_7b_qlora_sql_e3"])["qwen_7b_qlora_sql_e3"]
+    text = zoo.localize(stock, None, FILES.data)
+    assert zoo.surviving_paths(stock, text) == ["Qwen/Qwen-7B"]
+    assert zoo.surviving_paths(stock, text, kept=("Qwen/Qwen-7B",)) == []
+
+
+def test_suffixes_follow_their_root_and_keep_its_slash():
+    text = 'data_root = "./data/llava_data/"\ndata_path = data_root + "x/train.json"\n'
+    out = zoo.localize(text, None, Path("/local/data"))
+    assert 'data_root = "/local/data/"' in out
+    assert zoo.path_literals(text) == ("./data/llava_data/",)  # the suffix follows data_root

@@ -1,0 +1,118 @@
+"""XTuner's config zoo, swept as a new user meets it: one row per stock config, and its classes.
+
+A maintainer's tool (``tools/zoo.py``), kept in the package because it drives the package's own
+captures and doctor, and the layout test keeps its imports in order. For each stock config
+(``xtuner list-cfg``, filtered by pattern) a row (:mod:`~xtuner_rope.zoo.run`)
+
+1. copies it with the real ``xtuner copy-cfg``;
+2. points every model, data and folder path setting at a tiny random checkpoint of its family
+   built here and small local data in every stock format (:mod:`~xtuner_rope.zoo.localize`,
+   :mod:`~xtuner_rope.zoo.data`; a family without a tiny builder keeps its hub id on purpose,
+   any other hub or cluster path left behind is a sweep error, not a row), makes the CPU
+   edits, the README's one edit and a capture hook;
+3. runs ``xtuner-rope doctor`` on it, then a few iterations of the real training script
+   (``python -m xtuner.tools.train``, which returns 1 on failure, unlike ``xtuner train``);
+4. where it trained, compares each document of the captured batch with the same document alone
+   (:mod:`~xtuner_rope.zoo.judge`): "trained isolated" needs a row that held two documents or
+   more, else "not exercised".
+
+Each row's outcome is one of :data:`OUTCOMES`, with the doctor's verdict, its reasons, and
+whether the doctor predicted it (:func:`doctor_agrees`). :mod:`~xtuner_rope.zoo.classes` sorts
+all stock configs into classes from their text; :mod:`~xtuner_rope.zoo.table` writes the rows
+and the classes with the rows that cover them.
+"""
+
+from xtuner_rope.zoo.classes import classify, coverage, kind_of, mode_of, stock_texts, zoo_classes
+from xtuner_rope.zoo.data import (
+    tiny_checkpoint,
+    write_llava_images,
+    write_preference_data,
+    write_universal_data,
+)
+from xtuner_rope.zoo.judge import (
+    CRASHED,
+    ISOLATION_TOLERANCE,
+    LACKS,
+    LEAKED,
+    NOT_A_TRAINING_CONFIG,
+    NOT_EXERCISED,
+    OUTCOMES,
+    REFUSED,
+    REFUSED_AT_DATA,
+    SWEEP_ERROR,
+    TRAINED,
+    doctor_agrees,
+    doctor_reasons,
+    isolation_tolerance,
+    judge_capture,
+    judge_run,
+    lacks_of,
+    refused_settings,
+    rejudge,
+)
+from xtuner_rope.zoo.localize import (
+    LocalFiles,
+    cpu_edits,
+    enable_plugin,
+    enable_plugin_llava,
+    family_of,
+    localize,
+    localize_llava,
+    localized,
+    path_literals,
+    surviving_paths,
+    with_capture,
+)
+from xtuner_rope.zoo.run import list_configs, load_results, run_row, select, sweep
+from xtuner_rope.zoo.table import classes_markdown, counts, markdown
+
+__all__ = [
+    "CRASHED",
+    "ISOLATION_TOLERANCE",
+    "LACKS",
+    "LEAKED",
+    "NOT_A_TRAINING_CONFIG",
+    "NOT_EXERCISED",
+    "OUTCOMES",
+    "REFUSED",
+    "REFUSED_AT_DATA",
+    "SWEEP_ERROR",
+    "TRAINED",
+    "LocalFiles",
+    "classes_markdown",
+    "classify",
+    "counts",
+    "coverage",
+    "cpu_edits",
+    "doctor_agrees",
+    "doctor_reasons",
+    "enable_plugin",
+    "enable_plugin_llava",
+    "family_of",
+    "isolation_tolerance",
+    "judge_capture",
+    "judge_run",
+    "kind_of",
+    "lacks_of",
+    "list_configs",
+    "load_results",
+    "localize",
+    "localize_llava",
+    "localized",
+    "markdown",
+    "mode_of",
+    "path_literals",
+    "refused_settings",
+    "rejudge",
+    "run_row",
+    "select",
+    "stock_texts",
+    "surviving_paths",
+    "sweep",
+    "tiny_checkpoint",
+    "with_capture",
+    "zoo_classes",
+    "write_llava_images",
+    "write_preference_data",
+    "write_universal_data",
+]
