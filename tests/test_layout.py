@@ -67,8 +67,6 @@ def folder(module: str) -> str:
 
 
 def layer(module: str) -> int:
-    if module in MODULE_FLOORS:
-        return MODULE_FLOORS[module]
     return FLOORS.get(folder(module), TOP)
 
 

@@ -13,7 +13,7 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope import zoo
-from xtuner_rope.doctor.check_capture import compare_capture, reference_llm
+from xtuner_rope.capture.text import compare_capture, reference_llm
 
 RECIPE = sc.REPO / "configs" / "tiny_internlm2_short_dialogues.py"
 
@@ -140,7 +140,7 @@ def test_recorded_rows_are_rejudged_by_the_current_rule():
 def test_a_crash_inside_the_sweeps_capture_hook_is_a_sweep_error(tmp_path):
     log = TRACEBACK.replace(
         "    runner.train()\n",
-        '    runner.train()\n  File "/x/xtuner_rope/doctor/llava_capture.py", line 95, in before\n',
+        '    runner.train()\n  File "/x/xtuner_rope/capture/llava.py", line 95, in before\n',
     )
     row = zoo.judge_run(1, log, tmp_path, tmp_path / "c.py", iters=4)
     assert row["outcome"] == zoo.SWEEP_ERROR and row["message"].startswith("capture hook: ")

@@ -164,12 +164,12 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
         lacks = lacks_of(out)
         if lacks:
             return {"outcome": LACKS, "message": f"{lacks}: {last_error(out)}"}
-        if re.search(r"xtuner_rope/doctor/\w*capture\.py", "\n".join(out.splitlines()[-60:])):
+        if re.search(r"xtuner_rope/capture/\w+\.py", "\n".join(out.splitlines()[-60:])):
             # the traceback runs through the sweep's own capture hook: its failure, not the config's
             return {"outcome": SWEEP_ERROR, "message": f"capture hook: {last_error(out)}"}
         return {"outcome": CRASHED, "message": last_error(out)}
+    from xtuner_rope.capture.text import CAPTURE_FILE, compare_capture
     from xtuner_rope.demo.runlog import check_run
-    from xtuner_rope.doctor.check_capture import CAPTURE_FILE, compare_capture
 
     try:
         run = check_run(work, min_iters=iters)
@@ -195,7 +195,7 @@ def judge_capture(result: dict) -> dict:
     two documents).
 
     Args:
-        result: :func:`xtuner_rope.doctor.check_capture.compare_capture`'s answer: its
+        result: :func:`xtuner_rope.capture.text.compare_capture`'s answer: its
             ``per_document`` entries carry ``row``, ``max_abs_diff`` and ``max_abs_logit``.
     """
     row = {}
@@ -240,7 +240,7 @@ def judge_capture(result: dict) -> dict:
 def judge_preference(work: Path, config: Path) -> dict:
     """Each captured response's values (log-probs; the reward token's hidden states) against
     the response alone through the unpatched model, relative to ``max(1, |value|)``."""
-    from xtuner_rope.doctor.preference_capture import (
+    from xtuner_rope.capture.preference import (
         PREFERENCE_CAPTURE_FILE,
         compare_preference_capture,
     )
@@ -283,14 +283,14 @@ def judge_preference(work: Path, config: Path) -> dict:
 def isolation_tolerance(dtype: str) -> float:
     """Relative tolerance on the logits of a run in ``dtype``: fp32's, or ``check``'s for a
     half-precision run (``torch_dtype=torch.bfloat16`` configs train in bf16 on CPU too)."""
-    from xtuner_rope.doctor.check_report import TOLERANCES
+    from xtuner_rope.check.report import TOLERANCES
 
     return ISOLATION_TOLERANCE if dtype == "float32" else TOLERANCES[dtype]["logits"]
 
 
 def judge_llava(work: Path, config: Path) -> dict:
     """Each captured sample's LLM logits (after the image expansion) against the sample alone."""
-    from xtuner_rope.doctor.llava_capture import LLAVA_CAPTURE_FILE, compare_llava_capture
+    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
 
     capture = work / LLAVA_CAPTURE_FILE
     if not capture.is_file():

@@ -53,7 +53,7 @@ FAMILY_OF_PREFIX = (
 PLUGIN_EDIT = (
     "from xtuner_rope import enable_xtuner_rope\nmodel_resource = dict(fn=enable_xtuner_rope)\n"
 )
-CAPTURE_IMPORT = "from xtuner_rope.doctor.check_capture import IsolationCaptureHook\n"
+CAPTURE_IMPORT = "from xtuner_rope.capture.text import IsolationCaptureHook\n"
 PREFERENCE_KINDS = ("dpo", "orpo", "reward")
 # LLaVA config-name prefix -> its LLM's tiny family (``llava_v15``/``vicuna``: Llama).
 LLAVA_LLM_OF_PREFIX = (
@@ -64,9 +64,9 @@ LLAVA_LLM_OF_PREFIX = (
     ("llava_phi3", "phi3"),
     ("llava_internlm_", "internlm"),
 )
-LLAVA_CAPTURE = "from xtuner_rope.doctor.llava_capture import LLaVAIsolationCaptureHook\n"
+LLAVA_CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 PREFERENCE_CAPTURE = (
-    "\nfrom xtuner_rope.doctor.preference_capture import "
+    "\nfrom xtuner_rope.capture.preference import "
     "PreferenceCaptureHook  # noqa: E402\n"
     "custom_hooks += [dict(type=PreferenceCaptureHook)]\n"
 )
