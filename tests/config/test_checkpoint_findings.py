@@ -25,6 +25,7 @@ from tiny_recipe import CONFIG, xtuner_train
 from xtuner_rope.cli import main
 from xtuner_rope.config import startup
 from xtuner_rope.config.checkpoint_findings import checkpoint_config_findings
+from xtuner_rope.config.families import model_family_findings
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 SETTING = "model.llm.pretrained_model_name_or_path"
@@ -242,7 +243,7 @@ def test_internvl_whole_model_path_is_left_to_its_own_findings(tmp_path, offline
     seen = []
 
     def judge(path):
-        seen.extend(startup.model_family_findings(cfg) + checkpoint_config_findings(cfg))
+        seen.extend(model_family_findings(cfg) + checkpoint_config_findings(cfg))
         return path
 
     cfg = Config(

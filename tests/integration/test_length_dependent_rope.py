@@ -15,9 +15,9 @@ import pytest
 import stock_configs as sc
 import torch
 
+from xtuner_rope.capture.text import CAPTURE_FILE
 from xtuner_rope.cli import main
 from xtuner_rope.demo.tiny import save_tiny
-from xtuner_rope.doctor.check_capture import CAPTURE_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -79,7 +79,7 @@ def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -
         The JSON-ready report (``kind='internvl'``), with ``verdict``, ``problems`` and
         ``exit_code`` (0: every sample within tolerance).
     """
-    from xtuner_rope.doctor import check as ch
+    from xtuner_rope.check import runner as ch
 
     runner = ch.build_runner(cfg, Path(work_dir))
     runner.model.float()  # the check compares in fp32 (XTuner loads bf16 on GPUs)
