@@ -9,7 +9,7 @@ their boundaries as in training. What reaches the LLM there (``inputs_embeds`` w
 tokens written in, mask, positions) is then run sample by sample through the unpatched LLM:
 each sample's logits must match, fp32, within 1e-5 (relative to the logits' size). The same
 rows through the unpatched LLM are reported beside it: for packed rows they leak (the figure
-the plugin removes). Dropout is off in both (``check_randomness``). Gradients and generation
+the plugin removes). Dropout is off in both (``capture.randomness``). Gradients and generation
 are not compared for InternVL (the text and LLaVA checks do).
 """
 

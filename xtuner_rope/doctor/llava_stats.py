@@ -190,14 +190,13 @@ class LLaVAView:
 
 
 def _llm_max_position(cfg) -> int | None:
-    from transformers import AutoConfig
+    """The LLM's ``max_position_embeddings`` from its ``config.json`` (no remote code runs)."""
+    from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
     llm = _get(_get(cfg._cfg_dict, "model"), "llm")
-    path = _get(llm, "pretrained_model_name_or_path")
-    if path is None:
-        return None
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
-    return getattr(config, "max_position_embeddings", None)
+    config = read_checkpoint_config(_get(llm, "pretrained_model_name_or_path"))
+    value = None if config is None else config.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
 
 
 def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
