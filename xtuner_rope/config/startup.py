@@ -21,7 +21,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmengine.config import Config
@@ -34,40 +33,18 @@ from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
 from .fields import packing_source as packing_source
 from .fields import type_name as type_name
 
-MODEL_RESOURCE_EDIT = (
-    "add to PART 1 of the config:\n"
-    "    from xtuner_rope import enable_xtuner_rope\n"
-    "    model_resource = dict(fn=enable_xtuner_rope)"
-)
+# What a finding is and where it goes: read through this module too (``startup.Finding``).
+from .findings import MODEL_RESOURCE_EDIT as MODEL_RESOURCE_EDIT
+from .findings import SLOTS as SLOTS
+from .findings import ConfigConflict as ConfigConflict
+from .findings import Finding as Finding
+from .findings import conflict_message as conflict_message
+from .findings import slot_rank as slot_rank
 
 # "fixes": what the start-up applied, so the re-check of the config that really trains can
 # name a fix that an override (``--cfg-options``, merged after the start-up) undid.
 _STATE = {"prepared": False, "fixes": []}
 FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` list)
-
-
-class ConfigConflict(ValueError):
-    """Settings of an XTuner config that would make training fail or silently wrong."""
-
-
-@dataclass
-class Finding:
-    """One setting the plugin must change (``fix`` set) or refuse (``fix`` None).
-
-    Attributes:
-        setting: Where it is, in config terms (``train_dataloader.collate_fn``).
-        problem: What goes wrong with it.
-        edit: The exact edit a user makes (for a conflict), or what the fix did (for a fix).
-        fix: Applies the change to the config in place; None for a conflict.
-    """
-
-    setting: str
-    problem: str
-    edit: str
-    fix: Callable[[], None] | None = field(default=None, repr=False)
-
-    def __str__(self) -> str:
-        return f"{self.setting}: {self.problem}\n  -> {self.edit}"
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
@@ -86,42 +63,6 @@ def inspect_config(cfg: Config) -> list[Finding]:
         for _, check in sorted(FINDINGS, key=lambda entry: slot_rank(entry[0]))
         for finding in check(cfg)
     ]
-
-
-# Where each topic's findings appear in the start-up's report and are applied, first to last.
-SLOTS = (
-    "varlen",  # config.packing: the stock use_varlen_attn switch
-    "framework",  # config.frameworks: XTuner's Hugging Face Trainer configs
-    "packing",  # config.packing: boundaries recorded and kept, nothing dropped
-    "loss",  # hooks.loss_norm: loss_normalization
-    "multimodal",  # config.multimodal: LLaVA's LLM
-    "internvl",  # config.internvl: InternVL_V1_5 (LLM attention, fp32 on CPU, 4-bit, collate)
-    "llava_tower",  # config.llava_tower: image_tokens and crop size against the vision tower
-    "launch",  # config.launch: DeepSpeed, launcher, devices
-    "checkpoints",  # hooks.accumulation: checkpoints at accumulation-window boundaries
-    "sequence_parallel",  # config.sequence_parallel: heads not divisible on CPU
-    "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
-    "hooks",  # config.runtime: the plugin's hooks in custom_hooks
-    "runtime",  # config.runtime: AMP on CPU, sequence_parallel_size
-    "attention",  # config.families: flash_attention_2 where flash-attn cannot run
-    "family",  # config.families: unserved families
-    "checkpoint",  # config.checkpoint_findings: a config.json that cannot be read
-    "preference",  # config.preference: DPO, ORPO, reward model
-)
-
-
-def slot_rank(slot: str) -> int:
-    """The place of ``slot`` in the report (its index in :data:`SLOTS`).
-
-    Raises:
-        ValueError: ``slot`` names no slot (an order number of an earlier release, say).
-    """
-    if slot not in SLOTS:
-        raise ValueError(
-            f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "
-            "(xtuner_rope.config.startup.SLOTS), or add a slot there"
-        )
-    return SLOTS.index(slot)
 
 
 def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
@@ -147,15 +88,6 @@ def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
 
 # (slot, findings function), in registration order: every findings module registers its own.
 FINDINGS: list[tuple[str, FindingsFn]] = []
-
-
-def conflict_message(conflicts: list[Finding]) -> str:
-    """One error text listing every conflict with the edit that resolves it."""
-    items = "\n".join(f"{i}. {c}" for i, c in enumerate(conflicts, 1))
-    return (
-        f"xtuner-rope: {len(conflicts)} setting(s) of this config would make training fail "
-        f"or silently wrong; edit the config and start again:\n{items}"
-    )
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
