@@ -29,7 +29,7 @@ from mmengine.config import Config
 from torch import nn
 
 from xtuner_rope.capture.base import CaptureHook
-from xtuner_rope.capture.llava import isolation_figures
+from xtuner_rope.capture.llava import in_run_sentence, isolation_figures
 from xtuner_rope.models.dispatch import language_model
 
 INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
@@ -103,17 +103,7 @@ class InternVLIsolationCaptureHook(CaptureHook):
         return INTERNVL_CAPTURE_FILE
 
     def message(self, path: Path, saved: dict) -> str:
-        figures = saved.get("in_run")
-        measured = (
-            ""
-            if figures is None
-            else (
-                f" In the run, against each sample alone through the unpatched LLM: "
-                f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
-                f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
-                f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
-            )
-        )
+        measured = in_run_sentence(saved.get("in_run"))
         return f"saved iteration 1's LLM inputs, weights and logits to {path}.{measured}"
 
 

@@ -109,18 +109,20 @@ class LLaVAIsolationCaptureHook(CaptureHook):
         return LLAVA_CAPTURE_FILE
 
     def message(self, path: Path, saved: dict) -> str:
-        figures = saved.get("in_run")
-        measured = (
-            ""
-            if figures is None
-            else (
-                f" In the run, against each sample alone through the unpatched LLM: "
-                f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
-                f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
-                f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
-            )
-        )
+        measured = in_run_sentence(saved.get("in_run"))
         return f"saved iteration 1's LLM inputs and logits to {path}.{measured}"
+
+
+def in_run_sentence(figures: dict | None) -> str:
+    """The log's sentence on :func:`isolation_figures` (``""`` without a negative control)."""
+    if figures is None:
+        return ""
+    return (
+        f" In the run, against each sample alone through the unpatched LLM: "
+        f"{figures['samples']} samples in {figures['rows']} rows, max |trained - alone| "
+        f"{figures['max_abs_diff']:.3g}; the same rows through the unpatched LLM "
+        f"(negative control) {figures['unpatched_max_abs_diff']:.3g}."
+    )
 
 
 def reference_llava_llm(cfg: Config) -> nn.Module:
