@@ -266,9 +266,12 @@ def localized(text: str, kind: str, files: LocalFiles) -> str:
     Raises:
         ValueError: The config has no setting to put the one edit after.
     """
-    if kind in ("llava", "internvl"):
-        text = localize_llava(text, files.model, files.clip, files.llava_json)
-        return enable_plugin_llava(text) if kind == "llava" else enable_plugin(text, "path")
+    if kind == "internvl":  # a tiny InternVL, packed, with its capture hook
+        from xtuner_rope.zoo.internvl import internvl_edits
+
+        return internvl_edits(text, files.model, files.llava_json)
+    if kind == "llava":
+        return enable_plugin_llava(localize_llava(text, files.model, files.clip, files.llava_json))
     pairs = files.pairs if kind in PREFERENCE_KINDS else None
     return with_capture(enable_plugin(localize(text, files.model, files.data, pairs)), kind)
 
