@@ -132,17 +132,3 @@ def internvl_checkpoint(llm: str | None, models: Path) -> Path | None:
     if llm == "internlm2":
         base = with_remote_code(base, models / "tiny-internlm2-remote")
     return save_tiny_internvl(base, out)
-
-
-def internvl_edits(text: str, model: Path | None, data_json: Path) -> str:
-    """A stock InternVL config as a row trains it: the CPU edits (fp32 ``OptimWrapper``), the
-    local files (:func:`localize_internvl`), the one edit after ``path = ...``, the capture
-    hook and packing.
-
-    Raises:
-        ValueError: The config lacks a setting an edit needs.
-    """
-    from xtuner_rope.zoo.localize import cpu_edits, enable_plugin
-
-    text = localize_internvl(cpu_edits(text), model, data_json)
-    return with_internvl_collate(with_internvl_capture(enable_plugin(text, "path")))

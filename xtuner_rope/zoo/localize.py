@@ -16,6 +16,12 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtuner_rope.zoo.internvl import (
+    localize_internvl,
+    with_internvl_capture,
+    with_internvl_collate,
+)
+
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
 FAMILY_OF_PREFIX = (
@@ -267,9 +273,8 @@ def localized(text: str, kind: str, files: LocalFiles) -> str:
         ValueError: The config has no setting to put the one edit after.
     """
     if kind == "internvl":  # a tiny InternVL, packed, with its capture hook
-        from xtuner_rope.zoo.internvl import internvl_edits
-
-        return internvl_edits(text, files.model, files.llava_json)
+        text = localize_internvl(cpu_edits(text), files.model, files.llava_json)
+        return with_internvl_collate(with_internvl_capture(enable_plugin(text, "path")))
     if kind == "llava":
         return enable_plugin_llava(localize_llava(text, files.model, files.clip, files.llava_json))
     pairs = files.pairs if kind in PREFERENCE_KINDS else None
