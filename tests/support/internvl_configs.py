@@ -14,6 +14,8 @@ from pathlib import Path
 
 from stock_configs import PLUGIN_EDIT, cpu_optim_wrapper, sub_once
 
+from xtuner_rope.zoo import internvl as zoo_internvl
+
 INTERNLM2_LORA = "internvl_v2_internlm2_2b_lora_finetune"
 PHI3_FULL = "internvl_v2_phi3_4b_finetune"
 
@@ -21,24 +23,13 @@ PHI3_FULL = "internvl_v2_phi3_4b_finetune"
 def localize_internvl(
     config: Path, model: Path, data_json: Path, batch_size: int = 4, cpu: bool = True
 ) -> str:
-    """The user's own-machine edits of a stock InternVL config; returns the new text."""
-    text = config.read_text(encoding="utf-8")
-    text = sub_once(text, r'^path = ".*"$', f'path = "{model}"')
-    text = sub_once(text, r"^data_root = .*$", f'data_root = "{data_json.parent}/"')
-    text = sub_once(text, r"^data_path = .*$", f'data_path = "{data_json}"')
-    text = sub_once(text, r"^image_folder = .*$", f'image_folder = "{data_json.parent / "images"}"')
-    text = sub_once(text, r"^max_length = .*$", "max_length = 512")
-    text = sub_once(text, r"^batch_size = \d+", f"batch_size = {batch_size}")
-    text = sub_once(text, r"^dataloader_num_workers = \d+", "dataloader_num_workers = 0")
-    text = sub_once(text, r"^lr = .*$", "lr = 1e-3")
-    text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
-    text = sub_once(text, r"^warmup_ratio = .*$", "warmup_ratio = 0.3")  # >= 1 of few iterations
-    for key in ("quantization_llm", "quantization_vit"):
-        if f"{key}=True" in text:
-            text = sub_once(text, rf"{key}=True", f"{key}=False")
-    if cpu:
-        text = cpu_optim_wrapper(text)
-    return text
+    """The user's own-machine edits of a stock InternVL config (the zoo's,
+    :func:`xtuner_rope.zoo.internvl.localize_internvl`), and on CPU the README's optimizer
+    swap; returns the new text."""
+    text = zoo_internvl.localize_internvl(
+        config.read_text(encoding="utf-8"), model, data_json, batch_size
+    )
+    return cpu_optim_wrapper(text) if cpu else text
 
 
 def enable_plugin_internvl(text: str) -> str:
@@ -75,27 +66,6 @@ def internvl_assets(root: Path) -> dict:
     return _ASSETS
 
 
-CAPTURE_IMPORT = "from xtuner_rope.capture.internvl import InternVLIsolationCaptureHook\n"
-
-
-def with_internvl_capture(text: str) -> str:
-    """Add ``InternVLIsolationCaptureHook`` to ``custom_hooks``: iteration 1 is saved."""
-    text = sub_once(
-        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=InternVLIsolationCaptureHook),"
-    )
-    return sub_once(text, r"^(from xtuner.utils import .*\n)", r"\g<1>" + CAPTURE_IMPORT)
-
-
-def with_internvl_collate(text: str, max_length: int = 512) -> str:
-    """Pack whole samples into rows: ``internvl_collate_fn`` instead of ``default_collate_fn``
-    (the docs' packing edit for InternVL)."""
-    text = sub_once(
-        text,
-        r"collate_fn=dict\(type=default_collate_fn\)",
-        f"collate_fn=dict(type=internvl_collate_fn, max_length={max_length})",
-    )
-    return sub_once(
-        text,
-        r"^(from xtuner.dataset.collate_fns import default_collate_fn\n)",
-        r"\g<1>from xtuner_rope import internvl_collate_fn\n",
-    )
+# The zoo's capture and packing edits, the same for the tests' runs.
+with_internvl_capture = zoo_internvl.with_internvl_capture
+with_internvl_collate = zoo_internvl.with_internvl_collate

@@ -69,3 +69,35 @@ def test_suffixes_follow_their_root_and_keep_its_slash():
     out = zoo.localize(text, None, Path("/local/data"))
     assert 'data_root = "/local/data/"' in out
     assert zoo.path_literals(text) == ("./data/llava_data/",)  # the suffix follows data_root
+
+
+def test_internvl_rows_get_a_tiny_internvl_packed_and_captured(edited):
+    """Every stock InternVL config (``model.type=InternVL_V1_5``): the tiny checkpoint after
+    ``path =`` with the one edit, the LLaVA-format data, no 4-bit on CPU, fp32
+    ``OptimWrapper``, the plugin's packing collate and the InternVL capture hook."""
+    from xtuner_rope.zoo.internvl import internvl_llm_of
+
+    names = sorted(n for n in edited if n.startswith("internvl_"))
+    assert len(names) == 21
+    assert {n: internvl_llm_of(n) for n in names if internvl_llm_of(n) is None} == {}
+    assert internvl_llm_of("internvl_v2_internlm2_5_8b_finetune") == "internlm2"
+    assert internvl_llm_of("internvl_v1_5_phi3_4b_qlora_finetune") == "phi3"
+    for name in names:
+        stock, text = edited[name]
+        assert 'path = "/local/model"\nfrom xtuner_rope import enable_xtuner_rope\n' in text
+        assert 'data_path = "/local/llava/llava_data.json"' in text
+        assert 'image_folder = "/local/llava/images"' in text
+        assert "collate_fn=dict(type=internvl_collate_fn, max_length=512)" in text
+        assert "dict(type=InternVLIsolationCaptureHook)," in text
+        assert "AmpOptimWrapper" not in text and "quantization_llm=True" not in text
+        assert ("quantization_llm=True" in stock) == name.endswith("qlora_finetune")
+
+
+def test_an_internvl_config_without_its_data_setting_is_named():
+    from xtuner_rope.zoo.internvl import localize_internvl
+
+    stock = zoo.stock_texts(["internvl_v2_phi3_4b_finetune"])["internvl_v2_phi3_4b_finetune"]
+    with pytest.raises(ValueError, match=r"data_path = .* matched 0 times"):
+        localize_internvl(
+            stock.replace("\ndata_path = ", "\nannotations = "), None, FILES.llava_json
+        )

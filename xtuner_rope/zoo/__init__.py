@@ -7,7 +7,7 @@ captures and doctor, and the layout test keeps its imports in order. For each st
 1. copies it with the real ``xtuner copy-cfg``;
 2. points every model, data and folder path setting at a tiny random checkpoint of its family
    built here and small local data in every stock format (:mod:`~xtuner_rope.zoo.localize`,
-   :mod:`~xtuner_rope.zoo.data`; a family without a tiny builder keeps its hub id on purpose,
+   :mod:`~xtuner_rope.zoo.data`, :mod:`~xtuner_rope.zoo.internvl` for InternVL configs; a family without a tiny builder keeps its hub id on purpose,
    any other hub or cluster path left behind is a sweep error, not a row), makes the CPU
    edits, the README's one edit and a capture hook;
 3. runs ``xtuner-rope doctor`` on it, then a few iterations of the real training script

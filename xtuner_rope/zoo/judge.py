@@ -178,8 +178,8 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
     row = {"losses": [round(x, 4) for x in run.losses]}
     if kind in PREFERENCE_KINDS:
         return {**row, **judge_preference(work, config)}
-    if kind == "llava":
-        return {**row, **judge_llava(work, config)}
+    if kind in ("llava", "internvl"):
+        return {**row, **judge_llava(work, config, kind)}
     capture = work / CAPTURE_FILE
     if not capture.is_file():
         return {**row, "outcome": CRASHED, "message": "trained but saved no isolation capture"}
@@ -288,17 +288,23 @@ def isolation_tolerance(dtype: str) -> float:
     return ISOLATION_TOLERANCE if dtype == "float32" else TOLERANCES[dtype]["logits"]
 
 
-def judge_llava(work: Path, config: Path) -> dict:
-    """Each captured sample's LLM logits (after the image expansion) against the sample alone."""
-    from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
-
-    capture = work / LLAVA_CAPTURE_FILE
+def judge_llava(work: Path, config: Path, kind: str = "llava") -> dict:
+    """Each captured sample's LLM logits (after the image expansion) against the sample alone;
+    ``kind`` ``internvl``: InternVL's capture (same figures)."""
+    if kind == "internvl":
+        from xtuner_rope.capture.internvl import INTERNVL_CAPTURE_FILE as capture_file
+        from xtuner_rope.capture.internvl import compare_internvl_capture as compare
+    else:
+        from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE as capture_file
+        from xtuner_rope.capture.llava import compare_llava_capture as compare
+    what = "InternVL" if kind == "internvl" else "LLaVA"
+    capture = work / capture_file
     if not capture.is_file():
-        return {"outcome": CRASHED, "message": "trained but saved no LLaVA capture"}
+        return {"outcome": CRASHED, "message": f"trained but saved no {what} capture"}
     try:
-        result = compare_llava_capture(config, capture)
+        result = compare(config, capture)
     except Exception as exc:  # noqa: BLE001 - a row, not the sweep, fails
-        return {"outcome": SWEEP_ERROR, "message": f"LLaVA capture compare: {exc}"[:300]}
+        return {"outcome": SWEEP_ERROR, "message": f"{what} capture compare: {exc}"[:300]}
     worst = max(s["max_abs_diff"] / max(1.0, s["max_abs_logit"]) for s in result["per_sample"])
     per_row: dict[int, int] = {}
     for sample in result["per_sample"]:
@@ -312,6 +318,8 @@ def judge_llava(work: Path, config: Path) -> dict:
             "message": f"no row held two samples ({len(per_row)} padded row(s) of one): "
             f"isolation not exercised (max |trained - alone| {result['max_abs_diff']:.3g})",
         }
+    unpatched = result.get("unpatched_max_abs_diff")
+    control = "" if unpatched is None else f" (same rows unpatched: {unpatched:.3g})"
     return {
         "most_in_a_row": max(per_row.values()),
         "documents": result["samples"],
@@ -321,7 +329,7 @@ def judge_llava(work: Path, config: Path) -> dict:
         "boundaries": "LLaVA samples",
         "outcome": LEAKED if worst > ISOLATION_TOLERANCE else TRAINED,
         "message": f"{result['samples']} image/text samples, max |trained - alone| "
-        f"{result['max_abs_diff']:.3g}",
+        f"{result['max_abs_diff']:.3g}{control}",
     }
 
 

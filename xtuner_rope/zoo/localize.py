@@ -16,6 +16,12 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtuner_rope.zoo.internvl import (
+    localize_internvl,
+    with_internvl_capture,
+    with_internvl_collate,
+)
+
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
 FAMILY_OF_PREFIX = (
@@ -266,9 +272,11 @@ def localized(text: str, kind: str, files: LocalFiles) -> str:
     Raises:
         ValueError: The config has no setting to put the one edit after.
     """
-    if kind in ("llava", "internvl"):
-        text = localize_llava(text, files.model, files.clip, files.llava_json)
-        return enable_plugin_llava(text) if kind == "llava" else enable_plugin(text, "path")
+    if kind == "internvl":  # a tiny InternVL, packed, with its capture hook
+        text = localize_internvl(cpu_edits(text), files.model, files.llava_json)
+        return with_internvl_collate(with_internvl_capture(enable_plugin(text, "path")))
+    if kind == "llava":
+        return enable_plugin_llava(localize_llava(text, files.model, files.clip, files.llava_json))
     pairs = files.pairs if kind in PREFERENCE_KINDS else None
     return with_capture(enable_plugin(localize(text, files.model, files.data, pairs)), kind)
 

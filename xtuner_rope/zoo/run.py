@@ -22,6 +22,7 @@ from xtuner_rope.zoo.data import (
     write_preference_data,
     write_universal_data,
 )
+from xtuner_rope.zoo.internvl import internvl_checkpoint, internvl_llm_of
 from xtuner_rope.zoo.judge import (
     CRASHED,
     DATA_SETTINGS,
@@ -130,8 +131,13 @@ def local_files(name: str, kind: str, root: Path, data: Path, models: Path) -> L
     clip = models / "tiny-clip"
     if kind == "llava" and not (clip / "config.json").is_file():
         save_tiny_clip(clip)
+    model = (
+        internvl_checkpoint(internvl_llm_of(name), models)
+        if kind == "internvl"
+        else tiny_checkpoint(family, models)
+    )
     return LocalFiles(
-        model=tiny_checkpoint(family, models),
+        model=model,
         data=data,
         pairs=root / "data" / "preference_pairs.jsonl",
         clip=clip,
@@ -287,6 +293,8 @@ def sweep(
     models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
+    for llm in sorted({internvl_llm_of(n) for n in names if n.startswith("internvl")} - {None}):
+        internvl_checkpoint(llm, models)
     lock = threading.Lock()
     done = 0
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
