@@ -34,12 +34,16 @@ STOCK_DATASETS = {
 def write_preference_pairs(dst: Path, n: int = 240) -> Path:
     """``n`` pairs from the sample dialogues: the real first reply chosen, another rejected.
 
-    The rejected answer is the first reply of the next dialogue (a fluent but wrong answer),
-    so chosen and rejected differ in content and length, as real preference data does.
+    The rejected answer is the first reply of the next dialogue with another first reply (a
+    fluent but wrong answer), so chosen and rejected differ in content and length, as real
+    preference data does.
     """
-    turns = list(sc._turns(n + 1))
+    turns = list(sc._turns(n + 32))
     rows = []
-    for (system, users, replies), (_, _, other) in zip(turns, turns[1:]):
+    for i, (system, users, replies) in enumerate(turns[:n]):
+        # the next dialogue whose first reply differs: chosen = rejected trains nothing, and
+        # xtuner-rope refuses such pairs before the first step (data/preference_checks.py)
+        other = next(t[2] for t in turns[i + 1 :] if t[2][0] != replies[0])
         prompt = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": users[0]}
         ]
