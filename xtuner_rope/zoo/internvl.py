@@ -103,12 +103,14 @@ def with_remote_code(llm: Path, out: Path) -> Path:
     so ``trust_remote_code=True`` loads it as it loads a real one."""
     import xtuner._lite.modelings.internlm2 as code
 
+    from xtuner_rope.models.checkpoint_config import read_checkpoint_config
+
     if (out / "config.json").is_file():
         return out
     shutil.copytree(llm, out, dirs_exist_ok=True)
     for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
         shutil.copy(Path(code.__file__).parent / name, out / name)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config = dict(read_checkpoint_config(str(out)).data)
     config["auto_map"] = {
         "AutoConfig": "configuration_internlm2.InternLM2Config",
         "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
