@@ -254,10 +254,6 @@ def _scalars(work_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="order-dependent in the full suite since session 7 (passes alone and with its own folder): the in-process rebuild of the run's data differs after earlier tests; see docs/status.md, Layout and tests",
-)
 def test_packing_metrics_in_a_real_log_match_the_batches(tmp_path):
     proc = xtuner_train(tmp_path, *SHORT_RUN)
     log = next(tmp_path.glob("*/*.log")).read_text()
@@ -294,10 +290,6 @@ def _poisoned_checkpoint(path, token):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="order-dependent in the full suite since session 7 (passes alone and with its own folder): the in-process rebuild of the run's data differs after earlier tests; see docs/status.md, Layout and tests",
-)
 def test_tripwire_stops_a_real_run_and_the_replay_names_layer_and_document(tmp_path):
     batches = _run_batches(8)
     seen = set().union(*(set(b["input_ids"].unique().tolist()) for b in batches[:4]))

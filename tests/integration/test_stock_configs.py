@@ -124,10 +124,6 @@ def test_stock_use_varlen_attn_switch_with_one_edit(stock, tmp_path):
     assert "flash_attn" not in out  # XTuner's own check no longer demands it
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="order-dependent in the full suite since session 7 (passes alone and with its own folder): the in-process rebuild of the run's data differs after earlier tests; see docs/status.md, Layout and tests",
-)
 def test_stock_packing_without_the_edit_leaks_inside_xtuner_train(stock, tmp_path):
     """Negative control of the isolation measured in the runs above: the stock config without
     the edit packs documents into one attention span, and the same measurement must see it.

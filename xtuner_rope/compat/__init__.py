@@ -3,10 +3,10 @@
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
 ``checkpoint``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_preference``). Each patch names the versions it was written against and the symptom it
-removes, and is applied only where the gap exists: on a CUDA machine with a complete stack,
-``apply()`` leaves everything as it was. ``apply()`` is idempotent and runs when
-``xtuner_rope`` is imported. Every public name of the modules is importable from here.
+``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
+against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
+with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
+runs when ``xtuner_rope`` is imported. Every public name of the modules is importable from here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,
     register_internlm2_auto_classes,
 )
-from .xtuner_internvl import INTERNVL_LOAD, patch_internvl_loading, patch_internvl_rank
+from .xtuner_internvl import (
+    INTERNVL_LOAD,
+    patch_internvl_dataset_template,
+    patch_internvl_loading,
+    patch_internvl_rank,
+)
 from .xtuner_llava import patch_llava_expansion_check
 from .xtuner_model_resource import (
     config_being_started,
@@ -73,6 +78,7 @@ __all__ = [
     "INTERNVL_LOAD",
     "patch_internvl_loading",
     "patch_internvl_rank",
+    "patch_internvl_dataset_template",
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
@@ -127,6 +133,7 @@ def apply() -> list[str]:
         patch_mmengine_warmup_rounding,
         patch_internvl_loading,
         patch_internvl_rank,
+        patch_internvl_dataset_template,
     ):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)

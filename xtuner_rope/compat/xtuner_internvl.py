@@ -1,12 +1,17 @@
-"""XTuner ``InternVL_V1_5`` patches: what it hard-codes at load time, and its rank query.
+"""XTuner InternVL patches: what it hard-codes at load time, its rank query, and the prompt
+template its dataset edits.
 
 xtuner 0.2.0 ``InternVL_V1_5.__init__`` loads the checkpoint with ``torch_dtype=torch.bfloat16``
 and sets its LLM's attention to ``"flash_attention_2"`` unconditionally (a config cannot say
-otherwise); ``_llm_forward`` calls ``torch.distributed.get_rank()`` at every step.
+otherwise); ``_llm_forward`` calls ``torch.distributed.get_rank()`` at every step;
+``InternVL_V1_5_Dataset.__init__`` rewrites the template it is given, which in a config is
+XTuner's process-wide ``PROMPT_TEMPLATE`` entry.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import types
 
 import torch
@@ -99,4 +104,35 @@ def patch_internvl_rank() -> bool:
         view = _TorchWithRankWithoutGroup("torch")
         view.distributed = _RankWithoutGroup("torch.distributed")
         internvl.torch = view
+    return True
+
+
+def patch_internvl_dataset_template() -> bool:
+    """Keep XTuner's ``PROMPT_TEMPLATE`` intact when an InternVL dataset is built.
+
+    xtuner 0.2.0 ``InternVL_V1_5_Dataset.__init__`` assigns new ``SYSTEM`` / ``INSTRUCTION``
+    strings (no newline after ``<|im_end|>`` for InternLM2, after ``<|end|>`` for Phi-3) into
+    the template object it receives. A config passes ``PROMPT_TEMPLATE.internlm2_chat`` (or
+    ``phi3_chat``) itself, so after one InternVL dataset every later text dataset of the same
+    process (``xtuner-rope doctor`` / ``check`` on another config, a rebuild of a run's batches)
+    is templated without those newlines: other tokens, other lengths, numbers that match no
+    ``xtuner train`` run. The dataset now edits a copy: its own samples are unchanged.
+
+    Returns:
+        True if applied (XTuner has ``InternVL_V1_5_Dataset``).
+    """
+    try:
+        from xtuner.dataset.internvl_dataset import InternVL_V1_5_Dataset
+    except ImportError:
+        return False
+    init = InternVL_V1_5_Dataset.__init__
+    if getattr(init, "copies_template", False):
+        return True
+
+    @functools.wraps(init)
+    def __init__(self, model_path, template, *args, **kwargs):
+        init(self, model_path, copy.deepcopy(template), *args, **kwargs)
+
+    __init__.copies_template = True
+    InternVL_V1_5_Dataset.__init__ = __init__
     return True
