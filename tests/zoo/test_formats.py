@@ -179,3 +179,37 @@ def test_colour_names_agree_with_their_codes():
         base = formats.BASE_COLOURS[name.split()[1]]
         light = sum(rgb) > sum(base)
         assert light == (name.split()[0] in ("pale", "light", "bright")), row
+
+
+def test_moss_and_refcoco_configs_are_pointed_at_their_own_files():
+    """Every stock MOSS and RefCOCO config: its settings name the sweep's own files (not the
+    dialogues' ``train.json`` or LLaVA's JSON), and no stock path survives."""
+    from pathlib import Path
+
+    from xtuner_rope import zoo
+
+    moss = {False: Path("/local/moss/plain.jsonl"), True: Path("/local/moss/tools.jsonl")}
+    files = zoo.LocalFiles(
+        model=Path("/local/model"),
+        data=Path("/local/data"),
+        pairs=Path("/local/pairs.jsonl"),
+        clip=Path("/local/clip"),
+        llava_json=Path("/local/llava/llava_data.json"),
+        moss=moss,
+        refcoco=Path("/local/llava/refcoco_train.json"),
+    )
+    texts = {
+        n: t
+        for n, t in zoo.stock_texts().items()
+        if "type=MOSSSFTDataset" in t or "type=RefCOCOJsonDataset" in t
+    }
+    assert len(texts) == 18 + 1
+    for name, text in texts.items():
+        edited = zoo.localized(text, zoo.kind_of(text, name), files)
+        assert zoo.surviving_paths(text, edited) == [], name
+        if "type=RefCOCOJsonDataset" in text:
+            assert 'refcoco_path = "/local/llava/refcoco_train.json"' in edited
+            continue
+        for setting, tools in (("no_plugins", False), ("plugins", True)):
+            if f"moss_sft_{setting}_path = " in text:
+                assert f'moss_sft_{setting}_path = "{moss[tools]}"' in edited, name
