@@ -55,6 +55,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.hooks.accumulation",
     "xtuner_rope.config.warmup",
     "xtuner_rope.config.frameworks",
+    "xtuner_rope.config.moss",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 _activated = False

@@ -109,6 +109,23 @@ def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
     return rows
 
 
+# Dataset builders that never pack: one document an item (MOSS's tokenized dialogues).
+UNPACKED_BUILDERS = ("MOSSSFTDataset",)
+
+
+def packs_documents(dataset_cfg: dict) -> bool:
+    """Whether a dataset config packs documents into rows: ``pack_to_max_length`` unless False
+    (XTuner's builders default to packing), not for a builder that never packs, and a
+    ``ConcatDataset`` when one of its datasets does."""
+    kind = dataset_cfg.get("type")
+    name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+    if name == "ConcatDataset":
+        return any(packs_documents(d) for d in dataset_cfg.get("datasets", []))
+    if name in UNPACKED_BUILDERS:
+        return False
+    return bool(dataset_cfg.get("pack_to_max_length", True))
+
+
 def compare_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured document's logits against the same document alone (unpatched, fp32).
 
@@ -131,7 +148,7 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     data = saved["data"]
     cfg, _, _ = start_like_xtuner_train(str(config))  # the start-up's fixes, as trained
-    unpacked = not cfg.train_dataloader.dataset.get("pack_to_max_length", True)  # 1 per row
+    unpacked = not packs_documents(cfg.train_dataloader.dataset)  # one document a row
     recorded = (
         None if data.get("cumulative_len") is not None or unpacked else _pack_boundaries(cfg, data)
     )

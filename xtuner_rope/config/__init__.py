@@ -9,7 +9,8 @@
   ``sequence_parallel``, ``families`` (flash-attn, unserved families), ``checkpoint_findings``
   (a ``config.json`` that cannot be read), ``rope_scaling`` (a ``rope_scaling`` no model
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
-  ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
+  ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``moss``
+  (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
   the loss-normalization and checkpoint-interval findings live with their hooks
   (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
@@ -25,6 +26,7 @@ from . import (
     internvl,
     launch,
     llava_tower,
+    moss,
     multimodal,
     packing,
     preference,
@@ -40,6 +42,7 @@ __all__ = [
     "internvl",
     "launch",
     "llava_tower",
+    "moss",
     "multimodal",
     "packing",
     "preference",

@@ -77,6 +77,8 @@ def packing_of(text: str, kind: str) -> str:
         return "unpacked"  # build_preference_dataset packs pairs only with use_varlen_attn
     if re.search(r"^pack_to_max_length = False", text, re.M):
         return "unpacked"
+    if "type=MOSSSFTDataset" in text and "type=process_hf_dataset" not in text:
+        return "unpacked"  # one tokenized dialogue an item, never packed
     return "packed"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 
@@ -15,8 +16,10 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
         ``load_dataset("json", data_files=[dir/train.json])`` both read it).
     """
     from xtuner_rope.demo.sample_data import generate_dialogues
+    from xtuner_rope.zoo.formats import code_columns, colour_columns
 
     rows = []
+    own = random.Random(0)  # the columns of the colour and code sets (zoo.formats)
     for dialogue in generate_dialogues(n, seed=0):
         msgs = dialogue["messages"]
         system = next((m["content"] for m in msgs if m["role"] == "system"), "")
@@ -32,8 +35,6 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
                 "instruction_zh": users[0],
                 "input_zh": "",
                 "output_zh": replies[0],
-                "prompt": users[0],
-                "completion": replies[0],
                 "text": f"### Human: {users[0]}### Assistant: {replies[0]}",
                 "messages": msgs,
                 "conversation": turns,
@@ -41,13 +42,14 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
                 # stack_exchange, wizardlm (ShareGPT) map functions
                 "abstract": users[0],
                 "title": replies[0],
-                "description": f"Color: {users[0]}",
-                "color": replies[0],
                 "context": system,
                 "question": users[0],
                 "answer": replies[0],
                 "system_prompt": system,
-                "response": replies[0],
+                **colour_columns(own),  # description, color
+                # prompt, response, completion: a coding task (tiny codes, Code Alpaca; the
+                # answer of openorca and stack_exchange too)
+                **code_columns(own),
                 "conversations": [
                     {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
                     for m in msgs

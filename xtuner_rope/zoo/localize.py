@@ -16,11 +16,13 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from xtuner_rope.zoo.formats import localize_moss
 from xtuner_rope.zoo.internvl import (
     localize_internvl,
     with_internvl_capture,
     with_internvl_collate,
 )
+from xtuner_rope.zoo.refcoco import localize_refcoco
 
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
@@ -256,13 +258,17 @@ def enable_plugin_llava(text: str) -> str:
 @dataclass(frozen=True)
 class LocalFiles:
     """What a row is pointed at: its tiny checkpoint (None: no builder, the hub id stays), the
-    dialogues folder, the preference pairs file, the tiny CLIP and the LLaVA data JSON."""
+    dialogues folder, the preference pairs file, the tiny CLIP, the LLaVA data JSON, the MOSS
+    files (``{tools: path}``, :func:`~xtuner_rope.zoo.formats.write_moss_data`) and the RefCOCO
+    annotations (:func:`~xtuner_rope.zoo.refcoco.write_refcoco_data`)."""
 
     model: Path | None
     data: Path
     pairs: Path
     clip: Path
     llava_json: Path
+    moss: dict[bool, Path] | None = None
+    refcoco: Path | None = None
 
 
 def localized(text: str, kind: str, files: LocalFiles) -> str:
@@ -276,9 +282,11 @@ def localized(text: str, kind: str, files: LocalFiles) -> str:
         text = localize_internvl(cpu_edits(text), files.model, files.llava_json)
         return with_internvl_collate(with_internvl_capture(enable_plugin(text, "path")))
     if kind == "llava":
-        return enable_plugin_llava(localize_llava(text, files.model, files.clip, files.llava_json))
+        text = localize_llava(text, files.model, files.clip, files.llava_json)
+        return enable_plugin_llava(localize_refcoco(text, files.refcoco))
     pairs = files.pairs if kind in PREFERENCE_KINDS else None
-    return with_capture(enable_plugin(localize(text, files.model, files.data, pairs)), kind)
+    text = localize_moss(localize(text, files.model, files.data, pairs), files.moss)
+    return with_capture(enable_plugin(text), kind)
 
 
 @functools.lru_cache(maxsize=2048)

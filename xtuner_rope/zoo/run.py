@@ -22,6 +22,7 @@ from xtuner_rope.zoo.data import (
     write_preference_data,
     write_universal_data,
 )
+from xtuner_rope.zoo.formats import MOSS_FILES, write_moss_data
 from xtuner_rope.zoo.internvl import internvl_checkpoint, internvl_llm_of
 from xtuner_rope.zoo.judge import (
     CRASHED,
@@ -47,6 +48,7 @@ from xtuner_rope.zoo.localize import (
     model_ids,
     surviving_paths,
 )
+from xtuner_rope.zoo.refcoco import write_refcoco_data
 
 # The stock config a ``--deepspeed`` file (``xtuner list-cfg`` lists them too) is launched with.
 DEEPSPEED_HOST = "internlm2_chat_1_8b_qlora_alpaca_e3"
@@ -142,6 +144,8 @@ def local_files(name: str, kind: str, root: Path, data: Path, models: Path) -> L
         pairs=root / "data" / "preference_pairs.jsonl",
         clip=clip,
         llava_json=root / "data" / "llava" / "llava_data.json",
+        moss={tools: root / "data" / "moss" / f for tools, f in MOSS_FILES.items()},
+        refcoco=root / "data" / "llava" / "refcoco_train.json",
     )
 
 
@@ -290,6 +294,8 @@ def sweep(
     data = write_universal_data(root / "data" / "dialogues")
     write_preference_data(root / "data")  # once, before the workers read it
     write_llava_images(root / "data" / "llava")
+    write_moss_data(root / "data" / "moss")  # MOSSSFTDataset's own JSON lines
+    write_refcoco_data(root / "data" / "llava", root / "data" / "llava" / "images")
     models = Path(models).resolve() if models else root / "models"
     for family in sorted({family_of(n) for n in names} - {None}):
         tiny_checkpoint(family, models)  # once, before the workers race for it
