@@ -30,6 +30,7 @@ def _stock(name: str, path=None) -> Config:
 
 
 def _checkpoint(tmp_path, architecture: str, model_type: str):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     llm = {"architectures": [architecture], "model_type": model_type}
     (tmp_path / "config.json").write_text(json.dumps({"llm_config": llm}))
     return tmp_path
@@ -54,6 +55,22 @@ def test_phi3_llm_gets_sdpa(load_kept, tmp_path):
     for f in internvl_findings(cfg):
         f.fix()
     assert INTERNVL_LOAD["attn_implementation"] == "sdpa"
+
+
+def test_a_second_internvl_config_in_one_process_gets_its_own_llm_attention(load_kept, tmp_path):
+    """The settings a first config's start-up chose do not stand for the next one."""
+    internlm2 = _stock(
+        "internvl_v2_internlm2_2b_lora_finetune",
+        _checkpoint(tmp_path / "a", "InternLM2ForCausalLM", "internlm2"),
+    )
+    phi3 = _stock(
+        "internvl_v2_phi3_4b_finetune", _checkpoint(tmp_path / "b", "Phi3ForCausalLM", "phi3")
+    )
+    for cfg, attn in ((internlm2, "eager"), (phi3, "sdpa"), (internlm2, "eager")):
+        for f in internvl_findings(cfg):
+            f.fix()
+        assert INTERNVL_LOAD["attn_implementation"] == attn
+        assert internvl_findings(cfg) == []
 
 
 def test_an_llm_xtuner_cannot_template_is_refused(load_kept, tmp_path):

@@ -62,9 +62,9 @@ def _set_load(key: str, value: object):
 def _attention_finding(llm_config: dict) -> list[Finding]:
     from transformers.utils import is_flash_attn_2_available
 
-    if is_flash_attn_2_available() or "attn_implementation" in INTERNVL_LOAD:
-        return []  # (or fixed already: the re-check before the first step)
     attn = "eager" if llm_config.get("model_type") == "internlm2" else "sdpa"
+    if is_flash_attn_2_available() or INTERNVL_LOAD.get("attn_implementation") == attn:
+        return []  # (or fixed already for this LLM: the re-check before the first step)
     return [
         Finding(
             "model (InternVL_V1_5)",
@@ -149,7 +149,7 @@ def internvl_findings(cfg: Config) -> list[Finding]:
     config, where = checkpoint_config(cfg)
     findings = _quantization_findings(model) + _llm_finding(config, where) + _collate_findings(cfg)
     findings += _attention_finding((config or {}).get("llm_config", {}))
-    if cpu_only() and "torch_dtype" not in INTERNVL_LOAD:
+    if cpu_only() and INTERNVL_LOAD.get("torch_dtype") != torch.float32:
         findings.append(
             Finding(
                 "model (InternVL_V1_5)",
