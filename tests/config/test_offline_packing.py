@@ -5,9 +5,11 @@ rows are packed. The real run is ``tests/zoo/test_intern_repo.py``'s slow test.
 """
 
 import pytest
+import torch
 from mmengine.config import Config
 
 from xtuner_rope.config.startup import ConfigConflict, packing_source, prepare_config
+from xtuner_rope.hooks.isolation import refuse_unbounded_packing
 
 
 def _cfg(batch_size: int = 1, varlen: bool = False) -> Config:
@@ -40,3 +42,17 @@ def test_offline_packs_in_batches_of_two_are_refused_with_the_collate_function_t
         r"type=rope_collate_fn",
     ):
         prepare_config(_cfg(batch_size=2, varlen=True))
+
+
+def test_offline_packs_reaching_the_model_without_boundaries_stop_at_the_first_batch():
+    leaky = {
+        "input_ids": torch.ones(1, 12, dtype=torch.long),
+        "position_ids": torch.arange(12)[None],
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"packed \(train_dataloader\.dataset \(build_packed_dataset: intern-repo documents "
+        r"packed offline\)\) but reach the model without document boundaries.*set "
+        r"use_varlen_attn=True on default_collate_fn",
+    ):
+        refuse_unbounded_packing(leaky, [], packing_source(_cfg()))
