@@ -162,6 +162,8 @@ def with_intern_repo_data(text: str, files: LocalFiles, folder: Path, models: Pa
     The data is encoded with the row's tiny tokenizer; a family without a tiny builder (its
     hub id stays, the row cannot load it here) gets the tiny InternLM2's.
     """
+    if intern_repo_format(text) is None:
+        return files  # nothing built, nothing written
     tokenizer_dir = files.model or tiny_checkpoint("internlm2", models)
     data = intern_repo_data(text, folder / "intern_repo", tokenizer_dir)
-    return files if data is None else dataclasses.replace(files, data=data)
+    return dataclasses.replace(files, data=data)
