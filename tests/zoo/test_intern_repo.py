@@ -9,7 +9,7 @@ tokenizer): both give each dialogue the same input ids and labels, and the real
 the folder written for it. Nothing trains here but the one slow run: a stock tokenized config
 whose collate function drops the boundaries (``use_varlen_attn = False``, what a user without
 flash-attn sets) trains isolated with the plugin's start-up fix (without it: 0.76 max logit
-error, see docs/zoo).
+error, see docs/zoo); the doctor reads the offline packs as packed rows, none cut.
 """
 
 import dataclasses
@@ -29,6 +29,8 @@ from xtuner.dataset.map_fns import template_map_fn_factory
 from xtuner.utils import PROMPT_TEMPLATE
 
 from xtuner_rope import zoo
+from xtuner_rope.doctor.diagnose import diagnose
+from xtuner_rope.doctor.report import format_summary
 from xtuner_rope.zoo import intern_repo as ir
 
 N = 12  # dialogues: the untokenized loader maps them with up to 32 processes, one per row
@@ -123,17 +125,32 @@ def test_a_config_without_a_template_is_named():
         ir.prompt_template_of("prompt_template = None\n")
 
 
+def _row_config(folder: Path, tiny: Path, name: str = "internlm2_7b_w_tokenized_dataset") -> str:
+    """A stock intern-repo config as the sweep edits it, its data written into ``folder``."""
+    text = zoo.stock_texts()[name]
+    files = zoo.LocalFiles(tiny, folder, folder / "p.jsonl", tiny, tiny)
+    return zoo.localized(text, "sft", ir.with_intern_repo_data(text, files, folder, folder))
+
+
+def test_the_doctor_reads_offline_packs_as_packed_rows(tmp_path, tiny):
+    config = tmp_path / "row.py"
+    config.write_text(_row_config(tmp_path, tiny))
+    report, _ = diagnose(str(config), batches=2, progress=False)
+    assert report["packed"] and report["dataset"]["packed_offline"]
+    assert report["dataset"]["max_length"] == 512  # packed_length = the sweep's max_length
+    assert report["dataset"]["documents"] > report["dataset"]["samples"] > 1
+    assert report["samples"]["truncated"]["count"] == 0  # full rows are not cut samples
+    assert "rows packed offline to 512 tokens (packed_length)" in format_summary(report)
+
+
 @pytest.mark.slow
 def test_offline_packs_whose_collate_drops_boundaries_train_isolated(tmp_path, tiny):
-    name = "internlm2_7b_w_tokenized_dataset"
-    text = zoo.stock_texts()[name]
-    files = zoo.LocalFiles(tiny, tmp_path, tmp_path / "p.jsonl", tiny, tiny)
-    files = ir.with_intern_repo_data(text, files, tmp_path, tmp_path)
-    edited = zoo.localized(text, "sft", files)
     # What a user without flash-attn does: the switch off, so the collate function drops
     # cumulative_len; the start-up must turn the collate function's on again.
-    edited = sc.sub_once(edited, r"^use_varlen_attn = True$", "use_varlen_attn = False")
-    config = tmp_path / f"{name}.py"
+    edited = sc.sub_once(
+        _row_config(tmp_path, tiny), r"^use_varlen_attn = True$", "use_varlen_attn = False"
+    )
+    config = tmp_path / "internlm2_7b_w_tokenized_dataset.py"
     config.write_text(edited)
     cmd = [sys.executable, "-m", "xtuner.tools.train", str(config), "--work-dir"]
     cmd += [str(tmp_path / "work"), "--cfg-options", "train_cfg.max_epochs=None"]
