@@ -21,6 +21,7 @@ from torch import nn
 
 from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.config.fields import offline_packs
 from xtuner_rope.models.dispatch import language_model
 
 CAPTURE_FILE = "isolation_capture.pt"
@@ -80,7 +81,8 @@ def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
     """Boundaries of stock XTuner packs (not in the batch): the same packs, recorded.
 
     The dataset is built again with ``use_varlen_attn=True`` (the same packs, with their
-    ``cumulative_len``) and each captured row is looked up by its tokens.
+    ``cumulative_len``; ``build_packed_dataset`` as it is: it records them always) and each
+    captured row is looked up by its tokens.
 
     Raises:
         ValueError: a row matches no pack (``shuffle_before_pack=True`` packs differently in
@@ -89,7 +91,8 @@ def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
     from xtuner.registry import BUILDER
 
     dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
-    dataset_cfg["use_varlen_attn"] = True
+    if not offline_packs(dataset_cfg):  # build_packed_dataset records them always
+        dataset_cfg["use_varlen_attn"] = True
     packs = {
         tuple(p["input_ids"]): [int(c) for c in p["cumulative_len"]]
         for p in BUILDER.build(dataset_cfg)

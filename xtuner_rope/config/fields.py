@@ -5,7 +5,7 @@ XTuner configs are parsed by MMEngine in lazy-import mode: their ``type=`` value
 doctor, the check) read a config before anything is built, so they read it through these:
 ``lazy_get`` (``node[key]`` of a dict, nothing built), ``type_name`` (a ``type``'s name),
 ``walk_datasets`` (every dataset dict below a dataloader), ``xtuner_packs`` /
-:func:`packing_source` (whether and where the train rows are packed).
+``offline_packs`` / :func:`packing_source` (whether and where the train rows are packed).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 from mmengine.config.lazy import LazyAttr, LazyObject
 
 __all__ = [
+    "OFFLINE_PACKED_TYPES",
     "XTUNER_DATASET_TYPES",
     "lazy_get",
+    "offline_packs",
     "packing_source",
     "setter",
     "type_name",
@@ -67,11 +69,22 @@ def xtuner_packs(dataset: dict) -> bool:
     )
 
 
+# XTuner's intern-repo datasets (``xtuner.dataset.intern_repo``): every row is a pack of
+# ``packed_length`` tokens with its ``cumulative_len``, whatever the config says.
+OFFLINE_PACKED_TYPES = ("build_packed_dataset",)
+
+
+def offline_packs(dataset: dict) -> bool:
+    """``build_packed_dataset``: rows packed offline, each with its boundaries."""
+    return type_name(lazy_get(dataset, "type")) in OFFLINE_PACKED_TYPES
+
+
 def packing_source(cfg: object) -> str | None:
     """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
 
-    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True)
-    or ``rope_collate_fn(pack=True)``: such rows must reach the model with boundaries.
+    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True;
+    ``build_packed_dataset``, always) or ``rope_collate_fn(pack=True)``: such rows must reach
+    the model with boundaries.
     """
     loader = lazy_get(getattr(cfg, "_cfg_dict", None), "train_dataloader")
     if not isinstance(loader, dict):
@@ -79,6 +92,8 @@ def packing_source(cfg: object) -> str | None:
     for where, dataset in walk_datasets(lazy_get(loader, "dataset"), "train_dataloader.dataset"):
         if xtuner_packs(dataset):
             return f"{where} (process_hf_dataset, pack_to_max_length=True)"
+        if offline_packs(dataset):
+            return f"{where} (build_packed_dataset: intern-repo documents packed offline)"
     collate = lazy_get(loader, "collate_fn")
     if type_name(lazy_get(collate, "type")) == "rope_collate_fn" and lazy_get(collate, "pack"):
         return "train_dataloader.collate_fn (rope_collate_fn, pack=True)"

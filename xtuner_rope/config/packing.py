@@ -6,7 +6,8 @@ collate function, drop nothing; the stock ``use_varlen_attn`` switch is served b
   drops nothing (``type=lossless_process_hf_dataset``, same arguments: XTuner's
   ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover);
 - XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
-  size 1 only, as in XTuner);
+  size 1 only, as in XTuner), those of the intern-repo datasets' ``build_packed_dataset``
+  (always packed, always with ``cumulative_len``) too;
 - the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
   documents itself, so XTuner's flash-attn check is switched off and its
   ``VarlenAttnArgsToMessageHubHook`` leaves room for ours (same MessageHub keys).
@@ -18,6 +19,7 @@ from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
 from .fields import lazy_get as _get
+from .fields import offline_packs as _offline_packs
 from .fields import setter as _setitem
 from .fields import type_name
 from .fields import walk_datasets as _datasets
@@ -33,7 +35,7 @@ def _packing_findings(loader: dict) -> list[Finding]:
     """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
     findings, packed = [], False
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        packed = packed or _xtuner_packs(dataset)
+        packed = packed or _xtuner_packs(dataset) or _offline_packs(dataset)
         if _packs_without_boundaries(dataset):
             findings.append(
                 Finding(

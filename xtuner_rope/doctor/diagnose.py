@@ -15,6 +15,7 @@ from mmengine.config import Config
 
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
+from xtuner_rope.config.fields import offline_packs
 from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
@@ -136,11 +137,15 @@ def _dataset_facts(loader: dict) -> dict:
     ds = loader.get("dataset") or {}
     name = startup.type_name(ds.get("type"))
     xtuner = name in startup.XTUNER_DATASET_TYPES
+    max_length = ds.get("max_length") if xtuner else None
+    if offline_packs(ds):  # intern-repo rows: packed_length tokens each (8192: XTuner's default)
+        max_length = ds.get("packed_length", 8192)
     return {
         "type": name,
-        "max_length": ds.get("max_length") if xtuner else None,
+        "max_length": max_length,
         # process_hf_dataset packs unless told not to
         "pack_to_max_length": bool(ds.get("pack_to_max_length", True)) if xtuner else False,
+        "packed_offline": offline_packs(ds),
     }
 
 
@@ -240,7 +245,9 @@ def diagnose(
     scan = scan_samples(
         items,
         collate_max_length=collate_kwargs.get("max_length"),
-        truncation_length=None if facts["pack_to_max_length"] else facts["max_length"],
+        truncation_length=None
+        if facts["pack_to_max_length"] or facts["packed_offline"]
+        else facts["max_length"],
         progress=progress,
     )
     plan = simulate_collate(
@@ -309,6 +316,7 @@ def diagnose(
         )
     report["packed"] = bool(
         facts["pack_to_max_length"]
+        or facts["packed_offline"]
         or collate_kwargs.get("pack")
         or scan.documents > len(dataset)
         or bool(llava and llava.packed_rows)

@@ -35,10 +35,14 @@ def _data_lines(report: dict) -> list[str]:
         if ds["source_rows"] is None
         else f" (from {ds['source_rows']} source rows, {ds['dropped_by_dataset']} dropped by XTuner)"
     )
+    how = (
+        f"rows packed offline to {ds['max_length']} tokens (packed_length)"
+        if ds.get("packed_offline")
+        else f"max_length={ds['max_length']}, pack_to_max_length={ds['pack_to_max_length']}"
+    )
     return [
         f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
-        f"documents, {ds['tokens']} tokens; max_length={ds['max_length']}, "
-        f"pack_to_max_length={ds['pack_to_max_length']}",
+        f"documents, {ds['tokens']} tokens; {how}",
         "lengths      "
         + ("dialogues before packing: " if report["packing"] else "")
         + _percentiles(lengths),

@@ -118,7 +118,8 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
         f"PackedBatchCheckHook: the rows of this batch are packed ({packed_by}) but reach the "
         "model without document boundaries (no cumulative_len, position ids one 0..s-1 range "
         "per row): the dialogues of a row would attend to each other. Keep the boundaries: "
-        "set use_varlen_attn=True on the dataset and on default_collate_fn (the start-up does "
+        "set use_varlen_attn=True on default_collate_fn and on a process_hf_dataset (the "
+        "intern-repo build_packed_dataset records them always; the start-up does "
         "it; drop any --cfg-options that sets them False), or collate with "
         "dict(type=rope_collate_fn, pack=True, max_length=max_length)."
     )

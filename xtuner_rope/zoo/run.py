@@ -23,6 +23,7 @@ from xtuner_rope.zoo.data import (
     write_universal_data,
 )
 from xtuner_rope.zoo.formats import MOSS_FILES, write_moss_data
+from xtuner_rope.zoo.intern_repo import with_intern_repo_data
 from xtuner_rope.zoo.internvl import internvl_checkpoint, internvl_llm_of
 from xtuner_rope.zoo.judge import (
     CRASHED,
@@ -218,6 +219,7 @@ def run_row(
             "seconds": 0,
         }
     files = local_files(DEEPSPEED_HOST if deepspeed else name, kind, root, data, models)
+    files = with_intern_repo_data(text, files, folder, models)  # its own folder and format
     row["checkpoint"] = "tiny (built here)" if files.model else "hub id (no tiny builder here)"
     try:
         config_text = localized(text, kind, files)
