@@ -20,23 +20,31 @@ from mmengine.config import ConfigDict
 from xtuner_rope import llava_collate_fn
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.hooks import PackedBatchCheckHook
 from xtuner_rope.models.dispatch import patch_model
+from xtuner_rope.models.rope_documents import reset_upstream_rotaries, set_per_document_rope
 from xtuner_rope.ops.packing import plan_packs
 
 P = image_tokens()
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def _llava_models(root, rope_scaling=None, max_position_embeddings=None):
+    """A patched ``LLaVAModel`` (tiny CLIP + tiny InternLM2 with hub-style remote code) and an
+    unpatched copy; ``rope_scaling``/``max_position_embeddings`` edit the LLM's config.json."""
+    import json
+
     from transformers import AutoModelForCausalLM, CLIPVisionModel
     from xtuner.model import LLaVAModel
 
-    root = tmp_path_factory.mktemp("llava_pack")
     sc.ensure_tiny_model()
     llm = sc.tiny_with_remote_code(root / "tiny-internlm2-remote")
+    if rope_scaling is not None:
+        config = json.loads((llm / "config.json").read_text())
+        config.update(rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings)
+        (llm / "config.json").write_text(json.dumps(config, indent=2))
     clip = save_tiny_clip(root / "tiny-clip")
     torch.manual_seed(0)
     model = (
@@ -61,6 +69,11 @@ def models(tmp_path_factory):
     return model, reference
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _llava_models(tmp_path_factory.mktemp("llava_pack"))
+
+
 def _samples(n: int, seed: int) -> list[dict]:
     """Short dialogues, alternately with an image (placeholder at column 1) and text-only."""
     g = torch.Generator().manual_seed(seed)
@@ -82,6 +95,7 @@ def _alone(reference, item) -> torch.Tensor:
     from xtuner.dataset.collate_fns import default_collate_fn
 
     data = default_collate_fn([item])["data"]
+    reset_upstream_rotaries(reference)  # dynamic NTK is stateful upstream: start as loaded
     with torch.no_grad():
         return reference(data, mode="tensor").logits[0]
 
@@ -140,6 +154,76 @@ def test_packed_llava_samples_equal_each_alone(models, picked, max_length, rows)
     _, leaked = _per_sample_diffs(model, reference, items, max_length, isolate=False)
     assert max(leaked) > 1e-2, leaked
     print(f"{len(plan)} rows: max |packed - alone| {max(diffs):.3g}, unpatched {max(leaked):.3g}")
+
+
+# Dynamic NTK (InternLM2's remote-code class, factor 2) with a threshold of 32 positions: the
+# expanded samples (1..54 tokens, an image adding 15) fall on both sides of it.
+DYNAMIC_THRESHOLD = 32
+
+
+@pytest.fixture(scope="module")
+def dynamic_models(tmp_path_factory):
+    return _llava_models(
+        tmp_path_factory.mktemp("llava_dynamic"),
+        rope_scaling={"type": "dynamic", "factor": 2.0},
+        max_position_embeddings=DYNAMIC_THRESHOLD,
+    )
+
+
+def test_packed_llava_samples_get_their_own_dynamic_ntk_frequencies(dynamic_models):
+    """Issue 31 on LLaVA rows: each sample's length is counted after the image expansion, so a
+    sample gets the frequencies it gets alone whether it is below or above the threshold."""
+    model, reference = dynamic_models
+    items = _samples(8, seed=1)
+    lengths = [expanded_length(torch.tensor(x["input_ids"]), P) for x in items]
+    assert min(lengths) <= DYNAMIC_THRESHOLD < max(lengths), lengths  # both sides
+    plan, diffs = _per_sample_diffs(model, reference, items, 400)
+    assert len(plan) == 1 and sum(lengths) > DYNAMIC_THRESHOLD, plan
+    assert max(diffs) <= 1e-5, diffs
+    # Negative control: one set of frequencies for the whole row (upstream's choice) moves the
+    # samples that are short alone.
+    assert set_per_document_rope(model, False) > 0
+    try:
+        _, shared = _per_sample_diffs(model, reference, items, 400)
+    finally:
+        set_per_document_rope(model, True)
+    short = [d for d, n in zip(shared, lengths) if n <= DYNAMIC_THRESHOLD]
+    assert max(short) > 1e-4, shared
+    # The capture hooks' and check's judge (``isolation_figures``) on the same row, in the
+    # hooks' order: the unpatched packed row first (upstream's rotary grows for good), then
+    # each sample alone, which must start from the loaded frequencies again.
+    saved = _llm_inputs(model, items)
+    keys = ("inputs_embeds", "position_ids", "attention_mask")
+    with torch.no_grad():
+        saved["unpatched_logits"] = reference.llm(**{k: saved[k] for k in keys}).logits
+    figures = isolation_figures(reference.llm, saved)
+    assert figures["samples"] == len(items) and figures["max_abs_diff"] <= 1e-5, figures
+    print(
+        f"dynamic NTK LLaVA row of {sum(lengths)} tokens, samples {lengths}: max |packed - alone| "
+        f"{max(diffs):.3g} (isolation_figures {figures['max_abs_diff']:.3g}); per-document off "
+        f"{max(short):.3g}"
+    )
+
+
+def _llm_inputs(model, items) -> dict:
+    """What the patched LLaVA model's LLM got and gave for the packed ``items`` (as the
+    capture hook records it: ``inputs_embeds``, ``position_ids``, ``attention_mask``,
+    ``labels``, ``logits``, ``loss``)."""
+    seen = {}
+
+    def keep(module, args, kwargs, output):
+        seen.update({k: v.detach() for k, v in kwargs.items() if torch.is_tensor(v)})
+        seen["logits"] = output.logits.detach()
+
+    batch = llava_collate_fn(items, max_length=400, image_tokens=P, return_hf_format=True)
+    handle = model.llm.register_forward_hook(keep, with_kwargs=True)
+    try:
+        _packed_logits(model, batch, isolate=True)
+    finally:
+        handle.remove()
+    seen.setdefault("labels", torch.full(seen["logits"].shape[:2], -100))
+    seen["loss"] = 0.0
+    return seen
 
 
 def test_packed_llava_rows_on_an_unpatched_model_are_refused(models):

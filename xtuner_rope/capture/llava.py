@@ -32,6 +32,7 @@ from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.weights import plain_state_dict, plain_weights_refusal
 from xtuner_rope.models.dispatch import language_model
+from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 
 LLAVA_CAPTURE_FILE = "llava_isolation_capture.pt"
 _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
@@ -171,6 +172,7 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
     per_sample, loss_sum, count = [], 0.0, 0
     with torch.no_grad():
         for r, a, n in _samples(lengths, positions):
+            reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: each as loaded
             alone = (
                 llm(
                     inputs_embeds=embeds[r : r + 1, a : a + n].to(device),

@@ -25,6 +25,7 @@ from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.text import reference_llm
 from xtuner_rope.models.dispatch import unwrap_model
+from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
 IGNORE = -100
@@ -258,6 +259,7 @@ def _values(
     """
     ids, labels = data["input_ids"], data["labels"]
     segments = _segments(data)
+    reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: start as loaded
     if packed:  # the leak: one causal range over the row, positions restarting per response
         row = (
             llm.model(input_ids=ids, position_ids=data["position_ids"])[0]
@@ -266,14 +268,16 @@ def _values(
         )
         outs = [row[r, a:b] for r, a, b in segments]
     else:
-        outs = [
-            (
-                llm.model(input_ids=ids[r : r + 1, a:b])[0]
-                if head is not None
-                else llm(input_ids=ids[r : r + 1, a:b]).logits
-            )[0]
-            for r, a, b in segments
-        ]
+        outs = []
+        for r, a, b in segments:
+            reset_upstream_rotaries(llm)  # each response as a fresh copy gets it alone
+            outs.append(
+                (
+                    llm.model(input_ids=ids[r : r + 1, a:b])[0]
+                    if head is not None
+                    else llm(input_ids=ids[r : r + 1, a:b]).logits
+                )[0]
+            )
     if head is not None:  # reward score at the response's reward token
         hidden = torch.cat(
             [out[labels[r, a:b] != IGNORE].double() for out, (r, a, b) in zip(outs, segments)]

@@ -38,6 +38,7 @@ from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, p
 from xtuner_rope.check.text import format_text_summary
 from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor.llava_stats import image_tokens_of
+from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.models.runtime import chosen_backends
 
 IGNORE_INDEX = -100
@@ -144,6 +145,7 @@ def _alone(
     logits, total, lengths = [], 0.0, []
     with torch.set_grad_enabled(backward):
         for sample in samples:
+            reset_upstream_rotaries(model)  # dynamic NTK is stateful upstream: each as loaded
             batch = model.data_preprocessor(_alone_batch(data, sample), True)
             out = model(**batch, mode="tensor")
             labels = recorder.calls[-1]["labels"][0]
