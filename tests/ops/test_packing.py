@@ -160,3 +160,32 @@ def test_flat_cumulative_offsets_each_row_by_its_start(rows_lengths):
     expected.append(len(cus) * s)
     flat = flat_cumulative(cus, s)
     assert flat.dtype == torch.int32 and flat.tolist() == expected
+
+
+def test_lay_out_rows_puts_each_sample_in_its_own_segment():
+    from xtuner_rope.ops.packing import lay_out_rows
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 7, 3]
+    samples = [(torch.randint(1, 50, (n,), generator=g),) * 2 for n in lengths]
+    plan = [[2, 1], [0], [3]]
+    out = lay_out_rows(samples, plan, pad_index=0)
+    assert out["input_ids"].shape == (3, 8) and out["max_seqlen"] == 7
+    for r, row in enumerate(plan):
+        col = 0
+        for i in row:
+            ids, _ = samples[i]
+            n = ids.numel()
+            assert torch.equal(out["input_ids"][r, col : col + n], ids)
+            assert out["labels"][r, col] == -100  # never predicted from the sample before
+            assert torch.equal(out["labels"][r, col + 1 : col + n], ids[1:])
+            assert torch.equal(out["position_ids"][r, col : col + n], torch.arange(n))
+            col += n
+        assert (
+            bool(out["attention_mask"][r, :col].all()) and not out["attention_mask"][r, col:].any()
+        )
+        assert bool((out["input_ids"][r, col:] == 0).all())
+        assert bool((out["labels"][r, col:] == -100).all())
+        want = [0] + [sum(lengths[i] for i in row[: k + 1]) for k in range(len(row))]
+        want += [8] if col < 8 else []
+        assert out["cumulative_len"][r].tolist() == want

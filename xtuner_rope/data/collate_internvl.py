@@ -17,12 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from xtuner_rope.ops.packing import (
-    cumulative_from_lengths,
-    plan_packs,
-    position_ids_from_starts,
-    segment_starts_from_cumulative,
-)
+from xtuner_rope.ops.packing import lay_out_rows, plan_packs
 
 __all__ = ["internvl_collate_fn"]
 
@@ -103,32 +98,8 @@ def internvl_collate_fn(
                 f"max_length={max_length}. Raise max_length to the dataset's max_length."
             )
     plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
-    s = max(sum(lengths[i] for i in row) for row in plan)
-    b = len(plan)
-    input_ids = torch.full((b, s), int(pad_index), dtype=torch.long)
-    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros(b, s, dtype=torch.bool)
-    cumulative_len, pixel_values = [], []
-    for r, row in enumerate(plan):
-        col = 0
-        for i in row:
-            ids, lab, _ = samples[i]
-            input_ids[r, col : col + ids.numel()], labels[r, col : col + ids.numel()] = ids, lab
-            labels[r, col] = IGNORE_INDEX  # never predicted from the previous sample
-            col += ids.numel()
-        mask[r, :col] = True
-        sizes = [lengths[i] for i in row]
-        cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
-        pixel_values.append(torch.cat([samples[i][2] for i in row]))  # [t_r, 3, H, W]
-    position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
-    data = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "attention_mask": mask,
-        "position_ids": position_ids,
-        "pixel_values": pixel_values,
-        "cumulative_len": cumulative_len,
-        "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
-        "num_unsupervised": len(unsupervised),
-    }
+    data = lay_out_rows([(ids, lab) for ids, lab, _ in samples], plan, pad_index, IGNORE_INDEX)
+    # Each row's samples' tiles in order, [t_r, 3, H, W] (text-only samples' zero tiles too).
+    data["pixel_values"] = [torch.cat([samples[i][2] for i in row]) for row in plan]
+    data["num_unsupervised"] = len(unsupervised)
     return data if return_hf_format else {"data": data, "data_samples": None}

@@ -19,12 +19,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.ops.packing import (
-    cumulative_from_lengths,
-    plan_packs,
-    position_ids_from_starts,
-    segment_starts_from_cumulative,
-)
+from xtuner_rope.ops.packing import lay_out_rows, plan_packs
 
 __all__ = ["llava_collate_fn"]
 
@@ -131,37 +126,14 @@ def llava_collate_fn(
                 "one token)."
             )
     plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
-    s = max(sum(samples[i][0].numel() for i in row) for row in plan)
-    b = len(plan)
-    input_ids = torch.full((b, s), int(pad_index), dtype=torch.long)
-    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros(b, s, dtype=torch.bool)
-    cumulative_len, pixel_values = [], []
-    for r, row in enumerate(plan):
-        col, sizes, images = 0, [], []
-        for i in row:
-            ids, lab, pixels = samples[i]
-            n = ids.numel()
-            input_ids[r, col : col + n], labels[r, col : col + n] = ids, lab
-            labels[r, col] = IGNORE_INDEX  # never predicted from the previous sample
-            if bool((ids == IMAGE_TOKEN_INDEX).any()):
-                images.append(pixels)
-            col += n
-            sizes.append(n)
-        mask[r, :col] = True
+    # Boundaries and positions before the expansion (the batch checks and PackingMetricsHook
+    # read them; XTuner's expansion rebuilds them and the plugin restarts them per sample
+    # after it).
+    data = lay_out_rows([(ids, lab) for ids, lab, _ in samples], plan, pad_index, IGNORE_INDEX)
+    pixel_values = []
+    for row in plan:
+        images = [samples[i][2] for i in row if bool((samples[i][0] == IMAGE_TOKEN_INDEX).any())]
         pixel_values += images or [samples[row[0]][2]]  # XTuner takes one image per plain row
-        cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
-    # Before the expansion (the batch checks and PackingMetricsHook read them; XTuner's
-    # expansion rebuilds them and the plugin restarts them per sample after it).
-    position_ids = position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s))
-    data = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "attention_mask": mask,
-        "position_ids": position_ids,
-        "pixel_values": torch.stack(pixel_values),
-        "cumulative_len": cumulative_len,
-        "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
-        "num_unsupervised": len(unsupervised),
-    }
+    data["pixel_values"] = torch.stack(pixel_values)
+    data["num_unsupervised"] = len(unsupervised)
     return data if return_hf_format else {"data": data, "data_samples": None}

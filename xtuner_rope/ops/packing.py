@@ -28,6 +28,7 @@ __all__ = [
     "segment_starts_from_cumulative",
     "position_ids_from_starts",
     "flat_cumulative",
+    "lay_out_rows",
     "plan_packs",
     "padded_length",
 ]
@@ -158,6 +159,55 @@ def position_ids_from_starts(starts: torch.Tensor) -> torch.Tensor:
     # The latest start at or before each column; column 0 counts as a start via the 0 fill.
     last_start = start_cols.cummax(dim=1).values
     return cols - last_start
+
+
+def lay_out_rows(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    plan: Sequence[Sequence[int]],
+    pad_index: int,
+    ignore_index: int = -100,
+) -> dict:
+    """Lay whole samples into the rows of a pack plan, each sample its own segment.
+
+    Args:
+        samples: ``(input_ids, labels)`` per sample, both 1-D of one length ``n_i >= 1``.
+        plan: The samples of each row, in order (``plan_packs``, or ``[[i]]`` per sample).
+        pad_index: Token id of the padding.
+        ignore_index: Label of the padding and of each sample's first token (never predicted
+            from the previous sample of its row).
+
+    Returns:
+        ``input_ids`` / ``labels`` ``[b, s]`` (``s`` the longest row), ``attention_mask``
+        ``[b, s]`` bool (True on the samples' tokens), ``position_ids`` ``[b, s]``
+        (restarting at 0 per sample and on the padding), ``cumulative_len`` (``b`` int32
+        tensors ``0 .. s``, the padding a segment of its own) and ``max_seqlen`` (the
+        longest segment).
+    """
+    s = max(sum(samples[i][0].numel() for i in row) for row in plan)
+    b = len(plan)
+    input_ids = torch.full((b, s), int(pad_index), dtype=torch.long)
+    labels = torch.full((b, s), ignore_index, dtype=torch.long)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    cumulative_len = []
+    for r, row in enumerate(plan):
+        col, sizes = 0, []
+        for i in row:
+            ids, lab = samples[i]
+            n = ids.numel()
+            input_ids[r, col : col + n], labels[r, col : col + n] = ids, lab
+            labels[r, col] = ignore_index
+            col += n
+            sizes.append(n)
+        mask[r, :col] = True
+        cumulative_len.append(cumulative_from_lengths(sizes + ([s - col] if col < s else [])))
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": position_ids_from_starts(segment_starts_from_cumulative(cumulative_len, s)),
+        "cumulative_len": cumulative_len,
+        "max_seqlen": max(int((cu[1:] - cu[:-1]).max()) for cu in cumulative_len),
+    }
 
 
 def _first_fit_decreasing(
