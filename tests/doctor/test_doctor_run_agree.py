@@ -124,6 +124,14 @@ CASES = {
         "model.llm.pretrained_model_name_or_path",
     ),
     "huggingface_trainer_findings": ('framework = "huggingface"\n', "framework"),
+    "moss_data_file_findings": (  # XTuner's token cache would be the data file itself
+        LOADER.format(
+            batch=1,
+            dataset='dict(type="MOSSSFTDataset", data_file="{root}/moss.json", bot_name="MOSS")',
+            collate=ROPE,
+        ),
+        "train_dataloader.dataset.data_file",
+    ),
     "preference_findings": (
         "model.update(type='RewardModel')\n"
         + LOADER.format(
