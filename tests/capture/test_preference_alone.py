@@ -36,21 +36,31 @@ def _pairs_row(generator: torch.Generator) -> dict:
     }
 
 
-def test_each_response_alone_starts_from_the_loaded_frequencies():
-    llm = build_tiny_internlm2(
+def _dynamic_llm() -> torch.nn.Module:
+    """XTuner's tiny InternLM2 with dynamic NTK (factor 2) past ``THRESHOLD`` positions."""
+    return build_tiny_internlm2(
         256,
         max_position_embeddings=THRESHOLD,
         rope_scaling={"type": "dynamic", "factor": 2.0},
     ).eval()
-    pristine = copy.deepcopy(llm)
-    data = _pairs_row(torch.Generator().manual_seed(0))
+
+
+def _alone(pristine: torch.nn.Module, data: dict) -> list[float]:
+    """Each response's log-prob through a fresh copy of ``pristine`` (the reference)."""
     expected = []
     bounds = data["cumulative_len"][0].tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        fresh = copy.deepcopy(pristine)
         with torch.no_grad():
-            logits = fresh(input_ids=data["input_ids"][:, a:b]).logits[0]
+            logits = copy.deepcopy(pristine)(input_ids=data["input_ids"][:, a:b]).logits[0]
         expected.append(response_logp(logits, data["labels"][0, a:b]))
+    return expected
+
+
+def test_each_response_alone_starts_from_the_loaded_frequencies():
+    llm = _dynamic_llm()
+    data = _pairs_row(torch.Generator().manual_seed(0))
+    expected = _alone(llm, data)
+    bounds = data["cumulative_len"][0].tolist()
     _values(llm, data, "dpo", None, packed=True)  # the negative control first: grows the state
     got, _ = _values(llm, data, "dpo", None, packed=False)
     assert got == expected, (got, expected)
@@ -73,18 +83,10 @@ def test_packed_pairs_get_each_response_its_own_frequencies():
     from xtuner_rope.models.dispatch import patch_model
     from xtuner_rope.models.rope_documents import set_per_document_rope
 
-    pristine = build_tiny_internlm2(
-        256,
-        max_position_embeddings=THRESHOLD,
-        rope_scaling={"type": "dynamic", "factor": 2.0},
-    ).eval()
+    pristine = _dynamic_llm()
     data = _pairs_row(torch.Generator().manual_seed(1))
     bounds = data["cumulative_len"][0].tolist()
-    expected = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        with torch.no_grad():
-            logits = copy.deepcopy(pristine)(input_ids=data["input_ids"][:, a:b]).logits[0]
-        expected.append(response_logp(logits, data["labels"][0, a:b]))
+    expected = _alone(pristine, data)
     model = copy.deepcopy(pristine)
     patch_model(model)
 

@@ -259,8 +259,8 @@ def _values(
     """
     ids, labels = data["input_ids"], data["labels"]
     segments = _segments(data)
-    reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: start as loaded
     if packed:  # the leak: one causal range over the row, positions restarting per response
+        reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: start as loaded
         row = (
             llm.model(input_ids=ids, position_ids=data["position_ids"])[0]
             if head is not None
