@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-kit`: on a machine with registry access, the wheels the GPU machine lacks (Python
-# 3.12, its own torch; see tools/gpu/kit_requirements.txt) plus xtuner-rope's own wheel, split
-# into gpu_kit/part1, part2, ... of at most PART_MIB MiB each, so each part can be carried on
-# its own (64 MiB per call). Then, on the GPU machine: bash tools/gpu/run_gpu.sh
+# 3.12, its own torch; see tools/gpu/kit_requirements.txt) plus xtuner-rope's own wheel, in ONE
+# part, gpu_kit/part1, of at most PART_MIB (58) MiB: it travels with the working tree (about
+# 4 MiB) in one call of at most 64 MiB. A kit that would need a second part is refused, naming
+# its largest wheels. Then, on the GPU machine: bash tools/gpu/run_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # PYVER=3.11 KIT=gpu_kit_py311 builds the same kit for another Python (tests/integration/test_gpu_kit.py).
@@ -17,7 +18,7 @@ fi
 : "${PY:?no Python $PYVER found: set PY=/path/to/python$PYVER}"
 abi=cp${PYVER/./}
 KIT=${KIT:-gpu_kit}
-PART_MIB=${PART_MIB:-60}
+PART_MIB=${PART_MIB:-58}
 DEEPSPEED=$(grep -i '^deepspeed==' constraints.txt)
 stage=$KIT/wheels
 rm -rf "$KIT"
@@ -35,6 +36,6 @@ echo "gpu-kit: building $DEEPSPEED without ops"
 DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --no-deps -w "$stage" "$KIT"/build/deepspeed-*.tar.gz
 echo "gpu-kit: xtuner-rope wheel"
 "$PY" -m pip wheel --quiet --no-deps -w "$stage" .
-"$PY" tools/gpu/kit.py split "$stage" "$KIT" --part-mib "$PART_MIB"
-rm -rf "$KIT/build"
-du -sh --apparent-size "$stage" | sed 's/^/gpu-kit: wheels in all: /'
+"$PY" tools/gpu/kit.py split "$stage" "$KIT" --part-mib "$PART_MIB" --max-parts 1
+rm -rf "$KIT/build" "$stage"
+echo "gpu-kit: $KIT is one part; carry it as \`carry: [\"$KIT\"]\` (docs/gpu.md)"

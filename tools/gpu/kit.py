@@ -42,18 +42,35 @@ def _pieces(path: Path, cap: int) -> list[tuple[str, int, int]]:
     ]
 
 
-def split(src: Path, dest: Path, part_mib: float) -> list[Path]:
+def split(src: Path, dest: Path, part_mib: float, max_parts: int | None = None) -> list[Path]:
     """Pack the wheels of ``src`` into ``dest/partN`` folders of at most ``part_mib`` MiB.
 
     First-fit by decreasing size; the manifest (a few KiB) goes into part 1 and counts there.
 
+    Args:
+        src: folder of ``*.whl``.
+        dest: the kit folder (``partN`` folders are written in it).
+        part_mib: the most one part may hold, in MiB.
+        max_parts: refuse a kit needing more parts (the GPU check carries one: 1).
+
     Returns:
         The part folders, in order.
+
+    Raises:
+        SystemExit: no wheels, or more than ``max_parts`` parts needed (names the largest wheels).
     """
     cap = int(part_mib * MIB)
     wheels = sorted(src.glob("*.whl"), key=lambda p: p.stat().st_size, reverse=True)
     if not wheels:
         raise SystemExit(f"kit.py split: no wheels in {src}")
+    total = sum(w.stat().st_size for w in wheels) + 64 * 1024
+    if max_parts is not None and total > max_parts * cap:
+        largest = ", ".join(f"{w.name} {w.stat().st_size / MIB:.1f} MiB" for w in wheels[:3])
+        raise SystemExit(
+            f"kit.py split: the wheels need {total / MIB:.1f} MiB, more than {max_parts} part(s) "
+            f"of {part_mib:g} MiB; the largest: {largest}. Carry only what the GPU check needs "
+            "(tools/gpu/kit_requirements.txt)"
+        )
     manifest = {"part_mib": part_mib, "wheels": {}}
     parts: list[list] = [[64 * 1024, []]]  # [bytes used, [(wheel, piece, offset, size)]]
     for wheel in wheels:
@@ -128,13 +145,14 @@ def main(argv=None) -> int:
     p_split = sub.add_parser("split", help="wheels folder -> part folders")
     p_split.add_argument("src", type=Path)
     p_split.add_argument("dest", type=Path)
-    p_split.add_argument("--part-mib", type=float, default=60.0)
+    p_split.add_argument("--part-mib", type=float, default=58.0)
+    p_split.add_argument("--max-parts", type=int, default=None)
     p_asm = sub.add_parser("assemble", help="part folders -> wheels folder")
     p_asm.add_argument("kit", type=Path)
     p_asm.add_argument("dest", type=Path)
     args = parser.parse_args(argv)
     if args.cmd == "split":
-        for folder in split(args.src, args.dest, args.part_mib):
+        for folder in split(args.src, args.dest, args.part_mib, args.max_parts):
             size = sum(f.stat().st_size for f in folder.iterdir()) / MIB
             print(f"{folder}: {size:.1f} MiB")
     else:

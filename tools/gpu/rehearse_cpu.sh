@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rehearse tools/gpu/run_gpu.sh on this CPU machine, offline, as the GPU machine would run it:
-# a fresh virtualenv sees only the kit and an emulated image (the distributions of
-# tools/gpu/image_modules.txt and what they require, linked from .venv: torch included), so a
-# wheel missing from the kit fails here. GPU tests skip; benches are not run.
+# the kit is installed with no index into a fresh folder and sees only an emulated image (the
+# distributions of tools/gpu/image_modules.txt and what they require, linked from .venv: torch
+# included), so a wheel missing from the kit fails here. GPU tests skip; benches are not run.
+# It prints the kit's size and each step's time against its budget (run_gpu.sh's summary).
 #
 #     PYVER=3.11 KIT=gpu_kit_py311 bash tools/gpu/build_kit.sh   # the kit for .venv's Python
 #     bash tools/gpu/rehearse_cpu.sh gpu_kit_py311
@@ -51,5 +52,5 @@ while todo:
 print(f"emulated image: {len(seen)} distributions (torch and its CUDA libraries included)")
 PY
 py=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')
-OUT=$WORK/out KIT=$KIT VENV=$WORK/venv BASE_PYTHON=$py IMAGE_SITE=$WORK/image_site REHEARSAL=1 \
+OUT=$WORK/out KIT=$KIT SITE=$WORK/site BASE_PYTHON=$py IMAGE_SITE=$WORK/image_site REHEARSAL=1 \
     bash tools/gpu/run_gpu.sh

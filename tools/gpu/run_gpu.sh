@@ -1,66 +1,98 @@
 #!/usr/bin/env bash
-# The GPU run, in one command, on a GPU machine with no registry access (repository root):
+# The GPU check, in one command, on a GPU machine with no registry access (repository root):
 #
-#     bash tools/gpu/run_gpu.sh
+#     bash tools/gpu/run_gpu.sh            # everything, at most 300 s of wall time
+#     bash tools/gpu/run_gpu.sh --quick    # install + correctness only, at most 120 s
 #
-# Needs the parts of `make gpu-kit` (gpu_kit/part1 .. partN, built where pip works, carried
-# one part per call if need be: they stay on a warm machine). Installs the kit into a
-# virtualenv over the machine's own torch (--system-site-packages, --no-index), then runs, each
-# step under its own time limit (about 9 minutes in all):
-#   1. pytest: tests/integration/test_gpu.py (the real varlen kernel against the reference, the gold tests
-#      on CUDA in bf16 and fp16 for each packed backend, the seed failures), the CPU varlen glue
-#      tests, and the CUDA tests of test_rope.py / test_attention.py;
+# Needs gpu_kit/ from `make gpu-kit` (one part, carried in the same call). Installs the kit into
+# a virtualenv over the machine's own torch (--system-site-packages, --no-index), then runs by
+# priority, each step under its own budget (BUDGET below; they add up to TOTAL) and never past
+# the run's deadline:
+#   1. correctness: tests/integration/test_gpu.py (the seed failures, the real varlen kernel
+#      against the reference, the gold tests on CUDA in bf16 and fp16), the CPU varlen glue
+#      tests and the CUDA tests of test_rope.py / test_attention.py;
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
-#   3. benches: RoPE apply against copy bandwidth, packed attention fwd+bwd (varlen, buckets,
-#      dense mask, flex) on 2k/8k/32k packs, training tokens/s packed vs padded (1.8B shapes).
-# Results land in $OUT (else work_dirs/gpu), at most 8 files: summary.txt (one line per step:
-# exit code, seconds), env.txt, run.log (every step's output), pytest.xml, check_*.json,
-# bench.txt. The exit code is the number of failed steps.
+#   3. benches: RoPE apply against copy bandwidth (fwd, fwd+bwd), packed attention fwd+bwd
+#      against `varlen_attn` alone, training tokens/s packed vs padded (1.8B shapes).
+# Each step's result is written to $OUT as soon as it ends (a run cut off still returns what
+# it measured), at most 8 files: summary.txt (a line per step: exit code, seconds, budget),
+# env.txt, run.log (every step's output), pytest.xml, check_*.json, bench.txt.
+# The exit code is the number of failed or skipped steps.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-work_dirs/gpu}
 KIT=${KIT:-gpu_kit}
-VENV=${VENV:-/tmp/xtuner-rope-gpu/venv}
+SITE=${SITE:-/tmp/xtuner-rope-gpu/site}
 BASE_PYTHON=${BASE_PYTHON:-python3}
 IMAGE_SITE=${IMAGE_SITE:-}  # set by tools/gpu/rehearse_cpu.sh only
 REHEARSAL=${REHEARSAL:-}  # CPU rehearsal: no GPU required, benches skipped
-mkdir -p "$OUT" "$(dirname "$VENV")"
-steps=$(dirname "$VENV")/steps
+QUICK=${QUICK:-}
+[ "${1:-}" = "--quick" ] && QUICK=1
+
+# Step budgets in seconds, by priority (tests/integration/test_gpu_kit.py checks the sums).
+declare -A BUDGET=(
+    [install]=30 [preflight]=20 [correctness]=70
+    [check_tiny_internlm2]=35 [check_tiny_qwen2]=35
+    [rope_fwd]=15 [rope_bwd]=15 [attention]=40 [packing]=40
+)
+ORDER="install preflight correctness check_tiny_internlm2 check_tiny_qwen2 rope_fwd rope_bwd attention packing"
+QUICK_STEPS="install preflight correctness"
+TOTAL=300
+QUICK_TOTAL=120
+if [ -n "$QUICK" ]; then TOTAL=$QUICK_TOTAL; fi
+DEADLINE=$(( $(date +%s) + TOTAL ))
+
+mkdir -p "$OUT" "$(dirname "$SITE")"
+steps=$(dirname "$SITE")/steps
 rm -rf "$steps" && mkdir -p "$steps"
 : > "$OUT/summary.txt"
 : > "$OUT/run.log"
 failed=0
+echo "gpu check: ${QUICK:+quick, }at most ${TOTAL}s; kit $(du -sm --apparent-size "$KIT" 2>/dev/null | cut -f1) MiB" \
+    | tee -a "$OUT/summary.txt"
 
-step() {  # step NAME SECONDS CMD...: run, log, one summary line
-    local name=$1 limit=$2 start rc
-    shift 2
+step() {  # step NAME CMD...: run under min(its budget, time left), log, one summary line
+    local name=$1 limit left start rc
+    shift
+    limit=${BUDGET[$name]}
+    left=$(( DEADLINE - $(date +%s) ))
+    if [ "$left" -lt 5 ]; then
+        echo "$name skipped: the ${TOTAL}s deadline is reached" | tee -a "$OUT/summary.txt"
+        failed=$((failed + 1))
+        return 124
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" > "$steps/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" > "$steps/$name.log" 2>&1
     rc=$?
-    { echo "===== $name (rc $rc): $*"; cat "$steps/$name.log"; } >> "$OUT/run.log"
-    echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+    { echo "===== $name (rc $rc, budget ${BUDGET[$name]}s): $*"; cat "$steps/$name.log"; } >> "$OUT/run.log"
+    echo "$name rc=$rc $(( $(date +%s) - start ))s of ${BUDGET[$name]}s" | tee -a "$OUT/summary.txt"
     [ "$rc" -eq 0 ] || { failed=$((failed + 1)); tail -n 5 "$steps/$name.log"; }
     return "$rc"
 }
 
-install_kit() {  # assemble the parts, install every wheel without an index or dependencies
-    local wheels manifest_sha
+install_kit() {  # the kit's wheels into $SITE, over the machine's own torch: no index, no deps
+    local manifest_sha py
     manifest_sha=$(sha256sum "$KIT/part1/MANIFEST.json" 2>/dev/null | cut -c1-16)
-    if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.kit" 2>/dev/null)" = "$manifest_sha" ]; then
-        echo "kit already installed in $VENV"; return 0
+    if [ -d "$SITE" ] && [ "$(cat "$SITE/.kit" 2>/dev/null)" = "$manifest_sha" ]; then
+        echo "kit already installed in $SITE"; return 0
     fi
-    "$BASE_PYTHON" tools/gpu/kit.py assemble "$KIT" "$VENV.wheels" || return 1
-    rm -rf "$VENV" && "$BASE_PYTHON" -m venv --system-site-packages "$VENV" || return 1
-    if [ -n "${IMAGE_SITE:-}" ]; then  # rehearsal (tools/gpu/rehearse_cpu.sh): the image's packages
-        echo "$IMAGE_SITE" > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_image_site.pth"
-    fi
-    wheels=$(ls "$VENV".wheels/*.whl)
-    "$VENV/bin/python" -m pip install --quiet --no-index --no-deps --no-compile $wheels || return 1
-    echo "$manifest_sha" > "$VENV/.kit"
+    "$BASE_PYTHON" tools/gpu/kit.py assemble "$KIT" "$SITE.wheels" || return 1
+    # No virtualenv: the image's python3 is itself a venv's (/opt/torch/.venv), and a venv made
+    # from it would see its base interpreter's packages, not torch. The kit goes into a folder
+    # that PYTHONPATH puts first (transformers 4.48 over the image's 5.x).
+    rm -rf "$SITE"
+    "$BASE_PYTHON" -m pip install --quiet --no-index --no-deps --no-compile \
+        --disable-pip-version-check --target "$SITE" "$SITE".wheels/*.whl || return 1
+    py=$(command -v "$BASE_PYTHON") && mkdir -p "$SITE/bin"
+    for name in python python3; do  # `python` is the image's python3, whatever PATH says
+        printf '#!/bin/sh\nexec "%s" "$@"\n' "$py" > "$SITE/bin/$name" && chmod +x "$SITE/bin/$name"
+    done
+    echo "$manifest_sha" > "$SITE/.kit"
 }
 
 preflight() {  # the GPU, and every module the kit leaves to the image
-    "$VENV/bin/python" - <<'EOF'
+    python - <<'EOF'
 import importlib, platform, sys
 import os
 import torch
@@ -81,46 +113,50 @@ if missing:
 EOF
 }
 
-export OUT KIT VENV BASE_PYTHON IMAGE_SITE REHEARSAL
+export OUT KIT SITE BASE_PYTHON IMAGE_SITE REHEARSAL
 export -f install_kit preflight
-step install 240 install_kit || { echo "kit not installed: see $OUT/run.log"; exit 99; }
-export PATH="$VENV/bin:$PATH" PYTHONPATH="$PWD" TOKENIZERS_PARALLELISM=false
-step preflight 120 preflight || exit 98
+step install install_kit || { echo "kit not installed: see $OUT/run.log"; exit 99; }
+# The kit first, then this checkout, then (rehearsal only) the emulated image.
+export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE:$PWD${IMAGE_SITE:+:$IMAGE_SITE}" TOKENIZERS_PARALLELISM=false
+step preflight preflight || exit 98
 { cat "$steps/preflight.log"; nvidia-smi 2>&1 | head -15; } > "$OUT/env.txt"
 
-step pytest 300 python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
+# 1. correctness first.
+step correctness python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
     tests/ops/test_rope.py tests/ops/test_attention.py
-
-if xtuner-rope check --help > /dev/null 2>&1; then
-    dtype=$(xtuner-rope check --help | grep -q -- --dtype && echo "--dtype bfloat16")
-    for recipe in tiny_internlm2 tiny_qwen2; do
-        # shellcheck disable=SC2086
-        step "check_$recipe" 90 xtuner-rope check "configs/${recipe}_short_dialogues.py" \
-            --batches 2 --out "$steps/check_$recipe" $dtype
-        cp "$steps/check_$recipe/report.json" "$OUT/check_$recipe.json" 2>/dev/null
-    done
-else
-    echo "check: not run (this checkout has no \`xtuner-rope check\`)" | tee -a "$OUT/summary.txt"
+if [ -n "$QUICK" ]; then
+    echo "quick: steps after correctness not run; failed steps: $failed" | tee -a "$OUT/summary.txt"
+    exit "$failed"
 fi
+
+# 2. `xtuner-rope check` on the tiny recipes, bf16.
+for recipe in tiny_internlm2 tiny_qwen2; do
+    step "check_$recipe" xtuner-rope check "configs/${recipe}_short_dialogues.py" \
+        --batches 2 --out "$steps/check_$recipe" --dtype bfloat16
+    cp "$steps/check_$recipe/report.json" "$OUT/check_$recipe.json" 2>/dev/null
+done
 
 if [ -n "$REHEARSAL" ]; then
     echo "rehearsal: benches skipped; failed steps: $failed" | tee -a "$OUT/summary.txt"
     exit "$failed"
 fi
+
+# 3. benches, each written to bench.txt as it ends.
 : > "$OUT/bench.txt"
-bench() {  # bench NAME SECONDS CMD...: a step whose output also goes to bench.txt
+bench() {  # bench NAME CMD...: a step whose output also goes to bench.txt
     local name=$1
     step "$@"
     local rc=$?
     { echo "== $name"; grep -v '^\s*$' "$steps/$name.log" | tail -n 40; } >> "$OUT/bench.txt"
     return "$rc"
 }
-bench rope_bf16 60 python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 100
-bench rope_bf16_bwd 60 python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 \
-    --repeats 100 --backward
-bench attention 120 python tools/bench/attention.py --device cuda --dtype bf16 \
-    --tokens 2048 8192 32768
-bench packing 150 python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b
+bench rope_fwd python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 50
+bench rope_bwd python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 50 \
+    --backward
+bench attention python tools/bench/attention.py --device cuda --dtype bf16 --tokens 2048 8192 32768 \
+    --repeats 10
+bench packing bash -c "[ -d models/tiny-internlm2 ] || python tools/make_tiny_internlm2.py; \
+    exec python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b --train-batches 4"
 echo "failed steps: $failed (results in $OUT)" | tee -a "$OUT/summary.txt"
 exit "$failed"
