@@ -73,8 +73,48 @@ def _pins(path):
 
 def test_kit_pins_are_the_tested_versions():
     constraints, kit_pins = _pins("constraints.txt"), _pins("tools/gpu/kit_requirements.txt")
-    assert {"xtuner", "mmengine", "transformers", "datasets", "bitsandbytes"} <= set(kit_pins)
+    assert {"xtuner", "mmengine", "transformers", "datasets"} <= set(kit_pins)
+    assert "bitsandbytes" not in kit_pins  # 66 MiB of CUDA 11-12 binaries; the check runs no QLoRA
     assert {name: v for name, v in kit_pins.items() if constraints.get(name) != v} == {}
+
+
+def test_split_refuses_a_kit_of_more_than_one_part(tmp_path):
+    """`make gpu-kit` builds one part (one call carries it); more is refused, naming the wheels."""
+    _wheels(tmp_path / "wheels", [400_000, 300_000])
+    with pytest.raises(SystemExit, match=r"more than 1 part\(s\) of 0.5 MiB; the largest: pkg0"):
+        kit.split(tmp_path / "wheels", tmp_path / "kit", part_mib=0.5, max_parts=1)
+    assert not (tmp_path / "kit").exists()
+    _wheels(tmp_path / "small", [200_000, 100_000])
+    assert len(kit.split(tmp_path / "small", tmp_path / "kit", part_mib=0.5, max_parts=1)) == 1
+
+
+def _run_gpu_plan():
+    """run_gpu.sh's step budgets, its step order, quick steps and totals, as the script has them."""
+    text = (REPO / "tools/gpu/run_gpu.sh").read_text()
+    block = re.search(r"declare -A BUDGET=\((.*?)\n\)", text, re.S).group(1)
+    budgets = {name: int(sec) for name, sec in re.findall(r"\[(\w+)\]=(\d+)", block)}
+    order = re.search(r'^ORDER="([^"]+)"', text, re.M).group(1).split()
+    quick = re.search(r'^QUICK_STEPS="([^"]+)"', text, re.M).group(1).split()
+    total = int(re.search(r"^TOTAL=(\d+)", text, re.M).group(1))
+    quick_total = int(re.search(r"^QUICK_TOTAL=(\d+)", text, re.M).group(1))
+    recipes = re.search(r"^for recipe in ([\w ]+); do", text, re.M).group(1).split()
+    called = []  # the steps in the order the script calls them
+    for name in re.findall(r'^\s*(?:step|bench) "?([\w$]+)', text, re.M):
+        if name != "$":  # `step "$@"` inside bench()
+            called += [f"check_{r}" for r in recipes] if name == "check_$recipe" else [name]
+    return budgets, order, quick, total, quick_total, called
+
+
+def test_run_gpu_step_budgets_fit_one_short_loan():
+    """Every step has a budget; they add up to at most 300 s (120 s for --quick, correctness
+    first); every budgeted step is run, in the order of the budgets."""
+    budgets, order, quick, total, quick_total, called = _run_gpu_plan()
+    assert total <= 300 and quick_total <= 120
+    assert sum(budgets.values()) <= total, budgets
+    assert sum(budgets[s] for s in quick) <= quick_total
+    assert sorted(order) == sorted(budgets) and order[: len(quick)] == quick
+    assert quick[-1] == "correctness"
+    assert called == order
 
 
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):

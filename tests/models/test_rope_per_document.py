@@ -213,6 +213,24 @@ def test_reset_equals_a_fresh_copy(case):
 
 
 @pytest.mark.parametrize(
+    "case",
+    [("llama", "dynamic"), ("phi3", "longrope"), ("qwen2", "dynamic"), ("llama", "default")],
+    ids=str,
+)
+def test_reset_keeps_the_frequencies_on_the_model_device(case):
+    """`.to(device)` moves the `inv_freq` buffer but not transformers' `original_inv_freq`
+    attribute: the reset must not bring the frequencies back to where the model was built.
+    Seen on an H100: every `xtuner-rope check` of a transformers family died in the reference
+    with "mat2 is on cuda:0, different from other tensors on cpu". The meta device stands in
+    for CUDA here."""
+    family, scaling = case
+    model = build(family, scaling, "sdpa").to("meta")
+    assert reset_upstream_rotaries(model) >= 1
+    devices = {m.inv_freq.device.type for m in model.modules() if hasattr(m, "original_inv_freq")}
+    assert devices == {"meta"}
+
+
+@pytest.mark.parametrize(
     "case", [("llama", "dynamic"), ("phi3", "longrope"), ("internlm2", "dynamic")], ids=str
 )
 def test_unpacked_and_generation_match_upstream(case):

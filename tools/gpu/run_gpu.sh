@@ -12,8 +12,8 @@
 #      against the reference, the gold tests on CUDA in bf16 and fp16), the CPU varlen glue
 #      tests and the CUDA tests of test_rope.py / test_attention.py;
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
-#   3. benches: RoPE apply against copy bandwidth (fwd, fwd+bwd), packed attention fwd+bwd
-#      against `varlen_attn` alone, training tokens/s packed vs padded (1.8B shapes).
+#   3. benches: RoPE apply against copy bandwidth, packed attention fwd+bwd against
+#      `varlen_attn` alone (2k and 8k packs), training tokens/s packed vs padded (1.8B shapes).
 # Each step's result is written to $OUT as soon as it ends (a run cut off still returns what
 # it measured), at most 8 files: summary.txt (a line per step: exit code, seconds, budget),
 # env.txt, run.log (every step's output), pytest.xml, check_*.json, bench.txt.
@@ -31,11 +31,11 @@ QUICK=${QUICK:-}
 
 # Step budgets in seconds, by priority (tests/integration/test_gpu_kit.py checks the sums).
 declare -A BUDGET=(
-    [install]=30 [preflight]=20 [correctness]=70
-    [check_tiny_internlm2]=35 [check_tiny_qwen2]=35
-    [rope_fwd]=15 [rope_bwd]=15 [attention]=40 [packing]=40
+    [install]=15 [preflight]=25 [correctness]=60
+    [check_tiny_internlm2]=40 [check_tiny_qwen2]=40
+    [rope]=35 [attention]=35 [packing]=45
 )
-ORDER="install preflight correctness check_tiny_internlm2 check_tiny_qwen2 rope_fwd rope_bwd attention packing"
+ORDER="install preflight correctness check_tiny_internlm2 check_tiny_qwen2 rope attention packing"
 QUICK_STEPS="install preflight correctness"
 TOTAL=300
 QUICK_TOTAL=120
@@ -109,15 +109,21 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, "
       f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}, transformers {transformers.__version__}, "
       f"xtuner {xtuner.__version__}, mmengine {mmengine.__version__}, deepspeed {deepspeed.__version__}")
 if missing:
-    sys.exit("the image lacks: " + "; ".join(missing) + " -> add to tools/gpu/kit_requirements.txt")
+    print("the image lacks: " + "; ".join(missing) + " -> add to tools/gpu/kit_requirements.txt")
+sys.stdout.flush()
+os._exit(1 if missing else 0)  # no interpreter shutdown: some image module's threads outlive it
 EOF
 }
 
 export OUT KIT SITE BASE_PYTHON IMAGE_SITE REHEARSAL
 export -f install_kit preflight
 step install install_kit || { echo "kit not installed: see $OUT/run.log"; exit 99; }
-# The kit first, then this checkout, then (rehearsal only) the emulated image.
-export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE:$PWD${IMAGE_SITE:+:$IMAGE_SITE}" TOKENIZERS_PARALLELISM=false
+# This checkout first (the code under test is the tree that travelled, not the kit's copy of
+# xtuner-rope, which only brings its `xtuner-rope` command), then the kit (transformers 4.48
+# over the image's 5.x), then (rehearsal only) the emulated image.
+# Unbuffered: a step cut off at its budget still leaves the lines it printed.
+export PATH="$SITE/bin:$PATH" PYTHONPATH="$PWD:$SITE${IMAGE_SITE:+:$IMAGE_SITE}" \
+    TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 step preflight preflight || exit 98
 { cat "$steps/preflight.log"; nvidia-smi 2>&1 | head -15; } > "$OUT/env.txt"
 
@@ -151,10 +157,10 @@ bench() {  # bench NAME CMD...: a step whose output also goes to bench.txt
     { echo "== $name"; grep -v '^\s*$' "$steps/$name.log" | tail -n 40; } >> "$OUT/bench.txt"
     return "$rc"
 }
-bench rope_fwd python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 50
-bench rope_bwd python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 50 \
-    --backward
-bench attention python tools/bench/attention.py --device cuda --dtype bf16 --tokens 2048 8192 32768 \
+# The fused RoPE candidate compiles (torch.compile) in its warm-up: most of this step's budget.
+bench rope python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 50
+# 32k-token packs left out: their dense-mask candidate alone outlasts the budget.
+bench attention python tools/bench/attention.py --device cuda --dtype bf16 --tokens 2048 8192 \
     --repeats 10
 bench packing bash -c "[ -d models/tiny-internlm2 ] || python tools/make_tiny_internlm2.py; \
     exec python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b --train-batches 4"

@@ -140,7 +140,9 @@ def reset_upstream_rotaries(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if hasattr(module, "original_inv_freq") and hasattr(module, "original_max_seq_len"):
-            module.inv_freq = module.original_inv_freq  # transformers' dynamic / longrope
+            # transformers' dynamic / longrope. `original_inv_freq` is a plain attribute that
+            # `.to(device)` leaves where the model was built: the buffer stays where it is.
+            module.inv_freq = module.original_inv_freq.to(module.inv_freq.device)
             module.max_seq_len_cached = module.original_max_seq_len
             count += 1
         elif "DynamicNTK" in type(module).__name__ and hasattr(module, "base"):
