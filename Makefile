@@ -4,8 +4,8 @@
 #   make test-fast   the unit tests only (no tests/integration, no `slow` runs): a few minutes
 #   make lint   ruff check and ruff format --check
 #   make docs   build the documentation site (docs/, mkdocs.yml) into site/, strict
-#   make gpu-kit   wheels for the GPU machine, in parts (tools/gpu/build_kit.sh); there:
-#                  bash tools/gpu/run_gpu.sh
+#   make gpu-kit   the wheels the GPU machine lacks, one part of at most 58 MiB
+#                  (tools/gpu/build_kit.sh); there: bash tools/gpu/run_gpu.sh (docs/gpu.md)
 .PHONY: setup demo test test-fast bench lint docs gpu-kit
 
 VENV := $(CURDIR)/.venv

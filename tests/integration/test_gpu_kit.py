@@ -1,8 +1,8 @@
 """The GPU kit and the GPU benches, on CPU: parts split and reassembled, pins, bench runs.
 
 The full offline rehearsal (build a kit for .venv's Python, install it with no index into a
-fresh virtualenv over an emulated GPU image, run the suite's GPU files there) downloads about
-90 MB: opt-in with XTUNER_ROPE_KIT_TEST=1.
+fresh folder over an emulated GPU image, run the suite's GPU files there) downloads about
+25 MB: opt-in with XTUNER_ROPE_KIT_TEST=1.
 """
 
 import importlib.util
@@ -149,7 +149,7 @@ def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("XTUNER_ROPE_KIT_TEST"),
-    reason="downloads ~90 MB: set XTUNER_ROPE_KIT_TEST=1",
+    reason="downloads ~25 MB: set XTUNER_ROPE_KIT_TEST=1",
 )
 def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -168,6 +168,9 @@ def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
         capture_output=True,
         text=True,
     )
+    parts = sorted(p.name for p in (tmp_path / "kit").iterdir())
+    size = sum(f.stat().st_size for f in (tmp_path / "kit" / "part1").iterdir())
+    assert parts == ["part1"] and size <= 58 * kit.MIB, (parts, size)
     summary = (tmp_path / "work" / "out" / "summary.txt").read_text()
     assert done.returncode == 0, summary + done.stdout[-3000:]
-    assert re.search(r"^pytest rc=0", summary, re.M), summary
+    assert re.search(r"^correctness rc=0 \d+s of \d+s", summary, re.M), summary

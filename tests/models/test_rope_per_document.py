@@ -230,25 +230,79 @@ def test_reset_keeps_the_frequencies_on_the_model_device(case):
     assert devices == {"meta"}
 
 
+PADDED = [[40, 100], [70, 100], [20, 70]]  # real lengths of the rows of a right-padded batch
+PADDED_CASES = [
+    ("llama", "dynamic"),
+    ("phi3", "longrope"),
+    ("internlm2", "dynamic"),
+    ("internlm2 remote code", "dynamic"),
+]
+
+
+def assert_padded_rows_equal_alone(reference, patched, lengths, generator):
+    """A right-padded batch through ``patched``: each row's real tokens against the row alone
+    through a fresh ``reference``, logits and the gradient of their summed loss."""
+    s = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=generator)
+    mask = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).long()  # [b, s]
+    logits = patched(input_ids=ids, attention_mask=mask).logits
+    loss, ref_loss = 0.0, 0.0
+    for r, n in enumerate(lengths):
+        reset_upstream_rotaries(reference)
+        want = reference(input_ids=ids[r : r + 1, :n]).logits[0]
+        torch.testing.assert_close(logits[r, :n], want, rtol=0, atol=1e-5, msg=f"row {r} ({n})")
+        loss, ref_loss = (
+            loss + doc_loss(logits[r, :n], ids[r, :n]),
+            ref_loss + doc_loss(want, ids[r, :n]),
+        )
+    loss.backward()
+    ref_loss.backward()
+    for (name, p), ref in zip(patched.named_parameters(), reference.parameters()):
+        scale = float(ref.grad.abs().max())
+        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", PADDED_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_padded_rows_equal_alone(case, attn, tmp_path_factory):
+    """Each row of a right-padded batch gets the length-dependent frequencies of its own length
+    (its last attended position + 1), as it would alone; upstream gives every row those of
+    the batch's padded length (the short rows below cross no threshold alone)."""
+    reference = build(*case, attn, tmp_path_factory)
+    generator = torch.Generator().manual_seed(0)
+    for lengths in PADDED:
+        patched = copy.deepcopy(reference)
+        patch_model(patched)
+        reference.zero_grad()
+        assert_padded_rows_equal_alone(reference, patched, lengths, generator)
+
+
+@pytest.mark.parametrize("case", [("llama", "dynamic"), ("internlm2", "dynamic")], ids=str)
+def test_padded_rows_without_the_row_lengths_leak(case):
+    """Negative control: the unpatched padded batch (upstream's per-call choice) is off from the
+    short row alone, and so is the patched one with per-document frequencies off."""
+    reference = build(*case, "sdpa")
+    unpatched = copy.deepcopy(reference)
+    with pytest.raises(AssertionError, match="row 0"):
+        assert_padded_rows_equal_alone(reference, unpatched, [40, 100], torch.Generator())
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    set_per_document_rope(patched, False)
+    reference.zero_grad()
+    with pytest.raises(AssertionError, match="row 0"):
+        assert_padded_rows_equal_alone(reference, patched, [40, 100], torch.Generator())
+
+
 @pytest.mark.parametrize(
     "case", [("llama", "dynamic"), ("phi3", "longrope"), ("internlm2", "dynamic")], ids=str
 )
-def test_unpacked_and_generation_match_upstream(case):
-    """One sequence per row (a right-padded batch: upstream's per-call choice from the longest
-    row) and greedy generation with a KV cache from 40 to 110 tokens (past the threshold)
-    give what the unpatched model gives."""
+def test_generation_matches_upstream(case):
+    """Greedy generation with a KV cache from 40 to 110 tokens (past the threshold) gives what
+    the unpatched model gives: calls with a cache keep upstream's per-call choice."""
     reference = build(*case, "sdpa").eval()
     patched = copy.deepcopy(reference)
     patch_model(patched)
     ids = torch.randint(3, VOCAB, (2, 100))
-    mask = torch.ones_like(ids)
-    mask[0, 20:] = 0
-    with torch.no_grad():
-        reset_upstream_rotaries(reference)
-        want = reference(input_ids=ids, attention_mask=mask).logits
-        got = patched(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[0, :20], want[0, :20], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
     prompt = ids[1:, :40]
     kwargs = dict(max_new_tokens=70, do_sample=False, output_logits=True)
     kwargs.update(return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)

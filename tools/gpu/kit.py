@@ -2,10 +2,11 @@
 
 Standard library only: it runs on the GPU machine before anything is installed.
 
-    python tools/gpu/kit.py split gpu_kit/wheels gpu_kit --part-mib 60
-        -> gpu_kit/part1/, gpu_kit/part2/, ... each at most 60 MiB; a wheel larger than a part
-           travels as numbered pieces; gpu_kit/part1/MANIFEST.json lists every wheel's size and
-           sha256 and where its pieces are.
+    python tools/gpu/kit.py split gpu_kit/wheels gpu_kit --part-mib 58 --max-parts 1
+        -> gpu_kit/part1/ (and part2, ... without --max-parts), each at most 58 MiB; a wheel
+           larger than a part travels as numbered pieces; gpu_kit/part1/MANIFEST.json lists every
+           wheel's size and sha256 and where its pieces are. `make gpu-kit` asks for one part:
+           the GPU check carries it in one call.
     python tools/gpu/kit.py assemble gpu_kit DEST
         -> DEST/*.whl, every sha256 checked; a missing part is named (which one to carry).
 """

@@ -8,7 +8,7 @@
 #     PYVER=3.11 KIT=gpu_kit_py311 bash tools/gpu/build_kit.sh   # the kit for .venv's Python
 #     bash tools/gpu/rehearse_cpu.sh gpu_kit_py311
 #
-# (Downloads about 90 MB once: not part of `make test`; tests/integration/test_gpu_kit.py runs it when
+# (Downloads about 25 MB once: not part of `make test`; tests/integration/test_gpu_kit.py runs it when
 # XTUNER_ROPE_KIT_TEST=1.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

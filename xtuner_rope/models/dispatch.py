@@ -28,6 +28,7 @@ from .internlm2 import (
 )
 from .internlm2_rope import ValidatedRotaryEmbedding
 from .internvl import internvl_chat_model
+from .rope_documents import install_row_lengths
 
 VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
 
@@ -76,10 +77,13 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
     """
     integration = integration_for(model)
     if integration == "internlm2":
-        return patch_internlm2_attention(model, max_position=max_position), "InternLM2"
+        count = patch_internlm2_attention(model, max_position=max_position)
+        install_row_lengths(model)  # padded rows: each its own length-dependent frequencies
+        return count, "InternLM2"
     if integration == "hf":
         layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
         count = patch_hf_model(model, max_position=max_position)
+        install_row_lengths(model)
         for module_name in fp32_rotation_modules(layers):
             patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
         # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".

@@ -12,14 +12,21 @@ the threshold. The documents are those the family's attention isolates, read the
 - under sequence parallel, the lengths of the full row, published for this rank's shard by
   ``sequence_parallel.shard_rows`` (the shard alone cannot know where its documents end).
 
-No documents (one sequence per row, generation steps with a KV cache): None, and the rotary
-keeps upstream's per-call choice. ``set_per_document_rope(model, False)`` (the config's
+Padded rows (one sequence per row, XTuner's ``default_collate_fn``, LLaVA's and InternVL's rows,
+preference pairs without varlen): each row is a document of its real length, its last attended
+position + 1, read from the 2-D ``attention_mask`` its decoder received
+(:func:`install_row_lengths` records it for the rotaries below that decoder). Upstream would give
+every row the frequencies of the batch's padded length; alone, a row gets those of its own.
+
+Nothing to go by (one unpadded sequence per row, calls with a KV cache, including generation's
+prefill): None, and the rotary keeps upstream's per-call choice. ``set_per_document_rope(model, False)`` (the config's
 ``per_document_rope = False``) turns per-document frequencies off: every packed document then
 gets the frequencies of its call's longest one, as upstream computes them.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -34,6 +41,7 @@ from .sequence_parallel import sequence_parallel_active
 
 __all__ = [
     "PER_DOCUMENT_KEY",
+    "install_row_lengths",
     "per_document_rope_setting",
     "reset_upstream_rotaries",
     "rotary_document_lengths",
@@ -73,12 +81,105 @@ def rotary_document_lengths(
         return None
     plan = batch_document_plan(position_ids, b, s, device)
     if plan is None:
-        return None
+        return padded_row_lengths(rotary, position_ids, b, s, device)
     if _LAST.get("plan") is not plan or _LAST.get("positions") is not position_ids:
         _LAST.clear()
         lengths = document_lengths(position_ids.to(device), plan.cu_seqlens, b, s)
         _LAST.update(plan=plan, positions=position_ids, lengths=lengths)
     return _LAST["lengths"]
+
+
+class RowMask:
+    """The 2-D ``attention_mask`` of a decoder's latest call, shared by the rotaries below it.
+
+    Kept until the decoder's next call (not cleared after the forward): under gradient
+    checkpointing InternLM2's layers call their rotary again during the backward pass, and must
+    get the frequencies of the forward.
+    """
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.lengths: tuple | None = None  # (mask, position_ids, [b, s] lengths) of the last answer
+
+
+def _row_mask_hook(state: RowMask, signature: inspect.Signature):
+    """A forward pre-hook that records the call's ``attention_mask`` into ``state``."""
+
+    def hook(module, args, kwargs):
+        try:
+            call = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # a call this decoder's signature does not take: it will say so
+            call = {}
+        mask = call.get("attention_mask")
+        cache = call.get("past_key_values", call.get("past_key_value"))
+        generating = call.get("use_cache") is True or cache is not None
+        usable = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not generating
+        state.mask = mask if usable else None
+        return None
+
+    return hook
+
+
+def install_row_lengths(model: nn.Module) -> int:
+    """Let the validated rotaries of ``model`` know the real length of each padded row.
+
+    Each decoder (a module with a ``layers`` list whose ``forward`` takes ``attention_mask``)
+    that holds validated rotaries gets a forward pre-hook recording the 2-D mask of its call,
+    read by :func:`padded_row_lengths`. Calls with a KV cache or ``use_cache=True``
+    (generation) record nothing: they keep upstream's per-call choice. Installing twice is a
+    no-op.
+
+    Returns:
+        How many decoders were hooked.
+    """
+    count = 0
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or hasattr(module, "_xtuner_rope_row_mask"):
+            continue
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            continue
+        if "attention_mask" not in signature.parameters:
+            continue
+        rotaries = [m for m in module.modules() if hasattr(m, "per_document")]
+        if not rotaries:
+            continue
+        state = RowMask()
+        module._xtuner_rope_row_mask = state
+        module.register_forward_pre_hook(_row_mask_hook(state, signature), with_kwargs=True)
+        for rotary in rotaries:
+            rotary.row_mask = state
+        count += 1
+    return count
+
+
+def padded_row_lengths(
+    rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
+) -> torch.Tensor | None:
+    """Each token's row length ``[b, s]`` for a call of padded rows, or None.
+
+    A row's length is its last attended position + 1: what upstream measures when the row runs
+    alone (right padding; a left-padded row's positions count from its first real token). None
+    when the rotary's decoder recorded no mask for this call (see :func:`install_row_lengths`),
+    the mask is not ``[b, s]`` or nothing is padded.
+    """
+    state = getattr(rotary, "row_mask", None)
+    mask = None if state is None else state.mask
+    if mask is None or tuple(mask.shape) != (b, s):
+        return None
+    cached = state.lengths
+    if cached is not None and cached[0] is mask and cached[1] is position_ids:
+        return None if cached[2] is None else cached[2].to(device)
+    attended = mask.to(device) != 0  # [b, s]
+    lengths = None
+    if not bool(attended.all()):
+        positions = position_ids.to(device).expand(b, s)
+        last = torch.where(attended, positions, torch.full_like(positions, -1)).amax(dim=1)
+        lengths = (last + 1).clamp(min=1)[:, None].expand(b, s)  # [b, s]
+    state.lengths = (mask, position_ids, lengths)
+    return lengths
 
 
 def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
