@@ -7,8 +7,12 @@ each document alone through the unpatched one (its rotary reset to the loaded st
 upstream's dynamic NTK is stateful). Prints the largest logit difference per row; ``--off``
 sets ``per_document = False`` (every document gets its row's frequencies, as upstream).
 
+``--padded``: issue 38's right-padded batches instead, real lengths [40, 100], [70, 100] and
+[20, 70] with an ``attention_mask``, each row against itself alone, through the patched model
+and through the unpatched one (upstream gives every row the frequencies of the padded length).
+
 Usage:
-    python tools/repro/rope_per_document.py llama sdpa [--off]
+    python tools/repro/rope_per_document.py llama sdpa [--off] [--padded]
 """
 
 import argparse
@@ -21,6 +25,7 @@ from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries, set_per_document_rope
 
 ROWS = ([20, 100], [100, 20], [40, 100], [70, 100], [20, 25])
+PADDED = ([40, 100], [70, 100], [20, 70])
 LONGROPE = dict(
     type="longrope",
     short_factor=[1.0 + 0.05 * i for i in range(8)],
@@ -54,11 +59,14 @@ def main():
     parser.add_argument("family", choices=["llama", "qwen2", "mistral", "phi3", "internlm2"])
     parser.add_argument("attn", choices=["eager", "sdpa"])
     parser.add_argument("--off", action="store_true", help="per-document frequencies off")
+    parser.add_argument("--padded", action="store_true", help="right-padded batches instead")
     args = parser.parse_args()
     reference = build(args.family, args.attn).float().train()
     patched = copy.deepcopy(reference)
     patch_model(patched)
     set_per_document_rope(patched, not args.off)
+    if args.padded:
+        return padded(args, reference, patched)
     for row in ROWS:
         gen = torch.Generator().manual_seed(0)
         docs = [torch.randint(3, 256, (n,), generator=gen) for n in row]
@@ -73,6 +81,33 @@ def main():
                 diff = (packed[start : start + len(doc)] - alone).abs().max()
                 worst, start = max(worst, float(diff)), start + len(doc)
         print(f"{args.family} {args.attn} row {row}: max |packed - alone| {worst:.3g}")
+
+
+def padded(args, reference, patched):
+    """Each right-padded batch through ``patched`` and through an unpatched copy."""
+    unpatched = copy.deepcopy(reference)
+    for lengths in PADDED:
+        gen = torch.Generator().manual_seed(0)
+        s = max(lengths)
+        ids = torch.randint(3, 256, (len(lengths), s), generator=gen)  # [b, s]
+        mask = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).long()  # [b, s]
+        worst = {"patched": 0.0, "unpatched": 0.0}
+        with torch.no_grad():
+            reset_upstream_rotaries(unpatched)
+            batch = {
+                "patched": patched(input_ids=ids, attention_mask=mask).logits,
+                "unpatched": unpatched(input_ids=ids, attention_mask=mask).logits,
+            }
+            for r, n in enumerate(lengths):
+                reset_upstream_rotaries(reference)
+                alone = reference(input_ids=ids[r : r + 1, :n]).logits[0]
+                for name, logits in batch.items():
+                    diff = float((logits[r, :n] - alone).abs().max())
+                    worst[name] = max(worst[name], diff)
+        print(
+            f"{args.family} {args.attn} padded rows {lengths}: max |row - alone| "
+            f"patched {worst['patched']:.2g}, unpatched {worst['unpatched']:.2g}"
+        )
 
 
 if __name__ == "__main__":
