@@ -156,6 +156,15 @@ def doc_loss(logits, tokens):
     return F.cross_entropy(logits[:-1].float(), tokens[1:], reduction="sum")
 
 
+def assert_same_gradients(reference, patched, ref_loss, loss):
+    """Every parameter gradient of ``loss`` (patched) equals that of ``ref_loss`` (reference)."""
+    loss.backward()
+    ref_loss.backward()
+    for (name, p), ref in zip(patched.named_parameters(), reference.parameters()):
+        scale = float(ref.grad.abs().max())
+        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
+
+
 def assert_packed_equals_alone(reference, patched, generator):
     ids, positions, docs = packed_batch(ROWS, generator)
     logits = patched(input_ids=ids, position_ids=positions).logits  # [b, s, V]
@@ -167,11 +176,7 @@ def assert_packed_equals_alone(reference, patched, generator):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         loss, ref_loss = loss + doc_loss(got, tokens), ref_loss + doc_loss(want, tokens)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
-    loss.backward()
-    ref_loss.backward()
-    for (name, p), ref in zip(patched.named_parameters(), reference.parameters()):
-        scale = float(ref.grad.abs().max())
-        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
+    assert_same_gradients(reference, patched, ref_loss, loss)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -255,11 +260,7 @@ def assert_padded_rows_equal_alone(reference, patched, lengths, generator):
             loss + doc_loss(logits[r, :n], ids[r, :n]),
             ref_loss + doc_loss(want, ids[r, :n]),
         )
-    loss.backward()
-    ref_loss.backward()
-    for (name, p), ref in zip(patched.named_parameters(), reference.parameters()):
-        scale = float(ref.grad.abs().max())
-        torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
+    assert_same_gradients(reference, patched, ref_loss, loss)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
