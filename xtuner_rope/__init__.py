@@ -9,7 +9,13 @@ Activation: ``import xtuner_rope`` (and importing any module of the face: ``conf
 ``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
 ``HOOKS`` and the collate functions in ``FUNCTIONS``, so configs can name them by string as
 well as by object. Importing the family-free math alone (``import xtuner_rope.ops.packing``)
-activates nothing: no MMEngine, transformers or XTuner import, no patch.
+activates nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
+command line (``xtuner_rope.cli``): it answers ``--help`` and usage errors with the standard
+library alone and activates the plugin when a subcommand runs.
+
+What activation imports is what ``xtuner train`` 's start-up needs (``config/``, ``data/``,
+``hooks/``, ``models/``, ``compat/``); the tools (``check/``, ``capture/``, ``zoo/``,
+``doctor/``, ``outputs/``) load only when a command or a test uses them.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.moss",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
+# Modules whose import activates nothing: the math, and the command line (each subcommand
+# activates when it runs, so `xtuner-rope --help` imports no torch).
+INERT = (*FAMILY_FREE, "xtuner_rope.cli")
 _activated = False
 
 
@@ -109,5 +118,5 @@ def requested_module() -> str:
     return asked
 
 
-if not requested_module().startswith(FAMILY_FREE):
+if not requested_module().startswith(INERT):
     activate()
