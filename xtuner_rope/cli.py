@@ -12,7 +12,7 @@ xtuner-rope chat MODEL [...]
 # subcommand's `--help` and every usage error answer without torch, MMEngine, XTuner, DeepSpeed
 # or bitsandbytes (issue 42: importing them took 8.8 s). `xtuner_rope/__init__.py` does not
 # activate the plugin when this module is what was imported; each subcommand activates it
-# (`_activate`) and imports its implementation only once its arguments have parsed.
+# (`activate_quietly`) and imports its implementation only once its arguments have parsed.
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def cfg_options(pairs: list[str] | None) -> dict | None:
     return namespace.cfg_options
 
 
-class _DropBanner(logging.Filter):
+class DropBanner(logging.Filter):
     """Drops one import-time message of a third-party logger (see :data:`BANNERS`)."""
 
     def __init__(self, start: str):
@@ -75,7 +75,7 @@ class _DropBanner(logging.Filter):
         return not str(record.msg).startswith(self.start)
 
 
-def _activate() -> None:
+def activate_quietly() -> None:
     """Activate the plugin (patches, registries) with :data:`BANNERS` left out of the output.
 
     The filters sit on the named loggers while the stack is imported and are removed after, so
@@ -83,7 +83,7 @@ def _activate() -> None:
     """
     import xtuner_rope
 
-    filters = {name: _DropBanner(start) for name, start in BANNERS.items()}
+    filters = {name: DropBanner(start) for name, start in BANNERS.items()}
     for name, drop in filters.items():
         logging.getLogger(name).addFilter(drop)
     try:
@@ -100,7 +100,7 @@ def _existing_config(path: str) -> str:
     return path
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtuner-rope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
@@ -188,7 +188,7 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     """``xtuner-rope check``: measure document isolation, write the report; the exit status."""
-    _activate()
+    activate_quietly()
     from xtuner_rope.check import format_summary, run_check, write_report
 
     from .config.startup import ConfigConflict
@@ -230,7 +230,7 @@ def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
 
 def _doctor(args: argparse.Namespace) -> int:
     """``xtuner-rope doctor``: diagnose the config's data, write the report; the exit status."""
-    _activate()
+    activate_quietly()
     from xtuner_rope.doctor.diagnose import diagnose, exit_code
     from xtuner_rope.doctor.report import format_summary, write_outputs
     from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         from xtuner_rope.outputs.xtuner_train import run_xtuner_train
 
         return run_xtuner_train(argv[1:])
-    parser = _parser()
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        _activate()  # XTuner's tool runs in this process: the patches go first
+        activate_quietly()  # XTuner's tool runs in this process: the patches go first
         from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
