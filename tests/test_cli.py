@@ -76,6 +76,13 @@ def test_help_imports_no_heavy_library(argv):
     assert "usage: xtuner-rope" in output
 
 
+def test_train_help_is_xtuners_without_its_imports():
+    """`train -h` shows XTuner's own train.py help (read from that file), torch not imported."""
+    result, output = run_cli(["train", "--help"])
+    assert result == {"code": 0, "heavy": []}, output
+    assert "usage: train.py" in output and "--cfg-options" in output
+
+
 def test_help_prints_no_third_party_banner():
     _, output = run_cli(["--help"])
     banners = [line for line in output.splitlines() if any(w in line for w in BANNER_WORDS)]
@@ -94,6 +101,8 @@ def test_help_prints_no_third_party_banner():
         (["check", "README.md", "--dtype", "fp8"], "argument --dtype: invalid choice"),
         (["doctor", "README.md", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["convert"], "the following arguments are required: tool"),
+        (["train"], "train.py: error: the following arguments are required: config"),
+        (["train", "c.py", "--launcher", "foo"], "argument --launcher: invalid choice: 'foo'"),
     ],
 )
 def test_a_usage_error_exits_2_without_heavy_libraries(argv, message):
