@@ -83,6 +83,12 @@ def test_train_help_is_xtuners_without_its_imports():
     assert "usage: train.py" in output and "--cfg-options" in output
 
 
+def test_convert_pth_to_hf_help_is_xtuners_without_its_imports():
+    result, output = run_cli(["convert", "pth_to_hf", "--help"])
+    assert result == {"code": 0, "heavy": []}, output
+    assert "usage: xtuner convert pth_to_hf" in output
+
+
 def test_help_prints_no_third_party_banner():
     _, output = run_cli(["--help"])
     banners = [line for line in output.splitlines() if any(w in line for w in BANNER_WORDS)]
@@ -102,6 +108,7 @@ def test_help_prints_no_third_party_banner():
         (["doctor", "README.md", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["convert"], "the following arguments are required: tool"),
         (["train"], "train.py: error: the following arguments are required: config"),
+        (["convert", "pth_to_hf", "c.py"], "required: pth_model, save_dir"),
         (["train", "c.py", "--launcher", "foo"], "argument --launcher: invalid choice: 'foo'"),
     ],
 )

@@ -273,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        activate_quietly()  # XTuner's tool runs in this process: the patches go first
-        from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
+        from xtuner_rope.outputs.xtuner_tools import parser_answer, run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
+        answered = parser_answer(command, rest)  # `-h`, a usage error: the tool's own words
+        if answered is not None:
+            return answered
+        activate_quietly()  # XTuner's tool runs in this process: the patches go first
         return run_xtuner_tool(command, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

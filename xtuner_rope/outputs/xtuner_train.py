@@ -22,33 +22,20 @@ this process are passed to the child, which then decides; a child killed by a si
 
 from __future__ import annotations
 
-import argparse
-import ast
-import importlib.util
 import os
 import random
 import signal
 import subprocess
-import sys
-from pathlib import Path
+
+from . import xtuner_parsers
 
 TRAIN_MODULE = "xtuner.tools.train"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def train_script() -> str:
-    """Path of XTuner's ``xtuner/tools/train.py``, found without importing XTuner.
-
-    ``find_spec("xtuner.tools.train")`` would import ``xtuner`` (and with it MMEngine and torch,
-    3 s): the file is looked up in the folders of the top-level package's spec instead.
-    """
-    spec = importlib.util.find_spec(TRAIN_MODULE.split(".")[0])
-    folders = (spec.submodule_search_locations or []) if spec is not None else []
-    relative = Path(*TRAIN_MODULE.split(".")[1:]).with_suffix(".py")
-    for folder in folders:
-        if (Path(folder) / relative).is_file():
-            return str(Path(folder) / relative)
-    raise ModuleNotFoundError(f"{TRAIN_MODULE} is not installed (pip install xtuner)")
+    """Path of XTuner's ``xtuner/tools/train.py``, found without importing XTuner."""
+    return xtuner_parsers.tool_script(TRAIN_MODULE)
 
 
 def _slurm(argv: list[str]) -> bool:
@@ -105,57 +92,18 @@ def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
     ]
 
 
-class _AnyValues(argparse.Action):
-    """Stands in for MMEngine's ``DictAction`` in :func:`parser_answer`: keeps the values as text.
-
-    Only argparse's own verdict is wanted there; the values are parsed by the child, by the real
-    ``DictAction`` (whose import would cost torch's).
-    """
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-
-
 def parser_answer(argv: list[str], script: str | None = None) -> int | None:
-    """What XTuner's ``train.py`` answers by itself to ``argv``: help, or a usage error.
-
-    ``train.py`` imports torch, MMEngine and XTuner (seconds) before its ``parse_args()`` runs,
-    so ``xtuner-rope train -h`` or a misspelled flag would wait for them. Its ``parse_args``
-    function (argparse only) is read from the very file the child would run and called here,
-    with ``DictAction`` standing in (:class:`_AnyValues`): what it prints and its exit status
-    are those of the child.
+    """What XTuner's ``train.py`` answers by itself to ``argv``: its help, or a usage error.
 
     Args:
         argv: The arguments after ``train``.
         script: XTuner's ``train.py`` (default: :func:`train_script`).
 
     Returns:
-        The exit status when ``parse_args`` stopped (0 after the help, 2 on a usage error),
-        having printed what it prints; ``None`` when the arguments parse, or when the file has
-        no such function (the child then decides, as before).
+        See :func:`xtuner_rope.outputs.xtuner_parsers.parser_answer`: 0 after the help, 2 on a
+        usage error, ``None`` when the child decides.
     """
-    script = script or train_script()
-    try:
-        tree = ast.parse(Path(script).read_text(encoding="utf-8"), filename=script)
-        (function,) = [
-            node
-            for node in tree.body
-            if isinstance(node, ast.FunctionDef) and node.name == "parse_args"
-        ]
-        namespace = {"argparse": argparse, "DictAction": _AnyValues}
-        exec(compile(ast.Module(body=[function], type_ignores=[]), script, "exec"), namespace)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    saved, sys.argv = sys.argv, [script, *argv]
-    try:
-        namespace["parse_args"]()
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-    except Exception:  # a name of the module it needs: leave it to the child
-        return None
-    finally:
-        sys.argv = saved
-    return None
+    return xtuner_parsers.parser_answer(script or train_script(), argv)
 
 
 def run_xtuner_train(argv: list[str]) -> int:
