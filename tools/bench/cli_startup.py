@@ -10,7 +10,7 @@ The console scripts are the ones beside this Python (`xtuner-rope`, `xtuner`), r
 process's environment: set `PYTHONPATH` to time a checkout other than the installed one.
 
 Usage:
-    python tools/bench/cli_startup.py [--repeats 3] [--quick]
+    python tools/bench/cli_startup.py [--repeats 3] [--quick] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ COMMANDS = {
     "xtuner-rope check --help": ["check", "--help"],
     "xtuner-rope convert --help": ["convert", "--help"],
     "xtuner-rope no-such-command": ["no-such-command"],
-    "xtuner-rope doctor (config missing)": ["doctor"],
+    "xtuner-rope doctor (no config)": ["doctor"],
     "xtuner-rope doctor no/such.py": ["doctor", "no/such.py"],
     "xtuner-rope doctor CFG --batchs 3": ["doctor", CONFIG, "--batchs", "3"],
+    "xtuner-rope train --help (XTuner's)": ["train", "--help"],
+    "xtuner-rope train (no config)": ["train"],
+    "xtuner-rope convert pth_to_hf --help": ["convert", "pth_to_hf", "--help"],
 }
 HEAVY = {
     "python -c 'import xtuner_rope'": [sys.executable, "-c", "import xtuner_rope"],
-    "xtuner-rope train --help (XTuner's)": [str(BIN / "xtuner-rope"), "train", "--help"],
     "xtuner-rope chat --help (XTuner's)": [str(BIN / "xtuner-rope"), "chat", "--help"],
 }
 
@@ -60,11 +62,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per command (default: 3)")
     parser.add_argument("--quick", action="store_true", help="leave out the heavy commands")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="time only commands whose name contains one of these",
+    )
     args = parser.parse_args()
-    commands = dict(BASELINES)
-    commands |= {name: [str(BIN / "xtuner-rope"), *argv] for name, argv in COMMANDS.items()}
+    ours = {name: [str(BIN / "xtuner-rope"), *argv] for name, argv in COMMANDS.items()}
     if not args.quick:
-        commands |= HEAVY
+        ours |= HEAVY
+    if args.only:
+        ours = {name: cmd for name, cmd in ours.items() if any(o in name for o in args.only)}
+    commands = BASELINES | ours
     times: dict[str, list[float]] = {name: [] for name in commands}
     runs = [(round_, name) for round_ in range(args.repeats) for name in commands]
     for _, name in tqdm(runs, desc="runs", leave=False):  # interleaved: load hits all alike
