@@ -105,7 +105,8 @@ def requested_module() -> str:
 
     Python imports a package before its submodules, so ``import xtuner_rope.ops.packing`` runs
     this file first. The name asked for is the one of the outermost ``_find_and_load`` frame of
-    importlib's bootstrap (the frames of the running import); outside an import, this package.
+    importlib's bootstrap (the frames of the running import); outside an import, this package;
+    under ``python -m xtuner_rope.X``, ``xtuner_rope.X``.
     """
     frame, asked = sys._getframe(1), __name__
     while frame is not None:
@@ -115,6 +116,13 @@ def requested_module() -> str:
         elif asked != __name__ and not code.co_filename.startswith("<frozen importlib"):
             break  # the statement that started this import
         frame = frame.f_back
+    if asked == __name__ and sys.argv[:1] == ["-m"]:
+        # `python -m xtuner_rope.cli`: runpy imports this package by its own name while it locates
+        # the module (sys.argv[0] is "-m" meanwhile); the module asked for is on the command line.
+        argv = getattr(sys, "orig_argv", [])
+        found = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"]
+        found += [arg[2:] for arg in argv if arg.startswith("-m") and len(arg) > 2]
+        asked = found[0] if found else asked
     return asked
 
 
