@@ -89,6 +89,21 @@ def test_convert_pth_to_hf_help_is_xtuners_without_its_imports():
     assert "usage: xtuner convert pth_to_hf" in output
 
 
+def test_python_dash_m_cli_help_imports_no_torch():
+    """`python -m xtuner_rope.cli` imports the package first, by its own name: still inert."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "xtuner_rope.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=REPO,
+    )
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
+    assert proc.returncode == 0 and "usage: xtuner-rope" in proc.stdout, proc.stderr[-2000:]
+    assert "xtuner_rope" in imported and not imported & set(HEAVY)
+
+
 def test_help_prints_no_third_party_banner():
     _, output = run_cli(["--help"])
     banners = [line for line in output.splitlines() if any(w in line for w in BANNER_WORDS)]
