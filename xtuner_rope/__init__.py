@@ -9,7 +9,13 @@ Activation: ``import xtuner_rope`` (and importing any module of the face: ``conf
 ``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
 ``HOOKS`` and the collate functions in ``FUNCTIONS``, so configs can name them by string as
 well as by object. Importing the family-free math alone (``import xtuner_rope.ops.packing``)
-activates nothing: no MMEngine, transformers or XTuner import, no patch.
+activates nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
+command line (``xtuner_rope.cli``): it answers ``--help`` and usage errors with the standard
+library alone and activates the plugin when a subcommand runs.
+
+What activation imports is what ``xtuner train`` 's start-up needs (``config/``, ``data/``,
+``hooks/``, ``models/``, ``compat/``); the tools (``check/``, ``capture/``, ``zoo/``,
+``doctor/``, ``outputs/``) load only when a command or a test uses them.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.moss",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
+# Modules whose import activates nothing: the math, and the command line (each subcommand
+# activates when it runs, so `xtuner-rope --help` imports no torch).
+INERT = (*FAMILY_FREE, "xtuner_rope.cli")
 _activated = False
 
 
@@ -96,7 +105,8 @@ def requested_module() -> str:
 
     Python imports a package before its submodules, so ``import xtuner_rope.ops.packing`` runs
     this file first. The name asked for is the one of the outermost ``_find_and_load`` frame of
-    importlib's bootstrap (the frames of the running import); outside an import, this package.
+    importlib's bootstrap (the frames of the running import); outside an import, this package;
+    under ``python -m xtuner_rope.X``, ``xtuner_rope.X``.
     """
     frame, asked = sys._getframe(1), __name__
     while frame is not None:
@@ -106,8 +116,15 @@ def requested_module() -> str:
         elif asked != __name__ and not code.co_filename.startswith("<frozen importlib"):
             break  # the statement that started this import
         frame = frame.f_back
+    if asked == __name__ and sys.argv[:1] == ["-m"]:
+        # `python -m xtuner_rope.cli`: runpy imports this package by its own name while it locates
+        # the module (sys.argv[0] is "-m" meanwhile); the module asked for is on the command line.
+        argv = getattr(sys, "orig_argv", [])
+        found = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"]
+        found += [arg[2:] for arg in argv if arg.startswith("-m") and len(arg) > 2]
+        asked = found[0] if found else asked
     return asked
 
 
-if not requested_module().startswith(FAMILY_FREE):
+if not requested_module().startswith(INERT):
     activate()

@@ -8,16 +8,99 @@ xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
 xtuner-rope chat MODEL [...]
 """
 
+# This module is the command line's face and imports the standard library only: `--help`, a
+# subcommand's `--help` and every usage error answer without torch, MMEngine, XTuner, DeepSpeed
+# or bitsandbytes (issue 42: importing them took 8.8 s). `xtuner_rope/__init__.py` does not
+# activate the plugin when this module is what was imported; each subcommand activates it
+# (`activate_quietly`) and imports its implementation only once its arguments have parsed.
+
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+# Import-time lines of libraries the subcommands load, kept off the user's first screen:
+# logger name -> the start of the message. Neither is about the user's job: bitsandbytes 0.45
+# says its CPU build has no GPU kernels, DeepSpeed 0.19 that it found no accelerator.
+BANNERS = {
+    "bitsandbytes.cextension": "The installed version of bitsandbytes was compiled without GPU",
+    "DeepSpeed": "Setting accelerator to CPU",
+}
 
-def _parser() -> argparse.ArgumentParser:
+
+class _KeyValues(argparse.Action):
+    """``--cfg-options k=v ...`` checked and kept as text; :func:`cfg_options` parses them.
+
+    MMEngine's ``DictAction`` parses the values at once, but importing MMEngine imports torch
+    (1.7 s): the values are parsed by that very action once the subcommand runs, so a command
+    line keeps the meaning it had with ``action=DictAction``.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        bad = [value for value in values if "=" not in value]
+        if bad:
+            raise argparse.ArgumentError(self, f"expected key=value, got {' '.join(bad)}")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *values])
+
+
+def cfg_options(pairs: list[str] | None) -> dict | None:
+    """``--cfg-options`` as MMEngine's ``DictAction`` gives them to ``xtuner train``.
+
+    Args:
+        pairs: The ``key=value`` texts :class:`_KeyValues` kept, or ``None`` when not given.
+
+    Returns:
+        ``{key: value}`` with values parsed as ``DictAction`` does (numbers, lists, tuples), or
+        ``None`` when the option was not given.
+    """
+    if pairs is None:
+        return None
     from mmengine.config import DictAction
 
+    namespace = argparse.Namespace()
+    DictAction(option_strings=["--cfg-options"], dest="cfg_options")(None, namespace, pairs)
+    return namespace.cfg_options
+
+
+class DropBanner(logging.Filter):
+    """Drops one import-time message of a third-party logger (see :data:`BANNERS`)."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def activate_quietly() -> None:
+    """Activate the plugin (patches, registries) with :data:`BANNERS` left out of the output.
+
+    The filters sit on the named loggers while the stack is imported and are removed after, so
+    any later message of those loggers is shown as usual.
+    """
+    import xtuner_rope
+
+    filters = {name: DropBanner(start) for name, start in BANNERS.items()}
+    for name, drop in filters.items():
+        logging.getLogger(name).addFilter(drop)
+    try:
+        xtuner_rope.activate()
+    finally:
+        for name, drop in filters.items():
+            logging.getLogger(name).removeFilter(drop)
+
+
+def _existing_config(path: str) -> str:
+    """``type=`` of a CONFIG argument: a usage error (exit 2) when no such file exists."""
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"config file not found: {path}")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtuner-rope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
@@ -34,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "the plugin will see: lengths, bad samples, the collate plan, settings. "
         "Exit 1 when training would fail or be silently wrong.",
     )
-    doctor.add_argument("config", help="XTuner config file")
+    doctor.add_argument("config", type=_existing_config, help="XTuner config file")
     doctor.add_argument(
         "--out",
         help="output folder for report.json and lengths.png "
@@ -46,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--cfg-options",
         nargs="+",
-        action=DictAction,
+        action=_KeyValues,
         default=None,
         help="override config settings, key=value (as xtuner train)",
     )
@@ -56,12 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the DeepSpeed config the run will get (as xtuner train: a json or "
         "one of XTuner's names, e.g. deepspeed_zero2)",
     )
-    _add_check(commands, DictAction)
+    _add_check(commands)
     _add_xtuner_tools(commands)
     return parser
 
 
-def _add_check(commands, dict_action) -> None:
+def _add_check(commands: argparse._SubParsersAction) -> None:
     check = commands.add_parser(
         "check",
         help="prove document isolation on the config's own model and data",
@@ -70,7 +153,7 @@ def _add_check(commands, dict_action) -> None:
         "(logits, loss, gradients) and patched with unpatched generation. "
         "Exit 1 when documents are not isolated or results differ.",
     )
-    check.add_argument("config", help="XTuner config file")
+    check.add_argument("config", type=_existing_config, help="XTuner config file")
     check.add_argument(
         "--out",
         help="output folder for report.json and the runner's log "
@@ -97,13 +180,15 @@ def _add_check(commands, dict_action) -> None:
     check.add_argument(
         "--cfg-options",
         nargs="+",
-        action=dict_action,
+        action=_KeyValues,
         default=None,
         help="override config settings, key=value (as xtuner train)",
     )
 
 
-def _check(args) -> int:
+def _check(args: argparse.Namespace) -> int:
+    """``xtuner-rope check``: measure document isolation, write the report; the exit status."""
+    activate_quietly()
     from xtuner_rope.check import format_summary, run_check, write_report
 
     from .config.startup import ConfigConflict
@@ -112,7 +197,7 @@ def _check(args) -> int:
     try:
         report = run_check(
             args.config,
-            args.cfg_options,
+            cfg_options(args.cfg_options),
             batches=args.batches,
             work_dir=out,
             dtype=args.dtype,
@@ -143,24 +228,9 @@ def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched
-        from xtuner_rope.outputs.xtuner_train import run_xtuner_train
-
-        return run_xtuner_train(argv[1:])
-    parser = _parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command in ("convert", "chat"):
-        from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
-
-        command = (args.command, args.tool) if args.command == "convert" else (args.command,)
-        return run_xtuner_tool(command, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "check":
-        return _check(args)
+def _doctor(args: argparse.Namespace) -> int:
+    """``xtuner-rope doctor``: diagnose the config's data, write the report; the exit status."""
+    activate_quietly()
     from xtuner_rope.doctor.diagnose import diagnose, exit_code
     from xtuner_rope.doctor.report import format_summary, write_outputs
     from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
@@ -168,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     from .config.launch import launched_with
     from .config.startup import ConfigConflict
 
+    options = cfg_options(args.cfg_options)
     try:
-        with launched_with(args.deepspeed), refusal_when_data_fails(args.config, args.cfg_options):
-            report, lengths = diagnose(args.config, args.cfg_options, batches=args.batches)
+        with launched_with(args.deepspeed), refusal_when_data_fails(args.config, options):
+            report, lengths = diagnose(args.config, options, batches=args.batches)
     except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)
         return 1
@@ -182,6 +253,39 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(report))
     print(f"wrote {paths['report']} and {paths['lengths']}")
     return report["exit_code"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    Args:
+        argv: The arguments after ``xtuner-rope`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The subcommand's exit status. Usage errors exit 2 through argparse (``SystemExit``).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched
+        # Only a launcher here: the child's config loads the plugin, this process needs none.
+        from xtuner_rope.outputs.xtuner_train import run_xtuner_train
+
+        return run_xtuner_train(argv[1:])
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("convert", "chat"):
+        from xtuner_rope.outputs.xtuner_tools import parser_answer, run_xtuner_tool
+
+        command = (args.command, args.tool) if args.command == "convert" else (args.command,)
+        answered = parser_answer(command, rest)  # `-h`, a usage error: the tool's own words
+        if answered is not None:
+            return answered
+        activate_quietly()  # XTuner's tool runs in this process: the patches go first
+        return run_xtuner_tool(command, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "check":
+        return _check(args)
+    return _doctor(args)
 
 
 if __name__ == "__main__":

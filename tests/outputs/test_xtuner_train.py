@@ -93,3 +93,17 @@ def test_signal_death_is_reported_as_a_shell_does(recorder, tmp_path, monkeypatc
     killer = tmp_path / "bin" / "python"
     killer.write_text("#!/bin/sh\nkill -TERM $$\n")
     assert run_xtuner_train(["cfg.py"]) == 128 + 15
+
+
+def test_parser_answer_is_xtuners_help_and_usage_errors_only(tmp_path, capsys):
+    """XTuner's own `parse_args`, read from train.py: help 0, usage error 2, else the child's."""
+    from xtuner_rope.outputs.xtuner_train import parser_answer
+
+    assert parser_answer(["cfg.py", "--cfg-options", "a=1", "--launcher", "pytorch"]) is None
+    assert parser_answer(["-h"]) == 0
+    assert "usage: train.py" in capsys.readouterr().out
+    assert parser_answer(["cfg.py", "--seed", "x"]) == 2
+    assert "argument --seed: invalid int value: 'x'" in capsys.readouterr().err
+    other = tmp_path / "train.py"
+    other.write_text("import torch\n\ndef main():\n    pass\n")  # no parse_args: the child decides
+    assert parser_answer(["-h"], script=str(other)) is None

@@ -7,5 +7,7 @@ itself, a recorded batch replayed, XTuner's tools on a checkpoint.
 - ``replay``: the batch ``NonFiniteTripwireHook`` saved, replayed through the run's model
   (``tools/replay_batch.py``);
 - ``xtuner_tools``: ``xtuner-rope convert pth_to_hf`` / ``convert merge`` / ``chat``, XTuner's own
-  tools with the plugin loaded first.
+  tools with the plugin loaded first;
+- ``xtuner_parsers``: those tools' and ``train``'s own ``parse_args``, read from XTuner's files,
+  answering ``-h`` and usage errors without importing XTuner.
 """

@@ -20,6 +20,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from . import xtuner_parsers
+
 # The sub-commands, as `xtuner` names them, and the modules that implement them.
 XTUNER_TOOLS = {
     ("convert", "pth_to_hf"): "xtuner.tools.model_converters.pth_to_hf",
@@ -93,6 +95,27 @@ def _config_and_options(argv: list[str]) -> tuple[str, dict | None]:
     return known.config, known.cfg_options
 
 
+def parser_answer(command: tuple[str, ...], argv: list[str]) -> int | None:
+    """XTuner's tool ``command`` answering ``-h`` or a usage error without being imported.
+
+    Args:
+        command: A key of :data:`XTUNER_TOOLS`.
+        argv: The tool's own arguments.
+
+    Returns:
+        0 after the help, 2 on a usage error (printed as the tool prints them, under the name
+        :func:`run_xtuner_tool` gives it); ``None`` when the tool must run to answer
+        (:func:`xtuner_rope.outputs.xtuner_parsers.parser_answer`).
+    """
+    script = xtuner_parsers.tool_script(XTUNER_TOOLS[command])
+    return xtuner_parsers.parser_answer(script, argv, prog=_prog(command))
+
+
+def _prog(command: tuple[str, ...]) -> str:
+    """The tool's ``sys.argv[0]``: its name as ``xtuner`` spells it."""
+    return f"xtuner {' '.join(command)}"
+
+
 def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
     """Run XTuner's tool ``command`` with ``argv`` after loading the plugin.
 
@@ -118,7 +141,7 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
         if overrides:
             argv = [*argv, "--cfg-options", *overrides]
     saved = sys.argv
-    sys.argv = [f"xtuner {' '.join(command)}", *argv]
+    sys.argv = [_prog(command), *argv]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:  # argparse errors, the tools' own exit() calls
@@ -131,4 +154,4 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["XTUNER_TOOLS", "resolved_model_options", "run_xtuner_tool"]
+__all__ = ["XTUNER_TOOLS", "parser_answer", "resolved_model_options", "run_xtuner_tool"]

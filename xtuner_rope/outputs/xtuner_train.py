@@ -22,22 +22,20 @@ this process are passed to the child, which then decides; a child killed by a si
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
 import subprocess
+
+from . import xtuner_parsers
 
 TRAIN_MODULE = "xtuner.tools.train"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def train_script() -> str:
-    """Path of XTuner's ``xtuner/tools/train.py`` (found without importing it)."""
-    spec = importlib.util.find_spec(TRAIN_MODULE)
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(f"{TRAIN_MODULE} is not installed (pip install xtuner)")
-    return spec.origin
+    """Path of XTuner's ``xtuner/tools/train.py``, found without importing XTuner."""
+    return xtuner_parsers.tool_script(TRAIN_MODULE)
 
 
 def _slurm(argv: list[str]) -> bool:
@@ -94,6 +92,20 @@ def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
     ]
 
 
+def parser_answer(argv: list[str], script: str | None = None) -> int | None:
+    """What XTuner's ``train.py`` answers by itself to ``argv``: its help, or a usage error.
+
+    Args:
+        argv: The arguments after ``train``.
+        script: XTuner's ``train.py`` (default: :func:`train_script`).
+
+    Returns:
+        See :func:`xtuner_rope.outputs.xtuner_parsers.parser_answer`: 0 after the help, 2 on a
+        usage error, ``None`` when the child decides.
+    """
+    return xtuner_parsers.parser_answer(script or train_script(), argv)
+
+
 def run_xtuner_train(argv: list[str]) -> int:
     """Run ``xtuner train ARGV`` as XTuner does and return the training's exit status.
 
@@ -102,10 +114,14 @@ def run_xtuner_train(argv: list[str]) -> int:
 
     Returns:
         The child's status (``128 + N`` when signal N killed it); 2 when the command cannot
-        be built or started (the reason printed).
+        be built or started (the reason printed); XTuner's own answer to ``-h`` or a usage
+        error (:func:`parser_answer`) without starting the child.
     """
     try:
         command = train_command(argv)
+        answered = parser_answer(argv)  # `-h`, a usage error: no child, no torch import
+        if answered is not None:
+            return answered
         child = subprocess.Popen(command)
     except (ValueError, ModuleNotFoundError, OSError) as err:
         print(f"xtuner-rope train: {err}", flush=True)
@@ -123,4 +139,4 @@ def run_xtuner_train(argv: list[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-__all__ = ["run_xtuner_train", "train_command", "train_script"]
+__all__ = ["parser_answer", "run_xtuner_train", "train_command", "train_script"]
