@@ -16,8 +16,22 @@ import warnings
 
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
 from .checkpoint import patch_checkpoint_loading
-from .checkpoint_files import IncompleteCheckpointError, judge_checkpoint, newest_complete
-from .checkpoint_save import CheckpointWriteError, patch_checkpoint_writes, write_atomically
+from .checkpoint_files import (
+    IncompleteCheckpointError,
+    Verdict,
+    checkpoint_number,
+    judge_checkpoint,
+    newest_complete,
+    refuse_incomplete,
+)
+from .checkpoint_save import (
+    CheckpointWriteError,
+    find_latest_complete_checkpoint,
+    patch_checkpoint_writes,
+    save_atomically,
+    save_checkpoint_atomically,
+    write_atomically,
+)
 from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
 from .devices import cpu_only
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
@@ -71,8 +85,14 @@ __all__ = [
     "patch_checkpoint_writes",
     "IncompleteCheckpointError",
     "CheckpointWriteError",
+    "Verdict",
+    "checkpoint_number",
     "judge_checkpoint",
     "newest_complete",
+    "refuse_incomplete",
+    "find_latest_complete_checkpoint",
+    "save_atomically",
+    "save_checkpoint_atomically",
     "write_atomically",
     "patch_sft_forward_names_missing_hook",
     "patch_sft_sequence_parallel_loss",

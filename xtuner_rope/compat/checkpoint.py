@@ -26,9 +26,15 @@ import sys
 import numpy as np
 import torch
 
-from .checkpoint_files import refuse_incomplete
-
 TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
+# Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
+# ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_files.refuse_incomplete``.
+PATH_CHECKS: list = []
+
+
+def _check_path(path: str) -> None:
+    for check in PATH_CHECKS:
+        check(path)
 
 
 class UntrustedCheckpointError(pickle.UnpicklingError):
@@ -163,7 +169,7 @@ def _load_from_local_checked(filename: str, map_location=None):
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f"{filename} can not be found.")
-    refuse_incomplete(filename)
+    _check_path(filename)
     return load_checkpoint(filename, map_location)
 
 
@@ -174,7 +180,7 @@ def _seed_from_checkpoint(path: str) -> int:
     before the runner, the model or the data are built.
     """
     if os.path.exists(path):
-        refuse_incomplete(path)
+        _check_path(path)
     if os.path.isdir(path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files
 
@@ -193,9 +199,9 @@ def patch_checkpoint_loading() -> bool:
     the runner's own checkpoints without an allow-list; those hold the message hub
     (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
     load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
-    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`, after
-    ``checkpoint_files.refuse_incomplete`` (a checkpoint cut short is refused, naming the newest
-    complete one beside it):
+    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`, after the
+    :data:`PATH_CHECKS` (``checkpoint_files.refuse_incomplete``: a checkpoint cut short is
+    refused, naming the newest complete one beside it):
     ``weights_only=True`` with exactly those types allowed; any other type is refused with its
     name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checkpoint import load_checkpoint, runner_checkpoint_globals
+
 CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
 MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -78,8 +80,6 @@ def _zip_reason(path: str, size: int) -> str:
 
 def _legacy_reason(path: str, size: int) -> str:
     """Why a legacy (non-zip) ``torch.save`` file is incomplete: it is loaded to find out."""
-    from .checkpoint import load_checkpoint
-
     try:
         load_checkpoint(path)
     except (EOFError, RuntimeError, OSError) as err:
@@ -105,8 +105,6 @@ def _file_reason(path: str) -> str:
 
 def _dp_world_size(model_states: str) -> int | None:
     """``dp_world_size`` stored in a DeepSpeed model-states file (tensors memory-mapped)."""
-    from .checkpoint import runner_checkpoint_globals
-
     with torch.serialization.safe_globals(runner_checkpoint_globals()):
         try:
             state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)

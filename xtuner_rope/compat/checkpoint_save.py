@@ -36,7 +36,13 @@ import sys
 import torch
 from mmengine.logging import print_log
 
-from .checkpoint_files import checkpoint_number, judge_checkpoint, newest_complete
+from .checkpoint import PATH_CHECKS as _PATH_CHECKS  # the loaders' checks (one list)
+from .checkpoint_files import (
+    checkpoint_number,
+    judge_checkpoint,
+    newest_complete,
+    refuse_incomplete,
+)
 
 _ORIGINAL: dict[str, object] = {}
 
@@ -117,7 +123,9 @@ def _is_local(filename: str) -> bool:
     return isinstance(filename, (str, os.PathLike)) and "://" not in str(filename)
 
 
-def save_checkpoint(checkpoint, filename, file_client_args=None, backend_args=None) -> None:
+def save_checkpoint_atomically(
+    checkpoint, filename, file_client_args=None, backend_args=None
+) -> None:
     """MMEngine's ``save_checkpoint``; local paths written by :func:`save_atomically`."""
     if _is_local(filename) and file_client_args is None and backend_args is None:
         save_atomically(checkpoint, str(filename))
@@ -143,7 +151,7 @@ def _save_then_trim(self, runner, step, meta):
         remove(backend, path)
 
 
-def find_latest_checkpoint(path: str) -> str | None:
+def find_latest_complete_checkpoint(path: str) -> str | None:
     """MMEngine's auto-resume finder, skipping an incomplete newest checkpoint (warned).
 
     Args:
@@ -201,11 +209,13 @@ def patch_checkpoint_writes() -> bool:
         _ORIGINAL["find_latest_checkpoint"] = mm_checkpoint.find_latest_checkpoint
         _ORIGINAL["_save_checkpoint_with_step"] = CheckpointHook._save_checkpoint_with_step
     for name, replacement in (
-        ("save_checkpoint", save_checkpoint),
-        ("find_latest_checkpoint", find_latest_checkpoint),
+        ("save_checkpoint", save_checkpoint_atomically),
+        ("find_latest_checkpoint", find_latest_complete_checkpoint),
     ):
         _rebind(name, _ORIGINAL[name], replacement)
     CheckpointHook._save_checkpoint_with_step = _save_then_trim
+    if refuse_incomplete not in _PATH_CHECKS:  # --resume / load_from of an incomplete checkpoint
+        _PATH_CHECKS.append(refuse_incomplete)
     try:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
             TorchCheckpointEngine,
@@ -218,9 +228,9 @@ def patch_checkpoint_writes() -> bool:
 
 __all__ = [
     "CheckpointWriteError",
-    "find_latest_checkpoint",
+    "find_latest_complete_checkpoint",
     "patch_checkpoint_writes",
     "save_atomically",
-    "save_checkpoint",
+    "save_checkpoint_atomically",
     "write_atomically",
 ]
