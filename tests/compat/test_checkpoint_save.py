@@ -132,6 +132,8 @@ def test_auto_resume_skips_an_incomplete_newest_checkpoint(tmp_path):
     newest.write_bytes(newest.read_bytes()[:100])
     (tmp_path / "last_checkpoint").write_text(str(newest))
     assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_2.pth")
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "it"))  # the pointer cut short
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_2.pth")
     (tmp_path / "iter_2.pth").unlink()
     assert (
         mm_checkpoint.find_latest_checkpoint(str(tmp_path)) is None

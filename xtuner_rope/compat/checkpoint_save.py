@@ -166,7 +166,8 @@ def find_latest_complete_checkpoint(path: str) -> str | None:
         return latest
     verdict = judge_checkpoint(latest) if latest else None
     named = checkpoint_number(latest) if latest else None
-    folder = os.path.dirname(os.path.normpath(latest)) if latest else path
+    # A pointer cut short names no checkpoint: look in the work dir (MMEngine's default out_dir).
+    folder = os.path.dirname(os.path.normpath(latest)) if named else path
     instead = newest_complete(folder, named[0] if named else "iter", exclude=latest or None)
     what = f"{latest} is incomplete ({verdict.reason})" if verdict else "it is empty"
     print_log(
