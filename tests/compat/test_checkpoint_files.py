@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import xtuner.tools.utils as xtuner_tool_utils
@@ -47,6 +48,29 @@ def test_a_cut_file_is_incomplete_and_the_whole_file_complete(tmp_path, legacy, 
     verdict = judge_checkpoint(str(path))
     assert not verdict.complete
     assert f"{path.stat().st_size} bytes" in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_every_cut_of_a_runner_checkpoint_is_incomplete(tmp_path, legacy):
+    """Cuts every 61 bytes, through the pickles (message hub, numpy scalars) and the storages."""
+    from mmengine.logging import MessageHub
+
+    hub = MessageHub.get_instance("test_every_cut")
+    hub.update_scalar("train/loss", np.float64(2.5))
+    whole, cut = tmp_path / "whole.pth", tmp_path / "iter_8.pth"
+    torch.save(
+        {**_checkpoint(8), "message_hub": hub.state_dict()},
+        whole,
+        _use_new_zipfile_serialization=not legacy,
+    )
+    data = whole.read_bytes()
+    judged_complete = []
+    for keep in [*range(1, len(data), 61), len(data) - 1]:
+        cut.write_bytes(data[:keep])
+        if judge_checkpoint(str(cut)).complete:
+            judged_complete.append(keep)
+    assert not judged_complete
+    assert judge_checkpoint(str(whole)).complete
 
 
 def test_other_bytes_and_missing_files_are_incomplete(tmp_path):
