@@ -121,15 +121,20 @@ def test_resume_of_a_cut_checkpoint_is_refused_naming_the_complete_one(tmp_path,
         load(str(newest))
 
 
-def _deepspeed_folder(folder, world: int, ranks: list[int]):
-    """The files DeepSpeed 0.19's ``save_checkpoint`` writes for ZeRO-1/2 (one model-parallel
-    rank): ``mp_rank_00_model_states.pt`` with ``dp_world_size`` and one optimizer file per
-    data-parallel rank (names as ``engine._get_zero_ckpt_name`` builds them)."""
+def _deepspeed_folder(folder, world: int, ranks: list[int], stage: int = 2):
+    """The files DeepSpeed 0.19's ``save_checkpoint`` writes (one model-parallel rank): ZeRO-1/2
+    ``mp_rank_00_model_states.pt`` (with ``dp_world_size`` and ``ds_config``) and one optimizer
+    file per data-parallel rank; ZeRO-3 one model-states file per rank too (names as
+    ``engine._get_ckpt_name`` / ``_get_zero_ckpt_name`` build them)."""
     folder.mkdir()
-    torch.save(
-        {"module": {"w": torch.randn(8)}, "dp_world_size": world},
-        folder / "mp_rank_00_model_states.pt",
-    )
+    state = {
+        "module": {"w": torch.randn(8)},
+        "dp_world_size": world,
+        "ds_config": {"zero_optimization": {"stage": stage}},
+    }
+    models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks] if stage == 3 else []
+    for name in models or ["mp_rank_00_model_states.pt"]:
+        torch.save(state, folder / name)
     for rank in ranks:
         torch.save(
             {"optimizer_state_dict": {"x": torch.randn(4)}},
@@ -141,8 +146,8 @@ def test_a_deepspeed_folder_needs_every_rank_and_whole_files(tmp_path):
     _deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1])
     assert judge_checkpoint(str(tmp_path / "iter_4.pth")).complete
     _deepspeed_folder(tmp_path / "iter_8.pth", 2, [0])
-    assert (
-        "rank(s) [1] missing: expected 2" in judge_checkpoint(str(tmp_path / "iter_8.pth")).reason
+    assert "optim states of data-parallel rank(s) [1] missing: expected 2" in (
+        judge_checkpoint(str(tmp_path / "iter_8.pth")).reason
     )
     _deepspeed_folder(tmp_path / "iter_12.pth", 2, [0, 1])
     _cut(tmp_path / "iter_12.pth" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", 0.5)
@@ -151,6 +156,17 @@ def test_a_deepspeed_folder_needs_every_rank_and_whole_files(tmp_path):
     )
     (tmp_path / "iter_16.pth").mkdir()
     assert "no *mp_rank_*_model_states.pt" in judge_checkpoint(str(tmp_path / "iter_16.pth")).reason
+    _deepspeed_folder(tmp_path / "iter_20.pth", 2, [], stage=1)  # no optimizer file at all
+    assert "rank(s) [0, 1] missing" in judge_checkpoint(str(tmp_path / "iter_20.pth")).reason
     assert newest_complete(str(tmp_path)) == str(tmp_path / "iter_4.pth")
     with pytest.raises(IncompleteCheckpointError, match=r"--resume \S+iter_4\.pth"):
         xtuner_tool_utils.get_seed_from_checkpoint(str(tmp_path / "iter_12.pth"))
+
+
+def test_a_zero3_folder_needs_every_rank_of_model_states(tmp_path):
+    _deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1], stage=3)
+    assert judge_checkpoint(str(tmp_path / "iter_4.pth")).complete
+    (tmp_path / "iter_4.pth" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    assert "model states of data-parallel rank(s) [1] missing" in (
+        judge_checkpoint(str(tmp_path / "iter_4.pth")).reason
+    )

@@ -14,7 +14,7 @@ file's state nor the complete checkpoint beside it.
 - A DeepSpeed checkpoint (a folder ``iter_N.pth/``, as MMEngine's ``DeepSpeedStrategy`` saves
   with ``save_latest=False``, so no ``latest`` tag inside) is complete when it holds model
   states, each complete, and the optimizer states of every data-parallel rank its model states
-  name (``dp_world_size``), each complete.
+  name (``dp_world_size``; under ZeRO-3 also each rank's model states), each complete.
 
 :func:`newest_complete` finds what to resume from instead, by iteration number;
 :func:`refuse_incomplete` is the refusal ``--resume`` of an incomplete checkpoint gets.
@@ -34,6 +34,7 @@ from .checkpoint import load_checkpoint, runner_checkpoint_globals
 
 CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
 MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")
+ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
@@ -116,15 +117,26 @@ def _file_reason(path: str) -> str:
     return f"{size} bytes that are neither torch.save's zip format nor its legacy pickle"
 
 
-def _dp_world_size(model_states: str) -> int | None:
-    """``dp_world_size`` stored in a DeepSpeed model-states file (tensors memory-mapped)."""
+def _deepspeed_layout(model_states: str) -> tuple[int | None, int]:
+    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file.
+
+    Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
+    """
     with torch.serialization.safe_globals(runner_checkpoint_globals()):
         try:
             state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
-        except Exception:  # judged by the caller from the file itself
-            return None
-    size = state.get("dp_world_size") if isinstance(state, dict) else None
-    return size if isinstance(size, int) else None
+        except Exception:  # judged by the caller from the files alone
+            return None, 0
+    state = state if isinstance(state, dict) else {}
+    world, config = state.get("dp_world_size"), state.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else 0)
+
+
+def _missing_ranks(names: list[str], pattern: re.Pattern, world: int) -> list[int]:
+    ranks = {int(m.group(1)) for m in map(pattern.match, names) if m}
+    return sorted(set(range(world)) - ranks)
 
 
 def _folder_reason(path: str) -> str:
@@ -137,17 +149,20 @@ def _folder_reason(path: str) -> str:
         reason = _file_reason(os.path.join(path, name))
         if reason:
             return f"{name} is incomplete: {reason}"
-    ranks = {int(OPTIM_STATES.match(n).group(1)) for n in names if OPTIM_STATES.match(n)}
-    world = _dp_world_size(os.path.join(path, models[0]))
+    world, stage = _deepspeed_layout(os.path.join(path, models[0]))
     if world is None:
         return ""  # model states without a world size: nothing to count the ranks against
-    missing = sorted(set(range(world)) - ranks)
-    if missing and ranks:  # no optimizer file at all: saved with save_optimizer=False
-        return (
-            f"optimizer states of data-parallel rank(s) {missing} missing: expected "
-            f"{world} zero_pp_rank_*_optim_states.pt files (dp_world_size={world}), "
-            f"found {len(ranks)}"
-        )
+    wanted = [(OPTIM_STATES, "optim")] if stage >= 1 else []  # ZeRO-0 keeps it in the model's
+    if any(ZERO3_MODEL_STATES.match(n) for n in names):  # ZeRO-3: one model file per rank too
+        wanted.append((ZERO3_MODEL_STATES, "model"))
+    for pattern, kind in wanted:
+        missing = _missing_ranks(names, pattern, world)
+        if missing:
+            return (
+                f"{kind} states of data-parallel rank(s) {missing} missing: expected {world} "
+                f"zero_pp_rank_*_{kind}_states.pt files (dp_world_size={world}, ZeRO stage "
+                f"{stage}), found {world - len(missing)}"
+            )
     return ""
 
 
