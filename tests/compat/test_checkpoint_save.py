@@ -67,10 +67,18 @@ def test_a_failed_write_leaves_no_file_under_its_name_and_the_previous_intact(tm
 def test_deepspeed_rank_files_are_written_whole(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    engine, path = TorchCheckpointEngine(), tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    with file_size_limit(100_000), pytest.raises(CheckpointWriteError, match="File too large"):
+    save_checkpoint(_checkpoint(16), str(tmp_path / "iter_4.pth"))
+    folder = tmp_path / "iter_8.pth"
+    folder.mkdir()
+    engine, path = TorchCheckpointEngine(), folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with (
+        file_size_limit(100_000),
+        pytest.raises(
+            CheckpointWriteError, match=rf"File too large.*--resume {tmp_path / 'iter_4.pth'}$"
+        ),
+    ):
         engine.save(_checkpoint(512), str(path))
-    assert not path.exists() and not list(tmp_path.iterdir())
+    assert not path.exists() and not list(folder.iterdir())
     engine.save(_checkpoint(512), str(path))
     torch.testing.assert_close(engine.load(str(path))["meta"], {"seed": 1, "iter": 512})
 

@@ -63,7 +63,11 @@ def _write_error(path: str, size: int, err: OSError) -> CheckpointWriteError:
     folder = os.path.dirname(os.path.abspath(path))
     free = _free_bytes(folder)
     where = f"{free} bytes free in {folder}" if free is not None else f"{folder} unreadable"
-    previous = newest_complete(folder, (checkpoint_number(path) or ("iter", 0))[0])
+    # A DeepSpeed rank file lies inside its checkpoint folder (iter_N.pth/): look beside that.
+    inside = checkpoint_number(folder)
+    where_ckpts = os.path.dirname(folder) if inside else folder
+    named = inside or checkpoint_number(path) or ("iter", 0)
+    previous = newest_complete(where_ckpts, named[0], exclude=folder if inside else None)
     kept = f"the newest complete checkpoint is {previous}" if previous else "none complete yet"
     return CheckpointWriteError(
         err.errno or errno.EIO,
