@@ -29,6 +29,7 @@ import pytest
 import stock_configs as sc
 import torch
 
+from xtuner_rope.compat.checkpoint_files import judge_checkpoint
 from xtuner_rope.demo.runlog import check_run, train_losses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,6 +146,8 @@ def _kill_and_resume(
     newest = (work_dir / "last_checkpoint").read_text().strip()
     boundary = kill_at // counts * counts
     assert Path(newest).name == f"iter_{boundary}.pth", newest  # aligned: not iter_{kill_at}
+    verdict = judge_checkpoint(newest)  # a DeepSpeed folder: every rank's files, whole
+    assert verdict.complete, verdict
 
     out = _run(config, work_dir, resume=newest, **run)
     assert re.search(rf"resumed epoch: \d+, iter: {boundary}", out), out[-4000:]

@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
+``checkpoint``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
@@ -16,6 +16,22 @@ import warnings
 
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
 from .checkpoint import patch_checkpoint_loading
+from .checkpoint_files import (
+    IncompleteCheckpointError,
+    Verdict,
+    checkpoint_number,
+    judge_checkpoint,
+    newest_complete,
+    refuse_incomplete,
+)
+from .checkpoint_save import (
+    CheckpointWriteError,
+    find_latest_complete_checkpoint,
+    patch_checkpoint_writes,
+    save_atomically,
+    save_checkpoint_atomically,
+    write_atomically,
+)
 from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
 from .devices import cpu_only
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
@@ -66,6 +82,18 @@ __all__ = [
     "patch_deepspeed_cpu_allgather_grad_mode",
     "patch_deepspeed_zero3_cpu_gather",
     "patch_checkpoint_loading",
+    "patch_checkpoint_writes",
+    "IncompleteCheckpointError",
+    "CheckpointWriteError",
+    "Verdict",
+    "checkpoint_number",
+    "judge_checkpoint",
+    "newest_complete",
+    "refuse_incomplete",
+    "find_latest_complete_checkpoint",
+    "save_atomically",
+    "save_checkpoint_atomically",
+    "write_atomically",
     "patch_sft_forward_names_missing_hook",
     "patch_sft_sequence_parallel_loss",
     "patch_xtuner_train_sequence_parallel_check",
@@ -120,6 +148,7 @@ def apply() -> list[str]:
         patch_deepspeed_cpu_allgather_grad_mode,
         patch_deepspeed_zero3_cpu_gather,
         patch_checkpoint_loading,
+        patch_checkpoint_writes,
         patch_sft_forward_names_missing_hook,
         patch_model_resource_llm_path,
         patch_set_model_resource_llm_path,

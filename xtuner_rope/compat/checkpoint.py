@@ -27,6 +27,14 @@ import numpy as np
 import torch
 
 TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
+# Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
+# ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_files.refuse_incomplete``.
+PATH_CHECKS: list = []
+
+
+def _check_path(path: str) -> None:
+    for check in PATH_CHECKS:
+        check(path)
 
 
 class UntrustedCheckpointError(pickle.UnpicklingError):
@@ -161,11 +169,18 @@ def _load_from_local_checked(filename: str, map_location=None):
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f"{filename} can not be found.")
+    _check_path(filename)
     return load_checkpoint(filename, map_location)
 
 
 def _seed_from_checkpoint(path: str) -> int:
-    """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory."""
+    """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory.
+
+    ``xtuner train --resume`` reads it first thing: an incomplete checkpoint is refused here,
+    before the runner, the model or the data are built.
+    """
+    if os.path.exists(path):
+        _check_path(path)
     if os.path.isdir(path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files
 
@@ -184,7 +199,9 @@ def patch_checkpoint_loading() -> bool:
     the runner's own checkpoints without an allow-list; those hold the message hub
     (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
     load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
-    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`:
+    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`, after the
+    :data:`PATH_CHECKS` (``checkpoint_files.refuse_incomplete``: a checkpoint cut short is
+    refused, naming the newest complete one beside it):
     ``weights_only=True`` with exactly those types allowed; any other type is refused with its
     name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
 

@@ -1,0 +1,152 @@
+"""Checkpoints are written whole or not at all; a full disk stops training with the old ones intact.
+
+A full disk is a real file size limit (``RLIMIT_FSIZE``, with ``SIGXFSZ`` ignored the kernel fails
+the write with ``EFBIG`` once the file reaches it, exactly where ``ENOSPC`` would stop a full
+disk), set on this very process for the duration of a write and lifted after. The writers under
+test are the ones training calls: MMEngine's ``save_checkpoint``, DeepSpeed's
+``TorchCheckpointEngine.save`` and a real MMEngine ``Runner`` with its ``CheckpointHook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import signal
+
+import pytest
+import torch
+from mmengine.hooks import Hook
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+from mmengine.runner import checkpoint as mm_checkpoint
+from mmengine.runner.checkpoint import save_checkpoint
+
+from xtuner_rope.compat.checkpoint_files import judge_checkpoint
+from xtuner_rope.compat.checkpoint_save import CheckpointWriteError
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """No file of this process grows past ``limit`` bytes: writes beyond fail with EFBIG."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def _checkpoint(n: int) -> dict:
+    return {"meta": {"seed": 1, "iter": n}, "state_dict": {"w": torch.randn(n, 256)}}
+
+
+def test_a_failed_write_leaves_no_file_under_its_name_and_the_previous_intact(tmp_path):
+    save_checkpoint(_checkpoint(16), str(tmp_path / "iter_4.pth"))
+    before = (tmp_path / "iter_4.pth").read_bytes()
+    target = tmp_path / "iter_8.pth"
+    with (
+        file_size_limit(100_000),
+        pytest.raises(
+            CheckpointWriteError,
+            match=rf"could not write checkpoint {target}: it needs \d+ bytes \(0\.\d MiB\), \d+ "
+            rf"bytes free in {tmp_path}; the write failed with \[Errno 27\] File too large\. "
+            rf".*newest complete checkpoint is {tmp_path / 'iter_4.pth'}\).* --resume "
+            rf"{tmp_path / 'iter_4.pth'}$",
+        ),
+    ):
+        save_checkpoint(_checkpoint(512), str(target))  # ~0.5 MiB
+    assert not target.exists()  # MMEngine alone leaves the first 100,000 bytes here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_4.pth"]  # no temporary left
+    assert (tmp_path / "iter_4.pth").read_bytes() == before
+    save_checkpoint(_checkpoint(512), str(target))  # room again: written whole
+    assert judge_checkpoint(str(target)).complete
+
+
+def test_deepspeed_rank_files_are_written_whole(tmp_path):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    save_checkpoint(_checkpoint(16), str(tmp_path / "iter_4.pth"))
+    folder = tmp_path / "iter_8.pth"
+    folder.mkdir()
+    engine, path = TorchCheckpointEngine(), folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with (
+        file_size_limit(100_000),
+        pytest.raises(
+            CheckpointWriteError, match=rf"File too large.*--resume {tmp_path / 'iter_4.pth'}$"
+        ),
+    ):
+        engine.save(_checkpoint(512), str(path))
+    assert not path.exists() and not list(folder.iterdir())
+    engine.save(_checkpoint(512), str(path))
+    torch.testing.assert_close(engine.load(str(path))["meta"], {"seed": 1, "iter": 512})
+
+
+class _Linear(BaseModel):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(256, 256)
+
+    def forward(self, inputs, mode="loss"):
+        return {"loss": self.layer(torch.stack(inputs)).square().mean()}
+
+
+class _DiskFullAfter(Hook):
+    """From iteration ``at`` on, files stop growing past ``limit`` bytes (a disk that filled up)."""
+
+    def __init__(self, at: int, limit: int, stack: contextlib.ExitStack):
+        self.at, self.limit, self.stack = at, limit, stack
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        if runner.iter + 1 == self.at:
+            self.stack.enter_context(file_size_limit(self.limit))
+
+
+def test_a_full_disk_at_a_checkpoint_stops_training_and_keeps_the_previous_one(tmp_path):
+    """``max_keep_ckpts=1``: MMEngine deletes iter_2.pth before writing iter_4.pth, so a failed
+    write would leave no checkpoint at all; now the old one goes only once the new is complete."""
+    data = [torch.randn(256) for _ in range(8)]
+    with contextlib.ExitStack() as stack:
+        runner = Runner(
+            model=_Linear(),
+            work_dir=str(tmp_path),
+            train_dataloader=dict(
+                dataset=data,
+                sampler=dict(type="DefaultSampler", shuffle=False),
+                batch_size=1,
+                collate_fn=lambda batch: {"inputs": batch},
+            ),
+            optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.01, momentum=0.9)),
+            train_cfg=dict(by_epoch=False, max_iters=8),
+            default_hooks=dict(
+                checkpoint=dict(type="CheckpointHook", interval=2, by_epoch=False, max_keep_ckpts=1)
+            ),
+            custom_hooks=[_DiskFullAfter(3, 200_000, stack)],  # checkpoints are ~0.5 MiB
+        )
+        with pytest.raises(CheckpointWriteError, match=r"iter_4\.pth: it needs \d+ bytes"):
+            runner.train()
+    kept = tmp_path / "iter_2.pth"
+    assert judge_checkpoint(str(kept)).complete and not (tmp_path / "iter_4.pth").exists()
+    assert (tmp_path / "last_checkpoint").read_text() == str(kept)
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(kept)
+
+
+def test_auto_resume_skips_an_incomplete_newest_checkpoint(tmp_path):
+    """MMEngine's finder (``resume = True`` without ``load_from``), as the runners call it."""
+    for n in (2, 4):
+        save_checkpoint(_checkpoint(n), str(tmp_path / f"iter_{n}.pth"))
+    newest = tmp_path / "iter_4.pth"
+    newest.write_bytes(newest.read_bytes()[:100])
+    (tmp_path / "last_checkpoint").write_text(str(newest))
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_2.pth")
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "it"))  # the pointer cut short
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_2.pth")
+    (tmp_path / "iter_2.pth").unlink()
+    assert (
+        mm_checkpoint.find_latest_checkpoint(str(tmp_path)) is None
+    )  # nothing complete: a fresh start
+    (tmp_path / "last_checkpoint").unlink()
+    assert (
+        mm_checkpoint.find_latest_checkpoint(str(tmp_path)) is None
+    )  # MMEngine's: nothing to resume

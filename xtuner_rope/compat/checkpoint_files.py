@@ -1,0 +1,262 @@
+"""Is a runner checkpoint complete? Judged cheaply, before anything loads it.
+
+A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short. MMEngine
+0.10.6 writes ``iter_N.pth`` straight to its final name (``runner.checkpoint.save_checkpoint``)
+and then points ``last_checkpoint`` at it, so such a file looks like any other until torch fails
+deep in its reader (``PytorchStreamReader failed reading zip archive: failed finding central
+directory``, or ``OSError: [Errno 22] Invalid argument`` with torch 2.15), naming neither the
+file's state nor the complete checkpoint beside it.
+
+- An MMEngine ``.pth`` (``torch.save``'s zip format, every torch >= 1.6) is complete when its zip
+  central directory, which ``torch.save`` writes last, is there and every member it lists lies
+  inside the file: reading the end of the file, not the weights. A legacy (non-zip) ``torch.save``
+  file is loaded in full to be judged (MMEngine never writes one).
+- A DeepSpeed checkpoint (a folder ``iter_N.pth/``, as MMEngine's ``DeepSpeedStrategy`` saves
+  with ``save_latest=False``, so no ``latest`` tag inside) is complete when it holds model
+  states, each complete, and the optimizer states of every data-parallel rank its model states
+  name (``dp_world_size``; under ZeRO-3 also each rank's model states), each complete.
+
+:func:`newest_complete` finds what to resume from instead, by iteration number;
+:func:`refuse_incomplete` is the refusal ``--resume`` of an incomplete checkpoint gets.
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import re
+import zipfile
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import load_checkpoint, runner_checkpoint_globals
+
+CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
+MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")
+ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint that was cut short (or misses a rank's file) is asked to be loaded."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a checkpoint is complete, and why not.
+
+    Attributes:
+        path: The checkpoint file or DeepSpeed folder.
+        complete: True when every byte and file a load needs is there.
+        reason: What is missing (expected vs found); empty when complete.
+    """
+
+    path: str
+    complete: bool
+    reason: str = ""
+
+
+def _zip_reason(path: str, size: int) -> str:
+    """Why a zip-format ``torch.save`` file is incomplete; empty when it is complete."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            end = archive.start_dir  # where the central directory begins
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return (
+            f"{size} bytes without the zip central directory torch.save writes at the end "
+            f"of a complete file ({err})"
+        )
+    if not any(m.filename.endswith("data.pkl") for m in members):
+        return f"a zip archive of {size} bytes without the data.pkl torch.save writes"
+    for member in members:
+        if member.header_offset + member.compress_size > end:
+            return (
+                f"member {member.filename} ends at byte "
+                f"{member.header_offset + member.compress_size}, after the central directory "
+                f"at byte {end}"
+            )
+    return ""
+
+
+def _legacy_reason(path: str, size: int) -> str:
+    """Why a legacy (non-zip) ``torch.save`` file is incomplete; empty when it is complete.
+
+    The format is five pickles (magic number, protocol, system info, the object, the storage
+    keys) and then the storages' bytes. The pickles are walked opcode by opcode (nothing is
+    executed); the storages are checked by loading the file with the runner allow-list.
+    """
+    with open(path, "rb") as f:
+        for _ in range(5):
+            try:
+                for _op in pickletools.genops(f):
+                    pass
+            except (ValueError, EOFError) as err:  # "pickle exhausted before seeing STOP"
+                return f"{size} bytes that end inside the legacy format's pickles ({err})"
+    try:
+        load_checkpoint(path)
+    except (EOFError, RuntimeError, OSError) as err:
+        return f"{size} bytes that end early for torch's legacy format ({err})"
+    except Exception:  # untrusted types and the like: the loader refuses them, not a cut
+        return ""
+    return ""
+
+
+def _file_reason(path: str) -> str:
+    """Why a checkpoint file is incomplete; empty when it is complete."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return "0 bytes: nothing was written"
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        return _zip_reason(path, size)
+    if magic[:1] == b"\x80":  # a pickle: torch's legacy format
+        return _legacy_reason(path, size)
+    return f"{size} bytes that are neither torch.save's zip format nor its legacy pickle"
+
+
+def _deepspeed_layout(model_states: str) -> tuple[int | None, int]:
+    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file.
+
+    Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
+    """
+    with torch.serialization.safe_globals(runner_checkpoint_globals()):
+        try:
+            state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
+        except Exception:  # judged by the caller from the files alone
+            return None, 0
+    state = state if isinstance(state, dict) else {}
+    world, config = state.get("dp_world_size"), state.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else 0)
+
+
+def _missing_ranks(names: list[str], pattern: re.Pattern, world: int) -> list[int]:
+    ranks = {int(m.group(1)) for m in map(pattern.match, names) if m}
+    return sorted(set(range(world)) - ranks)
+
+
+def _folder_reason(path: str) -> str:
+    """Why a DeepSpeed checkpoint folder is incomplete; empty when it is complete."""
+    names = sorted(os.listdir(path))
+    models = [n for n in names if MODEL_STATES.search(n)]
+    if not models:
+        return f"no *mp_rank_*_model_states.pt file (found {names or 'nothing'})"
+    for name in [*models, *(n for n in names if OPTIM_STATES.match(n))]:
+        reason = _file_reason(os.path.join(path, name))
+        if reason:
+            return f"{name} is incomplete: {reason}"
+    world, stage = _deepspeed_layout(os.path.join(path, models[0]))
+    if world is None:
+        return ""  # model states without a world size: nothing to count the ranks against
+    wanted = [(OPTIM_STATES, "optim")] if stage >= 1 else []  # ZeRO-0 keeps it in the model's
+    if any(ZERO3_MODEL_STATES.match(n) for n in names):  # ZeRO-3: one model file per rank too
+        wanted.append((ZERO3_MODEL_STATES, "model"))
+    for pattern, kind in wanted:
+        missing = _missing_ranks(names, pattern, world)
+        if missing:
+            return (
+                f"{kind} states of data-parallel rank(s) {missing} missing: expected {world} "
+                f"zero_pp_rank_*_{kind}_states.pt files (dp_world_size={world}, ZeRO stage "
+                f"{stage}), found {world - len(missing)}"
+            )
+    return ""
+
+
+def judge_checkpoint(path: str) -> Verdict:
+    """Judge a checkpoint file or DeepSpeed checkpoint folder complete or not.
+
+    Args:
+        path: An MMEngine ``.pth`` file, a DeepSpeed checkpoint folder, or a ``torch.save``
+            file of another writer.
+
+    Returns:
+        The verdict; a path that does not exist is incomplete ("does not exist").
+    """
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        reason = _folder_reason(path)
+    elif os.path.isfile(path):
+        reason = _file_reason(path)
+    else:
+        reason = "it does not exist"
+    return Verdict(path, not reason, reason)
+
+
+def checkpoint_number(path: str) -> tuple[str, int] | None:
+    """``("iter", 8)`` for ``.../iter_8.pth``; None for a name MMEngine's scan would not write."""
+    match = CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
+    """The complete checkpoint of the highest number in ``folder`` (``iter_N.pth`` by default).
+
+    Args:
+        folder: A work dir (or CheckpointHook ``out_dir``).
+        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to consider.
+        exclude: A path to leave out (the checkpoint already judged incomplete).
+
+    Returns:
+        Its path, or None when no checkpoint there is complete.
+    """
+    if not os.path.isdir(folder):
+        return None
+    found = []
+    for name in os.listdir(folder):
+        number = checkpoint_number(name)
+        path = os.path.join(folder, name)
+        if (
+            number
+            and number[0] == kind
+            and os.path.realpath(path) != os.path.realpath(exclude or "")
+        ):
+            found.append((number[1], path))
+    for _, path in sorted(found, reverse=True):
+        if judge_checkpoint(path).complete:
+            return path
+    return None
+
+
+def refuse_incomplete(path: str) -> None:
+    """Raise if the checkpoint at ``path`` is incomplete, naming what to resume from instead.
+
+    Args:
+        path: The checkpoint about to be loaded (``--resume``, ``load_from``).
+
+    Raises:
+        IncompleteCheckpointError: It is incomplete (what is missing, and the newest complete
+            checkpoint beside it with the ``--resume`` argument, or that there is none).
+        FileNotFoundError: It does not exist.
+    """
+    verdict = judge_checkpoint(path)
+    if verdict.complete:
+        return
+    if not os.path.exists(verdict.path):
+        raise FileNotFoundError(f"{path} can not be found.")
+    number = checkpoint_number(verdict.path)
+    folder = os.path.dirname(os.path.normpath(verdict.path)) or "."
+    best = newest_complete(folder, number[0] if number else "iter", exclude=verdict.path)
+    instead = (
+        f"The newest complete checkpoint beside it is {best}: resume with --resume {best}"
+        if best
+        else f"No complete checkpoint is beside it in {folder}: train again without --resume"
+    )
+    raise IncompleteCheckpointError(
+        f"xtuner-rope: refused to load {verdict.path}: the checkpoint is incomplete "
+        f"({verdict.reason}). A crash, a kill or a full disk while it was written leaves such a "
+        f"checkpoint; a complete one ends with all of it. {instead}."
+    )
+
+
+__all__ = [
+    "IncompleteCheckpointError",
+    "Verdict",
+    "checkpoint_number",
+    "judge_checkpoint",
+    "newest_complete",
+    "refuse_incomplete",
+]
