@@ -210,20 +210,55 @@ def lay_out_rows(
     }
 
 
-def _first_fit_decreasing(
-    lengths: Sequence[int], order: list[int], max_length: int
-) -> list[list[int]]:
+def _best_fit_decreasing(order: list[int], lengths: list[int], max_length: int) -> list[list[int]]:
+    """Best-fit decreasing: each item (longest first) into the row with the least room it fits.
+
+    Rows are found through a segment tree over the free room ``0..max_length`` (how many rows
+    have exactly that room), so placing ``n`` items costs ``O(n log max_length)``: a million
+    dialogues plan in seconds. Rows with equal room are interchangeable for every later item,
+    so which of them takes an item changes no row's load.
+    """
+    size = 1 << max(max_length, 1).bit_length()  # leaves: free room 0 .. size - 1
+    count = [0] * (2 * size)  # rows with each free room, summed up the tree
+    rows_with: list[list[int]] = [[] for _ in range(max_length + 1)]
     rows: list[list[int]] = []
     room: list[int] = []
-    for i in order:
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
+
+    def change(free: int, delta: int) -> None:
+        node = free + size
+        while node:
+            count[node] += delta
+            node >>= 1
+
+    def least_room_at_least(need: int) -> int:
+        node = need + size
+        if count[node]:
+            return need
+        while True:  # climb until a right sibling holds some room >= need
+            if not node & 1 and count[node + 1]:
+                node += 1
                 break
-        else:
+            node >>= 1
+            if node <= 1:
+                return -1
+        while node < size:  # then the leftmost (least) room below it
+            node = 2 * node if count[2 * node] else 2 * node + 1
+        return node - size
+
+    for i in order:
+        free = least_room_at_least(lengths[i])
+        if free < 0:
+            r = len(rows)
             rows.append([i])
             room.append(max_length - lengths[i])
+        else:
+            r = rows_with[free].pop()
+            change(free, -1)
+            rows[r].append(i)
+            room[r] -= lengths[i]
+        if room[r]:
+            rows_with[room[r]].append(r)
+            change(room[r], 1)
     return rows
 
 
@@ -243,18 +278,20 @@ def _levelled(lengths: Sequence[int], order: list[int], n_rows: int) -> list[lis
 
 
 def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
-    """Group items into as few rows of at most ``max_length`` tokens as first-fit decreasing finds.
+    """Group whole items into as few rows of at most ``max_length`` tokens as best-fit
+    decreasing finds: the one row planner of every packing (collate time and offline).
 
-    First-fit decreasing sets the number of rows; the items are then spread over that many
+    Best-fit decreasing sets the number of rows; the items are then spread over that many
     rows so the rows come out about equally long (longest item first, each into the currently
-    shortest row), because every row of a batch is padded to the longest one: FFD alone
+    shortest row), because every row of a batch is padded to the longest one: BFD alone
     leaves its last row nearly empty (95% real tokens instead of 99%+ on our sample data). If
-    levelling would overflow a row or make the longest row longer than FFD's (greedy levelling
-    is not optimal: 7+4 | 6+4+4 against FFD's 7+6 | 4+4+4), the FFD plan is kept.
+    levelling would overflow a row or make the longest row longer than BFD's (greedy levelling
+    is not optimal: 7+4 | 6+4+4 against BFD's 7+6 | 4+4+4), the BFD plan is kept.
     Deterministic (ties by index); each row lists its items in their original order.
+    ``O(n log n)``: a million items plan in seconds.
 
     Args:
-        lengths: ``[n]`` item lengths, each in ``[1, max_length]``.
+        lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (a list or a 1-D array).
         max_length: capacity of a row in tokens.
 
     Returns:
@@ -265,17 +302,18 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     """
     if max_length < 1:
         raise ValueError(f"max_length: expected >= 1, got {max_length}.")
-    for i, length in enumerate(lengths):
-        if not 1 <= length <= max_length:
-            raise ValueError(
-                f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {length}; "
-                "drop empty items and truncate long ones before packing."
-            )
+    lengths = [int(n) for n in lengths]
+    if lengths and not 1 <= min(lengths) <= max(lengths) <= max_length:
+        i = next(i for i, n in enumerate(lengths) if not 1 <= n <= max_length)
+        raise ValueError(
+            f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {lengths[i]}; "
+            "drop empty items and truncate long ones before packing."
+        )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows = _first_fit_decreasing(lengths, order, max_length)
+    rows = _best_fit_decreasing(order, lengths, max_length)
     if len(rows) > 1:
         levelled = _levelled(lengths, order, len(rows))
-        # Every FFD row fits, so no longer than FFD's longest row also means it fits.
+        # Every BFD row fits, so no longer than BFD's longest row also means it fits.
         if _longest_row(lengths, levelled) <= _longest_row(lengths, rows):
             rows = levelled
     return [sorted(row) for row in rows]
