@@ -1,8 +1,9 @@
-"""Lossless offline packing: XTuner's own packs, nothing dropped (xtuner_rope.data.packed_dataset).
+"""Offline packing (xtuner_rope.data.packed_dataset): every dialogue whole, nothing dropped.
 
-References are live: XTuner's ``Packer`` mapped in one stream (``map_num_proc=1``) for the
-packs, and XTuner's ``process_hf_dataset`` on the stock alpaca config (unpacked, and packed
-with its defaults) for what must be kept.
+References are live: the dialogues themselves (each packed document must be one of them,
+each once), XTuner's ``Packer`` mapped in one stream (``map_num_proc=1``) for the opt-out's
+cut packs, and XTuner's ``process_hf_dataset`` on the stock alpaca config (unpacked, and
+packed with its defaults) for what must be kept.
 """
 
 from pathlib import Path
@@ -58,11 +59,11 @@ def _xtuner_one_stream(dataset: Dataset, max_length: int, varlen: bool) -> Datas
         (2500, 3, 6),
     ],
 )
-def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, seed, varlen):
+def test_the_cut_opt_out_packs_xtuners_one_stream_packs_plus_the_leftover(n, max_length, seed, varlen):
     lengths = np.random.default_rng(seed).integers(1, 90, n)
     data = _dialogues(lengths, seed)
     ref = _xtuner_one_stream(data, max_length, varlen)
-    ours = pack_dataset(data, max_length, varlen, False, 1)
+    ours = pack_dataset(data, max_length, varlen, False, 1, whole=False)
     assert ours.column_names == ref.column_names
     assert ours.features == ref.features
     for column in ref.column_names:
@@ -80,7 +81,8 @@ def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, see
 
 def test_where_xtuner_loses_nothing_the_packs_are_the_same():
     data = _dialogues([16] * 3000)  # 3 batches of whole 64-token rows: no leftover
-    ref, ours = _xtuner_one_stream(data, 64, True), pack_dataset(data, 64, True, False, 1)
+    ref = _xtuner_one_stream(data, 64, True)
+    ours = pack_dataset(data, 64, True, False, 1, whole=False)
     assert ours.to_dict() == ref.to_dict()
 
 
