@@ -87,20 +87,22 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert sorted(lengths) == sorted(live) and max(lengths) < 512
     assert report["lengths"]["p50"] == float(np.percentile(live, 50))
     assert report["dataset"]["source_rows"] == 2400 == report["dataset"]["dialogues"]
-    # The fix made XTuner's Packer record boundaries: rows of 512 holding several dialogues.
+    # The fixes record the boundaries and pack each dialogue whole: 2,400 documents, none cut.
     packing = report["packing"]
-    assert packing["row_lengths"]["p50"] == 512 and report["dataset"]["documents"] > 2400
+    assert report["dataset"]["documents"] == 2400 and packing["row_lengths"]["p100"] <= 512
+    assert packing["cut_dialogues"] == 0 == packing["pieces"]
+    assert packing["xtuner_cut"]["cut_dialogues"] > 0  # what XTuner's cut would have done
+    assert packing["rows"] <= 1.03 * packing["xtuner_cut"]["rows"] and packing["fill"] >= 0.95
     labels = sum(x != -100 for item in unpacked for x in item["labels"])
     assert packing["tokens"] == {"before": sum(live), "after": sum(live), "lost": 0}
     assert packing["labels"] == {"before": labels, "after": labels, "lost": 0}
-    assert packing["cut_dialogues"] > 0 and packing["unsupervised_pieces"] > 0
-    # 475 rows, 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
+    # 476 rows (XTuner's cut: 475), 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
     # it ("end should be larger than begin"): the one problem, with the edit
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
     assert report["problems"][0].startswith(
         "param_scheduler[0]: LinearLR, begin=0, end=0.03 "
         "epochs, convert_to_iter_based=True, becomes begin=0"
-        ", end=0 iterations on this dataset (475 samples"
+        ", end=0 iterations on this dataset (476 samples"
     )
     assert "warmup_ratio * max_epochs >= 0.0333" in report["problems"][0]
     assert text.count("\nmodel_resource = ") == 1
@@ -114,6 +116,30 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert any(
         w.startswith(f"XTuner's offline packing drops {lost} of ") for w in report["warnings"]
     )
+
+
+def test_the_cut_opt_out_is_reported_with_the_dialogues_it_cuts(in_repo, tmp_path):
+    """``offline_packing = "cut"``: exit 0 (a choice), but never a silent "OK"."""
+    text = TINY.read_text(encoding="utf-8")
+    text = text.replace("    pack_to_max_length=False,\n", "    pack_to_max_length=True,\n")
+    text = sc.sub_once(text, r"^warmup_ratio = 0.03$", "warmup_ratio = 0.1")  # >= 1 step
+    text += '\noffline_packing = "cut"\n'
+    config = tmp_path / "tiny_cut.py"
+    config.write_text(text, encoding="utf-8")
+    report, _ = diagnose(str(config), progress=False)
+    packing = report["packing"]
+    assert report["exit_code"] == 0, report["problems"]
+    assert packing["cut_dialogues"] == packing["xtuner_cut"]["cut_dialogues"] > 0
+    assert packing["rows"] == packing["xtuner_cut"]["rows"]
+    cut = packing["cut_dialogues"]
+    assert any(
+        w.startswith(f"{cut} of 2400 dialogues are cut at row edges") for w in report["warnings"]
+    )
+    summary = format_summary(report)
+    assert summary.splitlines()[-1].startswith(
+        f"CUT: {cut} of 2400 dialogues are trained as pieces"
+    )
+    assert "OK: nothing" not in summary
 
 
 @pytest.mark.slow
