@@ -123,6 +123,8 @@ def _lossless_packing_findings(cfg_dict: dict, loader: dict) -> list[Finding]:
         "as a short last row"
     )
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
+        if _offline_packs(dataset):
+            findings += _intern_repo_findings(where, dataset, whole)
         if not _xtuner_packs(dataset):
             continue
         name = type_name(_get(dataset, "type"))
@@ -151,6 +153,42 @@ def _lossless_packing_findings(cfg_dict: dict, loader: dict) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _intern_repo_findings(where: str, dataset: dict, whole: bool) -> list[Finding]:
+    """XTuner's intern-repo ``build_packed_dataset`` cuts documents too: ours keeps them whole."""
+    name = type_name(_get(dataset, "type"))
+    if name == "build_packed_dataset" and whole:
+        builder = LazyObject("xtuner_rope.data.intern_repo_packing", "build_whole_packed_dataset")
+
+        def fix() -> None:
+            dataset["type"] = builder
+            dataset["whole_documents"] = True
+
+        return [
+            Finding(
+                f"{where}.type",
+                "build_packed_dataset concatenates the documents and cuts every packed_length "
+                "tokens (a document across a row edge is trained as pieces) and drops the last "
+                "partial row",
+                "set to build_whole_packed_dataset(whole_documents=True) "
+                "(xtuner_rope.data.intern_repo_packing, same arguments): each document whole in "
+                "one row (best-fit decreasing; longer documents split into packed_length "
+                f'pieces), nothing dropped. Opt out: {OFFLINE_PACKING_KEY} = "{CUT}"',
+                fix,
+            )
+        ]
+    if name == "build_whole_packed_dataset" and _get(dataset, "whole_documents", True) != whole:
+        return [
+            Finding(
+                f"{where}.whole_documents",
+                f"{OFFLINE_PACKING_KEY} asks for "
+                + ("whole documents" if whole else "XTuner's cut"),
+                f"set to {whole}",
+                _setitem(dataset, "whole_documents", whole),
+            )
+        ]
+    return []
 
 
 def _replace_builder(dataset: dict, whole: bool):
