@@ -110,7 +110,7 @@ def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.nda
     k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
     starts = doc_starts[doc] + k * max_length
     sizes = np.minimum(max_length, lengths[doc] - k * max_length)
-    rows = plan_packs(sizes, int(max_length))
+    rows = plan_packs(sizes, int(max_length), level=False)  # batch size 1: no padding to level
     rows.sort(key=lambda row: row[0])
     order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=len(sizes))
     row_offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)

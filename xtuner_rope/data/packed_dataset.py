@@ -42,6 +42,7 @@ from .pack_plans import (
 )
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
+ROWS_PER_GATHER = 1024  # whole-dialogue rows per gather and write (16 MiB a column at 2048)
 
 
 def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
@@ -49,7 +50,8 @@ def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
 
 
 def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole: bool = True):
-    """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` rows per Arrow table.
+    """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
+    ``ROWS_PER_GATHER`` (whole) rows per Arrow table.
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
@@ -61,23 +63,26 @@ def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole
         Tables with XTuner's packed columns.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
     if whole:
+        # Rows gather their dialogues from anywhere: one contiguous copy of each column
+        # (the tokenized size in memory), because a ``take`` on a chunked column joins every
+        # chunk first, a pass over the whole column per gather.
+        flat = {k: v.combine_chunks() for k, v in flat.items()}
         starts, sizes, row_pieces = whole_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
         cuts = doc_offsets[row_pieces]
     else:  # the stream in order: each row one slice of it
         cuts = cut_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
-    for first in range(0, len(cuts) - 1, ROWS_PER_WRITE):
-        rows = cuts[first : first + ROWS_PER_WRITE + 1]
+    step = ROWS_PER_GATHER if whole else ROWS_PER_WRITE
+    for first in range(0, len(cuts) - 1, step):
+        rows = cuts[first : first + step + 1]
         offsets = rows - rows[0]
         if whole:
             pieces = slice(row_pieces[first], row_pieces[first + len(rows) - 1])
-            take = pa.array(token_indices(starts[pieces], sizes[pieces]))
-            columns = {
-                k: _list_array(offsets, v.take(take).combine_chunks()) for k, v in flat.items()
-            }
+            index = pa.array(token_indices(starts[pieces], sizes[pieces]))
+            columns = {k: _list_array(offsets, v.take(index)) for k, v in flat.items()}
         else:
             columns = {
                 k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())

@@ -214,51 +214,44 @@ def _best_fit_decreasing(order: list[int], lengths: list[int], max_length: int) 
     """Best-fit decreasing: each item (longest first) into the row with the least room it fits.
 
     Rows are found through a segment tree over the free room ``0..max_length`` (how many rows
-    have exactly that room), so placing ``n`` items costs ``O(n log max_length)``: a million
-    dialogues plan in seconds. Rows with equal room are interchangeable for every later item,
-    so which of them takes an item changes no row's load.
+    have exactly that room, summed up the tree), so placing ``n`` items costs
+    ``O(n log max_length)``: a million dialogues plan in seconds (the tree walks are inlined:
+    this loop is the whole cost). Rows with equal room are interchangeable for every later
+    item, so which of them takes an item changes no row's load.
     """
     size = 1 << max(max_length, 1).bit_length()  # leaves: free room 0 .. size - 1
-    count = [0] * (2 * size)  # rows with each free room, summed up the tree
+    count = [0] * (2 * size)
     rows_with: list[list[int]] = [[] for _ in range(max_length + 1)]
     rows: list[list[int]] = []
     room: list[int] = []
-
-    def change(free: int, delta: int) -> None:
-        node = free + size
-        while node:
-            count[node] += delta
-            node >>= 1
-
-    def least_room_at_least(need: int) -> int:
-        node = need + size
-        if count[node]:
-            return need
-        while True:  # climb until a right sibling holds some room >= need
-            if not node & 1 and count[node + 1]:
-                node += 1
-                break
-            node >>= 1
-            if node <= 1:
-                return -1
-        while node < size:  # then the leftmost (least) room below it
-            node = 2 * node if count[2 * node] else 2 * node + 1
-        return node - size
-
     for i in order:
-        free = least_room_at_least(lengths[i])
-        if free < 0:
+        need = lengths[i]
+        node = need + size  # the least room >= need: climb to a right sibling that has one,
+        if not count[node]:  # then down to its leftmost leaf
+            while node > 1 and (node & 1 or not count[node + 1]):
+                node >>= 1
+            if node > 1:
+                node += 1
+                while node < size:
+                    node = 2 * node if count[2 * node] else 2 * node + 1
+        if node > 1:  # a row has room: take it out of the tree
+            free = node - size
+            r = rows_with[free].pop()
+            while node:
+                count[node] -= 1
+                node >>= 1
+            rows[r].append(i)
+            room[r] -= need
+        else:
             r = len(rows)
             rows.append([i])
-            room.append(max_length - lengths[i])
-        else:
-            r = rows_with[free].pop()
-            change(free, -1)
-            rows[r].append(i)
-            room[r] -= lengths[i]
+            room.append(max_length - need)
         if room[r]:
             rows_with[room[r]].append(r)
-            change(room[r], 1)
+            node = room[r] + size
+            while node:
+                count[node] += 1
+                node >>= 1
     return rows
 
 
@@ -277,7 +270,7 @@ def _levelled(lengths: Sequence[int], order: list[int], n_rows: int) -> list[lis
     return rows
 
 
-def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> list[list[int]]:
     """Group whole items into as few rows of at most ``max_length`` tokens as best-fit
     decreasing finds: the one row planner of every packing (collate time and offline).
 
@@ -293,6 +286,8 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     Args:
         lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (a list or a 1-D array).
         max_length: capacity of a row in tokens.
+        level: Spread the items over the rows as above (rows padded to the batch's longest);
+            False keeps the BFD rows (offline packing: rows of batch size 1, not padded).
 
     Returns:
         Rows as lists of item indices, ordered by the row's first-placed (longest) item.
@@ -309,9 +304,10 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
             f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {lengths[i]}; "
             "drop empty items and truncate long ones before packing."
         )
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # Longest first, ties by index (a stable sort of the negated lengths).
+    order = torch.sort(-torch.tensor(lengths, dtype=torch.long), stable=True).indices.tolist()
     rows = _best_fit_decreasing(order, lengths, max_length)
-    if len(rows) > 1:
+    if level and len(rows) > 1:
         levelled = _levelled(lengths, order, len(rows))
         # Every BFD row fits, so no longer than BFD's longest row also means it fits.
         if _longest_row(lengths, levelled) <= _longest_row(lengths, rows):
