@@ -1,4 +1,5 @@
-"""XTuner's offline pack step swapped for one call (``lossless_process_hf_dataset``)."""
+"""XTuner's offline pack steps swapped for one call (``lossless_process_hf_dataset``,
+``build_whole_packed_dataset``)."""
 
 from __future__ import annotations
 
