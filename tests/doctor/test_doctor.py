@@ -144,7 +144,8 @@ def test_the_cut_opt_out_is_reported_with_the_dialogues_it_cuts(in_repo, tmp_pat
 
 @pytest.mark.slow
 def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_path):
-    """One epoch of the tiny recipe packed offline: the log's final unsupervised_seen.
+    """One epoch of the tiny recipe packed offline with XTuner's cut: the log's final
+    unsupervised_seen.
 
     Not shuffled before packing, so that the doctor's packs are the training's whatever
     consumes numpy's global RNG before the dataset is built.
@@ -153,6 +154,9 @@ def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_p
         TINY.read_text(), r"^    pack_to_max_length=False,$", "    pack_to_max_length=True,"
     )
     text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
+    # XTuner's cut (the opt-out): its pieces without a supervised label are what both count;
+    # whole dialogues (the default) give none here (test_xtuner_offline_packing_is_checked...).
+    text += '\noffline_packing = "cut"\n'
     config = tmp_path / "tiny_packed.py"
     # 475 rows, 30 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
     config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.1"))
