@@ -1,8 +1,9 @@
-"""Lossless offline packing: XTuner's own packs, nothing dropped (xtuner_rope.data.packed_dataset).
+"""Offline packing (xtuner_rope.data.packed_dataset): every dialogue whole, nothing dropped.
 
-References are live: XTuner's ``Packer`` mapped in one stream (``map_num_proc=1``) for the
-packs, and XTuner's ``process_hf_dataset`` on the stock alpaca config (unpacked, and packed
-with its defaults) for what must be kept.
+References are live: the dialogues themselves (each packed document must be one of them,
+each once), XTuner's ``Packer`` mapped in one stream (``map_num_proc=1``) for the opt-out's
+cut packs, and XTuner's ``process_hf_dataset`` on the stock alpaca config (unpacked, and
+packed with its defaults) for what must be kept.
 """
 
 from pathlib import Path
@@ -58,11 +59,13 @@ def _xtuner_one_stream(dataset: Dataset, max_length: int, varlen: bool) -> Datas
         (2500, 3, 6),
     ],
 )
-def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, seed, varlen):
+def test_the_cut_opt_out_packs_xtuners_one_stream_packs_plus_the_leftover(
+    n, max_length, seed, varlen
+):
     lengths = np.random.default_rng(seed).integers(1, 90, n)
     data = _dialogues(lengths, seed)
     ref = _xtuner_one_stream(data, max_length, varlen)
-    ours = pack_dataset(data, max_length, varlen, False, 1)
+    ours = pack_dataset(data, max_length, varlen, False, 1, whole=False)
     assert ours.column_names == ref.column_names
     assert ours.features == ref.features
     for column in ref.column_names:
@@ -80,7 +83,8 @@ def test_packs_are_xtuners_one_stream_packs_plus_the_leftover(n, max_length, see
 
 def test_where_xtuner_loses_nothing_the_packs_are_the_same():
     data = _dialogues([16] * 3000)  # 3 batches of whole 64-token rows: no leftover
-    ref, ours = _xtuner_one_stream(data, 64, True), pack_dataset(data, 64, True, False, 1)
+    ref = _xtuner_one_stream(data, 64, True)
+    ours = pack_dataset(data, 64, True, False, 1, whole=False)
     assert ours.to_dict() == ref.to_dict()
 
 
@@ -154,3 +158,60 @@ def test_stock_alpaca_dataset_keeps_every_token_and_label(tmp_path):
         np.bincount(ours_tokens, minlength=100_000), np.bincount(tokens, minlength=100_000)
     )
     np.testing.assert_array_equal(_histogram(ours_labels), _histogram(labels))
+
+
+def _documents_of(dataset) -> list[tuple[tuple, tuple]]:
+    """``(ids, labels)`` of every document of every packed row, cut at its ``cumulative_len``."""
+    docs = []
+    for ids, labels, bounds in zip(
+        dataset["input_ids"], dataset["labels"], dataset["cumulative_len"]
+    ):
+        docs += [(tuple(ids[a:b]), tuple(labels[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+    return docs
+
+
+def test_xtuners_own_pipeline_packs_every_dialogue_whole_and_once(tmp_path):
+    """The stock alpaca config with the one edit, 600 dialogues, max_length 512.
+
+    Reference: XTuner's own unpacked dataset (``pack_to_max_length=False``). Every document of
+    the packed rows is one of its dialogues (ids and labels equal), each exactly once; what
+    the model receives through the config's collate function is the same documents, each
+    one's first label ignored (the causal shift would predict it from the previous document).
+    """
+    from collections import Counter
+
+    from xtuner.dataset.collate_fns import default_collate_fn
+
+    sc.ensure_tiny_model()
+    copy = sc.copy_stock(FULL, tmp_path)
+    data = sc.write_alpaca_data(tmp_path / "alpaca", n=600)
+    path = tmp_path / "alpaca.py"
+    path.write_text(sc.enable_plugin(sc.localize(copy, data)))
+    cfg = Config.fromfile(str(path))
+    assert cfg.max_length == 512 and cfg.train_dataloader.dataset.shuffle_before_pack
+    unpacked_cfg = Config.fromfile(str(path))
+    unpacked_cfg.train_dataloader.dataset.pack_to_max_length = False
+    unpacked = BUILDER.build(unpacked_cfg.train_dataloader.dataset)
+    for finding in startup.inspect_config(cfg):
+        if finding.fix is not None:
+            finding.fix()
+    packed = BUILDER.build(cfg.train_dataloader.dataset)
+    dialogues = Counter(zip(map(tuple, unpacked["input_ids"]), map(tuple, unpacked["labels"])))
+    assert len(unpacked) == 600 and max(map(len, packed["input_ids"])) <= 512
+    assert Counter(_documents_of(packed)) == dialogues  # whole, once, none lost or added
+    tokens = sum(map(len, unpacked["input_ids"]))
+    assert tokens / (len(packed) * 512) >= 0.95  # fill on this small set
+    # What the model receives: the stock default_collate_fn (use_varlen_attn set by the fixes).
+    seen = Counter()
+    for i in range(len(packed)):
+        batch = default_collate_fn([packed[i]], use_varlen_attn=True)["data"]
+        ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+        bounds = batch["cumulative_len"][0].tolist()
+        positions = batch["position_ids"][0].tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            assert positions[a:b] == list(range(b - a))
+            seen[(tuple(ids[a:b]), (-100, *labels[a + 1 : b]))] += 1
+    first_ignored = Counter(
+        {(ids, (-100, *labels[1:])): k for (ids, labels), k in dialogues.items()}
+    )
+    assert seen == first_ignored

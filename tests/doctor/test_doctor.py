@@ -87,20 +87,22 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     assert sorted(lengths) == sorted(live) and max(lengths) < 512
     assert report["lengths"]["p50"] == float(np.percentile(live, 50))
     assert report["dataset"]["source_rows"] == 2400 == report["dataset"]["dialogues"]
-    # The fix made XTuner's Packer record boundaries: rows of 512 holding several dialogues.
+    # The fixes record the boundaries and pack each dialogue whole: 2,400 documents, none cut.
     packing = report["packing"]
-    assert packing["row_lengths"]["p50"] == 512 and report["dataset"]["documents"] > 2400
+    assert report["dataset"]["documents"] == 2400 and packing["row_lengths"]["p100"] <= 512
+    assert packing["cut_dialogues"] == 0 == packing["pieces"]
+    assert packing["xtuner_cut"]["cut_dialogues"] > 0  # what XTuner's cut would have done
+    assert packing["rows"] <= 1.03 * packing["xtuner_cut"]["rows"] and packing["fill"] >= 0.95
     labels = sum(x != -100 for item in unpacked for x in item["labels"])
     assert packing["tokens"] == {"before": sum(live), "after": sum(live), "lost": 0}
     assert packing["labels"] == {"before": labels, "after": labels, "lost": 0}
-    assert packing["cut_dialogues"] > 0 and packing["unsupervised_pieces"] > 0
-    # 475 rows, 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
+    # 476 rows (XTuner's cut: 475), 30 steps of 16: the stock 3% warm-up rounds to 0 steps, MMEngine would refuse
     # it ("end should be larger than begin"): the one problem, with the edit
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
     assert report["problems"][0].startswith(
         "param_scheduler[0]: LinearLR, begin=0, end=0.03 "
         "epochs, convert_to_iter_based=True, becomes begin=0"
-        ", end=0 iterations on this dataset (475 samples"
+        ", end=0 iterations on this dataset (476 samples"
     )
     assert "warmup_ratio * max_epochs >= 0.0333" in report["problems"][0]
     assert text.count("\nmodel_resource = ") == 1
@@ -116,9 +118,34 @@ def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_p
     )
 
 
+def test_the_cut_opt_out_is_reported_with_the_dialogues_it_cuts(in_repo, tmp_path):
+    """``offline_packing = "cut"``: exit 0 (a choice), but never a silent "OK"."""
+    text = TINY.read_text(encoding="utf-8")
+    text = text.replace("    pack_to_max_length=False,\n", "    pack_to_max_length=True,\n")
+    text = sc.sub_once(text, r"^warmup_ratio = 0.03$", "warmup_ratio = 0.1")  # >= 1 step
+    text += '\noffline_packing = "cut"\n'
+    config = tmp_path / "tiny_cut.py"
+    config.write_text(text, encoding="utf-8")
+    report, _ = diagnose(str(config), progress=False)
+    packing = report["packing"]
+    assert report["exit_code"] == 0, report["problems"]
+    assert packing["cut_dialogues"] == packing["xtuner_cut"]["cut_dialogues"] > 0
+    assert packing["rows"] == packing["xtuner_cut"]["rows"]
+    cut = packing["cut_dialogues"]
+    assert any(
+        w.startswith(f"{cut} of 2400 dialogues are cut at row edges") for w in report["warnings"]
+    )
+    summary = format_summary(report)
+    assert summary.splitlines()[-1].startswith(
+        f"CUT: {cut} of 2400 dialogues are trained as pieces"
+    )
+    assert "OK: nothing" not in summary
+
+
 @pytest.mark.slow
 def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_path):
-    """One epoch of the tiny recipe packed offline: the log's final unsupervised_seen.
+    """One epoch of the tiny recipe packed offline with XTuner's cut: the log's final
+    unsupervised_seen.
 
     Not shuffled before packing, so that the doctor's packs are the training's whatever
     consumes numpy's global RNG before the dataset is built.
@@ -127,6 +154,9 @@ def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_p
         TINY.read_text(), r"^    pack_to_max_length=False,$", "    pack_to_max_length=True,"
     )
     text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
+    # XTuner's cut (the opt-out): its pieces without a supervised label are what both count;
+    # whole dialogues (the default) give none here (test_xtuner_offline_packing_is_checked...).
+    text += '\noffline_packing = "cut"\n'
     config = tmp_path / "tiny_packed.py"
     # 475 rows, 30 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
     config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.1"))

@@ -55,10 +55,15 @@ def _training_count(packed: Dataset) -> int:
 
 
 @pytest.mark.parametrize("n, max_length, seed", [(300, 64, 0), (1200, 97, 1), (50, 1024, 2)])
-def test_lossless_figures_match_a_recount_and_the_training_count(n, max_length, seed):
+def test_cut_figures_match_a_recount_and_the_training_count(n, max_length, seed):
+    """``offline_packing = "cut"``: XTuner's cut of the stream, leftover kept."""
     dialogues = _dialogues(n, seed)
-    packed = pack_dataset(dialogues, max_length, True, False, 1)
+    packed = pack_dataset(dialogues, max_length, True, False, 1, whole=False)
     figures = packing_figures(dialogues, packed, max_length)
+    assert figures["xtuner_cut"] == {
+        "rows": len(packed),
+        "cut_dialogues": _recount(dialogues, packed)["cut_dialogues"],
+    }
     tokens = sum(map(len, dialogues["input_ids"]))
     labels = sum(x != -100 for row in dialogues["labels"] for x in row)
     assert figures["tokens"] == {"before": tokens, "after": tokens, "lost": 0}
@@ -81,3 +86,40 @@ def test_xtuners_lossy_packing_counts_what_it_drops():
     assert 0 < figures["tokens"]["lost"] == sum(map(len, dialogues["input_ids"])) - kept
     assert figures["labels"]["lost"] > 0
     assert figures["cut_dialogues"] is None and figures["unsupervised_seen"] is None
+
+
+@pytest.mark.parametrize("n, max_length, seed", [(300, 64, 0), (1200, 97, 1), (50, 1024, 2)])
+def test_whole_dialogue_figures_count_no_cut_and_what_xtuner_would_cut(n, max_length, seed):
+    dialogues = _dialogues(n, seed)
+    packed = pack_dataset(dialogues, max_length, True, False, 1)
+    figures = packing_figures(dialogues, packed, max_length)
+    cut = pack_dataset(dialogues, max_length, True, False, 1, whole=False)
+    assert figures["cut_dialogues"] == 0 and figures["pieces"] == 0
+    assert figures["unsupervised_pieces"] == 0
+    assert figures["unsupervised_seen"] == _training_count(packed)
+    assert figures["rows"] == len(packed)
+    assert figures["xtuner_cut"] == {
+        "rows": len(cut),
+        "cut_dialogues": _recount(dialogues, cut)["cut_dialogues"],
+    }
+    tokens = sum(map(len, dialogues["input_ids"]))
+    assert figures["fill"] == round(tokens / (len(packed) * max_length), 4)
+    assert figures["sft"] is True
+    if n >= 300:  # short dialogues, many per row: XTuner would cut some, we cut none
+        assert figures["xtuner_cut"]["cut_dialogues"] > 0
+
+
+def test_a_packed_document_that_is_not_a_whole_dialogue_counts_as_a_piece():
+    """Rows out of stream order with one dialogue split in two: found by content."""
+    dialogues = Dataset.from_list(
+        [{"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9])]
+    )
+    packed = Dataset.from_list(
+        [
+            {"input_ids": [6, 7, 1, 2, 3], "labels": [6, 7, 1, 2, 3], "cumulative_len": [0, 2, 5]},
+            {"input_ids": [4, 5, 8, 9], "labels": [4, 5, 8, 9], "cumulative_len": [0, 2, 4]},
+        ]
+    )
+    figures = packing_figures(dialogues, packed, 5)
+    assert figures["cut_dialogues"] == 1 and figures["pieces"] == 2
+    assert figures["sft"] is False

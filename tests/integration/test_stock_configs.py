@@ -98,7 +98,8 @@ def test_full_finetune_with_one_edit(stock, tmp_path):
     config = _with_capture(_config(stock, FULL, tmp_path, model=model))
     run, out = _train(config, tmp_path / "run", "dataset", "collate", "hooks", "lossless")
     _documents_isolated(out)
-    assert "xtuner-rope: packed 400 dialogues (" in out and "; nothing dropped." in out
+    assert "xtuner-rope: packed 400 dialogues (" in out
+    assert "nothing dropped; every dialogue whole in one row" in out
     sc.assert_isolated_in_run(config, tmp_path / "run")
     assert run.checkpoint.name == "iter_20.pth"
 

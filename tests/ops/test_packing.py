@@ -73,14 +73,13 @@ def test_cumulative_from_lengths_rejects_empty_document():
         cumulative_from_lengths([3, 0, 2])
 
 
-def _first_fit_decreasing_loads(lengths, max_length):
-    """Reference: textbook first-fit decreasing, returning the row loads."""
+def _best_fit_decreasing_loads(lengths, max_length):
+    """Reference: textbook best-fit decreasing (a linear scan of the rows), returning the loads."""
     loads = []
     for length in sorted(lengths, reverse=True):
-        for r, load in enumerate(loads):
-            if load + length <= max_length:
-                loads[r] += length
-                break
+        fits = [r for r, load in enumerate(loads) if load + length <= max_length]
+        if fits:
+            loads[max(fits, key=lambda r: loads[r])] += length
         else:
             loads.append(length)
     return loads
@@ -88,7 +87,7 @@ def _first_fit_decreasing_loads(lengths, max_length):
 
 @PROPERTY
 @given(st.lists(st.integers(1, 16), min_size=1, max_size=20), st.integers(16, 40))
-@example([4, 4, 4, 6, 7], 16)  # greedy levelling (7+4 | 6+4+4) is worse than FFD (7+6 | 4+4+4)
+@example([4, 4, 4, 6, 7], 16)  # greedy levelling (7+4 | 6+4+4) is worse than BFD (7+6 | 4+4+4)
 def test_plan_packs_properties(lengths, max_length):
     rows = plan_packs(lengths, max_length)
     flat = [i for row in rows for i in row]
@@ -97,20 +96,33 @@ def test_plan_packs_properties(lengths, max_length):
     assert all(load <= max_length for load in loads)
     assert len(rows) <= len(lengths)
     assert all(row == sorted(row) for row in rows)
-    # As few rows as first-fit decreasing needs, and never a longer longest row than FFD's.
-    ffd = _first_fit_decreasing_loads(lengths, max_length)
-    assert len(rows) == len(ffd)
-    assert max(loads, default=0) <= max(ffd, default=0)
+    # As few rows as best-fit decreasing needs, and never a longer longest row than BFD's.
+    bfd = _best_fit_decreasing_loads(lengths, max_length)
+    assert len(rows) == len(bfd)
+    assert max(loads, default=0) <= max(bfd, default=0)
     assert plan_packs(lengths, max_length) == rows  # deterministic
 
 
-def test_plan_packs_first_fit_decreasing_example():
-    # FFD needs 3 rows (7+3, 5+4, 2: the batch would be padded to 10); levelled over 3 rows,
+@pytest.mark.parametrize("n, max_length, seed", [(3000, 97, 0), (2000, 2048, 1), (500, 1, 2)])
+def test_plan_packs_rows_hold_the_textbook_bfd_loads_before_levelling(n, max_length, seed):
+    import numpy as np
+
+    lengths = np.random.default_rng(seed).integers(1, max_length + 1, n).tolist()
+    rows = plan_packs(lengths, max_length)
+    assert sorted(i for row in rows for i in row) == list(range(n))
+    loads = [sum(lengths[i] for i in row) for row in rows]
+    bfd = _best_fit_decreasing_loads(lengths, max_length)
+    assert len(rows) == len(bfd) and max(loads) <= max_length
+    assert max(loads) <= max(bfd)
+
+
+def test_plan_packs_best_fit_decreasing_example():
+    # BFD needs 3 rows (7+3, 5+4, 2: the batch would be padded to 10); levelled over 3 rows,
     # longest first into the shortest row: 7 | 5+2 | 4+3, padded to 7.
     assert plan_packs([7, 3, 5, 4, 2], 10) == [[0], [2, 4], [1, 3]]
-    # Levelling would overflow a row (two rows for 6+4, 5+5: levelled 6+5 > 10): FFD kept.
+    # Levelling would overflow a row (two rows for 6+4, 5+5: levelled 6+5 > 10): BFD kept.
     assert plan_packs([6, 5, 5, 4], 10) == [[0, 3], [1, 2]]
-    # Levelling fits but its longest row (7+4+... = 14) beats FFD's 13: FFD kept.
+    # Levelling fits but its longest row (7+4+... = 14) beats BFD's 13: BFD kept.
     assert plan_packs([4, 4, 4, 6, 7], 16) == [[3, 4], [0, 1, 2]]
     assert plan_packs([1], 1) == [[0]]
     assert plan_packs([], 4) == []

@@ -54,7 +54,7 @@ from .xtuner_model_resource import (
     patch_model_resource_llm_path,
     patch_set_model_resource_llm_path,
 )
-from .xtuner_packing import xtuner_pack_step
+from .xtuner_packing import xtuner_intern_repo_packer, xtuner_pack_step
 from .xtuner_preference import (
     patch_preference_map_fn_errors,
     patch_preference_unpacked_pairs,
@@ -97,6 +97,7 @@ __all__ = [
     "patch_sft_forward_names_missing_hook",
     "patch_sft_sequence_parallel_loss",
     "patch_xtuner_train_sequence_parallel_check",
+    "xtuner_intern_repo_packer",
     "xtuner_pack_step",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",

@@ -1,4 +1,5 @@
-"""XTuner's offline pack step swapped for one call (``lossless_process_hf_dataset``)."""
+"""XTuner's offline pack steps swapped for one call (``lossless_process_hf_dataset``,
+``build_whole_packed_dataset``)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,27 @@ def xtuner_pack_step(pack_fn):
         yield
     finally:
         hf.pack_dataset = original
+
+
+@contextlib.contextmanager
+def xtuner_intern_repo_packer(packer_cls):
+    """Run XTuner's intern-repo ``build_packed_dataset`` with ``packer_cls`` as its packer.
+
+    xtuner 0.2.0 ``xtuner.dataset.intern_repo.build_packed_dataset_rank0`` wraps each loaded
+    dataset in the module's ``PackedDataset``, which concatenates the shuffled documents and
+    cuts every ``packed_length`` tokens (a document across a row edge trained as pieces) and
+    drops the last partial row. Used only by
+    ``xtuner_rope.data.intern_repo_packing.build_whole_packed_dataset`` (the start-up names it);
+    XTuner's rank-0 build and broadcast run as they are, and its class is restored on exit.
+
+    Args:
+        packer_cls: Same arguments as XTuner's ``PackedDataset`` (dataset, packed_length, seed).
+    """
+    import xtuner.dataset.intern_repo as intern_repo
+
+    original = intern_repo.PackedDataset
+    intern_repo.PackedDataset = packer_cls
+    try:
+        yield
+    finally:
+        intern_repo.PackedDataset = original

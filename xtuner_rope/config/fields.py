@@ -71,7 +71,8 @@ def xtuner_packs(dataset: dict) -> bool:
 
 # XTuner's intern-repo datasets (``xtuner.dataset.intern_repo``): every row is a pack of
 # ``packed_length`` tokens with its ``cumulative_len``, whatever the config says.
-OFFLINE_PACKED_TYPES = ("build_packed_dataset",)
+# ``build_whole_packed_dataset`` (xtuner_rope.data.intern_repo_packing) is ours, same arguments.
+OFFLINE_PACKED_TYPES = ("build_packed_dataset", "build_whole_packed_dataset")
 
 
 def offline_packs(dataset: dict) -> bool:

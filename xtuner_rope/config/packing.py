@@ -3,8 +3,10 @@ collate function, drop nothing; the stock ``use_varlen_attn`` switch is served b
 
 - XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
   document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same) and
-  drops nothing (``type=lossless_process_hf_dataset``, same arguments: XTuner's
-  ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover);
+  drops nothing and keeps each dialogue whole in one row (``type=lossless_process_hf_dataset``,
+  same arguments: XTuner's ``pack_dataset`` cuts dialogues at every ``max_length`` tokens and
+  drops each of its ``map_num_proc`` shards' leftover); ``offline_packing = "cut"`` at the top
+  level of the config keeps XTuner's cut (``whole_dialogues=False``), leftover still kept;
 - XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
   size 1 only, as in XTuner), those of the intern-repo datasets' ``build_packed_dataset``
   (always packed, always with ``cumulative_len``) too;
@@ -80,31 +82,123 @@ def _packing_findings(loader: dict) -> list[Finding]:
     return findings
 
 
-def _lossless_packing_findings(loader: dict) -> list[Finding]:
-    """XTuner's offline packing drops each ``map_num_proc`` shard's leftover: use ours."""
-    findings = []
+OFFLINE_PACKING_KEY = "offline_packing"
+WHOLE, CUT = "whole", "cut"
+OFFLINE_PACKINGS = (WHOLE, CUT)
+
+
+def offline_packing(cfg_dict: dict) -> str:
+    """The config's ``offline_packing`` (default ``"whole"``), unchecked."""
+    return _get(cfg_dict, OFFLINE_PACKING_KEY, WHOLE)
+
+
+def _packing_mode_finding(cfg_dict: dict) -> list[Finding]:
+    mode = offline_packing(cfg_dict)
+    if mode in OFFLINE_PACKINGS:
+        return []
+    return [
+        Finding(
+            OFFLINE_PACKING_KEY,
+            f"expected one of {OFFLINE_PACKINGS}, got {mode!r}",
+            f'set {OFFLINE_PACKING_KEY} = "{WHOLE}" (the default: each dialogue whole in one '
+            f'row) or "{CUT}" (XTuner\'s cut every max_length tokens, e.g. for continued '
+            "pretraining on long texts), or delete it",
+        )
+    ]
+
+
+def _lossless_packing_findings(cfg_dict: dict, loader: dict) -> list[Finding]:
+    """XTuner's offline packing cuts dialogues and drops each shard's leftover: use ours."""
+    findings = _packing_mode_finding(cfg_dict)
+    if findings:
+        return findings
+    whole = offline_packing(cfg_dict) == WHOLE
+    how = (
+        "each dialogue whole in one row (best-fit decreasing), every dialogue once, nothing "
+        "dropped; the number of rows per epoch changes (logged when the data is built). "
+        f'Opt out: {OFFLINE_PACKING_KEY} = "{CUT}"'
+        if whole
+        else f'XTuner\'s cut of the whole stream ({OFFLINE_PACKING_KEY} = "{CUT}"): dialogues '
+        "across a row edge are trained as pieces (the doctor counts them), the leftover kept "
+        "as a short last row"
+    )
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
-        if _xtuner_packs(dataset) and type_name(_get(dataset, "type")) == "process_hf_dataset":
+        if _offline_packs(dataset):
+            findings += _intern_repo_findings(where, dataset, whole)
+        if not _xtuner_packs(dataset):
+            continue
+        name = type_name(_get(dataset, "type"))
+        if name == "process_hf_dataset":
             procs = _get(dataset, "map_num_proc", 32)
             findings.append(
                 Finding(
                     f"{where}.type",
                     f"process_hf_dataset packs in map_num_proc={procs} worker(s) "
                     "and drops each worker's last leftover below max_length (tokens and "
-                    "supervised labels lost)",
-                    "set to lossless_process_hf_dataset "
-                    "(xtuner_rope.data.packed_dataset, same arguments): XTuner's packs of the whole "
-                    "stream, the leftover kept as a short last row",
-                    _setitem(
-                        dataset,
-                        "type",
-                        LazyObject(
-                            "xtuner_rope.data.packed_dataset", "lossless_process_hf_dataset"
-                        ),
-                    ),
+                    "supervised labels lost), and cuts the dialogues at every max_length "
+                    "tokens (a dialogue across a row edge is trained as two fragments)",
+                    "set to lossless_process_hf_dataset(whole_dialogues="
+                    f"{whole}) (xtuner_rope.data.packed_dataset, same arguments): {how}",
+                    _replace_builder(dataset, whole),
+                )
+            )
+        elif _get(dataset, "whole_dialogues", True) != whole:
+            findings.append(
+                Finding(
+                    f"{where}.whole_dialogues",
+                    f"{OFFLINE_PACKING_KEY} = {offline_packing(cfg_dict)!r} asks for "
+                    + ("whole dialogues" if whole else "XTuner's cut"),
+                    f"set to {whole}: {how}",
+                    _setitem(dataset, "whole_dialogues", whole),
                 )
             )
     return findings
+
+
+def _intern_repo_findings(where: str, dataset: dict, whole: bool) -> list[Finding]:
+    """XTuner's intern-repo ``build_packed_dataset`` cuts documents too: ours keeps them whole."""
+    name = type_name(_get(dataset, "type"))
+    if name == "build_packed_dataset" and whole:
+        builder = LazyObject("xtuner_rope.data.intern_repo_packing", "build_whole_packed_dataset")
+
+        def fix() -> None:
+            dataset["type"] = builder
+            dataset["whole_documents"] = True
+
+        return [
+            Finding(
+                f"{where}.type",
+                "build_packed_dataset concatenates the documents and cuts every packed_length "
+                "tokens (a document across a row edge is trained as pieces) and drops the last "
+                "partial row",
+                "set to build_whole_packed_dataset(whole_documents=True) "
+                "(xtuner_rope.data.intern_repo_packing, same arguments): each document whole in "
+                "one row (best-fit decreasing; longer documents split into packed_length "
+                f'pieces), nothing dropped. Opt out: {OFFLINE_PACKING_KEY} = "{CUT}"',
+                fix,
+            )
+        ]
+    if name == "build_whole_packed_dataset" and _get(dataset, "whole_documents", True) != whole:
+        return [
+            Finding(
+                f"{where}.whole_documents",
+                f"{OFFLINE_PACKING_KEY} asks for "
+                + ("whole documents" if whole else "XTuner's cut"),
+                f"set to {whole}",
+                _setitem(dataset, "whole_documents", whole),
+            )
+        ]
+    return []
+
+
+def _replace_builder(dataset: dict, whole: bool):
+    builder = LazyObject("xtuner_rope.data.packed_dataset", "lossless_process_hf_dataset")
+
+    def fix() -> None:
+        dataset["type"] = builder
+        dataset["whole_dialogues"] = whole
+
+    return fix
 
 
 @register_findings("varlen")
@@ -145,4 +239,4 @@ def _loader_findings(cfg: Config) -> list[Finding]:
     loader = _get(cfg._cfg_dict, "train_dataloader")
     if not isinstance(loader, dict):
         return []
-    return _packing_findings(loader) + _lossless_packing_findings(loader)
+    return _packing_findings(loader) + _lossless_packing_findings(cfg._cfg_dict, loader)

@@ -1,6 +1,9 @@
-"""What XTuner's dataloader runs: collate functions and the lossless pack step.
+"""What XTuner's dataloader runs: collate functions and the offline pack steps.
 
 - ``collate``: ``rope_collate_fn`` (padded or packed batches with per-document positions);
 - ``collate_llava``: ``llava_collate_fn`` (the same for LLaVA's image placeholders);
-- ``packed_dataset``: ``lossless_process_hf_dataset`` (XTuner's packing without dropped shards).
+- ``packed_dataset``: ``lossless_process_hf_dataset`` (XTuner's packing with each dialogue whole
+  in one row and nothing dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
+- ``pack_plans``: where offline packing puts each token (``whole_plan``, ``cut_plan``);
+- ``intern_repo_packing``: ``build_whole_packed_dataset`` (the intern-repo packer, documents whole).
 """

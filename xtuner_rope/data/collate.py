@@ -186,7 +186,7 @@ def rope_collate_fn(
 
     Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
     and/or ``position_ids`` restarting at 0 per document). Each row is one item, or with
-    ``pack=True`` several items placed by first-fit decreasing. Rows are padded to one
+    ``pack=True`` several items placed by best-fit decreasing. Rows are padded to one
     length ``s``; the padding is cut into segments of its own, each shorter than the
     longest real document of the batch (so padding never leaves the RoPE range when the
     documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add, and the

@@ -76,7 +76,7 @@ def llava_collate_fn(
         max_length: Row capacity in tokens *after* the image expansion.
         image_tokens: ``P``, the patch embeddings one image becomes (``(image_size /
             patch_size) ** 2`` for CLIP, CLS dropped).
-        pack: Pack samples into rows (first-fit decreasing on expanded lengths); False keeps
+        pack: Pack samples into rows (best-fit decreasing on expanded lengths); False keeps
             one sample per row (XTuner's padding, with the same fields).
         return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
 

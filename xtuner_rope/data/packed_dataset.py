@@ -1,24 +1,29 @@
-"""XTuner's offline packing without its losses: every token and label of the dataset is kept.
+"""XTuner's offline packing with every dialogue whole and nothing dropped.
 
-xtuner 0.2.0's ``process_hf_dataset(pack_to_max_length=True)`` packs with its ``Packer`` through
-``datasets.map(batched=True, num_proc=map_num_proc)``: the Packer carries each batch's
-leftover into the next batch, but every map worker packs its own shard and the leftover below
-``max_length`` at the end of each shard is dropped (up to ``map_num_proc`` times
-``max_length`` tokens; 38% of the tokens of 2,400 short alpaca dialogues at the default 32).
+xtuner 0.2.0's ``process_hf_dataset(pack_to_max_length=True)`` concatenates the tokenized
+dialogues and cuts the stream every ``max_length`` tokens (its ``Packer``, mapped over
+``map_num_proc`` shards): a dialogue across a row edge is trained as two fragments (the
+second at position 0, mid-answer, without its prompt), and each shard's leftover below
+``max_length`` is dropped (38% of the tokens of 2,400 short alpaca dialogues at the default
+32 shards).
 
 :func:`lossless_process_hf_dataset` takes the same arguments and runs XTuner's own pipeline
 (loading, map and template functions, tokenization, filtering, shuffle, ``length``), with
-the pack step replaced by :func:`pack_dataset`: the packs XTuner's Packer makes over the
-whole dataset in one stream (what ``map_num_proc=1`` gives, batches of 1000 included), and the
-final leftover kept as a short last row. The cut is planned with numpy from the dialogue
-lengths and the rows are written as Arrow slices of the tokenized columns, so it scales like
-XTuner's (no Python list per token) and writes its rows to a cache file next to the
-dataset's, as ``datasets.map`` does. Dialogues are still cut at row edges, as in XTuner (the
-cut-off part restarts at position 0).
+the pack step replaced by :func:`pack_dataset`. By default each dialogue is packed whole into
+one row (``pack_plans.whole_plan``: best-fit decreasing, the planner of collate-time packing
+too), every dialogue exactly once; documents longer than a row (pretraining-style data only)
+are split into ``max_length`` pieces. With ``whole_dialogues=False`` (the config's
+``offline_packing = "cut"``) the rows are XTuner's cut of one stream (``pack_plans.cut_plan``,
+what ``map_num_proc=1`` gives), the final leftover kept as a short last row. Either way the
+plan is computed with numpy from the lengths and the rows are written as Arrow gathers of the
+tokenized columns to a cache file next to the dataset's, as ``datasets.map`` does (no Python
+list per token), with XTuner's columns (``cumulative_len``/``position_ids`` restarting at 0
+per document with ``use_varlen_attn``).
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
 from pathlib import Path
 
@@ -27,118 +32,67 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from mmengine.logging import print_log
 
-XTUNER_MAP_BATCH = 1000  # datasets.map's default batch_size: XTuner's Packer sees batches this big
+from .pack_plans import (
+    cut_dialogues,
+    cut_plan,
+    position_ids,
+    row_boundaries,
+    token_indices,
+    whole_plan,
+)
+
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
-
-
-def pack_plan(
-    lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
-) -> np.ndarray:
-    """Where XTuner's Packer cuts one stream of dialogues, the final leftover kept.
-
-    The Packer concatenates each batch onto the previous leftover and cuts whole
-    ``max_length`` rows; a batch that does not fill one row comes out as one short row. The
-    leftover after the last batch is a last, short row here (XTuner drops it).
-
-    Args:
-        lengths: ``[n]`` token counts of the dialogues, in stream order.
-        max_length: Tokens per packed row.
-        batch_size: Dialogues per Packer call.
-
-    Returns:
-        ``[r + 1]`` int64 row offsets into the concatenated stream (0 first, the total last).
-
-    Raises:
-        ValueError: ``max_length`` is not a positive integer.
-    """
-    if not isinstance(max_length, (int, np.integer)) or max_length <= 0:
-        raise ValueError(
-            f"pack_dataset: max_length must be a positive integer, got "
-            f"{max_length!r}; set max_length in PART 1 of the config."
-        )
-    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
-    total = int(ends[-1]) if len(ends) else 0
-    cuts, start = [np.zeros(1, dtype=np.int64)], 0
-    for end in ends[batch_size - 1 :: batch_size].tolist() + [total]:
-        rows = (end - start) // max_length
-        if rows:
-            cuts.append(start + max_length * np.arange(1, rows + 1, dtype=np.int64))
-            start += rows * max_length
-        elif end > start and end != total:  # a batch short of one row: XTuner emits it as is
-            cuts.append(np.array([end], dtype=np.int64))
-            start = end
-    if total > start:
-        cuts.append(np.array([total], dtype=np.int64))
-    return np.concatenate(cuts)
-
-
-def _row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``cumulative_len`` of rows ``cuts[0]..cuts[-1]``: flat values and their list offsets.
-
-    Args:
-        doc_offsets: ``[n + 1]`` dialogue starts in the stream (the total last).
-        cuts: ``[k + 1]`` row offsets of consecutive rows.
-
-    Returns:
-        ``(values, offsets)``: per row, 0, the dialogue starts inside it and its length, as
-        XTuner's Packer writes them; ``offsets`` is ``[k + 1]`` into ``values``.
-    """
-    lo = np.searchsorted(doc_offsets, cuts[:-1], side="right")
-    hi = np.searchsorted(doc_offsets, cuts[1:], side="left")
-    inner = hi - lo  # dialogue starts strictly inside each row
-    offsets = np.concatenate([[0], np.cumsum(inner + 2)])
-    values = np.empty(offsets[-1], dtype=np.int64)
-    values[offsets[:-1]] = 0
-    values[offsets[1:] - 1] = cuts[1:] - cuts[:-1]
-    if inner.sum():
-        row = np.repeat(np.arange(len(inner)), inner)
-        rank = np.arange(inner.sum()) - np.repeat(np.cumsum(inner) - inner, inner)
-        values[offsets[row] + 1 + rank] = doc_offsets[lo[row] + rank] - cuts[row]
-    return values, offsets
-
-
-def _position_ids(cum_values: np.ndarray, cum_offsets: np.ndarray) -> np.ndarray:
-    """Flat ``[t]`` position ids restarting at 0 at every boundary of ``cumulative_len``."""
-    starts = cum_values[np.setdiff1d(np.arange(len(cum_values)), cum_offsets[1:] - 1)]
-    row_len = cum_values[cum_offsets[1:] - 1]
-    row_base = np.concatenate([[0], np.cumsum(row_len)])
-    seg_counts = np.diff(cum_offsets) - 1
-    seg_starts = starts + np.repeat(row_base[:-1], seg_counts)
-    seg_len = np.diff(np.concatenate([seg_starts, [row_base[-1]]]))
-    return np.arange(row_base[-1]) - np.repeat(seg_starts, seg_len)
+ROWS_PER_GATHER = 1024  # whole-dialogue rows per gather and write (16 MiB a column at 2048)
 
 
 def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
 
 
-def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool):
-    """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` rows per Arrow table.
+def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole: bool = True):
+    """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
+    ``ROWS_PER_GATHER`` (whole) rows per Arrow table.
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
         max_length: Tokens per packed row.
         use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
+        whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
 
     Yields:
         Tables with XTuner's packed columns.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    cuts = pack_plan(lengths, max_length)
     flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
-    for first in range(0, len(cuts) - 1, ROWS_PER_WRITE):
-        rows = cuts[first : first + ROWS_PER_WRITE + 1]
+    if whole:
+        # Rows gather their dialogues from anywhere: one contiguous copy of each column
+        # (the tokenized size in memory), because a ``take`` on a chunked column joins every
+        # chunk first, a pass over the whole column per gather.
+        flat = {k: v.combine_chunks() for k, v in flat.items()}
+        starts, sizes, row_pieces = whole_plan(lengths, max_length)
+        doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
+        cuts = doc_offsets[row_pieces]
+    else:  # the stream in order: each row one slice of it
+        cuts = cut_plan(lengths, max_length)
+        doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    step = ROWS_PER_GATHER if whole else ROWS_PER_WRITE
+    for first in range(0, len(cuts) - 1, step):
+        rows = cuts[first : first + step + 1]
         offsets = rows - rows[0]
-        columns = {
-            k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())
-            for k, v in flat.items()
-        }
+        if whole:
+            pieces = slice(row_pieces[first], row_pieces[first + len(rows) - 1])
+            index = pa.array(token_indices(starts[pieces], sizes[pieces]))
+            columns = {k: _list_array(offsets, v.take(index)) for k, v in flat.items()}
+        else:
+            columns = {
+                k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())
+                for k, v in flat.items()
+            }
         if use_varlen_attn:
-            cum_values, cum_offsets = _row_boundaries(doc_offsets, rows)
+            cum_values, cum_offsets = row_boundaries(doc_offsets, rows)
             columns["cumulative_len"] = _list_array(cum_offsets, pa.array(cum_values))
             columns["position_ids"] = _list_array(
-                offsets, pa.array(_position_ids(cum_values, cum_offsets))
+                offsets, pa.array(position_ids(cum_values, cum_offsets))
             )
         yield pa.table(columns)
 
@@ -154,21 +108,26 @@ def _output_path(dataset) -> Path:
     return folder / f"xtuner-rope-packed-{uuid.uuid4().hex}.arrow"
 
 
-def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_num_proc):
-    """XTuner's ``pack_dataset`` (same arguments), keeping every token: see the module docstring.
+def pack_dataset(
+    dataset, max_length, use_varlen_attn, shuffle_before_pack, map_num_proc, whole=True
+):
+    """XTuner's ``pack_dataset`` (same arguments), every dialogue whole and every token kept.
 
     Args:
         dataset: Tokenized ``datasets.Dataset`` with ``input_ids`` and ``labels``.
         max_length: Tokens per packed row.
         use_varlen_attn: Write ``cumulative_len`` and ``position_ids`` (as XTuner).
-        shuffle_before_pack: Shuffle the dialogues first (as XTuner, numpy's global seed).
+        shuffle_before_pack: Shuffle the dialogues first (as XTuner, numpy's global seed): it
+            decides which equal-length dialogues share a row and the order of the rows.
         map_num_proc: Processes for the shuffle's ``flatten_indices`` (as XTuner).
+        whole: Each dialogue whole in one row (the default); False: XTuner's cut of one
+            stream (``offline_packing = "cut"``).
 
     Returns:
         The packed ``datasets.Dataset``.
 
     Raises:
-        ValueError: a column XTuner packs is missing.
+        ValueError: a column XTuner packs is missing, or a dialogue has no tokens.
     """
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
@@ -186,18 +145,37 @@ def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_
     table = dataset.with_format("arrow")[:]  # zero-copy slices of the cache files
     path = _output_path(dataset)
     with ArrowWriter(path=str(path)) as writer:
-        for part in packed_tables(table, max_length, use_varlen_attn):
+        for part in packed_tables(table, max_length, use_varlen_attn, whole):
             writer.write_table(part)
         writer.finalize()
     packed = Dataset.from_file(str(path))
-    tokens, labels = _token_counts(table)
-    print_log(
-        f"xtuner-rope: packed {len(dataset)} dialogues ({tokens} tokens, {labels} "
-        f"supervised labels) into {len(packed)} rows of max_length={max_length}; "
-        "nothing dropped.",
-        logger="current",
-    )
+    print_log(_summary(table, len(packed), max_length, whole), logger="current")
     return packed
+
+
+def _summary(table: pa.Table, rows: int, max_length: int, whole: bool) -> str:
+    """The start-up's line on what packing did, with XTuner's cut for comparison."""
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    tokens, labels = _token_counts(table)
+    cuts = cut_plan(lengths, max_length)
+    fill = tokens / max(rows * max_length, 1)
+    head = (
+        f"xtuner-rope: packed {len(lengths)} dialogues ({tokens} tokens, {labels} supervised "
+        f"labels) into {rows} rows of max_length={max_length} (fill {fill:.1%}), nothing dropped"
+    )
+    if not whole:
+        return (
+            f'{head}; XTuner\'s cut (offline_packing = "cut"): '
+            f"{cut_dialogues(lengths, cuts)} dialogues cut at row edges, trained as pieces."
+        )
+    split = int((lengths > max_length).sum())
+    return (
+        f"{head}; every dialogue whole in one row"
+        + (f" ({split} documents longer than a row split into max_length pieces)" if split else "")
+        + f". XTuner's cut would make {len(cuts) - 1} rows and cut "
+        f"{cut_dialogues(lengths, cuts)} dialogues: an epoch is {rows} rows instead of "
+        f"{len(cuts) - 1} (iterations per epoch change with it)."
+    )
 
 
 def _token_counts(table: pa.Table) -> tuple[int, int]:
@@ -208,8 +186,8 @@ def _token_counts(table: pa.Table) -> tuple[int, int]:
     )
 
 
-def lossless_process_hf_dataset(dataset, **kwargs):
-    """``xtuner.dataset.process_hf_dataset`` (same arguments) whose packing drops nothing.
+def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs):
+    """``xtuner.dataset.process_hf_dataset`` (same arguments), each dialogue packed whole.
 
     The start-up puts it in place of ``process_hf_dataset`` in packing configs. XTuner's own
     function runs, distributed start included; only its pack step is this module's
@@ -217,17 +195,31 @@ def lossless_process_hf_dataset(dataset, **kwargs):
 
     Args:
         dataset: As ``process_hf_dataset``.
+        whole_dialogues: Pack each dialogue whole (the default); False keeps XTuner's cut of
+            the stream (the start-up sets it from ``offline_packing = "cut"``), leftover kept.
         **kwargs: As ``process_hf_dataset``.
 
     Returns:
         The dataset ``process_hf_dataset`` builds, with every dialogue's tokens kept.
+
+    Raises:
+        TypeError: ``whole_dialogues`` is not a bool.
     """
     from xtuner.dataset.huggingface import process_hf_dataset
 
     from xtuner_rope.compat import xtuner_pack_step
 
-    with xtuner_pack_step(pack_dataset):
+    if not isinstance(whole_dialogues, bool):
+        raise TypeError(
+            f"lossless_process_hf_dataset: whole_dialogues: expected True or False, got "
+            f'{whole_dialogues!r}; set offline_packing = "whole" or "cut" at the top '
+            "level of the config instead."
+        )
+    with xtuner_pack_step(functools.partial(pack_dataset, whole=whole_dialogues)):
         return process_hf_dataset(dataset, **kwargs)
 
+
+# The cut plan's name before whole-dialogue packing (tests and tools of earlier rounds).
+pack_plan = cut_plan
 
 __all__ = ["lossless_process_hf_dataset", "pack_dataset", "pack_plan"]

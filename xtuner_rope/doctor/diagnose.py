@@ -417,6 +417,14 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
             f"{lab['lost']} of {lab['before']} supervised labels (each map_num_proc "
             "shard's leftover); with xtuner-rope enabled nothing is dropped"
         )
+    if packing.get("cut_dialogues") and packing.get("sft"):
+        warnings.append(
+            f"{packing['cut_dialogues']} of {packing['dialogues']} dialogues are cut at row "
+            f"edges and trained as {packing['pieces']} pieces (a piece starts mid-dialogue at "
+            "position 0, without its prompt), "
+            f"{packing['unsupervised_pieces']} of them without a supervised label; "
+            'offline_packing = "whole" (the default with xtuner-rope) packs each dialogue whole'
+        )
     warnings += collate["collate_warnings"]
     return problems, warnings
 

@@ -4,17 +4,22 @@ A ``process_hf_dataset(pack_to_max_length=True)`` config (or its start-up replac
 ``lossless_process_hf_dataset``) is built in two steps with XTuner's own builder: the
 dialogues as the pack step receives them (tokenized, filtered, shuffled as the config says,
 with numpy seeded from ``randomness.seed`` as MMEngine's Runner seeds it), then the config's
-pack step on them. Knowing the stream order, :func:`packing_figures` counts tokens and labels
-before and after (kept / lost), the dialogues cut at row edges and their pieces, and the
-packed documents with no supervised label, counted as ``batch_stats`` counts them in training
-(``unsupervised_seen`` after one epoch).
+pack step on them. :func:`packing_figures` counts tokens and labels before and after (kept /
+lost), the rows and their fill, the dialogues cut at row edges and their pieces (0 with
+whole-dialogue packing, the plugin's default), what XTuner's cut of the same stream would
+make (rows, dialogues cut), and the packed documents with no supervised label, counted as
+``batch_stats`` counts them in training (``unsupervised_seen`` after one epoch).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections import Counter
 
 import numpy as np
+
+from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan
 
 IGNORE_INDEX = -100
 
@@ -42,6 +47,7 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
         set_random_seed(seed)
     kwargs = copy.deepcopy(dict(dataset_cfg))
     lossless = type_name(kwargs.pop("type")) == "lossless_process_hf_dataset"
+    whole = kwargs.pop("whole_dialogues", True)
     shuffle = kwargs.pop("shuffle_before_pack", True)
     varlen = bool(kwargs.pop("use_varlen_attn", False))
     procs = kwargs.get("map_num_proc", 32)
@@ -50,7 +56,9 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     )
     if shuffle:  # as XTuner's pack_dataset does, before its Packer
         dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
-    pack = lossless_pack_dataset if lossless else xtuner_pack_dataset
+    pack = (
+        functools.partial(lossless_pack_dataset, whole=whole) if lossless else xtuner_pack_dataset
+    )
     packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
     return dialogues, packed
 
@@ -80,6 +88,9 @@ def _segment_starts(packed) -> np.ndarray | None:
 def packing_figures(dialogues, packed, max_length: int) -> dict:
     """What the pack step did to the dialogues, JSON-ready.
 
+    Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut),
+    else by finding each dialogue whole among the packed documents (whole-dialogue packing).
+
     Args:
         dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
         packed: The packed rows built from them (with ``cumulative_len`` when the config
@@ -88,7 +99,9 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
 
     Returns:
         Counts: ``tokens`` and ``labels`` (labels other than -100) ``before`` / ``after`` /
-        ``lost``; ``rows``; and, when no token was lost and the rows carry boundaries,
+        ``lost``; ``rows``; ``fill`` (tokens / row slots); ``sft`` (some label is -100: the
+        dialogues have prompts); ``xtuner_cut`` (``rows`` and ``cut_dialogues`` of XTuner's cut
+        of the same stream, its leftover kept); and, when no token was lost and the rows carry boundaries,
         ``cut_dialogues`` (a row edge falls inside them), ``pieces`` (their parts),
         ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
         is -100 or its document's first: what training counts over one epoch); else None.
@@ -108,24 +121,50 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
         "unsupervised_pieces": None,
         "unsupervised_seen": None,
     }
+    lengths = np.asarray([len(r) for r in dialogues["input_ids"]], dtype=np.int64)
+    xtuner_cuts = cut_plan(lengths, max_length)
+    figures.update(
+        fill=round(len(packed_labels) / max(len(packed) * max_length, 1), 4),
+        sft=bool((labels == IGNORE_INDEX).any()),
+        xtuner_cut={
+            "rows": len(xtuner_cuts) - 1,
+            "cut_dialogues": cut_dialogues(lengths, xtuner_cuts),
+        },
+    )
     starts = _segment_starts(packed)
     if starts is None or figures["tokens"]["lost"] or not len(tokens):
         return figures
-    lengths = np.asarray([len(r) for r in dialogues["input_ids"]], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    doc_of_segment = np.searchsorted(doc_starts, starts, side="right") - 1
-    parts = np.bincount(doc_of_segment, minlength=len(lengths))  # segments per dialogue
     used = packed_labels != IGNORE_INDEX
     used[starts] = False  # a document's first label is never predicted from its document
     unsupervised = np.add.reduceat(used.astype(np.int64), starts) == 0
-    piece = parts[doc_of_segment] > 1
+    if np.array_equal(_flat(packed["input_ids"]), tokens):  # the stream in order: XTuner's cut
+        doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        doc_of_segment = np.searchsorted(doc_starts, starts, side="right") - 1
+        parts = np.bincount(doc_of_segment, minlength=len(lengths))  # segments per dialogue
+        piece = parts[doc_of_segment] > 1
+        cut = int((parts > 1).sum())
+    else:  # rows in another order (whole-dialogue packing): find each dialogue whole
+        piece = ~_whole_segments(dialogues["input_ids"], _flat(packed["input_ids"]), starts)
+        cut = len(lengths) - int((~piece).sum())
     figures.update(
-        cut_dialogues=int((parts > 1).sum()),
+        cut_dialogues=cut,
         pieces=int(piece.sum()),
         unsupervised_pieces=int((unsupervised & piece).sum()),
         unsupervised_seen=int(unsupervised.sum()),
     )
     return figures
+
+
+def _whole_segments(dialogue_ids: list, flat_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``[k]`` bool: packed document ``k`` is one whole dialogue (each dialogue matched once)."""
+    left = Counter(tuple(ids) for ids in dialogue_ids)
+    whole = np.zeros(len(starts), dtype=bool)
+    for k, segment in enumerate(np.split(flat_ids, starts[1:])):
+        key = tuple(segment.tolist())
+        if left[key] > 0:
+            left[key] -= 1
+            whole[k] = True
+    return whole
 
 
 def _kept(before: int, after: int) -> dict:

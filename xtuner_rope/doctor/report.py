@@ -47,22 +47,26 @@ def _data_lines(report: dict) -> list[str]:
         + ("dialogues before packing: " if report["packing"] else "")
         + _percentiles(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
-    ] + _packing_lines(report["packing"])
+    ] + _packing_lines(report["packing"], report["collate"]["batch_size"])
 
 
 def _percentiles(lengths: dict) -> str:
     return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in lengths.items())
 
 
-def _packing_lines(p: dict | None) -> list[str]:
+def _packing_lines(p: dict | None, batch_size: int) -> list[str]:
     if not p:
         return []
-    t, lab = p["tokens"], p["labels"]
+    t, lab, xt = p["tokens"], p["labels"], p["xtuner_cut"]
     lines = [
         f"packing      {p['dialogues']} dialogues -> {p['rows']} rows of max_length="
         f"{p['max_length']}: tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
         f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']})",
-        f"             row lengths {_percentiles(p['row_lengths'])}",
+        f"             row lengths {_percentiles(p['row_lengths'])}, fill {p['fill']:.1%} "
+        "(tokens / row slots)",
+        f"             epoch: {p['rows']} rows, {-(-p['rows'] // batch_size)} iterations of "
+        f"batch size {batch_size}; XTuner's cut of the same stream: {xt['rows']} rows, "
+        f"{-(-xt['rows'] // batch_size)} iterations, {xt['cut_dialogues']} dialogues cut",
     ]
     if p["cut_dialogues"] is not None:
         lines.append(
@@ -115,11 +119,17 @@ def format_summary(report: dict) -> str:
     lines += rope_lines(report.get("rope"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
-    verdict = (
-        "FAIL: training would fail or be silently wrong (exit 1)"
-        if report["exit_code"]
-        else "OK: nothing that would fail or corrupt training (exit 0)"
-    )
+    packing = report.get("packing") or {}
+    if report["exit_code"]:
+        verdict = "FAIL: training would fail or be silently wrong (exit 1)"
+    elif packing.get("cut_dialogues") and packing.get("sft"):  # offline_packing = "cut"
+        verdict = (
+            f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} dialogues are trained "
+            "as pieces, as this config asks (see the warning); nothing else would fail or "
+            "corrupt training (exit 0)"
+        )
+    else:
+        verdict = "OK: nothing that would fail or corrupt training (exit 0)"
     return "\n".join(lines + [verdict])
 
 

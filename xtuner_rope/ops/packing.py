@@ -210,20 +210,48 @@ def lay_out_rows(
     }
 
 
-def _first_fit_decreasing(
-    lengths: Sequence[int], order: list[int], max_length: int
-) -> list[list[int]]:
+def _best_fit_decreasing(order: list[int], lengths: list[int], max_length: int) -> list[list[int]]:
+    """Best-fit decreasing: each item (longest first) into the row with the least room it fits.
+
+    Rows are found through a segment tree over the free room ``0..max_length`` (how many rows
+    have exactly that room, summed up the tree), so placing ``n`` items costs
+    ``O(n log max_length)``: a million dialogues plan in seconds (the tree walks are inlined:
+    this loop is the whole cost). Rows with equal room are interchangeable for every later
+    item, so which of them takes an item changes no row's load.
+    """
+    size = 1 << max(max_length, 1).bit_length()  # leaves: free room 0 .. size - 1
+    count = [0] * (2 * size)
+    rows_with: list[list[int]] = [[] for _ in range(max_length + 1)]
     rows: list[list[int]] = []
     room: list[int] = []
     for i in order:
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
+        need = lengths[i]
+        node = need + size  # the least room >= need: climb to a right sibling that has one,
+        if not count[node]:  # then down to its leftmost leaf
+            while node > 1 and (node & 1 or not count[node + 1]):
+                node >>= 1
+            if node > 1:
+                node += 1
+                while node < size:
+                    node = 2 * node if count[2 * node] else 2 * node + 1
+        if node > 1:  # a row has room: take it out of the tree
+            free = node - size
+            r = rows_with[free].pop()
+            while node:
+                count[node] -= 1
+                node >>= 1
+            rows[r].append(i)
+            room[r] -= need
         else:
+            r = len(rows)
             rows.append([i])
-            room.append(max_length - lengths[i])
+            room.append(max_length - need)
+        if room[r]:
+            rows_with[room[r]].append(r)
+            node = room[r] + size
+            while node:
+                count[node] += 1
+                node >>= 1
     return rows
 
 
@@ -242,20 +270,24 @@ def _levelled(lengths: Sequence[int], order: list[int], n_rows: int) -> list[lis
     return rows
 
 
-def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
-    """Group items into as few rows of at most ``max_length`` tokens as first-fit decreasing finds.
+def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> list[list[int]]:
+    """Group whole items into as few rows of at most ``max_length`` tokens as best-fit
+    decreasing finds: the one row planner of every packing (collate time and offline).
 
-    First-fit decreasing sets the number of rows; the items are then spread over that many
+    Best-fit decreasing sets the number of rows; the items are then spread over that many
     rows so the rows come out about equally long (longest item first, each into the currently
-    shortest row), because every row of a batch is padded to the longest one: FFD alone
+    shortest row), because every row of a batch is padded to the longest one: BFD alone
     leaves its last row nearly empty (95% real tokens instead of 99%+ on our sample data). If
-    levelling would overflow a row or make the longest row longer than FFD's (greedy levelling
-    is not optimal: 7+4 | 6+4+4 against FFD's 7+6 | 4+4+4), the FFD plan is kept.
+    levelling would overflow a row or make the longest row longer than BFD's (greedy levelling
+    is not optimal: 7+4 | 6+4+4 against BFD's 7+6 | 4+4+4), the BFD plan is kept.
     Deterministic (ties by index); each row lists its items in their original order.
+    ``O(n log n)``: a million items plan in seconds.
 
     Args:
-        lengths: ``[n]`` item lengths, each in ``[1, max_length]``.
+        lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (a list or a 1-D array).
         max_length: capacity of a row in tokens.
+        level: Spread the items over the rows as above (rows padded to the batch's longest);
+            False keeps the BFD rows (offline packing: rows of batch size 1, not padded).
 
     Returns:
         Rows as lists of item indices, ordered by the row's first-placed (longest) item.
@@ -265,17 +297,19 @@ def plan_packs(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     """
     if max_length < 1:
         raise ValueError(f"max_length: expected >= 1, got {max_length}.")
-    for i, length in enumerate(lengths):
-        if not 1 <= length <= max_length:
-            raise ValueError(
-                f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {length}; "
-                "drop empty items and truncate long ones before packing."
-            )
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows = _first_fit_decreasing(lengths, order, max_length)
-    if len(rows) > 1:
+    lengths = [int(n) for n in lengths]
+    if lengths and not 1 <= min(lengths) <= max(lengths) <= max_length:
+        i = next(i for i, n in enumerate(lengths) if not 1 <= n <= max_length)
+        raise ValueError(
+            f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {lengths[i]}; "
+            "drop empty items and truncate long ones before packing."
+        )
+    # Longest first, ties by index (a stable sort of the negated lengths).
+    order = torch.sort(-torch.tensor(lengths, dtype=torch.long), stable=True).indices.tolist()
+    rows = _best_fit_decreasing(order, lengths, max_length)
+    if level and len(rows) > 1:
         levelled = _levelled(lengths, order, len(rows))
-        # Every FFD row fits, so no longer than FFD's longest row also means it fits.
+        # Every BFD row fits, so no longer than BFD's longest row also means it fits.
         if _longest_row(lengths, levelled) <= _longest_row(lengths, rows):
             rows = levelled
     return [sorted(row) for row in rows]

@@ -1,0 +1,113 @@
+"""XTuner's intern-repo packing (``build_packed_dataset``) with every document whole.
+
+xtuner 0.2.0's intern-repo ``PackedDataset`` shuffles the documents (``seed``), concatenates
+them and cuts every ``packed_length`` tokens: a document across a row edge is trained as
+pieces, and the last partial row is dropped. :class:`WholePackedDataset` takes the same
+arguments and the same shuffle, and places each document whole into one row through
+``pack_plans.whole_plan`` (best-fit decreasing, the planner of every other packing): every
+document once, nothing dropped. Documents longer than ``packed_length`` (the tokenized
+intern-repo files are pretraining data and may hold them) are split into ``packed_length``
+pieces; dialogues (``load_intern_repo_untokenized_dataset``) are truncated at ``max_length``
+by XTuner's ``encode_fn`` and never are. Rows are built on access, as XTuner's are, with
+XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .pack_plans import whole_plan
+
+
+def _lengths(dataset) -> np.ndarray:
+    """``[n]`` document lengths, read as XTuner's ``PackedDataset`` reads them."""
+    length = getattr(dataset, "length", None)
+    if length is None:
+        length = [len(item["input_ids"]) for item in dataset]
+    return np.asarray(length, dtype=np.int64)
+
+
+class WholePackedDataset(torch.utils.data.Dataset):
+    """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
+
+    Args:
+        dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
+        packed_length: Tokens per row.
+        seed: Seed of the document shuffle (XTuner's: ``np.random.RandomState(seed)``).
+
+    Raises:
+        ValueError: ``packed_length`` is not a positive integer, or a document is empty.
+    """
+
+    def __init__(self, dataset, packed_length: int = 8192, seed: int = 1024):
+        self.dataset = dataset
+        self.packed_length = packed_length
+        self.length = _lengths(dataset)
+        order = np.arange(len(self.length))
+        np.random.RandomState(seed).shuffle(order)  # XTuner's shuffle, same seed
+        lengths = self.length[order]
+        starts, self.sizes, self.row_pieces = whole_plan(lengths, packed_length)
+        stream = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        at = np.searchsorted(stream, starts, side="right") - 1  # piece -> shuffled document
+        self.documents = order[at]  # [p] index into ``dataset`` of each piece
+        self.offsets = starts - stream[at]  # [p] first token of each piece in its document
+        self.num_tokens = int(self.length.sum())
+
+    def __len__(self) -> int:
+        return len(self.row_pieces) - 1
+
+    def __getitem__(self, row: int) -> dict:
+        """Row ``row``: XTuner's packed columns, positions restarting at 0 per document."""
+        ids, labels, cumulative_len, position_ids = [], [], [0], []
+        for p in range(self.row_pieces[row], self.row_pieces[row + 1]):
+            sample = self.dataset[int(self.documents[p])]
+            a, n = int(self.offsets[p]), int(self.sizes[p])
+            ids.extend(sample["input_ids"][a : a + n])
+            labels.extend(sample["labels"][a : a + n])
+            cumulative_len.append(cumulative_len[-1] + n)
+            position_ids.extend(range(n))
+        return {
+            "input_ids": ids,
+            "cumulative_len": cumulative_len,
+            "position_ids": position_ids,
+            "labels": labels,
+        }
+
+
+def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
+    """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
+
+    XTuner's function runs (rank 0 builds, the others receive it by broadcast); only its
+    packer is :class:`WholePackedDataset`. The start-up puts it in place of
+    ``build_packed_dataset``; ``whole_documents=False`` (``offline_packing = "cut"``) runs
+    XTuner's own packer.
+
+    Args:
+        *args: As ``build_packed_dataset`` (``dataset_cfg``, ``packed_length``, ``seed``).
+        whole_documents: Pack each document whole (the default).
+        **kwargs: As ``build_packed_dataset``.
+
+    Returns:
+        The ``ConcatDataset`` of packed datasets ``build_packed_dataset`` returns.
+
+    Raises:
+        TypeError: ``whole_documents`` is not a bool.
+    """
+    from xtuner.dataset.intern_repo import build_packed_dataset
+
+    from xtuner_rope.compat import xtuner_intern_repo_packer
+
+    if not isinstance(whole_documents, bool):
+        raise TypeError(
+            f"build_whole_packed_dataset: whole_documents: expected True or False, got "
+            f'{whole_documents!r}; set offline_packing = "whole" or "cut" at the top level of '
+            "the config instead."
+        )
+    if not whole_documents:
+        return build_packed_dataset(*args, **kwargs)
+    with xtuner_intern_repo_packer(WholePackedDataset):
+        return build_packed_dataset(*args, **kwargs)
+
+
+__all__ = ["WholePackedDataset", "build_whole_packed_dataset"]

@@ -1,0 +1,171 @@
+"""Where offline packing puts each token: whole dialogues (the default) or XTuner's cut.
+
+Both plans work on the dialogue lengths only (numpy, no token is touched) and describe the
+packed rows as *pieces* of the tokenized stream, listed in row order:
+
+- :func:`whole_plan`: every dialogue is one piece, placed whole by ``ops.packing.plan_packs``
+  (best-fit decreasing, the planner of collate-time packing too). A document longer than a
+  row (only pretraining-style data has them: XTuner's ``encode_fn`` truncates dialogues at
+  ``max_length``) is split into ``max_length`` pieces first, the last one shorter.
+- :func:`cut_plan`: XTuner's Packer over one stream (concatenate, cut every ``max_length``
+  tokens; batches of 1000 as ``datasets.map`` feeds it), the final leftover kept.
+
+:func:`row_boundaries` and :func:`position_ids` then write the rows' ``cumulative_len`` and
+``position_ids`` in XTuner's format, whichever plan made them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xtuner_rope.ops.packing import plan_packs
+
+XTUNER_MAP_BATCH = 1000  # datasets.map's default batch_size: XTuner's Packer sees batches this big
+
+
+def _check_max_length(max_length: object) -> None:
+    integer = isinstance(max_length, (int, np.integer)) and not isinstance(max_length, bool)
+    if not integer or max_length <= 0:
+        raise ValueError(
+            f"pack_dataset: max_length must be a positive integer, got "
+            f"{max_length!r}; set max_length in PART 1 of the config."
+        )
+
+
+def cut_plan(
+    lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
+) -> np.ndarray:
+    """Where XTuner's Packer cuts one stream of dialogues, the final leftover kept.
+
+    The Packer concatenates each batch onto the previous leftover and cuts whole
+    ``max_length`` rows; a batch that does not fill one row comes out as one short row. The
+    leftover after the last batch is a last, short row here (XTuner drops it).
+
+    Args:
+        lengths: ``[n]`` token counts of the dialogues, in stream order.
+        max_length: Tokens per packed row.
+        batch_size: Dialogues per Packer call.
+
+    Returns:
+        ``[r + 1]`` int64 row offsets into the concatenated stream (0 first, the total last).
+
+    Raises:
+        ValueError: ``max_length`` is not a positive integer.
+    """
+    _check_max_length(max_length)
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(ends[-1]) if len(ends) else 0
+    cuts, start = [np.zeros(1, dtype=np.int64)], 0
+    for end in ends[batch_size - 1 :: batch_size].tolist() + [total]:
+        rows = (end - start) // max_length
+        if rows:
+            cuts.append(start + max_length * np.arange(1, rows + 1, dtype=np.int64))
+            start += rows * max_length
+        elif end > start and end != total:  # a batch short of one row: XTuner emits it as is
+            cuts.append(np.array([end], dtype=np.int64))
+            start = end
+    if total > start:
+        cuts.append(np.array([total], dtype=np.int64))
+    return np.concatenate(cuts)
+
+
+def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
+    """How many dialogues a row edge of ``cuts`` (stream offsets) falls strictly inside."""
+    doc_offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+    inner = cuts[(cuts > 0) & (cuts < doc_offsets[-1])]
+    doc = np.searchsorted(doc_offsets, inner, side="right") - 1
+    return int(len(np.unique(doc[doc_offsets[doc] != inner])))
+
+
+def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each dialogue whole in one row, rows filled by best-fit decreasing.
+
+    Rows come in the stream order of their first piece, so shuffling the dialogues before
+    (``shuffle_before_pack``) shuffles which equal-length dialogues share a row and the order
+    of the rows; without it the plan depends on the lengths and their order only.
+
+    Args:
+        lengths: ``[n]`` token counts of the documents, in stream order, each >= 1.
+        max_length: Tokens per packed row.
+
+    Returns:
+        ``(starts, sizes, row_offsets)``: ``[p]`` stream offsets and ``[p]`` lengths of the
+        pieces in row order (one per document, more for documents longer than
+        ``max_length``), and ``[r + 1]`` int64 offsets of each row's first piece into them.
+
+    Raises:
+        ValueError: ``max_length`` is not a positive integer, or a document is empty.
+    """
+    _check_max_length(max_length)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and lengths.min() < 1:
+        bad = int(np.argmin(lengths))
+        raise ValueError(
+            f"pack_dataset: dialogue {bad} of the tokenized dataset has no tokens (expected >= 1); "
+            "filter empty dialogues out before packing (dataset.filter(lambda x: len(x['input_ids']))."
+        )
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    per_doc = -(-lengths // max_length)  # pieces per document: 1 unless longer than a row
+    doc = np.repeat(np.arange(len(lengths)), per_doc)
+    k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+    starts = doc_starts[doc] + k * max_length
+    sizes = np.minimum(max_length, lengths[doc] - k * max_length)
+    rows = plan_packs(sizes, int(max_length), level=False)  # batch size 1: no padding to level
+    rows.sort(key=lambda row: row[0])
+    order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=len(sizes))
+    row_offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
+    return starts[order], sizes[order], row_offsets
+
+
+def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``[sum(sizes)]`` stream offsets of every token of the pieces, in their order."""
+    total = int(sizes.sum())
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - first, sizes)
+
+
+def row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``cumulative_len`` of rows ``cuts[0]..cuts[-1]``: flat values and their list offsets.
+
+    Args:
+        doc_offsets: ``[n + 1]`` document starts in the (row-ordered) stream, the total last.
+        cuts: ``[k + 1]`` row offsets of consecutive rows in that stream.
+
+    Returns:
+        ``(values, offsets)``: per row, 0, the document starts inside it and its length, as
+        XTuner's Packer writes them; ``offsets`` is ``[k + 1]`` into ``values``.
+    """
+    lo = np.searchsorted(doc_offsets, cuts[:-1], side="right")
+    hi = np.searchsorted(doc_offsets, cuts[1:], side="left")
+    inner = hi - lo  # document starts strictly inside each row
+    offsets = np.concatenate([[0], np.cumsum(inner + 2)])
+    values = np.empty(offsets[-1], dtype=np.int64)
+    values[offsets[:-1]] = 0
+    values[offsets[1:] - 1] = cuts[1:] - cuts[:-1]
+    if inner.sum():
+        row = np.repeat(np.arange(len(inner)), inner)
+        rank = np.arange(inner.sum()) - np.repeat(np.cumsum(inner) - inner, inner)
+        values[offsets[row] + 1 + rank] = doc_offsets[lo[row] + rank] - cuts[row]
+    return values, offsets
+
+
+def position_ids(cum_values: np.ndarray, cum_offsets: np.ndarray) -> np.ndarray:
+    """Flat ``[t]`` position ids restarting at 0 at every boundary of ``cumulative_len``."""
+    starts = cum_values[np.setdiff1d(np.arange(len(cum_values)), cum_offsets[1:] - 1)]
+    row_len = cum_values[cum_offsets[1:] - 1]
+    row_base = np.concatenate([[0], np.cumsum(row_len)])
+    seg_counts = np.diff(cum_offsets) - 1
+    seg_starts = starts + np.repeat(row_base[:-1], seg_counts)
+    seg_len = np.diff(np.concatenate([seg_starts, [row_base[-1]]]))
+    return np.arange(row_base[-1]) - np.repeat(seg_starts, seg_len)
+
+
+__all__ = [
+    "XTUNER_MAP_BATCH",
+    "cut_dialogues",
+    "cut_plan",
+    "position_ids",
+    "row_boundaries",
+    "token_indices",
+    "whole_plan",
+]
