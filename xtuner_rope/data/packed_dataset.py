@@ -112,20 +112,22 @@ def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
 
 
-def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool):
+def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, plan=pack_plan):
     """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` rows per Arrow table.
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
         max_length: Tokens per packed row.
         use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
+        plan: ``(lengths [n], max_length) -> [r + 1]`` row offsets: :func:`pack_plan`
+            (XTuner's cuts) or ``data.heldout_dataset.whole_dialogue_plan`` (no dialogue cut).
 
     Yields:
         Tables with XTuner's packed columns.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    cuts = pack_plan(lengths, max_length)
+    cuts = plan(lengths, max_length)
     flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
     for first in range(0, len(cuts) - 1, ROWS_PER_WRITE):
         rows = cuts[first : first + ROWS_PER_WRITE + 1]
@@ -154,7 +156,9 @@ def _output_path(dataset) -> Path:
     return folder / f"xtuner-rope-packed-{uuid.uuid4().hex}.arrow"
 
 
-def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_num_proc):
+def pack_dataset(
+    dataset, max_length, use_varlen_attn, shuffle_before_pack, map_num_proc, plan=pack_plan
+):
     """XTuner's ``pack_dataset`` (same arguments), keeping every token: see the module docstring.
 
     Args:
@@ -163,6 +167,7 @@ def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_
         use_varlen_attn: Write ``cumulative_len`` and ``position_ids`` (as XTuner).
         shuffle_before_pack: Shuffle the dialogues first (as XTuner, numpy's global seed).
         map_num_proc: Processes for the shuffle's ``flatten_indices`` (as XTuner).
+        plan: Where rows are cut (see :func:`packed_tables`).
 
     Returns:
         The packed ``datasets.Dataset``.
@@ -186,7 +191,7 @@ def pack_dataset(dataset, max_length, use_varlen_attn, shuffle_before_pack, map_
     table = dataset.with_format("arrow")[:]  # zero-copy slices of the cache files
     path = _output_path(dataset)
     with ArrowWriter(path=str(path)) as writer:
-        for part in packed_tables(table, max_length, use_varlen_attn):
+        for part in packed_tables(table, max_length, use_varlen_attn, plan):
             writer.write_table(part)
         writer.finalize()
     packed = Dataset.from_file(str(path))
