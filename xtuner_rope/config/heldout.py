@@ -259,7 +259,7 @@ def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
 def _log_findings(cfg: Config, key: str) -> list[Finding]:
     """MMEngine's ``LogProcessor`` logs every key matching ``.*loss.*`` as a mean over its
     last ``window_size`` (10) values, also after a validation: the logged held-out loss would
-    be a mean over evaluations. ``method_name='current'`` logs each evaluation's own value."""
+    be a mean over evaluations. A window of 1 logs each evaluation's own value."""
     processor = _get(cfg._cfg_dict, "log_processor")
     custom = _get(processor, "custom_cfg") or []
     if any(_get(c, "data_src") == key for c in custom):
@@ -270,7 +270,7 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
             cfg._cfg_dict["log_processor"] = dict()
         node = cfg._cfg_dict["log_processor"]
         node["custom_cfg"] = list(_get(node, "custom_cfg") or []) + [
-            dict(data_src=key, method_name="current")
+            dict(data_src=key, method_name="mean", window_size=1)
         ]
 
     return [
@@ -278,7 +278,7 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
             "log_processor.custom_cfg",
             f"MMEngine logs {key} (and writes it to scalars.json) as a mean over the last 10 "
             "evaluations, as it smooths every key with 'loss' in its name",
-            f"added dict(data_src='{key}', method_name='current'): each evaluation's own value",
+            f"added dict(data_src='{key}', method_name='mean', window_size=1): each evaluation's own value",
             fix,
         )
     ]
