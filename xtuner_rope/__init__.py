@@ -59,6 +59,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.frameworks",
     "xtuner_rope.config.moss",
     "xtuner_rope.config.heldout",
+    "xtuner_rope.config.heldout_shortcut",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 _activated = False

@@ -119,3 +119,53 @@ def test_metric_without_heldout_loader_is_refused(stock, tmp_path):
         ConfigConflict, match=r"val_dataloader: missing: val_evaluator=dict\(type=TokenLossMetric\)"
     ):
         prepare_config(Config.fromfile(str(path)))
+
+
+def _shortcut_cfg(stock: dict, tmp_path: Path, line: str) -> Config:
+    text = sc.sub_once(stock["text"], r"^(max_length = \d+\n)", r"\g<1>" + line + "\n")
+    path = tmp_path / "shortcut.py"
+    path.write_text(text)
+    return Config.fromfile(str(path))
+
+
+def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
+    from datasets import load_dataset
+
+    cfg = _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.25, interval=2)")
+    prepare_config(cfg)
+    train = cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
+    val = cfg._cfg_dict["val_dataloader"]["dataset"]
+    assert train["split"] == "train[:75%]" and val["dataset"]["split"] == "train[75%:]"
+    assert type_name(val["type"]) == "heldout_process_hf_dataset"
+    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+    assert cfg._cfg_dict["train_cfg"]["val_interval"] == 2
+    assert cfg._cfg_dict["val_dataloader"]["sampler"]["shuffle"] is False
+    path = train["path"]
+    kept = list(load_dataset(path, split=train["split"])["instruction"])
+    held = list(load_dataset(path, split=val["dataset"]["split"])["instruction"])
+    everything = list(load_dataset(path, split="train")["instruction"])
+    assert len(held) == 2 and len(kept) == 6 and sorted(kept + held) == sorted(everything)
+    assert not set(kept) & set(held)
+
+
+def test_shortcut_other_file(stock, tmp_path):
+    cfg = _shortcut_cfg(stock, tmp_path, f'heldout = dict(data_files="{stock["held"]}/train.json")')
+    prepare_config(cfg)
+    node = cfg._cfg_dict["val_dataloader"]["dataset"]["dataset"]
+    assert node["path"] == "json" and node["data_files"] == dict(
+        train=f"{stock['held']}/train.json"
+    )
+    assert "split" not in cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
+
+
+def test_shortcut_bad_settings_are_refused(stock, tmp_path):
+    with pytest.raises(
+        ConfigConflict, match=r"heldout: fraction must be a float in \(0, 1\) in whole"
+    ):
+        prepare_config(_shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.333)"))
+    with pytest.raises(
+        ConfigConflict, match=r"expected dict\(data_files=PATH\) or dict\(fraction=F\)"
+    ):
+        prepare_config(
+            _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.1, data_files='x')")
+        )

@@ -11,7 +11,7 @@
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
   ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``moss``
   (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``heldout`` (``val_dataloader`` and
-  ``TokenLossMetric``), ``preference`` (DPO, ORPO, reward);
+  ``TokenLossMetric``), ``heldout_shortcut`` (``heldout = dict(...)``), ``preference`` (DPO, ORPO, reward);
   the loss-normalization and checkpoint-interval findings live with their hooks
   (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
@@ -25,6 +25,7 @@ from . import (
     families,
     frameworks,
     heldout,
+    heldout_shortcut,
     internvl,
     launch,
     llava_tower,
@@ -42,6 +43,7 @@ __all__ = [
     "families",
     "frameworks",
     "heldout",
+    "heldout_shortcut",
     "internvl",
     "launch",
     "llava_tower",

@@ -284,8 +284,8 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
     ]
 
 
-@register_findings("heldout")
-def _heldout_findings(cfg: Config) -> list[Finding]:
+def heldout_findings(cfg: Config) -> list[Finding]:
+    """Every finding of the held-out entries (also applied by the ``heldout`` shortcut)."""
     loader = _get(cfg._cfg_dict, "val_dataloader")
     metrics = _metrics(cfg)
     if not isinstance(loader, dict):
@@ -303,3 +303,8 @@ def _heldout_findings(cfg: Config) -> list[Finding]:
     for metric in metrics[:1]:
         findings += _run_findings(cfg, metric)
     return findings
+
+
+@register_findings("heldout")
+def _heldout_findings(cfg: Config) -> list[Finding]:
+    return heldout_findings(cfg)

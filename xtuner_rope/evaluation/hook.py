@@ -1,14 +1,16 @@
 """``HeldOutCurvesHook``: the held-out evaluation's checks, its files and the curves' picture.
 
 The start-up adds it with ``TokenLossMetric``. Before training it refuses what is only knowable
-once the run is built (``val_interval`` beyond ``max_iters`` of an epoch-based XTuner
-``TrainLoop``, a held-out set without rows or supervised tokens), points the metric at the work
+once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
+beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
+still evaluates after the last iteration), points the metric at the work
 dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
 of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mmengine.dist import is_main_process
@@ -36,16 +38,19 @@ def check_heldout_run(runner) -> None:
     """Refuse a run whose held-out evaluation cannot happen or measure anything.
 
     Raises:
-        ValueError: ``val_interval`` beyond ``max_iters``; a held-out set with no row or no
-            supervised token.
+        ValueError: a held-out set with no row or no supervised token.
     """
     loop = runner.train_loop
     interval, max_iters = getattr(loop, "val_interval", 1), getattr(loop, "max_iters", None)
     if max_iters is not None and interval > max_iters:
-        raise ValueError(
+        # MMEngine still evaluates once, after the last iteration: say so, do not stop the run
+        # (the start-up refuses it where max_iters is in the config itself).
+        print_log(
             f"HeldOutCurvesHook: train_cfg.val_interval={interval} is beyond the run's "
-            f"{max_iters} iterations: no held-out evaluation before the end. Set "
-            f"train_cfg.val_interval to at most {max_iters}."
+            f"{max_iters} iterations: the held-out set is evaluated only after the last one. "
+            f"Set train_cfg.val_interval to at most {max_iters} for a curve.",
+            logger="current",
+            level=logging.WARNING,
         )
     dataset = runner.val_loop.dataloader.dataset
     if len(dataset) == 0 or supervised_labels(dataset) == 0:
