@@ -1,7 +1,7 @@
 """Start-up findings of the held-out evaluation on XTuner's stock full fine-tune config, no run.
 
 The real runs (`xtuner train`, 1 and 2 processes, against the plain reference) are in
-tests/integration/test_heldout.py.
+tests/integration/test_heldout_train.py.
 """
 
 from pathlib import Path

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
@@ -86,6 +87,8 @@ class HeldOutCurvesHook(Hook):
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
         if loss is not None:
             self.train.append((runner.iter + 1, float(loss)))
 
