@@ -40,6 +40,7 @@ def document_nll(
             f"document_nll: logits must be [s, V] with s = {s} (the labels' length), got "
             f"{tuple(logits.shape)}; the model's predict output must keep one row per sample."
         )
+    labels = labels.to(logits.device)  # the batch stays on the CPU, the logits may not
     bounds = bounds.to(torch.long).cpu()
     if bounds[0] != 0 or bounds[-1] > s or bool((bounds[1:] <= bounds[:-1]).any()):
         raise ValueError(
