@@ -28,6 +28,9 @@ PUBLIC = {
         "enable_xtuner_rope",
         "patch_internlm2_attention",
         "rope_collate_fn",
+        # issue 39: held-out evaluation
+        "TokenLossMetric",
+        "HeldOutCurvesHook",
     ],
     "xtuner_rope.startup": [
         "ConfigConflict",

@@ -5,8 +5,10 @@ python tools/check_run.py work_dirs/tiny_internlm2_short_dialogues --min-iters 1
 
 import argparse
 import sys
+from pathlib import Path
 
 from xtuner_rope.demo.runlog import check_run
+from xtuner_rope.evaluation.hook import CURVES_FILE
 
 
 def main() -> int:
@@ -22,6 +24,9 @@ def main() -> int:
     curve = "  ".join(f"{i}:{loss:.3f}" for i, loss in zip(run.iters, run.losses))
     print(f"loss by iteration: {curve}")
     print(f"loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}; checkpoint: {run.checkpoint}")
+    curves = Path(args.work_dir) / CURVES_FILE
+    if curves.is_file():
+        print(f"training and held-out loss curves: {curves.resolve()}")
     return 0
 
 

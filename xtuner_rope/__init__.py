@@ -7,7 +7,7 @@ Activation: ``import xtuner_rope`` (and importing any module of the face: ``conf
 ``hooks``, ``compat``, ``doctor``, ``cli`` ..., or reading a public name such as
 ``from xtuner_rope import enable_xtuner_rope``) applies the third-party patches of
 ``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
-``HOOKS`` and the collate functions in ``FUNCTIONS``, so configs can name them by string as
+``HOOKS``, the collate functions in ``FUNCTIONS`` and ``TokenLossMetric`` in ``METRICS``, so configs can name them by string as
 well as by object. Importing the family-free math alone (``import xtuner_rope.ops.packing``)
 activates nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
 command line (``xtuner_rope.cli``): it answers ``--help`` and usage errors with the standard
@@ -30,9 +30,11 @@ deprecated.install()
 __version__ = "0.1.0"
 # Public name -> the module that defines it (imported on first use, see `activate`).
 PUBLIC_API = {
+    "HeldOutCurvesHook": "xtuner_rope.evaluation.hook",
     "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
     "PackedBatchCheckHook": "xtuner_rope.hooks.isolation",
     "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+    "TokenLossMetric": "xtuner_rope.evaluation.metric",
     "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
     "ValidatedRoPEHook": "xtuner_rope.hooks.isolation",
     "ValidatedRotaryEmbedding": "xtuner_rope.models.internlm2_rope",
@@ -62,6 +64,8 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.warmup",
     "xtuner_rope.config.frameworks",
     "xtuner_rope.config.moss",
+    "xtuner_rope.config.heldout",
+    "xtuner_rope.config.heldout_shortcut",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 # Modules whose import activates nothing: the math, and the command line (each subcommand
@@ -76,7 +80,7 @@ def activate() -> None:
     if _activated:
         return
     _activated = True
-    from mmengine.registry import FUNCTIONS, HOOKS
+    from mmengine.registry import FUNCTIONS, HOOKS, METRICS
 
     from . import compat
 
@@ -90,6 +94,8 @@ def activate() -> None:
             HOOKS.register_module(module=value, force=True)
         elif name.endswith("_collate_fn"):
             FUNCTIONS.register_module(module=value, force=True)
+        elif name.endswith("Metric"):
+            METRICS.register_module(module=value, force=True)
 
 
 def __getattr__(name: str) -> object:

@@ -10,7 +10,8 @@
   (a ``config.json`` that cannot be read), ``rope_scaling`` (a ``rope_scaling`` no model
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
   ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``moss``
-  (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``preference`` (DPO, ORPO, reward);
+  (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``heldout`` (``val_dataloader`` and
+  ``TokenLossMetric``), ``heldout_shortcut`` (``heldout = dict(...)``), ``preference`` (DPO, ORPO, reward);
   the loss-normalization and checkpoint-interval findings live with their hooks
   (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
@@ -23,6 +24,8 @@ from . import (
     checkpoint_findings,
     families,
     frameworks,
+    heldout,
+    heldout_shortcut,
     internvl,
     launch,
     llava_tower,
@@ -39,6 +42,8 @@ __all__ = [
     "checkpoint_findings",
     "families",
     "frameworks",
+    "heldout",
+    "heldout_shortcut",
     "internvl",
     "launch",
     "llava_tower",

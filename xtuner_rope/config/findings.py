@@ -66,6 +66,7 @@ SLOTS = (
     "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
     "hooks",  # config.runtime: the plugin's hooks in custom_hooks
     "runtime",  # config.runtime: AMP on CPU, sequence_parallel_size
+    "heldout",  # config.heldout: the held-out rows as the train rows, TokenLossMetric
     "attention",  # config.families: flash_attention_2 where flash-attn cannot run
     "family",  # config.families: unserved families
     "checkpoint",  # config.checkpoint_findings: a config.json that cannot be read

@@ -1,0 +1,171 @@
+"""Start-up findings of the held-out evaluation on XTuner's stock full fine-tune config, no run.
+
+The real runs (`xtuner train`, 1 and 2 processes, against the plain reference) are in
+tests/integration/test_heldout_train.py.
+"""
+
+from pathlib import Path
+
+import heldout as ho
+import pytest
+import stock_configs as sc
+from mmengine.config import Config
+
+from xtuner_rope.config.startup import ConfigConflict, inspect_config, prepare_config, type_name
+
+FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("stock")
+    copy = sc.copy_stock(FULL, root)
+    return {
+        "text": sc.enable_plugin(sc.localize(copy, sc.write_alpaca_data(root / "alpaca", n=8))),
+        "held": ho.write_heldout_data(root / "held", n=6),
+    }
+
+
+def _cfg(stock: dict, tmp_path: Path, held: Path | None = None, *edits) -> Config:
+    text = ho.with_heldout(stock["text"], held or stock["held"])
+    for pattern, repl in edits:
+        text = sc.sub_once(text, pattern, repl)
+    path = tmp_path / "cfg.py"
+    path.write_text(text)
+    return Config.fromfile(str(path))
+
+
+def _settings(findings, fixed: bool) -> list[str]:
+    return sorted(f.setting for f in findings if (f.fix is not None) == fixed)
+
+
+def test_heldout_loader_gets_what_the_train_loader_gets(stock, tmp_path):
+    cfg = _cfg(stock, tmp_path)
+    findings = inspect_config(cfg)
+    assert not _settings(findings, fixed=False), [str(f) for f in findings]
+    prepare_config(cfg)
+    val = cfg._cfg_dict["val_dataloader"]
+    dataset = val["dataset"]
+    assert type_name(dataset["type"]) == "heldout_process_hf_dataset"
+    assert dataset["use_varlen_attn"] and not dataset["shuffle_before_pack"]
+    assert val["collate_fn"]["use_varlen_attn"] is True
+    assert val["sampler"]["shuffle"] is False
+    assert cfg._cfg_dict["val_evaluator"]["tokenizer"] is cfg._cfg_dict["tokenizer"]
+    hooks = [type_name(h["type"]) for h in cfg._cfg_dict["custom_hooks"]]
+    assert "HeldOutCurvesHook" in hooks and "PackedBatchCheckHook" in hooks
+    custom = cfg._cfg_dict["log_processor"]["custom_cfg"]
+    assert dict(data_src="heldout_loss", method_name="mean", window_size=1) in custom
+    assert cfg._cfg_dict["log_processor"]["by_epoch"] is False  # the stock entry is kept
+
+
+def test_missing_heldout_file_is_refused(stock, tmp_path):
+    cfg = _cfg(stock, tmp_path, tmp_path / "nowhere")
+    with pytest.raises(ConfigConflict, match=r"held-out data .*nowhere.*does not exist"):
+        prepare_config(cfg)
+
+
+def test_empty_heldout_file_is_refused(stock, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.json").write_text("[]")
+    with pytest.raises(ConfigConflict, match=r"held-out data file holds no dialogue \(empty\)"):
+        prepare_config(_cfg(stock, tmp_path, empty))
+
+
+def test_val_interval_beyond_the_run_is_refused(stock, tmp_path):
+    edit = (
+        r"^train_cfg = dict\(type=TrainLoop, max_epochs=max_epochs\)$",
+        "train_cfg = dict(type=TrainLoop, max_iters=8, val_interval=10)",
+    )
+    with pytest.raises(ConfigConflict, match=r"val_interval: 10 is beyond the run's max_iters=8"):
+        prepare_config(_cfg(stock, tmp_path, None, edit))
+
+
+def test_metric_on_a_model_it_cannot_serve_is_refused(stock, tmp_path):
+    edit = (r"^    type=SupervisedFinetune,$", '    type="DPO",')
+    cfg = _cfg(stock, tmp_path, None, edit)
+    with pytest.raises(
+        ConfigConflict, match=r"TokenLossMetric scores .* this config's model is DPO"
+    ):
+        prepare_config(cfg)
+
+
+def test_shuffling_or_other_samplers_and_batched_packs(stock, tmp_path):
+    edits = [
+        (
+            r"^    sampler=dict\(type=DefaultSampler, shuffle=False\),$",
+            '    sampler=dict(type="LengthGroupedSampler"),',
+        ),
+        (
+            r"^    batch_size=1,\n    num_workers=0,\n    dataset=dict\(\n        type=process_hf_dataset,\n        dataset=dict\(type=load_dataset, path=\"(.*held)\"\)",
+            '    batch_size=2,\n    num_workers=0,\n    dataset=dict(\n        type=process_hf_dataset,\n        dataset=dict(type=load_dataset, path="\\1")',
+        ),
+    ]
+    findings = inspect_config(_cfg(stock, tmp_path, None, *edits))
+    assert _settings(findings, fixed=False) == [
+        "val_dataloader.batch_size",
+        "val_dataloader.sampler",
+    ]
+
+
+def test_metric_without_heldout_loader_is_refused(stock, tmp_path):
+    text = (
+        stock["text"]
+        + "\nfrom xtuner_rope import TokenLossMetric\nval_evaluator = dict(type=TokenLossMetric)\n"
+    )
+    path = tmp_path / "cfg.py"
+    path.write_text(text)
+    with pytest.raises(
+        ConfigConflict, match=r"val_dataloader: missing: val_evaluator=dict\(type=TokenLossMetric\)"
+    ):
+        prepare_config(Config.fromfile(str(path)))
+
+
+def _shortcut_cfg(stock: dict, tmp_path: Path, line: str) -> Config:
+    text = sc.sub_once(stock["text"], r"^(max_length = \d+\n)", r"\g<1>" + line + "\n")
+    path = tmp_path / "shortcut.py"
+    path.write_text(text)
+    return Config.fromfile(str(path))
+
+
+def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
+    from datasets import load_dataset
+
+    cfg = _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.25, interval=2)")
+    prepare_config(cfg)
+    train = cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
+    val = cfg._cfg_dict["val_dataloader"]["dataset"]
+    assert train["split"] == "train[:75%]" and val["dataset"]["split"] == "train[75%:]"
+    assert type_name(val["type"]) == "heldout_process_hf_dataset"
+    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+    assert cfg._cfg_dict["train_cfg"]["val_interval"] == 2
+    assert cfg._cfg_dict["val_dataloader"]["sampler"]["shuffle"] is False
+    path = train["path"]
+    kept = list(load_dataset(path, split=train["split"])["instruction"])
+    held = list(load_dataset(path, split=val["dataset"]["split"])["instruction"])
+    everything = list(load_dataset(path, split="train")["instruction"])
+    assert len(held) == 2 and len(kept) == 6 and sorted(kept + held) == sorted(everything)
+    assert not set(kept) & set(held)
+
+
+def test_shortcut_other_file(stock, tmp_path):
+    cfg = _shortcut_cfg(stock, tmp_path, f'heldout = dict(data_files="{stock["held"]}/train.json")')
+    prepare_config(cfg)
+    node = cfg._cfg_dict["val_dataloader"]["dataset"]["dataset"]
+    assert node["path"] == "json" and node["data_files"] == dict(
+        train=f"{stock['held']}/train.json"
+    )
+    assert "split" not in cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
+
+
+def test_shortcut_bad_settings_are_refused(stock, tmp_path):
+    with pytest.raises(
+        ConfigConflict, match=r"heldout: fraction must be a float in \(0, 1\) in whole"
+    ):
+        prepare_config(_shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.333)"))
+    with pytest.raises(
+        ConfigConflict, match=r"expected dict\(data_files=PATH\) or dict\(fraction=F\)"
+    ):
+        prepare_config(
+            _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.1, data_files='x')")
+        )

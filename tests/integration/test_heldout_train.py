@@ -1,0 +1,88 @@
+"""Held-out evaluation through the real `xtuner train`: the stock full fine-tune config with the
+one edit and MMEngine's held-out entries, on 1 and on 2 CPU processes.
+
+At iteration 8 the logged held-out loss must equal, within 1e-5 relative, what a fresh process
+without the plugin computes from that run's ``iter_8.pth`` with each held-out dialogue whole
+and alone through the unpatched model (``heldout_reference.py``), with the same supervised-token
+count. One run per process count; every assertion of a count shares it.
+"""
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import heldout as ho
+import pytest
+import stock_configs as sc
+
+from xtuner_rope.evaluation.hook import CURVES_FILE
+from xtuner_rope.evaluation.metric import WORST_FILE
+
+FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+RUN = (
+    "train_cfg.max_epochs=None",
+    "train_cfg.max_iters=8",
+    "train_cfg.val_interval=4",
+    "default_hooks.checkpoint.interval=4",
+    "randomness.seed=0",
+)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("heldout")
+    sc.ensure_tiny_model()
+    model = sc.tiny_with_remote_code(root / "tiny-remote-code")  # loadable without the plugin
+    text = sc.localize(
+        sc.copy_stock(FULL, root), sc.write_alpaca_data(root / "alpaca"), model=model
+    )
+    path = root / f"{FULL}.py"
+    path.write_text(ho.with_heldout(sc.enable_plugin(text), ho.write_heldout_data(root / "held")))
+    return path
+
+
+def _train(config: Path, work_dir: Path, nproc: int) -> str:
+    cmd = ["xtuner-rope", "train", str(config), "--work-dir", str(work_dir)]
+    env = sc.venv_env()
+    if nproc > 1:
+        cmd += ["--launcher", "pytorch"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(port))
+    cmd += ["--cfg-options", *RUN]
+    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _logged(work_dir: Path) -> dict[int, dict]:
+    """The held-out metrics MMEngine wrote to its scalars file, by iteration."""
+    (scalars,) = work_dir.glob("*/vis_data/scalars.json")
+    rows = [json.loads(line) for line in scalars.read_text().splitlines()]
+    return {row["step"]: row for row in rows if "heldout_loss" in row}
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
+def test_heldout_loss_equals_plain_reference(config, tmp_path, nproc):
+    out = _train(config, tmp_path, nproc)
+    assert "xtuner-rope: val_dataloader.dataset.type:" in out  # whole dialogues, boundaries kept
+    assert "segments (documents and padding) isolated by the attention" in out
+    logged = _logged(tmp_path)
+    assert sorted(logged) == [4, 8], sorted(logged)
+    plain = ho.plain_reference(config, tmp_path / "iter_8.pth")
+    at_8 = logged[8]
+    print(f"{nproc} process(es): logged {at_8['heldout_loss']!r}, plain {plain}")
+    assert at_8["heldout_tokens"] == plain["tokens"]
+    assert at_8["heldout_dialogues"] == plain["dialogues"] == 150
+    assert abs(at_8["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
+    assert logged[4]["heldout_loss"] != at_8["heldout_loss"]  # each evaluation's own value
+    assert (tmp_path / CURVES_FILE).stat().st_size > 0
+    worst = [json.loads(line) for line in (tmp_path / WORST_FILE).read_text().splitlines()]
+    assert len(worst) == 20 and worst[0]["mean_nll"] >= worst[-1]["mean_nll"]
+    assert all(w["first_words"] and 0 <= w["dialogue_index"] < 150 for w in worst)
+    assert os.path.getsize(tmp_path / "iter_8.pth") > 0

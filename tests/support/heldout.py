@@ -1,0 +1,80 @@
+"""Held-out evaluation in a stock config: the data, the config entries, the plain reference.
+
+``write_heldout_data`` writes alpaca-format dialogues that the training data
+(``stock_configs.write_alpaca_data``, the first 400 sample dialogues) does not hold, of mixed
+lengths; ``with_heldout`` adds MMEngine's entries (``val_dataloader`` like the training one,
+``val_evaluator=dict(type=TokenLossMetric)``, ``val_cfg``) to a stock config's text;
+``plain_reference`` runs ``heldout_reference.py`` in a fresh process without the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import stock_configs as sc
+
+REFERENCE = Path(__file__).with_name("heldout_reference.py")
+HELDOUT_ENTRIES = """
+# Held-out evaluation (xtuner-rope issue 39): MMEngine's entries, the training dataset's dict
+# pointed at the held-out file.
+from mmengine.runner import ValLoop
+from xtuner_rope import TokenLossMetric
+
+val_dataloader = dict(
+    batch_size=1,
+    num_workers=0,
+    dataset=dict(
+        type=process_hf_dataset,
+        dataset=dict(type=load_dataset, path="{path}"),
+        tokenizer=tokenizer,
+        max_length=max_length,
+        dataset_map_fn=alpaca_map_fn,
+        template_map_fn=dict(type=template_map_fn_factory, template=prompt_template),
+        remove_unused_columns=True,
+        shuffle_before_pack=True,
+        pack_to_max_length=pack_to_max_length,
+        use_varlen_attn=use_varlen_attn,
+    ),
+    sampler=dict(type=DefaultSampler, shuffle=False),
+    collate_fn=dict(type=default_collate_fn, use_varlen_attn=use_varlen_attn),
+)
+val_evaluator = dict(type=TokenLossMetric)
+val_cfg = dict(type=ValLoop)
+"""
+
+
+def write_heldout_data(dst: Path, n: int = 150, skip: int = 400) -> Path:
+    """``n`` alpaca dialogues after the first ``skip`` sample dialogues; every third one holds
+    all its exchanges in one answer (longer), so the lengths are mixed."""
+    rows = []
+    for i, (_, users, replies) in enumerate(list(sc._turns(skip + n))[skip:]):
+        answer = " ".join(replies) if i % 3 == 0 else replies[0]
+        rows.append({"instruction": users[0], "input": "", "output": answer})
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "train.json").write_text(json.dumps(rows), encoding="utf-8")
+    return dst
+
+
+def with_heldout(text: str, heldout: Path) -> str:
+    """A stock SFT config's text with the held-out entries after its ``train_dataloader``."""
+    return sc.sub_once(
+        text,
+        r"^(#+\n# +PART 4 +Scheduler & Optimizer)",
+        HELDOUT_ENTRIES.format(path=heldout).replace("\\", "\\\\") + "\n" + r"\g<1>",
+    )
+
+
+def plain_reference(config: Path, checkpoint: Path) -> dict:
+    """``{'loss', 'tokens', 'dialogues'}`` of the held-out set through the unpatched model."""
+    proc = subprocess.run(
+        [sys.executable, str(REFERENCE), str(config), str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=sc.venv_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,53 @@
+"""The plain held-out loss of a checkpoint: each dialogue whole and alone, no xtuner-rope.
+
+``python heldout_reference.py CONFIG CHECKPOINT`` builds the config's held-out dataset with
+XTuner's own ``process_hf_dataset`` unpacked (``pack_to_max_length=False``: one dialogue per
+sample), loads the config's LLM with ``from_pretrained`` (unpatched, fp32, eager attention),
+puts the checkpoint's weights in, runs one dialogue per forward and prints one JSON line:
+the token-weighted mean next-token NLL, the supervised-token count and the dialogue count.
+The plugin is never imported (checked at the end).
+"""
+
+import json
+import math
+import sys
+
+import torch
+from mmengine.config import Config
+from xtuner.registry import BUILDER
+
+
+def main(config: str, checkpoint: str) -> dict:
+    cfg = Config.fromfile(config)
+    dataset_cfg = cfg.val_dataloader.dataset
+    dataset_cfg.pack_to_max_length = False
+    dataset_cfg.use_varlen_attn = False
+    dataset = BUILDER.build(dataset_cfg)
+    llm = BUILDER.build(cfg.model.llm).float().eval()
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    missing, unexpected = llm.load_state_dict(
+        {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
+    )
+    assert not missing and not unexpected, (missing, unexpected)
+    nll, tokens, dialogues = [], 0, 0
+    with torch.no_grad():
+        for sample in dataset:
+            ids = torch.tensor([sample["input_ids"]])
+            labels = torch.tensor(sample["labels"])
+            logits = llm(input_ids=ids).logits[0].float()  # [s, V]
+            target = labels[1:]
+            n = int((target != -100).sum())
+            if n == 0:
+                continue
+            loss = torch.nn.functional.cross_entropy(
+                logits[:-1], target, ignore_index=-100, reduction="sum"
+            )
+            nll.append(float(loss.double()))
+            tokens += n
+            dialogues += 1
+    assert not any(name.startswith("xtuner_rope") for name in sys.modules), "plugin imported"
+    return {"loss": math.fsum(nll) / tokens, "tokens": tokens, "dialogues": dialogues}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))

@@ -1,0 +1,310 @@
+"""Start-up findings of the held-out evaluation (``val_dataloader`` + ``TokenLossMetric``).
+
+What the start-up does for the train rows it does for the held-out rows, so the held-out loss
+is each dialogue's loss whole and alone:
+
+- a packing ``process_hf_dataset`` (or ``lossless_process_hf_dataset``) becomes
+  ``heldout_process_hf_dataset`` (whole dialogues per row, in file order, boundaries kept);
+- ``default_collate_fn`` keeps the boundaries (``use_varlen_attn=True``, batch size 1), as for
+  training; other collate functions of packed rows are refused (``rope_collate_fn`` works);
+- the sampler is ``DefaultSampler(shuffle=False)``: the only order in which MMEngine's
+  ``collect_results`` drops the samples it repeated for the ranks (exact on any rank count);
+- ``TokenLossMetric`` gets the config's tokenizer (for its worst-dialogues file) and
+  ``HeldOutCurvesHook`` is added; ``val_cfg`` is set when missing;
+- refused before a weight loads: a held-out data file missing or empty, a ``val_interval``
+  beyond ``max_iters``, the metric on a model other than XTuner's ``SupervisedFinetune``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mmengine.config import Config
+from mmengine.config.lazy import LazyObject
+
+from .fields import lazy_get as _get
+from .fields import setter as _setitem
+from .fields import type_name
+from .fields import walk_datasets as _datasets
+from .fields import xtuner_packs as _xtuner_packs
+from .startup import Finding, register_findings
+
+METRIC = "TokenLossMetric"
+CURVES_HOOK = "HeldOutCurvesHook"
+SERVED_MODELS = ("SupervisedFinetune",)
+
+
+def _metrics(cfg: Config) -> list[dict]:
+    evaluator = _get(cfg._cfg_dict, "val_evaluator")
+    metrics = _get(evaluator, "metrics", evaluator)
+    metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
+    return [m for m in metrics if isinstance(m, dict) and type_name(_get(m, "type")) == METRIC]
+
+
+def _local_files(node: object) -> list[str]:
+    """The local data files of a ``load_dataset`` dict: ``data_files`` and a local ``path``."""
+    files = _get(node, "data_files")
+    if isinstance(files, dict):
+        files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
+    files = list(files) if isinstance(files, (list, tuple)) else [files] if files else []
+    path = _get(node, "path")
+    if isinstance(path, str) and path.startswith(("/", ".", "~")):
+        files.append(path)
+    return [str(f) for f in files if isinstance(f, (str, Path))]
+
+
+def _empty(path: Path) -> bool:
+    """No dialogue in a local data file (0 bytes, blank, ``[]``) or a folder of such files."""
+    if path.is_dir():
+        return all(_empty(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if path.stat().st_size > 1 << 20:
+        return False
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    if text in ("", "[]"):
+        return True
+    if path.suffix == ".json":
+        try:
+            return json.loads(text) in ([], {})
+        except ValueError:
+            return False
+    return False
+
+
+def _file_findings(loader: dict) -> list[Finding]:
+    findings = []
+    for where, dataset in _datasets(_get(loader, "dataset"), "val_dataloader.dataset"):
+        for name in _local_files(dataset):
+            path = Path(name).expanduser()
+            problem = (
+                "does not exist"
+                if not path.exists()
+                else "holds no dialogue (empty)"
+                if _empty(path)
+                else None
+            )
+            if problem:
+                findings.append(
+                    Finding(
+                        f"{where} (held-out data {name})",
+                        f"the held-out data file {problem}",
+                        "point val_dataloader's dataset at a file of held-out dialogues in the "
+                        "training data's format, or remove val_dataloader, val_evaluator and "
+                        "val_cfg",
+                    )
+                )
+    return findings
+
+
+def _dataset_findings(loader: dict) -> list[Finding]:
+    findings = []
+    for where, dataset in _datasets(_get(loader, "dataset"), "val_dataloader.dataset"):
+        if (
+            not _xtuner_packs(dataset)
+            or type_name(_get(dataset, "type")) == "heldout_process_hf_dataset"
+        ):
+            continue
+
+        def fix(dataset=dataset) -> None:
+            dataset["type"] = LazyObject(
+                "xtuner_rope.data.heldout_dataset", "heldout_process_hf_dataset"
+            )
+            dataset["use_varlen_attn"] = True
+            dataset["shuffle_before_pack"] = False
+
+        findings.append(
+            Finding(
+                f"{where}.type",
+                "XTuner's packing cuts held-out dialogues at row edges and, without "
+                "use_varlen_attn, records no boundaries: the held-out loss would not be each "
+                "dialogue's loss",
+                "set to heldout_process_hf_dataset (same arguments; whole dialogues per row, in "
+                "file order, use_varlen_attn=True, shuffle_before_pack=False)",
+                fix,
+            )
+        )
+    return findings
+
+
+def _loader_findings(loader: dict) -> list[Finding]:
+    findings = []
+    packed = any(_xtuner_packs(d) for _, d in _datasets(_get(loader, "dataset"), "x"))
+    collate = _get(loader, "collate_fn")
+    name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
+    if packed and name == "default_collate_fn":
+        if _get(loader, "batch_size", 1) != 1:
+            findings.append(
+                Finding(
+                    "val_dataloader.batch_size",
+                    "XTuner's default_collate_fn keeps packed rows' boundaries only at "
+                    f"batch_size=1, got {_get(loader, 'batch_size')}",
+                    "set val_dataloader.batch_size=1, or collate with "
+                    "dict(type=rope_collate_fn, max_length=max_length)",
+                )
+            )
+        elif isinstance(collate, dict) and not _get(collate, "use_varlen_attn"):
+            findings.append(
+                Finding(
+                    "val_dataloader.collate_fn.use_varlen_attn",
+                    "default_collate_fn drops the packed held-out rows' boundaries",
+                    "set to True: it keeps cumulative_len/position_ids (batch size 1)",
+                    _setitem(collate, "use_varlen_attn", True),
+                )
+            )
+    elif packed and name != "rope_collate_fn":
+        findings.append(
+            Finding(
+                "val_dataloader.collate_fn",
+                f"packed held-out rows: collate function {name} is not known to keep boundaries",
+                "use dict(type=default_collate_fn, use_varlen_attn=True) or "
+                "dict(type=rope_collate_fn, max_length=max_length)",
+            )
+        )
+    sampler = _get(loader, "sampler")
+    kind = type_name(_get(sampler, "type")) if isinstance(sampler, dict) else None
+    if kind is None:
+        findings.append(
+            Finding(
+                "val_dataloader.sampler",
+                "missing (MMEngine needs one)",
+                "set to dict(type=DefaultSampler, shuffle=False)",
+                _setitem(loader, "sampler", dict(type="DefaultSampler", shuffle=False)),
+            )
+        )
+    elif kind != "DefaultSampler":
+        findings.append(
+            Finding(
+                "val_dataloader.sampler",
+                f"{kind}: TokenLossMetric counts each held-out sample once only in "
+                "DefaultSampler's order (MMEngine's collect_results)",
+                "use sampler=dict(type=DefaultSampler, shuffle=False)",
+            )
+        )
+    elif _get(sampler, "shuffle", True):
+        findings.append(
+            Finding(
+                "val_dataloader.sampler.shuffle",
+                "a shuffled held-out order changes nothing in the loss but the dialogue indices "
+                "of the worst-dialogues file",
+                "set to False",
+                _setitem(sampler, "shuffle", False),
+            )
+        )
+    return findings
+
+
+def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
+    """The metric's model, its tokenizer, ``val_cfg``, ``val_interval`` and the curves hook."""
+    findings = []
+    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
+    if model not in SERVED_MODELS:
+        findings.append(
+            Finding(
+                "val_evaluator",
+                f"TokenLossMetric scores next-token logits of XTuner's SupervisedFinetune "
+                f"(full, LoRA); this config's model is {model}",
+                "remove val_evaluator, val_dataloader and val_cfg for this model",
+            )
+        )
+    tokenizer = _get(cfg._cfg_dict, "tokenizer")
+    if _get(metric, "tokenizer") is None and tokenizer is not None:
+        findings.append(
+            Finding(
+                "val_evaluator.tokenizer",
+                "not given: the worst-dialogues file would show token ids",
+                "set to the config's tokenizer",
+                _setitem(metric, "tokenizer", tokenizer),
+            )
+        )
+    if _get(cfg._cfg_dict, "val_cfg") is None:
+        findings.append(
+            Finding(
+                "val_cfg",
+                "missing (MMEngine runs a val_dataloader only with val_cfg)",
+                "set to dict(type='ValLoop')",
+                _setitem(cfg._cfg_dict, "val_cfg", dict(type="ValLoop")),
+            )
+        )
+    train_cfg = _get(cfg._cfg_dict, "train_cfg")
+    interval, max_iters = _get(train_cfg, "val_interval", 1), _get(train_cfg, "max_iters")
+    if isinstance(max_iters, int) and isinstance(interval, int) and interval > max_iters:
+        findings.append(
+            Finding(
+                "train_cfg.val_interval",
+                f"{interval} is beyond the run's max_iters={max_iters}: no held-out evaluation "
+                "before the end",
+                f"set train_cfg.val_interval to at most {max_iters}",
+            )
+        )
+    findings += _log_findings(cfg, f"{_get(metric, 'name') or 'heldout'}_loss")
+    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    if all(type_name(_get(h, "type")) != CURVES_HOOK for h in hooks):
+
+        def add() -> None:
+            hook = dict(type=LazyObject("xtuner_rope.evaluation.hook", CURVES_HOOK))
+            cfg._cfg_dict.setdefault("custom_hooks", [])
+            cfg._cfg_dict["custom_hooks"].append(hook)
+
+        findings.append(
+            Finding(
+                "custom_hooks",
+                f"{CURVES_HOOK} missing (held-out checks, worst dialogues, the curves' PNG)",
+                f"added dict(type={CURVES_HOOK})",
+                add,
+            )
+        )
+    return findings
+
+
+def _log_findings(cfg: Config, key: str) -> list[Finding]:
+    """MMEngine's ``LogProcessor`` logs every key matching ``.*loss.*`` as a mean over its
+    last ``window_size`` (10) values, also after a validation: the logged held-out loss would
+    be a mean over evaluations. A window of 1 logs each evaluation's own value."""
+    processor = _get(cfg._cfg_dict, "log_processor")
+    custom = _get(processor, "custom_cfg") or []
+    if any(_get(c, "data_src") == key for c in custom):
+        return []
+
+    def fix() -> None:
+        if not isinstance(_get(cfg._cfg_dict, "log_processor"), dict):
+            cfg._cfg_dict["log_processor"] = dict()
+        node = cfg._cfg_dict["log_processor"]
+        node["custom_cfg"] = list(_get(node, "custom_cfg") or []) + [
+            dict(data_src=key, method_name="mean", window_size=1)
+        ]
+
+    return [
+        Finding(
+            "log_processor.custom_cfg",
+            f"MMEngine logs {key} (and writes it to scalars.json) as a mean over the last 10 "
+            "evaluations, as it smooths every key with 'loss' in its name",
+            f"added dict(data_src='{key}', method_name='mean', window_size=1): each evaluation's own value",
+            fix,
+        )
+    ]
+
+
+def heldout_findings(cfg: Config) -> list[Finding]:
+    """Every finding of the held-out entries (also applied by the ``heldout`` shortcut)."""
+    loader = _get(cfg._cfg_dict, "val_dataloader")
+    metrics = _metrics(cfg)
+    if not isinstance(loader, dict):
+        if metrics:
+            return [
+                Finding(
+                    "val_dataloader",
+                    "missing: val_evaluator=dict(type=TokenLossMetric) has nothing to evaluate",
+                    "add val_dataloader (the train dataloader's dict pointed at a held-out "
+                    "file) and val_cfg=dict(type=ValLoop)",
+                )
+            ]
+        return []
+    findings = _file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader)
+    for metric in metrics[:1]:
+        findings += _run_findings(cfg, metric)
+    return findings
+
+
+@register_findings("heldout")
+def _heldout_findings(cfg: Config) -> list[Finding]:
+    return heldout_findings(cfg)

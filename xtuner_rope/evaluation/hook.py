@@ -1,0 +1,133 @@
+"""``HeldOutCurvesHook``: the held-out evaluation's checks, its files and the curves' picture.
+
+The start-up adds it with ``TokenLossMetric``. Before training it refuses what is only knowable
+once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
+beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
+still evaluates after the last iteration), points the metric at the work
+dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
+of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+
+from .metric import TokenLossMetric
+
+CURVES_FILE = "heldout_curves.png"
+
+
+def _token_loss_metrics(runner) -> list[TokenLossMetric]:
+    evaluator = getattr(runner.val_loop, "evaluator", None)  # built by Runner.train()
+    return [m for m in getattr(evaluator, "metrics", []) if isinstance(m, TokenLossMetric)]
+
+
+def supervised_labels(dataset) -> int:
+    """Labels other than -100 in a held-out dataset (XTuner's rows: a ``labels`` list each)."""
+    column = dataset["labels"] if hasattr(dataset, "column_names") else None
+    rows = column if column is not None else (sample["labels"] for sample in dataset)
+    return sum(sum(1 for label in row if label != -100) for row in rows)
+
+
+def check_heldout_run(runner) -> None:
+    """Refuse a run whose held-out evaluation cannot happen or measure anything.
+
+    Raises:
+        ValueError: a held-out set with no row or no supervised token.
+    """
+    loop = runner.train_loop
+    interval, max_iters = getattr(loop, "val_interval", 1), getattr(loop, "max_iters", None)
+    if max_iters is not None and interval > max_iters:
+        # MMEngine still evaluates once, after the last iteration: say so, do not stop the run
+        # (the start-up refuses it where max_iters is in the config itself).
+        print_log(
+            f"HeldOutCurvesHook: train_cfg.val_interval={interval} is beyond the run's "
+            f"{max_iters} iterations: the held-out set is evaluated only after the last one. "
+            f"Set train_cfg.val_interval to at most {max_iters} for a curve.",
+            logger="current",
+            level=logging.WARNING,
+        )
+    dataset = runner.val_loop.dataloader.dataset
+    if len(dataset) == 0 or supervised_labels(dataset) == 0:
+        raise ValueError(
+            f"HeldOutCurvesHook: the held-out set ({len(dataset)} rows) has no supervised token "
+            "(no dialogue, or every label -100): there is no held-out loss to measure. Point "
+            "val_dataloader at dialogues with answers."
+        )
+
+
+class HeldOutCurvesHook(Hook):
+    """Held-out checks before training; training and held-out loss curves after it.
+
+    Args:
+        loss_key: The held-out metric drawn (``TokenLossMetric``'s ``<name>_loss``).
+    """
+
+    # After LoggerHook (60) and before CheckpointHook (90): reads what the loops report.
+    priority = 75
+
+    def __init__(self, loss_key: str = "heldout_loss") -> None:
+        self.loss_key = loss_key
+        self.train: list[tuple[int, float]] = []
+        self.heldout: list[tuple[int, float]] = []
+
+    def before_train(self, runner) -> None:
+        metrics = _token_loss_metrics(runner)
+        if not metrics:
+            return
+        check_heldout_run(runner)
+        for metric in metrics:
+            metric.output_dir = runner.work_dir
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        if loss is not None:
+            self.train.append((runner.iter + 1, float(loss)))
+
+    def after_val_epoch(self, runner, metrics=None) -> None:
+        if metrics and self.loss_key in metrics:
+            self.heldout.append((runner.iter, float(metrics[self.loss_key])))
+
+    def after_train(self, runner) -> None:
+        if not self.heldout or not is_main_process():
+            return
+        path = Path(runner.work_dir) / CURVES_FILE
+        draw_curves(self.train, self.heldout, path)
+        print_log(f"HeldOutCurvesHook: training and held-out loss in {path}", logger="current")
+
+
+def draw_curves(train: list, heldout: list, path: Path) -> None:
+    """A PNG of the training loss per iteration and the held-out loss per evaluation.
+
+    Args:
+        train: ``(iteration, loss)`` of every training iteration.
+        heldout: ``(iteration, held-out loss)`` of every evaluation.
+        path: Where the PNG goes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="training loss (per iteration)", alpha=0.7)
+    ax.plot(*zip(*heldout), "o-", label="held-out loss (TokenLossMetric)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("next-token NLL")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["CURVES_FILE", "HeldOutCurvesHook", "check_heldout_run", "draw_curves"]

@@ -1,0 +1,183 @@
+"""``TokenLossMetric``: the held-out loss that packing does not change, exact on any rank count.
+
+MMEngine's ``ValLoop`` calls ``model.val_step`` (XTuner's ``SupervisedFinetune`` in
+``mode='predict'``: one ``{'logits': [s, V]}`` per row) and hands the outputs with the batch to
+:meth:`TokenLossMetric.process`. Each row is cut into its documents at the boundaries
+``PackedBatchCheckHook`` published for this batch (the channel of ``models.channel``; a row
+without boundaries is one document) and scored by :func:`xtuner_rope.ops.token_nll.document_nll`:
+each dialogue whole and alone, as isolated attention computed it.
+
+Exact across data-parallel ranks: one result per dataset row; MMEngine's ``collect_results``
+interleaves the ranks' results back into the ``DefaultSampler`` order and cuts the list to the
+dataset's length, which drops the samples the sampler repeated to even out the ranks (the
+start-up makes the held-out sampler a ``DefaultSampler(shuffle=False)``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from mmengine.evaluator import BaseMetric
+from mmengine.logging import print_log
+
+from xtuner_rope.models import channel
+from xtuner_rope.ops.token_nll import document_nll
+
+WORST_FILE = "heldout_worst.jsonl"  # in the run's work dir (set by HeldOutCurvesHook)
+FIRST_TOKENS = 16  # tokens kept per dialogue for the worst-dialogues file's "first words"
+
+
+def _row_bounds(flat: torch.Tensor | None, b: int, s: int) -> list[torch.Tensor]:
+    """Per-row ``[n_r + 1]`` boundaries from the channel's flat ``[n + 1]`` ones (or whole rows)."""
+    if flat is None:
+        return [torch.tensor([0, s]) for _ in range(b)]
+    flat = torch.as_tensor(flat).reshape(-1).long().cpu()
+    return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
+
+
+class TokenLossMetric(BaseMetric):
+    """Token-weighted mean next-token NLL over every supervised token of the held-out set.
+
+    Reported (``name`` ``heldout`` by default; MMEngine's log and scalars file add ``val/``):
+    ``heldout_loss`` (sum of token NLLs / supervised tokens, never a mean of batch means),
+    ``heldout_ppl`` (its exp), ``heldout_tokens`` (supervised tokens) and
+    ``heldout_dialogues`` (documents with at least one supervised token). Use it for
+    ``CheckpointHook(save_best='heldout_loss', rule='less')``.
+
+    Args:
+        name: Key prefix of the metrics.
+        tokenizer: Tokenizer (or XTuner's config dict of one) to write each worst dialogue's
+            first words; the start-up passes the config's ``tokenizer``. None: token ids.
+        worst: How many of the worst dialogues (highest mean NLL) to list in
+            ``heldout_worst.jsonl`` in the work dir (``HeldOutCurvesHook`` sets it).
+        collect_device: As MMEngine's ``BaseMetric``.
+    """
+
+    default_prefix = None
+
+    def __init__(
+        self,
+        name: str = "heldout",
+        tokenizer: object = None,
+        worst: int = 20,
+        collect_device: str = "cpu",
+    ) -> None:
+        super().__init__(collect_device=collect_device, prefix="")  # keys carry `name`
+        self.name = name
+        self.tokenizer = tokenizer
+        self.worst = worst
+        self.output_dir: str | None = None  # the work dir, set by HeldOutCurvesHook
+        self.evaluations = 0
+
+    def process(self, data_batch: dict, data_samples: Sequence[dict]) -> None:
+        """Score each row's documents; one result per row (dataset sample).
+
+        Args:
+            data_batch: The collated batch; ``data_batch['data']`` holds ``input_ids`` and
+                ``labels``, each ``[b, s]``.
+            data_samples: ``val_step``'s output: ``b`` dicts with ``logits`` ``[s, V]``.
+
+        Raises:
+            TypeError: the model's ``val_step`` does not return per-row logits.
+            ValueError: the batch has no labels, or rows and outputs disagree.
+        """
+        data = data_batch.get("data", data_batch) if isinstance(data_batch, dict) else None
+        if not isinstance(data, dict) or "labels" not in data or "input_ids" not in data:
+            raise ValueError(
+                "TokenLossMetric: the held-out batch has no input_ids/labels (got "
+                f"{sorted(data) if isinstance(data, dict) else type(data).__name__}); use an "
+                "XTuner SFT dataset (process_hf_dataset) with default_collate_fn or rope_collate_fn."
+            )
+        ids, labels = data["input_ids"], data["labels"]
+        b, s = labels.shape
+        if (
+            not isinstance(data_samples, Sequence)
+            or len(data_samples) != b
+            or not all(
+                isinstance(x, dict) and isinstance(x.get("logits"), torch.Tensor)
+                for x in data_samples
+            )
+        ):
+            got = (
+                [type(x).__name__ for x in data_samples]
+                if isinstance(data_samples, Sequence)
+                else type(data_samples).__name__
+            )
+            raise TypeError(
+                f"TokenLossMetric: model.val_step must return one dict with 'logits' [s, V] per "
+                f"row ({b} rows), got {got}. It serves XTuner's SupervisedFinetune (full, LoRA); "
+                "remove val_evaluator=dict(type=TokenLossMetric) for other models."
+            )
+        for row, (out, bounds) in enumerate(
+            zip(data_samples, _row_bounds(channel.read()[0], b, s))
+        ):
+            nll, tokens = document_nll(out["logits"], labels[row], bounds)
+            docs = [
+                {
+                    "nll": float(nll[d]),
+                    "tokens": int(tokens[d]),
+                    "first_ids": ids[row, bounds[d] : bounds[d] + FIRST_TOKENS].tolist(),
+                }
+                for d in range(len(tokens))
+                if tokens[d] > 0
+            ]
+            self.results.append({"documents": docs})
+
+    def compute_metrics(self, results: list) -> dict:
+        """Totals over the held-out set (results in dataset order, repeats already cut).
+
+        Raises:
+            ValueError: the held-out set has no supervised token.
+        """
+        docs = [doc for result in results for doc in result["documents"]]
+        tokens = sum(doc["tokens"] for doc in docs)
+        if tokens == 0:
+            raise ValueError(
+                f"TokenLossMetric: the held-out set ({len(results)} rows) has no supervised token "
+                "(every label is -100): there is no loss to measure. Point val_dataloader at "
+                "dialogues with answers (alpaca 'output', conversation 'output')."
+            )
+        loss = math.fsum(doc["nll"] for doc in docs) / tokens
+        self.evaluations += 1
+        self._write_worst(docs)
+        return {
+            f"{self.name}_loss": loss,
+            f"{self.name}_ppl": math.exp(min(loss, 700.0)),
+            f"{self.name}_tokens": tokens,
+            f"{self.name}_dialogues": len(docs),
+        }
+
+    def _decode(self, ids: list) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        if isinstance(self.tokenizer, dict):
+            from xtuner.registry import BUILDER
+
+            self.tokenizer = BUILDER.build(self.tokenizer)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _write_worst(self, docs: list[dict]) -> None:
+        """The worst dialogues (highest mean NLL) of this evaluation, worst first."""
+        if self.output_dir is None or self.worst <= 0:
+            return
+        order = sorted(range(len(docs)), key=lambda i: -docs[i]["nll"] / docs[i]["tokens"])
+        path = Path(self.output_dir) / WORST_FILE
+        with path.open("w", encoding="utf-8") as f:
+            for i in order[: self.worst]:
+                doc = docs[i]
+                line = {
+                    "evaluation": self.evaluations,
+                    "dialogue_index": i,
+                    "mean_nll": doc["nll"] / doc["tokens"],
+                    "tokens": doc["tokens"],
+                    "first_words": self._decode(doc["first_ids"]),
+                }
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        print_log(f"TokenLossMetric: worst held-out dialogues in {path}", logger="current")
+
+
+__all__ = ["WORST_FILE", "TokenLossMetric"]
