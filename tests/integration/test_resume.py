@@ -167,20 +167,34 @@ def _data(tmp: Path, source: str, n: int) -> Path:
     return path
 
 
-def _sft_config(tmp: Path, batch_size: int) -> Path:
-    """The tiny recipe, accumulation 4, save_steps 3, a fixed order of 32 dialogues."""
+# LoRA with dropout on every linear layer, as XTuner's stock LoRA configs (lora_dropout 0.05-0.1):
+# each iteration draws masks from the random stream, which a resume must continue, not restart.
+LORA = """    lora=dict(type=LoraConfig, r=8, lora_alpha=16, lora_dropout=0.1, bias="none",
+              task_type="CAUSAL_LM"),
+"""
+
+
+def _sft_config(tmp: Path, batch_size: int, lora: bool = False) -> Path:
+    """The tiny recipe, accumulation 4, save_steps 3, a fixed order of 32 dialogues; ``lora``:
+    a LoRA adapter with dropout (the frozen model's output then depends on the random stream)."""
+    edits = [
+        (r"^batch_size = \d+", f"batch_size = {batch_size}"),
+        (r'^data_path = ".*"$', f'data_path = "{_data(tmp, "short_dialogues.jsonl", 32)}"'),
+        (
+            r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
+            "sampler=dict(type=DefaultSampler, shuffle=False)",
+        ),
+    ]
+    if lora:
+        edits += [
+            (r"^(import torch\n)", r"\g<1>from peft import LoraConfig\n"),
+            (r"^(    use_activation_checkpointing=False,\n)", r"\g<1>" + LORA),
+        ]
     text = _edit(
-        (REPO / "configs" / "tiny_internlm2_short_dialogues.py").read_text(encoding="utf-8"),
-        [
-            (r"^batch_size = \d+", f"batch_size = {batch_size}"),
-            (r'^data_path = ".*"$', f'data_path = "{_data(tmp, "short_dialogues.jsonl", 32)}"'),
-            (
-                r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
-                "sampler=dict(type=DefaultSampler, shuffle=False)",
-            ),
-        ],
+        (REPO / "configs" / "tiny_internlm2_short_dialogues.py").read_text(encoding="utf-8"), edits
     )
-    return _recipe(tmp, f"sft_{batch_size}", text, counts=4, save_steps=3, lr=0.1)
+    name = f"sft_{batch_size}" + ("_lora" if lora else "")
+    return _recipe(tmp, name, text, counts=4, save_steps=3, lr=0.1 if not lora else 1.0)
 
 
 def _dpo_config(tmp: Path, counts: int) -> Path:
@@ -205,6 +219,7 @@ def _dpo_config(tmp: Path, counts: int) -> Path:
 SCENARIOS = {
     "sft-plain": ("sft", 4, 1, None, 8, 4, 6),
     "sft-zero2": ("sft", 2, 2, ZERO2, 8, 4, 6),
+    "sft-lora-dropout": ("sft-lora", 4, 1, None, 8, 4, 6),
     "dpo-plain": ("dpo", 8, 1, None, 16, 8, 12),
     "dpo-zero2": ("dpo", 4, 2, ZERO2, 8, 4, 6),
 }
@@ -214,7 +229,10 @@ _STRAIGHT: dict[str, dict] = {}  # scenario -> uninterrupted parameters, shared 
 def _setup(name: str, tmp: Path) -> tuple[Path, dict]:
     recipe, arg, nproc, deepspeed, iters, counts, kill_at = SCENARIOS[name]
     tmp.mkdir(parents=True, exist_ok=True)
-    config = (_sft_config if recipe == "sft" else _dpo_config)(tmp, arg)
+    if recipe.startswith("sft"):
+        config = _sft_config(tmp, arg, lora=recipe == "sft-lora")
+    else:
+        config = _dpo_config(tmp, arg)
     run = dict(iters=iters, nproc=nproc, deepspeed=deepspeed, options=LOG_EVERY_ITER)
     return config, run
 
