@@ -190,9 +190,9 @@ class RandomStateHook(Hook):
         if state is None:
             return
         loop = runner.train_loop
-        if hasattr(loop, "dataloader_iterator") and hasattr(loop, "max_iters"):
+        if hasattr(loop, "dataloader_iterator"):  # IterBasedTrainLoop (XTuner's TrainLoop)
             loop.dataloader_iterator = _RestoreAfterSkip(loop, done, state)  # skips `done`
-        else:  # the epoch loop resumes at an epoch start and skips nothing
+        else:  # EpochBasedTrainLoop resumes at an epoch start and skips nothing
             _restore_and_log(state, loop)
 
 
