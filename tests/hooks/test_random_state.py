@@ -49,7 +49,7 @@ class _NoisyData(torch.utils.data.Dataset):
         return {"inputs": torch.full((8,), float(index)) / 32 + torch.rand(8)}
 
 
-def _train(work_dir, hooked: bool, resume_from=None) -> dict:
+def _train(work_dir, hooked: bool, resume_from=None, by_epoch: bool = False) -> dict:
     torch.manual_seed(0)  # the same initial weights in every run
     runner = Runner(
         model=_DropoutModel(),
@@ -62,9 +62,14 @@ def _train(work_dir, hooked: bool, resume_from=None) -> dict:
             num_workers=0,
             collate_fn=dict(type="default_collate"),
         ),
-        train_cfg=dict(by_epoch=False, max_iters=6),
+        # the epoch loop: 3 epochs of 16 iterations, a checkpoint after each epoch
+        train_cfg=dict(by_epoch=True, max_epochs=3)
+        if by_epoch
+        else dict(by_epoch=False, max_iters=6),
         optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.05)),
-        default_hooks=dict(checkpoint=dict(type="CheckpointHook", by_epoch=False, interval=2)),
+        default_hooks=dict(
+            checkpoint=dict(type="CheckpointHook", by_epoch=by_epoch, interval=1 if by_epoch else 2)
+        ),
         custom_hooks=[RandomStateHook()] if hooked else [],
         randomness=dict(seed=0),
         load_from=str(resume_from) if resume_from else None,
@@ -85,6 +90,16 @@ def test_resumed_run_draws_what_the_uninterrupted_run_drew(tmp_path, hooked):
     # With the hook: bit for bit. Without (the negative control): dropout masks and noise from
     # the stream of a fresh start, another result.
     assert same is hooked, {k: (straight[k] - resumed[k]).abs().max() for k in straight}
+
+
+def test_epoch_loop_resumed_draws_what_the_uninterrupted_run_drew(tmp_path):
+    """MMEngine's ``EpochBasedTrainLoop``: resumed at an epoch start (no skip), restored at once."""
+    straight = _train(tmp_path / "straight", True, by_epoch=True)
+    _train(tmp_path / "first", True, by_epoch=True)
+    resumed = _train(
+        tmp_path / "resumed", True, resume_from=tmp_path / "first" / "epoch_2.pth", by_epoch=True
+    )
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_checkpoint_carries_every_generator(tmp_path):
