@@ -152,6 +152,7 @@ class RandomStateHook(Hook):
     # After ParamScheduler (70), before CheckpointHook (90): captured just ahead of the save;
     # and the last ``before_train_epoch`` to run, right before the loop fetches and draws.
     priority = 85
+    _restored = False  # set once this run's resume restored (or declined) its state
 
     def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
         """Record the random states when ``CheckpointHook`` saves after this iteration."""
@@ -183,7 +184,7 @@ class RandomStateHook(Hook):
         """On resume, restore this rank's state where the uninterrupted run continued."""
         done = runner.iter
         record = runner.message_hub.get_info(STATE_KEY)
-        if done == 0 or getattr(self, "_restored", False):
+        if done == 0 or self._restored:
             return  # a fresh run, or a later epoch of a resumed one
         self._restored = True
         state = _own_state(record, done)
