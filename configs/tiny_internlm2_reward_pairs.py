@@ -29,6 +29,7 @@ from xtuner.engine.runner import TrainLoop
 from xtuner.model.reward import RewardModel
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.random_state import RandomStateHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
@@ -167,6 +168,8 @@ custom_hooks = [
     dict(type=PackingMetricsHook),
     dict(type=NonFiniteTripwireHook),
     dict(type=TokenWeightedLossHook),
+    # every process's random state with each checkpoint: a resume draws what the run drew
+    dict(type=RandomStateHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
 ]
 

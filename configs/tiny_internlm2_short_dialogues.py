@@ -28,6 +28,7 @@ from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.random_state import RandomStateHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
@@ -174,6 +175,8 @@ custom_hooks = [
     # every supervised token of an optimizer step weighs the same (opt out:
     # loss_normalization = "micro_batch")
     dict(type=TokenWeightedLossHook),
+    # every process's random state with each checkpoint: a resume draws what the run drew
+    dict(type=RandomStateHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(
         type=EvaluateChatHook,

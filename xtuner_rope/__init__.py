@@ -34,6 +34,7 @@ PUBLIC_API = {
     "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
     "PackedBatchCheckHook": "xtuner_rope.hooks.isolation",
     "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+    "RandomStateHook": "xtuner_rope.hooks.random_state",
     "TokenLossMetric": "xtuner_rope.evaluation.metric",
     "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
     "ValidatedRoPEHook": "xtuner_rope.hooks.isolation",

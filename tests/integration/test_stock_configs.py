@@ -34,7 +34,8 @@ FIX_NOTES = {
     "collate": "xtuner-rope: train_dataloader.collate_fn.use_varlen_attn: default_collate_fn "
     "drops the packed rows' boundaries",
     "hooks": "xtuner-rope: custom_hooks: ValidatedRoPEHook, PackedBatchCheckHook, "
-    "PackingMetricsHook, NonFiniteTripwireHook, TokenWeightedLossHook missing; added",
+    "PackingMetricsHook, NonFiniteTripwireHook, TokenWeightedLossHook, RandomStateHook missing; "
+    "added",
     "varlen": "xtuner-rope: use_varlen_attn: XTuner's start-up check demands flash-attn",
     "varlen_hook": "removed VarlenAttnArgsToMessageHubHook",
     "lossless": "xtuner-rope: train_dataloader.dataset.type: process_hf_dataset packs in "

@@ -22,6 +22,7 @@ PLUGIN_HOOKS = {
     "PackingMetricsHook": "xtuner_rope.hooks.monitor",
     "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
     "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",
+    "RandomStateHook": "xtuner_rope.hooks.random_state",
 }
 
 

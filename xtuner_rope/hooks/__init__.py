@@ -3,7 +3,8 @@
 - ``isolation``: ``ValidatedRoPEHook`` (patches the model's family, publishes boundaries) and
   ``PackedBatchCheckHook`` (checks every packed batch before the forward);
 - ``monitor``: ``PackingMetricsHook`` and ``NonFiniteTripwireHook``;
-- ``loss_norm``: ``TokenWeightedLossHook`` (token-weighted loss across ranks and accumulation).
+- ``loss_norm``: ``TokenWeightedLossHook`` (token-weighted loss across ranks and accumulation);
+- ``random_state``: ``RandomStateHook`` (every process's random state with each checkpoint).
 
 ``enable_xtuner_rope`` adds them to ``custom_hooks``; list them yourself only to pass arguments.
 """
@@ -16,11 +17,13 @@ import warnings
 from .isolation import PackedBatchCheckHook, ValidatedRoPEHook
 from .loss_norm import TokenWeightedLossHook
 from .monitor import NonFiniteTripwireHook, PackingMetricsHook
+from .random_state import RandomStateHook
 
 __all__ = [
     "NonFiniteTripwireHook",
     "PackedBatchCheckHook",
     "PackingMetricsHook",
+    "RandomStateHook",
     "TokenWeightedLossHook",
     "ValidatedRoPEHook",
 ]

@@ -1,0 +1,229 @@
+"""The random state of every process with each checkpoint: a resume draws what the run drew.
+
+MMEngine 0.10.6 saves no random state in its checkpoints (``Runner.save_checkpoint`` stores the
+seed, never ``torch.get_rng_state()``), and on ``--resume`` it re-seeds only when the seed
+changed. A resumed run therefore starts iteration ``N + 1`` with the random stream of a fresh
+start (the seed, then the model build), while the uninterrupted run has drawn ``N`` iterations
+of dropout masks since: LoRA dropout (XTuner's stock ``lora_dropout`` 0.05-0.1), residual and
+attention dropout draw other masks, and the resumed weights drift away from the uninterrupted
+run although every batch and every checkpointed tensor is the same.
+
+What this hook does:
+
+- before each checkpoint (``after_train_iter`` / ``after_train_epoch``, just ahead of
+  ``CheckpointHook``, on the iterations where it saves): each process captures Python
+  ``random``, NumPy, torch CPU and (when initialized) the current CUDA device's generator; with
+  several processes the states are gathered, so every rank holds all of them. They go into the
+  message hub, which every checkpoint carries (MMEngine's ``.pth`` and DeepSpeed's
+  ``client_state``: MMEngine's DeepSpeed strategy never calls the ``before_save_checkpoint``
+  and ``after_load_checkpoint`` hooks, so the checkpoint dict cannot be used).
+- on resume (``before_train_epoch``, the last hook before the loop draws): each rank restores
+  its own state, at the point where the uninterrupted run continued from the checkpoint. For
+  the iteration-based loop (XTuner's ``TrainLoop``) that is after MMEngine has skipped the
+  ``N`` batches already trained (``IterBasedTrainLoop.run`` re-reads them from a new iterator;
+  with ``num_workers = 0`` that re-reading runs the dataset and collate code in this process
+  and may draw): the state is restored right after the ``N``-th skipped batch, before batch
+  ``N + 1`` is fetched.
+
+The dataloader workers need nothing more: their seeds derive from the main process's stream
+when the iterator is created, which happens before the resume in both runs (at the loop's
+build), at the same point of that stream; the workers then produce batches ``1..N`` again and
+continue exactly as in the uninterrupted run. A resume past an epoch boundary of the
+iteration-based loop creates that epoch's iterator during the skip, from another point of the
+stream: its workers' seeds differ (they matter only to random augmentation in the dataset);
+the hook logs it (``dataloader_base_seed`` is compared).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from mmengine.dist import all_gather_object, get_rank, get_world_size
+from mmengine.hooks import CheckpointHook, Hook
+from mmengine.logging import print_log
+
+STATE_KEY = "xtuner_rope.random_state"  # message-hub key: {"iter", "world_size", "ranks"}
+
+
+def capture_random_state(loop=None) -> dict:
+    """This process's random generators, as plain picklable values.
+
+    Args:
+        loop: The train loop (optional): its dataloader iterator's worker base seed is recorded
+            too, to compare on resume.
+
+    Returns:
+        ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}``; CUDA and the
+        base seed are None where there is none.
+    """
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state()  # the current device: the one this rank trains on
+    return {
+        "python": random.getstate(),
+        # NumPy's state as lists: loadable without allow-listing numpy types in torch.load.
+        "numpy": (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)),
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": cuda,
+        "dataloader_base_seed": _base_seed(loop),
+    }
+
+
+def restore_random_state(state: dict) -> None:
+    """Set this process's generators to a state :func:`capture_random_state` returned.
+
+    Raises:
+        ValueError: ``state`` misses a generator (not a state this hook wrote).
+    """
+    missing = [k for k in ("python", "numpy", "torch_cpu") if k not in state]
+    if missing:
+        raise ValueError(
+            f"xtuner-rope: random state in the checkpoint lacks {missing}: expected the keys "
+            "'python', 'numpy', 'torch_cpu' written by RandomStateHook; resume from a checkpoint "
+            "written by this version, or remove its message-hub key " + STATE_KEY
+        )
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("torch_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+def _base_seed(loop) -> int | None:
+    """The worker base seed of the loop's current torch dataloader iterator, if any."""
+    outer = getattr(loop, "dataloader_iterator", None)  # MMEngine's _InfiniteDataloaderIterator
+    inner = getattr(outer, "_iterator", None)  # torch's _BaseDataLoaderIter: seeds the workers
+    seed = getattr(inner, "_base_seed", None)
+    return int(seed) if isinstance(seed, int) else None
+
+
+class _RestoreAfterSkip:
+    """Stands in for the loop's dataloader iterator during MMEngine's resume skip.
+
+    ``IterBasedTrainLoop.run`` calls ``next(self.dataloader_iterator)`` ``N`` times to skip the
+    batches trained before the checkpoint; after the ``N``-th, the random state is restored and
+    the loop's own iterator put back, so batch ``N + 1`` is fetched from the restored stream.
+    """
+
+    def __init__(self, loop, skip: int, state: dict) -> None:
+        self.loop, self.inner, self.left, self.state = loop, loop.dataloader_iterator, skip, state
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.inner)
+        self.left -= 1
+        if self.left == 0:
+            self.loop.dataloader_iterator = self.inner
+            _restore_and_log(self.state, self.loop)
+        return batch
+
+
+def _restore_and_log(state: dict, loop) -> None:
+    restore_random_state(state)
+    print_log(
+        f"xtuner-rope: random state of rank {get_rank()} restored as it was after iteration "
+        f"{loop.iter} (Python, NumPy, torch CPU{', CUDA' if state.get('torch_cuda') is not None else ''}).",
+        logger="current",
+    )
+    saved, now = state.get("dataloader_base_seed"), _base_seed(loop)
+    if saved is not None and now is not None and saved != now:
+        print_log(
+            "xtuner-rope: the resumed dataloader iterator's worker seed differs from the "
+            f"checkpointed run's ({now} vs {saved}): the resume crossed an epoch boundary of the "
+            "iteration-based loop, so random augmentation in the dataset workers (if any) draws "
+            "other values than the uninterrupted run; the main process's generators are restored.",
+            logger="current",
+            level=30,
+        )
+
+
+class RandomStateHook(Hook):
+    """Saves each process's random state with every checkpoint and restores it on resume.
+
+    Uses ``MessageHub`` (key :data:`STATE_KEY`, kept across resume); changes no batch.
+    """
+
+    # After ParamScheduler (70), before CheckpointHook (90): captured just ahead of the save;
+    # and the last ``before_train_epoch`` to run, right before the loop fetches and draws.
+    priority = 85
+    _restored = False  # set once this run's resume restored (or declined) its state
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None) -> None:
+        """Record the random states when ``CheckpointHook`` saves after this iteration."""
+        hook = _checkpoint_hook(runner)
+        if hook is None or hook.by_epoch:
+            return
+        if hook.every_n_train_iters(runner, hook.interval, hook.save_begin) or (
+            hook.save_last and hook.is_last_train_iter(runner)
+        ):
+            self._record(runner, runner.iter + 1)
+
+    def after_train_epoch(self, runner) -> None:
+        """Record the random states when ``CheckpointHook`` saves after this epoch."""
+        hook = _checkpoint_hook(runner)
+        if hook is None or not hook.by_epoch:
+            return
+        if hook.every_n_epochs(runner, hook.interval, hook.save_begin) or (
+            hook.save_last and hook.is_last_train_epoch(runner)
+        ):
+            self._record(runner, runner.iter)  # the epoch loop counted its iterations already
+
+    def _record(self, runner, iteration: int) -> None:
+        state = capture_random_state(runner.train_loop)
+        states = all_gather_object(state) if get_world_size() > 1 else [state]
+        record = {"iter": iteration, "world_size": len(states), "ranks": states}
+        runner.message_hub.update_info(STATE_KEY, record)
+
+    def before_train_epoch(self, runner) -> None:
+        """On resume, restore this rank's state where the uninterrupted run continued."""
+        done = runner.iter
+        record = runner.message_hub.get_info(STATE_KEY)
+        if done == 0 or self._restored:
+            return  # a fresh run, or a later epoch of a resumed one
+        self._restored = True
+        state = _own_state(record, done)
+        if state is None:
+            return
+        loop = runner.train_loop
+        if hasattr(loop, "dataloader_iterator"):  # IterBasedTrainLoop (XTuner's TrainLoop)
+            loop.dataloader_iterator = _RestoreAfterSkip(loop, done, state)  # skips `done`
+        else:  # EpochBasedTrainLoop resumes at an epoch start and skips nothing
+            _restore_and_log(state, loop)
+
+
+def _checkpoint_hook(runner) -> CheckpointHook | None:
+    return next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
+
+
+def _own_state(record, done: int) -> dict | None:
+    """This rank's state from the checkpoint's record, or None (logged) when it cannot be used."""
+    rank, world = get_rank(), get_world_size()
+    why = None
+    if not isinstance(record, dict):
+        why = "the checkpoint holds no random state (written without xtuner-rope's RandomStateHook)"
+    elif record.get("iter") != done:
+        why = f"its random state was recorded at iteration {record.get('iter')}, not {done}"
+    elif record.get("world_size") != world:
+        why = (
+            f"it was written by {record.get('world_size')} process(es), this run has {world}: "
+            "the data order changes too"
+        )
+    if why is None:
+        return record["ranks"][rank]
+    print_log(
+        f"xtuner-rope: resumed at iteration {done} without restoring the random state: {why}. "
+        "Dropout masks (LoRA dropout included) and other random draws from here on differ from "
+        "the uninterrupted run's.",
+        logger="current",
+        level=30,
+    )
+    return None
+
+
+__all__ = ["STATE_KEY", "RandomStateHook", "capture_random_state", "restore_random_state"]
