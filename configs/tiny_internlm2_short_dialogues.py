@@ -73,11 +73,6 @@ evaluation_max_new_tokens = 24
 # Reproducibility
 seed = 0
 
-# Held-out evaluation (docs/evaluation.md): the last 5% of the sample dialogues are held out
-# (training keeps the first 95%), TokenLossMetric every `interval` iterations and at the end;
-# the start-up writes val_dataloader / val_evaluator / val_cfg from this one setting.
-heldout = dict(fraction=0.05, interval=50)
-
 #######################################################################
 #                      PART 2  Model & Tokenizer                      #
 #######################################################################

@@ -28,6 +28,7 @@ from xtuner.utils import PROMPT_TEMPLATE
 from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
+from xtuner_rope.hooks.random_state import RandomStateHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
 from xtuner_rope.demo.resources import tiny_checkpoint
 
@@ -74,11 +75,6 @@ seed = 0
 
 # Held-out evaluation: the start-up writes val_dataloader / val_evaluator / val_cfg from this
 # one setting (a fraction in whole percents, or dict(data_files=PATH) for another file).
-heldout = dict(fraction=0.05, interval=50)
-
-# Held-out evaluation (docs/evaluation.md): the last 5% of the sample dialogues are held out
-# (training keeps the first 95%), TokenLossMetric every `interval` iterations and at the end;
-# the start-up writes val_dataloader / val_evaluator / val_cfg from this one setting.
 heldout = dict(fraction=0.05, interval=50)
 
 #######################################################################
@@ -178,6 +174,8 @@ custom_hooks = [
     # every supervised token of an optimizer step weighs the same (opt out:
     # loss_normalization = "micro_batch")
     dict(type=TokenWeightedLossHook),
+    # every process's random state with each checkpoint: a resume draws what the run drew
+    dict(type=RandomStateHook),
     dict(type=DatasetInfoHook, tokenizer=tokenizer),
     dict(
         type=EvaluateChatHook,

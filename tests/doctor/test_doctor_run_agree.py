@@ -132,6 +132,17 @@ CASES = {
         ),
         "train_dataloader.dataset.data_file",
     ),
+    "_heldout_findings": (  # the metric without a held-out set to evaluate
+        LOADER.format(batch=2, dataset=TEXT, collate=ROPE)
+        + 'val_evaluator = dict(type="TokenLossMetric")\n',
+        "val_dataloader",
+    ),
+    "_shortcut_findings": (  # the shortcut and a held-out loader of its own
+        LOADER.format(batch=2, dataset=TEXT, collate=ROPE)
+        + "heldout = dict(fraction=0.05)\n"
+        + "val_dataloader = dict(train_dataloader)\n",
+        "heldout",
+    ),
     "preference_findings": (
         "model.update(type='RewardModel')\n"
         + LOADER.format(
