@@ -15,6 +15,7 @@ import re
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mmengine.config import Config, ConfigDict
@@ -222,6 +223,9 @@ def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
 
     cfg = _tiny_cfg(config, quantize=False)
     assert inspect_config(cfg) == []  # nothing to fix, nothing to refuse (doctor: OK)
+    # XTuner's PackedDatasetWrapper shuffles with numpy's global generator (MMEngine seeds it
+    # in a run): seeded here, the row does not depend on what earlier tests drew.
+    np.random.seed(0)
     model, batch = _train_step(cfg, tmp_path)
     starts = int((batch["data"]["position_ids"][0] == 0).sum())
     assert starts >= 4 and starts % 2 == 0, starts  # whole pairs, several in the packed row
