@@ -144,7 +144,7 @@ def test_keeping_every_checkpoint_of_a_long_run_is_warned_with_the_figures(hf_ch
     (warning,) = checkpoint_space_warnings(figures)
     size = f"{figures['checkpoint_bytes'] / 2**20:,.1f} MiB"
     assert warning.startswith(f"checkpoints: 15,000,000,000 checkpoints of {size} (estimated: ")
-    assert f" TiB at once in {tmp_path / 'not' / 'yet'} (every checkpoint kept, " in warning
+    assert f" TiB at once in {tmp_path / 'not' / 'yet'} (every checkpoint kept), but " in warning
     assert f"but {tmp_path} has " in warning and "lower max_keep_ckpts" in warning
 
 
