@@ -17,6 +17,11 @@ from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.fields import offline_packs
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.doctor.checkpoint_space import (
+    checkpoint_space,
+    checkpoint_space_warnings,
+    run_work_dir,
+)
 from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
     llava_data_of,
@@ -219,6 +224,7 @@ def diagnose(
     cfg_options: dict | None = None,
     batches: int = DEFAULT_BATCHES,
     progress: bool = True,
+    work_dir: str | None = None,
 ) -> tuple[dict, list[int]]:
     """Check a config's train data and settings; see the module docstring.
 
@@ -227,6 +233,8 @@ def diagnose(
         cfg_options: ``--cfg-options`` overrides (dotted keys).
         batches: How many sampler batches to collate.
         progress: Progress bars on stderr.
+        work_dir: The run's ``--work-dir`` (default: the config's, else XTuner's default), where
+            the checkpoints' size and free space are judged.
 
     Returns:
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
@@ -340,6 +348,10 @@ def diagnose(
     report["problems"] += schedule_problems(
         cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))
     )
+    report["checkpoints"] = checkpoint_space(
+        cfg, len(dataset), batch_size, run_work_dir(cfg, config, work_dir)
+    )
+    report["warnings"] += checkpoint_space_warnings(report["checkpoints"])
     report["exit_code"] = exit_code(report)
     return report, lengths
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
 from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
@@ -117,6 +118,7 @@ def format_summary(report: dict) -> str:
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += rope_lines(report.get("rope"))
+    lines += checkpoint_space_lines(report.get("checkpoints"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     packing = report.get("packing") or {}
@@ -127,6 +129,11 @@ def format_summary(report: dict) -> str:
             f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} dialogues are trained "
             "as pieces, as this config asks (see the warning); nothing else would fail or "
             "corrupt training (exit 0)"
+        )
+    elif fits(report.get("checkpoints")) is False:
+        verdict = (
+            "DISK: the checkpoints the run keeps do not fit in the free space (see the "
+            "warning); nothing else would fail or corrupt training (exit 0)"
         )
     else:
         verdict = "OK: nothing that would fail or corrupt training (exit 0)"
