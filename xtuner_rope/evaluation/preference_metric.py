@@ -147,6 +147,7 @@ class PreferenceMetric(BaseMetric):
         Raises:
             RuntimeError: the metric was not bound to the model.
             TypeError: ``val_step`` did not return what the model kind gives.
+            ValueError: an odd number of rows without boundaries (packed pairs unbounded).
         """
         if self.kind is None:
             raise RuntimeError(
@@ -157,6 +158,13 @@ class PreferenceMetric(BaseMetric):
         data = data_batch["data"]
         labels = data["labels"]
         b, s = labels.shape
+        if channel.read()[0] is None and b % 2:
+            raise ValueError(
+                f"PreferenceMetric: a held-out batch of {b} row(s) without response boundaries: "
+                "unpacked pairs come as two rows each (chosen, rejected), packed pairs need "
+                "their cumulative_len (keep use_varlen_attn the same on the model, the dataset "
+                "and preference_collate_fn, and PackedBatchCheckHook in custom_hooks)."
+            )
         need = ("logits", "ref_logits") if self.kind == "dpo" else ("logits",)
         if len(data_samples) != b or not all(
             isinstance(x, dict) and all(isinstance(x.get(k), torch.Tensor) for k in need)
