@@ -456,6 +456,8 @@ def test_stock_dpo_heldout_equals_each_pair_alone(pref, tmp_path):
     print(f"DPO held-out at 4: logged {at_4}, plain {plain}")
     assert at_4["heldout_pairs"] == plain["pairs"] == 20
     assert at_4["heldout_accuracy"] == plain["accuracy"]
-    for key in ("loss", "margin"):
-        assert abs(at_4[f"heldout_{key}"] - plain[key]) <= RTOL * max(abs(plain[key]), 1e-3), key
+    assert abs(at_4["heldout_loss"] - plain["loss"]) <= RTOL * plain["loss"]  # measured 1.3e-8
+    # The margin is a difference of rewards beta * (log pi - log ref), each a sum of ~100 fp32
+    # log-probs: compared on that scale (1e-6 absolute; measured 2.8e-8 apart).
+    assert abs(at_4["heldout_margin"] - plain["margin"]) <= 1e-6
     assert logged[2]["heldout_loss"] != at_4["heldout_loss"]  # the policy moved between them
