@@ -14,12 +14,11 @@ from __future__ import annotations
 import copy
 import math
 
+import preference_configs as pc
 import pytest
-import stock_configs as sc
 import torch
 import torch.nn.functional as F
 from mmengine.config import ConfigDict
-from transformers import AutoModelForCausalLM
 from xtuner.dataset.collate_fns.preference_collate_fn import preference_collate_fn
 from xtuner.model.dpo import DPO
 from xtuner.model.orpo import ORPO
@@ -37,14 +36,7 @@ REWARD_TOKEN = 7
 
 @pytest.fixture(scope="module")
 def llm_cfg() -> ConfigDict:
-    sc.ensure_tiny_model()
-    return ConfigDict(
-        type=AutoModelForCausalLM.from_pretrained,
-        pretrained_model_name_or_path=str(sc.TINY_MODEL),
-        trust_remote_code=True,
-        torch_dtype=torch.float32,
-        attn_implementation="eager",
-    )
+    return pc.tiny_llm_cfg()
 
 
 def _pairs(reward: bool) -> list[dict]:
