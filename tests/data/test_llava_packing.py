@@ -9,86 +9,30 @@ restarts the positions per sample. Reference: each sample alone, collated by XTu
 packed rows through the unpatched model leak across samples.
 """
 
-import copy
 from types import SimpleNamespace
 
 import pytest
 import stock_configs as sc
 import torch
-from mmengine.config import ConfigDict
+from multimodal_models import llava_models as _llava_models
+from multimodal_models import llava_samples as _samples
 
 from xtuner_rope import llava_collate_fn
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
+from xtuner_rope.demo.tiny_clip import image_tokens
 from xtuner_rope.hooks import PackedBatchCheckHook
-from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries, set_per_document_rope
 from xtuner_rope.ops.packing import plan_packs
 
 P = image_tokens()
 
 
-def _llava_models(root, rope_scaling=None, max_position_embeddings=None):
-    """A patched ``LLaVAModel`` (tiny CLIP + tiny InternLM2 with hub-style remote code) and an
-    unpatched copy; ``rope_scaling``/``max_position_embeddings`` edit the LLM's config.json."""
-    import json
-
-    from transformers import AutoModelForCausalLM, CLIPVisionModel
-    from xtuner.model import LLaVAModel
-
-    sc.ensure_tiny_model()
-    llm = sc.tiny_with_remote_code(root / "tiny-internlm2-remote")
-    if rope_scaling is not None:
-        config = json.loads((llm / "config.json").read_text())
-        config.update(rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings)
-        (llm / "config.json").write_text(json.dumps(config, indent=2))
-    clip = save_tiny_clip(root / "tiny-clip")
-    torch.manual_seed(0)
-    model = (
-        LLaVAModel(
-            llm=ConfigDict(
-                type=AutoModelForCausalLM.from_pretrained,
-                pretrained_model_name_or_path=str(llm),
-                trust_remote_code=True,
-                torch_dtype=torch.float32,
-            ),
-            visual_encoder=ConfigDict(
-                type=CLIPVisionModel.from_pretrained, pretrained_model_name_or_path=str(clip)
-            ),
-            freeze_llm=True,
-            freeze_visual_encoder=True,
-        )
-        .float()
-        .eval()
-    )
-    reference = copy.deepcopy(model)  # unpatched
-    patch_model(model)
-    return model, reference
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return _llava_models(tmp_path_factory.mktemp("llava_pack"))
-
-
-def _samples(n: int, seed: int) -> list[dict]:
-    """Short dialogues, alternately with an image (placeholder at column 1) and text-only."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(1, 40, (1,), generator=g))
-        ids = torch.randint(3, 1000, (length,), generator=g)
-        image = i % 2 == 0 and length > 1
-        if image:
-            ids[1] = IMAGE_TOKEN_INDEX
-        labels = ids.masked_fill(ids == IMAGE_TOKEN_INDEX, -100)
-        labels[: length // 2] = -100
-        pixels = torch.randn(3, 56, 56, generator=g) if image else torch.zeros(3, 56, 56)
-        out.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": pixels})
-    return out
 
 
 def _alone(reference, item) -> torch.Tensor:

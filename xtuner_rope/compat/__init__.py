@@ -45,9 +45,10 @@ from .xtuner_internvl import (
     INTERNVL_LOAD,
     patch_internvl_dataset_template,
     patch_internvl_loading,
+    patch_internvl_predict,
     patch_internvl_rank,
 )
-from .xtuner_llava import patch_llava_expansion_check
+from .xtuner_llava import patch_llava_expansion_check, patch_llava_predict_labels
 from .xtuner_model_resource import (
     config_being_started,
     keep_other_model_paths,
@@ -105,10 +106,12 @@ __all__ = [
     "config_being_started",
     "keep_other_model_paths",
     "patch_llava_expansion_check",
+    "patch_llava_predict_labels",
     "INTERNVL_LOAD",
     "patch_internvl_loading",
     "patch_internvl_rank",
     "patch_internvl_dataset_template",
+    "patch_internvl_predict",
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
@@ -167,6 +170,8 @@ def apply() -> list[str]:
         patch_internvl_loading,
         patch_internvl_rank,
         patch_internvl_dataset_template,
+        patch_internvl_predict,
+        patch_llava_predict_labels,
     ):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)

@@ -136,3 +136,48 @@ def patch_internvl_dataset_template() -> bool:
     __init__.copies_template = True
     InternVL_V1_5_Dataset.__init__ = __init__
     return True
+
+
+def patch_internvl_predict() -> bool:
+    """XTuner's InternVL answers ``mode='predict'`` (its ``val_step``) with per-row logits.
+
+    xtuner 0.2.0 ``InternVL_V1_5.forward`` ignores ``mode`` and always returns
+    ``{'loss': ...}``: MMEngine's ``ValLoop`` hands a metric one batch loss, so no held-out
+    loss per sample can be computed. With ``mode='predict'`` the forward now runs unchanged
+    (images written over the ``<IMG_CONTEXT>`` ids by ``_llm_forward``) and returns
+    ``[{'logits': [s, V]}]`` per row of the batch (the sequence is the collate's own, so the
+    batch's labels align with it). Other modes are XTuner's.
+
+    Returns:
+        True if applied (XTuner has ``InternVL_V1_5``).
+    """
+    try:
+        from xtuner.model.internvl import InternVL_V1_5
+    except ImportError:
+        return False
+    forward = InternVL_V1_5.forward
+    if getattr(forward, "answers_predict", False):
+        return True
+
+    @functools.wraps(forward)
+    def forward_with_predict(self, data, data_samples=None, mode="loss"):
+        if mode != "predict":
+            return forward(self, data, data_samples, mode)
+        kept = {}
+        llm_forward = self._llm_forward
+
+        def keep(**kwargs):
+            out = llm_forward(**kwargs)
+            kept["logits"] = out.logits  # [b, s, V]
+            return out
+
+        self._llm_forward = keep  # an instance attribute over the method, for this call
+        try:
+            forward(self, data, data_samples, "loss")
+        finally:
+            del self._llm_forward
+        return [{"logits": row} for row in kept["logits"]]
+
+    forward_with_predict.answers_predict = True
+    InternVL_V1_5.forward = forward_with_predict
+    return True

@@ -52,3 +52,36 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
             logger="current",
         )
     return True
+
+
+def _predict_with_labels(self, data, data_samples=None):
+    """``LLaVAModel.predict`` whose rows also carry the labels of the sequence the LLM saw."""
+    outputs = self.llm(**data)
+    labels = data.get("labels")
+    if labels is None:
+        return [{"logits": logits} for logits in outputs.logits]
+    return [{"logits": logits, "labels": row} for logits, row in zip(outputs.logits, labels)]
+
+
+def patch_llava_predict_labels() -> bool:
+    """XTuner's LLaVA ``predict`` (its ``val_step``) returns each row's expanded labels too.
+
+    xtuner 0.2.0 ``LLaVAModel.predict`` returns ``{'logits': [s', V]}`` per row over the
+    sequence *after* the image expansion (each placeholder became ``P`` patch embeddings, the
+    padding moved to the right), while the batch a metric receives holds the labels *before*
+    it (``[b, s]``): a held-out loss could not align them. Each row's dict now also holds
+    ``labels`` ``[s']`` (-100 on image tokens and padding), the ones ``compute_loss`` uses.
+
+    Returns:
+        True if applied (an XTuner whose ``LLaVAModel`` has ``predict``).
+    """
+    try:
+        from xtuner.model.llava import LLaVAModel
+    except ImportError:
+        return False
+    if LLaVAModel.__dict__.get("predict") is _predict_with_labels:
+        return True
+    if "predict" not in LLaVAModel.__dict__:  # another XTuner: leave it
+        return False
+    LLaVAModel.predict = _predict_with_labels
+    return True

@@ -52,11 +52,15 @@ def _metrics(cfg: Config) -> list[dict]:
 
 
 def _local_files(node: object) -> list[str]:
-    """The local data files of a ``load_dataset`` dict: ``data_files`` and a local ``path``."""
+    """The local data files of a dataset dict: ``load_dataset``'s ``data_files`` and a local
+    ``path``, LLaVA's ``data_path``, InternVL's ``data_paths``."""
     files = _get(node, "data_files")
     if isinstance(files, dict):
         files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
     files = list(files) if isinstance(files, (list, tuple)) else [files] if files else []
+    for key in ("data_path", "data_paths"):  # LLaVADataset, InternVL_V1_5_Dataset
+        value = _get(node, key)
+        files += list(value) if isinstance(value, (list, tuple)) else [value] if value else []
     path = _get(node, "path")
     if isinstance(path, str) and path.startswith(("/", ".", "~")):
         files.append(path)

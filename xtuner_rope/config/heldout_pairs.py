@@ -1,6 +1,7 @@
 """Held-out findings that depend on the model kind: which metric serves it, held-out pairs.
 
-``TokenLossMetric`` scores next-token logits of XTuner's ``SupervisedFinetune``;
+``TokenLossMetric`` scores next-token logits of XTuner's ``SupervisedFinetune``, ``LLaVAModel``
+and ``InternVL_V1_5`` (the text labels of image and text samples);
 ``PreferenceMetric`` scores the pairs of ``DPO``, ``ORPO`` and ``RewardModel``. The other pairing
 is refused before a weight loads, naming the metric to use. Held-out pairs
 (``build_preference_dataset`` in ``val_dataloader``) get the training pairs' checks (varlen
@@ -21,7 +22,7 @@ TOKEN_METRIC = "TokenLossMetric"
 PREFERENCE_METRIC = "PreferenceMetric"
 # The metric each model needs (its type name in the config) and where the metric lives.
 SERVED_MODELS = {
-    TOKEN_METRIC: ("SupervisedFinetune",),
+    TOKEN_METRIC: ("SupervisedFinetune", "LLaVAModel", "InternVL_V1_5"),
     PREFERENCE_METRIC: PREFERENCE_MODELS,
 }
 METRIC_MODULES = {
@@ -41,7 +42,8 @@ def served_model_findings(cfg: Config, metric: str) -> list[Finding]:
     if model in SERVED_MODELS[metric]:
         return []
     what = (
-        "scores next-token logits of XTuner's SupervisedFinetune (full, LoRA)"
+        "scores next-token logits of XTuner's SupervisedFinetune (full, LoRA), LLaVAModel "
+        "and InternVL_V1_5"
         if metric == TOKEN_METRIC
         else "scores the pairs of XTuner's DPO, ORPO and RewardModel"
     )

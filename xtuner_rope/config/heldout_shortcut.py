@@ -8,11 +8,16 @@ dialogue in both). Optional ``interval`` sets ``train_cfg.val_interval``. The st
 ``val_evaluator`` (``TokenLossMetric`` for SFT models, ``PreferenceMetric`` for DPO, ORPO and
 reward models) and ``val_cfg = dict(type='ValLoop')``, then
 applies the held-out findings of :mod:`xtuner_rope.config.heldout` to them.
+
+LLaVA and InternVL configs (``LLaVADataset``'s ``data_path``, ``InternVL_V1_5_Dataset``'s
+``data_paths``; no ``load_dataset`` to slice) take ``data_files``: one held-out file in the
+training data's format, its images in the training image folder.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
@@ -36,6 +41,19 @@ def _loaders(loader: dict) -> list[dict]:
     ]
 
 
+# Image datasets and the field naming their data file (one file, or a list of files).
+IMAGE_DATASETS = {"LLaVADataset": "data_path", "InternVL_V1_5_Dataset": "data_paths"}
+
+
+def _image_datasets(loader: dict) -> list[dict]:
+    """The LLaVA / InternVL dataset dicts below a dataloader."""
+    return [
+        d
+        for _, d in _datasets(_get(loader, "dataset"), "x")
+        if type_name(_get(d, "type")) in IMAGE_DATASETS
+    ]
+
+
 def _problem(spec: object, loader: object) -> str | None:
     if not isinstance(spec, dict) or len({"data_files", "fraction"} & set(spec)) != 1:
         return f"expected dict(data_files=PATH) or dict(fraction=F), got {spec!r}"
@@ -46,6 +64,16 @@ def _problem(spec: object, loader: object) -> str | None:
         and abs(fraction * 100 - round(fraction * 100)) < 1e-9
     ):
         return f"fraction must be a float in (0, 1) in whole percents (0.05), got {fraction!r}"
+    if isinstance(loader, dict) and _image_datasets(loader):
+        if fraction is not None:
+            return (
+                "fraction needs datasets' split slicing (load_dataset); this config's "
+                f"{type_name(_get(_image_datasets(loader)[0], 'type'))} reads its file itself: "
+                "give the held-out samples as dict(data_files=PATH)"
+            )
+        if not isinstance(spec["data_files"], (str, Path)):
+            return f"data_files must be one file for an image dataset, got {spec['data_files']!r}"
+        return None
     if not isinstance(loader, dict) or not _loaders(loader):
         return "train_dataloader has no load_dataset(...) dict to derive the held-out data from"
     return None
@@ -72,6 +100,16 @@ def _derive(cfg: Config, spec: dict) -> None:
         for node in _loaders(val):
             node["path"] = "json"
             node["data_files"] = dict(train=spec["data_files"])
+        for node in _image_datasets(val):
+            key = IMAGE_DATASETS[type_name(_get(node, "type"))]
+            node[key] = (
+                [str(spec["data_files"])] if key == "data_paths" else str(spec["data_files"])
+            )
+            if key == "data_paths":  # one image folder per data file: the training one
+                folders = _get(node, "image_folders")
+                node["image_folders"] = [folders[0] if isinstance(folders, list) else folders]
+                node["repeat_times"] = [1]
+            node.pop("offline_processed_text_folder", None)  # it would win over data_path
     val["sampler"] = dict(type="DefaultSampler", shuffle=False)
     cfg._cfg_dict["val_dataloader"] = val
     metric = _metric(cfg)

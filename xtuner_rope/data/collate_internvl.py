@@ -62,7 +62,8 @@ def internvl_collate_fn(
         pad_index: Token id of the padding.
         max_length: Row capacity in tokens (the dataset's ``max_length`` or more).
         pack: Pack samples into rows (``ops.packing.plan_packs``); False: one sample per row.
-        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
+        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples':
+            {'rows': plan}}`` (``plan``: per row, the batch indices of its samples in order).
 
     Returns:
         ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
@@ -102,4 +103,6 @@ def internvl_collate_fn(
     # Each row's samples' tiles in order, [t_r, 3, H, W] (text-only samples' zero tiles too).
     data["pixel_values"] = [torch.cat([samples[i][2] for i in row]) for row in plan]
     data["num_unsupervised"] = len(unsupervised)
-    return data if return_hf_format else {"data": data, "data_samples": None}
+    # Which batch sample is which segment: a metric counts each sample once (data_samples
+    # reaches it untouched; the models ignore it).
+    return data if return_hf_format else {"data": data, "data_samples": {"rows": plan}}

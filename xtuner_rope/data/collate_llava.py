@@ -78,7 +78,8 @@ def llava_collate_fn(
             patch_size) ** 2`` for CLIP, CLS dropped).
         pack: Pack samples into rows (best-fit decreasing on expanded lengths); False keeps
             one sample per row (XTuner's padding, with the same fields).
-        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
+        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples':
+            {'rows': plan}}`` (``plan``: per row, the batch indices of its samples in order).
 
     Returns:
         ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
@@ -136,4 +137,6 @@ def llava_collate_fn(
         pixel_values += images or [samples[row[0]][2]]  # XTuner takes one image per plain row
     data["pixel_values"] = torch.stack(pixel_values)
     data["num_unsupervised"] = len(unsupervised)
-    return data if return_hf_format else {"data": data, "data_samples": None}
+    # Which batch sample is which segment: a metric counts each sample once (data_samples
+    # reaches it untouched; the models ignore it).
+    return data if return_hf_format else {"data": data, "data_samples": {"rows": plan}}

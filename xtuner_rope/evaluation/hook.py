@@ -39,7 +39,9 @@ def heldout_metrics(runner) -> list[TokenLossMetric | PreferenceMetric]:
 
 def supervised_labels(dataset) -> int:
     """Labels other than -100 in a held-out dataset (XTuner's rows: label lists in
-    ``LABEL_KEYS``; a ``datasets.Dataset`` is read by column)."""
+    ``LABEL_KEYS``; a ``datasets.Dataset`` is read by column, LLaVA's text by its
+    ``text_data``: no image is loaded)."""
+    dataset = getattr(dataset, "text_data", dataset)
     if hasattr(dataset, "column_names"):
         keys = [k for k in LABEL_KEYS if k in dataset.column_names]
         rows = (row for key in keys for row in dataset[key])

@@ -7,7 +7,15 @@ MMEngine's ``ValLoop`` calls ``model.val_step`` (XTuner's ``SupervisedFinetune``
 without boundaries is one document) and scored by :func:`xtuner_rope.ops.token_nll.document_nll`:
 each dialogue whole and alone, as isolated attention computed it.
 
-Exact across data-parallel ranks: one result per dataset row; MMEngine's ``collect_results``
+LLaVA and InternVL (the loss over the text labels of held-out image and text samples): XTuner's
+``LLaVAModel`` scores the sequence after the image expansion, so its rows return their own
+labels (``compat.patch_llava_predict_labels``) and the boundaries are the expanded ones
+(``models.llava.restart_after_expansion``); ``InternVL_V1_5`` answers ``mode='predict'``
+(``compat.patch_internvl_predict``) on the collate's own sequence. Rows that
+``llava_collate_fn`` / ``internvl_collate_fn`` packed name their samples
+(``data_samples['rows']``): one result per sample, in batch order.
+
+Exact across data-parallel ranks: one result per dataset row (or packed sample); MMEngine's ``collect_results``
 interleaves the ranks' results back into the ``DefaultSampler`` order and cuts the list to the
 dataset's length, which drops the samples the sampler repeated to even out the ranks (the
 start-up makes the held-out sampler a ``DefaultSampler(shuffle=False)``).
@@ -37,6 +45,61 @@ def row_bounds(flat: torch.Tensor | None, b: int, s: int) -> list[torch.Tensor]:
         return [torch.tensor([0, s]) for _ in range(b)]
     flat = torch.as_tensor(flat).reshape(-1).long().cpu()
     return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
+
+
+def row_documents(
+    out: dict, labels: torch.Tensor, ids: torch.Tensor, bounds: torch.Tensor
+) -> list[dict]:
+    """Each segment of one row: summed NLL, supervised tokens, first ids (padding included).
+
+    Args:
+        out: The row's ``val_step`` output: ``logits`` ``[s', V]``, and for a LLaVA model
+            ``labels`` ``[s']`` of the sequence its LLM saw (after the image expansion; see
+            ``compat.patch_llava_predict_labels``). Otherwise the batch's labels align.
+        labels: ``[s]`` the batch row's labels; ids: ``[s]`` its input ids.
+        bounds: ``[n + 1]`` the segments of the sequence the logits cover.
+
+    Returns:
+        One dict per segment: ``nll``, ``tokens`` and ``first_ids`` (the first input ids, or
+        where the LLM saw image embeddings instead of ids, the first supervised targets).
+    """
+    own = out.get("labels")
+    row_labels = own if isinstance(own, torch.Tensor) else labels
+    nll, tokens = document_nll(out["logits"], row_labels, bounds)
+    docs = []
+    for d in range(len(tokens)):
+        a, e = int(bounds[d]), int(bounds[d + 1])
+        if own is None:
+            first = ids[a : a + FIRST_TOKENS]
+        else:
+            segment = row_labels[a:e]
+            first = segment[segment != -100][:FIRST_TOKENS]
+        docs.append({"nll": float(nll[d]), "tokens": int(tokens[d]), "first_ids": first.tolist()})
+    return docs
+
+
+def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[dict]:
+    """One result per batch sample, in batch order, from rows packed by ``plan``.
+
+    ``llava_collate_fn`` / ``internvl_collate_fn`` put several dataset samples in a row (in the
+    order of their pack plan, ``data_samples['rows']``); MMEngine's ``collect_results`` drops
+    the sampler's repeats only from results in sampler order, one per sample.
+
+    Raises:
+        ValueError: a row has fewer segments than samples (packed rows without boundaries).
+    """
+    by_sample: dict[int, list[dict]] = {}
+    for r, (docs, samples) in enumerate(zip(rows, plan)):
+        if len(docs) < len(samples):
+            raise ValueError(
+                f"TokenLossMetric: held-out row {r} packs {len(samples)} samples but has "
+                f"{len(docs)} segment(s): its boundaries were not published. Keep "
+                "PackedBatchCheckHook in custom_hooks (the start-up adds it) and the patched "
+                "model, or collate with pack=False."
+            )
+        for i, doc in zip(samples, docs):
+            by_sample[i] = [doc] if doc["tokens"] > 0 else []
+    return [{"documents": by_sample[i]} for i in sorted(by_sample)]
 
 
 class TokenLossMetric(BaseMetric):
@@ -109,21 +172,22 @@ class TokenLossMetric(BaseMetric):
             )
             raise TypeError(
                 f"TokenLossMetric: model.val_step must return one dict with 'logits' [s, V] per "
-                f"row ({b} rows), got {got}. It serves XTuner's SupervisedFinetune (full, LoRA); "
-                "remove val_evaluator=dict(type=TokenLossMetric) for other models."
+                f"row ({b} rows), got {got}. It serves XTuner's SupervisedFinetune (full, LoRA), "
+                "LLaVAModel and InternVL_V1_5; remove val_evaluator=dict(type=TokenLossMetric) "
+                "for other models."
             )
-        for row, (out, bounds) in enumerate(zip(data_samples, row_bounds(channel.read()[0], b, s))):
-            nll, tokens = document_nll(out["logits"], labels[row], bounds)
-            docs = [
-                {
-                    "nll": float(nll[d]),
-                    "tokens": int(tokens[d]),
-                    "first_ids": ids[row, bounds[d] : bounds[d] + FIRST_TOKENS].tolist(),
-                }
-                for d in range(len(tokens))
-                if tokens[d] > 0
-            ]
-            self.results.append({"documents": docs})
+        # The logits' length: LLaVA's rows are longer after the image expansion.
+        bounds = row_bounds(channel.read()[0], b, data_samples[0]["logits"].shape[0])
+        rows = [
+            row_documents(out, labels[r], ids[r], bounds[r]) for r, out in enumerate(data_samples)
+        ]
+        plan = data_batch.get("data_samples") if isinstance(data_batch, dict) else None
+        plan = plan.get("rows") if isinstance(plan, dict) else None
+        if plan is None:  # one dataset row per batch row (XTuner's collate, held-out packs)
+            for docs in rows:
+                self.results.append({"documents": [d for d in docs if d["tokens"] > 0]})
+            return
+        self.results += per_sample_results(rows, plan)
 
     def compute_metrics(self, results: list) -> dict:
         """Totals over the held-out set (results in dataset order, repeats already cut).
@@ -178,4 +242,4 @@ class TokenLossMetric(BaseMetric):
         print_log(f"TokenLossMetric: worst held-out dialogues in {path}", logger="current")
 
 
-__all__ = ["WORST_FILE", "TokenLossMetric", "row_bounds"]
+__all__ = ["WORST_FILE", "TokenLossMetric", "per_sample_results", "row_bounds", "row_documents"]
