@@ -209,3 +209,45 @@ def test_shortcut_on_stock_dpo_picks_the_preference_metric(tmp_path):
     val["collate_fn"]["use_varlen_attn"] = False  # checked as the training pairs are
     (finding,) = heldout_pairs_findings(cfg)
     assert "val_dataloader.collate_fn.use_varlen_attn=False" in finding.problem, finding
+
+
+def test_shortcut_on_stock_llava_and_internvl_takes_their_data_file(tmp_path):
+    """LLaVA / InternVL configs: ``data_files`` (and ``image_folder``) become the held-out
+    dataset's own file fields, ``TokenLossMetric`` serves the model; ``fraction`` (no
+    ``load_dataset`` to slice) and ``image_folder`` on text data are refused."""
+    import internvl_configs as ic
+    import llava_configs as lc
+
+    from xtuner_rope.demo.llava_data import write_llava_data
+
+    assets = lc.llava_assets(tmp_path / "llava")
+    held = write_llava_data(tmp_path / "held", n_images=2, n_text=2, seed=1)
+    text = lc.localize_llava(assets["finetune"], assets["llm"], assets["clip"], assets["data"])
+    line = f'heldout = dict(data_files="{held}", image_folder="{held.parent}/images")'
+    path = tmp_path / "llava.py"
+    path.write_text(lc.enable_plugin_llava(text) + f"\n{line}\n")
+    cfg = Config.fromfile(str(path))
+    prepare_config(cfg)
+    val = cfg._cfg_dict["val_dataloader"]
+    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+    assert val["dataset"]["data_path"] == str(held)
+    assert val["dataset"]["image_folder"] == f"{held.parent}/images"
+    assert type_name(val["sampler"]["type"]) == "DefaultSampler" and not val["sampler"]["shuffle"]
+    path.write_text(lc.enable_plugin_llava(text) + "\nheldout = dict(fraction=0.1)\n")
+    with pytest.raises(ConfigConflict, match=r"heldout: fraction needs datasets' split slicing"):
+        prepare_config(Config.fromfile(str(path)))
+    internvl = ic.internvl_assets(tmp_path / "internvl")
+    text = ic.localize_internvl(internvl[ic.PHI3_FULL], internvl["phi3"], internvl["data"])
+    path = tmp_path / "internvl.py"
+    path.write_text(ic.enable_plugin_internvl(text) + f'\nheldout = dict(data_files="{held}")\n')
+    cfg = Config.fromfile(str(path))
+    prepare_config(cfg)
+    dataset = cfg._cfg_dict["val_dataloader"]["dataset"]
+    assert dataset["data_paths"] == [str(held)] and len(dataset["image_folders"]) == 1
+    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+
+
+def test_shortcut_image_folder_on_text_data_is_refused(stock, tmp_path):
+    line = f'heldout = dict(data_files="{stock["held"]}/train.json", image_folder="x")'
+    with pytest.raises(ConfigConflict, match=r"heldout: image_folder is for LLaVA / InternVL"):
+        prepare_config(_shortcut_cfg(stock, tmp_path, line))

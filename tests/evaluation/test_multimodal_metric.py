@@ -123,6 +123,7 @@ def test_llava_padded_rows_and_the_unpatched_packed_rows(llava):
     # Negative control: packed rows through the unpatched copy leak across samples.
     leaked = _evaluate_unisolated(reference, items, _llava_collate)
     assert abs(leaked["heldout_loss"] - plain["loss"]) > 1e-5 * plain["loss"], (leaked, plain)
+    print(f"LLaVA packed, unpatched: {leaked['heldout_loss']!r} vs alone {plain['loss']!r}")
 
 
 def _evaluate_unisolated(reference, items, collate) -> dict:
@@ -160,4 +161,5 @@ def test_internvl_packed_heldout_loss_equals_each_sample_alone(internvl, world):
     if world == 2:
         leaked = _evaluate_unisolated(reference, items, _internvl_collate)
         assert abs(leaked["heldout_loss"] - plain["loss"]) > 1e-5 * plain["loss"], leaked
+        print(f"InternVL packed, unpatched: {leaked['heldout_loss']!r}")
     print(f"InternVL packed, {world} rank(s): {got['heldout_loss']!r} vs alone {plain['loss']!r}")

@@ -97,10 +97,33 @@ def _started(*configs: Path) -> list[dict]:
     ]
 
 
-def test_stock_finetune_trains_with_one_edit_and_isolates_samples(llava, tmp_path):
-    config = _with_capture(_config(llava, "finetune", tmp_path / "finetune.py"))
-    proc = sc.xtuner_train(config, tmp_path / "run", "randomness.seed=0")
-    out = proc.stdout + proc.stderr
+@pytest.fixture(scope="module")
+def finetune_run(llava) -> dict:
+    """One real ``xtuner train`` of the finetune config with the edit, the capture hook and
+    the ``heldout`` shortcut (6 image + 6 text-only held-out samples, images in their own
+    folder, evaluated every 3 iterations), shared by the isolation and held-out claims."""
+    root = llava["root"] / "finetune_run"
+    held = write_llava_data(root / "held", n_images=6, n_text=6, seed=1)
+    line = (
+        f'heldout = dict(data_files="{held}", image_folder="{held.parent / "images"}", interval=3)'
+    )
+    config = _with_capture(_config(llava, "finetune", root / "finetune.py"))
+    config.write_text(sc.sub_once(config.read_text(), r"^(max_length = .*\n)", rf"\g<1>{line}\n"))
+    proc = sc.xtuner_train(config, root / "run", "randomness.seed=0")
+    return {
+        "config": config,
+        "held": held,
+        "work_dir": root / "run",
+        "out": proc.stdout + proc.stderr,
+    }
+
+
+def test_stock_finetune_trains_with_one_edit_and_isolates_samples(finetune_run):
+    config, tmp_path, out = (
+        finetune_run["config"],
+        finetune_run["work_dir"].parent,
+        finetune_run["out"],
+    )
     run = check_run(tmp_path / "run", min_iters=6)
     assert "pretrained_model_name_or_path: missing (a LLaVA/InternVL config names its LLM" in out
     assert "custom_hooks: EvaluateChatHook" not in out  # kept (compat fixes its generation)
@@ -379,3 +402,33 @@ def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
     )
     assert d.model.visual_encoder.pretrained_model_name_or_path == str(llava["clip"])
     assert d.image_processor.pretrained_model_name_or_path == str(llava["clip"])
+
+
+HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"
+
+
+def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
+    """The shared finetune run, evaluated at 3 and 6: the logged held-out loss at 6 equals each
+    held-out sample alone through XTuner's unpatched LLaVA model with ``iter_6.pth``'s weights
+    (a fresh process without the plugin), with the same supervised-token count."""
+    held, out = finetune_run["held"], finetune_run["out"]
+    config, tmp_path = finetune_run["config"], finetune_run["work_dir"].parent
+    check_run(tmp_path / "run", min_iters=6)
+    assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
+    (scalars,) = (tmp_path / "run").glob("*/vis_data/scalars.json")
+    rows = [json.loads(x) for x in scalars.read_text().splitlines()]
+    logged = {row["step"]: row for row in rows if "heldout_loss" in row}
+    assert sorted(logged) == [3, 6], sorted(logged)
+    ref = subprocess.run(
+        [sys.executable, str(HELDOUT_REFERENCE), str(config), str(tmp_path / "run" / "iter_6.pth"),
+         str(held), str(held.parent / "images")],
+        capture_output=True, text=True, env=sc.venv_env(), cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    plain = json.loads(ref.stdout.strip().splitlines()[-1])
+    at_6 = logged[6]
+    print(f"LLaVA held-out at 6: logged {at_6['heldout_loss']!r}, plain {plain}")
+    assert at_6["heldout_tokens"] == plain["tokens"]
+    assert at_6["heldout_dialogues"] == plain["samples"] == 12
+    assert abs(at_6["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
+    assert logged[3]["heldout_loss"] != at_6["heldout_loss"]

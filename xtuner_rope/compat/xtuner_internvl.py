@@ -1,5 +1,5 @@
-"""XTuner InternVL patches: what it hard-codes at load time, its rank query, and the prompt
-template its dataset edits.
+"""XTuner InternVL patches: what it hard-codes at load time, its rank query, the prompt
+template its dataset edits, and the ``predict`` mode its forward ignores.
 
 xtuner 0.2.0 ``InternVL_V1_5.__init__`` loads the checkpoint with ``torch_dtype=torch.bfloat16``
 and sets its LLM's attention to ``"flash_attention_2"`` unconditionally (a config cannot say

@@ -1,4 +1,5 @@
-"""XTuner ``LLaVAModel`` patch: the sequence the LLM sees after image expansion is checked."""
+"""XTuner ``LLaVAModel`` patches: the sequence the LLM sees after image expansion is checked,
+and ``predict`` returns the labels of that sequence (held-out evaluation)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ applies the held-out findings of :mod:`xtuner_rope.config.heldout` to them.
 
 LLaVA and InternVL configs (``LLaVADataset``'s ``data_path``, ``InternVL_V1_5_Dataset``'s
 ``data_paths``; no ``load_dataset`` to slice) take ``data_files``: one held-out file in the
-training data's format, its images in the training image folder.
+training data's format, its images in the training image folder or in ``image_folder``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def _problem(spec: object, loader: object) -> str | None:
         if not isinstance(spec["data_files"], (str, Path)):
             return f"data_files must be one file for an image dataset, got {spec['data_files']!r}"
         return None
+    if "image_folder" in spec:
+        return "image_folder is for LLaVA / InternVL datasets; this config's data has no images"
     if not isinstance(loader, dict) or not _loaders(loader):
         return "train_dataloader has no load_dataset(...) dict to derive the held-out data from"
     return None
@@ -105,10 +107,14 @@ def _derive(cfg: Config, spec: dict) -> None:
             node[key] = (
                 [str(spec["data_files"])] if key == "data_paths" else str(spec["data_files"])
             )
-            if key == "data_paths":  # one image folder per data file: the training one
+            folder = spec.get("image_folder")
+            if key == "data_paths":  # one image folder per data file (default: the training one)
                 folders = _get(node, "image_folders")
-                node["image_folders"] = [folders[0] if isinstance(folders, list) else folders]
+                folders = folders[0] if isinstance(folders, (list, tuple)) else folders
+                node["image_folders"] = [str(folder) if folder else folders]
                 node["repeat_times"] = [1]
+            elif folder:
+                node["image_folder"] = str(folder)
             node.pop("offline_processed_text_folder", None)  # it would win over data_path
     val["sampler"] = dict(type="DefaultSampler", shuffle=False)
     cfg._cfg_dict["val_dataloader"] = val

@@ -137,12 +137,14 @@ class TokenLossMetric(BaseMetric):
         self.evaluations = 0
 
     def process(self, data_batch: dict, data_samples: Sequence[dict]) -> None:
-        """Score each row's documents; one result per row (dataset sample).
+        """Score each row's documents; one result per row, or per sample of a packed row.
 
         Args:
             data_batch: The collated batch; ``data_batch['data']`` holds ``input_ids`` and
-                ``labels``, each ``[b, s]``.
-            data_samples: ``val_step``'s output: ``b`` dicts with ``logits`` ``[s, V]``.
+                ``labels``, each ``[b, s]``; ``data_batch['data_samples']['rows']`` (packed LLaVA /
+                InternVL rows) the batch samples of each row.
+            data_samples: ``val_step``'s output: ``b`` dicts with ``logits`` ``[s, V]`` (a
+                LLaVA model's ``[s', V]`` with its ``labels`` ``[s']``, after the expansion).
 
         Raises:
             TypeError: the model's ``val_step`` does not return per-row logits.
@@ -156,7 +158,7 @@ class TokenLossMetric(BaseMetric):
                 "XTuner SFT dataset (process_hf_dataset) with default_collate_fn or rope_collate_fn."
             )
         ids, labels = data["input_ids"], data["labels"]
-        b, s = labels.shape
+        b = labels.shape[0]
         if (
             not isinstance(data_samples, Sequence)
             or len(data_samples) != b
