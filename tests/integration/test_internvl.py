@@ -12,7 +12,11 @@ text-only dialogues, ``max_length`` 512, batch 4, 4 iterations), each with
   unpatched copy of the LLM leak).
 
 For both, a fresh process rebuilds the config's model unpatched, gives its LLM the step's
-weights and runs each captured sample alone: within 1e-4 of the run's logits.
+weights and runs each captured sample alone: within 1e-4 of the run's logits. The Phi-3 run
+also has ``heldout = dict(data_files=..., image_folder=..., interval=2)``: its logged held-out
+loss at iteration 4 equals each held-out sample alone through XTuner's ``InternVL_V1_5.forward``
+with ``iter_4.pth``'s weights in a fresh process without the plugin
+(``tests/support/internvl_heldout_reference.py``).
 """
 
 import json
@@ -26,6 +30,7 @@ import stock_configs as sc
 import torch
 
 from xtuner_rope.capture.internvl import INTERNVL_CAPTURE_FILE
+from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 
 pytestmark = pytest.mark.slow
@@ -98,9 +103,23 @@ def test_internlm2_lora_config_trains_padded_each_sample_as_alone(internvl, tmp_
     )
 
 
-def test_phi3_full_config_trains_packed_isolated_and_unpatched_rows_leak(internvl, tmp_path):
-    config = _config(internvl, ic.PHI3_FULL, "phi3", tmp_path / "phi3_full.py", packed=True)
-    out = _train(config, tmp_path / "run")
+@pytest.fixture(scope="module")
+def phi3_run(internvl) -> dict:
+    """One real ``xtuner train`` of the packed Phi-3 config with the capture hook and the
+    ``heldout`` shortcut (4 image + 4 text-only held-out samples, images in their own folder,
+    evaluated every 2 iterations), shared by the isolation and held-out claims."""
+    root = internvl["root"] / "phi3_run"
+    held = write_llava_data(root / "held", n_images=4, n_text=4, seed=1)
+    config = _config(internvl, ic.PHI3_FULL, "phi3", root / "phi3_full.py", packed=True)
+    line = (
+        f'heldout = dict(data_files="{held}", image_folder="{held.parent / "images"}", interval=2)'
+    )
+    config.write_text(sc.sub_once(config.read_text(), r'^(path = ".*"\n)', rf"\g<1>{line}\n"))
+    return {"config": config, "held": held, "out": _train(config, root / "run"), "root": root}
+
+
+def test_phi3_full_config_trains_packed_isolated_and_unpatched_rows_leak(internvl, phi3_run):
+    config, tmp_path, out = phi3_run["config"], phi3_run["root"], phi3_run["out"]
     assert "ValidatedRoPEHook: 2 Phi3 attention layers" in out, out[-3000:]
     assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
     saved = torch.load(tmp_path / "run" / INTERNVL_CAPTURE_FILE, weights_only=False)
@@ -119,3 +138,30 @@ def test_phi3_full_config_trains_packed_isolated_and_unpatched_rows_leak(internv
         f"max |trained - alone| {result['max_abs_diff']:.3g} (fresh process), "
         f"{in_run['max_abs_diff']:.3g} in the run; unpatched rows {in_run['unpatched_max_abs_diff']:.3g}"
     )
+
+
+HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "internvl_heldout_reference.py"
+
+
+def test_phi3_heldout_loss_equals_each_sample_alone(phi3_run):
+    """The shared packed Phi-3 run, evaluated at 2 and 4: the logged held-out loss at 4 equals
+    each held-out sample alone through XTuner's ``InternVL_V1_5.forward`` with ``iter_4.pth``'s
+    weights (a fresh process without the plugin), with the same supervised-token count."""
+    held, work_dir = phi3_run["held"], phi3_run["root"] / "run"
+    assert "val_evaluator=dict(type=TokenLossMetric)" in phi3_run["out"]
+    (scalars,) = work_dir.glob("*/vis_data/scalars.json")
+    rows = [json.loads(x) for x in scalars.read_text().splitlines()]
+    logged = {row["step"]: row for row in rows if "heldout_loss" in row}
+    assert sorted(logged) == [2, 4], sorted(logged)
+    ref = subprocess.run(
+        [sys.executable, str(HELDOUT_REFERENCE), str(phi3_run["config"]),
+         str(work_dir / "iter_4.pth"), str(held), str(held.parent / "images")],
+        capture_output=True, text=True, env=sc.venv_env(), cwd=work_dir, timeout=600,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    plain = json.loads(ref.stdout.strip().splitlines()[-1])
+    at_4 = logged[4]
+    print(f"InternVL held-out at 4: logged {at_4['heldout_loss']!r}, plain {plain}")
+    assert at_4["heldout_tokens"] == plain["tokens"]
+    assert at_4["heldout_dialogues"] == plain["samples"] == 8
+    assert abs(at_4["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]

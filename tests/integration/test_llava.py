@@ -7,7 +7,10 @@ inputs and logits of iteration 1:
 
 - the InternLM2 finetune config, padded rows (XTuner's collate): each sample equals itself
   alone through the unpatched LLM (offline, ``compare_llava_capture``); the stock
-  ``EvaluateChatHook`` generates for its image prompt;
+  ``EvaluateChatHook`` generates for its image prompt; the same run has the ``heldout``
+  shortcut, and its logged held-out loss at iteration 6 equals each held-out sample alone
+  through XTuner's ``LLaVAModel`` with ``iter_6.pth`` in a fresh process without the plugin
+  (``tests/support/llava_heldout_reference.py``);
 - the InternLM2 pretrain config (fp16 LLM switched to fp32 on CPU, LLM frozen), rows packed by
   ``llava_collate_fn``: isolation measured inside the run, and the negative control (the same
   packed rows through the unpatched LLM leak);
