@@ -60,19 +60,12 @@ def _train(config: Path, work_dir: Path, nproc: int) -> str:
     return out
 
 
-def _logged(work_dir: Path) -> dict[int, dict]:
-    """The held-out metrics MMEngine wrote to its scalars file, by iteration."""
-    (scalars,) = work_dir.glob("*/vis_data/scalars.json")
-    rows = [json.loads(line) for line in scalars.read_text().splitlines()]
-    return {row["step"]: row for row in rows if "heldout_loss" in row}
-
-
 @pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
 def test_heldout_loss_equals_plain_reference(config, tmp_path, nproc):
     out = _train(config, tmp_path, nproc)
     assert "xtuner-rope: val_dataloader.dataset.type:" in out  # whole dialogues, boundaries kept
     assert "segments (documents and padding) isolated by the attention" in out
-    logged = _logged(tmp_path)
+    logged = ho.logged_heldout(tmp_path)
     assert sorted(logged) == [4, 8], sorted(logged)
     plain = ho.plain_reference(config, tmp_path / "iter_8.pth")
     at_8 = logged[8]

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import heldout as ho
 import internvl_configs as ic
 import pytest
 import stock_configs as sc
@@ -147,21 +148,8 @@ def test_phi3_heldout_loss_equals_each_sample_alone(phi3_run):
     """The shared packed Phi-3 run, evaluated at 2 and 4: the logged held-out loss at 4 equals
     each held-out sample alone through XTuner's ``InternVL_V1_5.forward`` with ``iter_4.pth``'s
     weights (a fresh process without the plugin), with the same supervised-token count."""
-    held, work_dir = phi3_run["held"], phi3_run["root"] / "run"
     assert "val_evaluator=dict(type=TokenLossMetric)" in phi3_run["out"]
-    (scalars,) = work_dir.glob("*/vis_data/scalars.json")
-    rows = [json.loads(x) for x in scalars.read_text().splitlines()]
-    logged = {row["step"]: row for row in rows if "heldout_loss" in row}
-    assert sorted(logged) == [2, 4], sorted(logged)
-    ref = subprocess.run(
-        [sys.executable, str(HELDOUT_REFERENCE), str(phi3_run["config"]),
-         str(work_dir / "iter_4.pth"), str(held), str(held.parent / "images")],
-        capture_output=True, text=True, env=sc.venv_env(), cwd=work_dir, timeout=600,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    plain = json.loads(ref.stdout.strip().splitlines()[-1])
-    at_4 = logged[4]
-    print(f"InternVL held-out at 4: logged {at_4['heldout_loss']!r}, plain {plain}")
-    assert at_4["heldout_tokens"] == plain["tokens"]
-    assert at_4["heldout_dialogues"] == plain["samples"] == 8
-    assert abs(at_4["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
+    work_dir = phi3_run["root"] / "run"
+    ho.check_image_heldout(
+        HELDOUT_REFERENCE, phi3_run["config"], work_dir, phi3_run["held"], [2, 4], samples=8
+    )

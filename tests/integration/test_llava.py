@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import heldout as ho
 import llava_configs as lc
 import pytest
 import stock_configs as sc
@@ -414,24 +415,9 @@ def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
     """The shared finetune run, evaluated at 3 and 6: the logged held-out loss at 6 equals each
     held-out sample alone through XTuner's unpatched LLaVA model with ``iter_6.pth``'s weights
     (a fresh process without the plugin), with the same supervised-token count."""
-    held, out = finetune_run["held"], finetune_run["out"]
-    config, tmp_path = finetune_run["config"], finetune_run["work_dir"].parent
-    check_run(tmp_path / "run", min_iters=6)
-    assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
-    (scalars,) = (tmp_path / "run").glob("*/vis_data/scalars.json")
-    rows = [json.loads(x) for x in scalars.read_text().splitlines()]
-    logged = {row["step"]: row for row in rows if "heldout_loss" in row}
-    assert sorted(logged) == [3, 6], sorted(logged)
-    ref = subprocess.run(
-        [sys.executable, str(HELDOUT_REFERENCE), str(config), str(tmp_path / "run" / "iter_6.pth"),
-         str(held), str(held.parent / "images")],
-        capture_output=True, text=True, env=sc.venv_env(), cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    plain = json.loads(ref.stdout.strip().splitlines()[-1])
-    at_6 = logged[6]
-    print(f"LLaVA held-out at 6: logged {at_6['heldout_loss']!r}, plain {plain}")
-    assert at_6["heldout_tokens"] == plain["tokens"]
-    assert at_6["heldout_dialogues"] == plain["samples"] == 12
-    assert abs(at_6["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
-    assert logged[3]["heldout_loss"] != at_6["heldout_loss"]
+    work_dir = finetune_run["work_dir"]
+    check_run(work_dir, min_iters=6)
+    assert "val_evaluator=dict(type=TokenLossMetric)" in finetune_run["out"]
+    ho.check_image_heldout(
+        HELDOUT_REFERENCE, finetune_run["config"], work_dir, finetune_run["held"], [3, 6], 12
+    )

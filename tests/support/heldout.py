@@ -4,7 +4,9 @@
 (``stock_configs.write_alpaca_data``, the first 400 sample dialogues) does not hold, of mixed
 lengths; ``with_heldout`` adds MMEngine's entries (``val_dataloader`` like the training one,
 ``val_evaluator=dict(type=TokenLossMetric)``, ``val_cfg``) to a stock config's text;
-``plain_reference`` runs ``heldout_reference.py`` in a fresh process without the plugin.
+``plain_reference`` runs ``heldout_reference.py`` in a fresh process without the plugin;
+``logged_heldout`` reads a run's held-out metrics; ``check_image_heldout`` holds a LLaVA or
+InternVL run's logged held-out loss against its no-plugin reference script.
 """
 
 from __future__ import annotations
@@ -78,3 +80,35 @@ def plain_reference(config: Path, checkpoint: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def logged_heldout(work_dir: Path) -> dict[int, dict]:
+    """The held-out metrics MMEngine wrote to a run's scalars file, by iteration."""
+    (scalars,) = work_dir.glob("*/vis_data/scalars.json")
+    rows = [json.loads(line) for line in scalars.read_text().splitlines()]
+    return {row["step"]: row for row in rows if "heldout_loss" in row}
+
+
+def check_image_heldout(
+    script: Path, config: Path, work_dir: Path, held: Path, steps: list[int], samples: int
+) -> dict:
+    """A LLaVA / InternVL run's held-out loss at its last evaluation against ``script`` (a
+    fresh process without the plugin: each held-out sample alone, ``iter_<last>.pth``), within
+    1e-5 relative, with the same token and sample counts; returns both figures."""
+    logged = logged_heldout(work_dir)
+    assert sorted(logged) == steps, sorted(logged)
+    last = logged[steps[-1]]
+    images = held.parent / "images"
+    checkpoint = work_dir / f"iter_{steps[-1]}.pth"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(config), str(checkpoint), str(held), str(images)],
+        capture_output=True, text=True, env=sc.venv_env(), cwd=work_dir, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"held-out at {steps[-1]}: logged {last['heldout_loss']!r}, plain {plain}")
+    assert last["heldout_tokens"] == plain["tokens"]
+    assert last["heldout_dialogues"] == plain["samples"] == samples
+    assert abs(last["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
+    assert logged[steps[0]]["heldout_loss"] != last["heldout_loss"]  # each evaluation's own
+    return {"logged": last, "plain": plain}
