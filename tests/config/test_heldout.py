@@ -58,6 +58,15 @@ def test_heldout_loader_gets_what_the_train_loader_gets(stock, tmp_path):
     assert cfg._cfg_dict["log_processor"]["by_epoch"] is False  # the stock entry is kept
 
 
+def test_sequence_parallel_heldout_rows_collate_whole(stock, tmp_path):
+    cfg = _cfg(stock, tmp_path, None, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+    prepare_config(cfg)
+    collate = cfg._cfg_dict["val_dataloader"]["collate_fn"]
+    # XTuner's default_collate_fn asserts rows divisible by 2; held-out rows are whole dialogues
+    assert type_name(collate["type"]) == "rope_collate_fn" and collate["use_varlen_attn"] is True
+    assert "pad_to_multiple_of" not in collate  # evaluated whole, never split
+
+
 def test_missing_heldout_file_is_refused(stock, tmp_path):
     cfg = _cfg(stock, tmp_path, tmp_path / "nowhere")
     with pytest.raises(ConfigConflict, match=r"held-out data .*nowhere.*does not exist"):

@@ -3,7 +3,8 @@
 ``python heldout_reference.py CONFIG CHECKPOINT`` builds the config's held-out dataset with
 XTuner's own ``process_hf_dataset`` unpacked (``pack_to_max_length=False``: one dialogue per
 sample), loads the config's LLM with ``from_pretrained`` (unpatched, fp32, eager attention),
-puts the checkpoint's weights in, runs one dialogue per forward and prints one JSON line:
+puts the checkpoint's weights in (XTuner's ``guess_load_checkpoint``: a ``.pth`` file or a
+DeepSpeed checkpoint folder, ZeRO-3 partitions gathered), runs one dialogue per forward and prints one JSON line:
 the token-weighted mean next-token NLL, the supervised-token count and the dialogue count.
 The plugin is never imported (checked at the end).
 """
@@ -14,6 +15,7 @@ import sys
 
 import torch
 from mmengine.config import Config
+from xtuner.model.utils import guess_load_checkpoint
 from xtuner.registry import BUILDER
 
 
@@ -24,7 +26,7 @@ def main(config: str, checkpoint: str) -> dict:
     dataset_cfg.use_varlen_attn = False
     dataset = BUILDER.build(dataset_cfg)
     llm = BUILDER.build(cfg.model.llm).float().eval()
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = guess_load_checkpoint(checkpoint)  # a .pth file, or a DeepSpeed (ZeRO-3) folder
     missing, unexpected = llm.load_state_dict(
         {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
     )

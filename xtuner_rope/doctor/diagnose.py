@@ -17,6 +17,7 @@ from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.fields import offline_packs
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.doctor.heldout import heldout_report, heldout_warnings
 from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
     llava_data_of,
@@ -337,6 +338,10 @@ def diagnose(
     report["internvl"] = internvl_figures(cfg, dataset, batch_size)
     report["problems"] += internvl_problems(report["internvl"])
     report["warnings"] += llava_warnings(report["multimodal"])
+    report["heldout"] = heldout_report(
+        cfg, dataset, dialogues, bool(report["findings"]["conflicts"]), build_collate_fn
+    )
+    report["warnings"] += heldout_warnings(report["heldout"])
     report["problems"] += schedule_problems(
         cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))
     )

@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.heldout import heldout_lines
 from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
@@ -114,6 +115,7 @@ def format_summary(report: dict) -> str:
     lines += llava_lines(report.get("multimodal"))
     lines += internvl_lines(report.get("internvl"))
     lines += _collate_lines(report)
+    lines += heldout_lines(report.get("heldout"))
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += rope_lines(report.get("rope"))

@@ -3,7 +3,8 @@
 The start-up adds it with ``TokenLossMetric``. Before training it refuses what is only knowable
 once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
 beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
-still evaluates after the last iteration), points the metric at the work
+still evaluates after the last iteration), logs the held-out set's figures (``figures``: its
+size after packing and the dialogues the training data holds too), points the metric at the work
 dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
 of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
 """
@@ -18,6 +19,7 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 
+from .figures import collated_rows, document_keys, heldout_figures, heldout_line, row_capacity
 from .metric import TokenLossMetric
 
 CURVES_FILE = "heldout_curves.png"
@@ -62,6 +64,32 @@ def check_heldout_run(runner) -> None:
         )
 
 
+def log_heldout_figures(runner) -> dict:
+    """Log the held-out set's size and its overlap with the training data (main process).
+
+    Returns:
+        The figures (``figures.heldout_figures``).
+    """
+    val = (getattr(runner, "cfg", None) or {}).get("val_dataloader") or {}
+    loader = runner.val_loop.dataloader
+    capacity = row_capacity(val.get("dataset"), val.get("collate_fn"))
+    figures = heldout_figures(
+        loader.dataset,
+        document_keys(runner.train_dataloader.dataset),
+        capacity,
+        collated_rows(loader.dataset, loader.collate_fn, loader.batch_size) if capacity else None,
+    )
+    print_log(f"HeldOutCurvesHook: held-out set {heldout_line(figures)}.", logger="current")
+    if figures["in_training"]:
+        print_log(
+            f"HeldOutCurvesHook: {figures['in_training']} held-out dialogues are in the training "
+            "data too: the held-out loss is partly a training loss. Remove them from one file.",
+            logger="current",
+            level=logging.WARNING,
+        )
+    return figures
+
+
 class HeldOutCurvesHook(Hook):
     """Held-out checks before training; training and held-out loss curves after it.
 
@@ -82,6 +110,8 @@ class HeldOutCurvesHook(Hook):
         if not metrics:
             return
         check_heldout_run(runner)
+        if is_main_process():
+            log_heldout_figures(runner)
         for metric in metrics:
             metric.output_dir = runner.work_dir
 
@@ -130,4 +160,10 @@ def draw_curves(train: list, heldout: list, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["CURVES_FILE", "HeldOutCurvesHook", "check_heldout_run", "draw_curves"]
+__all__ = [
+    "CURVES_FILE",
+    "HeldOutCurvesHook",
+    "check_heldout_run",
+    "draw_curves",
+    "log_heldout_figures",
+]
