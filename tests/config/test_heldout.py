@@ -146,6 +146,10 @@ def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
     val = cfg._cfg_dict["val_dataloader"]["dataset"]
     assert train["split"] == "train[:75%]" and val["dataset"]["split"] == "train[75%:]"
     assert type_name(val["type"]) == "heldout_process_hf_dataset"
+    assert "whole_dialogues" in cfg._cfg_dict["train_dataloader"]["dataset"]
+    # copied from the training dict the start-up made lossless_process_hf_dataset: its own
+    # argument must not reach heldout_process_hf_dataset (process_hf_dataset refuses it)
+    assert "whole_dialogues" not in val
     assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
     assert cfg._cfg_dict["train_cfg"]["val_interval"] == 2
     assert cfg._cfg_dict["val_dataloader"]["sampler"]["shuffle"] is False

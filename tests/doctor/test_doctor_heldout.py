@@ -42,14 +42,23 @@ def _write(stock: dict, name: str, text: str) -> Path:
     return path
 
 
-def _plain_counts(config: Path) -> tuple[int, int]:
-    """``(dialogues, supervised tokens)`` of the started config's held-out set, unpacked
-    (XTuner's ``process_hf_dataset``, one dialogue a sample; labels after the first)."""
+def _started(config: Path) -> Config:
     from xtuner_rope.config.as_xtuner_train import start
 
     cfg = Config.fromfile(str(config))
     start(cfg, look_only=True)
-    dataset_cfg = cfg.val_dataloader.dataset
+    return cfg
+
+
+def _built_heldout(config: Path):
+    """The held-out dataset as the run builds it (after the start-up: packed whole)."""
+    return BUILDER.build(_started(config).val_dataloader.dataset)
+
+
+def _plain_counts(config: Path) -> tuple[int, int]:
+    """``(dialogues, supervised tokens)`` of the started config's held-out set, unpacked
+    (XTuner's ``process_hf_dataset``, one dialogue a sample; labels after the first)."""
+    dataset_cfg = _started(config).val_dataloader.dataset
     dataset_cfg.type = "xtuner.dataset.process_hf_dataset"
     dataset_cfg.pack_to_max_length = False
     dataset_cfg.use_varlen_attn = False
@@ -72,18 +81,19 @@ def test_doctor_reports_a_separate_heldout_file(stock):
     assert figures["supervised_tokens"] == supervised > 0
     overlap = sum(p in train for p in _pairs(held_rows))
     assert figures["in_training"] == overlap >= 3  # the 3 copied, and any repeat of the data
-    # packed whole (heldout_process_hf_dataset): short dialogues fit one row of 2048
-    assert figures["rows"] == 1 and figures["max_length"] == 2048
-    assert figures["fill"] == pytest.approx(figures["tokens"] / 2048)
+    # packed whole (heldout_process_hf_dataset) into rows of the config's max_length
+    assert figures["max_length"] == Config.fromfile(str(config)).max_length == 512
+    assert figures["rows"] == len(_built_heldout(config)) >= 1
+    assert figures["fill"] == pytest.approx(figures["tokens"] / (figures["rows"] * 512))
     text = format_summary(report)
     assert (
-        f"held-out     9 dialogues, {supervised} supervised tokens, 1 rows packed to "
-        f"max_length=2048 (fill {figures['fill']:.1%}); in the training data too: {overlap} "
+        f"held-out     9 dialogues, {supervised} supervised tokens, {figures['rows']} rows packed "
+        f"to max_length=512 (fill {figures['fill']:.1%}); in the training data too: {overlap} "
         "dialogues"
     ) in text
     warning = f"{overlap} of 9 held-out dialogues are in the training data too"
     assert any(warning in w for w in report["warnings"])
-    assert report["exit_code"] == 0
+    assert not [p for p in report["problems"] if "held" in p], report["problems"]
 
 
 def test_doctor_reports_the_shortcut_fraction(stock):

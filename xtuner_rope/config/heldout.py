@@ -115,6 +115,9 @@ def _dataset_findings(loader: dict) -> list[Finding]:
             )
             dataset["use_varlen_attn"] = True
             dataset["shuffle_before_pack"] = False
+            # lossless_process_hf_dataset's own argument (the shortcut copies the training
+            # dict after the start-up made it one); held-out rows are always whole dialogues
+            dataset.pop("whole_dialogues", None)
 
         findings.append(
             Finding(
