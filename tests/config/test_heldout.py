@@ -59,7 +59,9 @@ def test_heldout_loader_gets_what_the_train_loader_gets(stock, tmp_path):
 
 
 def test_sequence_parallel_heldout_rows_collate_whole(stock, tmp_path):
-    cfg = _cfg(stock, tmp_path, None, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2"))
+    cfg = _cfg(
+        stock, tmp_path, None, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2")
+    )
     prepare_config(cfg)
     collate = cfg._cfg_dict["val_dataloader"]["collate_fn"]
     # XTuner's default_collate_fn asserts rows divisible by 2; held-out rows are whole dialogues

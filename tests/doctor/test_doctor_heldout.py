@@ -78,7 +78,9 @@ def _pairs(rows: list[dict]) -> list[tuple]:
 def test_doctor_reports_a_separate_heldout_file(stock):
     text = ho.with_heldout(stock["text"], stock["held"])
     text = sc.sub_once(
-        text, r"^(        pack_to_max_length=pack_to_max_length,\n)", r"\g<1>        map_num_proc=1,\n"
+        text,
+        r"^(        pack_to_max_length=pack_to_max_length,\n)",
+        r"\g<1>        map_num_proc=1,\n",
     )
     config = _write(stock, "entries.py", text)
     report, _ = diagnose(str(config), progress=False)

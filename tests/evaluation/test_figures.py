@@ -68,7 +68,9 @@ def test_online_packing_rows_come_from_the_collate_function():
 
 def test_row_capacity_follows_who_packs():
     assert row_capacity({"max_length": 512}, {"pack": True, "max_length": 256}) == 256
-    assert row_capacity({"max_length": 512}, {"type": "default_collate_fn"}) == 512  # XTuner's default
+    assert (
+        row_capacity({"max_length": 512}, {"type": "default_collate_fn"}) == 512
+    )  # XTuner's default
     assert row_capacity({"max_length": 512, "pack_to_max_length": False}, None) is None
 
 

@@ -58,9 +58,7 @@ def config_text(tmp_path_factory) -> tuple[Path, str]:
 def _config(config_text: tuple[Path, str], sp: int) -> Path:
     root, text = config_text
     if sp > 1:  # the stock PART 1 setting
-        text = sc.sub_once(
-            text, r"^sequence_parallel_size = 1$", f"sequence_parallel_size = {sp}"
-        )
+        text = sc.sub_once(text, r"^sequence_parallel_size = 1$", f"sequence_parallel_size = {sp}")
     path = root / f"{FULL}_sp{sp}.py"
     path.write_text(text, encoding="utf-8")
     return path

@@ -172,9 +172,7 @@ def main():
     ]
     seconds, figures = time_ways(ways, args)
     real = sum(len(item["input_ids"]) for item in padded_items)
-    share = {
-        w.name: real / sum(b["data"]["input_ids"].numel() for b in w.batches) for w in ways
-    }
+    share = {w.name: real / sum(b["data"]["input_ids"].numel() for b in w.batches) for w in ways}
     loss = {name: f["heldout_loss"] for name, f in figures.items()}
     tokens = {name: f["heldout_tokens"] for name, f in figures.items()}
     print(

@@ -25,12 +25,12 @@ from xtuner_rope.evaluation.figures import (
 def training_keys(dataset, dialogues) -> set[bytes]:
     """Identities of the training dialogues: ``dialogues`` (before offline packing) when
     given, else the documents of the dataset's rows."""
-    return dialogue_keys(dialogues["input_ids"]) if dialogues is not None else document_keys(dataset)
+    return (
+        dialogue_keys(dialogues["input_ids"]) if dialogues is not None else document_keys(dataset)
+    )
 
 
-def heldout_report(
-    cfg: Config, dataset, dialogues, refused: bool, collate_builder
-) -> dict | None:
+def heldout_report(cfg: Config, dataset, dialogues, refused: bool, collate_builder) -> dict | None:
     """The held-out figures of a started config, or None without ``TokenLossMetric``.
 
     Args:
