@@ -20,22 +20,45 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 IGNORE_INDEX = -100
 COLUMNS = ("input_ids", "labels", "cumulative_len", "position_ids")
+CHUNK = 1024  # rows read at a time
 
 
-def _ints(value: object) -> list[int]:
-    tolist = getattr(value, "tolist", None)  # tensors, arrays
-    return [int(v) for v in (tolist() if tolist is not None else value)]
+def _ints(value: object) -> np.ndarray:
+    """``[n]`` int64 ids of a list, tensor or array."""
+    tolist = getattr(value, "tolist", None)  # tensors
+    value = value if isinstance(value, np.ndarray) else tolist() if tolist else value
+    return np.asarray(value, dtype=np.int64).reshape(-1)
+
+
+def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of a pyarrow list column: row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]`` (numpy views, no Python lists)."""
+    array = column.combine_chunks()
+    offsets = array.offsets.to_numpy() - array.offsets[0].as_py()
+    values = array.flatten().to_numpy(zero_copy_only=False)
+    return values, offsets
 
 
 def rows_of(dataset: object) -> Iterator[Mapping]:
-    """The rows of a built dataset, as dicts of the columns above (an HF ``Dataset`` read once)."""
+    """The rows of a built dataset, as dicts of the columns above.
+
+    An HF ``Dataset`` is read in Arrow chunks (its index mapping respected), each row a numpy
+    view: a training set of millions of dialogues is hashed without Python lists of its ids.
+    """
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list):
-        data = dataset.select_columns([c for c in COLUMNS if c in names]).to_dict()
-        for i in range(len(dataset)):
-            yield {c: data[c][i] for c in data}
+        columns = [c for c in COLUMNS if c in names]
+        view = dataset.select_columns(columns).with_format("arrow")
+        for chunk in view.iter(batch_size=CHUNK):  # a pyarrow Table of <= CHUNK rows
+            lists = {c: _list_column(chunk.column(c)) for c in columns}
+            for i in range(chunk.num_rows):
+                yield {
+                    c: values[offsets[i] : offsets[i + 1]] for c, (values, offsets) in lists.items()
+                }
     else:
         for i in range(len(dataset)):
             yield dataset[i]
@@ -45,17 +68,17 @@ def document_bounds(row: Mapping) -> list[int]:
     """``[k + 1]`` document boundaries of one row (``[0, n]`` for a plain row)."""
     n = len(_ints(row["input_ids"]))
     if row.get("cumulative_len") is not None:
-        cu = [c for c in _ints(row["cumulative_len"]) if 0 < c < n]
+        cu = [int(c) for c in _ints(row["cumulative_len"]) if 0 < c < n]
         return [0, *cu, n]
     if row.get("position_ids") is not None:
-        starts = [col for col, p in enumerate(_ints(row["position_ids"])) if p == 0 and col > 0]
-        return [0, *starts, n]
+        starts = np.flatnonzero(_ints(row["position_ids"]) == 0)
+        return [0, *[int(c) for c in starts if c > 0], n]
     return [0, n]
 
 
-def _key(ids: Sequence[int]) -> bytes:
-    """A dialogue's identity: a digest of its token ids (sets of them stay small)."""
-    return hashlib.blake2b(repr(list(ids)).encode(), digest_size=16).digest()
+def _key(ids: np.ndarray) -> bytes:
+    """A dialogue's identity: a digest of its ``[n]`` int64 token ids (sets of them stay small)."""
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
 
 
 def dialogue_keys(dialogues: Iterable[Sequence[int]]) -> set[bytes]:
@@ -119,7 +142,7 @@ def heldout_figures(
         items, tokens = items + 1, tokens + len(ids)
         for a, e in zip(bounds, bounds[1:]):
             dialogues += 1
-            supervised += sum(1 for label in labels[a + 1 : e] if label != IGNORE_INDEX)
+            supervised += int((labels[a + 1 : e] != IGNORE_INDEX).sum())
             overlap += _key(ids[a:e]) in training
     rows = items if rows is None else rows
     return {
