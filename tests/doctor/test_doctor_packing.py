@@ -125,6 +125,21 @@ def test_a_packed_document_that_is_not_a_whole_dialogue_counts_as_a_piece():
     assert figures["sft"] is False
 
 
+def test_a_document_longer_than_a_row_is_split_not_counted_as_cut():
+    """Whole-dialogue packing splits a document longer than a row into max_length pieces by
+    design: the doctor reports it apart (``split_long``) and counts no dialogue cut."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(1, 300, n).tolist() for n in (30, 12, 75, 20, 9)]  # 75 > 32
+    dialogues = Dataset.from_list([{"input_ids": ids, "labels": ids} for ids in rows])
+    packed = pack_dataset(dialogues, 32, True, False, 1)
+    figures = packing_figures(dialogues, packed, 32)
+    assert figures["split_long"] == 1
+    assert figures["cut_dialogues"] == 0 and figures["pieces"] == 0
+    assert figures["tokens"]["lost"] == 0
+    cut = packing_figures(dialogues, pack_dataset(dialogues, 32, True, False, 1, whole=False), 32)
+    assert cut["split_long"] == 1 and cut["cut_dialogues"] >= 1  # XTuner's cut counts it
+
+
 def _files(seed: int) -> list:
     """Two intern-repo files of dialogues (each file is packed on its own)."""
     return [_dialogues(250, seed), _dialogues(120, seed + 1)]

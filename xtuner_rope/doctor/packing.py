@@ -108,6 +108,9 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
         ``cut_dialogues`` (a row edge falls inside them), ``pieces`` (their parts),
         ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
         is -100 or its document's first: what training counts over one epoch); else None.
+        ``split_long``: documents longer than ``max_length``. Whole-dialogue packing splits
+        them into ``max_length`` pieces by design: they are not counted in ``cut_dialogues``
+        or ``pieces`` there (XTuner's cut counts them like any other).
     """
     tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
     packed_labels = _flat(packed["labels"])
@@ -141,6 +144,8 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
     flat_ids = _flat(packed["input_ids"])
     # XTuner's cut keeps the stream in order; its intern-repo packer drops the tail (a prefix)
     in_order = np.array_equal(flat_ids, tokens[: len(flat_ids)])
+    long = lengths > max_length
+    figures["split_long"] = int(long.sum())
     if starts is None or not len(tokens) or (figures["tokens"]["lost"] and not in_order):
         return figures  # no boundaries, or tokens dropped mid-stream (the shards' leftovers)
     used = packed_labels != IGNORE_INDEX
@@ -152,12 +157,16 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
         segment_lengths = np.diff(np.append(starts, len(flat_ids)))
         piece = segment_lengths != lengths[doc_of_segment]  # [k] less than its whole dialogue
         cut = len(np.unique(doc_of_segment[piece]))
+        pieces = int(piece.sum())
     else:  # rows in another order (whole-dialogue packing): find each dialogue whole
         piece = ~_whole_segments(dialogues["input_ids"], flat_ids, starts)
-        cut = len(lengths) - int((~piece).sum())
+        # A document longer than a row is split into max_length pieces by design (nothing to
+        # keep whole): counted apart, never as a dialogue cut at a row edge.
+        cut = len(lengths) - int((~piece).sum()) - int(long.sum())
+        pieces = int(piece.sum()) - int(np.ceil(lengths[long] / max_length).sum())
     figures.update(
         cut_dialogues=cut,
-        pieces=int(piece.sum()),
+        pieces=pieces,
         unsupervised_pieces=int((unsupervised & piece).sum()),
         unsupervised_seen=int(unsupervised.sum()),
     )
@@ -202,6 +211,7 @@ SUMMED = (
     "dialogues",
     "rows",
     "cut_dialogues",
+    "split_long",
     "pieces",
     "unsupervised_pieces",
     "unsupervised_seen",

@@ -75,6 +75,11 @@ def _packing_lines(p: dict | None, batch_size: int) -> list[str]:
             f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
             f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
         )
+    if p.get("split_long"):
+        lines.append(
+            f"             {p['split_long']} documents longer than max_length={p['max_length']} "
+            "split into max_length pieces (no row holds them whole)"
+        )
     return lines
 
 
