@@ -9,7 +9,7 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     4 data/     collate functions, lossless pack step    | same floor: neither imports
     4 config/   the start-up, its findings, the re-check | the other
     5 hooks/    the MMEngine hooks (isolation, monitor, loss)         | same floor: neither
-    5 evaluation/  the held-out metric and its hook (TokenLossMetric)  | imports the other
+    5 evaluation/  the held-out metrics and their hook                 | imports the other
     6 demo/     tiny checkpoints, sample data, run-log checks
     7 doctor/   the dataset doctor (``xtuner-rope doctor``)   | same floor: neither imports
     7 outputs/  xtuner-rope train, replay of a recorded batch, XTuner's tools  | the other

@@ -7,9 +7,10 @@ Activation: ``import xtuner_rope`` (and importing any module of the face: ``conf
 ``hooks``, ``compat``, ``doctor``, ``cli`` ..., or reading a public name such as
 ``from xtuner_rope import enable_xtuner_rope``) applies the third-party patches of
 ``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
-``HOOKS``, the collate functions in ``FUNCTIONS`` and ``TokenLossMetric`` in ``METRICS``, so configs can name them by string as
-well as by object. Importing the family-free math alone (``import xtuner_rope.ops.packing``)
-activates nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
+``HOOKS``, the collate functions in ``FUNCTIONS`` and the metrics (``TokenLossMetric``,
+``PreferenceMetric``) in ``METRICS``, so configs can name them by string as well as by
+object. Importing the family-free math alone (``import xtuner_rope.ops.packing``) activates
+nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
 command line (``xtuner_rope.cli``): it answers ``--help`` and usage errors with the standard
 library alone and activates the plugin when a subcommand runs.
 
@@ -34,6 +35,7 @@ PUBLIC_API = {
     "NonFiniteTripwireHook": "xtuner_rope.hooks.monitor",
     "PackedBatchCheckHook": "xtuner_rope.hooks.isolation",
     "PackingMetricsHook": "xtuner_rope.hooks.monitor",
+    "PreferenceMetric": "xtuner_rope.evaluation.preference_metric",
     "RandomStateHook": "xtuner_rope.hooks.random_state",
     "TokenLossMetric": "xtuner_rope.evaluation.metric",
     "TokenWeightedLossHook": "xtuner_rope.hooks.loss_norm",

@@ -1,7 +1,7 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
 xtuner-rope train CONFIG [...]   (xtuner train, same arguments and launchers, real exit status)
-xtuner-rope doctor CONFIG [--out DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
+xtuner-rope doctor CONFIG [--out DIR] [--work-dir DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
 xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
 xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
 xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: work_dirs/doctor/<config stem>)",
     )
     doctor.add_argument(
+        "--work-dir",
+        help="the run's --work-dir, where checkpoint size and free space are judged "
+        "(default: as xtuner train: the config's work_dir, else work_dirs/<config stem>)",
+    )
+    doctor.add_argument(
         "--batches", type=int, default=200, help="sampler batches to collate (default: 200)"
     )
     doctor.add_argument(
@@ -241,7 +246,9 @@ def _doctor(args: argparse.Namespace) -> int:
     options = cfg_options(args.cfg_options)
     try:
         with launched_with(args.deepspeed), refusal_when_data_fails(args.config, options):
-            report, lengths = diagnose(args.config, options, batches=args.batches)
+            report, lengths = diagnose(
+                args.config, options, batches=args.batches, work_dir=args.work_dir
+            )
     except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)
         return 1

@@ -22,7 +22,7 @@ from mmengine.runner import checkpoint as mm_checkpoint
 from mmengine.runner.checkpoint import save_checkpoint
 
 from xtuner_rope.compat.checkpoint_files import judge_checkpoint
-from xtuner_rope.compat.checkpoint_save import CheckpointWriteError
+from xtuner_rope.compat.checkpoint_save import CheckpointWriteError, write_atomically
 
 
 @contextlib.contextmanager
@@ -150,3 +150,13 @@ def test_auto_resume_skips_an_incomplete_newest_checkpoint(tmp_path):
     assert (
         mm_checkpoint.find_latest_checkpoint(str(tmp_path)) is None
     )  # MMEngine's: nothing to resume
+
+
+def test_a_killed_writers_temporary_is_removed_when_the_checkpoint_is_written_again(tmp_path):
+    stale = tmp_path / ".iter_8.pth.999999.tmp"  # what a writer killed mid-write leaves
+    stale.write_bytes(b"PK\x03\x04 half")
+    other = tmp_path / ".iter_4.pth.999999.tmp"  # another checkpoint's: not this write's to judge
+    other.write_bytes(b"x")
+    write_atomically(b"whole", str(tmp_path / "iter_8.pth"))
+    assert (tmp_path / "iter_8.pth").read_bytes() == b"whole"
+    assert not stale.exists() and other.exists()

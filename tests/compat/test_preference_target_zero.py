@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import copy
 
+import preference_configs as pc
 import pytest
-import stock_configs as sc
 import torch
 from mmengine.config import ConfigDict
-from transformers import AutoModelForCausalLM
 from xtuner.model.dpo import DPO
 from xtuner.model.orpo import ORPO
 
@@ -28,14 +27,7 @@ PROMPT, RESPONSE = 6, 10
 
 @pytest.fixture(scope="module")
 def llm_cfg() -> ConfigDict:
-    sc.ensure_tiny_model()
-    return ConfigDict(
-        type=AutoModelForCausalLM.from_pretrained,
-        pretrained_model_name_or_path=str(sc.TINY_MODEL),
-        trust_remote_code=True,
-        torch_dtype=torch.float32,
-        attn_implementation="eager",
-    )
+    return pc.tiny_llm_cfg()
 
 
 def _batch(rows: int = 4) -> dict:

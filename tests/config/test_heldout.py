@@ -96,9 +96,22 @@ def test_metric_on_a_model_it_cannot_serve_is_refused(stock, tmp_path):
     edit = (r"^    type=SupervisedFinetune,$", '    type="DPO",')
     cfg = _cfg(stock, tmp_path, None, edit)
     with pytest.raises(
-        ConfigConflict, match=r"TokenLossMetric scores .* this config's model is DPO"
+        ConfigConflict,
+        match=r"TokenLossMetric scores .* this config's model is DPO\n.*-> use "
+        r"val_evaluator=dict\(type=PreferenceMetric\)",
     ):
         prepare_config(cfg)
+    text = ho.with_heldout(stock["text"], stock["held"]).replace(
+        "val_evaluator = dict(type=TokenLossMetric)",
+        "from xtuner_rope import PreferenceMetric\nval_evaluator = dict(type=PreferenceMetric)",
+    )
+    (tmp_path / "pref_metric.py").write_text(text)
+    with pytest.raises(
+        ConfigConflict,
+        match=r"PreferenceMetric scores the pairs of XTuner's DPO, ORPO and RewardModel; this "
+        r"config's model is SupervisedFinetune\n.*-> use val_evaluator=dict\(type=TokenLossMetric",
+    ):
+        prepare_config(Config.fromfile(str(tmp_path / "pref_metric.py")))
 
 
 def test_shuffling_or_other_samplers_and_batched_packs(stock, tmp_path):
@@ -184,3 +197,30 @@ def test_shortcut_bad_settings_are_refused(stock, tmp_path):
         prepare_config(
             _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.1, data_files='x')")
         )
+
+
+def test_shortcut_on_stock_dpo_picks_the_preference_metric(tmp_path):
+    """``heldout = dict(fraction=0.1)`` on XTuner's stock DPO: ``PreferenceMetric``, the last
+    10% of the pairs file held out, packed in file order, the training pairs' checks."""
+    import preference_configs as pc
+
+    sc.ensure_tiny_model()
+    data = pc.write_preference_pairs(tmp_path / "pairs.jsonl", n=20)
+    text = pc.localize_preference(sc.copy_stock(pc.DPO, tmp_path), pc.DPO, data)
+    path = tmp_path / "dpo.py"
+    path.write_text(sc.enable_plugin(text) + "\nheldout = dict(fraction=0.1)\n")
+    cfg = Config.fromfile(str(path))
+    prepare_config(cfg)
+    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "PreferenceMetric"
+    val = cfg._cfg_dict["val_dataloader"]
+    assert val["dataset"]["dataset"]["split"] == "train[90%:]"
+    assert cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]["split"] == "train[:90%]"
+    assert val["dataset"]["shuffle_before_pack"] is False and val["sampler"]["shuffle"] is False
+    hooks = [type_name(h["type"]) for h in cfg._cfg_dict["custom_hooks"]]
+    assert "HeldOutCurvesHook" in hooks
+    from xtuner_rope.config.heldout_pairs import heldout_pairs_findings
+
+    assert heldout_pairs_findings(cfg) == []
+    val["collate_fn"]["use_varlen_attn"] = False  # checked as the training pairs are
+    (finding,) = heldout_pairs_findings(cfg)
+    assert "val_dataloader.collate_fn.use_varlen_attn=False" in finding.problem, finding

@@ -68,6 +68,13 @@ def test_tiny_recipe_writes_json_and_a_png(tiny):
     assert image.shape == (400, 700, 4) and image.std() > 0
     text = format_summary(report)
     assert "OK: nothing that would fail" in text and "ideal speed-up" in text
+    assert report["checkpoints"]["at_once"] == 2  # a save at 100 and the last, keep 1 (+1)
+    assert "\ncheckpoints  " in text and " at once need " in text
+    full = {**report, "checkpoints": {**report["checkpoints"], "free_bytes": 0}}
+    assert format_summary(full).endswith(
+        "DISK: the checkpoints the run keeps do not fit in the free space (see the warning); "
+        "nothing else would fail or corrupt training (exit 0)"
+    )
 
 
 def test_xtuner_offline_packing_is_checked_after_the_start_up_fix(in_repo, tmp_path):

@@ -408,3 +408,56 @@ def test_doctor_refuses_stock_reward_token(pref, tmp_path, capsys):
     assert main(["doctor", str(pref[f"{pc.REWARD}_stock_token"]), "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "PROBLEM      conflict: reward_token_id" in out and "92527 is outside" in out, out
+
+
+HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "preference_heldout_reference.py"
+
+
+def test_stock_dpo_heldout_equals_each_pair_alone(pref, tmp_path):
+    """The stock DPO config with ``heldout = dict(fraction=0.1, interval=2)`` through
+    `xtuner train`: the start-up derives the held-out pairs (the last 10% of the file) and
+    ``PreferenceMetric``; the held-out loss, accuracy and margin logged at iterations 2 and 4
+    must equal, at 4, what a fresh process without the plugin computes from ``iter_4.pth``
+    with each pair alone through the unpatched policy and reference (20 pairs)."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "dpo_heldout.py"
+    text = pref[pc.DPO].read_text().replace(pc.CAPTURE, "")
+    config.write_text(text + "\nheldout = dict(fraction=0.1, interval=2)\n")
+    work = tmp_path / "work"
+    run = [o for o in RUN if "max_iters" not in o]
+    run += ["train_cfg.max_iters=4", "default_hooks.checkpoint.interval=4"]
+    proc = sc.xtuner_train(config, work, *run)
+    check_run(work, min_iters=4)
+    out = proc.stdout + proc.stderr
+    assert "val_evaluator=dict(type=PreferenceMetric)" in out, out[-3000:]
+    (scalars,) = work.glob("*/vis_data/scalars.json")
+    rows = [json.loads(line) for line in scalars.read_text().splitlines()]
+    logged = {row["step"]: row for row in rows if "heldout_loss" in row}
+    assert sorted(logged) == [2, 4], sorted(logged)
+    ref = subprocess.run(
+        [
+            sys.executable,
+            str(HELDOUT_REFERENCE),
+            str(config),
+            str(work / "iter_4.pth"),
+            "train[90%:]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=sc.venv_env(),
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    plain = json.loads(ref.stdout.strip().splitlines()[-1])
+    at_4 = logged[4]
+    print(f"DPO held-out at 4: logged {at_4}, plain {plain}")
+    assert at_4["heldout_pairs"] == plain["pairs"] == 20
+    assert at_4["heldout_accuracy"] == plain["accuracy"]
+    assert abs(at_4["heldout_loss"] - plain["loss"]) <= RTOL * plain["loss"]  # measured 1.3e-8
+    # The margin is a difference of rewards beta * (log pi - log ref), each a sum of ~100 fp32
+    # log-probs: compared on that scale (1e-6 absolute; measured 2.8e-8 apart).
+    assert abs(at_4["heldout_margin"] - plain["margin"]) <= 1e-6
+    assert logged[2]["heldout_loss"] != at_4["heldout_loss"]  # the policy moved between them

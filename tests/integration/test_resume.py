@@ -40,7 +40,7 @@ SUPPORT = REPO / "tests" / "support"
 ZERO2 = "configs/deepspeed/zero2_fp32_cpu.json"
 RESUME_RTOL = 1e-6  # the issue's bound; measured 0.0
 STRATEGY_RTOL = 1e-5  # 1 vs 2 processes: fp32 summation order (packing, all-reduce)
-KILL_HOOK = "from sigkill_hook import SigkillAtIterationHook\n"
+KILL_HOOK = "from sigkill_hook import SigkillAtIterationHook, SigkillDuringCheckpointWriteHook\n"
 SGD_STEP = """
 optim_wrapper = dict(
     type=OptimWrapper,
@@ -50,6 +50,7 @@ optim_wrapper = dict(
 )
 param_scheduler = []  # constant LR
 custom_hooks.append(dict(type=SigkillAtIterationHook))
+custom_hooks.append(dict(type=SigkillDuringCheckpointWriteHook))
 """
 
 
@@ -86,10 +87,14 @@ def _free_port() -> int:
 def _run(
     config: Path, work_dir: Path, *, nproc=1, deepspeed=None, kill_at=None, resume=None, options=()
 ) -> str:
-    """One real run; its output. ``kill_at``: SIGKILL after that iteration."""
+    """One real run; its output. ``kill_at``: SIGKILL after that iteration, or halfway
+    through the write of that checkpoint (a name: ``"iter_8.pth"``)."""
     env = dict(sc.venv_env(), PYTHONPATH=os.pathsep.join([str(SUPPORT), str(REPO)]))
     env.pop("XTUNER_ROPE_SIGKILL_AT", None)
-    if kill_at:
+    env.pop("XTUNER_ROPE_SIGKILL_IN_WRITE", None)
+    if isinstance(kill_at, str):  # a checkpoint's name: killed halfway through its write
+        env["XTUNER_ROPE_SIGKILL_IN_WRITE"] = kill_at
+    elif kill_at:
         env["XTUNER_ROPE_SIGKILL_AT"] = str(kill_at)
     if nproc == 1:  # returns the child's status (-9 when killed)
         cmd = [sys.executable, "-m", "xtuner.tools.train", str(config)]
@@ -282,6 +287,38 @@ def test_two_processes_zero2_step_equals_one_process(recipe, tmp_path):
     print(f"{recipe}: 2 processes vs 1, parameters relative: {figures}")
     for strategy, difference in figures.items():
         assert difference <= STRATEGY_RTOL, (strategy, difference)
+
+
+@pytest.mark.slow
+def test_killed_during_a_checkpoint_write_and_auto_resumed_equals_uninterrupted(tmp_path):
+    """The tiny recipe (sft-plain) SIGKILLed halfway through writing ``iter_8.pth``, its last
+    checkpoint (``tests/support/sigkill_hook.py``): ``iter_4.pth`` complete and named by
+    ``last_checkpoint``, nothing incomplete under a checkpoint's name; ``resume = True`` resumes
+    from ``iter_4.pth``, removes the dead writer's temporary and ends equal to the
+    uninterrupted run. Without the atomic write MMEngine leaves half of ``iter_8.pth`` under
+    its name (and with ``max_keep_ckpts = 1`` deletes ``iter_4.pth`` before the write)."""
+    straight = _uninterrupted("sft-plain", tmp_path)
+    config, run = _setup("sft-plain", tmp_path)
+    run.pop("iters")
+    work = tmp_path / "killed_in_write"
+    _run(config, work, kill_at="iter_8.pth", **run)
+    done, _ = train_losses(work)
+    assert done and done[-1] == 8, done  # the last iteration ran; its checkpoint did not land
+    kept = work / "iter_4.pth"
+    assert judge_checkpoint(str(kept)).complete
+    assert (work / "last_checkpoint").read_text().strip() == str(kept)
+    assert not (work / "iter_8.pth").exists()  # the final name holds a whole checkpoint or none
+    (temporary,) = work.glob(".iter_8.pth.*.tmp")  # the killed write's half, under its own name
+    print(f"killed in the write of iter_8.pth: {temporary.stat().st_size} bytes out")
+
+    out = _run(config, work, **dict(run, options=(*LOG_EVERY_ITER, "resume=True")))
+    assert re.search(r"resumed epoch: \d+, iter: 4", out), out[-4000:]
+    resumed = check_run(work, min_iters=8).checkpoint
+    assert resumed.name == "iter_8.pth" and judge_checkpoint(str(resumed)).complete
+    assert not list(work.glob(".*.tmp"))  # the dead writer's temporary is gone
+    difference = _relative(straight, _parameters(resumed))
+    print(f"killed in a write, auto-resumed vs uninterrupted: {difference:.1e} relative")
+    assert difference <= RESUME_RTOL, difference
 
 
 STOCK = "internlm2_chat_1_8b_full_alpaca_e3"

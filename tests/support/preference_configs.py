@@ -123,3 +123,20 @@ CAPTURE = (
 def with_preference_capture(text: str) -> str:
     """Add ``PreferenceCaptureHook`` (iteration 3 saved) at the end of the config."""
     return text + CAPTURE
+
+
+def tiny_llm_cfg():
+    """XTuner's ``llm=dict(...)`` of the tiny InternLM2 (fp32, eager), for building XTuner's
+    DPO, ORPO and RewardModel in a test."""
+    import torch
+    from mmengine.config import ConfigDict
+    from transformers import AutoModelForCausalLM
+
+    sc.ensure_tiny_model()
+    return ConfigDict(
+        type=AutoModelForCausalLM.from_pretrained,
+        pretrained_model_name_or_path=str(sc.TINY_MODEL),
+        trust_remote_code=True,
+        torch_dtype=torch.float32,
+        attn_implementation="eager",
+    )

@@ -56,6 +56,7 @@ from .xtuner_model_resource import (
 )
 from .xtuner_packing import xtuner_intern_repo_packer, xtuner_pack_step
 from .xtuner_preference import (
+    patch_dpo_predict_reference,
     patch_preference_map_fn_errors,
     patch_preference_unpacked_pairs,
     patch_xtuner_preference_rank,
@@ -112,6 +113,7 @@ __all__ = [
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
     "patch_preference_map_fn_errors",
+    "patch_dpo_predict_reference",
 ]
 
 _APPLIED: list[str] = []
@@ -157,6 +159,7 @@ def apply() -> list[str]:
         patch_xtuner_preference_target_zero,
         patch_preference_unpacked_pairs,
         patch_preference_map_fn_errors,
+        patch_dpo_predict_reference,
         patch_sft_sequence_parallel_loss,
         patch_xtuner_train_sequence_parallel_check,
         patch_internlm2_generation_from_embeds,

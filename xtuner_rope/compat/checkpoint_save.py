@@ -80,6 +80,22 @@ def _write_error(path: str, size: int, err: OSError) -> CheckpointWriteError:
     )
 
 
+def _remove_stale_temporaries(folder: str, name: str) -> None:
+    """Delete the temporaries of ``name`` that a process killed mid-write left in ``folder``.
+
+    No two processes write the same checkpoint name at once (each DeepSpeed rank has its own
+    files), so any ``.name.<pid>.tmp`` found before a write is a dead writer's, as large as the
+    part of a checkpoint it got out.
+    """
+    prefix = f".{name}."
+    for entry in os.listdir(folder):
+        if entry.startswith(prefix) and entry.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(folder, entry))
+            except OSError:  # gone already, or not ours to remove: the write goes on
+                pass
+
+
 def write_atomically(data: bytes, path: str) -> None:
     """Write ``data`` to ``path`` whole or not at all: a temporary name, fsync, ``os.replace``.
 
@@ -95,6 +111,7 @@ def write_atomically(data: bytes, path: str) -> None:
     temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
         os.makedirs(folder, exist_ok=True)
+        _remove_stale_temporaries(folder, os.path.basename(path))
         with open(temporary, "wb") as f:
             f.write(data)
             f.flush()

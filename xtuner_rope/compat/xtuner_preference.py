@@ -1,4 +1,5 @@
-"""XTuner DPO/ORPO patches: rank without a process group, target id 0 counted."""
+"""XTuner DPO/ORPO patches: rank without a process group, target id 0 counted, the
+reference model's logits in DPO's ``predict`` (held-out evaluation)."""
 
 from __future__ import annotations
 
@@ -207,4 +208,41 @@ def patch_preference_map_fn_errors() -> bool:
 
     named._xtuner_rope_names_rows = True
     preference.map_dataset = named
+    return True
+
+
+def _predict_with_reference(self, data, data_samples=None):
+    """Per row: the policy's logits ``[s, V]`` and the reference model's (``ref_logits``)."""
+    inputs = {k: v for k, v in data.items() if k != "labels"}  # no HF loss: not used here
+    policy = self.llm(**inputs).logits  # [b, s, V]
+    with torch.no_grad():
+        if self.ref_llm is None:  # LoRA: the reference is the policy without its adapter
+            with self.llm.disable_adapter():
+                reference = self.llm(**inputs).logits
+        else:
+            reference = self.ref_llm(**inputs).logits
+    return [{"logits": p, "ref_logits": r} for p, r in zip(policy, reference)]
+
+
+def patch_dpo_predict_reference() -> bool:
+    """XTuner's DPO ``predict`` (its ``val_step``) returns the reference model's logits too.
+
+    xtuner 0.2.0 ``DPO`` inherits ``SupervisedFinetune.predict``: the policy's logits only.
+    A held-out DPO loss, reward accuracy and margin need the reference log-probs of the same
+    responses, so a validation loop (MMEngine's ``ValLoop`` with ``PreferenceMetric``) could
+    not compute them. Now each row's dict also holds ``ref_logits`` ``[s, V]`` (the
+    ``ref_llm``, or for LoRA the policy with its adapter disabled, as ``compute_loss`` does).
+
+    Returns:
+        True if applied (an XTuner whose DPO has no ``predict`` of its own).
+    """
+    try:
+        from xtuner.model.dpo import DPO
+    except ImportError:
+        return False
+    if DPO.__dict__.get("predict") is _predict_with_reference:
+        return True
+    if "predict" in DPO.__dict__:  # a newer XTuner with its own: leave it
+        return False
+    DPO.predict = _predict_with_reference
     return True

@@ -1,4 +1,5 @@
-"""Start-up findings of the held-out evaluation (``val_dataloader`` + ``TokenLossMetric``).
+"""Start-up findings of the held-out evaluation (``val_dataloader`` + ``TokenLossMetric`` or
+``PreferenceMetric``).
 
 What the start-up does for the train rows it does for the held-out rows, so the held-out loss
 is each dialogue's loss whole and alone:
@@ -14,7 +15,9 @@ is each dialogue's loss whole and alone:
 - ``TokenLossMetric`` gets the config's tokenizer (for its worst-dialogues file) and
   ``HeldOutCurvesHook`` is added; ``val_cfg`` is set when missing;
 - refused before a weight loads: a held-out data file missing or empty, a ``val_interval``
-  beyond ``max_iters``, the metric on a model other than XTuner's ``SupervisedFinetune``.
+  beyond ``max_iters``, a metric on a model it cannot serve (``heldout_pairs``: SFT models take
+  ``TokenLossMetric``, DPO/ORPO/reward models ``PreferenceMetric``; held-out pairs get the
+  training pairs' checks).
 """
 
 from __future__ import annotations
@@ -30,20 +33,27 @@ from .fields import setter as _setitem
 from .fields import type_name
 from .fields import walk_datasets as _datasets
 from .fields import xtuner_packs as _xtuner_packs
+from .heldout_pairs import (
+    SERVED_MODELS,
+    TOKEN_METRIC,
+    heldout_pairs_findings,
+    served_model_findings,
+)
 from .sequence_parallel import heldout_collate_findings
 from .startup import Finding, register_findings
 
-METRIC = "TokenLossMetric"
 CURVES_HOOK = "HeldOutCurvesHook"
-SERVED_MODELS = ("SupervisedFinetune",)
 
 
-def token_loss_metrics(cfg: Config) -> list[dict]:
-    """The ``TokenLossMetric`` dicts of the config's ``val_evaluator`` (one or a list)."""
+def heldout_metrics(cfg: Config) -> list[dict]:
+    """The held-out metric dicts (``TokenLossMetric``, ``PreferenceMetric``) of the config's
+    ``val_evaluator`` (one or a list)."""
     evaluator = _get(cfg._cfg_dict, "val_evaluator")
     metrics = _get(evaluator, "metrics", evaluator)
     metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
-    return [m for m in metrics if isinstance(m, dict) and type_name(_get(m, "type")) == METRIC]
+    return [
+        m for m in metrics if isinstance(m, dict) and type_name(_get(m, "type")) in SERVED_MODELS
+    ]
 
 
 def _local_files(node: object) -> list[str]:
@@ -204,19 +214,10 @@ def _loader_findings(loader: dict, sp: object = 1) -> list[Finding]:
 
 def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
     """The metric's model, its tokenizer, ``val_cfg``, ``val_interval`` and the curves hook."""
-    findings = []
-    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
-    if model not in SERVED_MODELS:
-        findings.append(
-            Finding(
-                "val_evaluator",
-                f"TokenLossMetric scores next-token logits of XTuner's SupervisedFinetune "
-                f"(full, LoRA); this config's model is {model}",
-                "remove val_evaluator, val_dataloader and val_cfg for this model",
-            )
-        )
+    findings = served_model_findings(cfg, type_name(_get(metric, "type")))
     tokenizer = _get(cfg._cfg_dict, "tokenizer")
-    if _get(metric, "tokenizer") is None and tokenizer is not None:
+    token_metric = type_name(_get(metric, "type")) == TOKEN_METRIC  # PreferenceMetric: no words
+    if token_metric and _get(metric, "tokenizer") is None and tokenizer is not None:
         findings.append(
             Finding(
                 "val_evaluator.tokenizer",
@@ -296,13 +297,14 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
 def heldout_findings(cfg: Config) -> list[Finding]:
     """Every finding of the held-out entries (also applied by the ``heldout`` shortcut)."""
     loader = _get(cfg._cfg_dict, "val_dataloader")
-    metrics = token_loss_metrics(cfg)
+    metrics = heldout_metrics(cfg)
     if not isinstance(loader, dict):
         if metrics:
             return [
                 Finding(
                     "val_dataloader",
-                    "missing: val_evaluator=dict(type=TokenLossMetric) has nothing to evaluate",
+                    f"missing: val_evaluator=dict(type={type_name(_get(metrics[0], 'type'))}) "
+                    "has nothing to evaluate",
                     "add val_dataloader (the train dataloader's dict pointed at a held-out "
                     "file) and val_cfg=dict(type=ValLoop)",
                 )
@@ -310,6 +312,7 @@ def heldout_findings(cfg: Config) -> list[Finding]:
         return []
     sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
     findings = _file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader, sp)
+    findings += heldout_pairs_findings(cfg)
     for metric in metrics[:1]:
         findings += _run_findings(cfg, metric)
     return findings

@@ -5,7 +5,8 @@ format; ``heldout = dict(fraction=0.05)`` holds out the last 5% of each training
 (``datasets``' split slicing ``train[95%:]``, training keeps ``train[:95%]``: deterministic, no
 dialogue in both). Optional ``interval`` sets ``train_cfg.val_interval``. The start-up writes
 ``val_dataloader`` (a copy of the training one, on the held-out data, unshuffled),
-``val_evaluator = dict(type=TokenLossMetric)`` and ``val_cfg = dict(type='ValLoop')``, then
+``val_evaluator`` (``TokenLossMetric`` for SFT models, ``PreferenceMetric`` for DPO, ORPO and
+reward models) and ``val_cfg = dict(type='ValLoop')``, then
 applies the held-out findings of :mod:`xtuner_rope.config.heldout` to them.
 """
 
@@ -20,6 +21,7 @@ from .fields import lazy_get as _get
 from .fields import type_name
 from .fields import walk_datasets as _datasets
 from .findings import ConfigConflict, conflict_message
+from .heldout_pairs import METRIC_MODULES, metric_for
 from .startup import Finding, register_findings
 
 KEY = "heldout"
@@ -49,6 +51,11 @@ def _problem(spec: object, loader: object) -> str | None:
     return None
 
 
+def _metric(cfg: Config) -> str:
+    """The held-out metric of the config's model (``heldout_pairs.metric_for``)."""
+    return metric_for(type_name(_get(_get(cfg._cfg_dict, "model"), "type")))
+
+
 def _derive(cfg: Config, spec: dict) -> None:
     """Write the held-out entries, then apply the held-out findings to them."""
     from .heldout import heldout_findings
@@ -67,9 +74,8 @@ def _derive(cfg: Config, spec: dict) -> None:
             node["data_files"] = dict(train=spec["data_files"])
     val["sampler"] = dict(type="DefaultSampler", shuffle=False)
     cfg._cfg_dict["val_dataloader"] = val
-    cfg._cfg_dict["val_evaluator"] = dict(
-        type=LazyObject("xtuner_rope.evaluation.metric", "TokenLossMetric")
-    )
+    metric = _metric(cfg)
+    cfg._cfg_dict["val_evaluator"] = dict(type=LazyObject(METRIC_MODULES[metric], metric))
     cfg._cfg_dict["val_cfg"] = dict(type="ValLoop")
     if spec.get("interval"):
         cfg._cfg_dict["train_cfg"]["val_interval"] = spec["interval"]
@@ -102,7 +108,7 @@ def _shortcut_findings(cfg: Config) -> list[Finding]:
             KEY,
             what,
             "wrote val_dataloader (the training one on the held-out data), "
-            "val_evaluator=dict(type=TokenLossMetric), val_cfg=dict(type='ValLoop')",
+            f"val_evaluator=dict(type={_metric(cfg)}), val_cfg=dict(type='ValLoop')",
             lambda: _derive(cfg, spec),
         )
     ]

@@ -38,9 +38,9 @@ def _get(node: object, key: str, default: object = None) -> object:
     return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
-def preference_dataset(cfg: Config) -> dict | None:
-    """The train dataset dict if it is XTuner's ``build_preference_dataset``, else None."""
-    dataset = _get(_get(cfg._cfg_dict, "train_dataloader"), "dataset")
+def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | None:
+    """The ``loader``'s dataset dict if it is XTuner's ``build_preference_dataset``, else None."""
+    dataset = _get(_get(cfg._cfg_dict, loader), "dataset")
     return dataset if type_name(_get(dataset, "type")) == PREFERENCE_DATASET else None
 
 
@@ -82,22 +82,28 @@ def _reward_token_finding(cfg: Config, dataset: dict) -> list[Finding]:
     ]
 
 
-def _varlen_flags(cfg: Config, dataset: dict) -> dict[str, object]:
-    loader = _get(cfg._cfg_dict, "train_dataloader")
-    collate = _get(loader, "collate_fn")
-    flags = {"train_dataloader.dataset.use_varlen_attn": bool(_get(dataset, "use_varlen_attn"))}
+def _varlen_flags(cfg: Config, dataset: dict, key: str) -> dict[str, object]:
+    collate = _get(_get(cfg._cfg_dict, key), "collate_fn")
+    flags = {f"{key}.dataset.use_varlen_attn": bool(_get(dataset, "use_varlen_attn"))}
     if type_name(_get(collate, "type")) == "preference_collate_fn":
-        flags["train_dataloader.collate_fn.use_varlen_attn"] = bool(
-            _get(collate, "use_varlen_attn")
-        )
+        flags[f"{key}.collate_fn.use_varlen_attn"] = bool(_get(collate, "use_varlen_attn"))
     model = _get(cfg._cfg_dict, "model")
     if type_name(_get(model, "type")) in PREFERENCE_MODELS:
         flags["model.use_varlen_attn"] = bool(_get(model, "use_varlen_attn"))
     return flags
 
 
-def _packed_pairs_findings(cfg: Config, dataset: dict) -> list[Finding]:
-    flags = _varlen_flags(cfg, dataset)
+def packed_pairs_findings(
+    cfg: Config, dataset: dict, key: str = "train_dataloader"
+) -> list[Finding]:
+    """Varlen switches that disagree, or packed pairs at a batch size above 1, in ``key``.
+
+    Args:
+        cfg: The config.
+        dataset: ``key``'s ``build_preference_dataset`` dict.
+        key: ``train_dataloader`` or ``val_dataloader`` (held-out pairs).
+    """
+    flags = _varlen_flags(cfg, dataset, key)
     if len(set(flags.values())) > 1:
         listed = ", ".join(f"{k}={v}" for k, v in flags.items())
         return [
@@ -110,12 +116,12 @@ def _packed_pairs_findings(cfg: Config, dataset: dict) -> list[Finding]:
                 "variable to all three",
             )
         ]
-    batch_size = _get(_get(cfg._cfg_dict, "train_dataloader"), "batch_size", 1)
-    if not flags["train_dataloader.dataset.use_varlen_attn"] or batch_size == 1:
+    batch_size = _get(_get(cfg._cfg_dict, key), "batch_size", 1)
+    if not flags[f"{key}.dataset.use_varlen_attn"] or batch_size == 1:
         return []
     return [
         Finding(
-            "train_dataloader.batch_size",
+            f"{key}.batch_size",
             f"{batch_size}: packed preference pairs "
             "(use_varlen_attn=True) take one packed row per batch; XTuner's preference_collate_fn "
             "asserts batch size 1 at the first batch, after the model has loaded",
@@ -167,9 +173,15 @@ def preference_findings(cfg: Config) -> list[Finding]:
         return []
     return (
         _reward_token_finding(cfg, dataset)
-        + _packed_pairs_findings(cfg, dataset)
+        + packed_pairs_findings(cfg, dataset)
         + _zero3_reference_finding(cfg)
     )
 
 
-__all__ = ["checkpoint_vocab_size", "preference_dataset", "preference_findings"]
+__all__ = [
+    "PREFERENCE_MODELS",
+    "checkpoint_vocab_size",
+    "packed_pairs_findings",
+    "preference_dataset",
+    "preference_findings",
+]

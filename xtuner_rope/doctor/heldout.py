@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.config.heldout import token_loss_metrics
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.heldout import heldout_metrics
+from xtuner_rope.config.heldout_pairs import TOKEN_METRIC
 from xtuner_rope.evaluation.figures import (
     collated_rows,
-    dialogue_keys,
     document_keys,
     heldout_figures,
     heldout_line,
@@ -22,22 +23,14 @@ from xtuner_rope.evaluation.figures import (
 )
 
 
-def training_keys(dataset, dialogues) -> set[bytes]:
-    """Identities of the training dialogues: ``dialogues`` (before offline packing) when
-    given, else the documents of the dataset's rows."""
-    return (
-        dialogue_keys(dialogues["input_ids"]) if dialogues is not None else document_keys(dataset)
-    )
-
-
-def heldout_report(cfg: Config, dataset, dialogues, refused: bool, collate_builder) -> dict | None:
+def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict | None:
     """The held-out figures of a started config, or None without ``TokenLossMetric``.
 
     Args:
         cfg: The config after the start-up.
-        dataset: The built training dataset.
-        dialogues: The training dialogues before offline packing (``input_ids`` column), or
-            None when the dataset's rows are not packed offline.
+        dataset: The built training dataset; its documents are the training dialogues (rows
+            packed offline carry their boundaries; a dialogue XTuner's cut split in two
+            matches no held-out dialogue).
         refused: The start-up refuses the config: nothing is built (a missing held-out file
             would end in XTuner's error instead of the start-up's).
         collate_builder: ``diagnose.build_collate_fn`` (the loader's bound collate function).
@@ -48,7 +41,8 @@ def heldout_report(cfg: Config, dataset, dialogues, refused: bool, collate_build
     from xtuner.registry import BUILDER
 
     loader = cfg.get("val_dataloader")
-    if not token_loss_metrics(cfg) or not isinstance(loader, dict):
+    token_metric = any(type_name(m.get("type")) == TOKEN_METRIC for m in heldout_metrics(cfg))
+    if not token_metric or not isinstance(loader, dict):  # PreferenceMetric: pairs, not dialogues
         return None
     if refused:
         return {"refused": True}
@@ -58,7 +52,7 @@ def heldout_report(cfg: Config, dataset, dialogues, refused: bool, collate_build
     if capacity:
         collate = collate_builder(loader)[0]
         rows = collated_rows(heldout, collate, int(loader.get("batch_size", 1)))
-    return heldout_figures(heldout, training_keys(dataset, dialogues), capacity, rows)
+    return heldout_figures(heldout, document_keys(dataset), capacity, rows)
 
 
 def heldout_lines(figures: dict | None) -> list[str]:
@@ -81,4 +75,4 @@ def heldout_warnings(figures: dict | None) -> list[str]:
     ]
 
 
-__all__ = ["heldout_lines", "heldout_report", "heldout_warnings", "training_keys"]
+__all__ = ["heldout_lines", "heldout_report", "heldout_warnings"]

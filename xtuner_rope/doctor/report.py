@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
 from xtuner_rope.doctor.heldout import heldout_lines
 from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
@@ -75,6 +76,11 @@ def _packing_lines(p: dict | None, batch_size: int) -> list[str]:
             f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
             f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
         )
+    if p.get("split_long"):
+        lines.append(
+            f"             {p['split_long']} documents longer than max_length={p['max_length']} "
+            "split into max_length pieces (no row holds them whole)"
+        )
     return lines
 
 
@@ -119,6 +125,7 @@ def format_summary(report: dict) -> str:
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += rope_lines(report.get("rope"))
+    lines += checkpoint_space_lines(report.get("checkpoints"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
     packing = report.get("packing") or {}
@@ -129,6 +136,11 @@ def format_summary(report: dict) -> str:
             f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} dialogues are trained "
             "as pieces, as this config asks (see the warning); nothing else would fail or "
             "corrupt training (exit 0)"
+        )
+    elif fits(report.get("checkpoints")) is False:
+        verdict = (
+            "DISK: the checkpoints the run keeps do not fit in the free space (see the "
+            "warning); nothing else would fail or corrupt training (exit 0)"
         )
     else:
         verdict = "OK: nothing that would fail or corrupt training (exit 0)"

@@ -1,6 +1,8 @@
 """``HeldOutCurvesHook``: the held-out evaluation's checks, its files and the curves' picture.
 
-The start-up adds it with ``TokenLossMetric``. Before training it refuses what is only knowable
+The start-up adds it with ``TokenLossMetric`` or ``PreferenceMetric``. Before training it binds
+a ``PreferenceMetric`` to the built model (its kind and loss settings) and refuses what is
+only knowable
 once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
 beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
 still evaluates after the last iteration), logs the held-out set's figures (``figures``: its
@@ -19,21 +21,32 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 
+from xtuner_rope.models.dispatch import unwrap_model
+
 from .figures import collated_rows, document_keys, heldout_figures, heldout_line, row_capacity
 from .metric import TokenLossMetric
+from .preference_metric import PreferenceMetric
 
 CURVES_FILE = "heldout_curves.png"
+# XTuner's label columns: SFT rows, and the two responses of unpacked preference pairs.
+LABEL_KEYS = ("labels", "chosen_labels", "rejected_labels")
 
 
-def _token_loss_metrics(runner) -> list[TokenLossMetric]:
-    evaluator = getattr(runner.val_loop, "evaluator", None)  # built by Runner.train()
-    return [m for m in getattr(evaluator, "metrics", []) if isinstance(m, TokenLossMetric)]
+def heldout_metrics(runner) -> list[TokenLossMetric | PreferenceMetric]:
+    """The run's held-out metrics (``Runner.train()`` has built the evaluator)."""
+    evaluator = getattr(runner.val_loop, "evaluator", None)
+    metrics = getattr(evaluator, "metrics", [])
+    return [m for m in metrics if isinstance(m, (TokenLossMetric, PreferenceMetric))]
 
 
 def supervised_labels(dataset) -> int:
-    """Labels other than -100 in a held-out dataset (XTuner's rows: a ``labels`` list each)."""
-    column = dataset["labels"] if hasattr(dataset, "column_names") else None
-    rows = column if column is not None else (sample["labels"] for sample in dataset)
+    """Labels other than -100 in a held-out dataset (XTuner's rows: label lists in
+    ``LABEL_KEYS``; a ``datasets.Dataset`` is read by column)."""
+    if hasattr(dataset, "column_names"):
+        keys = [k for k in LABEL_KEYS if k in dataset.column_names]
+        rows = (row for key in keys for row in dataset[key])
+    else:
+        rows = (sample[k] for sample in dataset for k in LABEL_KEYS if k in sample)
     return sum(sum(1 for label in row if label != -100) for row in rows)
 
 
@@ -94,7 +107,7 @@ class HeldOutCurvesHook(Hook):
     """Held-out checks before training; training and held-out loss curves after it.
 
     Args:
-        loss_key: The held-out metric drawn (``TokenLossMetric``'s ``<name>_loss``).
+        loss_key: The held-out metric drawn (the metric's ``<name>_loss``).
     """
 
     # After LoggerHook (60) and before CheckpointHook (90): reads what the loops report.
@@ -106,14 +119,17 @@ class HeldOutCurvesHook(Hook):
         self.heldout: list[tuple[int, float]] = []
 
     def before_train(self, runner) -> None:
-        metrics = _token_loss_metrics(runner)
+        metrics = heldout_metrics(runner)
         if not metrics:
             return
-        check_heldout_run(runner)
-        if is_main_process():
-            log_heldout_figures(runner)
         for metric in metrics:
-            metric.output_dir = runner.work_dir
+            if isinstance(metric, PreferenceMetric):
+                metric.bind(unwrap_model(runner.model))
+            else:
+                metric.output_dir = runner.work_dir
+        check_heldout_run(runner)
+        if is_main_process() and any(isinstance(m, TokenLossMetric) for m in metrics):
+            log_heldout_figures(runner)  # dialogues: TokenLossMetric's held-out sets
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
@@ -150,7 +166,7 @@ def draw_curves(train: list, heldout: list, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="training loss (per iteration)", alpha=0.7)
-    ax.plot(*zip(*heldout), "o-", label="held-out loss (TokenLossMetric)")
+    ax.plot(*zip(*heldout), "o-", label="held-out loss")
     ax.set_xlabel("iteration")
     ax.set_ylabel("next-token NLL")
     ax.legend()
@@ -165,5 +181,7 @@ __all__ = [
     "HeldOutCurvesHook",
     "check_heldout_run",
     "draw_curves",
+    "heldout_metrics",
     "log_heldout_figures",
+    "supervised_labels",
 ]

@@ -31,7 +31,7 @@ WORST_FILE = "heldout_worst.jsonl"  # in the run's work dir (set by HeldOutCurve
 FIRST_TOKENS = 16  # tokens kept per dialogue for the worst-dialogues file's "first words"
 
 
-def _row_bounds(flat: torch.Tensor | None, b: int, s: int) -> list[torch.Tensor]:
+def row_bounds(flat: torch.Tensor | None, b: int, s: int) -> list[torch.Tensor]:
     """Per-row ``[n_r + 1]`` boundaries from the channel's flat ``[n + 1]`` ones (or whole rows)."""
     if flat is None:
         return [torch.tensor([0, s]) for _ in range(b)]
@@ -112,9 +112,7 @@ class TokenLossMetric(BaseMetric):
                 f"row ({b} rows), got {got}. It serves XTuner's SupervisedFinetune (full, LoRA); "
                 "remove val_evaluator=dict(type=TokenLossMetric) for other models."
             )
-        for row, (out, bounds) in enumerate(
-            zip(data_samples, _row_bounds(channel.read()[0], b, s))
-        ):
+        for row, (out, bounds) in enumerate(zip(data_samples, row_bounds(channel.read()[0], b, s))):
             nll, tokens = document_nll(out["logits"], labels[row], bounds)
             docs = [
                 {
@@ -180,4 +178,4 @@ class TokenLossMetric(BaseMetric):
         print_log(f"TokenLossMetric: worst held-out dialogues in {path}", logger="current")
 
 
-__all__ = ["WORST_FILE", "TokenLossMetric"]
+__all__ = ["WORST_FILE", "TokenLossMetric", "row_bounds"]
