@@ -31,6 +31,7 @@ import time
 import types
 
 import torch
+from packing import add_data_options, add_timing_options  # tools/bench/packing.py, beside
 from tqdm import tqdm
 
 from xtuner_rope.data.heldout_dataset import heldout_process_hf_dataset
@@ -43,12 +44,7 @@ from xtuner_rope.models.dispatch import patch_model
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default="data/short_dialogues.jsonl")
-    parser.add_argument(
-        "--model",
-        default="models/tiny-internlm2",
-        help="tiny checkpoint whose tokenizer is used (built if missing)",
-    )
+    add_data_options(parser)
     parser.add_argument(
         "--dialogues", type=int, default=240, help="held-out set: the file's last N dialogues"
     )
@@ -56,15 +52,7 @@ def parse_args():
     parser.add_argument(
         "--pad-batch", type=int, default=16, help="dialogues per padded batch (default_collate_fn)"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed passes per way (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument(
-        "--clock",
-        choices=("auto", "cpu", "wall"),
-        default="auto",
-        help="cpu: process CPU time (auto picks it for --threads 1)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model-init seed")
+    add_timing_options(parser, repeats=5)
     parser.add_argument("--quick", action="store_true", help="80 dialogues, 3 repeats")
     return parser.parse_args()
 
