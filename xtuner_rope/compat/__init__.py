@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
+``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
@@ -23,6 +23,12 @@ from .checkpoint_files import (
     judge_checkpoint,
     newest_complete,
     refuse_incomplete,
+)
+from .checkpoint_world import (
+    WorldSizeMismatchError,
+    current_world_size,
+    refuse_other_world_size,
+    saved_world_size,
 )
 from .checkpoint_save import (
     CheckpointWriteError,
@@ -90,6 +96,10 @@ __all__ = [
     "judge_checkpoint",
     "newest_complete",
     "refuse_incomplete",
+    "WorldSizeMismatchError",
+    "current_world_size",
+    "refuse_other_world_size",
+    "saved_world_size",
     "find_latest_complete_checkpoint",
     "save_atomically",
     "save_checkpoint_atomically",
