@@ -24,12 +24,6 @@ from .checkpoint_files import (
     newest_complete,
     refuse_incomplete,
 )
-from .checkpoint_world import (
-    WorldSizeMismatchError,
-    current_world_size,
-    refuse_other_world_size,
-    saved_world_size,
-)
 from .checkpoint_save import (
     CheckpointWriteError,
     find_latest_complete_checkpoint,
@@ -37,6 +31,12 @@ from .checkpoint_save import (
     save_atomically,
     save_checkpoint_atomically,
     write_atomically,
+)
+from .checkpoint_world import (
+    WorldSizeMismatchError,
+    current_world_size,
+    refuse_other_world_size,
+    saved_world_size,
 )
 from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
 from .devices import cpu_only
