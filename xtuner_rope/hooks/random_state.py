@@ -40,6 +40,7 @@ import random
 
 import numpy as np
 import torch
+from mmengine.dataset import DefaultSampler
 from mmengine.dist import all_gather_object, get_rank, get_world_size
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.logging import print_log
@@ -253,10 +254,13 @@ def _own_state(record, done: int, runner=None) -> dict | None:
     elif record.get("world_size") != world:
         why = f"it was written by {record.get('world_size')} process(es), this run has {world}"
         loader = getattr(runner, "train_dataloader", None)
-        if isinstance(getattr(loader, "batch_size", None), int):
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DefaultSampler) and isinstance(loader.batch_size, int):
             why += ". The data order changes: " + data_order_change(
                 record["world_size"], world, done, loader.batch_size, len(loader.dataset)
             )
+        else:  # another sampler deals items its own way: not counted here
+            why += f". The data order changes ({type(sampler).__name__} deals other items)"
     if why is None:
         return record["ranks"][rank]
     print_log(
