@@ -11,12 +11,17 @@ run's final weights equal the uninterrupted run's (fp32, CPU, same seed: measure
 
 Scenarios: the tiny recipe (SFT) and the DPO pairs recipe, each with the plain ``OptimWrapper``
 on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``). The tiny
-recipe with a LoRA adapter (dropout 0.1), on one process and under ZeRO-2, needs each process's
-random state restored too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1); the same holds
+recipe with a LoRA adapter (dropout 0.1), on one process and under ZeRO-2 and ZeRO-3 (DDP and
+ZeRO-1 opt-in: ``XTUNER_ROPE_RESUME_BY_HAND=1``), needs each process's random state restored
+too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1); the same holds
 for issue 40's LLaVA LoRA finetune (opt-in: ``XTUNER_ROPE_LLAVA_RESUME=1``, minutes). SGD with
 momentum (state to resume), constant LR, no clipping. The one-process and two-process runs see the
 same micro-batches per optimizer step, so their uninterrupted runs must also agree with each other
 (the token/pair-weighted step under ZeRO-2, and ZeRO-1 for SFT: one more run).
+
+Another number of processes: a plain checkpoint of 2 processes resumes on 1, and the documents
+trained twice are counted against the log's account; a ZeRO checkpoint of 2 processes is refused
+on 1 before anything is built (the sft-zero2 scenario's uninterrupted checkpoint, shared).
 """
 
 from __future__ import annotations
