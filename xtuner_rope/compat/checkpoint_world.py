@@ -28,7 +28,7 @@ import re
 
 from .checkpoint_files import MODEL_STATES, deepspeed_layout
 
-WORLD_ENV = "WORLD_SIZE"  # set by torchrun (XTuner's --launcher pytorch) and by slurm setups
+_WORLD_ENV = "WORLD_SIZE"  # set by torchrun (XTuner's --launcher pytorch) and by slurm setups
 
 
 class WorldSizeMismatchError(RuntimeError):
@@ -37,7 +37,7 @@ class WorldSizeMismatchError(RuntimeError):
 
 def current_world_size() -> int:
     """The number of processes of this run, as the launcher set it (1 without a launcher)."""
-    value = os.environ.get(WORLD_ENV, "1")
+    value = os.environ.get(_WORLD_ENV, "1")
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
@@ -84,14 +84,13 @@ def refuse_other_world_size(path: str, world_size: int | None = None) -> None:
         f"xtuner-rope: refused to resume {path}: it is a DeepSpeed ZeRO-{stage} checkpoint "
         f"written by {saved} data-parallel processes (dp_world_size={saved}: its optimizer "
         f"states are split into {saved} zero_pp_rank_*_optim_states.pt files), and this run has "
-        f"{world} ({WORLD_ENV}={world}). DeepSpeed 0.19.6 cannot split them anew on load (it "
+        f"{world} ({_WORLD_ENV}={world}). DeepSpeed 0.19.6 cannot split them anew on load (it "
         "stops after the model is built: 'Automatic adjustment of ZeRO's optimizer state "
         f"partitioning with a new world size is not currently supported'). {_commands(path, saved)}."
     )
 
 
 __all__ = [
-    "WORLD_ENV",
     "WorldSizeMismatchError",
     "current_world_size",
     "refuse_other_world_size",
