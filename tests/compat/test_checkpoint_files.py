@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import xtuner.tools.utils as xtuner_tool_utils
+from deepspeed_folders import deepspeed_folder
 from mmengine.runner.checkpoint import CheckpointLoader
 
 from xtuner_rope.compat.checkpoint_files import (
@@ -121,42 +122,21 @@ def test_resume_of_a_cut_checkpoint_is_refused_naming_the_complete_one(tmp_path,
         load(str(newest))
 
 
-def _deepspeed_folder(folder, world: int, ranks: list[int], stage: int = 2):
-    """The files DeepSpeed 0.19's ``save_checkpoint`` writes (one model-parallel rank): ZeRO-1/2
-    ``mp_rank_00_model_states.pt`` (with ``dp_world_size`` and ``ds_config``) and one optimizer
-    file per data-parallel rank; ZeRO-3 one model-states file per rank too (names as
-    ``engine._get_ckpt_name`` / ``_get_zero_ckpt_name`` build them)."""
-    folder.mkdir()
-    state = {
-        "module": {"w": torch.randn(8)},
-        "dp_world_size": world,
-        "ds_config": {"zero_optimization": {"stage": stage}},
-    }
-    models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks] if stage == 3 else []
-    for name in models or ["mp_rank_00_model_states.pt"]:
-        torch.save(state, folder / name)
-    for rank in ranks:
-        torch.save(
-            {"optimizer_state_dict": {"x": torch.randn(4)}},
-            folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
-        )
-
-
 def test_a_deepspeed_folder_needs_every_rank_and_whole_files(tmp_path):
-    _deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1])
+    deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1])
     assert judge_checkpoint(str(tmp_path / "iter_4.pth")).complete
-    _deepspeed_folder(tmp_path / "iter_8.pth", 2, [0])
+    deepspeed_folder(tmp_path / "iter_8.pth", 2, [0])
     assert "optim states of data-parallel rank(s) [1] missing: expected 2" in (
         judge_checkpoint(str(tmp_path / "iter_8.pth")).reason
     )
-    _deepspeed_folder(tmp_path / "iter_12.pth", 2, [0, 1])
+    deepspeed_folder(tmp_path / "iter_12.pth", 2, [0, 1])
     _cut(tmp_path / "iter_12.pth" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", 0.5)
     assert judge_checkpoint(str(tmp_path / "iter_12.pth")).reason.startswith(
         "zero_pp_rank_1_mp_rank_00_optim_states.pt is incomplete"
     )
     (tmp_path / "iter_16.pth").mkdir()
     assert "no *mp_rank_*_model_states.pt" in judge_checkpoint(str(tmp_path / "iter_16.pth")).reason
-    _deepspeed_folder(tmp_path / "iter_20.pth", 2, [], stage=1)  # no optimizer file at all
+    deepspeed_folder(tmp_path / "iter_20.pth", 2, [], stage=1)  # no optimizer file at all
     assert "rank(s) [0, 1] missing" in judge_checkpoint(str(tmp_path / "iter_20.pth")).reason
     assert newest_complete(str(tmp_path)) == str(tmp_path / "iter_4.pth")
     with pytest.raises(IncompleteCheckpointError, match=r"--resume \S+iter_4\.pth"):
@@ -164,7 +144,7 @@ def test_a_deepspeed_folder_needs_every_rank_and_whole_files(tmp_path):
 
 
 def test_a_zero3_folder_needs_every_rank_of_model_states(tmp_path):
-    _deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1], stage=3)
+    deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1], stage=3)
     assert judge_checkpoint(str(tmp_path / "iter_4.pth")).complete
     (tmp_path / "iter_4.pth" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     assert "model states of data-parallel rank(s) [1] missing" in (

@@ -58,6 +58,17 @@ def test_heldout_loader_gets_what_the_train_loader_gets(stock, tmp_path):
     assert cfg._cfg_dict["log_processor"]["by_epoch"] is False  # the stock entry is kept
 
 
+def test_sequence_parallel_heldout_rows_collate_whole(stock, tmp_path):
+    cfg = _cfg(
+        stock, tmp_path, None, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2")
+    )
+    prepare_config(cfg)
+    collate = cfg._cfg_dict["val_dataloader"]["collate_fn"]
+    # XTuner's default_collate_fn asserts rows divisible by 2; held-out rows are whole dialogues
+    assert type_name(collate["type"]) == "rope_collate_fn" and collate["use_varlen_attn"] is True
+    assert "pad_to_multiple_of" not in collate  # evaluated whole, never split
+
+
 def test_missing_heldout_file_is_refused(stock, tmp_path):
     cfg = _cfg(stock, tmp_path, tmp_path / "nowhere")
     with pytest.raises(ConfigConflict, match=r"held-out data .*nowhere.*does not exist"):
@@ -150,6 +161,10 @@ def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
     val = cfg._cfg_dict["val_dataloader"]["dataset"]
     assert train["split"] == "train[:75%]" and val["dataset"]["split"] == "train[75%:]"
     assert type_name(val["type"]) == "heldout_process_hf_dataset"
+    assert "whole_dialogues" in cfg._cfg_dict["train_dataloader"]["dataset"]
+    # copied from the training dict the start-up made lossless_process_hf_dataset: its own
+    # argument must not reach heldout_process_hf_dataset (process_hf_dataset refuses it)
+    assert "whole_dialogues" not in val
     assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
     assert cfg._cfg_dict["train_cfg"]["val_interval"] == 2
     assert cfg._cfg_dict["val_dataloader"]["sampler"]["shuffle"] is False

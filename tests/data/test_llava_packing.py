@@ -16,6 +16,7 @@ import stock_configs as sc
 import torch
 from multimodal_models import llava_models as _llava_models
 from multimodal_models import llava_samples as _samples
+from xtuner.dataset.collate_fns import default_collate_fn
 
 from xtuner_rope import llava_collate_fn
 from xtuner_rope.batch.image_packing import expanded_length
@@ -36,8 +37,6 @@ def models(tmp_path_factory):
 
 
 def _alone(reference, item) -> torch.Tensor:
-    from xtuner.dataset.collate_fns import default_collate_fn
-
     data = default_collate_fn([item])["data"]
     reset_upstream_rotaries(reference)  # dynamic NTK is stateful upstream: start as loaded
     with torch.no_grad():
@@ -52,7 +51,7 @@ def _packed_logits(model, batch: dict, isolate: bool) -> torch.Tensor:
         hook.before_val_iter(runner, 0, {"data": data, "data_samples": None})
     else:
         for key in ("cumulative_len", "max_seqlen", "num_unsupervised"):
-            data.pop(key)
+            data.pop(key, None)
     try:
         with torch.no_grad():
             return model(data, mode="tensor").logits
@@ -147,6 +146,53 @@ def test_packed_llava_samples_get_their_own_dynamic_ntk_frequencies(dynamic_mode
         f"{max(diffs):.3g} (isolation_figures {figures['max_abs_diff']:.3g}); per-document off "
         f"{max(short):.3g}"
     )
+
+
+PADDED_COLLATES = {
+    "default_collate_fn": lambda items: default_collate_fn(items, return_hf_format=True),
+    "llava_collate_fn(pack=False)": lambda items: llava_collate_fn(
+        items, max_length=400, image_tokens=P, pack=False, return_hf_format=True
+    ),
+}
+
+
+@pytest.mark.parametrize("collate", list(PADDED_COLLATES))
+def test_padded_llava_rows_get_their_own_dynamic_ntk_frequencies(dynamic_models, collate):
+    """Issue 38 on LLaVA's padded rows (the stock ``default_collate_fn``, batch size > 1, and
+    ``llava_collate_fn(pack=False)``): each sample, expanded and right-padded to the batch's
+    longest, gets the frequencies of its own length as it does alone; upstream gives it those
+    of the padded length (the negative control)."""
+    model, reference = dynamic_models
+    g = torch.Generator().manual_seed(4)
+    items = []
+    for n, image in ((20, True), (50, False), (8, True), (30, False)):  # expanded: 35 50 23 30
+        ids = torch.randint(3, 1000, (n,), generator=g)
+        if image:
+            ids[1] = IMAGE_TOKEN_INDEX
+        labels = ids.masked_fill(ids == IMAGE_TOKEN_INDEX, -100)
+        pixels = torch.randn(3, 56, 56, generator=g) if image else torch.zeros(3, 56, 56)
+        items.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": pixels})
+    lengths = [expanded_length(torch.tensor(x["input_ids"]), P) for x in items]
+    assert min(lengths) <= DYNAMIC_THRESHOLD < max(lengths), lengths
+    batch = PADDED_COLLATES[collate](items)
+    diffs = _row_diffs(model, reference, items, batch, lengths)
+    assert max(diffs) <= 1e-5, diffs
+    leaked = _row_diffs(reference, reference, items, batch, lengths)
+    assert max(leaked) > 1e-4, leaked  # upstream: the padded length's frequencies
+    print(
+        f"padded LLaVA rows {lengths}: max |row - alone| {max(diffs):.3g}, upstream {max(leaked):.3g}"
+    )
+
+
+def _row_diffs(model, reference, items, batch, lengths) -> list[float]:
+    """``max |row r's sample - sample r alone|`` per row of a one-sample-per-row batch through
+    ``model`` (``reference``: the unpatched model itself; no boundaries then)."""
+    publish = model is not reference and "cumulative_len" in batch  # llava_collate_fn's rows
+    logits = _packed_logits(model, batch, publish)
+    return [
+        float((logits[r, :n] - _alone(reference, item)).abs().max())
+        for r, (item, n) in enumerate(zip(items, lengths))
+    ]
 
 
 def _llm_inputs(model, items) -> dict:

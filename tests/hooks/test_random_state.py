@@ -21,6 +21,7 @@ from xtuner_rope.hooks.random_state import (
     STATE_KEY,
     RandomStateHook,
     capture_random_state,
+    data_order_change,
     restore_random_state,
 )
 
@@ -127,3 +128,18 @@ def test_capture_and_restore_round_trip():
 def test_restore_refuses_a_state_it_did_not_write():
     with pytest.raises(ValueError, match=r"lacks \['numpy', 'torch_cpu'\].*RandomStateHook"):
         restore_random_state({"python": random.getstate()})
+
+
+@pytest.mark.parametrize(
+    ("saved", "world", "expected"),
+    [
+        (2, 1, "items 9-16 of the order are trained a second time (8 of 32)"),
+        (1, 2, "items 9-16 of the order are skipped, not trained in this epoch (8 of 32)"),
+        (2, 4, "items 17-32 of the order are skipped, not trained in this epoch (16 of 32)"),
+        (8, 1, "past the first epoch of 32 items, counted within the epoch"),
+    ],
+)
+def test_data_order_change_counts_what_a_resume_trains_again_or_skips(saved, world, expected):
+    text = data_order_change(saved, world, done=4, batch=2, items=32)
+    assert f"this run's own dataloader: 4 x 2 x {world} = {8 * world} items" in text
+    assert text.endswith(expected), text

@@ -4,7 +4,11 @@ one edit and MMEngine's held-out entries, on 1 and on 2 CPU processes.
 At iteration 8 the logged held-out loss must equal, within 1e-5 relative, what a fresh process
 without the plugin computes from that run's ``iter_8.pth`` with each held-out dialogue whole
 and alone through the unpatched model (``heldout_reference.py``), with the same supervised-token
-count. One run per process count; every assertion of a count shares it.
+count. One run per mode; every assertion of a mode shares it. The modes: 1 process, 2
+processes (DDP), 2 processes under DeepSpeed ZeRO-3 (every parameter partitioned, gathered for
+each held-out forward) and sequence parallel 2 under ZeRO-2 (the two ranks form one
+sequence-parallel group: the training rows are split between them, the held-out rows are not,
+so the metric sees the loss over each whole row and every supervised token once).
 """
 
 import json
@@ -21,6 +25,14 @@ from xtuner_rope.evaluation.hook import CURVES_FILE
 from xtuner_rope.evaluation.metric import WORST_FILE
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+ZERO2, ZERO3 = "configs/deepspeed/zero2_fp32_cpu.json", "configs/deepspeed/zero3_fp32_cpu.json"
+# id: (processes, sequence_parallel_size, DeepSpeed json or None)
+MODES = {
+    "1-process": (1, 1, None),
+    "2-processes": (2, 1, None),
+    "2-processes-zero3": (2, 1, ZERO3),
+    "sequence-parallel-2": (2, 2, ZERO2),
+}
 RUN = (
     "train_cfg.max_epochs=None",
     "train_cfg.max_iters=8",
@@ -32,20 +44,30 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory) -> Path:
+def config_text(tmp_path_factory) -> tuple[Path, str]:
+    """The stock config with the one edit and the held-out entries (shared by the modes)."""
     root = tmp_path_factory.mktemp("heldout")
     sc.ensure_tiny_model()
     model = sc.tiny_with_remote_code(root / "tiny-remote-code")  # loadable without the plugin
     text = sc.localize(
         sc.copy_stock(FULL, root), sc.write_alpaca_data(root / "alpaca"), model=model
     )
-    path = root / f"{FULL}.py"
-    path.write_text(ho.with_heldout(sc.enable_plugin(text), ho.write_heldout_data(root / "held")))
+    return root, ho.with_heldout(sc.enable_plugin(text), ho.write_heldout_data(root / "held"))
+
+
+def _config(config_text: tuple[Path, str], sp: int) -> Path:
+    root, text = config_text
+    if sp > 1:  # the stock PART 1 setting
+        text = sc.sub_once(text, r"^sequence_parallel_size = 1$", f"sequence_parallel_size = {sp}")
+    path = root / f"{FULL}_sp{sp}.py"
+    path.write_text(text, encoding="utf-8")
     return path
 
 
-def _train(config: Path, work_dir: Path, nproc: int) -> str:
+def _train(config: Path, work_dir: Path, nproc: int, deepspeed: str | None) -> str:
     cmd = ["xtuner-rope", "train", str(config), "--work-dir", str(work_dir)]
+    if deepspeed:
+        cmd += ["--deepspeed", deepspeed]
     env = sc.venv_env()
     if nproc > 1:
         cmd += ["--launcher", "pytorch"]
@@ -60,16 +82,18 @@ def _train(config: Path, work_dir: Path, nproc: int) -> str:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
-def test_heldout_loss_equals_plain_reference(config, tmp_path, nproc):
-    out = _train(config, tmp_path, nproc)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_heldout_loss_equals_plain_reference(config_text, tmp_path, mode):
+    nproc, sp, deepspeed = MODES[mode]
+    config = _config(config_text, sp)
+    out = _train(config, tmp_path, nproc, deepspeed)
     assert "xtuner-rope: val_dataloader.dataset.type:" in out  # whole dialogues, boundaries kept
     assert "segments (documents and padding) isolated by the attention" in out
     logged = ho.logged_heldout(tmp_path)
     assert sorted(logged) == [4, 8], sorted(logged)
     plain = ho.plain_reference(config, tmp_path / "iter_8.pth")
     at_8 = logged[8]
-    print(f"{nproc} process(es): logged {at_8['heldout_loss']!r}, plain {plain}")
+    print(f"{mode}: logged {at_8['heldout_loss']!r}, plain {plain}")
     assert at_8["heldout_tokens"] == plain["tokens"]
     assert at_8["heldout_dialogues"] == plain["dialogues"] == 150
     assert abs(at_8["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]
@@ -78,4 +102,4 @@ def test_heldout_loss_equals_plain_reference(config, tmp_path, nproc):
     worst = [json.loads(line) for line in (tmp_path / WORST_FILE).read_text().splitlines()]
     assert len(worst) == 20 and worst[0]["mean_nll"] >= worst[-1]["mean_nll"]
     assert all(w["first_words"] and 0 <= w["dialogue_index"] < 150 for w in worst)
-    assert os.path.getsize(tmp_path / "iter_8.pth") > 0
+    assert os.path.getsize(tmp_path / "iter_8.pth") > 0  # a file, or DeepSpeed's folder

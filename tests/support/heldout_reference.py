@@ -3,18 +3,39 @@
 ``python heldout_reference.py CONFIG CHECKPOINT`` builds the config's held-out dataset with
 XTuner's own ``process_hf_dataset`` unpacked (``pack_to_max_length=False``: one dialogue per
 sample), loads the config's LLM with ``from_pretrained`` (unpatched, fp32, eager attention),
-puts the checkpoint's weights in, runs one dialogue per forward and prints one JSON line:
+puts in the weights the run evaluated (``module_weights``), runs one dialogue per forward and
+prints one JSON line:
 the token-weighted mean next-token NLL, the supervised-token count and the dialogue count.
 The plugin is never imported (checked at the end).
 """
 
 import json
 import math
+import os
 import sys
 
 import torch
 from mmengine.config import Config
+from xtuner.model.utils import guess_load_checkpoint
 from xtuner.registry import BUILDER
+
+
+def module_weights(checkpoint: str) -> dict:
+    """The model's weights as the run held them when it saved ``checkpoint``.
+
+    A ``.pth`` file (one process, DDP) holds them in ``state_dict``; a ZeRO-1/2 folder in
+    ``mp_rank_00_model_states.pt`` (the module's full tensors). A ZeRO-3 folder has no such
+    file (each rank saved its partition): XTuner's ``guess_load_checkpoint`` gathers them.
+    Not ``guess_load_checkpoint`` for ZeRO-2: it rebuilds the weights from the optimizer's fp32
+    partitions, which in the sequence-parallel run differ from the module's (measured: up to
+    4.7e-4 at iteration 8, see docs/evaluation.md).
+    """
+    if os.path.isfile(checkpoint):
+        return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    states = os.path.join(checkpoint, "mp_rank_00_model_states.pt")
+    if os.path.isfile(states):
+        return torch.load(states, map_location="cpu", weights_only=False)["module"]
+    return guess_load_checkpoint(checkpoint)  # ZeRO-3: gather the partitions
 
 
 def main(config: str, checkpoint: str) -> dict:
@@ -24,7 +45,7 @@ def main(config: str, checkpoint: str) -> dict:
     dataset_cfg.use_varlen_attn = False
     dataset = BUILDER.build(dataset_cfg)
     llm = BUILDER.build(cfg.model.llm).float().eval()
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = module_weights(checkpoint)
     missing, unexpected = llm.load_state_dict(
         {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
     )

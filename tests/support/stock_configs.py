@@ -75,6 +75,38 @@ def write_alpaca_data(dst: Path, n: int = 400) -> Path:
     return dst
 
 
+def write_message_lines(dst: Path, n: int = 400) -> Path:
+    """The alpaca data's dialogues (first exchange) as intern-repo untokenized lines.
+
+    One JSON list of OpenAI messages a line in ``dst/dialogues.json``, the format
+    ``load_intern_repo_untokenized_dataset`` reads from its ``folder``; returns ``dst``.
+    """
+    lines = [
+        json.dumps([{"role": "user", "content": u[0]}, {"role": "assistant", "content": r[0]}])
+        for _, u, r in _turns(n)
+    ]
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "dialogues.json").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return dst
+
+
+INTERN_REPO = "internlm2_7b_w_untokenized_dataset"
+
+
+def intern_repo_config(dst: Path, n: int = 600) -> Path:
+    """Stock ``internlm2_7b_w_untokenized_dataset`` with the one edit, on ``n`` of the alpaca
+    data's dialogues (:func:`write_message_lines`), the tiny checkpoint and ``max_length``
+    512 (the zoo's own-machine edits); returns the config's path (``dst/intern_repo.py``)."""
+    from xtuner_rope.zoo.localize import enable_plugin as zoo_enable_plugin
+    from xtuner_rope.zoo.localize import localize as zoo_localize
+
+    stock = copy_stock(INTERN_REPO, dst).read_text(encoding="utf-8")
+    data = write_message_lines(dst / "intern_repo_data", n)
+    path = dst / "intern_repo.py"
+    path.write_text(zoo_enable_plugin(zoo_localize(stock, TINY_MODEL, data)), encoding="utf-8")
+    return path
+
+
 def write_conversation_data(dst: Path, n: int = 400) -> Path:
     """The sample dialogues in XTuner's ``conversation`` format (custom-dataset configs)."""
     rows = []

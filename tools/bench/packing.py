@@ -43,12 +43,7 @@ SHARE_SWEEP = (8, 16, 24, 32, 64, 128, 256, 600)  # packed share for these batch
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default="data/short_dialogues.jsonl")
-    parser.add_argument(
-        "--model",
-        default="models/tiny-internlm2",
-        help="tiny checkpoint whose tokenizer is used (built if missing)",
-    )
+    add_data_options(parser)
     parser.add_argument("--max-length", type=int, default=2048, help="packed row capacity")
     parser.add_argument(
         "--pack-batch",
@@ -100,14 +95,26 @@ def recipe_overhead_parser(description: str, clock: bool = True) -> argparse.Arg
     bench sets to 2048 (the tokenization limit) after parsing.
     """
     parser = argparse.ArgumentParser(description=description)
+    add_data_options(parser)
+    parser.add_argument("--batches", type=int, default=50, help="recipe batches timed")
+    add_timing_options(parser, repeats=3, clock=clock)
+    parser.add_argument("--quick", action="store_true", help="15 batches")
+    return parser
+
+
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """``--data`` (the sample dialogues) and ``--model`` (whose tokenizer tokenizes them)."""
     parser.add_argument("--data", default="data/short_dialogues.jsonl")
     parser.add_argument(
         "--model",
         default="models/tiny-internlm2",
         help="tiny checkpoint whose tokenizer is used (built if missing)",
     )
-    parser.add_argument("--batches", type=int, default=50, help="recipe batches timed")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes (median per batch)")
+
+
+def add_timing_options(parser: argparse.ArgumentParser, repeats: int, clock: bool = True) -> None:
+    """``--repeats``, ``--threads``, ``--clock`` and ``--seed``, as the CPU benches read them."""
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed passes (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     if clock:
         parser.add_argument(
@@ -117,8 +124,6 @@ def recipe_overhead_parser(description: str, clock: bool = True) -> argparse.Arg
             help="cpu: process CPU time (auto picks it for --threads 1)",
         )
     parser.add_argument("--seed", type=int, default=0, help="shuffle and model-init seed")
-    parser.add_argument("--quick", action="store_true", help="15 batches")
-    return parser
 
 
 def load_items(args):

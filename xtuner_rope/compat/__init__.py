@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
+``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
@@ -20,6 +20,7 @@ from .checkpoint_files import (
     IncompleteCheckpointError,
     Verdict,
     checkpoint_number,
+    deepspeed_layout,
     judge_checkpoint,
     newest_complete,
     refuse_incomplete,
@@ -31,6 +32,12 @@ from .checkpoint_save import (
     save_atomically,
     save_checkpoint_atomically,
     write_atomically,
+)
+from .checkpoint_world import (
+    WorldSizeMismatchError,
+    current_world_size,
+    refuse_other_world_size,
+    saved_world_size,
 )
 from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
 from .devices import cpu_only
@@ -90,8 +97,13 @@ __all__ = [
     "Verdict",
     "checkpoint_number",
     "judge_checkpoint",
+    "deepspeed_layout",
     "newest_complete",
     "refuse_incomplete",
+    "WorldSizeMismatchError",
+    "current_world_size",
+    "refuse_other_world_size",
+    "saved_world_size",
     "find_latest_complete_checkpoint",
     "save_atomically",
     "save_checkpoint_atomically",

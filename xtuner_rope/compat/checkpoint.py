@@ -30,10 +30,13 @@ TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
 # Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
 # ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_files.refuse_incomplete``.
 PATH_CHECKS: list = []
+# Checks only a resume passes (``xtuner train --resume``, read first thing for the seed):
+# ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_world.refuse_other_world_size``.
+RESUME_CHECKS: list = []
 
 
-def _check_path(path: str) -> None:
-    for check in PATH_CHECKS:
+def _check_path(path: str, checks: list = PATH_CHECKS) -> None:
+    for check in checks:
         check(path)
 
 
@@ -176,11 +179,12 @@ def _load_from_local_checked(filename: str, map_location=None):
 def _seed_from_checkpoint(path: str) -> int:
     """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory.
 
-    ``xtuner train --resume`` reads it first thing: an incomplete checkpoint is refused here,
-    before the runner, the model or the data are built.
+    ``xtuner train --resume`` reads it first thing: an incomplete checkpoint (and a ZeRO one
+    written by another number of processes) is refused here, before the runner, the model or
+    the data are built.
     """
     if os.path.exists(path):
-        _check_path(path)
+        _check_path(path, PATH_CHECKS + RESUME_CHECKS)
     if os.path.isdir(path):
         from deepspeed.utils.zero_to_fp32 import get_model_state_files
 

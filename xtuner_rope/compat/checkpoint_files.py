@@ -117,7 +117,7 @@ def _file_reason(path: str) -> str:
     return f"{size} bytes that are neither torch.save's zip format nor its legacy pickle"
 
 
-def _deepspeed_layout(model_states: str) -> tuple[int | None, int]:
+def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
     """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file.
 
     Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
@@ -149,7 +149,7 @@ def _folder_reason(path: str) -> str:
         reason = _file_reason(os.path.join(path, name))
         if reason:
             return f"{name} is incomplete: {reason}"
-    world, stage = _deepspeed_layout(os.path.join(path, models[0]))
+    world, stage = deepspeed_layout(os.path.join(path, models[0]))
     if world is None:
         return ""  # model states without a world size: nothing to count the ranks against
     wanted = [(OPTIM_STATES, "optim")] if stage >= 1 else []  # ZeRO-0 keeps it in the model's
@@ -256,6 +256,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "Verdict",
     "checkpoint_number",
+    "deepspeed_layout",
     "judge_checkpoint",
     "newest_complete",
     "refuse_incomplete",

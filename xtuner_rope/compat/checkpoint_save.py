@@ -22,6 +22,8 @@ The patches (:func:`patch_checkpoint_writes`, applied by ``compat.apply()``):
 - ``find_latest_checkpoint`` (MMEngine's auto-resume, ``resume = True`` without ``load_from``):
   when ``last_checkpoint`` names an incomplete checkpoint (or one that is gone), the newest complete
   checkpoint in its folder is resumed instead, with a warning naming both.
+- ``--resume`` and auto-resume of a ZeRO checkpoint written by another number of processes are
+  refused before it loads (``checkpoint_world.refuse_other_world_size``).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ import torch
 from mmengine.logging import print_log
 
 from .checkpoint import PATH_CHECKS as _PATH_CHECKS  # the loaders' checks (one list)
+from .checkpoint import RESUME_CHECKS as _RESUME_CHECKS
 from .checkpoint_files import (
     checkpoint_number,
     judge_checkpoint,
     newest_complete,
     refuse_incomplete,
 )
+from .checkpoint_world import refuse_other_world_size
 
 _ORIGINAL: dict[str, object] = {}
 
@@ -184,6 +188,8 @@ def find_latest_complete_checkpoint(path: str) -> str | None:
     """
     latest = _ORIGINAL["find_latest_checkpoint"](path)
     if latest is None or (latest and judge_checkpoint(latest).complete):
+        if latest:
+            refuse_other_world_size(latest)  # a ZeRO checkpoint of another world size
         return latest
     verdict = judge_checkpoint(latest) if latest else None
     named = checkpoint_number(latest) if latest else None
@@ -238,6 +244,8 @@ def patch_checkpoint_writes() -> bool:
     CheckpointHook._save_checkpoint_with_step = _save_then_trim
     if refuse_incomplete not in _PATH_CHECKS:  # --resume / load_from of an incomplete checkpoint
         _PATH_CHECKS.append(refuse_incomplete)
+    if refuse_other_world_size not in _RESUME_CHECKS:  # --resume of ZeRO on another world size
+        _RESUME_CHECKS.append(refuse_other_world_size)
     try:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
             TorchCheckpointEngine,

@@ -8,6 +8,8 @@ is each dialogue's loss whole and alone:
   ``heldout_process_hf_dataset`` (whole dialogues per row, in file order, boundaries kept);
 - ``default_collate_fn`` keeps the boundaries (``use_varlen_attn=True``, batch size 1), as for
   training; other collate functions of packed rows are refused (``rope_collate_fn`` works);
+  under ``sequence_parallel_size > 1`` it becomes ``rope_collate_fn`` (XTuner's asserts rows
+  that divide by the size; held-out rows are evaluated whole, never split);
 - the sampler is ``DefaultSampler(shuffle=False)``: the only order in which MMEngine's
   ``collect_results`` drops the samples it repeated for the ranks (exact on any rank count);
 - ``TokenLossMetric`` gets the config's tokenizer (for its worst-dialogues file) and
@@ -37,12 +39,15 @@ from .heldout_pairs import (
     heldout_pairs_findings,
     served_model_findings,
 )
+from .sequence_parallel import heldout_collate_findings
 from .startup import Finding, register_findings
 
 CURVES_HOOK = "HeldOutCurvesHook"
 
 
-def _metrics(cfg: Config) -> list[dict]:
+def heldout_metrics(cfg: Config) -> list[dict]:
+    """The held-out metric dicts (``TokenLossMetric``, ``PreferenceMetric``) of the config's
+    ``val_evaluator`` (one or a list)."""
     evaluator = _get(cfg._cfg_dict, "val_evaluator")
     metrics = _get(evaluator, "metrics", evaluator)
     metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
@@ -124,6 +129,9 @@ def _dataset_findings(loader: dict) -> list[Finding]:
             )
             dataset["use_varlen_attn"] = True
             dataset["shuffle_before_pack"] = False
+            # lossless_process_hf_dataset's own argument (the shortcut copies the training
+            # dict after the start-up made it one); held-out rows are always whole dialogues
+            dataset.pop("whole_dialogues", None)
 
         findings.append(
             Finding(
@@ -139,12 +147,14 @@ def _dataset_findings(loader: dict) -> list[Finding]:
     return findings
 
 
-def _loader_findings(loader: dict) -> list[Finding]:
+def _loader_findings(loader: dict, sp: object = 1) -> list[Finding]:
     findings = []
     packed = any(_xtuner_packs(d) for _, d in _datasets(_get(loader, "dataset"), "x"))
     collate = _get(loader, "collate_fn")
     name = type_name(_get(collate, "type")) if isinstance(collate, dict) else "default_collate_fn"
-    if packed and name == "default_collate_fn":
+    if packed and name == "default_collate_fn" and isinstance(sp, int) and sp > 1:
+        findings += heldout_collate_findings(loader, sp)
+    elif packed and name == "default_collate_fn":
         if _get(loader, "batch_size", 1) != 1:
             findings.append(
                 Finding(
@@ -291,7 +301,7 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
 def heldout_findings(cfg: Config) -> list[Finding]:
     """Every finding of the held-out entries (also applied by the ``heldout`` shortcut)."""
     loader = _get(cfg._cfg_dict, "val_dataloader")
-    metrics = _metrics(cfg)
+    metrics = heldout_metrics(cfg)
     if not isinstance(loader, dict):
         if metrics:
             return [
@@ -304,7 +314,8 @@ def heldout_findings(cfg: Config) -> list[Finding]:
                 )
             ]
         return []
-    findings = _file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader)
+    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
+    findings = _file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader, sp)
     findings += heldout_pairs_findings(cfg)
     for metric in metrics[:1]:
         findings += _run_findings(cfg, metric)

@@ -27,6 +27,7 @@ from .startup import Finding, register_findings
 
 __all__ = [
     "checkpoint_heads",
+    "heldout_collate_findings",
     "sequence_parallel_heads_findings",
     "sequence_parallel_size_findings",
 ]
@@ -111,6 +112,30 @@ def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
             f"sequence_parallel_size={sp} (XTuner pads only rows without boundaries)",
             f"set to rope_collate_fn (same arguments) with pad_to_multiple_of={sp}: rows padded by "
             "a segment of their own",
+            use_ours,
+        )
+    ]
+
+
+def heldout_collate_findings(loader: dict, sp: int) -> list[Finding]:
+    """Under sequence parallel, XTuner's ``default_collate_fn`` asserts packed rows divide by
+    ``sp`` (xtuner 0.2.0); held-out rows hold whole dialogues. ``rope_collate_fn`` keeps them
+    as they are: evaluation runs whole rows, each rank its own (no split, no padding)."""
+    collate = _get(loader, "collate_fn")
+
+    def use_ours() -> None:
+        kwargs = dict(collate) if isinstance(collate, dict) else {}
+        kwargs.update(type=LazyObject("xtuner_rope.data.collate", "rope_collate_fn"))
+        kwargs["use_varlen_attn"] = True
+        loader["collate_fn"] = kwargs
+
+    return [
+        Finding(
+            "val_dataloader.collate_fn",
+            f"default_collate_fn asserts that packed rows divide by sequence_parallel_size={sp}; "
+            "the held-out rows hold whole dialogues of any length",
+            "set to rope_collate_fn (same arguments, use_varlen_attn=True): each held-out row is "
+            "evaluated whole, by one rank",
             use_ours,
         )
     ]

@@ -8,7 +8,9 @@ packed rows as *pieces* of the tokenized stream, listed in row order:
   row (only pretraining-style data has them: XTuner's ``encode_fn`` truncates dialogues at
   ``max_length``) is split into ``max_length`` pieces first, the last one shorter.
 - :func:`cut_plan`: XTuner's Packer over one stream (concatenate, cut every ``max_length``
-  tokens; batches of 1000 as ``datasets.map`` feeds it), the final leftover kept.
+  tokens; batches of 1000 as ``datasets.map`` feeds it), the final leftover kept;
+  :func:`intern_repo_cut_plan`: XTuner's intern-repo ``PackedDataset`` (the same cut, the last
+  partial row dropped), for the doctor's comparison.
 
 :func:`row_boundaries` and :func:`position_ids` then write the rows' ``cumulative_len`` and
 ``position_ids`` in XTuner's format, whichever plan made them.
@@ -67,6 +69,27 @@ def cut_plan(
     if total > start:
         cuts.append(np.array([total], dtype=np.int64))
     return np.concatenate(cuts)
+
+
+def intern_repo_cut_plan(lengths: np.ndarray, packed_length: int) -> np.ndarray:
+    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream of documents.
+
+    It cuts every ``packed_length`` tokens and has ``total // packed_length`` rows: the last
+    partial row is dropped (unlike :func:`cut_plan`, whose leftover is kept here).
+
+    Args:
+        lengths: ``[n]`` token counts of the documents, in stream (shuffled) order.
+        packed_length: Tokens per packed row.
+
+    Returns:
+        ``[r + 1]`` int64 row offsets into the concatenated stream (0 first).
+
+    Raises:
+        ValueError: ``packed_length`` is not a positive integer.
+    """
+    _check_max_length(packed_length)
+    total = int(np.asarray(lengths, dtype=np.int64).sum())
+    return packed_length * np.arange(total // packed_length + 1, dtype=np.int64)
 
 
 def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
@@ -164,6 +187,7 @@ __all__ = [
     "XTUNER_MAP_BATCH",
     "cut_dialogues",
     "cut_plan",
+    "intern_repo_cut_plan",
     "position_ids",
     "row_boundaries",
     "token_indices",

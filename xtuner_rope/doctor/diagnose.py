@@ -22,6 +22,7 @@ from xtuner_rope.doctor.checkpoint_space import (
     checkpoint_space_warnings,
     run_work_dir,
 )
+from xtuner_rope.doctor.heldout import heldout_report, heldout_warnings
 from xtuner_rope.doctor.internvl_stats import internvl_figures, internvl_problems
 from xtuner_rope.doctor.llava_stats import (
     llava_data_of,
@@ -32,7 +33,11 @@ from xtuner_rope.doctor.llava_stats import (
     sampler_padding,
 )
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
-from xtuner_rope.doctor.packing import build_dialogues_and_packs, packing_figures
+from xtuner_rope.doctor.packing import (
+    build_dialogues_and_packs,
+    intern_repo_figures,
+    packing_figures,
+)
 from xtuner_rope.doctor.preference import (
     doctor_samples,
     preference_figures,
@@ -173,15 +178,20 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 
 
 def _build_dataset(cfg: Config, facts: dict):
-    """``(dataset, dialogues)``: the train dataset, and for offline packing the dialogues
-    before packing in stream order (None otherwise); see :mod:`xtuner_rope.doctor.packing`."""
+    """``(dataset, lengths, packing)``: the train dataset; for offline packing the ``[n]``
+    dialogue lengths before packing in stream order and :func:`packing_figures` (else None,
+    None); see :mod:`xtuner_rope.doctor.packing`."""
     from xtuner.registry import BUILDER
 
+    if facts["packed_offline"]:  # intern-repo rows: the packers keep their documents
+        dataset = BUILDER.build(cfg.train_dataloader.dataset)
+        return (dataset, *intern_repo_figures(dataset, facts["max_length"]))
     if not facts["pack_to_max_length"]:
-        return BUILDER.build(cfg.train_dataloader.dataset), None
+        return BUILDER.build(cfg.train_dataloader.dataset), None, None
     seed = (cfg.get("randomness") or {}).get("seed")
     dialogues, packed = build_dialogues_and_packs(cfg.train_dataloader.dataset, seed)
-    return packed, dialogues
+    lengths = [len(r) for r in dialogues["input_ids"]]
+    return packed, lengths, packing_figures(dialogues, packed, facts["max_length"])
 
 
 def _findings(findings: list[startup.Finding]) -> dict:
@@ -246,7 +256,7 @@ def diagnose(
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
-    dataset, dialogues = _build_dataset(cfg, facts)
+    dataset, dialogue_lengths, packing = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = doctor_samples(dataset) if llava is None else llava.scan_items
@@ -267,8 +277,8 @@ def diagnose(
         progress=progress,
     )
     source = _source_rows(loader, facts)
-    lengths = scan.lengths if dialogues is None else [len(r) for r in dialogues["input_ids"]]
-    kept = len(dataset) if dialogues is None else len(dialogues)
+    lengths = scan.lengths if dialogue_lengths is None else dialogue_lengths
+    kept = len(lengths)
     report = {
         "config": str(config),
         "plugin": {
@@ -288,11 +298,8 @@ def diagnose(
         },
         "lengths": length_percentiles(lengths),  # of the dialogues, before any packing
         "packing": None
-        if dialogues is None
-        else {
-            **packing_figures(dialogues, dataset, facts["max_length"]),
-            "row_lengths": length_percentiles(scan.lengths),
-        },
+        if packing is None
+        else {**packing, "row_lengths": length_percentiles(scan.lengths)},
         "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
         "collate": {
             "name": collate_name,
@@ -345,6 +352,10 @@ def diagnose(
     report["internvl"] = internvl_figures(cfg, dataset, batch_size)
     report["problems"] += internvl_problems(report["internvl"])
     report["warnings"] += llava_warnings(report["multimodal"])
+    report["heldout"] = heldout_report(
+        cfg, dataset, bool(report["findings"]["conflicts"]), build_collate_fn
+    )
+    report["warnings"] += heldout_warnings(report["heldout"])
     report["problems"] += schedule_problems(
         cfg.get("param_scheduler"), len(dataset), batch_size, bool(loader.get("drop_last", False))
     )
@@ -424,10 +435,15 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
     packing = report["packing"] or {}
     if packing.get("tokens", {}).get("lost"):
         t, lab = packing["tokens"], packing["labels"]
+        where = (
+            'the last partial row of each file; offline_packing = "whole" (the default with '
+            "xtuner-rope) drops nothing"
+            if packing["packer"] == "intern_repo"
+            else "each map_num_proc shard's leftover; with xtuner-rope enabled nothing is dropped"
+        )
         warnings.append(
             f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
-            f"{lab['lost']} of {lab['before']} supervised labels (each map_num_proc "
-            "shard's leftover); with xtuner-rope enabled nothing is dropped"
+            f"{lab['lost']} of {lab['before']} supervised labels ({where})"
         )
     if packing.get("cut_dialogues") and packing.get("sft"):
         warnings.append(

@@ -19,7 +19,7 @@ from collections import Counter
 
 import numpy as np
 
-from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan
+from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan, intern_repo_cut_plan
 
 IGNORE_INDEX = -100
 
@@ -85,7 +85,7 @@ def _segment_starts(packed) -> np.ndarray | None:
     )
 
 
-def packing_figures(dialogues, packed, max_length: int) -> dict:
+def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = False) -> dict:
     """What the pack step did to the dialogues, JSON-ready.
 
     Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut),
@@ -96,15 +96,21 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
         packed: The packed rows built from them (with ``cumulative_len`` when the config
             records boundaries).
         max_length: Tokens per packed row.
+        intern_repo: The rows are one file's of XTuner's intern-repo packing: ``xtuner_cut``
+            is its ``PackedDataset``'s cut (last partial row dropped), not ``process_hf_dataset``'s.
 
     Returns:
         Counts: ``tokens`` and ``labels`` (labels other than -100) ``before`` / ``after`` /
         ``lost``; ``rows``; ``fill`` (tokens / row slots); ``sft`` (some label is -100: the
         dialogues have prompts); ``xtuner_cut`` (``rows`` and ``cut_dialogues`` of XTuner's cut
-        of the same stream, its leftover kept); and, when no token was lost and the rows carry boundaries,
+        of the same stream; its leftover kept, or dropped with ``intern_repo``); and, when the
+        rows carry boundaries and hold the stream in order or every token of it,
         ``cut_dialogues`` (a row edge falls inside them), ``pieces`` (their parts),
         ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
         is -100 or its document's first: what training counts over one epoch); else None.
+        ``split_long``: documents longer than ``max_length``. Whole-dialogue packing splits
+        them into ``max_length`` pieces by design: they are not counted in ``cut_dialogues``
+        or ``pieces`` there (XTuner's cut counts them like any other).
     """
     tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
     packed_labels = _flat(packed["labels"])
@@ -122,37 +128,110 @@ def packing_figures(dialogues, packed, max_length: int) -> dict:
         "unsupervised_seen": None,
     }
     lengths = np.asarray([len(r) for r in dialogues["input_ids"]], dtype=np.int64)
-    xtuner_cuts = cut_plan(lengths, max_length)
+    xtuner_cuts = (
+        intern_repo_cut_plan(lengths, max_length) if intern_repo else cut_plan(lengths, max_length)
+    )
     figures.update(
         fill=round(len(packed_labels) / max(len(packed) * max_length, 1), 4),
         sft=bool((labels == IGNORE_INDEX).any()),
+        packer="intern_repo" if intern_repo else "process_hf_dataset",
         xtuner_cut={
             "rows": len(xtuner_cuts) - 1,
             "cut_dialogues": cut_dialogues(lengths, xtuner_cuts),
         },
     )
     starts = _segment_starts(packed)
-    if starts is None or figures["tokens"]["lost"] or not len(tokens):
-        return figures
+    flat_ids = _flat(packed["input_ids"])
+    # XTuner's cut keeps the stream in order; its intern-repo packer drops the tail (a prefix)
+    in_order = np.array_equal(flat_ids, tokens[: len(flat_ids)])
+    long = lengths > max_length
+    figures["split_long"] = int(long.sum())
+    if starts is None or not len(tokens) or (figures["tokens"]["lost"] and not in_order):
+        return figures  # no boundaries, or tokens dropped mid-stream (the shards' leftovers)
     used = packed_labels != IGNORE_INDEX
     used[starts] = False  # a document's first label is never predicted from its document
     unsupervised = np.add.reduceat(used.astype(np.int64), starts) == 0
-    if np.array_equal(_flat(packed["input_ids"]), tokens):  # the stream in order: XTuner's cut
+    if in_order:
         doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         doc_of_segment = np.searchsorted(doc_starts, starts, side="right") - 1
-        parts = np.bincount(doc_of_segment, minlength=len(lengths))  # segments per dialogue
-        piece = parts[doc_of_segment] > 1
-        cut = int((parts > 1).sum())
+        segment_lengths = np.diff(np.append(starts, len(flat_ids)))
+        piece = segment_lengths != lengths[doc_of_segment]  # [k] less than its whole dialogue
+        cut = len(np.unique(doc_of_segment[piece]))
+        pieces = int(piece.sum())
     else:  # rows in another order (whole-dialogue packing): find each dialogue whole
-        piece = ~_whole_segments(dialogues["input_ids"], _flat(packed["input_ids"]), starts)
-        cut = len(lengths) - int((~piece).sum())
+        piece = ~_whole_segments(dialogues["input_ids"], flat_ids, starts)
+        # A document longer than a row is split into max_length pieces by design (nothing to
+        # keep whole): counted apart, never as a dialogue cut at a row edge.
+        cut = len(lengths) - int((~piece).sum()) - int(long.sum())
+        pieces = int(piece.sum()) - int(np.ceil(lengths[long] / max_length).sum())
     figures.update(
         cut_dialogues=cut,
-        pieces=int(piece.sum()),
+        pieces=pieces,
         unsupervised_pieces=int((unsupervised & piece).sum()),
         unsupervised_seen=int(unsupervised.sum()),
     )
     return figures
+
+
+def intern_repo_figures(concat, packed_length: int) -> tuple[list[int], dict]:
+    """The packing figures of an intern-repo ``build_packed_dataset`` (XTuner's or ours).
+
+    Each file is packed on its own (a ``ConcatDataset`` of packers): its documents in the
+    packer's stream order (``shuffled_indices``, XTuner's and :class:`WholePackedDataset`'s)
+    against its rows, then the files' figures summed.
+
+    Args:
+        concat: The built train dataset (``ConcatDataset`` of ``PackedDataset`` or
+            ``WholePackedDataset``).
+        packed_length: Tokens per row.
+
+    Returns:
+        ``(lengths, figures)``: ``[n]`` document lengths in stream order over all files, and
+        :func:`packing_figures` of all files together (None without a file).
+    """
+    from datasets import Dataset
+
+    lengths, parts = [], []
+    for packer in concat.datasets:
+        source = packer.dataset
+        order = [int(i) for i in packer.shuffled_indices]
+        docs = source.select(order) if hasattr(source, "select") else [source[i] for i in order]
+        columns = ("input_ids", "labels")
+        dialogues = Dataset.from_dict(
+            {k: [d[k] for d in docs] for k in columns} if isinstance(docs, list) else docs[:]
+        ).select_columns(list(columns))
+        rows = [packer[i] for i in range(len(packer))]
+        packed = Dataset.from_dict({k: [r[k] for r in rows] for k in (*columns, "cumulative_len")})
+        lengths += [len(ids) for ids in dialogues["input_ids"]]
+        parts.append(packing_figures(dialogues, packed, packed_length, intern_repo=True))
+    return lengths, _summed(parts, packed_length) if parts else None
+
+
+SUMMED = (
+    "dialogues",
+    "rows",
+    "cut_dialogues",
+    "split_long",
+    "pieces",
+    "unsupervised_pieces",
+    "unsupervised_seen",
+)
+
+
+def _summed(parts: list[dict], max_length: int) -> dict:
+    """The figures of several files' packs as one (counts summed, the fill recomputed)."""
+    total = dict(parts[0])
+    for key in SUMMED:
+        values = [p[key] for p in parts]
+        total[key] = None if None in values else sum(values)
+    for key in ("tokens", "labels"):
+        total[key] = {k: sum(p[key][k] for p in parts) for k in ("before", "after", "lost")}
+    total["xtuner_cut"] = {
+        k: sum(p["xtuner_cut"][k] for p in parts) for k in ("rows", "cut_dialogues")
+    }
+    total["sft"] = any(p["sft"] for p in parts)
+    total["fill"] = round(total["tokens"]["after"] / max(total["rows"] * max_length, 1), 4)
+    return total
 
 
 def _whole_segments(dialogue_ids: list, flat_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:

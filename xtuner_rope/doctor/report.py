@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
+from xtuner_rope.doctor.heldout import heldout_lines
 from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
@@ -75,6 +76,11 @@ def _packing_lines(p: dict | None, batch_size: int) -> list[str]:
             f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
             f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
         )
+    if p.get("split_long"):
+        lines.append(
+            f"             {p['split_long']} documents longer than max_length={p['max_length']} "
+            "split into max_length pieces (no row holds them whole)"
+        )
     return lines
 
 
@@ -115,6 +121,7 @@ def format_summary(report: dict) -> str:
     lines += llava_lines(report.get("multimodal"))
     lines += internvl_lines(report.get("internvl"))
     lines += _collate_lines(report)
+    lines += heldout_lines(report.get("heldout"))
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += rope_lines(report.get("rope"))

@@ -5,7 +5,8 @@ a ``PreferenceMetric`` to the built model (its kind and loss settings) and refus
 only knowable
 once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
 beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
-still evaluates after the last iteration), points the metric at the work
+still evaluates after the last iteration), logs the held-out set's figures (``figures``: its
+size after packing and the dialogues the training data holds too), points the metric at the work
 dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
 of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
 """
@@ -22,6 +23,7 @@ from mmengine.logging import print_log
 
 from xtuner_rope.models.dispatch import unwrap_model
 
+from .figures import collated_rows, document_keys, heldout_figures, heldout_line, row_capacity
 from .metric import TokenLossMetric
 from .preference_metric import PreferenceMetric
 
@@ -77,6 +79,32 @@ def check_heldout_run(runner) -> None:
         )
 
 
+def log_heldout_figures(runner) -> dict:
+    """Log the held-out set's size and its overlap with the training data (main process).
+
+    Returns:
+        The figures (``figures.heldout_figures``).
+    """
+    val = (getattr(runner, "cfg", None) or {}).get("val_dataloader") or {}
+    loader = runner.val_loop.dataloader
+    capacity = row_capacity(val.get("dataset"), val.get("collate_fn"))
+    figures = heldout_figures(
+        loader.dataset,
+        document_keys(runner.train_dataloader.dataset),
+        capacity,
+        collated_rows(loader.dataset, loader.collate_fn, loader.batch_size) if capacity else None,
+    )
+    print_log(f"HeldOutCurvesHook: held-out set {heldout_line(figures)}.", logger="current")
+    if figures["in_training"]:
+        print_log(
+            f"HeldOutCurvesHook: {figures['in_training']} held-out dialogues are in the training "
+            "data too: the held-out loss is partly a training loss. Remove them from one file.",
+            logger="current",
+            level=logging.WARNING,
+        )
+    return figures
+
+
 class HeldOutCurvesHook(Hook):
     """Held-out checks before training; training and held-out loss curves after it.
 
@@ -102,6 +130,8 @@ class HeldOutCurvesHook(Hook):
             else:
                 metric.output_dir = runner.work_dir
         check_heldout_run(runner)
+        if is_main_process() and any(isinstance(m, TokenLossMetric) for m in metrics):
+            log_heldout_figures(runner)  # dialogues: TokenLossMetric's held-out sets
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
@@ -154,5 +184,6 @@ __all__ = [
     "check_heldout_run",
     "draw_curves",
     "heldout_metrics",
+    "log_heldout_figures",
     "supervised_labels",
 ]

@@ -40,6 +40,7 @@ import random
 
 import numpy as np
 import torch
+from mmengine.dataset import DefaultSampler
 from mmengine.dist import all_gather_object, get_rank, get_world_size
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.logging import print_log
@@ -187,7 +188,7 @@ class RandomStateHook(Hook):
         if done == 0 or self._restored:
             return  # a fresh run, or a later epoch of a resumed one
         self._restored = True
-        state = _own_state(record, done)
+        state = _own_state(record, done, runner)
         if state is None:
             return
         loop = runner.train_loop
@@ -201,7 +202,48 @@ def _checkpoint_hook(runner) -> CheckpointHook | None:
     return next((h for h in runner.hooks if isinstance(h, CheckpointHook)), None)
 
 
-def _own_state(record, done: int) -> dict | None:
+def data_order_change(saved: int, world: int, done: int, batch: int, items: int) -> str:
+    """What a resume on another number of processes trains again or skips, in words.
+
+    MMEngine 0.10.6's ``DefaultSampler`` deals one order of the dataset (drawn from the seed
+    and the epoch, whatever the number of processes) to the processes in turn: rank ``r`` of
+    ``W`` takes items ``r, r + W, ...``. After ``N`` iterations of ``b`` items per process, ``W``
+    processes have trained the first ``N * b * W`` items of the order; on resume,
+    ``IterBasedTrainLoop`` skips ``N`` batches of this run's own dataloader, the first
+    ``N * b * W'`` items. The per-process batch size is assumed unchanged.
+
+    Args:
+        saved: Processes of the checkpointed run (``W``).
+        world: Processes of this run (``W'``).
+        done: Iterations trained before the checkpoint (``N``).
+        batch: Items per process and iteration (``b``).
+        items: Items in the dataset (one epoch).
+
+    Returns:
+        The sentence for the log.
+    """
+    before, skipped = done * batch * saved, done * batch * world
+    how = (
+        "MMEngine's DefaultSampler deals one order of the dataset (drawn from the seed and the "
+        "epoch) to the processes in turn (rank r of W takes items r, r + W, ...), and the resume "
+        f"skips {done} batches of this run's own dataloader: {done} x {batch} x {world} = "
+        f"{skipped} items of that order, where the checkpointed run trained {done} x {batch} x "
+        f"{saved} = {before} (the per-process batch size assumed unchanged)"
+    )
+    if max(before, skipped) > items:
+        return f"{how}; past the first epoch of {items} items, counted within the epoch"
+    if skipped < before:
+        return (
+            f"{how}: items {skipped + 1}-{before} of the order are trained a second time "
+            f"({before - skipped} of {items})"
+        )
+    return (
+        f"{how}: items {before + 1}-{skipped} of the order are skipped, not trained in this "
+        f"epoch ({skipped - before} of {items})"
+    )
+
+
+def _own_state(record, done: int, runner=None) -> dict | None:
     """This rank's state from the checkpoint's record, or None (logged) when it cannot be used."""
     rank, world = get_rank(), get_world_size()
     why = None
@@ -210,10 +252,15 @@ def _own_state(record, done: int) -> dict | None:
     elif record.get("iter") != done:
         why = f"its random state was recorded at iteration {record.get('iter')}, not {done}"
     elif record.get("world_size") != world:
-        why = (
-            f"it was written by {record.get('world_size')} process(es), this run has {world}: "
-            "the data order changes too"
-        )
+        why = f"it was written by {record.get('world_size')} process(es), this run has {world}"
+        loader = getattr(runner, "train_dataloader", None)
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DefaultSampler) and isinstance(loader.batch_size, int):
+            why += ". The data order changes: " + data_order_change(
+                record["world_size"], world, done, loader.batch_size, len(loader.dataset)
+            )
+        else:  # another sampler deals items its own way: not counted here
+            why += f". The data order changes ({type(sampler).__name__} deals other items)"
     if why is None:
         return record["ranks"][rank]
     print_log(
@@ -226,4 +273,10 @@ def _own_state(record, done: int) -> dict | None:
     return None
 
 
-__all__ = ["STATE_KEY", "RandomStateHook", "capture_random_state", "restore_random_state"]
+__all__ = [
+    "STATE_KEY",
+    "RandomStateHook",
+    "capture_random_state",
+    "data_order_change",
+    "restore_random_state",
+]

@@ -1,0 +1,78 @@
+"""The doctor's held-out figures: ``val_dataloader``'s set as the run will evaluate it.
+
+After the start-up (MMEngine's entries as written, or derived from ``heldout = dict(...)``),
+the held-out dataset is built with XTuner's builders and described by
+:func:`xtuner_rope.evaluation.figures.heldout_figures`: dialogues, supervised tokens, rows
+after packing and their fill, and the dialogues the training data holds too (by token ids),
+the same figures ``HeldOutCurvesHook`` logs when the run starts.
+"""
+
+from __future__ import annotations
+
+from mmengine.config import Config
+
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.heldout import heldout_metrics
+from xtuner_rope.config.heldout_pairs import TOKEN_METRIC
+from xtuner_rope.evaluation.figures import (
+    collated_rows,
+    document_keys,
+    heldout_figures,
+    heldout_line,
+    row_capacity,
+)
+
+
+def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict | None:
+    """The held-out figures of a started config, or None without ``TokenLossMetric``.
+
+    Args:
+        cfg: The config after the start-up.
+        dataset: The built training dataset; its documents are the training dialogues (rows
+            packed offline carry their boundaries; a dialogue XTuner's cut split in two
+            matches no held-out dialogue).
+        refused: The start-up refuses the config: nothing is built (a missing held-out file
+            would end in XTuner's error instead of the start-up's).
+        collate_builder: ``diagnose.build_collate_fn`` (the loader's bound collate function).
+
+    Returns:
+        ``heldout_figures``' dict, or ``{'refused': True}`` when the start-up refuses.
+    """
+    from xtuner.registry import BUILDER
+
+    loader = cfg.get("val_dataloader")
+    token_metric = any(type_name(m.get("type")) == TOKEN_METRIC for m in heldout_metrics(cfg))
+    if not token_metric or not isinstance(loader, dict):  # PreferenceMetric: pairs, not dialogues
+        return None
+    if refused:
+        return {"refused": True}
+    heldout = BUILDER.build(loader["dataset"])
+    capacity = row_capacity(loader["dataset"], loader.get("collate_fn"))
+    rows = None
+    if capacity:
+        collate = collate_builder(loader)[0]
+        rows = collated_rows(heldout, collate, int(loader.get("batch_size", 1)))
+    return heldout_figures(heldout, document_keys(dataset), capacity, rows)
+
+
+def heldout_lines(figures: dict | None) -> list[str]:
+    """The summary's held-out line."""
+    if not figures:
+        return []
+    if figures.get("refused"):
+        return ["held-out     not built: the start-up refuses the config (see the conflicts)"]
+    return [f"held-out     {heldout_line(figures)}"]
+
+
+def heldout_warnings(figures: dict | None) -> list[str]:
+    """A held-out set that shares dialogues with the training data."""
+    if not figures or not figures.get("in_training"):
+        return []
+    return [
+        f"{figures['in_training']} of {figures['dialogues']} held-out dialogues are in the "
+        "training data too (same token ids): the held-out loss is partly a training loss; "
+        "remove them from one of the files"
+    ]
+
+
+__all__ = ["heldout_lines", "heldout_report", "heldout_warnings"]

@@ -1,0 +1,186 @@
+"""The held-out set's figures: its size after packing and its overlap with the training data.
+
+Read by ``xtuner-rope doctor`` (before training) and by ``HeldOutCurvesHook`` (logged when the
+run starts), from the built datasets:
+
+- ``dialogues``: documents of the held-out rows (``cumulative_len``, else ``position_ids``
+  restarting at 0, else one document a row);
+- ``supervised_tokens``: the labels ``TokenLossMetric`` scores, each document's labels after
+  its first column other than -100 (the first is never predicted from its own document);
+- ``rows``: rows the model sees, after the collate function when it packs online
+  (``rope_collate_fn(pack=True)``), else the dataset's rows (packed offline or not);
+- ``fill``: tokens / ``rows * max_length`` for rows packed to ``max_length`` (else None);
+- ``in_training``: held-out dialogues whose token ids equal a training dialogue's (the same
+  template and tokenizer give the same ids). The ``heldout = dict(fraction=...)`` split keeps
+  different rows of the file apart; a count above 0 there means the file repeats dialogues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.heldout_shortcut import IMAGE_DATASETS
+
+IGNORE_INDEX = -100
+COLUMNS = ("input_ids", "labels", "cumulative_len", "position_ids")
+CHUNK = 1024  # rows read at a time
+
+
+def _ints(value: object) -> np.ndarray:
+    """``[n]`` int64 ids of a list, tensor or array."""
+    tolist = getattr(value, "tolist", None)  # tensors
+    value = value if isinstance(value, np.ndarray) else tolist() if tolist else value
+    return np.asarray(value, dtype=np.int64).reshape(-1)
+
+
+def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of a pyarrow list column: row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]`` (numpy views, no Python lists)."""
+    array = column.combine_chunks()
+    offsets = array.offsets.to_numpy() - array.offsets[0].as_py()
+    values = array.flatten().to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def rows_of(dataset: object) -> Iterator[Mapping]:
+    """The rows of a built dataset, as dicts of the columns above.
+
+    An HF ``Dataset`` is read in Arrow chunks (its index mapping respected), each row a numpy
+    view: a training set of millions of dialogues is hashed without Python lists of its ids.
+    """
+    dataset = getattr(dataset, "text_data", dataset)  # LLaVA: its tokenized text, no image
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list):
+        columns = [c for c in COLUMNS if c in names]
+        view = dataset.select_columns(columns).with_format("arrow")
+        for chunk in view.iter(batch_size=CHUNK):  # a pyarrow Table of <= CHUNK rows
+            lists = {c: _list_column(chunk.column(c)) for c in columns}
+            for i in range(chunk.num_rows):
+                yield {
+                    c: values[offsets[i] : offsets[i + 1]] for c, (values, offsets) in lists.items()
+                }
+    else:
+        for i in range(len(dataset)):
+            yield dataset[i]
+
+
+def document_bounds(row: Mapping) -> list[int]:
+    """``[k + 1]`` document boundaries of one row (``[0, n]`` for a plain row)."""
+    n = len(_ints(row["input_ids"]))
+    if row.get("cumulative_len") is not None:
+        cu = [int(c) for c in _ints(row["cumulative_len"]) if 0 < c < n]
+        return [0, *cu, n]
+    if row.get("position_ids") is not None:
+        starts = np.flatnonzero(_ints(row["position_ids"]) == 0)
+        return [0, *[int(c) for c in starts if c > 0], n]
+    return [0, n]
+
+
+def _key(ids: np.ndarray) -> bytes:
+    """A dialogue's identity: a digest of its ``[n]`` int64 token ids (sets of them stay small)."""
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+
+
+def dialogue_keys(dialogues: Iterable[Sequence[int]]) -> set[bytes]:
+    """Identities of dialogues given as token-id sequences (``dataset['input_ids']``)."""
+    return {_key(_ints(ids)) for ids in dialogues}
+
+
+def document_keys(dataset: object) -> set[bytes]:
+    """Identities of every document of a built (possibly packed) dataset's rows."""
+    keys = set()
+    for row in rows_of(dataset):
+        ids, bounds = _ints(row["input_ids"]), document_bounds(row)
+        keys |= {_key(ids[a:e]) for a, e in zip(bounds, bounds[1:])}
+    return keys
+
+
+def row_capacity(dataset_cfg: object, collate_cfg: object) -> int | None:
+    """``max_length`` the held-out rows are packed to: by the collate function
+    (``pack=True``), else by the dataset (``pack_to_max_length``, XTuner's default True; LLaVA
+    and InternVL datasets never pack); None when nothing packs."""
+    get = getattr(collate_cfg, "get", None)
+    if get is not None and get("pack") and get("max_length"):
+        return get("max_length")
+    get = getattr(dataset_cfg, "get", None)
+    if get is None or type_name(get("type")) in IMAGE_DATASETS:  # one sample per item
+        return None
+    return get("max_length") if get("pack_to_max_length", True) else None
+
+
+def collated_rows(dataset: object, collate: object, batch_size: int) -> int:
+    """Rows the collate function makes of the dataset in order, ``batch_size`` items a batch."""
+    rows, n = 0, len(dataset)
+    for start in range(0, n, batch_size):
+        batch = collate([dataset[i] for i in range(start, min(start + batch_size, n))])
+        rows += batch["data"]["input_ids"].shape[0]  # [b, s]
+    return rows
+
+
+def heldout_figures(
+    heldout: object, training: set[bytes], max_length: int | None, rows: int | None = None
+) -> dict:
+    """Size of the held-out set and its overlap with the training dialogues.
+
+    Args:
+        heldout: The built held-out dataset (rows: ``input_ids``, ``labels`` ``[n]`` each, and
+            ``cumulative_len`` ``[k + 1]`` when packed).
+        training: ``dialogue_keys`` / ``document_keys`` of the training data.
+        max_length: Row capacity when the held-out rows are packed to it (``row_capacity``),
+            else None (no fill).
+        rows: Rows after an online-packing collate function (``collated_rows``); None: the
+            dataset's rows.
+
+    Returns:
+        ``{'dialogues', 'supervised_tokens', 'tokens', 'rows', 'max_length', 'fill',
+        'in_training'}``.
+    """
+    dialogues = supervised = tokens = items = overlap = 0
+    for row in rows_of(heldout):
+        ids, labels = _ints(row["input_ids"]), _ints(row["labels"])
+        bounds = document_bounds(row)
+        items, tokens = items + 1, tokens + len(ids)
+        for a, e in zip(bounds, bounds[1:]):
+            dialogues += 1
+            supervised += int((labels[a + 1 : e] != IGNORE_INDEX).sum())
+            overlap += _key(ids[a:e]) in training
+    rows = items if rows is None else rows
+    return {
+        "dialogues": dialogues,
+        "supervised_tokens": supervised,
+        "tokens": tokens,
+        "rows": rows,
+        "max_length": max_length,
+        "fill": tokens / (rows * max_length) if max_length and rows else None,
+        "in_training": overlap,
+    }
+
+
+def heldout_line(figures: dict) -> str:
+    """One line of the figures, as the doctor prints and the run logs them."""
+    packed = (
+        f" packed to max_length={figures['max_length']} (fill {figures['fill']:.1%})"
+        if figures["fill"] is not None
+        else ""
+    )
+    return (
+        f"{figures['dialogues']} dialogues, {figures['supervised_tokens']} supervised tokens, "
+        f"{figures['rows']} rows{packed}; in the training data too: "
+        f"{figures['in_training']} dialogues (same token ids)"
+    )
+
+
+__all__ = [
+    "collated_rows",
+    "dialogue_keys",
+    "document_bounds",
+    "document_keys",
+    "heldout_figures",
+    "heldout_line",
+    "row_capacity",
+    "rows_of",
+]
