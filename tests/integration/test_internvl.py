@@ -107,7 +107,8 @@ def test_internlm2_lora_config_trains_padded_each_sample_as_alone(internvl, tmp_
 @pytest.fixture(scope="module")
 def phi3_run(internvl) -> dict:
     """One real ``xtuner train`` of the packed Phi-3 config with the capture hook and the
-    ``heldout`` shortcut (4 image + 4 text-only held-out samples, images in their own folder,
+    ``heldout`` shortcut (4 image samples of another seed, images in their own folder, and 4
+    text-only samples that repeat training dialogues,
     evaluated every 2 iterations), shared by the isolation and held-out claims."""
     root = internvl["root"] / "phi3_run"
     held = write_llava_data(root / "held", n_images=4, n_text=4, seed=1)

@@ -104,8 +104,8 @@ def _started(*configs: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def finetune_run(llava) -> dict:
     """One real ``xtuner train`` of the finetune config with the edit, the capture hook and
-    the ``heldout`` shortcut (6 image + 6 text-only held-out samples, images in their own
-    folder, evaluated every 3 iterations), shared by the isolation and held-out claims."""
+    the ``heldout`` shortcut (6 image samples of another seed, images in their own folder, and
+    6 text-only samples that repeat training dialogues, evaluated every 3 iterations), shared by the isolation and held-out claims."""
     root = llava["root"] / "finetune_run"
     held = write_llava_data(root / "held", n_images=6, n_text=6, seed=1)
     line = (
