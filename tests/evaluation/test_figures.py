@@ -13,6 +13,7 @@ from xtuner_rope.evaluation.figures import (
     document_bounds,
     document_keys,
     heldout_figures,
+    heldout_line,
     row_capacity,
 )
 from xtuner_rope.evaluation.hook import log_heldout_figures
@@ -88,3 +89,12 @@ def test_the_run_logs_the_figures_at_start(capsys):
     out = capsys.readouterr().out
     assert "held-out set 3 dialogues, 6 supervised tokens, 2 rows packed to max_length=8" in out
     assert "1 held-out dialogues are in the training data too" in out
+
+
+def test_overlap_not_counted_when_the_training_set_is_not_counted():
+    """``training=None`` (an image dataset without tokenized text): the held-out figures are
+    counted, the overlap is reported as not counted, never as 0."""
+    figures = heldout_figures(_packed(), None, max_length=8)
+    assert figures["in_training"] is None and figures["dialogues"] == 3
+    assert "overlap with the training data not counted" in heldout_line(figures)
+    assert "in the training data too" not in heldout_line(figures)

@@ -90,8 +90,18 @@ def dialogue_keys(dialogues: Iterable[Sequence[int]]) -> set[bytes]:
     return {_key(_ints(ids)) for ids in dialogues}
 
 
-def document_keys(dataset: object) -> set[bytes]:
-    """Identities of every document of a built (possibly packed) dataset's rows."""
+def document_keys(dataset: object) -> set[bytes] | None:
+    """Identities of every document of a built (possibly packed) dataset's rows.
+
+    None for an image dataset that keeps no tokenized text (InternVL's): its items are built
+    on access, images included, so counting a large training set would take as long as an
+    epoch of data loading. The overlap is then not counted.
+    """
+    text = getattr(dataset, "text_data", dataset)
+    if not isinstance(getattr(text, "column_names", None), list) and (
+        type(dataset).__name__ in IMAGE_DATASETS
+    ):
+        return None
     keys = set()
     for row in rows_of(dataset):
         ids, bounds = _ints(row["input_ids"]), document_bounds(row)
@@ -122,14 +132,15 @@ def collated_rows(dataset: object, collate: object, batch_size: int) -> int:
 
 
 def heldout_figures(
-    heldout: object, training: set[bytes], max_length: int | None, rows: int | None = None
+    heldout: object, training: set[bytes] | None, max_length: int | None, rows: int | None = None
 ) -> dict:
     """Size of the held-out set and its overlap with the training dialogues.
 
     Args:
         heldout: The built held-out dataset (rows: ``input_ids``, ``labels`` ``[n]`` each, and
             ``cumulative_len`` ``[k + 1]`` when packed).
-        training: ``dialogue_keys`` / ``document_keys`` of the training data.
+        training: ``dialogue_keys`` / ``document_keys`` of the training data; None when they
+            were not counted (``in_training`` is then None).
         max_length: Row capacity when the held-out rows are packed to it (``row_capacity``),
             else None (no fill).
         rows: Rows after an online-packing collate function (``collated_rows``); None: the
@@ -147,7 +158,7 @@ def heldout_figures(
         for a, e in zip(bounds, bounds[1:]):
             dialogues += 1
             supervised += int((labels[a + 1 : e] != IGNORE_INDEX).sum())
-            overlap += _key(ids[a:e]) in training
+            overlap += training is not None and _key(ids[a:e]) in training
     rows = items if rows is None else rows
     return {
         "dialogues": dialogues,
@@ -156,7 +167,7 @@ def heldout_figures(
         "rows": rows,
         "max_length": max_length,
         "fill": tokens / (rows * max_length) if max_length and rows else None,
-        "in_training": overlap,
+        "in_training": overlap if training is not None else None,
     }
 
 
@@ -167,10 +178,15 @@ def heldout_line(figures: dict) -> str:
         if figures["fill"] is not None
         else ""
     )
+    overlap = (
+        f"in the training data too: {figures['in_training']} dialogues (same token ids)"
+        if figures["in_training"] is not None
+        else "overlap with the training data not counted (its image dataset keeps no "
+        "tokenized text: counting would build every training sample, images included)"
+    )
     return (
         f"{figures['dialogues']} dialogues, {figures['supervised_tokens']} supervised tokens, "
-        f"{figures['rows']} rows{packed}; in the training data too: "
-        f"{figures['in_training']} dialogues (same token ids)"
+        f"{figures['rows']} rows{packed}; {overlap}"
     )
 
 
