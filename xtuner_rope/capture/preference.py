@@ -26,6 +26,7 @@ from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.text import reference_llm
 from xtuner_rope.models.dispatch import unwrap_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
+from xtuner_rope.ops.preference_loss import dpo_pair_losses, reward_pair_losses
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
 IGNORE = -100
@@ -291,16 +292,12 @@ def _values(
 
 def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) -> float:
     """XTuner's DPO ``sigmoid`` loss (mean over pairs) from per-response log-probs, float64."""
-
-    def as64(name: str) -> torch.Tensor:
-        return torch.tensor(values[name], dtype=torch.float64)
-
-    margin = (as64("policy_chosen") - as64("policy_rejected")) - (
-        as64("reference_chosen") - as64("reference_rejected")
-    )
-    loss = (
-        -torch.nn.functional.logsigmoid(beta * margin) * (1 - label_smoothing)
-        - torch.nn.functional.logsigmoid(-beta * margin) * label_smoothing
+    names = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
+    loss, _, _ = dpo_pair_losses(
+        *(torch.tensor(values[name], dtype=torch.float64) for name in names),
+        beta,
+        "sigmoid",
+        label_smoothing,
     )
     return float(loss.mean())
 
@@ -340,23 +337,11 @@ def reward_loss(
     """
     chosen = torch.tensor(values["chosen"], dtype=torch.float64)
     rejected = torch.tensor(values["rejected"], dtype=torch.float64)
-    rank = -torch.nn.functional.logsigmoid(chosen - rejected)
-    if loss_type == "focal":
-        p = 2 * torch.relu(torch.sigmoid(chosen - rejected) - 0.5)
-        rank = (1 - p) ** 2 * rank
-    elif loss_type != "ranking":
+    try:  # each pair's ranking loss plus its two scores' penalty: their mean is the batch's
+        loss, _, _ = reward_pair_losses(chosen, rejected, loss_type, penalty_type, penalty_weight)
+    except ValueError:
         return None
-    scores = torch.cat([chosen, rejected])
-    if penalty_type == "log_barrier":
-        clamped = scores.clamp(-5 + 1e-3, 5 - 1e-3)
-        penalty = (-torch.log(5 - clamped) - torch.log(clamped + 5)).sum()
-    elif penalty_type == "L2":
-        penalty = (scores**2).sum()
-    elif penalty_type == "none":
-        penalty = torch.zeros((), dtype=torch.float64)
-    else:
-        return None
-    return float((rank.sum() + penalty_weight * penalty) / len(chosen))
+    return float(loss.mean())
 
 
 def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None:
