@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat import cpu_only, current_world_size
 
 from .startup import Finding, register_findings, type_name
 
@@ -193,7 +193,7 @@ def sampler_findings(
         world_size: Processes of the run (default: ``WORLD_SIZE``, which torchrun sets).
     """
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world_size = current_world_size()
     loader = dict.get(cfg._cfg_dict, "train_dataloader")
     sampler = loader.get("sampler") if isinstance(loader, dict) else None
     name = type_name(sampler.get("type")) if isinstance(sampler, dict) else ""

@@ -42,6 +42,7 @@ from .sequence_parallel import sequence_parallel_active
 __all__ = [
     "PER_DOCUMENT_KEY",
     "install_row_lengths",
+    "is_document_rotary",
     "per_document_rope_setting",
     "reset_upstream_rotaries",
     "rotary_document_lengths",
@@ -143,7 +144,7 @@ def install_row_lengths(model: nn.Module) -> int:
             continue
         if "attention_mask" not in signature.parameters:
             continue
-        rotaries = [m for m in module.modules() if hasattr(m, "per_document")]
+        rotaries = [m for m in module.modules() if is_document_rotary(m)]
         if not rotaries:
             continue
         state = RowMask()
@@ -153,6 +154,15 @@ def install_row_lengths(model: nn.Module) -> int:
             rotary.row_mask = state
         count += 1
     return count
+
+
+def is_document_rotary(module: nn.Module) -> bool:
+    """True for a validated rotary that can give each document its own frequencies.
+
+    The one test of "a rotary of ours" that :func:`install_row_lengths` and
+    :func:`set_per_document_rope` share: such a module carries a ``per_document`` switch.
+    """
+    return hasattr(module, "per_document")
 
 
 def padded_row_lengths(
@@ -190,7 +200,7 @@ def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
     """
     count = 0
     for module in model.modules():
-        if hasattr(module, "per_document"):
+        if is_document_rotary(module):
             module.per_document = bool(enabled)
             count += 1
     return count
