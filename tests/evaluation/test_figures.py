@@ -88,7 +88,7 @@ def test_the_run_logs_the_figures_at_start(capsys):
     assert figures["in_training"] == 1 and figures["rows"] == 2
     out = capsys.readouterr().out
     assert "held-out set 3 dialogues, 6 supervised tokens, 2 rows packed to max_length=8" in out
-    assert "1 held-out dialogues are in the training data too" in out
+    assert "1 of 3 held-out dialogues are in the training data too (same token ids)" in out
 
 
 def test_overlap_not_counted_when_the_training_set_is_not_counted():

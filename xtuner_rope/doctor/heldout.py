@@ -19,6 +19,7 @@ from xtuner_rope.evaluation.figures import (
     document_keys,
     heldout_figures,
     heldout_line,
+    overlap_warning,
     row_capacity,
 )
 
@@ -66,13 +67,8 @@ def heldout_lines(figures: dict | None) -> list[str]:
 
 def heldout_warnings(figures: dict | None) -> list[str]:
     """A held-out set that shares dialogues with the training data."""
-    if not figures or not figures.get("in_training"):
-        return []
-    return [
-        f"{figures['in_training']} of {figures['dialogues']} held-out dialogues are in the "
-        "training data too (same token ids): the held-out loss is partly a training loss; "
-        "remove them from one of the files"
-    ]
+    warning = overlap_warning(figures) if figures else None
+    return [warning] if warning else []
 
 
 __all__ = ["heldout_lines", "heldout_report", "heldout_warnings"]

@@ -190,6 +190,20 @@ def heldout_line(figures: dict) -> str:
     )
 
 
+def overlap_warning(figures: dict) -> str | None:
+    """The warning for held-out dialogues the training data holds too, or None when none is.
+
+    One text for the doctor's warnings and the run's start-up log.
+    """
+    if not figures.get("in_training"):
+        return None
+    return (
+        f"{figures['in_training']} of {figures['dialogues']} held-out dialogues are in the "
+        "training data too (same token ids): the held-out loss is partly a training loss; "
+        "remove them from one of the files"
+    )
+
+
 __all__ = [
     "collated_rows",
     "dialogue_keys",
@@ -197,6 +211,7 @@ __all__ = [
     "document_keys",
     "heldout_figures",
     "heldout_line",
+    "overlap_warning",
     "row_capacity",
     "rows_of",
 ]

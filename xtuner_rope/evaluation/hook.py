@@ -23,7 +23,14 @@ from mmengine.logging import print_log
 
 from xtuner_rope.models.dispatch import unwrap_model
 
-from .figures import collated_rows, document_keys, heldout_figures, heldout_line, row_capacity
+from .figures import (
+    collated_rows,
+    document_keys,
+    heldout_figures,
+    heldout_line,
+    overlap_warning,
+    row_capacity,
+)
 from .metric import TokenLossMetric
 from .preference_metric import PreferenceMetric
 
@@ -95,13 +102,9 @@ def log_heldout_figures(runner) -> dict:
         collated_rows(loader.dataset, loader.collate_fn, loader.batch_size) if capacity else None,
     )
     print_log(f"HeldOutCurvesHook: held-out set {heldout_line(figures)}.", logger="current")
-    if figures["in_training"]:
-        print_log(
-            f"HeldOutCurvesHook: {figures['in_training']} held-out dialogues are in the training "
-            "data too: the held-out loss is partly a training loss. Remove them from one file.",
-            logger="current",
-            level=logging.WARNING,
-        )
+    warning = overlap_warning(figures)
+    if warning:
+        print_log(f"HeldOutCurvesHook: {warning}.", logger="current", level=logging.WARNING)
     return figures
 
 
