@@ -8,7 +8,10 @@ process (DPO, ORPO, reward, LoRA DPO), 2 processes with DDP (DPO) and with DeepS
 so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
 of policy and reference, and every reward score, computed on the packed row must equal the
 response run alone through the unpatched model, summed in float64 by the test; the same row
-through the unpatched model (the leak without the plugin) must not.
+through the unpatched model (the leak without the plugin) must not. Held-out pairs
+(``heldout = dict(fraction=0.1, interval=2)``): the DPO run on one process and the ORPO and
+reward ZeRO-2 runs on two log held-out figures equal to a fresh no-plugin process on the
+run's checkpoint (``tests/support/preference_heldout_reference.py``).
 """
 
 from __future__ import annotations

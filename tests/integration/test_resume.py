@@ -10,7 +10,9 @@ run's final weights equal the uninterrupted run's (fp32, CPU, same seed: measure
 (9.4e-3 on the tiny recipe, 3.3e-4 on the DPO pairs).
 
 Scenarios: the tiny recipe (SFT) and the DPO pairs recipe, each with the plain ``OptimWrapper``
-on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``). The tiny
+on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``); the same
+pairs as XTuner's ORPO and the reward-model recipe under ZeRO-2 on two (opt-in:
+``XTUNER_ROPE_RESUME_BY_HAND=1``, measured 0.0 each). The tiny
 recipe with a LoRA adapter (dropout 0.1), on one process and under ZeRO-2 and ZeRO-3 (DDP and
 ZeRO-1 opt-in: ``XTUNER_ROPE_RESUME_BY_HAND=1``), needs each process's random state restored
 too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1); the same holds
