@@ -8,7 +8,10 @@ process (DPO, ORPO, reward, LoRA DPO), 2 processes with DDP (DPO) and with DeepS
 so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
 of policy and reference, and every reward score, computed on the packed row must equal the
 response run alone through the unpatched model, summed in float64 by the test; the same row
-through the unpatched model (the leak without the plugin) must not.
+through the unpatched model (the leak without the plugin) must not. Held-out pairs
+(``heldout = dict(fraction=0.1, interval=2)``): the DPO run on one process and the ORPO and
+reward ZeRO-2 runs on two log held-out figures equal to a fresh no-plugin process on the
+run's checkpoint (``tests/support/preference_heldout_reference.py``).
 """
 
 from __future__ import annotations
@@ -202,15 +205,22 @@ SHORT_WARMUP = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
 @pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
 def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name, kind, tmp_path):
     """ORPO and the reward model on 2 processes under DeepSpeed ZeRO-2 (the project's fp32 CPU
-    json, gloo): each rank's pack, measured inside the run, equals each response alone."""
+    json, gloo): each rank's pack, measured inside the run, equals each response alone. The
+    same runs hold out pairs (``heldout = dict(fraction=0.1, interval=2)``: 180 training pairs,
+    the last 20 held out, evaluated at 2 and 3 on both ranks): the held-out loss, accuracy and
+    margin logged at 3 equal a fresh process without the plugin on ``iter_3.pth`` (each pair
+    alone through XTuner's own unpacked model)."""
     import subprocess
 
+    config = tmp_path / f"{kind}_heldout.py"
+    config.write_text(pref[name].read_text() + HELDOUT)
+    work = tmp_path / "work"
     cmd = [
         "xtuner",
         "train",
-        str(pref[name]),
+        str(config),
         "--work-dir",
-        str(tmp_path),
+        str(work),
         "--launcher",
         "pytorch",
         "--deepspeed",
@@ -228,15 +238,14 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name,
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
     proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
-    summary = check_run(tmp_path, min_iters=3)
+    summary = check_run(work, min_iters=3)
     # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
     assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), proc.stderr[-3000:]
     pairs = [
-        _assert_isolated(pref[name], tmp_path / capture_file(rank, 2), kind)["pairs"]
-        for rank in range(2)
+        _assert_isolated(config, work / capture_file(rank, 2), kind)["pairs"] for rank in range(2)
     ]
     # the packing figures of rank 0's log: pairs per row of the captured (3rd) batch
-    log = "\n".join(p.read_text() for p in tmp_path.glob("*/*.log"))
+    log = "\n".join(p.read_text() for p in work.glob("*/*.log"))
     line = next(x for x in log.splitlines() if "Iter(train) [3/3]" in x)
     logged = {
         k: float(re.search(rf"{k}: ([\d.]+)", line)[1])
@@ -244,6 +253,7 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name,
     }
     assert logged["pairs_per_row"] == pairs[0] == logged["docs_per_row"] / 2, (logged, pairs)
     assert logged["real_token_share"] == 1.0, logged  # one packed row per batch: no padding
+    _assert_heldout_equals_plain(config, work, kind, iters=(2, 3))
 
 
 def _as_xtuner_train(monkeypatch, config: Path, *args: str) -> None:
@@ -411,38 +421,30 @@ def test_doctor_refuses_stock_reward_token(pref, tmp_path, capsys):
 
 
 HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "preference_heldout_reference.py"
+HELDOUT = "\nheldout = dict(fraction=0.1, interval=2)\n"
+# The margin is a difference of rewards (DPO: beta * (log pi - log ref), each a sum of ~100
+# fp32 log-probs; ORPO: beta * average log-probs; reward: scores): compared on that scale.
+MARGIN_ATOL = 1e-6
 
 
-def test_stock_dpo_heldout_equals_each_pair_alone(pref, tmp_path):
-    """The stock DPO config with ``heldout = dict(fraction=0.1, interval=2)`` through
-    `xtuner train`: the start-up derives the held-out pairs (the last 10% of the file) and
-    ``PreferenceMetric``; the held-out loss, accuracy and margin logged at iterations 2 and 4
-    must equal, at 4, what a fresh process without the plugin computes from ``iter_4.pth``
-    with each pair alone through the unpatched policy and reference (20 pairs)."""
+def _assert_heldout_equals_plain(config: Path, work: Path, kind: str, iters: tuple) -> dict:
+    """The held-out figures logged at ``iters`` (the last: the run's checkpoint) against a fresh
+    process without the plugin on that checkpoint (``preference_heldout_reference.py``)."""
     import json
     import subprocess
     import sys
 
-    config = tmp_path / "dpo_heldout.py"
-    text = pref[pc.DPO].read_text().replace(pc.CAPTURE, "")
-    config.write_text(text + "\nheldout = dict(fraction=0.1, interval=2)\n")
-    work = tmp_path / "work"
-    run = [o for o in RUN if "max_iters" not in o]
-    run += ["train_cfg.max_iters=4", "default_hooks.checkpoint.interval=4"]
-    proc = sc.xtuner_train(config, work, *run)
-    check_run(work, min_iters=4)
-    out = proc.stdout + proc.stderr
-    assert "val_evaluator=dict(type=PreferenceMetric)" in out, out[-3000:]
     (scalars,) = work.glob("*/vis_data/scalars.json")
     rows = [json.loads(line) for line in scalars.read_text().splitlines()]
     logged = {row["step"]: row for row in rows if "heldout_loss" in row}
-    assert sorted(logged) == [2, 4], sorted(logged)
+    assert sorted(logged) == list(iters), sorted(logged)
+    last = iters[-1]
     ref = subprocess.run(
         [
             sys.executable,
             str(HELDOUT_REFERENCE),
             str(config),
-            str(work / "iter_4.pth"),
+            str(work / f"iter_{last}.pth"),
             "train[90%:]",
         ],
         capture_output=True,
@@ -452,12 +454,34 @@ def test_stock_dpo_heldout_equals_each_pair_alone(pref, tmp_path):
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     plain = json.loads(ref.stdout.strip().splitlines()[-1])
-    at_4 = logged[4]
-    print(f"DPO held-out at 4: logged {at_4}, plain {plain}")
-    assert at_4["heldout_pairs"] == plain["pairs"] == 20
-    assert at_4["heldout_accuracy"] == plain["accuracy"]
-    assert abs(at_4["heldout_loss"] - plain["loss"]) <= RTOL * plain["loss"]  # measured 1.3e-8
-    # The margin is a difference of rewards beta * (log pi - log ref), each a sum of ~100 fp32
-    # log-probs: compared on that scale (1e-6 absolute; measured 2.8e-8 apart).
-    assert abs(at_4["heldout_margin"] - plain["margin"]) <= 1e-6
-    assert logged[2]["heldout_loss"] != at_4["heldout_loss"]  # the policy moved between them
+    at = logged[last]
+    print(
+        f"{kind} held-out at {last}: logged {at}, plain {plain}; loss "
+        f"{abs(at['heldout_loss'] - plain['loss']) / plain['loss']:.2g} relative, margin "
+        f"{abs(at['heldout_margin'] - plain['margin']):.2g} absolute"
+    )
+    assert at["heldout_pairs"] == plain["pairs"] == 20
+    assert at["heldout_accuracy"] == plain["accuracy"]
+    assert abs(at["heldout_loss"] - plain["loss"]) <= RTOL * plain["loss"]
+    assert abs(at["heldout_margin"] - plain["margin"]) <= MARGIN_ATOL
+    assert logged[iters[0]]["heldout_loss"] != at["heldout_loss"]  # the model moved between them
+    return plain
+
+
+def test_stock_dpo_heldout_equals_each_pair_alone(pref, tmp_path):
+    """The stock DPO config with ``heldout = dict(fraction=0.1, interval=2)`` through
+    `xtuner train`: the start-up derives the held-out pairs (the last 10% of the file) and
+    ``PreferenceMetric``; the held-out loss, accuracy and margin logged at iterations 2 and 4
+    must equal, at 4, what a fresh process without the plugin computes from ``iter_4.pth``
+    with each pair alone through the unpatched policy and reference (20 pairs; measured: loss
+    1.3e-8 relative, margin 2.8e-8 absolute)."""
+    config = tmp_path / "dpo_heldout.py"
+    config.write_text(pref[pc.DPO].read_text().replace(pc.CAPTURE, "") + HELDOUT)
+    work = tmp_path / "work"
+    run = [o for o in RUN if "max_iters" not in o]
+    run += ["train_cfg.max_iters=4", "default_hooks.checkpoint.interval=4"]
+    proc = sc.xtuner_train(config, work, *run)
+    check_run(work, min_iters=4)
+    out = proc.stdout + proc.stderr
+    assert "val_evaluator=dict(type=PreferenceMetric)" in out, out[-3000:]
+    _assert_heldout_equals_plain(config, work, "dpo", iters=(2, 4))

@@ -10,7 +10,9 @@ run's final weights equal the uninterrupted run's (fp32, CPU, same seed: measure
 (9.4e-3 on the tiny recipe, 3.3e-4 on the DPO pairs).
 
 Scenarios: the tiny recipe (SFT) and the DPO pairs recipe, each with the plain ``OptimWrapper``
-on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``). The tiny
+on one process and DeepSpeed ZeRO-2 on two, and a stock config (``xtuner copy-cfg``); the same
+pairs as XTuner's ORPO and the reward-model recipe under ZeRO-2 on two (opt-in:
+``XTUNER_ROPE_RESUME_BY_HAND=1``, measured 0.0 each). The tiny
 recipe with a LoRA adapter (dropout 0.1), on one process and under ZeRO-2 and ZeRO-3 (DDP and
 ZeRO-1 opt-in: ``XTUNER_ROPE_RESUME_BY_HAND=1``), needs each process's random state restored
 too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1); the same holds
@@ -227,14 +229,32 @@ def _sft_config(tmp: Path, batch_size: int, lora: bool = False) -> Path:
     return _recipe(tmp, name, text, counts=4, save_steps=3, lr=0.1 if not lora else 1.0)
 
 
-def _dpo_config(tmp: Path, counts: int) -> Path:
-    """The DPO pairs recipe, 16 packed rows in a fixed order, accumulation ``counts``."""
+# The DPO recipe as XTuner's ORPO (its stock ORPO config differs from the DPO one by the model
+# alone: the same pairs, ``is_dpo=True``, packing) and the reward-model recipe.
+ORPO_EDITS = [
+    (r"^from xtuner.model.dpo import DPO$", "from xtuner.model.orpo import ORPO"),
+    (r"^    type=DPO,.*$", "    type=ORPO,"),
+    (r"^    loss_type=dpo_loss_type,\n", ""),
+    (r"^    label_smoothing=label_smoothing,\n", ""),
+]
+PAIR_RECIPES = {
+    "dpo": ("tiny_internlm2_dpo_pairs.py", []),
+    "orpo": ("tiny_internlm2_dpo_pairs.py", ORPO_EDITS),
+    "reward": ("tiny_internlm2_reward_pairs.py", []),
+}
+
+
+def _pairs_config(tmp: Path, counts: int, model: str = "dpo") -> Path:
+    """The DPO, ORPO or reward-model pairs recipe, 16 packed rows in a fixed order,
+    accumulation ``counts``."""
+    recipe, edits = PAIR_RECIPES[model]
     text = _edit(
-        (REPO / "configs" / "tiny_internlm2_dpo_pairs.py").read_text(encoding="utf-8"),
+        (REPO / "configs" / recipe).read_text(encoding="utf-8"),
         [
+            *edits,
             (r'^data_path = ".*"$', f'data_path = "{_data(tmp, "preference_pairs.jsonl", 42)}"'),
             (r"^max_packed_length = .*$", "max_packed_length = 400"),
-            (r"^max_epochs = \d+", "max_epochs = 1"),
+            (r"^max_epochs = \d+.*$", "max_epochs = 1"),
             (r"shuffle_before_pack=True", "shuffle_before_pack=False"),
             (
                 r"sampler=dict\(type=DefaultSampler, shuffle=True\)",
@@ -242,7 +262,7 @@ def _dpo_config(tmp: Path, counts: int) -> Path:
             ),
         ],
     )
-    return _recipe(tmp, f"dpo_{counts}", text, counts=counts, save_steps=3, lr=1.0)
+    return _recipe(tmp, f"{model}_{counts}", text, counts=counts, save_steps=3, lr=1.0)
 
 
 # name: (config builder argument, processes, DeepSpeed, iterations, accumulation, kill after)
@@ -259,6 +279,8 @@ SCENARIOS = {
 BY_HAND = {
     "sft-lora-dropout-ddp": ("sft-lora", 2, 2, None, 8, 4, 6),
     "sft-lora-dropout-zero1": ("sft-lora", 2, 2, "zero1", 8, 4, 6),
+    "orpo-zero2": ("orpo", 4, 2, ZERO2, 8, 4, 6),
+    "reward-zero2": ("reward", 4, 2, ZERO2, 8, 4, 6),
 }
 if os.environ.get("XTUNER_ROPE_RESUME_BY_HAND") == "1":
     SCENARIOS.update(BY_HAND)
@@ -272,7 +294,7 @@ def _setup(name: str, tmp: Path) -> tuple[Path, dict]:
     if recipe.startswith("sft"):
         config = _sft_config(tmp, arg, lora=recipe == "sft-lora")
     else:
-        config = _dpo_config(tmp, arg)
+        config = _pairs_config(tmp, arg, recipe)
     if deepspeed == "zero1":  # the ZeRO-2 json at stage 1
         zero1 = tmp / "zero1.json"
         zero1.write_text(
