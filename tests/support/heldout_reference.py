@@ -41,7 +41,9 @@ def module_weights(checkpoint: str) -> dict:
 
 
 # llm.base_model.model.<module>.lora_A[.<adapter>].weight: peft's names in XTuner's state_dict
-LORA_KEY = re.compile(r"^llm\.base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(\.\w+)?\.weight$")
+LORA_KEY = re.compile(
+    r"^llm\.base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(\.\w+)?\.weight$"
+)
 
 
 def merge_lora(llm: torch.nn.Module, state: dict, lora: dict) -> int:
