@@ -19,6 +19,10 @@ momentum (state to resume), constant LR, no clipping. The one-process and two-pr
 same micro-batches per optimizer step, so their uninterrupted runs must also agree with each other
 (the token/pair-weighted step under ZeRO-2, and ZeRO-1 for SFT: one more run).
 
+Opt-in too (``XTUNER_ROPE_RESUME_BY_HAND=1``): the stock config at sequence parallel 2 (ZeRO-2)
+killed and resumed, and rank 1 SIGKILLed inside DeepSpeed's write of a ZeRO-2 checkpoint folder
+(refused on ``--resume``, skipped with a warning by ``resume = True``).
+
 Another number of processes: a plain checkpoint of 2 processes resumes on 1, and the documents
 trained twice are counted against the log's account; a ZeRO checkpoint of 2 processes is refused
 on 1 before anything is built (the sft-zero2 scenario's uninterrupted checkpoint, shared).
