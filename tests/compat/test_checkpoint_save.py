@@ -15,12 +15,14 @@ import signal
 
 import pytest
 import torch
+from deepspeed_folders import deepspeed_folder
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
 from mmengine.runner import checkpoint as mm_checkpoint
 from mmengine.runner.checkpoint import save_checkpoint
 
+from xtuner_rope.compat import checkpoint_save
 from xtuner_rope.compat.checkpoint_files import judge_checkpoint
 from xtuner_rope.compat.checkpoint_save import CheckpointWriteError, write_atomically
 
@@ -150,6 +152,29 @@ def test_auto_resume_skips_an_incomplete_newest_checkpoint(tmp_path):
     assert (
         mm_checkpoint.find_latest_checkpoint(str(tmp_path)) is None
     )  # MMEngine's: nothing to resume
+
+
+def test_auto_resume_names_a_newer_incomplete_deepspeed_folder_it_skips(tmp_path, monkeypatch):
+    """Killed while DeepSpeed wrote ``iter_8.pth/`` (rank 1's optimizer file never landed),
+    ``last_checkpoint`` still names ``iter_4.pth/``: resumed from there, with a warning that
+    names the skipped folder and what it lacks."""
+    warned = []
+    monkeypatch.setattr(checkpoint_save, "print_log", lambda msg, **kw: warned.append(msg))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the two ranks that resume it see
+    deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1])
+    deepspeed_folder(tmp_path / "iter_8.pth", 2, [0])
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "iter_4.pth"))
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_4.pth")
+    (message,) = warned
+    assert f"skipped {tmp_path / 'iter_8.pth'}, newer than {tmp_path / 'iter_4.pth'}" in message
+    assert "optim states of data-parallel rank(s) [1] missing" in message
+    deepspeed_folder(tmp_path / "iter_12.pth", 2, [0, 1])  # complete but not named: not judged
+    warned.clear()
+    (tmp_path / "iter_8.pth" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(
+        tmp_path / "iter_8.pth" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    assert mm_checkpoint.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "iter_4.pth")
+    assert len(warned) == 1 and "iter_8.pth" in warned[0]  # rank 0's missing now
 
 
 def test_a_killed_writers_temporary_is_removed_when_the_checkpoint_is_written_again(tmp_path):

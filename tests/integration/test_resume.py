@@ -21,6 +21,10 @@ momentum (state to resume), constant LR, no clipping. The one-process and two-pr
 same micro-batches per optimizer step, so their uninterrupted runs must also agree with each other
 (the token/pair-weighted step under ZeRO-2, and ZeRO-1 for SFT: one more run).
 
+Opt-in too (``XTUNER_ROPE_RESUME_BY_HAND=1``): the stock config at sequence parallel 2 (ZeRO-2)
+killed and resumed, and rank 1 SIGKILLed inside DeepSpeed's write of a ZeRO-2 checkpoint folder
+(refused on ``--resume``, skipped with a warning by ``resume = True``).
+
 Another number of processes: a plain checkpoint of 2 processes resumes on 1, and the documents
 trained twice are counted against the log's account; a ZeRO checkpoint of 2 processes is refused
 on 1 before anything is built (the sft-zero2 scenario's uninterrupted checkpoint, shared).
@@ -349,6 +353,34 @@ def test_two_processes_zero2_step_equals_one_process(recipe, tmp_path):
         assert difference <= STRATEGY_RTOL, (strategy, difference)
 
 
+def _killed_in_write(name: str, tmp: Path, kill_at: str, folder: str):
+    """Scenario ``name`` SIGKILLed inside the write of ``kill_at`` (``iter_8.pth`` or a file
+    of its DeepSpeed folder) after its last iteration: ``iter_4.pth`` complete and named by
+    ``last_checkpoint``. Returns the uninterrupted parameters, the config, the run arguments
+    and the killed run's work dir."""
+    straight = _uninterrupted(name, tmp)
+    config, run = _setup(name, tmp)
+    run.pop("iters")
+    work = tmp / folder
+    _run(config, work, kill_at=kill_at, **run)
+    done, _ = train_losses(work)
+    assert done and done[-1] == 8, done  # the last iteration ran; its checkpoint did not land
+    kept = work / "iter_4.pth"
+    assert judge_checkpoint(str(kept)).complete
+    assert (work / "last_checkpoint").read_text().strip() == str(kept)
+    return straight, config, run, work
+
+
+def _auto_resumed(config: Path, work: Path, run: dict, straight: dict) -> tuple[str, float]:
+    """``resume = True`` in the killed run's work dir: resumed from ``iter_4.pth``, a complete
+    ``iter_8.pth``; the output and the relative difference to the uninterrupted run."""
+    out = _run(config, work, **dict(run, options=(*LOG_EVERY_ITER, "resume=True")))
+    assert re.search(r"resumed epoch: \d+, iter: 4", out), out[-4000:]
+    resumed = check_run(work, min_iters=8).checkpoint
+    assert resumed.name == "iter_8.pth" and judge_checkpoint(str(resumed)).complete
+    return out, _relative(straight, _parameters(resumed))
+
+
 @pytest.mark.slow
 def test_killed_during_a_checkpoint_write_and_auto_resumed_equals_uninterrupted(tmp_path):
     """The tiny recipe (sft-plain) SIGKILLed halfway through writing ``iter_8.pth``, its last
@@ -357,27 +389,48 @@ def test_killed_during_a_checkpoint_write_and_auto_resumed_equals_uninterrupted(
     from ``iter_4.pth``, removes the dead writer's temporary and ends equal to the
     uninterrupted run. Without the atomic write MMEngine leaves half of ``iter_8.pth`` under
     its name (and with ``max_keep_ckpts = 1`` deletes ``iter_4.pth`` before the write)."""
-    straight = _uninterrupted("sft-plain", tmp_path)
-    config, run = _setup("sft-plain", tmp_path)
-    run.pop("iters")
-    work = tmp_path / "killed_in_write"
-    _run(config, work, kill_at="iter_8.pth", **run)
-    done, _ = train_losses(work)
-    assert done and done[-1] == 8, done  # the last iteration ran; its checkpoint did not land
-    kept = work / "iter_4.pth"
-    assert judge_checkpoint(str(kept)).complete
-    assert (work / "last_checkpoint").read_text().strip() == str(kept)
+    straight, config, run, work = _killed_in_write(
+        "sft-plain", tmp_path, "iter_8.pth", "killed_in_write"
+    )
     assert not (work / "iter_8.pth").exists()  # the final name holds a whole checkpoint or none
     (temporary,) = work.glob(".iter_8.pth.*.tmp")  # the killed write's half, under its own name
     print(f"killed in the write of iter_8.pth: {temporary.stat().st_size} bytes out")
 
-    out = _run(config, work, **dict(run, options=(*LOG_EVERY_ITER, "resume=True")))
-    assert re.search(r"resumed epoch: \d+, iter: 4", out), out[-4000:]
-    resumed = check_run(work, min_iters=8).checkpoint
-    assert resumed.name == "iter_8.pth" and judge_checkpoint(str(resumed)).complete
+    _, difference = _auto_resumed(config, work, run, straight)
     assert not list(work.glob(".*.tmp"))  # the dead writer's temporary is gone
-    difference = _relative(straight, _parameters(resumed))
     print(f"killed in a write, auto-resumed vs uninterrupted: {difference:.1e} relative")
+    assert difference <= RESUME_RTOL, difference
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("XTUNER_ROPE_RESUME_BY_HAND") != "1",
+    reason="opt-in (3 runs of 2 processes, minutes): XTUNER_ROPE_RESUME_BY_HAND=1",
+)
+def test_killed_while_deepspeed_writes_its_folder_refused_and_auto_resumed(tmp_path):
+    """The sft-zero2 scenario (2 processes, ZeRO-2) with rank 1 SIGKILLed halfway through its
+    optimizer file of ``iter_8.pth/`` (rank 0's model and optimizer files out, the final
+    barrier and ``last_checkpoint`` never reached): the folder is judged incomplete;
+    ``--resume`` of it is refused before any iteration, naming it and ``iter_4.pth``;
+    ``resume = True`` skips it with a warning, resumes from ``iter_4.pth`` and ends equal to
+    the uninterrupted run (shared with the scenario)."""
+    rank_1_file = "iter_8.pth/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    straight, config, run, work = _killed_in_write(
+        "sft-zero2", tmp_path, rank_1_file, "killed_in_folder"
+    )
+    folder, kept = work / "iter_8.pth", work / "iter_4.pth"
+    verdict = judge_checkpoint(str(folder))
+    print(f"killed in DeepSpeed's write of iter_8.pth/: {verdict.reason}")
+    assert folder.is_dir() and not verdict.complete
+
+    refused = _run(config, tmp_path / "refused", resume=folder, **run)
+    assert f"refused to load {folder}: the checkpoint is incomplete" in refused, refused[-4000:]
+    assert f"resume with --resume {kept}" in refused
+    assert not train_losses(tmp_path / "refused")[0]  # not one iteration
+
+    out, difference = _auto_resumed(config, work, run, straight)
+    assert f"auto-resume: skipped {folder}, newer than {kept} but incomplete" in out, out[-4000:]
+    print(f"killed in a DeepSpeed write, auto-resumed vs uninterrupted: {difference:.1e} relative")
     assert difference <= RESUME_RTOL, difference
 
 
@@ -474,6 +527,36 @@ def test_stock_config_killed_and_resumed(tmp_path):
     )
     difference = _relative(straight, resumed)
     print(f"stock {STOCK}: resumed vs uninterrupted, parameters {difference:.1e} relative")
+    assert difference <= RESUME_RTOL, difference
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("XTUNER_ROPE_RESUME_BY_HAND") != "1",
+    reason="opt-in (3 runs of 2 processes, minutes): XTUNER_ROPE_RESUME_BY_HAND=1",
+)
+def test_sequence_parallel_2_killed_and_resumed(tmp_path):
+    """The stock config with ``sequence_parallel_size = 2`` (its ``SequenceParallelSampler``,
+    its ``accumulative_counts *= sequence_parallel_size``: 2 x 2 = 4), ZeRO-2 on 2 processes
+    forming one sequence-parallel group (each row split between them); save_steps 3 (aligned
+    to 4), killed after iteration 6, resumed from iter_4, equal to the uninterrupted 8."""
+    sc.ensure_tiny_model()
+    text = sc.enable_plugin(
+        sc.localize(sc.copy_stock(STOCK, tmp_path), sc.write_alpaca_data(tmp_path / "alpaca"))
+    )
+    text = sc.sub_once(text, r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2")
+    config = _recipe(tmp_path, "stock_sp2", text, counts=2, save_steps=3, lr=0.1)
+    options = (
+        "train_cfg.max_epochs=None",
+        "train_cfg.max_iters=8",
+        "randomness.seed=0",
+        *LOG_EVERY_ITER,
+    )
+    run = dict(iters=8, nproc=2, deepspeed=ZERO2, options=options)
+    straight = _straight(config, tmp_path / "straight", **run)
+    resumed = _kill_and_resume(config, tmp_path / "killed", counts=4, kill_at=6, **run)
+    difference = _relative(straight, resumed)
+    print(f"sequence parallel 2: resumed vs uninterrupted, parameters {difference:.1e} relative")
     assert difference <= RESUME_RTOL, difference
 
 

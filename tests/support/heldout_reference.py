@@ -3,8 +3,9 @@
 ``python heldout_reference.py CONFIG CHECKPOINT`` builds the config's held-out dataset with
 XTuner's own ``process_hf_dataset`` unpacked (``pack_to_max_length=False``: one dialogue per
 sample), loads the config's LLM with ``from_pretrained`` (unpatched, fp32, eager attention),
-puts in the weights the run evaluated (``module_weights``), runs one dialogue per forward and
-prints one JSON line:
+puts in the weights the run evaluated (``module_weights``; a LoRA run's checkpoint holds the
+adapter only, merged here by hand into the base weights: ``merge_lora``), runs one dialogue per
+forward and prints one JSON line:
 the token-weighted mean next-token NLL, the supervised-token count and the dialogue count.
 The plugin is never imported (checked at the end).
 """
@@ -12,6 +13,7 @@ The plugin is never imported (checked at the end).
 import json
 import math
 import os
+import re
 import sys
 
 import torch
@@ -38,6 +40,36 @@ def module_weights(checkpoint: str) -> dict:
     return guess_load_checkpoint(checkpoint)  # ZeRO-3: gather the partitions
 
 
+# llm.base_model.model.<module>.lora_A[.<adapter>].weight: peft's names in XTuner's state_dict
+LORA_KEY = re.compile(
+    r"^llm\.base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(\.\w+)?\.weight$"
+)
+
+
+def merge_lora(llm: torch.nn.Module, state: dict, lora: dict) -> int:
+    """Add a LoRA adapter into ``llm``'s base weights: ``W += B @ A * lora_alpha / r``.
+
+    XTuner's ``SupervisedFinetune.state_dict`` of a LoRA model holds only the adapter
+    (``llm.base_model.model.<module>.lora_A.default.weight`` ``[r, in]`` and ``lora_B``
+    ``[out, r]``). Every key must be one of such a pair of a linear layer of ``llm``
+    (``bias="none"``, no rsLoRA, no ``modules_to_save``): anything else fails here. Dropout is a
+    training-only op and has no place in the merged weights. Returns the number of layers merged.
+    """
+    assert lora.get("bias", "none") == "none" and not lora.get("use_rslora"), lora
+    scale = lora["lora_alpha"] / lora["r"]
+    modules = dict(llm.named_modules())
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        match = LORA_KEY.match(key)
+        assert match, f"not a LoRA weight: {key}"
+        pairs.setdefault(match["module"], {})[match["ab"]] = value.float()
+    with torch.no_grad():
+        for name, pair in sorted(pairs.items()):
+            module = modules[name]
+            module.weight += pair["B"] @ pair["A"] * scale  # [out, r] @ [r, in]
+    return len(pairs)
+
+
 def main(config: str, checkpoint: str) -> dict:
     cfg = Config.fromfile(config)
     dataset_cfg = cfg.val_dataloader.dataset
@@ -46,10 +78,13 @@ def main(config: str, checkpoint: str) -> dict:
     dataset = BUILDER.build(dataset_cfg)
     llm = BUILDER.build(cfg.model.llm).float().eval()
     state = module_weights(checkpoint)
-    missing, unexpected = llm.load_state_dict(
-        {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
-    )
-    assert not missing and not unexpected, (missing, unexpected)
+    if cfg.model.get("lora"):  # the adapter alone, on the pretrained weights just loaded
+        assert merge_lora(llm, state, cfg.model.lora) > 0
+    else:
+        missing, unexpected = llm.load_state_dict(
+            {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
+        )
+        assert not missing and not unexpected, (missing, unexpected)
     nll, tokens, dialogues = [], 0, 0
     with torch.no_grad():
         for sample in dataset:

@@ -54,27 +54,39 @@ class _HalfThenKill:
         return self._file.__exit__(*exc)
 
 
+def _names(path: str, name: str) -> bool:
+    """Whether ``path`` is the file ``name`` names (``FILE`` or ``FOLDER/FILE``) or its temporary."""
+    folder, _, file = name.rpartition("/")
+    if folder and os.path.basename(os.path.dirname(path)) != folder:
+        return False
+    return file in os.path.basename(path)
+
+
 class SigkillDuringCheckpointWriteHook(Hook):
     """``SIGKILL`` halfway through writing the checkpoint ``$XTUNER_ROPE_SIGKILL_IN_WRITE``.
 
-    Right before the runner saves, every ``open(..., "wb")`` of a file whose name contains that
+    From the start of training (MMEngine 0.10.6's ``DeepSpeedStrategy.save_checkpoint`` never
+    calls ``before_save_checkpoint``), every ``open(..., "wb")`` of a file whose name contains that
     checkpoint's name (``iter_8.pth``: MMEngine's final path, or the plugin's temporary
     ``.iter_8.pth.<pid>.tmp``) returns a file that writes the first half of the bytes, syncs
     them and kills the process: what a kill, an OOM killer or a power cut during ``torch.save``'s
-    write leaves. Unset, the hook does nothing.
+    write leaves. ``FOLDER/FILE`` (``iter_8.pth/zero_pp_rank_1_mp_rank_00_optim_states.pt``)
+    kills inside a DeepSpeed checkpoint folder: the file of that name (or its temporary) in a
+    folder of that name, so only the process that writes it dies (here rank 1, after rank 0's
+    files). Unset, the hook does nothing.
     """
 
     priority = "LOWEST"
 
-    def before_save_checkpoint(self, runner, checkpoint):
+    def before_train(self, runner):
         name = os.environ.get(WRITE_ENV)
         if not name or getattr(builtins.open, "kills_in_write", False):
-            return  # unset, or installed at an earlier save already
+            return  # unset, or installed already
         original = builtins.open
 
         def killing_open(file, mode="r", *args, **kwargs):
             handle = original(file, mode, *args, **kwargs)
-            if "w" in mode and name in os.path.basename(str(file)):
+            if "w" in mode and _names(str(file), name):
                 return _HalfThenKill(handle)
             return handle
 

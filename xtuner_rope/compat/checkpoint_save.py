@@ -176,6 +176,32 @@ def _save_then_trim(self, runner, step, meta):
         remove(backend, path)
 
 
+def _warn_newer_incomplete(latest: str) -> None:
+    """Warn about checkpoints beside ``latest`` with a higher number, all incomplete.
+
+    A process killed while its checkpoint was written (a DeepSpeed folder with some ranks'
+    files, a dead writer's temporary) never got to update ``last_checkpoint``: auto-resume
+    takes ``latest`` and says which newer checkpoint it skipped and why.
+    """
+    named = checkpoint_number(latest)
+    folder = os.path.dirname(os.path.normpath(latest))
+    if not named or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        number = checkpoint_number(name)
+        if number and number[0] == named[0] and number[1] > named[1]:
+            verdict = judge_checkpoint(os.path.join(folder, name))
+            if not verdict.complete:
+                print_log(
+                    f"xtuner-rope: auto-resume: skipped {verdict.path}, newer than {latest} but "
+                    f"incomplete ({verdict.reason}): a run killed while writing it leaves "
+                    f"such a checkpoint. Resuming from {latest}; the skipped one is "
+                    "overwritten when training reaches it again.",
+                    logger="current",
+                    level=logging.WARNING,
+                )
+
+
 def find_latest_complete_checkpoint(path: str) -> str | None:
     """MMEngine's auto-resume finder, skipping an incomplete newest checkpoint (warned).
 
@@ -190,6 +216,7 @@ def find_latest_complete_checkpoint(path: str) -> str | None:
     if latest is None or (latest and judge_checkpoint(latest).complete):
         if latest:
             refuse_other_world_size(latest)  # a ZeRO checkpoint of another world size
+            _warn_newer_incomplete(latest)
         return latest
     verdict = judge_checkpoint(latest) if latest else None
     named = checkpoint_number(latest) if latest else None
