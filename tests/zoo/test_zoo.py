@@ -95,9 +95,7 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     )
     assert "1/6" in proc.stdout and "6/6" in proc.stdout  # the progress bar
     table = (tmp_path / "zoo.md").read_text()
-    assert (
-        "| gemma_7b_it_qlora_alpaca_e3 | gemma | sft/qlora/packed | trained isolated |" in table
-    )
+    assert "| gemma_7b_it_qlora_alpaca_e3 | gemma | sft/qlora/packed | trained isolated |" in table
     assert (
         "Counts: trained isolated 4, not exercised 0, refused before loading 1, refused before "
         "training 1, needs what this machine lacks 0, not a training config 0, crashed 0, "
