@@ -269,7 +269,7 @@ if RESUME_BY_HAND:
 # resume is by hand: CI proves the same with the same recipe elsewhere. sft-plain: the
 # checkpoint-write test kills it, resumes from iter_4 and ends equal to the uninterrupted run;
 # sft-zero2: sft-lora-dropout-zero2 (the same recipe and ZeRO-2 json) and dpo-zero2 (all
-# parameters). About 60 s less in CI.
+# parameters). About 65 s less in CI.
 KILLED_BY_HAND = ("sft-plain", "sft-zero2")
 KILLED = [n for n in SCENARIOS if RESUME_BY_HAND or n not in KILLED_BY_HAND]
 _STRAIGHT: dict[str, dict] = {}  # scenario -> uninterrupted parameters, shared by the tests
