@@ -441,6 +441,8 @@ def test_stock_finetune_heldout_on_two_processes_equals_each_sample_alone(llava,
     every sample and supervised token counted once."""
     held = write_llava_data(tmp_path / "held", n_images=6, n_text=5, seed=1)
     config = _with_heldout(_config(llava, "finetune", tmp_path / "finetune.py"), held, 3)
+    # 3 iterations an epoch on 2 processes: a warm-up of 0.3 epochs would round to none
+    config.write_text(sc.sub_once(config.read_text(), r"^warmup_ratio = .*$", "warmup_ratio = 0.5"))
     options = ("train_cfg.max_epochs=None", "train_cfg.max_iters=6", "randomness.seed=0")
     out = ho.train_two_processes(config, tmp_path / "run", *options)
     assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
