@@ -536,6 +536,12 @@ def test_multimodal_killed_and_resumed(name, tmp_path):
         *LOG_EVERY_ITER,
     )
     straight = _straight(config, tmp_path / "straight", iters=12, options=options)
+    # The stock InternVL configs set save_optimizer=False: the start-up turns it on (without
+    # it the optimizer restarts on resume: measured 4.0e-1 full, 1.1e0 LoRA).
+    saved = torch.load(
+        tmp_path / "straight" / "iter_12.pth", map_location="cpu", weights_only=False
+    )
+    assert "optimizer" in saved, sorted(saved)
     resumed = _kill_and_resume(
         config, tmp_path / "killed", iters=12, counts=4, kill_at=7, options=options
     )
