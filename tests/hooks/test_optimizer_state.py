@@ -35,3 +35,15 @@ def test_save_optimizer_is_turned_on():
 )
 def test_nothing_to_turn_on(cfg):
     assert save_optimizer_findings(cfg) == []
+
+
+def test_stock_internvl_config_gets_the_fix_from_the_start_up():
+    """The registered finding reaches the start-up (and the doctor) on XTuner's stock config."""
+    from xtuner.configs import cfgs_name_path
+
+    from xtuner_rope.config import startup
+
+    cfg = Config.fromfile(cfgs_name_path["internvl_v2_phi3_4b_finetune"])
+    assert cfg.default_hooks.checkpoint.save_optimizer is False  # as XTuner ships it
+    findings = [f for f in startup.inspect_config(cfg) if f.setting.endswith("save_optimizer")]
+    assert len(findings) == 1 and findings[0].fix is not None, findings
