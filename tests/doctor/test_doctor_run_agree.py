@@ -55,6 +55,7 @@ CASES = {
     "_hook_findings": None,
     "flash_attn_findings": None,
     "checkpoint_interval_findings": None,  # raised to a multiple of accumulative_counts
+    "save_optimizer_findings": None,  # save_optimizer turned on
     "_loader_findings": (
         LOADER.format(
             batch=2,

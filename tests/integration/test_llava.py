@@ -43,6 +43,7 @@ from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.models.llava import check_expanded_batch
 
 CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
+HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +109,7 @@ def finetune_run(llava) -> dict:
     6 text-only samples that repeat training dialogues, evaluated every 3 iterations), shared by the isolation and held-out claims."""
     root = llava["root"] / "finetune_run"
     held = write_llava_data(root / "held", n_images=6, n_text=6, seed=1)
-    line = (
-        f'heldout = dict(data_files="{held}", image_folder="{held.parent / "images"}", interval=3)'
-    )
-    config = _with_capture(_config(llava, "finetune", root / "finetune.py"))
-    config.write_text(sc.sub_once(config.read_text(), r"^(max_length = .*\n)", rf"\g<1>{line}\n"))
+    config = _with_heldout(_with_capture(_config(llava, "finetune", root / "finetune.py")), held, 3)
     proc = sc.xtuner_train(config, root / "run", "randomness.seed=0")
     return {
         "config": config,
@@ -206,13 +203,27 @@ def _assert_in_run_isolation(work_dir: Path) -> dict:
     return result
 
 
+def _with_heldout(config: Path, held: Path, interval: int) -> Path:
+    """The ``heldout`` shortcut after ``max_length``: ``held``'s samples, its images."""
+    line = (
+        f'heldout = dict(data_files="{held}", image_folder="{held.parent / "images"}", '
+        f"interval={interval})"
+    )
+    config.write_text(sc.sub_once(config.read_text(), r"^(max_length = .*\n)", rf"\g<1>{line}\n"))
+    return config
+
+
 def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tmp_path):
     """The stock pretrain config (LLM frozen and loaded fp16, projector trained) with the edit,
     its samples packed by ``llava_collate_fn``, through the real ``xtuner train``. Inside the
     run the capture hook measures each packed sample against itself alone through an unpatched
     copy of the LLM with the run's weights, and the same packed rows through that unpatched
-    LLM: the negative control, which must leak."""
-    config = _packed(_config(llava, "pretrain", tmp_path / "pretrain.py"))
+    LLM: the negative control, which must leak. The same run has the ``heldout`` shortcut
+    (6 image + 6 text-only samples, every 3 iterations, packed like training): its logged
+    held-out loss at 6 equals each held-out sample alone through XTuner's unpatched
+    ``LLaVAModel`` with ``iter_6.pth``'s projector (a fresh process without the plugin)."""
+    held = write_llava_data(tmp_path / "held", n_images=6, n_text=6, seed=1)
+    config = _with_heldout(_packed(_config(llava, "pretrain", tmp_path / "pretrain.py")), held, 3)
     proc = sc.xtuner_train(_with_capture(config), tmp_path / "run", "randomness.seed=0")
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
@@ -227,6 +238,8 @@ def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tm
         f"max |trained - alone| {result['max_abs_diff']:.3g}, unpatched rows "
         f"{result['unpatched_max_abs_diff']:.3g}, losses {run.losses}"
     )
+    assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
+    ho.check_image_heldout(HELDOUT_REFERENCE, config, tmp_path / "run", held, [3, 6], 12)
 
 
 LLAMA_FINETUNE = "llava_llama3_8b_instruct_full_clip_vit_large_p14_336_e1_gpu8_finetune"
@@ -408,9 +421,6 @@ def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
     assert d.image_processor.pretrained_model_name_or_path == str(llava["clip"])
 
 
-HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"
-
-
 def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
     """The shared finetune run, evaluated at 3 and 6: the logged held-out loss at 6 equals each
     held-out sample alone through XTuner's unpatched LLaVA model with ``iter_6.pth``'s weights
@@ -421,3 +431,19 @@ def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
     ho.check_image_heldout(
         HELDOUT_REFERENCE, finetune_run["config"], work_dir, finetune_run["held"], [3, 6], 12
     )
+
+
+@pytest.mark.skipif(not ho.BY_HAND, reason="opt-in (minutes): XTUNER_ROPE_HELDOUT_BY_HAND=1")
+def test_stock_finetune_heldout_on_two_processes_equals_each_sample_alone(llava, tmp_path):
+    """The finetune config with the ``heldout`` shortcut on 2 processes (padded rows, as
+    shipped): 11 held-out samples (6 image, 5 text-only), so the sampler pads one rank with a
+    repeated sample; the logged loss at 6 equals each sample alone (fresh process, no plugin),
+    every sample and supervised token counted once."""
+    held = write_llava_data(tmp_path / "held", n_images=6, n_text=5, seed=1)
+    config = _with_heldout(_config(llava, "finetune", tmp_path / "finetune.py"), held, 3)
+    # 3 iterations an epoch on 2 processes: a warm-up of 0.3 epochs would round to none
+    config.write_text(sc.sub_once(config.read_text(), r"^warmup_ratio = .*$", "warmup_ratio = 0.5"))
+    options = ("train_cfg.max_epochs=None", "train_cfg.max_iters=6", "randomness.seed=0")
+    out = ho.train_two_processes(config, tmp_path / "run", *options)
+    assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
+    ho.check_image_heldout(HELDOUT_REFERENCE, config, tmp_path / "run", held, [3, 6], 11)

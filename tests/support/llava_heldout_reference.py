@@ -3,8 +3,8 @@
 ``python llava_heldout_reference.py CONFIG CHECKPOINT HELDOUT_JSON IMAGE_FOLDER`` builds the
 config's training ``LLaVADataset`` pointed at the held-out file (XTuner's own tokenization and
 image processing), the config's ``LLaVAModel`` with XTuner's classes (its LLM in fp32: CPU),
-puts the checkpoint's weights in (the trained LLM and projector; the frozen CLIP tower is the
-pretrained one), runs each sample alone through XTuner's ``default_collate_fn`` and the model's
+puts the checkpoint's weights in (the trained LLM and projector; the frozen CLIP tower, and a
+pretrain config's frozen LLM, are the pretrained ones), runs each sample alone through XTuner's ``default_collate_fn`` and the model's
 own loss (``mode='loss'``: mean cross-entropy over the sample's text labels), and prints one
 JSON line: the token-weighted mean NLL, the supervised-token and sample counts. The plugin is
 never imported (checked at the end).
@@ -33,10 +33,14 @@ def main(config: str, checkpoint: str, heldout: str, images: str) -> dict:
     model = BUILDER.build(cfg.model).float().eval()
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.startswith("visual_encoder.") for k in missing), (
+    # XTuner saves the trained parts only: never the frozen CLIP tower, nor a frozen LLM
+    # (the pretrain configs train the projector alone).
+    frozen = ("visual_encoder.", "llm.") if cfg.model.get("freeze_llm") else ("visual_encoder.",)
+    assert not unexpected and all(k.startswith(frozen) for k in missing), (
         unexpected,
-        [k for k in missing if not k.startswith("visual_encoder.")],
+        [k for k in missing if not k.startswith(frozen)],
     )
+    assert any(k.startswith("projector.") for k in state), "no projector in the checkpoint"
     nll, tokens, samples = [], 0, 0
     with torch.no_grad():
         for item in dataset:
