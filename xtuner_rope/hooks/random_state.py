@@ -45,6 +45,8 @@ from mmengine.dist import all_gather_object, get_rank, get_world_size
 from mmengine.hooks import CheckpointHook, Hook
 from mmengine.logging import print_log
 
+from .optimizer_state import resume_without_optimizer_warning
+
 STATE_KEY = "xtuner_rope.random_state"  # message-hub key: {"iter", "world_size", "ranks"}
 
 
@@ -180,6 +182,16 @@ class RandomStateHook(Hook):
         states = all_gather_object(state) if get_world_size() > 1 else [state]
         record = {"iter": iteration, "world_size": len(states), "ranks": states}
         runner.message_hub.update_info(STATE_KEY, record)
+
+    def after_load_checkpoint(self, runner, checkpoint) -> None:
+        """On resume, warn when the checkpoint cannot restore the optimizer either.
+
+        The other half of what a resume must restore; the check lives with the start-up fix
+        that turns ``save_optimizer`` on (:mod:`xtuner_rope.hooks.optimizer_state`).
+        """
+        warning = resume_without_optimizer_warning(runner, checkpoint)
+        if warning:
+            print_log(warning, logger="current", level=30)
 
     def before_train_epoch(self, runner) -> None:
         """On resume, restore this rank's state where the uninterrupted run continued."""
