@@ -22,9 +22,6 @@ is each dialogue's loss whole and alone:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
@@ -33,6 +30,7 @@ from .fields import setter as _setitem
 from .fields import type_name
 from .fields import walk_datasets as _datasets
 from .fields import xtuner_packs as _xtuner_packs
+from .heldout_files import heldout_file_findings
 from .heldout_pairs import (
     SERVED_MODELS,
     TOKEN_METRIC,
@@ -54,64 +52,6 @@ def heldout_metrics(cfg: Config) -> list[dict]:
     return [
         m for m in metrics if isinstance(m, dict) and type_name(_get(m, "type")) in SERVED_MODELS
     ]
-
-
-def _local_files(node: object) -> list[str]:
-    """The local data files of a dataset dict: ``load_dataset``'s ``data_files`` and a local
-    ``path``, LLaVA's ``data_path``, InternVL's ``data_paths``."""
-    files = _get(node, "data_files")
-    if isinstance(files, dict):
-        files = [f for v in files.values() for f in (v if isinstance(v, (list, tuple)) else [v])]
-    files = list(files) if isinstance(files, (list, tuple)) else [files] if files else []
-    for key in ("data_path", "data_paths"):  # LLaVADataset, InternVL_V1_5_Dataset
-        value = _get(node, key)
-        files += list(value) if isinstance(value, (list, tuple)) else [value] if value else []
-    path = _get(node, "path")
-    if isinstance(path, str) and path.startswith(("/", ".", "~")):
-        files.append(path)
-    return [str(f) for f in files if isinstance(f, (str, Path))]
-
-
-def _empty(path: Path) -> bool:
-    """No dialogue in a local data file (0 bytes, blank, ``[]``) or a folder of such files."""
-    if path.is_dir():
-        return all(_empty(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-    if path.stat().st_size > 1 << 20:
-        return False
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
-    if text in ("", "[]"):
-        return True
-    if path.suffix == ".json":
-        try:
-            return json.loads(text) in ([], {})
-        except ValueError:
-            return False
-    return False
-
-
-def _file_findings(loader: dict) -> list[Finding]:
-    findings = []
-    for where, dataset in _datasets(_get(loader, "dataset"), "val_dataloader.dataset"):
-        for name in _local_files(dataset):
-            path = Path(name).expanduser()
-            problem = (
-                "does not exist"
-                if not path.exists()
-                else "holds no dialogue (empty)"
-                if _empty(path)
-                else None
-            )
-            if problem:
-                findings.append(
-                    Finding(
-                        f"{where} (held-out data {name})",
-                        f"the held-out data file {problem}",
-                        "point val_dataloader's dataset at a file of held-out dialogues in the "
-                        "training data's format, or remove val_dataloader, val_evaluator and "
-                        "val_cfg",
-                    )
-                )
-    return findings
 
 
 def _dataset_findings(loader: dict) -> list[Finding]:
@@ -315,7 +255,9 @@ def heldout_findings(cfg: Config) -> list[Finding]:
             ]
         return []
     sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
-    findings = _file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader, sp)
+    findings = (
+        heldout_file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader, sp)
+    )
     findings += heldout_pairs_findings(cfg)
     for metric in metrics[:1]:
         findings += _run_findings(cfg, metric)
