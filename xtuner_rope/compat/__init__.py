@@ -23,6 +23,7 @@ from .checkpoint_files import (
     deepspeed_layout,
     judge_checkpoint,
     newest_complete,
+    numbered_checkpoints,
     refuse_incomplete,
 )
 from .checkpoint_save import (
@@ -99,6 +100,7 @@ __all__ = [
     "judge_checkpoint",
     "deepspeed_layout",
     "newest_complete",
+    "numbered_checkpoints",
     "refuse_incomplete",
     "WorldSizeMismatchError",
     "current_world_size",

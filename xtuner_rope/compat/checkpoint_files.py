@@ -192,6 +192,23 @@ def checkpoint_number(path: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
+def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str]]:
+    """``(number, path)`` of each ``kind_N`` checkpoint name in ``folder``, lowest first.
+
+    Args:
+        folder: A work dir (or CheckpointHook ``out_dir``); none when it is not a folder.
+        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to list.
+    """
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        number = checkpoint_number(name)
+        if number and number[0] == kind:
+            found.append((number[1], os.path.join(folder, name)))
+    return sorted(found)
+
+
 def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
     """The complete checkpoint of the highest number in ``folder`` (``iter_N.pth`` by default).
 
@@ -203,20 +220,9 @@ def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None)
     Returns:
         Its path, or None when no checkpoint there is complete.
     """
-    if not os.path.isdir(folder):
-        return None
-    found = []
-    for name in os.listdir(folder):
-        number = checkpoint_number(name)
-        path = os.path.join(folder, name)
-        if (
-            number
-            and number[0] == kind
-            and os.path.realpath(path) != os.path.realpath(exclude or "")
-        ):
-            found.append((number[1], path))
-    for _, path in sorted(found, reverse=True):
-        if judge_checkpoint(path).complete:
+    left_out = os.path.realpath(exclude or "")
+    for _, path in reversed(numbered_checkpoints(folder, kind)):
+        if os.path.realpath(path) != left_out and judge_checkpoint(path).complete:
             return path
     return None
 
@@ -259,5 +265,6 @@ __all__ = [
     "deepspeed_layout",
     "judge_checkpoint",
     "newest_complete",
+    "numbered_checkpoints",
     "refuse_incomplete",
 ]

@@ -44,6 +44,7 @@ from .checkpoint_files import (
     checkpoint_number,
     judge_checkpoint,
     newest_complete,
+    numbered_checkpoints,
     refuse_incomplete,
 )
 from .checkpoint_world import refuse_other_world_size
@@ -184,13 +185,12 @@ def _warn_newer_incomplete(latest: str) -> None:
     takes ``latest`` and says which newer checkpoint it skipped and why.
     """
     named = checkpoint_number(latest)
-    folder = os.path.dirname(os.path.normpath(latest))
-    if not named or not os.path.isdir(folder):
+    if not named:
         return
-    for name in sorted(os.listdir(folder)):
-        number = checkpoint_number(name)
-        if number and number[0] == named[0] and number[1] > named[1]:
-            verdict = judge_checkpoint(os.path.join(folder, name))
+    folder = os.path.dirname(os.path.normpath(latest))
+    for number, path in numbered_checkpoints(folder, named[0]):
+        if number > named[1]:
+            verdict = judge_checkpoint(path)
             if not verdict.complete:
                 print_log(
                     f"xtuner-rope: auto-resume: skipped {verdict.path}, newer than {latest} but "
