@@ -96,7 +96,7 @@ def _documents_isolated(out: str) -> None:
 def test_full_finetune_with_one_edit(stock, tmp_path):
     """On a checkpoint that carries its own modeling code, as real InternLM2 checkpoints do."""
     model = sc.tiny_with_remote_code(tmp_path / "tiny-remote-code")
-    config = _with_capture(_config(stock, FULL, tmp_path, model=model))
+    config = _with_capture(_config(stock, FULL, tmp_path, model=model, map_num_proc=None))
     run, out = _train(config, tmp_path / "run", "dataset", "collate", "hooks", "lossless")
     _documents_isolated(out)
     assert "xtuner-rope: packed 400 dialogues (" in out

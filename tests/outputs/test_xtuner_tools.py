@@ -62,13 +62,6 @@ def _run(*cmd: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def _short_chat_eval(text: str) -> str:
-    """The stock EvaluateChatHook answers in 8 new tokens instead of 600: shorter runs."""
-    return sc.sub_once(
-        text, r"^        system=SYSTEM,$", "        system=SYSTEM,\n        max_new_tokens=8,"
-    )
-
-
 def _train(config: Path, work_dir: Path) -> tuple[Path, str]:
     proc = sc.xtuner_train(config, work_dir, *SHORT_RUN)
     out = proc.stdout + proc.stderr
@@ -98,9 +91,7 @@ def full_run(stock) -> dict:
     text = sc.localize(sc.copy_stock(FULL, root), stock["data"], model=stock["base"])
     config = root / "full.py"
     config.write_text(
-        _short_chat_eval(
-            sc.sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + OLD_EDIT)
-        )
+        sc.sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + OLD_EDIT)
     )
     pth, out = _train(config, root / "run_full")
     return {"config": config, "pth": pth, "out": out}
@@ -112,7 +103,7 @@ def lora_run(stock) -> dict:
     root = stock["root"]
     text = sc.localize(sc.copy_stock(QLORA, root), stock["data"], lora_only=True)
     config = root / "lora.py"
-    config.write_text(sc.enable_plugin(_short_chat_eval(text)))
+    config.write_text(sc.enable_plugin(text))
     pth, _ = _train(config, root / "run_lora")
     return {"config": config, "pth": pth}
 

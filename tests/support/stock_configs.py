@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xtuner_rope.zoo.localize import short_chat_samples
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
@@ -120,9 +122,19 @@ def write_conversation_data(dst: Path, n: int = 400) -> Path:
 
 
 def localize(
-    config: Path, data: Path, cpu: bool = True, lora_only: bool = False, model: Path = TINY_MODEL
+    config: Path,
+    data: Path,
+    cpu: bool = True,
+    lora_only: bool = False,
+    model: Path = TINY_MODEL,
+    map_num_proc: int | None = 1,
 ) -> str:
-    """The user's own-machine edits of a stock InternLM2 config; returns the new text."""
+    """The user's own-machine edits of a stock InternLM2 config; returns the new text.
+
+    Also the trial's cheap settings: ``EvaluateChatHook`` samples of a few tokens
+    (``zoo.localize.short_chat_samples``) and ``map_num_proc`` processes per dataset map
+    (None keeps XTuner's default of 32, for the test of what the plugin says about it).
+    """
     text = config.read_text(encoding="utf-8")
     text = sub_once(
         text,
@@ -137,6 +149,11 @@ def localize(
     text = sub_once(text, r"^lr = .*$", "lr = 3e-3")
     text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
     text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is 7 plus 5?"]')
+    text = short_chat_samples(text)
+    if map_num_proc is not None and "type=process_hf_dataset," in text:
+        text = sub_once(
+            text, r"^(\s*)type=process_hf_dataset,$", rf"\g<0>\n\1map_num_proc={map_num_proc},"
+        )
     if lora_only:  # LoRA without 4-bit quantization: bitsandbytes' kernels need CUDA
         text = sub_once(
             text,

@@ -101,3 +101,26 @@ def test_an_internvl_config_without_its_data_setting_is_named():
         localize_internvl(
             stock.replace("\ndata_path = ", "\nannotations = "), None, FILES.llava_json
         )
+
+
+def test_chat_samples_are_short_and_dataset_maps_use_one_process(edited):
+    """The trial's cheap settings, on every config that has them: ``EvaluateChatHook`` writes
+    samples of ``CHAT_SAMPLE_TOKENS`` new tokens (a ``max_new_tokens`` of the stock hook set,
+    never doubled) and XTuner's dataset maps run in one process instead of 32."""
+    import re
+
+    hooked = packed = 0
+    for name, (stock, text) in edited.items():
+        for block in re.findall(r"type=EvaluateChatHook,\n((?:\s+\w+=.*\n)*)", text):
+            assert re.findall(r"max_new_tokens=(.*),", block) == [str(zoo.CHAT_SAMPLE_TOKENS)], name
+            hooked += 1
+        calls = stock.count("type=process_hf_dataset,")
+        assert text.count("map_num_proc=1,") >= calls, name
+        packed += calls
+    assert hooked > 400 and packed > 400, (hooked, packed)
+
+
+def test_short_chat_samples_sets_an_existing_max_new_tokens():
+    text = "dict(\n    type=EvaluateChatHook,\n    max_new_tokens=600,\n    system=SYSTEM,\n)\n"
+    assert zoo.short_chat_samples(text, 4) == text.replace("600", "4")
+    assert zoo.short_chat_samples("no hook here\n") == "no hook here\n"

@@ -51,6 +51,7 @@ from xtuner_rope.zoo.judge import (
     rejudge,
 )
 from xtuner_rope.zoo.localize import (
+    CHAT_SAMPLE_TOKENS,
     LocalFiles,
     cpu_edits,
     enable_plugin,
@@ -60,6 +61,7 @@ from xtuner_rope.zoo.localize import (
     localize_llava,
     localized,
     path_literals,
+    short_chat_samples,
     surviving_paths,
     with_capture,
 )
@@ -67,6 +69,7 @@ from xtuner_rope.zoo.run import list_configs, load_results, run_row, select, swe
 from xtuner_rope.zoo.table import classes_markdown, counts, markdown
 
 __all__ = [
+    "CHAT_SAMPLE_TOKENS",
     "CRASHED",
     "ISOLATION_TOLERANCE",
     "LACKS",
@@ -106,6 +109,7 @@ __all__ = [
     "rejudge",
     "run_row",
     "select",
+    "short_chat_samples",
     "stock_texts",
     "surviving_paths",
     "sweep",

@@ -189,6 +189,29 @@ def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> 
     return cpu_edits(text)
 
 
+# New tokens of each chat sample XTuner's ``EvaluateChatHook`` writes on a trial (its default 600,
+# at every checkpoint and after training; a randomly initialised tiny model seldom stops early).
+CHAT_SAMPLE_TOKENS = 8
+_CHAT_HOOK = re.compile(r"^(\s*)type=EvaluateChatHook,\n((?:\1\w+=.*\n)*)", re.M)
+
+
+def short_chat_samples(text: str, tokens: int = CHAT_SAMPLE_TOKENS) -> str:
+    """``EvaluateChatHook`` generates ``tokens`` new tokens per sample, not its default 600.
+
+    The hook still generates wherever it does (before and after training, at checkpoints); a
+    ``max_new_tokens`` already in its ``dict`` is set to ``tokens``. A config without the hook is
+    returned unchanged.
+    """
+
+    def shorten(match: re.Match) -> str:
+        indent, keywords = match.group(1), match.group(2)
+        setting = f"{indent}max_new_tokens={tokens},\n"
+        keywords, n = re.subn(rf"^{indent}max_new_tokens=.*\n", setting, keywords, flags=re.M)
+        return f"{indent}type=EvaluateChatHook,\n" + ("" if n else setting) + keywords
+
+    return _CHAT_HOOK.sub(shorten, text)
+
+
 def cpu_edits(text: str) -> str:
     """The CPU machine's edits of :func:`localize` (no path changed)."""
     text, _ = sub(text, r"^max_length = .*$", "max_length = 512")
@@ -205,8 +228,10 @@ def cpu_edits(text: str) -> str:
     )
     text, _ = sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
     text, _ = sub(text, r"^\s*load_in_8bit=True,\n", "")  # int8 LoRA: LoRA without 8-bit
-    # 2 workers per packing map: the default 32 processes only queue up on a small machine.
-    text, _ = sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=2,")
+    # One process per dataset map: on a trial's few hundred dialogues XTuner's default 32 worker
+    # processes cost seconds each to start on a small machine and save nothing.
+    text, _ = sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=1,")
+    text = short_chat_samples(text)
     text, amp = sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
     if amp:
         text, _ = sub(text, r'^\s*loss_scale="dynamic",\n', "")
