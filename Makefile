@@ -21,12 +21,18 @@ demo: setup
 	$(RUN) xtuner train configs/tiny_internlm2_short_dialogues_heldout.py --work-dir $(DEMO_DIR)
 	$(RUN) python tools/check_run.py $(DEMO_DIR) --min-iters 140
 
+# Two pytest workers (the machine's 2 cores: a real run's imports and data steps leave a core
+# idle), each taking whole test files, so the runs a module shares stay in one process.
+# TEST_WORKERS=0 runs in this process (no xdist).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
-	$(RUN) python -m pytest -q --durations=25
+	$(RUN) python -m pytest -q $(XDIST) --durations=25
 
 # Everyday work: no real `xtuner train` / multi-process run (tests/integration, `-m slow`).
 test-fast: setup
-	$(RUN) python -m pytest -q --ignore=tests/integration -m "not slow"
+	$(RUN) python -m pytest -q $(XDIST) --ignore=tests/integration -m "not slow"
 
 bench: setup
 	$(RUN) python tools/bench/rope.py

@@ -55,8 +55,10 @@ GUARANTEES = (
         "packed_tables(table, max_length, use_varlen_attn, whole)",
         "packed_tables(table, max_length, use_varlen_attn, False)",
         (
+            "tests/data/test_packed_dataset.py::"
+            "test_xtuners_own_pipeline_packs_every_dialogue_whole_and_once",
             "tests/data/test_whole_packing.py::"
-            "test_stock_alpaca_packs_every_dialogue_whole_in_one_row",
+            "test_every_dialogue_whole_once_and_rows_as_few_as_bfd[37-90-1]",
         ),
     ),
     Guarantee(
@@ -66,7 +68,10 @@ GUARANTEES = (
         "def _restore_and_log(state: dict, loop) -> None:\n    restore_random_state(state)",
         "def _restore_and_log(state: dict, loop) -> None:\n    pass",
         (
-            "tests/hooks/test_random_state.py::test_resumed_run_draws_what_the_uninterrupted_run_drew",
+            "tests/hooks/test_random_state.py::"
+            "test_resumed_run_draws_what_the_uninterrupted_run_drew[True]",
+            "tests/hooks/test_random_state.py::"
+            "test_epoch_loop_resumed_draws_what_the_uninterrupted_run_drew",
         ),
     ),
     Guarantee(
@@ -78,6 +83,8 @@ GUARANTEES = (
         (
             "tests/compat/test_checkpoint_kill.py::"
             "test_a_writer_killed_halfway_leaves_no_partial_checkpoint_under_its_name[mmengine]",
+            "tests/compat/test_checkpoint_kill.py::"
+            "test_a_writer_killed_halfway_leaves_no_partial_checkpoint_under_its_name[deepspeed]",
         ),
     ),
     Guarantee(
@@ -86,15 +93,33 @@ GUARANTEES = (
         "xtuner_rope/hooks/loss_norm.py",
         "    if boundaries is not None:\n        first = 0",
         "    if False:\n        first = 0",
+        (
+            "tests/hooks/test_loss_norm_dialogue.py::"
+            "test_dialogue_weights_of_a_packed_row_and_of_rows",
+            "tests/hooks/test_loss_norm_dialogue.py::"
+            "test_one_step_per_dialogue_whatever_the_grouping",
+        ),
+    ),
+    Guarantee(
+        "token-weighted-step",
+        "The optimizer step weighs every supervised token equally, however tokens are grouped.",
+        "xtuner_rope/hooks/loss_norm.py",
+        "        return count\n\n    def _total(self)",
+        "        return 1.0\n\n    def _total(self)",
         (),
     ),
     Guarantee(
         "padded-row-rope",
         "Each padded row gets the length-dependent RoPE frequencies of its own length.",
         "xtuner_rope/models/rope_documents.py",
-        "        return padded_row_lengths(rotary, position_ids, b, s, device)",
-        "        return None",
-        (),
+        '    state = getattr(rotary, "row_mask", None)\n',
+        "    return None\n",
+        (
+            "tests/models/test_rope_per_document.py::test_padded_rows_equal_alone[llama-dynamic-eager]",
+            "tests/models/test_rope_per_document.py::test_padded_rows_equal_alone[phi3-longrope-eager]",
+            "tests/models/test_rope_padded_batches.py::"
+            "test_padded_preference_rows_equal_each_response_alone[internlm2-eager]",
+        ),
     ),
     Guarantee(
         "incomplete-checkpoint",
@@ -102,7 +127,14 @@ GUARANTEES = (
         "xtuner_rope/compat/checkpoint_files.py",
         "    return Verdict(path, not reason, reason)",
         '    return Verdict(path, True, "")',
-        (),
+        (
+            "tests/compat/test_checkpoint_files.py::"
+            "test_every_cut_of_a_runner_checkpoint_is_incomplete[zip]",
+            "tests/compat/test_checkpoint_files.py::"
+            "test_resume_of_a_cut_checkpoint_is_refused_naming_the_complete_one[mmengine-loader]",
+            "tests/compat/test_checkpoint_save.py::"
+            "test_auto_resume_skips_an_incomplete_newest_checkpoint",
+        ),
     ),
 )
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import stock_configs as sc
 
+from xtuner_rope.zoo.localize import short_chat_samples
+
 DPO = "internlm2_chat_1_8b_dpo_full_varlenattn"
 DPO_UNPACKED = "internlm2_chat_1_8b_dpo_full"  # use_varlen_attn = False: a response a row
 ORPO = "internlm2_chat_1_8b_orpo_full_varlenattn"
@@ -105,6 +107,7 @@ def localize_preference(
             r"^evaluation_inputs = \[\n(.*\n)*?\]$",
             'evaluation_inputs = ["What is 7 plus 5?"]',
         )
+    text = short_chat_samples(text)
     text = sc.sub_once(text, r"^    type=AmpOptimWrapper,$", "    type=OptimWrapper,")
     text = sc.sub_once(text, r'^    loss_scale="dynamic",\n    dtype="float16",\n', "")
     return sc.sub_once(
