@@ -31,8 +31,9 @@ TOL = {
 
 
 @pytest.fixture(autouse=True)
-def interpret(monkeypatch):
-    monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
+def interpret(monkeypatch, request):
+    if "cuda" not in request.node.name:  # the CUDA test runs the compiled kernel
+        monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
     monkeypatch.delenv(rope_triton.SWITCH_ENV, raising=False)
     use_triton_apply(True)
     yield
@@ -52,21 +53,16 @@ def packed_positions(b, s):
     return torch.stack(rows)  # [b, s]
 
 
-def make(b, s, n_h, n_kv, h_d, dtype, heads_first=True):
+def make(b, s, n_h, n_kv, h_d, dtype, heads_first=True, device="cpu"):
     """q, k (leaf tensors, `[b, n, s, h_d]` or `[b, s, n, h_d]`) and output grads."""
     g = torch.Generator().manual_seed(0)
 
-    def leaf(n):
-        shape = (b, n, s, h_d) if heads_first else (b, s, n, h_d)
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    def randn(shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
 
-    q, k = leaf(n_h), leaf(n_kv)
-    return (
-        q,
-        k,
-        torch.randn(q.shape, generator=g).to(dtype),
-        torch.randn(k.shape, generator=g).to(dtype),
-    )
+    shapes = [(b, n, s, h_d) if heads_first else (b, s, n, h_d) for n in (n_h, n_kv)]
+    q, k = (randn(shape).requires_grad_() for shape in shapes)
+    return q, k, randn(shapes[0]), randn(shapes[1])
 
 
 def reference(q, k, cos, sin, unsqueeze_dim, grads):
@@ -168,6 +164,26 @@ def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
     grad_qkv[..., :n_rep, :] = ref[2].transpose(1, 2).reshape(b, s, n_kv, n_rep, h_d)
     grad_qkv[..., -2, :] = ref[3].transpose(1, 2)
     torch.testing.assert_close(qkv.grad, grad_qkv, **TOL[torch.float32])
+
+
+# (b, s, n_h, n_kv, h_d, rot), dtype, heads first: few cases, each compiles two kernels.
+CUDA_CASES = [
+    ((2, 33, 16, 8, 128, 128), torch.bfloat16, True),
+    ((2, 33, 16, 8, 128, 128), torch.float32, True),
+    ((1, 40, 4, 2, 96, 64), torch.float16, False),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape, dtype, heads_first", CUDA_CASES, ids=str)
+def test_compiled_kernel_on_cuda_matches_hf_fp32(shape, dtype, heads_first):
+    """The kit's correctness step: the compiled kernel, the CUDA default, not the interpreter."""
+    b, s, n_h, n_kv, h_d, rot = shape
+    q, k, *grads = make(b, s, n_h, n_kv, h_d, dtype, heads_first, "cuda")
+    pos = packed_positions(b, s).cuda()
+    cos, sin = cos_sin_at(pos, inv_freq(10000, rot, "cuda"), int(pos.max()))
+    use_triton_apply(None)
+    check(q, k, cos, sin, grads, unsqueeze_dim=1 if heads_first else 2)
 
 
 def test_switches_choose_the_kernel(monkeypatch):
