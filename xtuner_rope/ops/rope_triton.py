@@ -98,7 +98,7 @@ def triton_apply_active(x):
         bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`) when the
         kernel is on, Triton imports and no `torch.compile` trace is running.
     """
-    if not _enabled() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _enabled():
         return False
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):
         return False
