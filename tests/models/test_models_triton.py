@@ -54,6 +54,7 @@ def test_patched_model_with_the_kernel_equals_eager(case, monkeypatch):
     ids = torch.randint(3, VOCAB, (len(DOCS), 12), generator=g)
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])  # [b, s]
     monkeypatch.setenv(INTERPRET_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
     use_triton_apply(False)
     eager = run(model, ids, pos)
     use_triton_apply(True)

@@ -34,6 +34,7 @@ TOL = {
 def interpret(monkeypatch, request):
     if "cuda" not in request.node.name:  # the CUDA test runs the compiled kernel
         monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
     monkeypatch.delenv(rope_triton.SWITCH_ENV, raising=False)
     use_triton_apply(True)
     yield
