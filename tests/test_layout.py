@@ -54,7 +54,12 @@ FLOORS = {
     "zoo": 10,
 }
 TOP = 11  # the top-level modules: cli, resources, deprecated, __init__
-OPS_MAY_IMPORT = {"torch", "numpy", "flash_attn"}  # kernels; besides the stdlib and ops itself
+OPS_MAY_IMPORT = {
+    "torch",
+    "numpy",
+    "flash_attn",
+    "triton",
+}  # kernels; besides the stdlib and ops itself
 
 
 def module_name(path: Path) -> str:

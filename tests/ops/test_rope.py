@@ -479,3 +479,35 @@ def test_cpu_position_ids_follow_cuda_activations():
     q_out, _ = apply_rotary_pos_emb(q, x, cos, sin)
     q_out.sum().backward()
     torch.testing.assert_close(q_out, upstream.apply_rotary_pos_emb(q, x, cos, sin)[0])
+
+
+def test_layers_share_one_gather_of_cos_sin_per_forward(monkeypatch):
+    """Every layer's rotary gets the same position_ids tensor: cos/sin rows are gathered once
+    (and dynamic NTK's per-document frequencies built, with their host sync, once)."""
+    import xtuner_rope.models.internlm2_rope as internlm2_rope
+
+    layers = [ValidatedRotaryEmbedding(16, 32) for _ in range(3)]
+    x, pos = randn(2, 2, 18, 16), positions("packed", 2, 18).clone()
+    first = layers[0](x, pos)
+    assert all(layer(x, pos)[0] is first[0] for layer in layers[1:])
+    again = layers[1](x, pos.clone())  # the next forward's tensor: gathered anew
+    assert again[0] is not first[0]
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    pos[:, -1] = 0  # changed in place: not the rows of before
+    assert not torch.equal(layers[2](x, pos)[0], first[0])
+    assert layers[0](x.bfloat16(), pos)[0].dtype == torch.bfloat16
+
+    builds = []
+    build = internlm2_rope.per_token_inv_freq
+    monkeypatch.setattr(
+        internlm2_rope, "per_token_inv_freq", lambda *a: builds.append(1) or build(*a)
+    )
+    ntk = [
+        ValidatedRotaryEmbedding(16, 8, scaling_type="dynamic", scaling_factor=2.0) for _ in "abc"
+    ]
+    pos = positions("packed", 2, 18)  # a 10-token document: past the threshold of 8
+    outs = [layer(x, pos) for layer in ntk]
+    assert len(builds) == 1
+    fresh = ntk[0](x, pos.clone())  # another forward: built again, the same values
+    assert len(builds) == 2
+    torch.testing.assert_close(fresh, outs[2], atol=0, rtol=0)

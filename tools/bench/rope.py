@@ -5,12 +5,17 @@ traffic floor of any out-of-place apply), for example:
 
     rope apply fp32 q[1,16,2048,128] k[1,8,2048,128]: clone 1.00x | hf-eager 12.1x | ...
 
-`xtuner_rope` is the default eager kernel, `xtuner_rope-fused` the opt-in torch.compile one
-(`ValidatedRoPEHook(fused_apply=True)`); its compile happens during the warm-up runs.
+`xtuner_rope` is the package's apply with its default kernel for the device (CPU: the eager
+kernel; CUDA: the Triton kernel), `xtuner_rope-fused` the opt-in torch.compile one
+(`ValidatedRoPEHook(fused_apply=True)`; its compile happens during the warm-up runs). On CUDA
+`xtuner_rope-eager` (`use_triton_apply(False)`) and `xtuner_rope-triton` are timed apart, after
+the Triton kernel's forward and backward are checked against HF's apply in fp32 (the bench
+stops with exit code 1 if they differ beyond the dtype's tolerance).
 
 Usage:
     python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward] [--no-fused]
     python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 100  # on a GPU
+    python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --no-fused --both  # the kit
 
 On a shared machine wall-clock ratios swing with other jobs: `--stat min` keeps each
 candidate's fastest run, and `--clock cpu --threads 1` measures this process's CPU time.
@@ -18,6 +23,7 @@ candidate's fastest run, and `--clock cpu --threads 1` measures this process's C
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -27,7 +33,8 @@ from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
 )
 
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
-from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply
+from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply, use_triton_apply
+from xtuner_rope.ops.rope_triton import triton_apply_active
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,6 +57,9 @@ def parse_args():
         help="q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them",
     )
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument(
+        "--both", action="store_true", help="time forward, then forward + backward (one start-up)"
+    )
     parser.add_argument(
         "--no-fused",
         action="store_true",
@@ -99,13 +109,15 @@ def candidates(args, q, k, cos, sin, grads):
             out = grads[0].clone(), grads[1].clone()
         return out
 
-    def timed(apply, fused=False):
+    def timed(apply, fused=False, triton=None):
         def run():
             use_fused_apply(fused)
+            use_triton_apply(triton)
             q_out, k_out = apply(q, k, cos, sin)
             if args.backward:
                 torch.autograd.backward((q_out, k_out), grads)
             use_fused_apply(False)
+            use_triton_apply(None)
 
         return run
 
@@ -114,9 +126,27 @@ def candidates(args, q, k, cos, sin, grads):
         "hf-eager": timed(hf_apply_rotary_pos_emb),
         "xtuner_rope": timed(apply_rotary_pos_emb),
     }
+    if triton_apply_active(q):
+        runs["xtuner_rope-eager"] = timed(apply_rotary_pos_emb, triton=False)
+        runs["xtuner_rope-triton"] = timed(apply_rotary_pos_emb, triton=True)
     if not args.no_fused:
-        runs["xtuner_rope-fused"] = timed(apply_rotary_pos_emb, fused=True)
+        runs["xtuner_rope-fused"] = timed(apply_rotary_pos_emb, fused=True, triton=False)
     return runs
+
+
+def check_triton(q, k, cos, sin, grads):
+    """Max errors of the Triton kernel's q, k and their grads against HF's apply in fp32."""
+    use_triton_apply(True)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+    got = [q_out, k_out, *torch.autograd.grad((q_out, k_out), (q, k), grads)]
+    use_triton_apply(None)
+    q32, k32 = (x.detach().float().requires_grad_() for x in (q, k))
+    q_ref, k_ref = hf_apply_rotary_pos_emb(q32, k32, cos.float(), sin.float())
+    want = [q_ref, k_ref, *torch.autograd.grad((q_ref, k_ref), (q32, k32), grads)]
+    # bf16/fp16 outputs round once: relative 2**-8 / 2**-11 of each element, plus a margin.
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[q.dtype]
+    errors = [((g.float() - w).abs() - rtol * w.abs()).max().item() for g, w in zip(got, want)]
+    return max(errors), [(g.float() - w).abs().max().item() for g, w in zip(got, want)]
 
 
 def measure(args, runs):
@@ -143,26 +173,44 @@ def measure(args, runs):
     return {name: stat(values) for name, values in times.items()}
 
 
-def main():
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    q, k, cos, sin, grads = make_inputs(args)
-    medians = measure(args, candidates(args, q, k, cos, sin, grads))
+def report(args, q, k, medians):
     floor = medians["clone"]
     what = "apply fwd+bwd" if args.backward else "apply"
     ratios = " | ".join(f"{name} {seconds / floor:.2f}x" for name, seconds in medians.items())
-    # Share of copy bandwidth (the clone's bytes/s): the GPU target is >= 80% for the fused apply.
+    # Share of copy bandwidth (the clone's bytes/s): the GPU target is >= 75% for the forward.
     ratios += "".join(
         f" | {name} at {100 * floor / seconds:.0f}% of copy bandwidth"
         for name, seconds in medians.items()
-        if name.endswith("-fused")
+        if name.endswith(("-fused", "-triton"))
     )
     print(
         f"rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}".replace(", ", ",")
         + f"  ({args.stat} of {args.repeats}, clone {floor * 1e3:.2f} ms "
         f"{args.clock}, {args.threads} threads)"
     )
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    passes = [False, True] if args.both else [args.backward]
+    args.backward = True in passes  # the inputs need grads if any pass runs the backward
+    q, k, cos, sin, grads = make_inputs(args)
+    if triton_apply_active(q):
+        excess, errors = check_triton(q, k, cos, sin, grads)
+        verdict = "PASS" if excess <= 1e-5 else "FAIL"
+        print(
+            f"triton kernel vs HF's fp32 apply, {args.dtype} q{list(q.shape)}: {verdict}, max "
+            f"|error| q {errors[0]:.2e} k {errors[1]:.2e} grad q {errors[2]:.2e} grad k "
+            f"{errors[3]:.2e}".replace(", ", ",").replace(",", ", ", 1)
+        )
+        if verdict == "FAIL":
+            sys.exit(1)
+    for backward in passes:
+        args.backward = backward
+        q_in, k_in = (q, k) if backward else (q.detach(), k.detach())  # forward: no graph
+        report(args, q, k, measure(args, candidates(args, q_in, k_in, cos, sin, grads)))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@
 # the run's deadline:
 #   1. correctness: tests/integration/test_gpu.py (the seed failures, the real varlen kernel
 #      against the reference, the gold tests on CUDA in bf16 and fp16), the CPU varlen glue
-#      tests and the CUDA tests of test_rope.py / test_attention.py;
+#      tests and the CUDA tests of test_rope.py / test_rope_triton.py (the Triton RoPE kernel
+#      compiled, against HF's apply in fp32) / test_attention.py;
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
-#   3. benches: RoPE apply against copy bandwidth, packed attention fwd+bwd against
+#   3. benches: RoPE apply forward, then forward+backward, against copy bandwidth (the Triton
+#      kernel checked against HF's fp32 apply first), packed attention fwd+bwd against
 #      `varlen_attn` alone (2k and 8k packs), training tokens/s packed vs padded (1.8B shapes).
 # Each step's result is written to $OUT as soon as it ends (a run cut off still returns what
 # it measured), at most 8 files: summary.txt (a line per step: exit code, seconds, budget),
@@ -136,7 +138,7 @@ step preflight preflight || exit 98
 # 1. correctness first.
 step correctness python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
-    tests/ops/test_rope.py tests/ops/test_attention.py
+    tests/ops/test_rope.py tests/ops/test_rope_triton.py tests/ops/test_attention.py
 if [ -n "$QUICK" ]; then
     echo "quick: steps after correctness not run; failed steps: $failed" | tee -a "$OUT/summary.txt"
     exit "$failed"
@@ -163,8 +165,11 @@ bench() {  # bench NAME CMD...: a step whose output also goes to bench.txt
     { echo "== $name"; grep -v '^\s*$' "$steps/$name.log" | tail -n 40; } >> "$OUT/bench.txt"
     return "$rc"
 }
-# Imports and CUDA start take ~20 s, the fused candidate's torch.compile some 7 s of its warm-up.
-bench rope python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 30
+# Imports and CUDA start take ~20 s. Forward and forward+backward in one start-up; the Triton
+# kernel is checked against HF's fp32 apply first (exit 1 if wrong). The fused candidate
+# (torch.compile, 7 s of warm-up, 11% of copy bandwidth on 2026-11-27) is left out.
+bench rope python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 30 \
+    --no-fused --both
 # 8k first (a training-sized pack), so a step cut off still printed it. 32k-token packs left
 # out: their dense-mask candidate alone outlasts the budget.
 bench attention python tools/bench/attention.py --device cuda --dtype bf16 --tokens 8192 2048 \

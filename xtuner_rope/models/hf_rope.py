@@ -30,6 +30,7 @@ from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rope import cos_sin_at
 from xtuner_rope.ops.rope import inv_freq as default_inv_freq
 from xtuner_rope.ops.rope_documents import per_token_inv_freq
+from xtuner_rope.ops.rope_triton import triton_apply_active
 
 from .rope_documents import rotary_document_lengths
 
@@ -281,7 +282,9 @@ def patch_hf_fp32_rotation(module_name: str) -> bool:
     mixed dtypes, ``StaticCache.update`` failing on ``index_copy_``). The wrapper rotates in
     fp32 with ``rope.apply_rotary_pos_emb`` and returns q's dtype when cos is fp32 and q is not;
     every other call (unpatched models hand cos in q's dtype, fp32 models) goes to the original
-    unchanged. It is rebound wherever the original is bound by name (XTuner 0.2.0's
+    unchanged, except that fp32 q, k with fp32 cos also go to ``rope.apply_rotary_pos_emb``
+    where its Triton kernel runs (CUDA, or the interpreter under
+    ``XTUNER_ROPE_TRITON_INTERPRET=1``). It is rebound wherever the original is bound by name (XTuner 0.2.0's
     ``dispatch/llama.py`` etc. import it). A model patch, so it lives with its family (``models``), not in
     ``compat``: ``models.dispatch.patch_model`` calls it for the families it patches.
 
@@ -299,7 +302,7 @@ def patch_hf_fp32_rotation(module_name: str) -> bool:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        if cos.dtype == torch.float32 and q.dtype != torch.float32:
+        if cos.dtype == torch.float32 and (q.dtype != torch.float32 or triton_apply_active(q)):
             from xtuner_rope.ops.rope import apply_rotary_pos_emb as fp32_apply
 
             return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)

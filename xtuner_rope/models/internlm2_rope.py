@@ -7,6 +7,7 @@ goes per document in packed rows (`models.rope_documents`): each document gets t
 length gives it alone.
 """
 
+import weakref
 from numbers import Integral
 
 import torch
@@ -20,6 +21,11 @@ from .rope_documents import rotary_document_lengths
 __all__ = ["ValidatedRotaryEmbedding"]
 
 _SCALING_TYPES = (None, "linear", "dynamic")
+# The last call's answers, shared by every layer's rotary (each layer holds its own module but
+# gets the same position_ids tensor): cos/sin rows (keyed on that tensor's identity, version and
+# the configuration) and dynamic NTK's per-token frequencies (keyed on the per-document lengths
+# tensor, itself shared per forward): gathered, and synced (`torch.unique`), once per forward.
+_LAST_CALL = {"rows": None, "inv_freq": None}
 _BEYOND = "truncate or split the sequence, enable rope_scaling, or pass max_position= to allow more"
 
 
@@ -151,14 +157,27 @@ class ValidatedRotaryEmbedding(nn.Module):
         ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
         return inv_freq(self.base * ratio ** (dim / (dim - 2)), dim, device)
 
-    def _cos_sin_at(self, position_ids, hi, b=1):
-        """fp32 cos, sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`
-        (`b`: rows of the activations, for `[1, s]` position ids)."""
+    def _config(self):
+        return (self.dim, self.base, self.scaling_type, self.scaling_factor)
+
+    def _cos_sin_at(self, position_ids, hi, b=1, dtype=torch.float32):
+        """cos, sin `[..., h_d]` in `dtype` (computed in fp32) at integer `position_ids` `[...]`
+        whose max is `hi` (`b`: rows of the activations, for `[1, s]` position ids)."""
         if self.scaling_type == "dynamic" and hi + 1 > self.max_position_embeddings:
-            return cos_sin_at(position_ids, self._call_inv_freq(position_ids, hi, b), hi)
+            cos, sin = cos_sin_at(position_ids, self._call_inv_freq(position_ids, hi, b), hi)
+            return cos.to(dtype), sin.to(dtype)
+        key = None
+        if not position_ids.is_inference():  # inference tensors have no version counter
+            key = (position_ids._version, tuple(position_ids.shape), dtype, self._config())
+            last = _LAST_CALL["rows"]
+            if last is not None and last[0]() is position_ids and last[1] == key:
+                return last[2]
         cos, sin = self._table(position_ids.device, hi + 1)
-        position_ids = position_ids.long()
-        return cos[position_ids], sin[position_ids]
+        rows = position_ids.long()
+        cos, sin = cos[rows].to(dtype), sin[rows].to(dtype)
+        if key is not None:
+            _LAST_CALL["rows"] = (weakref.ref(position_ids), key, (cos, sin))
+        return cos, sin
 
     def _call_inv_freq(self, position_ids, hi, b):
         """Dynamic NTK past the threshold: `[b, s, h_d/2]` per document in packed rows, else
@@ -170,12 +189,18 @@ class ValidatedRotaryEmbedding(nn.Module):
             lengths = rotary_document_lengths(self, position_ids, b, s, device, zero_start=False)
         if lengths is None:
             return self._ntk_inv_freq(hi + 1, device)
-        return per_token_inv_freq(
+        key = (lengths._version, self._config(), self.max_position_embeddings)
+        last = _LAST_CALL["inv_freq"]
+        if last is not None and last[0]() is lengths and last[1] == key:
+            return last[2]
+        freqs = per_token_inv_freq(
             lengths,
             self.inv_freq.to(device),
             self.max_position_embeddings,
             lambda n: self._ntk_inv_freq(n, device),
         )
+        _LAST_CALL["inv_freq"] = (weakref.ref(lengths), key, freqs)
+        return freqs
 
     @torch.no_grad()
     def forward(self, x, position_ids=None, seq_len=None):
@@ -217,8 +242,7 @@ class ValidatedRotaryEmbedding(nn.Module):
                 position_ids, x.shape[0], x.shape[-2], *self.limit(), _BEYOND
             )
             position_ids = position_ids.to(x.device)
-        cos, sin = self._cos_sin_at(position_ids, hi, x.shape[0])
-        return cos.to(x.dtype), sin.to(x.dtype)
+        return self._cos_sin_at(position_ids, hi, x.shape[0], x.dtype)
 
     def _check_seq_len(self, seq_len):
         """seq_len of the old signature as a Python int, checked like position ids."""

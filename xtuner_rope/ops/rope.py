@@ -11,6 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from xtuner_rope.ops.positions import check_position_ids
+from xtuner_rope.ops.rope_triton import triton_apply, triton_apply_active, use_triton_apply
 from xtuner_rope.ops.rotate import rotate, use_fused_apply
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "no_autocast",
     "rotate_half",
     "use_fused_apply",
+    "use_triton_apply",
 ]
 
 
@@ -133,10 +135,12 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
         )
     head_dim, s_dim = q.shape[-1], 3 - unsqueeze_dim
     b, s = q.shape[0], q.shape[s_dim]
-    if head_dim % 2 or k.shape[-1] != head_dim or cos.shape[-1] != head_dim:
+    rot = cos.shape[-1]
+    if head_dim % 2 or k.shape[-1] != head_dim or rot % 2 or not 0 < rot <= head_dim:
         raise ValueError(
             f"apply_rotary_pos_emb needs one even head dim h_d, got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}"
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}; cos/sin "
+            f"cover h_d, or an even rotary dim < h_d (partial rotary: the first dims rotate)"
         )
     if k.shape[0] != b or k.shape[s_dim] != s:
         raise ValueError(
@@ -151,8 +155,8 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
     if cos.dim() == 3 and (cos.shape[0] not in (1, b) or cos.shape[1] != s):
         raise ValueError(
             f"apply_rotary_pos_emb: cos/sin {tuple(cos.shape)} do not match q "
-            f"{tuple(q.shape)}: expected [1, {s}, {head_dim}] or [{b}, {s}, "
-            f"{head_dim}] (one row per token); compute them from these position_ids"
+            f"{tuple(q.shape)}: expected [1, {s}, {rot}] or [{b}, {s}, "
+            f"{rot}] (one row per token); compute them from these position_ids"
         )
     if cos.dim() not in (2, 3):
         raise ValueError(
@@ -164,13 +168,18 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
+    On CUDA one Triton kernel rotates q and k (`ops.rope_triton`; off with
+    `use_triton_apply(False)` or `XTUNER_ROPE_TRITON=0`); elsewhere the eager kernel of
+    `ops.rotate` (or its `torch.compile` version, `use_fused_apply`).
+
     Args:
         q (torch.Tensor): Queries `[b, n_h, s, h_d]` (`[b, s, n_h, h_d]` with unsqueeze_dim=2).
         k (torch.Tensor): Keys `[b, n_kv, s, h_d]` (or `[b, s, n_kv, h_d]`).
-        cos (torch.Tensor): `[b, s, h_d]`, or `[L, h_d]` tables of older remote code, whose rows
-            are then picked by position_ids (rows 0..s-1 when None).
+        cos (torch.Tensor): `[b, s, rot]`, or `[L, rot]` tables of older remote code, whose rows
+            are then picked by position_ids (rows 0..s-1 when None). rot is h_d, or an even
+            rotary dim < h_d (partial rotary: the first rot dims rotate, the rest pass).
         sin (torch.Tensor): Same shape as cos.
-        position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, h_d]` tables.
+        position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, rot]` tables.
         unsqueeze_dim (int): Heads dim of q/k, where cos/sin get a size-1 dim to broadcast.
 
     Returns:
@@ -179,12 +188,23 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 
     Raises:
         TypeError: q, k, cos or sin not a floating-point tensor.
-        ValueError: Odd or mismatched head dims; q/k/cos/sin of different batch or length
-            (cos/sin of batch 1 broadcast); bad position ids for `[L, h_d]` tables.
+        ValueError: Odd or mismatched head dims, a rotary dim beyond h_d; q/k/cos/sin of
+            different batch or length (cos/sin of batch 1 broadcast); bad position ids for
+            `[L, rot]` tables.
     """
     _check_apply_inputs(q, k, cos, sin, unsqueeze_dim)
     if cos.dim() == 2:
         cos, sin = _table_rows(cos, sin, q, position_ids, unsqueeze_dim)
-    cos = cos.float().unsqueeze(unsqueeze_dim)  # [b, 1, s, h_d] for unsqueeze_dim=1
-    sin = sin.float().unsqueeze(unsqueeze_dim)  # [b, 1, s, h_d] for unsqueeze_dim=1
-    return _ApplyRotary.apply(q, k, cos, sin)
+    cos, sin = cos.float(), sin.float()  # [b, s, rot]
+    if triton_apply_active(q):
+        rotated = triton_apply(q, k, cos, sin, unsqueeze_dim)
+        if rotated is not None:  # None: the kernel failed on CUDA and warned
+            return rotated
+    cos = cos.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
+    sin = sin.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        return _ApplyRotary.apply(q, k, cos, sin)
+    # Partial rotary: the first rot dims rotate, the rest pass through.
+    q_rot, k_rot = _ApplyRotary.apply(q[..., :rot], k[..., :rot], cos, sin)
+    return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)

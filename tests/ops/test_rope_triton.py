@@ -1,0 +1,209 @@
+"""Tests for xtuner_rope/ops/rope_triton.py: the Triton RoPE kernel under Triton's interpreter.
+
+`XTUNER_ROPE_TRITON_INTERPRET=1` (set by the fixture below) runs the kernel on CPU tensors;
+each case compares it, forward and backward, with HF's `apply_rotary_pos_emb` that XTuner 0.2.0
+ships for InternLM2 (in fp32 autograd, live) and with the package's eager apply, and checks that
+the kernel really ran (`triton_kernel_calls`). Small shapes: the interpreter is NumPy.
+"""
+
+import pytest
+import torch
+from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
+    apply_rotary_pos_emb as hf_apply,
+)
+
+from xtuner_rope.ops import rope_triton
+from xtuner_rope.ops.rope import apply_rotary_pos_emb, cos_sin_at, inv_freq
+from xtuner_rope.ops.rope_documents import per_token_inv_freq
+from xtuner_rope.ops.rope_triton import (
+    triton_apply_active,
+    triton_kernel_calls,
+    use_triton_apply,
+)
+
+pytest.importorskip("triton")
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-5, rtol=1e-3),
+}
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch, request):
+    if "cuda" not in request.node.name:  # the CUDA test runs the compiled kernel
+        monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    monkeypatch.delenv(rope_triton.SWITCH_ENV, raising=False)
+    use_triton_apply(True)
+    yield
+    use_triton_apply(None)
+
+
+def packed_positions(b, s):
+    """`[b, s]` positions restarting per document, a different split per row."""
+    rows = []
+    for row in range(b):
+        docs, left = [], s
+        while left:
+            n = min(left, 3 + 2 * row + len(docs))
+            docs.append(torch.arange(n))
+            left -= n
+        rows.append(torch.cat(docs))
+    return torch.stack(rows)  # [b, s]
+
+
+def make(b, s, n_h, n_kv, h_d, dtype, heads_first=True, device="cpu"):
+    """q, k (leaf tensors, `[b, n, s, h_d]` or `[b, s, n, h_d]`) and output grads."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    shapes = [(b, n, s, h_d) if heads_first else (b, s, n, h_d) for n in (n_h, n_kv)]
+    q, k = (randn(shape).requires_grad_() for shape in shapes)
+    return q, k, randn(shapes[0]), randn(shapes[1])
+
+
+def reference(q, k, cos, sin, unsqueeze_dim, grads):
+    """HF's apply in fp32 (on the first rot dims; the rest passes): outputs and input grads."""
+    rot = cos.shape[-1]
+    q32, k32 = (x.detach().float().requires_grad_() for x in (q, k))
+    q_r, k_r = hf_apply(q32[..., :rot], k32[..., :rot], cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_out = torch.cat((q_r, q32[..., rot:]), dim=-1)
+    k_out = torch.cat((k_r, k32[..., rot:]), dim=-1)
+    torch.autograd.backward((q_out, k_out), (grads[0].float(), grads[1].float()))
+    return q_out.detach(), k_out.detach(), q32.grad, k32.grad
+
+
+def check(q, k, cos, sin, grads, unsqueeze_dim=1):
+    """The kernel (fwd + bwd: two launches) against HF's fp32 apply and the eager apply."""
+    calls = triton_kernel_calls()
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    torch.autograd.backward((q_out, k_out), grads)
+    assert triton_kernel_calls() == calls + 2, "the Triton kernel did not run"
+    assert (q_out.dtype, k_out.dtype, q.grad.dtype) == (q.dtype, k.dtype, q.dtype)
+    tol = TOL[q.dtype]
+    ref = reference(q, k, cos, sin, unsqueeze_dim, grads)
+    for got, want in zip((q_out, k_out, q.grad, k.grad), ref):
+        torch.testing.assert_close(got.float(), want, **tol)
+    got = [t.detach().clone() for t in (q_out, k_out, q.grad, k.grad)]
+    q.grad = k.grad = None
+    use_triton_apply(False)
+    q_e, k_e = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    torch.autograd.backward((q_e, k_e), grads)
+    assert triton_kernel_calls() == calls + 2  # the switch: eager
+    for a, e in zip(got, (q_e, k_e, q.grad, k.grad)):
+        torch.testing.assert_close(a.float(), e.float(), **tol)
+
+
+# (b, s, n_h, n_kv, h_d, rot): odd lengths, GQA, MHA, head dims 16-256 (96: Phi-3's, a
+# non-power-of-two half), partial rotary (the rest of h_d passes through).
+SHAPES = [
+    (2, 7, 4, 2, 16, 16),
+    (1, 5, 3, 3, 96, 96),
+    (2, 9, 4, 1, 32, 16),
+    (1, 3, 2, 1, 256, 256),
+    (1, 4, 2, 2, 64, 48),
+]
+
+
+@pytest.mark.parametrize("heads_first", [True, False], ids=["bnsd", "bsnd"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_matches_hf_fp32_with_packed_positions(shape, heads_first):
+    b, s, n_h, n_kv, h_d, rot = shape
+    q, k, *grads = make(b, s, n_h, n_kv, h_d, torch.float32, heads_first)
+    pos = packed_positions(b, s)
+    cos, sin = cos_sin_at(pos, inv_freq(10000, rot), int(pos.max()))  # [b, s, rot] per row
+    check(q, k, cos, sin, grads, unsqueeze_dim=1 if heads_first else 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernel_low_precision_rounds_once(dtype):
+    q, k, *grads = make(2, 6, 4, 2, 32, dtype)
+    cos, sin = cos_sin_at(packed_positions(2, 6), inv_freq(10000, 32), 5)
+    check(q, k, cos, sin, grads)
+
+
+def test_kernel_broadcasts_one_cos_row_and_bf16_tables():
+    q, k, *grads = make(3, 5, 2, 2, 16, torch.float32)
+    cos, sin = cos_sin_at(torch.arange(5)[None], inv_freq(10000, 16), 4)  # [1, s, h_d]
+    check(q, k, cos, sin, grads)
+    q.grad = k.grad = None
+    use_triton_apply(True)
+    check(q, k, cos.bfloat16(), sin.bfloat16(), grads)  # upcast to fp32 first, like eager
+
+
+def test_kernel_per_token_frequencies_of_dynamic_ntk_documents():
+    """Length-dependent RoPE: every token its document's inverse frequencies `[b, s, h_d/2]`."""
+    q, k, *grads = make(2, 8, 2, 1, 16, torch.float32)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 0, 1, 2, 3, 4]])
+    lengths = torch.tensor([[6] * 6 + [2] * 2, [3] * 3 + [5] * 5])
+    base = inv_freq(10000, 16)
+    freqs = per_token_inv_freq(lengths, base, 3, lambda n: inv_freq(10000 * n, 16))
+    cos, sin = cos_sin_at(pos, freqs, 5)
+    assert not torch.equal(cos[0, 5], cos_sin_at(pos, base, 5)[0][0, 5])  # NTK took effect
+    check(q, k, cos, sin, grads)
+
+
+def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
+    """q, k as InternLM2's `_project_qkv` leaves them: strided views of one `wqkv` output."""
+    b, s, n_kv, n_rep, h_d = 2, 5, 2, 2, 16
+    qkv = torch.randn(b, s, n_kv, n_rep + 2, h_d, requires_grad=True)
+    q = qkv[..., :n_rep, :].reshape(b, s, n_kv * n_rep, h_d).transpose(1, 2)  # [b, n_h, s, h_d]
+    k = qkv[..., -2, :].transpose(1, 2)  # [b, n_kv, s, h_d], not contiguous
+    cos, sin = cos_sin_at(packed_positions(b, s), inv_freq(10000, h_d), 4)
+    grads = (torch.randn(q.shape), torch.randn(k.shape))
+    calls = triton_kernel_calls()
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.autograd.backward((q_out, k_out), grads)
+    assert triton_kernel_calls() == calls + 2
+    ref = reference(q, k, cos, sin, 1, grads)
+    torch.testing.assert_close((q_out, k_out), ref[:2], **TOL[torch.float32])
+    grad_qkv = torch.zeros_like(qkv)  # what the eager apply's grads scatter back into wqkv
+    grad_qkv[..., :n_rep, :] = ref[2].transpose(1, 2).reshape(b, s, n_kv, n_rep, h_d)
+    grad_qkv[..., -2, :] = ref[3].transpose(1, 2)
+    torch.testing.assert_close(qkv.grad, grad_qkv, **TOL[torch.float32])
+
+
+# (b, s, n_h, n_kv, h_d, rot), dtype, heads first: few cases, each compiles two kernels.
+CUDA_CASES = [
+    ((2, 33, 16, 8, 128, 128), torch.bfloat16, True),
+    ((2, 33, 16, 8, 128, 128), torch.float32, True),
+    ((1, 40, 4, 2, 96, 64), torch.float16, False),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape, dtype, heads_first", CUDA_CASES, ids=str)
+def test_compiled_kernel_on_cuda_matches_hf_fp32(shape, dtype, heads_first):
+    """The kit's correctness step: the compiled kernel, the CUDA default, not the interpreter."""
+    b, s, n_h, n_kv, h_d, rot = shape
+    q, k, *grads = make(b, s, n_h, n_kv, h_d, dtype, heads_first, "cuda")
+    pos = packed_positions(b, s).cuda()
+    cos, sin = cos_sin_at(pos, inv_freq(10000, rot, "cuda"), int(pos.max()))
+    use_triton_apply(None)
+    check(q, k, cos, sin, grads, unsqueeze_dim=1 if heads_first else 2)
+
+
+def test_switches_choose_the_kernel(monkeypatch):
+    x = torch.zeros(1)
+    assert triton_apply_active(x)
+    use_triton_apply(False)
+    assert not triton_apply_active(x)
+    use_triton_apply(True)
+    monkeypatch.delenv(rope_triton.INTERPRET_ENV)
+    assert not triton_apply_active(x)  # the CPU default: eager
+    monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
+    use_triton_apply(None)  # as at start-up: the environment decides
+    assert triton_apply_active(x)
+    monkeypatch.setenv(rope_triton.SWITCH_ENV, "0")
+    assert not triton_apply_active(x)
+
+
+def test_rotary_dim_beyond_head_dim_is_refused():
+    q, k = torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8)
+    cos = torch.zeros(1, 3, 10)
+    with pytest.raises(ValueError, match=r"one even head dim h_d, got q .*an even rotary dim"):
+        apply_rotary_pos_emb(q, k, cos, cos)

@@ -1,0 +1,190 @@
+"""The Triton RoPE apply: q and k rotated in one launch, forward and backward (CUDA default).
+
+`rope.apply_rotary_pos_emb` sends q, k here when `triton_apply_active(q)`: CUDA tensors and
+Triton importable (it ships with torch's CUDA build), unless switched off with
+`use_triton_apply(False)` or the environment variable `XTUNER_ROPE_TRITON=0`; then, and on the
+CPU, the eager kernel of `ops.rotate` rotates. Inside a model that `torch.compile` traces, the
+eager path runs too (the user's compiler fuses it).
+
+`XTUNER_ROPE_TRITON_INTERPRET=1` runs the kernel on CPU tensors under Triton's interpreter
+(NumPy, slow, for tests): it sets `TRITON_INTERPRET=1` for the process before the kernel is
+first decorated, which is when Triton (3.6 and 3.9) picks interpreter or compiler (Triton's own
+library, decorated when Triton is imported, must agree at launch: the variable stays set), so
+set it before the first rotary apply of the process. Interpreted runs raise on error; on CUDA a kernel that fails to
+compile or launch warns and hands over to the eager kernel for the rest of the process.
+
+The kernel reads cos/sin per token (fp32 `[b or 1, s, rot]`, from `rope.cos_sin_at`: fp32-exact
+angles, fp64 past 2**24, every scaling type and per-document frequency already applied) and
+rotates in fp32 registers. Torch only here; Triton is imported lazily (`ops.rope_triton_kernel`).
+"""
+
+import os
+import warnings
+
+import torch
+
+__all__ = [
+    "INTERPRET_ENV",
+    "SWITCH_ENV",
+    "triton_apply",
+    "triton_apply_active",
+    "triton_kernel_calls",
+    "use_triton_apply",
+]
+
+SWITCH_ENV = "XTUNER_ROPE_TRITON"  # "0": the eager kernel everywhere
+INTERPRET_ENV = "XTUNER_ROPE_TRITON_INTERPRET"  # "1": the kernel on CPU tensors, interpreted
+# enabled: None until use_triton_apply is called (then SWITCH_ENV decides); kernel: None until
+# the first use, then the jitted kernel or False (Triton missing); calls: launches served.
+_state = {"enabled": None, "kernel": None, "calls": 0}
+_TILE = 1024  # q elements (half a rotary dim per head) per program, see _launch
+
+
+def _interpret():
+    return os.environ.get(INTERPRET_ENV, "0") == "1"
+
+
+def use_triton_apply(enabled=True):
+    """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
+
+    Args:
+        enabled (bool | None): True: CUDA tensors (and CPU ones under
+            `XTUNER_ROPE_TRITON_INTERPRET=1`) rotate with the Triton kernel; False: the eager
+            kernel of `ops.rotate` everywhere; None: `XTUNER_ROPE_TRITON` decides (the default).
+
+    Returns:
+        bool: Whether it was on before.
+    """
+    before = _enabled()
+    _state["enabled"] = None if enabled is None else bool(enabled)
+    return before
+
+
+def _enabled():
+    if _state["enabled"] is None:
+        return os.environ.get(SWITCH_ENV, "1") != "0"
+    return _state["enabled"]
+
+
+def triton_kernel_calls():
+    """Launches of the Triton rotary kernel in this process (forward and backward each count).
+
+    Tests and benchmarks use it to tell a kernel run from a silent eager fall-back.
+    """
+    return _state["calls"]
+
+
+def _kernel():
+    """The jitted kernel, or None where Triton does not import."""
+    if _state["kernel"] is None:
+        if _interpret():  # triton.jit reads it when the kernel module below is imported
+            os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            from xtuner_rope.ops.rope_triton_kernel import rope_kernel
+        except ImportError:  # a CPU-only torch build ships no Triton
+            _state["kernel"] = False
+        else:
+            _state["kernel"] = rope_kernel
+    return _state["kernel"] or None
+
+
+def triton_apply_active(x):
+    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` with the Triton kernel.
+
+    Args:
+        x (torch.Tensor): q (gives the device).
+
+    Returns:
+        bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`) when the
+        kernel is on, Triton imports and no `torch.compile` trace is running.
+    """
+    if torch.compiler.is_compiling() or not _enabled():
+        return False
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):
+        return False
+    return _kernel() is not None
+
+
+def _bshd(x, unsqueeze_dim):
+    """`[b, s, n, h_d]` view of q/k/grad laid out as `[b, n, s, h_d]` (unsqueeze_dim 1)."""
+    return x.transpose(1, 2) if unsqueeze_dim == 1 else x  # [b, s, n, h_d]
+
+
+def _pow2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _launch(q, k, cos, sin, unsqueeze_dim, transpose):
+    """Rotated (or, with transpose, back-rotated) q and k from one kernel launch."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_v, k_v = _bshd(q, unsqueeze_dim), _bshd(k, unsqueeze_dim)  # [b, s, n, h_d]
+    qo_v, ko_v = _bshd(q_out, unsqueeze_dim), _bshd(k_out, unsqueeze_dim)
+    b, s, n_q, h_d = q_v.shape
+    n_k, rot = k_v.shape[2], cos.shape[-1]
+    if b * s == 0:
+        return q_out, k_out
+    if sin.stride() != cos.stride():  # the kernel reads both with cos's strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    c_sb = cos.stride(0) if cos.shape[0] > 1 else 0  # [1, s, rot] serves every row
+    block_q, block_k, block_half = _pow2(n_q), _pow2(n_k), _pow2(rot // 2)
+    # Tokens per program: tiles of about _TILE q elements (one token of 16 heads x 128 dims on
+    # GPUs; many tokens of the tests' tiny heads, which the interpreter runs per program).
+    block_s = min(max(_TILE // (block_q * block_half), 1), _pow2(b * s))
+    _kernel()[(-(-b * s // block_s),)](
+        q, k, q_out, k_out, cos, sin, b * s, s, n_q, n_k,
+        *q_v.stride(), *k_v.stride(), *qo_v.stride(), *ko_v.stride(),
+        c_sb, cos.stride(1), cos.stride(2),
+        HALF=rot // 2, PASS=h_d - rot, BLOCK_S=block_s, BLOCK_Q=block_q, BLOCK_K=block_k,
+        BLOCK_HALF=block_half, BLOCK_PASS=_pow2(max(h_d - rot, 1)), TRANSPOSE=transpose,
+    )  # fmt: skip
+    _state["calls"] += 1
+    return q_out, k_out
+
+
+class TritonRotary(torch.autograd.Function):
+    """q, k rotated by the kernel; the backward is the same kernel with the transpose."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        return _launch(q, k, cos, sin, unsqueeze_dim, False)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        # The map is linear in q (and k): its vector-Jacobian product is its transpose.
+        grad_q, grad_k = _launch(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim, True)
+        needs = ctx.needs_input_grad
+        return grad_q if needs[0] else None, grad_k if needs[1] else None, None, None, None
+
+
+def triton_apply(q, k, cos, sin, unsqueeze_dim):
+    """Rotate q and k with the Triton kernel; None if it failed on CUDA (eager takes over).
+
+    Args:
+        q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
+            strides (InternLM2's views of its packed `wqkv` are read in place).
+        k (torch.Tensor): `[b, n_kv, s, h_d]` or `[b, s, n_kv, h_d]`.
+        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d: the first rot dims
+            of each head rotate, the rest pass through (partial rotary).
+        sin (torch.Tensor): Same shape as cos.
+        unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes.
+    """
+    try:
+        return TritonRotary.apply(q, k, cos, sin, unsqueeze_dim)
+    except Exception as error:  # noqa: BLE001 - a compile failure: keep training, eagerly
+        if _interpret():  # tests: a broken kernel must fail, not fall back
+            raise
+        _state["enabled"] = False
+        warnings.warn(
+            f"xtuner_rope: the Triton RoPE kernel failed on {q.device.type} "
+            f"({type(error).__name__}: {str(error)[:300]}); using the eager kernel from now "
+            f"on (set {SWITCH_ENV}=0 or call use_triton_apply(False) to silence this).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
