@@ -227,6 +227,28 @@ def test_lora_convert_merge_round_trip(stock, lora_run):
     assert diff < 5e-3 * trained.abs().max().item()
     assert (logits - _base_logits(ids)).abs().max() > 50 * diff  # the adapter is in there
 
+    # `xtuner-rope convert merge --dtype fp32`: the base loaded, merged and saved in fp32 (a
+    # scoped compat patch of merge.py's fp16 load): equal to the trained model within fp32
+    # rounding (W + B @ A * alpha / r summed in another order than the adapter's forward).
+    exact = stock["root"] / "hf_merged_fp32"
+    proc = _run(
+        "xtuner-rope",
+        "convert",
+        "merge",
+        str(sc.TINY_MODEL),
+        str(adapter),
+        str(exact),
+        "--dtype",
+        "fp32",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "base loaded, merged and saved in fp32 (asked)" in proc.stdout
+    fp32_logits, info = _plain_logits(exact, ids)
+    assert info == {"missing_keys": [], "mismatched_keys": [], "unexpected_keys": []}
+    fp32_diff = (fp32_logits - trained).abs().max().item()
+    print(f"LoRA merge --dtype fp32: max |logit diff| {fp32_diff:.2e} (fp16 merge: {diff:.2e})")
+    assert fp32_diff <= 1e-5 * trained.abs().max().item() and fp32_diff < diff / 10
+
 
 def _base_logits(ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM

@@ -3,7 +3,7 @@
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
 ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``). Each patch names the versions it was written
+``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
 runs when ``xtuner_rope`` is imported. Every public name of the modules is importable from here.
@@ -57,6 +57,7 @@ from .xtuner_internvl import (
     patch_internvl_rank,
 )
 from .xtuner_llava import patch_llava_expansion_check, patch_llava_predict_labels
+from .xtuner_merge import merge_loading_in
 from .xtuner_model_resource import (
     config_being_started,
     keep_other_model_paths,
@@ -135,6 +136,7 @@ __all__ = [
     "patch_dpo_predict_reference",
     "patch_xtuner_zero_read_fp32",
     "to_hf_in_dtype",
+    "merge_loading_in",
 ]
 
 _APPLIED: list[str] = []

@@ -16,7 +16,6 @@ attention) is installed: the tools build and save plain Hugging Face models.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import runpy
 import sys
@@ -31,6 +30,21 @@ XTUNER_TOOLS = {
     ("chat",): "xtuner.tools.chat",
 }
 MODEL_PATH_KEY = "pretrained_model_name_or_path"
+# The option xtuner-rope adds to `convert pth_to_hf` and `convert merge`.
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DTYPE_HELP = {
+    "pth_to_hf": (
+        "the dtype to save in (default: the dtype the run trained in, read from the "
+        "checkpoint; --fp32 is --dtype fp32). DeepSpeed checkpoints are read at fp32; values "
+        "the cast overflows to inf or flushes to zero are counted and named."
+    ),
+    "merge": "load the base, merge and save in this dtype (default: fp16, XTuner's).",
+}
+
+
+def dtype_help(tool: str) -> str:
+    """What ``-h`` of ``convert TOOL`` prints after XTuner's own help: the ``--dtype`` option."""
+    return f"\nxtuner-rope adds:\n  --dtype {{{','.join(DTYPE_CHOICES)}}}\n    {DTYPE_HELP[tool]}"
 
 
 def _model_path_keys(node: object, prefix: str = "") -> list[str]:
@@ -126,8 +140,9 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
     Args:
         command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
         argv: The tool's own arguments, exactly as ``xtuner`` takes them.
-        dtype: ``convert pth_to_hf`` only: ``--dtype`` (``bf16``, ``fp16``, ``fp32``); None
-            saves in the dtype the run trained in (XTuner's ``--fp32`` is ``fp32``).
+        dtype: ``--dtype`` of ``convert`` (``bf16``, ``fp16``, ``fp32``). ``pth_to_hf``: None
+            saves in the dtype the run trained in (XTuner's ``--fp32`` is ``fp32``);
+            ``merge``: None keeps XTuner's fp16.
 
     Returns:
         The tool's exit status: 0 when it finished, its ``sys.exit`` code otherwise, 2 for
@@ -159,8 +174,14 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
             return 2
         print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
         prepare = functools.partial(_cast_and_report, dtype=saved_as)
-    with compat.to_hf_in_dtype(prepare) if prepare else contextlib.nullcontext():
-        return _run_module(module, command, argv)
+    if prepare:
+        with compat.to_hf_in_dtype(prepare):
+            return _run_module(module, command, argv)
+    if command == ("convert", "merge") and dtype:
+        print(f"xtuner-rope convert merge: base loaded, merged and saved in {dtype} (asked).")
+        with compat.merge_loading_in(convert_dtype.DTYPES[dtype]):
+            return _run_module(module, command, argv)
+    return _run_module(module, command, argv)
 
 
 def _cast_and_report(model: object, dtype: object) -> None:
@@ -186,4 +207,12 @@ def _run_module(module: str, command: tuple[str, ...], argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["XTUNER_TOOLS", "parser_answer", "resolved_model_options", "run_xtuner_tool"]
+__all__ = [
+    "XTUNER_TOOLS",
+    "DTYPE_CHOICES",
+    "DTYPE_HELP",
+    "dtype_help",
+    "parser_answer",
+    "resolved_model_options",
+    "run_xtuner_tool",
+]
