@@ -159,29 +159,37 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
     compat.apply()  # idempotent: the patches are in place before XTuner's tool imports
 
     module = XTUNER_TOOLS[command]
-    prepare = None
     if command == ("convert", "pth_to_hf") and "-h" not in argv and "--help" not in argv:
-        config, pth, options = _config_and_options(argv)
-        overrides = resolved_model_options(config, options) if Path(config).is_file() else []
-        if overrides:
-            argv = [*argv, "--cfg-options", *overrides]
-        if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
-            return _run_module(module, command, argv)
-        try:
-            saved_as, why = convert_dtype.save_dtype(dtype, "--fp32" in argv, pth)
-        except ValueError as err:
-            print(err, file=sys.stderr)
-            return 2
-        print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
-        prepare = functools.partial(_cast_and_report, dtype=saved_as)
-    if prepare:
-        with compat.to_hf_in_dtype(prepare):
-            return _run_module(module, command, argv)
+        return _convert_pth_to_hf(argv, dtype)
     if command == ("convert", "merge") and dtype:
         print(f"xtuner-rope convert merge: base loaded, merged and saved in {dtype} (asked).")
         with compat.merge_loading_in(convert_dtype.DTYPES[dtype]):
             return _run_module(module, command, argv)
     return _run_module(module, command, argv)
+
+
+def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
+    """``convert pth_to_hf``: the model path ``model_resource`` gives, the dtype to save in
+    (said), the cast counted; XTuner's tool does the rest. Its exit status."""
+    from xtuner_rope import compat
+
+    from . import convert_dtype
+
+    command = ("convert", "pth_to_hf")
+    config, pth, options = _config_and_options(argv)
+    overrides = resolved_model_options(config, options) if Path(config).is_file() else []
+    if overrides:
+        argv = [*argv, "--cfg-options", *overrides]
+    if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
+        return _run_module(XTUNER_TOOLS[command], command, argv)
+    try:
+        saved_as, why = convert_dtype.save_dtype(dtype, "--fp32" in argv, pth)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
+    with compat.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
+        return _run_module(XTUNER_TOOLS[command], command, argv)
 
 
 def _cast_and_report(model: object, dtype: object) -> None:
