@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 from xtuner.model.sft import SupervisedFinetune
 
-from xtuner_rope.compat import to_hf_in_dtype
-from xtuner_rope.compat.xtuner_to_hf import TO_HF_CLASSES
+from xtuner_rope.compat import TO_HF_CLASSES, to_hf_in_dtype
 
 
 class RecordingLLM:

@@ -77,8 +77,13 @@ from .xtuner_sft import (
     patch_sft_sequence_parallel_loss,
     patch_xtuner_train_sequence_parallel_check,
 )
-from .xtuner_to_hf import to_hf_in_dtype
-from .xtuner_zero_read import patch_xtuner_zero_read_fp32
+from .xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
+from .xtuner_zero_read import (
+    ZERO_READ_FEATURE,
+    ZERO_READER_FUNCTIONS,
+    ZERO_READER_MODULE,
+    patch_xtuner_zero_read_fp32,
+)
 
 __all__ = [
     "apply",
@@ -136,6 +141,10 @@ __all__ = [
     "patch_dpo_predict_reference",
     "patch_xtuner_zero_read_fp32",
     "to_hf_in_dtype",
+    "TO_HF_CLASSES",
+    "ZERO_READ_FEATURE",
+    "ZERO_READER_FUNCTIONS",
+    "ZERO_READER_MODULE",
     "merge_loading_in",
 ]
 

@@ -20,20 +20,20 @@ from __future__ import annotations
 import importlib
 import warnings
 
-MODULE = "xtuner.utils.zero_to_any_dtype"
+ZERO_READER_MODULE = "xtuner.utils.zero_to_any_dtype"
 # The functions of xtuner 0.2.0's reader whose last default is DEFAULT_DTYPE (float16).
-READERS = (
+ZERO_READER_FUNCTIONS = (
     "get_state_dict_from_zero_checkpoint",
     "convert_zero_checkpoint_to_state_dict",
     "load_state_dict_from_zero_checkpoint",
     "_get_state_dict_from_zero_checkpoint",
     "parse_model_states",
 )  # parse_optim_states (wrapped by torch.no_grad) is always handed the dtype
-FEATURE = "xtuner-rope's exact read of DeepSpeed checkpoints (convert pth_to_hf at fp32)"
+ZERO_READ_FEATURE = "xtuner-rope's exact read of DeepSpeed checkpoints (convert pth_to_hf at fp32)"
 
 
 def _skip(why: str) -> bool:
-    warnings.warn(f"{FEATURE} is off: {why} (written for xtuner 0.2.0).", stacklevel=3)
+    warnings.warn(f"{ZERO_READ_FEATURE} is off: {why} (written for xtuner 0.2.0).", stacklevel=3)
     return False
 
 
@@ -48,22 +48,27 @@ def patch_xtuner_zero_read_fp32() -> bool:
     import torch
 
     try:
-        reader = importlib.import_module(MODULE)
+        reader = importlib.import_module(ZERO_READER_MODULE)
     except ImportError:  # no XTuner, or no DeepSpeed (the reader imports it): nothing to read
         return False
     if getattr(reader, "DEFAULT_DTYPE", None) is not torch.float16:
         if hasattr(reader, "DEFAULT_DTYPE"):
             return False  # another default: the gap is not there
-        return _skip(f"{MODULE}.DEFAULT_DTYPE is missing")
-    functions = [getattr(reader, name, None) for name in READERS]
-    for name, function in zip(READERS, functions):
+        return _skip(f"{ZERO_READER_MODULE}.DEFAULT_DTYPE is missing")
+    functions = [getattr(reader, name, None) for name in ZERO_READER_FUNCTIONS]
+    for name, function in zip(ZERO_READER_FUNCTIONS, functions):
         defaults = getattr(function, "__defaults__", None)
         if not defaults or defaults[-1] is not torch.float16:
-            return _skip(f"{MODULE}.{name} has no float16 default dtype")
+            return _skip(f"{ZERO_READER_MODULE}.{name} has no float16 default dtype")
     for function in functions:
         function.__defaults__ = (*function.__defaults__[:-1], torch.float32)
     reader.DEFAULT_DTYPE = torch.float32
     return True
 
 
-__all__ = ["patch_xtuner_zero_read_fp32"]
+__all__ = [
+    "ZERO_READER_MODULE",
+    "ZERO_READER_FUNCTIONS",
+    "ZERO_READ_FEATURE",
+    "patch_xtuner_zero_read_fp32",
+]
