@@ -3,8 +3,8 @@
 xtuner-rope train CONFIG [...]   (xtuner train, same arguments and launchers, real exit status)
 xtuner-rope doctor CONFIG [--out DIR] [--work-dir DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
 xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
-xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [...]   (XTuner's tools, plugin loaded)
-xtuner-rope convert merge LLM ADAPTER SAVE_DIR [...]
+xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [--dtype bf16|fp16|fp32] [...]   (XTuner's tools, plugin loaded)
+xtuner-rope convert merge LLM ADAPTER SAVE_DIR [--dtype bf16|fp16|fp32] [...]
 xtuner-rope chat MODEL [...]
 """
 
@@ -228,6 +228,10 @@ def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
     tools = convert.add_subparsers(dest="tool", required=True)
     for tool in ("pth_to_hf", "merge"):
         tools.add_parser(tool, add_help=False, description=note.format(f"convert {tool}"))
+    from xtuner_rope.outputs.xtuner_tools import DTYPE_CHOICES, DTYPE_HELP  # standard library only
+
+    for tool, note in DTYPE_HELP.items():
+        tools.choices[tool].add_argument("--dtype", choices=DTYPE_CHOICES, help=note)
     commands.add_parser(
         "chat", add_help=False, help="xtuner chat, plugin loaded", description=note.format("chat")
     )
@@ -280,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("convert", "chat"):
-        from xtuner_rope.outputs.xtuner_tools import parser_answer, run_xtuner_tool
+        from xtuner_rope.outputs.xtuner_tools import dtype_help, parser_answer, run_xtuner_tool
 
         command = (args.command, args.tool) if args.command == "convert" else (args.command,)
         answered = parser_answer(command, rest)  # `-h`, a usage error: the tool's own words
-        if answered is not None:
-            return answered
-        activate_quietly()  # XTuner's tool runs in this process: the patches go first
-        return run_xtuner_tool(command, rest)
+        if answered is None:
+            activate_quietly()  # XTuner's tool runs in this process: the patches go first
+            answered = run_xtuner_tool(command, rest, getattr(args, "dtype", None))
+        if answered == 0 and command[0] == "convert" and {"-h", "--help"} & set(rest):
+            print(dtype_help(command[1]))  # the option xtuner-rope adds
+        return answered
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":

@@ -511,6 +511,48 @@ def test_zero_checkpoint_on_another_number_of_processes_refused_before_loading(t
     assert not list(work.glob("2*")), "something was built"  # MMEngine's timestamped log dir
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft-zero2", "sft-lora-dropout-zero3"])
+def test_zero_checkpoint_converted_bit_for_bit(name, tmp_path):
+    """The scenario's uninterrupted ``iter_8.pth/`` (2 processes; shared): XTuner's
+    ``guess_load_checkpoint`` (patched) reads the weights DeepSpeed saved bit for bit (ZeRO-2:
+    the module of ``mp_rank_00_model_states.pt``; ZeRO-3: DeepSpeed's ``zero_to_fp32``), where
+    xtuner 0.2.0's fp16 read gives ``module.half()``; ``xtuner-rope convert pth_to_hf`` saves
+    them bit for bit with ``--fp32`` and by default (the run trained in fp32), and with
+    ``--dtype bf16`` their bf16 cast, counted. LoRA (ZeRO-3): the adapter."""
+    import converted
+
+    _uninterrupted(name, tmp_path)
+    checkpoint = _STRAIGHT_DIR[name] / "iter_8.pth"
+    reference = converted.deepspeed_weights(checkpoint)
+    read = converted.read_as_xtuner(checkpoint)
+    assert read and not converted.unequal(read, reference)
+    as_xtuner = converted.read_as_xtuner(checkpoint, torch.float16)  # xtuner 0.2.0's default
+    assert not converted.unequal(as_xtuner, reference, torch.float16)
+    off = max((as_xtuner[k].float() - reference[k]).abs().max().item() for k in read)
+    print(f"{name}: read as xtuner 0.2.0 does (fp16) {off:.1e} off the weights DeepSpeed saved")
+    assert off > 0
+
+    config, _ = _setup(name, tmp_path / "convert_setup")
+    trained = {k: v for k, v in read.items() if "lora_" in k or not name.startswith("sft-lora")}
+    for n, (options, dtype, said) in enumerate(
+        [
+            (["--fp32"], torch.float32, "saving in fp32 (asked)"),
+            (
+                [],
+                torch.float32,
+                f"saving in fp32 (the dtype of the trained weights in {checkpoint}",
+            ),
+            (["--dtype", "bf16"], torch.bfloat16, "saving in bf16 (asked)"),
+        ]
+    ):
+        printed = converted.convert(config, checkpoint, tmp_path / f"hf_{n}", *options)
+        saved = converted.saved_weights(tmp_path / f"hf_{n}")
+        assert saved.keys() == trained.keys(), sorted(saved.keys() ^ trained.keys())[:5]
+        assert not converted.unequal(saved, reference, dtype), options
+        assert said in printed and "no value overflowed to inf or was flushed" in printed, printed
+
+
 STOCK = "internlm2_chat_1_8b_full_alpaca_e3"
 
 

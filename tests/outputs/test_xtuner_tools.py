@@ -12,6 +12,8 @@ model: the `.pth` run through the config's own model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -21,7 +23,9 @@ import pytest
 import stock_configs as sc
 import torch
 from mmengine.config import Config
+from transformers import AutoModelForCausalLM
 
+from xtuner_rope.cli import main
 from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
@@ -32,6 +36,7 @@ OLD_EDIT = (
 )
 SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=10", "randomness.seed=0")
 PROMPT = "What is 7 plus 5?"
+FP32 = ("--dtype", "fp32")
 # Written by `save_pretrained` itself; every other config.json entry must be the base model's.
 SAVE_ENTRIES = {"_name_or_path", "torch_dtype", "transformers_version"}
 
@@ -217,6 +222,20 @@ def test_lora_convert_merge_round_trip(stock, lora_run):
     # changes (0.65 when measured, checked below).
     assert diff < 5e-3 * trained.abs().max().item()
     assert (logits - _base_logits(ids)).abs().max() > 50 * diff  # the adapter is in there
+
+    # `xtuner-rope convert merge --dtype fp32`: the base loaded, merged and saved in fp32 (a
+    # scoped compat patch of merge.py's fp16 load): equal to the trained model within fp32
+    # rounding (W + B @ A * alpha / r summed in another order than the adapter's forward).
+    exact = stock["root"] / "hf_merged_fp32"
+    printed = io.StringIO()  # in this process: the fp16 merge above already loaded in a plain one
+    with contextlib.redirect_stdout(printed):
+        assert main(["convert", "merge", str(sc.TINY_MODEL), str(adapter), str(exact), *FP32]) == 0
+    assert "base loaded, merged and saved in fp32 (asked)" in printed.getvalue()
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(exact, torch_dtype=torch.float32).eval()
+        fp32_diff = (merged(ids).logits - trained).abs().max().item()
+    print(f"LoRA merge --dtype fp32: max |logit diff| {fp32_diff:.2e} (fp16 merge: {diff:.2e})")
+    assert fp32_diff <= 1e-5 * trained.abs().max().item() and fp32_diff < diff / 10
 
 
 def _base_logits(ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ import sys
 
 import torch
 from mmengine.config import Config
-from xtuner.model.utils import guess_load_checkpoint
 from xtuner.registry import BUILDER
 
 
@@ -27,17 +26,20 @@ def module_weights(checkpoint: str) -> dict:
 
     A ``.pth`` file (one process, DDP) holds them in ``state_dict``; a ZeRO-1/2 folder in
     ``mp_rank_00_model_states.pt`` (the module's full tensors). A ZeRO-3 folder has no such
-    file (each rank saved its partition): XTuner's ``guess_load_checkpoint`` gathers them.
-    Not ``guess_load_checkpoint`` for ZeRO-2: it rebuilds the weights from the optimizer's fp32
-    partitions, which in the sequence-parallel run differ from the module's (measured: up to
-    4.7e-4 at iteration 8, see docs/evaluation.md).
+    file (each rank saved its partition): DeepSpeed's own ``zero_to_fp32`` gathers the fp32
+    partitions. Not XTuner's ``guess_load_checkpoint``: xtuner 0.2.0 reads them as fp16
+    (``xtuner/utils/zero_to_any_dtype.py``: ``DEFAULT_DTYPE = torch.float16``), and this
+    reference imports nothing of the plugin, whose compat patch makes it read fp32.
     """
     if os.path.isfile(checkpoint):
         return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     states = os.path.join(checkpoint, "mp_rank_00_model_states.pt")
     if os.path.isfile(states):
         return torch.load(states, map_location="cpu", weights_only=False)["module"]
-    return guess_load_checkpoint(checkpoint)  # ZeRO-3: gather the partitions
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder, tag = os.path.split(checkpoint.rstrip(os.sep))
+    return get_fp32_state_dict_from_zero_checkpoint(folder, tag)  # ZeRO-3: fp32 partitions
 
 
 # llm.base_model.model.<module>.lora_A[.<adapter>].weight: peft's names in XTuner's state_dict

@@ -3,7 +3,7 @@
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
 ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
+``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
 runs when ``xtuner_rope`` is imported. Every public name of the modules is importable from here.
@@ -57,6 +57,7 @@ from .xtuner_internvl import (
     patch_internvl_rank,
 )
 from .xtuner_llava import patch_llava_expansion_check, patch_llava_predict_labels
+from .xtuner_merge import merge_loading_in
 from .xtuner_model_resource import (
     config_being_started,
     keep_other_model_paths,
@@ -75,6 +76,13 @@ from .xtuner_sft import (
     patch_sft_forward_names_missing_hook,
     patch_sft_sequence_parallel_loss,
     patch_xtuner_train_sequence_parallel_check,
+)
+from .xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
+from .xtuner_zero_read import (
+    ZERO_READ_FEATURE,
+    ZERO_READER_FUNCTIONS,
+    ZERO_READER_MODULE,
+    patch_xtuner_zero_read_fp32,
 )
 
 __all__ = [
@@ -131,6 +139,13 @@ __all__ = [
     "patch_preference_unpacked_pairs",
     "patch_preference_map_fn_errors",
     "patch_dpo_predict_reference",
+    "patch_xtuner_zero_read_fp32",
+    "to_hf_in_dtype",
+    "TO_HF_CLASSES",
+    "ZERO_READ_FEATURE",
+    "ZERO_READER_FUNCTIONS",
+    "ZERO_READER_MODULE",
+    "merge_loading_in",
 ]
 
 _APPLIED: list[str] = []
@@ -186,6 +201,7 @@ def apply() -> list[str]:
         patch_internvl_dataset_template,
         patch_internvl_predict,
         patch_llava_predict_labels,
+        patch_xtuner_zero_read_fp32,
     ):
         if patch.__name__ not in _APPLIED and patch():
             _APPLIED.append(patch.__name__)

@@ -16,6 +16,7 @@ attention) is installed: the tools build and save plain Hugging Face models.
 
 from __future__ import annotations
 
+import functools
 import runpy
 import sys
 from pathlib import Path
@@ -29,6 +30,21 @@ XTUNER_TOOLS = {
     ("chat",): "xtuner.tools.chat",
 }
 MODEL_PATH_KEY = "pretrained_model_name_or_path"
+# The option xtuner-rope adds to `convert pth_to_hf` and `convert merge`.
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DTYPE_HELP = {
+    "pth_to_hf": (
+        "the dtype to save in (default: the dtype the run trained in, read from the "
+        "checkpoint; --fp32 is --dtype fp32). DeepSpeed checkpoints are read at fp32; values "
+        "the cast overflows to inf or flushes to zero are counted and named."
+    ),
+    "merge": "load the base, merge and save in this dtype (default: fp16, XTuner's).",
+}
+
+
+def dtype_help(tool: str) -> str:
+    """What ``-h`` of ``convert TOOL`` prints after XTuner's own help: the ``--dtype`` option."""
+    return f"\nxtuner-rope adds:\n  --dtype {{{','.join(DTYPE_CHOICES)}}}\n    {DTYPE_HELP[tool]}"
 
 
 def _model_path_keys(node: object, prefix: str = "") -> list[str]:
@@ -82,17 +98,19 @@ def resolved_model_options(config: str, cfg_options: dict | None = None) -> list
     return [f"{key}={resolved}" for key in _model_path_keys(cfg.to_dict())]
 
 
-def _config_and_options(argv: list[str]) -> tuple[str, dict | None]:
-    """The config and ``--cfg-options`` of a ``pth_to_hf`` command line, as the tool reads them."""
+def _config_and_options(argv: list[str]) -> tuple[str, str, dict | None]:
+    """The config, checkpoint and ``--cfg-options`` of a ``pth_to_hf`` command line, as the
+    tool reads them."""
     import argparse
 
     from mmengine.config import DictAction
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("config")
+    parser.add_argument("pth_model")
     parser.add_argument("--cfg-options", nargs="+", action=DictAction)
     known, _ = parser.parse_known_args(argv)
-    return known.config, known.cfg_options
+    return known.config, known.pth_model, known.cfg_options
 
 
 def parser_answer(command: tuple[str, ...], argv: list[str]) -> int | None:
@@ -116,30 +134,73 @@ def _prog(command: tuple[str, ...]) -> str:
     return f"xtuner {' '.join(command)}"
 
 
-def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
+def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None = None) -> int:
     """Run XTuner's tool ``command`` with ``argv`` after loading the plugin.
 
     Args:
         command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
         argv: The tool's own arguments, exactly as ``xtuner`` takes them.
+        dtype: ``--dtype`` of ``convert`` (``bf16``, ``fp16``, ``fp32``). ``pth_to_hf``: None
+            saves in the dtype the run trained in (XTuner's ``--fp32`` is ``fp32``);
+            ``merge``: None keeps XTuner's fp16.
 
     Returns:
-        The tool's exit status: 0 when it finished, its ``sys.exit`` code otherwise. An
-        exception raised by the tool propagates (Python then exits with status 1).
+        The tool's exit status: 0 when it finished, its ``sys.exit`` code otherwise, 2 for
+        ``--fp32`` with another ``--dtype``. An exception raised by the tool propagates
+        (Python then exits with status 1).
 
     Raises:
         KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
     """
     from xtuner_rope import compat
 
+    from . import convert_dtype  # torch: not before the usage errors have answered
+
     compat.apply()  # idempotent: the patches are in place before XTuner's tool imports
 
     module = XTUNER_TOOLS[command]
     if command == ("convert", "pth_to_hf") and "-h" not in argv and "--help" not in argv:
-        config, options = _config_and_options(argv)
-        overrides = resolved_model_options(config, options) if Path(config).is_file() else []
-        if overrides:
-            argv = [*argv, "--cfg-options", *overrides]
+        return _convert_pth_to_hf(argv, dtype)
+    if command == ("convert", "merge") and dtype:
+        print(f"xtuner-rope convert merge: base loaded, merged and saved in {dtype} (asked).")
+        with compat.merge_loading_in(convert_dtype.DTYPES[dtype]):
+            return _run_module(module, command, argv)
+    return _run_module(module, command, argv)
+
+
+def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
+    """``convert pth_to_hf``: the model path ``model_resource`` gives, the dtype to save in
+    (said), the cast counted; XTuner's tool does the rest. Its exit status."""
+    from xtuner_rope import compat
+
+    from . import convert_dtype
+
+    command = ("convert", "pth_to_hf")
+    config, pth, options = _config_and_options(argv)
+    overrides = resolved_model_options(config, options) if Path(config).is_file() else []
+    if overrides:
+        argv = [*argv, "--cfg-options", *overrides]
+    if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
+        return _run_module(XTUNER_TOOLS[command], command, argv)
+    try:
+        saved_as, why = convert_dtype.save_dtype(dtype, "--fp32" in argv, pth)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
+    with compat.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
+        return _run_module(XTUNER_TOOLS[command], command, argv)
+
+
+def _cast_and_report(model: object, dtype: object) -> None:
+    """``to_hf``'s first step under ``--dtype``: the model cast, what it lost printed."""
+    from . import convert_dtype
+
+    print(convert_dtype.describe_cast(convert_dtype.cast_module(model, dtype), dtype))
+
+
+def _run_module(module: str, command: tuple[str, ...], argv: list[str]) -> int:
+    """Run XTuner's tool module as ``__main__`` with ``argv``; its exit status."""
     saved = sys.argv
     sys.argv = [_prog(command), *argv]
     try:
@@ -154,4 +215,12 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["XTUNER_TOOLS", "parser_answer", "resolved_model_options", "run_xtuner_tool"]
+__all__ = [
+    "XTUNER_TOOLS",
+    "DTYPE_CHOICES",
+    "DTYPE_HELP",
+    "dtype_help",
+    "parser_answer",
+    "resolved_model_options",
+    "run_xtuner_tool",
+]

@@ -1,0 +1,211 @@
+"""The dtype ``xtuner-rope convert pth_to_hf`` saves in, and what a cast to it loses.
+
+``--dtype bf16|fp16|fp32`` names it; without it the dtype the run trained in, read from the
+checkpoint (:func:`trained_dtype`); XTuner's own ``--fp32`` is ``--dtype fp32``. The cast
+(:func:`cast_module`) counts per tensor the values that overflow to ``inf`` (finite before,
+infinite after: fp16's largest value is 65504) and the nonzero values flushed to zero (below
+fp16's smallest subnormal, 6.0e-8, or bf16's 9.2e-41), and :func:`describe_cast` names them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+LISTED = 10  # tensors named one by one in the report; the rest are counted
+
+
+@dataclass(frozen=True)
+class CastLoss:
+    """What casting one tensor lost.
+
+    Attributes:
+        name: The tensor's name in the model (``llm.model.layers.0...weight``).
+        overflowed: Finite values that became ``inf``.
+        flushed: Nonzero values that became 0.
+        numel: The tensor's number of values.
+    """
+
+    name: str
+    overflowed: int
+    flushed: int
+    numel: int
+
+
+def cast_losses(name: str, old: torch.Tensor, new: torch.Tensor) -> CastLoss:
+    """Compare a tensor with its cast: values overflowed to ``inf`` and flushed to zero.
+
+    Args:
+        name: The tensor's name, for the report.
+        old: The tensor before the cast (any shape).
+        new: The same tensor after the cast (same shape).
+
+    Returns:
+        The counts (zero when nothing was lost).
+    """
+    overflowed = int((torch.isfinite(old) & torch.isinf(new)).sum())
+    flushed = int(((old != 0) & (new == 0)).sum())
+    return CastLoss(name, overflowed, flushed, old.numel())
+
+
+def cast_state_dict(
+    state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], list[CastLoss]]:
+    """Cast a state dict's floating tensors to ``dtype``, counting what is lost.
+
+    Args:
+        state: Name -> tensor; integer tensors are kept as they are.
+        dtype: The dtype to cast to.
+
+    Returns:
+        The cast state dict and one :class:`CastLoss` per tensor cast.
+    """
+    cast, losses = {}, []
+    for name, tensor in state.items():
+        cast[name] = tensor
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            cast[name] = tensor.to(dtype)
+            losses.append(cast_losses(name, tensor, cast[name]))
+    return cast, losses
+
+
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
+    """Cast a model's floating parameters and buffers to ``dtype`` in place, counting losses.
+
+    Like ``module.to(dtype)``, one tensor at a time (no second copy of the model). Tensors on
+    the meta device (not in the checkpoint: a LoRA base built empty) are cast, not counted.
+
+    Args:
+        module: The model (XTuner's, whose ``to_hf`` saves it next).
+        dtype: The dtype to save in.
+
+    Returns:
+        One :class:`CastLoss` per tensor cast (not for those already in ``dtype``).
+    """
+    losses = []
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in tensors:
+        if not tensor.is_floating_point() or tensor.dtype == dtype:
+            continue
+        new = tensor.data.to(dtype)
+        if not tensor.is_meta:
+            losses.append(cast_losses(name, tensor.data, new))
+        tensor.data = new
+    return losses
+
+
+def describe_cast(losses: list[CastLoss], dtype: torch.dtype) -> str:
+    """One line (or a few) for the output: what the cast to ``dtype`` lost, by tensor.
+
+    Args:
+        losses: What :func:`cast_module` or :func:`cast_state_dict` returned.
+        dtype: The dtype cast to.
+
+    Returns:
+        A line saying nothing was lost, or the tensors (the first :data:`LISTED` named) and
+        their counts of values overflowed to ``inf`` and flushed to zero.
+    """
+    name = NAMES.get(dtype, str(dtype))
+    lossy = [loss for loss in losses if loss.overflowed or loss.flushed]
+    if not lossy:
+        return (
+            f"xtuner-rope convert: cast {len(losses)} tensor(s) to {name}: no value "
+            "overflowed to inf or was flushed to zero."
+        )
+    overflowed = sum(loss.overflowed for loss in lossy)
+    flushed = sum(loss.flushed for loss in lossy)
+    lines = [
+        f"xtuner-rope convert: WARNING: the cast to {name} lost values in {len(lossy)} of "
+        f"{len(losses)} tensor(s): {overflowed} overflowed to inf, {flushed} nonzero flushed "
+        "to zero. Convert with --dtype fp32 (or bf16, whose range is fp32's) to keep them:"
+    ]
+    for loss in lossy[:LISTED]:
+        lines.append(
+            f"  {loss.name}: {loss.overflowed} overflowed, {loss.flushed} flushed (of {loss.numel})"
+        )
+    if len(lossy) > LISTED:
+        lines.append(f"  ... and {len(lossy) - LISTED} more tensor(s)")
+    return "\n".join(lines)
+
+
+def _model_states(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The tensors that name the run's dtype: a ``.pth``'s ``state_dict``, a DeepSpeed
+    folder's module (ZeRO-1/2: ``mp_rank_00``; ZeRO-3: rank 0's partition)."""
+    if os.path.isfile(checkpoint):
+        state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+        return state.get("state_dict", state)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        path = os.path.join(checkpoint, name)
+        if os.path.isfile(path):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["module"]
+    raise FileNotFoundError(
+        f"xtuner-rope convert: {checkpoint} is neither a checkpoint file nor a DeepSpeed folder "
+        "with mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt: give the "
+        "iter_N.pth that xtuner train wrote, or pass --dtype."
+    )
+
+
+def trained_dtype(checkpoint: str) -> torch.dtype:
+    """The dtype of the weights the run held: the most common floating dtype of its tensors.
+
+    A DeepSpeed run under ``bf16`` (or ``fp16``) held its module in that dtype (its fp32
+    partitions are the optimizer's masters); an MMEngine ``.pth`` holds the model's own weights
+    (fp32 under AMP, which computes in bf16/fp16 from fp32 weights).
+
+    Args:
+        checkpoint: ``iter_N.pth``: a file or a DeepSpeed folder.
+
+    Returns:
+        That dtype; fp32 when the checkpoint holds no floating tensor.
+
+    Raises:
+        FileNotFoundError: ``checkpoint`` is neither (the message says what to give).
+    """
+    counts = Counter(
+        t.dtype
+        for t in _model_states(checkpoint).values()
+        if torch.is_tensor(t) and t.is_floating_point()
+    )
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def save_dtype(asked: str | None, fp32: bool, checkpoint: str) -> tuple[torch.dtype, str]:
+    """The dtype to save in, and why.
+
+    Args:
+        asked: ``--dtype`` (``bf16``, ``fp16``, ``fp32``) or None.
+        fp32: XTuner's ``--fp32`` was given (the same as ``--dtype fp32``).
+        checkpoint: The ``iter_N.pth`` converted (read when nothing was asked).
+
+    Returns:
+        The dtype and a few words on where it came from, for the output.
+
+    Raises:
+        ValueError: ``--fp32`` together with another ``--dtype``.
+    """
+    if fp32 and asked not in (None, "fp32"):
+        raise ValueError(
+            f"xtuner-rope convert pth_to_hf: --fp32 and --dtype {asked} ask for two dtypes: "
+            f"give one (--dtype {asked} alone, or --fp32 alone)."
+        )
+    if asked or fp32:
+        return DTYPES[asked or "fp32"], "asked"
+    dtype = trained_dtype(checkpoint)
+    return dtype, f"the dtype of the trained weights in {checkpoint}; --dtype chooses another"
+
+
+__all__ = [
+    "DTYPES",
+    "save_dtype",
+    "CastLoss",
+    "cast_losses",
+    "cast_state_dict",
+    "cast_module",
+    "describe_cast",
+    "trained_dtype",
+]
