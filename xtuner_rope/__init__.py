@@ -70,6 +70,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.moss",
     "xtuner_rope.config.heldout",
     "xtuner_rope.config.heldout_shortcut",
+    "xtuner_rope.config.patch_needs",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 # Modules whose import activates nothing: the math, and the command line (each subcommand

@@ -11,7 +11,8 @@
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
   ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``moss``
   (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``heldout`` (``val_dataloader`` and
-  ``TokenLossMetric``), ``heldout_shortcut`` (``heldout = dict(...)``), ``preference`` (DPO, ORPO, reward);
+  ``TokenLossMetric``), ``heldout_shortcut`` (``heldout = dict(...)``), ``preference`` (DPO, ORPO, reward),
+  ``patch_needs`` (a feature whose third-party patch ``compat`` skipped here);
   the loss-normalization and checkpoint-interval findings live with their hooks
   (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
@@ -32,6 +33,7 @@ from . import (
     moss,
     multimodal,
     packing,
+    patch_needs,
     preference,
     rope_scaling,
     runtime,
@@ -50,6 +52,7 @@ __all__ = [
     "moss",
     "multimodal",
     "packing",
+    "patch_needs",
     "preference",
     "rope_scaling",
     "runtime",

@@ -53,6 +53,7 @@ class Finding:
 
 # Where each topic's findings appear in the start-up's report and are applied, first to last.
 SLOTS = (
+    "patches",  # config.patch_needs: a feature whose third-party patch was skipped here
     "varlen",  # config.packing: the stock use_varlen_attn switch
     "framework",  # config.frameworks: XTuner's Hugging Face Trainer configs
     "packing",  # config.packing: boundaries recorded and kept, nothing dropped

@@ -26,7 +26,7 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import keep_other_model_paths
+from xtuner_rope.compat import keep_other_model_paths, run_patch
 
 # Read through this module by the findings, the hooks and the doctor since before the split.
 from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
@@ -160,7 +160,9 @@ def prepare_started_config(path: str) -> str:
     cfg = _config_being_started()
     if cfg is not None:
         prepare_config(cfg)
-        keep_other_model_paths(cfg, path)  # a LLaVA config's CLIP paths are not the LLM's
+        run_patch(
+            keep_other_model_paths, cfg, path
+        )  # a LLaVA config's CLIP paths are not the LLM's
     return path
 
 
