@@ -10,10 +10,16 @@ exact edit named; what has one right answer is fixed instead, and logged.
 This module is the findings engine: :class:`Finding`, :func:`register_findings` (at a named
 slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks call it too) and
 :func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
-findings live by topic, each module registering its own: ``config.packing``, ``config.runtime``
-(plugin hooks, AMP on CPU, ``sequence_parallel_size``), ``config.families``,
-``config.multimodal``, ``config.launch``, ``config.sequence_parallel``, ``config.preference``,
-``hooks.loss_norm``. ``config.fields`` reads a config without building it.
+findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
+``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
+(and ``config.moss``), ``config.frameworks``, ``hooks.loss_norm``, ``config.multimodal``,
+``config.internvl``, ``config.llava_tower``, ``config.launch``, ``hooks.accumulation`` and
+``hooks.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
+``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
+``sequence_parallel_size``), ``config.heldout`` (and ``config.heldout_shortcut``),
+``config.families``, ``config.checkpoint_findings``, ``config.preference``
+(``xtuner_rope.FINDINGS_MODULES`` imports them all). ``config.fields`` reads a config
+without building it.
 """
 
 from __future__ import annotations

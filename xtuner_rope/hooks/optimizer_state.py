@@ -27,7 +27,7 @@ from xtuner_rope.config.startup import Finding, register_findings, type_name
 KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save_optimizer=False
 
 
-@register_findings("checkpoints")
+@register_findings("checkpoint_saving")
 def save_optimizer_findings(cfg) -> list[Finding]:
     """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on.
 
