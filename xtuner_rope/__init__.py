@@ -64,7 +64,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.hooks.accumulation",
-    "xtuner_rope.hooks.optimizer_state",
+    "xtuner_rope.config.optimizer_state",
     "xtuner_rope.config.warmup",
     "xtuner_rope.config.frameworks",
     "xtuner_rope.config.moss",

@@ -65,6 +65,11 @@ MOVED = {
 MOVED_NAMES = {
     # Before whole-dialogue packing, XTuner's cut plan was packed_dataset.pack_plan.
     ("xtuner_rope.data.packed_dataset", "pack_plan"): ("xtuner_rope.data.pack_plans", "cut_plan"),
+    # Issue 47: the start-up finding left the hook's module for config/.
+    ("xtuner_rope.hooks.optimizer_state", "save_optimizer_findings"): (
+        "xtuner_rope.config.optimizer_state",
+        "save_optimizer_findings",
+    ),
 }
 
 

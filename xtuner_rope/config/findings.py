@@ -63,7 +63,7 @@ SLOTS = (
     "internvl",  # config.internvl: InternVL_V1_5 (LLM attention, fp32 on CPU, 4-bit, collate)
     "llava_tower",  # config.llava_tower: image_tokens and crop size against the vision tower
     "launch",  # config.launch: DeepSpeed, launcher, devices
-    "checkpoint_saving",  # hooks.accumulation, hooks.optimizer_state: what and when CheckpointHook saves
+    "checkpoint_saving",  # hooks.accumulation, config.optimizer_state: what and when CheckpointHook saves
     "sequence_parallel",  # config.sequence_parallel: heads not divisible on CPU
     "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
     "hooks",  # config.runtime: the plugin's hooks in custom_hooks

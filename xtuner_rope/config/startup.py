@@ -14,7 +14,7 @@ findings live by topic, each module registering its own at its slot (``findings.
 ``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
 (and ``config.moss``), ``config.frameworks``, ``hooks.loss_norm``, ``config.multimodal``,
 ``config.internvl``, ``config.llava_tower``, ``config.launch``, ``hooks.accumulation`` and
-``hooks.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
+``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
 ``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
 ``sequence_parallel_size``), ``config.heldout`` (and ``config.heldout_shortcut``),
 ``config.families``, ``config.checkpoint_findings``, ``config.preference``
