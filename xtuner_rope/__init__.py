@@ -64,12 +64,13 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
     "xtuner_rope.hooks.accumulation",
-    "xtuner_rope.hooks.optimizer_state",
+    "xtuner_rope.config.optimizer_state",
     "xtuner_rope.config.warmup",
     "xtuner_rope.config.frameworks",
     "xtuner_rope.config.moss",
     "xtuner_rope.config.heldout",
     "xtuner_rope.config.heldout_shortcut",
+    "xtuner_rope.config.patch_needs",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
 # Modules whose import activates nothing: the math, and the command line (each subcommand

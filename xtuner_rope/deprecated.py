@@ -59,6 +59,57 @@ MOVED = {
 }
 
 
+# Old names inside modules that stay -> (the module that holds the name now, its name there).
+# The module gets a ``__getattr__`` (PEP 562) when it is imported: the old name warns and
+# answers with the new object.
+MOVED_NAMES = {
+    # Before whole-dialogue packing, XTuner's cut plan was packed_dataset.pack_plan.
+    ("xtuner_rope.data.packed_dataset", "pack_plan"): ("xtuner_rope.data.pack_plans", "cut_plan"),
+    # Issue 47: the start-up finding left the hook's module for config/.
+    ("xtuner_rope.hooks.optimizer_state", "save_optimizer_findings"): (
+        "xtuner_rope.config.optimizer_state",
+        "save_optimizer_findings",
+    ),
+}
+
+
+def name_message(module: str, name: str) -> str:
+    """The warning for reading ``module.name`` of :data:`MOVED_NAMES`: the import to write."""
+    new_module, new_name = MOVED_NAMES[(module, name)]
+    return (
+        f"{module}.{name} is deprecated: it is {new_module}.{new_name}. Write "
+        f"`from {new_module} import {new_name}` instead; the old name keeps working, with this "
+        f"warning, until xtuner-rope {REMOVED_IN}."
+    )
+
+
+def _moved_names_getattr(module: str):
+    """The ``__getattr__`` of ``module``: its old names of :data:`MOVED_NAMES`, with a warning."""
+
+    def __getattr__(name: str) -> object:
+        if (module, name) not in MOVED_NAMES:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(name_message(module, name), DeprecationWarning, stacklevel=2)
+        new_module, new_name = MOVED_NAMES[(module, name)]
+        return getattr(importlib.import_module(new_module), new_name)
+
+    return __getattr__
+
+
+class _MovedNamesLoader(importlib.abc.Loader):
+    """The module's own loader, then its old names answered (``__getattr__``)."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        module.__getattr__ = _moved_names_getattr(module.__name__)
+
+
 def message(old: str) -> str:
     """The warning for importing ``old``: what it is now and the import to write instead."""
     new = MOVED[old]
@@ -82,9 +133,14 @@ class _MovedModuleLoader(importlib.abc.Loader):
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds the old names of ``MOVED`` (and only those) on ``sys.meta_path``."""
+    """Finds the old names of ``MOVED`` and the modules of ``MOVED_NAMES`` on ``sys.meta_path``."""
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname in {module for module, _ in MOVED_NAMES}:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _MovedNamesLoader(spec.loader)
+            return spec
         if fullname not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader())
@@ -94,3 +150,6 @@ def install() -> None:
     """Put the finder on ``sys.meta_path`` once (first, so no stale file could shadow it)."""
     if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, MovedModuleFinder())
+    for module, _ in MOVED_NAMES:  # imported before the finder was there
+        if module in sys.modules and "__getattr__" not in vars(sys.modules[module]):
+            sys.modules[module].__getattr__ = _moved_names_getattr(module)

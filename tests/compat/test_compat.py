@@ -48,7 +48,7 @@ def test_cpu_bf16_patch_is_needed_without_the_plugin():
 
 
 def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
-    if not bitsandbytes_triton._triton_lacks_ops():
+    if not bitsandbytes_triton.triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
     bare = _python("import bitsandbytes")
     assert bare.returncode != 0 and "triton.ops" in bare.stderr
@@ -63,7 +63,7 @@ def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
 
 def test_bitsandbytes_imports_after_peft_half_imported_it():
     """`xtuner train` imports peft (which half-imports bitsandbytes) before any plugin code."""
-    if not bitsandbytes_triton._triton_lacks_ops():
+    if not bitsandbytes_triton.triton_lacks_ops():
         pytest.skip("this triton still ships triton.ops: no gap")
     code = (
         "import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"

@@ -18,7 +18,8 @@ from xtuner.dataset.utils import Packer
 from xtuner.registry import BUILDER
 
 from xtuner_rope.config import startup
-from xtuner_rope.data.packed_dataset import pack_dataset, pack_plan
+from xtuner_rope.data.pack_plans import cut_plan
+from xtuner_rope.data.packed_dataset import pack_dataset
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 
@@ -89,13 +90,27 @@ def test_where_xtuner_loses_nothing_the_packs_are_the_same():
 
 
 def test_plan_of_nothing_and_bad_max_length():
-    assert pack_plan(np.zeros(0, dtype=np.int64), 8).tolist() == [0]
+    assert cut_plan(np.zeros(0, dtype=np.int64), 8).tolist() == [0]
     with pytest.raises(
         ValueError,
         match=r"max_length must be a positive integer, got 0; set "
         r"max_length in PART 1",
     ):
-        pack_plan(np.array([3, 4]), 0)
+        cut_plan(np.array([3, 4]), 0)
+
+
+def test_the_old_pack_plan_name_warns_and_names_cut_plan():
+    import xtuner_rope.data.packed_dataset as packed_dataset
+
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"packed_dataset\.pack_plan is deprecated: it is "
+        r"xtuner_rope\.data\.pack_plans\.cut_plan",
+    ):
+        from xtuner_rope.data.packed_dataset import pack_plan
+    assert pack_plan is cut_plan
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        packed_dataset.no_such_name  # noqa: B018
 
 
 def test_untokenized_dataset_is_refused_with_its_columns():

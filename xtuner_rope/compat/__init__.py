@@ -2,11 +2,19 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``). Each patch names the versions it was written
-against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
-with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
-runs when ``xtuner_rope`` is imported. Every public name of the modules is importable from here.
+``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
+``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
+``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``;
+``mmengine_config``: :func:`config_dict`, MMEngine's private config
+dict read in one place). Each patch has a record (``records.RECORDS``: the versions it was
+written for, the names it replaces, the feature it serves, the symptom it removes) and runs in
+a guard (``guard.run_guarded``): outside those versions, with a probed name missing, or if the
+patch raises, it is skipped with one :class:`CompatPatchSkipped` warning naming the feature,
+and :func:`skipped` says why; the start-up then refuses the configs that need that feature
+(``xtuner_rope.config.patch_needs``). Inside them a patch still decides itself whether its gap
+exists here (most only on a CPU-only machine, or on the releases that have the bug) and leaves
+everything else as it was. ``apply()`` is idempotent and runs when ``xtuner_rope`` is
+imported; it never raises. Every public name of the modules is importable from here.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
+from .bitsandbytes_triton import patch_bitsandbytes_triton_probe, triton_lacks_ops
 from .checkpoint import patch_checkpoint_loading
 from .checkpoint_files import (
     IncompleteCheckpointError,
@@ -40,10 +48,30 @@ from .checkpoint_world import (
     refuse_other_world_size,
     saved_world_size,
 )
-from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
+from .deepspeed_cpu import (
+    deepspeed_flat_buffer_requires_grad,
+    patch_deepspeed_cpu_allgather_grad_mode,
+    patch_deepspeed_zero3_cpu_gather,
+)
 from .devices import cpu_only
+from .guard import (
+    CompatPatchSkipped,
+    CompatPatchUnavailable,
+    PatchRecord,
+    applied,
+    check_only,
+    install_hint,
+    installed_version,
+    outcomes,
+    require,
+    run_guarded,
+    skip_message,
+    skipped,
+)
+from .mmengine_config import ConfigDictUnavailable, config_dict, is_config
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
 from .mmengine_scheduler import SCHEDULER_CHECKS, patch_mmengine_warmup_rounding
+from .records import DEFERRED, RECORDS, records_table
 from .torch_cpu import patch_torch_cpu_bf16_query
 from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,
@@ -87,6 +115,27 @@ from .xtuner_zero_read import (
 
 __all__ = [
     "apply",
+    "applied",
+    "outcomes",
+    "skipped",
+    "skip_message",
+    "run_patch",
+    "require",
+    "run_guarded",
+    "CompatPatchSkipped",
+    "CompatPatchUnavailable",
+    "PatchRecord",
+    "RECORDS",
+    "DEFERRED",
+    "records_table",
+    "config_dict",
+    "is_config",
+    "ConfigDictUnavailable",
+    "check_only",
+    "install_hint",
+    "installed_version",
+    "triton_lacks_ops",
+    "deepspeed_flat_buffer_requires_grad",
     "cpu_only",
     "SCHEDULER_CHECKS",
     "MOVED_NAMES",
@@ -148,8 +197,6 @@ __all__ = [
     "merge_loading_in",
 ]
 
-_APPLIED: list[str] = []
-
 # Model patches that lived here once and now live with their family in ``models``.
 MOVED_NAMES = {"patch_hf_fp32_rotation": "xtuner_rope.models.hf_rope"}
 
@@ -168,8 +215,28 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(new), name)
 
 
+def run_patch(patch, *args, **kwargs) -> object:
+    """Run ``patch(*args, **kwargs)`` in its record's guard (for the patches applied later).
+
+    Returns:
+        The patch's result, or False where it was skipped (one ``CompatPatchSkipped``
+        warning) or is not needed here.
+    """
+    return run_guarded(RECORDS[patch.__name__], patch, *args, **kwargs)
+
+
+def _check_deferred() -> None:
+    """Versions and probes of the patches applied later: a skip is known (and warned) now."""
+    for record in DEFERRED:
+        check_only(record)
+
+
 def apply() -> list[str]:
-    """Apply every patch whose gap exists here; safe to call any number of times.
+    """Apply every patch whose gap exists here, each in its guard; never raises.
+
+    Safe to call any number of times. A patch outside its versions, with a probed name
+    missing, or that raises is skipped with one ``CompatPatchSkipped`` warning (see
+    :func:`skipped`); the patches applied later (``DEFERRED``) are checked the same way now.
 
     Returns:
         The names of the patches applied so far in this process.
@@ -203,6 +270,7 @@ def apply() -> list[str]:
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
     ):
-        if patch.__name__ not in _APPLIED and patch():
-            _APPLIED.append(patch.__name__)
-    return list(_APPLIED)
+        if patch.__name__ not in applied():
+            run_patch(patch)
+    _check_deferred()
+    return applied()

@@ -8,7 +8,7 @@ import sys
 import types
 
 
-def _triton_lacks_ops() -> bool:
+def triton_lacks_ops() -> bool:
     """True if triton is installed without the ``triton.ops`` package (removed in triton 3.2)."""
     spec = importlib.util.find_spec("triton")
     if spec is None or not spec.submodule_search_locations:
@@ -54,7 +54,7 @@ def patch_bitsandbytes_triton_probe() -> bool:
         True if applied (triton lacks ``triton.ops`` and bitsandbytes is not fully imported).
     """
     name = "bitsandbytes.triton.triton_utils"
-    if "bitsandbytes" in sys.modules or not _triton_lacks_ops():
+    if "bitsandbytes" in sys.modules or not triton_lacks_ops():
         return False
     _forget_failed_bitsandbytes_import()
     probe = types.ModuleType(name, "xtuner_rope.compat: triton without triton.ops counts as absent")

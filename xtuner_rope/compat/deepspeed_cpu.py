@@ -13,7 +13,7 @@ import torch
 from .devices import cpu_only
 
 
-def _deepspeed_flat_buffer_requires_grad() -> bool:
+def deepspeed_flat_buffer_requires_grad() -> bool:
     """True if the installed DeepSpeed predates 0.19.0 (which detached ZeRO-1/2's flat buffer)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -39,7 +39,7 @@ def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     Returns:
         True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
     """
-    if not cpu_only() or not _deepspeed_flat_buffer_requires_grad():
+    if not cpu_only() or not deepspeed_flat_buffer_requires_grad():
         return False
     import deepspeed.runtime.utils as ds_utils
 

@@ -6,6 +6,8 @@ import functools
 import os
 import sys
 
+from .mmengine_config import config_dict, is_config
+
 
 def _model_resource_config():
     """The config of a running xtuner 0.2.0 ``set_model_resource`` up the stack, or None."""
@@ -15,7 +17,7 @@ def _model_resource_config():
             os.path.join("xtuner", "tools", "utils.py")
         ):
             cfg = frame.f_locals.get("cfg")
-            return cfg if hasattr(cfg, "_cfg_dict") else None
+            return cfg if is_config(cfg) else None
         frame = frame.f_back
     return None
 
@@ -50,10 +52,10 @@ def _llm_path_setting(cfg) -> str | None:
     ``path`` (their ``model.model_path``): the start-up then refuses InternVL with its reason
     instead of XTuner's ``KeyError``.
     """
-    if isinstance(dict.get(cfg._cfg_dict, "llm_name_or_path"), str):
+    if isinstance(dict.get(config_dict(cfg), "llm_name_or_path"), str):
         return "llm_name_or_path"
-    model = dict.get(cfg._cfg_dict, "model")
-    path = dict.get(cfg._cfg_dict, "path")
+    model = dict.get(config_dict(cfg), "model")
+    path = dict.get(config_dict(cfg), "path")
     if isinstance(path, str) and isinstance(model, dict) and model.get("model_path") == path:
         return "path"
     return None
@@ -61,13 +63,13 @@ def _llm_path_setting(cfg) -> str | None:
 
 def _give_llm_path(cfg) -> bool:
     """``cfg.pretrained_model_name_or_path = cfg.llm_name_or_path`` (or InternVL's ``path``)."""
-    if cfg is None or "pretrained_model_name_or_path" in cfg._cfg_dict:
+    if cfg is None or "pretrained_model_name_or_path" in config_dict(cfg):
         return False
     setting = _llm_path_setting(cfg)
     if setting is None:
         return False
-    llm_path = dict.get(cfg._cfg_dict, setting)
-    cfg._cfg_dict["pretrained_model_name_or_path"] = llm_path
+    llm_path = dict.get(config_dict(cfg), setting)
+    config_dict(cfg)["pretrained_model_name_or_path"] = llm_path
     from mmengine.logging import print_log
 
     print_log(
@@ -120,7 +122,7 @@ def keep_other_model_paths(cfg, returned: str) -> bool:
     Returns:
         True if the write-back was done here and XTuner's will be skipped.
     """
-    top = cfg._cfg_dict
+    top = config_dict(cfg)
     path = dict.get(top, "pretrained_model_name_or_path")
     others = {
         v

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
+from .guard import require
+from .records import RECORDS
+
 
 @contextlib.contextmanager
 def xtuner_pack_step(pack_fn):
@@ -20,6 +23,7 @@ def xtuner_pack_step(pack_fn):
     Args:
         pack_fn: Same arguments as XTuner's ``pack_dataset``.
     """
+    require(RECORDS["xtuner_pack_step"])  # skipped here: refuse, never pack XTuner's way
     import xtuner.dataset.huggingface as hf
 
     original = hf.pack_dataset
@@ -44,6 +48,7 @@ def xtuner_intern_repo_packer(packer_cls):
     Args:
         packer_cls: Same arguments as XTuner's ``PackedDataset`` (dataset, packed_length, seed).
     """
+    require(RECORDS["xtuner_intern_repo_packer"])  # skipped here: refuse, never cut documents
     import xtuner.dataset.intern_repo as intern_repo
 
     original = intern_repo.PackedDataset

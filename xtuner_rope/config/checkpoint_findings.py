@@ -83,7 +83,7 @@ def is_unreadable_checkpoint(finding: Finding) -> bool:
     return finding.fix is None and finding.setting == SETTING and CANNOT_READ in finding.problem
 
 
-@register_findings("checkpoint")
+@register_findings("llm_checkpoint")
 def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     """Refuse an LLM whose ``config.json`` cannot be read, before anything loads.
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "MODEL_RESOURCE_EDIT",
+    "RENAMED_SLOTS",
     "SLOTS",
     "ConfigConflict",
     "Finding",
@@ -53,6 +54,7 @@ class Finding:
 
 # Where each topic's findings appear in the start-up's report and are applied, first to last.
 SLOTS = (
+    "patches",  # config.patch_needs: a feature whose third-party patch was skipped here
     "varlen",  # config.packing: the stock use_varlen_attn switch
     "framework",  # config.frameworks: XTuner's Hugging Face Trainer configs
     "packing",  # config.packing: boundaries recorded and kept, nothing dropped
@@ -61,7 +63,7 @@ SLOTS = (
     "internvl",  # config.internvl: InternVL_V1_5 (LLM attention, fp32 on CPU, 4-bit, collate)
     "llava_tower",  # config.llava_tower: image_tokens and crop size against the vision tower
     "launch",  # config.launch: DeepSpeed, launcher, devices
-    "checkpoints",  # hooks.accumulation: checkpoints at accumulation-window boundaries
+    "checkpoint_saving",  # hooks.accumulation, config.optimizer_state: what and when CheckpointHook saves
     "sequence_parallel",  # config.sequence_parallel: heads not divisible on CPU
     "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
     "hooks",  # config.runtime: the plugin's hooks in custom_hooks
@@ -69,9 +71,13 @@ SLOTS = (
     "heldout",  # config.heldout: the held-out rows as the train rows, TokenLossMetric
     "attention",  # config.families: flash_attention_2 where flash-attn cannot run
     "family",  # config.families: unserved families
-    "checkpoint",  # config.checkpoint_findings: a config.json that cannot be read
+    "llm_checkpoint",  # config.checkpoint_findings: the LLM checkpoint's unreadable config.json
     "preference",  # config.preference: DPO, ORPO, reward model
 )
+
+
+# Slots renamed to say what they hold: old name -> new name (named in the refusal).
+RENAMED_SLOTS = {"checkpoints": "checkpoint_saving", "checkpoint": "llm_checkpoint"}
 
 
 def slot_rank(slot: str) -> int:
@@ -80,6 +86,12 @@ def slot_rank(slot: str) -> int:
     Raises:
         ValueError: ``slot`` names no slot (an order number of an earlier release, say).
     """
+    if slot in RENAMED_SLOTS:
+        raise ValueError(
+            f"register_findings: the slot {slot!r} was renamed {RENAMED_SLOTS[slot]!r} (it "
+            f"holds {'the saving of checkpoints' if slot == 'checkpoints' else 'the LLM checkpoint'}"
+            f"); write @register_findings({RENAMED_SLOTS[slot]!r})"
+        )
     if slot not in SLOTS:
         raise ValueError(
             f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "

@@ -126,9 +126,9 @@ def resolved_dtype(ds: dict) -> str | None:
     """
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
-    from xtuner_rope.compat import patch_torch_cpu_bf16_query
+    from xtuner_rope.compat import patch_torch_cpu_bf16_query, run_patch
 
-    patch_torch_cpu_bf16_query()  # what the plugin's start-up does before xtuner reads it
+    run_patch(patch_torch_cpu_bf16_query)  # what the plugin's start-up does before xtuner reads it
     ds = auto_dtype_of_deepspeed_config(copy.deepcopy(ds))
     for key in ("fp16", "bf16"):
         if (ds.get(key) or {}).get("enabled") is True:

@@ -10,10 +10,16 @@ exact edit named; what has one right answer is fixed instead, and logged.
 This module is the findings engine: :class:`Finding`, :func:`register_findings` (at a named
 slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks call it too) and
 :func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
-findings live by topic, each module registering its own: ``config.packing``, ``config.runtime``
-(plugin hooks, AMP on CPU, ``sequence_parallel_size``), ``config.families``,
-``config.multimodal``, ``config.launch``, ``config.sequence_parallel``, ``config.preference``,
-``hooks.loss_norm``. ``config.fields`` reads a config without building it.
+findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
+``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
+(and ``config.moss``), ``config.frameworks``, ``hooks.loss_norm``, ``config.multimodal``,
+``config.internvl``, ``config.llava_tower``, ``config.launch``, ``hooks.accumulation`` and
+``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
+``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
+``sequence_parallel_size``), ``config.heldout`` (and ``config.heldout_shortcut``),
+``config.families``, ``config.checkpoint_findings``, ``config.preference``
+(``xtuner_rope.FINDINGS_MODULES`` imports them all). ``config.fields`` reads a config
+without building it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import keep_other_model_paths
+from xtuner_rope.compat import keep_other_model_paths, run_patch
 
 # Read through this module by the findings, the hooks and the doctor since before the split.
 from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
@@ -160,7 +166,9 @@ def prepare_started_config(path: str) -> str:
     cfg = _config_being_started()
     if cfg is not None:
         prepare_config(cfg)
-        keep_other_model_paths(cfg, path)  # a LLaVA config's CLIP paths are not the LLM's
+        run_patch(
+            keep_other_model_paths, cfg, path
+        )  # a LLaVA config's CLIP paths are not the LLM's
     return path
 
 

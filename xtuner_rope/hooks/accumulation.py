@@ -54,7 +54,7 @@ def _accumulative_counts(cfg_dict: dict) -> int:
     return 1
 
 
-@register_findings("checkpoints")
+@register_findings("checkpoint_saving")
 def checkpoint_interval_findings(cfg) -> list[Finding]:
     """Start-up fix: iteration checkpoints at multiples of ``accumulative_counts``.
 

@@ -162,7 +162,7 @@ class PackedBatchCheckHook(Hook):
         self._isolating = isolates_documents(runner.model)
         self._checked_limits = self._limits(runner)
         self._reported = False
-        compat.patch_llava_expansion_check(runner.model, self._checked_limits[1])
+        compat.run_patch(compat.patch_llava_expansion_check, runner.model, self._checked_limits[1])
         self._internvl = internvl_image_tokens(runner.model)
 
     def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:

@@ -1,67 +1,17 @@
-"""Checkpoints that hold the optimizer state: a resume continues the optimizer, not restarts it.
+"""The resume of a checkpoint without optimizer state, named in the log (``RandomStateHook``).
 
-XTuner 0.2.0's stock InternVL configs (23 of its config files) set
-``default_hooks.checkpoint.save_optimizer=False``. MMEngine 0.10.6 then writes the weights alone,
-and ``--resume`` of such a checkpoint loads them and silently builds a fresh optimizer: SGD's
-momentum and AdamW's moments restart from zero at the resumed iteration, and the run goes
-elsewhere. Measured on the stock ``internvl_v2_phi3_4b_finetune`` and
-``internvl_v2_internlm2_2b_lora_finetune`` (tiny checkpoints, SGD with momentum 0.9, killed after
-iteration 7, resumed from ``iter_4``): the losses match up to the next optimizer step and the
-final weights end 4.0e-1 and 1.1e0 (relative) away from the uninterrupted run.
-
-Design (a start-up fix, logged; :func:`save_optimizer_findings`): ``save_optimizer`` is turned on,
-so every checkpoint can resume exactly; checkpoints grow by the optimizer's state (AdamW: twice
-the trainable parameters in fp32; with a LoRA adapter, the adapter's). A user who wants the small
-checkpoints back sets ``checkpoint_without_optimizer = True`` at the top of the config: the
-start-up then keeps ``save_optimizer=False`` and says what a resume will do.
-
-A checkpoint written without the state (before the fix, or kept off) still resumes: MMEngine
-builds a fresh optimizer without a word. :func:`resume_without_optimizer_warning` names that
-resume in the log (``RandomStateHook`` calls it when the checkpoint is loaded).
+A checkpoint written with ``default_hooks.checkpoint.save_optimizer=False`` (XTuner 0.2.0's
+stock InternVL configs; the start-up turns it on, ``config.optimizer_state``, unless the config
+sets ``checkpoint_without_optimizer = True``) still resumes: MMEngine builds a fresh optimizer
+without a word, so momentum and AdamW's moments restart from zero.
+:func:`resume_without_optimizer_warning` names that resume in the log (``RandomStateHook``
+calls it when the checkpoint is loaded). ``save_optimizer_findings`` lived here before it moved
+to ``config.optimizer_state`` (the old name warns, ``xtuner_rope.deprecated.MOVED_NAMES``).
 """
 
 from __future__ import annotations
 
-from xtuner_rope.config.startup import Finding, register_findings, type_name
-
-KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save_optimizer=False
-
-
-@register_findings("checkpoints")
-def save_optimizer_findings(cfg) -> list[Finding]:
-    """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
-    Returns:
-        One fix when the checkpoint hook sets ``save_optimizer=False`` (none when the config
-        sets ``checkpoint_without_optimizer = True``, or when its hook is not MMEngine's).
-    """
-    hooks = dict.get(cfg._cfg_dict, "default_hooks")
-    hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None
-    if not isinstance(hook, dict) or hook.get("save_optimizer", True) is not False:
-        return []
-    if not type_name(hook.get("type", "CheckpointHook")).endswith("CheckpointHook"):
-        return []
-    if dict.get(cfg._cfg_dict, KEEP_OFF_KEY, False) is True:
-        return []
-
-    def save_it() -> None:
-        hook["save_optimizer"] = True
-
-    return [
-        Finding(
-            "default_hooks.checkpoint.save_optimizer",
-            "False: the checkpoints hold the weights alone, and --resume of one silently "
-            "restarts the optimizer (momentum, AdamW's moments) from zero, so the resumed run "
-            "does not continue the interrupted one",
-            "set to True: every checkpoint resumes exactly (each grows by the optimizer's "
-            f"state); set {KEEP_OFF_KEY} = True at the top of the config to keep them small "
-            "and accept a restarted optimizer on resume",
-            save_it,
-        )
-    ]
+from xtuner_rope.config.optimizer_state import KEEP_OFF_KEY
 
 
 def resume_without_optimizer_warning(runner, checkpoint: dict) -> str | None:
@@ -90,4 +40,4 @@ def resume_without_optimizer_warning(runner, checkpoint: dict) -> str | None:
     )
 
 
-__all__ = ["KEEP_OFF_KEY", "resume_without_optimizer_warning", "save_optimizer_findings"]
+__all__ = ["KEEP_OFF_KEY", "resume_without_optimizer_warning"]

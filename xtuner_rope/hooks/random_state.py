@@ -187,7 +187,7 @@ class RandomStateHook(Hook):
         """On resume, warn when the checkpoint cannot restore the optimizer either.
 
         The other half of what a resume must restore; the check lives with the start-up fix
-        that turns ``save_optimizer`` on (:mod:`xtuner_rope.hooks.optimizer_state`).
+        that turns ``save_optimizer`` on (:mod:`xtuner_rope.config.optimizer_state`).
         """
         warning = resume_without_optimizer_warning(runner, checkpoint)
         if warning:

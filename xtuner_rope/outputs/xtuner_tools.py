@@ -182,6 +182,15 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         argv = [*argv, "--cfg-options", *overrides]
     if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
         return _run_module(XTUNER_TOOLS[command], command, argv)
+    if Path(pth).is_dir() and "patch_xtuner_zero_read_fp32" in compat.skipped():
+        print(
+            f"xtuner-rope convert: refused: {pth} is a DeepSpeed checkpoint and "
+            f"{compat.ZERO_READ_FEATURE} is off here "
+            f"({compat.skipped()['patch_xtuner_zero_read_fp32']}): XTuner would read its "
+            "weights as fp16. Install xtuner 0.2.x (the version the patch was written for).",
+            file=sys.stderr,
+        )
+        return 2
     try:
         saved_as, why = convert_dtype.save_dtype(dtype, "--fp32" in argv, pth)
     except ValueError as err:

@@ -1,0 +1,71 @@
+"""Every patch has a record (versions, probes, feature), a start-up map entry and a docs row.
+
+The patch list is read from ``compat.apply()``'s loop (as tests/compat/test_compat_docs.py
+does); the records are checked against the installed (pinned) stack: each version range
+holds and each probe resolves here, so a record that names a wrong target fails now, not on
+a user's newer release.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+
+from xtuner_rope import compat
+from xtuner_rope.compat import guard
+from xtuner_rope.config.patch_needs import NEEDS, NOT_REFUSED, needs_table
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
+
+
+def applied_patches() -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(compat.apply)))
+    (loop,) = [node for node in ast.walk(tree) if isinstance(node, ast.For)][:1]
+    return [element.id for element in loop.iter.elts if isinstance(element, ast.Name)]
+
+
+def test_every_patch_of_apply_and_every_later_one_has_a_record():
+    names = applied_patches()
+    assert len(names) >= 26
+    assert set(names) | {r.name for r in compat.DEFERRED} == set(compat.RECORDS)
+    for name, record in compat.RECORDS.items():
+        assert callable(getattr(compat, name)), name
+        assert record.versions and record.feature and record.symptom, name
+        assert record.probes or record.probe_note, name
+        for spec in record.versions.values():
+            SpecifierSet(spec)  # a typo in a range raises here
+
+
+def test_every_record_holds_on_the_pinned_stack():
+    for record in compat.RECORDS.values():
+        assert guard._why_not(record) in (None, ("not needed", "its gap does not exist here")), (
+            record.name
+        )
+    assert compat.skipped() == {}  # nothing skipped by `import xtuner_rope` here
+
+
+def test_every_record_is_mapped_to_the_configs_that_need_it():
+    assert set(NEEDS) | set(NOT_REFUSED) == set(compat.RECORDS)
+    assert not set(NEEDS) & set(NOT_REFUSED)
+
+
+def _block(text: str, marker: str) -> str:
+    start, end = f"<!-- {marker} -->\n", f"\n<!-- /{marker} -->"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_the_compat_page_shows_the_records_and_the_map():
+    text = PAGE.read_text(encoding="utf-8")
+    assert _block(text, "records") == compat.records_table()
+    assert _block(text, "needs") == needs_table()
+
+
+def test_a_page_with_a_stale_version_is_caught():
+    text = PAGE.read_text(encoding="utf-8").replace(
+        "| mmengine ~=0.10.6 |", "| mmengine ~=0.10.5 |", 1
+    )
+    assert _block(text, "records") != compat.records_table()

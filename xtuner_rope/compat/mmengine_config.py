@@ -1,0 +1,54 @@
+"""MMEngine's private config dict, read through one accessor: :func:`config_dict`.
+
+mmengine 0.10.6 ``Config`` keeps the parsed config in ``Config._cfg_dict`` (a ``ConfigDict``
+whose lazy objects ``dict.get`` reads without building them); ``Config.__getattr__`` builds
+them, which the start-up must not do. Everything in xtuner-rope that reads or edits a config
+in place goes through :func:`config_dict`, so a release that renames the attribute is one
+clear error here, not a crash in each reader.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigDictUnavailable", "config_dict", "is_config"]
+
+_PRIVATE = "_cfg_dict"  # mmengine 0.10.x: Config.__init__ sets it with object.__setattr__
+
+
+class ConfigDictUnavailable(TypeError):
+    """This MMEngine's ``Config`` keeps its dict under another name than 0.10's ``_cfg_dict``."""
+
+
+def config_dict(cfg: object) -> dict:
+    """The dict behind ``cfg`` (the same object: edits change the config), lazy objects unbuilt.
+
+    Args:
+        cfg: An ``mmengine.config.Config``; a plain ``dict`` / ``ConfigDict`` is returned as is.
+
+    Returns:
+        ``cfg._cfg_dict`` for a ``Config``.
+
+    Raises:
+        ConfigDictUnavailable: ``cfg`` has no ``_cfg_dict`` (an MMEngine other than 0.10.x);
+            names the MMEngine found and the version to install.
+    """
+    if isinstance(cfg, dict):
+        return cfg
+    try:
+        return object.__getattribute__(cfg, _PRIVATE)
+    except AttributeError:
+        from .guard import installed_version
+
+        raise ConfigDictUnavailable(
+            f"xtuner_rope.compat.config_dict: {type(cfg).__name__} has no {_PRIVATE} (mmengine "
+            f"{installed_version('mmengine')}); xtuner-rope reads MMEngine 0.10's Config "
+            "without building its lazy objects: install pip install 'mmengine~=0.10.6'."
+        ) from None
+
+
+def is_config(cfg: object) -> bool:
+    """True if ``cfg`` is a ``Config`` whose dict :func:`config_dict` can read."""
+    try:
+        object.__getattribute__(cfg, _PRIVATE)
+    except AttributeError:
+        return False
+    return True

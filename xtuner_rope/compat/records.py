@@ -1,0 +1,151 @@
+"""One :class:`~xtuner_rope.compat.guard.PatchRecord` per patch: versions, probes, feature.
+
+Versions: what each patch was written for and has run with. mmengine ``~=0.10.6`` and xtuner
+``~=0.2.0`` are the pins of xtuner-rope's ``setup.cfg`` (their patch releases kept, their next
+minor release left out); DeepSpeed is the ``setup.cfg`` range; torch and transformers are
+named where a patch reads them. Probes: the names each patch reads or replaces; a release
+that renames one makes the guard skip the patch (one ``CompatPatchSkipped`` warning) instead
+of failing ``import xtuner_rope``. docs/compat.md's table of versions and probes is
+:func:`records_table` (``tests/compat/test_compat_records.py`` compares them).
+"""
+
+from __future__ import annotations
+
+from .bitsandbytes_triton import triton_lacks_ops
+from .deepspeed_cpu import deepspeed_flat_buffer_requires_grad
+from .devices import cpu_only
+from .guard import PatchRecord
+
+__all__ = ["DEFERRED", "RECORDS", "records_table"]
+
+_MM = {"mmengine": "~=0.10.6"}
+_XT = {"xtuner": "~=0.2.0"}
+_DS = {"deepspeed": ">=0.17.6,<0.19.7"}
+_TF = {"transformers": "~=4.48.0"}
+_SFT = "xtuner.model.sft:SupervisedFinetune"
+_PREF = "xtuner.dataset.preference_dataset"
+_IVL = "xtuner.model.internvl"
+_ZERO3 = "deepspeed.runtime.zero.partition_parameters"
+
+
+def _cpu_and_old_deepspeed() -> bool:
+    return cpu_only() and deepspeed_flat_buffer_requires_grad()
+
+
+_R = PatchRecord
+# fmt: off
+_ALL = (
+    _R("patch_torch_cpu_bf16_query", {"torch": ">=2.4"}, ("torch.cpu",),
+       "training on a CPU-only machine", "AttributeError: torch.cpu.is_bf16_supported"),
+    _R("patch_bitsandbytes_triton_probe", {"bitsandbytes": "~=0.45.0"}, (),
+       "LoRA/QLoRA (peft's bitsandbytes import)", "No module named 'triton.ops'",
+       when=triton_lacks_ops,
+       probe_note="plants bitsandbytes' own probe module; importing bitsandbytes is the bug"),
+    _R("register_internlm2_auto_classes", {**_TF, **_XT},
+       ("transformers.models.auto.configuration_auto:CONFIG_MAPPING",
+        "transformers:AutoConfig.register",
+        "xtuner._lite.modelings.internlm2.modeling_internlm2:InternLM2ForCausalLM"),
+       "loading a local InternLM2 checkpoint without remote code",
+       "model type `internlm2` not recognized"),
+    _R("patch_mmengine_dist_init_on_cpu", _MM, ("mmengine.dist.utils:_init_dist_pytorch",),
+       "several processes on a CPU-only machine", "Found no NVIDIA driver", when=cpu_only),
+    _R("patch_mmengine_ddp_device_ids_on_cpu", _MM,
+       ("mmengine.model:MMDistributedDataParallel.__init__",),
+       "several processes on a CPU-only machine", "DDP device_ids on CPU modules",
+       when=cpu_only),
+    _R("patch_deepspeed_cpu_allgather_grad_mode", _DS,
+       ("deepspeed.runtime.utils:all_gather_into_tensor_dp_groups",),
+       "DeepSpeed ZeRO-1/2 on CPU", "Output 0 of Split is a view", when=_cpu_and_old_deepspeed),
+    _R("patch_deepspeed_zero3_cpu_gather", _DS,
+       (f"{_ZERO3}:Init._allgather_params_coalesced", f"{_ZERO3}:dist",
+        "deepspeed.accelerator:get_accelerator"),
+       "DeepSpeed ZeRO-3 on CPU", "a rank reads parameters not yet gathered", when=cpu_only),
+    _R("patch_checkpoint_loading", {"torch": ">=2.4", **_MM, **_XT},
+       ("mmengine.runner.checkpoint:CheckpointLoader.register_scheme",
+        "xtuner.tools.utils:get_seed_from_checkpoint"),
+       "resuming or loading from a checkpoint (--resume, load_from)",
+       "Weights only load failed ... HistoryBuffer"),
+    _R("patch_checkpoint_writes", _MM,
+       ("mmengine.runner.checkpoint:save_checkpoint",
+        "mmengine.runner.checkpoint:find_latest_checkpoint",
+        "mmengine.hooks:CheckpointHook._save_checkpoint_with_step",
+        "mmengine.runner.runner", "mmengine.runner._flexible_runner"),
+       "crash-safe checkpoint writes", "a kill mid-save leaves a truncated newest checkpoint"),
+    _R("patch_sft_forward_names_missing_hook", _XT, (f"{_SFT}.forward",),
+       "an error naming a missing model_resource", "unexpected keyword 'cumulative_len'"),
+    _R("patch_model_resource_llm_path", {**_MM, **_XT}, ("mmengine.config:Config",),
+       "LLaVA/InternVL configs in xtuner train", "KeyError: 'pretrained_model_name_or_path'"),
+    _R("patch_set_model_resource_llm_path", _XT, ("xtuner.tools.utils:set_model_resource",),
+       "LLaVA/InternVL configs in doctor/check/replay",
+       "KeyError: 'pretrained_model_name_or_path'"),
+    _R("patch_xtuner_preference_rank", _XT,
+       ("xtuner.model.dpo:DPO.compute_loss", "xtuner.model.orpo:ORPO.compute_loss"),
+       "packed DPO/ORPO in one process", "Default process group has not been initialized"),
+    _R("patch_xtuner_preference_target_zero", _XT,
+       ("xtuner.model.dpo:DPO._gather_masked_logits",
+        "xtuner.model.orpo:ORPO._gather_masked_logits"),
+       "DPO/ORPO log-probs of target id 0", "target id 0 silently left out"),
+    _R("patch_preference_unpacked_pairs", _XT, (f"{_PREF}:PackedDatasetWrapper.__init__",),
+       "the packed preference pairs check", "pairs dropped, only a count logged"),
+    _R("patch_preference_map_fn_errors", _XT, (f"{_PREF}:map_dataset",),
+       "preference map errors that name the row", "bare AssertionError / KeyError"),
+    _R("patch_dpo_predict_reference", _XT, ("xtuner.model.dpo:DPO",),
+       "held-out DPO loss, reward accuracy and margin", "predict returns no ref_logits"),
+    _R("patch_sft_sequence_parallel_loss", _XT,
+       (f"{_SFT}._compute_sequence_parallel_loss",),
+       "sequence parallel loss", "a label dropped per shard, unweighted rank means"),
+    _R("patch_xtuner_train_sequence_parallel_check", _XT, (),
+       "sequence parallel without flash-attn", "`flash_attn` is required ...",
+       probe_note="finds the running xtuner/tools/train.py's check_cfg itself"),
+    _R("patch_internlm2_generation_from_embeds", _TF,
+       ("transformers.dynamic_module_utils:get_class_in_module",
+        "xtuner._lite.modelings.internlm2.modeling_internlm2"),
+       "InternLM2 generation from inputs_embeds (LLaVA evaluation_images)",
+       "size of tensor a (0) must match"),
+    _R("patch_mmengine_warmup_rounding", _MM, ("mmengine.runner:Runner._build_param_scheduler",),
+       "an error naming the warm-up that rounds to 0", "end should be larger than begin"),
+    _R("patch_internvl_loading", _XT, (f"{_IVL}:AutoModel",),
+       "InternVL without flash-attn / in fp32 on CPU", "flash_attention_2 forced, bf16 forced"),
+    _R("patch_internvl_rank", _XT, (f"{_IVL}:torch",),
+       "InternVL in one process", "Default process group has not been initialized"),
+    _R("patch_internvl_dataset_template", _XT,
+       ("xtuner.dataset.internvl_dataset:InternVL_V1_5_Dataset.__init__",),
+       "XTuner's prompt templates kept as shipped", "the shared template edited in place"),
+    _R("patch_internvl_predict", _XT, (f"{_IVL}:InternVL_V1_5.forward",),
+       "held-out loss of InternVL", "forward ignores mode='predict'"),
+    _R("patch_llava_predict_labels", _XT, ("xtuner.model.llava:LLaVAModel",),
+       "held-out loss of LLaVA", "predict's logits not aligned with labels"),
+    _R("patch_xtuner_zero_read_fp32", _XT,
+       ("xtuner.utils.zero_to_any_dtype:DEFAULT_DTYPE",
+        "xtuner.utils.zero_to_any_dtype:get_state_dict_from_zero_checkpoint"),
+       "DeepSpeed checkpoints read at fp32 (convert pth_to_hf, pretrained_pth)",
+       "ZeRO fp32 partitions read as fp16, also with --fp32"),
+)
+# Applied later, at start-up, in a hook or for one call: checked by ``apply()``, run there.
+DEFERRED = (
+    _R("xtuner_pack_step", _XT, ("xtuner.dataset.huggingface:pack_dataset",),
+       "whole-dialogue packing (lossless_process_hf_dataset)",
+       "a leftover dropped per map_num_proc worker"),
+    _R("xtuner_intern_repo_packer", _XT, ("xtuner.dataset.intern_repo:PackedDataset",),
+       "whole-document packing (build_whole_packed_dataset)", "documents cut at row edges"),
+    _R("keep_other_model_paths", {**_MM, **_XT}, ("mmengine.config:ConfigDict.items",),
+       "LLaVA's other model paths (CLIP, image processor) kept",
+       "OSError ... preprocessor_config.json"),
+    _R("patch_llava_expansion_check", _XT,
+       ("xtuner.model.llava:prepare_inputs_labels_for_multimodal",),
+       "the LLaVA expanded-sequence check", "image tokens past the RoPE range unchecked"),
+)
+# fmt: on
+RECORDS: dict[str, PatchRecord] = {r.name: r for r in _ALL + DEFERRED}
+
+
+def records_table() -> str:
+    """The Markdown table of docs/compat.md's "Versions and probes" section."""
+    rows = ["| Patch | Versions | Probes | Feature | Without it |", "|---|---|---|---|---|"]
+    for r in _ALL + DEFERRED:
+        probes = ", ".join(f"`{p}`" for p in r.probes) or f"none: {r.probe_note}"
+        rows.append(
+            f"| `{r.name}`{' (later)' if r in DEFERRED else ''} | {r.supported()} | {probes} "
+            f"| {r.feature} | {r.symptom} |"
+        )
+    return "\n".join(rows)
