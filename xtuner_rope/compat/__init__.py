@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``,
+``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``, ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``). Each patch names the versions it was written
 against and the symptom it removes, and is applied only where the gap exists: on a CUDA machine
 with a complete stack, ``apply()`` leaves everything as it was. ``apply()`` is idempotent and
@@ -76,6 +76,7 @@ from .xtuner_sft import (
     patch_sft_sequence_parallel_loss,
     patch_xtuner_train_sequence_parallel_check,
 )
+from .xtuner_tokenize import xtuner_tokenize_step
 
 __all__ = [
     "apply",
@@ -115,6 +116,7 @@ __all__ = [
     "patch_xtuner_train_sequence_parallel_check",
     "xtuner_intern_repo_packer",
     "xtuner_pack_step",
+    "xtuner_tokenize_step",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",
     "config_being_started",
