@@ -44,9 +44,7 @@ def _alpaca(path: Path, max_length: int, builder=process_hf_dataset, **kwargs):
         tokenizer=_tokenizer(),
         max_length=max_length,
         dataset_map_fn=alpaca_map_fn,
-        template_map_fn=dict(
-            type=template_map_fn_factory, template=PROMPT_TEMPLATE.internlm2_chat
-        ),
+        template_map_fn=dict(type=template_map_fn_factory, template=PROMPT_TEMPLATE.internlm2_chat),
         map_num_proc=1,
         **{"pack_to_max_length": False, **kwargs},
     )
@@ -175,9 +173,7 @@ def test_pretraining_documents_are_split_every_token_once(tmp_path):
     long = sum(len(ids) > max_length for ids in whole["input_ids"])
     assert long > 10
     packed, lines = _start_up_lines(
-        lambda: _pretrain(
-            path, max_length, lossless_process_hf_dataset, use_varlen_attn=True
-        )
+        lambda: _pretrain(path, max_length, lossless_process_hf_dataset, use_varlen_attn=True)
     )
     assert Counter(_segments(packed)) == pieces  # every token once, each piece a document
     assert all(len(row) <= max_length for row in packed["input_ids"])

@@ -56,7 +56,11 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
-from xtuner_rope.doctor.truncation import truncated_occurrences, truncation_warnings
+from xtuner_rope.doctor.truncation import (
+    cut_warnings,
+    truncated_occurrences,
+    truncation_warnings,
+)
 
 DEFAULT_BATCHES = 200
 
@@ -454,14 +458,7 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
             f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
             f"{lab['lost']} of {lab['before']} supervised labels ({where})"
         )
-    if packing.get("cut_dialogues") and packing.get("sft"):
-        warnings.append(
-            f"{packing['cut_dialogues']} of {packing['dialogues']} dialogues are cut at row "
-            f"edges and trained as {packing['pieces']} pieces (a piece starts mid-dialogue at "
-            "position 0, without its prompt), "
-            f"{packing['unsupervised_pieces']} of them without a supervised label; "
-            'offline_packing = "whole" (the default with xtuner-rope) packs each dialogue whole'
-        )
+    warnings += cut_warnings(report)
     warnings += collate["collate_warnings"]
     return problems, warnings
 

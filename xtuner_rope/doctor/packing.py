@@ -66,7 +66,9 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     if shuffle:  # as XTuner's pack_dataset does, before its Packer
         dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
     pack = (
-        functools.partial(lossless_pack_dataset, whole=whole) if lossless else xtuner_pack_dataset
+        functools.partial(lossless_pack_dataset, whole=whole, truncation=truncation)
+        if lossless
+        else xtuner_pack_dataset
     )
     packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
     return dialogues, packed, summed_figures(truncation)

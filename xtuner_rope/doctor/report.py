@@ -18,7 +18,7 @@ from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 from xtuner_rope.doctor.rope import rope_lines
 from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
-from xtuner_rope.doctor.truncation import truncation_lines
+from xtuner_rope.doctor.truncation import cut_verdict, data_unit, truncation_lines
 
 
 def _pct(share: float | None) -> str:
@@ -48,11 +48,11 @@ def _data_lines(report: dict) -> list[str]:
         f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
         f"documents, {ds['tokens']} tokens; {how}",
         "lengths      "
-        + ("dialogues before packing: " if report["packing"] else "")
+        + (f"{data_unit(report)} before packing: " if report["packing"] else "")
         + _percentiles(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
         *truncation_lines(report.get("truncation")),
-    ] + _packing_lines(report["packing"], report["collate"]["batch_size"], report.get("truncation"))
+    ] + _packing_lines(report, report["collate"]["batch_size"])
 
 
 def _percentiles(lengths: dict) -> str:
@@ -69,10 +69,11 @@ def _kept(packed: dict, cut: dict | None) -> str:
     )
 
 
-def _packing_lines(p: dict | None, batch_size: int, cut: dict | None = None) -> list[str]:
+def _packing_lines(report: dict, batch_size: int) -> list[str]:
+    p, cut = report["packing"], report.get("truncation")
     if not p:
         return []
-    t, lab, xt, what = p["tokens"], p["labels"], p["xtuner_cut"], unit(cut)
+    t, lab, xt, what = p["tokens"], p["labels"], p["xtuner_cut"], data_unit(report)
     lines = [
         f"packing      {p['dialogues']} {what} -> {p['rows']} rows of max_length="
         f"{p['max_length']}: tokens {_kept(t, cut and cut['tokens'])}, "
@@ -141,15 +142,10 @@ def format_summary(report: dict) -> str:
     lines += checkpoint_space_lines(report.get("checkpoints"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
-    packing = report.get("packing") or {}
     if report["exit_code"]:
         verdict = "FAIL: training would fail or be silently wrong (exit 1)"
-    elif packing.get("cut_dialogues") and packing.get("sft"):  # offline_packing = "cut"
-        verdict = (
-            f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} dialogues are trained "
-            "as pieces, as this config asks (see the warning); nothing else would fail or "
-            "corrupt training (exit 0)"
-        )
+    elif cut_verdict(report):  # offline_packing = "cut"
+        verdict = cut_verdict(report)
     elif truncation_message(report.get("truncation")):
         cut = report["truncation"]
         verdict = (
