@@ -136,12 +136,14 @@ def _documents(folder):
 def pretrain(tmp_path_factory):
     """Stock ``qwen1_5_0_5b_full_custom_pretrain_e1`` with the one edit (max_length 512), as it
     is and with ``offline_packing = "cut"``, and XTuner's documents uncut (live)."""
+    from xtuner_rope.demo.resources import tiny_checkpoint
     from xtuner_rope.zoo.localize import enable_plugin, localize
 
-    sc.ensure_tiny_model()
+    qwen2 = sc.TINY_MODEL.with_name("tiny-qwen2")
+    tiny_checkpoint(str(qwen2), data_path=str(sc.SAMPLE_DATA), family="qwen2")
     tmp = tmp_path_factory.mktemp("pretrain")
     stock = sc.copy_stock(PRETRAIN, tmp).read_text()
-    text = enable_plugin(localize(stock, sc.TINY_MODEL.with_name("tiny-qwen2"), _documents(tmp)))
+    text = enable_plugin(localize(stock, qwen2, _documents(tmp)))
     text = sc.sub_once(text, r"^    map_num_proc=2,$", "    map_num_proc=1,")
     whole, cut = tmp / "whole.py", tmp / "cut.py"
     whole.write_text(text)
