@@ -236,3 +236,19 @@ def test_the_cut_opt_out_truncates_pretraining_documents_and_says_so(tmp_path):
         f"max_length={max_length}: {lost} of {_tokens(whole)} tokens" in line
     )
     assert f"max_length = {max(map(len, whole['input_ids']))} keeps every document" in line
+
+
+def test_the_start_up_line_compares_epochs_only_when_they_differ():
+    """Dialogues of exactly max_length: whole packing and XTuner's cut make the same rows."""
+    from datasets import Dataset
+
+    from xtuner_rope.data.packed_dataset import pack_dataset
+
+    rows = [{"input_ids": [5] * 8, "labels": [-100] * 3 + [5] * 5} for _ in range(6)]
+    _, lines = _start_up_lines(lambda: pack_dataset(Dataset.from_list(rows), 8, True, False, 1))
+    (line,) = [m for _, m in lines if m.startswith("xtuner-rope: packed")]
+    assert "an epoch is 6 rows, as with XTuner's cut." in line and "instead of" not in line
+    short = [{"input_ids": [5] * 5, "labels": [5] * 5}] * 3  # 3 rows whole, 2 cut
+    _, lines = _start_up_lines(lambda: pack_dataset(Dataset.from_list(short), 8, True, False, 1))
+    (line,) = [m for _, m in lines if m.startswith("xtuner-rope: packed")]
+    assert "an epoch is 3 rows instead of 2 (iterations per epoch change with it)." in line

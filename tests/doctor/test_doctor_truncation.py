@@ -113,6 +113,22 @@ def test_packed_offline_the_doctor_and_the_start_up_count_xtuners_cut(alpaca):
     assert "nothing dropped by packing" in line and warning.splitlines()[0] in line
 
 
+def test_with_seed_none_the_doctor_names_the_seed_its_shuffle_used(alpaca):
+    """The stock ``randomness = dict(seed=None)``: the figures are those of the seed named."""
+    packed, _, _ = alpaca
+    report, order = diagnose(str(packed), progress=False, batches=2)
+    seed = report["packing"]["shuffle_seed"]
+    assert seed["drawn"] and isinstance(seed["used"], int)
+    assert (
+        f"randomness.seed is None: the figures that depend on the shuffle before packing "
+        f"(rows, pieces, unsupervised_seen) used seed {seed['used']}; training draws another"
+    ) in format_summary(report)
+    again, same = diagnose(str(packed), {"randomness.seed": seed["used"]}, 2, False)
+    assert again["packing"]["shuffle_seed"] == {"used": seed["used"], "drawn": False}
+    assert same == order  # the dialogues in the same shuffled order: the same rows
+    assert "randomness.seed is None" not in format_summary(again)
+
+
 def test_unpacked_the_doctor_counts_xtuners_cut(alpaca):
     _, unpacked, live = alpaca
     report, _ = diagnose(str(unpacked), progress=False, batches=2)

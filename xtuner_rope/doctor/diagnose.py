@@ -198,9 +198,13 @@ def _build_dataset(cfg: Config, facts: dict):
             dataset = BUILDER.build(cfg.train_dataloader.dataset)
         return dataset, None, None, summed_figures(truncation)
     seed = (cfg.get("randomness") or {}).get("seed")
-    dialogues, packed, truncation = build_dialogues_and_packs(cfg.train_dataloader.dataset, seed)
+    dataset_cfg = cfg.train_dataloader.dataset
+    dialogues, packed, truncation, used = build_dialogues_and_packs(dataset_cfg, seed)
     lengths = [len(r) for r in dialogues["input_ids"]]
-    return packed, lengths, packing_figures(dialogues, packed, facts["max_length"]), truncation
+    packing = packing_figures(dialogues, packed, facts["max_length"])
+    shuffled = dataset_cfg.get("shuffle_before_pack", True)  # XTuner's default
+    packing["shuffle_seed"] = {"used": used, "drawn": seed is None} if shuffled else None
+    return packed, lengths, packing, truncation
 
 
 def _findings(findings: list[startup.Finding]) -> dict:

@@ -33,10 +33,12 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
         seed: ``randomness.seed`` of the config (numpy is seeded with it first), or None.
 
     Returns:
-        ``(dialogues, packed, truncation)``: ``datasets.Dataset`` s of the tokenized dialogues
-        in the order they are packed, and of the packed rows; what XTuner's ``encode_fn`` cut
-        at ``max_length`` (``data.truncation.truncation_figures``; pretraining documents kept
-        whole to be split, as ``lossless_process_hf_dataset`` keeps them, with whole packing).
+        ``(dialogues, packed, truncation, seed)``: ``datasets.Dataset`` s of the tokenized
+        dialogues in the order they are packed, and of the packed rows; what XTuner's
+        ``encode_fn`` cut at ``max_length`` (``data.truncation.truncation_figures``; pretraining
+        documents kept whole to be split, as ``lossless_process_hf_dataset`` keeps them, with
+        whole packing); the seed numpy was seeded with (drawn when ``seed`` is None: training
+        draws another, and its shuffle before packing with it).
     """
     from mmengine.runner import set_random_seed
     from xtuner.dataset.huggingface import pack_dataset as xtuner_pack_dataset
@@ -46,8 +48,7 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     from xtuner_rope.config.startup import type_name
     from xtuner_rope.data.packed_dataset import pack_dataset as lossless_pack_dataset
 
-    if seed is not None:
-        set_random_seed(seed)
+    used = set_random_seed(seed)  # None: a seed drawn as MMEngine's Runner draws one
     kwargs = copy.deepcopy(dict(dataset_cfg))
     lossless = type_name(kwargs.pop("type")) == "lossless_process_hf_dataset"
     whole = kwargs.pop("whole_dialogues", True)
@@ -71,7 +72,7 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
         else xtuner_pack_dataset
     )
     packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
-    return dialogues, packed, summed_figures(truncation)
+    return dialogues, packed, summed_figures(truncation), used
 
 
 def _flat(rows: list) -> np.ndarray:

@@ -90,6 +90,14 @@ def _packing_lines(report: dict, batch_size: int) -> list[str]:
             f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
             f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
         )
+    seed = p.get("shuffle_seed")
+    if seed and seed["drawn"]:
+        lines.append(
+            f"             randomness.seed is None: the figures that depend on the shuffle "
+            f"before packing (rows, pieces, unsupervised_seen) used seed {seed['used']}; "
+            f"training draws another (set randomness = dict(seed={seed['used']}) to train "
+            "on these rows)"
+        )
     if p.get("split_long"):
         lines.append(
             f"             {p['split_long']} documents longer than max_length={p['max_length']} "
