@@ -247,8 +247,16 @@ def test_the_start_up_line_compares_epochs_only_when_they_differ():
     rows = [{"input_ids": [5] * 8, "labels": [-100] * 3 + [5] * 5} for _ in range(6)]
     _, lines = _start_up_lines(lambda: pack_dataset(Dataset.from_list(rows), 8, True, False, 1))
     (line,) = [m for _, m in lines if m.startswith("xtuner-rope: packed")]
-    assert "an epoch is 6 rows, as with XTuner's cut." in line and "instead of" not in line
+    assert "XTuner's cut would make 6 rows and cut 0 dialogues: an epoch has as many rows." in line
+    assert "instead of" not in line
     short = [{"input_ids": [5] * 5, "labels": [5] * 5}] * 3  # 3 rows whole, 2 cut
     _, lines = _start_up_lines(lambda: pack_dataset(Dataset.from_list(short), 8, True, False, 1))
     (line,) = [m for _, m in lines if m.startswith("xtuner-rope: packed")]
     assert "an epoch is 3 rows instead of 2 (iterations per epoch change with it)." in line
+
+
+def test_the_intern_repo_line_compares_epochs_only_when_they_differ():
+    from xtuner_rope.data.intern_repo_packing import _summary
+
+    assert _summary(np.array([8] * 6), 6, 8).endswith("an epoch has as many rows.")
+    assert "an epoch is 3 rows instead of 1 " in _summary(np.array([5] * 3), 3, 8)

@@ -196,7 +196,7 @@ def _summary(
     epoch = (
         f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change with it)"
         if rows != len(cuts) - 1
-        else f"an epoch is {rows} rows, as with XTuner's cut"
+        else "an epoch has as many rows"
     )
     return (
         f"{head}; every {unit(truncation, False)} whole in one row"
@@ -206,7 +206,8 @@ def _summary(
             if split
             else ""
         )
-        + f". XTuner's cut would cut {xtuner_cut} {what} at row edges: {epoch}{tail}."
+        + f". XTuner's cut would make {len(cuts) - 1} rows and cut {xtuner_cut} {what}: "
+        f"{epoch}{tail}."
     )
 
 
