@@ -73,10 +73,12 @@ def truncation_figures(table, max_length: int, bos: int, split_documents: bool) 
     starts = ends - lengths
     flat_labels = pc.list_flatten(table.column("labels")).to_numpy(zero_copy_only=False)
     supervised = flat_labels != IGNORE_INDEX
-    in_row = np.arange(len(flat_labels), dtype=np.int64) - np.repeat(starts, lengths)
     labels_before = _row_sums(supervised, starts, ends)
-    prompt_after_bos = _row_sums(~supervised & (in_row >= bos), starts, ends)
-    document = (prompt_after_bos == 0) & (labels_before > 0)
+    ignored_bos = np.zeros(len(lengths), dtype=np.int64)  # -100 labels among the BOS tokens
+    for k in range(bos):  # 0 to 2 tokens: no per-token position array
+        has = lengths > k
+        ignored_bos[has] += ~supervised[starts[has] + k]
+    document = (lengths - labels_before == ignored_bos) & (labels_before > 0)
     kept = labels_before > 0  # XTuner's filter of the uncut rows
     long = kept & (lengths > max_length)
     whole = document & split_documents
