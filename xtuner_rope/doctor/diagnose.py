@@ -443,11 +443,18 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
             f"samples exactly max_length={report['dataset']['max_length']} long, "
             "probably cut silently by XTuner: " + _where(samples["truncated"])
         )
-    if report["dataset"]["dropped_by_dataset"]:
+    dropped = report["dataset"]["dropped_by_dataset"]
+    if dropped:
+        cut = (report.get("truncation") or {}).get("dropped")
+        why = (
+            "no assistant reply, or no label left after truncation"
+            if cut is None
+            else f"{dropped - cut} without a supervised label, {cut} left without one by the "
+            "truncation at max_length"
+        )
         warnings.append(
-            f"{report['dataset']['dropped_by_dataset']} of "
-            f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
-            "(no assistant reply, or no label left after truncation)"
+            f"{dropped} of {report['dataset']['source_rows']} source rows were dropped by "
+            f"XTuner ({why})"
         )
     packing = report["packing"] or {}
     if packing.get("tokens", {}).get("lost"):
