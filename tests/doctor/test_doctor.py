@@ -235,7 +235,16 @@ def test_xtuner_drops_assistant_less_and_loss_free_dialogues_and_truncates_long_
     # refuses ("end should be larger than begin"); the data itself has no problem
     assert report["exit_code"] == 1 and len(report["problems"]) == 1
     assert report["problems"][0].startswith("param_scheduler[0]: LinearLR")
-    assert any("2 of 34 source rows were dropped" in w for w in report["warnings"])
+    assert (
+        "2 of 34 source rows were dropped by XTuner (2 without a supervised label, 0 left "
+        "without one by the truncation at max_length)"
+    ) in report["warnings"]
+    # The cut counted exactly: XTuner's own dataset uncut against the one it trains.
+    uncut = load_config(str(TINY), {DATA_FILE: str(bad_dialogues)}).train_dataloader.dataset
+    whole = BUILDER.build(dict(uncut, max_length=10**9))
+    lost = sum(map(len, whole["input_ids"])) - sum(map(len, dataset["input_ids"]))
+    assert report["truncation"]["tokens"]["lost"] == lost == len(whole[9]["input_ids"]) - 512
+    assert report["truncation"]["keep_all"] == len(whole[9]["input_ids"])
 
 
 def test_samples_over_the_collate_max_length_fail(in_repo, bad_dialogues):

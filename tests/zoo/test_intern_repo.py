@@ -159,3 +159,47 @@ def test_offline_packs_whose_collate_drops_boundaries_train_isolated(tmp_path, t
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "collate_fn.use_varlen_attn: default_collate_fn drops" in run.stdout + run.stderr
     sc.assert_isolated_in_run(config, tmp_path / "work")
+
+
+def _every_token_trained(folder: Path) -> None:
+    """Rewrite the row's tokenized file as pretraining text: every token trained (no sign)."""
+    import json
+
+    import numpy as np
+
+    (path,) = folder.rglob("dialogues.bin")
+    docs = [json.loads(line)["tokens"] for line in path.read_text().splitlines()]
+    meta, offset, lines = [], 0, []
+    for tokens in docs:
+        lines.append(json.dumps({"tokens": [abs(t) for t in tokens]}) + "\n")
+        meta.append((offset, len(tokens)))
+        offset += len(lines[-1].encode("utf-8"))
+    path.write_text("".join(lines))
+    with open(f"{path}.meta", "wb") as f:
+        np.save(f, np.array(meta, dtype=np.int64))
+
+
+@pytest.mark.parametrize("what", ["dialogues", "documents"])
+def test_the_cut_opt_out_of_the_tokenized_config_ends_cut_with_its_count(tmp_path, tiny, what):
+    """``offline_packing = "cut"`` on ``internlm2_7b_w_tokenized_dataset``: the same verdict
+    as on ``process_hf_dataset`` (a choice, exit 0, never a silent OK), in the data's words."""
+    config = tmp_path / "row_cut.py"
+    config.write_text(_row_config(tmp_path, tiny) + '\noffline_packing = "cut"\n')
+    if what == "documents":
+        _every_token_trained(tmp_path)
+    report, _ = diagnose(str(config), batches=2, progress=False)
+    packing = report["packing"]
+    assert report["exit_code"] == 0, report["problems"]
+    assert packing["cut_dialogues"] == packing["xtuner_cut"]["cut_dialogues"] > 0
+    assert (
+        format_summary(report)
+        .splitlines()[-1]
+        .startswith(
+            f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} {what} are trained as "
+            "pieces, as this config asks"
+        )
+    )
+    assert any(
+        w.startswith(f"{packing['cut_dialogues']} of {packing['dialogues']} {what} are cut")
+        for w in report["warnings"]
+    )

@@ -3,7 +3,7 @@
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
 ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
-``xtuner_packing``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
+``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
 ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``;
 ``mmengine_config``: :func:`config_dict`, MMEngine's private config
 dict read in one place). Each patch has a record (``records.RECORDS``: the versions it was
@@ -105,6 +105,7 @@ from .xtuner_sft import (
     patch_sft_sequence_parallel_loss,
     patch_xtuner_train_sequence_parallel_check,
 )
+from .xtuner_tokenize import xtuner_tokenize_step
 from .xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
 from .xtuner_zero_read import (
     ZERO_READ_FEATURE,
@@ -172,6 +173,7 @@ __all__ = [
     "patch_xtuner_train_sequence_parallel_check",
     "xtuner_intern_repo_packer",
     "xtuner_pack_step",
+    "xtuner_tokenize_step",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",
     "config_being_started",

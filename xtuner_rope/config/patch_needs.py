@@ -174,6 +174,10 @@ NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
         "XTuner's offline packing (`process_hf_dataset` packing, `lossless_process_hf_dataset`)",
         lambda cfg: any(xtuner_packs(d) for d in _datasets(cfg)),
     ),
+    "xtuner_tokenize_step": (
+        "XTuner's offline packing (its truncation counted, pretraining documents split)",
+        lambda cfg: any(xtuner_packs(d) for d in _datasets(cfg)),
+    ),
     "xtuner_intern_repo_packer": (
         "intern-repo packed datasets (`build_packed_dataset`, `build_whole_packed_dataset`)",
         lambda cfg: any(offline_packs(d) for d in _datasets(cfg)),

@@ -92,8 +92,13 @@ def _summary(lengths: np.ndarray, rows: int, packed_length: int) -> str:
             else ""
         )
         + f", nothing dropped. XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
-        f"{cut_dialogues(lengths, cuts)} documents and drop {tokens - int(cuts[-1])} tokens: an "
-        f"epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change with it)."
+        f"{cut_dialogues(lengths, cuts)} documents and drop {tokens - int(cuts[-1])} tokens: "
+        + (
+            f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change "
+            "with it)."
+            if rows != len(cuts) - 1
+            else "an epoch has as many rows."
+        )
     )
 
 

@@ -11,8 +11,10 @@ second at position 0, mid-answer, without its prompt), and each shard's leftover
 (loading, map and template functions, tokenization, filtering, shuffle, ``length``), with
 the pack step replaced by :func:`pack_dataset`. By default each dialogue is packed whole into
 one row (``pack_plans.whole_plan``: best-fit decreasing, the planner of collate-time packing
-too), every dialogue exactly once; documents longer than a row (pretraining-style data only)
-are split into ``max_length`` pieces. With ``whole_dialogues=False`` (the config's
+too), every dialogue exactly once. Pretraining documents (every token supervised, no prompt)
+reach it uncut by XTuner's ``encode_fn`` (``data.truncation``) and those longer than a row are
+split into ``max_length`` pieces: every token trained once. Dialogues are cut at ``max_length``
+as XTuner cuts them, and the start-up's line counts what that loses. With ``whole_dialogues=False`` (the config's
 ``offline_packing = "cut"``) the rows are XTuner's cut of one stream (``pack_plans.cut_plan``,
 what ``map_num_proc=1`` gives), the final leftover kept as a short last row. Either way the
 plan is computed with numpy from the lengths and the rows are written as Arrow gathers of the
@@ -24,6 +26,7 @@ per document with ``use_varlen_attn``).
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from .pack_plans import (
     token_indices,
     whole_plan,
 )
+from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
 ROWS_PER_GATHER = 1024  # whole-dialogue rows per gather and write (16 MiB a column at 2048)
@@ -109,7 +113,13 @@ def _output_path(dataset) -> Path:
 
 
 def pack_dataset(
-    dataset, max_length, use_varlen_attn, shuffle_before_pack, map_num_proc, whole=True
+    dataset,
+    max_length,
+    use_varlen_attn,
+    shuffle_before_pack,
+    map_num_proc,
+    whole=True,
+    truncation=None,
 ):
     """XTuner's ``pack_dataset`` (same arguments), every dialogue whole and every token kept.
 
@@ -122,6 +132,8 @@ def pack_dataset(
         map_num_proc: Processes for the shuffle's ``flatten_indices`` (as XTuner).
         whole: Each dialogue whole in one row (the default); False: XTuner's cut of one
             stream (``offline_packing = "cut"``).
+        truncation: The figures of the tokenize step's cut (``data.truncation``), for the
+            start-up's line; None when not counted.
 
     Returns:
         The packed ``datasets.Dataset``.
@@ -149,32 +161,53 @@ def pack_dataset(
             writer.write_table(part)
         writer.finalize()
     packed = Dataset.from_file(str(path))
-    print_log(_summary(table, len(packed), max_length, whole), logger="current")
+    figures = summed_figures(truncation or [])
+    print_log(
+        _summary(table, len(packed), max_length, whole, figures),
+        logger="current",
+        level=logging.WARNING if truncation_message(figures) else logging.INFO,
+    )
     return packed
 
 
-def _summary(table: pa.Table, rows: int, max_length: int, whole: bool) -> str:
-    """The start-up's line on what packing did, with XTuner's cut for comparison."""
+def _summary(
+    table: pa.Table, rows: int, max_length: int, whole: bool, truncation: dict | None
+) -> str:
+    """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare."""
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     tokens, labels = _token_counts(table)
     cuts = cut_plan(lengths, max_length)
     fill = tokens / max(rows * max_length, 1)
+    what = unit(truncation)
+    cut_message = truncation_message(truncation)
     head = (
-        f"xtuner-rope: packed {len(lengths)} dialogues ({tokens} tokens, {labels} supervised "
-        f"labels) into {rows} rows of max_length={max_length} (fill {fill:.1%}), nothing dropped"
+        f"xtuner-rope: packed {len(lengths)} {what} ({tokens} tokens, {labels} supervised "
+        f"labels) into {rows} rows of max_length={max_length} (fill {fill:.1%}), "
+        + ("nothing dropped" if cut_message is None else "nothing dropped by packing")
     )
+    tail = "" if cut_message is None else f". {cut_message}"
+    xtuner_cut = cut_dialogues(lengths, cuts)
     if not whole:
         return (
             f'{head}; XTuner\'s cut (offline_packing = "cut"): '
-            f"{cut_dialogues(lengths, cuts)} dialogues cut at row edges, trained as pieces."
+            f"{xtuner_cut} {what} cut at row edges, trained as pieces{tail}."
         )
     split = int((lengths > max_length).sum())
+    epoch = (
+        f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change with it)"
+        if rows != len(cuts) - 1
+        else "an epoch has as many rows"
+    )
     return (
-        f"{head}; every dialogue whole in one row"
-        + (f" ({split} documents longer than a row split into max_length pieces)" if split else "")
-        + f". XTuner's cut would make {len(cuts) - 1} rows and cut "
-        f"{cut_dialogues(lengths, cuts)} dialogues: an epoch is {rows} rows instead of "
-        f"{len(cuts) - 1} (iterations per epoch change with it)."
+        f"{head}; every {unit(truncation, False)} whole in one row"
+        + (
+            f" ({split} documents longer than a row split into max_length pieces, every "
+            "token trained once)"
+            if split
+            else ""
+        )
+        + f". XTuner's cut would make {len(cuts) - 1} rows and cut {xtuner_cut} {what}: "
+        f"{epoch}{tail}."
     )
 
 
@@ -215,8 +248,10 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
             f'{whole_dialogues!r}; set offline_packing = "whole" or "cut" at the top '
             "level of the config instead."
         )
-    with xtuner_pack_step(functools.partial(pack_dataset, whole=whole_dialogues)):
-        return process_hf_dataset(dataset, **kwargs)
+    with counting_truncation(split_documents=whole_dialogues) as truncation:
+        pack = functools.partial(pack_dataset, whole=whole_dialogues, truncation=truncation)
+        with xtuner_pack_step(pack):
+            return process_hf_dataset(dataset, **kwargs)
 
 
 # ``pack_plan`` (the cut plan's name before whole-dialogue packing) is answered, with a warning

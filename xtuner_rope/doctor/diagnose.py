@@ -17,6 +17,7 @@ from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
 from xtuner_rope.config.fields import offline_packs
 from xtuner_rope.config.overrides import recheck_config
+from xtuner_rope.data.truncation import counting_truncation, summed_figures
 from xtuner_rope.doctor.checkpoint_space import (
     checkpoint_space,
     checkpoint_space_warnings,
@@ -54,6 +55,11 @@ from xtuner_rope.doctor.stats import (
     plan_summary,
     scan_samples,
     simulate_collate,
+)
+from xtuner_rope.doctor.truncation import (
+    cut_warnings,
+    truncated_occurrences,
+    truncation_warnings,
 )
 
 DEFAULT_BATCHES = 200
@@ -178,20 +184,27 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 
 
 def _build_dataset(cfg: Config, facts: dict):
-    """``(dataset, lengths, packing)``: the train dataset; for offline packing the ``[n]``
-    dialogue lengths before packing in stream order and :func:`packing_figures` (else None,
-    None); see :mod:`xtuner_rope.doctor.packing`."""
+    """``(dataset, lengths, packing, truncation)``: the train dataset; for offline packing the
+    ``[n]`` dialogue lengths before packing in stream order and :func:`packing_figures` (else
+    None, None); what XTuner's ``encode_fn`` cut (None where no ``process_hf_dataset`` built
+    the data); see :mod:`xtuner_rope.doctor.packing` and :mod:`xtuner_rope.doctor.truncation`."""
     from xtuner.registry import BUILDER
 
     if facts["packed_offline"]:  # intern-repo rows: the packers keep their documents
         dataset = BUILDER.build(cfg.train_dataloader.dataset)
-        return (dataset, *intern_repo_figures(dataset, facts["max_length"]))
+        return (dataset, *intern_repo_figures(dataset, facts["max_length"]), None)
     if not facts["pack_to_max_length"]:
-        return BUILDER.build(cfg.train_dataloader.dataset), None, None
+        with counting_truncation() as truncation:
+            dataset = BUILDER.build(cfg.train_dataloader.dataset)
+        return dataset, None, None, summed_figures(truncation)
     seed = (cfg.get("randomness") or {}).get("seed")
-    dialogues, packed = build_dialogues_and_packs(cfg.train_dataloader.dataset, seed)
+    dataset_cfg = cfg.train_dataloader.dataset
+    dialogues, packed, truncation, used = build_dialogues_and_packs(dataset_cfg, seed)
     lengths = [len(r) for r in dialogues["input_ids"]]
-    return packed, lengths, packing_figures(dialogues, packed, facts["max_length"])
+    packing = packing_figures(dialogues, packed, facts["max_length"])
+    shuffled = dataset_cfg.get("shuffle_before_pack", True)  # XTuner's default
+    packing["shuffle_seed"] = {"used": used, "drawn": seed is None} if shuffled else None
+    return packed, lengths, packing, truncation
 
 
 def _findings(findings: list[startup.Finding]) -> dict:
@@ -256,7 +269,7 @@ def diagnose(
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
-    dataset, dialogue_lengths, packing = _build_dataset(cfg, facts)
+    dataset, dialogue_lengths, packing, truncation = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = doctor_samples(dataset) if llava is None else llava.scan_items
@@ -264,10 +277,12 @@ def diagnose(
         items,
         collate_max_length=collate_kwargs.get("max_length"),
         truncation_length=None
-        if facts["pack_to_max_length"] or facts["packed_offline"]
+        if facts["pack_to_max_length"] or facts["packed_offline"] or truncation
         else facts["max_length"],
         progress=progress,
     )
+    if truncation:  # counted exactly in the tokenize step (packed or not)
+        scan.issues["truncated"] = truncated_occurrences(truncation)
     plan = simulate_collate(
         dataset if llava is None else llava.collate_items,
         collate_fn if llava is None else llava.collate_fn,
@@ -296,6 +311,7 @@ def diagnose(
             "dialogues": kept,
             "dropped_by_dataset": None if source is None else source - kept,
         },
+        "truncation": truncation,
         "lengths": length_percentiles(lengths),  # of the dialogues, before any packing
         "packing": None
         if packing is None
@@ -421,16 +437,24 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
             "samples without a supervised label (they add no loss): "
             + _where(samples["unsupervised"])
         )
-    if samples["truncated"]["count"]:
+    warnings += truncation_warnings(report.get("truncation"))
+    if samples["truncated"]["count"] and not report.get("truncation"):
         warnings.append(
             f"samples exactly max_length={report['dataset']['max_length']} long, "
             "probably cut silently by XTuner: " + _where(samples["truncated"])
         )
-    if report["dataset"]["dropped_by_dataset"]:
+    dropped = report["dataset"]["dropped_by_dataset"]
+    if dropped:
+        cut = (report.get("truncation") or {}).get("dropped")
+        why = (
+            "no assistant reply, or no label left after truncation"
+            if cut is None
+            else f"{dropped - cut} without a supervised label, {cut} left without one by the "
+            "truncation at max_length"
+        )
         warnings.append(
-            f"{report['dataset']['dropped_by_dataset']} of "
-            f"{report['dataset']['source_rows']} source rows were dropped by XTuner "
-            "(no assistant reply, or no label left after truncation)"
+            f"{dropped} of {report['dataset']['source_rows']} source rows were dropped by "
+            f"XTuner ({why})"
         )
     packing = report["packing"] or {}
     if packing.get("tokens", {}).get("lost"):
@@ -445,14 +469,7 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
             f"XTuner's offline packing drops {t['lost']} of {t['before']} tokens and "
             f"{lab['lost']} of {lab['before']} supervised labels ({where})"
         )
-    if packing.get("cut_dialogues") and packing.get("sft"):
-        warnings.append(
-            f"{packing['cut_dialogues']} of {packing['dialogues']} dialogues are cut at row "
-            f"edges and trained as {packing['pieces']} pieces (a piece starts mid-dialogue at "
-            "position 0, without its prompt), "
-            f"{packing['unsupervised_pieces']} of them without a supervised label; "
-            'offline_packing = "whole" (the default with xtuner-rope) packs each dialogue whole'
-        )
+    warnings += cut_warnings(report)
     warnings += collate["collate_warnings"]
     return problems, warnings
 

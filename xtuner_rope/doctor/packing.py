@@ -20,6 +20,7 @@ from collections import Counter
 import numpy as np
 
 from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan, intern_repo_cut_plan
+from xtuner_rope.data.truncation import counting_truncation, summed_figures
 
 IGNORE_INDEX = -100
 
@@ -32,8 +33,12 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
         seed: ``randomness.seed`` of the config (numpy is seeded with it first), or None.
 
     Returns:
-        ``(dialogues, packed)``: ``datasets.Dataset`` s of the tokenized dialogues in the
-        order they are packed, and of the packed rows.
+        ``(dialogues, packed, truncation, seed)``: ``datasets.Dataset`` s of the tokenized
+        dialogues in the order they are packed, and of the packed rows; what XTuner's
+        ``encode_fn`` cut at ``max_length`` (``data.truncation.truncation_figures``; pretraining
+        documents kept whole to be split, as ``lossless_process_hf_dataset`` keeps them, with
+        whole packing); the seed numpy was seeded with (drawn when ``seed`` is None: training
+        draws another, and its shuffle before packing with it).
     """
     from mmengine.runner import set_random_seed
     from xtuner.dataset.huggingface import pack_dataset as xtuner_pack_dataset
@@ -43,24 +48,31 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
     from xtuner_rope.config.startup import type_name
     from xtuner_rope.data.packed_dataset import pack_dataset as lossless_pack_dataset
 
-    if seed is not None:
-        set_random_seed(seed)
+    used = set_random_seed(seed)  # None: a seed drawn as MMEngine's Runner draws one
     kwargs = copy.deepcopy(dict(dataset_cfg))
     lossless = type_name(kwargs.pop("type")) == "lossless_process_hf_dataset"
     whole = kwargs.pop("whole_dialogues", True)
     shuffle = kwargs.pop("shuffle_before_pack", True)
     varlen = bool(kwargs.pop("use_varlen_attn", False))
     procs = kwargs.get("map_num_proc", 32)
-    dialogues = BUILDER.build(
-        dict(kwargs, type=process_hf_dataset, pack_to_max_length=False, remove_unused_columns=True)
-    )
+    with counting_truncation(split_documents=lossless and whole) as truncation:
+        dialogues = BUILDER.build(
+            dict(
+                kwargs,
+                type=process_hf_dataset,
+                pack_to_max_length=False,
+                remove_unused_columns=True,
+            )
+        )
     if shuffle:  # as XTuner's pack_dataset does, before its Packer
         dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
     pack = (
-        functools.partial(lossless_pack_dataset, whole=whole) if lossless else xtuner_pack_dataset
+        functools.partial(lossless_pack_dataset, whole=whole, truncation=truncation)
+        if lossless
+        else xtuner_pack_dataset
     )
     packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
-    return dialogues, packed
+    return dialogues, packed, summed_figures(truncation), used
 
 
 def _flat(rows: list) -> np.ndarray:

@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from xtuner_rope.data.truncation import truncation_message, unit
 from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
 from xtuner_rope.doctor.heldout import heldout_lines
 from xtuner_rope.doctor.internvl_stats import internvl_lines
@@ -17,6 +18,7 @@ from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 from xtuner_rope.doctor.rope import rope_lines
 from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
+from xtuner_rope.doctor.truncation import cut_verdict, data_unit, truncation_lines
 
 
 def _pct(share: float | None) -> str:
@@ -46,35 +48,55 @@ def _data_lines(report: dict) -> list[str]:
         f"dataset      {ds['type']}: {ds['samples']} samples{source}, {ds['documents']} "
         f"documents, {ds['tokens']} tokens; {how}",
         "lengths      "
-        + ("dialogues before packing: " if report["packing"] else "")
+        + (f"{data_unit(report)} before packing: " if report["packing"] else "")
         + _percentiles(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
-    ] + _packing_lines(report["packing"], report["collate"]["batch_size"])
+        *truncation_lines(report.get("truncation")),
+    ] + _packing_lines(report, report["collate"]["batch_size"])
 
 
 def _percentiles(lengths: dict) -> str:
     return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in lengths.items())
 
 
-def _packing_lines(p: dict | None, batch_size: int) -> list[str]:
+def _kept(packed: dict, cut: dict | None) -> str:
+    """``before -> after (lost n)`` from the data to the rows: XTuner's cut, then packing."""
+    if not cut or not cut["lost"]:
+        return f"{packed['before']} -> {packed['after']} (lost {packed['lost']})"
+    return (
+        f"{cut['before']} -> {packed['after']} (lost {cut['lost'] + packed['lost']}: "
+        f"{cut['lost']} truncated, {packed['lost']} by packing)"
+    )
+
+
+def _packing_lines(report: dict, batch_size: int) -> list[str]:
+    p, cut = report["packing"], report.get("truncation")
     if not p:
         return []
-    t, lab, xt = p["tokens"], p["labels"], p["xtuner_cut"]
+    t, lab, xt, what = p["tokens"], p["labels"], p["xtuner_cut"], data_unit(report)
     lines = [
-        f"packing      {p['dialogues']} dialogues -> {p['rows']} rows of max_length="
-        f"{p['max_length']}: tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
-        f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']})",
+        f"packing      {p['dialogues']} {what} -> {p['rows']} rows of max_length="
+        f"{p['max_length']}: tokens {_kept(t, cut and cut['tokens'])}, "
+        f"supervised labels {_kept(lab, cut and cut['labels'])}",
         f"             row lengths {_percentiles(p['row_lengths'])}, fill {p['fill']:.1%} "
         "(tokens / row slots)",
         f"             epoch: {p['rows']} rows, {-(-p['rows'] // batch_size)} iterations of "
         f"batch size {batch_size}; XTuner's cut of the same stream: {xt['rows']} rows, "
-        f"{-(-xt['rows'] // batch_size)} iterations, {xt['cut_dialogues']} dialogues cut",
+        f"{-(-xt['rows'] // batch_size)} iterations, {xt['cut_dialogues']} {what} cut",
     ]
     if p["cut_dialogues"] is not None:
         lines.append(
-            f"             {p['cut_dialogues']} dialogues cut at row edges "
+            f"             {p['cut_dialogues']} {what} cut at row edges "
             f"({p['pieces']} pieces, {p['unsupervised_pieces']} with no supervised "
             f"label); unsupervised_seen after one epoch: {p['unsupervised_seen']}"
+        )
+    seed = p.get("shuffle_seed")
+    if seed and seed["drawn"]:
+        lines.append(
+            f"             randomness.seed is None: the figures that depend on the shuffle "
+            f"before packing (rows, pieces, unsupervised_seen) used seed {seed['used']}; "
+            f"training draws another (set randomness = dict(seed={seed['used']}) to train "
+            "on these rows)"
         )
     if p.get("split_long"):
         lines.append(
@@ -128,13 +150,15 @@ def format_summary(report: dict) -> str:
     lines += checkpoint_space_lines(report.get("checkpoints"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]
-    packing = report.get("packing") or {}
     if report["exit_code"]:
         verdict = "FAIL: training would fail or be silently wrong (exit 1)"
-    elif packing.get("cut_dialogues") and packing.get("sft"):  # offline_packing = "cut"
+    elif cut_verdict(report):  # offline_packing = "cut"
+        verdict = cut_verdict(report)
+    elif truncation_message(report.get("truncation")):
+        cut = report["truncation"]
         verdict = (
-            f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} dialogues are trained "
-            "as pieces, as this config asks (see the warning); nothing else would fail or "
+            f"TRUNCATED: {cut['truncated']} of {cut['dialogues']} {unit(cut)} lose their ends at "
+            f"max_length={cut['max_length']} (see the warning); nothing else would fail or "
             "corrupt training (exit 0)"
         )
     elif fits(report.get("checkpoints")) is False:

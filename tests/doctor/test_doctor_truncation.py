@@ -1,0 +1,221 @@
+"""The doctor and the start-up on XTuner's cut at ``max_length``, on a stock SFT config.
+
+Stock ``internlm2_chat_1_8b_full_alpaca_e3`` with the one edit, ``max_length`` lowered below
+some dialogues. The reference is live: XTuner's own unpacked ``process_hf_dataset`` of the same
+config at that ``max_length`` (what it trains) and at an unlimited one (every dialogue whole).
+"""
+
+import json
+import logging
+from collections import Counter
+
+import numpy as np
+import pytest
+import stock_configs as sc
+from mmengine.config import Config
+from mmengine.logging import MMLogger
+from xtuner.registry import BUILDER
+
+from xtuner_rope.config import startup
+from xtuner_rope.doctor.diagnose import diagnose
+from xtuner_rope.doctor.report import format_summary
+
+FULL = "internlm2_chat_1_8b_full_alpaca_e3"
+MAX_LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def alpaca(tmp_path_factory):
+    """``(packed, unpacked)`` config paths and XTuner's figures of the cut (live)."""
+    sc.ensure_tiny_model()
+    tmp = tmp_path_factory.mktemp("alpaca")
+    data = sc.write_alpaca_data(tmp / "alpaca", n=400)
+    text = sc.enable_plugin(sc.localize(sc.copy_stock(FULL, tmp), data))
+    text = sc.sub_once(text, r"^max_length = 512$", f"max_length = {MAX_LENGTH}")
+    text = sc.sub_once(text, r"^warmup_ratio = 0.03$", "warmup_ratio = 0.1")
+    # One map worker: XTuner's 32 cost half a minute of process starts on 2 cores, same rows.
+    text = sc.sub_once(
+        text,
+        r"^    pack_to_max_length=pack_to_max_length,$",
+        "    pack_to_max_length=pack_to_max_length,\n    map_num_proc=1,",
+    )
+    packed, unpacked = tmp / "packed.py", tmp / "unpacked.py"
+    packed.write_text(text)
+    unpacked.write_text(
+        sc.sub_once(text, r"^pack_to_max_length = True$", "pack_to_max_length = False")
+    )
+    return packed, unpacked, _xtuner_cut(unpacked)
+
+
+def _xtuner_cut(path) -> dict:
+    """What XTuner's own unpacked dataset loses at max_length, from two builds of it."""
+    built = {}
+    for max_length in (MAX_LENGTH, 10**9):
+        cfg = Config.fromfile(str(path))
+        cfg.train_dataloader.dataset.max_length = max_length
+        built[max_length] = BUILDER.build(cfg.train_dataloader.dataset)
+    cut, whole = built[MAX_LENGTH], built[10**9]
+    return {
+        "dialogues": len(whole),
+        "truncated": sum(len(ids) > MAX_LENGTH for ids in whole["input_ids"]),
+        "dropped": len(whole) - len(cut),
+        "tokens": sum(map(len, whole["input_ids"])) - sum(map(len, cut["input_ids"])),
+        "labels": sum(x != -100 for r in whole["labels"] for x in r)
+        - sum(x != -100 for r in cut["labels"] for x in r),
+        "longest": max(map(len, whole["input_ids"])),
+    }
+
+
+def _start_up(path):
+    """The train dataset built as ``xtuner train`` builds it after the start-up's fixes, and
+    the lines it logs to MMEngine's current logger."""
+    cfg = Config.fromfile(str(path))
+    for finding in startup.inspect_config(cfg):
+        if finding.fix is not None:
+            finding.fix()
+    lines, handler = [], logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    MMLogger.get_current_instance().addHandler(handler)
+    try:
+        return BUILDER.build(cfg.train_dataloader.dataset), lines
+    finally:
+        MMLogger.get_current_instance().removeHandler(handler)
+
+
+def _check(report: dict, live: dict) -> None:
+    figures = report["truncation"]
+    assert figures["truncated"] == live["truncated"] > 0
+    assert figures["dialogues"] == live["dialogues"]
+    assert figures["dropped"] == live["dropped"]
+    assert figures["tokens"]["lost"] == live["tokens"] > 0
+    assert figures["labels"]["lost"] == live["labels"] > 0
+    assert figures["keep_all"] == live["longest"]
+    assert report["samples"]["truncated"]["count"] == live["truncated"]
+    summary = format_summary(report)
+    assert "lost 0" not in summary and "OK:" not in summary
+    assert summary.splitlines()[-1].startswith(
+        f"TRUNCATED: {live['truncated']} of {live['dialogues']} dialogues lose their ends at "
+        f"max_length={MAX_LENGTH}"
+    )
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert f"-> set max_length = {live['longest']} (every dialogue whole)" in warning
+
+
+def test_packed_offline_the_doctor_and_the_start_up_count_xtuners_cut(alpaca):
+    packed, _, live = alpaca
+    report, _ = diagnose(str(packed), progress=False)
+    assert report["exit_code"] == 0, report["problems"]
+    _check(report, live)
+    assert report["packing"]["tokens"]["lost"] == 0  # packing itself keeps every token
+    _, lines = _start_up(packed)  # the start-up's line: the doctor's warning's sentence
+    (line,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert "nothing dropped by packing" in line and warning.splitlines()[0] in line
+
+
+def test_with_seed_none_the_doctor_names_the_seed_its_shuffle_used(alpaca):
+    """The stock ``randomness = dict(seed=None)``: the figures are those of the seed named."""
+    packed, _, _ = alpaca
+    report, order = diagnose(str(packed), progress=False, batches=2)
+    seed = report["packing"]["shuffle_seed"]
+    assert seed["drawn"] and isinstance(seed["used"], int)
+    assert (
+        f"randomness.seed is None: the figures that depend on the shuffle before packing "
+        f"(rows, pieces, unsupervised_seen) used seed {seed['used']}; training draws another"
+    ) in format_summary(report)
+    again, same = diagnose(str(packed), {"randomness.seed": seed["used"]}, 2, False)
+    assert again["packing"]["shuffle_seed"] == {"used": seed["used"], "drawn": False}
+    assert same == order  # the dialogues in the same shuffled order: the same rows
+    assert "randomness.seed is None" not in format_summary(again)
+
+
+def test_unpacked_the_doctor_counts_xtuners_cut(alpaca):
+    _, unpacked, live = alpaca
+    report, _ = diagnose(str(unpacked), progress=False, batches=2)
+    assert report["packing"] is None
+    _check(report, live)
+
+
+PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"
+
+
+def _documents(folder):
+    """80 pretraining documents of 1 to 39 sample replies (43 to ~900 tokens at 512)."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 80)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.json").write_text(json.dumps([{"text": t} for t in texts]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pretrain(tmp_path_factory):
+    """Stock ``qwen1_5_0_5b_full_custom_pretrain_e1`` with the one edit (max_length 512), as it
+    is and with ``offline_packing = "cut"``, and XTuner's documents uncut (live)."""
+    from xtuner_rope.demo.resources import tiny_checkpoint
+    from xtuner_rope.zoo.localize import enable_plugin, localize
+
+    qwen2 = sc.TINY_MODEL.with_name("tiny-qwen2")
+    tiny_checkpoint(str(qwen2), data_path=str(sc.SAMPLE_DATA), family="qwen2")
+    tmp = tmp_path_factory.mktemp("pretrain")
+    stock = sc.copy_stock(PRETRAIN, tmp).read_text()
+    text = enable_plugin(localize(stock, qwen2, _documents(tmp)))
+    text = sc.sub_once(text, r"^    map_num_proc=2,$", "    map_num_proc=1,")
+    whole, cut = tmp / "whole.py", tmp / "cut.py"
+    whole.write_text(text)
+    cut.write_text(text + '\noffline_packing = "cut"\n')
+    cfg = Config.fromfile(str(whole))
+    cfg.train_dataloader.dataset.update(max_length=10**9, pack_to_max_length=False)
+    documents = BUILDER.build(cfg.train_dataloader.dataset)["input_ids"]
+    return whole, cut, documents
+
+
+def test_pretraining_documents_are_split_and_the_doctor_and_start_up_agree(pretrain):
+    whole, _, documents = pretrain
+    max_length = Config.fromfile(str(whole)).max_length
+    long = sum(len(d) > max_length for d in documents)
+    report, _ = diagnose(str(whole), progress=False, batches=2)
+    figures, packing = report["truncation"], report["packing"]
+    assert figures["truncated"] == 0 and figures["split"] == long > 10
+    assert figures["pretraining"] and packing["split_long"] == long
+    tokens = sum(map(len, documents))
+    assert packing["tokens"] == {"before": tokens, "after": tokens, "lost": 0}
+    summary = format_summary(report)
+    assert "dialogues" not in summary.split("collate")[0]  # the words follow the data
+    assert summary.splitlines()[-1].startswith("OK:"), report["problems"] + report["warnings"]
+    built, lines = _start_up(whole)
+    pieces = Counter(
+        tuple(d[i : i + max_length]) for d in documents for i in range(0, len(d), max_length)
+    )
+    segments = Counter(
+        tuple(row[a:b])
+        for row, bounds in zip(built["input_ids"], built["cumulative_len"])
+        for a, b in zip(bounds[:-1], bounds[1:])
+    )
+    assert segments == pieces  # every token of the corpus once, long documents as pieces
+    (line,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
+    assert f"packed {len(documents)} documents ({tokens} tokens" in line
+    assert f"({long} documents longer than a row split into max_length pieces" in line
+    assert f"into {packing['rows']} rows" in line and "nothing dropped;" in line
+
+
+def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
+    _, cut, documents = pretrain
+    report, _ = diagnose(str(cut), progress=False, batches=2)
+    figures, packing = report["truncation"], report["packing"]
+    max_length = figures["max_length"]
+    assert figures["truncated"] == sum(len(d) > max_length for d in documents) > 0
+    lost = sum(max(len(d) - max_length, 0) for d in documents)
+    assert figures["tokens"]["lost"] == lost and packing["tokens"]["lost"] == 0
+    assert (
+        format_summary(report)
+        .splitlines()[-1]
+        .startswith(
+            f"CUT: {packing['cut_dialogues']} of {len(documents)} documents are trained as pieces"
+        )
+    )
+    assert not any("without its prompt" in w for w in report["warnings"])
+    _, lines = _start_up(cut)
+    (line,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert warning.splitlines()[0] in line

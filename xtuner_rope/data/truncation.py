@@ -1,0 +1,226 @@
+"""What XTuner's ``encode_fn`` cuts at ``max_length``, counted; pretraining text kept whole.
+
+xtuner 0.2.0's ``process_hf_dataset`` tokenizes each dialogue whole and keeps its first
+``max_length`` tokens (``encode_fn``), then drops the dialogues left without a supervised label:
+a silent loss, before any packing, on the packed and the unpacked path alike.
+:func:`counting_truncation` runs XTuner's own tokenize step without the cut (``max_length``
+unlimited), counts what the cut loses (:func:`truncation_figures`), then applies the very same
+cut (the first ``max_length`` tokens and labels of each dialogue): the dataset is XTuner's, token
+for token.
+
+With ``split_documents=True`` (whole-dialogue offline packing, the plugin's default),
+pretraining-style documents (every label supervised except the tokenizer's BOS:
+``pretrain_map_fn``, no prompt) are not cut: the pack step splits those longer than a row into
+``max_length`` pieces (``pack_plans.whole_plan``), so every token is trained once. Dialogues are
+never split, only cut as XTuner cuts them, and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import numpy as np
+import pyarrow.compute as pc
+
+IGNORE_INDEX = -100
+FIRST_INDICES = 10  # truncated dialogues named in the report
+
+
+def _cut(batch: dict, max_length: int, keep_from: int | None) -> dict:
+    """``encode_fn``'s cut of a batch: the first ``max_length`` tokens and labels of each row;
+    rows whose labels are all supervised from ``keep_from`` on (pretraining text) kept whole."""
+    ids, labels = [], []
+    for row_ids, row_labels in zip(batch["input_ids"], batch["labels"]):
+        whole = keep_from is not None and IGNORE_INDEX not in row_labels[keep_from:]
+        ids.append(row_ids if whole else row_ids[:max_length])
+        labels.append(row_labels if whole else row_labels[:max_length])
+    return {"input_ids": ids, "labels": labels}
+
+
+def _row_sums(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``[n]`` counts of ``mask`` over each row's span ``[starts, ends)`` of the flat stream."""
+    cumulative = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    return cumulative[ends] - cumulative[starts]
+
+
+def truncation_figures(table, max_length: int, bos: int, split_documents: bool) -> dict:
+    """What cutting each row of a tokenized table at ``max_length`` loses, JSON-ready.
+
+    Rows without a supervised label before the cut are left out (XTuner drops them whether cut
+    or not); a row the cut leaves without one is counted in ``dropped`` (XTuner drops it).
+
+    Args:
+        table: Arrow table with ``input_ids`` and ``labels`` (lists, one row per dialogue),
+            untruncated.
+        max_length: Where ``encode_fn`` cuts.
+        bos: The tokenizer's BOS tokens per turn (their labels are -100 in pretraining text).
+        split_documents: Pretraining documents are kept whole (split by the pack step), not cut.
+
+    Returns:
+        ``dialogues`` (rows with a supervised label), ``documents`` (those of them that are
+        pretraining text), ``pretraining`` (all are), ``truncated`` (rows cut), ``dropped`` (cut
+        to no supervised label), ``split`` (pretraining documents longer than ``max_length``
+        kept whole to be split), ``tokens`` and ``labels`` (``before`` / ``after`` / ``lost``),
+        ``keep_all`` and ``keep_99`` (the ``max_length`` that keeps every row whole, and 99% of
+        them), ``first_truncated`` (indices of the first cut rows among the rows XTuner keeps,
+        in the tokenized order), ``max_length``.
+    """
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    lengths = lengths.astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    flat_labels = pc.list_flatten(table.column("labels")).to_numpy(zero_copy_only=False)
+    supervised = flat_labels != IGNORE_INDEX
+    labels_before = _row_sums(supervised, starts, ends)
+    ignored_bos = np.zeros(len(lengths), dtype=np.int64)  # -100 labels among the BOS tokens
+    for k in range(bos):  # 0 to 2 tokens: no per-token position array
+        has = lengths > k
+        ignored_bos[has] += ~supervised[starts[has] + k]
+    document = (lengths - labels_before == ignored_bos) & (labels_before > 0)
+    kept = labels_before > 0  # XTuner's filter of the uncut rows
+    long = kept & (lengths > max_length)
+    whole = document & split_documents
+    cut = long & ~whole
+    after = np.where(cut, max_length, lengths)
+    labels_after = _row_sums(supervised, starts, starts + after)
+    dropped = cut & (labels_after == 0)
+    survivors = kept & ~dropped
+    order = np.cumsum(survivors) - 1  # index among the rows XTuner keeps
+    sorted_lengths = np.sort(lengths[kept])
+    n = len(sorted_lengths)
+    return {
+        "max_length": int(max_length),
+        "dialogues": int(n),
+        "documents": int(document.sum()),
+        "pretraining": bool(n and document[kept].all()),
+        "truncated": int(cut.sum()),
+        "dropped": int(dropped.sum()),
+        "split": int((long & whole).sum()),
+        "tokens": _kept(int(lengths[kept].sum()), int(after[survivors].sum())),
+        "labels": _kept(int(labels_before[kept].sum()), int(labels_after[survivors].sum())),
+        "keep_all": int(sorted_lengths[-1]) if n else None,
+        "keep_99": int(sorted_lengths[int(np.ceil(0.99 * n)) - 1]) if n else None,
+        "first_truncated": [int(i) for i in order[cut & ~dropped][:FIRST_INDICES]],
+    }
+
+
+def _kept(before: int, after: int) -> dict:
+    return {"before": before, "after": after, "lost": before - after}
+
+
+SUMMED = ("dialogues", "documents", "truncated", "dropped", "split")
+
+
+def summed_figures(parts: list[dict]) -> dict | None:
+    """Several tokenize calls' figures as one (a config of several datasets); None for none."""
+    if not parts:
+        return None
+    total = dict(parts[-1])
+    for key in SUMMED:
+        total[key] = sum(p[key] for p in parts)
+    for key in ("tokens", "labels"):
+        total[key] = {k: sum(p[key][k] for p in parts) for k in ("before", "after", "lost")}
+    for key in ("keep_all", "keep_99"):
+        values = [p[key] for p in parts if p[key] is not None]
+        total[key] = max(values) if values else None
+    total["pretraining"] = all(p["pretraining"] for p in parts)
+    total["first_truncated"] = parts[0]["first_truncated"] if len(parts) == 1 else []
+    return total
+
+
+_SINKS: list[list] = []  # the open counting_truncation contexts' figure lists, outermost first
+_SPLIT: list[bool] = []
+
+
+def _tokenize(
+    original,
+    dataset,
+    tokenizer,
+    max_length,
+    with_image_token,
+    input_ids_with_output,
+    remove_unused_columns,
+    map_num_proc,
+):
+    """XTuner's ``tokenize_dataset`` (same arguments), uncut, counted, then cut as XTuner cuts."""
+    from mmengine.config import Config, ConfigDict
+    from xtuner.dataset.utils import get_bos_eos_token_ids
+    from xtuner.registry import BUILDER
+
+    if isinstance(tokenizer, (dict, Config, ConfigDict)):
+        tokenizer = BUILDER.build(tokenizer)
+    full = original(
+        dataset,
+        tokenizer,
+        sys.maxsize,  # encode_fn cuts at len(input_ids) > max_length: never
+        with_image_token,
+        input_ids_with_output,
+        remove_unused_columns,
+        map_num_proc,
+    )
+    bos = len(get_bos_eos_token_ids(tokenizer)[0])
+    split = bool(_SPLIT and _SPLIT[-1])
+    figures = truncation_figures(full.with_format("arrow")[:], max_length, bos, split)
+    for sink in _SINKS:
+        sink.append(figures)
+    longest = pc.max(pc.list_value_length(full.data.column("input_ids"))).as_py() or 0
+    if longest <= max_length:  # nothing for encode_fn to cut
+        return full
+    cut = functools.partial(_cut, max_length=max_length, keep_from=bos if split else None)
+    return full.map(cut, batched=True, num_proc=map_num_proc)
+
+
+@contextlib.contextmanager
+def counting_truncation(split_documents: bool = False):
+    """Count what ``process_hf_dataset``'s ``encode_fn`` cuts, for the calls in this block.
+
+    Args:
+        split_documents: Keep pretraining documents whole (the pack step splits them); the
+            innermost open block decides.
+
+    Yields:
+        A list that gets one :func:`truncation_figures` dict per tokenize step run inside
+        (every open block gets each).
+    """
+    from xtuner_rope.compat import xtuner_tokenize_step
+
+    sink: list = []
+    _SINKS.append(sink)
+    _SPLIT.append(split_documents)
+    try:
+        if len(_SINKS) > 1:  # an outer block has XTuner's step swapped already
+            yield sink
+        else:
+            with xtuner_tokenize_step(lambda original: functools.partial(_tokenize, original)):
+                yield sink
+    finally:
+        _SINKS.pop()
+        _SPLIT.pop()
+
+
+def unit(figures: dict | None, plural: bool = True) -> str:
+    """What the rows are: pretraining ``documents`` when every one is, else ``dialogues``."""
+    word = "document" if figures and figures["pretraining"] else "dialogue"
+    return word + ("s" if plural else "")
+
+
+def truncation_message(figures: dict | None) -> str | None:
+    """The one sentence on what ``encode_fn``'s cut loses (start-up log and doctor), or None
+    when it cuts nothing."""
+    if not figures or not figures["truncated"]:
+        return None
+    t, lab, what = figures["tokens"], figures["labels"], unit(figures)
+    dropped = (
+        f" ({figures['dropped']} of them dropped: no supervised label left)"
+        if figures["dropped"]
+        else ""
+    )
+    return (
+        f"XTuner's encode_fn truncates {figures['truncated']} of {figures['dialogues']} {what} "
+        f"at max_length={figures['max_length']}{dropped}: {t['lost']} of {t['before']} tokens "
+        f"and {lab['lost']} of {lab['before']} supervised labels are never trained; "
+        f"max_length = {figures['keep_all']} keeps every {unit(figures, False)} whole, "
+        f"{figures['keep_99']} keeps 99% of them"
+    )

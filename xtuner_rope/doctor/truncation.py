@@ -1,0 +1,93 @@
+"""The doctor on XTuner's cuts: at ``max_length`` (counted exactly, before any packing) and
+at row edges (``offline_packing = "cut"``), in the words of the data.
+
+``process_hf_dataset`` builds the doctor's data inside ``data.truncation.counting_truncation``
+(packed offline or not): its tokenize step runs uncut, is counted, then cut as XTuner cuts. The
+report's ``truncation`` holds those figures (None where no ``process_hf_dataset`` built the data:
+the intern-repo loaders, tokenized data, the heuristic ``samples.truncated`` stays there); this
+module turns them into the samples' ``truncated`` entry, the summary line and the warning, in the
+words of the start-up's own line (``data.truncation.truncation_message``).
+"""
+
+from __future__ import annotations
+
+from xtuner_rope.data.truncation import truncation_message, unit
+from xtuner_rope.doctor.stats import Occurrences
+
+
+def truncated_occurrences(figures: dict) -> Occurrences:
+    """``samples.truncated`` from the exact count (indices: the dialogues XTuner keeps, in
+    tokenized order; before any shuffle and packing)."""
+    return Occurrences(figures["truncated"], list(figures["first_truncated"]))
+
+
+def truncation_lines(figures: dict | None) -> list[str]:
+    """The summary's ``truncation`` line (none without figures)."""
+    if not figures:
+        return []
+    t, lab, what = figures["tokens"], figures["labels"], unit(figures)
+    return [
+        f"truncation   {figures['truncated']} of {figures['dialogues']} {what} truncated at "
+        f"max_length={figures['max_length']} by XTuner's encode_fn ({figures['dropped']} "
+        f"dropped with no label left): tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
+        f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']}); longest "
+        f"{figures['keep_all']}, 99% <= {figures['keep_99']}"
+    ]
+
+
+def truncation_warnings(figures: dict | None) -> list[str]:
+    """A warning when XTuner's cut loses tokens, with the ``max_length`` that would keep them."""
+    message = truncation_message(figures)
+    if message is None:
+        return []
+    edit = (
+        f"set max_length = {figures['keep_all']} (every {unit(figures, False)} whole) or "
+        f"{figures['keep_99']} (99%)"
+    )
+    if figures["pretraining"]:
+        edit += (
+            ', or with xtuner-rope enabled leave offline_packing = "whole" (the default): '
+            "pretraining documents are split into max_length pieces, not cut"
+        )
+    return [f"{message}\n  -> {edit}"]
+
+
+def data_unit(report: dict, plural: bool = True) -> str:
+    """What the data's rows are: pretraining ``documents`` (every label supervised, no prompt)
+    or ``dialogues``; from the tokenize step's figures, else from the packing figures."""
+    if report.get("truncation"):
+        return unit(report["truncation"], plural)
+    packing = report.get("packing") or {}
+    word = "document" if packing and not packing.get("sft", True) else "dialogue"
+    return word + ("s" if plural else "")
+
+
+def cut_warnings(report: dict) -> list[str]:
+    """A warning when rows hold pieces of the data cut at row edges (the cut opt-out)."""
+    packing = report.get("packing") or {}
+    if not packing.get("cut_dialogues"):
+        return []
+    what, one = data_unit(report), data_unit(report, False)
+    why = (
+        "a piece after the first starts at position 0 without the text before it"
+        if what == "documents"
+        else "a piece starts mid-dialogue at position 0, without its prompt"
+    )
+    return [
+        f"{packing['cut_dialogues']} of {packing['dialogues']} {what} are cut at row edges and "
+        f"trained as {packing['pieces']} pieces ({why}), {packing['unsupervised_pieces']} of "
+        f'them without a supervised label; offline_packing = "whole" (the default with '
+        f"xtuner-rope) packs each {one} whole"
+    ]
+
+
+def cut_verdict(report: dict) -> str | None:
+    """The summary's last line for the cut opt-out (exit 0: a choice), or None."""
+    packing = report.get("packing") or {}
+    if not packing.get("cut_dialogues"):
+        return None
+    return (
+        f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} {data_unit(report)} are "
+        "trained as pieces, as this config asks (see the warning); nothing else would fail or "
+        "corrupt training (exit 0)"
+    )
