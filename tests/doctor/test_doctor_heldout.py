@@ -19,6 +19,7 @@ from xtuner.registry import BUILDER
 
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary
+from xtuner_rope.zoo.localize import one_map_process
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 TRAIN_ROWS = 40
@@ -33,11 +34,8 @@ def stock(tmp_path_factory) -> dict:
     train_rows = json.loads((alpaca / "train.json").read_text())
     (held / "train.json").write_text(json.dumps(rows + train_rows[5:8]))  # 3 in training too
     text = sc.enable_plugin(sc.localize(sc.copy_stock(FULL, root), alpaca))
-    # one map process (XTuner's default is 32: process start-up dominates on 40 dialogues); the
-    # shortcut's held-out dict is a copy of this one
-    text = sc.sub_once(
-        text, r"^(    pack_to_max_length=pack_to_max_length,\n)", r"\g<1>    map_num_proc=1,\n"
-    )
+    # one map process (localize's; XTuner's default is 32): the shortcut's held-out dict is a
+    # copy of this one
     return {"root": root, "text": text, "held": held, "train_rows": train_rows}
 
 
@@ -77,11 +75,7 @@ def _pairs(rows: list[dict]) -> list[tuple]:
 
 def test_doctor_reports_a_separate_heldout_file(stock):
     text = ho.with_heldout(stock["text"], stock["held"])
-    text = sc.sub_once(
-        text,
-        r"^(        pack_to_max_length=pack_to_max_length,\n)",
-        r"\g<1>        map_num_proc=1,\n",
-    )
+    text = one_map_process(text)  # the held-out dataset's maps too
     config = _write(stock, "entries.py", text)
     report, _ = diagnose(str(config), progress=False)
     figures = report["heldout"]

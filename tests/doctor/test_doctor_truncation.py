@@ -33,12 +33,6 @@ def alpaca(tmp_path_factory):
     text = sc.enable_plugin(sc.localize(sc.copy_stock(FULL, tmp), data))
     text = sc.sub_once(text, r"^max_length = 512$", f"max_length = {MAX_LENGTH}")
     text = sc.sub_once(text, r"^warmup_ratio = 0.03$", "warmup_ratio = 0.1")
-    # One map worker: XTuner's 32 cost half a minute of process starts on 2 cores, same rows.
-    text = sc.sub_once(
-        text,
-        r"^    pack_to_max_length=pack_to_max_length,$",
-        "    pack_to_max_length=pack_to_max_length,\n    map_num_proc=1,",
-    )
     packed, unpacked = tmp / "packed.py", tmp / "unpacked.py"
     packed.write_text(text)
     unpacked.write_text(
@@ -160,7 +154,6 @@ def pretrain(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
     stock = sc.copy_stock(PRETRAIN, tmp).read_text()
     text = enable_plugin(localize(stock, qwen2, _documents(tmp)))
-    text = sc.sub_once(text, r"^    map_num_proc=2,$", "    map_num_proc=1,")
     whole, cut = tmp / "whole.py", tmp / "cut.py"
     whole.write_text(text)
     cut.write_text(text + '\noffline_packing = "cut"\n')

@@ -27,6 +27,7 @@ import stock_configs as sc
 
 from xtuner_rope.evaluation.hook import CURVES_FILE
 from xtuner_rope.evaluation.metric import WORST_FILE
+from xtuner_rope.zoo.localize import one_map_process
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"  # run without 4-bit: LoRA
@@ -71,7 +72,7 @@ def _config(assets: tuple[Path, Path, Path, Path], stock: str, sp: int) -> Path:
     copied = root / f"{stock}_copy.py"  # one `xtuner copy-cfg` per stock config
     copied = copied if copied.exists() else sc.copy_stock(stock, root)
     text = sc.localize(copied, data, model=model, lora_only=stock == QLORA)
-    text = ho.with_heldout(sc.enable_plugin(text), held)
+    text = one_map_process(ho.with_heldout(sc.enable_plugin(text), held))  # its maps too
     if sp > 1:  # the stock PART 1 setting
         text = sc.sub_once(text, r"^sequence_parallel_size = 1$", f"sequence_parallel_size = {sp}")
     path = root / f"{stock}_sp{sp}.py"

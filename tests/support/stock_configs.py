@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xtuner_rope.zoo.localize import short_chat_samples
+from xtuner_rope.zoo.localize import one_map_process, short_chat_samples
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
@@ -150,10 +150,8 @@ def localize(
     text = sub_once(text, r"^accumulative_counts = \d+", "accumulative_counts = 1")
     text = sub_once(text, r"^evaluation_inputs = .*$", 'evaluation_inputs = ["What is 7 plus 5?"]')
     text = short_chat_samples(text)
-    if map_num_proc is not None and "type=process_hf_dataset," in text:
-        text = sub_once(
-            text, r"^(\s*)type=process_hf_dataset,$", rf"\g<0>\n\1map_num_proc={map_num_proc},"
-        )
+    if map_num_proc is not None:
+        text = one_map_process(text, map_num_proc)
     if lora_only:  # LoRA without 4-bit quantization: bitsandbytes' kernels need CUDA
         text = sub_once(
             text,

@@ -120,7 +120,13 @@ def test_chat_samples_are_short_and_dataset_maps_use_one_process(edited):
     assert hooked > 400 and packed > 400, (hooked, packed)
 
 
-def test_short_chat_samples_sets_an_existing_max_new_tokens():
-    text = "dict(\n    type=EvaluateChatHook,\n    max_new_tokens=600,\n    system=SYSTEM,\n)\n"
-    assert zoo.short_chat_samples(text, 4) == text.replace("600", "4")
+def test_a_setting_is_set_once_in_every_dict_of_its_type():
+    text = (
+        "a = dict(\n    type=EvaluateChatHook,\n    template=dict(\n        x=1,\n    ),\n"
+        "    max_new_tokens=600,\n)\nb = dict(\n    type=EvaluateChatHook,\n    system=S,\n)\n"
+    )
+    once = zoo.short_chat_samples(text, 4)
+    assert once.count("max_new_tokens=4,") == 2 and "600" not in once
+    assert zoo.short_chat_samples(once, 4) == once  # never written twice
     assert zoo.short_chat_samples("no hook here\n") == "no hook here\n"
+    compile(once, "config", "exec")

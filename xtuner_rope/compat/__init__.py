@@ -105,8 +105,8 @@ from .xtuner_sft import (
     patch_sft_sequence_parallel_loss,
     patch_xtuner_train_sequence_parallel_check,
 )
-from .xtuner_tokenize import xtuner_tokenize_step
 from .xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
+from .xtuner_tokenize import xtuner_tokenize_step
 from .xtuner_zero_read import (
     ZERO_READ_FEATURE,
     ZERO_READER_FUNCTIONS,

@@ -192,24 +192,51 @@ def localize_llava(text: str, llm: Path | None, clip: Path, data_json: Path) -> 
 # New tokens of each chat sample XTuner's ``EvaluateChatHook`` writes on a trial (its default 600,
 # at every checkpoint and after training; a randomly initialised tiny model seldom stops early).
 CHAT_SAMPLE_TOKENS = 8
-_CHAT_HOOK = re.compile(r"^(\s*)type=EvaluateChatHook,\n((?:\1\w+=.*\n)*)", re.M)
+# Processes per dataset map on a trial: on a few hundred dialogues XTuner's default 32 worker
+# processes cost seconds each to start on a small machine and save nothing.
+MAP_PROCESSES = 1
+
+
+def set_in_dicts(text: str, type_name: str, key: str, value: object) -> str:
+    """``key=value`` in every ``dict(type=type_name, ...)`` of a config's text.
+
+    The dicts as XTuner's configs write them: ``type=`` on its own line, one keyword a line at
+    its indent, the closing bracket 4 spaces less. A ``key`` already there is set to ``value``
+    (never written twice); elsewhere it is added after ``type=``.
+    """
+    lines, out, i = text.splitlines(keepends=True), [], 0
+    head = re.compile(rf"^(\s+)type={re.escape(type_name)},\n$")
+    while i < len(lines):
+        out.append(lines[i])
+        match = head.match(lines[i])
+        i += 1
+        if not match:
+            continue
+        indent = match.group(1)
+        end = i
+        while end < len(lines) and not lines[end].startswith(indent[:-4] + ")"):
+            end += 1
+        setting, block = f"{indent}{key}={value},\n", lines[i:end]
+        found = [line.startswith(f"{indent}{key}=") for line in block]
+        block = [setting if hit else line for hit, line in zip(found, block)]
+        if not any(found):
+            block.insert(0, setting)
+        out += block
+        i = end
+    return "".join(out)
 
 
 def short_chat_samples(text: str, tokens: int = CHAT_SAMPLE_TOKENS) -> str:
     """``EvaluateChatHook`` generates ``tokens`` new tokens per sample, not its default 600.
 
-    The hook still generates wherever it does (before and after training, at checkpoints); a
-    ``max_new_tokens`` already in its ``dict`` is set to ``tokens``. A config without the hook is
-    returned unchanged.
+    The hook still generates wherever it does (before and after training, at checkpoints).
     """
+    return set_in_dicts(text, "EvaluateChatHook", "max_new_tokens", tokens)
 
-    def shorten(match: re.Match) -> str:
-        indent, keywords = match.group(1), match.group(2)
-        setting = f"{indent}max_new_tokens={tokens},\n"
-        keywords, n = re.subn(rf"^{indent}max_new_tokens=.*\n", setting, keywords, flags=re.M)
-        return f"{indent}type=EvaluateChatHook,\n" + ("" if n else setting) + keywords
 
-    return _CHAT_HOOK.sub(shorten, text)
+def one_map_process(text: str, processes: int = MAP_PROCESSES) -> str:
+    """XTuner's ``process_hf_dataset`` maps in ``processes`` processes (its default: 32)."""
+    return set_in_dicts(text, "process_hf_dataset", "map_num_proc", processes)
 
 
 def cpu_edits(text: str) -> str:
@@ -228,10 +255,7 @@ def cpu_edits(text: str) -> str:
     )
     text, _ = sub(text, r"^(\s*)quantization_config=dict\((?:\n.*?)*?\n\1\),\n", "")
     text, _ = sub(text, r"^\s*load_in_8bit=True,\n", "")  # int8 LoRA: LoRA without 8-bit
-    # One process per dataset map: on a trial's few hundred dialogues XTuner's default 32 worker
-    # processes cost seconds each to start on a small machine and save nothing.
-    text, _ = sub(text, r"^(\s*)type=process_hf_dataset,$", r"\g<0>\n\1map_num_proc=1,")
-    text = short_chat_samples(text)
+    text = short_chat_samples(one_map_process(text))
     text, amp = sub(text, r"^(\s*)type=AmpOptimWrapper,$", r"\1type=OptimWrapper,")
     if amp:
         text, _ = sub(text, r'^\s*loss_scale="dynamic",\n', "")
