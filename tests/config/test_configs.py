@@ -22,6 +22,8 @@ from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
 from runners import bare_runner
 
+from xtuner_rope.compat import config_dict
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
 TINY_RECIPES = [c for c in CONFIGS if c.startswith("configs/tiny_")]  # CPU recipes
@@ -103,7 +105,7 @@ def test_configs_are_found():
 def test_every_named_object_resolves(config):
     """Imports, attributes and registry names all exist (a typo fails here, not on a GPU)."""
     cfg = _load(config)
-    leaves = list(_leaves(cfg._cfg_dict))
+    leaves = list(_leaves(config_dict(cfg)))
     for where, value in leaves:
         if isinstance(value, (LazyObject, LazyAttr)):
             assert value.build() is not None, where  # raises on a missing module or name
@@ -411,13 +413,15 @@ def test_config_dicts_are_plain_after_tiny_override(config):
 
     real, cfg = _load(config), _tiny_cfg(config, quantize=False)
     assert isinstance(cfg.model, ConfigDict)
-    paths = [v for w, v in _leaves(cfg._cfg_dict) if w.endswith(".pretrained_model_name_or_path")]
+    paths = [
+        v for w, v in _leaves(config_dict(cfg)) if w.endswith(".pretrained_model_name_or_path")
+    ]
     assert paths and set(paths) == {TINY_MODEL}
-    real_hooks, hooks = real._cfg_dict.pop("custom_hooks"), cfg._cfg_dict.pop("custom_hooks")
+    real_hooks, hooks = config_dict(real).pop("custom_hooks"), config_dict(cfg).pop("custom_hooks")
     added = len(hooks) - len(real_hooks)
     assert {type_name(dict.get(h, "type")) for h in hooks[:added]} <= set(PLUGIN_HOOKS)
     assert [_without_paths(h) for h in hooks[added:]] == [_without_paths(h) for h in real_hooks]
-    before, after = _without_paths(real._cfg_dict), _without_paths(cfg._cfg_dict)
+    before, after = _without_paths(config_dict(real)), _without_paths(config_dict(cfg))
     changed = {w for w in before.keys() | after.keys() if before.get(w) != after.get(w)}
     allowed = ("cfg.model.llm.quantization_config.",) if "qlora" in config else ()
     if not torch.cuda.is_available():

@@ -11,6 +11,7 @@ import pytest
 import stock_configs as sc
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
 from xtuner_rope.config.startup import ConfigConflict, inspect_config, prepare_config, type_name
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
@@ -44,18 +45,18 @@ def test_heldout_loader_gets_what_the_train_loader_gets(stock, tmp_path):
     findings = inspect_config(cfg)
     assert not _settings(findings, fixed=False), [str(f) for f in findings]
     prepare_config(cfg)
-    val = cfg._cfg_dict["val_dataloader"]
+    val = config_dict(cfg)["val_dataloader"]
     dataset = val["dataset"]
     assert type_name(dataset["type"]) == "heldout_process_hf_dataset"
     assert dataset["use_varlen_attn"] and not dataset["shuffle_before_pack"]
     assert val["collate_fn"]["use_varlen_attn"] is True
     assert val["sampler"]["shuffle"] is False
-    assert cfg._cfg_dict["val_evaluator"]["tokenizer"] is cfg._cfg_dict["tokenizer"]
-    hooks = [type_name(h["type"]) for h in cfg._cfg_dict["custom_hooks"]]
+    assert config_dict(cfg)["val_evaluator"]["tokenizer"] is config_dict(cfg)["tokenizer"]
+    hooks = [type_name(h["type"]) for h in config_dict(cfg)["custom_hooks"]]
     assert "HeldOutCurvesHook" in hooks and "PackedBatchCheckHook" in hooks
-    custom = cfg._cfg_dict["log_processor"]["custom_cfg"]
+    custom = config_dict(cfg)["log_processor"]["custom_cfg"]
     assert dict(data_src="heldout_loss", method_name="mean", window_size=1) in custom
-    assert cfg._cfg_dict["log_processor"]["by_epoch"] is False  # the stock entry is kept
+    assert config_dict(cfg)["log_processor"]["by_epoch"] is False  # the stock entry is kept
 
 
 def test_sequence_parallel_heldout_rows_collate_whole(stock, tmp_path):
@@ -63,7 +64,7 @@ def test_sequence_parallel_heldout_rows_collate_whole(stock, tmp_path):
         stock, tmp_path, None, (r"^sequence_parallel_size = 1$", "sequence_parallel_size = 2")
     )
     prepare_config(cfg)
-    collate = cfg._cfg_dict["val_dataloader"]["collate_fn"]
+    collate = config_dict(cfg)["val_dataloader"]["collate_fn"]
     # XTuner's default_collate_fn asserts rows divisible by 2; held-out rows are whole dialogues
     assert type_name(collate["type"]) == "rope_collate_fn" and collate["use_varlen_attn"] is True
     assert "pad_to_multiple_of" not in collate  # evaluated whole, never split
@@ -157,17 +158,17 @@ def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
 
     cfg = _shortcut_cfg(stock, tmp_path, "heldout = dict(fraction=0.25, interval=2)")
     prepare_config(cfg)
-    train = cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
-    val = cfg._cfg_dict["val_dataloader"]["dataset"]
+    train = config_dict(cfg)["train_dataloader"]["dataset"]["dataset"]
+    val = config_dict(cfg)["val_dataloader"]["dataset"]
     assert train["split"] == "train[:75%]" and val["dataset"]["split"] == "train[75%:]"
     assert type_name(val["type"]) == "heldout_process_hf_dataset"
-    assert "whole_dialogues" in cfg._cfg_dict["train_dataloader"]["dataset"]
+    assert "whole_dialogues" in config_dict(cfg)["train_dataloader"]["dataset"]
     # copied from the training dict the start-up made lossless_process_hf_dataset: its own
     # argument must not reach heldout_process_hf_dataset (process_hf_dataset refuses it)
     assert "whole_dialogues" not in val
-    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
-    assert cfg._cfg_dict["train_cfg"]["val_interval"] == 2
-    assert cfg._cfg_dict["val_dataloader"]["sampler"]["shuffle"] is False
+    assert type_name(config_dict(cfg)["val_evaluator"]["type"]) == "TokenLossMetric"
+    assert config_dict(cfg)["train_cfg"]["val_interval"] == 2
+    assert config_dict(cfg)["val_dataloader"]["sampler"]["shuffle"] is False
     path = train["path"]
     kept = list(load_dataset(path, split=train["split"])["instruction"])
     held = list(load_dataset(path, split=val["dataset"]["split"])["instruction"])
@@ -179,11 +180,11 @@ def test_shortcut_fraction_holds_out_disjoint_dialogues(stock, tmp_path):
 def test_shortcut_other_file(stock, tmp_path):
     cfg = _shortcut_cfg(stock, tmp_path, f'heldout = dict(data_files="{stock["held"]}/train.json")')
     prepare_config(cfg)
-    node = cfg._cfg_dict["val_dataloader"]["dataset"]["dataset"]
+    node = config_dict(cfg)["val_dataloader"]["dataset"]["dataset"]
     assert node["path"] == "json" and node["data_files"] == dict(
         train=f"{stock['held']}/train.json"
     )
-    assert "split" not in cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]
+    assert "split" not in config_dict(cfg)["train_dataloader"]["dataset"]["dataset"]
 
 
 def test_shortcut_bad_settings_are_refused(stock, tmp_path):
@@ -211,12 +212,12 @@ def test_shortcut_on_stock_dpo_picks_the_preference_metric(tmp_path):
     path.write_text(sc.enable_plugin(text) + "\nheldout = dict(fraction=0.1)\n")
     cfg = Config.fromfile(str(path))
     prepare_config(cfg)
-    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "PreferenceMetric"
-    val = cfg._cfg_dict["val_dataloader"]
+    assert type_name(config_dict(cfg)["val_evaluator"]["type"]) == "PreferenceMetric"
+    val = config_dict(cfg)["val_dataloader"]
     assert val["dataset"]["dataset"]["split"] == "train[90%:]"
-    assert cfg._cfg_dict["train_dataloader"]["dataset"]["dataset"]["split"] == "train[:90%]"
+    assert config_dict(cfg)["train_dataloader"]["dataset"]["dataset"]["split"] == "train[:90%]"
     assert val["dataset"]["shuffle_before_pack"] is False and val["sampler"]["shuffle"] is False
-    hooks = [type_name(h["type"]) for h in cfg._cfg_dict["custom_hooks"]]
+    hooks = [type_name(h["type"]) for h in config_dict(cfg)["custom_hooks"]]
     assert "HeldOutCurvesHook" in hooks
     from xtuner_rope.config.heldout_pairs import heldout_pairs_findings
 
@@ -243,8 +244,8 @@ def test_shortcut_on_stock_llava_and_internvl_takes_their_data_file(tmp_path):
     path.write_text(lc.enable_plugin_llava(text) + f"\n{line}\n")
     cfg = Config.fromfile(str(path))
     prepare_config(cfg)
-    val = cfg._cfg_dict["val_dataloader"]
-    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+    val = config_dict(cfg)["val_dataloader"]
+    assert type_name(config_dict(cfg)["val_evaluator"]["type"]) == "TokenLossMetric"
     assert val["dataset"]["data_path"] == str(held)
     assert val["dataset"]["image_folder"] == f"{held.parent}/images"
     assert type_name(val["sampler"]["type"]) == "DefaultSampler" and not val["sampler"]["shuffle"]
@@ -257,9 +258,9 @@ def test_shortcut_on_stock_llava_and_internvl_takes_their_data_file(tmp_path):
     path.write_text(ic.enable_plugin_internvl(text) + f'\nheldout = dict(data_files="{held}")\n')
     cfg = Config.fromfile(str(path))
     prepare_config(cfg)
-    dataset = cfg._cfg_dict["val_dataloader"]["dataset"]
+    dataset = config_dict(cfg)["val_dataloader"]["dataset"]
     assert dataset["data_paths"] == [str(held)] and len(dataset["image_folders"]) == 1
-    assert type_name(cfg._cfg_dict["val_evaluator"]["type"]) == "TokenLossMetric"
+    assert type_name(config_dict(cfg)["val_evaluator"]["type"]) == "TokenLossMetric"
 
 
 def test_shortcut_image_folder_on_text_data_is_refused(stock, tmp_path):

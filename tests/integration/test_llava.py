@@ -36,6 +36,7 @@ from mmengine.config import Config
 
 from xtuner_rope import compat
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
+from xtuner_rope.compat import config_dict
 from xtuner_rope.config import startup
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
@@ -79,7 +80,7 @@ def _started(*configs: Path) -> list[dict]:
         "import json, sys; from mmengine.config import Config; "
         "from xtuner.tools.utils import set_model_resource\n"
         "for path in sys.argv[1:]:\n"
-        "    cfg = Config.fromfile(path); set_model_resource(cfg); d = cfg._cfg_dict\n"
+        "    cfg = Config.fromfile(path); set_model_resource(cfg); d = config_dict(cfg)\n"
         "    print('PATHS=' + json.dumps({'llm': d.model.llm.pretrained_model_name_or_path, "
         "'clip': d.model.visual_encoder.pretrained_model_name_or_path, "
         "'processor': d.image_processor.pretrained_model_name_or_path, "
@@ -411,7 +412,7 @@ def test_in_process_start_up_gets_the_llm_path(llava, tmp_path):
         xtuner_utils.set_model_resource(cfg)
     finally:
         startup._STATE.update(state)
-    d = cfg._cfg_dict
+    d = config_dict(cfg)
     assert (
         d.pretrained_model_name_or_path
         == d.model.llm.pretrained_model_name_or_path

@@ -25,6 +25,7 @@ from xtuner_rope.capture.preference import (
 )
 from xtuner_rope.check.report import TOLERANCES
 from xtuner_rope.check.runner import CheckRequest, apply_patch, prepared_runner
+from xtuner_rope.compat import config_dict
 from xtuner_rope.config.preference import PREFERENCE_MODELS
 from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
 from xtuner_rope.models import channel
@@ -39,7 +40,7 @@ KIND = "preference"
 
 def is_preference_config(cfg: Config) -> bool:
     """True for a config whose model is XTuner's DPO, ORPO or RewardModel."""
-    model = cfg._cfg_dict.get("model")
+    model = config_dict(cfg).get("model")
     return isinstance(model, dict) and type_name(model.get("type")) in PREFERENCE_MODELS
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_being_started
+from xtuner_rope.compat import config_being_started, config_dict
 from xtuner_rope.models.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from xtuner_rope.models.families import model_class_verdict
 
@@ -48,10 +48,10 @@ def llm_checkpoint_path(cfg: Config) -> object:
     one that loads. ``--cfg-options`` are merged after that, into the nested paths. None
     without a ``model.llm`` dict (InternVL names its whole model instead: not an LLM path).
     """
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    llm = _get(_get(config_dict(cfg), "model"), "llm")
     if not isinstance(llm, dict):
         return None
-    top = _get(cfg._cfg_dict, "pretrained_model_name_or_path")
+    top = _get(config_dict(cfg), "pretrained_model_name_or_path")
     if isinstance(top, str) and config_being_started() is cfg:
         return top
     return _get(llm, "pretrained_model_name_or_path")
@@ -95,7 +95,7 @@ def checkpoint_config_findings(cfg: Config) -> list[Finding]:
         ``config.json`` cannot be read and what to do; empty when it can be read, when the LLM
         names no path, or when it is built from one of XTuner's own modeling packages.
     """
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    llm = _get(_get(config_dict(cfg), "model"), "llm")
     if model_class_verdict(getattr(_get(llm, "type"), "_module", None)) is not None:
         return []  # refused by its class (model_family_findings), whatever its checkpoint
     config = llm_checkpoint_config(cfg)  # None without a model.llm dict (InternVL)

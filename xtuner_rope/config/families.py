@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get as _get
 from .fields import setter as _setitem
 from .startup import Finding, register_findings
@@ -30,7 +32,7 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
     """
     from transformers.utils import is_flash_attn_2_available
 
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    llm = _get(_get(config_dict(cfg), "model"), "llm")
     if not isinstance(llm, dict) or is_flash_attn_2_available():
         return []
     source, asked = "", _get(llm, "attn_implementation")
@@ -63,7 +65,7 @@ def model_family_findings(cfg: Config) -> list[Finding]:
 
     from .checkpoint_findings import llm_checkpoint_path
 
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    llm = _get(_get(config_dict(cfg), "model"), "llm")
     setting, verdict = (
         "model.llm.type",
         model_class_verdict(getattr(_get(llm, "type"), "_module", None)),

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 
 from mmengine.config.lazy import LazyAttr, LazyObject
 
+from xtuner_rope.compat import ConfigDictUnavailable, config_dict
+
 __all__ = [
     "OFFLINE_PACKED_TYPES",
     "XTUNER_DATASET_TYPES",
@@ -87,7 +89,10 @@ def packing_source(cfg: object) -> str | None:
     ``build_packed_dataset``, always) or ``rope_collate_fn(pack=True)``: such rows must reach
     the model with boundaries.
     """
-    loader = lazy_get(getattr(cfg, "_cfg_dict", None), "train_dataloader")
+    try:
+        loader = lazy_get(config_dict(cfg), "train_dataloader")
+    except ConfigDictUnavailable:  # not a config: nothing packed to find
+        return None
     if not isinstance(loader, dict):
         return None
     for where, dataset in walk_datasets(lazy_get(loader, "dataset"), "train_dataloader.dataset"):

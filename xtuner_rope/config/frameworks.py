@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .startup import Finding, register_findings
 
 
 @register_findings("framework")
 def huggingface_trainer_findings(cfg: Config) -> list[Finding]:
     """A conflict for ``framework = "huggingface"``; nothing for MMEngine configs."""
-    framework = cfg._cfg_dict.get("framework", "mmengine")
+    framework = config_dict(cfg).get("framework", "mmengine")
     if str(framework).lower() != "huggingface":
         return []
-    packs = cfg._cfg_dict.get("pack_to_max_length", False)
+    packs = config_dict(cfg).get("pack_to_max_length", False)
     what = (
         " (pack_to_max_length=True: its packed documents would attend to each other)"
         if packs

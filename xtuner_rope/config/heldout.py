@@ -25,6 +25,8 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get as _get
 from .fields import setter as _setitem
 from .fields import type_name
@@ -46,7 +48,7 @@ CURVES_HOOK = "HeldOutCurvesHook"
 def heldout_metrics(cfg: Config) -> list[dict]:
     """The held-out metric dicts (``TokenLossMetric``, ``PreferenceMetric``) of the config's
     ``val_evaluator`` (one or a list)."""
-    evaluator = _get(cfg._cfg_dict, "val_evaluator")
+    evaluator = _get(config_dict(cfg), "val_evaluator")
     metrics = _get(evaluator, "metrics", evaluator)
     metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
     return [
@@ -159,7 +161,7 @@ def _loader_findings(loader: dict, sp: object = 1) -> list[Finding]:
 def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
     """The metric's model, its tokenizer, ``val_cfg``, ``val_interval`` and the curves hook."""
     findings = served_model_findings(cfg, type_name(_get(metric, "type")))
-    tokenizer = _get(cfg._cfg_dict, "tokenizer")
+    tokenizer = _get(config_dict(cfg), "tokenizer")
     token_metric = type_name(_get(metric, "type")) == TOKEN_METRIC  # PreferenceMetric: no words
     if token_metric and _get(metric, "tokenizer") is None and tokenizer is not None:
         findings.append(
@@ -170,16 +172,16 @@ def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
                 _setitem(metric, "tokenizer", tokenizer),
             )
         )
-    if _get(cfg._cfg_dict, "val_cfg") is None:
+    if _get(config_dict(cfg), "val_cfg") is None:
         findings.append(
             Finding(
                 "val_cfg",
                 "missing (MMEngine runs a val_dataloader only with val_cfg)",
                 "set to dict(type='ValLoop')",
-                _setitem(cfg._cfg_dict, "val_cfg", dict(type="ValLoop")),
+                _setitem(config_dict(cfg), "val_cfg", dict(type="ValLoop")),
             )
         )
-    train_cfg = _get(cfg._cfg_dict, "train_cfg")
+    train_cfg = _get(config_dict(cfg), "train_cfg")
     interval, max_iters = _get(train_cfg, "val_interval", 1), _get(train_cfg, "max_iters")
     if isinstance(max_iters, int) and isinstance(interval, int) and interval > max_iters:
         findings.append(
@@ -191,13 +193,13 @@ def _run_findings(cfg: Config, metric: dict) -> list[Finding]:
             )
         )
     findings += _log_findings(cfg, f"{_get(metric, 'name') or 'heldout'}_loss")
-    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    hooks = _get(config_dict(cfg), "custom_hooks") or []
     if all(type_name(_get(h, "type")) != CURVES_HOOK for h in hooks):
 
         def add() -> None:
             hook = dict(type=LazyObject("xtuner_rope.evaluation.hook", CURVES_HOOK))
-            cfg._cfg_dict.setdefault("custom_hooks", [])
-            cfg._cfg_dict["custom_hooks"].append(hook)
+            config_dict(cfg).setdefault("custom_hooks", [])
+            config_dict(cfg)["custom_hooks"].append(hook)
 
         findings.append(
             Finding(
@@ -214,15 +216,15 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
     """MMEngine's ``LogProcessor`` logs every key matching ``.*loss.*`` as a mean over its
     last ``window_size`` (10) values, also after a validation: the logged held-out loss would
     be a mean over evaluations. A window of 1 logs each evaluation's own value."""
-    processor = _get(cfg._cfg_dict, "log_processor")
+    processor = _get(config_dict(cfg), "log_processor")
     custom = _get(processor, "custom_cfg") or []
     if any(_get(c, "data_src") == key for c in custom):
         return []
 
     def fix() -> None:
-        if not isinstance(_get(cfg._cfg_dict, "log_processor"), dict):
-            cfg._cfg_dict["log_processor"] = dict()
-        node = cfg._cfg_dict["log_processor"]
+        if not isinstance(_get(config_dict(cfg), "log_processor"), dict):
+            config_dict(cfg)["log_processor"] = dict()
+        node = config_dict(cfg)["log_processor"]
         node["custom_cfg"] = list(_get(node, "custom_cfg") or []) + [
             dict(data_src=key, method_name="mean", window_size=1)
         ]
@@ -240,7 +242,7 @@ def _log_findings(cfg: Config, key: str) -> list[Finding]:
 
 def heldout_findings(cfg: Config) -> list[Finding]:
     """Every finding of the held-out entries (also applied by the ``heldout`` shortcut)."""
-    loader = _get(cfg._cfg_dict, "val_dataloader")
+    loader = _get(config_dict(cfg), "val_dataloader")
     metrics = heldout_metrics(cfg)
     if not isinstance(loader, dict):
         if metrics:
@@ -254,7 +256,7 @@ def heldout_findings(cfg: Config) -> list[Finding]:
                 )
             ]
         return []
-    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
+    sp = _get(config_dict(cfg), "sequence_parallel_size", 1)
     findings = (
         heldout_file_findings(loader) + _dataset_findings(loader) + _loader_findings(loader, sp)
     )

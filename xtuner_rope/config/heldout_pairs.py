@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get as _get
 from .fields import setter as _setitem
 from .fields import type_name
@@ -38,7 +40,7 @@ def metric_for(model_type: str | None) -> str:
 
 def served_model_findings(cfg: Config, metric: str) -> list[Finding]:
     """The metric on a model it cannot serve: refused, naming the one that can."""
-    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
+    model = type_name(_get(_get(config_dict(cfg), "model"), "type"))
     if model in SERVED_MODELS[metric]:
         return []
     what = (

@@ -22,6 +22,8 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get as _get
 from .fields import type_name
 from .fields import walk_datasets as _datasets
@@ -83,14 +85,14 @@ def _problem(spec: object, loader: object) -> str | None:
 
 def _metric(cfg: Config) -> str:
     """The held-out metric of the config's model (``heldout_pairs.metric_for``)."""
-    return metric_for(type_name(_get(_get(cfg._cfg_dict, "model"), "type")))
+    return metric_for(type_name(_get(_get(config_dict(cfg), "model"), "type")))
 
 
 def _derive(cfg: Config, spec: dict) -> None:
     """Write the held-out entries, then apply the held-out findings to them."""
     from .heldout import heldout_findings
 
-    train = cfg._cfg_dict["train_dataloader"]
+    train = config_dict(cfg)["train_dataloader"]
     val = copy.deepcopy(train)
     if "fraction" in spec:
         cut = round(100 - spec["fraction"] * 100)
@@ -117,12 +119,12 @@ def _derive(cfg: Config, spec: dict) -> None:
                 node["image_folder"] = str(folder)
             node.pop("offline_processed_text_folder", None)  # it would win over data_path
     val["sampler"] = dict(type="DefaultSampler", shuffle=False)
-    cfg._cfg_dict["val_dataloader"] = val
+    config_dict(cfg)["val_dataloader"] = val
     metric = _metric(cfg)
-    cfg._cfg_dict["val_evaluator"] = dict(type=LazyObject(METRIC_MODULES[metric], metric))
-    cfg._cfg_dict["val_cfg"] = dict(type="ValLoop")
+    config_dict(cfg)["val_evaluator"] = dict(type=LazyObject(METRIC_MODULES[metric], metric))
+    config_dict(cfg)["val_cfg"] = dict(type="ValLoop")
     if spec.get("interval"):
-        cfg._cfg_dict["train_cfg"]["val_interval"] = spec["interval"]
+        config_dict(cfg)["train_cfg"]["val_interval"] = spec["interval"]
     findings = heldout_findings(cfg)
     conflicts = [f for f in findings if f.fix is None]
     if conflicts:
@@ -134,13 +136,13 @@ def _derive(cfg: Config, spec: dict) -> None:
 
 @register_findings("heldout")
 def _shortcut_findings(cfg: Config) -> list[Finding]:
-    spec = _get(cfg._cfg_dict, KEY)
+    spec = _get(config_dict(cfg), KEY)
     if spec is None or _get(spec, "derived"):  # derived already: the re-check sees its result
         return []
-    problem = _problem(spec, _get(cfg._cfg_dict, "train_dataloader"))
+    problem = _problem(spec, _get(config_dict(cfg), "train_dataloader"))
     if problem:
         return [Finding(KEY, problem, "set heldout = dict(fraction=0.05) or dict(data_files=PATH)")]
-    if _get(cfg._cfg_dict, "val_dataloader") is not None:
+    if _get(config_dict(cfg), "val_dataloader") is not None:
         return [Finding(KEY, "given with val_dataloader", "keep one of them")]
     what = (
         f"the last {spec['fraction']:.0%} of each training file held out (split slicing)"

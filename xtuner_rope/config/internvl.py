@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import INTERNVL_LOAD, cpu_only
+from xtuner_rope.compat import INTERNVL_LOAD, config_dict, cpu_only
 
 from .startup import Finding, register_findings, type_name
 
@@ -41,14 +41,14 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 def is_internvl(cfg: Config) -> bool:
     """True if the config's model is XTuner's ``InternVL_V1_5``."""
-    return type_name(_get(_get(cfg._cfg_dict, "model"), "type")) == "InternVL_V1_5"
+    return type_name(_get(_get(config_dict(cfg), "model"), "type")) == "InternVL_V1_5"
 
 
 def checkpoint_config(cfg: Config) -> tuple[dict | None, str]:
     """The InternVL checkpoint's ``config.json`` (None for a hub id) and its path."""
     from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
-    path = _get(_get(cfg._cfg_dict, "model"), "model_path")
+    path = _get(_get(config_dict(cfg), "model"), "model_path")
     if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
         return None, str(path)  # a hub id: XTuner's own loading reads it
     config = read_checkpoint_config(path)
@@ -110,7 +110,7 @@ def _llm_finding(config: dict | None, where: str) -> list[Finding]:
 def _collate_findings(cfg: Config) -> list[Finding]:
     """The collate function of an InternVL config: XTuner's, or ``internvl_collate_fn`` with
     rows that hold the dataset's longest sample; the LLaVA/text collators do not fit."""
-    loader = _get(cfg._cfg_dict, "train_dataloader")
+    loader = _get(config_dict(cfg), "train_dataloader")
     collate = _get(loader, "collate_fn")
     name = type_name(_get(collate, "type"))
     if name in ("llava_collate_fn", "rope_collate_fn"):
@@ -145,7 +145,7 @@ def internvl_findings(cfg: Config) -> list[Finding]:
     """What an ``InternVL_V1_5`` config needs for xtuner-rope; nothing for other configs."""
     if not is_internvl(cfg):
         return []
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     config, where = checkpoint_config(cfg)
     findings = _quantization_findings(model) + _llm_finding(config, where) + _collate_findings(cfg)
     findings += _attention_finding((config or {}).get("llm_config", {}))

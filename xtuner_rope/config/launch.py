@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import cpu_only, current_world_size
+from xtuner_rope.compat import config_dict, cpu_only, current_world_size
 
 from .startup import Finding, register_findings, type_name
 
@@ -109,8 +109,8 @@ def _resolve(source: object) -> tuple[dict | None, str]:
 
 def _deepspeed_source(cfg: Config, argv: list[str] | None) -> tuple[object, str]:
     """Where the run's DeepSpeed config comes from: the config's strategy or ``--deepspeed``."""
-    optim = dict.get(cfg._cfg_dict, "optim_wrapper")
-    strategy = dict.get(cfg._cfg_dict, "strategy")
+    optim = dict.get(config_dict(cfg), "optim_wrapper")
+    strategy = dict.get(config_dict(cfg), "strategy")
     if isinstance(strategy, dict) and type_name(strategy.get("type")).endswith("DeepSpeedStrategy"):
         return strategy.get("config"), "strategy.config"
     if isinstance(optim, dict) and type_name(optim.get("type")) == "DeepSpeedOptimWrapper":
@@ -194,7 +194,7 @@ def sampler_findings(
     """
     if world_size is None:
         world_size = current_world_size()
-    loader = dict.get(cfg._cfg_dict, "train_dataloader")
+    loader = dict.get(config_dict(cfg), "train_dataloader")
     sampler = loader.get("sampler") if isinstance(loader, dict) else None
     name = type_name(sampler.get("type")) if isinstance(sampler, dict) else ""
     needs = next((s for s in DEEPSPEED_SAMPLERS if name.endswith(s)), None)

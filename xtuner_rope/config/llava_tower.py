@@ -30,6 +30,8 @@ from collections.abc import Mapping
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .startup import Finding, register_findings, type_name
 
 __all__ = [
@@ -125,10 +127,10 @@ def image_tokens_finding(asked: object, tower: Mapping) -> Finding | None:
 @register_findings("llava_tower")
 def llava_collate_findings(cfg: Config) -> list[Finding]:
     """``llava_collate_fn``'s ``image_tokens`` against the tower's ``P`` (see the module)."""
-    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    collate = _get(_get(config_dict(cfg), "train_dataloader"), "collate_fn")
     if type_name(_get(collate, "type")) != "llava_collate_fn":
         return []
-    encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
+    encoder = _get(_get(config_dict(cfg), "model"), "visual_encoder")
     try:
         tower = tower_image_tokens(_get(encoder, "pretrained_model_name_or_path"), local_only=True)
     except (OSError, ValueError):
@@ -158,10 +160,10 @@ def _processor_crop(path: object) -> tuple[int, int] | None:
 @register_findings("llava_tower")
 def crop_size_findings(cfg: Config) -> list[Finding]:
     """The LLaVA dataset's image processor against the tower's ``image_size`` (see the module)."""
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     if type_name(_get(model, "type")) != "LLaVAModel":
         return []
-    dataset = _get(_get(cfg._cfg_dict, "train_dataloader"), "dataset")
+    dataset = _get(_get(config_dict(cfg), "train_dataloader"), "dataset")
     crop = _processor_crop(_get(_get(dataset, "image_processor"), "pretrained_model_name_or_path"))
     path = _get(_get(model, "visual_encoder"), "pretrained_model_name_or_path")
     try:

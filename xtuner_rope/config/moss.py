@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get, type_name, walk_datasets
 from .startup import Finding, register_findings
 
@@ -20,7 +22,7 @@ from .startup import Finding, register_findings
 def moss_data_file_findings(cfg: Config) -> list[Finding]:
     """A conflict per ``MOSSSFTDataset`` whose ``data_file`` does not contain ``.jsonl``."""
     found = []
-    loader = lazy_get(cfg._cfg_dict, "train_dataloader")
+    loader = lazy_get(config_dict(cfg), "train_dataloader")
     for where, dataset in walk_datasets(lazy_get(loader, "dataset"), "train_dataloader.dataset"):
         if type_name(lazy_get(dataset, "type")).rsplit(".", 1)[-1] != "MOSSSFTDataset":
             continue

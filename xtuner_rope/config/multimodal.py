@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat import config_dict, cpu_only
 
 from .startup import Finding, register_findings, type_name
 
@@ -33,7 +33,7 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 def is_llava(cfg: Config) -> bool:
     """True if the config's model is XTuner's ``LLaVAModel``."""
-    return type_name(_get(_get(cfg._cfg_dict, "model"), "type")) == "LLaVAModel"
+    return type_name(_get(_get(config_dict(cfg), "model"), "type")) == "LLaVAModel"
 
 
 def _dtype_name(value: object) -> str:
@@ -63,7 +63,7 @@ def _half_llm_findings(llm: dict) -> list[Finding]:
 @register_findings("multimodal")
 def multimodal_findings(cfg: Config) -> list[Finding]:
     """What a multimodal config must change for xtuner-rope; nothing for a text config."""
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     name = type_name(_get(model, "type"))
     if name != "LLaVAModel":
         return []

@@ -19,6 +19,8 @@ checkpoint without the state does is warned by ``hooks.optimizer_state``.
 
 from __future__ import annotations
 
+from xtuner_rope.compat import config_dict
+
 from .startup import Finding, register_findings, type_name
 
 KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save_optimizer=False
@@ -35,13 +37,13 @@ def save_optimizer_findings(cfg) -> list[Finding]:
         One fix when the checkpoint hook sets ``save_optimizer=False`` (none when the config
         sets ``checkpoint_without_optimizer = True``, or when its hook is not MMEngine's).
     """
-    hooks = dict.get(cfg._cfg_dict, "default_hooks")
+    hooks = dict.get(config_dict(cfg), "default_hooks")
     hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None
     if not isinstance(hook, dict) or hook.get("save_optimizer", True) is not False:
         return []
     if not type_name(hook.get("type", "CheckpointHook")).endswith("CheckpointHook"):
         return []
-    if dict.get(cfg._cfg_dict, KEEP_OFF_KEY, False) is True:
+    if dict.get(config_dict(cfg), KEEP_OFF_KEY, False) is True:
         return []
 
     def save_it() -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
+from xtuner_rope.compat import config_dict
+
 from .fields import lazy_get as _get
 from .fields import offline_packs as _offline_packs
 from .fields import setter as _setitem
@@ -204,7 +206,7 @@ def _replace_builder(dataset: dict, whole: bool):
 @register_findings("varlen")
 def _varlen_findings(cfg: Config) -> list[Finding]:
     """The stock ``use_varlen_attn = True`` switch: served by the plugin, flash-attn or not."""
-    if not _get(cfg._cfg_dict, "use_varlen_attn"):
+    if not _get(config_dict(cfg), "use_varlen_attn"):
         return []
     findings = [
         Finding(
@@ -212,10 +214,10 @@ def _varlen_findings(cfg: Config) -> list[Finding]:
             "XTuner's start-up check demands flash-attn and batch size 1 for it",
             "set to False at the top level only (the model, dataset and collate function keep "
             "theirs): xtuner-rope isolates documents itself, on every attention backend",
-            _setitem(cfg._cfg_dict, "use_varlen_attn", False),
+            _setitem(config_dict(cfg), "use_varlen_attn", False),
         )
     ]
-    hooks = _get(cfg._cfg_dict, "custom_hooks") or []
+    hooks = _get(config_dict(cfg), "custom_hooks") or []
     varlen = [h for h in hooks if type_name(_get(h, "type")) == "VarlenAttnArgsToMessageHubHook"]
     if varlen:
 
@@ -236,7 +238,7 @@ def _varlen_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("packing")
 def _loader_findings(cfg: Config) -> list[Finding]:
-    loader = _get(cfg._cfg_dict, "train_dataloader")
+    loader = _get(config_dict(cfg), "train_dataloader")
     if not isinstance(loader, dict):
         return []
-    return _packing_findings(loader) + _lossless_packing_findings(cfg._cfg_dict, loader)
+    return _packing_findings(loader) + _lossless_packing_findings(config_dict(cfg), loader)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
+
 from .checkpoint_findings import llm_checkpoint_config
 from .startup import Finding, register_findings, type_name
 
@@ -40,7 +42,7 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | None:
     """The ``loader``'s dataset dict if it is XTuner's ``build_preference_dataset``, else None."""
-    dataset = _get(_get(cfg._cfg_dict, loader), "dataset")
+    dataset = _get(_get(config_dict(cfg), loader), "dataset")
     return dataset if type_name(_get(dataset, "type")) == PREFERENCE_DATASET else None
 
 
@@ -66,7 +68,7 @@ def _reward_token_finding(cfg: Config, dataset: dict) -> list[Finding]:
         return []
     where = (
         "reward_token_id (PART 1; train_dataloader.dataset.reward_token_id)"
-        if "reward_token_id" in cfg._cfg_dict
+        if "reward_token_id" in config_dict(cfg)
         else "train_dataloader.dataset.reward_token_id"
     )
     return [
@@ -83,11 +85,11 @@ def _reward_token_finding(cfg: Config, dataset: dict) -> list[Finding]:
 
 
 def _varlen_flags(cfg: Config, dataset: dict, key: str) -> dict[str, object]:
-    collate = _get(_get(cfg._cfg_dict, key), "collate_fn")
+    collate = _get(_get(config_dict(cfg), key), "collate_fn")
     flags = {f"{key}.dataset.use_varlen_attn": bool(_get(dataset, "use_varlen_attn"))}
     if type_name(_get(collate, "type")) == "preference_collate_fn":
         flags[f"{key}.collate_fn.use_varlen_attn"] = bool(_get(collate, "use_varlen_attn"))
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     if type_name(_get(model, "type")) in PREFERENCE_MODELS:
         flags["model.use_varlen_attn"] = bool(_get(model, "use_varlen_attn"))
     return flags
@@ -116,7 +118,7 @@ def packed_pairs_findings(
                 "variable to all three",
             )
         ]
-    batch_size = _get(_get(cfg._cfg_dict, key), "batch_size", 1)
+    batch_size = _get(_get(config_dict(cfg), key), "batch_size", 1)
     if not flags[f"{key}.dataset.use_varlen_attn"] or batch_size == 1:
         return []
     return [
@@ -133,7 +135,7 @@ def packed_pairs_findings(
 
 def _zero3_reference_finding(cfg: Config) -> list[Finding]:
     """Full-parameter DPO under DeepSpeed ZeRO-3: XTuner cannot copy the reference model."""
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     if (
         type_name(_get(model, "type")) != "DPO"
         or _get(model, "ref_llm") is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat import config_dict, cpu_only
 
 from .fields import lazy_get as _get
 from .fields import type_name
@@ -28,7 +28,7 @@ PLUGIN_HOOKS = {
 
 @register_findings("hooks")
 def _hook_findings(cfg: Config) -> list[Finding]:
-    hooks = _get(cfg._cfg_dict, "custom_hooks")
+    hooks = _get(config_dict(cfg), "custom_hooks")
     present = {type_name(_get(h, "type")) for h in hooks or []}
     missing = [name for name in PLUGIN_HOOKS if name not in present]
     if not missing:
@@ -37,7 +37,7 @@ def _hook_findings(cfg: Config) -> list[Finding]:
     def add() -> None:
         added = [dict(type=LazyObject(PLUGIN_HOOKS[name], name)) for name in missing]
         if hooks is None:
-            cfg._cfg_dict["custom_hooks"] = added
+            config_dict(cfg)["custom_hooks"] = added
         else:
             hooks[:0] = added
 
@@ -55,7 +55,7 @@ def _hook_findings(cfg: Config) -> list[Finding]:
 def _runtime_findings(cfg: Config) -> list[Finding]:
     """Settings the plugin cannot serve on this machine or at all."""
     findings = []
-    optim = _get(cfg._cfg_dict, "optim_wrapper")
+    optim = _get(config_dict(cfg), "optim_wrapper")
     if type_name(_get(optim, "type")) == "AmpOptimWrapper" and cpu_only():
         findings.append(
             Finding(

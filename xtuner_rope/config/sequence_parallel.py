@@ -18,7 +18,7 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat import config_dict, cpu_only
 
 from .checkpoint_findings import llm_checkpoint_config
 from .fields import lazy_get as _get
@@ -46,7 +46,7 @@ def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
 @register_findings("sequence_parallel")
 def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
     """Refuse ``sequence_parallel_size`` not dividing the attention heads on a CPU-only machine."""
-    sp = cfg._cfg_dict.get("sequence_parallel_size", 1)
+    sp = config_dict(cfg).get("sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1 or not cpu_only():
         return []  # a bad size is refused by sequence_parallel_size_findings
     where, heads = checkpoint_heads(cfg)
@@ -73,7 +73,7 @@ def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
     splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
     machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
     """
-    sp = _get(cfg._cfg_dict, "sequence_parallel_size", 1)
+    sp = _get(config_dict(cfg), "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         return [
             Finding(
@@ -82,7 +82,7 @@ def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
                 "set sequence_parallel_size = 1 (off) or the number of ranks per row",
             )
         ]
-    model = type_name(_get(_get(cfg._cfg_dict, "model"), "type"))
+    model = type_name(_get(_get(config_dict(cfg), "model"), "type"))
     if sp > 1 and model != "SupervisedFinetune":
         return [
             Finding(
@@ -93,7 +93,7 @@ def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
                 "set sequence_parallel_size = 1 for this model",
             )
         ]
-    collate = _get(_get(cfg._cfg_dict, "train_dataloader"), "collate_fn")
+    collate = _get(_get(config_dict(cfg), "train_dataloader"), "collate_fn")
     if (
         sp == 1
         or not isinstance(collate, dict)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
+from xtuner_rope.compat import config_dict
 from xtuner_rope.compat.checkpoint_files import newest_complete
 from xtuner_rope.config.checkpoint_findings import llm_checkpoint_path
 from xtuner_rope.config.fields import lazy_get as _get
@@ -176,11 +177,11 @@ def _estimate(cfg: Config) -> tuple[int | None, str]:
     shapes = weight_shapes(folder) if folder is not None else None
     if not shapes:
         return None, f"no weight files of {name!r} on this machine to count its parameters"
-    model = _get(cfg._cfg_dict, "model")
+    model = _get(config_dict(cfg), "model")
     total = sum(math.prod(shape) for shape, _ in shapes.values())
     lora = _get(model, "lora")
     saved = trainable = lora_parameters(shapes, lora) if isinstance(lora, dict) else total
-    optimizer = type_name(_get(_get(_get(cfg._cfg_dict, "optim_wrapper"), "optimizer"), "type"))
+    optimizer = type_name(_get(_get(_get(config_dict(cfg), "optim_wrapper"), "optimizer"), "type"))
     states = OPTIMIZER_STATES.get(optimizer.rpartition(".")[2], 2)
     zero = deepspeed_zero_stage(cfg)
     weight_bytes = _train_dtype_bytes(_get(model, "llm"), shapes)
@@ -241,7 +242,7 @@ def run_work_dir(cfg: Config, config: str, work_dir: str | None = None) -> str:
     the config's ``work_dir``, else ``./work_dirs/<config stem>`` (``xtuner/tools/train.py``)."""
     return (
         work_dir
-        or _get(cfg._cfg_dict, "work_dir")
+        or _get(config_dict(cfg), "work_dir")
         or os.path.join("./work_dirs", Path(config).stem)
     )
 
@@ -260,11 +261,11 @@ def checkpoint_space(cfg: Config, samples: int, batch_size: int, work_dir: str) 
         measured, or how it was estimated), ``at_once``, ``needed_bytes``, ``free_bytes`` and
         ``filesystem`` (the existing folder whose free space was read).
     """
-    loader, train = _get(cfg._cfg_dict, "train_dataloader"), _get(cfg._cfg_dict, "train_cfg")
+    loader, train = _get(config_dict(cfg), "train_dataloader"), _get(config_dict(cfg), "train_cfg")
     per_epoch = epoch_length(samples, batch_size, bool(_get(loader, "drop_last", False)))
     epochs = _get(train, "max_epochs")
     iterations = int(_get(train, "max_iters") or (epochs or 1) * per_epoch)
-    hook = _get(_get(cfg._cfg_dict, "default_hooks"), "checkpoint") or {}
+    hook = _get(_get(config_dict(cfg), "default_hooks"), "checkpoint") or {}
     at_once = checkpoints_at_once(hook, iterations, epochs)
     existing = newest_complete(work_dir, "epoch" if _get(hook, "by_epoch", True) else "iter")
     if existing is not None:

@@ -29,6 +29,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.compat import config_dict
 from xtuner_rope.doctor.stats import length_percentiles
 
 IGNORE_INDEX = -100
@@ -91,7 +92,7 @@ def image_tokens_of(cfg) -> dict:
     """
     from xtuner_rope.config.llava_tower import tower_image_tokens
 
-    encoder = _get(_get(cfg._cfg_dict, "model"), "visual_encoder")
+    encoder = _get(_get(config_dict(cfg), "model"), "visual_encoder")
     return tower_image_tokens(_get(encoder, "pretrained_model_name_or_path"))
 
 
@@ -193,7 +194,7 @@ def _llm_max_position(cfg) -> int | None:
     """The LLM's ``max_position_embeddings`` from its ``config.json`` (no remote code runs)."""
     from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
-    llm = _get(_get(cfg._cfg_dict, "model"), "llm")
+    llm = _get(_get(config_dict(cfg), "model"), "llm")
     config = read_checkpoint_config(_get(llm, "pretrained_model_name_or_path"))
     value = None if config is None else config.get("max_position_embeddings")
     return value if isinstance(value, int) else None

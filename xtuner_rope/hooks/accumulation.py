@@ -31,6 +31,7 @@ import math
 
 from mmengine.logging import print_log
 
+from xtuner_rope.compat import config_dict
 from xtuner_rope.config.startup import Finding, register_findings, type_name
 
 WINDOW_KEY = "xtuner_rope.accumulation_window"  # message-hub key: {"counts": K, "open": bool}
@@ -65,8 +66,8 @@ def checkpoint_interval_findings(cfg) -> list[Finding]:
         One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is
         not a multiple of ``optim_wrapper.accumulative_counts``; none for epoch checkpoints.
     """
-    counts = _accumulative_counts(cfg._cfg_dict)
-    hooks = dict.get(cfg._cfg_dict, "default_hooks")
+    counts = _accumulative_counts(config_dict(cfg))
+    hooks = dict.get(config_dict(cfg), "default_hooks")
     hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None
     if counts <= 1 or not isinstance(hook, dict):
         return []

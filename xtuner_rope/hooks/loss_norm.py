@@ -54,6 +54,7 @@ from mmengine.logging import print_log
 from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
+from xtuner_rope.compat import config_dict
 from xtuner_rope.config.startup import Finding, register_findings
 from xtuner_rope.hooks.accumulation import check_resume, record_window
 from xtuner_rope.models.dispatch import unwrap_model
@@ -163,7 +164,7 @@ def loss_normalization(cfg: object) -> str:
 def loss_normalization_findings(cfg) -> list:
     """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
     conflict, refused before anything is built."""
-    mode = cfg._cfg_dict.get(LOSS_NORMALIZATION_KEY, TOKEN)
+    mode = config_dict(cfg).get(LOSS_NORMALIZATION_KEY, TOKEN)
     if mode in LOSS_NORMALIZATIONS:
         return []
     return [
