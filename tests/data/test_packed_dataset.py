@@ -122,11 +122,12 @@ def test_untokenized_dataset_is_refused_with_its_columns():
         pack_dataset(Dataset.from_dict({"input_ids": [[1, 2]]}), 8, True, False, 1)
 
 
-def _stock_config(tmp_path: Path, n: int) -> Path:
-    """The stock alpaca config with the one edit, its max_length (2048) kept, on n dialogues."""
+def _stock_config(tmp_path: Path, n: int, map_num_proc: int | None = 1) -> Path:
+    """The stock alpaca config with the one edit, its max_length (2048) kept, on n dialogues
+    (``map_num_proc=None``: XTuner's 32 map processes, each dropping its shard's leftover)."""
     copy = sc.copy_stock(FULL, tmp_path)
     data = sc.write_alpaca_data(tmp_path / "alpaca", n=n)
-    text = sc.enable_plugin(sc.localize(copy, data))
+    text = sc.enable_plugin(sc.localize(copy, data, map_num_proc=map_num_proc))
     text = sc.sub_once(text, r"^max_length = 512$", "max_length = 2048")
     path = tmp_path / "alpaca.py"
     path.write_text(text)
@@ -156,7 +157,7 @@ def _histogram(values: np.ndarray) -> np.ndarray:
 def test_stock_alpaca_dataset_keeps_every_token_and_label(tmp_path):
     """2,400 dialogues, max_length 2048, map_num_proc 32: XTuner drops shard leftovers."""
     sc.ensure_tiny_model()
-    path = _stock_config(tmp_path, 2400)
+    path = _stock_config(tmp_path, 2400, map_num_proc=None)
     tokens, labels = _build(path, plugin=False, pack=False)
     xtuner_tokens, xtuner_labels = _build(path, plugin=False)
     ours_tokens, ours_labels = _build(path, plugin=True)

@@ -56,6 +56,9 @@ CASES = {
     "flash_attn_findings": None,
     "checkpoint_interval_findings": None,  # raised to a multiple of accumulative_counts
     "save_optimizer_findings": None,  # save_optimizer turned on
+    # refuses only where a third-party patch was skipped (another release): nothing here to
+    # refuse; tests/compat/test_patch_guard.py skips one and sees prepare_config refuse
+    "patch_findings": None,
     "_loader_findings": (
         LOADER.format(
             batch=2,

@@ -80,7 +80,7 @@ def _started(*configs: Path) -> list[dict]:
         "import json, sys; from mmengine.config import Config; "
         "from xtuner.tools.utils import set_model_resource\n"
         "for path in sys.argv[1:]:\n"
-        "    cfg = Config.fromfile(path); set_model_resource(cfg); d = config_dict(cfg)\n"
+        "    cfg = Config.fromfile(path); set_model_resource(cfg); d = cfg._cfg_dict\n"
         "    print('PATHS=' + json.dumps({'llm': d.model.llm.pretrained_model_name_or_path, "
         "'clip': d.model.visual_encoder.pretrained_model_name_or_path, "
         "'processor': d.image_processor.pretrained_model_name_or_path, "

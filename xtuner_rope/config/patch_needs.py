@@ -10,7 +10,6 @@ error are in :data:`NOT_REFUSED` with the reason: without them the run still fai
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 from mmengine.config import Config
 
 from xtuner_rope.compat import RECORDS, config_dict, cpu_only, skip_message, skipped
+from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 from .fields import lazy_get, offline_packs, type_name, walk_datasets, xtuner_packs
 from .internvl import is_internvl
@@ -56,10 +56,9 @@ def _local_internlm2_without_code(cfg: Config) -> bool:
     top = config_dict(cfg)
     for key in ("pretrained_model_name_or_path", "llm_name_or_path"):
         path = lazy_get(top, key)
-        config = Path(path) / "config.json" if isinstance(path, str) else None
-        if config is not None and config.is_file():
-            meta = json.loads(config.read_text(encoding="utf-8"))
-            if meta.get("model_type") == "internlm2" and "auto_map" not in meta:
+        if isinstance(path, str) and Path(path).expanduser().is_dir():  # local: no hub read
+            meta = read_checkpoint_config(path)
+            if meta.get("model_type") == "internlm2" and meta.get("auto_map") is None:
                 return True
     return False
 
