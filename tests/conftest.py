@@ -92,3 +92,19 @@ def fused():
     before = use_fused_apply(True)
     yield
     assert use_fused_apply(before), "the fused RoPE kernel fell back to eager during the test"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files of real runs first (``tests/integration``, then any file with a ``slow`` test),
+    the rest after, each file's tests in their order.
+
+    ``make test`` hands whole files to two workers (``--dist loadfile``) in this order: the
+    long real runs start first and the many short files fill the end, so neither worker waits
+    alone on a long file at the end of the suite.
+    """
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def weight(item) -> int:
+        return 0 if "integration" in item.path.parts else 1 if item.path in heavy else 2
+
+    items.sort(key=weight)  # stable: a file's tests stay contiguous
