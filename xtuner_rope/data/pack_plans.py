@@ -3,7 +3,7 @@
 Both plans work on the dialogue lengths only (numpy, no token is touched) and describe the
 packed rows as *pieces* of the tokenized stream, listed in row order:
 
-- :func:`whole_plan`: every dialogue is one piece, placed whole by ``ops.packing.plan_packs``
+- :func:`whole_plan`: every dialogue is one piece, placed whole by ``ops.pack_planner.best_fit_decreasing``
   (best-fit decreasing, the planner of collate-time packing too). A document longer than a
   row (only pretraining-style data has them: XTuner's ``encode_fn`` truncates dialogues at
   ``max_length``) is split into ``max_length`` pieces first, the last one shorter.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xtuner_rope.ops.packing import plan_packs
+from xtuner_rope.ops.pack_planner import best_fit_decreasing
 
 XTUNER_MAP_BATCH = 1000  # datasets.map's default batch_size: XTuner's Packer sees batches this big
 
@@ -133,18 +133,25 @@ def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.nda
     k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
     starts = doc_starts[doc] + k * max_length
     sizes = np.minimum(max_length, lengths[doc] - k * max_length)
-    rows = plan_packs(sizes, int(max_length), level=False)  # batch size 1: no padding to level
-    rows.sort(key=lambda row: row[0])
-    order = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=len(sizes))
-    row_offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
+    # Batch size 1: rows are not padded, so BFD's rows are kept as they are (no levelling).
+    items, bfd_offsets = best_fit_decreasing(sizes, int(max_length))
+    row_sizes = np.diff(bfd_offsets)
+    by_first = np.argsort(items[bfd_offsets[:-1]], kind="stable")  # rows by their first piece
+    row_offsets = np.zeros(len(row_sizes) + 1, dtype=np.int64)
+    np.cumsum(row_sizes[by_first], out=row_offsets[1:])
+    order = items[_ranges(bfd_offsets[:-1][by_first], row_sizes[by_first])]
     return starts[order], sizes[order], row_offsets
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each range, in order."""
+    first = np.cumsum(sizes) - sizes
+    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
 
 
 def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """``[sum(sizes)]`` stream offsets of every token of the pieces, in their order."""
-    total = int(sizes.sum())
-    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - first, sizes)
+    return _ranges(np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
 
 
 def row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

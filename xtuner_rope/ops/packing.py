@@ -10,15 +10,19 @@ Vocabulary used across xtuner-rope:
 - Position ids restart at 0 at every boundary and count +1 within a segment, so each
   document sees the RoPE angles it would see alone.
 
-This module imports torch only: no MMEngine, no XTuner.
+This module imports torch and numpy only: no MMEngine, no XTuner.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from .pack_planner import best_fit_decreasing
 
 __all__ = [
     "cumulative_from_lengths",
@@ -210,51 +214,6 @@ def lay_out_rows(
     }
 
 
-def _best_fit_decreasing(order: list[int], lengths: list[int], max_length: int) -> list[list[int]]:
-    """Best-fit decreasing: each item (longest first) into the row with the least room it fits.
-
-    Rows are found through a segment tree over the free room ``0..max_length`` (how many rows
-    have exactly that room, summed up the tree), so placing ``n`` items costs
-    ``O(n log max_length)``: a million dialogues plan in seconds (the tree walks are inlined:
-    this loop is the whole cost). Rows with equal room are interchangeable for every later
-    item, so which of them takes an item changes no row's load.
-    """
-    size = 1 << max(max_length, 1).bit_length()  # leaves: free room 0 .. size - 1
-    count = [0] * (2 * size)
-    rows_with: list[list[int]] = [[] for _ in range(max_length + 1)]
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        need = lengths[i]
-        node = need + size  # the least room >= need: climb to a right sibling that has one,
-        if not count[node]:  # then down to its leftmost leaf
-            while node > 1 and (node & 1 or not count[node + 1]):
-                node >>= 1
-            if node > 1:
-                node += 1
-                while node < size:
-                    node = 2 * node if count[2 * node] else 2 * node + 1
-        if node > 1:  # a row has room: take it out of the tree
-            free = node - size
-            r = rows_with[free].pop()
-            while node:
-                count[node] -= 1
-                node >>= 1
-            rows[r].append(i)
-            room[r] -= need
-        else:
-            r = len(rows)
-            rows.append([i])
-            room.append(max_length - need)
-        if room[r]:
-            rows_with[room[r]].append(r)
-            node = room[r] + size
-            while node:
-                count[node] += 1
-                node >>= 1
-    return rows
-
-
 def _longest_row(lengths: Sequence[int], rows: list[list[int]]) -> int:
     return max(sum(lengths[i] for i in row) for row in rows)
 
@@ -304,15 +263,17 @@ def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> l
             f"lengths[{i}]: expected 1..max_length={max_length} tokens, got {lengths[i]}; "
             "drop empty items and truncate long ones before packing."
         )
-    # Longest first, ties by index (a stable sort of the negated lengths).
-    order = torch.sort(-torch.tensor(lengths, dtype=torch.long), stable=True).indices.tolist()
-    rows = _best_fit_decreasing(order, lengths, max_length)
+    items, row_offsets = best_fit_decreasing(np.asarray(lengths, dtype=np.int64), max_length)
+    items = items.tolist()
+    rows = [items[a:b] for a, b in itertools.pairwise(row_offsets.tolist())]
     if level and len(rows) > 1:
+        # Longest first, ties by index (a stable sort of the negated lengths).
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         levelled = _levelled(lengths, order, len(rows))
         # Every BFD row fits, so no longer than BFD's longest row also means it fits.
         if _longest_row(lengths, levelled) <= _longest_row(lengths, rows):
-            rows = levelled
-    return [sorted(row) for row in rows]
+            rows = [sorted(row) for row in levelled]
+    return rows
 
 
 def padded_length(
