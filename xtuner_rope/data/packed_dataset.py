@@ -40,13 +40,13 @@ from .pack_plans import (
     cut_plan,
     position_ids,
     row_boundaries,
-    token_indices,
     whole_plan,
 )
+from .token_gather import TokenGather
 from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
-ROWS_PER_GATHER = 1024  # whole-dialogue rows per gather and write (16 MiB a column at 2048)
+TOKENS_PER_GATHER = 1 << 21  # tokens per whole-dialogue gather and write (16 MiB a column)
 
 
 def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
@@ -55,7 +55,7 @@ def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
 
 def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole: bool = True):
     """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
-    ``ROWS_PER_GATHER`` (whole) rows per Arrow table.
+    ``TOKENS_PER_GATHER // max_length`` (whole) rows per Arrow table.
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
@@ -67,26 +67,26 @@ def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole
         Tables with XTuner's packed columns.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
     if whole:
-        # Rows gather their dialogues from anywhere: one contiguous copy of each column
-        # (the tokenized size in memory), because a ``take`` on a chunked column joins every
-        # chunk first, a pass over the whole column per gather.
-        flat = {k: v.combine_chunks() for k, v in flat.items()}
+        # Rows gather their dialogues from anywhere in the mapped table, chunk by chunk: no
+        # copy of the columns (``ChunkedArray.take`` would join every chunk first).
+        tokens = TokenGather(table, ("input_ids", "labels"))
         starts, sizes, row_pieces = whole_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
         cuts = doc_offsets[row_pieces]
+        step = max(1, TOKENS_PER_GATHER // int(max_length))
     else:  # the stream in order: each row one slice of it
+        flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
         cuts = cut_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    step = ROWS_PER_GATHER if whole else ROWS_PER_WRITE
+        step = ROWS_PER_WRITE
     for first in range(0, len(cuts) - 1, step):
         rows = cuts[first : first + step + 1]
         offsets = rows - rows[0]
         if whole:
             pieces = slice(row_pieces[first], row_pieces[first + len(rows) - 1])
-            index = pa.array(token_indices(starts[pieces], sizes[pieces]))
-            columns = {k: _list_array(offsets, v.take(index)) for k, v in flat.items()}
+            gathered = tokens.gather(starts[pieces], sizes[pieces])
+            columns = {k: _list_array(offsets, pa.array(v)) for k, v in gathered.items()}
         else:
             columns = {
                 k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())

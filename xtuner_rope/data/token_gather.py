@@ -1,0 +1,76 @@
+"""Gather token ranges from a tokenized Arrow column without joining its chunks.
+
+A tokenized ``datasets`` table is memory-mapped from its cache files in record batches (a
+thousand dialogues each, as ``datasets.map`` writes them). Rows packed whole take their
+dialogues from anywhere in it, but ``ChunkedArray.take`` (pyarrow 26 still) first joins every
+chunk into one array: a copy of the whole column in memory, 0.4 GiB for 50M int64 tokens.
+Here each chunk stays a zero-copy numpy view of the mapped file and a gather reads, chunk by
+chunk, only the pieces that lie in it (a dialogue never spans two chunks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["TokenGather", "ranges"]
+
+
+def ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each range, in order."""
+    starts = np.asarray(starts, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    first = np.cumsum(sizes) - sizes
+    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
+
+
+class TokenGather:
+    """Pieces of the flattened token stream of list columns, gathered chunk by chunk.
+
+    Args:
+        table: A table of list columns (one row per dialogue), chunked as it was mapped.
+        columns: The columns to gather (each flattened to one token stream).
+    """
+
+    def __init__(self, table: pa.Table, columns: tuple[str, ...]) -> None:
+        # One chunk layout for every column (record batches: zero-copy slices of the columns).
+        table = pa.Table.from_batches(table.select(list(columns)).to_batches())
+        flat = {k: pc.list_flatten(table.column(k)) for k in columns}
+        self._chunks = {
+            k: [c.to_numpy(zero_copy_only=False) for c in v.chunks] for k, v in flat.items()
+        }
+        sizes = [len(c) for c in self._chunks[columns[0]]]
+        for k in columns[1:]:
+            if [len(c) for c in self._chunks[k]] != sizes:
+                raise ValueError(
+                    f"pack_dataset: column {k!r} holds a different number of tokens than "
+                    f"{columns[0]!r} in some dialogue (expected one {k} per token); "
+                    "check the tokenize step of the dataset."
+                )
+        self._chunk_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+    def gather(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
+        """The tokens of the pieces ``starts[i] .. starts[i] + sizes[i]``, one after another.
+
+        Args:
+            starts: ``[p]`` offsets of the pieces into the flattened stream.
+            sizes: ``[p]`` lengths of the pieces (each inside one dialogue).
+
+        Returns:
+            Per column, ``[sum(sizes)]`` tokens, the pieces in the given order.
+        """
+        starts = np.asarray(starts, dtype=np.int64)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
+        dest = np.cumsum(sizes) - sizes
+        out = {k: np.empty(int(sizes.sum()), dtype=v[0].dtype) for k, v in self._chunks.items()}
+        by_chunk = np.argsort(chunk, kind="stable")
+        edges = np.flatnonzero(np.diff(chunk[by_chunk])) + 1
+        for part in np.split(by_chunk, edges) if len(by_chunk) else []:
+            c = int(chunk[part[0]])
+            to = ranges(dest[part], sizes[part])
+            src = ranges(starts[part] - self._chunk_starts[c], sizes[part])
+            for k, chunks in self._chunks.items():
+                out[k][to] = chunks[c][src]
+        return out
