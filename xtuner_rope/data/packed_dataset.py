@@ -42,7 +42,7 @@ from .pack_plans import (
     row_boundaries,
     whole_plan,
 )
-from .token_gather import TokenGather
+from .token_gather import TokenGather, drop_mapped_pages
 from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
@@ -53,7 +53,13 @@ def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
 
 
-def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole: bool = True):
+def packed_tables(
+    table: pa.Table,
+    max_length: int,
+    use_varlen_attn: bool,
+    whole: bool = True,
+    mapped_files: tuple[str, ...] = (),
+):
     """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
     ``TOKENS_PER_GATHER // max_length`` (whole) rows per Arrow table.
 
@@ -62,6 +68,8 @@ def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole
         max_length: Tokens per packed row.
         use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
         whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
+        mapped_files: The files ``table`` is memory-mapped from: their pages read so far are
+            released after each table (``token_gather.drop_mapped_pages``).
 
     Yields:
         Tables with XTuner's packed columns.
@@ -99,6 +107,7 @@ def packed_tables(table: pa.Table, max_length: int, use_varlen_attn: bool, whole
                 offsets, pa.array(position_ids(cum_values, cum_offsets))
             )
         yield pa.table(columns)
+        drop_mapped_pages(list(mapped_files))
 
 
 def _output_path(dataset) -> Path:
@@ -156,14 +165,20 @@ def pack_dataset(
         dataset = dataset.flatten_indices(num_proc=map_num_proc)
     table = dataset.with_format("arrow")[:]  # zero-copy slices of the cache files
     path = _output_path(dataset)
+    mapped = tuple(f["filename"] for f in dataset.cache_files)
+    tokens = labels = 0
     with ArrowWriter(path=str(path)) as writer:
-        for part in packed_tables(table, max_length, use_varlen_attn, whole):
+        # The rows hold every token: count them as they are written (the tokenized columns,
+        # read once by the gather, are not read again).
+        for part in packed_tables(table, max_length, use_varlen_attn, whole, mapped):
             writer.write_table(part)
+            part_tokens, part_labels = _token_counts(part)
+            tokens, labels = tokens + part_tokens, labels + part_labels
         writer.finalize()
     packed = Dataset.from_file(str(path))
     figures = summed_figures(truncation or [])
     print_log(
-        _summary(table, len(packed), max_length, whole, figures),
+        _summary(table, (tokens, labels), len(packed), max_length, whole, figures),
         logger="current",
         level=logging.WARNING if truncation_message(figures) else logging.INFO,
     )
@@ -171,11 +186,19 @@ def pack_dataset(
 
 
 def _summary(
-    table: pa.Table, rows: int, max_length: int, whole: bool, truncation: dict | None
+    table: pa.Table,
+    counts: tuple[int, int],
+    rows: int,
+    max_length: int,
+    whole: bool,
+    truncation: dict | None,
 ) -> str:
-    """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare."""
+    """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare.
+
+    ``counts`` are the tokens and supervised labels of the rows (those of the dialogues).
+    """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    tokens, labels = _token_counts(table)
+    tokens, labels = counts
     cuts = cut_plan(lengths, max_length)
     fill = tokens / max(rows * max_length, 1)
     what = unit(truncation)
@@ -212,7 +235,7 @@ def _summary(
 
 
 def _token_counts(table: pa.Table) -> tuple[int, int]:
-    """Tokens and labels other than -100 (XTuner's IGNORE_INDEX) of a tokenized table."""
+    """Tokens and labels other than -100 (XTuner's IGNORE_INDEX) of a table of token lists."""
     labels = pc.list_flatten(table.column("labels"))
     return len(pc.list_flatten(table.column("input_ids"))), int(
         pc.sum(pc.not_equal(labels, -100)).as_py() or 0

@@ -49,7 +49,7 @@ def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarra
         return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable")  # longest first, ties by index
     descending = lengths[order]
-    first = np.flatnonzero(np.diff(descending, prepend=descending[0] + 1))  # each group's start
+    first = np.flatnonzero(np.r_[True, descending[1:] != descending[:-1]])  # each group's start
     counts = np.diff(np.append(first, len(order)))
     # Each group fills rows in turn: ``filled`` lists (row, items it takes) in placing order.
     filled_rows: list[int] = []

@@ -1,0 +1,78 @@
+"""Gathering token pieces chunk by chunk equals a take from the joined columns."""
+
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, ranges
+
+
+def _table(lengths, chunk, labels_shift=0):
+    rng = np.random.default_rng(0)
+    batches = []
+    for first in range(0, len(lengths), chunk):
+        part = np.asarray(lengths[first : first + chunk])
+        offsets = pa.array(np.concatenate([[0], np.cumsum(part)]), pa.int32())
+        ids = rng.integers(0, 1000, int(part.sum()))
+        labels = np.concatenate([ids, np.full(labels_shift, -100)]) if labels_shift else -ids
+        label_offsets = offsets
+        if labels_shift:  # the first dialogue of the chunk gets extra labels
+            label_offsets = pa.array(
+                np.concatenate([[0], np.cumsum(part) + labels_shift]), pa.int32()
+            )
+        batches.append(
+            pa.record_batch(
+                {
+                    "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+                    "labels": pa.ListArray.from_arrays(label_offsets, pa.array(labels)),
+                }
+            )
+        )
+    return pa.Table.from_batches(batches)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+def test_pieces_in_any_order_equal_a_take_from_the_joined_columns(chunk):
+    lengths = np.random.default_rng(1).integers(1, 9, 40)
+    table = _table(lengths, chunk)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pick = np.random.default_rng(2).permutation(40)[:25]
+    starts, sizes = doc_starts[pick] + 0, lengths[pick]
+    got = TokenGather(table, ("input_ids", "labels")).gather(starts, sizes)
+    for k in ("input_ids", "labels"):
+        joined = table.column(k).combine_chunks().flatten().to_numpy()
+        np.testing.assert_array_equal(got[k], joined[ranges(starts, sizes)])
+    assert got["input_ids"].dtype == np.int64
+
+
+def test_labels_of_another_length_are_refused():
+    with pytest.raises(ValueError, match="'labels' holds a different number of tokens"):
+        TokenGather(_table([2, 3], 2, labels_shift=1), ("input_ids", "labels"))
+
+
+def _resident_kib(path):
+    """Resident KiB of this process's mappings of ``path`` (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields[0].split("-")) == 2 and ":" not in fields[0]:
+                inside = len(fields) == 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_dropping_mapped_pages_frees_them_and_keeps_the_data(tmp_path):
+    path = (tmp_path / "tokens.bin").resolve()
+    values = np.arange(1 << 20, dtype=np.int64)  # 8 MiB
+    values.tofile(path)
+    mapped = pa.memory_map(str(path))
+    view = np.frombuffer(mapped.read_buffer(), dtype=np.int64)
+    assert int(view.sum()) == int(values.sum()) and _resident_kib(path) >= 4096
+    drop_mapped_pages([str(tmp_path / ".." / tmp_path.name / "tokens.bin")])
+    assert _resident_kib(path) == 0
+    np.testing.assert_array_equal(view, values)  # read again from the file
