@@ -76,3 +76,27 @@ def test_dropping_mapped_pages_frees_them_and_keeps_the_data(tmp_path):
     drop_mapped_pages([str(tmp_path / ".." / tmp_path.name / "tokens.bin")])
     assert _resident_kib(path) == 0
     np.testing.assert_array_equal(view, values)  # read again from the file
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_a_gather_from_a_mapped_file_leaves_its_token_pages_released(tmp_path):
+    lengths = np.random.default_rng(3).integers(100, 400, 8000)
+    path = (tmp_path / "tokenized.arrow").resolve()
+    table = _table(lengths, 500)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    mapped = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pick = np.random.default_rng(4).permutation(len(lengths))
+    got = TokenGather(mapped, ("input_ids", "labels"), (str(path),)).gather(
+        doc_starts[pick], lengths[pick]
+    )
+    np.testing.assert_array_equal(
+        got["labels"],
+        table.column("labels")
+        .combine_chunks()
+        .flatten()
+        .to_numpy()[ranges(doc_starts[pick], lengths[pick])],
+    )
+    # Every token page was read, and released after: only the batches' offsets stay resident.
+    assert _resident_kib(path) * 1024 < path.stat().st_size / 10

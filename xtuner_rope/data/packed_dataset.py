@@ -26,7 +26,9 @@ per document with ``use_varlen_attn``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import uuid
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from .token_gather import TokenGather, drop_mapped_pages
 from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
+PACKED_FORMAT = 2  # the packed files' layout and plan: change it when either changes
 TOKENS_PER_GATHER = 1 << 21  # tokens per whole-dialogue gather and write (16 MiB a column)
 
 
@@ -68,8 +71,8 @@ def packed_tables(
         max_length: Tokens per packed row.
         use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
         whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
-        mapped_files: The files ``table`` is memory-mapped from: their pages read so far are
-            released after each table (``token_gather.drop_mapped_pages``).
+        mapped_files: The files ``table`` is memory-mapped from: their pages are released as
+            soon as read (``token_gather.TokenGather``).
 
     Yields:
         Tables with XTuner's packed columns.
@@ -78,7 +81,7 @@ def packed_tables(
     if whole:
         # Rows gather their dialogues from anywhere in the mapped table, chunk by chunk: no
         # copy of the columns (``ChunkedArray.take`` would join every chunk first).
-        tokens = TokenGather(table, ("input_ids", "labels"))
+        tokens = TokenGather(table, ("input_ids", "labels"), mapped_files)
         starts, sizes, row_pieces = whole_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
         cuts = doc_offsets[row_pieces]
@@ -107,18 +110,25 @@ def packed_tables(
                 offsets, pa.array(position_ids(cum_values, cum_offsets))
             )
         yield pa.table(columns)
-        drop_mapped_pages(list(mapped_files))
 
 
-def _output_path(dataset) -> Path:
-    """Where the packed rows go: beside the dataset's cache files, as ``datasets.map`` does."""
+def _output_path(dataset, *plan_args) -> Path:
+    """Where the packed rows go: beside the dataset's cache files, as ``datasets.map`` does.
+
+    Named, as ``datasets.map`` names its cache files, by the tokenized (and shuffled)
+    dataset's fingerprint and the arguments that decide the rows: the next start of the same
+    config and seed finds the rows packed and reuses them.
+    """
     from datasets.fingerprint import get_temporary_cache_files_directory
 
     files = dataset.cache_files
     folder = (
         Path(files[0]["filename"]).parent if files else Path(get_temporary_cache_files_directory())
     )
-    return folder / f"xtuner-rope-packed-{uuid.uuid4().hex}.arrow"
+    # ``_fingerprint`` is how datasets 2.x-5.x name a dataset's state (no public accessor).
+    fingerprint = getattr(dataset, "_fingerprint", None) or uuid.uuid4().hex
+    key = repr((PACKED_FORMAT, fingerprint, len(dataset), *plan_args)).encode()
+    return folder / f"xtuner-rope-packed-{hashlib.sha256(key).hexdigest()[:32]}.arrow"
 
 
 def pack_dataset(
@@ -151,7 +161,6 @@ def pack_dataset(
         ValueError: a column XTuner packs is missing, or a dialogue has no tokens.
     """
     from datasets import Dataset
-    from datasets.arrow_writer import ArrowWriter
 
     missing = {"input_ids", "labels"} - set(dataset.column_names)
     if missing:
@@ -164,18 +173,14 @@ def pack_dataset(
         dataset = dataset.shuffle()
         dataset = dataset.flatten_indices(num_proc=map_num_proc)
     table = dataset.with_format("arrow")[:]  # zero-copy slices of the cache files
-    path = _output_path(dataset)
-    mapped = tuple(f["filename"] for f in dataset.cache_files)
-    tokens = labels = 0
-    with ArrowWriter(path=str(path)) as writer:
-        # The rows hold every token: count them as they are written (the tokenized columns,
-        # read once by the gather, are not read again).
-        for part in packed_tables(table, max_length, use_varlen_attn, whole, mapped):
-            writer.write_table(part)
-            part_tokens, part_labels = _token_counts(part)
-            tokens, labels = tokens + part_tokens, labels + part_labels
-        writer.finalize()
-    packed = Dataset.from_file(str(path))
+    path = _output_path(dataset, int(max_length), bool(use_varlen_attn), bool(whole))
+    if path.exists():  # packed before from the same dialogues and arguments
+        packed = Dataset.from_file(str(path))
+        tokens, labels = _token_counts(packed.with_format("arrow")[:])
+        drop_mapped_pages([str(path)])
+    else:
+        tokens, labels = _write_rows(dataset, table, path, max_length, use_varlen_attn, whole)
+        packed = Dataset.from_file(str(path))
     figures = summed_figures(truncation or [])
     print_log(
         _summary(table, (tokens, labels), len(packed), max_length, whole, figures),
@@ -183,6 +188,25 @@ def pack_dataset(
         level=logging.WARNING if truncation_message(figures) else logging.INFO,
     )
     return packed
+
+
+def _write_rows(dataset, table, path: Path, max_length, use_varlen_attn, whole) -> tuple:
+    """Write the packed rows to ``path`` (whole or not at all); their tokens and labels."""
+    from datasets.arrow_writer import ArrowWriter
+
+    mapped = tuple(f["filename"] for f in dataset.cache_files)
+    partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial")
+    tokens = labels = 0
+    with ArrowWriter(path=str(partial)) as writer:
+        # The rows hold every token: count them as they are written (the tokenized columns,
+        # read once by the gather, are not read again).
+        for part in packed_tables(table, max_length, use_varlen_attn, whole, mapped):
+            writer.write_table(part)
+            part_tokens, part_labels = _token_counts(part)
+            tokens, labels = tokens + part_tokens, labels + part_labels
+        writer.finalize()
+    os.replace(partial, path)  # a start killed mid-write leaves no rows to reuse
+    return tokens, labels
 
 
 def _summary(

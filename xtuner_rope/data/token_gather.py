@@ -11,6 +11,7 @@ chunk, only the pieces that lie in it (a dialogue never spans two chunks).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["TokenGather", "drop_mapped_pages", "ranges"]
+__all__ = ["TokenGather", "drop_mapped_pages", "ranges", "read_only_mappings", "release_pages"]
 
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
@@ -37,9 +38,14 @@ class TokenGather:
     Args:
         table: A table of list columns (one row per dialogue), chunked as it was mapped.
         columns: The columns to gather (each flattened to one token stream).
+        mapped_files: The files ``table`` is memory-mapped from: each chunk's pages are
+            released as soon as a gather has read it, so the process never holds the whole
+            tokenized table resident (every gather reads from nearly every page).
     """
 
-    def __init__(self, table: pa.Table, columns: tuple[str, ...]) -> None:
+    def __init__(
+        self, table: pa.Table, columns: tuple[str, ...], mapped_files: tuple[str, ...] = ()
+    ) -> None:
         # One chunk layout for every column (record batches: zero-copy slices of the columns).
         table = pa.Table.from_batches(table.select(list(columns)).to_batches())
         flat = {k: pc.list_flatten(table.column(k)) for k in columns}
@@ -55,6 +61,14 @@ class TokenGather:
                     "check the tokenize step of the dataset."
                 )
         self._chunk_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        mappings = read_only_mappings(list(mapped_files))
+        self._mapped = {
+            k: [
+                any(lo <= c.ctypes.data and c.ctypes.data + c.nbytes <= hi for lo, hi in mappings)
+                for c in chunks
+            ]
+            for k, chunks in self._chunks.items()
+        }
 
     def gather(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
         """The tokens of the pieces ``starts[i] .. starts[i] + sizes[i]``, one after another.
@@ -79,30 +93,52 @@ class TokenGather:
             src = ranges(starts[part] - self._chunk_starts[c], sizes[part])
             for k, chunks in self._chunks.items():
                 out[k][to] = chunks[c][src]
+                if self._mapped[k][c]:
+                    release_pages(chunks[c].ctypes.data, chunks[c].nbytes)
         return out
+
+
+def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
+    """``(start, end)`` addresses of this process's read-only mappings of the files ``paths``.
+
+    Only mappings no one can write through: dropping their pages loses nothing (the next
+    read faults them in again from the file or the page cache). Empty off Linux.
+    """
+    if not sys.platform.startswith("linux") or not paths:
+        return []
+    names = {os.path.realpath(p) for p in paths}
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "w" not in fields[1] and fields[5].rstrip("\n") in names:
+                found.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return found
+
+
+def release_pages(start: int, nbytes: int) -> None:
+    """``MADV_DONTNEED`` the pages of ``[start, start + nbytes)``: only for read-only mappings
+    of a file (``read_only_mappings``), where it unmaps pages without losing any data."""
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    hi = -(-(start + nbytes) // page) * page
+    _madvise(lo, hi - lo, MADV_DONTNEED)
 
 
 def drop_mapped_pages(paths: list[str]) -> None:
     """Drop this process's resident pages of its read-only mappings of the files ``paths``.
 
-    The tokenized table is memory-mapped: every page a gather reads stays counted in the
-    process's resident memory (the whole tokenized size by the end of a pack, 0.8 GiB at a
-    million dialogues) though the kernel may reclaim it. ``MADV_DONTNEED`` on a mapping that
-    cannot be written only unmaps its pages: the next read faults them in again from the file
-    (or the page cache). Linux only; elsewhere nothing is done.
+    A memory-mapped table keeps every page read counted in the process's resident memory
+    though the kernel may reclaim it. Linux only; elsewhere nothing is done.
 
     Args:
-        paths: Files whose mappings to release (the dataset's cache files).
+        paths: Files whose mappings to release (a dataset's cache files).
     """
-    if not sys.platform.startswith("linux") or not paths:
-        return
-    names = {os.path.realpath(p) for p in paths}
+    for lo, hi in read_only_mappings(paths):
+        _madvise(lo, hi - lo, MADV_DONTNEED)
+
+
+def _madvise(start: int, length: int, advice: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            # Only mappings of those files that no one can write through: nothing to lose.
-            if len(fields) == 6 and "w" not in fields[1] and fields[5].rstrip("\n") in names:
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                libc.madvise(lo, hi - lo, MADV_DONTNEED)
+    libc.madvise(start, length, advice)
