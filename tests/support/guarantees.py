@@ -52,8 +52,8 @@ GUARANTEES = (
         "whole-packing",
         "Offline packing puts every dialogue whole in one row (no dialogue cut at a row edge).",
         "xtuner_rope/data/packed_dataset.py",
-        "packed_tables(table, max_length, use_varlen_attn, whole)",
-        "packed_tables(table, max_length, use_varlen_attn, False)",
+        "packed_tables(table, max_length, use_varlen_attn, whole, mapped, order)",
+        "packed_tables(table, max_length, use_varlen_attn, False, mapped, None)",
         (
             "tests/data/test_packed_dataset.py::"
             "test_xtuners_own_pipeline_packs_every_dialogue_whole_and_once",

@@ -62,6 +62,7 @@ def packed_tables(
     use_varlen_attn: bool,
     whole: bool = True,
     mapped_files: tuple[str, ...] = (),
+    order: np.ndarray | None = None,
 ):
     """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
     ``TOKENS_PER_GATHER // max_length`` (whole) rows per Arrow table.
@@ -73,6 +74,8 @@ def packed_tables(
         whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
         mapped_files: The files ``table`` is memory-mapped from: their pages are released as
             soon as read (``token_gather.TokenGather``).
+        order: ``[n]`` the table's rows in stream order (a shuffle not written out: whole
+            rows gather from anywhere anyway); None: the table's own order.
 
     Yields:
         Tables with XTuner's packed columns.
@@ -82,11 +85,19 @@ def packed_tables(
         # Rows gather their dialogues from anywhere in the mapped table, chunk by chunk: no
         # copy of the columns (``ChunkedArray.take`` would join every chunk first).
         tokens = TokenGather(table, ("input_ids", "labels"), mapped_files)
+        table_starts = np.cumsum(lengths) - lengths
+        if order is not None:
+            lengths, table_starts = lengths[order], table_starts[order]
         starts, sizes, row_pieces = whole_plan(lengths, max_length)
+        if order is not None:  # offsets into the stream -> offsets into the table
+            stream_starts = np.cumsum(lengths) - lengths
+            doc = np.searchsorted(stream_starts, starts, side="right") - 1
+            starts = starts - stream_starts[doc] + table_starts[doc]
         doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
         cuts = doc_offsets[row_pieces]
         step = max(1, TOKENS_PER_GATHER // int(max_length))
     else:  # the stream in order: each row one slice of it
+        assert order is None, "XTuner's cut reads the table in order"
         flat = {k: pc.list_flatten(table.column(k)) for k in ("input_ids", "labels")}
         cuts = cut_plan(lengths, max_length)
         doc_offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
@@ -170,27 +181,47 @@ def pack_dataset(
             "tokenized dialogues (input_ids and labels)."
         )
     if shuffle_before_pack:
-        dataset = dataset.shuffle()
-        dataset = dataset.flatten_indices(num_proc=map_num_proc)
-    table = dataset.with_format("arrow")[:]  # zero-copy slices of the cache files
+        dataset = dataset.shuffle()  # numpy's global generator, drawn from as XTuner draws
+        if not whole:  # XTuner's cut reads the shuffled stream in order: written out, as XTuner
+            dataset = dataset.flatten_indices(num_proc=map_num_proc)
+    table, order = _table_and_order(dataset, whole)
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    lengths = lengths if order is None else lengths[order]  # in stream order
     path = _output_path(dataset, int(max_length), bool(use_varlen_attn), bool(whole))
     if path.exists():  # packed before from the same dialogues and arguments
         packed = Dataset.from_file(str(path))
         tokens, labels = _token_counts(packed.with_format("arrow")[:])
         drop_mapped_pages([str(path)])
     else:
-        tokens, labels = _write_rows(dataset, table, path, max_length, use_varlen_attn, whole)
+        tokens, labels = _write_rows(
+            dataset, table, order, path, max_length, use_varlen_attn, whole
+        )
         packed = Dataset.from_file(str(path))
     figures = summed_figures(truncation or [])
     print_log(
-        _summary(table, (tokens, labels), len(packed), max_length, whole, figures),
+        _summary(lengths, (tokens, labels), len(packed), max_length, whole, figures),
         logger="current",
         level=logging.WARNING if truncation_message(figures) else logging.INFO,
     )
     return packed
 
 
-def _write_rows(dataset, table, path: Path, max_length, use_varlen_attn, whole) -> tuple:
+def _table_and_order(dataset, whole: bool) -> tuple[pa.Table, np.ndarray | None]:
+    """The dataset's table as mapped (zero-copy) and its rows in the dataset's order.
+
+    A shuffled (or selected) ``datasets.Dataset`` is its table plus an indices mapping. Whole
+    rows read the table through the mapping: the shuffle is never written out (XTuner's
+    ``flatten_indices`` writes a shuffled copy of the corpus, one process per shard).
+    """
+    # ``_indices`` is how datasets 2.x-5.x keep a shuffle (no public accessor).
+    indices = getattr(dataset, "_indices", None)
+    if indices is None or not whole:
+        return dataset.with_format("arrow")[:], None  # zero-copy slices of the cache files
+    order = indices.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return dataset.data.table, order
+
+
+def _write_rows(dataset, table, order, path: Path, max_length, use_varlen_attn, whole) -> tuple:
     """Write the packed rows to ``path`` (whole or not at all); their tokens and labels."""
     from datasets.arrow_writer import ArrowWriter
 
@@ -200,7 +231,7 @@ def _write_rows(dataset, table, path: Path, max_length, use_varlen_attn, whole) 
     with ArrowWriter(path=str(partial)) as writer:
         # The rows hold every token: count them as they are written (the tokenized columns,
         # read once by the gather, are not read again).
-        for part in packed_tables(table, max_length, use_varlen_attn, whole, mapped):
+        for part in packed_tables(table, max_length, use_varlen_attn, whole, mapped, order):
             writer.write_table(part)
             part_tokens, part_labels = _token_counts(part)
             tokens, labels = tokens + part_tokens, labels + part_labels
@@ -210,7 +241,7 @@ def _write_rows(dataset, table, path: Path, max_length, use_varlen_attn, whole) 
 
 
 def _summary(
-    table: pa.Table,
+    lengths: np.ndarray,
     counts: tuple[int, int],
     rows: int,
     max_length: int,
@@ -219,9 +250,9 @@ def _summary(
 ) -> str:
     """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare.
 
-    ``counts`` are the tokens and supervised labels of the rows (those of the dialogues).
+    ``lengths`` are the dialogues' in stream order, ``counts`` the tokens and supervised
+    labels of the rows (those of the dialogues).
     """
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     tokens, labels = counts
     cuts = cut_plan(lengths, max_length)
     fill = tokens / max(rows * max_length, 1)

@@ -11,6 +11,7 @@ chunk, only the pieces that lie in it (a dialogue never spans two chunks).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -138,7 +139,12 @@ def drop_mapped_pages(paths: list[str]) -> None:
         _madvise(lo, hi - lo, MADV_DONTNEED)
 
 
+@functools.cache
+def _libc_madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def _madvise(start: int, length: int, advice: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise(start, length, advice)
+    _libc_madvise()(start, length, advice)
