@@ -5,5 +5,6 @@
 - ``packed_dataset``: ``lossless_process_hf_dataset`` (XTuner's packing with each dialogue whole
   in one row and nothing dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
 - ``pack_plans``: where offline packing puts each token (``whole_plan``, ``cut_plan``);
+- ``token_gather``: the packed rows' tokens read from the mapped tokenized table, no copy of it;
 - ``intern_repo_packing``: ``build_whole_packed_dataset`` (the intern-repo packer, documents whole).
 """
