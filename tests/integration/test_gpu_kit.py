@@ -157,6 +157,9 @@ def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):
     assert set(results[96]) == {"varlen_attn", "ours-varlen", "ours-buckets", "dense-mask"}
     out = capsys.readouterr().out
     assert "t=96" in out and "varlen_attn 1.00x" in out and "flex skipped" in out
+    assert re.search(
+        r"plan per forward t=96 .* host boundaries [\d.]+ ms \| from position ids", out
+    )
 
 
 @pytest.mark.slow

@@ -11,11 +11,13 @@
 #   1. correctness: tests/integration/test_gpu.py (the seed failures, the real varlen kernel
 #      against the reference, the gold tests on CUDA in bf16 and fp16), the CPU varlen glue
 #      tests and the CUDA tests of test_rope.py / test_rope_triton.py (the Triton RoPE kernel
-#      compiled, against HF's apply in fp32) / test_attention.py;
+#      compiled, against HF's apply in fp32) / test_attention.py / test_document_plan.py (the
+#      plan and a training forward under torch.cuda.set_sync_debug_mode("error"));
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
 #   3. benches: RoPE apply forward, then forward+backward, against copy bandwidth (the Triton
 #      kernel checked against HF's fp32 apply first), packed attention fwd+bwd against
-#      `varlen_attn` alone (2k and 8k packs), training tokens/s packed vs padded (1.8B shapes).
+#      `varlen_attn` alone (2k and 8k packs) and the plan's time per forward, training tokens/s
+#      packed vs padded (1.8B shapes).
 # Each step's result is written to $OUT as soon as it ends (a run cut off still returns what
 # it measured), at most 8 files: summary.txt (a line per step: exit code, seconds, budget),
 # env.txt, run.log (every step's output), pytest.xml, check_*.json, bench.txt.
@@ -138,7 +140,8 @@ step preflight preflight || exit 98
 # 1. correctness first.
 step correctness python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
-    tests/ops/test_rope.py tests/ops/test_rope_triton.py tests/ops/test_attention.py
+    tests/ops/test_rope.py tests/ops/test_rope_triton.py tests/ops/test_attention.py \
+    tests/ops/test_document_plan.py
 if [ -n "$QUICK" ]; then
     echo "quick: steps after correctness not run; failed steps: $failed" | tee -a "$OUT/summary.txt"
     exit "$failed"

@@ -13,6 +13,7 @@ from numbers import Integral
 import torch
 from torch import nn
 
+from xtuner_rope.ops.document_plan import host_to_device
 from xtuner_rope.ops.rope import check_position_ids, cos_sin_at, inv_freq
 from xtuner_rope.ops.rope_documents import per_token_inv_freq
 
@@ -241,6 +242,8 @@ class ValidatedRotaryEmbedding(nn.Module):
             _, hi = check_position_ids(
                 position_ids, x.shape[0], x.shape[-2], *self.limit(), _BEYOND
             )
+            if position_ids.device.type == "cpu":  # the collate's host ids: a queued copy
+                position_ids = host_to_device(position_ids, x.device)
             position_ids = position_ids.to(x.device)
         return self._cos_sin_at(position_ids, hi, x.shape[0], x.dtype)
 

@@ -17,8 +17,10 @@ wherever the position is 0). Backends:
   ``[s, s]`` mask is ever built. The pad sits at each document's end, so ``is_causal`` alone
   keeps real queries away from it.
 
-Each model family's integration (``models/internlm2.py``, ``models/hf.py``) calls
-``document_plan`` and ``packed_attention``; rows without boundaries (plain padded batches,
+The document layout (``ops.document_plan``: ``cu_seqlens``, ``max_seqlen``, the buckets) is
+planned once per forward from the host's boundaries, without a device sync; only the bucket
+backends build buckets. Each model family's integration (``models/internlm2.py``,
+``models/hf.py``) calls ``document_plan`` and ``packed_attention``; rows without boundaries (plain padded batches,
 generation steps with a KV cache) take the family's own dense path.
 """
 
@@ -32,129 +34,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from xtuner_rope.ops.boundaries import check_flat_boundaries
-from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
+from xtuner_rope.ops.document_plan import (  # noqa: F401 - the plan's names, as before
+    MIN_BUCKET,
+    DocumentPlan,
+    document_plan,
+    plan_documents,
+)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the fused varlen kernels accept
-MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
-
-
-@dataclass
-class _Bucket:
-    """Documents padded to a common length ``length`` for one attention call."""
-
-    length: int
-    gather: torch.Tensor  # [n, length] flat token index per (document, offset); pad repeats last
-    valid: torch.Tensor  # [n, length] bool, True on real tokens
-
-
-@dataclass
-class DocumentPlan:
-    """Where the documents of a batch are, in the flattened ``[b * s]`` token axis."""
-
-    cu_seqlens: torch.Tensor  # [n_docs + 1] int32, 0 .. b*s
-    max_seqlen: int
-    buckets: list[_Bucket]
-    inverse: torch.Tensor  # [b * s] row of each token in the bucket-ordered concatenation
-
-
-def plan_documents(cu_seqlens: torch.Tensor, device: torch.device) -> DocumentPlan:
-    """Group the documents given by flat boundaries into length buckets.
-
-    Args:
-        cu_seqlens: ``[n_docs + 1]`` integer boundaries over the flattened ``[b * s]`` tokens,
-            starting at 0 and strictly increasing (rows never share a document).
-        device: Where the index tensors are needed.
-
-    Returns:
-        The plan, with index tensors on ``device``.
-    """
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    # Bucket length: round up to a multiple of 1/8 of the power of two at or below the length
-    # (at least MIN_BUCKET): padding stays under 12.5% (cost under 1.27x the exact sum of
-    # squares) with 8 buckets per octave. Whole powers of two measured ~20% slower here.
-    clamped = torch.clamp(lengths, min=MIN_BUCKET)
-    step = torch.clamp(2 ** torch.floor(torch.log2(clamped.double())).long() // 8, min=MIN_BUCKET)
-    bucket_len = (clamped + step - 1) // step * step
-    buckets, order = [], []
-    for length in torch.unique(bucket_len).tolist():
-        docs = torch.nonzero(bucket_len == length).flatten()
-        offsets = torch.arange(length)
-        last = (lengths[docs] - 1)[:, None]
-        gather = starts[docs][:, None] + torch.minimum(offsets[None, :], last)  # [n, length]
-        valid = offsets[None, :] <= last  # [n, length]
-        buckets.append(_Bucket(length, gather.to(device), valid.to(device)))
-        order.append(gather[valid])
-    order = torch.cat(order)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    return DocumentPlan(cu.to(device, torch.int32), int(lengths.max()), buckets, inverse.to(device))
-
-
-# The last plan, with a strong reference to the tensor it was computed from: while that tensor
-# is alive no new tensor can share its identity, so a hit can never be a stale plan.
-_PLAN_CACHE: dict = {}
-
-
-def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device):
-    """One plan per forward: every layer receives the same position-ids / boundaries tensor."""
-    key = (source._version, extra, str(device))
-    if _PLAN_CACHE.get("source") is not source or _PLAN_CACHE.get("key") != key:
-        cu = cu_fn()
-        plan = None if cu is None else plan_documents(cu, device)
-        _PLAN_CACHE.clear()
-        _PLAN_CACHE.update(source=source, key=key, plan=plan)
-    return _PLAN_CACHE["plan"]
-
-
-def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
-    """Flat boundaries from position resets, or None when every row is a single document."""
-    rows = position_ids.detach().to("cpu").expand(b, s)  # [b, s]
-    cus = [cumulative_from_position_ids(row) for row in rows]
-    if all(cu.numel() == 2 for cu in cus):
-        return None
-    return flat_cumulative(cus, s)
-
-
-def document_plan(
-    position_ids: torch.Tensor | None,
-    b: int,
-    s: int,
-    device: torch.device,
-    published: object = None,
-    source: str = "published boundaries",
-) -> DocumentPlan | None:
-    """The document layout of this forward: published boundaries first, then position resets.
-
-    Published boundaries (the trainer's, e.g. ``models.runtime.hub_cumulative_len()``) are
-    checked (``check_flat_boundaries``) once per tensor, not per layer: integer, ``0 .. b*s``,
-    strictly increasing, a boundary at every row end.
-
-    Args:
-        position_ids: ``[b, s]`` or ``[1, s]`` positions, or None.
-        b: Rows of the batch; s: row length.
-        device: Where the plan's index tensors live.
-        published: Flat ``[n_docs + 1]`` boundaries published for this batch, or None.
-        source: Where ``published`` comes from, for error messages.
-
-    Raises:
-        TypeError: the published ``cumulative_len`` is not integer.
-        ValueError: it does not describe this ``[b, s]`` batch, is unordered, or runs a
-            document across rows.
-    """
-    cu = published
-    if cu is not None:
-        if not isinstance(cu, torch.Tensor):  # checked before the identity-keyed cache
-            cu = check_flat_boundaries(cu, b, s, source)
-        return _cached_plan(
-            cu, ("hub", b, s), lambda: check_flat_boundaries(cu, b, s, source), device
-        )
-    if position_ids is None:
-        return None
-    return _cached_plan(
-        position_ids, ("pos", b, s), lambda: _cu_from_position_ids(position_ids, b, s), device
-    )
 
 
 @dataclass(frozen=True)
@@ -286,6 +173,7 @@ def packed_attention(
         # [n, L, heads, h_d] -> [n, heads, L, h_d]
         qb, kb, vb = (x[bucket.gather].transpose(1, 2) for x in (q_t, k_t, v_t))
         ob = _bucket_attention(qb, kb, vb, causal_softmax=backend == "eager")
-        pieces.append(ob.transpose(1, 2)[bucket.valid])  # [n_real, n_h, h_d]
+        ob = ob.transpose(1, 2).reshape(-1, n_h, h_d)  # [n * L, n_h, h_d]
+        pieces.append(ob[bucket.keep])  # [n_real, n_h, h_d]
     out = torch.cat(pieces)[plan.inverse]  # [t, n_h, h_d] back in token order
     return out.reshape(b, s, n_h, h_d)
