@@ -86,7 +86,14 @@ def test_stock_config_trains_each_document_with_its_own_frequencies(name, tmp_pa
     if name.startswith("llama"):  # the check's verdict, with and without the fix
         # The run's seed: XTuner's shuffle before packing draws from it, so both checks read
         # the run's first row (with its documents past the threshold), not a random one.
-        check = ["check", str(config), "--max-documents", "16", "--cfg-options", "randomness.seed=0"]
+        check = [
+            "check",
+            str(config),
+            "--max-documents",
+            "16",
+            "--cfg-options",
+            "randomness.seed=0",
+        ]
         assert main([*check, "--out", str(tmp_path / "check")]) == 0
         off = ["per_document_rope=False", "--out", str(tmp_path / "off")]
         assert main([*check, *off]) == 1

@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from opt_in import again
 
 from xtuner_rope.demo.runlog import check_run
 
@@ -175,7 +176,16 @@ def _two_process_losses(config: str, data_file: Path, deepspeed, work_dir: Path)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "reference,deepspeed",
-    [(INTERNLM2, None), (INTERNLM2, ZERO2), (INTERNLM2, ZERO3), (QWEN2, None)],
+    [
+        (INTERNLM2, None),
+        (INTERNLM2, ZERO2),
+        (INTERNLM2, ZERO3),
+        # Two processes over the same DDP path as internlm2-ddp; Qwen2's attention path is
+        # trained isolated in CI by test_e2e's tiny Qwen2 recipe.
+        pytest.param(
+            QWEN2, None, marks=again("internlm2-ddp and test_e2e::test_tiny_qwen2_recipe_*")
+        ),
+    ],
     ids=["internlm2-ddp", "internlm2-zero2", "internlm2-zero3", "qwen2-ddp"],
     indirect=["reference"],
 )
