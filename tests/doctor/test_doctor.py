@@ -155,18 +155,21 @@ def test_doctor_counts_unsupervised_documents_as_the_training_log(in_repo, tmp_p
     unsupervised_seen.
 
     Not shuffled before packing, so that the doctor's packs are the training's whatever
-    consumes numpy's global RNG before the dataset is built.
+    consumes numpy's global RNG before the dataset is built. The first 600 of the 2,400 sample
+    dialogues (a quarter of the epoch: the count is the same sum over fewer rows).
     """
-    text = sc.sub_once(
-        TINY.read_text(), r"^    pack_to_max_length=False,$", "    pack_to_max_length=True,"
-    )
+    data = tmp_path / "dialogues.jsonl"
+    lines = (REPO / "data" / "short_dialogues.jsonl").read_text(encoding="utf-8").splitlines()
+    data.write_text("\n".join(lines[:600]) + "\n", encoding="utf-8")
+    text = sc.sub_once(TINY.read_text(), r'^data_path = ".*"$', f'data_path = "{data}"')
+    text = sc.sub_once(text, r"^    pack_to_max_length=False,$", "    pack_to_max_length=True,")
     text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
     # XTuner's cut (the opt-out): its pieces without a supervised label are what both count;
     # whole dialogues (the default) give none here (test_xtuner_offline_packing_is_checked...).
     text += '\noffline_packing = "cut"\n'
     config = tmp_path / "tiny_packed.py"
-    # 475 rows, 30 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
-    config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.1"))
+    # ~120 rows, 8 steps of 16: a warm-up of 3% would round to 0 steps (MMEngine refuses it)
+    config.write_text(sc.sub_once(text, r"^warmup_ratio = 0.03", "warmup_ratio = 0.25"))
     report, _ = diagnose(str(config), progress=False)
     proc = sc.xtuner_train(
         config, tmp_path / "run", "default_hooks.logger.interval=1", timeout=1800
