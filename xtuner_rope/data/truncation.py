@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 
 import numpy as np
@@ -170,6 +171,59 @@ def _tokenize(
         return full
     cut = functools.partial(_cut, max_length=max_length, keep_from=bos if split else None)
     return full.map(cut, batched=True, num_proc=map_num_proc)
+
+
+def counted_tokenize_step(original):
+    """XTuner's ``tokenize_dataset`` counted and logged wherever no counting block is open.
+
+    ``compat.patch_xtuner_tokenize_counted`` puts it in place for the process: the builds the
+    start-up does not route through :func:`counting_truncation` (``process_hf_dataset`` with
+    ``pack_to_max_length=False``, ``LLaVADataset``'s text) are counted the same way, cut exactly
+    as XTuner cuts, and get one start-up line (:func:`tokenized_line`). Inside a counting block
+    XTuner's step runs as it is: the block counts (and its caller logs).
+
+    Args:
+        original: XTuner's ``tokenize_dataset``.
+
+    Returns:
+        A function with its arguments.
+    """
+
+    @functools.wraps(original)
+    def counted(dataset, tokenizer, max_length, *args, **kwargs):
+        step = functools.partial(original, dataset, tokenizer, max_length, *args, **kwargs)
+        with_output = kwargs.get("input_ids_with_output", args[1] if len(args) > 1 else True)
+        if _SINKS or not with_output or not isinstance(max_length, int):
+            return step()  # counted by the open block; or nothing cut to count
+        sink: list = []
+        _SINKS.append(sink)
+        _SPLIT.append(False)
+        try:
+            built = _tokenize(original, dataset, tokenizer, max_length, *args, **kwargs)
+        finally:
+            _SINKS.pop()
+            _SPLIT.pop()
+        from mmengine.logging import print_log
+
+        (figures,) = sink
+        level = logging.WARNING if truncation_message(figures) else logging.INFO
+        print_log(tokenized_line(figures), logger="current", level=level)
+        return built
+
+    counted._xtuner_rope_counted = True
+    return counted
+
+
+def tokenized_line(figures: dict) -> str:
+    """The start-up's line on one tokenize step that no packing line reports (unpacked data)."""
+    t, lab = figures["tokens"], figures["labels"]
+    head = (
+        f"xtuner-rope: XTuner's process_hf_dataset tokenized {figures['dialogues']} "
+        f"{unit(figures)} ({t['before']} tokens, {lab['before']} supervised labels) at "
+        f"max_length={figures['max_length']}"
+    )
+    message = truncation_message(figures)
+    return f"{head}, none truncated." if message is None else f"{head}. {message}."
 
 
 @contextlib.contextmanager
