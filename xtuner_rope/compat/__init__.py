@@ -96,6 +96,7 @@ from .xtuner_packing import xtuner_intern_repo_packer, xtuner_pack_step
 from .xtuner_preference import (
     patch_dpo_predict_reference,
     patch_preference_map_fn_errors,
+    patch_preference_truncation_counted,
     patch_preference_unpacked_pairs,
     patch_xtuner_preference_rank,
     patch_xtuner_preference_target_zero,
@@ -189,6 +190,7 @@ __all__ = [
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
+    "patch_preference_truncation_counted",
     "patch_preference_map_fn_errors",
     "patch_dpo_predict_reference",
     "patch_xtuner_zero_read_fp32",
@@ -273,6 +275,7 @@ def apply() -> list[str]:
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
         patch_xtuner_tokenize_counted,
+        patch_preference_truncation_counted,
     ):
         if patch.__name__ not in applied():
             run_patch(patch)
