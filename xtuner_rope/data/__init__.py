@@ -6,4 +6,6 @@
   in one row and nothing dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
 - ``pack_plans``: where offline packing puts each token (``whole_plan``, ``cut_plan``);
 - ``intern_repo_packing``: ``build_whole_packed_dataset`` (the intern-repo packer, documents whole).
+- ``truncation`` / ``preference_truncation``: XTuner's cut at ``max_length`` counted (dialogues,
+  documents; preference pairs), the data unchanged.
 """
