@@ -77,8 +77,13 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
 
 def test_a_missing_module_skips_a_deferred_patch_and_its_use_is_refused(fresh, monkeypatch):
     monkeypatch.setitem(sys.modules, "xtuner.dataset.huggingface", None)  # import -> ImportError
-    # checked at import, though applied for one call later: the two that live in that module
-    pack, tokenize = sorted(str(w.message) for w in _skips(compat.apply))
+    # checked at import, though applied for one call later: the two that live in that module;
+    # and the count of the unpacked builds' cut, applied at import
+    counted, pack, tokenize = sorted(
+        (str(w.message) for w in _skips(compat.apply)),
+        key=lambda m: ("whole-dialogue" in m) + 2 * ("every truncation" in m),
+    )
+    assert "truncation counted on unpacked process_hf_dataset" in counted
     assert "whole-dialogue packing (lossless_process_hf_dataset)" in pack
     assert "xtuner.dataset.huggingface:pack_dataset is missing" in pack
     assert "every truncation counted" in tokenize and "tokenize_dataset is missing" in tokenize

@@ -27,6 +27,7 @@ from xtuner.dataset.map_fns import (
     template_map_fn_factory,
 )
 from xtuner.utils import PROMPT_TEMPLATE
+from xtuner_unpatched import xtuner_unpatched
 
 from xtuner_rope.data.packed_dataset import lossless_process_hf_dataset
 from xtuner_rope.data.truncation import counting_truncation, summed_figures
@@ -83,7 +84,8 @@ def sft(request, tmp_path_factory):
     """200 dialogues of a kind and XTuner's unlimited build of them (every dialogue whole)."""
     kind = request.param
     path = KINDS[kind][0](tmp_path_factory.mktemp(kind), 200)
-    return kind, path, _sft(kind, path, UNLIMITED)
+    with xtuner_unpatched():
+        return kind, path, _sft(kind, path, UNLIMITED)
 
 
 def _tokens(dataset) -> int:
@@ -97,7 +99,8 @@ def _labels(dataset) -> int:
 @pytest.mark.parametrize("max_length", [24, 64])  # 24: some dialogues cut to their prompt
 def test_the_counted_cut_is_xtuners_and_counts_what_it_loses(sft, max_length):
     kind, path, whole = sft
-    xtuner = _sft(kind, path, max_length)
+    with xtuner_unpatched():
+        xtuner = _sft(kind, path, max_length)
     with counting_truncation() as sink:
         counted = _sft(kind, path, max_length)
     assert xtuner_hf.tokenize_dataset.__module__ == "xtuner.dataset.huggingface"  # restored
@@ -137,6 +140,29 @@ def test_nothing_cut_counts_nothing_and_nested_blocks_both_count(sft):
     figures = summed_figures(outer)
     assert figures["truncated"] == figures["dropped"] == figures["tokens"]["lost"] == 0
     assert figures["tokens"]["before"] == figures["tokens"]["after"] == _tokens(whole)
+
+
+def test_an_unpacked_build_outside_any_block_is_xtuners_and_logs_the_count(sft):
+    """``process_hf_dataset(pack_to_max_length=False)`` as a config builds it (no start-up fix
+    routes it): XTuner's data row for row, and one start-up line with what the cut lost."""
+    kind, path, whole = sft
+    with xtuner_unpatched():
+        xtuner = _sft(kind, path, 64)
+    built, lines = _start_up_lines(lambda: _sft(kind, path, 64))
+    assert built["input_ids"] == xtuner["input_ids"] and built["labels"] == xtuner["labels"]
+    (line,) = [(level, x) for level, x in lines if "process_hf_dataset tokenized" in x]
+    truncated = sum(len(r) > 64 for r in whole["input_ids"])
+    assert line[0] == logging.WARNING and truncated > 0
+    assert (
+        f"tokenized {len(whole)} dialogues ({_tokens(whole)} tokens, {_labels(whole)} "
+        f"supervised labels) at max_length=64. XTuner's encode_fn truncates {truncated} of "
+        f"{len(whole)} dialogues at max_length=64"
+    ) in line[1]
+    assert f"{_tokens(whole) - _tokens(xtuner)} of {_tokens(whole)} tokens" in line[1]
+    assert f"max_length = {max(map(len, whole['input_ids']))} keeps every dialogue" in line[1]
+    _, lines = _start_up_lines(lambda: _sft(kind, path, 4096))
+    (line,) = [(level, x) for level, x in lines if "process_hf_dataset tokenized" in x]
+    assert line[0] == logging.INFO and line[1].endswith("at max_length=4096, none truncated.")
 
 
 def _write_documents(path: Path, n: int = 60) -> Path:
@@ -193,7 +219,8 @@ def _segments(packed) -> list[tuple]:
 
 def test_pretraining_documents_are_split_every_token_once(tmp_path):
     path, max_length = _write_documents(tmp_path / "docs.json"), 128
-    whole = _pretrain(path, UNLIMITED, pack_to_max_length=False)
+    with xtuner_unpatched():
+        whole = _pretrain(path, UNLIMITED, pack_to_max_length=False)
     pieces = Counter(
         tuple(ids[i : i + max_length])
         for ids in whole["input_ids"]
@@ -215,8 +242,9 @@ def test_pretraining_documents_are_split_every_token_once(tmp_path):
 
 def test_the_cut_opt_out_truncates_pretraining_documents_and_says_so(tmp_path):
     path, max_length = _write_documents(tmp_path / "docs.json"), 128
-    whole = _pretrain(path, UNLIMITED, pack_to_max_length=False)
-    xtuner = _pretrain(path, max_length, pack_to_max_length=False)
+    with xtuner_unpatched():
+        whole = _pretrain(path, UNLIMITED, pack_to_max_length=False)
+        xtuner = _pretrain(path, max_length, pack_to_max_length=False)
     packed, lines = _start_up_lines(
         lambda: _pretrain(
             path,

@@ -15,6 +15,7 @@ import stock_configs as sc
 from mmengine.config import Config
 from mmengine.logging import MMLogger
 from xtuner.registry import BUILDER
+from xtuner_unpatched import xtuner_unpatched
 
 from xtuner_rope.config import startup
 from xtuner_rope.doctor.diagnose import diagnose
@@ -47,7 +48,8 @@ def _xtuner_cut(path) -> dict:
     for max_length in (MAX_LENGTH, 10**9):
         cfg = Config.fromfile(str(path))
         cfg.train_dataloader.dataset.max_length = max_length
-        built[max_length] = BUILDER.build(cfg.train_dataloader.dataset)
+        with xtuner_unpatched():
+            built[max_length] = BUILDER.build(cfg.train_dataloader.dataset)
     cut, whole = built[MAX_LENGTH], built[10**9]
     return {
         "dialogues": len(whole),
@@ -123,11 +125,16 @@ def test_with_seed_none_the_doctor_names_the_seed_its_shuffle_used(alpaca):
     assert "randomness.seed is None" not in format_summary(again)
 
 
-def test_unpacked_the_doctor_counts_xtuners_cut(alpaca):
+def test_unpacked_the_doctor_and_the_start_up_count_xtuners_cut(alpaca):
     _, unpacked, live = alpaca
     report, _ = diagnose(str(unpacked), progress=False, batches=2)
     assert report["packing"] is None
     _check(report, live)
+    built, lines = _start_up(unpacked)  # no start-up fix routes it: the tokenize step logs
+    assert len(built) == live["dialogues"] - live["dropped"]
+    (line,) = [x for x in lines if "process_hf_dataset tokenized" in x]
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert warning.splitlines()[0] in line and "none truncated" not in line
 
 
 PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"
@@ -159,7 +166,8 @@ def pretrain(tmp_path_factory):
     cut.write_text(text + '\noffline_packing = "cut"\n')
     cfg = Config.fromfile(str(whole))
     cfg.train_dataloader.dataset.update(max_length=10**9, pack_to_max_length=False)
-    documents = BUILDER.build(cfg.train_dataloader.dataset)["input_ids"]
+    with xtuner_unpatched():
+        documents = BUILDER.build(cfg.train_dataloader.dataset)["input_ids"]
     return whole, cut, documents
 
 

@@ -96,6 +96,7 @@ from .xtuner_packing import xtuner_intern_repo_packer, xtuner_pack_step
 from .xtuner_preference import (
     patch_dpo_predict_reference,
     patch_preference_map_fn_errors,
+    patch_preference_truncation_counted,
     patch_preference_unpacked_pairs,
     patch_xtuner_preference_rank,
     patch_xtuner_preference_target_zero,
@@ -106,7 +107,7 @@ from .xtuner_sft import (
     patch_xtuner_train_sequence_parallel_check,
 )
 from .xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
-from .xtuner_tokenize import xtuner_tokenize_step
+from .xtuner_tokenize import patch_xtuner_tokenize_counted, xtuner_tokenize_step
 from .xtuner_zero_read import (
     ZERO_READ_FEATURE,
     ZERO_READER_FUNCTIONS,
@@ -174,6 +175,7 @@ __all__ = [
     "xtuner_intern_repo_packer",
     "xtuner_pack_step",
     "xtuner_tokenize_step",
+    "patch_xtuner_tokenize_counted",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",
     "config_being_started",
@@ -188,6 +190,7 @@ __all__ = [
     "patch_xtuner_preference_rank",
     "patch_xtuner_preference_target_zero",
     "patch_preference_unpacked_pairs",
+    "patch_preference_truncation_counted",
     "patch_preference_map_fn_errors",
     "patch_dpo_predict_reference",
     "patch_xtuner_zero_read_fp32",
@@ -271,6 +274,8 @@ def apply() -> list[str]:
         patch_internvl_predict,
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
+        patch_xtuner_tokenize_counted,
+        patch_preference_truncation_counted,
     ):
         if patch.__name__ not in applied():
             run_patch(patch)

@@ -120,6 +120,12 @@ _ALL = (
         "xtuner.utils.zero_to_any_dtype:get_state_dict_from_zero_checkpoint"),
        "DeepSpeed checkpoints read at fp32 (convert pth_to_hf, pretrained_pth)",
        "ZeRO fp32 partitions read as fp16, also with --fp32"),
+    _R("patch_preference_truncation_counted", _XT, (f"{_PREF}:PreferenceDataset",),
+       "truncation counted on preference pairs (build_preference_dataset)",
+       "responses cut at max_length without a word"),
+    _R("patch_xtuner_tokenize_counted", _XT, ("xtuner.dataset.huggingface:tokenize_dataset",),
+       "truncation counted on unpacked process_hf_dataset and LLaVA text",
+       "dialogues cut at max_length without a word"),
 )
 # Applied later, at start-up, in a hook or for one call: checked by ``apply()``, run there.
 DEFERRED = (

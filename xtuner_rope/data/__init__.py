@@ -7,4 +7,6 @@
 - ``pack_plans``: where offline packing puts each token (``whole_plan``, ``cut_plan``);
 - ``token_gather``: the packed rows' tokens read from the mapped tokenized table, no copy of it;
 - ``intern_repo_packing``: ``build_whole_packed_dataset`` (the intern-repo packer, documents whole).
+- ``truncation`` / ``preference_truncation``: XTuner's cut at ``max_length`` counted (dialogues,
+  documents; preference pairs), the data unchanged.
 """

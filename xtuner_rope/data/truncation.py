@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 
 import numpy as np
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 
 IGNORE_INDEX = -100
 FIRST_INDICES = 10  # truncated dialogues named in the report
+STEP = "XTuner's encode_fn"  # what cuts (the figures' ``step`` where another does)
 
 
 def _cut(batch: dict, max_length: int, keep_from: int | None) -> dict:
@@ -163,13 +165,74 @@ def _tokenize(
     bos = len(get_bos_eos_token_ids(tokenizer)[0])
     split = bool(_SPLIT and _SPLIT[-1])
     figures = truncation_figures(full.with_format("arrow")[:], max_length, bos, split)
-    for sink in _SINKS:
-        sink.append(figures)
+    record_figures(figures)
     longest = pc.max(pc.list_value_length(full.data.column("input_ids"))).as_py() or 0
     if longest <= max_length:  # nothing for encode_fn to cut
         return full
     cut = functools.partial(_cut, max_length=max_length, keep_from=bos if split else None)
     return full.map(cut, batched=True, num_proc=map_num_proc)
+
+
+def record_figures(figures: dict) -> bool:
+    """Give ``figures`` to every open :func:`counting_truncation` block; False when none is open
+    (the caller logs them itself)."""
+    for sink in _SINKS:
+        sink.append(figures)
+    return bool(_SINKS)
+
+
+def counted_tokenize_step(original):
+    """XTuner's ``tokenize_dataset`` counted and logged wherever no counting block is open.
+
+    ``compat.patch_xtuner_tokenize_counted`` puts it in place for the process: the builds the
+    start-up does not route through :func:`counting_truncation` (``process_hf_dataset`` with
+    ``pack_to_max_length=False``, ``LLaVADataset``'s text) are counted the same way, cut exactly
+    as XTuner cuts, and get one start-up line (:func:`tokenized_line`). Inside a counting block
+    XTuner's step runs as it is: the block counts (and its caller logs).
+
+    Args:
+        original: XTuner's ``tokenize_dataset``.
+
+    Returns:
+        A function with its arguments.
+    """
+
+    @functools.wraps(original)
+    def counted(dataset, tokenizer, max_length, *args, **kwargs):
+        step = functools.partial(original, dataset, tokenizer, max_length, *args, **kwargs)
+        with_output = kwargs.get("input_ids_with_output", args[1] if len(args) > 1 else True)
+        if _SINKS or not with_output or not isinstance(max_length, int):
+            return step()  # counted by the open block; or nothing cut to count
+        sink: list = []
+        _SINKS.append(sink)
+        _SPLIT.append(False)
+        try:
+            built = _tokenize(original, dataset, tokenizer, max_length, *args, **kwargs)
+        finally:
+            _SINKS.pop()
+            _SPLIT.pop()
+        from mmengine.logging import print_log
+
+        (figures,) = sink
+        level = logging.WARNING if truncation_message(figures) else logging.INFO
+        print_log(tokenized_line(figures), logger="current", level=level)
+        return built
+
+    counted._xtuner_rope_counted = True
+    return counted
+
+
+def tokenized_line(figures: dict) -> str:
+    """The start-up's line on one tokenize step that no packing line reports (unpacked data)."""
+    t, lab = figures["tokens"], figures["labels"]
+    head = (
+        f"xtuner-rope: XTuner's {figures.get('builder', 'process_hf_dataset')} tokenized "
+        f"{figures['dialogues']} "
+        f"{unit(figures)} ({t['before']} tokens, {lab['before']} supervised labels) at "
+        f"max_length={figures['max_length']}"
+    )
+    message = truncation_message(figures)
+    return f"{head}, none truncated." if message is None else f"{head}. {message}."
 
 
 @contextlib.contextmanager
@@ -201,8 +264,11 @@ def counting_truncation(split_documents: bool = False):
 
 
 def unit(figures: dict | None, plural: bool = True) -> str:
-    """What the rows are: pretraining ``documents`` when every one is, else ``dialogues``."""
-    word = "document" if figures and figures["pretraining"] else "dialogue"
+    """What the rows are: the figures' ``unit`` (preference ``pairs``), else pretraining
+    ``documents`` when every one is, else ``dialogues``."""
+    word = (figures or {}).get("unit") or (
+        "document" if figures and figures["pretraining"] else "dialogue"
+    )
     return word + ("s" if plural else "")
 
 
@@ -217,8 +283,12 @@ def truncation_message(figures: dict | None) -> str | None:
         if figures["dropped"]
         else ""
     )
+    if figures.get("unsupervised"):
+        dropped += (
+            f" ({figures['unsupervised']} of them left with a response without a supervised label)"
+        )
     return (
-        f"XTuner's encode_fn truncates {figures['truncated']} of {figures['dialogues']} {what} "
+        f"{figures.get('step', STEP)} truncates {figures['truncated']} of {figures['dialogues']} {what} "
         f"at max_length={figures['max_length']}{dropped}: {t['lost']} of {t['before']} tokens "
         f"and {lab['lost']} of {lab['before']} supervised labels are never trained; "
         f"max_length = {figures['keep_all']} keeps every {unit(figures, False)} whole, "

@@ -18,6 +18,7 @@ from mmengine.config import Config
 
 from xtuner_rope.config.preference import preference_dataset
 from xtuner_rope.doctor.stats import length_percentiles
+from xtuner_rope.doctor.truncation import truncation_lines
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -30,13 +31,15 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _pairs(dataset_cfg: dict) -> list[dict]:
-    """The tokenized pairs before packing (the config's dataset, rebuilt unpacked)."""
+def _pairs(dataset_cfg: dict) -> tuple[list[dict], dict | None]:
+    """The tokenized pairs before packing (the config's dataset, rebuilt unpacked), and the
+    count of XTuner's cut at ``max_length`` (``data.preference_truncation``; None uncounted)."""
     from xtuner.registry import BUILDER
 
     unpacked = copy.deepcopy(dataset_cfg)
     unpacked["use_varlen_attn"] = False
-    return list(BUILDER.build(unpacked))
+    built = BUILDER.build(unpacked)
+    return list(built), getattr(built, "truncation", None)
 
 
 class PairSamples(Sequence):
@@ -80,7 +83,7 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
     dataset_cfg = preference_dataset(cfg)
     if dataset_cfg is None:
         return None
-    pairs = _pairs(dataset_cfg)
+    pairs, counted = _pairs(dataset_cfg)
     max_packed = dataset_cfg.get("max_packed_length", 16384)
     packed = bool(dataset_cfg.get("use_varlen_attn"))
     totals = [len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs]
@@ -93,7 +96,9 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
         "max_length": max_length,
         "packed": packed,
         "max_packed_length": max_packed if packed else None,
-        "truncated_responses": sum(
+        "truncated_responses": counted["responses"]
+        if counted
+        else sum(  # uncounted (is_reference pairs): those as long as max_length
             (len(p["chosen_ids"]) >= max_length) + (len(p["rejected_ids"]) >= max_length)
             for p in pairs
         )
@@ -136,6 +141,7 @@ def preference_lines(report: dict) -> list[str]:
             f"max_packed_length filled); {p['dropped_over_max_packed_length']} pairs dropped "
             "(chosen + rejected longer than max_packed_length)"
         )
+    lines += truncation_lines(report.get("truncation"))
     lines.append("samples      " + "  ".join(f"{k}={v['count']}" for k, v in samples.items()))
     return lines
 

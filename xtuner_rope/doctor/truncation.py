@@ -11,7 +11,7 @@ words of the start-up's own line (``data.truncation.truncation_message``).
 
 from __future__ import annotations
 
-from xtuner_rope.data.truncation import truncation_message, unit
+from xtuner_rope.data.truncation import STEP, truncation_message, unit
 from xtuner_rope.doctor.stats import Occurrences
 
 
@@ -26,10 +26,15 @@ def truncation_lines(figures: dict | None) -> list[str]:
     if not figures:
         return []
     t, lab, what = figures["tokens"], figures["labels"], unit(figures)
+    left = (
+        f"{figures['responses']} responses cut, {figures['unsupervised']} pairs left with a "
+        "response without a label"
+        if "responses" in figures
+        else f"{figures['dropped']} dropped with no label left"
+    )
     return [
         f"truncation   {figures['truncated']} of {figures['dialogues']} {what} truncated at "
-        f"max_length={figures['max_length']} by XTuner's encode_fn ({figures['dropped']} "
-        f"dropped with no label left): tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
+        f"max_length={figures['max_length']} by {figures.get('step', STEP)} ({left}): tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
         f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']}); longest "
         f"{figures['keep_all']}, 99% <= {figures['keep_99']}"
     ]

@@ -1,0 +1,137 @@
+"""What XTuner's preference ``tokenize`` cuts at ``max_length``, counted: pairs.
+
+xtuner 0.2.0 ``PreferenceDataset`` (``build_preference_dataset``: DPO, ORPO, reward model)
+tokenizes prompt + chosen and prompt + rejected and keeps the first ``max_length`` tokens of
+each (a reward model's reward token appended after the cut), and says nothing: a pair whose
+response is cut is trained on part of it (DPO/ORPO), or scored on part of it (reward).
+:func:`counted_preference_dataset` runs XTuner's tokenize step without the cut (``max_length``
+unlimited), counts what the cut loses (:func:`pair_figures`, the keys of
+``data.truncation.truncation_figures``, in pairs), then applies the very same cut: the pairs are
+XTuner's, token for token. The figures go to the open ``counting_truncation`` blocks (the
+doctor), else to one start-up line. ``is_reference`` pairs (``tokenize_ref``, which shortens
+the prompt from the front to fit) are built as XTuner builds them, uncounted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+import numpy as np
+
+from .truncation import FIRST_INDICES, IGNORE_INDEX, record_figures, tokenized_line
+
+RESPONSES = ("chosen", "rejected")
+STEP = "XTuner's preference tokenize"
+
+
+def cut_pair(pair: dict, max_length: int, is_reward: bool) -> dict:
+    """``tokenize``'s cut of one uncut pair: each response's first ``max_length`` tokens and
+    labels (DPO labels are the ids past the prompt, so the cut labels are the labels cut); a
+    reward model's last token (the reward token, label 0/1) kept after them."""
+    out = {}
+    for part in RESPONSES:
+        ids, labels = pair[f"{part}_ids"], pair[f"{part}_labels"]
+        if is_reward:
+            ids, labels = ids[:-1][:max_length] + ids[-1:], labels[:-1][:max_length] + labels[-1:]
+        else:
+            ids, labels = ids[:max_length], labels[:max_length]
+        out[f"{part}_ids"], out[f"{part}_labels"] = ids, labels
+    return out
+
+
+def _supervised(labels: list) -> int:
+    return sum(x != IGNORE_INDEX for x in labels)
+
+
+def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
+    """What cutting each response of uncut ``pairs`` at ``max_length`` loses, JSON-ready.
+
+    Returns:
+        ``data.truncation.truncation_figures``' keys, counted in pairs (``dialogues``: the
+        pairs; ``truncated``: pairs with a response cut; ``dropped``: 0, XTuner keeps them all;
+        ``keep_all`` / ``keep_99``: the longest response of every pair / of 99% of them),
+        plus ``unit`` ("pair"), ``step``, ``builder``, ``responses`` (responses cut) and
+        ``unsupervised`` (DPO/ORPO pairs the cut leaves a response without a supervised label).
+    """
+    extra = 1 if is_reward else 0  # the reward token, appended after the cut
+    longest = np.zeros(len(pairs), dtype=np.int64)
+    tokens = [0, 0]
+    labels = [0, 0]
+    responses = unsupervised = 0
+    truncated = []
+    for i, pair in enumerate(pairs):
+        cut = cut_pair(pair, max_length, is_reward)
+        lengths = [len(pair[f"{p}_ids"]) - extra for p in RESPONSES]
+        longest[i] = max(lengths)
+        responses += sum(n > max_length for n in lengths)
+        if longest[i] > max_length:
+            truncated.append(i)
+        for k, source in enumerate((pair, cut)):
+            tokens[k] += sum(len(source[f"{p}_ids"]) for p in RESPONSES)
+            labels[k] += sum(_supervised(source[f"{p}_labels"]) for p in RESPONSES)
+        unsupervised += not is_reward and any(
+            _supervised(pair[f"{p}_labels"]) and not _supervised(cut[f"{p}_labels"])
+            for p in RESPONSES
+        )
+    ordered = np.sort(longest)
+    n = len(pairs)
+    return {
+        "max_length": int(max_length),
+        "unit": "pair",
+        "step": STEP,
+        "builder": "build_preference_dataset",
+        "dialogues": n,
+        "documents": 0,
+        "pretraining": False,
+        "truncated": len(truncated),
+        "dropped": 0,
+        "split": 0,
+        "responses": int(responses),
+        "unsupervised": int(unsupervised),
+        "tokens": {"before": tokens[0], "after": tokens[1], "lost": tokens[0] - tokens[1]},
+        "labels": {"before": labels[0], "after": labels[1], "lost": labels[0] - labels[1]},
+        "keep_all": int(ordered[-1]) if n else None,
+        "keep_99": int(ordered[int(np.ceil(0.99 * n)) - 1]) if n else None,
+        "first_truncated": truncated[:FIRST_INDICES],
+    }
+
+
+def counted_preference_dataset(xtuner_class: type) -> type:
+    """XTuner's ``PreferenceDataset`` whose cut at ``max_length`` is counted (same pairs).
+
+    Args:
+        xtuner_class: XTuner's ``PreferenceDataset``.
+
+    Returns:
+        A subclass with the same arguments; ``truncation`` holds its :func:`pair_figures`
+        (None for ``is_reference`` pairs), ``xtuner_class`` the class it extends.
+    """
+    signature = inspect.signature(xtuner_class.__init__)
+
+    class CountedPreferenceDataset(xtuner_class):
+        __doc__ = xtuner_class.__doc__
+
+        def __init__(self, dataset, tokenizer, max_length, *args, **kwargs):
+            bound = signature.bind(self, dataset, tokenizer, max_length, *args, **kwargs)
+            bound.apply_defaults()
+            self.truncation = None
+            if bound.arguments["is_reference"] or not isinstance(max_length, int):
+                super().__init__(dataset, tokenizer, max_length, *args, **kwargs)
+                return
+            super().__init__(dataset, tokenizer, sys.maxsize, *args, **kwargs)  # uncut
+            self.max_length = max_length
+            reward = bool(bound.arguments["is_reward"])
+            self.truncation = pair_figures(self.tokenized_pairs, max_length, reward)
+            self.tokenized_pairs = [cut_pair(p, max_length, reward) for p in self.tokenized_pairs]
+            if not record_figures(self.truncation):  # no counting block open: the start-up line
+                from mmengine.logging import print_log
+
+                level = logging.WARNING if self.truncation["truncated"] else logging.INFO
+                print_log(tokenized_line(self.truncation), logger="current", level=level)
+
+    CountedPreferenceDataset.xtuner_class = xtuner_class
+    CountedPreferenceDataset.__qualname__ = CountedPreferenceDataset.__name__ = "PreferenceDataset"
+    CountedPreferenceDataset.__module__ = xtuner_class.__module__
+    return CountedPreferenceDataset
