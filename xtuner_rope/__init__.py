@@ -90,6 +90,10 @@ def activate() -> None:
     from . import compat
 
     compat.apply()
+    from .data.preference_truncation import counted_preference_dataset
+    from .data.truncation import counted_tokenize_step
+
+    compat.apply_counting(counted_tokenize_step, counted_preference_dataset)
     for module in FINDINGS_MODULES:
         importlib.import_module(module)
     for name, module in PUBLIC_API.items():

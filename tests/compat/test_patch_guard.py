@@ -21,6 +21,8 @@ from xtuner_rope import compat
 from xtuner_rope.compat import guard
 from xtuner_rope.config.patch_needs import patch_findings
 from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.data.preference_truncation import counted_preference_dataset
+from xtuner_rope.data.truncation import counted_tokenize_step
 
 WRITES = compat.RECORDS["patch_checkpoint_writes"]
 FEATURE = "crash-safe checkpoint writes"
@@ -75,12 +77,18 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
     assert [f.setting.split(" (")[0] for f in patch_findings(_with_checkpoint_hook())] == [FEATURE]
 
 
+def _apply_all() -> None:
+    """What ``xtuner_rope.activate`` applies: ``compat.apply`` and the two counting patches."""
+    compat.apply()
+    compat.apply_counting(counted_tokenize_step, counted_preference_dataset)
+
+
 def test_a_missing_module_skips_a_deferred_patch_and_its_use_is_refused(fresh, monkeypatch):
     monkeypatch.setitem(sys.modules, "xtuner.dataset.huggingface", None)  # import -> ImportError
     # checked at import, though applied for one call later: the two that live in that module;
     # and the count of the unpacked builds' cut, applied at import
     counted, pack, tokenize = sorted(
-        (str(w.message) for w in _skips(compat.apply)),
+        (str(w.message) for w in _skips(_apply_all)),
         key=lambda m: ("whole-dialogue" in m) + 2 * ("every truncation" in m),
     )
     assert "truncation counted on unpacked process_hf_dataset" in counted

@@ -175,6 +175,7 @@ __all__ = [
     "xtuner_intern_repo_packer",
     "xtuner_pack_step",
     "xtuner_tokenize_step",
+    "apply_counting",
     "patch_xtuner_tokenize_counted",
     "patch_model_resource_llm_path",
     "patch_set_model_resource_llm_path",
@@ -274,10 +275,25 @@ def apply() -> list[str]:
         patch_internvl_predict,
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
-        patch_xtuner_tokenize_counted,
-        patch_preference_truncation_counted,
     ):
         if patch.__name__ not in applied():
             run_patch(patch)
     _check_deferred()
+    return applied()
+
+
+def apply_counting(counted_step, counted_class) -> list[str]:
+    """The two counting patches, with the wrappers of the floor above (``data``) handed in.
+
+    ``xtuner_rope.activate`` calls it right after :func:`apply`: XTuner's ``tokenize_dataset``
+    wrapped by ``counted_step`` and ``PreferenceDataset`` replaced by
+    ``counted_class(PreferenceDataset)``, each in its guard (a skip loses the count, never data).
+
+    Returns:
+        The names of the patches applied so far in this process.
+    """
+    if "patch_xtuner_tokenize_counted" not in applied():
+        run_patch(patch_xtuner_tokenize_counted, counted_step)
+    if "patch_preference_truncation_counted" not in applied():
+        run_patch(patch_preference_truncation_counted, counted_class)
     return applied()

@@ -248,23 +248,25 @@ def patch_dpo_predict_reference() -> bool:
     return True
 
 
-def patch_preference_truncation_counted() -> bool:
+def patch_preference_truncation_counted(counted_class) -> bool:
     """Count XTuner's cut of preference responses at ``max_length`` (same pairs).
 
     xtuner 0.2.0 ``PreferenceDataset`` (``build_preference_dataset``: DPO, ORPO, reward)
     keeps the first ``max_length`` tokens of prompt + chosen and of prompt + rejected and says
-    nothing. The module's class is replaced by
-    ``xtuner_rope.data.preference_truncation.counted_preference_dataset`` (a subclass, same
-    arguments): tokenized uncut, counted, then cut as XTuner cuts; one start-up line (or the
-    doctor's figures) with the pairs truncated and the tokens and labels lost.
+    nothing. The module's class is replaced by ``counted_class(PreferenceDataset)``
+    (``xtuner_rope.data.preference_truncation.counted_preference_dataset``, handed in by
+    ``xtuner_rope.activate``; a subclass, same arguments): tokenized uncut, counted, then cut
+    as XTuner cuts; one start-up line (or the doctor's figures) with the pairs truncated and
+    the tokens and labels lost.
+
+    Args:
+        counted_class: ``PreferenceDataset -> subclass`` that counts.
 
     Returns:
         True if the class is replaced (now or before).
     """
     import xtuner.dataset.preference_dataset as preference
 
-    from xtuner_rope.data.preference_truncation import counted_preference_dataset
-
     if not hasattr(preference.PreferenceDataset, "xtuner_class"):
-        preference.PreferenceDataset = counted_preference_dataset(preference.PreferenceDataset)
+        preference.PreferenceDataset = counted_class(preference.PreferenceDataset)
     return True

@@ -35,23 +35,25 @@ def xtuner_tokenize_step(wrap):
         hf.tokenize_dataset = original
 
 
-def patch_xtuner_tokenize_counted() -> bool:
+def patch_xtuner_tokenize_counted(counted_step) -> bool:
     """Count and log XTuner's cut at ``max_length`` on the builds no start-up fix routes.
 
     xtuner 0.2.0 ``process_hf_dataset`` with ``pack_to_max_length=False`` (and ``LLaVADataset``,
     which calls it for its text) keeps the first ``max_length`` tokens of every dialogue and
     says nothing; the start-up replaces only the packing builds. The module's
-    ``tokenize_dataset`` is wrapped for the process by
-    ``xtuner_rope.data.truncation.counted_tokenize_step``: the same dataset, token for token,
-    and one start-up line with what the cut lost (none when nothing is cut).
+    ``tokenize_dataset`` is wrapped for the process by ``counted_step``
+    (``xtuner_rope.data.truncation.counted_tokenize_step``, handed in by
+    ``xtuner_rope.activate``: ``data`` sits above ``compat``): the same dataset, token for
+    token, and one start-up line with what the cut lost (none when nothing is cut).
+
+    Args:
+        counted_step: ``original -> wrapped`` for XTuner's ``tokenize_dataset``.
 
     Returns:
         True if the step is wrapped (now or before).
     """
     import xtuner.dataset.huggingface as hf
 
-    from xtuner_rope.data.truncation import counted_tokenize_step
-
     if not getattr(hf.tokenize_dataset, "_xtuner_rope_counted", False):
-        hf.tokenize_dataset = counted_tokenize_step(hf.tokenize_dataset)
+        hf.tokenize_dataset = counted_step(hf.tokenize_dataset)
     return True
