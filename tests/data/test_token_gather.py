@@ -6,7 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, ranges
+from xtuner_rope.data.pack_plans import token_indices
+from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages
 
 
 def _table(lengths, chunk, labels_shift=0):
@@ -43,7 +44,7 @@ def test_pieces_in_any_order_equal_a_take_from_the_joined_columns(chunk):
     got = TokenGather(table, ("input_ids", "labels")).gather(starts, sizes)
     for k in ("input_ids", "labels"):
         joined = table.column(k).combine_chunks().flatten().to_numpy()
-        np.testing.assert_array_equal(got[k], joined[ranges(starts, sizes)])
+        np.testing.assert_array_equal(got[k], joined[token_indices(starts, sizes)])
     assert got["input_ids"].dtype == np.int64
 
 
@@ -96,7 +97,7 @@ def test_a_gather_from_a_mapped_file_leaves_its_token_pages_released(tmp_path):
         table.column("labels")
         .combine_chunks()
         .flatten()
-        .to_numpy()[ranges(doc_starts[pick], lengths[pick])],
+        .to_numpy()[token_indices(doc_starts[pick], lengths[pick])],
     )
     # Every token page was read, and released after: only the batches' offsets stay resident.
     assert _resident_kib(path) * 1024 < path.stat().st_size / 10

@@ -139,19 +139,17 @@ def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.nda
     by_first = np.argsort(items[bfd_offsets[:-1]], kind="stable")  # rows by their first piece
     row_offsets = np.zeros(len(row_sizes) + 1, dtype=np.int64)
     np.cumsum(row_sizes[by_first], out=row_offsets[1:])
-    order = items[_ranges(bfd_offsets[:-1][by_first], row_sizes[by_first])]
+    order = items[token_indices(bfd_offsets[:-1][by_first], row_sizes[by_first])]
     return starts[order], sizes[order], row_offsets
 
 
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each range, in order."""
+def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each piece, in order
+    (the stream offsets of every token of the pieces)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
     first = np.cumsum(sizes) - sizes
     return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
-
-
-def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``[sum(sizes)]`` stream offsets of every token of the pieces, in their order."""
-    return _ranges(np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
 
 
 def row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,17 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["TokenGather", "drop_mapped_pages", "ranges", "read_only_mappings", "release_pages"]
+from .pack_plans import token_indices
+
+__all__ = ["TokenGather", "drop_mapped_pages", "read_only_mappings", "release_pages"]
 
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
-
-
-def ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each range, in order."""
-    starts = np.asarray(starts, dtype=np.int64)
-    sizes = np.asarray(sizes, dtype=np.int64)
-    first = np.cumsum(sizes) - sizes
-    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
 
 
 class TokenGather:
@@ -90,8 +84,8 @@ class TokenGather:
         edges = np.flatnonzero(np.diff(chunk[by_chunk])) + 1
         for part in np.split(by_chunk, edges) if len(by_chunk) else []:
             c = int(chunk[part[0]])
-            to = ranges(dest[part], sizes[part])
-            src = ranges(starts[part] - self._chunk_starts[c], sizes[part])
+            to = token_indices(dest[part], sizes[part])
+            src = token_indices(starts[part] - self._chunk_starts[c], sizes[part])
             for k, chunks in self._chunks.items():
                 out[k][to] = chunks[c][src]
                 if self._mapped[k][c]:
