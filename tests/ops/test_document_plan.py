@@ -7,13 +7,11 @@ CUDA the same runs under ``torch.cuda.set_sync_debug_mode("error")`` (skipped wi
 by ``tools/gpu/run_gpu.sh``).
 """
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
 from gold import ROWS, build_pair
-from host_sync import HostSyncError, NoHostSync
+from host_sync import HostSyncError, NoHostSync, sync_debug_error
 from varlen_reference import varlen_attn_2_12
 
 from xtuner_rope.models import channel
@@ -100,17 +98,6 @@ def test_varlen_backend_builds_no_buckets(monkeypatch):
 # ----- on CUDA: skipped without it, run by tools/gpu/run_gpu.sh -----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@contextmanager
-def sync_debug_error():
-    """``torch.cuda.set_sync_debug_mode("error")`` inside, restored afterwards."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _per_document(q, k, v, rows):

@@ -17,6 +17,8 @@ so a read that slipped past this mode would fail there too.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -72,17 +74,34 @@ def host_sync(func, args, kwargs) -> str | None:
 class NoHostSync(TorchDispatchMode):
     """Raise ``HostSyncError`` at the first op that would synchronize with the device.
 
-    ``ops`` counts the ops seen (a check that the code under test ran inside the mode).
+    ``ops`` counts the ops seen (a check that the code under test ran inside the mode);
+    ``host_copies`` lists the shape of every (non-blocking) host-to-device copy.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.host_copies: list[list[int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops += 1
+        if func is aten._to_copy.default and args[0].device.type == "cpu":
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu":
+                self.host_copies.append(list(args[0].shape))
         why = host_sync(func, args, kwargs)
         if why is not None:
             raise HostSyncError(why)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def sync_debug_error():
+    """``torch.cuda.set_sync_debug_mode("error")`` inside, restored afterwards (CUDA only)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

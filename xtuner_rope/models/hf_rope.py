@@ -26,13 +26,14 @@ import sys
 import torch
 from torch import nn
 
+from xtuner_rope.ops.document_plan import host_to_device, host_to_device_once
 from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rope import cos_sin_at
 from xtuner_rope.ops.rope import inv_freq as default_inv_freq
 from xtuner_rope.ops.rope_documents import per_token_inv_freq
 from xtuner_rope.ops.rope_triton import triton_apply_active
 
-from .rope_documents import rotary_document_lengths
+from .rope_documents import host_position_range, rotary_document_lengths
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 _ADVICE = (
@@ -184,13 +185,18 @@ class HFValidatedRotaryEmbedding(nn.Module):
     def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
         """fp32 inverse frequencies upstream computes for a call of ``seq_len`` tokens
         (``seq_len`` past ``threshold``): transformers' own function, called as its
-        ``_dynamic_frequency_update`` calls it (an int64 tensor length: fp32 arithmetic)."""
-        if self.rope_type == "longrope":
-            return self._longrope(self.original + 1, device)[0]
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        ``_dynamic_frequency_update`` calls it (an int64 tensor length: fp32 arithmetic).
 
-        length = torch.tensor(seq_len, dtype=torch.int64, device=device)
-        return ROPE_INIT_FUNCTIONS["dynamic"](self.config, device, seq_len=length)[0].float()
+        Computed on the host (transformers' functions build their tensors there and copy them
+        with a blocking ``.to(device)``) and sent to ``device`` in one non-blocking copy."""
+        if self.rope_type == "longrope":
+            freqs = self._longrope(self.original + 1)[0]
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            length = torch.tensor(seq_len, dtype=torch.int64)
+            freqs = ROPE_INIT_FUNCTIONS["dynamic"](self.config, None, seq_len=length)[0].float()
+        return host_to_device(freqs, torch.device(device or "cpu"))
 
     def limit(self) -> tuple[int | None, str]:
         """(limit, description): positions must be below limit; None means unbounded."""
@@ -236,11 +242,13 @@ class HFValidatedRotaryEmbedding(nn.Module):
         b, s = x.shape[:2]
         if position_ids is None:  # built and checked on the CPU: no device sync
             position_ids = torch.arange(s)[None]  # [1, s]
-        _, hi = check_position_ids(position_ids, b, s, *self.limit(), _ADVICE)
+        known = host_position_range(self, position_ids, b, s, x.device)
+        _, hi = check_position_ids(position_ids, b, s, *self.limit(), _ADVICE, known)
         inv_freq = self.inv_freq.to(x.device)
         if self.threshold is not None and hi + 1 > self.threshold:
             inv_freq = self._call_inv_freq(position_ids, b, s, hi, x.device)
-        cos, sin = cos_sin_at(position_ids.to(x.device), inv_freq, hi)  # [b, s, h_d]
+        positions = host_to_device_once(position_ids, x.device)  # host ids: a queued copy
+        cos, sin = cos_sin_at(positions, inv_freq, hi)  # [b, s, h_d]
         if self.interleaved:  # [f0, f1, .., f0, f1, ..] -> [f0, f0, f1, f1, ..]
             half = cos.shape[-1] // 2
             cos, sin = (t[..., :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
@@ -262,6 +270,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
             self.inv_freq.to(device),
             self.threshold,
             functools.partial(self.length_inv_freq, device=device),
+            device,
         )
 
     def extra_repr(self) -> str:

@@ -13,11 +13,11 @@ from numbers import Integral
 import torch
 from torch import nn
 
-from xtuner_rope.ops.document_plan import host_to_device
+from xtuner_rope.ops.document_plan import host_to_device_once
 from xtuner_rope.ops.rope import check_position_ids, cos_sin_at, inv_freq
 from xtuner_rope.ops.rope_documents import per_token_inv_freq
 
-from .rope_documents import rotary_document_lengths
+from .rope_documents import host_position_range, rotary_document_lengths
 
 __all__ = ["ValidatedRotaryEmbedding"]
 
@@ -153,7 +153,8 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     def _ntk_inv_freq(self, seq_len, device):
         """Dynamic-NTK inverse frequencies for one call, in the reference's fp32 arithmetic."""
-        seq_len = torch.tensor(seq_len, device=device)  # int64, as the reference's max() + 1
+        # int64 on the device, as the reference's max() + 1; filled there (no host copy)
+        seq_len = torch.full((), seq_len, dtype=torch.int64, device=device)
         factor, dim = self.scaling_factor, self.dim
         ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
         return inv_freq(self.base * ratio ** (dim / (dim - 2)), dim, device)
@@ -199,6 +200,7 @@ class ValidatedRotaryEmbedding(nn.Module):
             self.inv_freq.to(device),
             self.max_position_embeddings,
             lambda n: self._ntk_inv_freq(n, device),
+            device,
         )
         _LAST_CALL["inv_freq"] = (weakref.ref(lengths), key, freqs)
         return freqs
@@ -239,12 +241,11 @@ class ValidatedRotaryEmbedding(nn.Module):
         else:
             if position_ids is None:  # built and checked on the CPU: no device sync
                 position_ids = torch.arange(x.shape[-2])[None]  # [1, s]
-            _, hi = check_position_ids(
-                position_ids, x.shape[0], x.shape[-2], *self.limit(), _BEYOND
-            )
-            if position_ids.device.type == "cpu":  # the collate's host ids: a queued copy
-                position_ids = host_to_device(position_ids, x.device)
-            position_ids = position_ids.to(x.device)
+            b, s = x.shape[0], x.shape[-2]
+            known = host_position_range(self, position_ids, b, s, x.device)
+            _, hi = check_position_ids(position_ids, b, s, *self.limit(), _BEYOND, known)
+            # Host ids (the collate's): one queued copy per forward, shared by every layer.
+            position_ids = host_to_device_once(position_ids, x.device)
         return self._cos_sin_at(position_ids, hi, x.shape[0], x.dtype)
 
     def _check_seq_len(self, seq_len):

@@ -33,7 +33,8 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
-from xtuner_rope.ops.rope_documents import document_lengths
+from xtuner_rope.ops.document_plan import DocumentPlan
+from xtuner_rope.ops.rope_documents import document_lengths, host_document_lengths
 
 from . import channel
 from .runtime import batch_document_plan, hub_cumulative_len, rows_start_at_zero
@@ -41,6 +42,7 @@ from .sequence_parallel import sequence_parallel_active
 
 __all__ = [
     "PER_DOCUMENT_KEY",
+    "host_position_range",
     "install_row_lengths",
     "is_document_rotary",
     "per_document_rope_setting",
@@ -56,6 +58,37 @@ PER_DOCUMENT_KEY = "per_document_rope"
 _LAST: dict = {}
 
 
+def _host_plan(
+    rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
+) -> DocumentPlan | None:
+    """This call's plan when the batch's boundaries were published on the host, else None.
+
+    Published host boundaries come with position ids that count from 0 in each document
+    (``PackedBatchCheckHook`` checks it on the host for every batch): the positions' range and
+    each token's document length follow from the boundaries, with nothing read back. Under
+    sequence parallel the boundaries are the full row's, not this shard's: None.
+    """
+    published = hub_cumulative_len()
+    if not isinstance(published, torch.Tensor) or published.device.type != "cpu":
+        return None
+    if sequence_parallel_active(rotary):
+        return None
+    return batch_document_plan(position_ids, b, s, device)
+
+
+def host_position_range(
+    rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
+) -> tuple[int, int] | None:
+    """(0, longest document - 1): the range of this call's positions known on the host, or None.
+
+    From the batch's published host boundaries (see :func:`_host_plan`), for
+    ``ops.positions.check_position_ids(known_range=...)``: the range check then reads nothing
+    back from the device. None without them (the check reads the ids).
+    """
+    plan = _host_plan(rotary, position_ids, b, s, device)
+    return None if plan is None else (0, plan.max_seqlen - 1)
+
+
 def rotary_document_lengths(
     rotary: nn.Module,
     position_ids: torch.Tensor,
@@ -65,6 +98,9 @@ def rotary_document_lengths(
     zero_start: bool,
 ) -> torch.Tensor | None:
     """Each token's document length ``[b, s]`` (int64), or None when the call holds no documents.
+
+    On the CPU when the batch's boundaries were published on the host (computed there, no
+    device read); on ``device`` otherwise.
 
     Args:
         rotary: The calling rotary module (its ``training`` tells a sequence-parallel shard).
@@ -85,7 +121,10 @@ def rotary_document_lengths(
         return padded_row_lengths(rotary, position_ids, b, s, device)
     if _LAST.get("plan") is not plan or _LAST.get("positions") is not position_ids:
         _LAST.clear()
-        lengths = document_lengths(position_ids.to(device), plan.cu_seqlens, b, s)
+        if isinstance(published, torch.Tensor) and published.device.type == "cpu":
+            lengths = host_document_lengths(plan.host_cu_seqlens, b, s)  # [b, s] on the CPU
+        else:
+            lengths = document_lengths(position_ids.to(device), plan.cu_seqlens, b, s)
         _LAST.update(plan=plan, positions=position_ids, lengths=lengths)
     return _LAST["lengths"]
 

@@ -22,7 +22,14 @@ import torch
 from xtuner_rope.ops.boundaries import check_flat_boundaries
 from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 
-__all__ = ["MIN_BUCKET", "DocumentPlan", "document_plan", "host_to_device", "plan_documents"]
+__all__ = [
+    "MIN_BUCKET",
+    "DocumentPlan",
+    "document_plan",
+    "host_to_device",
+    "host_to_device_once",
+    "plan_documents",
+]
 
 MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger kernel calls
 
@@ -39,6 +46,31 @@ def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         x = x.pin_memory()  # the caching host allocator keeps it until the copy has run
     return x.to(device, non_blocking=True)
+
+
+# The last host tensor copied by `host_to_device_once`, held strongly (no other tensor can take
+# its identity while it is alive), with its version, the device and the copy.
+_COPY_CACHE: dict = {}
+
+
+def host_to_device_once(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host_to_device`` shared by every layer of a forward: one copy per host tensor.
+
+    Every layer receives the same host ``position_ids`` tensor (as the collate function left
+    it); the first asks for the copy, the others get that same device tensor (so caches keyed
+    on it hit too). A tensor already on ``device`` is returned as it is; a device tensor bound
+    elsewhere is moved with ``.to`` (no host copy is involved).
+    """
+    device = torch.device(device)
+    if x.device.type != "cpu":
+        return x.to(device)
+    if x.is_inference():  # no version counter to tell a changed tensor: copy each time
+        return host_to_device(x, device)
+    key = (x._version, str(device))
+    if _COPY_CACHE.get("source") is not x or _COPY_CACHE.get("key") != key:
+        _COPY_CACHE.clear()
+        _COPY_CACHE.update(source=x, key=key, copy=host_to_device(x, device))
+    return _COPY_CACHE["copy"]
 
 
 @dataclass

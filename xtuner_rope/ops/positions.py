@@ -1,7 +1,9 @@
 """Position-id checks for RoPE: reject bad ids before any table lookup or kernel sees them.
 
-Torch only: `rope.py` calls `check_position_ids` on every forward, so it reads the min/max of
-the ids with one host sync per tensor, shared by all layers of a model.
+Torch only: the rotaries call `check_position_ids` on every forward. Ids on the host are read
+there (no device sync); device ids are read once per tensor (one host sync, shared by all
+layers of a model), unless the caller knows their range on the host (`known_range`: the batch's
+host boundaries, whose documents count positions from 0): then nothing is read back.
 """
 
 import weakref
@@ -39,7 +41,9 @@ def _first(position_ids, mask):
     return position_ids[row, col].item(), row, col
 
 
-def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc="", advice=""):
+def check_position_ids(
+    position_ids, batch, seq_len, limit=None, limit_desc="", advice="", known_range=None
+):
     """Check position ids before they index anything; return their (min, max).
 
     Args:
@@ -49,6 +53,10 @@ def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc="", 
         limit (int, optional): Positions must be below it; None means unbounded.
         limit_desc (str): Where `limit` comes from, for the error message.
         advice (str): What to do about a position beyond `limit`, for the error message.
+        known_range (tuple[int, int], optional): (min, max) of `position_ids` known on the
+            host (e.g. from the batch's host boundaries: 0 and the longest document - 1).
+            Within range, it is returned and device ids are not read (no host sync); out of
+            range, the ids are read to name the culprit.
 
     Returns:
         tuple[int, int]: Smallest and largest position (0, -1 when empty).
@@ -77,6 +85,10 @@ def check_position_ids(position_ids, batch, seq_len, limit=None, limit_desc="", 
             f"{batch} and sequence length {seq_len}: expected (1, {seq_len}) or "
             f"({batch}, {seq_len}), one position per token"
         )
+    if known_range is not None and position_ids.device.type != "cpu":
+        lo, hi = (int(v) for v in known_range)
+        if lo >= 0 and (limit is None or hi < limit):
+            return lo, hi
     if position_ids.device.type == "meta":
         raise ValueError(
             "position_ids is a meta tensor (no values to check or index with); "

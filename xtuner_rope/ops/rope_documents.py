@@ -18,7 +18,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["document_lengths", "per_token_inv_freq"]
+from xtuner_rope.ops.document_plan import host_to_device
+
+__all__ = ["document_lengths", "host_document_lengths", "per_token_inv_freq"]
 
 
 def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: int, s: int):
@@ -39,11 +41,27 @@ def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: in
     return torch.repeat_interleave(lengths, cu[1:] - cu[:-1]).view(b, s)  # [b, s]
 
 
+def host_document_lengths(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """Each token's document length from host boundaries, ``[b, s]`` int64 on the CPU.
+
+    For batches whose position ids count from 0 in each document (the collate function's):
+    a document's last position + 1 is then its length, known on the host without a device read.
+
+    Args:
+        cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens, on the CPU.
+        b: Rows; s: row length.
+    """
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]  # [n_docs]
+    return torch.repeat_interleave(lengths, lengths).view(b, s)  # [b, s]
+
+
 def per_token_inv_freq(
     lengths: torch.Tensor,
     base_inv_freq: torch.Tensor,
     threshold: int,
     inv_freq_of: Callable[[int], torch.Tensor],
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]``.
 
@@ -55,14 +73,20 @@ def per_token_inv_freq(
         base_inv_freq: ``[h_d/2]`` fp32 frequencies of the short documents.
         threshold: The longest length that keeps ``base_inv_freq``.
         inv_freq_of: Length -> ``[h_d/2]`` fp32 frequencies upstream uses for that length.
+        device: Where the result goes (default: ``lengths``' device). Lengths on the CPU are
+            grouped there, without a device sync, and the token index goes to ``device`` in one
+            non-blocking copy; device lengths are grouped on the device (one host sync).
 
     Returns:
-        ``[b, s, h_d/2]`` fp32, on ``lengths``' device.
+        ``[b, s, h_d/2]`` fp32, on ``device``.
     """
-    distinct, index = torch.unique(lengths, return_inverse=True)  # one host sync per forward
+    device = lengths.device if device is None else torch.device(device)
+    distinct, index = torch.unique(lengths, return_inverse=True)  # [n_distinct], [b, s]
     rows = [
         base_inv_freq if n <= threshold else inv_freq_of(n).to(base_inv_freq.device)
-        for n in distinct.tolist()
+        for n in distinct.tolist()  # host lengths: no sync; device ones: one per forward
     ]
-    table = torch.stack(rows).float().to(lengths.device)  # [n_distinct, h_d/2]
+    table = torch.stack(rows).float().to(device)  # [n_distinct, h_d/2]
+    if index.device.type == "cpu":
+        index = host_to_device(index, device)
     return table[index]  # [b, s, h_d/2]
