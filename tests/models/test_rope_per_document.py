@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
+from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries, set_per_document_rope
+from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 
 ROWS = [[20, 100], [100, 20], [40, 100], [70, 100], [20, 25]]
 VOCAB = 256
@@ -165,9 +167,19 @@ def assert_same_gradients(reference, patched, ref_loss, loss):
         torch.testing.assert_close(p.grad, ref.grad, rtol=0, atol=1e-5 * max(scale, 1.0), msg=name)
 
 
-def assert_packed_equals_alone(reference, patched, generator):
+def assert_packed_equals_alone(reference, patched, generator, host_boundaries=False):
+    """Packed ``ROWS`` through ``patched`` against each document alone through ``reference``;
+    ``host_boundaries``: the boundaries published on the host, as ``PackedBatchCheckHook``
+    does (the lengths then come from them, not from the position ids)."""
     ids, positions, docs = packed_batch(ROWS, generator)
-    logits = patched(input_ids=ids, position_ids=positions).logits  # [b, s, V]
+    if host_boundaries:
+        s = positions.shape[1]
+        cu = flat_cumulative([cumulative_from_position_ids(row) for row in positions], s)
+        channel.publish(cu, int(positions.max()) + 1, rank=0)
+    try:
+        logits = patched(input_ids=ids, position_ids=positions).logits  # [b, s, V]
+    finally:
+        channel.clear(rank=0)
     loss, ref_loss = 0.0, 0.0
     for r, start, tokens in docs:
         reset_upstream_rotaries(reference)  # as a fresh copy: upstream's buffers are stateful
@@ -186,6 +198,18 @@ def test_packed_documents_equal_alone(case, attn, tmp_path_factory):
     patched = copy.deepcopy(reference)
     patch_model(patched)
     assert_packed_equals_alone(reference, patched, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "case", [("llama", "dynamic"), ("phi3", "longrope"), ("internlm2", "dynamic")], ids=str
+)
+def test_packed_documents_equal_alone_from_host_boundaries(case):
+    """The same with the batch's boundaries published on the host: the positions' range and
+    each document's length are read from them (no device read), with the same numbers."""
+    reference = build(*case, "sdpa")
+    patched = copy.deepcopy(reference)
+    patch_model(patched)
+    assert_packed_equals_alone(reference, patched, torch.Generator().manual_seed(0), True)
 
 
 @pytest.mark.parametrize(

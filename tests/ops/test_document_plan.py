@@ -19,6 +19,11 @@ from xtuner_rope.ops import attention
 from xtuner_rope.ops.attention import VarlenKernel, packed_attention, varlen_kernel
 from xtuner_rope.ops.document_plan import document_plan, plan_documents
 from xtuner_rope.ops.packing import cumulative_from_lengths, flat_cumulative
+from xtuner_rope.ops.rope_documents import (
+    document_lengths,
+    host_document_lengths,
+    per_token_inv_freq,
+)
 
 META = torch.device("meta")
 S = 32  # every row of ROWS fills 32 tokens
@@ -154,3 +159,18 @@ def test_cuda_training_forward_plans_without_a_host_sync():
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_document_lengths_from_host_boundaries():
+    """Host boundaries give each token's document length on the host, as the position ids do
+    on the device; the per-token frequency index then reaches the device without a sync."""
+    cu = _host_boundaries(ROWS)
+    host = host_document_lengths(cu, 2, S)
+    assert host.device.type == "cpu"
+    assert host.tolist() == document_lengths(_positions(ROWS, "cpu"), cu, 2, S).tolist()
+    base = torch.ones(4, device=META)
+    with NoHostSync():
+        freqs = per_token_inv_freq(
+            host, base, 16, lambda n: torch.full((4,), 1.0 / n, device=META), META
+        )
+    assert freqs.device == META and freqs.shape == (2, S, 4)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from host_sync import NoHostSync
 
 from xtuner_rope.ops.positions import check_position_ids
 
@@ -95,3 +96,17 @@ def test_inference_tensors_are_checked_every_time():
     assert check_position_ids(pos, 1, 4, limit=4) == (0, 3)
     with pytest.raises(ValueError, match=r"holds 4 at row 0, column 3"):
         check_position_ids(pos + 1, 1, 4, limit=4)
+
+
+def test_known_range_reads_no_device_ids():
+    """A range known on the host (the batch's host boundaries) is trusted for device ids: the
+    meta device has no values, and ``NoHostSync`` fails at any read."""
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with NoHostSync():
+        assert check_position_ids(ids, 2, 8, 16, known_range=(0, 7)) == (0, 7)
+        assert check_position_ids(ids, 2, 8, known_range=(0, 99)) == (0, 99)  # unbounded
+    # Out of range: the ids themselves are read, to name the culprit (meta: none to read).
+    with pytest.raises(ValueError, match="meta tensor"):
+        check_position_ids(ids, 2, 8, 16, known_range=(0, 16))
+    # Host ids are read on the host: their own range, whatever is known.
+    assert check_position_ids(torch.arange(8)[None], 1, 8, 16, known_range=(0, 3)) == (0, 7)

@@ -25,8 +25,9 @@ _SCALING_TYPES = (None, "linear", "dynamic")
 # The last call's answers, shared by every layer's rotary (each layer holds its own module but
 # gets the same position_ids tensor): cos/sin rows (keyed on that tensor's identity, version and
 # the configuration) and dynamic NTK's per-token frequencies (keyed on the per-document lengths
-# tensor, itself shared per forward): gathered, and synced (`torch.unique`), once per forward.
-_LAST_CALL = {"rows": None, "inv_freq": None}
+# tensor, itself shared per forward; or, for a call without documents, on its length) and the
+# cos/sin computed from them: once per forward.
+_LAST_CALL = {"rows": None, "inv_freq": None, "dynamic": None, "ntk": None}
 _BEYOND = "truncate or split the sequence, enable rope_scaling, or pass max_position= to allow more"
 
 
@@ -166,8 +167,7 @@ class ValidatedRotaryEmbedding(nn.Module):
         """cos, sin `[..., h_d]` in `dtype` (computed in fp32) at integer `position_ids` `[...]`
         whose max is `hi` (`b`: rows of the activations, for `[1, s]` position ids)."""
         if self.scaling_type == "dynamic" and hi + 1 > self.max_position_embeddings:
-            cos, sin = cos_sin_at(position_ids, self._call_inv_freq(position_ids, hi, b), hi)
-            return cos.to(dtype), sin.to(dtype)
+            return self._dynamic_cos_sin(position_ids, hi, b, dtype)
         key = None
         if not position_ids.is_inference():  # inference tensors have no version counter
             key = (position_ids._version, tuple(position_ids.shape), dtype, self._config())
@@ -181,6 +181,27 @@ class ValidatedRotaryEmbedding(nn.Module):
             _LAST_CALL["rows"] = (weakref.ref(position_ids), key, (cos, sin))
         return cos, sin
 
+    def _dynamic_cos_sin(self, position_ids, hi, b, dtype):
+        """Dynamic NTK past the threshold: cos, sin `[b, s, h_d]` computed once per forward
+        (keyed on the position ids and the frequencies, both shared by every layer)."""
+        freqs = self._call_inv_freq(position_ids, hi, b)
+        key = None
+        if not position_ids.is_inference():
+            key = (position_ids._version, tuple(position_ids.shape), dtype, hi, self._config())
+            last = _LAST_CALL["dynamic"]
+            if (
+                last is not None
+                and last[0]() is position_ids
+                and last[1] == key
+                and last[2] is freqs
+            ):
+                return last[3]
+        cos, sin = cos_sin_at(position_ids, freqs, hi)
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        if key is not None:
+            _LAST_CALL["dynamic"] = (weakref.ref(position_ids), key, freqs, (cos, sin))
+        return cos, sin
+
     def _call_inv_freq(self, position_ids, hi, b):
         """Dynamic NTK past the threshold: `[b, s, h_d/2]` per document in packed rows, else
         `[h_d/2]` for the call's length (upstream's choice; this call only, not sticky)."""
@@ -189,8 +210,12 @@ class ValidatedRotaryEmbedding(nn.Module):
         if self.per_document and position_ids.dim() == 2:
             s = position_ids.shape[1]
             lengths = rotary_document_lengths(self, position_ids, b, s, device, zero_start=False)
-        if lengths is None:
-            return self._ntk_inv_freq(hi + 1, device)
+        if lengths is None:  # one set for the call's length, shared by every layer
+            key = (hi + 1, str(device), self._config(), self.max_position_embeddings)
+            last = _LAST_CALL["ntk"]
+            if last is None or last[0] != key:
+                last = _LAST_CALL["ntk"] = (key, self._ntk_inv_freq(hi + 1, device))
+            return last[1]
         key = (lengths._version, self._config(), self.max_position_embeddings)
         last = _LAST_CALL["inv_freq"]
         if last is not None and last[0]() is lengths and last[1] == key:
