@@ -9,10 +9,15 @@ position ids restarting per document. Rows printed as milliseconds and as ratios
   path: no per-document work below the threshold);
 - ``dynamic-mixed``: documents below and above the threshold, each with its own frequencies;
 - ``dynamic-mixed-per-call``: the same row with ``per_document = False`` (upstream's choice,
-  one set of frequencies: what per-document frequencies cost on top).
+  one set of frequencies: what per-document frequencies cost on top);
+- ``dynamic-mixed-host``: the mixed row with its boundaries published on the host, as
+  ``PackedBatchCheckHook`` publishes them (range and document lengths from the host, no read);
+- ``internlm2-dynamic-mixed-x{L}``: InternLM2's rotary (one module per layer, as the model has)
+  called by ``--layers`` layers with the same position ids, the mixed row: what one forward's
+  tables cost (computed once and shared, or once per layer).
 
 Usage:
-    python tools/bench/rope_documents.py --seq 4096 --repeats 50 --threads 2
+    python tools/bench/rope_documents.py --seq 4096 --repeats 50 --threads 2 --layers 24
     PYTHONPATH=<older checkout> python tools/bench/rope_documents.py ...  # before/after
 """
 
@@ -24,7 +29,10 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig
 
+from xtuner_rope.models import channel
 from xtuner_rope.models.hf_rope import HFValidatedRotaryEmbedding
+from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops.packing import cumulative_from_lengths
 
 
 def parse_args():
@@ -35,7 +43,40 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=24, help="InternLM2 layers per forward")
     return parser.parse_args()
+
+
+class HostBoundaries:
+    """A rotary called with the row's boundaries published on the host (one batch's)."""
+
+    def __init__(self, module, lengths: list[int]):
+        self.module, self.cu = module, cumulative_from_lengths(lengths)
+
+    def __call__(self, x, positions):
+        channel.publish(self.cu, max(int(n) for n in self.cu.diff()), rank=0)
+        try:
+            return self.module(x, positions)
+        finally:
+            channel.clear(rank=0)
+
+
+class InternLM2Layers:
+    """One forward's rotary calls of an InternLM2 model: a module per layer, same positions."""
+
+    def __init__(self, args, layers: int):
+        self.modules = [
+            ValidatedRotaryEmbedding(
+                args.head_dim, args.threshold, 10000, "dynamic", 4.0, device=args.device
+            )
+            for _ in range(layers)
+        ]
+        self.v = torch.zeros(1, 1, args.seq, args.head_dim, device=args.device)  # [b, n_kv, s, h_d]
+
+    def __call__(self, x, positions):
+        v = self.v[:, :, : positions.shape[1]]
+        for module in self.modules:
+            module(v, positions)
 
 
 def packed_positions(lengths: list[int], device) -> torch.Tensor:
@@ -72,6 +113,12 @@ def cases(args) -> dict:
     }
     if off is not None:
         out["dynamic-mixed-per-call"] = (off, packed_positions(mixed, args.device))
+    host = HostBoundaries(rotary(args, dynamic), mixed)
+    out["dynamic-mixed-host"] = (host, packed_positions(mixed, args.device))
+    out[f"internlm2-dynamic-mixed-x{args.layers}"] = (
+        InternLM2Layers(args, args.layers),
+        packed_positions(mixed, args.device),
+    )
     return out
 
 

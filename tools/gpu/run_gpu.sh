@@ -12,7 +12,9 @@
 #      against the reference, the gold tests on CUDA in bf16 and fp16), the CPU varlen glue
 #      tests and the CUDA tests of test_rope.py / test_rope_triton.py (the Triton RoPE kernel
 #      compiled, against HF's apply in fp32) / test_attention.py / test_document_plan.py (the
-#      plan and a training forward under torch.cuda.set_sync_debug_mode("error"));
+#      plan and a training forward under torch.cuda.set_sync_debug_mode("error")) /
+#      tests/models/test_host_sync_forward.py (a whole training step, forward and backward, of
+#      InternLM2 and Llama with dynamic NTK per document, under the same mode);
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
 #   3. benches: RoPE apply forward, then forward+backward, against copy bandwidth (the Triton
 #      kernel checked against HF's fp32 apply first), packed attention fwd+bwd against
@@ -141,7 +143,7 @@ step preflight preflight || exit 98
 step correctness python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
     tests/ops/test_rope.py tests/ops/test_rope_triton.py tests/ops/test_attention.py \
-    tests/ops/test_document_plan.py
+    tests/ops/test_document_plan.py tests/models/test_host_sync_forward.py
 if [ -n "$QUICK" ]; then
     echo "quick: steps after correctness not run; failed steps: $failed" | tee -a "$OUT/summary.txt"
     exit "$failed"
