@@ -22,7 +22,13 @@ import pyarrow.compute as pc
 
 from .pack_plans import token_indices
 
-__all__ = ["TokenGather", "drop_mapped_pages", "read_only_mappings", "release_pages"]
+__all__ = [
+    "TokenGather",
+    "drop_mapped_pages",
+    "read_only_mappings",
+    "release_pages",
+    "table_and_order",
+]
 
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
@@ -91,6 +97,20 @@ class TokenGather:
                 if self._mapped[k][c]:
                     release_pages(chunks[c].ctypes.data, chunks[c].nbytes)
         return out
+
+
+def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
+    """A ``datasets.Dataset``'s table as it is held (mapped or in memory, zero-copy) and, if it
+    is shuffled or selected, ``[n]`` the table row of each of its rows (else None).
+
+    Reading through the indices never writes the shuffle out, nor takes the whole column
+    (``ChunkedArray.take`` joins every chunk first).
+    """
+    # ``_indices`` is how datasets 2.x-5.x keep a shuffle or selection (no public accessor).
+    indices = getattr(dataset, "_indices", None)
+    if indices is None:
+        return dataset.data.table, None
+    return dataset.data.table, indices.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
