@@ -108,7 +108,7 @@ class WholePackedDataset(torch.utils.data.Dataset):
         if self.token_starts is not None:
             if self._gather is None:
                 self._gather = TokenGather(table_and_order(self.dataset)[0], COLUMNS)
-            tokens = self._gather.gather(self.token_starts[pieces], sizes)
+            tokens = self._gather.row(self.token_starts[pieces], sizes)
             ids, labels = tokens["input_ids"].tolist(), tokens["labels"].tolist()
         else:
             ids, labels = [], []

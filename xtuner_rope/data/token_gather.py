@@ -98,6 +98,25 @@ class TokenGather:
                     release_pages(chunks[c].ctypes.data, chunks[c].nbytes)
         return out
 
+    def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`gather` for the few pieces of one packed row: their slices joined, in order
+        (no sort by chunk, nothing released: a data loader reads rows this way).
+
+        Args:
+            starts: ``[p]`` offsets of the pieces into the flattened stream.
+            sizes: ``[p]`` lengths of the pieces (each inside one dialogue).
+
+        Returns:
+            Per column, ``[sum(sizes)]`` tokens, the pieces in the given order.
+        """
+        chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
+        local = (np.asarray(starts) - self._chunk_starts[chunk]).tolist()
+        pieces = list(zip(chunk.tolist(), local, np.asarray(sizes).tolist()))
+        return {
+            k: np.concatenate([chunks[c][a : a + n] for c, a, n in pieces] or [chunks[0][:0]])
+            for k, chunks in self._chunks.items()
+        }
+
 
 def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
     """A ``datasets.Dataset``'s table as it is held (mapped or in memory, zero-copy) and, if it
