@@ -2,6 +2,8 @@
 every document whole. References: the documents themselves, and XTuner's own builder (which
 cuts them) on the same datasets; the start-up swaps the builder and keeps the opt-out."""
 
+import json
+import pickle
 from collections import Counter
 
 import numpy as np
@@ -79,6 +81,55 @@ def test_the_cut_opt_out_is_xtuners_own_packer():
     assert [ours[i] for i in range(len(ours))] == [xtuner[i] for i in range(len(xtuner))]
     with pytest.raises(TypeError, match=r"whole_documents: expected True or False, got 1"):
         build_whole_packed_dataset(datasets, whole_documents=1)
+
+
+def _write_bin(folder, lengths, seed: int) -> None:
+    """The intern-repo tokenized format: one JSON line a document (an unsupervised token
+    negated), its ``.meta`` index of (byte offset, length), as XTuner's loader reads them."""
+    rng, meta, at = np.random.default_rng(seed), [], 0
+    with open(folder / "docs.bin", "wb") as out:
+        for n in lengths:
+            ids = rng.integers(1, 500, n)
+            ids[ids % 3 == 0] *= -1
+            line = (json.dumps({"tokens": ids.tolist()}) + "\n").encode()
+            meta.append((at, n))
+            out.write(line)
+            at += len(line)
+    with open(folder / "docs.bin.meta", "wb") as f:
+        np.save(f, np.array(meta, dtype=np.int64))
+
+
+def test_tokenized_bin_files_rows_from_xtuners_mapped_reader(tmp_path):
+    _write_bin(tmp_path, [*np.random.default_rng(4).integers(1, 50, 300), 130], 4)
+    cfg = dict(type=intern_repo.load_intern_repo_tokenized_dataset, folder=str(tmp_path))
+    packed = build_whole_packed_dataset(cfg, packed_length=64, seed=1024)
+    (source,) = intern_repo.load_intern_repo_tokenized_dataset(str(tmp_path))
+    docs = [source[i] for i in range(len(source))]  # XTuner's reading: negated ids -> -100
+    want = Dataset.from_dict({k: [d[k] for d in docs] for k in ("input_ids", "labels")})
+    assert _packed_documents([packed[i] for i in range(len(packed))]) == _expected([want], 64)
+
+
+def test_a_selected_dataset_is_read_through_its_indices():
+    documents = _documents(np.random.default_rng(5).integers(1, 40, 300), 5)
+    selected = documents.shuffle(seed=3).filter(lambda row: len(row["input_ids"]) % 4)
+    flat = selected.flatten_indices()
+    ours = build_whole_packed_dataset([selected], packed_length=70, seed=9)
+    want = build_whole_packed_dataset([flat], packed_length=70, seed=9)
+    assert [ours[i] for i in range(len(ours))] == [want[i] for i in range(len(want))]
+    assert _packed_documents([ours[i] for i in range(len(ours))]) == _expected([flat], 70)
+
+
+def test_the_broadcast_copy_holds_the_plan_and_serves_the_same_rows():
+    """XTuner broadcasts rank 0's packed dataset by pickle: a read row's gather (views of
+    the table) stays out of it, and the copy reads the same rows."""
+    packed = build_whole_packed_dataset(
+        [_documents(np.random.default_rng(6).integers(1, 40, 200), 6)], packed_length=64, seed=1
+    )
+    rows = [packed[i] for i in range(len(packed))]
+    (packer,) = packed.datasets
+    assert packer._gather is not None and pickle.loads(pickle.dumps(packer))._gather is None
+    copy = pickle.loads(pickle.dumps(packed))
+    assert [copy[i] for i in range(len(copy))] == rows
 
 
 def _cfg(mode: str | None = None) -> Config:

@@ -11,12 +11,22 @@ machine) of each and their ratios (ours / XTuner's), peak RSS of each process an
 biggest map worker, the tokenized dataset's Arrow size, and the tokens and supervised labels
 each keeps.
 
+``--ranks 2`` builds the data as ``torchrun --nproc_per_node 2`` does instead: two processes
+joined by gloo each call XTuner's ``process_hf_dataset`` / ours (``lossless_process_hf_dataset``)
+on the tokenized dialogues (``do_dataset_tokenization=False``: XTuner's filter, pack step and
+``length`` map), where rank 0 builds and the others receive its dataset by
+``broadcast_object_list``. Printed per process: build time, peak RSS over its imports (and its
+map workers'), whether its dataset is memory-mapped from files (not a private in-memory copy),
+and a digest of its rows; then the peak RSS in all and whether both ranks hold the same rows.
+
 Usage:
-    python tools/bench/pack_dataset.py [--dialogues 1000000] [--num-proc 32]
+    python tools/bench/pack_dataset.py [--dialogues 1000000] [--num-proc 32] [--ranks 2]
 """
 
 import argparse
+import hashlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -100,12 +110,113 @@ def run_one(which: str, folder: str, num_proc: int) -> dict:
     }
 
 
+def run_rank(which: str, folder: str, num_proc: int) -> dict:
+    """One rank of a ``torchrun``-like build (``RANK``/``WORLD_SIZE`` set): figures as a dict."""
+    import pyarrow.compute as pc
+    import torch.distributed as dist
+    from datasets import Dataset
+    from xtuner.dataset.huggingface import process_hf_dataset
+
+    from xtuner_rope.data.packed_dataset import lossless_process_hf_dataset
+
+    dist.init_process_group("gloo")
+    build = process_hf_dataset if which == "xtuner" else lossless_process_hf_dataset
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    packed = build(
+        Dataset.from_file(folder),
+        tokenizer=None,
+        max_length=2048,
+        do_dataset_tokenization=False,
+        pack_to_max_length=True,
+        use_varlen_attn=True,
+        shuffle_before_pack=True,
+        map_num_proc=num_proc,
+    )
+    seconds = time.perf_counter() - start
+    peak, workers = (
+        resource.getrusage(who).ru_maxrss / 1024
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    digest = hashlib.sha256()
+    table = packed.with_format("arrow")[:]
+    for column in ("input_ids", "labels", "cumulative_len"):
+        values = pc.list_flatten(table.column(column)).to_numpy(zero_copy_only=False)
+        digest.update(values.astype("int64").tobytes())
+    dist.destroy_process_group()
+    return {
+        "rank": int(os.environ["RANK"]),
+        "seconds": seconds,
+        "rows": len(packed),
+        "rss_before_mib": rss_before,
+        "peak_rss_mib": peak,
+        "worker_peak_rss_mib": workers,
+        "memory_mapped": bool(packed.cache_files) and type(packed.data).__name__ != "InMemoryTable",
+        "rows_sha256": digest.hexdigest()[:16],
+    }
+
+
+def run_ranks(which: str, folder: Path, num_proc: int, ranks: int) -> list[dict]:
+    """``ranks`` processes building with ``which``, as ``torchrun`` starts them; their figures."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 500)}
+    env["WORLD_SIZE"] = str(ranks)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--num-proc",
+                str(num_proc),
+                "--rank-child",
+                which,
+                str(folder),
+            ],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
+    outs = [p.communicate() for p in procs]
+    for p, (_out, err) in zip(procs, outs):
+        if p.returncode:
+            raise RuntimeError(f"rank failed ({p.returncode}):\n{err[-3000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def main_ranks(args, folder: Path) -> None:
+    """Print the ``--ranks`` figures of XTuner's build and ours."""
+    for which in ("xtuner", "ours"):
+        results = run_ranks(which, folder, args.num_proc, args.ranks)
+        for r in results:
+            print(
+                which,
+                json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}),
+            )
+        grown = " + ".join(f"{r['peak_rss_mib'] - r['rss_before_mib']:.0f}" for r in results)
+        workers = " / ".join(f"{r['worker_peak_rss_mib']:.0f}" for r in results)
+        total = sum(r["peak_rss_mib"] for r in results)
+        same = len({r["rows_sha256"] for r in results}) == 1
+        print(
+            f"{which}: {args.ranks} processes, peak RSS in all {total:.0f} MiB (over the "
+            f"imports: {grown} MiB; map workers {workers} MiB); every rank memory-mapped: "
+            f"{all(r['memory_mapped'] for r in results)}; same rows on every "
+            f"rank: {same}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dialogues", type=int, default=1_000_000)
     parser.add_argument("--num-proc", type=int, default=32)
+    parser.add_argument("--ranks", type=int, default=0, help="build as N torchrun processes")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # which, folder
+    parser.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)  # which, folder
     args = parser.parse_args()
+    if args.rank_child:
+        print(json.dumps(run_rank(args.rank_child[0], args.rank_child[1], args.num_proc)))
+        return
     if args.child:
         print(json.dumps(run_one(args.child[0], args.child[1], args.num_proc)))
         return
@@ -113,6 +224,9 @@ def main() -> None:
         folder = Path(tmp) / "tokenized.arrow"
         nbytes = make_dataset(args.dialogues, folder)
         print(f"{args.dialogues} dialogues, tokenized Arrow size {nbytes / 2**20:.0f} MiB")
+        if args.ranks:
+            main_ranks(args, folder)
+            return
         results = {}
         for which in ("xtuner", "ours"):
             out = subprocess.run(

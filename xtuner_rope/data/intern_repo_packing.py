@@ -15,22 +15,52 @@ XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids`
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from mmengine.logging import print_log
 
 from .pack_plans import cut_dialogues, intern_repo_cut_plan, whole_plan
+from .token_gather import TokenGather, table_and_order
+
+COLUMNS = ("input_ids", "labels")
 
 
 def _lengths(dataset) -> np.ndarray:
-    """``[n]`` document lengths, read as XTuner's ``PackedDataset`` reads them."""
+    """``[n]`` document lengths, read as XTuner's ``PackedDataset`` reads them.
+
+    XTuner's ``JsonlDataset`` (tokenized ``.bin``) has them from its ``.meta`` index; a
+    ``datasets.Dataset`` (untokenized files) from its Arrow column, no row decoded.
+    """
+    from datasets import Dataset
+
     length = getattr(dataset, "length", None)
+    if length is None and isinstance(dataset, Dataset):
+        table, order = table_and_order(dataset)
+        length = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        length = length if order is None else length[order]
     if length is None:
         length = [len(item["input_ids"]) for item in dataset]
     return np.asarray(length, dtype=np.int64)
 
 
+def _table_token_starts(dataset, documents: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``[p]`` offsets of the pieces into the flattened token stream of a ``datasets.Dataset``'s
+    table (as held: a shuffle or selection read through its indices)."""
+    table, order = table_and_order(dataset)
+    sizes = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    doc_starts = np.cumsum(sizes, dtype=np.int64) - sizes
+    rows = documents if order is None else order[documents]
+    return doc_starts[rows] + offsets
+
+
 class WholePackedDataset(torch.utils.data.Dataset):
     """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
+
+    Holds the plan only (which pieces of which documents form each row: integer arrays, about
+    40 bytes a document); rows are read from the loaded dataset when asked for, as XTuner's
+    are: a ``JsonlDataset`` (tokenized ``.bin``, memory-mapped by XTuner) document by
+    document, a ``datasets.Dataset`` (untokenized files) by gathering the row's pieces from
+    its Arrow columns (``token_gather.TokenGather``, zero-copy views, in each reading process).
 
     Args:
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
@@ -42,38 +72,55 @@ class WholePackedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, packed_length: int = 8192, seed: int = 1024):
+        from datasets import Dataset
+
         self.dataset = dataset
         self.packed_length = packed_length
         self.length = _lengths(dataset)
         order = np.arange(len(self.length))
         np.random.RandomState(seed).shuffle(order)  # XTuner's shuffle, same seed
-        self.shuffled_indices = order.tolist()  # the stream order, as XTuner's attribute
+        self.shuffled_indices = order  # [n] the stream order (XTuner's attribute, a list there)
         lengths = self.length[order]
         starts, self.sizes, self.row_pieces = whole_plan(lengths, packed_length)
-        stream = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        at = np.searchsorted(stream, starts, side="right") - 1  # piece -> shuffled document
+        stream = np.cumsum(lengths) - lengths  # [n] each shuffled document's stream offset
+        at = np.searchsorted(stream, starts, side="right") - 1  # [p] piece -> shuffled document
         self.documents = order[at]  # [p] index into ``dataset`` of each piece
         self.offsets = starts - stream[at]  # [p] first token of each piece in its document
+        self.token_starts = (
+            _table_token_starts(dataset, self.documents, self.offsets)
+            if isinstance(dataset, Dataset)
+            else None
+        )
+        self._gather = None  # built in the process that reads rows, never pickled
         self.num_tokens = int(self.length.sum())
         print_log(_summary(lengths, len(self), packed_length), logger="current")
 
     def __len__(self) -> int:
         return len(self.row_pieces) - 1
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_gather": None}  # views of the table: rebuilt where read
+
     def __getitem__(self, row: int) -> dict:
         """Row ``row``: XTuner's packed columns, positions restarting at 0 per document."""
-        ids, labels, cumulative_len, position_ids = [], [], [0], []
-        for p in range(self.row_pieces[row], self.row_pieces[row + 1]):
-            sample = self.dataset[int(self.documents[p])]
-            a, n = int(self.offsets[p]), int(self.sizes[p])
-            ids.extend(sample["input_ids"][a : a + n])
-            labels.extend(sample["labels"][a : a + n])
-            cumulative_len.append(cumulative_len[-1] + n)
-            position_ids.extend(range(n))
+        pieces = slice(self.row_pieces[row], self.row_pieces[row + 1])
+        sizes = self.sizes[pieces]
+        if self.token_starts is not None:
+            if self._gather is None:
+                self._gather = TokenGather(table_and_order(self.dataset)[0], COLUMNS)
+            tokens = self._gather.row(self.token_starts[pieces], sizes)
+            ids, labels = tokens["input_ids"].tolist(), tokens["labels"].tolist()
+        else:
+            ids, labels = [], []
+            for doc, a, n in zip(self.documents[pieces], self.offsets[pieces], sizes):
+                sample = self.dataset[int(doc)]
+                ids.extend(sample["input_ids"][a : a + n])
+                labels.extend(sample["labels"][a : a + n])
+        cumulative_len = np.concatenate([[0], np.cumsum(sizes)])
         return {
             "input_ids": ids,
-            "cumulative_len": cumulative_len,
-            "position_ids": position_ids,
+            "cumulative_len": cumulative_len.tolist(),
+            "position_ids": (np.arange(len(ids)) - np.repeat(cumulative_len[:-1], sizes)).tolist(),
             "labels": labels,
         }
 

@@ -44,7 +44,7 @@ from .pack_plans import (
     row_boundaries,
     whole_plan,
 )
-from .token_gather import TokenGather, drop_mapped_pages
+from .token_gather import TokenGather, drop_mapped_pages, table_and_order
 from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
@@ -209,16 +209,13 @@ def pack_dataset(
 def _table_and_order(dataset, whole: bool) -> tuple[pa.Table, np.ndarray | None]:
     """The dataset's table as mapped (zero-copy) and its rows in the dataset's order.
 
-    A shuffled (or selected) ``datasets.Dataset`` is its table plus an indices mapping. Whole
-    rows read the table through the mapping: the shuffle is never written out (XTuner's
-    ``flatten_indices`` writes a shuffled copy of the corpus, one process per shard).
+    Whole rows read the table through a shuffle's indices (``token_gather.table_and_order``):
+    the shuffle is never written out (XTuner's ``flatten_indices`` writes a shuffled copy of
+    the corpus, one process per shard). XTuner's cut reads the flattened table.
     """
-    # ``_indices`` is how datasets 2.x-5.x keep a shuffle (no public accessor).
-    indices = getattr(dataset, "_indices", None)
-    if indices is None or not whole:
+    if not whole:
         return dataset.with_format("arrow")[:], None  # zero-copy slices of the cache files
-    order = indices.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    return dataset.data.table, order
+    return table_and_order(dataset)
 
 
 def _write_rows(dataset, table, order, path: Path, max_length, use_varlen_attn, whole) -> tuple:

@@ -22,7 +22,13 @@ import pyarrow.compute as pc
 
 from .pack_plans import token_indices
 
-__all__ = ["TokenGather", "drop_mapped_pages", "read_only_mappings", "release_pages"]
+__all__ = [
+    "TokenGather",
+    "drop_mapped_pages",
+    "read_only_mappings",
+    "release_pages",
+    "table_and_order",
+]
 
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
@@ -91,6 +97,39 @@ class TokenGather:
                 if self._mapped[k][c]:
                     release_pages(chunks[c].ctypes.data, chunks[c].nbytes)
         return out
+
+    def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`gather` for the few pieces of one packed row: their slices joined, in order
+        (no sort by chunk, nothing released: a data loader reads rows this way).
+
+        Args:
+            starts: ``[p]`` offsets of the pieces into the flattened stream.
+            sizes: ``[p]`` lengths of the pieces (each inside one dialogue).
+
+        Returns:
+            Per column, ``[sum(sizes)]`` tokens, the pieces in the given order.
+        """
+        chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
+        local = (np.asarray(starts) - self._chunk_starts[chunk]).tolist()
+        pieces = list(zip(chunk.tolist(), local, np.asarray(sizes).tolist()))
+        return {
+            k: np.concatenate([chunks[c][a : a + n] for c, a, n in pieces] or [chunks[0][:0]])
+            for k, chunks in self._chunks.items()
+        }
+
+
+def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
+    """A ``datasets.Dataset``'s table as it is held (mapped or in memory, zero-copy) and, if it
+    is shuffled or selected, ``[n]`` the table row of each of its rows (else None).
+
+    Reading through the indices never writes the shuffle out, nor takes the whole column
+    (``ChunkedArray.take`` joins every chunk first).
+    """
+    # ``_indices`` is how datasets 2.x-5.x keep a shuffle or selection (no public accessor).
+    indices = getattr(dataset, "_indices", None)
+    if indices is None:
+        return dataset.data.table, None
+    return dataset.data.table, indices.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
