@@ -8,6 +8,7 @@ config at that ``max_length`` (what it trains) and at an unlimited one (every di
 import json
 import logging
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,10 +51,15 @@ def _xtuner_cut(path) -> dict:
         cfg.train_dataloader.dataset.max_length = max_length
         with xtuner_unpatched():
             built[max_length] = BUILDER.build(cfg.train_dataloader.dataset)
-    cut, whole = built[MAX_LENGTH], built[10**9]
+    return _lost(built[MAX_LENGTH], built[10**9], MAX_LENGTH)
+
+
+def _lost(cut, whole, max_length: int) -> dict:
+    """What XTuner's dataset built at ``max_length`` (``cut``) lacks of the one built uncut."""
     return {
+        "max_length": max_length,
         "dialogues": len(whole),
-        "truncated": sum(len(ids) > MAX_LENGTH for ids in whole["input_ids"]),
+        "truncated": sum(len(ids) > max_length for ids in whole["input_ids"]),
         "dropped": len(whole) - len(cut),
         "tokens": sum(map(len, whole["input_ids"])) - sum(map(len, cut["input_ids"])),
         "labels": sum(x != -100 for r in whole["labels"] for x in r)
@@ -91,7 +97,7 @@ def _check(report: dict, live: dict) -> None:
     assert "lost 0" not in summary and "OK:" not in summary
     assert summary.splitlines()[-1].startswith(
         f"TRUNCATED: {live['truncated']} of {live['dialogues']} dialogues lose their ends at "
-        f"max_length={MAX_LENGTH}"
+        f"max_length={live['max_length']}"
     )
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert f"-> set max_length = {live['longest']} (every dialogue whole)" in warning
@@ -135,6 +141,66 @@ def test_unpacked_the_doctor_and_the_start_up_count_xtuners_cut(alpaca):
     (line,) = [x for x in lines if "process_hf_dataset tokenized" in x]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert warning.splitlines()[0] in line and "none truncated" not in line
+
+
+INTERN_REPO_LENGTH = 60  # 4 of the 6 dialogues are longer (42 to 94 tokens)
+
+
+def _logged(call):
+    """``call()``'s result and the lines it logs to MMEngine's current logger."""
+    lines, handler = [], logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    MMLogger.get_current_instance().addHandler(handler)
+    try:
+        return call(), lines
+    finally:
+        MMLogger.get_current_instance().removeHandler(handler)
+
+
+def _xtuner_process(loader: dict, max_length: int):
+    """What ``load_intern_repo_untokenized_dataset`` builds of its one file: XTuner's ``process``
+    with the loader's arguments, in one process (the loader maps with up to 32)."""
+    from datasets import Dataset
+    from xtuner.dataset.huggingface import process
+    from xtuner.dataset.map_fns import openai_map_fn
+
+    (file,) = Path(loader.folder).glob("*.json")
+    rows = [{"messages": json.loads(line)} for line in file.read_text().splitlines()]
+    with xtuner_unpatched():
+        return process(
+            Dataset.from_list(rows),
+            tokenizer=loader.tokenizer,
+            max_length=max_length,
+            dataset_map_fn=openai_map_fn,
+            template_map_fn=loader.template_map_fn,
+            remove_unused_columns=True,
+            pack_to_max_length=False,
+            map_num_proc=1,
+        )
+
+
+def test_intern_repo_untokenized_the_doctor_and_the_start_up_count_xtuners_cut(tmp_path):
+    """Stock ``internlm2_7b_w_untokenized_dataset`` with the one edit, ``max_length`` below some
+    dialogues: against XTuner's own tokenize step of its loader at that ``max_length`` and
+    uncut. 6 dialogues: the loader maps its file with up to 32 processes, one per row."""
+    sc.ensure_tiny_model()
+    path = sc.intern_repo_config(tmp_path, n=6)
+    text = sc.sub_once(
+        path.read_text(), r"^max_length = 512$", f"max_length = {INTERN_REPO_LENGTH}"
+    )
+    path.write_text(sc.sub_once(text, r"^warm_up_ratio = 0.025$", "warm_up_ratio = 0.2"))
+    loader = Config.fromfile(str(path)).train_dataloader.dataset.dataset_cfg
+    cut = _xtuner_process(loader, INTERN_REPO_LENGTH)
+    live = _lost(cut, _xtuner_process(loader, 10**9), INTERN_REPO_LENGTH)
+    # the doctor builds through the start-up's build_whole_packed_dataset, which logs its line
+    (report, _), lines = _logged(lambda: diagnose(str(path), progress=False, batches=2))
+    assert report["exit_code"] == 0, report["problems"]
+    _check(report, live)
+    kept = sum(map(len, cut["input_ids"]))
+    assert report["packing"]["tokens"] == {"before": kept, "after": kept, "lost": 0}
+    (line,) = [x for x in lines if "load_intern_repo_untokenized_dataset tokenized" in x]
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert warning.splitlines()[0] in line
 
 
 PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"

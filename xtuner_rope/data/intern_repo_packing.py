@@ -7,18 +7,23 @@ arguments and the same shuffle, and places each document whole into one row thro
 ``pack_plans.whole_plan`` (best-fit decreasing, the planner of every other packing): every
 document once, nothing dropped. Documents longer than ``packed_length`` (the tokenized
 intern-repo files are pretraining data and may hold them) are split into ``packed_length``
-pieces; dialogues (``load_intern_repo_untokenized_dataset``) are truncated at ``max_length``
-by XTuner's ``encode_fn`` and never are. Rows are built on access, as XTuner's are, with
-XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
+pieces; dialogues (``load_intern_repo_untokenized_dataset``) never are: XTuner's ``encode_fn``
+truncates them at ``max_length``, counted (one start-up line, :func:`build_whole_packed_dataset`).
+Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
 from mmengine.logging import print_log
 
 from .pack_plans import cut_dialogues, intern_repo_cut_plan, whole_plan
+from .truncation import counting_truncation, summed_figures, tokenized_line, truncation_message
+
+UNTOKENIZED = "load_intern_repo_untokenized_dataset"  # the loader whose encode_fn cuts
 
 
 def _lengths(dataset) -> np.ndarray:
@@ -106,7 +111,10 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
     """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
 
     XTuner's function runs (rank 0 builds, the others receive it by broadcast); only its
-    packer is :class:`WholePackedDataset`. The start-up puts it in place of
+    packer is :class:`WholePackedDataset`. What ``load_intern_repo_untokenized_dataset``'s
+    ``encode_fn`` cuts at ``max_length`` (each file tokenized by XTuner's ``process``) is
+    counted and logged in one line (``truncation.tokenized_line``): dialogues are truncated
+    exactly as XTuner truncates them, never split. The start-up puts it in place of
     ``build_packed_dataset``; ``whole_documents=False`` (``offline_packing = "cut"``) runs
     XTuner's own packer.
 
@@ -131,10 +139,18 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
             f'{whole_documents!r}; set offline_packing = "whole" or "cut" at the top level of '
             "the config instead."
         )
-    if not whole_documents:
-        return build_packed_dataset(*args, **kwargs)
-    with xtuner_intern_repo_packer(WholePackedDataset):
-        return build_packed_dataset(*args, **kwargs)
+    with counting_truncation() as truncation:  # the untokenized loader's encode_fn cut
+        if not whole_documents:
+            built = build_packed_dataset(*args, **kwargs)
+        else:
+            with xtuner_intern_repo_packer(WholePackedDataset):
+                built = build_packed_dataset(*args, **kwargs)
+    figures = summed_figures(truncation)  # None: tokenized files, nothing cut at max_length
+    if figures is not None:
+        figures["builder"] = UNTOKENIZED
+        level = logging.WARNING if truncation_message(figures) else logging.INFO
+        print_log(tokenized_line(figures), logger="current", level=level)
+    return built
 
 
 __all__ = ["WholePackedDataset", "build_whole_packed_dataset"]
