@@ -273,6 +273,8 @@ def diagnose(
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
     dataset, dialogue_lengths, packing, truncation = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
+    internvl = internvl_figures(cfg, dataset, batch_size)  # each item built once, uncut
+    truncation = truncation or (internvl or {}).pop("truncation", None)
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = doctor_samples(dataset) if llava is None else llava.scan_items
     scan = scan_samples(
@@ -367,7 +369,7 @@ def diagnose(
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
-    report["internvl"] = internvl_figures(cfg, dataset, batch_size)
+    report["internvl"] = internvl
     report["problems"] += internvl_problems(report["internvl"])
     report["warnings"] += llava_warnings(report["multimodal"])
     report["heldout"] = heldout_report(
