@@ -98,7 +98,7 @@ def _check(report: dict, live: dict) -> None:
     assert summary.splitlines()[-1].startswith(
         f"TRUNCATED: {live['truncated']} of {live['dialogues']} dialogues lose their ends at "
         f"max_length={live['max_length']}"
-    )
+    ), report["problems"]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert f"-> set max_length = {live['longest']} (every dialogue whole)" in warning
 
@@ -286,3 +286,50 @@ def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
     (line,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert warning.splitlines()[0] in line
+
+
+def _llava_text(config: Path, max_length: int):
+    """XTuner's own tokenize step of ``LLaVADataset``'s text (its call, in one process)."""
+    from datasets import Dataset, DatasetDict
+    from xtuner.dataset.huggingface import process_hf_dataset
+
+    ds = Config.fromfile(str(config)).train_dataloader.dataset
+    rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
+    with xtuner_unpatched():
+        return process_hf_dataset(
+            dataset=DatasetDict({"train": Dataset.from_list(rows)}),
+            tokenizer=ds.tokenizer,
+            max_length=max_length,
+            dataset_map_fn=ds.dataset_map_fn,
+            template_map_fn=ds.template_map_fn,
+            split="train",
+            remove_unused_columns=False,
+            pack_to_max_length=False,
+            with_image_token=True,
+            map_num_proc=1,
+        )
+
+
+def test_llava_the_doctor_counts_xtuners_cut_of_the_text(tmp_path):
+    """Stock LLaVA finetune config with the one edit, ``max_length`` below half the samples'
+    text: the doctor's figures equal what XTuner's own text build loses at that
+    ``max_length`` against the same build uncut."""
+    import llava_configs as lc
+
+    from xtuner_rope.demo.llava_data import write_llava_data
+    from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+    sc.ensure_tiny_model()
+    llm = sc.tiny_with_remote_code(tmp_path / "tiny-internlm2-remote")
+    data = write_llava_data(tmp_path / "data", n_images=3, n_text=3)  # XTuner maps 6 rows
+    stock = sc.copy_stock(lc.FINETUNE, tmp_path)  # with up to 32 processes, one per row
+    config = tmp_path / "llava.py"
+    clip = save_tiny_clip(tmp_path / "tiny-clip")
+    text = lc.localize_llava(stock, llm, clip, data, batch_size=1)  # warm-up: >= 1 iteration
+    config.write_text(lc.enable_plugin_llava(text))
+    whole = _llava_text(config, 10**9)
+    max_length = sorted(map(len, whole["input_ids"]))[len(whole) // 2]
+    live = _lost(_llava_text(config, max_length), whole, max_length)
+    options = {"train_dataloader.dataset.max_length": max_length}
+    report, _ = diagnose(str(config), options, batches=2, progress=False)
+    _check(report, live)
