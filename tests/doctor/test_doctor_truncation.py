@@ -278,7 +278,9 @@ def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
         format_summary(report)
         .splitlines()[-1]
         .startswith(
-            f"CUT: {packing['cut_dialogues']} of {len(documents)} documents are trained as pieces"
+            f"CUT: {packing['cut_dialogues']} of {len(documents)} documents are trained as pieces "
+            f"and {figures['truncated']} of {len(documents)} lose their ends at "
+            f"max_length={max_length}, as this config asks"
         )
     )
     assert not any("without its prompt" in w for w in report["warnings"])

@@ -88,12 +88,21 @@ def cut_warnings(report: dict) -> list[str]:
 
 
 def cut_verdict(report: dict) -> str | None:
-    """The summary's last line for the cut opt-out (exit 0: a choice), or None."""
+    """The summary's last line for the cut opt-out (exit 0: a choice), or None; it names the
+    truncation at ``max_length`` too where one cuts (XTuner's behaviour the opt-out keeps)."""
     packing = report.get("packing") or {}
     if not packing.get("cut_dialogues"):
         return None
+    cut = report.get("truncation")
+    truncated = (
+        f" and {cut['truncated']} of {cut['dialogues']} lose their ends at "
+        f"max_length={cut['max_length']}"
+        if truncation_message(cut)
+        else ""
+    )
     return (
         f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} {data_unit(report)} are "
-        "trained as pieces, as this config asks (see the warning); nothing else would fail or "
-        "corrupt training (exit 0)"
+        f"trained as pieces{truncated}, as this config asks (see the "
+        f"warning{'s' if truncated else ''}); nothing else would fail or corrupt training "
+        "(exit 0)"
     )
