@@ -201,6 +201,9 @@ def test_intern_repo_untokenized_the_doctor_and_the_start_up_count_xtuners_cut(t
     (line,) = [x for x in lines if "load_intern_repo_untokenized_dataset tokenized" in x]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert warning.splitlines()[0] in line
+    (packed,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
+    assert packed.startswith(f"xtuner-rope: packed {len(cut)} dialogues ({kept} tokens)")
+    assert "every dialogue whole in one row" in packed  # the words follow the data
 
 
 PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"

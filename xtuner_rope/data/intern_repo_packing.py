@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from mmengine.logging import print_log
 
@@ -60,7 +61,7 @@ class WholePackedDataset(torch.utils.data.Dataset):
         self.documents = order[at]  # [p] index into ``dataset`` of each piece
         self.offsets = starts - stream[at]  # [p] first token of each piece in its document
         self.num_tokens = int(self.length.sum())
-        print_log(_summary(lengths, len(self), packed_length), logger="current")
+        print_log(_summary(lengths, len(self), packed_length, _unit(dataset)), logger="current")
 
     def __len__(self) -> int:
         return len(self.row_pieces) - 1
@@ -83,21 +84,32 @@ class WholePackedDataset(torch.utils.data.Dataset):
         }
 
 
-def _summary(lengths: np.ndarray, rows: int, packed_length: int) -> str:
-    """The start-up's line on one file's packing, with XTuner's cut for comparison."""
+def _unit(dataset) -> str:
+    """``dialogues`` where some label is -100 (a ``datasets.Dataset`` of the untokenized
+    loader: prompts), else ``documents`` (the tokenized files: not read here, they may be large)."""
+    table = getattr(dataset, "data", None)
+    if table is None or "labels" not in getattr(table, "column_names", ()):
+        return "documents"
+    labels = pc.list_flatten(table.column("labels"))
+    return "dialogues" if pc.any(pc.equal(labels, -100)).as_py() else "documents"
+
+
+def _summary(lengths: np.ndarray, rows: int, packed_length: int, what: str = "documents") -> str:
+    """The start-up's line on one file's packing, with XTuner's cut for comparison, in the
+    words of the data (``what``: ``dialogues`` or ``documents``)."""
     cuts = intern_repo_cut_plan(lengths, packed_length)
     tokens, split = int(lengths.sum()), int((lengths > packed_length).sum())
     return (
-        f"xtuner-rope: packed {len(lengths)} documents ({tokens} tokens) into {rows} rows of "
+        f"xtuner-rope: packed {len(lengths)} {what} ({tokens} tokens) into {rows} rows of "
         f"packed_length={packed_length} (fill {tokens / max(rows * packed_length, 1):.1%}), "
-        "every document whole in one row"
+        f"every {what[:-1]} whole in one row"
         + (
             f" ({split} documents longer than a row split into packed_length pieces)"
             if split
             else ""
         )
         + f", nothing dropped. XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
-        f"{cut_dialogues(lengths, cuts)} documents and drop {tokens - int(cuts[-1])} tokens: "
+        f"{cut_dialogues(lengths, cuts)} {what} and drop {tokens - int(cuts[-1])} tokens: "
         + (
             f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change "
             "with it)."
