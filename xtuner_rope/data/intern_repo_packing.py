@@ -14,6 +14,7 @@ Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``,
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -42,12 +43,17 @@ class WholePackedDataset(torch.utils.data.Dataset):
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
         packed_length: Tokens per row.
         seed: Seed of the document shuffle (XTuner's: ``np.random.RandomState(seed)``).
+        truncation: The figures of what XTuner's ``encode_fn`` cut before packing
+            (``truncation.counting_truncation``'s list), for the start-up line's words; None:
+            nothing counted.
 
     Raises:
         ValueError: ``packed_length`` is not a positive integer, or a document is empty.
     """
 
-    def __init__(self, dataset, packed_length: int = 8192, seed: int = 1024):
+    def __init__(
+        self, dataset, packed_length: int = 8192, seed: int = 1024, truncation: list | None = None
+    ):
         self.dataset = dataset
         self.packed_length = packed_length
         self.length = _lengths(dataset)
@@ -61,7 +67,9 @@ class WholePackedDataset(torch.utils.data.Dataset):
         self.documents = order[at]  # [p] index into ``dataset`` of each piece
         self.offsets = starts - stream[at]  # [p] first token of each piece in its document
         self.num_tokens = int(self.length.sum())
-        print_log(_summary(lengths, len(self), packed_length, _unit(dataset)), logger="current")
+        cut = any(truncation_message(f) for f in truncation or [])  # lost before packing
+        line = _summary(lengths, len(self), packed_length, _unit(dataset), cut)
+        print_log(line, logger="current")
 
     def __len__(self) -> int:
         return len(self.row_pieces) - 1
@@ -94,9 +102,12 @@ def _unit(dataset) -> str:
     return "dialogues" if pc.any(pc.equal(labels, -100)).as_py() else "documents"
 
 
-def _summary(lengths: np.ndarray, rows: int, packed_length: int, what: str = "documents") -> str:
+def _summary(
+    lengths: np.ndarray, rows: int, packed_length: int, what: str = "documents", cut: bool = False
+) -> str:
     """The start-up's line on one file's packing, with XTuner's cut for comparison, in the
-    words of the data (``what``: ``dialogues`` or ``documents``)."""
+    words of the data (``what``: ``dialogues`` or ``documents``); ``cut``: XTuner's
+    ``encode_fn`` lost tokens before packing (its own line says how many)."""
     cuts = intern_repo_cut_plan(lengths, packed_length)
     tokens, split = int(lengths.sum()), int((lengths > packed_length).sum())
     return (
@@ -108,7 +119,8 @@ def _summary(lengths: np.ndarray, rows: int, packed_length: int, what: str = "do
             if split
             else ""
         )
-        + f", nothing dropped. XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
+        + (", nothing dropped by packing" if cut else ", nothing dropped")
+        + f". XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
         f"{cut_dialogues(lengths, cuts)} {what} and drop {tokens - int(cuts[-1])} tokens: "
         + (
             f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change "
@@ -155,7 +167,8 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
         if not whole_documents:
             built = build_packed_dataset(*args, **kwargs)
         else:
-            with xtuner_intern_repo_packer(WholePackedDataset):
+            packer = functools.partial(WholePackedDataset, truncation=truncation)
+            with xtuner_intern_repo_packer(packer):
                 built = build_packed_dataset(*args, **kwargs)
     figures = summed_figures(truncation)  # None: tokenized files, nothing cut at max_length
     if figures is not None:
