@@ -8,6 +8,7 @@ config at that ``max_length`` (what it trains) and at an unlimited one (every di
 import json
 import logging
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,10 +51,15 @@ def _xtuner_cut(path) -> dict:
         cfg.train_dataloader.dataset.max_length = max_length
         with xtuner_unpatched():
             built[max_length] = BUILDER.build(cfg.train_dataloader.dataset)
-    cut, whole = built[MAX_LENGTH], built[10**9]
+    return _lost(built[MAX_LENGTH], built[10**9], MAX_LENGTH)
+
+
+def _lost(cut, whole, max_length: int) -> dict:
+    """What XTuner's dataset built at ``max_length`` (``cut``) lacks of the one built uncut."""
     return {
+        "max_length": max_length,
         "dialogues": len(whole),
-        "truncated": sum(len(ids) > MAX_LENGTH for ids in whole["input_ids"]),
+        "truncated": sum(len(ids) > max_length for ids in whole["input_ids"]),
         "dropped": len(whole) - len(cut),
         "tokens": sum(map(len, whole["input_ids"])) - sum(map(len, cut["input_ids"])),
         "labels": sum(x != -100 for r in whole["labels"] for x in r)
@@ -91,8 +97,8 @@ def _check(report: dict, live: dict) -> None:
     assert "lost 0" not in summary and "OK:" not in summary
     assert summary.splitlines()[-1].startswith(
         f"TRUNCATED: {live['truncated']} of {live['dialogues']} dialogues lose their ends at "
-        f"max_length={MAX_LENGTH}"
-    )
+        f"max_length={live['max_length']}"
+    ), report["problems"]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert f"-> set max_length = {live['longest']} (every dialogue whole)" in warning
 
@@ -135,6 +141,69 @@ def test_unpacked_the_doctor_and_the_start_up_count_xtuners_cut(alpaca):
     (line,) = [x for x in lines if "process_hf_dataset tokenized" in x]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert warning.splitlines()[0] in line and "none truncated" not in line
+
+
+INTERN_REPO_LENGTH = 60  # 4 of the 6 dialogues are longer (42 to 94 tokens)
+
+
+def _logged(call):
+    """``call()``'s result and the lines it logs to MMEngine's current logger."""
+    lines, handler = [], logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    MMLogger.get_current_instance().addHandler(handler)
+    try:
+        return call(), lines
+    finally:
+        MMLogger.get_current_instance().removeHandler(handler)
+
+
+def _xtuner_process(loader: dict, max_length: int):
+    """What ``load_intern_repo_untokenized_dataset`` builds of its one file: XTuner's ``process``
+    with the loader's arguments, in one process (the loader maps with up to 32)."""
+    from datasets import Dataset
+    from xtuner.dataset.huggingface import process
+    from xtuner.dataset.map_fns import openai_map_fn
+
+    (file,) = Path(loader.folder).glob("*.json")
+    rows = [{"messages": json.loads(line)} for line in file.read_text().splitlines()]
+    with xtuner_unpatched():
+        return process(
+            Dataset.from_list(rows),
+            tokenizer=loader.tokenizer,
+            max_length=max_length,
+            dataset_map_fn=openai_map_fn,
+            template_map_fn=loader.template_map_fn,
+            remove_unused_columns=True,
+            pack_to_max_length=False,
+            map_num_proc=1,
+        )
+
+
+def test_intern_repo_untokenized_the_doctor_and_the_start_up_count_xtuners_cut(tmp_path):
+    """Stock ``internlm2_7b_w_untokenized_dataset`` with the one edit, ``max_length`` below some
+    dialogues: against XTuner's own tokenize step of its loader at that ``max_length`` and
+    uncut. 6 dialogues: the loader maps its file with up to 32 processes, one per row."""
+    sc.ensure_tiny_model()
+    path = sc.intern_repo_config(tmp_path, n=6)
+    text = sc.sub_once(
+        path.read_text(), r"^max_length = 512$", f"max_length = {INTERN_REPO_LENGTH}"
+    )
+    path.write_text(sc.sub_once(text, r"^warm_up_ratio = 0.025$", "warm_up_ratio = 0.2"))
+    loader = Config.fromfile(str(path)).train_dataloader.dataset.dataset_cfg
+    cut = _xtuner_process(loader, INTERN_REPO_LENGTH)
+    live = _lost(cut, _xtuner_process(loader, 10**9), INTERN_REPO_LENGTH)
+    # the doctor builds through the start-up's build_whole_packed_dataset, which logs its line
+    (report, _), lines = _logged(lambda: diagnose(str(path), progress=False, batches=2))
+    assert report["exit_code"] == 0, report["problems"]
+    _check(report, live)
+    kept = sum(map(len, cut["input_ids"]))
+    assert report["packing"]["tokens"] == {"before": kept, "after": kept, "lost": 0}
+    (line,) = [x for x in lines if "load_intern_repo_untokenized_dataset tokenized" in x]
+    (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
+    assert warning.splitlines()[0] in line
+    (packed,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
+    assert packed.startswith(f"xtuner-rope: packed {len(cut)} dialogues ({kept} tokens)")
+    assert "every dialogue whole in one row, nothing dropped by packing." in packed
 
 
 PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"
@@ -212,7 +281,9 @@ def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
         format_summary(report)
         .splitlines()[-1]
         .startswith(
-            f"CUT: {packing['cut_dialogues']} of {len(documents)} documents are trained as pieces"
+            f"CUT: {packing['cut_dialogues']} of {len(documents)} documents are trained as pieces "
+            f"and {figures['truncated']} of {len(documents)} lose their ends at "
+            f"max_length={max_length}, as this config asks"
         )
     )
     assert not any("without its prompt" in w for w in report["warnings"])
@@ -220,3 +291,50 @@ def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
     (line,) = [x for x in lines if x.startswith("xtuner-rope: packed")]
     (warning,) = [w for w in report["warnings"] if "encode_fn truncates" in w]
     assert warning.splitlines()[0] in line
+
+
+def _llava_text(config: Path, max_length: int):
+    """XTuner's own tokenize step of ``LLaVADataset``'s text (its call, in one process)."""
+    from datasets import Dataset, DatasetDict
+    from xtuner.dataset.huggingface import process_hf_dataset
+
+    ds = Config.fromfile(str(config)).train_dataloader.dataset
+    rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
+    with xtuner_unpatched():
+        return process_hf_dataset(
+            dataset=DatasetDict({"train": Dataset.from_list(rows)}),
+            tokenizer=ds.tokenizer,
+            max_length=max_length,
+            dataset_map_fn=ds.dataset_map_fn,
+            template_map_fn=ds.template_map_fn,
+            split="train",
+            remove_unused_columns=False,
+            pack_to_max_length=False,
+            with_image_token=True,
+            map_num_proc=1,
+        )
+
+
+def test_llava_the_doctor_counts_xtuners_cut_of_the_text(tmp_path):
+    """Stock LLaVA finetune config with the one edit, ``max_length`` below half the samples'
+    text: the doctor's figures equal what XTuner's own text build loses at that
+    ``max_length`` against the same build uncut."""
+    import llava_configs as lc
+
+    from xtuner_rope.demo.llava_data import write_llava_data
+    from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+    sc.ensure_tiny_model()
+    llm = sc.tiny_with_remote_code(tmp_path / "tiny-internlm2-remote")
+    data = write_llava_data(tmp_path / "data", n_images=3, n_text=3)  # XTuner maps 6 rows
+    stock = sc.copy_stock(lc.FINETUNE, tmp_path)  # with up to 32 processes, one per row
+    config = tmp_path / "llava.py"
+    clip = save_tiny_clip(tmp_path / "tiny-clip")
+    text = lc.localize_llava(stock, llm, clip, data, batch_size=1)  # warm-up: >= 1 iteration
+    config.write_text(lc.enable_plugin_llava(text))
+    whole = _llava_text(config, 10**9)
+    max_length = sorted(map(len, whole["input_ids"]))[len(whole) // 2]
+    live = _lost(_llava_text(config, max_length), whole, max_length)
+    options = {"train_dataloader.dataset.max_length": max_length}
+    report, _ = diagnose(str(config), options, batches=2, progress=False)
+    _check(report, live)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import internvl_configs as ic
 import pytest
+import torch
 
 from xtuner_rope.cli import main
 
@@ -92,3 +93,46 @@ def test_doctor_and_check_leave_xtuner_prompt_templates_as_shipped(configs, tmp_
     capsys.readouterr()
     for name in ("internlm2_chat", "phi3_chat"):
         assert PROMPT_TEMPLATE[name].to_dict() == shipped[name].to_dict(), name
+
+
+def _xtuner_items(config: Path, max_length: int) -> list[dict]:
+    """XTuner's own ``InternVL_V1_5_Dataset`` items of ``config`` at ``max_length``."""
+    from mmengine.config import Config
+    from xtuner.registry import BUILDER
+
+    cfg = Config.fromfile(str(config))
+    cfg.train_dataloader.dataset.max_length = max_length
+    dataset = BUILDER.build(cfg.train_dataloader.dataset)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def test_doctor_counts_what_max_length_cuts_against_xtuners_own_items(configs, tmp_path):
+    """``InternVL_V1_5_Dataset`` cuts each item in ``__getitem__``: the doctor's count of the
+    samples, tokens and supervised labels lost equals XTuner's items at ``max_length`` against
+    its items uncut; a warning with the ``max_length`` that keeps every sample, and not OK."""
+    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.report import format_summary
+
+    whole = _xtuner_items(configs["phi3"], 10**9)
+    lengths = sorted(len(item["input_ids"]) for item in whole)
+    max_length = lengths[len(lengths) // 2]  # the longer half is cut, images kept whole
+    cut = _xtuner_items(configs["phi3"], max_length)
+
+    def supervised(items):
+        return sum(int((torch.as_tensor(x["labels"]) != -100).sum()) for x in items)
+
+    options = {"train_dataloader.dataset.max_length": max_length}
+    report, _ = diagnose(str(configs["phi3"]), options, batches=2, progress=False)
+    figures = report["truncation"]
+    assert figures["truncated"] == sum(n > max_length for n in lengths) > 0
+    assert figures["tokens"]["lost"] == sum(lengths) - sum(len(x["input_ids"]) for x in cut) > 0
+    assert figures["labels"]["lost"] == supervised(whole) - supervised(cut) > 0
+    assert figures["keep_all"] == lengths[-1] and figures["dialogues"] == len(whole)
+    assert report["samples"]["truncated"]["count"] == figures["truncated"]
+    (warning,) = [w for w in report["warnings"] if "InternVL_V1_5_Dataset truncates" in w]
+    assert f"-> set max_length = {lengths[-1]} (every dialogue whole)" in warning
+    assert report["internvl"]["cut_images"] == [] and report["exit_code"] == 0
+    summary = format_summary(report)
+    assert summary.splitlines()[-1].startswith(
+        f"TRUNCATED: {figures['truncated']} of {len(whole)} dialogues lose their ends"
+    )

@@ -88,7 +88,7 @@ def test_one_intern_repo_epoch_trains_every_dialogue_whole_and_once(tmp_path, mo
     config = sc.intern_repo_config(tmp_path)
     config.write_text(_recording(config.read_text()))
     batches, out = _train_one_epoch(config, tmp_path, monkeypatch)
-    assert "every document whole in one row" in out
+    assert "every dialogue whole in one row" in out  # the untokenized loader's: dialogues
     loader = Config.fromfile(str(config)).train_dataloader.dataset.dataset_cfg
     (unpacked,) = BUILDER.build(loader)  # XTuner's own dialogues of the one file, unpacked
     assert assert_every_dialogue_whole_once(batches, unpacked) >= 0.95

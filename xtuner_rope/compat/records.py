@@ -124,7 +124,7 @@ _ALL = (
        "truncation counted on preference pairs (build_preference_dataset)",
        "responses cut at max_length without a word"),
     _R("patch_xtuner_tokenize_counted", _XT, ("xtuner.dataset.huggingface:tokenize_dataset",),
-       "truncation counted on unpacked process_hf_dataset and LLaVA text",
+       "truncation counted on unpacked process_hf_dataset, LLaVA text, intern-repo files",
        "dialogues cut at max_length without a word"),
 )
 # Applied later, at start-up, in a hook or for one call: checked by ``apply()``, run there.
@@ -133,7 +133,7 @@ DEFERRED = (
        "whole-dialogue packing (lossless_process_hf_dataset)",
        "a leftover dropped per map_num_proc worker"),
     _R("xtuner_tokenize_step", _XT, ("xtuner.dataset.huggingface:tokenize_dataset",),
-       "every truncation counted, pretraining documents split (process_hf_dataset)",
+       "every truncation counted (process_hf_dataset, intern-repo), documents split",
        "dialogues and documents cut at max_length, reported as nothing lost"),
     _R("xtuner_intern_repo_packer", _XT, ("xtuner.dataset.intern_repo:PackedDataset",),
        "whole-document packing (build_whole_packed_dataset)", "documents cut at row edges"),

@@ -18,7 +18,8 @@ def xtuner_tokenize_step(wrap):
     ``max_length`` 512). Used only by ``xtuner_rope.data.truncation.counting_truncation``, which
     counts what the cut loses (and keeps pretraining documents whole for the packer to split);
     XTuner's function is restored on exit. ``LLaVADataset`` and the other builders that call
-    ``process_hf_dataset`` go through the same step.
+    ``process_hf_dataset`` go through the same step, and so does the intern-repo untokenized
+    loader (``process``, one call per file; counted by ``build_whole_packed_dataset``).
 
     Args:
         wrap: Called with XTuner's ``tokenize_dataset``; returns the function to use instead

@@ -174,8 +174,9 @@ NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
         lambda cfg: any(xtuner_packs(d) for d in _datasets(cfg)),
     ),
     "xtuner_tokenize_step": (
-        "XTuner's offline packing (its truncation counted, pretraining documents split)",
-        lambda cfg: any(xtuner_packs(d) for d in _datasets(cfg)),
+        "XTuner's offline packing and intern-repo packed datasets (their truncation counted, "
+        "pretraining documents split)",
+        lambda cfg: any(xtuner_packs(d) or offline_packs(d) for d in _datasets(cfg)),
     ),
     "xtuner_intern_repo_packer": (
         "intern-repo packed datasets (`build_packed_dataset`, `build_whole_packed_dataset`)",

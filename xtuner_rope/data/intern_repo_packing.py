@@ -7,12 +7,15 @@ arguments and the same shuffle, and places each document whole into one row thro
 ``pack_plans.whole_plan`` (best-fit decreasing, the planner of every other packing): every
 document once, nothing dropped. Documents longer than ``packed_length`` (the tokenized
 intern-repo files are pretraining data and may hold them) are split into ``packed_length``
-pieces; dialogues (``load_intern_repo_untokenized_dataset``) are truncated at ``max_length``
-by XTuner's ``encode_fn`` and never are. Rows are built on access, as XTuner's are, with
-XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
+pieces; dialogues (``load_intern_repo_untokenized_dataset``) never are: XTuner's ``encode_fn``
+truncates them at ``max_length``, counted (one start-up line, :func:`build_whole_packed_dataset`).
+Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import numpy as np
 import pyarrow.compute as pc
@@ -21,8 +24,10 @@ from mmengine.logging import print_log
 
 from .pack_plans import cut_dialogues, intern_repo_cut_plan, whole_plan
 from .token_gather import TokenGather, table_and_order
+from .truncation import counting_truncation, summed_figures, tokenized_line, truncation_message
 
 COLUMNS = ("input_ids", "labels")
+UNTOKENIZED = "load_intern_repo_untokenized_dataset"  # the loader whose encode_fn cuts
 
 
 def _lengths(dataset) -> np.ndarray:
@@ -66,12 +71,17 @@ class WholePackedDataset(torch.utils.data.Dataset):
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
         packed_length: Tokens per row.
         seed: Seed of the document shuffle (XTuner's: ``np.random.RandomState(seed)``).
+        truncation: The figures of what XTuner's ``encode_fn`` cut before packing
+            (``truncation.counting_truncation``'s list), for the start-up line's words; None:
+            nothing counted.
 
     Raises:
         ValueError: ``packed_length`` is not a positive integer, or a document is empty.
     """
 
-    def __init__(self, dataset, packed_length: int = 8192, seed: int = 1024):
+    def __init__(
+        self, dataset, packed_length: int = 8192, seed: int = 1024, truncation: list | None = None
+    ):
         from datasets import Dataset
 
         self.dataset = dataset
@@ -93,7 +103,9 @@ class WholePackedDataset(torch.utils.data.Dataset):
         )
         self._gather = None  # built in the process that reads rows, never pickled
         self.num_tokens = int(self.length.sum())
-        print_log(_summary(lengths, len(self), packed_length), logger="current")
+        cut = any(truncation_message(f) for f in truncation or [])  # lost before packing
+        line = _summary(lengths, len(self), packed_length, _unit(dataset), cut)
+        print_log(line, logger="current")
 
     def __len__(self) -> int:
         return len(self.row_pieces) - 1
@@ -125,21 +137,36 @@ class WholePackedDataset(torch.utils.data.Dataset):
         }
 
 
-def _summary(lengths: np.ndarray, rows: int, packed_length: int) -> str:
-    """The start-up's line on one file's packing, with XTuner's cut for comparison."""
+def _unit(dataset) -> str:
+    """``dialogues`` where some label is -100 (a ``datasets.Dataset`` of the untokenized
+    loader: prompts), else ``documents`` (the tokenized files: not read here, they may be large)."""
+    table = getattr(dataset, "data", None)
+    if table is None or "labels" not in getattr(table, "column_names", ()):
+        return "documents"
+    labels = pc.list_flatten(table.column("labels"))
+    return "dialogues" if pc.any(pc.equal(labels, -100)).as_py() else "documents"
+
+
+def _summary(
+    lengths: np.ndarray, rows: int, packed_length: int, what: str = "documents", cut: bool = False
+) -> str:
+    """The start-up's line on one file's packing, with XTuner's cut for comparison, in the
+    words of the data (``what``: ``dialogues`` or ``documents``); ``cut``: XTuner's
+    ``encode_fn`` lost tokens before packing (its own line says how many)."""
     cuts = intern_repo_cut_plan(lengths, packed_length)
     tokens, split = int(lengths.sum()), int((lengths > packed_length).sum())
     return (
-        f"xtuner-rope: packed {len(lengths)} documents ({tokens} tokens) into {rows} rows of "
+        f"xtuner-rope: packed {len(lengths)} {what} ({tokens} tokens) into {rows} rows of "
         f"packed_length={packed_length} (fill {tokens / max(rows * packed_length, 1):.1%}), "
-        "every document whole in one row"
+        f"every {what[:-1]} whole in one row"
         + (
             f" ({split} documents longer than a row split into packed_length pieces)"
             if split
             else ""
         )
-        + f", nothing dropped. XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
-        f"{cut_dialogues(lengths, cuts)} documents and drop {tokens - int(cuts[-1])} tokens: "
+        + (", nothing dropped by packing" if cut else ", nothing dropped")
+        + f". XTuner's PackedDataset would make {len(cuts) - 1} rows, cut "
+        f"{cut_dialogues(lengths, cuts)} {what} and drop {tokens - int(cuts[-1])} tokens: "
         + (
             f"an epoch is {rows} rows instead of {len(cuts) - 1} (iterations per epoch change "
             "with it)."
@@ -153,7 +180,10 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
     """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
 
     XTuner's function runs (rank 0 builds, the others receive it by broadcast); only its
-    packer is :class:`WholePackedDataset`. The start-up puts it in place of
+    packer is :class:`WholePackedDataset`. What ``load_intern_repo_untokenized_dataset``'s
+    ``encode_fn`` cuts at ``max_length`` (each file tokenized by XTuner's ``process``) is
+    counted and logged in one line (``truncation.tokenized_line``): dialogues are truncated
+    exactly as XTuner truncates them, never split. The start-up puts it in place of
     ``build_packed_dataset``; ``whole_documents=False`` (``offline_packing = "cut"``) runs
     XTuner's own packer.
 
@@ -178,10 +208,19 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
             f'{whole_documents!r}; set offline_packing = "whole" or "cut" at the top level of '
             "the config instead."
         )
-    if not whole_documents:
-        return build_packed_dataset(*args, **kwargs)
-    with xtuner_intern_repo_packer(WholePackedDataset):
-        return build_packed_dataset(*args, **kwargs)
+    with counting_truncation() as truncation:  # the untokenized loader's encode_fn cut
+        if not whole_documents:
+            built = build_packed_dataset(*args, **kwargs)
+        else:
+            packer = functools.partial(WholePackedDataset, truncation=truncation)
+            with xtuner_intern_repo_packer(packer):
+                built = build_packed_dataset(*args, **kwargs)
+    figures = summed_figures(truncation)  # None: tokenized files, nothing cut at max_length
+    if figures is not None:
+        figures["builder"] = UNTOKENIZED
+        level = logging.WARNING if truncation_message(figures) else logging.INFO
+        print_log(tokenized_line(figures), logger="current", level=level)
+    return built
 
 
 __all__ = ["WholePackedDataset", "build_whole_packed_dataset"]

@@ -186,13 +186,15 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 def _build_dataset(cfg: Config, facts: dict):
     """``(dataset, lengths, packing, truncation)``: the train dataset; for offline packing the
     ``[n]`` dialogue lengths before packing in stream order and :func:`packing_figures` (else
-    None, None); what XTuner's ``encode_fn`` cut (None where no ``process_hf_dataset`` built
-    the data); see :mod:`xtuner_rope.doctor.packing` and :mod:`xtuner_rope.doctor.truncation`."""
+    None, None); what XTuner's ``encode_fn`` cut (None where no XTuner tokenize step built
+    the data: tokenized files); see :mod:`xtuner_rope.doctor.packing` and :mod:`xtuner_rope.doctor.truncation`."""
     from xtuner.registry import BUILDER
 
     if facts["packed_offline"]:  # intern-repo rows: the packers keep their documents
-        dataset = BUILDER.build(cfg.train_dataloader.dataset)
-        return (dataset, *intern_repo_figures(dataset, facts["max_length"]), None)
+        with counting_truncation() as truncation:  # the untokenized loader's encode_fn cut
+            dataset = BUILDER.build(cfg.train_dataloader.dataset)
+        figures = intern_repo_figures(dataset, facts["max_length"])
+        return (dataset, *figures, summed_figures(truncation))
     if not facts["pack_to_max_length"]:
         with counting_truncation() as truncation:
             dataset = BUILDER.build(cfg.train_dataloader.dataset)
@@ -271,6 +273,8 @@ def diagnose(
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
     dataset, dialogue_lengths, packing, truncation = _build_dataset(cfg, facts)
     batch_size = int(loader.get("batch_size", 1))
+    internvl = internvl_figures(cfg, dataset, batch_size)  # each item built once, uncut
+    truncation = truncation or (internvl or {}).pop("truncation", None)
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = doctor_samples(dataset) if llava is None else llava.scan_items
     scan = scan_samples(
@@ -365,7 +369,7 @@ def diagnose(
     report["warnings"] += preference_warnings(report)
     report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
-    report["internvl"] = internvl_figures(cfg, dataset, batch_size)
+    report["internvl"] = internvl
     report["problems"] += internvl_problems(report["internvl"])
     report["warnings"] += llava_warnings(report["multimodal"])
     report["heldout"] = heldout_report(

@@ -11,18 +11,27 @@ each image (``prepare_data``). Two things the dataset does silently are named wi
 - a sample whose image tokens ``max_length`` cuts: ``InternVL_V1_5`` then writes the wrong
   vision tokens (or fails), and the plugin's batch check refuses the step.
 
+Every sample is built once uncut (XTuner's ``prepare_data`` with ``max_length`` lifted), then cut
+as ``get_inputid_labels`` cuts it: the figures' ``truncation`` counts what that cut loses
+(samples, tokens, supervised labels, the ``max_length`` that keeps every sample), the report's
+``truncation`` for the doctor's line, warning and verdict. The start-up does not count it: the
+cut happens per item in training (XTuner logs each one).
+
 It also gives the real-token share of the config's batches padded (``default_collate_fn``)
 against packed by ``internvl_collate_fn``, on the same batches in dataset order.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Mapping
 
 import torch
 
 from xtuner_rope.batch.internvl_tiles import image_tiles
+from xtuner_rope.data.truncation import FIRST_INDICES, IGNORE_INDEX
 from xtuner_rope.ops.packing import plan_packs
 
 __all__ = ["internvl_figures", "internvl_lines", "internvl_problems", "real_token_shares"]
@@ -58,14 +67,15 @@ def internvl_figures(cfg, dataset, batch_size: int) -> dict | None:
     config, where = checkpoint_config(cfg)
     p = tokens_per_tile(config) if config else int(dataset.patch_token)
     context = dataset.tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
-    missing, cut, lengths, images = [], [], [], 0
+    missing, cut, lengths, images, whole = [], [], [], 0, []
     for i in range(len(dataset.data)):
         path = _image_path(dataset, i)
         if path is not None and "s3://" not in path and not os.path.isfile(path):
             missing.append({"index": i, "id": dataset.data[i].get("id"), "path": path})
             continue
-        item = dataset.prepare_data(i)  # XTuner's own tiling and tokenization
-        ids = torch.as_tensor(item["input_ids"])
+        item = _uncut_item(dataset, i)  # XTuner's own tiling and tokenization
+        whole.append((i, item["input_ids"], item["labels"]))
+        ids = torch.as_tensor(item["input_ids"][: dataset.max_length])  # XTuner's cut
         tiles = image_tiles(item["pixel_values"]) if path is not None else 0
         images += path is not None
         kept = int((ids == context).sum())
@@ -87,7 +97,59 @@ def internvl_figures(cfg, dataset, batch_size: int) -> dict | None:
         "missing_images": missing,
         "cut_images": cut,
         "real_token_share": {"padded": padded, "packed": packed, "batch_size": batch_size},
+        "truncation": internvl_truncation(whole, int(dataset.max_length)),
     }
+
+
+def _uncut_item(dataset, i: int) -> dict:
+    """``dataset.prepare_data(i)`` before ``get_inputid_labels``' cut at ``max_length``."""
+    saved = dataset.max_length
+    dataset.max_length = sys.maxsize  # XTuner cuts where len(input_ids) > max_length: never
+    try:
+        return dataset.prepare_data(i)
+    finally:
+        dataset.max_length = saved
+
+
+def internvl_truncation(items: list[tuple[int, list, list]], max_length: int) -> dict:
+    """What ``InternVL_V1_5_Dataset`` cuts at ``max_length``, in ``data.truncation``'s figures.
+
+    xtuner 0.2.0 cuts each item in ``__getitem__`` (``get_inputid_labels``: the first
+    ``max_length`` ids and labels) and keeps it, supervised label or not: nothing is dropped.
+
+    Args:
+        items: ``(index, input_ids, labels)`` of each built sample, uncut.
+        max_length: The dataset's ``max_length``.
+
+    Returns:
+        The figures ``data.truncation.truncation_message`` and the doctor's lines read
+        (``step`` names the dataset; ``dropped`` is 0).
+    """
+    lengths = [len(ids) for _, ids, _ in items]
+    labels = [sum(x != IGNORE_INDEX for x in lab) for _, _, lab in items]
+    kept = [sum(x != IGNORE_INDEX for x in lab[:max_length]) for _, _, lab in items]
+    cut = [i for i, ids, _ in items if len(ids) > max_length]  # dataset indices
+    ordered = sorted(lengths)
+    n = len(ordered)
+    return {
+        "max_length": max_length,
+        "step": "XTuner's InternVL_V1_5_Dataset",
+        "dialogues": n,
+        "documents": 0,
+        "pretraining": False,
+        "truncated": len(cut),
+        "dropped": 0,
+        "split": 0,
+        "tokens": _kept(sum(lengths), sum(min(k, max_length) for k in lengths)),
+        "labels": _kept(sum(labels), sum(kept)),
+        "keep_all": ordered[-1] if n else None,
+        "keep_99": ordered[int(math.ceil(0.99 * n)) - 1] if n else None,
+        "first_truncated": cut[:FIRST_INDICES],
+    }
+
+
+def _kept(before: int, after: int) -> dict:
+    return {"before": before, "after": after, "lost": before - after}
 
 
 def _first(items: list[dict]) -> str:

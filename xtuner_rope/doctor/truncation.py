@@ -1,11 +1,12 @@
 """The doctor on XTuner's cuts: at ``max_length`` (counted exactly, before any packing) and
 at row edges (``offline_packing = "cut"``), in the words of the data.
 
-``process_hf_dataset`` builds the doctor's data inside ``data.truncation.counting_truncation``
-(packed offline or not): its tokenize step runs uncut, is counted, then cut as XTuner cuts. The
-report's ``truncation`` holds those figures (None where no ``process_hf_dataset`` built the data:
-the intern-repo loaders, tokenized data, the heuristic ``samples.truncated`` stays there); this
-module turns them into the samples' ``truncated`` entry, the summary line and the warning, in the
+``process_hf_dataset`` and the intern-repo untokenized loader build the doctor's data inside
+``data.truncation.counting_truncation`` (packed offline or not): their tokenize step runs uncut,
+is counted, then cut as XTuner cuts; ``InternVL_V1_5_Dataset``'s per-item cut is counted from
+the doctor's pass over its items (``internvl_stats``). The report's ``truncation`` holds those
+figures (None where no tokenize step built the data: tokenized files; the heuristic
+``samples.truncated`` stays there); this module turns them into the samples' ``truncated`` entry, the summary line and the warning, in the
 words of the start-up's own line (``data.truncation.truncation_message``).
 """
 
@@ -87,12 +88,21 @@ def cut_warnings(report: dict) -> list[str]:
 
 
 def cut_verdict(report: dict) -> str | None:
-    """The summary's last line for the cut opt-out (exit 0: a choice), or None."""
+    """The summary's last line for the cut opt-out (exit 0: a choice), or None; it names the
+    truncation at ``max_length`` too where one cuts (XTuner's behaviour the opt-out keeps)."""
     packing = report.get("packing") or {}
     if not packing.get("cut_dialogues"):
         return None
+    cut = report.get("truncation")
+    truncated = (
+        f" and {cut['truncated']} of {cut['dialogues']} lose their ends at "
+        f"max_length={cut['max_length']}"
+        if truncation_message(cut)
+        else ""
+    )
     return (
         f"CUT: {packing['cut_dialogues']} of {packing['dialogues']} {data_unit(report)} are "
-        "trained as pieces, as this config asks (see the warning); nothing else would fail or "
-        "corrupt training (exit 0)"
+        f"trained as pieces{truncated}, as this config asks (see the "
+        f"warning{'s' if truncated else ''}); nothing else would fail or corrupt training "
+        "(exit 0)"
     )
