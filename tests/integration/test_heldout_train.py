@@ -13,6 +13,11 @@ so the metric sees the loss over each whole row and every supervised token once)
 (bitsandbytes' kernels need CUDA), its LoRA dropout 0.1 (off in evaluation); ``iter_8.pth``
 holds the adapter only and the reference merges it into the base weights. The LoRA mode and
 sequence parallel 2 under ZeRO-3 run by hand only (``XTUNER_ROPE_HELDOUT_BY_HAND=1``).
+
+The DeepSpeed modes' ``iter_8.pth/`` is also converted (``xtuner-rope convert pth_to_hf``, in
+this process: seconds): with ``--fp32`` and by default (the run trained in fp32) the saved
+weights are the ones DeepSpeed saved bit for bit, and the reference process loads the converted
+folder with plain transformers: its weights are the evaluated model's, its logits equal.
 """
 
 import json
@@ -21,6 +26,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+import converted
 import heldout as ho
 import pytest
 import stock_configs as sc
@@ -98,6 +104,23 @@ def _train(config: Path, work_dir: Path, nproc: int, deepspeed: str | None) -> s
     return out
 
 
+def _converted(config: Path, checkpoint: Path, out: Path) -> Path:
+    """``xtuner-rope convert pth_to_hf`` of a DeepSpeed ``checkpoint`` with ``--fp32`` and by
+    default, each saving the weights DeepSpeed saved bit for bit; the default's folder."""
+    reference = converted.deepspeed_weights(checkpoint)  # names as XTuner's model's: llm.*
+    for name, options, said in (
+        ("hf_fp32", ["--fp32"], "saving in fp32 (asked)"),
+        ("hf", [], f"saving in fp32 (the dtype of the trained weights in {checkpoint}"),
+    ):
+        folder = out / name
+        printed = converted.convert(config, checkpoint, folder, *options)
+        assert said in printed and "no value overflowed to inf or was flushed" in printed, printed
+        saved = converted.saved_weights(folder)
+        assert saved.keys() == reference.keys(), sorted(saved.keys() ^ reference.keys())[:5]
+        assert not converted.unequal(saved, reference), options
+    return folder
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_heldout_loss_equals_plain_reference(assets, tmp_path, mode):
     stock, nproc, sp, deepspeed = MODES[mode]
@@ -107,9 +130,14 @@ def test_heldout_loss_equals_plain_reference(assets, tmp_path, mode):
     assert "segments (documents and padding) isolated by the attention" in out
     logged = ho.logged_heldout(tmp_path)
     assert sorted(logged) == [4, 8], sorted(logged)
-    plain = ho.plain_reference(config, tmp_path / "iter_8.pth")
+    checkpoint = tmp_path / "iter_8.pth"
+    hf = _converted(config, checkpoint, tmp_path / "converted") if deepspeed else None
+    plain = ho.plain_reference(config, checkpoint, hf)
     at_8 = logged[8]
     print(f"{mode}: logged {at_8['heldout_loss']!r}, plain {plain}")
+    if hf:  # loaded by plain transformers: the evaluated model's weights and logits
+        assert plain["converted_unequal_weights"] == 0
+        assert plain["converted_logit_diff"] == 0.0
     assert at_8["heldout_tokens"] == plain["tokens"]
     assert at_8["heldout_dialogues"] == plain["dialogues"] == 150
     assert abs(at_8["heldout_loss"] - plain["loss"]) <= 1e-5 * plain["loss"]

@@ -120,6 +120,22 @@ def finetune_run(llava) -> dict:
     }
 
 
+def _converted_equals_checkpoint(config: Path, work_dir: Path) -> None:
+    """``xtuner-rope convert pth_to_hf`` of the run's ``iter_6.pth`` (in this process: seconds),
+    with ``--fp32`` and by default (the run trained in fp32): what it saves (``projector/``, and
+    the LLM when it trained) is the checkpoint's weights bit for bit."""
+    import converted
+
+    checkpoint = work_dir / "iter_6.pth"
+    state = converted.read_as_xtuner(checkpoint)
+    for name, options in (("hf_fp32", ["--fp32"]), ("hf", [])):
+        printed = converted.convert(config, checkpoint, work_dir / name, *options)
+        assert "saving in fp32" in printed, printed
+        saved = converted.llava_saved_weights(work_dir / name)
+        assert saved.keys() == state.keys(), sorted(saved.keys() ^ state.keys())[:5]
+        assert not converted.unequal(saved, state), options
+
+
 def test_stock_finetune_trains_with_one_edit_and_isolates_samples(finetune_run):
     config, tmp_path, out = (
         finetune_run["config"],
@@ -241,6 +257,7 @@ def test_stock_pretrain_trains_packed_isolated_and_unpatched_rows_leak(llava, tm
     )
     assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
     ho.check_image_heldout(HELDOUT_REFERENCE, config, tmp_path / "run", held, [3, 6], 12)
+    _converted_equals_checkpoint(config, tmp_path / "run")  # the projector
 
 
 LLAMA_FINETUNE = "llava_llama3_8b_instruct_full_clip_vit_large_p14_336_e1_gpu8_finetune"
@@ -432,6 +449,7 @@ def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
     ho.check_image_heldout(
         HELDOUT_REFERENCE, finetune_run["config"], work_dir, finetune_run["held"], [3, 6], 12
     )
+    _converted_equals_checkpoint(finetune_run["config"], work_dir)  # the LLM and projector
 
 
 @pytest.mark.skipif(not ho.BY_HAND, reason="opt-in (minutes): XTUNER_ROPE_HELDOUT_BY_HAND=1")

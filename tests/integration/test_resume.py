@@ -521,7 +521,8 @@ def test_zero_checkpoint_converted_bit_for_bit(name, tmp_path):
     the module of ``mp_rank_00_model_states.pt``; ZeRO-3: DeepSpeed's ``zero_to_fp32``), where
     xtuner 0.2.0's fp16 read gives ``module.half()``; ``xtuner-rope convert pth_to_hf`` saves
     them bit for bit with ``--fp32`` and by default (the run trained in fp32), and with
-    ``--dtype bf16`` their bf16 cast, counted. LoRA (ZeRO-3): the adapter."""
+    ``--dtype bf16`` their bf16 cast, counted. LoRA (ZeRO-3): the adapter, and ``xtuner-rope
+    convert merge --dtype fp32`` of it: the module with its adapter within fp32 rounding."""
     import converted
 
     _uninterrupted(name, tmp_path)
@@ -553,6 +554,13 @@ def test_zero_checkpoint_converted_bit_for_bit(name, tmp_path):
         assert saved.keys() == trained.keys(), sorted(saved.keys() ^ trained.keys())[:5]
         assert not converted.unequal(saved, reference, dtype), options
         assert said in printed and "no value overflowed to inf or was flushed" in printed, printed
+    if name.startswith("sft-lora"):  # the adapter merged in fp32 vs the module with it
+        merged = converted.merged_against_module(
+            config, tmp_path / "hf_0", reference, tmp_path / "m"
+        )
+        print(f"{name}: convert merge --dtype fp32 vs the module with its adapter: {merged}")
+        assert merged["weights"] == 0  # = peft's fp32 merge of the module, bit for bit
+        assert merged["logits"] <= 1e-5 * merged["largest"] < merged["adapter"]
 
 
 STOCK = "internlm2_chat_1_8b_full_alpaca_e3"

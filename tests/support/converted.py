@@ -77,3 +77,65 @@ def saved_weights(folder: Path) -> dict[str, torch.Tensor]:
         "llm." + (k.replace(".weight", ".default.weight") if adapter else k): v
         for k, v in state.items()
     }
+
+
+def merged_against_module(
+    config: Path, adapter: Path, state: dict[str, torch.Tensor], out: Path
+) -> dict[str, float]:
+    """``xtuner-rope convert merge BASE ADAPTER OUT --dtype fp32`` in this process (``BASE``: the
+    config's LLM, ``ADAPTER``: a LoRA checkpoint converted by ``pth_to_hf``), loaded by plain
+    transformers, against the config's model with the checkpoint's weights ``state`` (the module
+    with its adapter, evaluation mode) on a probe of 64 token ids ``[1, 64]``: the largest
+    weight difference from peft's fp32 merge of that module, the largest logit difference, the
+    largest logit and how far the adapter moves the logits (the module without it)."""
+    from mmengine.config import Config
+    from transformers import AutoModelForCausalLM
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.cli import main
+
+    cfg = Config.fromfile(config)
+    base = Path(cfg.model.llm.pretrained_model_name_or_path)
+    base = base if base.is_absolute() else Path(__file__).resolve().parents[2] / base
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["convert", "merge", str(base), str(adapter), str(out), "--dtype", "fp32"])
+    assert status == 0 and "merged and saved in fp32 (asked)" in printed.getvalue(), printed
+    model = BUILDER.build(cfg.model).float().eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not set(state) & set(missing), unexpected
+    merged = AutoModelForCausalLM.from_pretrained(
+        out, torch_dtype=torch.float32, trust_remote_code=True
+    ).eval()
+    ids = torch.arange(64)[None] % merged.config.vocab_size + 1  # [1, 64]
+    with torch.no_grad():
+        trained = model.llm(input_ids=ids).logits  # [1, 64, V]
+        with model.llm.disable_adapter():
+            without = model.llm(input_ids=ids).logits
+        logits = merged(input_ids=ids).logits
+        by_peft = model.llm.merge_and_unload().state_dict()  # the module's adapter merged
+    weights = merged.state_dict()
+    assert weights.keys() == by_peft.keys(), sorted(weights.keys() ^ by_peft.keys())[:5]
+    return {
+        "weights": max((weights[k] - by_peft[k]).abs().max().item() for k in weights),
+        "logits": (logits - trained).abs().max().item(),
+        "largest": trained.abs().max().item(),
+        "adapter": (without - trained).abs().max().item(),
+    }
+
+
+def llava_saved_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """What XTuner's ``LLaVAModel.to_hf`` (format ``xtuner``) saved under ``folder``, named as
+    the model's ``state_dict``: the LLM (``folder`` itself, full fine-tune) or its adapter
+    (``llm_adapter/``) as ``llm.``, ``projector/`` as ``projector.``, ``visual_encoder/`` as
+    ``visual_encoder.``."""
+    weights = {}
+    if any(folder.glob("*.safetensors")) or (folder / "pytorch_model.bin").is_file():
+        weights.update(saved_weights(folder))
+    if (folder / "llm_adapter").is_dir():
+        weights.update(saved_weights(folder / "llm_adapter"))
+    for part in ("projector", "visual_encoder"):
+        if (folder / part).is_dir():
+            saved = saved_weights(folder / part).items()
+            weights.update({f"{part}.{k.removeprefix('llm.')}": v for k, v in saved})
+    return weights

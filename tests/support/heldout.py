@@ -75,10 +75,14 @@ def with_heldout(text: str, heldout: Path) -> str:
     )
 
 
-def plain_reference(config: Path, checkpoint: Path) -> dict:
-    """``{'loss', 'tokens', 'dialogues'}`` of the held-out set through the unpatched model."""
+def plain_reference(config: Path, checkpoint: Path, converted: Path | None = None) -> dict:
+    """``{'loss', 'tokens', 'dialogues'}`` of the held-out set through the unpatched model;
+    with ``converted`` (a Hugging Face folder converted from ``checkpoint``) also
+    ``converted_unequal_weights`` and ``converted_logit_diff`` of that folder loaded by plain
+    transformers (``heldout_reference.py``)."""
+    extra = [str(converted)] if converted else []
     proc = subprocess.run(
-        [sys.executable, str(REFERENCE), str(config), str(checkpoint)],
+        [sys.executable, str(REFERENCE), str(config), str(checkpoint), *extra],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,13 +1,16 @@
 """The plain held-out loss of a checkpoint: each dialogue whole and alone, no xtuner-rope.
 
-``python heldout_reference.py CONFIG CHECKPOINT`` builds the config's held-out dataset with
+``python heldout_reference.py CONFIG CHECKPOINT [CONVERTED]`` builds the config's held-out dataset with
 XTuner's own ``process_hf_dataset`` unpacked (``pack_to_max_length=False``: one dialogue per
 sample), loads the config's LLM with ``from_pretrained`` (unpatched, fp32, eager attention),
 puts in the weights the run evaluated (``module_weights``; a LoRA run's checkpoint holds the
 adapter only, merged here by hand into the base weights: ``merge_lora``), runs one dialogue per
 forward and prints one JSON line:
 the token-weighted mean next-token NLL, the supervised-token count and the dialogue count.
-The plugin is never imported (checked at the end).
+With ``CONVERTED`` (a folder ``xtuner-rope convert pth_to_hf`` saved from ``CHECKPOINT``) it also
+loads that folder with plain ``AutoModelForCausalLM.from_pretrained`` and adds how many of its
+weights differ from the ones put in above (bit for bit) and the largest difference of its logits
+from theirs over every held-out dialogue. The plugin is never imported (checked at the end).
 """
 
 import json
@@ -72,7 +75,22 @@ def merge_lora(llm: torch.nn.Module, state: dict, lora: dict) -> int:
     return len(pairs)
 
 
-def main(config: str, checkpoint: str) -> dict:
+def load_converted(folder: str, llm: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """A converted Hugging Face folder loaded by plain transformers (fp32, its own remote code)
+    and how many of its weights are not ``llm``'s bit for bit (a missing or extra name counts)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, torch_dtype=torch.float32, trust_remote_code=True
+    ).eval()
+    ours, theirs = llm.state_dict(), hf.state_dict()
+    unequal = len(ours.keys() ^ theirs.keys()) + sum(
+        not torch.equal(ours[k], theirs[k]) for k in ours.keys() & theirs.keys()
+    )
+    return hf, unequal
+
+
+def main(config: str, checkpoint: str, converted: str | None = None) -> dict:
     cfg = Config.fromfile(config)
     dataset_cfg = cfg.val_dataloader.dataset
     dataset_cfg.pack_to_max_length = False
@@ -87,12 +105,17 @@ def main(config: str, checkpoint: str) -> dict:
             {k.removeprefix("llm."): v for k, v in state.items()}, strict=True
         )
         assert not missing and not unexpected, (missing, unexpected)
+    hf, unequal = load_converted(converted, llm) if converted else (None, None)
+    hf_diff = 0.0
     nll, tokens, dialogues = [], 0, 0
     with torch.no_grad():
         for sample in dataset:
             ids = torch.tensor([sample["input_ids"]])
             labels = torch.tensor(sample["labels"])
             logits = llm(input_ids=ids).logits[0].float()  # [s, V]
+            if hf is not None:
+                hf_logits = hf(input_ids=ids).logits[0].float()  # [s, V]
+                hf_diff = max(hf_diff, (hf_logits - logits).abs().max().item())
             target = labels[1:]
             n = int((target != -100).sum())
             if n == 0:
@@ -104,8 +127,11 @@ def main(config: str, checkpoint: str) -> dict:
             tokens += n
             dialogues += 1
     assert not any(name.startswith("xtuner_rope") for name in sys.modules), "plugin imported"
-    return {"loss": math.fsum(nll) / tokens, "tokens": tokens, "dialogues": dialogues}
+    result = {"loss": math.fsum(nll) / tokens, "tokens": tokens, "dialogues": dialogues}
+    if hf is not None:
+        result.update(converted_unequal_weights=unequal, converted_logit_diff=hf_diff)
+    return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    print(json.dumps(main(*sys.argv[1:])))

@@ -182,6 +182,10 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         argv = [*argv, "--cfg-options", *overrides]
     if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
         return _run_module(XTUNER_TOOLS[command], command, argv)
+    refusal = _no_llm_refusal(config, options) if Path(config).is_file() else None
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if Path(pth).is_dir() and "patch_xtuner_zero_read_fp32" in compat.skipped():
         print(
             f"xtuner-rope convert: refused: {pth} is a DeepSpeed checkpoint and "
@@ -199,6 +203,32 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
     print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
     with compat.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
         return _run_module(XTUNER_TOOLS[command], command, argv)
+
+
+def _no_llm_refusal(config: str, cfg_options: dict | None) -> str | None:
+    """Why ``pth_to_hf`` cannot convert ``config``'s model, or None.
+
+    xtuner 0.2.0's ``pth_to_hf`` reads ``cfg.model.llm`` before building the model (fine-tune,
+    LLaVA, reward and preference models have one); InternVL's ``InternVL_V1_5`` has none (it
+    names ``model_path``) and no ``to_hf``, and the tool would stop on an AttributeError.
+    """
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    model = cfg.get("model") or {}
+    if "llm" in model:
+        return None
+    kind = model.get("type", "?")
+    kind = getattr(kind, "__name__", kind)
+    return (
+        f"xtuner-rope convert pth_to_hf: refused: the model of {config} ({kind}) has no "
+        "model.llm; xtuner 0.2.0's pth_to_hf converts models with one (fine-tune, LLaVA, reward, "
+        "preference) and would stop on an AttributeError. For InternVL, XTuner ships "
+        "xtuner/configs/internvl/v1_5/convert_to_official.py CONFIG CHECKPOINT SAVE_DIR (it "
+        "merges LoRA and saves in bf16; xtuner-rope does not check it)."
+    )
 
 
 def _cast_and_report(model: object, dtype: object) -> None:
