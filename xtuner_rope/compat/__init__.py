@@ -77,7 +77,14 @@ from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,
     register_internlm2_auto_classes,
 )
-from .versions import SUPPORTED, UnsupportedVersionWarning, unsupported, warn_unsupported
+from .versions import (
+    SUPPORTED,
+    UnsupportedVersionWarning,
+    VersionRange,
+    unsupported,
+    version_message,
+    warn_unsupported,
+)
 from .xtuner_internvl import (
     INTERNVL_LOAD,
     patch_internvl_dataset_template,
@@ -126,6 +133,8 @@ __all__ = [
     "UnsupportedVersionWarning",
     "unsupported",
     "warn_unsupported",
+    "VersionRange",
+    "version_message",
     "run_patch",
     "require",
     "run_guarded",
