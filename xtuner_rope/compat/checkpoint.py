@@ -245,7 +245,7 @@ def _seed_from_checkpoint(path: str) -> int:
 
 
 def patch_checkpoint_loading() -> bool:
-    """Let ``xtuner train --resume`` and ``load_from`` load on torch >= 2.6, still weights-only.
+    """Let ``xtuner train --resume`` and ``load_from`` load weights-only (needed from torch 2.6).
 
     torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
     (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
