@@ -3,11 +3,13 @@
 #   make test   install, then run the test suite (what CI runs)
 #   make test-all   make test plus the opt-in runs that prove a claim a second time
 #   make test-fast   the unit tests only (no tests/integration, no `slow` runs): a few minutes
+#   make test-compat   opt-in: the fast tests and 2-process ZeRO-2/3 runs on other torch and
+#                      DeepSpeed releases, each in its own .venv-compat-* (tools/test_compat.sh)
 #   make lint   ruff check and ruff format --check
 #   make docs   build the documentation site (docs/, mkdocs.yml) into site/, strict
 #   make gpu-kit   the wheels the GPU machine lacks, one part of at most 58 MiB
 #                  (tools/gpu/build_kit.sh); there: bash tools/gpu/run_gpu.sh (docs/gpu.md)
-.PHONY: setup demo test test-all test-fast bench lint docs gpu-kit
+.PHONY: setup demo test test-all test-fast test-compat bench lint docs gpu-kit
 
 VENV := $(CURDIR)/.venv
 # `xtuner train` starts `python`/`torchrun` from PATH: the venv must come first.
@@ -44,6 +46,11 @@ test-all: setup
 # Everyday work: no real `xtuner train` / multi-process run (tests/integration, `-m slow`).
 test-fast: setup
 	$(TEST_RUN) python -m pytest -q $(XDIST) --ignore=tests/integration -m "not slow"
+
+# Opt-in, never part of `make test`: builds its own environments (a few GB each, kept for the
+# next run). COMPAT_MATRIX="TORCH:TORCHVISION:DEEPSPEED ..." and COMPAT_STEPS override.
+test-compat:
+	bash tools/test_compat.sh
 
 bench: setup
 	$(RUN) python tools/bench/rope.py

@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # Create .venv in the repository and install xtuner-rope with its dev extras, pinned by
 # constraints.txt. Re-running it when nothing changed takes well under a second.
+# tools/test_compat.sh reuses it for its own environments through three variables:
+#   VENV         the environment's folder (default .venv)
+#   CONSTRAINTS  the constraints file (default constraints.txt)
+#   PINS         extra requirements installed in the same pip call ("torch==2.4.1 ...")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-stamp=.venv/.xtuner-rope-installed
-want=$(cat setup.cfg pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/xtuner ]; then
+VENV=${VENV:-.venv}
+CONSTRAINTS=${CONSTRAINTS:-constraints.txt}
+PINS=${PINS:-}
+stamp=$VENV/.xtuner-rope-installed
+# Without PINS the stamp is what it always was (an existing .venv is not reinstalled).
+want=$({ cat setup.cfg pyproject.toml "$CONSTRAINTS"; printf '%s' "$PINS"; } | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/xtuner" ]; then
     exit 0
 fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
 # The CUDA build of torch (with its matching torchvision) runs on CPU-only machines too:
 # PyPI has no CPU torchvision, and the CPU torch wheel breaks transformers' imports with it.
-.venv/bin/python -m pip install --quiet -e '.[dev,internvl]' -c constraints.txt
+# shellcheck disable=SC2086  # PINS is a list of requirements
+"$VENV/bin/python" -m pip install --quiet -e '.[dev,internvl]' $PINS -c "$CONSTRAINTS"
 echo "$want" > "$stamp"
-echo "xtuner-rope installed in $(pwd)/.venv"
+echo "xtuner-rope installed in $(pwd)/$VENV"

@@ -59,6 +59,9 @@ CASES = {
     # refuses only where a third-party patch was skipped (another release): nothing here to
     # refuse; tests/compat/test_patch_guard.py skips one and sees prepare_config refuse
     "patch_findings": None,
+    # refuses only torch or DeepSpeed outside the supported range (another release): nothing
+    # here to refuse; tests/compat/test_versions.py simulates one and sees prepare_config refuse
+    "version_findings": None,
     "_loader_findings": (
         LOADER.format(
             batch=2,

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from gqa_reference import causal_gqa_sdpa
 from runners import tiny_runner
 from torch import nn
 
@@ -225,11 +226,7 @@ def test_packed_attention_matches_per_document_sdpa_forward_backward(backend):
     for n in lengths:
         sl = slice(start, start + n)
         qd, kd, vd = (x[:, sl].transpose(1, 2) for x in (q, k, v))  # [1, heads, n, h_d]
-        pieces.append(
-            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).transpose(
-                1, 2
-            )
-        )
+        pieces.append(causal_gqa_sdpa(qd, kd, vd).transpose(1, 2))
         start += n
     expected = torch.cat(pieces, dim=1)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)

@@ -9,8 +9,8 @@ by ``tools/gpu/run_gpu.sh``).
 
 import pytest
 import torch
-import torch.nn.functional as F
 from gold import ROWS, build_pair
+from gqa_reference import causal_gqa_sdpa
 from host_sync import HostSyncError, NoHostSync, sync_debug_error
 from varlen_reference import varlen_attn_2_12
 
@@ -112,7 +112,7 @@ def _per_document(q, k, v, rows):
         start, pieces = 0, []
         for n in row:
             qd, kd, vd = (x[r, start : start + n].transpose(0, 1).float() for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+            o = causal_gqa_sdpa(qd, kd, vd)
             pieces.append(o.transpose(0, 1))  # [n, n_h, h_d]
             start += n
         out.append(torch.cat(pieces))

@@ -6,7 +6,7 @@ One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
 ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``;
 ``mmengine_config``: :func:`config_dict`, MMEngine's private config
-dict read in one place). Each patch has a record (``records.RECORDS``: the versions it was
+dict read in one place; ``versions``: the supported torch and DeepSpeed releases). Each patch has a record (``records.RECORDS``: the versions it was
 written for, the names it replaces, the feature it serves, the symptom it removes) and runs in
 a guard (``guard.run_guarded``): outside those versions, with a probed name missing, or if the
 patch raises, it is skipped with one :class:`CompatPatchSkipped` warning naming the feature,
@@ -77,6 +77,14 @@ from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,
     register_internlm2_auto_classes,
 )
+from .versions import (
+    SUPPORTED,
+    UnsupportedVersionWarning,
+    VersionRange,
+    unsupported,
+    version_message,
+    warn_unsupported,
+)
 from .xtuner_internvl import (
     INTERNVL_LOAD,
     patch_internvl_dataset_template,
@@ -121,6 +129,12 @@ __all__ = [
     "outcomes",
     "skipped",
     "skip_message",
+    "SUPPORTED",
+    "UnsupportedVersionWarning",
+    "unsupported",
+    "warn_unsupported",
+    "VersionRange",
+    "version_message",
     "run_patch",
     "require",
     "run_guarded",
@@ -240,13 +254,15 @@ def _check_deferred() -> None:
 def apply() -> list[str]:
     """Apply every patch whose gap exists here, each in its guard; never raises.
 
-    Safe to call any number of times. A patch outside its versions, with a probed name
+    Safe to call any number of times. torch or DeepSpeed outside the supported range gets one
+    ``UnsupportedVersionWarning`` (``versions``). A patch outside its versions, with a probed name
     missing, or that raises is skipped with one ``CompatPatchSkipped`` warning (see
     :func:`skipped`); the patches applied later (``DEFERRED``) are checked the same way now.
 
     Returns:
         The names of the patches applied so far in this process.
     """
+    warn_unsupported()
     for patch in (
         patch_torch_cpu_bf16_query,
         patch_bitsandbytes_triton_probe,

@@ -4,7 +4,7 @@ A ``.pth`` written by ``torch.save`` is a pickle; unpickling it with ``weights_o
 run any code the file names. torch >= 2.6 loads with ``weights_only=True`` by default, which
 refuses the few non-tensor types a runner checkpoint really holds (the message hub's
 ``HistoryBuffer`` and the numpy arrays, scalars and dtypes inside it). ``load_checkpoint``
-allows exactly those, only for its own call (``torch.serialization.safe_globals``), so resume
+allows exactly those, only for its own call (:func:`runner_globals_allowed`), so resume
 and ``load_from`` work as before and a file naming any other type is refused with its name.
 
 Trusting a file: set ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` to the checkpoint files or folders you
@@ -18,13 +18,17 @@ loaders of runner checkpoints through ``load_checkpoint``.
 
 from __future__ import annotations
 
+import _codecs
 import os
 import pickle
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
+from packaging.version import Version
 
 TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
 # Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
@@ -106,6 +110,48 @@ def runner_checkpoint_globals() -> list:
     ]
 
 
+def _named(entry):
+    """An allow-list entry as torch < 2.6 takes it: an object, keyed by its module and name."""
+    if not isinstance(entry, tuple):
+        return entry
+    obj, qualified = entry
+    module, _, name = qualified.rpartition(".")
+
+    def alias(*args, **kwargs):
+        return obj(*args, **kwargs)
+
+    alias.__module__, alias.__name__, alias.__qualname__ = module, name, name
+    return alias
+
+
+@contextmanager
+def runner_globals_allowed() -> Iterator[None]:
+    """:func:`runner_checkpoint_globals` allowed for ``weights_only`` loads inside the block.
+
+    torch >= 2.6 has ``torch.serialization.safe_globals`` with ``(object, "module.name")``
+    entries. torch 2.4 and 2.5 have only the process-wide ``add_safe_globals``, which keys an
+    object by its own ``__module__.__name__`` (``AttributeError: ... no attribute
+    'safe_globals'`` on torch 2.4.1): there each renamed entry becomes an alias carrying the
+    name the pickle uses (plus ``_codecs.encode``, which torch 2.6 allows by default), and the
+    list before the block is put back after it.
+    """
+    entries = runner_checkpoint_globals()
+    serialization = torch.serialization
+    if Version(torch.__version__.split("+")[0]) >= Version("2.6"):
+        with serialization.safe_globals(entries):
+            yield
+        return
+    before = list(serialization.get_safe_globals())
+    # numpy pickles array bytes as `_codecs.encode(str, "latin1")`: torch 2.6 allows it by
+    # default, 2.4 refuses it ("Unsupported global: GLOBAL _codecs.encode").
+    serialization.add_safe_globals([_named(entry) for entry in entries] + [_codecs.encode])
+    try:
+        yield
+    finally:
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals(before)
+
+
 def is_trusted(path: str) -> bool:
     """True if ``path`` is, or lies under, an entry of ``XTUNER_ROPE_TRUSTED_CHECKPOINTS``."""
     real = os.path.realpath(path)
@@ -160,10 +206,14 @@ def load_checkpoint(path: str, map_location="cpu"):
     """
     if is_trusted(path):
         return torch.load(path, map_location=map_location, weights_only=False)
-    with torch.serialization.safe_globals(runner_checkpoint_globals()):
+    with runner_globals_allowed():
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
+            # torch 2.4 reports a legacy file cut inside its storages as a weights-only
+            # failure ("WeightsUnpickler error: unexpected EOF"): a cut file, not a refusal.
+            if "unexpected EOF" in str(error):
+                raise EOFError(f"{path} ends early: {error}") from error
             raise _refusal(path, error) from error
 
 
@@ -195,7 +245,7 @@ def _seed_from_checkpoint(path: str) -> int:
 
 
 def patch_checkpoint_loading() -> bool:
-    """Let ``xtuner train --resume`` and ``load_from`` load on torch >= 2.6, still weights-only.
+    """Let ``xtuner train --resume`` and ``load_from`` load weights-only (needed from torch 2.6).
 
     torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
     (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
@@ -209,13 +259,12 @@ def patch_checkpoint_loading() -> bool:
     ``weights_only=True`` with exactly those types allowed; any other type is refused with its
     name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
 
-    Returns:
-        True if applied (torch >= 2.6).
-    """
-    from packaging.version import Version
+    On torch 2.4 and 2.5 (``weights_only=False`` by default, nothing fails) it is applied too:
+    the same allow-list, and the :data:`PATH_CHECKS` that crash-safe checkpoints rely on.
 
-    if Version(torch.__version__.split("+")[0]) < Version("2.6"):
-        return False
+    Returns:
+        True (applied).
+    """
     import xtuner.tools.utils as xtuner_tool_utils
     from mmengine.runner.checkpoint import CheckpointLoader
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import load_checkpoint, runner_checkpoint_globals
+from .checkpoint import load_checkpoint, runner_globals_allowed
 
 CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
 MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")
@@ -122,7 +122,7 @@ def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
 
     Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
     """
-    with torch.serialization.safe_globals(runner_checkpoint_globals()):
+    with runner_globals_allowed():
         try:
             state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
         except Exception:  # judged by the caller from the files alone

@@ -3,7 +3,7 @@
 Versions: what each patch was written for and has run with. mmengine ``~=0.10.6`` and xtuner
 ``~=0.2.0`` are the pins of xtuner-rope's ``setup.cfg`` (their patch releases kept, their next
 minor release left out); DeepSpeed is the ``setup.cfg`` range; torch and transformers are
-named where a patch reads them. Probes: the names each patch reads or replaces; a release
+named where a patch reads them (torch and DeepSpeed: ``compat.versions.SUPPORTED``). Probes: the names each patch reads or replaces; a release
 that renames one makes the guard skip the patch (one ``CompatPatchSkipped`` warning) instead
 of failing ``import xtuner_rope``. docs/compat.md's table of versions and probes is
 :func:`records_table` (``tests/compat/test_compat_records.py`` compares them).
@@ -15,12 +15,14 @@ from .bitsandbytes_triton import triton_lacks_ops
 from .deepspeed_cpu import deepspeed_flat_buffer_requires_grad
 from .devices import cpu_only
 from .guard import PatchRecord
+from .versions import SUPPORTED
 
 __all__ = ["DEFERRED", "RECORDS", "records_table"]
 
 _MM = {"mmengine": "~=0.10.6"}
 _XT = {"xtuner": "~=0.2.0"}
-_DS = {"deepspeed": ">=0.17.6,<0.19.7"}
+_DS = {"deepspeed": SUPPORTED["deepspeed"].spec}
+_TORCH = {"torch": SUPPORTED["torch"].spec}
 _TF = {"transformers": "~=4.48.0"}
 _SFT = "xtuner.model.sft:SupervisedFinetune"
 _PREF = "xtuner.dataset.preference_dataset"
@@ -35,7 +37,7 @@ def _cpu_and_old_deepspeed() -> bool:
 _R = PatchRecord
 # fmt: off
 _ALL = (
-    _R("patch_torch_cpu_bf16_query", {"torch": ">=2.4"}, ("torch.cpu",),
+    _R("patch_torch_cpu_bf16_query", _TORCH, ("torch.cpu",),
        "training on a CPU-only machine", "AttributeError: torch.cpu.is_bf16_supported"),
     _R("patch_bitsandbytes_triton_probe", {"bitsandbytes": "~=0.45.0"}, (),
        "LoRA/QLoRA (peft's bitsandbytes import)", "No module named 'triton.ops'",
@@ -60,7 +62,7 @@ _ALL = (
        (f"{_ZERO3}:Init._allgather_params_coalesced", f"{_ZERO3}:dist",
         "deepspeed.accelerator:get_accelerator"),
        "DeepSpeed ZeRO-3 on CPU", "a rank reads parameters not yet gathered", when=cpu_only),
-    _R("patch_checkpoint_loading", {"torch": ">=2.4", **_MM, **_XT},
+    _R("patch_checkpoint_loading", {**_TORCH, **_MM, **_XT},
        ("mmengine.runner.checkpoint:CheckpointLoader.register_scheme",
         "xtuner.tools.utils:get_seed_from_checkpoint"),
        "resuming or loading from a checkpoint (--resume, load_from)",

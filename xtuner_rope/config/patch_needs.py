@@ -6,6 +6,8 @@ it raised. :data:`NEEDS` maps each patch to the configs that need its feature; s
 is refused here, naming the feature, the patch, the versions that have it and the pip command.
 A config that does not need it trains as usual. Patches that only turn a crash into a clearer
 error are in :data:`NOT_REFUSED` with the reason: without them the run still fails loudly.
+Before those, :func:`version_findings` refuses torch or DeepSpeed outside the supported range
+(``compat.versions``): one finding per package, and no second one for its patches.
 """
 
 from __future__ import annotations
@@ -17,17 +19,25 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import RECORDS, config_dict, cpu_only, skip_message, skipped
+from xtuner_rope.compat import (
+    RECORDS,
+    SUPPORTED,
+    config_dict,
+    cpu_only,
+    skip_message,
+    skipped,
+    unsupported,
+)
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 from .fields import lazy_get, offline_packs, type_name, walk_datasets, xtuner_packs
 from .internvl import is_internvl
-from .launch import deepspeed_zero_stage
+from .launch import deepspeed_argument, deepspeed_zero_stage
 from .multimodal import is_llava
 from .preference import preference_dataset
 from .startup import Finding, register_findings
 
-__all__ = ["NEEDS", "NOT_REFUSED", "needs_table", "patch_findings"]
+__all__ = ["NEEDS", "NOT_REFUSED", "needs_table", "patch_findings", "version_findings"]
 
 
 def _model_type(cfg: Config) -> str:
@@ -200,12 +210,51 @@ NOT_REFUSED = {
 }
 
 
+def _uses_deepspeed(cfg: Config) -> bool:
+    """A DeepSpeed run: ``--deepspeed``, a ``DeepSpeedStrategy`` or ``DeepSpeedOptimWrapper``."""
+    top = config_dict(cfg)
+    strategy = type_name(lazy_get(lazy_get(top, "strategy"), "type"))
+    optim = type_name(lazy_get(lazy_get(top, "optim_wrapper"), "type"))
+    return (
+        deepspeed_zero_stage(cfg) is not None
+        or deepspeed_argument() is not None
+        or strategy.endswith("DeepSpeedStrategy")
+        or optim == "DeepSpeedOptimWrapper"
+    )
+
+
+_USES = {"torch": lambda cfg: True, "deepspeed": _uses_deepspeed}
+
+
+@register_findings("patches")
+def version_findings(cfg: Config) -> list[Finding]:
+    """One conflict per package outside its supported range that ``cfg`` uses.
+
+    torch is used by every config; DeepSpeed by a DeepSpeed run (mmengine 0.10.6 cannot even
+    import DeepSpeed >= 0.19.7, so the run would die inside MMEngine after the model build).
+    """
+    return [
+        Finding(
+            setting=f"the installed {dist} (the start-up refuses {SUPPORTED[dist].used_by})",
+            problem=message,
+            edit=SUPPORTED[dist].install,
+        )
+        for dist, message in unsupported().items()
+        if _USES[dist](cfg)
+    ]
+
+
 @register_findings("patches")
 def patch_findings(cfg: Config) -> list[Finding]:
-    """One conflict per skipped patch whose feature ``cfg`` needs (see :data:`NEEDS`)."""
+    """One conflict per skipped patch whose feature ``cfg`` needs (see :data:`NEEDS`).
+
+    A patch written for a package outside its supported range is left to
+    :func:`version_findings` (one message per package, not one per patch).
+    """
     findings = []
+    outside = unsupported()
     for name in skipped():
-        if name not in NEEDS:
+        if name not in NEEDS or any(dist in outside for dist in RECORDS[name].versions):
             continue
         needed_by, needs = NEEDS[name]
         if needs(cfg):

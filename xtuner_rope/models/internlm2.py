@@ -12,10 +12,9 @@ import math
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from xtuner_rope.ops.attention import packed_attention
+from xtuner_rope.ops.attention import grouped_sdpa, packed_attention
 from xtuner_rope.ops.rope import apply_rotary_pos_emb
 
 from .internlm2_kv_cache import extend_cache, past_length
@@ -48,9 +47,7 @@ def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> t
     n_rep = q.shape[1] // k.shape[1]
     mask = None if attention_mask is None else attention_mask[:, :, :, : k.shape[-2]]
     if type(layer).__name__ == "InternLM2SdpaAttention":
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=n_rep > 1, is_causal=mask is None and q_len > 1
-        )
+        out = grouped_sdpa(q, k, v, attn_mask=mask, is_causal=mask is None and q_len > 1)
         return out.transpose(1, 2)
     k = k.repeat_interleave(n_rep, dim=1)  # [b, n_h, kv_len, h_d]
     v = v.repeat_interleave(n_rep, dim=1)

@@ -113,11 +113,29 @@ def _varlen_attention(q_t, k_t, v_t, plan: DocumentPlan, fn: Callable) -> torch.
     return fn(q_t, k_t, v_t, cu, cu, plan.max_seqlen, plan.max_seqlen, **kwargs)
 
 
+# torch 2.5 added `enable_gqa` to scaled_dot_product_attention (torch 2.4.1: TypeError).
+SDPA_HAS_GQA = torch.__version__ >= "2.5"
+
+
+def grouped_sdpa(q, k, v, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``q [b, n_h, L, h_d]`` over ``k, v [b, n_kv, S, h_d]``.
+
+    Query head h reads kv head h // n_rep (``enable_gqa``; on torch 2.4, which lacks it, the kv
+    heads are repeated first, InternLM2's ``repeat_kv`` grouping). ``kwargs`` go to SDPA.
+    """
+    n_rep = q.shape[-3] // k.shape[-3]
+    if SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=n_rep > 1, **kwargs)
+    k = k.repeat_interleave(n_rep, dim=-3)  # [b, n_h, S, h_d]
+    v = v.repeat_interleave(n_rep, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def _bucket_attention(q, k, v, causal_softmax: bool) -> torch.Tensor:
     """Causal attention of ``q [n, n_h, L, h_d]`` over ``k, v [n, n_kv, L, h_d]``."""
     n_rep = q.shape[1] // k.shape[1]
     if not causal_softmax:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        return grouped_sdpa(q, k, v, is_causal=True)
     k = k.repeat_interleave(n_rep, dim=1)  # [n, n_h, L, h_d], InternLM2's repeat_kv grouping
     v = v.repeat_interleave(n_rep, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [n, n_h, L, L]
