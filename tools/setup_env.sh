@@ -13,6 +13,12 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # The CUDA build of torch (with its matching torchvision) runs on CPU-only machines too:
 # PyPI has no CPU torchvision, and the CPU torch wheel breaks transformers' imports with it.
-.venv/bin/python -m pip install --quiet -e '.[dev,internvl]' -c constraints.txt
+# uv installs the same pinned set from its cache in seconds where pip takes minutes (measured on
+# the 2-core machine: about 18 s against about 2 min for a fresh .venv); pip when uv cannot be had.
+if .venv/bin/python -m pip install --quiet uv -c constraints.txt && .venv/bin/uv --version >/dev/null 2>&1; then
+    .venv/bin/uv pip install --quiet --python .venv/bin/python -e '.[dev,internvl]' -c constraints.txt
+else
+    .venv/bin/python -m pip install --quiet -e '.[dev,internvl]' -c constraints.txt
+fi
 echo "$want" > "$stamp"
 echo "xtuner-rope installed in $(pwd)/.venv"
