@@ -16,7 +16,9 @@ by hand: ``XTUNER_ROPE_RESUME_BY_HAND=1``; CI kills the same recipes elsewhere),
 on two (opt-in: ``XTUNER_ROPE_RESUME_BY_HAND=1``, measured 0.0 each). The tiny
 recipe with a LoRA adapter (dropout 0.1), on one process and under ZeRO-2 and ZeRO-3 (DDP and
 ZeRO-1 opt-in: ``XTUNER_ROPE_RESUME_BY_HAND=1``), needs each process's random state restored
-too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1); the same holds
+too (``RandomStateHook``; without it 1.4e-1 and 1.8e-1; in CI the ZeRO-2 and ZeRO-3 rows
+resume from the uninterrupted run's ``iter_4.pth/``, the checkpoint the killed run resumes from,
+and are killed by hand: ``RESUMED_FROM_STRAIGHT``); the same holds
 for issue 40's LLaVA LoRA finetune (opt-in: ``XTUNER_ROPE_LLAVA_RESUME=1``, minutes). SGD with
 momentum (state to resume), constant LR, no clipping. The one-process and two-process runs see the
 same micro-batches per optimizer step, so their uninterrupted runs must also agree with each other
