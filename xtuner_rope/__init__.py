@@ -68,8 +68,8 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.warmup",
     "xtuner_rope.config.frameworks",
     "xtuner_rope.config.moss",
-    "xtuner_rope.config.heldout",
-    "xtuner_rope.config.heldout_shortcut",
+    "xtuner_rope.config.heldout.findings",
+    "xtuner_rope.config.heldout.shortcut",
     "xtuner_rope.config.patch_needs",
 )
 FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing

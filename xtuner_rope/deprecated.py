@@ -56,6 +56,10 @@ MOVED = {
     "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
     # Issue 35: the zoo sweep left doctor/ for its own package (localize, run, judge, classes).
     "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
+    # Issue 47: the held-out start-up grouped in one package, a module per concern.
+    "xtuner_rope.config.heldout_files": "xtuner_rope.config.heldout.files",
+    "xtuner_rope.config.heldout_pairs": "xtuner_rope.config.heldout.models",
+    "xtuner_rope.config.heldout_shortcut": "xtuner_rope.config.heldout.shortcut",
 }
 
 

@@ -219,7 +219,7 @@ def test_shortcut_on_stock_dpo_picks_the_preference_metric(tmp_path):
     assert val["dataset"]["shuffle_before_pack"] is False and val["sampler"]["shuffle"] is False
     hooks = [type_name(h["type"]) for h in config_dict(cfg)["custom_hooks"]]
     assert "HeldOutCurvesHook" in hooks
-    from xtuner_rope.config.heldout_pairs import heldout_pairs_findings
+    from xtuner_rope.config.heldout.models import heldout_pairs_findings
 
     assert heldout_pairs_findings(cfg) == []
     val["collate_fn"]["use_varlen_attn"] = False  # checked as the training pairs are

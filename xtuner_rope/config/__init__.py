@@ -10,8 +10,9 @@
   (a ``config.json`` that cannot be read), ``rope_scaling`` (a ``rope_scaling`` no model
   computes), ``multimodal`` (LLaVA), ``llava_tower`` (LLaVA against its vision tower),
   ``internvl``, ``frameworks`` (XTuner's Hugging Face ``Trainer`` configs), ``moss``
-  (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``heldout`` (``val_dataloader`` and
-  ``TokenLossMetric``), ``heldout_shortcut`` (``heldout = dict(...)``), ``preference`` (DPO, ORPO, reward),
+  (``MOSSSFTDataset`` data files its cache would overwrite), ``launch`` (DeepSpeed / launcher / devices), ``heldout`` (the held-out evaluation, a
+  package: its findings, ``files`` (a missing or empty held-out file), ``models`` (which
+  metric serves which model, held-out pairs) and ``shortcut`` (``heldout = dict(...)``)), ``preference`` (DPO, ORPO, reward),
   ``patch_needs`` (a feature whose third-party patch ``compat`` skipped here),
   ``optimizer_state`` (``save_optimizer`` turned on);
   the loss-normalization and checkpoint-interval findings live with their hooks
@@ -27,7 +28,6 @@ from . import (
     families,
     frameworks,
     heldout,
-    heldout_shortcut,
     internvl,
     launch,
     llava_tower,
@@ -47,7 +47,6 @@ __all__ = [
     "families",
     "frameworks",
     "heldout",
-    "heldout_shortcut",
     "internvl",
     "launch",
     "llava_tower",

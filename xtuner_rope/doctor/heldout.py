@@ -13,7 +13,7 @@ from mmengine.config import Config
 
 from xtuner_rope.config.fields import type_name
 from xtuner_rope.config.heldout import heldout_metrics
-from xtuner_rope.config.heldout_pairs import TOKEN_METRIC
+from xtuner_rope.config.heldout.models import TOKEN_METRIC
 from xtuner_rope.evaluation.figures import (
     collated_rows,
     document_keys,

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from xtuner_rope.config.fields import type_name
-from xtuner_rope.config.heldout_shortcut import IMAGE_DATASETS
+from xtuner_rope.config.heldout.shortcut import IMAGE_DATASETS
 
 IGNORE_INDEX = -100
 COLUMNS = ("input_ids", "labels", "cumulative_len", "position_ids")

@@ -15,7 +15,7 @@ is each dialogue's loss whole and alone:
 - ``TokenLossMetric`` gets the config's tokenizer (for its worst-dialogues file) and
   ``HeldOutCurvesHook`` is added; ``val_cfg`` is set when missing;
 - refused before a weight loads: a held-out data file missing or empty, a ``val_interval``
-  beyond ``max_iters``, a metric on a model it cannot serve (``heldout_pairs``: SFT models take
+  beyond ``max_iters``, a metric on a model it cannot serve (``models``: SFT models take
   ``TokenLossMetric``, DPO/ORPO/reward models ``PreferenceMetric``; held-out pairs get the
   training pairs' checks).
 """
@@ -27,20 +27,20 @@ from mmengine.config.lazy import LazyObject
 
 from xtuner_rope.compat import config_dict
 
-from .fields import lazy_get as _get
-from .fields import setter as _setitem
-from .fields import type_name
-from .fields import walk_datasets as _datasets
-from .fields import xtuner_packs as _xtuner_packs
-from .heldout_files import heldout_file_findings
-from .heldout_pairs import (
+from ..fields import lazy_get as _get
+from ..fields import setter as _setitem
+from ..fields import type_name
+from ..fields import walk_datasets as _datasets
+from ..fields import xtuner_packs as _xtuner_packs
+from ..sequence_parallel import heldout_collate_findings
+from ..startup import Finding, register_findings
+from .files import heldout_file_findings
+from .models import (
     SERVED_MODELS,
     TOKEN_METRIC,
     heldout_pairs_findings,
     served_model_findings,
 )
-from .sequence_parallel import heldout_collate_findings
-from .startup import Finding, register_findings
 
 CURVES_HOOK = "HeldOutCurvesHook"
 

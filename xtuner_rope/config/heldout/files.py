@@ -1,6 +1,6 @@
 """The held-out data files of ``val_dataloader``: each local file must exist and hold a dialogue.
 
-A start-up check of :mod:`xtuner_rope.config.heldout`: a missing or empty held-out file is
+A start-up check of :mod:`xtuner_rope.config.heldout.findings`: a missing or empty held-out file is
 refused before any weight loads, naming the file, instead of ending in ``datasets``' or XTuner's
 error after the model is built (or, for an empty file, in a held-out loss of nothing).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .fields import lazy_get as _get
-from .fields import walk_datasets as _datasets
-from .startup import Finding
+from ..fields import lazy_get as _get
+from ..fields import walk_datasets as _datasets
+from ..startup import Finding
 
 
 def _local_files(node: object) -> list[str]:

@@ -7,7 +7,7 @@ dialogue in both). Optional ``interval`` sets ``train_cfg.val_interval``. The st
 ``val_dataloader`` (a copy of the training one, on the held-out data, unshuffled),
 ``val_evaluator`` (``TokenLossMetric`` for SFT models, ``PreferenceMetric`` for DPO, ORPO and
 reward models) and ``val_cfg = dict(type='ValLoop')``, then
-applies the held-out findings of :mod:`xtuner_rope.config.heldout` to them.
+applies the held-out findings of :mod:`xtuner_rope.config.heldout.findings` to them.
 
 LLaVA and InternVL configs (``LLaVADataset``'s ``data_path``, ``InternVL_V1_5_Dataset``'s
 ``data_paths``; no ``load_dataset`` to slice) take ``data_files``: one held-out file in the
@@ -24,12 +24,12 @@ from mmengine.config.lazy import LazyObject
 
 from xtuner_rope.compat import config_dict
 
-from .fields import lazy_get as _get
-from .fields import type_name
-from .fields import walk_datasets as _datasets
-from .findings import ConfigConflict, conflict_message
-from .heldout_pairs import METRIC_MODULES, metric_for
-from .startup import Finding, register_findings
+from ..fields import lazy_get as _get
+from ..fields import type_name
+from ..fields import walk_datasets as _datasets
+from ..findings import ConfigConflict, conflict_message
+from ..startup import Finding, register_findings
+from .models import METRIC_MODULES, metric_for
 
 KEY = "heldout"
 
@@ -84,13 +84,13 @@ def _problem(spec: object, loader: object) -> str | None:
 
 
 def _metric(cfg: Config) -> str:
-    """The held-out metric of the config's model (``heldout_pairs.metric_for``)."""
+    """The held-out metric of the config's model (``models.metric_for``)."""
     return metric_for(type_name(_get(_get(config_dict(cfg), "model"), "type")))
 
 
 def _derive(cfg: Config, spec: dict) -> None:
     """Write the held-out entries, then apply the held-out findings to them."""
-    from .heldout import heldout_findings
+    from .findings import heldout_findings
 
     train = config_dict(cfg)["train_dataloader"]
     val = copy.deepcopy(train)

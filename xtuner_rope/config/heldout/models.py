@@ -14,11 +14,11 @@ from mmengine.config import Config
 
 from xtuner_rope.compat import config_dict
 
-from .fields import lazy_get as _get
-from .fields import setter as _setitem
-from .fields import type_name
-from .preference import PREFERENCE_MODELS, packed_pairs_findings, preference_dataset
-from .startup import Finding
+from ..fields import lazy_get as _get
+from ..fields import setter as _setitem
+from ..fields import type_name
+from ..preference import PREFERENCE_MODELS, packed_pairs_findings, preference_dataset
+from ..startup import Finding
 
 TOKEN_METRIC = "TokenLossMetric"
 PREFERENCE_METRIC = "PreferenceMetric"
