@@ -26,9 +26,13 @@ demo: setup
 
 # Two pytest workers (the machine's 2 cores: a real run's imports and data steps leave a core
 # idle), each taking whole test files, so the runs a module shares stay in one process.
-# TEST_WORKERS=0 runs in this process (no xdist).
+# TEST_WORKERS=0 runs in this process (no xdist). --no-loadscope-reorder: files in the order
+# tests/conftest.py sorts them (real runs first, then files with a slow run, then the rest);
+# pytest-xdist 3.8 otherwise hands out the files with the most tests first, which left the
+# zoo sweep and the one-step runs (files of one to four tests) to the last minutes, one worker
+# waiting on the other.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # One OpenMP thread per process: two workers (and the runs they start) already fill the two
 # cores, and the tiny models gain nothing from a second thread (measured: a 40-iteration run of
 # the tiny recipe used 12.7-14.3 s of CPU with one thread, 16.4 s with two).

@@ -98,7 +98,9 @@ def pytest_collection_modifyitems(config, items):
     """Files of real runs first (``tests/integration``, then any file with a ``slow`` test),
     the rest after, each file's tests in their order.
 
-    ``make test`` hands whole files to two workers (``--dist loadfile``) in this order: the
+    ``make test`` hands whole files to two workers (``--dist loadfile
+    --no-loadscope-reorder``: without it pytest-xdist hands out the files with the most tests
+    first, whatever this order) in this order: the
     long real runs start first and the many short files fill the end, so neither worker waits
     alone on a long file at the end of the suite.
     """
