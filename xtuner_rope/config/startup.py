@@ -16,7 +16,7 @@ findings live by topic, each module registering its own at its slot (``findings.
 ``config.internvl``, ``config.llava_tower``, ``config.launch``, ``hooks.accumulation`` and
 ``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
 ``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
-``sequence_parallel_size``), ``config.heldout`` (and ``config.heldout.shortcut``),
+``sequence_parallel_size``), ``config.heldout.findings`` (and ``config.heldout.shortcut``),
 ``config.families``, ``config.checkpoint_findings``, ``config.preference``
 (``xtuner_rope.FINDINGS_MODULES`` imports them all). ``config.fields`` reads a config
 without building it.
