@@ -294,25 +294,11 @@ def test_the_cut_opt_out_of_pretraining_truncates_and_ends_cut(pretrain):
 
 
 def _llava_text(config: Path, max_length: int):
-    """XTuner's own tokenize step of ``LLaVADataset``'s text (its call, in one process)."""
-    from datasets import Dataset, DatasetDict
-    from xtuner.dataset.huggingface import process_hf_dataset
+    """XTuner's own tokenize step of ``LLaVADataset``'s text, unpatched."""
+    import llava_configs as lc
 
-    ds = Config.fromfile(str(config)).train_dataloader.dataset
-    rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
     with xtuner_unpatched():
-        return process_hf_dataset(
-            dataset=DatasetDict({"train": Dataset.from_list(rows)}),
-            tokenizer=ds.tokenizer,
-            max_length=max_length,
-            dataset_map_fn=ds.dataset_map_fn,
-            template_map_fn=ds.template_map_fn,
-            split="train",
-            remove_unused_columns=False,
-            pack_to_max_length=False,
-            with_image_token=True,
-            map_num_proc=1,
-        )
+        return lc.llava_text(config, max_length)
 
 
 def test_llava_the_doctor_counts_xtuners_cut_of_the_text(tmp_path):

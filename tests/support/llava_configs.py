@@ -91,10 +91,10 @@ def with_llava_collate(text: str, max_length: int = 256, image_tokens: int = 16)
     )
 
 
-def save_offline_text(config: Path, out_dir: Path) -> Path:
-    """The config's ``LLaVADataset`` text, tokenized once and saved where XTuner's
-    ``offline_processed_text_folder`` loads it (what ``xtuner process_untokenized_llava_data``
-    does for a large set; here it spares each test XTuner's 32-process tokenization)."""
+def llava_text(config: Path, max_length: int | None = None):
+    """The config's ``LLaVADataset`` text through XTuner's own tokenize call (``LLaVADataset``'s
+    arguments, one map process instead of its default 32), cut at ``max_length`` (default:
+    the config's)."""
     import json
 
     from datasets import Dataset, DatasetDict
@@ -103,11 +103,10 @@ def save_offline_text(config: Path, out_dir: Path) -> Path:
 
     ds = Config.fromfile(str(config)).train_dataloader.dataset
     rows = json.loads(Path(ds.data_path).read_text(encoding="utf-8"))
-    # LLaVADataset's own call, in one process (its default is 32 map processes).
-    text = process_hf_dataset(
+    return process_hf_dataset(
         dataset=DatasetDict({"train": Dataset.from_list(rows)}),
         tokenizer=ds.tokenizer,
-        max_length=ds.max_length,
+        max_length=ds.max_length if max_length is None else max_length,
         dataset_map_fn=ds.dataset_map_fn,
         template_map_fn=ds.template_map_fn,
         split="train",
@@ -116,7 +115,13 @@ def save_offline_text(config: Path, out_dir: Path) -> Path:
         with_image_token=True,
         map_num_proc=1,
     )
-    text.save_to_disk(str(out_dir))
+
+
+def save_offline_text(config: Path, out_dir: Path) -> Path:
+    """The config's ``LLaVADataset`` text, tokenized once and saved where XTuner's
+    ``offline_processed_text_folder`` loads it (what ``xtuner process_untokenized_llava_data``
+    does for a large set; here it spares each test XTuner's 32-process tokenization)."""
+    llava_text(config).save_to_disk(str(out_dir))
     return out_dir
 
 
