@@ -263,3 +263,23 @@ def test_boundaries_that_reach_the_model_name_the_missing_hook():
         r".*model_resource = dict\(fn=enable_xtuner_rope\)",
     ):
         SupervisedFinetune.forward(None, data)
+
+
+def test_copy_stock_writes_what_xtuner_copy_cfg_writes(tmp_path):
+    """The suite's ``copy_stock`` (XTuner's copy steps in process) and the real command agree."""
+    import subprocess
+
+    name = "internlm2_chat_1_8b_qlora_alpaca_e3"
+    proc = subprocess.run(
+        ["xtuner", "copy-cfg", name, str(tmp_path / "cli")],
+        env=sc.venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    copied = sc.copy_stock(name, tmp_path / "in_process")
+    by_cli = tmp_path / "cli" / copied.name
+    assert by_cli.read_bytes() == copied.read_bytes()
+    with pytest.raises(KeyError, match="xtuner list-cfg"):
+        sc.copy_stock("no_such_config", tmp_path / "none")

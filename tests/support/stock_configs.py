@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,16 +34,24 @@ def venv_env() -> dict:
 
 
 def copy_stock(name: str, dst: Path) -> Path:
-    """``xtuner copy-cfg NAME DST``: the stock config file a user starts from."""
-    subprocess.run(
-        ["xtuner", "copy-cfg", name, str(dst)],
-        check=True,
-        env=venv_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return dst / f"{name}_copy.py"
+    """What ``xtuner copy-cfg NAME DST`` writes: the stock config file a user starts from.
+
+    XTuner's own ``copy_cfg`` steps in this process (its name-to-file table and its ``_copy``
+    suffix), not the command: the command's process costs ~5 s of CPU for a file copy, and the
+    suite copies dozens of configs. ``tests/config/test_startup.py::
+    test_copy_stock_writes_what_xtuner_copy_cfg_writes``
+    runs the real command and compares the files.
+    """
+    from xtuner.configs import cfgs_name_path
+    from xtuner.tools.copy_cfg import add_copy_suffix
+
+    if name not in cfgs_name_path:
+        raise KeyError(f"{name!r} is not one of XTuner's stock configs (`xtuner list-cfg`)")
+    dst.mkdir(parents=True, exist_ok=True)
+    source = Path(cfgs_name_path[name])
+    target = dst / add_copy_suffix(source.name)
+    shutil.copyfile(source, target)
+    return target
 
 
 def sub_once(text: str, pattern: str, repl: str) -> str:
