@@ -25,7 +25,6 @@ __all__ = ["TokenLines", "parse_int_lists"]
 PREFIXES = (b'{"tokens": [', b'{"tokens":[')
 SUFFIX = b"]}"
 MAX_DIGITS = 18  # every 18-digit integer fits int64; a longer one goes the slow way
-_POW10 = 10 ** np.arange(MAX_DIGITS, dtype=np.int64)[::-1]  # [18] 10^17 .. 10^0
 _COMMA, _MINUS, _SPACE, _ZERO = 44, 45, 32, 48
 
 
@@ -54,22 +53,24 @@ def parse_int_lists(bodies: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None
     comma, minus = f == _COMMA, f == _MINUS
     if not (digit | comma | minus | (f == _SPACE)).all():
         return None
-    starts = np.flatnonzero(digit[1:] & ~digit[:-1]) + 1  # [t] first digit of each number
-    ends = np.flatnonzero(digit[:-1] & ~digit[1:]) + 1  # [t] one past its last digit
+    # framed in non-digits: digit runs start and end at alternate digit/non-digit edges
+    edges = np.flatnonzero(digit[1:] != digit[:-1]) + 1
+    starts, ends = edges[0::2], edges[1::2]  # [t] each number's first digit, one past its last
     width = ends - starts
+    commas = np.flatnonzero(comma)
+    if len(commas) != len(starts) + 1:
+        return None
+    if not ((commas[:-1] < starts) & (starts < commas[1:])).all():  # one number between commas
+        return None
     if width.max(initial=0) > MAX_DIGITS or ((d[starts] == 0) & (width > 1)).any():
         return None
     signs = np.flatnonzero(minus)  # a sign: after a comma or space, right before a digit
     if not (digit[signs + 1].all() and (comma[signs - 1] | (f[signs - 1] == _SPACE)).all()):
         return None
-    commas = np.flatnonzero(comma)
-    if (np.diff(np.searchsorted(starts, commas)) != 1).any():  # one number between commas
-        return None
-    # [t, w] each number's digits right-aligned (leading zeros), then the place values
-    w = int(width.max(initial=1))
-    at = ends[:, None] - w + np.arange(w)  # [t, w]
-    digits = np.where(at >= starts[:, None], d[np.maximum(at, 0)], 0).astype(np.int64)
-    values = digits @ _POW10[MAX_DIGITS - w :]
+    values = d[starts].astype(np.int64)  # Horner's rule, one digit place at a time
+    for k in range(1, int(width.max(initial=1))):
+        longer = np.flatnonzero(width > k)
+        values[longer] = values[longer] * 10 + d[starts[longer] + k]
     values = np.where(minus[starts - 1], -values, values)
     # body k holds the numbers between its two framing commas
     sizes = np.fromiter(map(len, bodies), dtype=np.int64, count=len(bodies))
@@ -112,16 +113,17 @@ class TokenLines:
         for at in self._offsets[documents].tolist():
             end = self._map.find(b"\n", at)
             line = self._map[at : end if end >= 0 else len(self._map)]
-            prefix = next((p for p in PREFIXES if line.startswith(p)), None)
-            if prefix is None or not line.endswith(SUFFIX):
+            if not (line.startswith(PREFIXES) and line.endswith(SUFFIX)):
                 return None
-            bodies.append(line[len(prefix) : -len(SUFFIX)])
+            bodies.append(line[line.index(b"[") + 1 : -len(SUFFIX)])  # the prefix's ``[``
         parsed = parse_int_lists(bodies)
         if parsed is None or (parsed[1] != self._lengths[documents]).any():
             return None
         values, counts = parsed
-        first = np.cumsum(counts) - counts  # [p] each line's first value
-        tokens = values[token_indices(first + np.asarray(offsets), sizes)]
+        tokens = values  # most rows: whole documents, every value once in order
+        if (np.asarray(offsets) != 0).any() or (counts != sizes).any():
+            first = np.cumsum(counts) - counts  # [p] each line's first value
+            tokens = values[token_indices(first + np.asarray(offsets), sizes)]
         return np.abs(tokens), np.where(tokens > 0, tokens, -100)
 
     def close(self) -> None:
