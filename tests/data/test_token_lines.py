@@ -3,6 +3,7 @@ reader (``JsonlDataset``): every row of ``build_whole_packed_dataset`` equal, to
 and type for type, to the row read document by document through XTuner's reader."""
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -119,6 +120,8 @@ def test_every_row_equals_xtuners_reader(tmp_path, odd):
         assert got == want
         assert all(type(v) is int for k in got for v in got[k])
     assert packer._lines is not None and packer._lines is not False  # the bulk reader ran
+    copy = pickle.loads(pickle.dumps(packer))  # XTuner's broadcast: the file's mapping stays out
+    assert copy._lines is None and copy[0] == packer[0]
 
 
 def test_the_bulk_parse_takes_canonical_lines_and_leaves_the_others(tmp_path):
