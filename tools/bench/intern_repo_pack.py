@@ -7,18 +7,21 @@ XTuner's ``load_intern_repo_tokenized_dataset`` reads them (memory-mapped, one J
 document); with ``--loader processed``, the untokenized loader's saved form instead
 (``load_intern_repo_untokenized_dataset(processed_dataset_dict_path=...)``: a ``DatasetDict``
 on disk, memory-mapped by ``load_from_disk``; the dialogues of ``pack_dataset.py``). Each builder runs in a fresh process on the stock intern-repo arguments
-(``packed_length`` 8192, seed 1024), then serves ``--reads`` random rows through
-``__getitem__`` as a data loader worker does. Printed, from one run: build wall time, peak
-RSS over the imports (build, then build + served rows), rows served per second in tokens, and
-the ratios ours / XTuner's. ``--before DIR`` runs ours a second time from an older copy of
-the package (``git archive <commit> xtuner_rope | tar -x -C DIR``) in the same run.
+(``packed_length`` 8192, seed 1024), then serves random rows through ``__getitem__`` as a
+data loader worker does (``--reads`` of XTuner's, whose rows cost 0.1-0.2 s each at 1M;
+``--reads-ours`` of ours). Printed, from one run: build wall time, peak RSS over the imports
+(build, then build + served rows), rows served per second in tokens, and the ratios ours /
+XTuner's. ``--before DIR`` runs ours a second time from an older copy of the package
+(``git archive <commit> xtuner_rope | tar -x -C DIR``) in the same run, and checks that both
+serve the same rows (a digest of the first ``--reads`` rows read: every column, in order).
 
 Usage:
-    python tools/bench/intern_repo_pack.py [--documents 1000000] [--reads 200] [--before DIR]
-        [--loader tokenized|processed]
+    python tools/bench/intern_repo_pack.py [--documents 1000000] [--reads 200]
+        [--reads-ours 2000] [--before DIR] [--loader tokenized|processed]
 """
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -69,8 +72,19 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_one(which: str, folder: str, reads: int) -> dict:
-    """Build the packed dataset of ``folder`` with ``which`` ('xtuner' or 'ours'); figures."""
+def rows_digest(packed, order: list[int]) -> str:
+    """A digest of rows ``order`` of ``packed``: every column's values, in order."""
+    digest = hashlib.sha256()
+    for i in order:
+        row = packed[i]
+        for key in ("input_ids", "labels", "cumulative_len", "position_ids"):
+            digest.update(key.encode() + np.asarray(row[key], dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def run_one(which: str, folder: str, reads: int, digest_reads: int) -> dict:
+    """Build the packed dataset of ``folder`` with ``which`` ('xtuner' or 'ours'); figures
+    (ours also the digest of its first ``digest_reads`` rows read)."""
     from xtuner.dataset import intern_repo
 
     from xtuner_rope.data.intern_repo_packing import build_whole_packed_dataset
@@ -93,7 +107,9 @@ def run_one(which: str, folder: str, reads: int) -> dict:
     for i in order:
         tokens += len(packed[i]["input_ids"])
     rate = tokens / (time.perf_counter() - start)
+    digest = rows_digest(packed, order[:digest_reads]) if which == "ours" else None
     return {
+        "digest": digest,
         "seconds": seconds,
         "rows": len(packed),
         "rss_before_mib": before,
@@ -107,12 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--documents", type=int, default=1_000_000)
     parser.add_argument("--reads", type=int, default=200)  # XTuner's rows: ~0.2 s each at 1M
+    parser.add_argument("--reads-ours", type=int, default=2000)  # ~1 ms each
     parser.add_argument("--before", help="an older xtuner_rope's parent folder, run as ours too")
     parser.add_argument("--loader", choices=("tokenized", "processed"), default="tokenized")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # which, folder
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_one(args.child[0], args.child[1], args.reads)))
+        reads = args.reads if args.child[0] == "xtuner" else args.reads_ours
+        print(json.dumps(run_one(args.child[0], args.child[1], reads, args.reads)))
         return
     with tempfile.TemporaryDirectory(prefix="intern-repo-bench-") as tmp:
         make = make_corpus if args.loader == "tokenized" else make_processed
@@ -123,11 +141,16 @@ def main() -> None:
         if args.before:
             runs.append(("ours-before", "ours", args.before))
         for label, which, path in runs:
-            command = [sys.executable, __file__, "--reads", str(args.reads), "--child", which, tmp]
+            command = [sys.executable, __file__, "--reads", str(args.reads), "--reads-ours"]
+            command += [str(args.reads_ours), "--child", which, tmp]
             env = {**os.environ, "PYTHONPATH": path} if path else None
             out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
             results[label] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(label, json.dumps({k: round(v, 1) for k, v in results[label].items()}))
+            shown = {
+                k: v if isinstance(v, str) or v is None else round(v, 1)
+                for k, v in results[label].items()
+            }
+            print(label, json.dumps(shown))
     x, o = results["xtuner"], results["ours"]
     if args.before:
         b = results["ours-before"]
@@ -137,7 +160,8 @@ def main() -> None:
             f"{(b['build_peak_rss_mib'] - b['rss_before_mib']):.0f} MiB at build, "
             f"{(o['served_peak_rss_mib'] - o['rss_before_mib']):.0f} / "
             f"{(b['served_peak_rss_mib'] - b['rss_before_mib']):.0f} MiB with rows served; rows "
-            f"served {o['served_mtokens_per_s'] / b['served_mtokens_per_s']:.2f}x"
+            f"served {o['served_mtokens_per_s'] / b['served_mtokens_per_s']:.2f}x; the same "
+            f"{args.reads} rows: {o['digest'] == b['digest']}"
         )
 
     def grown(r, key):

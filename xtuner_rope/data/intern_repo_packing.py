@@ -9,7 +9,8 @@ document once, nothing dropped. Documents longer than ``packed_length`` (the tok
 intern-repo files are pretraining data and may hold them) are split into ``packed_length``
 pieces; dialogues (``load_intern_repo_untokenized_dataset``) never are: XTuner's ``encode_fn``
 truncates them at ``max_length``, counted (one start-up line, :func:`build_whole_packed_dataset`).
-Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``, ``labels``, ``cumulative_len``, ``position_ids``).
+Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``, ``labels``,
+``cumulative_len``, ``position_ids``: lists of ints).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mmengine.logging import print_log
 
 from .pack_plans import cut_dialogues, intern_repo_cut_plan, whole_plan
 from .token_gather import TokenGather, table_and_order
+from .token_lines import TokenLines
 from .truncation import counting_truncation, summed_figures, tokenized_line, truncation_message
 
 COLUMNS = ("input_ids", "labels")
@@ -63,9 +65,11 @@ class WholePackedDataset(torch.utils.data.Dataset):
 
     Holds the plan only (which pieces of which documents form each row: integer arrays, about
     40 bytes a document); rows are read from the loaded dataset when asked for, as XTuner's
-    are: a ``JsonlDataset`` (tokenized ``.bin``, memory-mapped by XTuner) document by
-    document, a ``datasets.Dataset`` (untokenized files) by gathering the row's pieces from
-    its Arrow columns (``token_gather.TokenGather``, zero-copy views, in each reading process).
+    are: a ``JsonlDataset`` (tokenized ``.bin``) by parsing the lines of the row's documents
+    in one go from a mapping of its file (``token_lines.TokenLines``; a line in another form
+    than ``{"tokens": [...]}``: the row through XTuner's reader, document by document), a
+    ``datasets.Dataset`` (untokenized files) by gathering the row's pieces from its Arrow
+    columns (``token_gather.TokenGather``, zero-copy views); both built in each reading process.
 
     Args:
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
@@ -102,6 +106,7 @@ class WholePackedDataset(torch.utils.data.Dataset):
             else None
         )
         self._gather = None  # built in the process that reads rows, never pickled
+        self._lines = None  # likewise (a mapping of the ``.bin`` file)
         self.num_tokens = int(self.length.sum())
         cut = any(truncation_message(f) for f in truncation or [])  # lost before packing
         line = _summary(lengths, len(self), packed_length, _unit(dataset), cut)
@@ -111,23 +116,14 @@ class WholePackedDataset(torch.utils.data.Dataset):
         return len(self.row_pieces) - 1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_gather": None}  # views of the table: rebuilt where read
+        # views of the table, a mapping of the file: rebuilt where read
+        return {**self.__dict__, "_gather": None, "_lines": None}
 
     def __getitem__(self, row: int) -> dict:
         """Row ``row``: XTuner's packed columns, positions restarting at 0 per document."""
         pieces = slice(self.row_pieces[row], self.row_pieces[row + 1])
         sizes = self.sizes[pieces]
-        if self.token_starts is not None:
-            if self._gather is None:
-                self._gather = TokenGather(table_and_order(self.dataset)[0], COLUMNS)
-            tokens = self._gather.row(self.token_starts[pieces], sizes)
-            ids, labels = tokens["input_ids"].tolist(), tokens["labels"].tolist()
-        else:
-            ids, labels = [], []
-            for doc, a, n in zip(self.documents[pieces], self.offsets[pieces], sizes):
-                sample = self.dataset[int(doc)]
-                ids.extend(sample["input_ids"][a : a + n])
-                labels.extend(sample["labels"][a : a + n])
+        ids, labels = self._tokens(pieces, sizes)
         cumulative_len = np.concatenate([[0], np.cumsum(sizes)])
         return {
             "input_ids": ids,
@@ -135,6 +131,38 @@ class WholePackedDataset(torch.utils.data.Dataset):
             "position_ids": (np.arange(len(ids)) - np.repeat(cumulative_len[:-1], sizes)).tolist(),
             "labels": labels,
         }
+
+    def _tokens(self, pieces: slice, sizes: np.ndarray) -> tuple[list, list]:
+        """``input_ids`` and ``labels`` of the row's pieces, joined: gathered from the Arrow
+        columns, parsed from the ``.bin`` lines in one go, or (any other dataset, or a line
+        the bulk parse does not take) read document by document through ``dataset[i]``."""
+        if self.token_starts is not None:
+            if self._gather is None:
+                self._gather = TokenGather(table_and_order(self.dataset)[0], COLUMNS)
+            tokens = self._gather.row(self.token_starts[pieces], sizes)
+            return tokens["input_ids"].tolist(), tokens["labels"].tolist()
+        documents, offsets = self.documents[pieces], self.offsets[pieces]
+        if self._lines is None:
+            self._lines = _token_lines(self.dataset)
+        parsed = self._lines.pieces(documents, offsets, sizes) if self._lines else None
+        if parsed is not None:
+            return parsed[0].tolist(), parsed[1].tolist()
+        ids, labels = [], []
+        for doc, a, n in zip(documents, offsets, sizes):
+            sample = self.dataset[int(doc)]
+            ids.extend(sample["input_ids"][a : a + n])
+            labels.extend(sample["labels"][a : a + n])
+        return ids, labels
+
+
+def _token_lines(dataset) -> TokenLines | bool:
+    """A bulk reader of ``dataset``'s lines if it is XTuner's own ``JsonlDataset`` (a
+    subclass may read its lines differently), else False."""
+    from xtuner.dataset.intern_repo import JsonlDataset
+
+    if type(dataset) is not JsonlDataset:
+        return False
+    return TokenLines(dataset.path, dataset.offsets, dataset.length)
 
 
 def _unit(dataset) -> str:
