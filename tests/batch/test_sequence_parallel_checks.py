@@ -15,6 +15,7 @@ from xtuner_rope.batch.sequence_parallel import (
     check_sequence_parallel_rows,
     sequence_parallel_padding,
 )
+from xtuner_rope.compat import cpu_only, gloo_all_to_all_missing
 from xtuner_rope.config import startup
 from xtuner_rope.config.startup import ConfigConflict
 from xtuner_rope.data.collate import rope_collate_fn
@@ -106,6 +107,11 @@ def sp_configs(tmp_path_factory):
 
 def test_doctor_reports_rows_against_the_sequence_parallel_size(sp_configs):
     report, _ = diagnose(str(sp_configs[2]), progress=False)
+    missing = cpu_only() and gloo_all_to_all_missing()
+    if missing:  # torch 2.4.1 on CPU: the run cannot exchange shards, the doctor says so
+        assert report["exit_code"] == 1
+        assert any(missing in p for p in report["problems"]), report["problems"]
+        pytest.skip(f"sequence parallel refused on this CPU: {missing}")
     figures, collate = report["sequence_parallel"], report["collate"]
     assert report["exit_code"] == 0, report["problems"]
     assert collate["batches"] == collate["batches_total"]  # every row collated (batch size 1)

@@ -85,3 +85,26 @@ def test_heads_not_divisible_by_the_size_on_cpu_are_refused(monkeypatch):
         r"a divisor of 3, or train on GPUs",
     ):
         sequence_parallel.sequence_parallel_attention(q, k, v, eager=False)
+
+
+def test_sequence_parallel_on_cpu_is_refused_where_gloo_has_no_all_to_all():
+    """Probed, not by version: torch 2.4.1's gloo lacks all_to_all (refused at start-up, the
+    torch named), 2.14.1's and 2.15.0's have it (served: nothing found for this config)."""
+    import torch
+
+    from xtuner_rope.config.sequence_parallel import sequence_parallel_heads_findings
+
+    missing = compat.gloo_all_to_all_missing()
+    findings = sequence_parallel_heads_findings(_sp_cfg(2))  # no checkpoint: no heads to check
+    if missing is None:
+        assert findings == []
+        return
+    assert f"torch {torch.__version__}'s gloo backend has no all_to_all" in missing
+    (finding,) = findings
+    assert finding.setting == "sequence_parallel_size" and missing in finding.problem
+    with pytest.raises(
+        ConfigConflict,
+        match=r"(?s)sequence_parallel_size: 2 on a CPU-only machine: .*all_to_all.*"
+        r"set sequence_parallel_size = 1, or install a torch whose gloo has all_to_all",
+    ):
+        prepare_config(_sp_cfg(2))

@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
 from xtuner_rope.models.dispatch import patch_model
-from xtuner_rope.ops.rope_triton import INTERPRET_ENV, triton_kernel_calls, use_triton_apply
+from xtuner_rope.ops.rope_triton import (
+    INTERPRET_ENV,
+    interpreter_fault,
+    triton_kernel_calls,
+    use_triton_apply,
+)
 
 pytest.importorskip("triton")
 
@@ -55,6 +60,9 @@ def test_patched_model_with_the_kernel_equals_eager(case, monkeypatch):
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])  # [b, s]
     monkeypatch.setenv(INTERPRET_ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    fault = interpreter_fault()  # where the package rotates CPU tensors eagerly
+    if fault:
+        pytest.skip(fault)
     use_triton_apply(False)
     eager = run(model, ids, pos)
     use_triton_apply(True)

@@ -53,7 +53,7 @@ from .deepspeed_cpu import (
     patch_deepspeed_cpu_allgather_grad_mode,
     patch_deepspeed_zero3_cpu_gather,
 )
-from .devices import cpu_only
+from .devices import cpu_only, gloo_all_to_all_missing
 from .guard import (
     CompatPatchSkipped,
     CompatPatchUnavailable,
@@ -153,6 +153,7 @@ __all__ = [
     "triton_lacks_ops",
     "deepspeed_flat_buffer_requires_grad",
     "cpu_only",
+    "gloo_all_to_all_missing",
     "SCHEDULER_CHECKS",
     "MOVED_NAMES",
     "patch_torch_cpu_bf16_query",

@@ -1,6 +1,9 @@
-"""Where the code runs: ``cpu_only`` (no accelerator MMEngine can drive), asked by most patches."""
+"""Where the code runs: ``cpu_only`` (no accelerator MMEngine can drive), asked by most patches,
+and what torch's CPU backend (gloo) can do there (``gloo_all_to_all_missing``)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -12,3 +15,32 @@ def cpu_only() -> bool:
     from mmengine.device import is_mlu_available, is_musa_available, is_npu_available
 
     return not (is_npu_available() or is_mlu_available() or is_musa_available())
+
+
+@functools.cache
+def gloo_all_to_all_missing() -> str | None:
+    """Why torch's gloo backend cannot ``all_to_all`` here; None where it can.
+
+    XTuner's sequence parallel exchanges heads and tokens with ``dist.all_to_all`` (a list of
+    tensors per rank); on a CPU-only machine that runs over gloo, whose ``alltoall`` torch 2.4.1
+    lacks ("Backend gloo does not support alltoall"; torch 2.14.1 and 2.15.0 have it). Probed
+    once, not by version: a one-rank gloo group in this process (an in-memory store, no
+    network) exchanges one tensor. Anything else that fails in the probe is not reported
+    here (None): the run itself will say.
+
+    Returns:
+        str | None: torch's version and gloo's own error; or None.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return f"torch {torch.__version__} was built without torch.distributed's gloo backend"
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        sent, received = torch.arange(2.0), torch.zeros(2)
+        group.alltoall([received], [sent]).wait()
+    except RuntimeError as error:
+        if "does not support alltoall" in str(error):
+            return f"torch {torch.__version__}'s gloo backend has no all_to_all ({error})"
+        return None
+    return None

@@ -10,7 +10,9 @@ head-dim split), which gathers with ``gather_for_sequence_parallel``; xtuner 0.2
 non-CPU tensor there, so on a CPU-only machine such a run dies at the first attention, after the
 weights are loaded (``models.sequence_parallel.sequence_parallel_attention`` refuses it there
 too). The LLM's local ``config.json`` gives the head counts: the start-up (and so
-``xtuner-rope doctor``) refuses it first, with the edit.
+``xtuner-rope doctor``) refuses it first, with the edit. On a CPU-only machine the all-to-all
+runs over gloo, which torch 2.4.1 lacks (``compat.gloo_all_to_all_missing``, probed): there any
+``sequence_parallel_size`` > 1 is refused at start-up, before the model is built.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict, cpu_only
+from xtuner_rope.compat import config_dict, cpu_only, gloo_all_to_all_missing
 
 from .checkpoint_findings import llm_checkpoint_config
 from .fields import lazy_get as _get
@@ -45,23 +47,36 @@ def checkpoint_heads(cfg: Config) -> tuple[str, int | None]:
 
 @register_findings("sequence_parallel")
 def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
-    """Refuse ``sequence_parallel_size`` not dividing the attention heads on a CPU-only machine."""
+    """Refuse sequence parallel on a CPU-only machine where it cannot run: with a
+    ``sequence_parallel_size`` not dividing the heads (that edit first), else over a gloo
+    without ``all_to_all`` (torch 2.4.1)."""
     sp = config_dict(cfg).get("sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1 or not cpu_only():
         return []  # a bad size is refused by sequence_parallel_size_findings
     where, heads = checkpoint_heads(cfg)
-    if heads is None or heads % sp == 0:
+    if heads is not None and heads % sp:  # first: the edit of the size itself
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        return [
+            Finding(
+                "sequence_parallel_size",
+                f"{sp} does not divide the {heads} attention heads (from "
+                f"{where}): XTuner's inner sequence parallel, its fallback for that, gathers "
+                "through gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0) "
+                "after the weights are loaded",
+                f"set sequence_parallel_size to a divisor of {heads} "
+                f"({', '.join(map(str, divisors))}), or train on GPUs",
+            )
+        ]
+    missing = gloo_all_to_all_missing()
+    if not missing:
         return []
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     return [
         Finding(
             "sequence_parallel_size",
-            f"{sp} does not divide the {heads} attention heads (from "
-            f"{where}): XTuner's inner sequence parallel, its fallback for that, gathers through "
-            "gather_for_sequence_parallel, which refuses CPU tensors (xtuner 0.2.0) after the "
-            "weights are loaded",
-            f"set sequence_parallel_size to a divisor of {heads} ({', '.join(map(str, divisors))}), "
-            "or train on GPUs",
+            f"{sp} on a CPU-only machine: XTuner's sequence parallel exchanges heads and "
+            f"tokens with all_to_all, which runs over gloo here, and {missing}",
+            "set sequence_parallel_size = 1, or install a torch whose gloo has all_to_all "
+            "(2.14.1 and 2.15.0 have it) with its own torchvision, or train on GPUs (NCCL)",
         )
     ]
 

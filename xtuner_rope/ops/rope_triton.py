@@ -13,6 +13,12 @@ library, decorated when Triton is imported, must agree at launch: the variable s
 set it before the first rotary apply of the process. Interpreted runs raise on error; on CUDA a kernel that fails to
 compile or launch warns and hands over to the eager kernel for the rest of the process.
 
+Before the first interpreted launch, a copy kernel probes the interpreter
+(:func:`interpreter_fault`): Triton 3.0.0's (torch 2.4's) loads return nothing or garbage
+with NumPy 2 (its C++ helpers read NumPy 1's layout; with NumPy 1.26.4 the same kernel is
+exact). Where the probe fails, the CPU tensors rotate eagerly, with one `RuntimeWarning`
+naming the Triton and NumPy found. The compiled kernel (CUDA) does not use NumPy.
+
 The kernel reads cos/sin per token (fp32 `[b or 1, s, rot]`, from `rope.cos_sin_at`: fp32-exact
 angles, fp64 past 2**24, every scaling type and per-document frequency already applied) and
 rotates in fp32 registers. Torch only here; Triton is imported lazily (`ops.rope_triton_kernel`).
@@ -26,6 +32,7 @@ import torch
 __all__ = [
     "INTERPRET_ENV",
     "SWITCH_ENV",
+    "interpreter_fault",
     "triton_apply",
     "triton_apply_active",
     "triton_kernel_calls",
@@ -35,8 +42,9 @@ __all__ = [
 SWITCH_ENV = "XTUNER_ROPE_TRITON"  # "0": the eager kernel everywhere
 INTERPRET_ENV = "XTUNER_ROPE_TRITON_INTERPRET"  # "1": the kernel on CPU tensors, interpreted
 # enabled: None until use_triton_apply is called (then SWITCH_ENV decides); kernel: None until
-# the first use, then the jitted kernel or False (Triton missing); calls: launches served.
-_state = {"enabled": None, "kernel": None, "calls": 0}
+# the first use, then the jitted kernel or False (Triton missing); calls: launches served;
+# fault: None until the interpreter is probed, then "" (it computes) or why not.
+_state = {"enabled": None, "kernel": None, "calls": 0, "fault": None}
 _TILE = 1024  # q elements (half a rotary dim per head) per program, see _launch
 
 
@@ -95,14 +103,61 @@ def triton_apply_active(x):
         x (torch.Tensor): q (gives the device).
 
     Returns:
-        bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`) when the
-        kernel is on, Triton imports and no `torch.compile` trace is running.
+        bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`, where
+        :func:`interpreter_fault` finds none) when the kernel is on, Triton imports and no
+        `torch.compile` trace is running.
     """
     if torch.compiler.is_compiling() or not _enabled():
         return False
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):
         return False
-    return _kernel() is not None
+    if _kernel() is None:
+        return False
+    return x.device.type == "cuda" or interpreter_fault() is None
+
+
+def interpreter_fault():
+    """Why Triton's interpreter cannot run the kernel here; None where it can.
+
+    Probed once per process, under `XTUNER_ROPE_TRITON_INTERPRET=1` only (elsewhere nothing
+    is interpreted: None): a copy kernel of 4 floats, interpreted. Triton 3.0.0's interpreter
+    with NumPy 2 reads wrong values (torch 2.4.1's Triton; NumPy 1.26.4 and Triton 3.9.0 copy
+    exactly). The first fault found warns once (`RuntimeWarning`); `triton_apply_active` then
+    answers False for CPU tensors, so they rotate eagerly. Tests skip with this reason.
+
+    Returns:
+        str | None: The Triton and NumPy versions, what the copy read, and the fix; or None.
+    """
+    if not _interpret() or _kernel() is None:
+        return None
+    if _state["fault"] is None:
+        _state["fault"] = _probe_interpreter()
+        if _state["fault"]:
+            warnings.warn(f"xtuner_rope: {_state['fault']}", RuntimeWarning, stacklevel=3)
+    return _state["fault"] or None
+
+
+def _probe_interpreter():
+    """ "" if the interpreted copy kernel copies, else the fault in words."""
+    import numpy
+    import triton
+
+    from xtuner_rope.ops.rope_triton_kernel import copy_kernel
+
+    x, out = torch.arange(1.0, 5.0), torch.zeros(4)
+    try:
+        copy_kernel[(1,)](x, out, 4, BLOCK=4)
+        got = out.tolist()
+    except Exception as error:  # noqa: BLE001 - reported: the interpreter cannot run here
+        got = f"{type(error).__name__}: {str(error)[:200]}"
+    if got == x.tolist():
+        return ""
+    return (
+        f"Triton {triton.__version__}'s interpreter ({INTERPRET_ENV}=1) does not compute with "
+        f"NumPy {numpy.__version__}: a copy of {x.tolist()} read {got}; the CPU tensors rotate "
+        "with the eager kernel instead. Triton 3.0's interpreter needs NumPy < 2 (1.26.4 "
+        "computes); Triton 3.9.0 (torch 2.15) computes with NumPy 2."
+    )
 
 
 def _bshd(x, unsqueeze_dim):

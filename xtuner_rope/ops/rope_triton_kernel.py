@@ -132,3 +132,11 @@ def rope_kernel(
         k, k_out, n_k, k_sb, k_ss, k_sn, k_sd, ko_sb, ko_ss, ko_sn, ko_sd, bi, si, tok,
         c_1, c_2, s_1, s_2, HALF, PASS, BLOCK_K, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
+
+
+@triton.jit
+def copy_kernel(x, out, n, BLOCK: tl.constexpr):
+    """`out[:n] = x[:n]` in one program: the probe of the interpreter's loads and stores
+    (`ops.rope_triton.interpreter_fault`)."""
+    i = tl.arange(0, BLOCK)  # [BLOCK]
+    tl.store(out + i, tl.load(x + i, mask=i < n, other=0.0), mask=i < n)
