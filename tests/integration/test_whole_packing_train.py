@@ -1,16 +1,21 @@
 """Issue 38's proof inside a real ``xtuner train``: the rows the model receives, one epoch of the
 stock alpaca config with the one edit (600 dialogues, ``max_length`` 512), hold every dialogue
-of XTuner's own unpacked dataset whole, token for token, each exactly once."""
+of XTuner's own unpacked dataset whole, token for token, each exactly once. Issue 49's for
+pretraining text: one epoch of the stock ``qwen1_5_0_5b_full_custom_pretrain_e1`` trains every
+token of XTuner's own uncut documents exactly once, long documents as ``max_length`` pieces."""
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import stock_configs as sc
 import torch
 from mmengine.config import Config
 from xtuner.registry import BUILDER
+from xtuner_unpatched import xtuner_unpatched
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 HOOK_IMPORT = "from record_batches_hook import RecordBatchesHook\n"
@@ -92,3 +97,70 @@ def test_one_intern_repo_epoch_trains_every_dialogue_whole_and_once(tmp_path, mo
     loader = Config.fromfile(str(config)).train_dataloader.dataset.dataset_cfg
     (unpacked,) = BUILDER.build(loader)  # XTuner's own dialogues of the one file, unpacked
     assert assert_every_dialogue_whole_once(batches, unpacked) >= 0.95
+
+
+PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"
+
+
+def _pretraining_documents(folder: Path) -> Path:
+    """60 pretraining documents (``{"text": ...}``) of 1 to 39 sample replies: ~40 to ~900
+    tokens, a third of them longer than a 512-token row."""
+    rng = np.random.default_rng(1)
+    texts = [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 60)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.json").write_text(json.dumps([{"text": t} for t in texts]))
+    return folder
+
+
+def test_one_pretraining_epoch_trains_every_token_once(tmp_path, monkeypatch):
+    """The rows the model received, cut at their document boundaries, are exactly the
+    ``max_length`` pieces of XTuner's own documents built uncut (``max_length`` 10**9, no
+    packing, without the plugin): every token of the corpus trained once, none cut off."""
+    from xtuner_rope.demo.resources import tiny_checkpoint
+    from xtuner_rope.zoo.localize import enable_plugin, localize
+
+    qwen2 = sc.TINY_MODEL.with_name("tiny-qwen2")
+    tiny_checkpoint(str(qwen2), data_path=str(sc.SAMPLE_DATA), family="qwen2")
+    stock = sc.copy_stock(PRETRAIN, tmp_path).read_text()
+    text = enable_plugin(localize(stock, qwen2, _pretraining_documents(tmp_path / "docs")))
+    config = tmp_path / "pretrain.py"
+    # the pretrain config imports nothing from xtuner.utils: the hook's import goes first
+    recording = sc.sub_once(
+        text, r"^(custom_hooks = \[)$", r"\g<1>\n    dict(type=RecordBatchesHook),"
+    )
+    config.write_text(HOOK_IMPORT + recording)
+    max_length = Config.fromfile(str(config)).max_length
+    # the stock 3% warm-up rounds to 0 iterations on this small epoch (the zoo's refusal)
+    warmup = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
+    sc.ensure_tiny_model()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), str(sc.REPO)]))
+    work = tmp_path / "run"
+    proc = sc.xtuner_train(config, work, "train_cfg.max_epochs=1", "accumulative_counts=1", *warmup)
+    out = proc.stdout + proc.stderr
+    assert (work / "batches.pt").is_file(), out[-3000:]
+    batches = torch.load(work / "batches.pt", weights_only=False)
+    cfg = Config.fromfile(str(config))
+    cfg.train_dataloader.dataset.update(max_length=10**9, pack_to_max_length=False)
+    with xtuner_unpatched():
+        documents = BUILDER.build(cfg.train_dataloader.dataset)["input_ids"]
+    long = sum(len(d) > max_length for d in documents)
+    assert long >= 10, long
+    pieces = Counter(
+        tuple(d[i : i + max_length]) for d in documents for i in range(0, len(d), max_length)
+    )
+    trained = Counter()
+    for batch in batches:
+        for ids, labels, bounds in zip(
+            batch["input_ids"], batch["labels"], batch["cumulative_len"]
+        ):
+            bounds = bounds.tolist()
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                trained[tuple(ids[a:b].tolist())] += 1
+                assert (labels[a + 1 : b] == ids[a + 1 : b]).all()  # every token supervised
+    assert trained == pieces  # every token of the corpus once, long documents as pieces
+    tokens = sum(map(len, documents))
+    assert f"packed {len(documents)} documents ({tokens} tokens" in out
+    print(
+        f"{len(batches)} iterations, {sum(trained.values())} pieces of {len(documents)} "
+        f"documents ({long} split), {tokens} tokens each trained once"
+    )
