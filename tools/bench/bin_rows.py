@@ -19,19 +19,25 @@ from pathlib import Path
 import numpy as np
 from intern_repo_pack import make_corpus
 
+from xtuner_rope.data.intern_repo_packing import pieces_by_reader
+
 
 def by_xtuners_reader(packer, row: int) -> dict:
-    """Row ``row`` of ``packer`` built document by document through XTuner's reader."""
-    ids, labels, bounds = [], [], [0]
-    pieces = range(packer.row_pieces[row], packer.row_pieces[row + 1])
-    for doc, a, n in zip(packer.documents[pieces], packer.offsets[pieces], packer.sizes[pieces]):
-        sample = packer.dataset[int(doc)]
-        ids += sample["input_ids"][a : a + n]
-        labels += sample["labels"][a : a + n]
-        bounds.append(bounds[-1] + int(n))
-    sizes = np.diff(bounds)
+    """Row ``row`` of ``packer`` built document by document through XTuner's reader (the
+    package's own fallback, ``intern_repo_packing.pieces_by_reader``)."""
+    pieces = slice(packer.row_pieces[row], packer.row_pieces[row + 1])
+    sizes = packer.sizes[pieces]
+    ids, labels = pieces_by_reader(
+        packer.dataset, packer.documents[pieces], packer.offsets[pieces], sizes
+    )
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
     positions = (np.arange(bounds[-1]) - np.repeat(bounds[:-1], sizes)).tolist()
-    return {"input_ids": ids, "cumulative_len": bounds, "position_ids": positions, "labels": labels}
+    return {
+        "input_ids": ids,
+        "cumulative_len": bounds.tolist(),
+        "position_ids": positions,
+        "labels": labels,
+    }
 
 
 def main() -> None:

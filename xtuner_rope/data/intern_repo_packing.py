@@ -147,12 +147,19 @@ class WholePackedDataset(torch.utils.data.Dataset):
         parsed = self._lines.pieces(documents, offsets, sizes) if self._lines else None
         if parsed is not None:
             return parsed[0].tolist(), parsed[1].tolist()
-        ids, labels = [], []
-        for doc, a, n in zip(documents, offsets, sizes):
-            sample = self.dataset[int(doc)]
-            ids.extend(sample["input_ids"][a : a + n])
-            labels.extend(sample["labels"][a : a + n])
-        return ids, labels
+        return pieces_by_reader(self.dataset, documents, offsets, sizes)
+
+
+def pieces_by_reader(dataset, documents, offsets, sizes) -> tuple[list, list]:
+    """``input_ids`` and ``labels`` of tokens ``offsets[i] .. offsets[i] + sizes[i]`` of each
+    ``documents[i]``, joined, read document by document through ``dataset[i]`` (XTuner's
+    reader: what a row cost before the bulk parse; ``tools/bench/bin_rows.py`` times it)."""
+    ids, labels = [], []
+    for doc, a, n in zip(documents, offsets, sizes):
+        sample = dataset[int(doc)]
+        ids.extend(sample["input_ids"][a : a + n])
+        labels.extend(sample["labels"][a : a + n])
+    return ids, labels
 
 
 def _token_lines(dataset) -> TokenLines | bool:
