@@ -6,8 +6,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from xtuner_rope.data import token_gather
 from xtuner_rope.data.pack_plans import token_indices
-from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages
+from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, list_lengths
 
 
 def _table(lengths, chunk, labels_shift=0):
@@ -101,3 +102,50 @@ def test_a_gather_from_a_mapped_file_leaves_its_token_pages_released(tmp_path):
     )
     # Every token page was read, and released after: only the batches' offsets stay resident.
     assert _resident_kib(path) * 1024 < path.stat().st_size / 10
+
+
+def _mapped_table(tmp_path, lengths, chunk):
+    path = (tmp_path / "tokenized.arrow").resolve()
+    table = _table(lengths, chunk)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path, table, pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
+@pytest.mark.parametrize("window_bytes", [1, 20_000, 1 << 30])
+def test_a_mapped_table_read_window_by_window_equals_a_take(tmp_path, monkeypatch, window_bytes):
+    """Chunks read through one view of the mapping, windows of any size (1 byte: a window a
+    chunk; 1 GiB: the whole file in one), pieces in any order and across chunks' order."""
+    monkeypatch.setattr(token_gather, "WINDOW_BYTES", window_bytes)
+    lengths = np.random.default_rng(5).integers(1, 60, 3000)
+    path, table, mapped = _mapped_table(tmp_path, lengths, 97)
+    gather = TokenGather(mapped, ("input_ids", "labels"), (str(path),))
+    windows = int(gather._windows.of_chunk.max()) + 1
+    chunks = -(-len(lengths) // 97)
+    assert windows == {1: chunks, 1 << 30: 1}.get(window_bytes, windows) and 1 <= windows <= chunks
+    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pick = np.random.default_rng(6).permutation(len(lengths))[:2000]
+    starts = doc_starts[pick] + lengths[pick] // 3  # pieces from inside the dialogues
+    sizes = lengths[pick] - lengths[pick] // 3
+    got = gather.gather(starts, sizes)
+    for k in ("input_ids", "labels"):
+        joined = table.column(k).combine_chunks().flatten().to_numpy()
+        np.testing.assert_array_equal(got[k], joined[token_indices(starts, sizes)])
+    assert _resident_kib(path) * 1024 < path.stat().st_size / 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_reading_the_lengths_or_the_chunks_leaves_the_mapped_pages_released(tmp_path):
+    """Reading every chunk's offsets maps their neighbours too (fault-around): lengths and a
+    TokenGather built over a mapped table leave only a few pages of it resident."""
+    lengths = np.random.default_rng(7).integers(100, 400, 8000)
+    path, table, mapped = _mapped_table(tmp_path, lengths, 50)
+    drop_mapped_pages([str(path)])
+    got = list_lengths(mapped.column("input_ids"), (str(path),))
+    np.testing.assert_array_equal(got, lengths)
+    assert _resident_kib(path) * 1024 < path.stat().st_size / 10
+    TokenGather(mapped, ("input_ids", "labels"), (str(path),))
+    assert _resident_kib(path) * 1024 < path.stat().st_size / 10
+    # In memory (no files named): the same lengths, nothing to release.
+    np.testing.assert_array_equal(list_lengths(table.column("input_ids")), lengths)

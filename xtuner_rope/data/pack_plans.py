@@ -120,27 +120,34 @@ def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.nda
         ValueError: ``max_length`` is not a positive integer, or a document is empty.
     """
     _check_max_length(max_length)
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
+    if lengths.dtype.kind not in "iu":
+        lengths = lengths.astype(np.int64)
     if len(lengths) and lengths.min() < 1:
         bad = int(np.argmin(lengths))
         raise ValueError(
             f"pack_dataset: dialogue {bad} of the tokenized dataset has no tokens (expected >= 1); "
             "filter empty dialogues out before packing (dataset.filter(lambda x: len(x['input_ids']))."
         )
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    per_doc = -(-lengths // max_length)  # pieces per document: 1 unless longer than a row
-    doc = np.repeat(np.arange(len(lengths)), per_doc)
-    k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
-    starts = doc_starts[doc] + k * max_length
-    sizes = np.minimum(max_length, lengths[doc] - k * max_length)
+    starts = np.cumsum(lengths, dtype=np.int64)
+    starts -= lengths  # [n] document starts in the stream
+    if len(lengths) and lengths.max() > max_length:  # split into max_length pieces first
+        per_doc = -(-lengths // max_length)  # pieces per document: 1 unless longer than a row
+        doc = np.repeat(np.arange(len(lengths)), per_doc)
+        k = np.arange(len(doc)) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        starts = starts[doc] + k * max_length
+        sizes = np.minimum(max_length, lengths[doc] - k * max_length)
+        del doc, k
+    else:
+        sizes = lengths
     # Batch size 1: rows are not padded, so BFD's rows are kept as they are (no levelling).
     items, bfd_offsets = best_fit_decreasing(sizes, int(max_length))
     row_sizes = np.diff(bfd_offsets)
     by_first = np.argsort(items[bfd_offsets[:-1]], kind="stable")  # rows by their first piece
     row_offsets = np.zeros(len(row_sizes) + 1, dtype=np.int64)
     np.cumsum(row_sizes[by_first], out=row_offsets[1:])
-    order = items[token_indices(bfd_offsets[:-1][by_first], row_sizes[by_first])]
-    return starts[order], sizes[order], row_offsets
+    items = items[token_indices(bfd_offsets[:-1][by_first], row_sizes[by_first])]
+    return starts[items], sizes[items], row_offsets
 
 
 def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from .pack_plans import (
     row_boundaries,
     whole_plan,
 )
-from .token_gather import TokenGather, drop_mapped_pages, table_and_order
+from .token_gather import TokenGather, drop_mapped_pages, list_lengths, table_and_order
 from .truncation import counting_truncation, summed_figures, truncation_message, unit
 
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
@@ -80,21 +80,19 @@ def packed_tables(
     Yields:
         Tables with XTuner's packed columns.
     """
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    lengths = list_lengths(table.column("input_ids"), mapped_files)
     if whole:
-        # Rows gather their dialogues from anywhere in the mapped table, chunk by chunk: no
+        # What earlier steps read of the mapped table stays resident until released; the
+        # plan reads only the lengths (``[n]`` arrays: the memory that grows with the corpus).
+        drop_mapped_pages(list(mapped_files))
+        # Rows gather their dialogues from anywhere in the mapped table, window by window: no
         # copy of the columns (``ChunkedArray.take`` would join every chunk first).
         tokens = TokenGather(table, ("input_ids", "labels"), mapped_files)
-        table_starts = np.cumsum(lengths) - lengths
-        if order is not None:
-            lengths, table_starts = lengths[order], table_starts[order]
-        starts, sizes, row_pieces = whole_plan(lengths, max_length)
-        if order is not None:  # offsets into the stream -> offsets into the table
-            stream_starts = np.cumsum(lengths) - lengths
-            doc = np.searchsorted(stream_starts, starts, side="right") - 1
-            starts = starts - stream_starts[doc] + table_starts[doc]
-        doc_offsets = np.concatenate([[0], np.cumsum(sizes)])  # in the row-ordered stream
-        cuts = doc_offsets[row_pieces]
+        starts, sizes, row_pieces = _whole_rows(lengths, order, max_length)
+        del lengths
+        ends = np.cumsum(sizes, dtype=np.int64)  # piece ends in the row-ordered stream
+        cuts = np.concatenate([[0], ends[row_pieces[1:] - 1]])
+        del ends
         step = max(1, TOKENS_PER_GATHER // int(max_length))
     else:  # the stream in order: each row one slice of it
         assert order is None, "XTuner's cut reads the table in order"
@@ -109,6 +107,7 @@ def packed_tables(
             pieces = slice(row_pieces[first], row_pieces[first + len(rows) - 1])
             gathered = tokens.gather(starts[pieces], sizes[pieces])
             columns = {k: _list_array(offsets, pa.array(v)) for k, v in gathered.items()}
+            doc_offsets = rows[0] + np.concatenate([[0], np.cumsum(sizes[pieces])])
         else:
             columns = {
                 k: _list_array(offsets, v.slice(rows[0], offsets[-1]).combine_chunks())
@@ -121,6 +120,36 @@ def packed_tables(
                 offsets, pa.array(position_ids(cum_values, cum_offsets))
             )
         yield pa.table(columns)
+
+
+def _whole_rows(
+    lengths: np.ndarray, order: np.ndarray | None, max_length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_plans.whole_plan`` of the dialogues in stream order, its pieces' starts turned
+    into offsets into the table's token stream.
+
+    Args:
+        lengths: ``[n]`` token counts of the table's rows, in table order.
+        order: ``[n]`` the table's rows in stream order (a shuffle), or None.
+        max_length: Tokens per packed row.
+
+    Returns:
+        ``(starts, sizes, row_pieces)`` as ``whole_plan``'s, ``starts`` into the table.
+    """
+    if order is None:
+        return whole_plan(lengths, max_length)
+    stream_lengths = lengths[order]
+    starts, sizes, row_pieces = whole_plan(stream_lengths, max_length)
+    stream_starts = np.cumsum(stream_lengths, dtype=np.int64)
+    stream_starts -= stream_lengths
+    del stream_lengths
+    doc = np.searchsorted(stream_starts, starts, side="right") - 1  # [p] stream position
+    starts -= stream_starts[doc]  # offset inside the dialogue
+    del stream_starts
+    table_starts = np.cumsum(lengths, dtype=np.int64)
+    table_starts -= lengths
+    starts += table_starts[order[doc]]
+    return starts, sizes, row_pieces
 
 
 def _output_path(dataset, *plan_args) -> Path:
@@ -180,13 +209,14 @@ def pack_dataset(
             f"(columns: {dataset.column_names}); pack_to_max_length needs "
             "tokenized dialogues (input_ids and labels)."
         )
+    # Pages of the tokenized files that earlier steps read (tokenize, filter, the ``length``
+    # map) stay resident in this process until released: none is needed to plan.
+    drop_mapped_pages([f["filename"] for f in dataset.cache_files])
     if shuffle_before_pack:
         dataset = dataset.shuffle()  # numpy's global generator, drawn from as XTuner draws
         if not whole:  # XTuner's cut reads the shuffled stream in order: written out, as XTuner
             dataset = dataset.flatten_indices(num_proc=map_num_proc)
     table, order = _table_and_order(dataset, whole)
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    lengths = lengths if order is None else lengths[order]  # in stream order
     path = _output_path(dataset, int(max_length), bool(use_varlen_attn), bool(whole))
     if path.exists():  # packed before from the same dialogues and arguments
         packed = Dataset.from_file(str(path))
@@ -197,6 +227,10 @@ def pack_dataset(
             dataset, table, order, path, max_length, use_varlen_attn, whole
         )
         packed = Dataset.from_file(str(path))
+    lengths = list_lengths(
+        table.column("input_ids"), tuple(f["filename"] for f in dataset.cache_files)
+    )
+    lengths = lengths if order is None else lengths[order]  # in stream order
     figures = summed_figures(truncation or [])
     print_log(
         _summary(lengths, (tokens, labels), len(packed), max_length, whole, figures),

@@ -4,8 +4,12 @@ A tokenized ``datasets`` table is memory-mapped from its cache files in record b
 thousand dialogues each, as ``datasets.map`` writes them). Rows packed whole take their
 dialogues from anywhere in it, but ``ChunkedArray.take`` (pyarrow 26 still) first joins every
 chunk into one array: a copy of the whole column in memory, 0.4 GiB for 50M int64 tokens.
-Here each chunk stays a zero-copy numpy view of the mapped file and a gather reads, chunk by
-chunk, only the pieces that lie in it (a dialogue never spans two chunks).
+Here each chunk stays a zero-copy numpy view of the mapped file (a dialogue never spans two
+chunks). Chunks that lie in one read-only mapping are read through one view of the whole
+mapping, a *window* of consecutive chunks (``WINDOW_BYTES`` of the file) at a time, with one
+fancy index per column, and each window's pages are released once read: the work per gather
+grows with the windows it touches, not with the chunks (10,000 chunks at 10M dialogues), and
+the resident pages of the file stay under a window.
 """
 
 from __future__ import annotations
@@ -25,34 +29,46 @@ from .pack_plans import token_indices
 __all__ = [
     "TokenGather",
     "drop_mapped_pages",
+    "list_lengths",
     "read_only_mappings",
     "release_pages",
     "table_and_order",
 ]
 
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
+WINDOW_BYTES = 32 << 20  # file bytes per window: the resident pages of a gather stay below
+# Chunks whose offsets are read between two releases of the mapped pages. A read of a few
+# bytes maps its neighbours too (the kernel's fault-around, 64 KiB): reading every chunk's
+# offsets would leave 1.3 GiB of an 8 GiB table resident at 10M dialogues.
+RELEASE_EVERY = 256
 
 
 class TokenGather:
-    """Pieces of the flattened token stream of list columns, gathered chunk by chunk.
+    """Pieces of the flattened token stream of list columns, gathered window by window.
 
     Args:
         table: A table of list columns (one row per dialogue), chunked as it was mapped.
         columns: The columns to gather (each flattened to one token stream).
-        mapped_files: The files ``table`` is memory-mapped from: each chunk's pages are
-            released as soon as a gather has read it, so the process never holds the whole
-            tokenized table resident (every gather reads from nearly every page).
+        mapped_files: The files ``table`` is memory-mapped from: chunks inside a read-only
+            mapping of one of them are read through one view of the mapping, and each
+            window's pages are released as soon as a gather has read it, so the process never
+            holds the whole tokenized table resident (every gather reads from nearly every
+            page). Other chunks (in memory) are read chunk by chunk.
     """
 
     def __init__(
         self, table: pa.Table, columns: tuple[str, ...], mapped_files: tuple[str, ...] = ()
     ) -> None:
+        mappings = read_only_mappings(list(mapped_files))
         # One chunk layout for every column (record batches: zero-copy slices of the columns).
         table = pa.Table.from_batches(table.select(list(columns)).to_batches())
-        flat = {k: pc.list_flatten(table.column(k)) for k in columns}
-        self._chunks = {
-            k: [c.to_numpy(zero_copy_only=False) for c in v.chunks] for k, v in flat.items()
-        }
+        self._chunks: dict[str, list[np.ndarray]] = {k: [] for k in columns}
+        for i, batch in enumerate(table.to_batches()):
+            for k in columns:  # zero-copy views; flattening reads the chunk's offsets
+                flat = pc.list_flatten(batch.column(k))
+                self._chunks[k].append(flat.to_numpy(zero_copy_only=False))
+            if i % RELEASE_EVERY == RELEASE_EVERY - 1:
+                _release_mappings(mappings)
         sizes = [len(c) for c in self._chunks[columns[0]]]
         for k in columns[1:]:
             if [len(c) for c in self._chunks[k]] != sizes:
@@ -62,14 +78,9 @@ class TokenGather:
                     "check the tokenize step of the dataset."
                 )
         self._chunk_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        mappings = read_only_mappings(list(mapped_files))
-        self._mapped = {
-            k: [
-                any(lo <= c.ctypes.data and c.ctypes.data + c.nbytes <= hi for lo, hi in mappings)
-                for c in chunks
-            ]
-            for k, chunks in self._chunks.items()
-        }
+        self._table = table  # keeps the mapping the views below read alive
+        self._windows = _Windows(self._chunks, mappings, table)
+        _release_mappings(mappings)
 
     def gather(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
         """The tokens of the pieces ``starts[i] .. starts[i] + sizes[i]``, one after another.
@@ -84,18 +95,21 @@ class TokenGather:
         starts = np.asarray(starts, dtype=np.int64)
         sizes = np.asarray(sizes, dtype=np.int64)
         chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
+        local = starts - self._chunk_starts[chunk]  # [p] first token in its chunk
         dest = np.cumsum(sizes) - sizes
         out = {k: np.empty(int(sizes.sum()), dtype=v[0].dtype) for k, v in self._chunks.items()}
-        by_chunk = np.argsort(chunk, kind="stable")
-        edges = np.flatnonzero(np.diff(chunk[by_chunk])) + 1
-        for part in np.split(by_chunk, edges) if len(by_chunk) else []:
-            c = int(chunk[part[0]])
+        windows = self._windows
+        window = windows.of_chunk[chunk]
+        by_window = np.argsort(window, kind="stable")
+        edges = np.flatnonzero(np.diff(window[by_window])) + 1
+        for part in np.split(by_window, edges) if len(by_window) else []:
+            w = int(window[part[0]])
             to = token_indices(dest[part], sizes[part])
-            src = token_indices(starts[part] - self._chunk_starts[c], sizes[part])
-            for k, chunks in self._chunks.items():
-                out[k][to] = chunks[c][src]
-                if self._mapped[k][c]:
-                    release_pages(chunks[c].ctypes.data, chunks[c].nbytes)
+            for k in out:
+                view, first = windows.view(k, w, chunk[part])
+                out[k][to] = view[token_indices(first + local[part], sizes[part])]
+            windows.release(w)
+        windows.release_mappings()  # pages mapped around the windows' edges (fault-around)
         return out
 
     def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
@@ -116,6 +130,90 @@ class TokenGather:
             k: np.concatenate([chunks[c][a : a + n] for c, a, n in pieces] or [chunks[0][:0]])
             for k, chunks in self._chunks.items()
         }
+
+
+class _Windows:
+    """Which window each chunk is read in, and how (``TokenGather``'s bookkeeping).
+
+    A window is a run of consecutive chunks of every column inside one read-only mapping,
+    spanning at most about ``WINDOW_BYTES`` of it, read through one numpy view of the mapping
+    (each chunk at its element offset into the view); any other chunk is a window of its own,
+    read through its own array.
+    """
+
+    def __init__(self, chunks: dict[str, list[np.ndarray]], mappings: list, table) -> None:
+        columns = list(chunks)
+        n = len(chunks[columns[0]])
+        self.of_chunk = np.empty(n, dtype=np.int64)  # [chunks] window of each chunk
+        self._chunks = chunks
+        self._views: dict[tuple[str, int], np.ndarray] = {}  # (column, mapping) -> view
+        self._first = {k: np.zeros(n, dtype=np.int64) for k in columns}  # element offsets
+        self._mapping_of: list[int] = []  # per window: its mapping, or -1
+        self._span: list[tuple[int, int]] = []  # per window: its bytes in the mapping
+        self._mappings = mappings
+        starts = np.asarray([lo for lo, _ in mappings], dtype=np.int64)
+        for c in range(n):
+            arrays = [chunks[k][c] for k in columns]
+            m = _mapping_holding(arrays, mappings, starts)
+            lo = min(a.ctypes.data for a in arrays)
+            hi = max(a.ctypes.data + a.nbytes for a in arrays)
+            span = self._span[-1] if self._span else None
+            if m >= 0 and self._mapping_of[-1:] == [m] and hi - span[0] <= WINDOW_BYTES:
+                self._span[-1] = (min(span[0], lo), max(span[1], hi))  # joins the window
+            else:
+                self._mapping_of.append(m)
+                self._span.append((lo, hi))
+            self.of_chunk[c] = len(self._span) - 1
+            if m >= 0:
+                for k, a in zip(columns, arrays):
+                    view = self._views.get((k, m))
+                    if view is None:
+                        base, end = mappings[m]
+                        buffer = pa.foreign_buffer(base, end - base, base=table)
+                        view = np.frombuffer(buffer, dtype=a.dtype)
+                        self._views[(k, m)] = view
+                    self._first[k][c] = (a.ctypes.data - view.ctypes.data) // a.itemsize
+
+    def view(self, column: str, window: int, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The array window ``window`` reads ``column`` through, and ``[p]`` each piece's chunk
+        offset into it (``chunk``: the pieces' chunks, all in that window)."""
+        m = self._mapping_of[window]
+        if m < 0:
+            return self._chunks[column][int(chunk[0])], np.zeros(len(chunk), dtype=np.int64)
+        return self._views[(column, m)], self._first[column][chunk]
+
+    def release_mappings(self) -> None:
+        """Drop every resident page of the mappings the windows read."""
+        _release_mappings(self._mappings)
+
+    def release(self, window: int | None = None) -> None:
+        """Drop the resident pages of a window read from a mapping (a no-op otherwise); every
+        window's when ``window`` is None."""
+        for w in range(len(self._span)) if window is None else (window,):
+            if self._mapping_of[w] >= 0:
+                lo, hi = self._span[w]
+                release_pages(lo, hi - lo)
+
+
+def _mapping_holding(arrays: list[np.ndarray], mappings: list, starts: np.ndarray) -> int:
+    """The index of the read-only mapping that holds every one of ``arrays`` (contiguous,
+    aligned to their item size, none empty), else -1."""
+    if not len(starts):
+        return -1
+    found = set()
+    for a in arrays:
+        addr = a.ctypes.data
+        m = int(np.searchsorted(starts, addr, side="right")) - 1
+        if (
+            m < 0
+            or not a.size
+            or not a.flags.c_contiguous
+            or addr + a.nbytes > mappings[m][1]
+            or (addr - mappings[m][0]) % a.itemsize
+        ):
+            return -1
+        found.add(m)
+    return found.pop() if len(found) == 1 else -1
 
 
 def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
@@ -159,6 +257,34 @@ def release_pages(start: int, nbytes: int) -> None:
     _madvise(lo, hi - lo, MADV_DONTNEED)
 
 
+def list_lengths(column: pa.ChunkedArray, mapped_files: tuple[str, ...] = ()) -> np.ndarray:
+    """``[n]`` lengths of a list column's rows, read chunk by chunk, the pages of the files
+    ``mapped_files`` it reads (offsets, and their neighbours) released as it goes.
+
+    Args:
+        column: A list column (one row per dialogue), memory-mapped or not.
+        mapped_files: The files it is memory-mapped from (nothing released without them).
+
+    Returns:
+        The lengths (int32 for ``list``, int64 for ``large_list``).
+    """
+    mappings = read_only_mappings(list(mapped_files))
+    parts = []
+    for i, chunk in enumerate(column.chunks):
+        parts.append(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))
+        if i % RELEASE_EVERY == RELEASE_EVERY - 1:
+            _release_mappings(mappings)
+    _release_mappings(mappings)
+    if not parts:
+        return pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    return np.concatenate(parts)
+
+
+def _release_mappings(mappings: list[tuple[int, int]]) -> None:
+    for lo, hi in mappings:
+        _madvise(lo, hi - lo, MADV_DONTNEED)
+
+
 def drop_mapped_pages(paths: list[str]) -> None:
     """Drop this process's resident pages of its read-only mappings of the files ``paths``.
 
@@ -168,8 +294,7 @@ def drop_mapped_pages(paths: list[str]) -> None:
     Args:
         paths: Files whose mappings to release (a dataset's cache files).
     """
-    for lo, hi in read_only_mappings(paths):
-        _madvise(lo, hi - lo, MADV_DONTNEED)
+    _release_mappings(read_only_mappings(paths))
 
 
 @functools.cache

@@ -44,20 +44,26 @@ def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarra
         in index order; rows in the order BFD opened them: by their longest item), and
         ``[r + 1]`` int64 offsets of each row's first item into ``items``.
     """
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    lengths = np.asarray(lengths).reshape(-1)  # any integer dtype: [n] arrays are the memory
+    if lengths.dtype.kind not in "iu":
+        lengths = lengths.astype(np.int64)
     if not len(lengths):
         return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")  # longest first, ties by index
+    key = -lengths if lengths.dtype.kind == "i" else -lengths.astype(np.int64)
+    order = np.argsort(key, kind="stable")  # longest first, ties by index
+    del key
     descending = lengths[order]
     first = np.flatnonzero(np.r_[True, descending[1:] != descending[:-1]])  # each group's start
     counts = np.diff(np.append(first, len(order)))
+    group_lengths = descending[first].tolist()
+    del descending
     # Each group fills rows in turn: ``filled`` lists (row, items it takes) in placing order.
     filled_rows: list[int] = []
     filled_counts: list[int] = []
-    n_rows = _place(
-        descending[first].tolist(), counts.tolist(), int(max_length), filled_rows, filled_counts
-    )
-    row_of = np.repeat(np.asarray(filled_rows, dtype=np.int64), filled_counts)  # per order[i]
+    n_rows = _place(group_lengths, counts.tolist(), int(max_length), filled_rows, filled_counts)
+    row_dtype = np.int32 if n_rows < 2**31 else np.int64
+    row_of = np.repeat(np.asarray(filled_rows, dtype=row_dtype), filled_counts)  # per order[i]
+    del filled_rows, filled_counts
     by_row = np.lexsort((order, row_of))
     row_offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row_of, minlength=n_rows), out=row_offsets[1:])
