@@ -20,7 +20,8 @@ map workers'), whether its dataset is memory-mapped from files (not a private in
 and a digest of its rows; then the peak RSS in all and whether both ranks hold the same rows.
 
 Usage:
-    python tools/bench/pack_dataset.py [--dialogues 1000000] [--num-proc 32] [--ranks 2]
+    python tools/bench/pack_dataset.py [--dialogues 1000000] [--mix alpaca|multiturn]
+        [--num-proc 32] [--ranks 2]
 """
 
 import argparse
@@ -37,12 +38,46 @@ from pathlib import Path
 import numpy as np
 
 
-def make_dataset(n: int, path: Path, seed: int = 0, chunk: int = 50_000) -> int:
+def _alpaca_like(rng, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n]`` lengths of 8-100 tokens, ``[t]`` token ids and ``[t]`` prompt flags (the first
+    20-80% of each dialogue); drawn in the order of the bench's first version (same data)."""
+    lengths = rng.integers(8, 101, n)
+    ids = rng.integers(3, 92_000, int(lengths.sum()))
+    prompt = np.repeat((lengths * rng.uniform(0.2, 0.8, n)).astype(int), lengths)
+    in_dialogue = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return lengths, ids, in_dialogue < prompt
+
+
+def _multi_turn(rng, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n]`` lengths, ``[t]`` token ids and ``[t]`` prompt flags of multi-turn dialogues.
+
+    1-10 turns (1 + a geometric count, mean 2.5), each 16-256 tokens (a prompt of 20-80%,
+    then its answer), the dialogue cut at 2,048 tokens as XTuner's tokenize step cuts it:
+    mean about 340 tokens.
+    """
+    turns = np.minimum(rng.geometric(0.4, n), 10)
+    turn_lengths = rng.integers(16, 257, int(turns.sum()))
+    prompts = (turn_lengths * rng.uniform(0.2, 0.8, len(turn_lengths))).astype(int)
+    token_turn = np.repeat(np.arange(len(turn_lengths)), turn_lengths)
+    in_turn = np.arange(len(token_turn)) - np.repeat(
+        np.cumsum(turn_lengths) - turn_lengths, turn_lengths
+    )
+    is_prompt = in_turn < prompts[token_turn]
+    full = np.add.reduceat(turn_lengths, np.cumsum(turns) - turns)
+    keep = np.arange(len(token_turn)) - np.repeat(np.cumsum(full) - full, full) < 2048
+    lengths = np.minimum(full, 2048)
+    return lengths, rng.integers(3, 92_000, int(lengths.sum())), is_prompt[keep]
+
+
+def make_dataset(
+    n: int, path: Path, seed: int = 0, chunk: int = 50_000, mix: str = "alpaca"
+) -> int:
     """Write ``n`` tokenized synthetic dialogues to the Arrow file ``path``; its bytes.
 
-    Lengths 8-100 tokens (mean 54: the stock alpaca config's 2,400 sample dialogues average
-    52); labels -100 on a random prompt share of each dialogue. Written ``chunk`` dialogues
-    at a time, as ``datasets.map`` writes a cache file.
+    ``mix`` "alpaca": lengths 8-100 tokens (mean 54: the stock alpaca config's 2,400 sample
+    dialogues average 52), labels -100 on a random prompt share of each dialogue;
+    "multiturn": ``_multi_turn``'s dialogues up to 2,048 tokens, each turn's prompt -100.
+    Written ``chunk`` dialogues at a time, as ``datasets.map`` writes a cache file.
     """
     import pyarrow as pa
     from datasets.arrow_writer import ArrowWriter
@@ -50,13 +85,11 @@ def make_dataset(n: int, path: Path, seed: int = 0, chunk: int = 50_000) -> int:
     rng = np.random.default_rng(seed)
     with ArrowWriter(path=str(path)) as writer:
         for first in range(0, n, chunk):
-            lengths = rng.integers(8, 101, min(chunk, n - first))
+            count = min(chunk, n - first)
+            draw = _alpaca_like if mix == "alpaca" else _multi_turn
+            lengths, ids, is_prompt = draw(rng, count)
             offsets = np.concatenate([[0], np.cumsum(lengths)])
-            ids = rng.integers(3, 92_000, offsets[-1])
-            prompt = np.repeat((lengths * rng.uniform(0.2, 0.8, len(lengths))).astype(int), lengths)
-            labels = np.where(
-                np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths) < prompt, -100, ids
-            )
+            labels = np.where(is_prompt, -100, ids)
             writer.write_table(
                 pa.table(
                     {
@@ -210,6 +243,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dialogues", type=int, default=1_000_000)
     parser.add_argument("--num-proc", type=int, default=32)
+    parser.add_argument(
+        "--mix",
+        choices=("alpaca", "multiturn"),
+        default="alpaca",
+        help="dialogue lengths: 8-100 tokens, or multi-turn up to 2,048 (mean ~340)",
+    )
     parser.add_argument("--ranks", type=int, default=0, help="build as N torchrun processes")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # which, folder
     parser.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)  # which, folder
@@ -222,8 +261,11 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="pack-bench-") as tmp:
         folder = Path(tmp) / "tokenized.arrow"
-        nbytes = make_dataset(args.dialogues, folder)
-        print(f"{args.dialogues} dialogues, tokenized Arrow size {nbytes / 2**20:.0f} MiB")
+        nbytes = make_dataset(args.dialogues, folder, mix=args.mix)
+        print(
+            f"{args.dialogues} dialogues ({args.mix}), tokenized Arrow size "
+            f"{nbytes / 2**20:.0f} MiB"
+        )
         if args.ranks:
             main_ranks(args, folder)
             return
