@@ -46,10 +46,18 @@ def _save_as_runner(model: torch.nn.Module, path: Path) -> dict:
     return state
 
 
-@pytest.fixture(scope="module")
-def internvl_lora(tmp_path_factory) -> dict:
-    """The stock InternVL InternLM2 LoRA config on the tiny InternVL, its model as the CPU
-    start-up builds it (fp32, eager), adapter drawn, saved as ``iter_4.pth``."""
+def _with_vit_lora(text: str) -> str:
+    """The stock config's commented-out ``visual_encoder_lora`` turned on (a user's edit)."""
+    return sc.sub_once(
+        text, r"    # (visual_encoder_lora=dict\(\n)    # (.*\n)    # (.*\n)", r"    \1    \2    \3"
+    )
+
+
+@pytest.fixture(scope="module", params=["llm", "llm+vit"])
+def internvl_lora(request, tmp_path_factory) -> dict:
+    """The stock InternVL InternLM2 LoRA config on the tiny InternVL (``llm+vit``: its
+    commented-out InternViT LoRA on too), its model as the CPU start-up builds it (fp32, eager),
+    adapters drawn, saved as ``iter_4.pth``."""
     from xtuner.registry import BUILDER
 
     from xtuner_rope.compat import INTERNVL_LOAD
@@ -62,6 +70,8 @@ def internvl_lora(tmp_path_factory) -> dict:
     data = write_llava_data(root / "data", n_images=1, n_text=1)
     text = ic.localize_internvl(sc.copy_stock(ic.INTERNLM2_LORA, root), path, data)
     config = root / "lora.py"
+    if request.param == "llm+vit":
+        text = _with_vit_lora(text)
     config.write_text(ic.enable_plugin_internvl(text))
     kept = dict(INTERNVL_LOAD)
     INTERNVL_LOAD.update(torch_dtype=torch.float32, attn_implementation="eager")
@@ -72,9 +82,11 @@ def internvl_lora(tmp_path_factory) -> dict:
         INTERNVL_LOAD.clear()
         INTERNVL_LOAD.update(kept)
     _draw_lora_b(model)
+    assert model.use_visual_encoder_lora == (request.param == "llm+vit")
     pth = root / "iter_4.pth"
     _save_as_runner(model, pth)
-    return {"root": root, "config": config, "pth": pth, "model": model.float().eval()}
+    model = model.float().eval()
+    return {"root": root, "config": config, "pth": pth, "model": model, "kind": request.param}
 
 
 def _internvl_inputs(chat) -> dict:
@@ -118,13 +130,17 @@ def test_internvl_lora_converted_to_the_official_layout_exactly(internvl_lora):
         trained = chat(**inputs).logits  # [1, s, V], the module with its adapter
         reference = copy.deepcopy(chat)
         reference.language_model = reference.language_model.merge_and_unload()  # peft, fp32
+        if model.use_visual_encoder_lora:
+            reference.vision_model = reference.vision_model.merge_and_unload()
         logits = saved(**inputs).logits
     expected = reference.state_dict()
     weights = saved.state_dict()
     assert weights.keys() == expected.keys(), sorted(weights.keys() ^ expected.keys())[:5]
     assert not converted.unequal(weights, expected)  # bit for bit
     diff = (logits - trained).abs().max().item()
-    print(f"InternVL LoRA converted at fp32: max |logits - trained| {diff:.2e}")
+    print(
+        f"InternVL LoRA ({internvl_lora['kind']}) converted at fp32: max |logits - trained| {diff:.2e}"
+    )
     assert diff <= 1e-5 * trained.abs().max().item()  # the merge sums in another order
     # The LLM config keeps the checkpoint's attention, not XTuner's forced flash_attention_2.
     assert saved.config.llm_config.attn_implementation != "flash_attention_2"
