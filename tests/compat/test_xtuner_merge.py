@@ -23,3 +23,19 @@ def test_the_load_gets_the_dtype_asked_and_is_restored_after():
     assert vars(AutoModelForCausalLM).get("from_pretrained") is before  # restored
     plain = AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float16)
     assert plain.dtype == torch.float16
+
+
+def test_a_clip_base_gets_the_dtype_asked_too(tmp_path):
+    """merge.py's ``--is-clip`` loads ``CLIPVisionModel.from_pretrained`` with no dtype (fp32):
+    under ``--dtype bf16`` it said "saved in bf16" and saved fp32 before."""
+    from transformers import CLIPVisionModel
+
+    from xtuner_rope.demo.tiny_clip import save_tiny_clip
+
+    clip = save_tiny_clip(tmp_path / "clip")
+    with merge_loading_in(torch.bfloat16) as redirected:
+        assert redirected
+        model = CLIPVisionModel.from_pretrained(clip)  # as merge.py --is-clip calls it
+    assert model.dtype == torch.bfloat16
+    assert "from_pretrained" not in vars(CLIPVisionModel)  # the inherited method is back
+    assert CLIPVisionModel.from_pretrained(clip).dtype == torch.float32

@@ -323,20 +323,3 @@ def test_convert_uses_the_path_model_resource_returns(tmp_path):
     )
     config.write_text(config.read_text().replace("fn=abspath", "fn=str"))  # path unchanged
     assert resolved_model_options(str(config)) == []
-
-
-def test_convert_of_an_internvl_config_is_refused_naming_xtuners_converter(tmp_path, capsys):
-    """XTuner's stock InternVL config (its model has no ``llm``: xtuner 0.2.0's ``pth_to_hf``
-    would stop on an AttributeError): refused before any checkpoint is read, naming XTuner's
-    InternVL converter."""
-    from xtuner.configs import cfgs_name_path
-
-    config = tmp_path / "internvl.py"
-    config.write_text(Path(cfgs_name_path["internvl_v2_phi3_4b_finetune"]).read_text())
-    checkpoint = tmp_path / "iter_4.pth"
-    checkpoint.write_bytes(b"")  # never read
-    assert main(["convert", "pth_to_hf", str(config), str(checkpoint), str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert f"the model of {config} (InternVL_V1_5) has no model.llm" in err, err
-    assert "xtuner/configs/internvl/v1_5/convert_to_official.py" in err, err
-    assert not (tmp_path / "hf").exists()

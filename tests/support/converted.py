@@ -127,15 +127,19 @@ def merged_against_module(
 def llava_saved_weights(folder: Path) -> dict[str, torch.Tensor]:
     """What XTuner's ``LLaVAModel.to_hf`` (format ``xtuner``) saved under ``folder``, named as
     the model's ``state_dict``: the LLM (``folder`` itself, full fine-tune) or its adapter
-    (``llm_adapter/``) as ``llm.``, ``projector/`` as ``projector.``, ``visual_encoder/`` as
-    ``visual_encoder.``."""
+    (``llm_adapter/``) as ``llm.``, ``projector/`` as ``projector.``, ``visual_encoder/`` (or
+    its adapter, ``visual_encoder_adapter/``) as ``visual_encoder.``."""
     weights = {}
     if any(folder.glob("*.safetensors")) or (folder / "pytorch_model.bin").is_file():
         weights.update(saved_weights(folder))
     if (folder / "llm_adapter").is_dir():
         weights.update(saved_weights(folder / "llm_adapter"))
-    for part in ("projector", "visual_encoder"):
-        if (folder / part).is_dir():
-            saved = saved_weights(folder / part).items()
+    for part, folder_name in (
+        ("projector", "projector"),
+        ("visual_encoder", "visual_encoder"),
+        ("visual_encoder", "visual_encoder_adapter"),
+    ):
+        if (folder / folder_name).is_dir():
+            saved = saved_weights(folder / folder_name).items()
             weights.update({f"{part}.{k.removeprefix('llm.')}": v for k, v in saved})
     return weights

@@ -93,7 +93,7 @@ from .xtuner_internvl import (
     patch_internvl_rank,
 )
 from .xtuner_llava import patch_llava_expansion_check, patch_llava_predict_labels
-from .xtuner_merge import merge_loading_in
+from .xtuner_merge import MERGE_BASE_CLASSES, merge_loading_in
 from .xtuner_model_resource import (
     config_being_started,
     keep_other_model_paths,
@@ -216,6 +216,7 @@ __all__ = [
     "ZERO_READER_FUNCTIONS",
     "ZERO_READER_MODULE",
     "merge_loading_in",
+    "MERGE_BASE_CLASSES",
 ]
 
 # Model patches that lived here once and now live with their family in ``models``.

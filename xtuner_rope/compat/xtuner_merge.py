@@ -3,56 +3,73 @@
 xtuner 0.2.0's ``xtuner/tools/model_converters/merge.py`` loads the base model with
 ``AutoModelForCausalLM.from_pretrained(..., torch_dtype=torch.float16)`` whatever the model or
 the adapter: the merged weights ``W + B @ A * alpha / r`` are computed and saved in fp16 (on the
-tiny LoRA run: logits 4.8e-4 off the trained model). ``xtuner-rope convert merge --dtype
-bf16|fp16|fp32`` runs the tool inside :func:`merge_loading_in`, which hands that call the dtype
-asked instead and is undone after. Not in ``compat.apply()``. Written against xtuner 0.2.0 and
-transformers 4.48; without ``AutoModelForCausalLM.from_pretrained`` it warns and changes nothing.
+tiny LoRA run: logits 4.8e-4 off the trained model). With ``--is-clip`` (a LLaVA visual
+encoder's adapter) it loads ``CLIPVisionModel.from_pretrained(...)`` without a dtype, so fp32
+whatever was asked. ``xtuner-rope convert merge --dtype bf16|fp16|fp32`` runs the tool inside
+:func:`merge_loading_in`, which hands both loads the dtype asked and is undone after. Not in
+``compat.apply()``. Written against xtuner 0.2.0 and transformers 4.48; a class without
+``from_pretrained`` is warned about and left as it is.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+
+# The classes whose ``from_pretrained`` merge.py calls for the base: the LLM, and CLIP (--is-clip).
+MERGE_BASE_CLASSES = ("AutoModelForCausalLM", "CLIPVisionModel")
 
 
 @contextmanager
-def merge_loading_in(dtype: object) -> Iterator[bool]:
-    """While inside, ``AutoModelForCausalLM.from_pretrained`` loads in ``dtype``.
-
-    Args:
-        dtype: The ``torch.dtype`` every ``from_pretrained`` call of the Auto class gets as
-            ``torch_dtype`` (the one merge.py passes, fp16, is replaced).
-
-    Yields:
-        True when the load is redirected; False (with a warning) when transformers has no
-        such method to wrap.
-    """
-    import transformers
-
-    auto = getattr(transformers, "AutoModelForCausalLM", None)
-    original = getattr(auto, "from_pretrained", None)
-    if original is None:
-        warnings.warn(
-            "xtuner-rope convert merge --dtype: transformers.AutoModelForCausalLM.from_pretrained "
-            "is missing (written for transformers 4.48): the merge loads as XTuner decides (fp16).",
-            stacklevel=3,
-        )
-        yield False
-        return
-    own = vars(auto).get("from_pretrained")  # the class's own attribute, if it has one
+def _loading_in(cls: type, dtype: object) -> Iterator[None]:
+    """While inside, ``cls.from_pretrained`` loads in ``dtype`` (any ``torch_dtype`` replaced)."""
+    original = cls.from_pretrained
+    own = vars(cls).get("from_pretrained")  # the class's own attribute, if it has one
 
     def from_pretrained(*args, **kwargs):
         return original(*args, **{**kwargs, "torch_dtype": dtype})
 
-    auto.from_pretrained = staticmethod(from_pretrained)
+    cls.from_pretrained = staticmethod(from_pretrained)
     try:
-        yield True
+        yield
     finally:
         if own is None:  # inherited: drop the wrapper
-            del auto.from_pretrained
+            del cls.from_pretrained
         else:
-            auto.from_pretrained = own
+            cls.from_pretrained = own
 
 
-__all__ = ["merge_loading_in"]
+@contextmanager
+def merge_loading_in(dtype: object) -> Iterator[bool]:
+    """While inside, the base loads of merge.py (LLM and CLIP) come in ``dtype``.
+
+    Args:
+        dtype: The ``torch.dtype`` every ``from_pretrained`` call of
+            :data:`MERGE_BASE_CLASSES` gets as ``torch_dtype`` (the fp16 merge.py passes for
+            the LLM is replaced; CLIP's default fp32 too).
+
+    Yields:
+        True when every load is redirected; False (with a warning) when transformers lacks
+        one of those classes or its ``from_pretrained`` (that one loads as XTuner decides).
+    """
+    import transformers
+
+    redirected = True
+    with ExitStack() as stack:
+        for name in MERGE_BASE_CLASSES:
+            cls = getattr(transformers, name, None)
+            if getattr(cls, "from_pretrained", None) is None:
+                warnings.warn(
+                    f"xtuner-rope convert merge --dtype: transformers.{name}.from_pretrained is "
+                    "missing (written for transformers 4.48): that merge loads as XTuner decides "
+                    "(fp16 for an LLM, fp32 for CLIP).",
+                    stacklevel=3,
+                )
+                redirected = False
+                continue
+            stack.enter_context(_loading_in(cls, dtype))
+        yield redirected
+
+
+__all__ = ["MERGE_BASE_CLASSES", "merge_loading_in"]

@@ -8,6 +8,8 @@ itself, a recorded batch replayed, XTuner's tools on a checkpoint.
   (``tools/replay_batch.py``);
 - ``xtuner_tools``: ``xtuner-rope convert pth_to_hf`` / ``convert merge`` / ``chat``, XTuner's own
   tools with the plugin loaded first;
+- ``internvl_convert``: ``convert pth_to_hf`` of XTuner's ``InternVL_V1_5``, which XTuner's tool
+  cannot convert: the official InternVL layout, in the dtype asked, exact;
 - ``xtuner_parsers``: those tools' and ``train``'s own ``parse_args``, read from XTuner's files,
   answering ``-h`` and usage errors without importing XTuner.
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
     (said), the cast counted; XTuner's tool does the rest. Its exit status."""
     from xtuner_rope import compat
 
-    from . import convert_dtype
+    from . import convert_dtype, internvl_convert
 
     command = ("convert", "pth_to_hf")
     config, pth, options = _config_and_options(argv)
@@ -182,7 +183,9 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         argv = [*argv, "--cfg-options", *overrides]
     if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
         return _run_module(XTUNER_TOOLS[command], command, argv)
-    refusal = _no_llm_refusal(config, options) if Path(config).is_file() else None
+    model_cfg = _model_cfg(config, options) if Path(config).is_file() else {}
+    internvl = internvl_convert.is_internvl(model_cfg)
+    refusal = None if internvl or not model_cfg else _no_llm_refusal(config, model_cfg)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
@@ -201,34 +204,75 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         print(err, file=sys.stderr)
         return 2
     print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
+    if internvl:
+        return _convert_internvl(argv, model_cfg, saved_as)
     with compat.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
         return _run_module(XTUNER_TOOLS[command], command, argv)
 
 
-def _no_llm_refusal(config: str, cfg_options: dict | None) -> str | None:
-    """Why ``pth_to_hf`` cannot convert ``config``'s model, or None.
-
-    xtuner 0.2.0's ``pth_to_hf`` reads ``cfg.model.llm`` before building the model (fine-tune,
-    LLaVA, reward and preference models have one); InternVL's ``InternVL_V1_5`` has none (it
-    names ``model_path``) and no ``to_hf``, and the tool would stop on an AttributeError.
-    """
+def _model_cfg(config: str, cfg_options: dict | None) -> dict:
+    """The config's ``model`` (with the user's ``--cfg-options``), as the tool reads it."""
     from mmengine.config import Config
 
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
-    model = cfg.get("model") or {}
-    if "llm" in model:
+    return cfg.get("model") or {}
+
+
+def _no_llm_refusal(config: str, model_cfg: dict) -> str | None:
+    """Why ``pth_to_hf`` cannot convert ``config``'s model, or None.
+
+    xtuner 0.2.0's ``pth_to_hf`` reads ``cfg.model.llm`` before building the model (fine-tune,
+    LLaVA, reward and preference models have one) and would stop on an AttributeError without
+    one. InternVL's ``InternVL_V1_5`` has none: xtuner-rope converts it itself
+    (:mod:`xtuner_rope.outputs.internvl_convert`).
+    """
+    from .internvl_convert import INTERNVL_MODEL
+
+    if "llm" in model_cfg:
         return None
-    kind = model.get("type", "?")
+    kind = model_cfg.get("type", "?")
     kind = getattr(kind, "__name__", kind)
     return (
         f"xtuner-rope convert pth_to_hf: refused: the model of {config} ({kind}) has no "
         "model.llm; xtuner 0.2.0's pth_to_hf converts models with one (fine-tune, LLaVA, reward, "
-        "preference) and would stop on an AttributeError. For InternVL, XTuner ships "
-        "xtuner/configs/internvl/v1_5/convert_to_official.py CONFIG CHECKPOINT SAVE_DIR (it "
-        "merges LoRA and saves in bf16; xtuner-rope does not check it)."
+        f"preference), and xtuner-rope converts {INTERNVL_MODEL} itself; this "
+        "model would stop XTuner's tool on an AttributeError. Save it with the model's own "
+        "save_pretrained after loading the checkpoint."
     )
+
+
+def _convert_internvl(argv: list[str], model_cfg: dict, dtype: object) -> int:
+    """``convert pth_to_hf`` of an InternVL config: xtuner-rope's own conversion (the
+    official layout); XTuner's ``--save-format`` choices are LLaVA's. Its exit status."""
+    import argparse
+
+    from . import internvl_convert
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for name in ("config", "pth_model", "save_dir"):
+        parser.add_argument(name)
+    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("--save-format", default="xtuner")
+    args, _ = parser.parse_known_args(argv)
+    if args.save_format == "huggingface":
+        print(
+            "xtuner-rope convert pth_to_hf: refused: --save-format huggingface is LLaVA's "
+            f"(transformers' LlavaForConditionalGeneration); an {internvl_convert.INTERNVL_MODEL} "
+            "checkpoint is saved in the official InternVL layout: drop --save-format.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        internvl_convert.convert_internvl(
+            model_cfg, args.pth_model, args.save_dir, dtype, args.max_shard_size
+        )
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    shutil.copyfile(args.config, Path(args.save_dir) / "xtuner_config.py")  # as pth_to_hf does
+    return 0
 
 
 def _cast_and_report(model: object, dtype: object) -> None:

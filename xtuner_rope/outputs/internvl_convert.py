@@ -1,0 +1,148 @@
+"""``xtuner-rope convert pth_to_hf`` of XTuner's InternVL (``InternVL_V1_5``): the official
+layout, in the dtype asked, exact.
+
+xtuner 0.2.0's ``pth_to_hf`` cannot convert ``InternVL_V1_5`` (no ``model.llm``, no ``to_hf``);
+XTuner ships ``xtuner/configs/internvl/v1_5/convert_to_official.py`` instead. Measured on the
+tiny InternVL runs of ``tests/integration/test_internvl.py`` (transformers 4.48), that script:
+builds the model in bf16 (XTuner hard-codes it) and merges LoRA there, so the saved weights are
+up to 7.6e-3 off the trained ones (logits 4.4e-3-5.1e-3 off); saves no remote code (transformers
+4.48 copies a remote-code model's files only for a class registered for an Auto class, which
+``AutoModel`` does not do), so ``AutoModel.from_pretrained(..., trust_remote_code=True)`` of its
+output raises ``OSError: ... does not appear to have a file named modeling_internvl_chat.py``;
+and keeps XTuner's forced ``attn_implementation="flash_attention_2"`` in an InternLM2 LLM's
+config (without flash-attn the first forward dies on ``flash_attn_func``).
+
+:func:`convert_internvl` writes what that script means to write, exactly: the config's model
+built in fp32 with eager attention, the checkpoint's weights loaded (a DeepSpeed folder read at
+fp32), LoRA merged in fp32 (``merge_and_unload``, as the script does), the cast to the dtype
+asked counted, ``save_pretrained`` of the chat model, the checkpoint's own ``config.json``
+(``torch_dtype`` set to the dtype saved) and remote code, and its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import convert_dtype
+
+INTERNVL_MODEL = "InternVL_V1_5"
+# Config entries that name the weights' dtype (top level and the two sub-models').
+DTYPE_KEY = "torch_dtype"
+SUB_CONFIGS = ("llm_config", "vision_config")
+
+
+def is_internvl(model_cfg: dict) -> bool:
+    """True if a config's ``model`` is XTuner's ``InternVL_V1_5`` (by name or class)."""
+    kind = model_cfg.get("type")
+    return getattr(kind, "__name__", kind) == INTERNVL_MODEL
+
+
+def build_trained(model_cfg: dict, checkpoint: str) -> torch.nn.Module:
+    """The config's InternVL in fp32 with eager attention, holding ``checkpoint``'s weights.
+
+    Args:
+        model_cfg: The config's ``model`` (``InternVL_V1_5``); not changed.
+        checkpoint: ``iter_N.pth``, a file or a DeepSpeed folder (XTuner's
+            ``guess_load_checkpoint``, read at fp32 under the plugin's patch).
+
+    Returns:
+        XTuner's ``InternVL_V1_5`` (LoRA still unmerged), evaluation mode.
+
+    Raises:
+        ValueError: the checkpoint holds weights the config's model does not have (it was
+            trained from another config).
+    """
+    from mmengine.config import ConfigDict
+    from xtuner.model.utils import LoadWoInit, guess_load_checkpoint
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.compat import INTERNVL_LOAD
+
+    # The script's settings: no pretrained_pth read at build time, no 4-bit base.
+    built = ConfigDict({**model_cfg, "pretrained_pth": None})
+    built.update(quantization_vit=False, quantization_llm=False)
+    kept = dict(INTERNVL_LOAD)
+    INTERNVL_LOAD.update(torch_dtype=torch.float32, attn_implementation="eager")
+    try:
+        with LoadWoInit():
+            model = BUILDER.build(built)
+    finally:
+        INTERNVL_LOAD.clear()
+        INTERNVL_LOAD.update(kept)
+    state = guess_load_checkpoint(checkpoint)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(
+            f"xtuner-rope convert pth_to_hf: {checkpoint} holds {len(unexpected)} weight(s) the "
+            f"config's {INTERNVL_MODEL} does not have (first: {sorted(unexpected)[0]}): it was "
+            "trained from another config (LoRA or not, another model path). Convert it with the "
+            "config of its run (the copy in its work_dir)."
+        )
+    assert not set(state) & set(missing)  # every weight of the checkpoint was loaded
+    return model.float().eval()
+
+
+def merged_chat_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The hub chat model inside XTuner's ``InternVL_V1_5``, its LoRA adapters merged (in the
+    model's dtype: fp32 here), as ``convert_to_official.py`` merges them."""
+    chat = model.model
+    if model.use_visual_encoder_lora:
+        chat.vision_model = chat.vision_model.merge_and_unload()
+    if model.use_llm_lora:
+        chat.language_model = chat.language_model.merge_and_unload()
+    return chat
+
+
+def write_official_files(model_path: str, save_dir: Path, dtype: torch.dtype) -> None:
+    """Next to the saved weights: the checkpoint's ``config.json`` (its ``torch_dtype``s set to
+    ``dtype``), its remote code (every ``*.py`` of ``model_path``) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    source = Path(model_path)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    name = str(dtype).removeprefix("torch.")
+    for entry in (config, *(config.get(key) or {} for key in SUB_CONFIGS)):
+        if DTYPE_KEY in entry or entry is config:
+            entry[DTYPE_KEY] = name
+    (save_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for code in source.glob("*.py"):
+        shutil.copyfile(code, save_dir / code.name)
+    AutoTokenizer.from_pretrained(model_path, trust_remote_code=True).save_pretrained(save_dir)
+
+
+def convert_internvl(
+    model_cfg: dict, checkpoint: str, save_dir: str, dtype: torch.dtype, max_shard_size: str
+) -> None:
+    """Convert an ``InternVL_V1_5`` checkpoint to the official InternVL layout under ``save_dir``.
+
+    The folder loads with ``AutoModel.from_pretrained(save_dir, trust_remote_code=True)``; at
+    fp32 its weights are the trained module's (LoRA merged) bit for bit.
+
+    Args:
+        model_cfg: The config's ``model``.
+        checkpoint: The run's ``iter_N.pth`` (file or DeepSpeed folder).
+        save_dir: Where to write (created).
+        dtype: The dtype to save in; the cast's losses are counted and printed.
+        max_shard_size: ``save_pretrained``'s shard size (``--max-shard-size``).
+    """
+    chat = merged_chat_model(build_trained(model_cfg, checkpoint))
+    print(convert_dtype.describe_cast(convert_dtype.cast_module(chat, dtype), dtype))
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chat.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    write_official_files(model_cfg["model_path"], out, dtype)
+    print(f"xtuner-rope convert: {INTERNVL_MODEL} saved in the official InternVL layout to {out}.")
+
+
+__all__ = [
+    "INTERNVL_MODEL",
+    "is_internvl",
+    "build_trained",
+    "merged_chat_model",
+    "write_official_files",
+    "convert_internvl",
+]
