@@ -195,7 +195,7 @@ def main() -> None:
         print(
             f"{args.dialogues} dialogues, {nbytes / 2**20:.0f} MiB of json lines; first build "
             f"(tokenizing, not compared) {warm_up:.0f} s; then each from the warm tokenized "
-            f"cache, packed rows removed ({remove_packed_rows(cache)} file)",
+            f"cache, packed rows removed ({remove_packed_rows(cache)} files)",
             flush=True,
         )
         if args.warm_only:

@@ -39,26 +39,26 @@ from xtuner_rope.doctor.packing import (
     intern_repo_figures,
     packing_figures,
 )
-from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.preference import (
     doctor_samples,
     preference_figures,
     preference_warnings,
 )
+from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.rope import rope_figures, rope_problems
+from xtuner_rope.doctor.scan_columns import is_scannable, scan_columns
 from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.sequence_parallel import (
     sequence_parallel_figures,
     sequence_parallel_warnings,
 )
-from xtuner_rope.doctor.scan_columns import is_scannable, scan_columns
-from xtuner_rope.doctor.token_columns import row_lengths
 from xtuner_rope.doctor.stats import (
     length_percentiles,
     plan_summary,
     scan_samples,
     simulate_collate,
 )
+from xtuner_rope.doctor.token_columns import row_lengths
 from xtuner_rope.doctor.truncation import (
     cut_warnings,
     truncated_occurrences,
@@ -210,7 +210,7 @@ def _build_dataset(cfg: Config, facts: dict, progress: Progress):
     packing = packing_figures(dialogues, packed, facts["max_length"], progress=progress)
     shuffled = dataset_cfg.get("shuffle_before_pack", True)  # XTuner's default
     packing["shuffle_seed"] = {"used": used, "drawn": seed is None} if shuffled else None
-    return packed, row_lengths(dialogues), packing, truncation
+    return packed, row_lengths(dialogues).tolist(), packing, truncation
 
 
 def _findings(findings: list[startup.Finding]) -> dict:

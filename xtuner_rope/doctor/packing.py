@@ -141,7 +141,7 @@ def _packed_pass(packed, dialogues, starts, progress: Progress) -> dict:
     total = int(row_lengths(packed).sum())
     with progress.bar(total, f"packing figures, {len(packed)} rows") as bar:
         offset = 0
-        for _, lengths, block in token_blocks(packed):
+        for _, _, block in token_blocks(packed):
             ids, row_labels = block["input_ids"], block["labels"]
             labels += int((row_labels != IGNORE_INDEX).sum())
             prefix.feed(ids)

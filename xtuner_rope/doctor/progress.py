@@ -9,6 +9,7 @@ all off (and the datasets library's own bars).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -47,3 +48,19 @@ class Progress:
 
 
 QUIET = Progress(enabled=False)
+
+
+@contextlib.contextmanager
+def datasets_bars(shown: bool):
+    """The datasets library's progress bars (``map``, ``filter``) left as they are, or hidden
+    in this block (``shown`` False) and restored after it."""
+    import datasets
+
+    if shown or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
