@@ -261,7 +261,7 @@ def diagnose(
         config: Path of an XTuner config.
         cfg_options: ``--cfg-options`` overrides (dotted keys).
         batches: How many sampler batches to collate.
-        progress: Progress bars on stderr.
+        progress: Its steps and bars on stderr while it works (:mod:`xtuner_rope.doctor.progress`).
         work_dir: The run's ``--work-dir`` (default: the config's, else XTuner's default), where
             the checkpoints' size and free space are judged.
 
