@@ -1,7 +1,7 @@
 """The ``xtuner-rope`` command (console script; also ``python -m xtuner_rope.cli``).
 
 xtuner-rope train CONFIG [...]   (xtuner train, same arguments and launchers, real exit status)
-xtuner-rope doctor CONFIG [--out DIR] [--work-dir DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X]
+xtuner-rope doctor CONFIG [--out DIR] [--work-dir DIR] [--batches N] [--cfg-options k=v ...] [--deepspeed X] [--quiet]
 xtuner-rope check CONFIG [--out DIR] [--batches N] [--dtype D] [--cfg-options k=v ...]
 xtuner-rope convert pth_to_hf CONFIG PTH SAVE_DIR [--dtype bf16|fp16|fp32] [...]   (XTuner's tools, plugin loaded)
 xtuner-rope convert merge LLM ADAPTER SAVE_DIR [--dtype bf16|fp16|fp32] [...]
@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the DeepSpeed config the run will get (as xtuner train: a json or "
         "one of XTuner's names, e.g. deepspeed_zero2)",
     )
+    doctor.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (the doctor's steps and bars, the datasets library's bars)",
+    )
     _add_check(commands)
     _add_xtuner_tools(commands)
     return parser
@@ -241,6 +246,7 @@ def _doctor(args: argparse.Namespace) -> int:
     """``xtuner-rope doctor``: diagnose the config's data, write the report; the exit status."""
     activate_quietly()
     from xtuner_rope.doctor.diagnose import diagnose, exit_code
+    from xtuner_rope.doctor.progress import datasets_bars
     from xtuner_rope.doctor.report import format_summary, write_outputs
     from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
 
@@ -249,9 +255,17 @@ def _doctor(args: argparse.Namespace) -> int:
 
     options = cfg_options(args.cfg_options)
     try:
-        with launched_with(args.deepspeed), refusal_when_data_fails(args.config, options):
+        with (
+            launched_with(args.deepspeed),
+            refusal_when_data_fails(args.config, options),
+            datasets_bars(not args.quiet),
+        ):
             report, lengths = diagnose(
-                args.config, options, batches=args.batches, work_dir=args.work_dir
+                args.config,
+                options,
+                batches=args.batches,
+                progress=not args.quiet,
+                work_dir=args.work_dir,
             )
     except ConfigConflict as err:  # the start-up refuses and the data could not be built
         print(err)

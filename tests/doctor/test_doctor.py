@@ -359,10 +359,13 @@ def test_unknown_collate_name_is_refused():
         build_collate_fn({"collate_fn": {"type": "no_such_collate_fn"}})
 
 
-def test_cli_exit_codes_and_outputs(tmp_path):
+def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["doctor", str(_small_config(tmp_path, GOOD)), "--out", str(out)]) == 0
     assert (out / "report.json").is_file() and (out / "lengths.png").is_file()
+    steps = [line for line in capsys.readouterr().err.splitlines() if line.startswith("doctor: ")]
+    assert steps[0].startswith("doctor: starting the config as xtuner train does (")
+    assert any(line.startswith("doctor: checking ") for line in steps)
     bad = tmp_path / "bad"
     bad.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -377,6 +380,7 @@ def test_cli_exit_codes_and_outputs(tmp_path):
             str(bad / "out"),
             "--batches",
             "3",
+            "--quiet",
         ],
         capture_output=True,
         text=True,
@@ -385,6 +389,7 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "FAIL: training would fail" in run.stdout
+    assert "doctor: " not in run.stderr and "examples/s" not in run.stderr  # --quiet
     assert json.loads((bad / "out" / "report.json").read_text())["collate"]["batches"] == 3
 
 

@@ -25,6 +25,7 @@ per document with ``use_varlen_attn``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -50,6 +51,25 @@ from .truncation import counting_truncation, summed_figures, truncation_message,
 ROWS_PER_WRITE = 64  # packed rows per Arrow write: bounds the working memory (~1 MiB a column)
 PACKED_FORMAT = 2  # the packed files' layout and plan: change it when either changes
 TOKENS_PER_GATHER = 1 << 21  # tokens per whole-dialogue gather and write (16 MiB a column)
+_RECORDS: list[list] = []  # the open recorded_packs() blocks
+
+
+@contextlib.contextmanager
+def recorded_packs():
+    """Record every :func:`pack_dataset` call made in this block (the doctor reads the pack
+    step of the very build training runs, instead of building the dialogues a second time).
+
+    Yields:
+        A list that gets one ``(dialogues, packed)`` per call: the tokenized dialogues in the
+        order they were packed (a shuffle is an indices view, never written out) and the
+        packed ``datasets.Dataset``.
+    """
+    record: list = []
+    _RECORDS.append(record)
+    try:
+        yield record
+    finally:
+        _RECORDS.remove(record)
 
 
 def _list_array(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
@@ -231,6 +251,8 @@ def pack_dataset(
         table.column("input_ids"), tuple(f["filename"] for f in dataset.cache_files)
     )
     lengths = lengths if order is None else lengths[order]  # in stream order
+    for record in _RECORDS:
+        record.append((dataset, packed))
     figures = summed_figures(truncation or [])
     print_log(
         _summary(lengths, (tokens, labels), len(packed), max_length, whole, figures),
@@ -365,4 +387,4 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
 
 # ``pack_plan`` (the cut plan's name before whole-dialogue packing) is answered, with a warning
 # naming ``pack_plans.cut_plan``, by ``xtuner_rope.deprecated.MOVED_NAMES``.
-__all__ = ["lossless_process_hf_dataset", "pack_dataset"]
+__all__ = ["lossless_process_hf_dataset", "pack_dataset", "recorded_packs"]

@@ -44,7 +44,9 @@ from xtuner_rope.doctor.preference import (
     preference_figures,
     preference_warnings,
 )
+from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.rope import rope_figures, rope_problems
+from xtuner_rope.doctor.scan_columns import is_scannable, scan_columns
 from xtuner_rope.doctor.schedule import schedule_problems
 from xtuner_rope.doctor.sequence_parallel import (
     sequence_parallel_figures,
@@ -56,6 +58,7 @@ from xtuner_rope.doctor.stats import (
     scan_samples,
     simulate_collate,
 )
+from xtuner_rope.doctor.token_columns import row_lengths
 from xtuner_rope.doctor.truncation import (
     cut_warnings,
     truncated_occurrences,
@@ -183,7 +186,7 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
     return len(raw)
 
 
-def _build_dataset(cfg: Config, facts: dict):
+def _build_dataset(cfg: Config, facts: dict, progress: Progress):
     """``(dataset, lengths, packing, truncation)``: the train dataset; for offline packing the
     ``[n]`` dialogue lengths before packing in stream order and :func:`packing_figures` (else
     None, None); what XTuner's ``encode_fn`` cut (None where no XTuner tokenize step built
@@ -191,22 +194,23 @@ def _build_dataset(cfg: Config, facts: dict):
     from xtuner.registry import BUILDER
 
     if facts["packed_offline"]:  # intern-repo rows: the packers keep their documents
+        progress.stage("building the train dataset as xtuner train builds it")
         with counting_truncation() as truncation:  # the untokenized loader's encode_fn cut
             dataset = BUILDER.build(cfg.train_dataloader.dataset)
         figures = intern_repo_figures(dataset, facts["max_length"])
         return (dataset, *figures, summed_figures(truncation))
     if not facts["pack_to_max_length"]:
+        progress.stage("building the train dataset as xtuner train builds it")
         with counting_truncation() as truncation:
             dataset = BUILDER.build(cfg.train_dataloader.dataset)
         return dataset, None, None, summed_figures(truncation)
     seed = (cfg.get("randomness") or {}).get("seed")
     dataset_cfg = cfg.train_dataloader.dataset
-    dialogues, packed, truncation, used = build_dialogues_and_packs(dataset_cfg, seed)
-    lengths = [len(r) for r in dialogues["input_ids"]]
-    packing = packing_figures(dialogues, packed, facts["max_length"])
+    dialogues, packed, truncation, used = build_dialogues_and_packs(dataset_cfg, seed, progress)
+    packing = packing_figures(dialogues, packed, facts["max_length"], progress=progress)
     shuffled = dataset_cfg.get("shuffle_before_pack", True)  # XTuner's default
     packing["shuffle_seed"] = {"used": used, "drawn": seed is None} if shuffled else None
-    return packed, lengths, packing, truncation
+    return packed, row_lengths(dialogues).tolist(), packing, truncation
 
 
 def _findings(findings: list[startup.Finding]) -> dict:
@@ -257,7 +261,7 @@ def diagnose(
         config: Path of an XTuner config.
         cfg_options: ``--cfg-options`` overrides (dotted keys).
         batches: How many sampler batches to collate.
-        progress: Progress bars on stderr.
+        progress: Its steps and bars on stderr while it works (:mod:`xtuner_rope.doctor.progress`).
         work_dir: The run's ``--work-dir`` (default: the config's, else XTuner's default), where
             the checkpoints' size and free space are judged.
 
@@ -265,35 +269,39 @@ def diagnose(
         ``(report, lengths)``: the JSON-ready report (``problems`` and ``warnings`` included)
         and the ``[n]`` dialogue lengths before any offline packing (for the histogram).
     """
+    steps = Progress(progress)
     refuse_unserved_model(config)  # a model the start-up refuses: before its data are read
+    steps.stage("starting the config as xtuner train does")
     cfg, findings, resource = start_like_xtuner_train(config, cfg_options)
     refuse_unreadable_checkpoint(findings)  # no data without the checkpoint's tokenizer
     loader = cfg.train_dataloader
     facts = _dataset_facts(loader)
     collate_fn, collate_name, collate_kwargs = build_collate_fn(loader)
-    dataset, dialogue_lengths, packing, truncation = _build_dataset(cfg, facts)
+    dataset, dialogue_lengths, packing, truncation = _build_dataset(cfg, facts, steps)
     batch_size = int(loader.get("batch_size", 1))
     internvl = internvl_figures(cfg, dataset, batch_size)  # each item built once, uncut
     truncation = truncation or (internvl or {}).pop("truncation", None)
     llava = llava_view(cfg, dataset, collate_fn)  # LLaVA: lengths after the image expansion
     items = doctor_samples(dataset) if llava is None else llava.scan_items
-    scan = scan_samples(
+    steps.stage(f"checking {len(items)} samples")
+    scan = (scan_columns if is_scannable(items) else scan_samples)(
         items,
         collate_max_length=collate_kwargs.get("max_length"),
         truncation_length=None
         if facts["pack_to_max_length"] or facts["packed_offline"] or truncation
         else facts["max_length"],
-        progress=progress,
+        progress=steps,
     )
     if truncation:  # counted exactly in the tokenize step (packed or not)
         scan.issues["truncated"] = truncated_occurrences(truncation)
+    steps.stage(f"collating the first {min(batches, -(-len(dataset) // batch_size))} batches")
     plan = simulate_collate(
         dataset if llava is None else llava.collate_items,
         collate_fn if llava is None else llava.collate_fn,
         batch_size,
         batches,
         scan,
-        progress=progress,
+        progress=steps.enabled,
     )
     source = _source_rows(loader, facts)
     lengths = scan.lengths if dialogue_lengths is None else dialogue_lengths

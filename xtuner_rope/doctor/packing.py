@@ -1,10 +1,11 @@
 """The doctor on XTuner's offline packing: the dialogues before packing and what packing did.
 
-A ``process_hf_dataset(pack_to_max_length=True)`` config (or its start-up replacement
-``lossless_process_hf_dataset``) is built in two steps with XTuner's own builder: the
-dialogues as the pack step receives them (tokenized, filtered, shuffled as the config says,
-with numpy seeded from ``randomness.seed`` as MMEngine's Runner seeds it), then the config's
-pack step on them. :func:`packing_figures` counts tokens and labels before and after (kept /
+A ``lossless_process_hf_dataset`` config (the start-up's replacement of
+``process_hf_dataset(pack_to_max_length=True)``) is built once, as training builds it, with
+numpy seeded from ``randomness.seed`` as MMEngine's Runner seeds it, and its pack step recorded:
+the dialogues as it received them (tokenized, filtered, shuffled as the config says) and its
+rows. Without the plugin, XTuner's ``process_hf_dataset`` is built unpacked, then shuffled and
+packed by XTuner's own pack step. :func:`packing_figures` counts tokens and labels before and after (kept /
 lost), the rows and their fill, the dialogues cut at row edges and their pieces (0 with
 whole-dialogue packing, the plugin's default), what XTuner's cut of the same stream would
 make (rows, dialogues cut), and the packed documents with no supervised label, counted as
@@ -14,48 +15,68 @@ make (rows, dialogues cut), and the packed documents with no supervised label, c
 from __future__ import annotations
 
 import copy
-import functools
-from collections import Counter
 
 import numpy as np
 
 from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan, intern_repo_cut_plan
 from xtuner_rope.data.truncation import counting_truncation, summed_figures
+from xtuner_rope.doctor.packing_passes import dialogue_pass, packed_pass, segment_starts
+from xtuner_rope.doctor.progress import QUIET, Progress
+from xtuner_rope.doctor.token_columns import row_lengths, whole_matches
 
-IGNORE_INDEX = -100
 
-
-def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
+def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None, progress: Progress = QUIET):
     """The dialogues in stream order and the packed dataset, as the config builds them.
+
+    With the plugin's pack step (``lossless_process_hf_dataset``) the config's own dataset is
+    built once, as training builds it, and its pack step is recorded
+    (``packed_dataset.recorded_packs``): the dialogues it received, in the order it packed them
+    (a shuffle read through its indices), and its rows. XTuner's own pack step is run on the
+    dialogues built unpacked and shuffled as XTuner shuffles them.
 
     Args:
         dataset_cfg: The train dataloader's ``dataset`` dict (an XTuner packing dataset).
         seed: ``randomness.seed`` of the config (numpy is seeded with it first), or None.
+        progress: Where the build says what it does (default: nowhere).
 
     Returns:
         ``(dialogues, packed, truncation, seed)``: ``datasets.Dataset`` s of the tokenized
-        dialogues in the order they are packed, and of the packed rows; what XTuner's
-        ``encode_fn`` cut at ``max_length`` (``data.truncation.truncation_figures``; pretraining
-        documents kept whole to be split, as ``lossless_process_hf_dataset`` keeps them, with
-        whole packing); the seed numpy was seeded with (drawn when ``seed`` is None: training
-        draws another, and its shuffle before packing with it).
+        dialogues in the order they are packed, and of the packed rows (the built train
+        dataset with the plugin's pack step); what XTuner's ``encode_fn`` cut at
+        ``max_length`` (``data.truncation.truncation_figures``; pretraining documents kept whole
+        to be split, as ``lossless_process_hf_dataset`` keeps them, with whole packing); the
+        seed numpy was seeded with (drawn when ``seed`` is None: training draws another, and
+        its shuffle before packing with it).
     """
     from mmengine.runner import set_random_seed
+    from xtuner.registry import BUILDER
+
+    from xtuner_rope.config.startup import type_name
+    from xtuner_rope.data.packed_dataset import recorded_packs
+
+    used = set_random_seed(seed)  # None: a seed drawn as MMEngine's Runner draws one
+    if type_name(dataset_cfg.get("type")) != "lossless_process_hf_dataset":
+        return (*_xtuner_dialogues_and_packs(dataset_cfg), used)
+    whole = dataset_cfg.get("whole_dialogues", True)
+    progress.stage("building the train dataset as xtuner train builds it")
+    with counting_truncation(split_documents=whole) as truncation, recorded_packs() as packs:
+        built = BUILDER.build(dataset_cfg)
+    dialogues, _ = packs[-1]
+    return dialogues, built, summed_figures(truncation), used
+
+
+def _xtuner_dialogues_and_packs(dataset_cfg: dict):
+    """``(dialogues, packed, truncation)`` of XTuner's own pack step (plugin not enabled)."""
     from xtuner.dataset.huggingface import pack_dataset as xtuner_pack_dataset
     from xtuner.dataset.huggingface import process_hf_dataset
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.config.startup import type_name
-    from xtuner_rope.data.packed_dataset import pack_dataset as lossless_pack_dataset
-
-    used = set_random_seed(seed)  # None: a seed drawn as MMEngine's Runner draws one
     kwargs = copy.deepcopy(dict(dataset_cfg))
-    lossless = type_name(kwargs.pop("type")) == "lossless_process_hf_dataset"
-    whole = kwargs.pop("whole_dialogues", True)
+    kwargs.pop("type")
     shuffle = kwargs.pop("shuffle_before_pack", True)
     varlen = bool(kwargs.pop("use_varlen_attn", False))
     procs = kwargs.get("map_num_proc", 32)
-    with counting_truncation(split_documents=lossless and whole) as truncation:
+    with counting_truncation() as truncation:
         dialogues = BUILDER.build(
             dict(
                 kwargs,
@@ -66,50 +87,31 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None):
         )
     if shuffle:  # as XTuner's pack_dataset does, before its Packer
         dialogues = dialogues.shuffle().flatten_indices(num_proc=procs)
-    pack = (
-        functools.partial(lossless_pack_dataset, whole=whole, truncation=truncation)
-        if lossless
-        else xtuner_pack_dataset
-    )
-    packed = pack(dialogues.remove_columns(["length"]), kwargs["max_length"], varlen, False, procs)
-    return dialogues, packed, summed_figures(truncation), used
+    dialogues = dialogues.remove_columns(["length"])
+    packed = xtuner_pack_dataset(dialogues, kwargs["max_length"], varlen, False, procs)
+    return dialogues, packed, summed_figures(truncation)
 
 
-def _flat(rows: list) -> np.ndarray:
-    return (
-        np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
-        if rows
-        else np.zeros(0, dtype=np.int64)
-    )
-
-
-def _segment_starts(packed) -> np.ndarray | None:
-    """``[k]`` stream offsets where a packed document starts (None without boundaries)."""
-    if "cumulative_len" not in packed.column_names:
-        return None
-    row_lengths = np.asarray([len(r) for r in packed["input_ids"]], dtype=np.int64)
-    row_starts = np.concatenate([[0], np.cumsum(row_lengths)[:-1]])
-    return np.concatenate(
-        [
-            start + np.asarray(bounds[:-1], dtype=np.int64)
-            for start, bounds in zip(row_starts, packed["cumulative_len"])
-        ]
-    )
-
-
-def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = False) -> dict:
+def packing_figures(
+    dialogues, packed, max_length: int, intern_repo: bool = False, progress: Progress = QUIET
+) -> dict:
     """What the pack step did to the dialogues, JSON-ready.
 
     Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut),
-    else by finding each dialogue whole among the packed documents (whole-dialogue packing).
+    else by finding each dialogue whole among the packed documents (whole-dialogue packing; a
+    document and a dialogue match when their token ids do: compared by a 128-bit hash of the
+    ids and the length, ``token_columns.segment_keys``). Every count is made block by block
+    (``token_columns``): the doctor never holds the tokens of the corpus.
 
     Args:
-        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
+        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order (a
+            ``datasets.Dataset``; a shuffle's indices are read through).
         packed: The packed rows built from them (with ``cumulative_len`` when the config
             records boundaries).
         max_length: Tokens per packed row.
         intern_repo: The rows are one file's of XTuner's intern-repo packing: ``xtuner_cut``
             is its ``PackedDataset``'s cut (last partial row dropped), not ``process_hf_dataset``'s.
+        progress: Where the passes over the tokens show their progress (default: nowhere).
 
     Returns:
         Counts: ``tokens`` and ``labels`` (labels other than -100) ``before`` / ``after`` /
@@ -124,54 +126,54 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
         them into ``max_length`` pieces by design: they are not counted in ``cut_dialogues``
         or ``pieces`` there (XTuner's cut counts them like any other).
     """
-    tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
-    packed_labels = _flat(packed["labels"])
+    lengths = row_lengths(dialogues)  # [n] in stream order
+    rows = row_lengths(packed)
+    starts = segment_starts(packed, rows)
+    progress.stage(
+        f"packing figures: {len(dialogues)} dialogues, {int(lengths.sum())} tokens, "
+        f"{len(packed)} rows"
+    )
+    source = dialogue_pass(dialogues, progress)
+    after = packed_pass(packed, dialogues, starts, progress)
     figures = {
         "dialogues": len(dialogues),
         "rows": len(packed),
         "max_length": max_length,
-        "tokens": _kept(len(tokens), len(packed_labels)),
-        "labels": _kept(
-            int((labels != IGNORE_INDEX).sum()), int((packed_labels != IGNORE_INDEX).sum())
-        ),
+        "tokens": _kept(int(lengths.sum()), after["tokens"]),
+        "labels": _kept(source["labels"], after["labels"]),
         "cut_dialogues": None,
         "pieces": None,
         "unsupervised_pieces": None,
         "unsupervised_seen": None,
     }
-    lengths = np.asarray([len(r) for r in dialogues["input_ids"]], dtype=np.int64)
     xtuner_cuts = (
         intern_repo_cut_plan(lengths, max_length) if intern_repo else cut_plan(lengths, max_length)
     )
     figures.update(
-        fill=round(len(packed_labels) / max(len(packed) * max_length, 1), 4),
-        sft=bool((labels == IGNORE_INDEX).any()),
+        fill=round(after["tokens"] / max(len(packed) * max_length, 1), 4),
+        sft=source["sft"],
         packer="intern_repo" if intern_repo else "process_hf_dataset",
         xtuner_cut={
             "rows": len(xtuner_cuts) - 1,
             "cut_dialogues": cut_dialogues(lengths, xtuner_cuts),
         },
     )
-    starts = _segment_starts(packed)
-    flat_ids = _flat(packed["input_ids"])
     # XTuner's cut keeps the stream in order; its intern-repo packer drops the tail (a prefix)
-    in_order = np.array_equal(flat_ids, tokens[: len(flat_ids)])
+    in_order = after["in_order"]
     long = lengths > max_length
     figures["split_long"] = int(long.sum())
-    if starts is None or not len(tokens) or (figures["tokens"]["lost"] and not in_order):
+    if starts is None or not lengths.sum() or (figures["tokens"]["lost"] and not in_order):
         return figures  # no boundaries, or tokens dropped mid-stream (the shards' leftovers)
-    used = packed_labels != IGNORE_INDEX
-    used[starts] = False  # a document's first label is never predicted from its document
-    unsupervised = np.add.reduceat(used.astype(np.int64), starts) == 0
+    unsupervised = after["unsupervised"]
     if in_order:
         doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         doc_of_segment = np.searchsorted(doc_starts, starts, side="right") - 1
-        segment_lengths = np.diff(np.append(starts, len(flat_ids)))
+        segment_lengths = np.diff(np.append(starts, after["tokens"]))
         piece = segment_lengths != lengths[doc_of_segment]  # [k] less than its whole dialogue
         cut = len(np.unique(doc_of_segment[piece]))
         pieces = int(piece.sum())
     else:  # rows in another order (whole-dialogue packing): find each dialogue whole
-        piece = ~_whole_segments(dialogues["input_ids"], flat_ids, starts)
+        piece = ~whole_matches(source["keys"], after["keys"])
         # A document longer than a row is split into max_length pieces by design (nothing to
         # keep whole): counted apart, never as a dialogue cut at a row edge.
         cut = len(lengths) - int((~piece).sum()) - int(long.sum())
@@ -244,18 +246,6 @@ def _summed(parts: list[dict], max_length: int) -> dict:
     total["sft"] = any(p["sft"] for p in parts)
     total["fill"] = round(total["tokens"]["after"] / max(total["rows"] * max_length, 1), 4)
     return total
-
-
-def _whole_segments(dialogue_ids: list, flat_ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``[k]`` bool: packed document ``k`` is one whole dialogue (each dialogue matched once)."""
-    left = Counter(tuple(ids) for ids in dialogue_ids)
-    whole = np.zeros(len(starts), dtype=bool)
-    for k, segment in enumerate(np.split(flat_ids, starts[1:])):
-        key = tuple(segment.tolist())
-        if left[key] > 0:
-            left[key] -= 1
-            whole[k] = True
-    return whole
 
 
 def _kept(before: int, after: int) -> dict:

@@ -9,6 +9,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from xtuner_rope.data.truncation import truncation_message, unit
 from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
 from xtuner_rope.doctor.heldout import heldout_lines
@@ -181,7 +183,7 @@ def plot_lengths(
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.hist(lengths, bins=min(60, max(1, len(set(lengths)))), color="#4878a8")
+    ax.hist(lengths, bins=min(60, max(1, len(np.unique(lengths)))), color="#4878a8")
     if max_length:
         ax.axvline(max_length, color="#c0392b", linestyle="--", label=f"max_length={max_length}")
         ax.legend()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from mmengine.config import Config
 
 from xtuner_rope.models.rope_documents import PER_DOCUMENT_KEY
@@ -33,7 +34,7 @@ def rope_figures(cfg: Config, lengths: Sequence[int], packed: bool) -> dict | No
     if setting is None:
         return None
     threshold = setting.threshold
-    past = 0 if threshold is None else sum(1 for n in lengths if n > threshold)
+    past = 0 if threshold is None else int(np.count_nonzero(np.asarray(lengths) > threshold))
     return {
         "config_json": where,
         "rope_type": setting.rope_type,

@@ -36,6 +36,12 @@ class Occurrences:
         if len(self.first_indices) < FIRST_INDICES:
             self.first_indices.append(index)
 
+    def add_all(self, indices: np.ndarray) -> None:
+        """:meth:`add` each of ``indices`` (increasing), at once."""
+        room = FIRST_INDICES - len(self.first_indices)
+        self.first_indices += [int(i) for i in indices[:room]]
+        self.count += len(indices)
+
 
 def _as_list(value: object) -> list[int]:
     if value is None:
@@ -109,7 +115,8 @@ def scan_samples(
         The scan; issue indices are sample indices.
     """
     scan = SampleScan()
-    for index in tqdm(range(len(dataset)), desc="doctor: samples", disable=not progress):
+    enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
+    for index in tqdm(range(len(dataset)), desc="doctor: samples", disable=not enabled):
         item = dataset[index]
         n, n_labels = len(_as_list(item.get("input_ids"))), len(_as_list(item.get("labels")))
         supervised = supervised_count(item)

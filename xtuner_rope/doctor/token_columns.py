@@ -1,0 +1,153 @@
+"""The token columns of a built ``datasets.Dataset``, read block by block.
+
+The doctor counts over every token of the data (tokens and labels kept, packed documents with
+no supervised label, each dialogue found whole among the rows). Read as Python lists, a million
+short dialogues are ~54M Python ints (GiBs, minutes); here they are read as numpy blocks of
+``TOKENS_PER_BLOCK`` tokens from the memory-mapped table (through a shuffle's indices when the
+dataset has one, never written out), each block's mapped pages released once read
+(``data.token_gather``), so the doctor holds one block and per-row arrays, never the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, table_and_order
+
+TOKENS_PER_BLOCK = 1 << 21  # tokens per block read (16 MiB a column of int64)
+# Two odd 64-bit multipliers (golden ratio, and splitmix64's): each document's tokens hash to a
+# 128-bit key with its length; a false match among a million documents has odds ~2**-88.
+_HASH_BASES = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9))
+
+
+def is_token_table(dataset: object, columns: tuple[str, ...] = ("input_ids", "labels")) -> bool:
+    """True for a ``datasets.Dataset`` whose ``columns`` are lists of integers, none null."""
+    names = getattr(dataset, "column_names", None)
+    if names is None or not hasattr(dataset, "data") or not set(columns) <= set(names):
+        return False
+    table = dataset.data.table
+    for name in columns:
+        column = table.column(name)
+        kind = column.type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            return False
+        if not pa.types.is_integer(kind.value_type) or column.null_count:
+            return False
+        if pc.sum(pc.list_value_length(column).is_null()).as_py():
+            return False
+    return True
+
+
+def row_lengths(dataset, column: str = "input_ids") -> np.ndarray:
+    """``[n]`` list lengths of ``column``, in the dataset's order (through its indices)."""
+    table, order = table_and_order(dataset)
+    lengths = pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+    lengths = lengths.astype(np.int64)
+    return lengths if order is None else lengths[order]
+
+
+def list_column(dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of a small list column (``cumulative_len``) in dataset order:
+    ``[m]`` flat values and ``[n + 1]`` row offsets into them."""
+    table, order = table_and_order(dataset)
+    sizes = pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
+    sizes = sizes.astype(np.int64)
+    values = pc.list_flatten(table.column(column)).to_numpy(zero_copy_only=False)
+    values = values.astype(np.int64)
+    drop_mapped_pages([f["filename"] for f in dataset.cache_files])
+    if order is not None:
+        starts = np.cumsum(sizes) - sizes
+        values = values[_ranges(starts[order], sizes[order])]
+        sizes = sizes[order]
+    return values, np.concatenate([[0], np.cumsum(sizes)])
+
+
+def token_blocks(
+    dataset, columns: tuple[str, ...] = ("input_ids", "labels"), table_order: bool = False
+) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+    """Consecutive blocks of whole rows: ``(first_row, [r] lengths, {column: [t] tokens})``.
+
+    Args:
+        dataset: A ``datasets.Dataset`` of the list ``columns`` (as long as each other, row by
+            row: ``TokenGather`` refuses them otherwise).
+        columns: The token columns to read.
+        table_order: Read in the order the rows are stored (for order-free counts), not the
+            dataset's (a shuffle's indices); ``first_row`` is then a table row.
+    """
+    table, order = table_and_order(dataset)
+    lengths = pc.list_value_length(table.column(columns[0])).to_numpy(zero_copy_only=False)
+    lengths = lengths.astype(np.int64)
+    if not len(lengths):
+        return
+    mapped = tuple(f["filename"] for f in dataset.cache_files)
+    gather = TokenGather(table, columns, mapped)
+    starts = np.cumsum(lengths) - lengths
+    if order is not None and not table_order:
+        lengths, starts = lengths[order], starts[order]
+    ends = np.cumsum(lengths)
+    first = 0
+    while first < len(lengths):
+        budget = ends[first] - lengths[first] + TOKENS_PER_BLOCK
+        last = max(int(np.searchsorted(ends, budget, side="right")), first + 1)
+        rows = slice(first, last)
+        yield first, lengths[rows], gather.gather(starts[rows], lengths[rows])
+        first = last
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    first = np.cumsum(sizes) - sizes
+    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
+
+
+def _mixed(tokens: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of each token id (so that nearby ids hash far apart)."""
+    z = tokens.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def segment_keys(tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``[k, 3]`` a key per segment of ``tokens``: two 64-bit hashes and the length.
+
+    Args:
+        tokens: ``[t]`` token ids.
+        starts: ``[k]`` increasing segment starts, the first 0; a segment runs to the next.
+    """
+    sizes = np.diff(np.append(starts, len(tokens))).astype(np.int64)
+    keys = np.zeros((len(starts), 3), dtype=np.uint64)
+    keys[:, 2] = sizes.astype(np.uint64)
+    if not len(tokens):
+        return keys
+    position = np.arange(len(tokens), dtype=np.int64) - np.repeat(starts, sizes)
+    mixed = _mixed(tokens)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 on purpose
+        for j, base in enumerate(_HASH_BASES):
+            powers = np.cumprod(np.full(int(sizes.max()), base, dtype=np.uint64))
+            nonempty = sizes > 0
+            keys[nonempty, j] = np.add.reduceat(mixed * powers[position], starts[nonempty])
+    return keys
+
+
+def whole_matches(dialogue_keys: np.ndarray, segment_keys_: np.ndarray) -> np.ndarray:
+    """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, the
+    segments matched in order (the first of equal segments first).
+
+    Args:
+        dialogue_keys: ``[n, 3]`` :func:`segment_keys` of the dialogues.
+        segment_keys_: ``[k, 3]`` those of the packed documents, in stream order.
+    """
+    both = np.ascontiguousarray(np.concatenate([dialogue_keys, segment_keys_]))
+    _, key = np.unique(both.view(np.dtype((np.void, 24))).ravel(), return_inverse=True)
+    key = key.ravel()
+    available = np.bincount(key[: len(dialogue_keys)], minlength=int(key.max(initial=-1)) + 1)
+    segments = key[len(dialogue_keys) :]
+    by_key = np.argsort(segments, kind="stable")
+    ordered = segments[by_key]
+    rank = np.empty(len(segments), dtype=np.int64)
+    rank[by_key] = np.arange(len(segments)) - np.searchsorted(ordered, ordered, side="left")
+    return rank < available[segments]
