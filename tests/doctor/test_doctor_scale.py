@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from datasets import Dataset
+from sample_kinds import SAMPLE_KINDS
 
 from xtuner_rope.data.packed_dataset import pack_dataset
 from xtuner_rope.doctor.packing import packing_figures
@@ -18,15 +19,7 @@ from xtuner_rope.doctor.token_columns import (
     whole_matches,
 )
 
-ROWS = [  # every kind of sample scan_samples tells apart
-    {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
-    {"input_ids": [], "labels": []},
-    {"input_ids": [1, 2], "labels": [-100, -100]},
-    {"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3]},
-    {"input_ids": list(range(6)), "labels": list(range(6))},
-    {"input_ids": list(range(5)), "labels": list(range(5))},
-    {"input_ids": [7, 8, 9, 10, 11], "labels": [7, -100, 9, 10, 11]},
-]
+ROWS = SAMPLE_KINDS  # every kind of sample scan_samples tells apart
 BOUNDS = {  # per row: XTuner's packed boundaries, odd ones included (repeats, past the end)
     "cumulative_len": [[0, 1, 3], [0], [0, 2], [0, 2, 2, 4], [0, 3, 6], [], [0, 4, 9]],
     "position_ids": [[0, 0, 1], [], [1, 2], [0, 1, 0, 1], [0, 1, 0, 1, 2, 0], [1], [2, 0, 1, 0, 1]],

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from sample_kinds import SAMPLE_KINDS
 from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.utils import Packer
 
@@ -62,14 +63,7 @@ def test_xtuner_packed_rows_follow_the_packers_boundaries(keep):
 
 
 def test_scan_finds_each_kind_at_its_index():
-    items = [
-        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
-        {"input_ids": [], "labels": []},
-        {"input_ids": [1, 2], "labels": [-100, -100]},
-        {"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3]},
-        {"input_ids": list(range(6)), "labels": list(range(6))},
-        {"input_ids": list(range(5)), "labels": list(range(5))},
-    ]
+    items = SAMPLE_KINDS[:6]
     scan = scan_samples(items, collate_max_length=5, truncation_length=5, progress=False)
     found = {k: (v.count, v.first_indices) for k, v in scan.issues.items()}
     assert found == {
