@@ -4,7 +4,6 @@ and type for type, to the row read document by document through XTuner's reader.
 
 import json
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from xtuner.dataset import intern_repo
 
-from xtuner_rope.data import token_lines
 from xtuner_rope.data.intern_repo_packing import build_whole_packed_dataset
 from xtuner_rope.data.token_lines import TokenLines, parse_int_lists
 
@@ -144,33 +142,3 @@ def test_the_bulk_parse_takes_canonical_lines_and_leaves_the_others(tmp_path):
     assert wrong_meta.pieces(np.array([0]), np.array([0]), np.array([1])) is None
     lines.close()
     wrong_meta.close()
-
-
-def _resident_kib(path) -> int:
-    """Resident KiB of this process's mappings of ``path`` (Linux /proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and ":" not in fields[0]:
-                inside = len(fields) == 6 and fields[5] == str(path)
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1])
-    return total
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
-def test_reading_rows_keeps_few_of_the_files_pages_resident(tmp_path):
-    """Each line read maps 64 KiB around it (fault-around): rows read from anywhere would
-    leave the whole file resident in a data-loader worker; the pages are released as it reads."""
-    path = (tmp_path / "docs.bin").resolve()
-    docs = [list(range(1, 200))] * 20_000  # ~16 MiB
-    _write_bin(path, docs, {})
-    (source,) = intern_repo.load_intern_repo_tokenized_dataset(str(tmp_path))
-    lines = TokenLines(source.path, source.offsets, source.length)
-    rng = np.random.default_rng(0)
-    for _ in range(4 * token_lines.RELEASE_EVERY_ROWS):
-        picked = rng.integers(0, len(docs), 40)
-        ids, _labels = lines.pieces(picked, np.zeros(40, np.int64), np.full(40, 199))
-        assert ids.tolist() == list(range(1, 200)) * 40
-    assert _resident_kib(path) * 1024 < path.stat().st_size / 4

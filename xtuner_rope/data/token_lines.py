@@ -105,12 +105,6 @@ def _decimal_values(text: bytes, ends: np.ndarray, width: np.ndarray) -> np.ndar
     return values
 
 
-# Rows read between two releases of the file's mapped pages. A row reads ~100 lines from
-# anywhere in the file, and each read maps 64 KiB around it (the kernel's fault-around): without
-# releases a reader's resident memory grows to the file's size (3.9 GiB at 10M documents).
-RELEASE_EVERY_ROWS = 16
-
-
 class TokenLines:
     """The lines of one XTuner ``JsonlDataset``'s file, read straight from its own mapping.
 
@@ -126,7 +120,6 @@ class TokenLines:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self._lengths = np.asarray(lengths, dtype=np.int64)
-        self._reads = 0
 
     def pieces(
         self, documents: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
@@ -143,9 +136,6 @@ class TokenLines:
             ``(input_ids, labels)``, each ``[sum(sizes)]`` int64; None where a line is not in
             the form parsed here (the caller reads the row through XTuner's reader).
         """
-        self._reads += 1
-        if self._reads % RELEASE_EVERY_ROWS == 0 and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)  # read-only: re-read from the page cache
         bodies = []
         for at in self._offsets[documents].tolist():
             end = self._map.find(b"\n", at)
