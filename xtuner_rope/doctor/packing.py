@@ -121,8 +121,9 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
         ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
         is -100 or its document's first: what training counts over one epoch); else None.
         ``split_long``: documents longer than ``max_length``. Whole-dialogue packing splits
-        them into ``max_length`` pieces by design: they are not counted in ``cut_dialogues``
-        or ``pieces`` there (XTuner's cut counts them like any other).
+        them into ``max_length`` pieces by design (``split_pieces`` of them; None for XTuner's
+        cut): they are not counted in ``cut_dialogues`` or ``pieces`` there (XTuner's cut
+        counts them like any other).
     """
     tokens, labels = _flat(dialogues["input_ids"]), _flat(dialogues["labels"])
     packed_labels = _flat(packed["labels"])
@@ -158,6 +159,7 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
     in_order = np.array_equal(flat_ids, tokens[: len(flat_ids)])
     long = lengths > max_length
     figures["split_long"] = int(long.sum())
+    figures["split_pieces"] = None
     if starts is None or not len(tokens) or (figures["tokens"]["lost"] and not in_order):
         return figures  # no boundaries, or tokens dropped mid-stream (the shards' leftovers)
     used = packed_labels != IGNORE_INDEX
@@ -174,8 +176,10 @@ def packing_figures(dialogues, packed, max_length: int, intern_repo: bool = Fals
         piece = ~_whole_segments(dialogues["input_ids"], flat_ids, starts)
         # A document longer than a row is split into max_length pieces by design (nothing to
         # keep whole): counted apart, never as a dialogue cut at a row edge.
+        split = int((-(-lengths[long] // max_length)).sum())
         cut = len(lengths) - int((~piece).sum()) - int(long.sum())
-        pieces = int(piece.sum()) - int(np.ceil(lengths[long] / max_length).sum())
+        pieces = int(piece.sum()) - split
+        figures["split_pieces"] = split
     figures.update(
         cut_dialogues=cut,
         pieces=pieces,
@@ -224,6 +228,7 @@ SUMMED = (
     "rows",
     "cut_dialogues",
     "split_long",
+    "split_pieces",
     "pieces",
     "unsupervised_pieces",
     "unsupervised_seen",
