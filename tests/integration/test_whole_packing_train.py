@@ -2,7 +2,10 @@
 stock alpaca config with the one edit (600 dialogues, ``max_length`` 512), hold every dialogue
 of XTuner's own unpacked dataset whole, token for token, each exactly once. Issue 49's for
 pretraining text: one epoch of the stock ``qwen1_5_0_5b_full_custom_pretrain_e1`` trains every
-token of XTuner's own uncut documents exactly once, long documents as ``max_length`` pieces."""
+token of XTuner's own uncut documents exactly once, long documents as ``max_length`` pieces; and
+one epoch of the stock tokenized intern-repo ``internlm2_7b_w_tokenized_dataset`` trains every
+token of its ``.bin`` documents exactly once, long documents as ``packed_length`` pieces, as the
+doctor and the start-up say."""
 
 import json
 import os
@@ -160,4 +163,88 @@ def test_one_pretraining_epoch_trains_every_token_once(tmp_path, monkeypatch):
     print(
         f"{len(batches)} iterations, {sum(trained.values())} pieces of {len(documents)} "
         f"documents ({long} split), {tokens} tokens each trained once"
+    )
+
+
+TOKENIZED = "internlm2_7b_w_tokenized_dataset"
+
+
+def _tokenized_documents(folder: Path) -> list[list[int]]:
+    """60 pretraining documents (the sample replies of 1 to 39 dialogues, tiny InternLM2 ids,
+    BOS first) in XTuner's tokenized intern-repo files: ``folder/documents.bin`` (one
+    ``{"tokens": [...]}`` a line, every id positive: every token supervised) and its
+    ``.bin.meta`` index; ~40 to ~900 tokens, a third longer than a 512-token row."""
+    from transformers import AutoTokenizer
+
+    from xtuner_rope.zoo.intern_repo import signed_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(sc.TINY_MODEL))
+    rng = np.random.default_rng(1)
+    texts = [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 60)]
+    documents = [tokenizer.encode(t) for t in texts]
+    folder.mkdir(parents=True, exist_ok=True)
+    meta, offset, lines = [], 0, []
+    for ids in documents:
+        lines.append(json.dumps({"tokens": signed_tokens(ids, ids)}) + "\n")  # no id 0
+        meta.append((offset, len(ids)))
+        offset += len(lines[-1].encode("utf-8"))
+    (folder / "documents.bin").write_text("".join(lines), encoding="utf-8")
+    with open(folder / "documents.bin.meta", "wb") as f:  # np.save to a handle: no .npy
+        np.save(f, np.array(meta, dtype=np.int64))
+    return documents
+
+
+def test_one_tokenized_intern_repo_epoch_trains_every_token_once(tmp_path, monkeypatch):
+    """Stock ``internlm2_7b_w_tokenized_dataset`` with the one edit on ``.bin`` pretraining
+    documents: the rows the model received, cut at their document boundaries, are exactly the
+    ``packed_length`` pieces of the documents written (every token once, all supervised), and
+    the doctor's and the start-up's figures (documents, split, pieces, tokens, rows) are the
+    epoch's."""
+    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.report import format_summary
+    from xtuner_rope.zoo.localize import enable_plugin, localize
+
+    sc.ensure_tiny_model()
+    documents = _tokenized_documents(tmp_path / "docs")
+    stock = sc.copy_stock(TOKENIZED, tmp_path).read_text()
+    config = tmp_path / "tokenized.py"
+    config.write_text(_recording(enable_plugin(localize(stock, sc.TINY_MODEL, tmp_path / "docs"))))
+    packed_length = Config.fromfile(str(config)).train_dataloader.dataset.packed_length
+    batches, out = _train_one_epoch(config, tmp_path, monkeypatch)
+    long = [d for d in documents if len(d) > packed_length]
+    assert len(long) >= 10, len(long)
+    pieces = Counter(
+        tuple(d[i : i + packed_length]) for d in documents for i in range(0, len(d), packed_length)
+    )
+    trained = Counter()
+    for batch in batches:
+        for ids, labels, bounds in zip(
+            batch["input_ids"], batch["labels"], batch["cumulative_len"]
+        ):
+            bounds = bounds.tolist()
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                trained[tuple(ids[a:b].tolist())] += 1
+                assert (labels[a:b] == ids[a:b]).all()  # every token supervised
+    assert trained == pieces  # every token of every document once, long ones as pieces
+    tokens, split = sum(map(len, documents)), sum(-(-len(d) // packed_length) for d in long)
+    assert (
+        f"packed {len(documents)} documents ({tokens} tokens) into {len(batches)} rows of "
+        f"packed_length={packed_length}"
+    ) in out
+    assert f"({len(long)} documents longer than a row split into {split} packed_length pieces)" in out
+    report, _ = diagnose(str(config), batches=2, progress=False)
+    packing = report["packing"]
+    assert (packing["dialogues"], packing["rows"]) == (len(documents), len(batches))
+    assert (packing["split_long"], packing["split_pieces"]) == (len(long), split)
+    assert packing["tokens"] == {"before": tokens, "after": tokens, "lost": 0}
+    assert packing["cut_dialogues"] == 0 and report["exit_code"] == 0
+    summary = format_summary(report)
+    assert (
+        f"{len(long)} documents longer than max_length={packed_length} split into {split} "
+        "max_length pieces"
+    ) in summary
+    assert summary.splitlines()[-1].startswith("OK"), summary
+    print(
+        f"{len(batches)} iterations, {sum(trained.values())} pieces of {len(documents)} "
+        f"documents ({len(long)} split into {split}), {tokens} tokens each trained once"
     )

@@ -60,6 +60,39 @@ def write_preference_pairs(dst: Path, n: int = 240) -> Path:
     return dst
 
 
+POLAR = "POLAR_1_8B_full_varlenattn_custom_dataset"  # is_reference pairs (tokenize_ref)
+STOCK_DATASETS[POLAR] = "/your/custom/path/here"
+
+
+def write_reference_pairs(dst: Path, n: int = 80, seed: int = 0) -> Path:
+    """``n`` pairs in the stock POLAR configs' format (``prompt``, ``reference``, ``chosen``,
+    ``rejected`` message lists, no map function) from the sample dialogues: prompts of 1 to 3
+    dialogues' system and user turns, each response 1 to 4 replies (~5 to ~200 tokens of the
+    tiny tokenizer), the reference and chosen from one dialogue, rejected from the next."""
+    import numpy as np
+
+    turns = list(sc._turns(n + 8))
+    rng = np.random.default_rng(seed)
+
+    def replies(i: int) -> str:
+        return " ".join(r for t in turns[i : i + int(rng.integers(1, 5))] for r in t[2][:1])
+
+    rows = []
+    for i in range(n):
+        users = [u for t in turns[i : i + int(rng.integers(1, 4))] for u in [t[0], *t[1][:1]] if u]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": u} for u in users],
+                "reference": [{"role": "assistant", "content": replies(i)}],
+                "chosen": [{"role": "assistant", "content": replies(i)}],
+                "rejected": [{"role": "assistant", "content": replies(i + 1)}],
+            }
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return dst
+
+
 def localize_preference(
     config: Path,
     name: str,
@@ -67,6 +100,7 @@ def localize_preference(
     model: Path = sc.TINY_MODEL,
     max_length: int = 256,
     reward_token_id: int | None = None,
+    max_response_length: int | None = None,
 ) -> str:
     """The user's own-machine edits of a stock preference config; returns the new text.
 
@@ -77,6 +111,7 @@ def localize_preference(
         model: The local checkpoint.
         max_length: Per response; ``max_packed_length`` stays the stock ``max_length * 2``.
         reward_token_id: For reward configs: the id to use (None keeps the stock 92527).
+        max_response_length: For the POLAR configs: per response (None keeps the stock 4096).
     """
     text = config.read_text(encoding="utf-8")
     text = sc.sub_once(
@@ -98,6 +133,10 @@ def localize_preference(
             r"^        torch_dtype=torch.float16,\n        quantization_config="
             r"dict\((\n.*?)*?\n        \),\n",
             "",
+        )
+    if max_response_length is not None:
+        text = sc.sub_once(
+            text, r"^max_response_length = \d+", f"max_response_length = {max_response_length}"
         )
     if reward_token_id is not None:
         text = sc.sub_once(text, r"^reward_token_id = \d+", f"reward_token_id = {reward_token_id}")

@@ -189,13 +189,14 @@ def _summary(
     words of the data (``what``: ``dialogues`` or ``documents``); ``cut``: XTuner's
     ``encode_fn`` lost tokens before packing (its own line says how many)."""
     cuts = intern_repo_cut_plan(lengths, packed_length)
-    tokens, split = int(lengths.sum()), int((lengths > packed_length).sum())
+    tokens, long = int(lengths.sum()), lengths[lengths > packed_length]
+    split, pieces = len(long), int((-(-long // packed_length)).sum())
     return (
         f"xtuner-rope: packed {len(lengths)} {what} ({tokens} tokens) into {rows} rows of "
         f"packed_length={packed_length} (fill {tokens / max(rows * packed_length, 1):.1%}), "
         f"every {what[:-1]} whole in one row"
         + (
-            f" ({split} documents longer than a row split into packed_length pieces)"
+            f" ({split} documents longer than a row split into {pieces} packed_length pieces)"
             if split
             else ""
         )

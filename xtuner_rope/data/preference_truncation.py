@@ -8,8 +8,9 @@ response is cut is trained on part of it (DPO/ORPO), or scored on part of it (re
 unlimited), counts what the cut loses (:func:`pair_figures`, the keys of
 ``data.truncation.truncation_figures``, in pairs), then applies the very same cut: the pairs are
 XTuner's, token for token. The figures go to the open ``counting_truncation`` blocks (the
-doctor), else to one start-up line. ``is_reference`` pairs (``tokenize_ref``, which shortens
-the prompt from the front to fit) are built as XTuner builds them, uncounted.
+doctor), else to one start-up line. ``is_reference`` pairs (``tokenize_ref``: responses cut at
+``max_response_length``, the prompt shortened from the front to fit, the text encoded again)
+are built by XTuner as they are, then counted (``data.reference_truncation``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import sys
 
 import numpy as np
 
+from .reference_truncation import (
+    reference_figures,
+    reference_warning,
+    sequences_note,
+    tokenize_ref_counts,
+)
 from .truncation import FIRST_INDICES, IGNORE_INDEX, record_figures, tokenized_line
 
 RESPONSES = ("chosen", "rejected")
@@ -98,6 +105,21 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
     }
 
 
+def _report(figures: dict) -> None:
+    """Give ``figures`` to the open counting blocks (the doctor), else log the start-up line
+    (with the warning on prompts left no room, for ``is_reference`` pairs)."""
+    if record_figures(figures):
+        return
+    from mmengine.logging import print_log
+
+    warning = reference_warning(figures)
+    line = tokenized_line(figures)
+    if figures.get("reference"):  # the final lengths, or the warning that names them
+        line += f" {warning or sequences_note(figures) + '.'}"
+    level = logging.WARNING if figures["truncated"] or warning else logging.INFO
+    print_log(line, logger="current", level=level)
+
+
 def counted_preference_dataset(xtuner_class: type) -> type:
     """XTuner's ``PreferenceDataset`` whose cut at ``max_length`` is counted (same pairs).
 
@@ -106,7 +128,8 @@ def counted_preference_dataset(xtuner_class: type) -> type:
 
     Returns:
         A subclass with the same arguments; ``truncation`` holds its :func:`pair_figures`
-        (None for ``is_reference`` pairs), ``xtuner_class`` the class it extends.
+        (``reference_truncation.reference_figures`` for ``is_reference`` pairs; None where
+        ``max_length`` is not an int), ``xtuner_class`` the class it extends.
     """
     signature = inspect.signature(xtuner_class.__init__)
 
@@ -118,18 +141,22 @@ def counted_preference_dataset(xtuner_class: type) -> type:
             bound.apply_defaults()
             self.truncation = None
             if bound.arguments["is_reference"] or not isinstance(max_length, int):
+                # tokenize_ref re-encodes the cut text: XTuner's pairs as built, counted after
                 super().__init__(dataset, tokenizer, max_length, *args, **kwargs)
+                if bound.arguments["is_reference"] and isinstance(max_length, int):
+                    response = bound.arguments["max_response_length"]
+                    counts = tokenize_ref_counts(dataset, tokenizer, max_length, response)
+                    self.truncation = reference_figures(
+                        counts, max_length, response, self.tokenized_pairs
+                    )
+                    _report(self.truncation)
                 return
             super().__init__(dataset, tokenizer, sys.maxsize, *args, **kwargs)  # uncut
             self.max_length = max_length
             reward = bool(bound.arguments["is_reward"])
             self.truncation = pair_figures(self.tokenized_pairs, max_length, reward)
             self.tokenized_pairs = [cut_pair(p, max_length, reward) for p in self.tokenized_pairs]
-            if not record_figures(self.truncation):  # no counting block open: the start-up line
-                from mmengine.logging import print_log
-
-                level = logging.WARNING if self.truncation["truncated"] else logging.INFO
-                print_log(tokenized_line(self.truncation), logger="current", level=level)
+            _report(self.truncation)
 
     CountedPreferenceDataset.xtuner_class = xtuner_class
     CountedPreferenceDataset.__qualname__ = CountedPreferenceDataset.__name__ = "PreferenceDataset"

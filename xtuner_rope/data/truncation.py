@@ -25,6 +25,8 @@ import sys
 import numpy as np
 import pyarrow.compute as pc
 
+from .reference_truncation import reference_message
+
 IGNORE_INDEX = -100
 FIRST_INDICES = 10  # truncated dialogues named in the report
 STEP = "XTuner's encode_fn"  # what cuts (the figures' ``step`` where another does)
@@ -277,6 +279,8 @@ def truncation_message(figures: dict | None) -> str | None:
     when it cuts nothing."""
     if not figures or not figures["truncated"]:
         return None
+    if figures.get("reference"):  # is_reference pairs: cut at two settings, not one
+        return reference_message(figures)
     t, lab, what = figures["tokens"], figures["labels"], unit(figures)
     dropped = (
         f" ({figures['dropped']} of them dropped: no supervised label left)"

@@ -123,8 +123,9 @@ def packing_figures(
         ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
         is -100 or its document's first: what training counts over one epoch); else None.
         ``split_long``: documents longer than ``max_length``. Whole-dialogue packing splits
-        them into ``max_length`` pieces by design: they are not counted in ``cut_dialogues``
-        or ``pieces`` there (XTuner's cut counts them like any other).
+        them into ``max_length`` pieces by design (``split_pieces`` of them; None for XTuner's
+        cut): they are not counted in ``cut_dialogues`` or ``pieces`` there (XTuner's cut
+        counts them like any other).
     """
     lengths = row_lengths(dialogues)  # [n] in stream order
     rows = row_lengths(packed)
@@ -162,6 +163,7 @@ def packing_figures(
     in_order = after["in_order"]
     long = lengths > max_length
     figures["split_long"] = int(long.sum())
+    figures["split_pieces"] = None
     if starts is None or not lengths.sum() or (figures["tokens"]["lost"] and not in_order):
         return figures  # no boundaries, or tokens dropped mid-stream (the shards' leftovers)
     unsupervised = after["unsupervised"]
@@ -176,8 +178,10 @@ def packing_figures(
         piece = ~whole_matches(source["keys"], after["keys"])
         # A document longer than a row is split into max_length pieces by design (nothing to
         # keep whole): counted apart, never as a dialogue cut at a row edge.
+        split = int((-(-lengths[long] // max_length)).sum())
         cut = len(lengths) - int((~piece).sum()) - int(long.sum())
-        pieces = int(piece.sum()) - int(np.ceil(lengths[long] / max_length).sum())
+        pieces = int(piece.sum()) - split
+        figures["split_pieces"] = split
     figures.update(
         cut_dialogues=cut,
         pieces=pieces,
@@ -226,6 +230,7 @@ SUMMED = (
     "rows",
     "cut_dialogues",
     "split_long",
+    "split_pieces",
     "pieces",
     "unsupervised_pieces",
     "unsupervised_seen",

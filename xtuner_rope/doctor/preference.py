@@ -94,11 +94,15 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
         "kind": "reward" if dataset_cfg.get("is_reward") else "dpo/orpo",
         "pairs": len(pairs),
         "max_length": max_length,
+        # is_reference pairs (tokenize_ref): responses cut here, prompts to fit max_length
+        "max_response_length": dataset_cfg.get("max_response_length", 4096)
+        if dataset_cfg.get("is_reference")
+        else None,
         "packed": packed,
         "max_packed_length": max_packed if packed else None,
         "truncated_responses": counted["responses"]
         if counted
-        else sum(  # uncounted (is_reference pairs): those as long as max_length
+        else sum(  # uncounted (max_length not an int): those as long as max_length
             (len(p["chosen_ids"]) >= max_length) + (len(p["rejected_ids"]) >= max_length)
             for p in pairs
         )
@@ -113,6 +117,7 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
         },
         "dropped_over_max_packed_length": dropped,
         "rows": rows,
+        "longest_pair": max(totals, default=0),
         "pairs_per_row": (len(pairs) - dropped) / rows if rows else None,
         "real_token_share": (sum(t for t in totals if t <= max_packed) / (rows * max_packed))
         if rows
@@ -127,11 +132,14 @@ def _pct(values: dict) -> str:
 def preference_lines(report: dict) -> list[str]:
     """The doctor's dataset lines for preference data (instead of the dialogue lines)."""
     p, samples = report["preference"], report["samples"]
-    lines = [
-        f"dataset      {report['dataset']['type']} ({p['kind']}): {p['pairs']} pairs, "
+    cut = (
         f"max_length={p['max_length']} per response ({p['truncated_responses']} responses "
         "cut to it)"
-    ]
+        if p.get("max_response_length") is None
+        else f"max_length={p['max_length']} per sequence, max_response_length="
+        f"{p['max_response_length']} ({p['truncated_responses']} responses cut to it)"
+    )
+    lines = [f"dataset      {report['dataset']['type']} ({p['kind']}): {p['pairs']} pairs, {cut}"]
     lines += [f"lengths      {part:<8} {_pct(v)}" for part, v in p["lengths"].items()]
     if p["packed"]:
         lines.append(
@@ -154,6 +162,6 @@ def preference_warnings(report: dict) -> list[str]:
     return [
         f"{p['dropped_over_max_packed_length']} of {p['pairs']} pairs are longer than "
         f"max_packed_length={p['max_packed_length']} (chosen + rejected) and are dropped by "
-        "PackedDatasetWrapper: raise max_packed_length (at least 2 * max_length keeps "
-        "every pair)"
+        f"PackedDatasetWrapper: raise max_packed_length to {p['longest_pair']} (the longest "
+        "pair: keeps every pair)"
     ]

@@ -101,9 +101,10 @@ def _packing_lines(report: dict, batch_size: int) -> list[str]:
             "on these rows)"
         )
     if p.get("split_long"):
+        into = "" if p.get("split_pieces") is None else f"{p['split_pieces']} "
         lines.append(
             f"             {p['split_long']} documents longer than max_length={p['max_length']} "
-            "split into max_length pieces (no row holds them whole)"
+            f"split into {into}max_length pieces (no row holds them whole)"
         )
     return lines
 
@@ -158,10 +159,13 @@ def format_summary(report: dict) -> str:
         verdict = cut_verdict(report)
     elif truncation_message(report.get("truncation")):
         cut = report["truncation"]
+        where = f"max_length={cut['max_length']}"
+        if cut.get("reference"):  # tokenize_ref: responses at their end, prompts at their start
+            where += f", max_response_length={cut['reference']['max_response_length']}"
         verdict = (
-            f"TRUNCATED: {cut['truncated']} of {cut['dialogues']} {unit(cut)} lose their ends at "
-            f"max_length={cut['max_length']} (see the warning); nothing else would fail or "
-            "corrupt training (exit 0)"
+            f"TRUNCATED: {cut['truncated']} of {cut['dialogues']} {unit(cut)} lose "
+            f"{'tokens' if cut.get('reference') else 'their ends'} at {where} (see the "
+            "warning); nothing else would fail or corrupt training (exit 0)"
         )
     elif fits(report.get("checkpoints")) is False:
         verdict = (

@@ -12,6 +12,7 @@ words of the start-up's own line (``data.truncation.truncation_message``).
 
 from __future__ import annotations
 
+from xtuner_rope.data.reference_truncation import reference_warning, sequences_note
 from xtuner_rope.data.truncation import STEP, truncation_message, unit
 from xtuner_rope.doctor.stats import Occurrences
 
@@ -27,35 +28,53 @@ def truncation_lines(figures: dict | None) -> list[str]:
     if not figures:
         return []
     t, lab, what = figures["tokens"], figures["labels"], unit(figures)
-    left = (
-        f"{figures['responses']} responses cut, {figures['unsupervised']} pairs left with a "
-        "response without a label"
-        if "responses" in figures
-        else f"{figures['dropped']} dropped with no label left"
-    )
-    return [
+    ref = figures.get("reference")
+    if ref:  # is_reference pairs: responses and prompts cut, the text encoded again
+        p = ref["prompt_tokens"]
+        left = (
+            f"{figures['responses']} responses cut at max_response_length="
+            f"{ref['max_response_length']}, {ref['prompts']} prompts shortened (lost "
+            f"{p['lost']} of {p['before']} prompt tokens), {ref['no_room']} prompts left no room"
+        )
+    elif "responses" in figures:
+        left = (
+            f"{figures['responses']} responses cut, {figures['unsupervised']} pairs left with a "
+            "response without a label"
+        )
+    else:
+        left = f"{figures['dropped']} dropped with no label left"
+    lines = [
         f"truncation   {figures['truncated']} of {figures['dialogues']} {what} truncated at "
         f"max_length={figures['max_length']} by {figures.get('step', STEP)} ({left}): tokens {t['before']} -> {t['after']} (lost {t['lost']}), "
         f"supervised labels {lab['before']} -> {lab['after']} (lost {lab['lost']}); longest "
         f"{figures['keep_all']}, 99% <= {figures['keep_99']}"
     ]
+    if ref:
+        lines.append(f"             {sequences_note(figures)}")
+    return lines
 
 
 def truncation_warnings(figures: dict | None) -> list[str]:
     """A warning when XTuner's cut loses tokens, with the ``max_length`` that would keep them."""
+    room = reference_warning(figures)  # is_reference pairs whose prompt XTuner keeps whole
     message = truncation_message(figures)
     if message is None:
-        return []
+        return [room] if room else []
     edit = (
         f"set max_length = {figures['keep_all']} (every {unit(figures, False)} whole) or "
         f"{figures['keep_99']} (99%)"
     )
+    if figures.get("reference"):
+        edit += (
+            f" with max_response_length = {figures['reference']['keep_response_length']} "
+            "(every response whole)"
+        )
     if figures["pretraining"]:
         edit += (
             ', or with xtuner-rope enabled leave offline_packing = "whole" (the default): '
             "pretraining documents are split into max_length pieces, not cut"
         )
-    return [f"{message}\n  -> {edit}"]
+    return [f"{message}\n  -> {edit}"] + ([room] if room else [])
 
 
 def data_unit(report: dict, plural: bool = True) -> str:

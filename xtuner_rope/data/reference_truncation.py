@@ -1,0 +1,228 @@
+"""What XTuner's ``tokenize_ref`` cuts from ``is_reference`` preference pairs, counted.
+
+xtuner 0.2.0 ``PreferenceDataset(is_reference=True)`` (POLAR reward configs) tokenizes the
+prompt, reference, chosen and rejected texts (each message list's contents joined by newlines,
+special tokens added), keeps the first ``max_response_length`` tokens of each response
+(reference, chosen, rejected; one log line per cut item) and the last ``max_prompt_length``
+tokens of the prompt, where ``max_prompt_length`` is the smaller of ``(max_length - 4 -
+reference - response) // 2`` over chosen and rejected (the responses already cut). Then it
+decodes the kept tokens and encodes ``reference + "<|reward|>" + response`` again (each with the
+prompt): the final sequences are not bounded by ``max_length``.
+
+XTuner's own slicing ``prompt[-max_prompt_length:]`` decides the edge cases: at 0 it keeps the
+whole prompt, below 0 (``-k``) it drops only the first ``k`` tokens. Either way the responses
+left the prompt no room and XTuner keeps more than fits: counted apart (``no_room``), a warning
+with the setting to change (:func:`reference_warning`).
+
+:func:`reference_figures` counts, from the same four tokenizations (run again), what the cut loses (in the
+keys of ``data.truncation.truncation_figures``, in pairs, plus ``reference``); the final
+sequences longer than ``max_length`` are counted on XTuner's own built pairs. Tokens are text
+tokens: the special tokens each part starts with are skipped by the decode, kept or not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PARTS = ("prompt", "reference", "chosen", "rejected")
+RESPONSES = ("reference", "chosen", "rejected")
+RESERVED = 4  # tokenize_ref's own: one RM token, two separators, one reward token
+STEP = "XTuner's preference tokenize_ref"
+FIRST_INDICES = 10  # cut pairs named in the report (as data.truncation's)
+ENCODE_CHUNK = 1024  # texts per tokenizer call
+
+
+def _encoded(texts: list[str], tokenizer):
+    """Each text's ids as ``tokenize_ref`` encodes them (``add_special_tokens=True``)."""
+    for i in range(0, len(texts), ENCODE_CHUNK):
+        yield from tokenizer(texts[i : i + ENCODE_CHUNK], add_special_tokens=True)["input_ids"]
+
+
+def _texts(dataset, part: str) -> list[str]:
+    """``tokenize_ref``'s text of ``part``: the messages' contents joined by newlines."""
+    column = dataset[part] if hasattr(dataset, "column_names") else [row[part] for row in dataset]
+    return ["\n".join(m["content"] for m in messages) for messages in column]
+
+
+def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length: int) -> dict:
+    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations.
+
+    The kept tokens are decoded with ``skip_special_tokens=True`` before XTuner encodes the
+    text again: a special token (the BOS each part starts with) is never text, kept or not.
+    Text tokens (ids outside ``tokenizer.all_special_ids``) are what a cut can lose.
+
+    Args:
+        dataset: The pairs (``prompt``, ``reference``, ``chosen``, ``rejected`` message lists).
+        tokenizer: The dataset's tokenizer.
+        max_length: The dataset's ``max_length``.
+        max_response_length: The dataset's ``max_response_length``.
+
+    Returns:
+        ``[n]`` arrays: ``length`` / ``kept`` (tokens, special ones included: XTuner's
+        arithmetic) and ``text`` / ``text_kept`` (text tokens) per part (``{part: [n]}``);
+        ``budget`` (XTuner's ``max_prompt_length``); ``lead`` (the prompt's leading special
+        tokens: dropping only those loses no text).
+    """
+    special = np.asarray(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
+    length, kept, text, text_kept = {}, {}, {}, {}
+    for part in RESPONSES:
+        rows = [
+            (len(ids), ~np.isin(ids, special)) for ids in _encoded(_texts(dataset, part), tokenizer)
+        ]
+        length[part] = np.asarray([n for n, _ in rows], dtype=np.int64)
+        kept[part] = np.minimum(length[part], max_response_length)
+        text[part] = np.asarray([t.sum() for _, t in rows], dtype=np.int64)
+        text_kept[part] = np.asarray(
+            [t[:max_response_length].sum() for _, t in rows], dtype=np.int64
+        )
+    room = max_length - RESERVED - kept["reference"]
+    budget = np.minimum((room - kept["chosen"]) // 2, (room - kept["rejected"]) // 2)
+    prompt_rows = []
+    for ids, b in zip(_encoded(_texts(dataset, "prompt"), tokenizer), budget):
+        is_text = ~np.isin(ids, special)
+        p = len(ids)
+        # prompt[-b:] (XTuner's slice): the last b tokens; all of them at 0; from token -b on below
+        left = p if p <= b else (b if b > 0 else (p if b == 0 else max(p + b, 0)))
+        lead = int(np.argmax(is_text)) if is_text.any() else p
+        prompt_rows.append((p, left, int(is_text.sum()), int(is_text[p - left :].sum()), lead))
+    columns = np.asarray(prompt_rows, dtype=np.int64).reshape(-1, 5).T
+    length["prompt"], kept["prompt"], text["prompt"], text_kept["prompt"], lead = columns
+    return {
+        "length": length,
+        "kept": kept,
+        "text": text,
+        "text_kept": text_kept,
+        "budget": budget,
+        "lead": lead,
+    }
+
+
+def _tokens(before: np.ndarray, after: np.ndarray) -> dict:
+    b, a = int(before.sum()), int(after.sum())
+    return {"before": b, "after": a, "lost": b - a}
+
+
+def _quantile(values: np.ndarray, q: float) -> int | None:
+    ordered = np.sort(values)
+    return int(ordered[int(np.ceil(q * len(ordered))) - 1]) if len(ordered) else None
+
+
+def reference_figures(counts: dict, max_length: int, max_response_length: int, built: list) -> dict:
+    """What ``tokenize_ref``'s cut loses, in text tokens, JSON-ready.
+
+    Args:
+        counts: :func:`tokenize_ref_counts` of the pairs.
+        max_length: The dataset's ``max_length``.
+        max_response_length: The dataset's ``max_response_length``.
+        built: XTuner's built pairs (``chosen_ids`` / ``rejected_ids``), for the final lengths.
+
+    Returns:
+        ``data.truncation.truncation_figures``' keys in pairs (``truncated``: pairs that lose
+        text; ``responses``: responses that lose text; ``tokens``: the four parts' text tokens
+        before and after the cut; ``labels``: the reward labels, none lost; ``keep_all`` /
+        ``keep_99``: the ``max_length`` that keeps every pair's text / 99% of them, with
+        ``max_response_length`` at least ``reference['keep_response_length']``), ``unit``
+        ("pair"), ``step``, ``builder``, and ``reference``: ``max_response_length``,
+        ``keep_response_length``, ``prompts`` (prompts shortened), ``prompt_tokens`` and
+        ``response_tokens`` (text tokens before / after / lost), ``no_room`` (pairs whose
+        responses leave the prompt no room: XTuner keeps it whole, or drops only its first
+        tokens), ``fit_all`` (the ``max_length`` that shortens no prompt at this
+        ``max_response_length``), ``sequences``, ``over_max_length`` (final sequences longer
+        than ``max_length``) and ``longest``.
+    """
+    length, kept, text, text_kept = (counts[k] for k in ("length", "kept", "text", "text_kept"))
+    n = len(counts["budget"])
+    response_cut = np.stack([text_kept[p] < text[p] for p in RESPONSES])  # [3, n]
+    prompt_cut = text_kept["prompt"] < text["prompt"]
+    truncated = np.flatnonzero(response_cut.any(axis=0) | prompt_cut)
+    # the prompt's text whole needs max_prompt_length >= its tokens after the leading specials
+    prompt_text = length["prompt"] - counts["lead"]
+    longer = np.maximum(length["chosen"], length["rejected"])
+    whole = RESERVED + length["reference"] + longer + 2 * prompt_text  # [n]
+    fit = RESERVED + kept["reference"] + np.maximum(kept["chosen"], kept["rejected"])
+    fit = fit + 2 * prompt_text
+    final = np.asarray(
+        [len(pair[f"{r}_ids"]) for pair in built for r in ("chosen", "rejected")], dtype=np.int64
+    )
+    responses = np.concatenate([text[p] for p in RESPONSES])
+    responses_kept = np.concatenate([text_kept[p] for p in RESPONSES])
+    return {
+        "max_length": int(max_length),
+        "unit": "pair",
+        "step": STEP,
+        "builder": "build_preference_dataset",
+        "dialogues": n,
+        "documents": 0,
+        "pretraining": False,
+        "truncated": len(truncated),
+        "dropped": 0,
+        "split": 0,
+        "responses": int(response_cut.sum()),
+        "unsupervised": 0,
+        "tokens": _tokens(sum(text.values()), sum(text_kept.values())),
+        "labels": {"before": 2 * n, "after": 2 * n, "lost": 0},  # one reward label a sequence
+        "keep_all": int(whole.max()) if n else None,
+        "keep_99": _quantile(whole, 0.99),
+        "first_truncated": [int(i) for i in truncated[:FIRST_INDICES]],
+        "reference": {
+            "max_response_length": int(max_response_length),
+            "keep_response_length": int(max(length[p].max() for p in RESPONSES)) if n else None,
+            "prompts": int(prompt_cut.sum()),
+            "prompt_tokens": _tokens(text["prompt"], text_kept["prompt"]),
+            "response_tokens": _tokens(responses, responses_kept),
+            "no_room": int(((counts["budget"] <= 0) & (text["prompt"] > 0)).sum()),
+            "fit_all": int(fit.max()) if n else None,
+            "sequences": len(final),
+            "over_max_length": int((final > max_length).sum()),
+            "longest": int(final.max()) if len(final) else None,
+        },
+    }
+
+
+def reference_message(figures: dict) -> str | None:
+    """The sentence on what ``tokenize_ref`` cuts (start-up line, doctor), None for nothing."""
+    if not figures["truncated"]:
+        return None
+    ref = figures["reference"]
+    p, r = ref["prompt_tokens"], ref["response_tokens"]
+    return (
+        f"{figures['step']} cuts {figures['truncated']} of {figures['dialogues']} pairs at "
+        f"max_length={figures['max_length']}, max_response_length={ref['max_response_length']}: "
+        f"{figures['responses']} responses (reference, chosen, rejected) lose {r['lost']} of "
+        f"{r['before']} text tokens at their end, {ref['prompts']} prompts lose {p['lost']} of "
+        f"{p['before']} at their start; max_length = {figures['keep_all']} with "
+        f"max_response_length = {ref['keep_response_length']} keeps every pair whole, "
+        f"{figures['keep_99']} keeps 99% of them"
+    )
+
+
+def sequences_note(figures: dict) -> str:
+    """How many final sequences XTuner's re-encoding makes longer than ``max_length``."""
+    ref = figures["reference"]
+    return (
+        f"{ref['over_max_length']} of {ref['sequences']} sequences (reference + response, each "
+        f"with the prompt, re-encoded) are longer than max_length={figures['max_length']} "
+        f"(longest {ref['longest']})"
+    )
+
+
+def reference_warning(figures: dict | None) -> str | None:
+    """The warning for pairs whose responses leave the prompt no room, or None.
+
+    XTuner's ``prompt[-max_prompt_length:]`` keeps the whole prompt when the budget is 0 and
+    drops only the first ``k`` tokens when it is ``-k``: those pairs train on more than
+    ``max_length`` tokens. The edit: a ``max_response_length`` of at most ``(max_length - 6)
+    // 2`` (two responses then leave at least one prompt token), or a larger ``max_length``.
+    """
+    ref = (figures or {}).get("reference")
+    if not ref or not ref["no_room"]:
+        return None
+    return (
+        f"{ref['no_room']} of {figures['dialogues']} pairs leave the prompt no room "
+        f"(max_length={figures['max_length']} - 4 - reference - response < 2 tokens after the "
+        f"cut at max_response_length={ref['max_response_length']}): {figures['step']} then "
+        "keeps the whole prompt (or drops only its first tokens) instead of shortening it, and "
+        f"{sequences_note(figures)}\n  -> set max_response_length = "
+        f"{max((figures['max_length'] - 6) // 2, 1)} or less (two responses then leave the "
+        f"prompt room), or max_length = {ref['fit_all']} (every prompt whole)"
+    )
