@@ -231,7 +231,9 @@ def test_one_tokenized_intern_repo_epoch_trains_every_token_once(tmp_path, monke
         f"packed {len(documents)} documents ({tokens} tokens) into {len(batches)} rows of "
         f"packed_length={packed_length}"
     ) in out
-    assert f"({len(long)} documents longer than a row split into {split} packed_length pieces)" in out
+    assert (
+        f"({len(long)} documents longer than a row split into {split} packed_length pieces)" in out
+    )
     report, _ = diagnose(str(config), batches=2, progress=False)
     packing = report["packing"]
     assert (packing["dialogues"], packing["rows"]) == (len(documents), len(batches))
