@@ -21,6 +21,7 @@ asked counted, ``save_pretrained`` of the chat model, the checkpoint's own ``con
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -102,8 +103,16 @@ def write_official_files(model_path: str, save_dir: Path, dtype: torch.dtype) ->
     ``dtype``), its remote code (every ``*.py`` of ``model_path``) and its tokenizer."""
     from transformers import AutoTokenizer
 
+    from xtuner_rope.models.checkpoint_config import read_checkpoint_config
+
     source = Path(model_path)
-    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    read = read_checkpoint_config(model_path)
+    if read.data is None:
+        raise ValueError(
+            f"convert pth_to_hf: cannot copy the InternVL checkpoint's config: {read.problem}; "
+            "point the config's path at the InternVL checkpoint the run started from."
+        )
+    config = copy.deepcopy(read.data)
     name = str(dtype).removeprefix("torch.")
     for entry in (config, *(config.get(key) or {} for key in SUB_CONFIGS)):
         if DTYPE_KEY in entry or entry is config:
