@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from .cut_counts import kept_counts, length_quantile
 from .reference_truncation import (
     reference_figures,
     reference_warning,
@@ -82,7 +83,6 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
             _supervised(pair[f"{p}_labels"]) and not _supervised(cut[f"{p}_labels"])
             for p in RESPONSES
         )
-    ordered = np.sort(longest)
     n = len(pairs)
     return {
         "max_length": int(max_length),
@@ -97,10 +97,10 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
         "split": 0,
         "responses": int(responses),
         "unsupervised": int(unsupervised),
-        "tokens": {"before": tokens[0], "after": tokens[1], "lost": tokens[0] - tokens[1]},
-        "labels": {"before": labels[0], "after": labels[1], "lost": labels[0] - labels[1]},
-        "keep_all": int(ordered[-1]) if n else None,
-        "keep_99": int(ordered[int(np.ceil(0.99 * n)) - 1]) if n else None,
+        "tokens": kept_counts(*tokens),
+        "labels": kept_counts(*labels),
+        "keep_all": int(longest.max()) if n else None,
+        "keep_99": length_quantile(longest, 0.99),
         "first_truncated": truncated[:FIRST_INDICES],
     }
 

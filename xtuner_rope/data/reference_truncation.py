@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cut_counts import FIRST_INDICES, kept_counts, length_quantile
+
 PARTS = ("prompt", "reference", "chosen", "rejected")
 RESPONSES = ("reference", "chosen", "rejected")
 RESERVED = 4  # tokenize_ref's own: one RM token, two separators, one reward token
 STEP = "XTuner's preference tokenize_ref"
-FIRST_INDICES = 10  # cut pairs named in the report (as data.truncation's)
 ENCODE_CHUNK = 1024  # texts per tokenizer call
 
 
@@ -97,16 +98,6 @@ def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length
     }
 
 
-def _tokens(before: np.ndarray, after: np.ndarray) -> dict:
-    b, a = int(before.sum()), int(after.sum())
-    return {"before": b, "after": a, "lost": b - a}
-
-
-def _quantile(values: np.ndarray, q: float) -> int | None:
-    ordered = np.sort(values)
-    return int(ordered[int(np.ceil(q * len(ordered))) - 1]) if len(ordered) else None
-
-
 def reference_figures(counts: dict, max_length: int, max_response_length: int, built: list) -> dict:
     """What ``tokenize_ref``'s cut loses, in text tokens, JSON-ready.
 
@@ -159,17 +150,17 @@ def reference_figures(counts: dict, max_length: int, max_response_length: int, b
         "split": 0,
         "responses": int(response_cut.sum()),
         "unsupervised": 0,
-        "tokens": _tokens(sum(text.values()), sum(text_kept.values())),
+        "tokens": kept_counts(sum(text.values()).sum(), sum(text_kept.values()).sum()),
         "labels": {"before": 2 * n, "after": 2 * n, "lost": 0},  # one reward label a sequence
         "keep_all": int(whole.max()) if n else None,
-        "keep_99": _quantile(whole, 0.99),
+        "keep_99": length_quantile(whole, 0.99),
         "first_truncated": [int(i) for i in truncated[:FIRST_INDICES]],
         "reference": {
             "max_response_length": int(max_response_length),
             "keep_response_length": int(max(length[p].max() for p in RESPONSES)) if n else None,
             "prompts": int(prompt_cut.sum()),
-            "prompt_tokens": _tokens(text["prompt"], text_kept["prompt"]),
-            "response_tokens": _tokens(responses, responses_kept),
+            "prompt_tokens": kept_counts(text["prompt"].sum(), text_kept["prompt"].sum()),
+            "response_tokens": kept_counts(responses.sum(), responses_kept.sum()),
             "no_room": int(((counts["budget"] <= 0) & (text["prompt"] > 0)).sum()),
             "fit_all": int(fit.max()) if n else None,
             "sequences": len(final),

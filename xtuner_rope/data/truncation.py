@@ -25,10 +25,10 @@ import sys
 import numpy as np
 import pyarrow.compute as pc
 
+from .cut_counts import FIRST_INDICES, kept_counts, length_quantile
 from .reference_truncation import reference_message
 
 IGNORE_INDEX = -100
-FIRST_INDICES = 10  # truncated dialogues named in the report
 STEP = "XTuner's encode_fn"  # what cuts (the figures' ``step`` where another does)
 
 
@@ -102,16 +102,12 @@ def truncation_figures(table, max_length: int, bos: int, split_documents: bool) 
         "truncated": int(cut.sum()),
         "dropped": int(dropped.sum()),
         "split": int((long & whole).sum()),
-        "tokens": _kept(int(lengths[kept].sum()), int(after[survivors].sum())),
-        "labels": _kept(int(labels_before[kept].sum()), int(labels_after[survivors].sum())),
+        "tokens": kept_counts(lengths[kept].sum(), after[survivors].sum()),
+        "labels": kept_counts(labels_before[kept].sum(), labels_after[survivors].sum()),
         "keep_all": int(sorted_lengths[-1]) if n else None,
-        "keep_99": int(sorted_lengths[int(np.ceil(0.99 * n)) - 1]) if n else None,
+        "keep_99": length_quantile(sorted_lengths, 0.99),
         "first_truncated": [int(i) for i in order[cut & ~dropped][:FIRST_INDICES]],
     }
-
-
-def _kept(before: int, after: int) -> dict:
-    return {"before": before, "after": after, "lost": before - after}
 
 
 SUMMED = ("dialogues", "documents", "truncated", "dropped", "split")

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from xtuner_rope.batch.internvl_tiles import image_tiles
+from xtuner_rope.data.cut_counts import kept_counts
 from xtuner_rope.data.truncation import FIRST_INDICES, IGNORE_INDEX
 from xtuner_rope.ops.packing import plan_packs
 
@@ -140,16 +141,12 @@ def internvl_truncation(items: list[tuple[int, list, list]], max_length: int) ->
         "truncated": len(cut),
         "dropped": 0,
         "split": 0,
-        "tokens": _kept(sum(lengths), sum(min(k, max_length) for k in lengths)),
-        "labels": _kept(sum(labels), sum(kept)),
+        "tokens": kept_counts(sum(lengths), sum(min(k, max_length) for k in lengths)),
+        "labels": kept_counts(sum(labels), sum(kept)),
         "keep_all": ordered[-1] if n else None,
         "keep_99": ordered[int(math.ceil(0.99 * n)) - 1] if n else None,
         "first_truncated": cut[:FIRST_INDICES],
     }
-
-
-def _kept(before: int, after: int) -> dict:
-    return {"before": before, "after": after, "lost": before - after}
 
 
 def _first(items: list[dict]) -> str:

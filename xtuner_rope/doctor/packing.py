@@ -18,6 +18,7 @@ import copy
 
 import numpy as np
 
+from xtuner_rope.data.cut_counts import kept_counts
 from xtuner_rope.data.pack_plans import cut_dialogues, cut_plan, intern_repo_cut_plan
 from xtuner_rope.data.truncation import counting_truncation, summed_figures
 from xtuner_rope.doctor.packing_passes import dialogue_pass, packed_pass, segment_starts
@@ -140,8 +141,8 @@ def packing_figures(
         "dialogues": len(dialogues),
         "rows": len(packed),
         "max_length": max_length,
-        "tokens": _kept(int(lengths.sum()), after["tokens"]),
-        "labels": _kept(source["labels"], after["labels"]),
+        "tokens": kept_counts(int(lengths.sum()), after["tokens"]),
+        "labels": kept_counts(source["labels"], after["labels"]),
         "cut_dialogues": None,
         "pieces": None,
         "unsupervised_pieces": None,
@@ -251,7 +252,3 @@ def _summed(parts: list[dict], max_length: int) -> dict:
     total["sft"] = any(p["sft"] for p in parts)
     total["fill"] = round(total["tokens"]["after"] / max(total["rows"] * max_length, 1), 4)
     return total
-
-
-def _kept(before: int, after: int) -> dict:
-    return {"before": before, "after": after, "lost": before - after}

@@ -1,0 +1,24 @@
+"""The counts every report of a cut shares: before / after / lost, and the ``max_length``
+that keeps a share of the rows whole (``data.truncation`` for dialogues and documents,
+``data.preference_truncation`` and ``data.reference_truncation`` for pairs, the doctor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["FIRST_INDICES", "kept_counts", "length_quantile"]
+
+FIRST_INDICES = 10  # truncated dialogues named in the report
+
+
+def kept_counts(before: int, after: int) -> dict:
+    """``{"before", "after", "lost"}``: a count before a cut, after it, and what it lost."""
+    return {"before": int(before), "after": int(after), "lost": int(before) - int(after)}
+
+
+def length_quantile(lengths, q: float) -> int | None:
+    """The ``max_length`` that keeps a share ``q`` of ``lengths`` whole (``keep_99``: q=0.99);
+    None for no lengths."""
+    ordered = np.sort(np.asarray(lengths))
+    return int(ordered[int(np.ceil(q * len(ordered))) - 1]) if len(ordered) else None
