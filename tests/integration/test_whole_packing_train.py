@@ -43,13 +43,19 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
-def _train_one_epoch(config: Path, tmp_path: Path, monkeypatch) -> tuple[list, str]:
-    """One epoch of ``config`` through the real ``xtuner train``: the recorded batches, the log."""
+def _train_one_epoch(config: Path, tmp_path: Path, monkeypatch, *overrides) -> tuple[list, str]:
+    """One epoch of ``config`` through the real ``xtuner train`` (``--cfg-options`` plus
+    ``overrides``): the recorded batches, the log."""
     sc.ensure_tiny_model()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), str(sc.REPO)]))
     work = tmp_path / "run"
     proc = sc.xtuner_train(
-        config, work, "train_cfg.max_epochs=1", "accumulative_counts=1", "randomness.seed=0"
+        config,
+        work,
+        "train_cfg.max_epochs=1",
+        "accumulative_counts=1",
+        "randomness.seed=0",
+        *overrides,
     )
     out = proc.stdout + proc.stderr
     assert (work / "batches.pt").is_file(), out[-3000:]
@@ -106,11 +112,36 @@ def test_one_intern_repo_epoch_trains_every_dialogue_whole_and_once(tmp_path, mo
 PRETRAIN = "qwen1_5_0_5b_full_custom_pretrain_e1"
 
 
+def _pretraining_texts() -> list[str]:
+    """60 pretraining texts: the sample replies of 1 to 39 dialogues joined (~40 to ~900
+    tokens, a third longer than a 512-token row)."""
+    rng = np.random.default_rng(1)
+    return [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 60)]
+
+
+def assert_every_token_once(batches: list, documents: list, row: int, supervised_from: int):
+    """The received rows, cut at their document boundaries, are exactly the ``row``-token
+    pieces of ``documents`` (each once), every label from the ``supervised_from``-th token of a
+    piece on equal to its id; returns how many pieces."""
+    pieces = Counter(tuple(d[i : i + row]) for d in documents for i in range(0, len(d), row))
+    trained = Counter()
+    for batch in batches:
+        for ids, labels, bounds in zip(
+            batch["input_ids"], batch["labels"], batch["cumulative_len"]
+        ):
+            bounds = bounds.tolist()
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                trained[tuple(ids[a:b].tolist())] += 1
+                first = a + supervised_from
+                assert (labels[first:b] == ids[first:b]).all()  # every token supervised
+    assert trained == pieces  # every token of the corpus once, long documents as pieces
+    return sum(trained.values())
+
+
 def _pretraining_documents(folder: Path) -> Path:
     """60 pretraining documents (``{"text": ...}``) of 1 to 39 sample replies: ~40 to ~900
     tokens, a third of them longer than a 512-token row."""
-    rng = np.random.default_rng(1)
-    texts = [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 60)]
+    texts = _pretraining_texts()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train.json").write_text(json.dumps([{"text": t} for t in texts]))
     return folder
@@ -132,36 +163,19 @@ def test_one_pretraining_epoch_trains_every_token_once(tmp_path, monkeypatch):
     max_length = Config.fromfile(str(config)).max_length
     # the stock 3% warm-up rounds to 0 iterations on this small epoch (the zoo's refusal)
     warmup = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
-    sc.ensure_tiny_model()
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), str(sc.REPO)]))
-    work = tmp_path / "run"
-    proc = sc.xtuner_train(config, work, "train_cfg.max_epochs=1", "accumulative_counts=1", *warmup)
-    out = proc.stdout + proc.stderr
-    assert (work / "batches.pt").is_file(), out[-3000:]
-    batches = torch.load(work / "batches.pt", weights_only=False)
+    batches, out = _train_one_epoch(config, tmp_path, monkeypatch, *warmup)
     cfg = Config.fromfile(str(config))
     cfg.train_dataloader.dataset.update(max_length=10**9, pack_to_max_length=False)
     with xtuner_unpatched():
         documents = BUILDER.build(cfg.train_dataloader.dataset)["input_ids"]
     long = sum(len(d) > max_length for d in documents)
     assert long >= 10, long
-    pieces = Counter(
-        tuple(d[i : i + max_length]) for d in documents for i in range(0, len(d), max_length)
-    )
-    trained = Counter()
-    for batch in batches:
-        for ids, labels, bounds in zip(
-            batch["input_ids"], batch["labels"], batch["cumulative_len"]
-        ):
-            bounds = bounds.tolist()
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                trained[tuple(ids[a:b].tolist())] += 1
-                assert (labels[a + 1 : b] == ids[a + 1 : b]).all()  # every token supervised
-    assert trained == pieces  # every token of the corpus once, long documents as pieces
+    # a document's first label is never predicted from its document
+    trained = assert_every_token_once(batches, documents, max_length, supervised_from=1)
     tokens = sum(map(len, documents))
     assert f"packed {len(documents)} documents ({tokens} tokens" in out
     print(
-        f"{len(batches)} iterations, {sum(trained.values())} pieces of {len(documents)} "
+        f"{len(batches)} iterations, {trained} pieces of {len(documents)} "
         f"documents ({long} split), {tokens} tokens each trained once"
     )
 
@@ -179,8 +193,7 @@ def _tokenized_documents(folder: Path) -> list[list[int]]:
     from xtuner_rope.zoo.intern_repo import signed_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(sc.TINY_MODEL))
-    rng = np.random.default_rng(1)
-    texts = [" ".join(r[0] for _, _, r in sc._turns(int(k))) for k in rng.integers(1, 40, 60)]
+    texts = _pretraining_texts()
     documents = [tokenizer.encode(t) for t in texts]
     folder.mkdir(parents=True, exist_ok=True)
     meta, offset, lines = [], 0, []
@@ -213,19 +226,7 @@ def test_one_tokenized_intern_repo_epoch_trains_every_token_once(tmp_path, monke
     batches, out = _train_one_epoch(config, tmp_path, monkeypatch)
     long = [d for d in documents if len(d) > packed_length]
     assert len(long) >= 10, len(long)
-    pieces = Counter(
-        tuple(d[i : i + packed_length]) for d in documents for i in range(0, len(d), packed_length)
-    )
-    trained = Counter()
-    for batch in batches:
-        for ids, labels, bounds in zip(
-            batch["input_ids"], batch["labels"], batch["cumulative_len"]
-        ):
-            bounds = bounds.tolist()
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                trained[tuple(ids[a:b].tolist())] += 1
-                assert (labels[a:b] == ids[a:b]).all()  # every token supervised
-    assert trained == pieces  # every token of every document once, long ones as pieces
+    trained = assert_every_token_once(batches, documents, packed_length, supervised_from=0)
     tokens, split = sum(map(len, documents)), sum(-(-len(d) // packed_length) for d in long)
     assert (
         f"packed {len(documents)} documents ({tokens} tokens) into {len(batches)} rows of "
@@ -247,6 +248,6 @@ def test_one_tokenized_intern_repo_epoch_trains_every_token_once(tmp_path, monke
     ) in summary
     assert summary.splitlines()[-1].startswith("OK"), summary
     print(
-        f"{len(batches)} iterations, {sum(trained.values())} pieces of {len(documents)} "
+        f"{len(batches)} iterations, {trained} pieces of {len(documents)} "
         f"documents ({len(long)} split into {split}), {tokens} tokens each trained once"
     )
