@@ -12,8 +12,8 @@ import logging
 import preference_configs as pc
 import pytest
 import stock_configs as sc
+from logged import mmengine_records
 from mmengine.config import Config
-from mmengine.logging import MMLogger
 from xtuner.registry import BUILDER
 from xtuner_unpatched import xtuner_unpatched
 
@@ -63,13 +63,9 @@ def _count(pairs, key):
 
 def test_the_counted_pairs_are_xtuners_and_the_figures_what_its_cut_loses(preference):
     path, xtuner, whole, reward = preference
-    lines, handler = [], logging.Handler()
-    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
-    MMLogger.get_current_instance().addHandler(handler)
-    try:
+    with mmengine_records() as records:
         counted = _pairs(path, MAX_LENGTH, False)
-    finally:
-        MMLogger.get_current_instance().removeHandler(handler)
+    lines = [(r.levelno, r.getMessage()) for r in records]
     assert [dict(p) for p in counted] == [dict(p) for p in xtuner]  # pair for pair
     figures = counted.truncation
     extra = 1 if reward else 0  # the reward token, after the cut

@@ -18,6 +18,7 @@ import preference_configs as pc
 import pytest
 import stock_configs as sc
 from datasets import load_dataset
+from logged import mmengine_records
 from mmengine.logging import MMLogger
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
@@ -143,13 +144,9 @@ def test_the_counted_pairs_are_xtuners_and_the_figures_what_tokenize_ref_loses(
 
 def test_the_start_up_line_counts_and_warns_on_prompts_left_no_room(pairs):
     _, data, tokenizer = pairs
-    lines, handler = [], logging.Handler()
-    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
-    MMLogger.get_current_instance().addHandler(handler)
-    try:
+    with mmengine_records() as records:
         counted = _build(data, tokenizer, 128, 64, unpatched=False)
-    finally:
-        MMLogger.get_current_instance().removeHandler(handler)
+    lines = [(r.levelno, r.getMessage()) for r in records]
     figures, ref = counted.truncation, counted.truncation["reference"]
     (line,) = [x for x in lines if "build_preference_dataset tokenized" in x[1]]
     assert line[0] == logging.WARNING

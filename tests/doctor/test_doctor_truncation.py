@@ -6,15 +6,14 @@ config at that ``max_length`` (what it trains) and at an unlimited one (every di
 """
 
 import json
-import logging
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import stock_configs as sc
+from logged import mmengine_records
 from mmengine.config import Config
-from mmengine.logging import MMLogger
 from xtuner.registry import BUILDER
 from xtuner_unpatched import xtuner_unpatched
 
@@ -75,13 +74,9 @@ def _start_up(path):
     for finding in startup.inspect_config(cfg):
         if finding.fix is not None:
             finding.fix()
-    lines, handler = [], logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    MMLogger.get_current_instance().addHandler(handler)
-    try:
-        return BUILDER.build(cfg.train_dataloader.dataset), lines
-    finally:
-        MMLogger.get_current_instance().removeHandler(handler)
+    with mmengine_records() as records:
+        built = BUILDER.build(cfg.train_dataloader.dataset)
+    return built, [r.getMessage() for r in records]
 
 
 def _check(report: dict, live: dict) -> None:
@@ -148,13 +143,9 @@ INTERN_REPO_LENGTH = 60  # 4 of the 6 dialogues are longer (42 to 94 tokens)
 
 def _logged(call):
     """``call()``'s result and the lines it logs to MMEngine's current logger."""
-    lines, handler = [], logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    MMLogger.get_current_instance().addHandler(handler)
-    try:
-        return call(), lines
-    finally:
-        MMLogger.get_current_instance().removeHandler(handler)
+    with mmengine_records() as records:
+        result = call()
+    return result, [r.getMessage() for r in records]
 
 
 def _xtuner_process(loader: dict, max_length: int):
