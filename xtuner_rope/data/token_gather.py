@@ -78,7 +78,6 @@ class TokenGather:
                     "check the tokenize step of the dataset."
                 )
         self._chunk_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self._table = table  # keeps the mapping the views below read alive
         self._windows = _Windows(self._chunks, mappings, table)
         _release_mappings(mappings)
 
@@ -186,13 +185,11 @@ class _Windows:
         """Drop every resident page of the mappings the windows read."""
         _release_mappings(self._mappings)
 
-    def release(self, window: int | None = None) -> None:
-        """Drop the resident pages of a window read from a mapping (a no-op otherwise); every
-        window's when ``window`` is None."""
-        for w in range(len(self._span)) if window is None else (window,):
-            if self._mapping_of[w] >= 0:
-                lo, hi = self._span[w]
-                release_pages(lo, hi - lo)
+    def release(self, window: int) -> None:
+        """Drop the resident pages of a window read from a mapping (a no-op otherwise)."""
+        if self._mapping_of[window] >= 0:
+            lo, hi = self._span[window]
+            release_pages(lo, hi - lo)
 
 
 def _mapping_holding(arrays: list[np.ndarray], mappings: list, starts: np.ndarray) -> int:
