@@ -23,6 +23,7 @@ import numpy as np
 
 from .cut_counts import kept_counts, length_quantile
 from .reference_truncation import (
+    pairs_head,
     reference_figures,
     reference_warning,
     sequences_note,
@@ -85,16 +86,7 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
         )
     n = len(pairs)
     return {
-        "max_length": int(max_length),
-        "unit": "pair",
-        "step": STEP,
-        "builder": "build_preference_dataset",
-        "dialogues": n,
-        "documents": 0,
-        "pretraining": False,
-        "truncated": len(truncated),
-        "dropped": 0,
-        "split": 0,
+        **pairs_head(STEP, max_length, n, len(truncated)),
         "responses": int(responses),
         "unsupervised": int(unsupervised),
         "tokens": kept_counts(*tokens),

@@ -98,6 +98,23 @@ def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length
     }
 
 
+def pairs_head(step: str, max_length: int, pairs: int, truncated: int) -> dict:
+    """The keys every preference-pair report shares with ``data.truncation``'s figures:
+    counted in pairs, built by ``build_preference_dataset``, none dropped or split."""
+    return {
+        "max_length": int(max_length),
+        "unit": "pair",
+        "step": step,
+        "builder": "build_preference_dataset",
+        "dialogues": pairs,
+        "documents": 0,
+        "pretraining": False,
+        "truncated": truncated,
+        "dropped": 0,
+        "split": 0,
+    }
+
+
 def reference_figures(counts: dict, max_length: int, max_response_length: int, built: list) -> dict:
     """What ``tokenize_ref``'s cut loses, in text tokens, JSON-ready.
 
@@ -138,16 +155,7 @@ def reference_figures(counts: dict, max_length: int, max_response_length: int, b
     responses = np.concatenate([text[p] for p in RESPONSES])
     responses_kept = np.concatenate([text_kept[p] for p in RESPONSES])
     return {
-        "max_length": int(max_length),
-        "unit": "pair",
-        "step": STEP,
-        "builder": "build_preference_dataset",
-        "dialogues": n,
-        "documents": 0,
-        "pretraining": False,
-        "truncated": len(truncated),
-        "dropped": 0,
-        "split": 0,
+        **pairs_head(STEP, max_length, n, len(truncated)),
         "responses": int(response_cut.sum()),
         "unsupervised": 0,
         "tokens": kept_counts(sum(text.values()).sum(), sum(text_kept.values()).sum()),
