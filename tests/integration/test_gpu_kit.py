@@ -17,6 +17,7 @@ from varlen_reference import varlen_attn_2_12
 
 from xtuner_rope.ops import attention
 from xtuner_rope.ops.attention import VarlenKernel
+from xtuner_rope.ops.rope_triton import INTERPRET_ENV, interpreter_fault
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,6 +129,32 @@ def test_run_gpu_step_budgets_fit_one_short_loan():
     assert sorted(order) == sorted(budgets) and order[: len(quick)] == quick
     assert quick[-1] == "correctness"
     assert called == order
+
+
+def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatch, capsys):
+    """The kit's rope step on CPU under Triton's interpreter: the package's kernel and Liger's
+    checked against HF's fp32 apply (fp16, InternLM2's transposed q/k views, forward and
+    backward), then timed beside HF's apply; a kernel that rotates wrongly fails the check."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
+    if interpreter_fault():
+        pytest.skip(interpreter_fault())
+    bench = _load("tools/bench/rope.py", "rope_bench")
+    shape = "--seq 24 --heads 4 --kv-heads 2 --head-dim 32 --repeats 1 --warmup 0".split()
+    results = bench.main([*shape, "--dtype", "fp16", "--transposed", "--no-fused", "--both"])
+    out = capsys.readouterr().out
+    assert re.search(r"^triton kernel vs HF's fp32 apply, torch.float16 .*: PASS", out, re.M)
+    assert re.search(r"^liger vs HF's fp32 apply, torch.float16 .*: PASS", out, re.M)
+    for backward in (False, True):
+        assert {"clone", "hf-eager", "xtuner_rope-triton", "liger"} <= set(results[backward])
+    assert re.search(r"rope apply fwd\+bwd fp16 .*\| liger [\d.]+x", out)
+    q, k, cos, sin, grads = bench.make_inputs(bench.parse_args(shape))
+
+    def swapped(q, k, cos, sin):  # sin for cos: a wrong rotation
+        return bench.hf_apply_rotary_pos_emb(q, k, sin, cos)
+
+    assert not bench.checked("swapped", swapped, q, k, cos, sin, grads)
+    assert not bench.checked("swapped", swapped, q, k, cos, sin, grads, peer=True)
 
 
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):

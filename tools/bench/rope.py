@@ -10,18 +10,27 @@ kernel; CUDA: the Triton kernel), `xtuner_rope-fused` the opt-in torch.compile o
 (`ValidatedRoPEHook(fused_apply=True)`; its compile happens during the warm-up runs). On CUDA
 `xtuner_rope-eager` (`use_triton_apply(False)`) and `xtuner_rope-triton` are timed apart, after
 the Triton kernel's forward and backward are checked against HF's apply in fp32 (the bench
-stops with exit code 1 if they differ beyond the dtype's tolerance).
+stops with exit code 1 if they differ beyond the dtype's tolerance). `liger` is Liger-Kernel's
+Triton RoPE (`LigerRopeFunction`, the peer issue 48 measures against), where `liger_kernel`
+imports and Triton runs (CUDA, or the CPU under `TRITON_INTERPRET=1`): checked against HF's fp32
+apply first (no further from it than HF's own apply in the dtype, within 2x), and left out of the
+timing (not fatal) if it fails. Under Triton's CPU interpreter Liger gives NaN in bf16 (the
+interpreter's bf16 arithmetic; the package's kernel computes in fp32 and is exact there).
 
 Usage:
     python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward] [--no-fused]
     python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 100  # on a GPU
     python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --no-fused --both  # the kit
+    TRITON_INTERPRET=1 XTUNER_ROPE_TRITON_INTERPRET=1 python tools/bench/rope.py --seq 64 \
+        --heads 4 --kv-heads 2 --head-dim 32 --no-fused --both --repeats 2  # Triton kernels on CPU
 
 On a shared machine wall-clock ratios swing with other jobs: `--stat min` keeps each
 candidate's fastest run, and `--clock cpu --threads 1` measures this process's CPU time.
 """
 
 import argparse
+import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -39,7 +48,7 @@ from xtuner_rope.ops.rope_triton import triton_apply_active
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--batch", type=int, default=1)
@@ -77,7 +86,23 @@ def parse_args():
         default="wall",
         help="cpu: process CPU time (use with --threads 1 on a busy machine)",
     )
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def liger_apply():
+    """Liger-Kernel's RoPE as ``apply(q, k, cos, sin) -> (q, k)``; None where it cannot run.
+
+    Liger rotates in place the ``[b, s, n, h_d]`` storage of q and k (a copy when they are
+    ``[b, n, s, h_d]`` contiguous, the inputs themselves when they are transposed views): its
+    output is the timed one, the inputs' values do not matter to the timing.
+    """
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return LigerRopeFunction.apply
 
 
 def make_inputs(args):
@@ -100,7 +125,7 @@ def make_inputs(args):
     return q, k, cos, sin, grads
 
 
-def candidates(args, q, k, cos, sin, grads):
+def candidates(args, q, k, cos, sin, grads, liger=None):
     """name -> callable doing one forward (and backward with --backward)."""
 
     def clone():
@@ -131,15 +156,23 @@ def candidates(args, q, k, cos, sin, grads):
         runs["xtuner_rope-triton"] = timed(apply_rotary_pos_emb, triton=True)
     if not args.no_fused:
         runs["xtuner_rope-fused"] = timed(apply_rotary_pos_emb, fused=True, triton=False)
+    if liger is not None:
+        runs["liger"] = timed(liger)
     return runs
 
 
-def check_triton(q, k, cos, sin, grads):
-    """Max errors of the Triton kernel's q, k and their grads against HF's apply in fp32."""
-    use_triton_apply(True)
-    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
-    got = [q_out, k_out, *torch.autograd.grad((q_out, k_out), (q, k), grads)]
-    use_triton_apply(None)
+def check_against_hf(apply, q, k, cos, sin, grads):
+    """How far ``apply``'s q, k and their grads are from HF's apply in fp32.
+
+    Returns:
+        tuple[float, list[float]]: the largest error beyond the dtype's tolerance (<= 1e-5:
+        within it) and the max |error| of q, k, grad q, grad k.
+    """
+    # Clones: Liger rotates q, k and the output grads in place where their layout allows.
+    q_in, k_in = (x.detach().clone().requires_grad_() for x in (q, k))
+    q_out, k_out = apply(q_in, k_in, cos, sin)
+    grads_in = tuple(g.clone() for g in grads)
+    got = [q_out, k_out, *torch.autograd.grad((q_out, k_out), (q_in, k_in), grads_in)]
     q32, k32 = (x.detach().float().requires_grad_() for x in (q, k))
     q_ref, k_ref = hf_apply_rotary_pos_emb(q32, k32, cos.float(), sin.float())
     want = [q_ref, k_ref, *torch.autograd.grad((q_ref, k_ref), (q32, k32), grads)]
@@ -173,6 +206,38 @@ def measure(args, runs):
     return {name: stat(values) for name, values in times.items()}
 
 
+def triton_apply(q, k, cos, sin):
+    """The package's apply with the Triton kernel forced on."""
+    use_triton_apply(True)
+    try:
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    finally:
+        use_triton_apply(None)
+
+
+def checked(name, apply, q, k, cos, sin, grads, peer=False):
+    """Print ``apply``'s check against HF's fp32 apply; True where it passed.
+
+    The package's kernel must round once (the dtype's tolerance). A peer (``peer=True``) must
+    be no further from fp32 than HF's own apply in the dtype, within 2x: Liger computes in the
+    dtype of cos/sin, as HF's apply does.
+    """
+    excess, errors = check_against_hf(apply, q, k, cos, sin, grads)
+    if peer:
+        _, hf_errors = check_against_hf(hf_apply_rotary_pos_emb, q, k, cos, sin, grads)
+        passed = all(e <= 2 * h + 1e-6 for e, h in zip(errors, hf_errors))
+        bound = f" (HF's own apply in {q.dtype}: {max(hf_errors):.2e})"
+    else:
+        passed, bound = excess <= 1e-5, ""
+    print(
+        f"{name} vs HF's fp32 apply, {q.dtype} q{list(q.shape)}: "
+        f"{'PASS' if passed else 'FAIL'}, max |error| q {errors[0]:.2e} k {errors[1]:.2e} "
+        f"grad q {errors[2]:.2e} grad k {errors[3]:.2e}".replace(", ", ",").replace(",", ", ", 2)
+        + bound
+    )
+    return passed
+
+
 def report(args, q, k, medians):
     floor = medians["clone"]
     what = "apply fwd+bwd" if args.backward else "apply"
@@ -181,7 +246,7 @@ def report(args, q, k, medians):
     ratios += "".join(
         f" | {name} at {100 * floor / seconds:.0f}% of copy bandwidth"
         for name, seconds in medians.items()
-        if name.endswith(("-fused", "-triton"))
+        if name.endswith(("-fused", "-triton")) or name == "liger"
     )
     print(
         f"rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}".replace(", ", ",")
@@ -190,27 +255,26 @@ def report(args, q, k, medians):
     )
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    """Check the Triton kernels, then print one ratio line per pass; returns the timings."""
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     passes = [False, True] if args.both else [args.backward]
     args.backward = True in passes  # the inputs need grads if any pass runs the backward
     q, k, cos, sin, grads = make_inputs(args)
-    if triton_apply_active(q):
-        excess, errors = check_triton(q, k, cos, sin, grads)
-        verdict = "PASS" if excess <= 1e-5 else "FAIL"
-        print(
-            f"triton kernel vs HF's fp32 apply, {args.dtype} q{list(q.shape)}: {verdict}, max "
-            f"|error| q {errors[0]:.2e} k {errors[1]:.2e} grad q {errors[2]:.2e} grad k "
-            f"{errors[3]:.2e}".replace(", ", ",").replace(",", ", ", 1)
-        )
-        if verdict == "FAIL":
-            sys.exit(1)
+    if triton_apply_active(q) and not checked("triton kernel", triton_apply, q, k, cos, sin, grads):
+        sys.exit(1)
+    liger = liger_apply()
+    if liger is not None and not checked("liger", liger, q, k, cos, sin, grads, peer=True):
+        liger = None  # a peer's failure is reported, not fatal; it is not timed
+    results = {}
     for backward in passes:
         args.backward = backward
         q_in, k_in = (q, k) if backward else (q.detach(), k.detach())  # forward: no graph
-        report(args, q, k, measure(args, candidates(args, q_in, k_in, cos, sin, grads)))
+        results[backward] = measure(args, candidates(args, q_in, k_in, cos, sin, grads, liger))
+        report(args, q, k, results[backward])
+    return results
 
 
 if __name__ == "__main__":
