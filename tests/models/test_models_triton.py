@@ -1,7 +1,7 @@
 """Patched tiny models rotate through the Triton RoPE kernel (interpreted) as through eager.
 
 Under `XTUNER_ROPE_TRITON_INTERPRET=1` the patched InternLM2 (its packed `wqkv` views) and
-Llama / Qwen2 / Phi-3 layers rotate with the Triton kernel on CPU tensors; logits, loss and
+Llama / Qwen2 / Phi-3 / Cohere (interleaved pairs) layers rotate with the Triton kernel on CPU tensors; logits, loss and
 every weight gradient of a packed batch (positions restarting per document, a different split
 per row) must equal the eager kernel's within 1e-5 in fp32, and in bf16 within 6% of each
 tensor's largest element (bf16 rounding through two layers; positions doubled move them by 25%
@@ -37,6 +37,7 @@ CASES = {
     "llama-dynamic-ntk": ("llama", dict(NTK, rope_scaling=dict(rope_type="dynamic", factor=2.0))),
     "qwen2": ("qwen2", {}),
     "phi3": ("phi3", {}),
+    "cohere": ("cohere", {}),  # interleaved pairs
 }
 
 

@@ -2,7 +2,8 @@
 
 `XTUNER_ROPE_TRITON_INTERPRET=1` (set by the fixture below) runs the kernel on CPU tensors;
 each case compares it, forward and backward, with HF's `apply_rotary_pos_emb` that XTuner 0.2.0
-ships for InternLM2 (in fp32 autograd, live) and with the package's eager apply, and checks that
+ships for InternLM2 (in fp32 autograd, live; Cohere's, from transformers, for interleaved pairs)
+and with the package's eager apply, and checks that
 the kernel really ran (`triton_kernel_calls`). Small shapes: the interpreter is NumPy.
 """
 
@@ -10,6 +11,9 @@ import warnings
 
 import pytest
 import torch
+from transformers.models.cohere.modeling_cohere import (
+    apply_rotary_pos_emb as cohere_apply,
+)
 from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
     apply_rotary_pos_emb as hf_apply,
 )
@@ -75,32 +79,35 @@ def make(b, s, n_h, n_kv, h_d, dtype, heads_first=True, device="cpu"):
     return q, k, randn(shapes[0]), randn(shapes[1])
 
 
-def reference(q, k, cos, sin, unsqueeze_dim, grads):
-    """HF's apply in fp32 (on the first rot dims; the rest passes): outputs and input grads."""
+def reference(q, k, cos, sin, unsqueeze_dim, grads, interleaved=False):
+    """HF's apply in fp32 (on the first rot dims; the rest passes): outputs and input grads;
+    Cohere's for interleaved pairs."""
     rot = cos.shape[-1]
+    apply = cohere_apply if interleaved else hf_apply
     q32, k32 = (x.detach().float().requires_grad_() for x in (q, k))
-    q_r, k_r = hf_apply(q32[..., :rot], k32[..., :rot], cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_r, k_r = apply(q32[..., :rot], k32[..., :rot], cos, sin, unsqueeze_dim=unsqueeze_dim)
     q_out = torch.cat((q_r, q32[..., rot:]), dim=-1)
     k_out = torch.cat((k_r, k32[..., rot:]), dim=-1)
     torch.autograd.backward((q_out, k_out), (grads[0].float(), grads[1].float()))
     return q_out.detach(), k_out.detach(), q32.grad, k32.grad
 
 
-def check(q, k, cos, sin, grads, unsqueeze_dim=1):
+def check(q, k, cos, sin, grads, unsqueeze_dim=1, interleaved=False):
     """The kernel (fwd + bwd: two launches) against HF's fp32 apply and the eager apply."""
     calls = triton_kernel_calls()
-    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    kwargs = dict(unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, **kwargs)
     torch.autograd.backward((q_out, k_out), grads)
     assert triton_kernel_calls() == calls + 2, "the Triton kernel did not run"
     assert (q_out.dtype, k_out.dtype, q.grad.dtype) == (q.dtype, k.dtype, q.dtype)
     tol = TOL[q.dtype]
-    ref = reference(q, k, cos, sin, unsqueeze_dim, grads)
+    ref = reference(q, k, cos, sin, unsqueeze_dim, grads, interleaved)
     for got, want in zip((q_out, k_out, q.grad, k.grad), ref):
         torch.testing.assert_close(got.float(), want, **tol)
     got = [t.detach().clone() for t in (q_out, k_out, q.grad, k.grad)]
     q.grad = k.grad = None
     use_triton_apply(False)
-    q_e, k_e = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_e, k_e = apply_rotary_pos_emb(q, k, cos, sin, **kwargs)
     torch.autograd.backward((q_e, k_e), grads)
     assert triton_kernel_calls() == calls + 2  # the switch: eager
     for a, e in zip(got, (q_e, k_e, q.grad, k.grad)):
@@ -156,6 +163,36 @@ def test_kernel_per_token_frequencies_of_dynamic_ntk_documents():
     check(q, k, cos, sin, grads)
 
 
+def interleaved_cos_sin(pos, rot):
+    """cos/sin `[b, s, rot]` as Cohere's rotary lays them out: `[f0, f0, f1, f1, ...]`."""
+    cos, sin = cos_sin_at(pos, inv_freq(10000, rot, pos.device), int(pos.max()))
+    return (t[..., : rot // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, heads_first",
+    [
+        ((2, 7, 4, 2, 16, 16), torch.float32, True),
+        ((1, 5, 3, 3, 96, 96), torch.float32, False),
+        ((2, 9, 4, 1, 32, 16), torch.float32, True),  # partial rotary
+        ((2, 6, 4, 2, 32, 32), torch.bfloat16, True),
+    ],
+    ids=str,
+)
+def test_kernel_rotates_interleaved_pairs_as_cohere(shape, dtype, heads_first):
+    """Cohere's layout: pairs (2i, 2i + 1), cos/sin `[f0, f0, f1, f1, ...]`, against Cohere's
+    own apply in fp32; the eager apply (pairs gathered into halves) agrees."""
+    b, s, n_h, n_kv, h_d, rot = shape
+    q, k, *grads = make(b, s, n_h, n_kv, h_d, dtype, heads_first)
+    cos, sin = interleaved_cos_sin(packed_positions(b, s), rot)
+    check(q, k, cos, sin, grads, 1 if heads_first else 2, interleaved=True)
+    q.grad = k.grad = None
+    use_triton_apply(True)  # the rotate_half pairing is another rotation: the check must see it
+    q_out, _ = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1 if heads_first else 2)
+    want = reference(q, k, cos, sin, 1 if heads_first else 2, grads, interleaved=True)[0]
+    assert (q_out.float() - want).abs().max() > 0.1
+
+
 def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
     """q, k as InternLM2's `_project_qkv` leaves them: strided views of one `wqkv` output."""
     b, s, n_kv, n_rep, h_d = 2, 5, 2, 2, 16
@@ -178,22 +215,26 @@ def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
 
 # (b, s, n_h, n_kv, h_d, rot), dtype, heads first: few cases, each compiles two kernels.
 CUDA_CASES = [
-    ((2, 33, 16, 8, 128, 128), torch.bfloat16, True),
-    ((2, 33, 16, 8, 128, 128), torch.float32, True),
-    ((1, 40, 4, 2, 96, 64), torch.float16, False),
+    ((2, 33, 16, 8, 128, 128), torch.bfloat16, True, False),
+    ((2, 33, 16, 8, 128, 128), torch.float32, True, False),
+    ((1, 40, 4, 2, 96, 64), torch.float16, False, False),
+    ((2, 33, 8, 8, 128, 128), torch.bfloat16, True, True),  # Cohere's interleaved pairs
 ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape, dtype, heads_first", CUDA_CASES, ids=str)
-def test_compiled_kernel_on_cuda_matches_hf_fp32(shape, dtype, heads_first):
+@pytest.mark.parametrize("shape, dtype, heads_first, interleaved", CUDA_CASES, ids=str)
+def test_compiled_kernel_on_cuda_matches_hf_fp32(shape, dtype, heads_first, interleaved):
     """The kit's correctness step: the compiled kernel, the CUDA default, not the interpreter."""
     b, s, n_h, n_kv, h_d, rot = shape
     q, k, *grads = make(b, s, n_h, n_kv, h_d, dtype, heads_first, "cuda")
     pos = packed_positions(b, s).cuda()
-    cos, sin = cos_sin_at(pos, inv_freq(10000, rot, "cuda"), int(pos.max()))
+    if interleaved:
+        cos, sin = interleaved_cos_sin(pos, rot)
+    else:
+        cos, sin = cos_sin_at(pos, inv_freq(10000, rot, "cuda"), int(pos.max()))
     use_triton_apply(None)
-    check(q, k, cos, sin, grads, unsqueeze_dim=1 if heads_first else 2)
+    check(q, k, cos, sin, grads, 1 if heads_first else 2, interleaved)
 
 
 def test_switches_choose_the_kernel(monkeypatch):

@@ -15,10 +15,10 @@ from .families import family_of_class
 from .hf import (
     HF_ATTENTION_CLASSES,
     HF_FAMILIES,
-    fp32_rotation_modules,
     integration_for,
     is_patched_hf_attention,
     patch_hf_model,
+    rotation_modules,
 )
 from .hf_rope import HFValidatedRotaryEmbedding, patch_hf_fp32_rotation
 from .internlm2 import (
@@ -84,8 +84,8 @@ def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int,
         layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
         count = patch_hf_model(model, max_position=max_position)
         install_row_lengths(model)
-        for module_name in fp32_rotation_modules(layers):
-            patch_hf_fp32_rotation(module_name)  # rotate bf16/fp16 q/k in fp32
+        for module_name, interleaved in rotation_modules(layers).items():
+            patch_hf_fp32_rotation(module_name, interleaved)  # bf16/fp16 q/k rotate in fp32
         # The family's first (eager) class: "Qwen2Moe", not "Qwen2MoeSdpa".
         return count, family_of_class(type(layers[0]).__name__).attention[0].removesuffix(
             "Attention"

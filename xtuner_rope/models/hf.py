@@ -225,17 +225,20 @@ def is_patched_hf_attention(layer: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) == PACKED_ATTENTION_KEY
 
 
-def fp32_rotation_modules(layers: list[nn.Module]) -> list[str]:
-    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` needs
-    ``compat.patch_hf_fp32_rotation`` (Cohere's upcasts to fp32 itself, and rotates interleaved
-    halves, which the wrapper's kernel does not)."""
-    return sorted(
-        {
-            type(layer).__module__
-            for layer in layers
-            if family_of_class(type(layer).__name__).fp32_apply
-        }
-    )
+def rotation_modules(layers: list[nn.Module]) -> dict[str, bool]:
+    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets
+    ``patch_hf_fp32_rotation``, each with its pairing (True: interleaved pairs, Cohere).
+
+    Families with ``fp32_apply`` rotate bf16/fp16 q/k in fp32 through the wrapper; Cohere's
+    apply upcasts to fp32 itself, so its wrapper only hands the Triton kernel (interleaved
+    pairs) the calls it serves (CUDA), and leaves the others to Cohere's own apply.
+    """
+    found = {}
+    for layer in layers:
+        family = family_of_class(type(layer).__name__)
+        if family.fp32_apply or family.interleaved:
+            found[type(layer).__module__] = family.interleaved
+    return dict(sorted(found.items()))
 
 
 def integration_for(model: nn.Module) -> str | None:

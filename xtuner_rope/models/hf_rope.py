@@ -280,7 +280,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
         )
 
 
-def patch_hf_fp32_rotation(module_name: str) -> bool:
+def patch_hf_fp32_rotation(module_name: str, interleaved: bool = False) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
     transformers 4.48 Llama / Qwen2 / Mistral (``modeling_<family>.apply_rotary_pos_emb``)
@@ -297,9 +297,14 @@ def patch_hf_fp32_rotation(module_name: str) -> bool:
     ``dispatch/llama.py`` etc. import it). A model patch, so it lives with its family (``models``), not in
     ``compat``: ``models.dispatch.patch_model`` calls it for the families it patches.
 
+    Cohere (``interleaved=True``) rotates interleaved pairs and upcasts to fp32 itself: there
+    the wrapper hands ``rope.apply_rotary_pos_emb`` (``interleaved=True``) only the calls its
+    Triton kernel serves, and every other call goes to Cohere's own apply.
+
     Args:
         module_name: The family's modeling module, e.g.
             ``"transformers.models.llama.modeling_llama"`` (imported if needed).
+        interleaved: The family rotates pairs (2i, 2i + 1) (Cohere).
 
     Returns:
         True if the wrapper was installed now, False if it already was.
@@ -311,10 +316,12 @@ def patch_hf_fp32_rotation(module_name: str) -> bool:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        if cos.dtype == torch.float32 and (q.dtype != torch.float32 or triton_apply_active(q)):
+        if cos.dtype == torch.float32 and (
+            triton_apply_active(q) or (q.dtype != torch.float32 and not interleaved)
+        ):
             from xtuner_rope.ops.rope import apply_rotary_pos_emb as fp32_apply
 
-            return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            return fp32_apply(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
         return original(q, k, cos, sin, position_ids, unsqueeze_dim)
 
     apply_rotary_pos_emb._xtuner_rope_fp32 = True

@@ -165,7 +165,19 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
         )
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def _halves(x, rot):
+    """`[..., h_d]` with its first rot dims reordered from pairs (2i, 2i + 1) to halves."""
+    return torch.cat((x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]), dim=-1)
+
+
+def _pairs(x, rot):
+    """The inverse of `_halves`: halves of the first rot dims back to pairs (2i, 2i + 1)."""
+    half = rot // 2
+    pairs = torch.stack((x[..., :half], x[..., half:rot]), dim=-1).flatten(-2)  # [..., rot]
+    return torch.cat((pairs, x[..., rot:]), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
     On CUDA one Triton kernel rotates q and k (`ops.rope_triton`; off with
@@ -181,6 +193,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         sin (torch.Tensor): Same shape as cos.
         position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, rot]` tables.
         unsqueeze_dim (int): Heads dim of q/k, where cos/sin get a size-1 dim to broadcast.
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) of the rotary dims, with cos/sin
+            `[f0, f0, f1, f1, ...]` (Cohere), instead of (i, i + rot/2) (`rotate_half`).
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes. No gradient
@@ -197,9 +211,16 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         cos, sin = _table_rows(cos, sin, q, position_ids, unsqueeze_dim)
     cos, sin = cos.float(), sin.float()  # [b, s, rot]
     if triton_apply_active(q):
-        rotated = triton_apply(q, k, cos, sin, unsqueeze_dim)
+        rotated = triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved)
         if rotated is not None:  # None: the kernel failed on CUDA and warned
             return rotated
+    if interleaved:  # pairs (2i, 2i + 1) gathered into halves, rotated, put back
+        rot = cos.shape[-1]
+        q, k = apply_rotary_pos_emb(
+            _halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot),
+            unsqueeze_dim=unsqueeze_dim,
+        )  # fmt: skip
+        return _pairs(q, rot), _pairs(k, rot)
     cos = cos.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
     sin = sin.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
     rot = cos.shape[-1]

@@ -169,7 +169,7 @@ def _pow2(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _launch(q, k, cos, sin, unsqueeze_dim, transpose):
+def _launch(q, k, cos, sin, unsqueeze_dim, transpose, interleaved=False):
     """Rotated (or, with transpose, back-rotated) q and k from one kernel launch."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     q_v, k_v = _bshd(q, unsqueeze_dim), _bshd(k, unsqueeze_dim)  # [b, s, n, h_d]
@@ -191,6 +191,7 @@ def _launch(q, k, cos, sin, unsqueeze_dim, transpose):
         c_sb, cos.stride(1), cos.stride(2),
         HALF=rot // 2, PASS=h_d - rot, BLOCK_S=block_s, BLOCK_Q=block_q, BLOCK_K=block_k,
         BLOCK_HALF=block_half, BLOCK_PASS=_pow2(max(h_d - rot, 1)), TRANSPOSE=transpose,
+        INTERLEAVED=interleaved,
     )  # fmt: skip
     _state["calls"] += 1
     return q_out, k_out
@@ -200,21 +201,21 @@ class TritonRotary(torch.autograd.Function):
     """q, k rotated by the kernel; the backward is the same kernel with the transpose."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved):
         ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
-        return _launch(q, k, cos, sin, unsqueeze_dim, False)
+        ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
+        return _launch(q, k, cos, sin, unsqueeze_dim, False, interleaved)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
         # The map is linear in q (and k): its vector-Jacobian product is its transpose.
-        grad_q, grad_k = _launch(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim, True)
+        grad_q, grad_k = _launch(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim, True, ctx.interleaved)
         needs = ctx.needs_input_grad
-        return grad_q if needs[0] else None, grad_k if needs[1] else None, None, None, None
+        return grad_q if needs[0] else None, grad_k if needs[1] else None, None, None, None, None
 
 
-def triton_apply(q, k, cos, sin, unsqueeze_dim):
+def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
     """Rotate q and k with the Triton kernel; None if it failed on CUDA (eager takes over).
 
     Args:
@@ -225,12 +226,14 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim):
             of each head rotate, the rest pass through (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
+        interleaved (bool): rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
+            (Cohere) instead of (i, i + rot/2) (`rotate_half`).
 
     Returns:
         tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes.
     """
     try:
-        return TritonRotary.apply(q, k, cos, sin, unsqueeze_dim)
+        return TritonRotary.apply(q, k, cos, sin, unsqueeze_dim, bool(interleaved))
     except Exception as error:  # noqa: BLE001 - a compile failure: keep training, eagerly
         if _interpret():  # tests: a broken kernel must fail, not fall back
             raise

@@ -5,11 +5,13 @@ Imported only by `ops.rope_triton` (lazily, once it knows Triton is wanted): dec
 (Triton 3.6 and 3.9 alike). Written with the Triton 3.0-era language only (`tl.load`/`tl.store`
 with masks, constexpr branches) so that the GPU image's Triton 3.6 compiles it.
 
-The rotation is the `rotate_half` convention on the first `2 * HALF` dims of each head,
-`out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`, with cos/sin read per token
-(fp32, as `ops.rope.cos_sin_at` computed them: fp32-exact angles). `TRANSPOSE` applies the
-transpose (the backward; the rotation by the negative angle for the usual equal halves). The
-`PASS` dims after them (partial rotary, Phi-style) are copied unchanged.
+The rotation pairs dim `i_1` with dim `i_2` of the first `2 * HALF` dims of each head,
+`out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`, with cos/sin read per token at
+the same dims (fp32, as `ops.rope.cos_sin_at` computed them: fp32-exact angles): `i_1 = d`,
+`i_2 = d + HALF` in the `rotate_half` convention, `i_1 = 2d`, `i_2 = 2d + 1` with `INTERLEAVED`
+(Cohere's pairs, cos/sin `[f0, f0, f1, f1, ...]`). `TRANSPOSE` applies the transpose (the
+backward; the rotation by the negative angle for the usual equal halves). The `PASS` dims after
+them (partial rotary, Phi-style) are copied unchanged.
 """
 
 import triton
@@ -36,6 +38,8 @@ def _rotate_heads(
     c_2,
     s_1,
     s_2,
+    i_1,
+    i_2,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -43,18 +47,19 @@ def _rotate_heads(
     BLOCK_PASS: tl.constexpr,
 ):
     """Rotate the `n` heads of tokens (bi, si) `[BLOCK_S, 1, 1]` of x `[b, s, n, h_d]` (any
-    strides) into out; `tok` `[BLOCK_S, 1, 1]` masks the tokens past the end."""
+    strides) into out, pairing dims `i_1` and `i_2` `[1, 1, BLOCK_HALF]`; `tok` `[BLOCK_S, 1, 1]`
+    masks the tokens past the end."""
     h = tl.arange(0, BLOCK_N)[None, :, None]  # [1, BLOCK_N, 1] heads
     d = tl.arange(0, BLOCK_HALF)[None, None, :]  # [1, 1, BLOCK_HALF] dims of one half
     mask = tok & (h < n) & (d < HALF)
     src = x + bi * x_sb + si * x_ss + h * x_sn
     dst = out + bi * o_sb + si * o_ss + h * o_sn
-    x_1 = tl.load(src + d * x_sd, mask=mask, other=0.0).to(tl.float32)
-    x_2 = tl.load(src + (d + HALF) * x_sd, mask=mask, other=0.0).to(tl.float32)
+    x_1 = tl.load(src + i_1 * x_sd, mask=mask, other=0.0).to(tl.float32)
+    x_2 = tl.load(src + i_2 * x_sd, mask=mask, other=0.0).to(tl.float32)
     out_1 = x_1 * c_1 - x_2 * s_1
     out_2 = x_2 * c_2 + x_1 * s_2
-    tl.store(dst + d * o_sd, out_1.to(out.dtype.element_ty), mask=mask)
-    tl.store(dst + (d + HALF) * o_sd, out_2.to(out.dtype.element_ty), mask=mask)
+    tl.store(dst + i_1 * o_sd, out_1.to(out.dtype.element_ty), mask=mask)
+    tl.store(dst + i_2 * o_sd, out_2.to(out.dtype.element_ty), mask=mask)
     if PASS > 0:  # partial rotary: the dims past the rotary ones pass through
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]  # [1, 1, BLOCK_PASS]
         keep = tok & (h < n) & (p < 2 * HALF + PASS)
@@ -100,6 +105,7 @@ def rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """One program per `BLOCK_S` tokens (grid `[cdiv(b * s, BLOCK_S)]`): their q heads and k
     heads, one cos/sin row per token.
@@ -114,23 +120,29 @@ def rope_kernel(
     si = t % s
     d = tl.arange(0, BLOCK_HALF)[None, None, :]  # [1, 1, BLOCK_HALF]
     dmask = tok & (d < HALF)
+    if INTERLEAVED:  # pairs (2d, 2d + 1)
+        i_1 = 2 * d
+        i_2 = 2 * d + 1
+    else:  # rotate_half: pairs (d, d + HALF)
+        i_1 = d
+        i_2 = d + HALF
     c_row = cos + bi * c_sb + si * c_ss
     s_row = sin + bi * c_sb + si * c_ss
-    c_1 = tl.load(c_row + d * c_sd, mask=dmask, other=0.0)
-    c_2 = tl.load(c_row + (d + HALF) * c_sd, mask=dmask, other=0.0)
-    s_1 = tl.load(s_row + d * c_sd, mask=dmask, other=0.0)
-    s_2 = tl.load(s_row + (d + HALF) * c_sd, mask=dmask, other=0.0)
+    c_1 = tl.load(c_row + i_1 * c_sd, mask=dmask, other=0.0)
+    c_2 = tl.load(c_row + i_2 * c_sd, mask=dmask, other=0.0)
+    s_1 = tl.load(s_row + i_1 * c_sd, mask=dmask, other=0.0)
+    s_2 = tl.load(s_row + i_2 * c_sd, mask=dmask, other=0.0)
     if TRANSPOSE:  # the transpose: out_1 = x_1 cos_1 + x_2 sin_2, out_2 = x_2 cos_2 - x_1 sin_1
         s_t = s_1
         s_1 = -s_2
         s_2 = -s_t
     _rotate_heads(
         q, q_out, n_q, q_sb, q_ss, q_sn, q_sd, qo_sb, qo_ss, qo_sn, qo_sd, bi, si, tok,
-        c_1, c_2, s_1, s_2, HALF, PASS, BLOCK_Q, BLOCK_HALF, BLOCK_PASS,
+        c_1, c_2, s_1, s_2, i_1, i_2, HALF, PASS, BLOCK_Q, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
     _rotate_heads(
         k, k_out, n_k, k_sb, k_ss, k_sn, k_sd, ko_sb, ko_ss, ko_sn, ko_sd, bi, si, tok,
-        c_1, c_2, s_1, s_2, HALF, PASS, BLOCK_K, BLOCK_HALF, BLOCK_PASS,
+        c_1, c_2, s_1, s_2, i_1, i_2, HALF, PASS, BLOCK_K, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
 
 
