@@ -155,6 +155,11 @@ def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatc
 
     assert not bench.checked("swapped", swapped, q, k, cos, sin, grads)
     assert not bench.checked("swapped", swapped, q, k, cos, sin, grads, peer=True)
+    # --sweep (the kit's): every shape checked and timed, batch rows sharing --seq tokens
+    monkeypatch.setattr(bench, "SWEEP", {"gqa": (1, 4, 2, 32, False), "rows": (2, 4, 4, 16, True)})
+    swept = bench.main([*shape, "--no-fused", "--sweep"])
+    assert list(swept) == ["gqa", "rows"] and "liger" in swept["rows"][False]
+    assert "== rows" in capsys.readouterr().out
 
 
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):

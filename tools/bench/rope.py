@@ -20,7 +20,7 @@ interpreter's bf16 arithmetic; the package's kernel computes in fp32 and is exac
 Usage:
     python tools/bench/rope.py --dtype fp32 --repeats 50 --threads 2 [--backward] [--no-fused]
     python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 100  # on a GPU
-    python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --no-fused --both  # the kit
+    python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --no-fused --both --sweep  # kit
     TRITON_INTERPRET=1 XTUNER_ROPE_TRITON_INTERPRET=1 python tools/bench/rope.py --seq 64 \
         --heads 4 --kv-heads 2 --head-dim 32 --no-fused --both --repeats 2  # Triton kernels on CPU
 
@@ -46,6 +46,16 @@ from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply, use_trit
 from xtuner_rope.ops.rope_triton import triton_apply_active
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --sweep: the families' attention shapes at --seq tokens (batch, heads, kv heads, head dim,
+# q/k as transposed views of [b, s, n, h_d] as InternLM2 passes them), one line each.
+SWEEP = {
+    "internlm2-1.8b": (1, 16, 8, 128, False),
+    "internlm2-1.8b-views": (1, 16, 8, 128, True),
+    "llama3-8b": (1, 32, 8, 128, False),
+    "qwen2.5-0.5b": (1, 14, 2, 64, False),
+    "phi3-mini": (1, 32, 32, 96, False),
+    "internlm2-7b-batch4": (4, 32, 8, 128, False),
+}
 
 
 def parse_args(argv=None):
@@ -66,6 +76,11 @@ def parse_args(argv=None):
         help="q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them",
     )
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"every shape of {', '.join(SWEEP)} at --seq tokens (batch 4: --seq / 4 each)",
+    )
     parser.add_argument(
         "--both", action="store_true", help="time forward, then forward + backward (one start-up)"
     )
@@ -255,12 +270,8 @@ def report(args, q, k, medians):
     )
 
 
-def main(argv=None):
-    """Check the Triton kernels, then print one ratio line per pass; returns the timings."""
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    passes = [False, True] if args.both else [args.backward]
+def bench_shape(args, passes):
+    """Check the Triton kernels on ``args``' shape, then time each pass; {backward: seconds}."""
     args.backward = True in passes  # the inputs need grads if any pass runs the backward
     q, k, cos, sin, grads = make_inputs(args)
     if triton_apply_active(q) and not checked("triton kernel", triton_apply, q, k, cos, sin, grads):
@@ -274,6 +285,27 @@ def main(argv=None):
         q_in, k_in = (q, k) if backward else (q.detach(), k.detach())  # forward: no graph
         results[backward] = measure(args, candidates(args, q_in, k_in, cos, sin, grads, liger))
         report(args, q, k, results[backward])
+    return results
+
+
+def main(argv=None):
+    """Check the Triton kernels, then print one ratio line per pass (and shape).
+
+    Returns:
+        dict: {backward: {candidate: seconds}}; with --sweep, {shape name: that}.
+    """
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    passes = [False, True] if args.both else [args.backward]
+    if not args.sweep:
+        return bench_shape(args, passes)
+    seq, results = args.seq, {}
+    for name, (batch, heads, kv_heads, head_dim, transposed) in SWEEP.items():
+        print(f"== {name}")
+        args.batch, args.heads, args.kv_heads, args.head_dim = batch, heads, kv_heads, head_dim
+        args.seq, args.transposed = seq // batch, transposed  # the same tokens per call
+        results[name] = bench_shape(args, passes)
     return results
 
 
