@@ -157,9 +157,11 @@ def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatc
     assert not bench.checked("swapped", swapped, q, k, cos, sin, grads, peer=True)
     # --sweep (the kit's): every shape checked and timed, batch rows sharing --seq tokens
     monkeypatch.setattr(bench, "SWEEP", {"gqa": (1, 4, 2, 32, False), "rows": (2, 4, 4, 16, True)})
-    swept = bench.main([*shape, "--no-fused", "--sweep"])
+    swept = bench.main([*shape, "--no-fused", "--sweep", "--tiles", "256"])
     assert list(swept) == ["gqa", "rows"] and "liger" in swept["rows"][False]
-    assert "== rows" in capsys.readouterr().out
+    assert "xtuner_rope-triton-tile256" in swept["gqa"][False]  # a tile to choose on a GPU
+    out = capsys.readouterr().out
+    assert "== rows" in out and "triton kernel (tile 256) vs HF's fp32 apply" in out
 
 
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):

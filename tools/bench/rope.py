@@ -29,6 +29,7 @@ candidate's fastest run, and `--clock cpu --threads 1` measures this process's C
 """
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -42,6 +43,7 @@ from xtuner._lite.modelings.internlm2.modeling_internlm2 import (
 )
 
 from xtuner_rope.models.internlm2_rope import ValidatedRotaryEmbedding
+from xtuner_rope.ops import rope_triton
 from xtuner_rope.ops.rope import apply_rotary_pos_emb, use_fused_apply, use_triton_apply
 from xtuner_rope.ops.rope_triton import triton_apply_active
 
@@ -76,6 +78,14 @@ def parse_args(argv=None):
         help="q/k as transposed views of [b, s, n, h_d], as InternLM2 passes them",
     )
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument(
+        "--tiles",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the Triton kernel at these tile sizes (q elements per program; the "
+        "package's is ops.rope_triton._TILE): one candidate each, to choose it on a GPU",
+    )
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -149,13 +159,14 @@ def candidates(args, q, k, cos, sin, grads, liger=None):
             out = grads[0].clone(), grads[1].clone()
         return out
 
-    def timed(apply, fused=False, triton=None):
+    def timed(apply, triton=None, tile=None, fused=False):
         def run():
             use_fused_apply(fused)
             use_triton_apply(triton)
-            q_out, k_out = apply(q, k, cos, sin)
-            if args.backward:
-                torch.autograd.backward((q_out, k_out), grads)
+            with triton_tile(tile):  # q elements per program, forward and backward
+                q_out, k_out = apply(q, k, cos, sin)
+                if args.backward:
+                    torch.autograd.backward((q_out, k_out), grads)
             use_fused_apply(False)
             use_triton_apply(None)
 
@@ -169,11 +180,24 @@ def candidates(args, q, k, cos, sin, grads, liger=None):
     if triton_apply_active(q):
         runs["xtuner_rope-eager"] = timed(apply_rotary_pos_emb, triton=False)
         runs["xtuner_rope-triton"] = timed(apply_rotary_pos_emb, triton=True)
+        for tile in args.tiles:
+            runs[f"xtuner_rope-triton-tile{tile}"] = timed(apply_rotary_pos_emb, True, tile)
     if not args.no_fused:
         runs["xtuner_rope-fused"] = timed(apply_rotary_pos_emb, fused=True, triton=False)
     if liger is not None:
         runs["liger"] = timed(liger)
     return runs
+
+
+@contextlib.contextmanager
+def triton_tile(tile):
+    """The Triton kernel's tile (q elements per program) set to ``tile`` (None: unchanged)."""
+    before = rope_triton._TILE
+    rope_triton._TILE = tile or before
+    try:
+        yield
+    finally:
+        rope_triton._TILE = before
 
 
 def check_against_hf(apply, q, k, cos, sin, grads):
@@ -261,7 +285,7 @@ def report(args, q, k, medians):
     ratios += "".join(
         f" | {name} at {100 * floor / seconds:.0f}% of copy bandwidth"
         for name, seconds in medians.items()
-        if name.endswith(("-fused", "-triton")) or name == "liger"
+        if name.endswith(("-fused", "-triton")) or "-tile" in name or name == "liger"
     )
     print(
         f"rope {what} {args.dtype} q{list(q.shape)} k{list(k.shape)}: {ratios}".replace(", ", ",")
@@ -274,8 +298,12 @@ def bench_shape(args, passes):
     """Check the Triton kernels on ``args``' shape, then time each pass; {backward: seconds}."""
     args.backward = True in passes  # the inputs need grads if any pass runs the backward
     q, k, cos, sin, grads = make_inputs(args)
-    if triton_apply_active(q) and not checked("triton kernel", triton_apply, q, k, cos, sin, grads):
-        sys.exit(1)
+    if triton_apply_active(q):
+        for tile in [None, *args.tiles]:
+            with triton_tile(tile):
+                name = f"triton kernel (tile {rope_triton._TILE})" if tile else "triton kernel"
+                if not checked(name, triton_apply, q, k, cos, sin, grads):
+                    sys.exit(1)
     liger = liger_apply()
     if liger is not None and not checked("liger", liger, q, k, cos, sin, grads, peer=True):
         liger = None  # a peer's failure is reported, not fatal; it is not timed
