@@ -164,6 +164,22 @@ def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatc
     assert "== rows" in out and "triton kernel (tile 256) vs HF's fp32 apply" in out
 
 
+def test_packing_bench_times_isolated_leaky_and_padded_steps_per_capacity(capsys):
+    """The kit's training-step bench at tiny shapes on the CPU: the three variants at two row
+    capacities, each batch about one row of dialogues; memory is not measured on the CPU."""
+    bench = _load("tools/bench/packing_gpu.py", "packing_gpu_bench")
+    argv = "--device cpu --shapes tiny --dtype fp32 --max-length 256 512 --train-batches 1"
+    results = bench.main([*argv.split(), "--repeats", "1", "--warmup", "0"])
+    assert [m["max_length"] for m in results] == [256, 512]
+    for m in results:
+        assert set(m["seconds"]) == {"isolated", "leaky", "padded"}
+        assert m["rows"] == 1 and m["slots"]["packed"] <= m["max_length"] <= 2 * m["real"]
+        assert m["peak"] == {"isolated": None, "leaky": None, "padded": None}
+    out = capsys.readouterr().out
+    assert re.search(r"isolated / leaky [\d.]+x \(goal <= 1.02x\).* -> [\d.]+x padded", out)
+    assert "peak memory: not measured on the CPU" in out
+
+
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):
     """With the reference kernel installed for CPU, the varlen candidates run too."""
     monkeypatch.setattr(attention, "VARLEN_KERNEL", VarlenKernel(varlen_attn_2_12, ("cpu",)))

@@ -1,16 +1,30 @@
-"""Training tokens/s, packed vs padded, on a model of a real size (random weights), on a GPU.
+"""Training steps at a real model's size on a GPU: isolated packing vs XTuner's leaky packing vs padding.
 
-The P2 measurement of ``tools/bench/packing.py`` (same sample dialogues, same sampler batches
-collated both ways, interleaved steps, median per batch) on an InternLM2 with the shapes of
-InternLM2-1.8B (24 layers, hidden 2048, 16/8 heads, vocab 92544) in bf16 by default: packed
-rows on the patched model (boundaries published by ``PackedBatchCheckHook``, the packed
-backend the device offers) against XTuner's padded batches on the unpatched model. Full
-training steps: forward, backward, AdamW; the device is synchronised inside each timed step.
-Token ids come from the tiny demo tokenizer (so documents are longer than with InternLM2's).
+The P2/P3 measurements of ``tools/bench/packing.py`` (same sample dialogues, the same sampler
+batches collated each way, interleaved steps, median per batch) on an InternLM2 with the shapes
+of InternLM2-1.8B (24 layers, hidden 2048, 16/8 heads, vocab 92544), random weights, bf16 by
+default, full training steps (forward, backward, AdamW), the device synchronised inside each
+timed step. For each row capacity (``--max-length``, 4,096 and 8,192 tokens by default; each
+sampler batch holds about one row's worth of dialogues):
+
+- ``isolated``: the packed rows on the patched model (boundaries published by
+  ``PackedBatchCheckHook``, the packed backend the device offers);
+- ``leaky``: the same packed rows on the unpatched model, documents attending to each other, as
+  the stock config without the edit trains them (XTuner without flash-attn);
+- ``padded``: the same dialogues as XTuner's ``default_collate_fn`` pads them, unpatched model.
+
+It prints the time per step, tokens/s and, on CUDA, each step's peak memory above what was
+allocated before it (``torch.cuda.max_memory_allocated``; the models and optimizer states of
+every variant stay resident, so only the step's own peak is comparable), against issue 48's
+goals: isolated <= 1.02x the leaky step's time and <= its peak memory + 2%, packed >= 2.5x
+padded tokens/s. The unpatched model serves ``leaky`` and ``padded`` alike (weights and AdamW
+state shared: the timings do not depend on the values). Token ids come from the tiny demo
+tokenizer (so documents are longer than with InternLM2's).
 
 Usage:
     python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b
-    python tools/bench/packing_gpu.py --device cpu --shapes tiny --dtype fp32 --train-batches 2
+    python tools/bench/packing_gpu.py --device cpu --shapes tiny --dtype fp32 --max-length 256 \
+        --train-batches 1 --repeats 1 --warmup 0
 """
 
 import argparse
@@ -52,9 +66,20 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--data", default="data/short_dialogues.jsonl")
     parser.add_argument("--model", default="models/tiny-internlm2", help="its tokenizer is used")
-    parser.add_argument("--max-length", type=int, default=2048, help="packed row capacity")
-    parser.add_argument("--batch", type=int, default=16, help="dialogues per sampler batch")
-    parser.add_argument("--train-batches", type=int, default=8)
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        nargs="+",
+        default=[4096, 8192],
+        help="packed row capacities, one measurement each",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="dialogues per sampler batch (default: about one row's worth at each capacity)",
+    )
+    parser.add_argument("--train-batches", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -74,11 +99,17 @@ def build_model(args, vocab_size):
 
 
 class DeviceVariant(cpu_bench.Variant):
-    """``packing.Variant`` whose batches go to the device, synchronised at the end of a step."""
+    """``packing.Variant`` whose batches go to the device, synchronised at the end of a step.
 
-    def __init__(self, *args, device, **kwargs):
+    On CUDA each step's peak memory above what was allocated before it is kept in ``peaks``.
+    """
+
+    def __init__(self, *args, device, optimizer=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = torch.device(device)
+        if optimizer is not None:  # one model, one AdamW: leaky and padded share them
+            self.optimizer = optimizer
+        self.peaks = []
 
     def step(self, i):
         data = dict(self.batches[i]["data"])
@@ -88,57 +119,118 @@ class DeviceVariant(cpu_bench.Variant):
         else:
             for key in ("cumulative_len", "max_seqlen", "num_unsupervised"):
                 data.pop(key, None)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         data = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in data.items()}
         self.model(**data).loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.hook is not None:
             self.hook.after_train_iter(self.runner, i, data_batch=batch)
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
+            self.peaks.append(torch.cuda.max_memory_allocated(self.device) - before)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    start = time.perf_counter()
-    items, vocab_size = cpu_bench.load_items(args)
-    items = items[: args.train_batches * args.batch]
-    args.pack_batch = args.pad_batch = args.batch
-    pack_batches = [cpu_bench.packed(b, args) for b in cpu_bench.batches_of(items, args.batch)]
-    pad_batches = [cpu_bench.padded(b) for b in cpu_bench.batches_of(items, args.batch)]
-    base = build_model(args, vocab_size)
-    isolated = copy.deepcopy(base)
-    patch_model(isolated)
+def batch_size_for(items, max_length, batch=None):
+    """Dialogues per sampler batch: ``batch``, or about one row of ``max_length`` tokens."""
+    if batch:
+        return batch
+    mean = sum(len(item["input_ids"]) for item in items) / len(items)
+    return max(int(0.95 * max_length / mean), 1)
+
+
+def measure_capacity(args, items, max_length, isolated, base, optimizer):
+    """Time the three variants on rows of ``max_length``; returns the figures of one line."""
+    args.max_length = max_length
+    batch = batch_size_for(items, max_length, args.batch)
+    chunk = items[: args.train_batches * batch]
+    pack_batches = [cpu_bench.packed(b, args) for b in cpu_bench.batches_of(chunk, batch)]
+    pad_batches = [cpu_bench.padded(b) for b in cpu_bench.batches_of(chunk, batch)]
+    if not pack_batches:
+        raise SystemExit(
+            f"packing_gpu: {len(items)} dialogues make no batch of {batch} at max_length "
+            f"{max_length}: lower --train-batches or --batch, or give more data (--data)."
+        )
     variants = [
         DeviceVariant(
             "isolated", isolated, pack_batches, PackedBatchCheckHook(), device=args.device
         ),
-        DeviceVariant("padded", base, pad_batches, device=args.device),
+        DeviceVariant("leaky", base, pack_batches, device=args.device, optimizer=optimizer),
+        DeviceVariant("padded", base, pad_batches, device=args.device, optimizer=optimizer),
     ]
     args.clock = "wall"
-    times = {
-        k: sum(v) for k, v in cpu_bench.time_variants(variants, len(pack_batches), args).items()
+    per_batch = cpu_bench.time_variants(variants, len(pack_batches), args)
+    warm = min(args.warmup, len(pack_batches))
+    real = sum(len(item["input_ids"]) for item in chunk[: len(pack_batches) * batch])
+    return {
+        "max_length": max_length,
+        "batch": batch,
+        "batches": len(pack_batches),
+        "real": real,
+        "rows": sum(b["data"]["input_ids"].shape[0] for b in pack_batches),
+        "slots": {
+            "packed": sum(b["data"]["input_ids"].numel() for b in pack_batches),
+            "padded": sum(b["data"]["input_ids"].numel() for b in pad_batches),
+        },
+        "seconds": {name: sum(times) for name, times in per_batch.items()},
+        # after the warm-up steps, which also allocate AdamW's state
+        "peak": {v.name: max(v.peaks[warm:], default=None) for v in variants},
     }
-    real = sum(len(item["input_ids"]) for item in items)
-    slots = {
-        name: sum(b["data"]["input_ids"].numel() for b in batches)
-        for name, batches in (("packed", pack_batches), ("padded", pad_batches))
-    }
+
+
+def report(args, backend, m):
+    """Two lines per capacity: the setup, then time, tokens/s and peak memory against goals."""
+    t, n = m["seconds"], m["batches"]
+    print(
+        f"packing {args.shapes} {args.dtype} {args.device} (packed backend '{backend}'), rows of "
+        f"{m['max_length']}: {n} batches of {m['batch']} dialogues, {m['real']} real tokens in "
+        f"{m['rows']} packed rows; real-token share packed "
+        f"{100 * m['real'] / m['slots']['packed']:.1f}%, padded "
+        f"{100 * m['real'] / m['slots']['padded']:.1f}%"
+    )
+    gib = 1 << 30
+    if m["peak"]["isolated"] is None:
+        memory = "peak memory: not measured on the CPU"
+    else:
+        peak = m["peak"]
+        memory = (
+            f"step peak memory isolated {peak['isolated'] / gib:.2f} GiB | leaky "
+            f"{peak['leaky'] / gib:.2f} | padded {peak['padded'] / gib:.2f} -> isolated / leaky "
+            f"{peak['isolated'] / peak['leaky']:.3f}x (goal <= 1.02x)"
+        )
+    print(
+        f"  step time isolated {1e3 * t['isolated'] / n:.1f} ms | leaky {1e3 * t['leaky'] / n:.1f}"
+        f" | padded {1e3 * t['padded'] / n:.1f} -> isolated / leaky "
+        f"{t['isolated'] / t['leaky']:.3f}x (goal <= 1.02x); tokens/s packed+isolated "
+        f"{m['real'] / t['isolated']:.0f} | xtuner padded {m['real'] / t['padded']:.0f} -> "
+        f"{t['padded'] / t['isolated']:.2f}x padded (goal >= 2.5x; ideal "
+        f"{m['slots']['padded'] / m['slots']['packed']:.2f}x); {memory} "
+        f"(median of {args.repeats} interleaved repeats per batch)"
+    )
+
+
+def main(argv=None):
+    """Measure every ``--max-length``; returns the figures, one dict per capacity."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    capacities = list(args.max_length)
+    args.max_length = max(capacities)  # tokenized once, nothing cut below the largest row
+    items, vocab_size = cpu_bench.load_items(args)
+    base = build_model(args, vocab_size)
+    isolated = copy.deepcopy(base)
+    patch_model(isolated)
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-3)
     probe = torch.zeros(1, device=args.device, dtype=DTYPES[args.dtype])
     backend = packed_backend(probe, eager=False)
-    speedup = times["padded"] / times["isolated"]
-    print(
-        f"packing {args.shapes} {args.dtype} {args.device} (packed backend '{backend}'): "
-        f"{len(pack_batches)} batches of {args.batch} dialogues, {real} real tokens; "
-        f"packed share {100 * real / slots['packed']:.1f}%, padded {100 * real / slots['padded']:.1f}%"
-    )
-    print(
-        f"packing tokens/s: packed+isolated {real / times['isolated']:.0f} | xtuner padded "
-        f"{real / times['padded']:.0f} -> {speedup:.2f}x padded (ideal "
-        f"{slots['padded'] / slots['packed']:.2f}x; median of {args.repeats} interleaved "
-        f"repeats per batch; total {time.perf_counter() - start:.0f} s)"
-    )
-    return speedup
+    results = []
+    for max_length in capacities:
+        results.append(measure_capacity(args, items, max_length, isolated, base, optimizer))
+        report(args, backend, results[-1])
+    print(f"packing_gpu: {time.perf_counter() - start:.0f} s in all")
+    return results
 
 
 if __name__ == "__main__":
