@@ -38,7 +38,8 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --
 # the tiny recipe used 12.7-14.3 s of CPU with one thread, 16.4 s with two).
 TEST_RUN := $(RUN) OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 # Runs that prove a claim a second time, and the by-hand runs of minutes: out of CI.
-OPT_IN := XTUNER_ROPE_AGAIN=1 XTUNER_ROPE_RESUME_BY_HAND=1 XTUNER_ROPE_HELDOUT_BY_HAND=1
+OPT_IN := XTUNER_ROPE_AGAIN=1 XTUNER_ROPE_RESUME_BY_HAND=1 XTUNER_ROPE_HELDOUT_BY_HAND=1 \
+	XTUNER_ROPE_TRAIN_BENCH_BY_HAND=1
 # Our own .pyc files, written once before the tests: with PYTHONDONTWRITEBYTECODE set (as on CI)
 # no import writes them, and each of the suite's hundreds of processes compiled xtuner_rope again
 # (0.65 s of import time each). Stale ones are ignored by Python (it checks the source's mtime).

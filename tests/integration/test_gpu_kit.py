@@ -96,39 +96,49 @@ def _run_gpu_plan():
     budgets = {name: int(sec) for name, sec in re.findall(r"\[(\w+)\]=(\d+)", block)}
     order = re.search(r'^ORDER="([^"]+)"', text, re.M).group(1).split()
     quick = re.search(r'^QUICK_STEPS="([^"]+)"', text, re.M).group(1).split()
+    train = re.search(r'^TRAIN_STEPS="([^"]+)"', text, re.M).group(1).split()
     total = int(re.search(r"^TOTAL=(\d+)", text, re.M).group(1))
     quick_total = int(re.search(r"^QUICK_TOTAL=(\d+)", text, re.M).group(1))
+    train_total = int(re.search(r"^TRAIN_TOTAL=(\d+)", text, re.M).group(1))
     recipes = re.search(r"^for recipe in ([\w ]+); do", text, re.M).group(1).split()
     called = []  # the steps in the order the script calls them
     for name in re.findall(r'^\s*(?:step|bench) "?([\w$]+)', text, re.M):
         if name != "$":  # `step "$@"` inside bench()
             called += [f"check_{r}" for r in recipes] if name == "check_$recipe" else [name]
-    return budgets, order, quick, total, quick_total, called
+    return budgets, order, quick, total, quick_total, called, train, train_total
 
 
 def _documented_timeouts():
-    """The `timeout_s` docs/gpu.md gives the full check's `run` call and the --quick one."""
+    """The `timeout_s` docs/gpu.md gives the full check's `run` call, the --quick and --train
+    ones."""
     text = (REPO / "docs/gpu.md").read_text()
     full = re.search(r'"command": "bash tools/gpu/run_gpu.sh", .*"timeout_s": (\d+)\}', text)
     quick = re.search(r'--quick`\s+with `"timeout_s": (\d+)`', text)
-    return int(full.group(1)), int(quick.group(1))
+    train = re.search(
+        r'"command": "bash tools/gpu/run_gpu.sh --train", .*"timeout_s": (\d+)\}', text
+    )
+    return int(full.group(1)), int(quick.group(1)), int(train.group(1))
 
 
 def test_run_gpu_step_budgets_fit_one_short_loan():
     """Every step has a budget; they add up to the deadline, which, with the last step's
     kill-after and 15 s to spare, fits the `timeout_s` the docs give the call (also for --quick,
     correctness first); every budgeted step is run, in the order of the budgets."""
-    budgets, order, quick, total, quick_total, called = _run_gpu_plan()
-    full_timeout, quick_timeout = _documented_timeouts()
+    budgets, order, quick, total, quick_total, called, train, train_total = _run_gpu_plan()
+    full_timeout, quick_timeout, train_timeout = _documented_timeouts()
     script = (REPO / "tools/gpu/run_gpu.sh").read_text()
     kill_after = int(re.search(r"timeout --kill-after=(\d+)", script).group(1))
     assert total + kill_after + 15 <= full_timeout, (total, full_timeout)
     assert quick_total + kill_after + 15 <= quick_timeout, (quick_total, quick_timeout)
-    assert sum(budgets.values()) <= total, budgets
+    assert train_total + kill_after + 15 <= train_timeout, (train_total, train_timeout)
+    assert sum(budgets[s] for s in order) <= total, budgets
     assert sum(budgets[s] for s in quick) <= quick_total
-    assert sorted(order) == sorted(budgets) and order[: len(quick)] == quick
-    assert quick[-1] == "correctness"
-    assert called == order
+    assert sum(budgets[s] for s in train) <= train_total
+    assert sorted(set(order) | set(train)) == sorted(budgets) and order[: len(quick)] == quick
+    assert quick[-1] == "correctness" and train == [*order[:2], "train"]
+    assert called == [*order[:2], "train", *order[2:]]  # --train ends after its step
+    # a loan (900 s of device time, ~50 s to start a machine) holds both calls and a --quick
+    assert 50 + full_timeout + train_timeout + quick_timeout <= 900
 
 
 def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatch, capsys):
@@ -178,6 +188,46 @@ def test_packing_bench_times_isolated_leaky_and_padded_steps_per_capacity(capsys
     out = capsys.readouterr().out
     assert re.search(r"isolated / leaky [\d.]+x \(goal <= 1.02x\).* -> [\d.]+x padded", out)
     assert "peak memory: not measured on the CPU" in out
+
+
+# Lines of the bench's real tiny runs on the CPU (the edit's metrics in the first); the
+# ``memory`` field is the one MMEngine's LogProcessor adds on CUDA ("memory: {MB}").
+TRAIN_LOG = """\
+2026/11/28 22:51:31 - mmengine - INFO - Iter(train) [ 5/10]  lr: 3.0000e-03  eta: 0:00:00  \
+time: 0.0601  data_time: 0.0024  memory: 20100  docs_per_row: 4.2000  real_token_share: 0.9000  \
+longest_doc: 96.0000  grad_norm: 2.1919  loss: 6.8723
+2026/11/28 22:51:31 - mmengine - INFO - Iter(train) [10/10]  lr: 2.9913e-03  eta: 0:00:00  \
+time: 0.0202  data_time: 0.0023  memory: 20480  docs_per_row: 4.4000  real_token_share: 1.0000  \
+longest_doc: 115.0000  grad_norm: 1.7848  loss: 6.7194
+2026/11/28 22:51:13 - mmengine - INFO - Iter(train) [ 5/10]  lr: 3.0000e-03  eta: 0:00:00  \
+time: 0.0227  data_time: 0.0013  grad_norm: 2.3278  loss: 6.9061
+"""
+
+
+def test_train_bench_reads_iteration_time_memory_and_real_share_from_the_log():
+    bench = _load("tools/bench/xtuner_train_gpu.py", "xtuner_train_bench")
+    edited, stock = TRAIN_LOG.splitlines()[:2], TRAIN_LOG.splitlines()[2:]
+    figures = bench.read_log("\n".join(edited), wall=18.0)
+    assert figures["iter_time"] == 0.0202  # the first window (warm-up) left out
+    assert (figures["memory"], figures["real_share"], figures["windows"]) == (20480, 0.95, 2)
+    figures = bench.read_log("\n".join(stock), wall=21.0)
+    assert figures["iter_time"] == 0.0227 and figures["memory"] is None  # one window: kept
+    assert figures["real_share"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("XTUNER_ROPE_TRAIN_BENCH_BY_HAND"),
+    reason="two real `xtuner train` runs (~1 min): set XTUNER_ROPE_TRAIN_BENCH_BY_HAND=1",
+)
+def test_train_bench_trains_the_stock_config_with_and_without_the_edit(tmp_path, capsys):
+    """The kit's `xtuner train` step at tiny shapes on the CPU: both runs train, the edit's run
+    has the plugin's hooks and the stock one has none (the bench checks both logs)."""
+    bench = _load("tools/bench/xtuner_train_gpu.py", "xtuner_train_bench")
+    argv = f"--device cpu --shapes tiny --iters 10 --max-length 256 --out {tmp_path}"
+    runs = bench.main(argv.split())
+    assert runs["with"]["real_share"] is not None and runs["without"]["real_share"] is None
+    assert "-> with / without: iteration time" in capsys.readouterr().out
 
 
 def test_attention_bench_runs_every_candidate_on_cpu(monkeypatch, capsys):

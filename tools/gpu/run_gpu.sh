@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one command, on a GPU machine with no registry access (repository root):
 #
-#     bash tools/gpu/run_gpu.sh            # everything, at most 310 s of wall time
+#     bash tools/gpu/run_gpu.sh            # everything, at most 375 s of wall time
 #     bash tools/gpu/run_gpu.sh --quick    # install + correctness only, at most 120 s
+#     bash tools/gpu/run_gpu.sh --train    # install + `xtuner train` with/without the edit, 200 s
 #
 # Needs gpu_kit/ from `make gpu-kit` (one part, carried in the same call). Installs the kit into
 # a virtualenv over the machine's own torch (--system-site-packages, --no-index), then runs by
@@ -16,10 +17,15 @@
 #      tests/models/test_host_sync_forward.py (a whole training step, forward and backward, of
 #      InternLM2 and Llama with dynamic NTK per document, under the same mode);
 #   2. `xtuner-rope check` on the tiny InternLM2 and Qwen2 recipes in bf16;
-#   3. benches: RoPE apply forward, then forward+backward, against copy bandwidth (the Triton
-#      kernel checked against HF's fp32 apply first), packed attention fwd+bwd against
-#      `varlen_attn` alone (2k and 8k packs) and the plan's time per forward, training tokens/s
-#      packed vs padded (1.8B shapes).
+#   3. benches: RoPE apply forward, then forward+backward, against copy bandwidth, over the
+#      families' shapes, beside HF's apply and Liger-Kernel's (every Triton kernel checked
+#      against HF's fp32 apply first; one more tile size timed), packed attention fwd+bwd
+#      against `varlen_attn` alone (2k and 8k packs) and the plan's time per forward, training
+#      steps at 1.8B shapes: isolated vs XTuner's leaky packing vs padding, rows of 4k and 8k,
+#      time, tokens/s and peak memory.
+# --train (a second call): `xtuner train` of the stock internlm2_chat_1_8b_full_alpaca_e3 on a
+# 1.8B-shaped InternLM2 (random weights, built there), 30 iterations without and with the edit:
+# tokens/s and peak memory from the logs (tools/bench/xtuner_train_gpu.py).
 # Each step's result is written to $OUT as soon as it ends (a run cut off still returns what
 # it measured), at most 8 files: summary.txt (a line per step: exit code, seconds, budget),
 # env.txt, run.log (every step's output), pytest.xml, check_*.json, bench.txt.
@@ -33,9 +39,17 @@ BASE_PYTHON=${BASE_PYTHON:-python3}
 IMAGE_SITE=${IMAGE_SITE:-}  # set by tools/gpu/rehearse_cpu.sh only
 REHEARSAL=${REHEARSAL:-}  # CPU rehearsal: no GPU required, benches skipped
 QUICK=${QUICK:-}
+TRAIN=${TRAIN:-}
 [ "${1:-}" = "--quick" ] && QUICK=1
+[ "${1:-}" = "--train" ] && TRAIN=1
 
 # Step budgets in seconds, by priority (tests/integration/test_gpu_kit.py checks the sums).
+# rope, packing and train are ESTIMATES (2026-11-28, no GPU lent since the kit grew them):
+# rope ~20 s of start-up + ~5 s per shape (6 shapes; 6 kernels compiled each: ours and one more
+# tile, Liger's, forward and backward); packing ~25 s of start-up and model builds + 2 x 27
+# steps at 1.8B shapes (~0.2 s at 4k tokens, ~0.4 s at 8k, padding about twice); train ~30 s
+# to build and save the 1.8B checkpoint + 2 runs of ~50 s (start-up, loading, 30 iterations
+# of 2,048 tokens, two short chat samples). Re-set them from the first run's summary.txt.
 # Each is at least 15% over the longest the step took on the H100 loans of 2026-11-27 (install
 # 3 s, preflight 24, correctness 39, checks 39 and 34, rope 35 at 30 repeats, packing 41).
 # Attention's 2k and 8k packs took under 40 s on the first loan, over 35 s on the second.
@@ -43,15 +57,19 @@ QUICK=${QUICK:-}
 # CPU rehearsal on a loaded 2-core machine.
 # TOTAL + the 5 s kill-after of the last step stays inside the documented `"timeout_s": 330`.
 declare -A BUDGET=(
-    [install]=10 [preflight]=28 [correctness]=50
+    [install]=10 [preflight]=28 [correctness]=55
     [check_tiny_internlm2]=45 [check_tiny_qwen2]=40
-    [rope]=41 [attention]=48 [packing]=48
+    [rope]=70 [attention]=48 [packing]=75
+    [train]=160
 )
 ORDER="install preflight correctness check_tiny_internlm2 check_tiny_qwen2 rope attention packing"
 QUICK_STEPS="install preflight correctness"
-TOTAL=310
+TRAIN_STEPS="install preflight train"
+TOTAL=375
 QUICK_TOTAL=120
+TRAIN_TOTAL=200
 if [ -n "$QUICK" ]; then TOTAL=$QUICK_TOTAL; fi
+if [ -n "$TRAIN" ]; then TOTAL=$TRAIN_TOTAL; fi
 DEADLINE=$(( $(date +%s) + TOTAL ))
 
 mkdir -p "$OUT" "$(dirname "$SITE")"
@@ -60,7 +78,7 @@ rm -rf "$steps" && mkdir -p "$steps"
 : > "$OUT/summary.txt"
 : > "$OUT/run.log"
 failed=0
-echo "gpu check: ${QUICK:+quick, }at most ${TOTAL}s; kit $(du -sm --apparent-size "$KIT" 2>/dev/null | cut -f1) MiB" \
+echo "gpu check: ${QUICK:+quick, }${TRAIN:+train, }at most ${TOTAL}s; kit $(du -sm --apparent-size "$KIT" 2>/dev/null | cut -f1) MiB" \
     | tee -a "$OUT/summary.txt"
 
 step() {  # step NAME CMD...: run under min(its budget, time left), log, one summary line
@@ -139,6 +157,14 @@ export PATH="$SITE/bin:$PATH" PYTHONPATH="$PWD:$SITE${IMAGE_SITE:+:$IMAGE_SITE}"
 step preflight preflight || exit 98
 { cat "$steps/preflight.log"; nvidia-smi 2>&1 | head -15; } > "$OUT/env.txt"
 
+if [ -n "$TRAIN" ]; then  # the second call: `xtuner train` without and with the edit
+    step train bash -c "[ -d models/tiny-internlm2 ] || python tools/make_tiny_internlm2.py; \
+        exec python tools/bench/xtuner_train_gpu.py --device cuda --iters 30 --out /tmp/xtuner-rope-train"
+    cp "$steps/train.log" "$OUT/train.txt"
+    echo "train: failed steps: $failed" | tee -a "$OUT/summary.txt"
+    exit "$failed"
+fi
+
 # 1. correctness first.
 step correctness python -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
     -k "gpu or cuda or varlen" tests/integration/test_gpu.py tests/ops/test_attention_varlen.py \
@@ -167,19 +193,19 @@ bench() {  # bench NAME CMD...: a step whose output also goes to bench.txt
     local name=$1
     step "$@"
     local rc=$?
-    { echo "== $name"; grep -v '^\s*$' "$steps/$name.log" | tail -n 40; } >> "$OUT/bench.txt"
+    { echo "== $name"; grep -v '^\s*$' "$steps/$name.log" | tail -n 80; } >> "$OUT/bench.txt"
     return "$rc"
 }
 # Imports and CUDA start take ~20 s. Forward and forward+backward in one start-up; the Triton
 # kernel is checked against HF's fp32 apply first (exit 1 if wrong). The fused candidate
 # (torch.compile, 7 s of warm-up, 11% of copy bandwidth on 2026-11-27) is left out.
-bench rope python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 30 \
-    --no-fused --both
+bench rope python tools/bench/rope.py --device cuda --dtype bf16 --seq 4096 --repeats 20 \
+    --no-fused --both --sweep --tiles 4096
 # 8k first (a training-sized pack), so a step cut off still printed it. 32k-token packs left
 # out: their dense-mask candidate alone outlasts the budget.
 bench attention python tools/bench/attention.py --device cuda --dtype bf16 --tokens 8192 2048 \
     --repeats 10
 bench packing bash -c "[ -d models/tiny-internlm2 ] || python tools/make_tiny_internlm2.py; \
-    exec python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b --train-batches 4"
+    exec python tools/bench/packing_gpu.py --device cuda --shapes internlm2-1.8b --train-batches 3"
 echo "failed steps: $failed (results in $OUT)" | tee -a "$OUT/summary.txt"
 exit "$failed"
