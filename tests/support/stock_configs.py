@@ -199,18 +199,10 @@ def tiny_with_remote_code(dst: Path) -> Path:
     """
     import shutil
 
-    import xtuner._lite.modelings.internlm2 as code
+    from xtuner_rope.demo.tiny import add_internlm2_remote_code
 
     shutil.copytree(TINY_MODEL, dst)
-    for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
-        shutil.copy(Path(code.__file__).parent / name, dst / name)
-    config = json.loads((dst / "config.json").read_text())
-    config["auto_map"] = {
-        "AutoConfig": "configuration_internlm2.InternLM2Config",
-        "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
-    }
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return add_internlm2_remote_code(dst)
 
 
 def ensure_tiny_model() -> Path:

@@ -23,7 +23,6 @@ Usage:
 """
 
 import argparse
-import json
 import math
 import os
 import re
@@ -41,7 +40,7 @@ from packing_gpu import SHAPES  # noqa: E402 - tools/bench/packing_gpu.py, this 
 
 from xtuner_rope.demo.resources import tiny_checkpoint  # noqa: E402
 from xtuner_rope.demo.runlog import train_losses  # noqa: E402
-from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS  # noqa: E402
+from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS, add_internlm2_remote_code  # noqa: E402
 from xtuner_rope.zoo.classes import stock_texts  # noqa: E402
 from xtuner_rope.zoo.data import write_universal_data  # noqa: E402
 from xtuner_rope.zoo.localize import (  # noqa: E402
@@ -75,7 +74,6 @@ def parse_args(argv=None):
 
 def build_checkpoint(args, folder: Path) -> Path:
     """An InternLM2 of ``--shapes`` with random weights, its modeling code and ``auto_map``."""
-    import xtuner._lite.modelings.internlm2 as code
     from xtuner._lite.modelings.internlm2 import InternLM2Config, InternLM2ForCausalLM
 
     if (folder / "config.json").is_file():
@@ -92,14 +90,7 @@ def build_checkpoint(args, folder: Path) -> Path:
     del model
     for name in TOKENIZER_FILES:
         shutil.copy(tiny / name, folder / name)
-    for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
-        shutil.copy(Path(code.__file__).parent / name, folder / name)
-    meta = json.loads((folder / "config.json").read_text())
-    meta["auto_map"] = {
-        "AutoConfig": "configuration_internlm2.InternLM2Config",
-        "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
-    }
-    (folder / "config.json").write_text(json.dumps(meta, indent=2))
+    add_internlm2_remote_code(folder)
     return folder
 
 

@@ -262,3 +262,30 @@ def save_tiny(
     return save_tiny_internlm2(
         out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size, family=family, **overrides
     )
+
+
+def add_internlm2_remote_code(folder: str | Path) -> Path:
+    """Give an InternLM2 checkpoint folder its modeling code, as hub checkpoints ship it.
+
+    Copies XTuner's ``configuration_internlm2.py`` and ``modeling_internlm2.py`` (the current
+    hub version) into ``folder`` and writes their ``auto_map`` into its ``config.json``, so
+    ``trust_remote_code=True`` loads it without xtuner-rope's Auto registration.
+
+    Returns:
+        ``folder`` as a ``Path``.
+    """
+    import json
+    import shutil
+
+    import xtuner._lite.modelings.internlm2 as code
+
+    folder = Path(folder)
+    for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
+        shutil.copy(Path(code.__file__).parent / name, folder / name)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config["auto_map"] = {
+        "AutoConfig": "configuration_internlm2.InternLM2Config",
+        "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
