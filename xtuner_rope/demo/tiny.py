@@ -274,15 +274,19 @@ def add_internlm2_remote_code(folder: str | Path) -> Path:
     Returns:
         ``folder`` as a ``Path``.
     """
-    import json
     import shutil
 
     import xtuner._lite.modelings.internlm2 as code
 
+    from xtuner_rope.models.checkpoint_config import read_checkpoint_config
+
     folder = Path(folder)
+    found = read_checkpoint_config(str(folder))
+    if found.problem:
+        raise ValueError(f"add_internlm2_remote_code: {folder}: {found.problem}")
     for name in ("configuration_internlm2.py", "modeling_internlm2.py"):
         shutil.copy(Path(code.__file__).parent / name, folder / name)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = dict(found.data)
     config["auto_map"] = {
         "AutoConfig": "configuration_internlm2.InternLM2Config",
         "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM",
