@@ -190,6 +190,40 @@ def test_packing_bench_times_isolated_leaky_and_padded_steps_per_capacity(capsys
     assert "peak memory: not measured on the CPU" in out
 
 
+def test_packing_bench_leaky_variant_leaks_across_documents():
+    """The bench's ``leaky`` model is the unpatched one on the packed rows: on a row of 2+
+    documents its logits equal the isolated model's on the first document and differ after it
+    (that isolated equals each document alone is proven in the packing tests)."""
+    import torch
+
+    bench = _load("tools/bench/packing_gpu.py", "packing_gpu_bench")
+    args = bench.parse_args("--device cpu --shapes tiny --dtype fp32 --max-length 512".split())
+    args.max_length = 512
+    items, vocab_size = bench.cpu_bench.load_items(args)
+    base = bench.build_model(args, vocab_size)
+    isolated = bench.copy.deepcopy(base)
+    bench.patch_model(isolated)
+    dialogues = items[: bench.batch_size_for(items, 512)]
+    data = dict(bench.cpu_bench.packed(dialogues, args)["data"])
+    starts = (data["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert len(starts) >= 2 and starts[0] == 0, starts  # 2+ documents in the first row
+    # the bench's own isolated variant: its hook and runner, as the timed steps use them
+    variant = bench.DeviceVariant(
+        "isolated", isolated, [], bench.PackedBatchCheckHook(), device="cpu"
+    )
+    batch = {"data": data, "data_samples": None}
+    variant.hook.before_train_iter(variant.runner, 0, data_batch=batch)  # publishes boundaries
+    with torch.no_grad():
+        isolated_logits = isolated(**data).logits[0]
+        variant.hook.after_train_iter(variant.runner, 0, data_batch=batch)
+        for key in ("cumulative_len", "max_seqlen", "num_unsupervised"):
+            data.pop(key, None)
+        leaky_logits = base(**data).logits[0]
+    first = slice(0, starts[1])
+    assert torch.allclose(isolated_logits[first], leaky_logits[first], atol=1e-5)
+    assert not torch.allclose(isolated_logits[starts[1] :], leaky_logits[starts[1] :], atol=1e-3)
+
+
 # Lines of the bench's real tiny runs on the CPU (the edit's metrics in the first); the
 # ``memory`` field is the one MMEngine's LogProcessor adds on CUDA ("memory: {MB}").
 TRAIN_LOG = """\
