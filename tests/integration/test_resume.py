@@ -318,7 +318,8 @@ if RESUME_BY_HAND:
 # sft-zero2: sft-lora-dropout-zero2 (the same recipe and ZeRO-2 json) and dpo-zero2 (all
 # parameters). About 65 s less in CI (dpo-plain: about 40 s more).
 # dpo-plain: the DPO pairs' kill and resume is dpo-zero2's, the plain optimizer's resume
-# sft-lora-dropout's (its uninterrupted run stays: the 1-vs-2-process DPO step reads it).
+# sft-lora-dropout's, the one-process kill test_stock_config_killed_and_resumed's (its
+# uninterrupted run stays: the 1-vs-2-process DPO step reads it).
 # sft-zero1: its uninterrupted run is the 1-vs-2-process step's ZeRO-1 row and the ZeRO-1
 # conversion's checkpoint; its kill and resume is sft-zero2's with stage 1 (by hand).
 KILLED_BY_HAND = ("sft-plain", "sft-zero2", "sft-zero1", "dpo-plain")
@@ -326,12 +327,16 @@ KILLED = [n for n in SCENARIOS if RESUME_BY_HAND or n not in KILLED_BY_HAND]
 # Scenarios whose CI run resumes from the uninterrupted run's own window-boundary checkpoint
 # (``iter_4.pth``, the one the killed run would resume from: the same deterministic run up to
 # there, written before the kill) instead of killing a third run: the kill itself is proven
-# on 2 processes under ZeRO-2 by dpo-zero2 and on one process by sft-lora-dropout, and what
-# these scenarios add, the random state of LoRA dropout restored under ZeRO-2 and ZeRO-3, is
-# proven by the resume alone. One 2-process run less each (about 60 s of CI each). By hand
-# (``XTUNER_ROPE_RESUME_BY_HAND=1``) they are killed too.
+# on 2 processes under ZeRO-2 by dpo-zero2 and on one process (killed mid-window, resumed from
+# the aligned checkpoint) by test_stock_config_killed_and_resumed, and what these scenarios
+# add, the random state of LoRA dropout restored on one process and under ZeRO-2 and ZeRO-3,
+# is proven by the resume alone. One run less each (about 60 s of CI for each 2-process one,
+# about 15 s for sft-lora-dropout). By hand (``XTUNER_ROPE_RESUME_BY_HAND=1``) they are killed
+# too.
 RESUMED_FROM_STRAIGHT = (
-    () if RESUME_BY_HAND else ("sft-lora-dropout-zero2", "sft-lora-dropout-zero3")
+    ()
+    if RESUME_BY_HAND
+    else ("sft-lora-dropout", "sft-lora-dropout-zero2", "sft-lora-dropout-zero3")
 )
 KEEP_EVERY_CHECKPOINT = ("default_hooks.checkpoint.max_keep_ckpts=-1",)
 _STRAIGHT: dict[str, dict] = {}  # scenario -> uninterrupted parameters, shared by the tests
