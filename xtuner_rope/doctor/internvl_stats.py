@@ -23,7 +23,6 @@ against packed by ``internvl_collate_fn``, on the same batches in dataset order.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Mapping
@@ -31,7 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from xtuner_rope.batch.internvl_tiles import image_tiles
-from xtuner_rope.data.cut_counts import kept_counts
+from xtuner_rope.data.cut_counts import kept_counts, length_quantile
 from xtuner_rope.data.truncation import FIRST_INDICES, IGNORE_INDEX
 from xtuner_rope.ops.packing import plan_packs
 
@@ -144,7 +143,7 @@ def internvl_truncation(items: list[tuple[int, list, list]], max_length: int) ->
         "tokens": kept_counts(sum(lengths), sum(min(k, max_length) for k in lengths)),
         "labels": kept_counts(sum(labels), sum(kept)),
         "keep_all": ordered[-1] if n else None,
-        "keep_99": ordered[int(math.ceil(0.99 * n)) - 1] if n else None,
+        "keep_99": length_quantile(ordered, 0.99),
         "first_truncated": cut[:FIRST_INDICES],
     }
 

@@ -216,11 +216,15 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, int
             return rotated
     if interleaved:  # pairs (2i, 2i + 1) gathered into halves, rotated, put back
         rot = cos.shape[-1]
-        q, k = apply_rotary_pos_emb(
-            _halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot),
-            unsqueeze_dim=unsqueeze_dim,
-        )  # fmt: skip
+        q, k = _rotate_eager(
+            _halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot), unsqueeze_dim
+        )
         return _pairs(q, rot), _pairs(k, rot)
+    return _rotate_eager(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rotate_eager(q, k, cos, sin, unsqueeze_dim):
+    """The eager (or fused) kernel on checked inputs, fp32 cos/sin `[b, s, rot]`."""
     cos = cos.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
     sin = sin.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
     rot = cos.shape[-1]
