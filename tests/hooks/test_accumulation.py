@@ -15,12 +15,12 @@ from mmengine.config import Config
 from mmengine.logging import MessageHub
 from mmengine.optim import OptimWrapper
 
+from xtuner_rope.config.accumulation import checkpoint_interval_findings
 from xtuner_rope.hooks.accumulation import (
     WINDOW_KEY,
     MidWindowResumeError,
     accumulation_state,
     check_resume,
-    checkpoint_interval_findings,
 )
 
 _HUBS = itertools.count()

@@ -28,11 +28,11 @@ import pytest
 import torch
 from stock_configs import venv_env
 
+from xtuner_rope.config.loss import loss_normalization
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.hooks.loss_norm import (
     IGNORE_INDEX,
     TokenWeightedLossHook,
-    loss_normalization,
     supervised_tokens,
 )
 

@@ -14,9 +14,8 @@
   package: its findings, ``files`` (a missing or empty held-out file), ``models`` (which
   metric serves which model, held-out pairs) and ``shortcut`` (``heldout = dict(...)``)), ``preference`` (DPO, ORPO, reward),
   ``patch_needs`` (a feature whose third-party patch ``compat`` skipped here),
-  ``optimizer_state`` (``save_optimizer`` turned on);
-  the loss-normalization and checkpoint-interval findings live with their hooks
-  (``xtuner_rope.hooks.loss_norm``, ``xtuner_rope.hooks.accumulation``);
+  ``optimizer_state`` (``save_optimizer`` turned on), ``loss`` (``loss_normalization``),
+  ``accumulation`` (checkpoint intervals at accumulation-window boundaries);
 - ``overrides``: the re-check of ``--cfg-options`` applied after the start-up.
 
 Importing the package registers its findings modules: ``inspect_config`` never runs without

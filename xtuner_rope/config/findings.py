@@ -58,12 +58,12 @@ SLOTS = (
     "varlen",  # config.packing: the stock use_varlen_attn switch
     "framework",  # config.frameworks: XTuner's Hugging Face Trainer configs
     "packing",  # config.packing: boundaries recorded and kept, nothing dropped
-    "loss",  # hooks.loss_norm: loss_normalization
+    "loss",  # config.loss: loss_normalization
     "multimodal",  # config.multimodal: LLaVA's LLM
     "internvl",  # config.internvl: InternVL_V1_5 (LLM attention, fp32 on CPU, 4-bit, collate)
     "llava_tower",  # config.llava_tower: image_tokens and crop size against the vision tower
     "launch",  # config.launch: DeepSpeed, launcher, devices
-    "checkpoint_saving",  # hooks.accumulation, config.optimizer_state: what and when CheckpointHook saves
+    "checkpoint_saving",  # config.accumulation, config.optimizer_state: what and when CheckpointHook saves
     "sequence_parallel",  # config.sequence_parallel: heads not divisible on CPU
     "rope_scaling",  # config.rope_scaling: a rope_scaling no model can compute
     "hooks",  # config.runtime: the plugin's hooks in custom_hooks

@@ -12,8 +12,8 @@ slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks c
 :func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
 findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
 ``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
-(and ``config.moss``), ``config.frameworks``, ``hooks.loss_norm``, ``config.multimodal``,
-``config.internvl``, ``config.llava_tower``, ``config.launch``, ``hooks.accumulation`` and
+(and ``config.moss``), ``config.frameworks``, ``config.loss``, ``config.multimodal``,
+``config.internvl``, ``config.llava_tower``, ``config.launch``, ``config.accumulation`` and
 ``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
 ``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
 ``sequence_parallel_size``), ``config.heldout.findings`` (and ``config.heldout.shortcut``),

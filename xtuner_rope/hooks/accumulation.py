@@ -9,7 +9,7 @@ tiny-recipe run resumed from a mid-window checkpoint ended 9.4e-3 away from the 
 
 Design: the checkpoints land only where no gradient is pending, so there is nothing to save.
 
-- start-up (:func:`checkpoint_interval_findings`, a fix, logged): the iteration-based
+- start-up (:func:`xtuner_rope.config.accumulation.checkpoint_interval_findings`, a fix, logged): the iteration-based
   ``CheckpointHook`` interval (and ``save_begin``) is raised to the next multiple of
   ``accumulative_counts`` (XTuner's stock ``save_steps = 500`` with ``accumulative_counts = 16``
   becomes 512). A run killed at any iteration is resumed from its newest checkpoint, at a window
@@ -27,12 +27,7 @@ Design: the checkpoints land only where no gradient is pending, so there is noth
 
 from __future__ import annotations
 
-import math
-
 from mmengine.logging import print_log
-
-from xtuner_rope.compat import config_dict
-from xtuner_rope.config.startup import Finding, register_findings, type_name
 
 WINDOW_KEY = "xtuner_rope.accumulation_window"  # message-hub key: {"counts": K, "open": bool}
 RESUME_ANYWAY_KEY = "resume_mid_window"  # top-level config key: resume a mid-window checkpoint
@@ -40,63 +35,6 @@ RESUME_ANYWAY_KEY = "resume_mid_window"  # top-level config key: resume a mid-wi
 
 class MidWindowResumeError(RuntimeError):
     """A resume from a checkpoint written inside an open accumulation window."""
-
-
-def _accumulative_counts(cfg_dict: dict) -> int:
-    """``optim_wrapper.accumulative_counts``, or a DeepSpeed strategy's own accumulation."""
-    for part, key in (
-        ("optim_wrapper", "accumulative_counts"),
-        ("strategy", "gradient_accumulation_steps"),
-    ):
-        node = dict.get(cfg_dict, part)
-        counts = node.get(key) if isinstance(node, dict) else None
-        if isinstance(counts, int) and not isinstance(counts, bool) and counts > 1:
-            return counts
-    return 1
-
-
-@register_findings("checkpoint_saving")
-def checkpoint_interval_findings(cfg) -> list[Finding]:
-    """Start-up fix: iteration checkpoints at multiples of ``accumulative_counts``.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
-    Returns:
-        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is
-        not a multiple of ``optim_wrapper.accumulative_counts``; none for epoch checkpoints.
-    """
-    counts = _accumulative_counts(config_dict(cfg))
-    hooks = dict.get(config_dict(cfg), "default_hooks")
-    hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None
-    if counts <= 1 or not isinstance(hook, dict):
-        return []
-    if not type_name(hook.get("type", "CheckpointHook")).endswith("CheckpointHook"):
-        return []
-    if hook.get("by_epoch", True):  # MMEngine's default: epoch checkpoints (len unknown here)
-        return []
-    findings = []
-    for key, default in (("interval", -1), ("save_begin", 0)):
-        value = hook.get(key, default)
-        if not isinstance(value, int) or value <= 0 or value % counts == 0:
-            continue
-        aligned = math.ceil(value / counts) * counts
-
-        def align(key=key, aligned=aligned) -> None:
-            hook[key] = aligned
-
-        findings.append(
-            Finding(
-                f"default_hooks.checkpoint.{key}",
-                f"{value} iterations is not a multiple of accumulative_counts={counts}: its "
-                "checkpoints would land inside an accumulation window, whose gradients no "
-                "checkpoint holds (a resume from one would lose them)",
-                f"set to {aligned} (the next multiple of {counts}): every checkpoint at a window "
-                "boundary, so a resume equals the uninterrupted run",
-                align,
-            )
-        )
-    return findings
 
 
 def accumulation_state(optim_wrapper) -> tuple[int, bool]:
@@ -178,6 +116,5 @@ __all__ = [
     "MidWindowResumeError",
     "accumulation_state",
     "check_resume",
-    "checkpoint_interval_findings",
     "record_window",
 ]

@@ -54,15 +54,16 @@ from mmengine.logging import print_log
 from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
-from xtuner_rope.compat import config_dict
-from xtuner_rope.config.startup import Finding, register_findings
+from xtuner_rope.config.loss import (
+    DIALOGUE,
+    LOSS_NORMALIZATION_KEY,
+    MICRO_BATCH,
+    TOKEN,
+    loss_normalization,
+)
 from xtuner_rope.hooks.accumulation import check_resume, record_window
 from xtuner_rope.models.dispatch import unwrap_model
 
-# The one setting (top level of the config) and its values.
-LOSS_NORMALIZATION_KEY = "loss_normalization"
-TOKEN, MICRO_BATCH, DIALOGUE = "token", "micro_batch", "dialogue"
-LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH, DIALOGUE)
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 # LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
@@ -141,41 +142,6 @@ def preference_pairs(data: dict) -> int:
             f"TokenWeightedLossHook ran? Set {OPT_OUT} to train without it."
         )
     return pairs
-
-
-def loss_normalization(cfg: object) -> str:
-    """The config's ``loss_normalization`` (default ``"token"``), checked.
-
-    Raises:
-        ValueError: an unknown value; the message lists the accepted ones.
-    """
-    # MMEngine's Config is no Mapping, but has ``get``; a runner built in code has a dict.
-    mode = cfg.get(LOSS_NORMALIZATION_KEY, TOKEN) if hasattr(cfg, "get") else TOKEN
-    if mode not in LOSS_NORMALIZATIONS:
-        raise ValueError(
-            f"{LOSS_NORMALIZATION_KEY}: expected one of {LOSS_NORMALIZATIONS}, got "
-            f"{mode!r}. Set it at the top level of the config, or delete it for "
-            f'the default "{TOKEN}".'
-        )
-    return mode
-
-
-@register_findings("loss")
-def loss_normalization_findings(cfg) -> list:
-    """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
-    conflict, refused before anything is built."""
-    mode = config_dict(cfg).get(LOSS_NORMALIZATION_KEY, TOKEN)
-    if mode in LOSS_NORMALIZATIONS:
-        return []
-    return [
-        Finding(
-            LOSS_NORMALIZATION_KEY,
-            f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
-            f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
-            f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
-            f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)',
-        )
-    ]
 
 
 class TokenWeightedLossHook(Hook):
@@ -431,12 +397,8 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = [
-    "LOSS_NORMALIZATIONS",
-    "LOSS_NORMALIZATION_KEY",
     "TokenWeightedLossHook",
     "dialogue_weights",
-    "loss_normalization",
-    "loss_normalization_findings",
     "preference_pairs",
     "supervised_tokens",
 ]

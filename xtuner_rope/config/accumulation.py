@@ -1,0 +1,76 @@
+"""Start-up fix: iteration checkpoints at accumulation-window boundaries.
+
+A checkpoint written inside an accumulation window holds the weights of the last step but not
+the gradients accumulated since, so a resume from it differs from the uninterrupted run
+(:mod:`xtuner_rope.hooks.accumulation` records the windows and refuses such a resume). The
+start-up raises the iteration-based ``CheckpointHook`` interval (and ``save_begin``) to the next
+multiple of ``accumulative_counts`` (XTuner's stock ``save_steps = 500`` with
+``accumulative_counts = 16`` becomes 512), so every checkpoint lands where no gradient is pending.
+"""
+
+from __future__ import annotations
+
+import math
+
+from xtuner_rope.compat import config_dict
+
+from .startup import Finding, register_findings, type_name
+
+__all__ = ["accumulative_counts", "checkpoint_interval_findings"]
+
+
+def accumulative_counts(cfg_dict: dict) -> int:
+    """``optim_wrapper.accumulative_counts``, or a DeepSpeed strategy's own accumulation."""
+    for part, key in (
+        ("optim_wrapper", "accumulative_counts"),
+        ("strategy", "gradient_accumulation_steps"),
+    ):
+        node = dict.get(cfg_dict, part)
+        counts = node.get(key) if isinstance(node, dict) else None
+        if isinstance(counts, int) and not isinstance(counts, bool) and counts > 1:
+            return counts
+    return 1
+
+
+@register_findings("checkpoint_saving")
+def checkpoint_interval_findings(cfg) -> list[Finding]:
+    """Start-up fix: iteration checkpoints at multiples of ``accumulative_counts``.
+
+    Args:
+        cfg: The config (lazy objects unbuilt).
+
+    Returns:
+        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is
+        not a multiple of ``optim_wrapper.accumulative_counts``; none for epoch checkpoints.
+    """
+    counts = accumulative_counts(config_dict(cfg))
+    hooks = dict.get(config_dict(cfg), "default_hooks")
+    hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None
+    if counts <= 1 or not isinstance(hook, dict):
+        return []
+    if not type_name(hook.get("type", "CheckpointHook")).endswith("CheckpointHook"):
+        return []
+    if hook.get("by_epoch", True):  # MMEngine's default: epoch checkpoints (len unknown here)
+        return []
+    findings = []
+    for key, default in (("interval", -1), ("save_begin", 0)):
+        value = hook.get(key, default)
+        if not isinstance(value, int) or value <= 0 or value % counts == 0:
+            continue
+        aligned = math.ceil(value / counts) * counts
+
+        def align(key=key, aligned=aligned) -> None:
+            hook[key] = aligned
+
+        findings.append(
+            Finding(
+                f"default_hooks.checkpoint.{key}",
+                f"{value} iterations is not a multiple of accumulative_counts={counts}: its "
+                "checkpoints would land inside an accumulation window, whose gradients no "
+                "checkpoint holds (a resume from one would lose them)",
+                f"set to {aligned} (the next multiple of {counts}): every checkpoint at a window "
+                "boundary, so a resume equals the uninterrupted run",
+                align,
+            )
+        )
+    return findings

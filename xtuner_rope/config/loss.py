@@ -1,0 +1,64 @@
+"""Start-up finding and reader of ``loss_normalization`` (the token-weighted step's setting).
+
+``loss_normalization`` at the top level of a config chooses how
+:class:`xtuner_rope.hooks.loss_norm.TokenWeightedLossHook` weighs the step: ``"token"`` (the
+default: every supervised token of a step weighs the same), ``"dialogue"`` (every dialogue) or
+``"micro_batch"`` (XTuner's per-micro-batch mean, the opt-out). An unknown value is refused at
+start-up, before anything is built.
+"""
+
+from __future__ import annotations
+
+from xtuner_rope.compat import config_dict
+
+from .startup import Finding, register_findings
+
+__all__ = [
+    "DIALOGUE",
+    "LOSS_NORMALIZATIONS",
+    "LOSS_NORMALIZATION_KEY",
+    "MICRO_BATCH",
+    "TOKEN",
+    "loss_normalization",
+    "loss_normalization_findings",
+]
+
+# The one setting (top level of the config) and its values.
+LOSS_NORMALIZATION_KEY = "loss_normalization"
+TOKEN, MICRO_BATCH, DIALOGUE = "token", "micro_batch", "dialogue"
+LOSS_NORMALIZATIONS = (TOKEN, MICRO_BATCH, DIALOGUE)
+
+
+def loss_normalization(cfg: object) -> str:
+    """The config's ``loss_normalization`` (default ``"token"``), checked.
+
+    Raises:
+        ValueError: an unknown value; the message lists the accepted ones.
+    """
+    # MMEngine's Config is no Mapping, but has ``get``; a runner built in code has a dict.
+    mode = cfg.get(LOSS_NORMALIZATION_KEY, TOKEN) if hasattr(cfg, "get") else TOKEN
+    if mode not in LOSS_NORMALIZATIONS:
+        raise ValueError(
+            f"{LOSS_NORMALIZATION_KEY}: expected one of {LOSS_NORMALIZATIONS}, got "
+            f"{mode!r}. Set it at the top level of the config, or delete it for "
+            f'the default "{TOKEN}".'
+        )
+    return mode
+
+
+@register_findings("loss")
+def loss_normalization_findings(cfg) -> list:
+    """Start-up check (``startup.inspect_config``): an unknown ``loss_normalization`` is a
+    conflict, refused before anything is built."""
+    mode = config_dict(cfg).get(LOSS_NORMALIZATION_KEY, TOKEN)
+    if mode in LOSS_NORMALIZATIONS:
+        return []
+    return [
+        Finding(
+            LOSS_NORMALIZATION_KEY,
+            f"expected one of {LOSS_NORMALIZATIONS}, got {mode!r}",
+            f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
+            f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
+            f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)',
+        )
+    ]
