@@ -8,16 +8,13 @@ import pytest
 from datasets import Dataset
 from sample_kinds import SAMPLE_KINDS
 
+from xtuner_rope.data.dialogue_keys import segment_keys
 from xtuner_rope.data.packed_dataset import pack_dataset
 from xtuner_rope.doctor.packing import packing_figures
 from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.scan_columns import is_scannable, scan_columns
 from xtuner_rope.doctor.stats import scan_samples
-from xtuner_rope.doctor.token_columns import (
-    TOKENS_PER_BLOCK,
-    segment_keys,
-    whole_matches,
-)
+from xtuner_rope.doctor.token_columns import TOKENS_PER_BLOCK, whole_matches
 
 ROWS = SAMPLE_KINDS  # every kind of sample scan_samples tells apart
 BOUNDS = {  # per row: XTuner's packed boundaries, odd ones included (repeats, past the end)

@@ -101,7 +101,7 @@ def packing_figures(
     Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut),
     else by finding each dialogue whole among the packed documents (whole-dialogue packing; a
     document and a dialogue match when their token ids do: compared by a 128-bit hash of the
-    ids and the length, ``token_columns.segment_keys``). Every count is made block by block
+    ids and the length, ``data.dialogue_keys.segment_keys``). Every count is made block by block
     (``token_columns``): the doctor never holds the tokens of the corpus.
 
     Args:

@@ -11,13 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from xtuner_rope.data.collate import IGNORE_INDEX
+from xtuner_rope.data.dialogue_keys import segment_keys
 from xtuner_rope.doctor.progress import Progress
-from xtuner_rope.doctor.token_columns import (
-    list_column,
-    row_lengths,
-    segment_keys,
-    token_blocks,
-)
+from xtuner_rope.doctor.token_columns import list_column, row_lengths, token_blocks
 
 
 def segment_starts(packed, row_lengths: np.ndarray) -> np.ndarray | None:

@@ -19,9 +19,6 @@ import pyarrow.compute as pc
 from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, table_and_order
 
 TOKENS_PER_BLOCK = 1 << 21  # tokens per block read (16 MiB a column of int64)
-# Two odd 64-bit multipliers (golden ratio, and splitmix64's): each document's tokens hash to a
-# 128-bit key with its length; a false match among a million documents has odds ~2**-88.
-_HASH_BASES = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9))
 
 
 def is_token_table(dataset: object, columns: tuple[str, ...] = ("input_ids", "labels")) -> bool:
@@ -103,42 +100,12 @@ def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
 
 
-def _mixed(tokens: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of each token id (so that nearby ids hash far apart)."""
-    z = tokens.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def segment_keys(tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``[k, 3]`` a key per segment of ``tokens``: two 64-bit hashes and the length.
-
-    Args:
-        tokens: ``[t]`` token ids.
-        starts: ``[k]`` increasing segment starts, the first 0; a segment runs to the next.
-    """
-    sizes = np.diff(np.append(starts, len(tokens))).astype(np.int64)
-    keys = np.zeros((len(starts), 3), dtype=np.uint64)
-    keys[:, 2] = sizes.astype(np.uint64)
-    if not len(tokens):
-        return keys
-    position = np.arange(len(tokens), dtype=np.int64) - np.repeat(starts, sizes)
-    mixed = _mixed(tokens)
-    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 on purpose
-        for j, base in enumerate(_HASH_BASES):
-            powers = np.cumprod(np.full(int(sizes.max()), base, dtype=np.uint64))
-            nonempty = sizes > 0
-            keys[nonempty, j] = np.add.reduceat(mixed * powers[position], starts[nonempty])
-    return keys
-
-
 def whole_matches(dialogue_keys: np.ndarray, segment_keys_: np.ndarray) -> np.ndarray:
     """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, the
     segments matched in order (the first of equal segments first).
 
     Args:
-        dialogue_keys: ``[n, 3]`` :func:`segment_keys` of the dialogues.
+        dialogue_keys: ``[n, 3]`` :func:`xtuner_rope.data.dialogue_keys.segment_keys` of the dialogues.
         segment_keys_: ``[k, 3]`` those of the packed documents, in stream order.
     """
     both = np.ascontiguousarray(np.concatenate([dialogue_keys, segment_keys_]))

@@ -17,13 +17,13 @@ run starts), from the built datasets:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from xtuner_rope.config.fields import type_name
 from xtuner_rope.config.heldout.shortcut import IMAGE_DATASETS
+from xtuner_rope.data.dialogue_keys import key_bytes, sequences_key_bytes
 
 IGNORE_INDEX = -100
 COLUMNS = ("input_ids", "labels", "cumulative_len", "position_ids")
@@ -80,14 +80,10 @@ def document_bounds(row: Mapping) -> list[int]:
     return [0, n]
 
 
-def _key(ids: np.ndarray) -> bytes:
-    """A dialogue's identity: a digest of its ``[n]`` int64 token ids (sets of them stay small)."""
-    return hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
-
-
 def dialogue_keys(dialogues: Iterable[Sequence[int]]) -> set[bytes]:
-    """Identities of dialogues given as token-id sequences (``dataset['input_ids']``)."""
-    return {_key(_ints(ids)) for ids in dialogues}
+    """Identities of dialogues given as token-id sequences (``dataset['input_ids']``): the
+    project's one dialogue hash, :func:`xtuner_rope.data.dialogue_keys.segment_keys`."""
+    return set(sequences_key_bytes(dialogues))
 
 
 def document_keys(dataset: object) -> set[bytes] | None:
@@ -105,7 +101,7 @@ def document_keys(dataset: object) -> set[bytes] | None:
     keys = set()
     for row in rows_of(dataset):
         ids, bounds = _ints(row["input_ids"]), document_bounds(row)
-        keys |= {_key(ids[a:e]) for a, e in zip(bounds, bounds[1:])}
+        keys |= set(key_bytes(ids[: bounds[-1]], np.asarray(bounds[:-1], dtype=np.int64)))
     return keys
 
 
@@ -155,10 +151,11 @@ def heldout_figures(
         ids, labels = _ints(row["input_ids"]), _ints(row["labels"])
         bounds = document_bounds(row)
         items, tokens = items + 1, tokens + len(ids)
-        for a, e in zip(bounds, bounds[1:]):
+        keys = key_bytes(ids[: bounds[-1]], np.asarray(bounds[:-1], dtype=np.int64))
+        for (a, e), key in zip(zip(bounds, bounds[1:]), keys):
             dialogues += 1
             supervised += int((labels[a + 1 : e] != IGNORE_INDEX).sum())
-            overlap += training is not None and _key(ids[a:e]) in training
+            overlap += training is not None and key in training
     rows = items if rows is None else rows
     return {
         "dialogues": dialogues,
