@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from xtuner_rope.data.dialogue_keys import key_bytes, segment_keys, sequences_key_bytes
-from xtuner_rope.evaluation.figures import dialogue_keys, document_keys
+from xtuner_rope.evaluation.heldout_counts import dialogue_keys, document_keys
 
 PACKAGE = Path(__file__).resolve().parents[2] / "xtuner_rope"
 

@@ -5,7 +5,7 @@ set through MMEngine's entries (a separate file holding 6 new dialogues and 3 tr
 and through the ``heldout = dict(fraction=...)`` shortcut. Every figure is checked against
 a count made here from XTuner's own unpacked dataset and the data files; the unit tests of the
 figures themselves (packed rows, online packing, the hook's log line) are in
-tests/evaluation/test_figures.py.
+tests/evaluation/test_heldout_counts.py.
 """
 
 import json

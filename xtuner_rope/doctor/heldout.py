@@ -2,7 +2,7 @@
 
 After the start-up (MMEngine's entries as written, or derived from ``heldout = dict(...)``),
 the held-out dataset is built with XTuner's builders and described by
-:func:`xtuner_rope.evaluation.figures.heldout_figures`: dialogues, supervised tokens, rows
+:func:`xtuner_rope.evaluation.heldout_counts.heldout_counts`: dialogues, supervised tokens, rows
 after packing and their fill, and the dialogues the training data holds too (by token ids),
 the same figures ``HeldOutCurvesHook`` logs when the run starts.
 """
@@ -14,10 +14,10 @@ from mmengine.config import Config
 from xtuner_rope.config.fields import type_name
 from xtuner_rope.config.heldout import heldout_metrics
 from xtuner_rope.config.heldout.models import TOKEN_METRIC
-from xtuner_rope.evaluation.figures import (
+from xtuner_rope.evaluation.heldout_counts import (
     collated_rows,
     document_keys,
-    heldout_figures,
+    heldout_counts,
     heldout_line,
     overlap_warning,
     row_capacity,
@@ -37,7 +37,7 @@ def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict
         collate_builder: ``diagnose.build_collate_fn`` (the loader's bound collate function).
 
     Returns:
-        ``heldout_figures``' dict, or ``{'refused': True}`` when the start-up refuses.
+        ``heldout_counts``' dict, or ``{'refused': True}`` when the start-up refuses.
     """
     from xtuner.registry import BUILDER
 
@@ -53,7 +53,7 @@ def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict
     if capacity:
         collate = collate_builder(loader)[0]
         rows = collated_rows(heldout, collate, int(loader.get("batch_size", 1)))
-    return heldout_figures(heldout, document_keys(dataset), capacity, rows)
+    return heldout_counts(heldout, document_keys(dataset), capacity, rows)
 
 
 def heldout_lines(figures: dict | None) -> list[str]:

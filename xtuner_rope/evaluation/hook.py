@@ -5,7 +5,7 @@ a ``PreferenceMetric`` to the built model (its kind and loss settings) and refus
 only knowable
 once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
 beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
-still evaluates after the last iteration), logs the held-out set's figures (``figures``: its
+still evaluates after the last iteration), logs the held-out set's counts (``heldout_counts``: its
 size after packing and the dialogues the training data holds too), points the metric at the work
 dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
 of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
@@ -23,10 +23,10 @@ from mmengine.logging import print_log
 
 from xtuner_rope.models.dispatch import unwrap_model
 
-from .figures import (
+from .heldout_counts import (
     collated_rows,
     document_keys,
-    heldout_figures,
+    heldout_counts,
     heldout_line,
     overlap_warning,
     row_capacity,
@@ -86,26 +86,26 @@ def check_heldout_run(runner) -> None:
         )
 
 
-def log_heldout_figures(runner) -> dict:
+def log_heldout_counts(runner) -> dict:
     """Log the held-out set's size and its overlap with the training data (main process).
 
     Returns:
-        The figures (``figures.heldout_figures``).
+        The counts (``heldout_counts.heldout_counts``).
     """
     val = (getattr(runner, "cfg", None) or {}).get("val_dataloader") or {}
     loader = runner.val_loop.dataloader
     capacity = row_capacity(val.get("dataset"), val.get("collate_fn"))
-    figures = heldout_figures(
+    counts = heldout_counts(
         loader.dataset,
         document_keys(runner.train_dataloader.dataset),
         capacity,
         collated_rows(loader.dataset, loader.collate_fn, loader.batch_size) if capacity else None,
     )
-    print_log(f"HeldOutCurvesHook: held-out set {heldout_line(figures)}.", logger="current")
-    warning = overlap_warning(figures)
+    print_log(f"HeldOutCurvesHook: held-out set {heldout_line(counts)}.", logger="current")
+    warning = overlap_warning(counts)
     if warning:
         print_log(f"HeldOutCurvesHook: {warning}.", logger="current", level=logging.WARNING)
-    return figures
+    return counts
 
 
 class HeldOutCurvesHook(Hook):
@@ -134,7 +134,7 @@ class HeldOutCurvesHook(Hook):
                 metric.output_dir = runner.work_dir
         check_heldout_run(runner)
         if is_main_process() and any(isinstance(m, TokenLossMetric) for m in metrics):
-            log_heldout_figures(runner)  # dialogues: TokenLossMetric's held-out sets
+            log_heldout_counts(runner)  # dialogues: TokenLossMetric's held-out sets
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else None
@@ -187,6 +187,6 @@ __all__ = [
     "check_heldout_run",
     "draw_curves",
     "heldout_metrics",
-    "log_heldout_figures",
+    "log_heldout_counts",
     "supervised_labels",
 ]

@@ -1,4 +1,4 @@
-"""The held-out set's figures: its size after packing and its overlap with the training data.
+"""The held-out set's counts: its size after packing and its overlap with the training data.
 
 Read by ``xtuner-rope doctor`` (before training) and by ``HeldOutCurvesHook`` (logged when the
 run starts), from the built datasets:
@@ -127,7 +127,7 @@ def collated_rows(dataset: object, collate: object, batch_size: int) -> int:
     return rows
 
 
-def heldout_figures(
+def heldout_counts(
     heldout: object, training: set[bytes] | None, max_length: int | None, rows: int | None = None
 ) -> dict:
     """Size of the held-out set and its overlap with the training dialogues.
@@ -168,34 +168,34 @@ def heldout_figures(
     }
 
 
-def heldout_line(figures: dict) -> str:
-    """One line of the figures, as the doctor prints and the run logs them."""
+def heldout_line(counts: dict) -> str:
+    """One line of the counts, as the doctor prints and the run logs them."""
     packed = (
-        f" packed to max_length={figures['max_length']} (fill {figures['fill']:.1%})"
-        if figures["fill"] is not None
+        f" packed to max_length={counts['max_length']} (fill {counts['fill']:.1%})"
+        if counts["fill"] is not None
         else ""
     )
     overlap = (
-        f"in the training data too: {figures['in_training']} dialogues (same token ids)"
-        if figures["in_training"] is not None
+        f"in the training data too: {counts['in_training']} dialogues (same token ids)"
+        if counts["in_training"] is not None
         else "overlap with the training data not counted (its image dataset keeps no "
         "tokenized text: counting would build every training sample, images included)"
     )
     return (
-        f"{figures['dialogues']} dialogues, {figures['supervised_tokens']} supervised tokens, "
-        f"{figures['rows']} rows{packed}; {overlap}"
+        f"{counts['dialogues']} dialogues, {counts['supervised_tokens']} supervised tokens, "
+        f"{counts['rows']} rows{packed}; {overlap}"
     )
 
 
-def overlap_warning(figures: dict) -> str | None:
+def overlap_warning(counts: dict) -> str | None:
     """The warning for held-out dialogues the training data holds too, or None when none is.
 
     One text for the doctor's warnings and the run's start-up log.
     """
-    if not figures.get("in_training"):
+    if not counts.get("in_training"):
         return None
     return (
-        f"{figures['in_training']} of {figures['dialogues']} held-out dialogues are in the "
+        f"{counts['in_training']} of {counts['dialogues']} held-out dialogues are in the "
         "training data too (same token ids): the held-out loss is partly a training loss; "
         "remove them from one of the files"
     )
@@ -206,7 +206,7 @@ __all__ = [
     "dialogue_keys",
     "document_bounds",
     "document_keys",
-    "heldout_figures",
+    "heldout_counts",
     "heldout_line",
     "overlap_warning",
     "row_capacity",

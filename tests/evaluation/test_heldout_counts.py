@@ -7,16 +7,16 @@ from datasets import Dataset
 from mmengine.logging import MMLogger
 
 from xtuner_rope.data.collate import rope_collate_fn
-from xtuner_rope.evaluation.figures import (
+from xtuner_rope.evaluation.heldout_counts import (
     collated_rows,
     dialogue_keys,
     document_bounds,
     document_keys,
-    heldout_figures,
+    heldout_counts,
     heldout_line,
     row_capacity,
 )
-from xtuner_rope.evaluation.hook import log_heldout_figures
+from xtuner_rope.evaluation.hook import log_heldout_counts
 
 A, B, C = [1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]
 LA, LB, LC = [-100, -100, 3, 4], [-100, 6, 7], [-100, -100, -100, 11, 12]
@@ -43,7 +43,7 @@ def test_documents_of_a_packed_row(column):
 
 def test_figures_of_packed_rows_against_a_plain_count():
     training = dialogue_keys([B, [99, 98]])  # B is in training too
-    figures = heldout_figures(_packed(), training, max_length=8)
+    figures = heldout_counts(_packed(), training, max_length=8)
     # each document's labels after its first that are not -100 (what TokenLossMetric scores)
     supervised = sum(sum(x != -100 for x in labels[1:]) for labels in (LA, LB, LC))
     assert figures == {
@@ -63,7 +63,7 @@ def test_online_packing_rows_come_from_the_collate_function():
     collate = lambda items: rope_collate_fn(items, pack=True, max_length=8)  # noqa: E731
     rows = collated_rows(plain, collate, batch_size=3)
     assert rows == 2  # A + B fit one row of 8, C the next
-    figures = heldout_figures(plain, set(), max_length=8, rows=rows)
+    figures = heldout_counts(plain, set(), max_length=8, rows=rows)
     assert figures["rows"] == 2 and figures["dialogues"] == 3 and figures["fill"] == 12 / 16
 
 
@@ -84,7 +84,7 @@ def test_the_run_logs_the_figures_at_start(capsys):
         train_dataloader=SimpleNamespace(dataset=Dataset.from_dict({"input_ids": [C, [7, 7]]})),
     )
     MMLogger.get_instance("test_figures")  # a fresh logger: its handler writes to this stdout
-    figures = log_heldout_figures(runner)
+    figures = log_heldout_counts(runner)
     assert figures["in_training"] == 1 and figures["rows"] == 2
     out = capsys.readouterr().out
     assert "held-out set 3 dialogues, 6 supervised tokens, 2 rows packed to max_length=8" in out
@@ -94,7 +94,7 @@ def test_the_run_logs_the_figures_at_start(capsys):
 def test_overlap_not_counted_when_the_training_set_is_not_counted():
     """``training=None`` (an image dataset without tokenized text): the held-out figures are
     counted, the overlap is reported as not counted, never as 0."""
-    figures = heldout_figures(_packed(), None, max_length=8)
+    figures = heldout_counts(_packed(), None, max_length=8)
     assert figures["in_training"] is None and figures["dialogues"] == 3
     assert "overlap with the training data not counted" in heldout_line(figures)
     assert "in the training data too" not in heldout_line(figures)
