@@ -137,7 +137,9 @@ def test_zero3_gather_patch_applies_where_deepspeed_waits_for_the_last_gather_on
             handle.wait()
 
     assert not deepspeed_cpu._waits_only_for_last_gather(fixed)
-    assert not compat.patch_deepspeed_zero3_cpu_gather()  # applied once, never twice
+    patched = zero3.Init._allgather_params_coalesced
+    assert compat.run_patch(compat.patch_deepspeed_zero3_cpu_gather)  # the guard: applied once
+    assert zero3.Init._allgather_params_coalesced is patched  # never wrapped twice
 
 
 def test_every_public_name_of_the_patch_modules_is_importable_from_compat():

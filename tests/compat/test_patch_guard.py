@@ -184,3 +184,22 @@ def test_convert_of_a_deepspeed_folder_is_refused_when_the_fp32_read_is_skipped(
     err = capsys.readouterr().err
     assert status == 2 and f"refused: {folder} is a DeepSpeed checkpoint" in err
     assert "DEFAULT_DTYPE is missing" in err and "as fp16" in err
+
+
+def test_the_guard_runs_a_patch_once_per_process(fresh):
+    """ "Already applied" is the guard's: the patch functions keep no marker of their own."""
+    calls = []
+    record = guard.PatchRecord("patch_counted", {"torch": ">=2.4"}, ("torch",), "f", "s")
+    assert guard.run_guarded(record, lambda: calls.append(1) or True) is True
+    assert guard.run_guarded(record, lambda: calls.append(1) or True) is True
+    assert calls == [1] and compat.applied() == ["patch_counted"]
+
+
+def test_at_least_reads_the_installed_release():
+    import torch
+    from packaging.version import Version
+
+    release = ".".join(map(str, Version(torch.__version__).release))
+    assert guard.at_least("torch", release) and guard.at_least("torch", "2.4")
+    assert not guard.at_least("torch", "999.0")
+    assert not guard.at_least("no-such-dist-xtr", "0")  # not installed: never "at least"

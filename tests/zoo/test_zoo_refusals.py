@@ -63,9 +63,10 @@ def test_the_warmup_check_runs_in_mmengines_runner():
     """The check sits right before MMEngine builds the schedulers (compat, version-guarded)."""
     from mmengine.runner import Runner
 
-    import xtuner_rope  # noqa: F401 - applies compat
+    from xtuner_rope import compat
 
-    assert getattr(Runner._build_param_scheduler, "_xtuner_rope_warmup", False)
+    assert "patch_mmengine_warmup_rounding" in compat.apply()
+    assert Runner._build_param_scheduler.__module__ == "xtuner_rope.compat.mmengine_scheduler"
 
 
 @cpu_only

@@ -59,6 +59,7 @@ from .guard import (
     CompatPatchUnavailable,
     PatchRecord,
     applied,
+    at_least,
     check_only,
     install_hint,
     installed_version,
@@ -126,6 +127,7 @@ from .xtuner_zero_read import (
 __all__ = [
     "apply",
     "applied",
+    "at_least",
     "outcomes",
     "skipped",
     "skip_message",
@@ -294,8 +296,7 @@ def apply() -> list[str]:
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
     ):
-        if patch.__name__ not in applied():
-            run_patch(patch)
+        run_patch(patch)  # the guard runs each patch once per process
     _check_deferred()
     return applied()
 
@@ -310,8 +311,6 @@ def apply_counting(counted_step, counted_class) -> list[str]:
     Returns:
         The names of the patches applied so far in this process.
     """
-    if "patch_xtuner_tokenize_counted" not in applied():
-        run_patch(patch_xtuner_tokenize_counted, counted_step)
-    if "patch_preference_truncation_counted" not in applied():
-        run_patch(patch_preference_truncation_counted, counted_class)
+    run_patch(patch_xtuner_tokenize_counted, counted_step)
+    run_patch(patch_preference_truncation_counted, counted_class)
     return applied()

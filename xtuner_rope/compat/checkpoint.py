@@ -28,7 +28,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from packaging.version import Version
+
+from .guard import at_least
 
 TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
 # Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
@@ -137,7 +138,7 @@ def runner_globals_allowed() -> Iterator[None]:
     """
     entries = runner_checkpoint_globals()
     serialization = torch.serialization
-    if Version(torch.__version__.split("+")[0]) >= Version("2.6"):
+    if at_least("torch", "2.6"):
         with serialization.safe_globals(entries):
             yield
         return

@@ -10,19 +10,12 @@ import types
 
 import torch
 
-from .devices import cpu_only
+from .guard import at_least, installed_version
 
 
 def deepspeed_flat_buffer_requires_grad() -> bool:
     """True if the installed DeepSpeed predates 0.19.0 (which detached ZeRO-1/2's flat buffer)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    try:
-        return Version(version("deepspeed")) < Version("0.19.0")
-    except PackageNotFoundError:
-        return False
+    return installed_version("deepspeed") is not None and not at_least("deepspeed", "0.19.0")
 
 
 def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
@@ -39,8 +32,6 @@ def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     Returns:
         True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
     """
-    if not cpu_only() or not deepspeed_flat_buffer_requires_grad():
-        return False
     import deepspeed.runtime.utils as ds_utils
 
     gather = getattr(ds_utils, "all_gather_into_tensor_dp_groups", None)
@@ -122,8 +113,6 @@ def patch_deepspeed_zero3_cpu_gather() -> bool:
     Returns:
         True if applied (DeepSpeed picked its CPU accelerator and lacks the upstream fix).
     """
-    if not cpu_only():
-        return False
     import deepspeed.runtime.zero.partition_parameters as zero3
     from deepspeed.accelerator import get_accelerator
 

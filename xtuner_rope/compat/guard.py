@@ -26,6 +26,7 @@ __all__ = [
     "CompatPatchUnavailable",
     "PatchRecord",
     "applied",
+    "at_least",
     "check_only",
     "install_hint",
     "installed_version",
@@ -84,6 +85,17 @@ def installed_version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def at_least(dist: str, minimum: str) -> bool:
+    """True if distribution ``dist`` is installed at ``minimum`` or later (PEP 440 order).
+
+    The package's one way of asking for a release: ``Version`` of the installed distribution,
+    never a string comparison or a signature probe (local tags such as ``+cu128`` count as the
+    release they tag).
+    """
+    version = installed_version(dist)
+    return version is not None and Version(version).release >= Version(minimum).release
 
 
 def _resolve(probe: str) -> None:
@@ -182,9 +194,16 @@ def check_only(record: PatchRecord) -> bool:
 def run_guarded(record: PatchRecord, patch: Callable[..., object], *args, **kwargs) -> object:
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
+    The guard owns "already applied": a patch applied once in this process is not run again
+    (the patch functions carry no marker of their own), so every entry point (``apply()``, the
+    start-up, a hook) may call it any number of times.
+
     Returns:
-        The patch's own result, or False where it was skipped or is not needed.
+        The patch's own result (True once applied, also on a later call), or False where it
+        was skipped or is not needed.
     """
+    if _OUTCOMES.get(record.name) == "applied":
+        return True
     verdict = _why_not(record)
     if verdict is not None:
         kind, reason = verdict

@@ -6,8 +6,6 @@ import functools
 
 import torch
 
-from .devices import cpu_only
-
 
 def _init_dist_pytorch_cpu(backend: str, init_backend: str = "torch", **kwargs) -> None:
     """mmengine 0.10.6's ``_init_dist_pytorch`` for a CPU-only machine.
@@ -40,10 +38,9 @@ def patch_mmengine_dist_init_on_cpu() -> bool:
     ``init_dist`` looks the function up at call time, so replacing it is enough.
 
     Returns:
-        True if applied (no CUDA/NPU/MLU/MUSA device here).
+        True if applied. Its record runs it only where no CUDA/NPU/MLU/MUSA device is
+        (``when=cpu_only``).
     """
-    if not cpu_only():
-        return False
     import mmengine.dist.utils as dist_utils
 
     dist_utils._init_dist_pytorch = _init_dist_pytorch_cpu
@@ -60,10 +57,9 @@ def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
     without accelerators every module is on the CPU, where ``device_ids`` must be None.
 
     Returns:
-        True if applied (no CUDA/NPU/MLU/MUSA device here).
+        True if applied. Its record runs it only where no CUDA/NPU/MLU/MUSA device is
+        (``when=cpu_only``).
     """
-    if not cpu_only():
-        return False
     from mmengine.model import MMDistributedDataParallel
 
     original_init = MMDistributedDataParallel.__init__

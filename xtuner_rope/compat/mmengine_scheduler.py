@@ -30,7 +30,7 @@ def patch_mmengine_warmup_rounding() -> bool:
     except ImportError:
         return False
     original = getattr(Runner, "_build_param_scheduler", None)
-    if original is None or getattr(original, "_xtuner_rope_warmup", False):
+    if original is None:
         return False
 
     @functools.wraps(original)
@@ -50,6 +50,5 @@ def patch_mmengine_warmup_rounding() -> bool:
                 )
         return original(self, scheduler, optim_wrapper)
 
-    build._xtuner_rope_warmup = True
     Runner._build_param_scheduler = build
     return True

@@ -114,14 +114,9 @@ def patch_internlm2_generation_from_embeds() -> bool:
     Returns:
         True if the patch is installed (transformers' remote-code loader wrapped).
     """
-    import transformers
     import transformers.dynamic_module_utils as dynamic
 
-    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 36):
-        return False  # no Cache objects yet: generate() starts from past_key_values=None
     original = dynamic.get_class_in_module
-    if getattr(original, "_xtuner_rope_embeds", False):
-        return False
 
     @functools.wraps(original)
     def get_class_in_module(class_name, module_path, *args, **kwargs):
@@ -130,7 +125,6 @@ def patch_internlm2_generation_from_embeds() -> bool:
             _fix_generation_from_embeds(candidate)
         return cls
 
-    get_class_in_module._xtuner_rope_embeds = True
     dynamic.get_class_in_module = get_class_in_module
     for name, loaded in list(sys.modules.items()):  # already loaded: XTuner's copies, remote code
         if loaded is not None and "internlm2" in name.lower() and "modeling" in name:

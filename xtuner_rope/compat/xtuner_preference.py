@@ -113,12 +113,9 @@ def patch_xtuner_preference_target_zero() -> bool:
             model = getattr(importlib.import_module(name), cls)
         except ImportError:
             continue
-        if getattr(
-            model.compute_loss, "_xtuner_rope_targets", False
-        ) or "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
+        if "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
             continue
         model.compute_loss = _keep_target_id_zero(model.compute_loss)
-        model.compute_loss._xtuner_rope_targets = True
         model._gather_masked_logits = _gather_with_targets(model._gather_masked_logits)
         applied = True
     return applied
@@ -133,22 +130,19 @@ def patch_preference_unpacked_pairs() -> bool:
     the first step); the reference costs no copy (the wrapper's rows hold the same dicts).
 
     Returns:
-        True if the wrapper is patched (now or before).
+        True if the wrapper is patched.
     """
     try:
         from xtuner.dataset.preference_dataset import PackedDatasetWrapper
     except ImportError:
         return False
     init = PackedDatasetWrapper.__init__
-    if getattr(init, "_xtuner_rope_keeps_pairs", False):
-        return True
 
     @functools.wraps(init)
     def keeping(self, dataset, *args, **kwargs):
         init(self, dataset, *args, **kwargs)
         self.unpacked_pairs = dataset
 
-    keeping._xtuner_rope_keeps_pairs = True
     PackedDatasetWrapper.__init__ = keeping
     return True
 
@@ -172,15 +166,13 @@ def patch_preference_map_fn_errors() -> bool:
     again one by one to find the first that fails, and a ``ValueError`` names it.
 
     Returns:
-        True if ``map_dataset`` is patched (now or before).
+        True if ``map_dataset`` is patched.
     """
     try:
         import xtuner.dataset.preference_dataset as preference
     except ImportError:
         return False
     original = preference.map_dataset
-    if getattr(original, "_xtuner_rope_names_rows", False):
-        return True
 
     @functools.wraps(original)
     def named(dataset, dataset_map_fn, map_num_proc):
@@ -206,7 +198,6 @@ def patch_preference_map_fn_errors() -> bool:
                 "assistant answer. Fix or remove the row."
             ) from exc
 
-    named._xtuner_rope_names_rows = True
     preference.map_dataset = named
     return True
 

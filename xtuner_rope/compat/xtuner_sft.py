@@ -22,7 +22,6 @@ def _refuse_unconsumed_boundaries(forward):
             )
         return forward(self, data, data_samples, mode)
 
-    checked_forward.xtuner_rope_checked = True
     return checked_forward
 
 
@@ -41,8 +40,6 @@ def patch_sft_forward_names_missing_hook() -> bool:
     try:
         from xtuner.model.sft import SupervisedFinetune
     except ImportError:
-        return False
-    if getattr(SupervisedFinetune.forward, "xtuner_rope_checked", False):
         return False
     SupervisedFinetune.forward = _refuse_unconsumed_boundaries(SupervisedFinetune.forward)
     return True
@@ -68,7 +65,7 @@ def patch_sft_sequence_parallel_loss() -> bool:
     except ImportError:
         return False
     original = getattr(SupervisedFinetune, "_compute_sequence_parallel_loss", None)
-    if original is None or getattr(original, "xtuner_rope_sp", False):
+    if original is None:
         return False
 
     @functools.wraps(original)
@@ -80,7 +77,6 @@ def patch_sft_sequence_parallel_loss() -> bool:
             return original(self, data)
         return sequence_parallel_loss(self.llm, data)
 
-    _compute_sequence_parallel_loss.xtuner_rope_sp = True
     SupervisedFinetune._compute_sequence_parallel_loss = _compute_sequence_parallel_loss
     return True
 
