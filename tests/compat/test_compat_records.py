@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 from xtuner_rope import compat
 from xtuner_rope.compat import guard
-from xtuner_rope.config.patch_needs import NEEDS, NOT_REFUSED, needs_table
+from xtuner_rope.config.patch_needs import CONDITIONS, needs_table
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
 
@@ -58,8 +58,14 @@ def test_every_record_holds_on_the_pinned_stack():
 
 
 def test_every_record_is_mapped_to_the_configs_that_need_it():
-    assert set(NEEDS) | set(NOT_REFUSED) == set(compat.RECORDS)
-    assert not set(NEEDS) & set(NOT_REFUSED)
+    """One record per patch holds the whole truth: its configs, or why none is refused."""
+    for record in compat.RECORDS.values():
+        assert (record.needs is None) != (not record.not_refused), record.name
+        if record.needs is not None:
+            words, condition = record.needs
+            assert words and condition in CONDITIONS, record.name
+    used = {r.needs[1] for r in compat.RECORDS.values() if r.needs}
+    assert used == set(CONDITIONS), f"conditions no record names: {set(CONDITIONS) - used}"
 
 
 def _block(text: str, marker: str) -> str:

@@ -59,6 +59,12 @@ class PatchRecord:
         when: Where the gap can exist at all (``cpu_only``): elsewhere nothing is checked,
             nothing warned. None: everywhere.
         probe_note: Why ``probes`` is empty, where the patch finds its own target.
+        needs: ``(the configs that need the feature, in words; a condition's name)``: the
+            start-up refuses those configs where the patch was skipped
+            (``xtuner_rope.config.patch_needs.CONDITIONS`` holds the condition of each name).
+        not_refused: Why a config is never refused for its absence (a clearer error, a count
+            in the log: without it the run still fails loudly, or its data are the same).
+            Exactly one of ``needs`` and ``not_refused`` is given.
     """
 
     name: str
@@ -68,6 +74,8 @@ class PatchRecord:
     symptom: str
     when: Callable[[], bool] | None = field(default=None, compare=False)
     probe_note: str = ""
+    needs: tuple[str, str] | None = None
+    not_refused: str = ""
 
     def supported(self) -> str:
         """The versions as a reader wants them: ``mmengine ~=0.10.6, xtuner ~=0.2.0``."""

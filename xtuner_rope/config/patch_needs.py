@@ -2,10 +2,11 @@
 
 ``xtuner_rope.compat`` skips a patch (one ``CompatPatchSkipped`` warning) where the installed
 release is outside the versions the patch was written for, a name it replaces is missing, or
-it raised. :data:`NEEDS` maps each patch to the configs that need its feature; such a config
-is refused here, naming the feature, the patch, the versions that have it and the pip command.
-A config that does not need it trains as usual. Patches that only turn a crash into a clearer
-error are in :data:`NOT_REFUSED` with the reason: without them the run still fails loudly.
+it raised. Each patch's record (``compat.records``) says which configs need its feature
+(``needs``: the words and a condition's name, evaluated here by :data:`CONDITIONS`); such a
+config is refused here, naming the feature, the patch, the versions that have it and the pip
+command. A config that does not need it trains as usual. A record whose patch only turns a
+crash into a clearer error says so (``not_refused``): without it the run still fails loudly.
 Before those, :func:`version_findings` refuses torch or DeepSpeed outside the supported range
 (``compat.versions``): one finding per package, and no second one for its patches.
 """
@@ -37,7 +38,7 @@ from .multimodal import is_llava
 from .preference import preference_dataset
 from .startup import Finding, register_findings
 
-__all__ = ["NEEDS", "NOT_REFUSED", "needs_table", "patch_findings", "version_findings"]
+__all__ = ["CONDITIONS", "needs_table", "patch_findings", "version_findings"]
 
 
 def _model_type(cfg: Config) -> str:
@@ -112,101 +113,47 @@ def _preference_model(*names: str) -> Callable[[Config], bool]:
     return lambda cfg: _model_type(cfg) in names
 
 
-# patch -> (the configs that need its feature, in words; the predicate). docs/compat.md lists it.
-NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
-    "patch_torch_cpu_bf16_query": ("every run on a CPU-only machine", lambda cfg: cpu_only()),
-    "patch_bitsandbytes_triton_probe": (
-        "LoRA / QLoRA configs (`lora` or `quantization_config` in `model`)",
-        lambda cfg: any(
-            _has_key(lazy_get(config_dict(cfg), "model"), k)
-            for k in ("lora", "quantization_config")
-        ),
-    ),
-    "register_internlm2_auto_classes": (
-        "a local InternLM2 checkpoint without remote code (`auto_map`)",
-        _local_internlm2_without_code,
-    ),
-    "patch_mmengine_dist_init_on_cpu": (
-        "several processes on a CPU-only machine",
-        _multiprocess_cpu,
-    ),
-    "patch_mmengine_ddp_device_ids_on_cpu": (
-        "several processes on a CPU-only machine",
-        _multiprocess_cpu,
-    ),
-    "patch_deepspeed_cpu_allgather_grad_mode": (
-        "DeepSpeed ZeRO-1/2 on a CPU-only machine",
-        _zero(1, 2),
-    ),
-    "patch_deepspeed_zero3_cpu_gather": ("DeepSpeed ZeRO-3 on a CPU-only machine", _zero(3)),
-    "patch_checkpoint_loading": ("`resume`, `load_from` or `--resume`", _loads_checkpoint),
-    "patch_checkpoint_writes": ("every run with MMEngine's `CheckpointHook`", _checkpoint_hook),
-    "patch_model_resource_llm_path": (
-        "LLaVA / InternVL configs",
-        lambda cfg: is_llava(cfg) or is_internvl(cfg),
-    ),
-    "patch_set_model_resource_llm_path": (
-        "LLaVA / InternVL configs",
-        lambda cfg: is_llava(cfg) or is_internvl(cfg),
-    ),
-    "patch_xtuner_preference_rank": ("DPO / ORPO", _preference_model("DPO", "ORPO")),
-    "patch_xtuner_preference_target_zero": ("DPO / ORPO", _preference_model("DPO", "ORPO")),
-    "patch_preference_unpacked_pairs": (
-        "preference datasets (`build_preference_dataset`)",
-        lambda cfg: preference_dataset(cfg) is not None,
-    ),
-    "patch_dpo_predict_reference": (
-        "DPO with a `val_dataloader`",
-        lambda cfg: _model_type(cfg) == "DPO" and _evaluates(cfg),
-    ),
-    "patch_sft_sequence_parallel_loss": ("`sequence_parallel_size > 1`", _sequence_parallel),
-    "patch_xtuner_train_sequence_parallel_check": (
-        "`sequence_parallel_size > 1`",
-        _sequence_parallel,
-    ),
-    "patch_internlm2_generation_from_embeds": (
-        "LLaVA with `EvaluateChatHook(evaluation_images=...)`",
-        _evaluation_images,
-    ),
-    "patch_internvl_loading": ("InternVL configs", is_internvl),
-    "patch_internvl_rank": ("InternVL configs", is_internvl),
-    "patch_internvl_dataset_template": ("InternVL configs", is_internvl),
-    "patch_internvl_predict": (
-        "InternVL with a `val_dataloader`",
-        lambda cfg: is_internvl(cfg) and _evaluates(cfg),
-    ),
-    "patch_llava_predict_labels": (
-        "LLaVA with a `val_dataloader`",
-        lambda cfg: is_llava(cfg) and _evaluates(cfg),
-    ),
-    "xtuner_pack_step": (
-        "XTuner's offline packing (`process_hf_dataset` packing, `lossless_process_hf_dataset`)",
-        lambda cfg: any(xtuner_packs(d) for d in _datasets(cfg)),
-    ),
-    "xtuner_tokenize_step": (
-        "XTuner's offline packing and intern-repo packed datasets (their truncation counted, "
-        "pretraining documents split)",
-        lambda cfg: any(xtuner_packs(d) or offline_packs(d) for d in _datasets(cfg)),
-    ),
-    "xtuner_intern_repo_packer": (
-        "intern-repo packed datasets (`build_packed_dataset`, `build_whole_packed_dataset`)",
-        lambda cfg: any(offline_packs(d) for d in _datasets(cfg)),
-    ),
-    "keep_other_model_paths": ("LLaVA configs", is_llava),
-    "patch_llava_expansion_check": ("LLaVA configs", is_llava),
-    "patch_xtuner_zero_read_fp32": (
-        "a `pretrained_pth` (XTuner reads a DeepSpeed folder through it)",
-        lambda cfg: _has_key(lazy_get(config_dict(cfg), "model"), "pretrained_pth"),
-    ),
-}
+def _lora(cfg: Config) -> bool:
+    model = lazy_get(config_dict(cfg), "model")
+    return any(_has_key(model, k) for k in ("lora", "quantization_config"))
 
-# Patches whose absence leaves a loud failure, not a silently wrong run: never refused.
-NOT_REFUSED = {
-    "patch_sft_forward_names_missing_hook": "a clearer error; without it the run still fails",
-    "patch_preference_map_fn_errors": "a clearer error; without it the map still fails",
-    "patch_mmengine_warmup_rounding": "a clearer error; without it MMEngine still fails",
-    "patch_xtuner_tokenize_counted": "a count in the log; without it the data are the same",
-    "patch_preference_truncation_counted": "a count in the log; without it the pairs are the same",
+
+def _multimodal(cfg: Config) -> bool:
+    return is_llava(cfg) or is_internvl(cfg)
+
+
+def _evaluating(predicate: Callable[[Config], bool]) -> Callable[[Config], bool]:
+    return lambda cfg: predicate(cfg) and _evaluates(cfg)
+
+
+def _any_dataset(packs: Callable[[dict], bool]) -> Callable[[Config], bool]:
+    return lambda cfg: any(packs(d) for d in _datasets(cfg))
+
+
+# A condition's name (a record's ``needs[1]``, ``compat.records``) -> whether a config meets it.
+CONDITIONS: dict[str, Callable[[Config], bool]] = {
+    "cpu": lambda cfg: cpu_only(),
+    "lora": _lora,
+    "local_internlm2_without_code": _local_internlm2_without_code,
+    "multiprocess_cpu": _multiprocess_cpu,
+    "zero12_cpu": _zero(1, 2),
+    "zero3_cpu": _zero(3),
+    "loads_checkpoint": _loads_checkpoint,
+    "checkpoint_hook": _checkpoint_hook,
+    "multimodal": _multimodal,
+    "llava": is_llava,
+    "internvl": is_internvl,
+    "dpo_orpo": _preference_model("DPO", "ORPO"),
+    "preference_dataset": lambda cfg: preference_dataset(cfg) is not None,
+    "dpo_evaluates": _evaluating(_preference_model("DPO")),
+    "internvl_evaluates": _evaluating(is_internvl),
+    "llava_evaluates": _evaluating(is_llava),
+    "sequence_parallel": _sequence_parallel,
+    "llava_evaluation_images": _evaluation_images,
+    "xtuner_packs": _any_dataset(xtuner_packs),
+    "xtuner_or_offline_packs": _any_dataset(lambda d: xtuner_packs(d) or offline_packs(d)),
+    "offline_packs": _any_dataset(offline_packs),
+    "pretrained_pth": lambda cfg: _has_key(lazy_get(config_dict(cfg), "model"), "pretrained_pth"),
 }
 
 
@@ -246,7 +193,7 @@ def version_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("patches")
 def patch_findings(cfg: Config) -> list[Finding]:
-    """One conflict per skipped patch whose feature ``cfg`` needs (see :data:`NEEDS`).
+    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``).
 
     A patch written for a package outside its supported range is left to
     :func:`version_findings` (one message per package, not one per patch).
@@ -254,11 +201,13 @@ def patch_findings(cfg: Config) -> list[Finding]:
     findings = []
     outside = unsupported()
     for name in skipped():
-        if name not in NEEDS or any(dist in outside for dist in RECORDS[name].versions):
+        record = RECORDS.get(name)
+        if record is None or record.needs is None:
             continue
-        needed_by, needs = NEEDS[name]
-        if needs(cfg):
-            record = RECORDS[name]
+        if any(dist in outside for dist in record.versions):
+            continue
+        needed_by, condition = record.needs
+        if CONDITIONS[condition](cfg):
             findings.append(
                 Finding(
                     setting=f"{record.feature} ({needed_by})",
@@ -274,6 +223,6 @@ def needs_table() -> str:
     """The Markdown table of docs/compat.md's "What the start-up refuses" section."""
     rows = ["| Patch | Feature | Refused at start-up, if skipped, for |", "|---|---|---|"]
     for name, record in RECORDS.items():
-        needed_by = NEEDS[name][0] if name in NEEDS else f"never ({NOT_REFUSED[name]})"
+        needed_by = record.needs[0] if record.needs else f"never ({record.not_refused})"
         rows.append(f"| `{name}` | {record.feature} | {needed_by} |")
     return "\n".join(rows)

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
+from torch.torch_version import TorchVersion
 
 from xtuner_rope.ops.document_plan import (  # noqa: F401 - the plan's names, as before
     MIN_BUCKET,
@@ -115,7 +115,7 @@ def _varlen_attention(q_t, k_t, v_t, plan: DocumentPlan, fn: Callable) -> torch.
 
 
 # torch 2.5 added `enable_gqa` to scaled_dot_product_attention (torch 2.4.1: TypeError).
-SDPA_HAS_GQA = Version(torch.__version__).release >= (2, 5)
+SDPA_HAS_GQA = TorchVersion(torch.__version__) >= (2, 5)  # a Version, not a string compare
 
 
 def grouped_sdpa(q, k, v, **kwargs) -> torch.Tensor:
