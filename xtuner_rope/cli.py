@@ -245,7 +245,8 @@ def _add_xtuner_tools(commands: argparse._SubParsersAction) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     """``xtuner-rope doctor``: diagnose the config's data, write the report; the exit status."""
     activate_quietly()
-    from xtuner_rope.doctor.diagnose import diagnose, exit_code
+    from xtuner_rope.doctor.diagnose import diagnose
+    from xtuner_rope.doctor.judge import exit_code
     from xtuner_rope.doctor.progress import datasets_bars
     from xtuner_rope.doctor.report import format_summary, write_outputs
     from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails

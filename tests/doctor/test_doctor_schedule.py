@@ -83,7 +83,7 @@ def test_iteration_schedules_and_open_ends_are_not_converted():
 
 def test_doctor_exit_code_on_the_zoo_pretrain_row():
     """The report's problems carry the scheduler and the doctor's exit code is 1."""
-    from xtuner_rope.doctor.diagnose import exit_code
+    from xtuner_rope.doctor.judge import exit_code
 
     problems = schedule_problems(stock_schedule(0.03, 1), 6, 1)
     assert exit_code({"problems": problems}) == 1
