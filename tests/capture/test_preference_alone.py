@@ -13,7 +13,8 @@ import copy
 
 import torch
 
-from xtuner_rope.capture.preference import _values, response_logp
+from xtuner_rope.capture.preference import _values
+from xtuner_rope.capture.preference_losses import response_logp
 from xtuner_rope.demo.tiny import build_tiny_internlm2
 
 THRESHOLD = 32

@@ -20,7 +20,7 @@ from xtuner.model.dpo import DPO
 from xtuner.model.orpo import ORPO
 
 from xtuner_rope import compat
-from xtuner_rope.capture.preference import response_logp
+from xtuner_rope.capture.preference_losses import response_logp
 
 PROMPT, RESPONSE = 6, 10
 

@@ -22,11 +22,16 @@ from mmengine.dist import get_rank, get_world_size
 from torch import nn
 
 from xtuner_rope.capture.base import CaptureHook
+from xtuner_rope.capture.preference_losses import (
+    dpo_sigmoid_loss,
+    orpo_loss,
+    response_logp,
+    reward_loss,
+)
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.text import reference_llm
 from xtuner_rope.models.dispatch import unwrap_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
-from xtuner_rope.ops.preference_loss import dpo_pair_losses, reward_pair_losses
 
 PREFERENCE_CAPTURE_FILE = "preference_capture.pt"
 IGNORE = -100
@@ -222,21 +227,6 @@ def is_packed(data: dict) -> bool:
     return data.get("cumulative_len") is not None
 
 
-def response_logp(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> float:
-    """Sum (or mean) of log p(target) over a response's supervised targets, in float64.
-
-    Args:
-        logits: ``[s, V]`` of one response (its own tokens only).
-        labels: ``[s]`` as collated (unshifted; -100 where unsupervised).
-        average: Divide by the number of supervised targets (ORPO, IPO).
-    """
-    logp = logits[:-1].double().log_softmax(-1)  # [s - 1, V]: token t predicts t + 1
-    targets = labels[1:]
-    supervised = targets != IGNORE
-    picked = logp[supervised].gather(1, targets[supervised].unsqueeze(1)).sum()
-    return float(picked / supervised.sum()) if average else float(picked)
-
-
 def _llm_with(cfg: Config, state: dict, prefix: str) -> nn.Module:
     """The config's LLM, unpatched, fp32, with the captured weights under ``prefix``."""
     llm = reference_llm(cfg).eval()
@@ -288,60 +278,6 @@ def _values(
         response_logp(out, labels[r, a:b], average=kind == "orpo")
         for out, (r, a, b) in zip(outs, segments)
     ], None
-
-
-def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) -> float:
-    """XTuner's DPO ``sigmoid`` loss (mean over pairs) from per-response log-probs, float64."""
-    names = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
-    loss, _, _ = dpo_pair_losses(
-        *(torch.tensor(values[name], dtype=torch.float64) for name in names),
-        beta,
-        "sigmoid",
-        label_smoothing,
-    )
-    return float(loss.mean())
-
-
-def orpo_loss(values: dict, counts: list[int], beta: float) -> float:
-    """XTuner's ORPO loss from per-response average log-probs, float64.
-
-    ``nll`` of the chosen responses (mean over all their supervised targets) minus the mean of
-    ``beta * logsigmoid(log odds ratio)`` over pairs (pairs whose ratio is NaN are skipped, as
-    XTuner does).
-
-    Args:
-        values: ``{'chosen': [pairs], 'rejected': [pairs]}`` average log-probs.
-        counts: Supervised targets of each chosen response, in pair order.
-        beta: The model's ``beta``.
-    """
-    chosen = torch.tensor(values["chosen"], dtype=torch.float64)
-    rejected = torch.tensor(values["rejected"], dtype=torch.float64)
-    n = torch.tensor(counts, dtype=torch.float64)
-    nll = -(chosen * n).sum() / n.sum()
-    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
-    ratio = torch.nn.functional.logsigmoid(log_odds)
-    return float(nll - (beta * ratio[~ratio.isnan()]).mean())
-
-
-def reward_loss(
-    values: dict,
-    loss_type: str = "ranking",
-    penalty_type: str = "log_barrier",
-    penalty_weight: float = 0.01,
-) -> float | None:
-    """XTuner's reward-model loss of one process's batch from its scores, float64.
-
-    Ranking (or focal ranking) loss over pairs plus ``penalty_weight`` times the penalty on
-    every score, both summed and divided by the pairs (XTuner averages ``1 / pairs`` over
-    processes: equal to this on one process only). None for a type XTuner does not have.
-    """
-    chosen = torch.tensor(values["chosen"], dtype=torch.float64)
-    rejected = torch.tensor(values["rejected"], dtype=torch.float64)
-    try:  # each pair's ranking loss plus its two scores' penalty: their mean is the batch's
-        loss, _, _ = reward_pair_losses(chosen, rejected, loss_type, penalty_type, penalty_weight)
-    except ValueError:
-        return None
-    return float(loss.mean())
 
 
 def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None:
