@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.batch.image_packing import expand_row_boundaries, expanded_length
+from xtuner_rope.batch.image_packing import expanded_length, llava_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
@@ -48,59 +48,6 @@ KIND = "llava"
 def applies(cfg: Config) -> bool:
     """A config whose model is XTuner's ``LLaVAModel``."""
     return is_llava(cfg)
-
-
-def _row_segments(data: dict) -> list[list[int]]:
-    """Each row's boundaries before the expansion: ``cumulative_len`` or one sample per row."""
-    b, s = data["input_ids"].shape
-    if data.get("cumulative_len") is not None:
-        return [[int(c) for c in cu] for cu in data["cumulative_len"]]
-    mask = data.get("attention_mask")
-    lengths = [int(m.sum()) for m in mask] if mask is not None else [s] * b
-    return [[0, n] if n == s else [0, n, s] for n in lengths]
-
-
-def llava_samples(data: dict, image_tokens: int) -> list[dict]:
-    """The samples of a collated LLaVA batch, where the LLM sees them and what they hold.
-
-    Args:
-        data: The collated batch (``input_ids``, ``labels``, ``attention_mask`` ``[b, s]``,
-            ``pixel_values`` ``[n, 3, H, W]`` taken in order: one per placeholder, one per row
-            without any; ``cumulative_len`` for packed rows).
-        image_tokens: ``P``.
-
-    Returns:
-        Per sample: ``row``, ``raw`` ``(start, end)`` before the expansion, ``expanded``
-        ``(start, end)`` in the expanded row, ``image`` (index into ``pixel_values``; for a
-        text-only sample the row's ignored image or the first image), ``has_image``.
-    """
-    ids = data["input_ids"]
-    mask = data.get("attention_mask")
-    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    samples, image = [], 0
-    for r, cu in enumerate(_row_segments(data)):
-        row_image, col = image, 0
-        lengths = iter(expand_row_boundaries(ids[r], mask[r], torch.tensor(cu), image_tokens))
-        placeholders = 0
-        for a, e in zip(cu[:-1], cu[1:]):
-            if not bool(mask[r, a:e].any()):
-                continue
-            n = next(lengths)
-            has = bool((ids[r, a:e] == IMAGE_TOKEN_INDEX).any())
-            samples.append(
-                {
-                    "row": r,
-                    "raw": (a, e),
-                    "expanded": (col, col + n),
-                    "image": image if has else row_image,
-                    "has_image": has,
-                }
-            )
-            image += int((ids[r, a:e] == IMAGE_TOKEN_INDEX).sum())
-            placeholders += has
-            col += n
-        image += 0 if placeholders else 1  # XTuner's expansion takes one image per plain row
-    return samples
 
 
 def _alone_batch(data: dict, sample: dict) -> dict:
