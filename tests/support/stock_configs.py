@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xtuner_rope.zoo.localize import one_map_process, short_chat_samples
+from tools.zoo.localize import one_map_process, short_chat_samples
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
@@ -108,8 +108,8 @@ def intern_repo_config(dst: Path, n: int = 600) -> Path:
     """Stock ``internlm2_7b_w_untokenized_dataset`` with the one edit, on ``n`` of the alpaca
     data's dialogues (:func:`write_message_lines`), the tiny checkpoint and ``max_length``
     512 (the zoo's own-machine edits); returns the config's path (``dst/intern_repo.py``)."""
-    from xtuner_rope.zoo.localize import enable_plugin as zoo_enable_plugin
-    from xtuner_rope.zoo.localize import localize as zoo_localize
+    from tools.zoo.localize import enable_plugin as zoo_enable_plugin
+    from tools.zoo.localize import localize as zoo_localize
 
     stock = copy_stock(INTERN_REPO, dst).read_text(encoding="utf-8")
     data = write_message_lines(dst / "intern_repo_data", n)

@@ -1,4 +1,4 @@
-"""The zoo's judge (``xtuner_rope.zoo.judge``) says "leaked", "crashed" and "not exercised" when
+"""The zoo's judge (``tools.zoo.judge``) says "leaked", "crashed" and "not exercised" when
 it must: on a real capture of a packed row that leaks (the tiny InternLM2 unpatched, one
 position range over two documents, as XTuner packs them), on logs that end in a traceback, and
 on a batch whose packed row holds one document. The controls: the same capture computed with
@@ -12,7 +12,7 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import zoo
+from tools import zoo
 from xtuner_rope.capture.text import compare_capture, reference_llm
 
 RECIPE = sc.REPO / "configs" / "tiny_internlm2_short_dialogues.py"

@@ -15,17 +15,17 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from xtuner_rope.zoo.classes import mode_of
-from xtuner_rope.zoo.data import (
+from tools.zoo.classes import mode_of
+from tools.zoo.data import (
     tiny_checkpoint,
     write_llava_images,
     write_preference_data,
     write_universal_data,
 )
-from xtuner_rope.zoo.formats import MOSS_FILES, write_moss_data
-from xtuner_rope.zoo.intern_repo import with_intern_repo_data
-from xtuner_rope.zoo.internvl import internvl_checkpoint, internvl_llm_of
-from xtuner_rope.zoo.judge import (
+from tools.zoo.formats import MOSS_FILES, write_moss_data
+from tools.zoo.intern_repo import with_intern_repo_data
+from tools.zoo.internvl import internvl_checkpoint, internvl_llm_of
+from tools.zoo.judge import (
     CRASHED,
     DATA_SETTINGS,
     LACKS,
@@ -41,7 +41,7 @@ from xtuner_rope.zoo.judge import (
     last_error,
     loaded_weights,
 )
-from xtuner_rope.zoo.localize import (
+from tools.zoo.localize import (
     LLAVA_LLM_OF_PREFIX,
     LocalFiles,
     family_of,
@@ -49,7 +49,7 @@ from xtuner_rope.zoo.localize import (
     model_ids,
     surviving_paths,
 )
-from xtuner_rope.zoo.refcoco import write_refcoco_data
+from tools.zoo.refcoco import write_refcoco_data
 
 # The stock config a ``--deepspeed`` file (``xtuner list-cfg`` lists them too) is launched with.
 DEEPSPEED_HOST = "internlm2_chat_1_8b_qlora_alpaca_e3"
@@ -194,9 +194,9 @@ def run_row(
     """Sweep one stock config; returns its row (never raises for the config's own failure).
 
     Steps: copy it (:func:`copy_stock`), point it at local files (:func:`local_files`,
-    :func:`~xtuner_rope.zoo.localize.localized`; a hub path left behind is a sweep error),
+    :func:`~tools.zoo.localize.localized`; a hub path left behind is a sweep error),
     run the doctor (:func:`run_doctor`), train (:func:`run_training`), judge the run
-    (:func:`~xtuner_rope.zoo.judge.judge_run`) and score the doctor (:func:`settle`). A
+    (:func:`~tools.zoo.judge.judge_run`) and score the doctor (:func:`settle`). A
     ``--deepspeed`` file is swept as the launch of :data:`DEEPSPEED_HOST` with it.
     """
     start = time.time()
