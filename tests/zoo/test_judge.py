@@ -122,7 +122,7 @@ def test_the_doctor_is_not_scored_on_the_sweeps_own_errors():
 
 
 def test_recorded_rows_are_rejudged_by_the_current_rule():
-    """Rows recorded before the two-document rule (``tools/zoo.py --rejudge``)."""
+    """Rows recorded before the two-document rule (``python -m tools.zoo --rejudge``)."""
     one = {"outcome": zoo.TRAINED, "documents": 1, "message": "1 documents, max 1.8e-07"}
     assert zoo.rejudge(one)["outcome"] == zoo.NOT_EXERCISED
     assert "recorded: 1 documents" in zoo.rejudge(one)["message"]
