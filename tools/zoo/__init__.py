@@ -4,7 +4,7 @@ A maintainer's tool (``python -m tools.zoo``, from the repository root), outside
 drives the package's captures and doctor, and the package never imports it. For each stock
 config (``xtuner list-cfg``, filtered by pattern) a row (:mod:`~tools.zoo.run`)
 
-1. copies it with the real ``xtuner copy-cfg``;
+1. copies it as ``xtuner copy-cfg`` does (XTuner's copy steps, in the sweep's process);
 2. points every model, data and folder path setting at a tiny random checkpoint of its family
    built here and small local data in every stock format (:mod:`~tools.zoo.localize`,
    :mod:`~tools.zoo.data`, :mod:`~tools.zoo.internvl` for InternVL configs; a family without
