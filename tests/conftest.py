@@ -16,6 +16,12 @@ from hypothesis import settings
 SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
+# The maintainer's tools outside the wheel (``tools.zoo``, ``tools.sample_data``) import from
+# the repository root, whichever way pytest is started (`python -m pytest` adds it, `pytest`
+# does not).
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
 
 import xtuner_rope  # noqa: E402, F401  (applies compat: Auto registration, CPU patches)
 from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "mmengine", "xtuner", "deepspeed", "bitsandbytes", "transformers", "datasets")
-TOOLS = ("check", "capture", "zoo", "doctor", "outputs")
+TOOLS = ("check", "capture", "doctor", "outputs")
 BANNER_WORDS = ("bitsandbytes", "Setting accelerator", "DeepSpeed")
 # Runs the console script's entry with ARGV, then prints the heavy modules it imported.
 RUN_CLI = (

@@ -15,9 +15,11 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     7 outputs/  xtuner-rope train, replay of a recorded batch, XTuner's tools  | the other
     8 capture/  the captures of real runs, the packed-against-alone measurements
     9 check/    ``xtuner-rope check``: runner, report, one module per kind, ``KINDS``
-   10 zoo/      the sweep of XTuner's stock configs and their classes (a maintainer's tool
-                that drives the doctor and the captures: above them)
-   11 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
+   10 cli, resources (deprecated), deprecated (old module paths), __init__ (the public API)
+
+The maintainer's tools (the config zoo ``tools/zoo/``, the sample-data generator
+``tools/sample_data/``) live outside the package and the wheel: the package never imports
+``tools`` (nor ``tests``); they import the package.
 
 Every import inside the package, at module level or inside a function, is read from the
 source with ``ast``, and none may close a circle (not even inside one folder: a function-level
@@ -51,9 +53,8 @@ FLOORS = {
     "outputs": 7,
     "capture": 8,
     "check": 9,
-    "zoo": 10,
 }
-TOP = 11  # the top-level modules: cli, resources, deprecated, __init__
+TOP = 10  # the top-level modules: cli, resources, deprecated, __init__
 OPS_MAY_IMPORT = {
     "torch",
     "numpy",
@@ -102,6 +103,9 @@ def resolve(base: str, name: str) -> str:
 
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+# The maintainer's tools that left the package (issue 59) keep its rule of a docstring a module.
+TOOLS = PACKAGE.parent / "tools"
+TOOL_SOURCES = sorted([*(TOOLS / "zoo").glob("*.py"), *(TOOLS / "sample_data").glob("*.py")])
 
 
 def edges():
@@ -122,7 +126,9 @@ def test_the_package_has_the_role_folders():
     )
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize(
+    "path", SOURCES + TOOL_SOURCES, ids=lambda p: str(p.relative_to(PACKAGE.parent))
+)
 def test_every_module_says_what_it_is(path):
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc and doc.strip().splitlines()[0].strip(), f"{path}: no one-line docstring"
@@ -177,6 +183,17 @@ def test_the_package_imports_no_old_module_path():
         if target in MOVED
     ]
     assert not old, "import the new path:\n" + "\n".join(old)
+
+
+def test_the_package_imports_no_maintainer_tool_and_no_test():
+    """``tools/`` and ``tests/`` are not in the wheel: an import of them from the package would
+    work in a checkout and fail for every user who installed it."""
+    outside = [
+        f"{p.relative_to(PACKAGE)}:{line}: {target}"
+        for p, line, _, target, _ in edges()
+        if target.split(".")[0] in {"tools", "tests"}
+    ]
+    assert not outside, "\n".join(outside)
 
 
 def test_importing_ops_patches_nothing():

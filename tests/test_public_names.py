@@ -195,7 +195,6 @@ DEPRECATED_MODULES = {
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
     "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
     "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
-    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
     "xtuner_rope.config.heldout_files": "xtuner_rope.config.heldout.files",
     "xtuner_rope.config.heldout_pairs": "xtuner_rope.config.heldout.models",
     "xtuner_rope.config.heldout_shortcut": "xtuner_rope.config.heldout.shortcut",

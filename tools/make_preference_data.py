@@ -7,8 +7,12 @@ Usage:
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
+# Run as a script (`python tools/...py`): the repository root is what imports `tools`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.sample_data.preference_pairs import preference_pairs, write_pairs  # noqa: E402
 
 
 def parse_args():

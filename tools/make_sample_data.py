@@ -1,19 +1,28 @@
 """Regenerate the committed sample of short chat dialogues.
 
 Usage:
-    python tools/make_sample_data.py --out data/short_dialogues.jsonl --n 2400 --seed 0
+    python tools/make_sample_data.py --out xtuner_rope/demo/short_dialogues.jsonl --n 2400 --seed 0
+
+The file is the package's data (``xtuner_rope.demo.sample_dialogues`` reads it; the wheel
+ships it); ``data/short_dialogues.jsonl`` is a link to it.
 """
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from xtuner_rope.demo.sample_data import dialogue_words, generate_dialogues, write_jsonl
+# Run as a script (`python tools/...py`): the repository root is what imports `tools`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.sample_data import dialogue_words, generate_dialogues, write_jsonl  # noqa: E402
 
 
 def parse_args():
     """Parse the command line: output path, number of dialogues, seed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="data/short_dialogues.jsonl", help="output JSONL path")
+    parser.add_argument(
+        "--out", default="xtuner_rope/demo/short_dialogues.jsonl", help="output JSONL path"
+    )
     parser.add_argument("--n", type=int, default=2400, help="number of dialogues")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
     return parser.parse_args()

@@ -54,8 +54,6 @@ MOVED = {
     "xtuner_rope.doctor.preference_capture": "xtuner_rope.capture.preference",
     "xtuner_rope.doctor.replay": "xtuner_rope.outputs.replay",
     "xtuner_rope.doctor.xtuner_tools": "xtuner_rope.outputs.xtuner_tools",
-    # Issue 35: the zoo sweep left doctor/ for its own package (localize, run, judge, classes).
-    "xtuner_rope.doctor.zoo": "xtuner_rope.zoo",
     # Issue 47: the held-out start-up grouped in one package, a module per concern.
     "xtuner_rope.config.heldout_files": "xtuner_rope.config.heldout.files",
     "xtuner_rope.config.heldout_pairs": "xtuner_rope.config.heldout.models",

@@ -272,7 +272,8 @@ def test_boundaries_that_reach_the_model_name_the_missing_hook():
 
 
 def test_copy_stock_writes_what_xtuner_copy_cfg_writes(tmp_path):
-    """The suite's ``copy_stock`` (XTuner's copy steps in process) and the real command agree."""
+    """The suite's and the zoo's ``copy_stock`` (``tools.zoo.run``: XTuner's copy steps in
+    process) and the real command agree."""
     import subprocess
 
     name = "internlm2_chat_1_8b_qlora_alpaca_e3"

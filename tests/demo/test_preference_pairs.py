@@ -1,11 +1,12 @@
-"""Tests for xtuner_rope/demo/preference_pairs.py and the committed data/preference_pairs.jsonl."""
+"""The preference-pair generator (``tools/sample_data/preference_pairs.py``) and the committed
+``data/preference_pairs.jsonl``."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
+from tools.sample_data.preference_pairs import preference_pairs, write_pairs
 
 REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "data" / "preference_pairs.jsonl"

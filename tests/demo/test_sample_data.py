@@ -1,4 +1,6 @@
-"""Tests for xtuner_rope/demo/sample_data.py and the committed data/short_dialogues.jsonl."""
+"""The sample dialogues: the generator (``tools/sample_data/``) and the file the package ships
+(``xtuner_rope/demo/short_dialogues.jsonl``, read by ``xtuner_rope.demo.sample_dialogues``;
+``data/short_dialogues.jsonl`` links to it)."""
 
 import collections
 import json
@@ -7,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope.demo.sample_data import dialogue_words, generate_dialogues, to_jsonl, write_jsonl
+from tools.sample_data import dialogue_words, generate_dialogues, to_jsonl, write_jsonl
+from xtuner_rope.demo.sample_dialogues import sample_dialogues, sample_path
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "short_dialogues.jsonl"
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "data" / "short_dialogues.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +33,22 @@ def _contents(dialogues, role):
 def test_committed_file_regenerates_byte_for_byte(committed_text):
     n = committed_text.count("\n")
     assert to_jsonl(generate_dialogues(n=n, seed=0)) == committed_text, (
-        "data/short_dialogues.jsonl is stale: run "
-        "`python tools/make_sample_data.py --out data/short_dialogues.jsonl --n 2400 --seed 0`"
+        "xtuner_rope/demo/short_dialogues.jsonl is stale: run `python tools/make_sample_data.py "
+        "--out xtuner_rope/demo/short_dialogues.jsonl --n 2400 --seed 0`"
     )
+
+
+def test_the_repository_data_is_the_file_the_package_ships():
+    """One copy: ``data/`` links to the package's file, which the package reads at run time."""
+    assert DATA.is_symlink() and DATA.resolve() == sample_path().resolve()
+    assert sample_path().parent == REPO / "xtuner_rope" / "demo"
+
+
+def test_the_package_reads_the_shipped_dialogues(dialogues):
+    assert sample_dialogues() == dialogues
+    assert sample_dialogues(3) == dialogues[:3]
+    with pytest.raises(ValueError, match=r"n=2401, but the shipped sample holds 2400 dialogues"):
+        sample_dialogues(2401)
 
 
 def test_committed_file_is_small_and_newline_terminated(committed_text):

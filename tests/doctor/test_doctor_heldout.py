@@ -17,9 +17,9 @@ import stock_configs as sc
 from mmengine.config import Config
 from xtuner.registry import BUILDER
 
+from tools.zoo.localize import one_map_process
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary
-from xtuner_rope.zoo.localize import one_map_process
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 TRAIN_ROWS = 40

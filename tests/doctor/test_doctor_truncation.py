@@ -213,8 +213,8 @@ def _documents(folder):
 def pretrain(tmp_path_factory):
     """Stock ``qwen1_5_0_5b_full_custom_pretrain_e1`` with the one edit (max_length 512), as it
     is and with ``offline_packing = "cut"``, and XTuner's documents uncut (live)."""
+    from tools.zoo.localize import enable_plugin, localize
     from xtuner_rope.demo.resources import tiny_checkpoint
-    from xtuner_rope.zoo.localize import enable_plugin, localize
 
     qwen2 = sc.TINY_MODEL.with_name("tiny-qwen2")
     tiny_checkpoint(str(qwen2), data_path=str(sc.SAMPLE_DATA), family="qwen2")

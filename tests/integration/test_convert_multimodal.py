@@ -32,8 +32,8 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from tools.zoo.localize import short_chat_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.zoo.localize import short_chat_samples
 
 BY_HAND = os.environ.get("XTUNER_ROPE_CONVERT_BY_HAND") == "1"
 pytestmark = [

@@ -31,9 +31,9 @@ import heldout as ho
 import pytest
 import stock_configs as sc
 
+from tools.zoo.localize import one_map_process
 from xtuner_rope.evaluation.hook import CURVES_FILE
 from xtuner_rope.evaluation.metric import WORST_FILE
-from xtuner_rope.zoo.localize import one_map_process
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"  # run without 4-bit: LoRA

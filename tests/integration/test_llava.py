@@ -34,6 +34,7 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from tools.zoo.localize import short_chat_samples
 from xtuner_rope import compat
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
 from xtuner_rope.compat import config_dict
@@ -42,7 +43,6 @@ from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
 from xtuner_rope.models.llava import check_expanded_batch
-from xtuner_rope.zoo.localize import short_chat_samples
 
 CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"

@@ -151,8 +151,8 @@ def test_one_pretraining_epoch_trains_every_token_once(tmp_path, monkeypatch):
     """The rows the model received, cut at their document boundaries, are exactly the
     ``max_length`` pieces of XTuner's own documents built uncut (``max_length`` 10**9, no
     packing, without the plugin): every token of the corpus trained once, none cut off."""
+    from tools.zoo.localize import enable_plugin, localize
     from xtuner_rope.demo.resources import tiny_checkpoint
-    from xtuner_rope.zoo.localize import enable_plugin, localize
 
     qwen2 = sc.TINY_MODEL.with_name("tiny-qwen2")
     tiny_checkpoint(str(qwen2), data_path=str(sc.SAMPLE_DATA), family="qwen2")
@@ -190,7 +190,7 @@ def _tokenized_documents(folder: Path) -> list[list[int]]:
     ``.bin.meta`` index; ~40 to ~900 tokens, a third longer than a 512-token row."""
     from transformers import AutoTokenizer
 
-    from xtuner_rope.zoo.intern_repo import signed_tokens
+    from tools.zoo.intern_repo import signed_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(sc.TINY_MODEL))
     texts = _pretraining_texts()
@@ -213,9 +213,9 @@ def test_one_tokenized_intern_repo_epoch_trains_every_token_once(tmp_path, monke
     ``packed_length`` pieces of the documents written (every token once, all supervised), and
     the doctor's and the start-up's figures (documents, split, pieces, tokens, rows) are the
     epoch's."""
+    from tools.zoo.localize import enable_plugin, localize
     from xtuner_rope.doctor.diagnose import diagnose
     from xtuner_rope.doctor.report import format_summary
-    from xtuner_rope.zoo.localize import enable_plugin, localize
 
     sc.ensure_tiny_model()
     documents = _tokenized_documents(tmp_path / "docs")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stock_configs import PLUGIN_EDIT, cpu_optim_wrapper, sub_once
 
-from xtuner_rope.zoo import internvl as zoo_internvl
+from tools.zoo import internvl as zoo_internvl
 
 INTERNLM2_LORA = "internvl_v2_internlm2_2b_lora_finetune"
 PHI3_FULL = "internvl_v2_phi3_4b_finetune"
@@ -24,7 +24,7 @@ def localize_internvl(
     config: Path, model: Path, data_json: Path, batch_size: int = 4, cpu: bool = True
 ) -> str:
     """The user's own-machine edits of a stock InternVL config (the zoo's,
-    :func:`xtuner_rope.zoo.internvl.localize_internvl`), and on CPU the README's optimizer
+    :func:`tools.zoo.internvl.localize_internvl`), and on CPU the README's optimizer
     swap; returns the new text."""
     text = zoo_internvl.localize_internvl(
         config.read_text(encoding="utf-8"), model, data_json, batch_size

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import stock_configs as sc
 
-from xtuner_rope.zoo.localize import short_chat_samples
+from tools.zoo.localize import short_chat_samples
 
 DPO = "internlm2_chat_1_8b_dpo_full_varlenattn"
 DPO_UNPACKED = "internlm2_chat_1_8b_dpo_full"  # use_varlen_attn = False: a response a row

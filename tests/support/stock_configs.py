@@ -1,9 +1,9 @@
 """XTuner's stock configs as a user gets them (`xtuner copy-cfg`), pointed at local files.
 
-``copy_stock`` runs the real ``xtuner copy-cfg``; ``localize`` makes the edits any user makes
-to run a stock config on their own machine and data (checkpoint path, data path, a shorter
-``max_length``, a learning rate that moves a randomly initialised tiny model, and on a CPU-only
-machine fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``); ``enable_plugin`` makes the one
+``copy_stock`` writes what ``xtuner copy-cfg`` writes (the zoo's step 1); ``localize`` makes the
+edits any user makes to run a stock config on their own machine and data (checkpoint path, data
+path, a shorter ``max_length``, a learning rate that moves a randomly initialised tiny model, and
+on a CPU-only machine fp32 ``OptimWrapper`` instead of ``AmpOptimWrapper``); ``enable_plugin`` makes the one
 edit the README documents. Each edit is a text substitution that must match exactly once, so a
 change of XTuner's stock files fails loudly here instead of testing something else.
 """
@@ -18,7 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xtuner_rope.zoo.localize import one_map_process, short_chat_samples
+from tools.zoo.localize import one_map_process, short_chat_samples
+
+# What ``xtuner copy-cfg NAME DST`` writes, in this process (the zoo's step 1: the command's
+# process costs ~4 s of CPU for a file copy, and the suite copies dozens of configs).
+from tools.zoo.run import copy_stock  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-internlm2"
@@ -31,27 +35,6 @@ PLUGIN_EDIT = (
 def venv_env() -> dict:
     """The environment `xtuner train` needs: this interpreter's bin first on PATH."""
     return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-
-
-def copy_stock(name: str, dst: Path) -> Path:
-    """What ``xtuner copy-cfg NAME DST`` writes: the stock config file a user starts from.
-
-    XTuner's own ``copy_cfg`` steps in this process (its name-to-file table and its ``_copy``
-    suffix), not the command: the command's process costs ~5 s of CPU for a file copy, and the
-    suite copies dozens of configs. ``tests/config/test_startup.py::
-    test_copy_stock_writes_what_xtuner_copy_cfg_writes``
-    runs the real command and compares the files.
-    """
-    from xtuner.configs import cfgs_name_path
-    from xtuner.tools.copy_cfg import add_copy_suffix
-
-    if name not in cfgs_name_path:
-        raise KeyError(f"{name!r} is not one of XTuner's stock configs (`xtuner list-cfg`)")
-    dst.mkdir(parents=True, exist_ok=True)
-    source = Path(cfgs_name_path[name])
-    target = dst / add_copy_suffix(source.name)
-    shutil.copyfile(source, target)
-    return target
 
 
 def sub_once(text: str, pattern: str, repl: str) -> str:
@@ -108,8 +91,8 @@ def intern_repo_config(dst: Path, n: int = 600) -> Path:
     """Stock ``internlm2_7b_w_untokenized_dataset`` with the one edit, on ``n`` of the alpaca
     data's dialogues (:func:`write_message_lines`), the tiny checkpoint and ``max_length``
     512 (the zoo's own-machine edits); returns the config's path (``dst/intern_repo.py``)."""
-    from xtuner_rope.zoo.localize import enable_plugin as zoo_enable_plugin
-    from xtuner_rope.zoo.localize import localize as zoo_localize
+    from tools.zoo.localize import enable_plugin as zoo_enable_plugin
+    from tools.zoo.localize import localize as zoo_localize
 
     stock = copy_stock(INTERN_REPO, dst).read_text(encoding="utf-8")
     data = write_message_lines(dst / "intern_repo_data", n)
@@ -197,7 +180,6 @@ def tiny_with_remote_code(dst: Path) -> Path:
     so ``trust_remote_code=True`` loads them without xtuner-rope's Auto registration; this
     copy uses the modeling code XTuner ships (the current hub version).
     """
-    import shutil
 
     from xtuner_rope.demo.tiny import add_internlm2_remote_code
 

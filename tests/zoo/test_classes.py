@@ -1,4 +1,4 @@
-"""The classes of the config zoo (``xtuner_rope.zoo.classes``), read from the 594 config texts.
+"""The classes of the config zoo (``tools.zoo.classes``), read from the 594 config texts.
 
 Each config has one value on every axis (the data axes: every builder and map function it
 combines); the classes table says which swept rows cover each class, and a row covers only
@@ -8,7 +8,7 @@ with an outcome that shows what the plugin does there.
 import pytest
 import stock_configs as sc
 
-from xtuner_rope import zoo
+from tools import zoo
 
 
 @pytest.fixture(scope="module")

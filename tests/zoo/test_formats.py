@@ -1,5 +1,5 @@
 """The sweep's data for XTuner's own dataset classes and own-column map functions
-(``xtuner_rope.zoo.formats``, ``xtuner_rope.zoo.refcoco``), read by XTuner's real classes.
+(``tools.zoo.formats``, ``tools.zoo.refcoco``), read by XTuner's real classes.
 
 - ``MOSSSFTDataset`` builds its samples from the sweep's MOSS files, and a second build reads
   the caches it wrote under torch's weights-only default (no patch needed: the caches hold
@@ -17,10 +17,10 @@ import random
 
 import pytest
 
+from tools.zoo import formats, refcoco
+from tools.zoo.classes import packing_of
+from tools.zoo.data import write_universal_data
 from xtuner_rope.capture.text import packs_documents
-from xtuner_rope.zoo import formats, refcoco
-from xtuner_rope.zoo.classes import packing_of
-from xtuner_rope.zoo.data import write_universal_data
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_moss_and_refcoco_configs_are_pointed_at_their_own_files():
     dialogues' ``train.json`` or LLaVA's JSON), and no stock path survives."""
     from pathlib import Path
 
-    from xtuner_rope import zoo
+    from tools import zoo
 
     moss = {False: Path("/local/moss/plain.jsonl"), True: Path("/local/moss/tools.jsonl")}
     files = zoo.LocalFiles(

@@ -1,4 +1,4 @@
-"""The sweep's intern-repo data (``xtuner_rope.zoo.intern_repo``) read by XTuner's own loaders.
+"""The sweep's intern-repo data (``tools.zoo.intern_repo``) read by XTuner's own loaders.
 
 The tokenized ``.bin`` + ``.bin.meta`` files go through the real
 ``load_intern_repo_tokenized_dataset``, the untokenized message lines through the real
@@ -28,10 +28,10 @@ from xtuner.dataset.intern_repo import (
 from xtuner.dataset.map_fns import template_map_fn_factory
 from xtuner.utils import PROMPT_TEMPLATE
 
-from xtuner_rope import zoo
+from tools import zoo
+from tools.zoo import intern_repo as ir
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary
-from xtuner_rope.zoo import intern_repo as ir
 
 N = 12  # dialogues: the untokenized loader maps them with up to 32 processes, one per row
 TEMPLATE = "internlm2_chat"

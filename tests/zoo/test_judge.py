@@ -1,4 +1,4 @@
-"""The zoo's judge (``xtuner_rope.zoo.judge``) says "leaked", "crashed" and "not exercised" when
+"""The zoo's judge (``tools.zoo.judge``) says "leaked", "crashed" and "not exercised" when
 it must: on a real capture of a packed row that leaks (the tiny InternLM2 unpatched, one
 position range over two documents, as XTuner packs them), on logs that end in a traceback, and
 on a batch whose packed row holds one document. The controls: the same capture computed with
@@ -12,7 +12,7 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
-from xtuner_rope import zoo
+from tools import zoo
 from xtuner_rope.capture.text import compare_capture, reference_llm
 
 RECIPE = sc.REPO / "configs" / "tiny_internlm2_short_dialogues.py"
@@ -122,7 +122,7 @@ def test_the_doctor_is_not_scored_on_the_sweeps_own_errors():
 
 
 def test_recorded_rows_are_rejudged_by_the_current_rule():
-    """Rows recorded before the two-document rule (``tools/zoo.py --rejudge``)."""
+    """Rows recorded before the two-document rule (``python -m tools.zoo --rejudge``)."""
     one = {"outcome": zoo.TRAINED, "documents": 1, "message": "1 documents, max 1.8e-07"}
     assert zoo.rejudge(one)["outcome"] == zoo.NOT_EXERCISED
     assert "recorded: 1 documents" in zoo.rejudge(one)["message"]

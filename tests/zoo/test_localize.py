@@ -1,4 +1,4 @@
-"""The zoo's localizer (``xtuner_rope.zoo.localize``) over the text of every stock config.
+"""The zoo's localizer (``tools.zoo.localize``) over the text of every stock config.
 
 No hub id or cluster path of a stock config survives the edits of its kind: every model, data
 and folder path setting points at local files (the known miss was
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xtuner_rope import zoo
+from tools import zoo
 
 FILES = zoo.LocalFiles(
     model=Path("/local/model"),
@@ -75,7 +75,7 @@ def test_internvl_rows_get_a_tiny_internvl_packed_and_captured(edited):
     """Every stock InternVL config (``model.type=InternVL_V1_5``): the tiny checkpoint after
     ``path =`` with the one edit, the LLaVA-format data, no 4-bit on CPU, fp32
     ``OptimWrapper``, the plugin's packing collate and the InternVL capture hook."""
-    from xtuner_rope.zoo.internvl import internvl_llm_of
+    from tools.zoo.internvl import internvl_llm_of
 
     names = sorted(n for n in edited if n.startswith("internvl_"))
     assert len(names) == 21
@@ -94,7 +94,7 @@ def test_internvl_rows_get_a_tiny_internvl_packed_and_captured(edited):
 
 
 def test_an_internvl_config_without_its_data_setting_is_named():
-    from xtuner_rope.zoo.internvl import localize_internvl
+    from tools.zoo.internvl import localize_internvl
 
     stock = zoo.stock_texts(["internvl_v2_phi3_4b_finetune"])["internvl_v2_phi3_4b_finetune"]
     with pytest.raises(ValueError, match=r"data_path = .* matched 0 times"):

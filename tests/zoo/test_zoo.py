@@ -1,4 +1,4 @@
-"""The zoo sweep (``tools/zoo.py``, ``xtuner_rope.zoo``): the real sweep on a fixed sample.
+"""The zoo sweep (``python -m tools.zoo``): the real sweep on a fixed sample.
 
 The sample, one row per way a stock config ends here, each judged with the doctor's reason:
 the stock Cohere config (sequence parallel over 32 ranks: refused by the start-up before its
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import stock_configs as sc
 
-from xtuner_rope import zoo
+from tools import zoo
 from xtuner_rope.models.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,8 @@ def test_sweep_of_the_fixed_sample(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tools" / "zoo.py"),
+            "-m",
+            "tools.zoo",
             *SAMPLE,
             "--jobs",
             "2",
@@ -239,16 +240,3 @@ def test_isolation_tolerance_follows_the_runs_dtype():
     assert zoo.isolation_tolerance("bfloat16") == 8 * 2**-8  # 0.031; leaks move 0.2 to 2
     with pytest.raises(KeyError):
         zoo.isolation_tolerance("int8")
-
-
-def test_the_old_import_path_warns_and_names_the_new_one():
-    import importlib
-    import sys
-
-    sys.modules.pop("xtuner_rope.doctor.zoo", None)
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"xtuner_rope\.doctor\.zoo is deprecated: it moved to xtuner_rope\.zoo",
-    ):
-        old = importlib.import_module("xtuner_rope.doctor.zoo")
-    assert old is zoo and old.run_row is zoo.run_row

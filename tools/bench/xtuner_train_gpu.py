@@ -36,14 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repository root: tools.zoo
 from packing_gpu import SHAPES  # noqa: E402 - tools/bench/packing_gpu.py, this script's sibling
 
-from xtuner_rope.demo.resources import tiny_checkpoint  # noqa: E402
-from xtuner_rope.demo.runlog import train_losses  # noqa: E402
-from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS, add_internlm2_remote_code  # noqa: E402
-from xtuner_rope.zoo.classes import stock_texts  # noqa: E402
-from xtuner_rope.zoo.data import write_universal_data  # noqa: E402
-from xtuner_rope.zoo.localize import (  # noqa: E402
+from tools.zoo.classes import stock_texts  # noqa: E402
+from tools.zoo.data import write_universal_data  # noqa: E402
+from tools.zoo.localize import (  # noqa: E402
     cpu_edits,
     enable_plugin,
     localize_paths,
@@ -51,6 +49,9 @@ from xtuner_rope.zoo.localize import (  # noqa: E402
     short_chat_samples,
     sub,
 )
+from xtuner_rope.demo.resources import tiny_checkpoint  # noqa: E402
+from xtuner_rope.demo.runlog import train_losses  # noqa: E402
+from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS, add_internlm2_remote_code  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STOCK = "internlm2_chat_1_8b_full_alpaca_e3"

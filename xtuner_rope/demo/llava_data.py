@@ -50,10 +50,10 @@ def draw_shape(shape: str, colour: str, size: int = 64):
 
 def _text_samples(n: int) -> list[dict]:
     """The first exchange of ``n`` sample dialogues, in LLaVA's conversation format."""
-    from .sample_data import generate_dialogues
+    from .sample_dialogues import sample_dialogues
 
     rows = []
-    for i, dialogue in enumerate(d["messages"] for d in generate_dialogues(n)):
+    for i, dialogue in enumerate(d["messages"] for d in sample_dialogues(n)):
         user = next(m["content"] for m in dialogue if m["role"] == "user")
         reply = next(m["content"] for m in dialogue if m["role"] == "assistant")
         rows.append(

@@ -28,8 +28,9 @@ def tiny_checkpoint(
 
     Args:
         path: Checkpoint directory.
-        data_path: Dialogues that train the tokenizer; None: the package's sample dialogues
-            (the bytes of ``data/short_dialogues.jsonl``, wherever the current directory is).
+        data_path: Dialogues that train the tokenizer; None: the sample dialogues the package
+            ships (``short_dialogues.jsonl``, linked from ``data/``), wherever the current
+            directory is.
         seed: Weight-initialisation seed.
         family: ``'internlm2'`` (default), or ``'qwen2'`` / ``'llama'`` / ``'mistral'`` for
             the tiny transformers stand-ins of the other recipes.

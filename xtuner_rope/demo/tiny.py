@@ -4,9 +4,9 @@ Cohere; 2 layers, hidden 64).
 
 Everything here is deterministic and offline: the same dialogues and seed give the same
 tokenizer files and the same weights, so tests and demos never download a checkpoint. The
-default dialogues are the package's own sample (``xtuner_rope.demo.sample_data``, the bytes of
-``data/short_dialogues.jsonl``), so nothing depends on the current directory. InternLM2 uses
-the classes XTuner ships (``xtuner._lite.modelings.internlm2``, registered with the
+default dialogues are the sample the package ships (``xtuner_rope.demo.sample_dialogues``:
+``short_dialogues.jsonl``, linked from ``data/``), so nothing depends on the current directory.
+InternLM2 uses the classes XTuner ships (``xtuner._lite.modelings.internlm2``, registered with the
 ``transformers`` Auto factories by ``xtuner_rope.compat``); the others are transformers' own.
 ``python tools/make_tiny.py --family mistral --out DIR`` writes one.
 """
@@ -79,15 +79,14 @@ def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
     """Yield every message content of an OpenAI-messages JSONL file, in file order.
 
     Args:
-        jsonl_path: The file; None: the package's sample dialogues (generated, the same bytes
-            as ``data/short_dialogues.jsonl``), wherever the current directory is.
+        jsonl_path: The file; None: the sample dialogues the package ships
+            (:func:`~xtuner_rope.demo.sample_dialogues.sample_path`), wherever the current
+            directory is.
     """
     if jsonl_path is None:
-        from .sample_data import generate_dialogues
+        from .sample_dialogues import sample_path
 
-        for dialogue in generate_dialogues():
-            yield from (message["content"] for message in dialogue["messages"])
-        return
+        jsonl_path = sample_path()
     with open(jsonl_path, encoding="utf-8") as f:
         for line in f:
             if line.strip():

@@ -2,8 +2,9 @@
 
 Real SFT data is mostly short: one-word replies, bare greetings, empty system prompts and a
 minority of multi-turn chats. This module shapes such dialogues (greetings, system prompts,
-follow-ups, thanks) around the exchanges of ``sample_topics``, all drawn from one seeded
-``random.Random``, so ``data/short_dialogues.jsonl`` regenerates byte for byte. Checkable
+follow-ups, thanks) around the exchanges of ``topics``, all drawn from one seeded
+``random.Random``, so the shipped ``xtuner_rope/demo/short_dialogues.jsonl`` (and
+``data/short_dialogues.jsonl``, a link to it) regenerates byte for byte. Checkable
 answers are computed there rather than typed in, so a model trained on the file learns true
 things.
 """
@@ -11,8 +12,8 @@ things.
 import json
 import random
 
-from . import sample_data_tables as T
-from .sample_topics import topic
+from . import tables as T
+from .topics import topic
 
 # Rough token budget: ~100 English words is ~150 tokens, the upper end of a "short" dialogue.
 MAX_WORDS = 100

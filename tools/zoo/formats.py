@@ -1,6 +1,6 @@
 """Data in the formats of the stock datasets whose columns are their own: colours, tiny codes, MOSS.
 
-The universal file (:func:`xtuner_rope.zoo.data.write_universal_data`) gives every map function
+The universal file (:func:`tools.zoo.data.write_universal_data`) gives every map function
 its columns, but two of them read what no chat dialogue holds: ``colors_map_fn`` a colour's
 ``description`` ("Name: what it looks like") and its hex ``color`` (``burkelibbey/colors``), and
 ``tiny_codes_map_fn`` a programming task ``prompt`` with its ``response`` (prose and code,
@@ -171,7 +171,7 @@ def _moss_turn(user: str, reply: str, command: str = "None", result: str = "None
 def moss_rows(n: int, tools: bool, seed: int = 0) -> list[dict]:
     """``n`` MOSS SFT lines: the sample dialogues' exchanges, or (``tools``) sums asked of a
     calculator, its result in ``Tool Responses``, then the answer (checkable: computed here)."""
-    from xtuner_rope.demo.sample_data import generate_dialogues
+    from tools.sample_data import generate_dialogues
 
     rng = random.Random(seed)
     rows = []

@@ -15,17 +15,17 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from xtuner_rope.zoo.classes import mode_of
-from xtuner_rope.zoo.data import (
+from tools.zoo.classes import mode_of
+from tools.zoo.data import (
     tiny_checkpoint,
     write_llava_images,
     write_preference_data,
     write_universal_data,
 )
-from xtuner_rope.zoo.formats import MOSS_FILES, write_moss_data
-from xtuner_rope.zoo.intern_repo import with_intern_repo_data
-from xtuner_rope.zoo.internvl import internvl_checkpoint, internvl_llm_of
-from xtuner_rope.zoo.judge import (
+from tools.zoo.formats import MOSS_FILES, write_moss_data
+from tools.zoo.intern_repo import with_intern_repo_data
+from tools.zoo.internvl import internvl_checkpoint, internvl_llm_of
+from tools.zoo.judge import (
     CRASHED,
     DATA_SETTINGS,
     LACKS,
@@ -38,10 +38,9 @@ from xtuner_rope.zoo.judge import (
     doctor_reasons,
     doctor_verdict,
     judge_run,
-    last_error,
     loaded_weights,
 )
-from xtuner_rope.zoo.localize import (
+from tools.zoo.localize import (
     LLAVA_LLM_OF_PREFIX,
     LocalFiles,
     family_of,
@@ -49,7 +48,7 @@ from xtuner_rope.zoo.localize import (
     model_ids,
     surviving_paths,
 )
-from xtuner_rope.zoo.refcoco import write_refcoco_data
+from tools.zoo.refcoco import write_refcoco_data
 
 # The stock config a ``--deepspeed`` file (``xtuner list-cfg`` lists them too) is launched with.
 DEEPSPEED_HOST = "internlm2_chat_1_8b_qlora_alpaca_e3"
@@ -109,19 +108,30 @@ def run_logged(
     return code, out if isinstance(out, str) else out.decode(errors="replace")
 
 
-def copy_stock(name: str, folder: Path) -> tuple[Path | None, str]:
-    """Step 1: ``xtuner copy-cfg`` (what a user runs); the copy, or None and the error."""
-    copied = subprocess.run(
-        ["xtuner", "copy-cfg", name, str(folder)],
-        env=offline_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    stock = next(folder.glob(f"{name}_copy.*"), None)
-    if copied.returncode != 0 or stock is None:
-        return None, "xtuner copy-cfg: " + last_error(copied.stdout + copied.stderr)
-    return stock, ""
+def copy_stock(name: str, folder: Path) -> Path:
+    """Step 1: what ``xtuner copy-cfg NAME FOLDER`` writes, the stock file a user starts from.
+
+    XTuner's own copy steps (its name-to-file table and its ``_copy`` suffix) in this process,
+    not the command: the command is two Python processes (~4 s of CPU, an eighth of a trained
+    row) for a file copy. ``tests/config/test_startup.py::
+    test_copy_stock_writes_what_xtuner_copy_cfg_writes`` runs the real command and compares.
+
+    Returns:
+        The copy's path.
+
+    Raises:
+        KeyError: ``name`` is not one of XTuner's stock configs.
+    """
+    from xtuner.configs import cfgs_name_path
+    from xtuner.tools.copy_cfg import add_copy_suffix
+
+    if name not in cfgs_name_path:
+        raise KeyError(f"{name!r} is not one of XTuner's stock configs (`xtuner list-cfg`)")
+    folder.mkdir(parents=True, exist_ok=True)
+    source = Path(cfgs_name_path[name])
+    target = folder / add_copy_suffix(source.name)
+    shutil.copyfile(source, target)
+    return target
 
 
 def local_files(name: str, kind: str, root: Path, data: Path, models: Path) -> LocalFiles:
@@ -194,9 +204,9 @@ def run_row(
     """Sweep one stock config; returns its row (never raises for the config's own failure).
 
     Steps: copy it (:func:`copy_stock`), point it at local files (:func:`local_files`,
-    :func:`~xtuner_rope.zoo.localize.localized`; a hub path left behind is a sweep error),
+    :func:`~tools.zoo.localize.localized`; a hub path left behind is a sweep error),
     run the doctor (:func:`run_doctor`), train (:func:`run_training`), judge the run
-    (:func:`~xtuner_rope.zoo.judge.judge_run`) and score the doctor (:func:`settle`). A
+    (:func:`~tools.zoo.judge.judge_run`) and score the doctor (:func:`settle`). A
     ``--deepspeed`` file is swept as the launch of :data:`DEEPSPEED_HOST` with it.
     """
     start = time.time()
@@ -204,9 +214,10 @@ def run_row(
     shutil.rmtree(folder, ignore_errors=True)  # a re-run never reads an earlier run's files
     folder.mkdir(parents=True)
     row = {"config": name, "family": family_of(name), "date": time.strftime("%Y-%m-%d")}
-    stock, error = copy_stock(DEEPSPEED_HOST if name.startswith("deepspeed_") else name, folder)
-    if stock is None:
-        return {**row, "outcome": SWEEP_ERROR, "message": error, "seconds": 0}
+    try:
+        stock = copy_stock(DEEPSPEED_HOST if name.startswith("deepspeed_") else name, folder)
+    except KeyError as exc:
+        return {**row, "outcome": SWEEP_ERROR, "message": f"copy: {exc.args[0]}", "seconds": 0}
     text = stock.read_text(encoding="utf-8")
     deepspeed = name if name.startswith("deepspeed_") else None
     row["mode"] = mode_of(text, DEEPSPEED_HOST if deepspeed else name)

@@ -1,7 +1,7 @@
-"""Fact and phrasing tables for ``xtuner_rope.demo.sample_data`` (content only, no logic).
+"""Fact and phrasing tables for ``tools.sample_data.dialogues`` (content only, no logic).
 
 Every row is written for this project; answers that can be computed are computed in
-``sample_data``, so these tables hold only settled facts and phrasings.
+``dialogues`` and ``topics``, so these tables hold only settled facts and phrasings.
 """
 
 

@@ -15,8 +15,8 @@ def write_universal_data(root: Path, n: int = 240) -> Path:
         The directory holding ``train.json`` (``load_dataset(path=dir)`` and
         ``load_dataset("json", data_files=[dir/train.json])`` both read it).
     """
-    from xtuner_rope.demo.sample_data import generate_dialogues
-    from xtuner_rope.zoo.formats import code_columns, colour_columns
+    from tools.sample_data import generate_dialogues
+    from tools.zoo.formats import code_columns, colour_columns
 
     rows = []
     own = random.Random(0)  # the columns of the colour and code sets (zoo.formats)
@@ -69,8 +69,8 @@ def write_preference_data(root: Path, n: int = 240) -> Path:
     Returns:
         The ``.jsonl`` file (``load_dataset("json", data_files=...)`` reads it).
     """
-    from xtuner_rope.demo.preference_pairs import preference_pairs, write_pairs
-    from xtuner_rope.demo.sample_data import generate_dialogues
+    from tools.sample_data import generate_dialogues
+    from tools.sample_data.preference_pairs import preference_pairs, write_pairs
 
     root.mkdir(parents=True, exist_ok=True)
     path = root / "preference_pairs.jsonl"

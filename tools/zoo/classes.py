@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from xtuner_rope.zoo.judge import (
+from tools.zoo.judge import (
     LACKS,
     NOT_A_TRAINING_CONFIG,
     NOT_EXERCISED,
@@ -24,7 +24,7 @@ from xtuner_rope.zoo.judge import (
     REFUSED_AT_DATA,
     TRAINED,
 )
-from xtuner_rope.zoo.localize import LLAVA_LLM_OF_PREFIX, family_of
+from tools.zoo.localize import LLAVA_LLM_OF_PREFIX, family_of
 
 # Outcomes that show what the plugin does in a class. "Not exercised" covers only where the
 # class itself has nothing to isolate (one document a row): a packed row that happened to hold

@@ -153,7 +153,7 @@ def judge_run(code: int, out: str, work: Path, config: Path, iters: int, kind: s
         work: Its work dir (the run's log and the capture file).
         config: The config it trained.
         iters: How many iterations it had to log.
-        kind: :func:`xtuner_rope.zoo.classes.kind_of`.
+        kind: :func:`tools.zoo.classes.kind_of`.
     """
     if code == 0 and crashed_in(out):  # a launcher that exits 0 whatever happened
         code = 1

@@ -26,8 +26,8 @@ import json
 import re
 from pathlib import Path
 
-from xtuner_rope.zoo.data import tiny_checkpoint
-from xtuner_rope.zoo.localize import LocalFiles
+from tools.zoo.data import tiny_checkpoint
+from tools.zoo.localize import LocalFiles
 
 # The loader a stock config names -> the format it reads.
 LOADERS = {
@@ -59,7 +59,7 @@ def prompt_template_of(text: str) -> str:
 
 
 def _dialogues(n: int) -> list[list[dict]]:
-    from xtuner_rope.demo.sample_data import generate_dialogues
+    from tools.sample_data import generate_dialogues
 
     return [d["messages"] for d in generate_dialogues(n, seed=0)]
 

@@ -2,10 +2,10 @@
 
 Each generator draws from a seeded ``random.Random`` and computes every checkable answer
 (arithmetic, unit conversions, letter counts, orderings) instead of typing it in; the fact and
-phrasing tables live in ``sample_data_tables``. ``sample_data`` assembles whole dialogues.
+phrasing tables live in ``tables``. ``dialogues`` assembles whole dialogues.
 """
 
-from . import sample_data_tables as T
+from . import tables as T
 
 
 def _end(text):

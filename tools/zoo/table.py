@@ -3,8 +3,8 @@ the classes of the zoo with the rows that cover them."""
 
 from __future__ import annotations
 
-from xtuner_rope.zoo.classes import coverage, zoo_classes
-from xtuner_rope.zoo.judge import OUTCOMES, doctor_agrees
+from tools.zoo.classes import coverage, zoo_classes
+from tools.zoo.judge import OUTCOMES, doctor_agrees
 
 
 def counts(results: dict) -> dict:

@@ -16,13 +16,13 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from xtuner_rope.zoo.formats import localize_moss
-from xtuner_rope.zoo.internvl import (
+from tools.zoo.formats import localize_moss
+from tools.zoo.internvl import (
     localize_internvl,
     with_internvl_capture,
     with_internvl_collate,
 )
-from xtuner_rope.zoo.refcoco import localize_refcoco
+from tools.zoo.refcoco import localize_refcoco
 
 # Config-name prefix -> the family's tiny builder name (``demo.tiny.FAMILIES``), longest first.
 # A family whose builder is absent from FAMILIES keeps its hub checkpoint id (offline here).
@@ -308,8 +308,8 @@ def enable_plugin_llava(text: str) -> str:
 class LocalFiles:
     """What a row is pointed at: its tiny checkpoint (None: no builder, the hub id stays), the
     dialogues folder, the preference pairs file, the tiny CLIP, the LLaVA data JSON, the MOSS
-    files (``{tools: path}``, :func:`~xtuner_rope.zoo.formats.write_moss_data`) and the RefCOCO
-    annotations (:func:`~xtuner_rope.zoo.refcoco.write_refcoco_data`)."""
+    files (``{tools: path}``, :func:`~tools.zoo.formats.write_moss_data`) and the RefCOCO
+    annotations (:func:`~tools.zoo.refcoco.write_refcoco_data`)."""
 
     model: Path | None
     data: Path
@@ -321,7 +321,7 @@ class LocalFiles:
 
 
 def localized(text: str, kind: str, files: LocalFiles) -> str:
-    """A stock config of ``kind`` (:func:`xtuner_rope.zoo.classes.kind_of`) pointed at local
+    """A stock config of ``kind`` (:func:`tools.zoo.classes.kind_of`) pointed at local
     files with the CPU edits, the one edit and the kind's capture hook.
 
     Raises:

@@ -122,8 +122,8 @@ def with_remote_code(llm: Path, out: Path) -> Path:
 def internvl_checkpoint(llm: str | None, models: Path) -> Path | None:
     """The tiny InternVL around the tiny ``llm`` (``internlm2`` or ``phi3``) under ``models``,
     built once; None for another LLM."""
+    from tools.zoo.data import tiny_checkpoint
     from xtuner_rope.demo.tiny_internvl import save_tiny_internvl
-    from xtuner_rope.zoo.data import tiny_checkpoint
 
     if llm not in ("internlm2", "phi3"):
         return None

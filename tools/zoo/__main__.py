@@ -1,13 +1,13 @@
 """Sweep XTuner's stock configs: one edit, tiny model, a few real iterations, one row each.
 
-    python tools/zoo.py 'internlm2_chat_1_8b_*alpaca*' 'llama2_7b_chat_qlora_alpaca_e3' \\
+    python -m tools.zoo 'internlm2_chat_1_8b_*alpaca*' 'llama2_7b_chat_qlora_alpaca_e3' \\
         --jobs 1 --out work_dirs/zoo --results docs/zoo/results.json --markdown docs/zoo/zoo.md
 
 Resumable: rows already in the results file are skipped (``--only missing``, the default);
 ``--only failed`` re-runs crashed/leaked/mispredicted rows, ``--only all`` everything selected;
 ``--table-only`` rewrites the markdown from the results file (e.g. after an interrupted sweep).
 ``--classes`` prints the classes of all stock configs with the rows that cover them
-(``--classes-markdown FILE`` writes the table). See ``xtuner_rope/zoo/`` for what each row does.
+(``--classes-markdown FILE`` writes the table). See ``tools/zoo/`` for what each row does. Run from the repository root.
 """
 
 import argparse
@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from xtuner_rope import zoo
+from tools import zoo
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.zoo", description=__doc__.splitlines()[0])
     p.add_argument(
         "patterns",
         nargs="*",

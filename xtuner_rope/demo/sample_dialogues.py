@@ -1,0 +1,56 @@
+"""The sample of short chat dialogues the package ships: ``short_dialogues.jsonl``, read.
+
+2,400 dialogues in OpenAI chat format (``{"messages": [...]}`` a line), written by the
+maintainer's generator (``tools/sample_data/``, ``python tools/make_sample_data.py``) and
+shipped as package data beside this module, so the tiny checkpoints' tokenizer and the tiny
+LLaVA data need no repository checkout. The repository's ``data/short_dialogues.jsonl`` is a
+link to the same file.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["sample_dialogues", "sample_path"]
+
+FILE_NAME = "short_dialogues.jsonl"
+
+
+def sample_path() -> Path:
+    """The shipped file's path (the installed package's own folder: wheel or editable).
+
+    Raises:
+        FileNotFoundError: The install lacks its package data.
+    """
+    path = Path(str(resources.files(__package__) / FILE_NAME))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"xtuner_rope's sample dialogues are missing: no file {path}. The install lacks "
+            "its package data (setup.cfg [options.package_data]); reinstall xtuner-rope, or "
+            "pass your own dialogues (data_path=...)"
+        )
+    return path
+
+
+def sample_dialogues(n: int | None = None) -> list[dict]:
+    """The first ``n`` shipped dialogues (all 2,400 when None), in file order.
+
+    Args:
+        n: How many; the file's first ``n`` lines.
+
+    Returns:
+        ``{"messages": [{"role": ..., "content": ...}, ...]}`` records.
+
+    Raises:
+        ValueError: ``n`` is more than the file holds.
+    """
+    with sample_path().open(encoding="utf-8") as f:
+        dialogues = [json.loads(line) for line in f if line.strip()]
+    if n is not None and n > len(dialogues):
+        raise ValueError(
+            f"sample_dialogues: n={n}, but the shipped sample holds {len(dialogues)} "
+            "dialogues; ask for fewer"
+        )
+    return dialogues if n is None else dialogues[:n]
