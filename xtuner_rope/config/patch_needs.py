@@ -141,6 +141,10 @@ NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
     "patch_deepspeed_zero3_cpu_gather": ("DeepSpeed ZeRO-3 on a CPU-only machine", _zero(3)),
     "patch_checkpoint_loading": ("`resume`, `load_from` or `--resume`", _loads_checkpoint),
     "patch_checkpoint_writes": ("every run with MMEngine's `CheckpointHook`", _checkpoint_hook),
+    "patch_deepspeed_checkpoint_writes": (
+        "DeepSpeed runs with MMEngine's `CheckpointHook`",
+        lambda cfg: _checkpoint_hook(cfg) and _uses_deepspeed(cfg),
+    ),
     "patch_model_resource_llm_path": (
         "LLaVA / InternVL configs",
         lambda cfg: is_llava(cfg) or is_internvl(cfg),
