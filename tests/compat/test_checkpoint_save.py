@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import resource
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -185,3 +188,71 @@ def test_a_killed_writers_temporary_is_removed_when_the_checkpoint_is_written_ag
     write_atomically(b"whole", str(tmp_path / "iter_8.pth"))
     assert (tmp_path / "iter_8.pth").read_bytes() == b"whole"
     assert not stale.exists() and other.exists()
+
+
+STATE_BYTES = 300 * 2**20  # a DeepSpeed rank's state of a few hundred MB
+PEAK_CHILD = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    variant, path, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if variant == "patched":
+        from xtuner_rope.compat.checkpoint_save import patch_deepspeed_checkpoint_writes
+
+        assert patch_deepspeed_checkpoint_writes()
+    save = TorchCheckpointEngine.save
+    assert save.__module__.startswith("xtuner_rope" if variant == "patched" else "deepspeed"), save
+    state = {f"w{i}": torch.ones(size // 16) for i in range(4)}  # float32: 4 x size / 4 bytes
+
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+    engine = TorchCheckpointEngine()
+    for zipfile in (False, True):  # DeepSpeed's default without a config, and its config's
+        try:  # the peak (VmHWM) back to the resident size now: earlier peaks forgotten
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # an older kernel: the peak so far stays the baseline
+            pass
+        before = status("VmHWM:")
+        engine.zipfile_serialization = zipfile
+        engine.save(state, f"{path}.{'zip' if zipfile else 'legacy'}")
+        print(status("VmHWM:") - before)
+    """
+)
+
+
+def test_a_patched_deepspeed_save_takes_no_more_memory_than_deepspeed_own(tmp_path):
+    """Peak resident size while one rank's state (300 MiB) is saved, in torch's legacy format
+    (DeepSpeed's without a config) and its zip format, each writer in a fresh process: the
+    crash-safe write streams to its temporary file as DeepSpeed's ``torch.save`` to its path
+    does. A bytes copy of the state before writing (the write before) raises the peak by the
+    state's size."""
+    runs = {
+        variant: subprocess.Popen(
+            [sys.executable, "-c", PEAK_CHILD, variant, str(tmp_path / variant), str(STATE_BYTES)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for variant in ("own", "patched")
+    }
+    rise = {}
+    for variant, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        rise[variant] = [int(v) for v in out.split()[-2:]]  # legacy format, zip format
+    for own, patched in zip(rise["own"], rise["patched"]):
+        assert patched <= own + 0.05 * STATE_BYTES, {
+            k: [v >> 20 for v in r] for k, r in rise.items()
+        }
+    written = sorted(p.name for p in tmp_path.iterdir())  # no temporary left
+    assert written == ["own.legacy", "own.zip", "patched.legacy", "patched.zip"], written
+    for name in written:
+        assert judge_checkpoint(str(tmp_path / name)).complete, name

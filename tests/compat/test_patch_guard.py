@@ -77,6 +77,45 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
     assert [f.setting.split(" (")[0] for f in patch_findings(_with_checkpoint_hook())] == [FEATURE]
 
 
+DS_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine"
+
+
+def test_a_deepspeed_that_moves_its_checkpoint_engine_skips_its_write_patch(fresh, monkeypatch):
+    """DeepSpeed's rank files have their own record: a moved engine is reported, not applied."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    save = TorchCheckpointEngine.save
+    monkeypatch.setitem(sys.modules, DS_ENGINE, None)  # import -> ImportError
+    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "crash-safe DeepSpeed checkpoint writes" in message
+    assert f"{DS_ENGINE}:TorchCheckpointEngine.save is missing" in message
+    assert "patch_deepspeed_checkpoint_writes" not in compat.applied()
+    assert TorchCheckpointEngine.save is save  # left as it was
+    deepspeed_run = Config(
+        dict(
+            default_hooks=dict(checkpoint=dict(type=CheckpointHook, interval=1)),
+            strategy=dict(type="DeepSpeedStrategy"),
+        )
+    )
+    (finding,) = patch_findings(deepspeed_run)
+    assert "crash-safe DeepSpeed checkpoint writes (DeepSpeed runs" in finding.setting
+    assert patch_findings(_with_checkpoint_hook()) == []  # not a DeepSpeed run: not refused
+
+
+def test_a_newer_deepspeed_skips_its_write_patch(fresh, monkeypatch):
+    real = guard.metadata.version
+    monkeypatch.setattr(
+        guard.metadata, "version", lambda d: "0.20.0" if d == "deepspeed" else real(d)
+    )
+    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    assert len(caught) == 1
+    assert "deepspeed 0.20.0 is outside the versions it was written for" in str(caught[0].message)
+    compat.run_patch(compat.patch_checkpoint_writes)  # MMEngine's writes: their own record
+    assert compat.outcomes()["patch_checkpoint_writes"] == "applied"
+
+
 def _apply_all() -> None:
     """What ``xtuner_rope.activate`` applies: ``compat.apply`` and the two counting patches."""
     compat.apply()

@@ -67,21 +67,32 @@ def _resident_kib(path):
     return total
 
 
+@pytest.fixture
+def release(monkeypatch):
+    """Mapped pages released once read (the default, whatever the environment says)."""
+    monkeypatch.delenv(token_gather.RELEASE_PAGES_ENV, raising=False)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
-def test_dropping_mapped_pages_frees_them_and_keeps_the_data(tmp_path):
+def test_dropping_mapped_pages_frees_them_and_keeps_the_data(tmp_path, monkeypatch):
+    """``XTUNER_ROPE_RELEASE_PAGES=0``: the pages stay (the kernel's to reclaim); else released."""
     path = (tmp_path / "tokens.bin").resolve()
     values = np.arange(1 << 20, dtype=np.int64)  # 8 MiB
     values.tofile(path)
     mapped = pa.memory_map(str(path))
     view = np.frombuffer(mapped.read_buffer(), dtype=np.int64)
     assert int(view.sum()) == int(values.sum()) and _resident_kib(path) >= 4096
+    monkeypatch.setenv(token_gather.RELEASE_PAGES_ENV, "0")
+    drop_mapped_pages([str(path)])
+    assert _resident_kib(path) >= 4096  # turned off: nothing released
+    monkeypatch.delenv(token_gather.RELEASE_PAGES_ENV)  # the default
     drop_mapped_pages([str(tmp_path / ".." / tmp_path.name / "tokens.bin")])
     assert _resident_kib(path) == 0
     np.testing.assert_array_equal(view, values)  # read again from the file
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
-def test_a_gather_from_a_mapped_file_leaves_its_token_pages_released(tmp_path):
+def test_a_gather_from_a_mapped_file_leaves_its_token_pages_released(tmp_path, release):
     lengths = np.random.default_rng(3).integers(100, 400, 8000)
     path = (tmp_path / "tokenized.arrow").resolve()
     table = _table(lengths, 500)
@@ -114,7 +125,9 @@ def _mapped_table(tmp_path, lengths, chunk):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
 @pytest.mark.parametrize("window_bytes", [1, 20_000, 1 << 30])
-def test_a_mapped_table_read_window_by_window_equals_a_take(tmp_path, monkeypatch, window_bytes):
+def test_a_mapped_table_read_window_by_window_equals_a_take(
+    tmp_path, monkeypatch, window_bytes, release
+):
     """Chunks read through one view of the mapping, windows of any size (1 byte: a window a
     chunk; 1 GiB: the whole file in one), pieces in any order and across chunks' order."""
     monkeypatch.setattr(token_gather, "WINDOW_BYTES", window_bytes)
@@ -136,7 +149,7 @@ def test_a_mapped_table_read_window_by_window_equals_a_take(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
-def test_reading_the_lengths_or_the_chunks_leaves_the_mapped_pages_released(tmp_path):
+def test_reading_the_lengths_or_the_chunks_leaves_the_mapped_pages_released(tmp_path, release):
     """Reading every chunk's offsets maps their neighbours too (fault-around): lengths and a
     TokenGather built over a mapped table leave only a few pages of it resident."""
     lengths = np.random.default_rng(7).integers(100, 400, 8000)

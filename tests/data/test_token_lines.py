@@ -12,27 +12,37 @@ from hypothesis import strategies as st
 from xtuner.dataset import intern_repo
 
 from xtuner_rope.data.intern_repo_packing import build_whole_packed_dataset
-from xtuner_rope.data.token_lines import TokenLines, parse_int_lists
+from xtuner_rope.data.token_lines import TokenLines, parse_token_lines
 
 
-def _json_ints(body: bytes):
-    """What ``json.loads`` reads from the array body, or None where it is not a list of ints."""
+def _json_tokens(line: bytes):
+    """``json.loads(line)["tokens"]`` as XTuner's reader reads it, or None where that is not a
+    list of integers whose absolute values fit int64 (what the bulk parse must refuse)."""
     try:
-        values = json.loads(b"[" + body + b"]")
-    except ValueError:
+        values = json.loads(line)["tokens"]
+    except (ValueError, TypeError, KeyError):
         return None
-    return values if all(type(v) is int for v in values) else None
+    if not isinstance(values, list):
+        return None
+    fits = all(type(v) is int and -(2**63) < v < 2**63 for v in values)
+    return values if fits else None
+
+
+def _line(body: bytes) -> bytes:
+    return b'{"tokens": [' + body + b"]}"
 
 
 @given(
     st.lists(st.text("0123456789-, .e+\t[", max_size=12).map(str.encode), min_size=1, max_size=4)
 )
-@example([b"1, -2, 3", b"0", b"-0", b" 7 ,8 "])
-@example([b"123456789012345678", b"-999999999999999999"])
+@example([b"1, -2, 3", b"0", b"-0", b" 7 ,8 ", b""])
+@example([b"123456789012345678", b"-999999999999999999", b"-9223372036854775807"])
+@example([b"-9223372036854775808", b"9223372036854775808"])
 def test_bulk_parse_is_json_or_refuses(bodies):
     """Any bytes: the parse either returns exactly ``json.loads``'s integers, or None."""
-    got = parse_int_lists(bodies)
-    want = [_json_ints(b) for b in bodies]
+    lines = [_line(b) for b in bodies]
+    got = parse_token_lines(lines)
+    want = [_json_tokens(line) for line in lines]
     if got is not None:
         values, counts = got
         assert None not in want
@@ -40,23 +50,34 @@ def test_bulk_parse_is_json_or_refuses(bodies):
         assert counts.tolist() == [len(w) for w in want]
 
 
-@given(st.lists(st.lists(st.integers(-(10**18) + 1, 10**18 - 1), min_size=1), min_size=1))
+@given(st.lists(st.lists(st.integers(-(2**63) + 1, 2**63 - 1), min_size=1), min_size=1))
 def test_every_json_dumps_list_of_int64_is_taken(lists):
     """What ``json.dumps`` writes (either separator style) never goes the slow way."""
     for sep in (", ", ","):
-        bodies = [json.dumps(v, separators=(sep, ":"))[1:-1].encode() for v in lists]
-        values, counts = parse_int_lists(bodies)
+        lines = [json.dumps({"tokens": v}, separators=(sep, ":")).encode() for v in lists]
+        values, counts = parse_token_lines(lines)
         assert values.tolist() == [v for w in lists for v in w]
         assert counts.tolist() == [len(w) for w in lists]
 
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b" ", b"1 2", b"01", b"-01", b"1.0", b"1e3", b"--1", b"- 1", b"1-", b"+1", b"1,,2",
-     b"1,", b"\t1", b"1\n", b"1234567890123456789", b"true", b"[1]", b'"1"', b"0x1"],
+    [b"1 2", b"01", b"-01", b"1.0", b"1e3", b"--1", b"- 1", b"1-", b"+1", b"1,,2", b"1,",
+     b"1\n", b"12345678901234567890", b"-9223372036854775808", b"true", b"null", b"[1]",
+     b'"1"', b"0x1", b"NaN"],
 )  # fmt: skip
-def test_bodies_outside_the_grammar_are_refused(body):
-    assert parse_int_lists([b"5", body]) is None
+def test_bodies_outside_int64_lists_are_refused(body):
+    assert parse_token_lines([_line(b"5"), _line(body)]) is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b'{"tokens": [1], "tokens": [2]}', b'{"tokens": null}', b"{}", b"[1]", b"",
+     b'{"tokens": [1]} {"tokens": [2]}', b'{"tokens": [1]}x', b'{"Tokens": [1]}',
+     b'{"tokens": "12"}'],
+)  # fmt: skip
+def test_lines_that_are_not_one_tokens_object_are_refused(line):
+    assert parse_token_lines([_line(b"5"), line]) is None
 
 
 def _write_bin(path, documents: list[list[int]], odd: dict[int, str]) -> None:
@@ -124,10 +145,11 @@ def test_every_row_equals_xtuners_reader(tmp_path, odd):
     assert copy._lines is None and copy[0] == packer[0]
 
 
-def test_the_bulk_parse_takes_canonical_lines_and_leaves_the_others(tmp_path):
+def test_the_bulk_parse_takes_json_lines_of_integers_and_leaves_the_others(tmp_path):
     docs = _documents(20, 0)
-    odd = {1: "key", 2: "crlf", 4: "spaces", 6: "float"}
-    _write_bin(tmp_path / "docs.bin", docs, {**odd, 7: "compact", 8: "inner"})
+    odd = {6: "float"}  # json.loads reads floats: XTuner's reader keeps them
+    taken = {1: "key", 2: "crlf", 4: "spaces", 7: "compact", 8: "inner"}
+    _write_bin(tmp_path / "docs.bin", docs, {**odd, **taken})
     (source,) = intern_repo.load_intern_repo_tokenized_dataset(str(tmp_path))
     lines = TokenLines(source.path, source.offsets, source.length)
     for doc in range(20):

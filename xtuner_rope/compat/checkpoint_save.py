@@ -7,12 +7,14 @@ oldest checkpoint beyond ``max_keep_ckpts`` *before* writing the new one. A kill
 disk during the write leaves a truncated newest checkpoint that ``last_checkpoint`` may name and
 that ``--resume`` dies on deep in torch's reader (with ``max_keep_ckpts = 1``, the only one).
 
-The patches (:func:`patch_checkpoint_writes`, applied by ``compat.apply()``):
+The patches (:func:`patch_checkpoint_writes` for MMEngine,
+:func:`patch_deepspeed_checkpoint_writes` for DeepSpeed, applied by ``compat.apply()``):
 
 - ``save_checkpoint`` (MMEngine, local paths) and ``TorchCheckpointEngine.save`` (DeepSpeed):
-  the file is written to a hidden temporary name in the same folder, flushed to disk, and renamed
-  to its final name (``os.replace``, atomic on POSIX): the final name holds a complete checkpoint
-  or none. ``CheckpointHook`` writes ``last_checkpoint`` after the save returned, so it names
+  ``torch.save`` streams the file to a hidden temporary name in the same folder (no copy of the
+  object in memory, as in DeepSpeed's own save), which is flushed to disk and renamed to its
+  final name (``os.replace``, atomic on POSIX): the final name holds a complete checkpoint or
+  none. ``CheckpointHook`` writes ``last_checkpoint`` after the save returned, so it names
   complete checkpoints only.
 - A write that fails (no space, quota, file size limit, read-only or unwritable folder) raises
   :class:`CheckpointWriteError` naming the path, the bytes needed and the free space there; the
@@ -29,7 +31,6 @@ The patches (:func:`patch_checkpoint_writes`, applied by ``compat.apply()``):
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 import shutil
@@ -101,6 +102,74 @@ def _remove_stale_temporaries(folder: str, name: str) -> None:
                 pass
 
 
+class _Stream:
+    """The temporary file as ``torch.save`` sees it: every write goes through :meth:`write`.
+
+    torch writes to a file object with a descriptor behind Python's back (its legacy format
+    calls ``write()`` on the descriptor) and reports a failed write as ``RuntimeError`` (also
+    its zip writer, which raises ``unexpected pos`` while handling the ``OSError``): here
+    the file has no ``fileno`` for torch, and the disk's ``OSError`` is kept as it was raised.
+    """
+
+    def __init__(self, file) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _atomic_write(path: str, write, size) -> None:
+    """Write a file at ``path`` whole or not at all: a temporary name, fsync, ``os.replace``.
+
+    Args:
+        path: The final path; its folder is created if missing.
+        write: Called with the temporary file open for binary writing (a :class:`_Stream`:
+            ``write`` and ``flush``); writes the content.
+        size: Called only when the write failed: the bytes the content needs (for the error).
+
+    Raises:
+        CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
+            untouched and no temporary file remains.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    stream = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_temporaries(folder, os.path.basename(path))
+        with open(temporary, "wb") as f:
+            stream = _Stream(f)
+            write(stream)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.replace(temporary, path)
+    except BaseException as err:  # a full disk, a pickling error, Ctrl-C: no temporary left
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        failed = err if isinstance(err, OSError) else getattr(stream, "error", None)
+        if failed is not None:
+            raise _write_error(path, size(), failed) from err
+        raise
+    try:  # the rename itself on disk (best effort: not every filesystem opens folders)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
 def write_atomically(data: bytes, path: str) -> None:
     """Write ``data`` to ``path`` whole or not at all: a temporary name, fsync, ``os.replace``.
 
@@ -112,37 +181,51 @@ def write_atomically(data: bytes, path: str) -> None:
         CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
             untouched and no temporary file remains.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        _remove_stale_temporaries(folder, os.path.basename(path))
-        with open(temporary, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-        os.replace(temporary, path)
-    except OSError as err:
-        try:
-            os.remove(temporary)
-        except OSError:
-            pass
-        raise _write_error(path, len(data), err) from err
-    try:  # the rename itself on disk (best effort: not every filesystem opens folders)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
+    _atomic_write(path, lambda f: f.write(data), lambda: len(data))
+
+
+class _ByteCount:
+    """A write-only sink that counts what ``torch.save`` writes to it and keeps nothing."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.size += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
         pass
 
 
+def _saved_size(obj, torch_save_kwargs: dict) -> int:
+    """The bytes ``torch.save(obj, **torch_save_kwargs)`` writes, counted without keeping them."""
+    sink = _ByteCount()
+    torch.save(obj, sink, **torch_save_kwargs)
+    return sink.size
+
+
 def save_atomically(obj, path: str, **torch_save_kwargs) -> None:
-    """``torch.save(obj)`` to ``path`` through :func:`write_atomically`."""
-    with io.BytesIO() as buffer:  # in memory first, as MMEngine's save_checkpoint does
-        torch.save(obj, buffer, **torch_save_kwargs)
-        write_atomically(buffer.getvalue(), path)
+    """``torch.save(obj)`` streamed into a temporary file, fsynced, renamed to ``path``.
+
+    Nothing of ``obj`` is copied in memory (as with DeepSpeed's own ``torch.save(obj, path)``):
+    the tensors' bytes go from their storages to the file. The size in the error of a failed
+    write is counted afterwards, by serialising ``obj`` again into a sink that keeps nothing.
+
+    Args:
+        obj: What ``torch.save`` writes (a checkpoint dict, a DeepSpeed rank's state).
+        path: The final path; its folder is created if missing.
+        **torch_save_kwargs: Passed to ``torch.save`` (``_use_new_zipfile_serialization``).
+
+    Raises:
+        CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
+            untouched and no temporary file remains.
+    """
+    _atomic_write(
+        path,
+        lambda f: torch.save(obj, f, **torch_save_kwargs),
+        lambda: _saved_size(obj, torch_save_kwargs),
+    )
 
 
 def _is_local(filename: str) -> bool:
@@ -249,7 +332,8 @@ def _rebind(name: str, original, replacement) -> None:
 def patch_checkpoint_writes() -> bool:
     """Crash-safe checkpoint writes and an auto-resume that skips incomplete checkpoints.
 
-    Written against mmengine 0.10.6 and DeepSpeed 0.19.6 (module docstring). Idempotent.
+    Written against mmengine 0.10.6 (module docstring); DeepSpeed's writes are
+    :func:`patch_deepspeed_checkpoint_writes`. Idempotent.
 
     Returns:
         True (the gap exists in every MMEngine 0.10 release).
@@ -273,12 +357,22 @@ def patch_checkpoint_writes() -> bool:
         _PATH_CHECKS.append(refuse_incomplete)
     if refuse_other_world_size not in _RESUME_CHECKS:  # --resume of ZeRO on another world size
         _RESUME_CHECKS.append(refuse_other_world_size)
-    try:
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-            TorchCheckpointEngine,
-        )
-    except Exception:  # DeepSpeed absent (or not importable here): nothing of it to patch
-        return True
+    return True
+
+
+def patch_deepspeed_checkpoint_writes() -> bool:
+    """DeepSpeed's rank files (``TorchCheckpointEngine.save``) written whole or not at all.
+
+    Written against DeepSpeed 0.19.6, whose ``save`` is ``torch.save(state_dict, path)``
+    straight to the final name; its record (``compat.records``) guards the DeepSpeed versions
+    and probes ``TorchCheckpointEngine.save``, so a DeepSpeed that moves its checkpoint engine
+    reports this patch skipped, not applied. Idempotent.
+
+    Returns:
+        True (the gap exists in every DeepSpeed release of the supported range).
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
     TorchCheckpointEngine.save = _deepspeed_save
     return True
 
@@ -287,6 +381,7 @@ __all__ = [
     "CheckpointWriteError",
     "find_latest_complete_checkpoint",
     "patch_checkpoint_writes",
+    "patch_deepspeed_checkpoint_writes",
     "save_atomically",
     "save_checkpoint_atomically",
     "write_atomically",

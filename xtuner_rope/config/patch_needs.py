@@ -140,6 +140,7 @@ CONDITIONS: dict[str, Callable[[Config], bool]] = {
     "zero3_cpu": _zero(3),
     "loads_checkpoint": _loads_checkpoint,
     "checkpoint_hook": _checkpoint_hook,
+    "deepspeed_checkpoint_hook": lambda cfg: _checkpoint_hook(cfg) and _uses_deepspeed(cfg),
     "multimodal": _multimodal,
     "llava": is_llava,
     "internvl": is_internvl,

@@ -6,7 +6,7 @@
   in one row and nothing dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
 - ``pack_plans``: where offline packing puts each token (``whole_plan``, ``cut_plan``);
 - ``token_gather``: the packed rows' tokens read from the mapped tokenized table, no copy of it;
-- ``token_lines``: the intern-repo ``.bin`` lines of a packed row parsed in one numpy pass;
+- ``token_lines``: the intern-repo ``.bin`` lines of a packed row parsed in one pyarrow JSON read;
 - ``intern_repo_packing``: ``build_whole_packed_dataset`` (the intern-repo packer, documents whole).
 - ``truncation`` / ``preference_truncation``: XTuner's cut at ``max_length`` counted (dialogues,
   documents; preference pairs), the data unchanged.

@@ -7,9 +7,15 @@ chunk into one array: a copy of the whole column in memory, 0.4 GiB for 50M int6
 Here each chunk stays a zero-copy numpy view of the mapped file (a dialogue never spans two
 chunks). Chunks that lie in one read-only mapping are read through one view of the whole
 mapping, a *window* of consecutive chunks (``WINDOW_BYTES`` of the file) at a time, with one
-fancy index per column, and each window's pages are released once read: the work per gather
-grows with the windows it touches, not with the chunks (10,000 chunks at 10M dialogues), and
-the resident pages of the file stay under a window.
+fancy index per column: the work per gather grows with the windows it touches, not with the
+chunks (10,000 chunks at 10M dialogues).
+
+The pages of the mapped file a gather reads count in the process's resident size (RSS) until
+the kernel reclaims them (they are the file's page cache: reclaimable, never swapped), and a
+gather reads from nearly every page. They are released once read (``MADV_DONTNEED``), which
+keeps the RSS under a window for about 7% more CPU time (the pages are faulted in again at the
+next gather; docs/measurements.md: at 500,000 dialogues peak RSS 1.07x XTuner's with the
+release, 1.40x without); ``XTUNER_ROPE_RELEASE_PAGES=0`` turns it off (:func:`releases_pages`).
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ import pyarrow.compute as pc
 from .pack_plans import token_indices
 
 __all__ = [
+    "RELEASE_PAGES_ENV",
     "TokenGather",
     "drop_mapped_pages",
     "list_lengths",
     "read_only_mappings",
     "release_pages",
+    "releases_pages",
     "table_and_order",
 ]
 
+RELEASE_PAGES_ENV = "XTUNER_ROPE_RELEASE_PAGES"
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
 WINDOW_BYTES = 32 << 20  # file bytes per window: the resident pages of a gather stay below
 # Chunks whose offsets are read between two releases of the mapped pages. A read of a few
@@ -50,10 +59,11 @@ class TokenGather:
         table: A table of list columns (one row per dialogue), chunked as it was mapped.
         columns: The columns to gather (each flattened to one token stream).
         mapped_files: The files ``table`` is memory-mapped from: chunks inside a read-only
-            mapping of one of them are read through one view of the mapping, and each
-            window's pages are released as soon as a gather has read it, so the process never
-            holds the whole tokenized table resident (every gather reads from nearly every
-            page). Other chunks (in memory) are read chunk by chunk.
+            mapping of one of them are read through one view of the mapping; with
+            :func:`releases_pages` (the default), each window's pages are released as soon as
+            a gather has read it, so the process never holds the whole tokenized table
+            resident (every gather reads from nearly every page). Other chunks (in memory)
+            are read chunk by chunk.
     """
 
     def __init__(
@@ -245,9 +255,24 @@ def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
     return found
 
 
+def releases_pages() -> bool:
+    """Whether mapped pages are released once read: yes unless ``XTUNER_ROPE_RELEASE_PAGES=0``.
+
+    On by default: without it a pack step's peak RSS grows by the tokenized table it reads
+    (1.40x XTuner's at 500,000 dialogues instead of 1.07x, docs/measurements.md), for about 7%
+    of its CPU time. Those pages are reclaimable: ``0`` (or ``false``, ``no``, ``off``) leaves
+    them to the kernel. Read at each release, so a test or a run may set it at any time.
+    """
+    value = os.environ.get(RELEASE_PAGES_ENV, "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
 def release_pages(start: int, nbytes: int) -> None:
-    """``MADV_DONTNEED`` the pages of ``[start, start + nbytes)``: only for read-only mappings
-    of a file (``read_only_mappings``), where it unmaps pages without losing any data."""
+    """``MADV_DONTNEED`` the pages of ``[start, start + nbytes)`` if :func:`releases_pages`:
+    only for read-only mappings of a file (``read_only_mappings``), where it unmaps pages
+    without losing any data."""
+    if not releases_pages():
+        return
     page = mmap.PAGESIZE
     lo = start // page * page
     hi = -(-(start + nbytes) // page) * page
@@ -256,7 +281,8 @@ def release_pages(start: int, nbytes: int) -> None:
 
 def list_lengths(column: pa.ChunkedArray, mapped_files: tuple[str, ...] = ()) -> np.ndarray:
     """``[n]`` lengths of a list column's rows, read chunk by chunk, the pages of the files
-    ``mapped_files`` it reads (offsets, and their neighbours) released as it goes.
+    ``mapped_files`` it reads (offsets, and their neighbours) released as it goes if
+    :func:`releases_pages`.
 
     Args:
         column: A list column (one row per dialogue), memory-mapped or not.
@@ -278,12 +304,15 @@ def list_lengths(column: pa.ChunkedArray, mapped_files: tuple[str, ...] = ()) ->
 
 
 def _release_mappings(mappings: list[tuple[int, int]]) -> None:
+    if not releases_pages():
+        return
     for lo, hi in mappings:
         _madvise(lo, hi - lo, MADV_DONTNEED)
 
 
 def drop_mapped_pages(paths: list[str]) -> None:
-    """Drop this process's resident pages of its read-only mappings of the files ``paths``.
+    """Drop this process's resident pages of its read-only mappings of the files ``paths``,
+    if :func:`releases_pages` (the default).
 
     A memory-mapped table keeps every page read counted in the process's resident memory
     though the kernel may reclaim it. Linux only; elsewhere nothing is done.

@@ -6,12 +6,13 @@ asks for. :func:`read_checkpoint_config` finds it where ``from_pretrained`` woul
 
 - a local directory: ``<dir>/config.json``;
 - a hub id (``org/name``): the local Hugging Face cache first; else, unless offline mode is on
-  (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``), one request for that file alone (no
-  retry, no weight: a few kilobytes), remembered for the process.
+  (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``), that file alone downloaded into the cache by
+  ``huggingface_hub.hf_hub_download`` (no weight: a few kilobytes; the user's proxies, token and
+  mirror ``HF_ENDPOINT``, as ``from_pretrained``), the answer remembered for the process.
 
 When it cannot be read, :attr:`CheckpointConfig.problem` says why in words a user can act on.
-Pure Python: no torch or transformers import (``huggingface_hub`` and ``requests`` are imported
-only for a hub id).
+Pure Python: no torch or transformers import (``huggingface_hub`` is imported only for a hub
+id).
 """
 
 from __future__ import annotations
@@ -23,12 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HUB_TIMEOUT_S = 10  # one request for config.json; from_pretrained would retry for ~30 s
-HTTP_REASONS = {  # the hub answers 401 for a missing repo too (it does not tell private ones)
-    401: ": no such repo, or a gated/private one (check the id; `huggingface-cli login`)",
-    403: ": gated (accept its terms on the hub, then `huggingface-cli login`)",
-    404: ": no such repo or file (check the id)",
-}
+HUB_TIMEOUT_S = 10  # for config.json's metadata; from_pretrained would retry for ~30 s
 
 
 @dataclass(frozen=True)
@@ -37,7 +33,8 @@ class CheckpointConfig:
 
     Attributes:
         name: ``pretrained_model_name_or_path`` as the config gives it.
-        source: Where it was read (a file, or the hub's URL); ``""`` when it was not.
+        source: Where it was read (a file: the hub's are read from the local cache); ``""``
+            when it was not.
         data: The parsed ``config.json``; None when it cannot be read.
         problem: Why it cannot be read (``""`` when it was).
         hub: ``name`` is a hub id (not a local path).
@@ -98,46 +95,85 @@ def _read_local(name: str, path: Path) -> CheckpointConfig:
     return CheckpointConfig(name, problem=f"{path} is a file, not a checkpoint directory")
 
 
+def _hub_endpoint() -> str:
+    """The hub ``huggingface_hub`` downloads from: ``HF_ENDPOINT`` (a mirror) or huggingface.co.
+
+    Read from the environment at each call, as :func:`offline` is, so a mirror set after
+    ``huggingface_hub`` was imported is followed too.
+    """
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
+
+
+def _hub_problem(name: str, endpoint: str, err: Exception) -> str:
+    """What ``hf_hub_download``'s error means for the user: what, where, what to do."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{endpoint}/{name}"
+    if isinstance(err, LocalEntryNotFoundError) and err.__cause__ is not None:
+        err = err.__cause__  # what hf_hub_download met on the way: a connection, an HTTP error
+    if not isinstance(err, HfHubHTTPError):
+        root = re.search(r"Caused by (\w+)", str(err))  # urllib3's root cause, e.g. DNS
+        reason = type(err).__name__ + (f", {root.group(1)}" if root else "")
+        return (
+            "no such local directory, and as a hub id it is not in the local Hugging Face cache "
+            f"and {endpoint} cannot be reached from here ({reason})"
+        )
+    status = err.response.status_code if err.response is not None else "?"
+    if isinstance(err, GatedRepoError):
+        why = "gated (accept its terms on the hub, then `huggingface-cli login`)"
+    elif isinstance(err, RepositoryNotFoundError):  # the hub answers so for private repos too
+        why = "no such repo, or a gated/private one (check the id; `huggingface-cli login`)"
+    elif isinstance(err, RevisionNotFoundError):
+        why = "no such revision of the repo (check the revision)"
+    elif isinstance(err, EntryNotFoundError):
+        why = "the repo has no config.json (not a transformers checkpoint; check the id)"
+    else:
+        why = "the hub failed to answer (try again later, or download it where it answers)"
+    return (
+        "no such local directory, and as a hub id the hub does not give its config.json "
+        f"({where}: HTTP {status}: {why})"
+    )
+
+
 @functools.lru_cache(maxsize=64)
-def _read_hub(name: str, offline_mode: bool, cache_dir: str) -> CheckpointConfig:
-    """``config.json`` of hub id ``name``: the local cache, else one request (cached here)."""
-    from huggingface_hub import hf_hub_url, try_to_load_from_cache
+def _read_hub(name: str, offline_mode: bool, cache_dir: str, endpoint: str) -> CheckpointConfig:
+    """``config.json`` of hub id ``name``: the local cache, else downloaded into it (remembered)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir)
-    if isinstance(cached, str):
-        return _parse(name, Path(cached).read_text(encoding="utf-8"), cached, hub=True)
-    if offline_mode:
-        return CheckpointConfig(
-            name,
-            problem="no such local directory, and as a hub id it is not in the local Hugging "
-            "Face cache while offline mode is on (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)",
-            hub=True,
-        )
-    import requests
-    from huggingface_hub.utils import build_hf_headers
+    if not isinstance(cached, str):
+        if offline_mode:
+            return CheckpointConfig(
+                name,
+                problem="no such local directory, and as a hub id it is not in the local Hugging "
+                "Face cache while offline mode is on (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)",
+                hub=True,
+            )
+        import requests
 
-    url = hf_hub_url(name, "config.json")
+        try:  # a few kilobytes; proxies, token and mirror (HF_ENDPOINT) as from_pretrained
+            cached = hf_hub_download(
+                name,
+                "config.json",
+                cache_dir=cache_dir,
+                endpoint=endpoint,
+                etag_timeout=HUB_TIMEOUT_S,
+            )
+        except (requests.RequestException, OSError) as err:  # the hub's errors are both
+            return CheckpointConfig(name, problem=_hub_problem(name, endpoint, err), hub=True)
     try:
-        response = requests.get(url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S)
-    except requests.RequestException as err:
-        cause = re.search(r"Caused by (\w+)", str(err))  # urllib3's root cause, e.g. DNS
-        reason = type(err).__name__ + (f", {cause.group(1)}" if cause else "")
-        return CheckpointConfig(
-            name,
-            problem=f"no such local directory, and as a hub id it is not in the local Hugging "
-            f"Face cache and {url.split('/' + name)[0]} cannot be reached from here ({reason})",
-            hub=True,
-        )
-    if response.status_code != 200:
-        why = HTTP_REASONS.get(response.status_code, "")
-        return CheckpointConfig(
-            name,
-            problem=f"no such local directory, and as a hub id the hub does not give its "
-            f"config.json ({url}: HTTP "
-            f"{response.status_code}{why})",
-            hub=True,
-        )
-    return _parse(name, response.text, url, hub=True)
+        return _parse(name, Path(cached).read_text(encoding="utf-8"), cached, hub=True)
+    except OSError as err:
+        return CheckpointConfig(name, problem=f"{cached} cannot be read ({err})", hub=True)
 
 
 def read_checkpoint_config(name: object) -> CheckpointConfig | None:
@@ -163,7 +199,7 @@ def read_checkpoint_config(name: object) -> CheckpointConfig | None:
         )
     from huggingface_hub import constants
 
-    return _read_hub(name, offline(), str(constants.HF_HUB_CACHE))
+    return _read_hub(name, offline(), str(constants.HF_HUB_CACHE), _hub_endpoint())
 
 
 __all__ = ["CheckpointConfig", "is_hub_id", "offline", "read_checkpoint_config"]
