@@ -20,6 +20,7 @@ from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
 from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.ops.rope_triton import (
     INTERPRET_ENV,
+    STRICT_ENV,
     interpreter_fault,
     triton_kernel_calls,
     use_triton_apply,
@@ -93,6 +94,7 @@ def test_patched_model_with_the_kernel_equals_eager(case, dtype, monkeypatch):
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])  # [b, s]
     monkeypatch.setenv(INTERPRET_ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    monkeypatch.setenv(STRICT_ENV, "1")  # a broken kernel fails, never falls back
     fault = interpreter_fault()  # where the package rotates CPU tensors eagerly
     if fault:
         pytest.skip(fault)

@@ -45,6 +45,7 @@ def interpret(monkeypatch, request):
     if "cuda" not in request.node.name:  # the CUDA test runs the compiled kernel
         monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    monkeypatch.setenv(rope_triton.STRICT_ENV, "1")  # a broken kernel fails, never falls back
     monkeypatch.delenv(rope_triton.SWITCH_ENV, raising=False)
     use_triton_apply(True)
     fault = rope_triton.interpreter_fault()  # where the package rotates CPU tensors eagerly
