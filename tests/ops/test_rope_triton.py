@@ -206,6 +206,8 @@ def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
     q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
     torch.autograd.backward((q_out, k_out), grads)
     assert triton_kernel_calls() == calls + 2
+    # Out in the [b, s, n, h_d] memory packed attention reads as [t, n, h_d]: no copy of k.
+    assert q_out.transpose(1, 2).is_contiguous() and k_out.transpose(1, 2).is_contiguous()
     ref = reference(q, k, cos, sin, 1, grads)
     torch.testing.assert_close((q_out.detach(), k_out.detach()), ref[:2], **TOL[torch.float32])
     grad_qkv = torch.zeros_like(qkv)  # what the eager apply's grads scatter back into wqkv
