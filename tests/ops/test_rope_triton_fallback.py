@@ -63,7 +63,10 @@ def step(q, k, cos, sin, grads, unsqueeze_dim=1, between=None):
     with warnings.catch_warnings(record=True) as backward:
         warnings.simplefilter("always")
         torch.autograd.backward((q_out, k_out), grads)
-    said = [[str(w.message) for w in ws if "xtuner_rope" in str(w.message)] for ws in (forward, backward)]
+    said = [
+        [str(w.message) for w in ws if "xtuner_rope" in str(w.message)]
+        for ws in (forward, backward)
+    ]
     return [t.detach().clone() for t in (q_out, k_out, q.grad, k.grad)], said
 
 
