@@ -273,7 +273,9 @@ def _launch(q, k, cos, sin, unsqueeze_dim, transpose, interleaved=False):
 def _compile_backward(q, k, cos, sin, unsqueeze_dim, interleaved):
     """At the first forward of a shape, the backward variant launched on the first token, so
     that a failure to compile it shows (and falls back) there, not in `loss.backward()`."""
-    key = (q.device, q.dtype, k.dtype, *q.shape[1:], k.shape[-3], cos.shape[-1], interleaved)
+    n_q, n_k = _bshd(q, unsqueeze_dim).shape[2], _bshd(k, unsqueeze_dim).shape[2]
+    # What the compiled variant depends on (not the length: a new one compiles nothing new).
+    key = (q.device, q.dtype, k.dtype, n_q, n_k, q.shape[-1], cos.shape[-1], interleaved)
     if key in _state["compiled"]:
         return
     first = [x[:1, :, :1] if unsqueeze_dim == 1 else x[:1, :1] for x in (q, k)]  # one token
