@@ -42,6 +42,9 @@ SITE=${SITE:-/tmp/xtuner-rope-gpu/site}
 BASE_PYTHON=${BASE_PYTHON:-python3}
 IMAGE_SITE=${IMAGE_SITE:-}  # set by tools/gpu/rehearse_cpu.sh only
 REHEARSAL=${REHEARSAL:-}  # CPU rehearsal: no GPU required, benches skipped
+# Budgets (and the deadline) times this: 1 on the GPU machine; tools/gpu/rehearse_cpu.sh sets 4,
+# as a loaded 2-core CPU machine imports and tests several times slower than the GPU machine.
+BUDGET_SCALE=${BUDGET_SCALE:-1}
 QUICK=${QUICK:-}
 TRAIN=${TRAIN:-}
 [ "${1:-}" = "--quick" ] && QUICK=1
@@ -77,6 +80,7 @@ QUICK_TOTAL=130
 TRAIN_TOTAL=220
 if [ -n "$QUICK" ]; then TOTAL=$QUICK_TOTAL; fi
 if [ -n "$TRAIN" ]; then TOTAL=$TRAIN_TOTAL; fi
+TOTAL=$(( TOTAL * BUDGET_SCALE ))
 DEADLINE=$(( $(date +%s) + TOTAL ))
 
 mkdir -p "$OUT" "$(dirname "$SITE")"
@@ -91,7 +95,7 @@ echo "gpu check: ${QUICK:+quick, }${TRAIN:+train, }at most ${TOTAL}s; kit $(du -
 step() {  # step NAME CMD...: run under min(its budget, time left), log, one summary line
     local name=$1 limit left start rc
     shift
-    limit=${BUDGET[$name]}
+    limit=$(( ${BUDGET[$name]} * BUDGET_SCALE ))
     left=$(( DEADLINE - $(date +%s) ))
     if [ "$left" -lt 5 ]; then
         echo "$name skipped: the ${TOTAL}s deadline is reached" | tee -a "$OUT/summary.txt"
@@ -100,13 +104,13 @@ step() {  # step NAME CMD...: run under min(its budget, time left), log, one sum
     fi
     [ "$left" -lt "$limit" ] && limit=$left
     start=$(date +%s)
-    echo "===== $name (budget ${BUDGET[$name]}s, ${limit}s left for it): $*" >> "$OUT/run.log"
+    echo "===== $name (budget ${BUDGET[$name]}s x $BUDGET_SCALE, ${limit}s for it): $*" >> "$OUT/run.log"
     # Into run.log as printed: a step (or the whole call) cut off still leaves its lines.
     timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee -a "$OUT/run.log" > "$steps/$name.log"
     rc=${PIPESTATUS[0]}
     echo "===== $name rc $rc" >> "$OUT/run.log"
     [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "$name: cut off at its budget (partial output above)" >> "$OUT/run.log"
-    echo "$name rc=$rc $(( $(date +%s) - start ))s of ${BUDGET[$name]}s" | tee -a "$OUT/summary.txt"
+    echo "$name rc=$rc $(( $(date +%s) - start ))s of $(( ${BUDGET[$name]} * BUDGET_SCALE ))s" | tee -a "$OUT/summary.txt"
     [ "$rc" -eq 0 ] || { failed=$((failed + 1)); tail -n 5 "$steps/$name.log"; }
     return "$rc"
 }
