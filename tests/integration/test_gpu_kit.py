@@ -174,6 +174,41 @@ def test_rope_bench_checks_then_times_both_triton_kernels_interpreted(monkeypatc
     assert "== rows" in out and "triton kernel (tile 256) vs HF's fp32 apply" in out
 
 
+def test_rope_bench_marks_a_kernel_that_fell_back_failed_and_does_not_time_it(monkeypatch, capsys):
+    """Triton's launcher failing (as a compile failure would): the package's apply falls back
+    to the eager kernel, which is right, so only the launch count tells; the bench prints the
+    kernel's rows FAILED, times the others, and exits 1."""
+    from xtuner_rope.ops import rope_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(INTERPRET_ENV, "1")
+    monkeypatch.delenv(rope_triton.STRICT_ENV, raising=False)
+    if interpreter_fault():
+        pytest.skip(interpreter_fault())
+    monkeypatch.setitem(rope_triton._state, "compiled", set())
+
+    def run(*args, **kwargs):
+        raise RuntimeError("injected: the kernel does not compile")
+
+    monkeypatch.setattr(rope_triton._kernel(), "run", run)
+    bench = _load("tools/bench/rope.py", "rope_bench_failed")
+    shape = "--seq 24 --heads 4 --kv-heads 2 --head-dim 32 --repeats 1 --warmup 0"
+    with pytest.warns(RuntimeWarning, match="injected"):
+        results = bench.main([*shape.split(), "--dtype", "fp32", "--no-fused", "--both"])
+    out = capsys.readouterr().out
+    assert "triton kernel: FAILED, it fell back to the eager kernel (0 of 2 launches)" in out
+    for backward in (False, True):
+        row = results[backward]
+        assert row["xtuner_rope-triton"] is None and row["xtuner_rope"] is None
+        assert row["hf-eager"] > 0 and row["xtuner_rope-eager"] > 0
+    assert re.search(r"xtuner_rope-triton FAILED \(fell back to the eager kernel", out)
+    assert set(bench.FAILURES) == {"xtuner_rope", "xtuner_rope-triton"}
+    failed = {}  # a kernel that falls back while timed (after its check passed) fails too
+    bench.counted(lambda: None, 2, "xtuner_rope-triton", failed)()
+    assert failed == {"xtuner_rope-triton": "fell back to the eager kernel (0 of 2 launches)"}
+    rope_triton.use_triton_apply(None)
+
+
 def test_packing_bench_times_isolated_leaky_and_padded_steps_per_capacity(capsys):
     """The kit's training-step bench at tiny shapes on the CPU: the three variants at two row
     capacities, each batch about one row of dialogues; memory is not measured on the CPU."""

@@ -20,6 +20,7 @@ from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
 from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.ops.rope_triton import (
     INTERPRET_ENV,
+    STRICT_ENV,
     interpreter_fault,
     triton_kernel_calls,
     use_triton_apply,
@@ -93,6 +94,7 @@ def test_patched_model_with_the_kernel_equals_eager(case, dtype, monkeypatch):
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])  # [b, s]
     monkeypatch.setenv(INTERPRET_ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    monkeypatch.setenv(STRICT_ENV, "1")  # a broken kernel fails, never falls back
     fault = interpreter_fault()  # where the package rotates CPU tensors eagerly
     if fault:
         pytest.skip(fault)
@@ -107,3 +109,34 @@ def test_patched_model_with_the_kernel_equals_eager(case, dtype, monkeypatch):
         use_triton_apply(None)
     assert kernel[2].keys() == eager[2].keys()
     assert_equal_within(kernel, eager, dtype)
+
+
+@pytest.mark.parametrize("family", ["internlm2", "llama"])
+def test_every_layer_rotates_with_the_same_fp32_tables(family, monkeypatch):
+    """cos/sin are built once per forward, in the kernels' dtype: in a bf16 forward of the
+    2-layer model, each layer's q and k rotate with the very same fp32 cos and sin tensors (a
+    per-layer cast or gather would hand each layer its own)."""
+    from xtuner_rope.ops import rope
+
+    build = build_tiny_internlm2 if family == "internlm2" else build_tiny_hf
+    model = build(*([] if family == "internlm2" else [family]), VOCAB, attn_implementation="eager")
+    model = model.to(torch.bfloat16).train()
+    patch_model(model)
+    seen, rotate_heads = [], rope.rotate_heads
+
+    def spy(x, cos, sin, *args):
+        seen.append((cos, sin))
+        return rotate_heads(x, cos, sin, *args)
+
+    monkeypatch.setattr(rope, "rotate_heads", spy)
+    use_triton_apply(False)
+    try:
+        ids = torch.randint(3, VOCAB, (len(DOCS), 12), generator=torch.Generator().manual_seed(0))
+        pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])  # [b, s]
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=pos)
+    finally:
+        use_triton_apply(None)
+    assert len(seen) == 2 * 2  # q and k of each layer
+    assert {(c.dtype, s.dtype) for c, s in seen} == {(torch.float32, torch.float32)}
+    assert len({id(c) for c, _ in seen}) == 1 and len({id(s) for _, s in seen}) == 1

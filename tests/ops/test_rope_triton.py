@@ -45,6 +45,7 @@ def interpret(monkeypatch, request):
     if "cuda" not in request.node.name:  # the CUDA test runs the compiled kernel
         monkeypatch.setenv(rope_triton.INTERPRET_ENV, "1")
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel sets it; unset after the test
+    monkeypatch.setenv(rope_triton.STRICT_ENV, "1")  # a broken kernel fails, never falls back
     monkeypatch.delenv(rope_triton.SWITCH_ENV, raising=False)
     use_triton_apply(True)
     fault = rope_triton.interpreter_fault()  # where the package rotates CPU tensors eagerly
@@ -205,6 +206,8 @@ def test_kernel_reads_internlm2_packed_wqkv_views_in_place():
     q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
     torch.autograd.backward((q_out, k_out), grads)
     assert triton_kernel_calls() == calls + 2
+    # Out in the [b, s, n, h_d] memory packed attention reads as [t, n, h_d]: no copy of k.
+    assert q_out.transpose(1, 2).is_contiguous() and k_out.transpose(1, 2).is_contiguous()
     ref = reference(q, k, cos, sin, 1, grads)
     torch.testing.assert_close((q_out.detach(), k_out.detach()), ref[:2], **TOL[torch.float32])
     grad_qkv = torch.zeros_like(qkv)  # what the eager apply's grads scatter back into wqkv
@@ -235,6 +238,34 @@ def test_compiled_kernel_on_cuda_matches_hf_fp32(shape, dtype, heads_first, inte
         cos, sin = cos_sin_at(pos, inv_freq(10000, rot, "cuda"), int(pos.max()))
     use_triton_apply(None)
     check(q, k, cos, sin, grads, 1 if heads_first else 2, interleaved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_kernel_on_cuda_past_int32_offsets():
+    """600k tokens x 32 heads of 128 dims, heads first: the last head starts 2.4e9 elements in
+    (past int32's 2**31, where `h * x_sn` overflowed); it and the first head rotate right."""
+    s = 600_000
+    q = torch.randn(1, 32, s, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, s, 128, device="cuda", dtype=torch.bfloat16)
+    cos, sin = cos_sin_at(torch.arange(s, device="cuda")[None], inv_freq(10000, 128, "cuda"), s - 1)
+    use_triton_apply(None)
+    calls = triton_kernel_calls()
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+    assert triton_kernel_calls() == calls + 1
+    for head in (0, 31):
+        want, _ = hf_apply(q[:, head : head + 1].float(), k[:, :1].float(), cos, sin)
+        torch.testing.assert_close(q_out[:, head : head + 1].float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_compiled_kernel_on_a_cuda_device_that_is_not_current():
+    """q, k on cuda:1 while cuda:0 is current: the launch goes to their device."""
+    q, k, *grads = make(2, 33, 16, 8, 128, torch.bfloat16, True, "cuda:1")
+    pos = packed_positions(2, 33).to("cuda:1")
+    cos, sin = cos_sin_at(pos, inv_freq(10000, 128, "cuda:1"), int(pos.max()))
+    use_triton_apply(None)
+    with torch.cuda.device(0):
+        check(q, k, cos, sin, grads)
 
 
 def test_switches_choose_the_kernel(monkeypatch):

@@ -13,7 +13,10 @@ forward + backward, timed in the same process and printed as ratios to ``varlen_
 - ``flex``: ``flex_attention`` with a document block mask (compiled; compile time excluded).
 
 The plan (``document_plan``) is built once per forward in a model, shared by all layers; its
-cost is timed apart, on a line of its own (median of ``--repeats``, device work included):
+cost is timed apart, on a line of its own, ``--repeats`` plans after ``--warmup``, each on a
+fresh batch's tensors: on CUDA their mean, back to back between two CUDA events (device work
+included, so a host sync inside the plan shows as the time it stalls); on the CPU the median of
+single plans:
 from host boundaries (``cumulative_len`` as the collate function leaves it: no device read, no
 buckets, what the varlen backend gets) against the path without them (position ids read back
 from the device, length buckets built: what every forward paid before issue 48 item 4).
@@ -26,14 +29,19 @@ Usage:
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from xtuner_rope.ops.attention import packed_attention, plan_documents, varlen_kernel
-from xtuner_rope.ops.document_plan import document_plan
-from xtuner_rope.ops.packing import cumulative_from_lengths
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_timing import seconds_per_call  # noqa: E402 - tools/bench/bench_timing.py
+
+from xtuner_rope.ops.attention import packed_attention, plan_documents, varlen_kernel  # noqa: E402
+from xtuner_rope.ops.document_plan import document_plan  # noqa: E402
+from xtuner_rope.ops.packing import cumulative_from_lengths  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -187,7 +195,6 @@ def bench_one(args, t):
 
 def plan_line(args, lengths, device):
     """One line: the plan's time per forward, from host boundaries against position ids."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t, n = sum(lengths), args.warmup + args.repeats
     cu = cumulative_from_lengths(lengths)
     positions = torch.cat([torch.arange(d) for d in lengths])[None].to(device)  # [1, t]
@@ -201,20 +208,23 @@ def plan_line(args, lengths, device):
     def from_positions(i):
         return document_plan(device_positions[i], 1, t, device).buckets
 
-    times = {from_host: [], from_positions: []}
-    for i in range(n):
-        for fn, ts in times.items():
-            sync()
-            start = time.perf_counter()
+    per_call, cuda = [], device.type == "cuda"
+    for fn in (from_host, from_positions):
+        for i in range(args.warmup):
             fn(i)
-            sync()
-            if i >= args.warmup:
-                ts.append(time.perf_counter() - start)
-    host, old = (statistics.median(ts) for ts in times.values())
+        batches = iter(range(args.warmup, n))
+        call = lambda fn=fn, batches=batches: fn(next(batches))  # noqa: E731 - one batch each
+        if cuda:  # the mean of back-to-back plans, device work included
+            per_call.append(seconds_per_call(call, args.repeats, device))
+        else:  # the median of single plans: robust to other jobs on a shared CPU
+            times = [seconds_per_call(call, 1, device) for _ in range(args.repeats)]
+            per_call.append(statistics.median(times))
+    host, old = per_call
+    how = "mean of {} back to back (CUDA events)" if cuda else "median of {}"
     print(
         f"plan per forward t={t} ({len(lengths)} docs) {args.device}: host boundaries "
         f"{host * 1e3:.3f} ms | from position ids + buckets {old * 1e3:.3f} ms "
-        f"({old / host:.1f}x the host path), median of {args.repeats}"
+        f"({old / host:.1f}x the host path), {how.format(args.repeats)}"
     )
 
 

@@ -220,7 +220,8 @@ class Variant:
 
 
 def time_variants(variants, n_batches, args):
-    """``times[name][i]``: median seconds of batch ``i`` over the repeats, interleaved."""
+    """``times[name][i]``: median seconds of batch ``i`` over the repeats, interleaved, after
+    ``args.warmup`` untimed steps of each variant."""
     for v in variants:
         for i in range(min(args.warmup, n_batches)):
             v.step(i)
@@ -232,8 +233,8 @@ def time_variants(variants, n_batches, args):
             k = (i + r) % len(variants)  # rotate the order: no variant always runs first
             for v in variants[k:] + variants[:k]:
                 start = clock()
-                v.step(i)
-                samples[v.name][i].append(clock() - start)
+                took = v.step(i)  # a step may time itself (CUDA events: tools/bench/packing_gpu.py)
+                samples[v.name][i].append(clock() - start if took is None else took)
             bar.update()
     bar.close()
     return {name: [statistics.median(ts) for ts in per] for name, per in samples.items()}

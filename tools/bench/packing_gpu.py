@@ -3,8 +3,10 @@
 The P2/P3 measurements of ``tools/bench/packing.py`` (same sample dialogues, the same sampler
 batches collated each way, interleaved steps, median per batch) on an InternLM2 with the shapes
 of InternLM2-1.8B (24 layers, hidden 2048, 16/8 heads, vocab 92544), random weights, bf16 by
-default, full training steps (forward, backward, AdamW), the device synchronised inside each
-timed step. For each row capacity (``--max-length``, 4,096 and 8,192 tokens by default; each
+default, full training steps (forward, backward, AdamW) after the warm-up steps (``--warmup``:
+first compiles, AdamW's state), each step timed on CUDA between two CUDA events (the batch's
+copy to the device through the optimizer step, the host's work between them included) and
+with ``time.perf_counter`` on the CPU. For each row capacity (``--max-length``, 4,096 and 8,192 tokens by default; each
 sampler batch holds about one row's worth of dialogues):
 
 - ``isolated``: the packed rows on the patched model (boundaries published by
@@ -112,6 +114,13 @@ class DeviceVariant(cpu_bench.Variant):
         self.peaks = []
 
     def step(self, i):
+        """One training step on batch ``i``; on CUDA its seconds between two CUDA events (the
+        caller's clock is then not used), else None."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # nothing of the previous step in this one
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
         data = dict(self.batches[i]["data"])
         batch = {"data": data, "data_samples": None}
         if self.hook is not None:  # reads the CPU batch, publishes the boundaries
@@ -119,7 +128,6 @@ class DeviceVariant(cpu_bench.Variant):
         else:
             for key in ("cumulative_len", "max_seqlen", "num_unsupervised"):
                 data.pop(key, None)
-        cuda = self.device.type == "cuda"
         if cuda:
             before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -130,8 +138,11 @@ class DeviceVariant(cpu_bench.Variant):
         if self.hook is not None:
             self.hook.after_train_iter(self.runner, i, data_batch=batch)
         if cuda:
-            torch.cuda.synchronize()
+            end.record()
+            end.synchronize()
             self.peaks.append(torch.cuda.max_memory_allocated(self.device) - before)
+            return begin.elapsed_time(end) / 1e3
+        return None
 
 
 def batch_size_for(items, max_length, batch=None):

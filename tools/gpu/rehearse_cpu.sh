@@ -52,5 +52,6 @@ while todo:
 print(f"emulated image: {len(seen)} distributions (torch and its CUDA libraries included)")
 PY
 py=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')
+# BUDGET_SCALE: the GPU machine's budgets, times 4 on this shared 2-core machine.
 OUT=$WORK/out KIT=$KIT SITE=$WORK/site BASE_PYTHON=$py IMAGE_SITE=$WORK/image_site REHEARSAL=1 \
-    bash tools/gpu/run_gpu.sh
+    BUDGET_SCALE=${BUDGET_SCALE:-4} bash tools/gpu/run_gpu.sh

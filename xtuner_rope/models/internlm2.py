@@ -96,7 +96,9 @@ def internlm2_attention_forward(
     positions = position_ids
     if positions is None:  # the new tokens follow the cached ones
         positions = torch.arange(past_len, past_len + s)[None]  # [1, s]
-    cos, sin = self.rotary_emb(v, positions)  # [b, s, h_d] at the new tokens' positions
+    # fp32 [b, s, h_d] at the new tokens' positions: built once per forward, the same tensors
+    # for every layer, in the kernels' dtype (no per-layer cast)
+    cos, sin = self.rotary_emb(v, positions, dtype=torch.float32)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k, v, present = extend_cache(
         self, k, v, past_key_value, use_cache, dict(sin=sin, cos=cos, cache_position=cache_position)

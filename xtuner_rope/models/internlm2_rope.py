@@ -231,17 +231,23 @@ class ValidatedRotaryEmbedding(nn.Module):
         return freqs
 
     @torch.no_grad()
-    def forward(self, x, position_ids=None, seq_len=None):
+    def forward(self, x, position_ids=None, seq_len=None, dtype=None):
         """cos and sin for `x`, by position ids (current InternLM2) or by length (old code).
 
+        Every layer asking for the same position ids and dtype in one forward gets the same
+        tensors (computed once). The patched attention (`models.internlm2`) asks for fp32, the
+        rotation kernels' dtype: no layer casts or copies them.
+
         Args:
-            x (torch.Tensor): value_states `[b, n_kv, s, h_d]`; gives dtype, device, b and s.
+            x (torch.Tensor): value_states `[b, n_kv, s, h_d]`; gives device, b, s (and dtype).
             position_ids (torch.Tensor, optional): Integer `[b, s]` or `[1, s]`; None means
                 `arange(s)[None]`. A Python int is taken as `seq_len` (old positional call).
             seq_len (int, optional): Old signature: return rows 0..seq_len-1 of the tables.
+            dtype (torch.dtype, optional): Of cos and sin (computed in fp32); None: x's, as
+                upstream returns them.
 
         Returns:
-            tuple[torch.Tensor, torch.Tensor]: cos, sin in x.dtype, `[b, s, h_d]` (b of
+            tuple[torch.Tensor, torch.Tensor]: cos, sin in dtype, `[b, s, h_d]` (b of
             position_ids), or `[seq_len, h_d]` with seq_len.
 
         Raises:
@@ -271,7 +277,7 @@ class ValidatedRotaryEmbedding(nn.Module):
             _, hi = check_position_ids(position_ids, b, s, *self.limit(), _BEYOND, known)
             # Host ids (the collate's): one queued copy per forward, shared by every layer.
             position_ids = host_to_device_once(position_ids, x.device)
-        return self._cos_sin_at(position_ids, hi, x.shape[0], x.dtype)
+        return self._cos_sin_at(position_ids, hi, x.shape[0], dtype or x.dtype)
 
     def _check_seq_len(self, seq_len):
         """seq_len of the old signature as a Python int, checked like position ids."""

@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 
 from xtuner_rope.ops.positions import check_position_ids
 from xtuner_rope.ops.rope_triton import triton_apply, triton_apply_active, use_triton_apply
-from xtuner_rope.ops.rotate import rotate, use_fused_apply
+from xtuner_rope.ops.rotate import rotate_heads, use_fused_apply
 
 __all__ = [
     "FP32_EXACT_POSITIONS",
@@ -86,18 +86,21 @@ class _ApplyRotary(torch.autograd.Function):
     """Rotate q and k in fp32; saves only cos/sin, the backward applies the transpose."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved):
         ctx.save_for_backward(cos, sin)
-        return rotate(q, cos, sin, False), rotate(k, cos, sin, False)
+        ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
+        return tuple(rotate_heads(x, cos, sin, unsqueeze_dim, False, interleaved) for x in (q, k))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
         # The map is linear in q (and k): its vector-Jacobian product is its transpose.
-        grad_q = rotate(grad_q, cos, sin, True) if ctx.needs_input_grad[0] else None
-        grad_k = rotate(grad_k, cos, sin, True) if ctx.needs_input_grad[1] else None
-        return grad_q, grad_k, None, None
+        grads = [
+            rotate_heads(g, cos, sin, ctx.unsqueeze_dim, True, ctx.interleaved) if needs else None
+            for g, needs in zip((grad_q, grad_k), ctx.needs_input_grad)
+        ]
+        return *grads, None, None, None, None
 
 
 def _table_rows(cos, sin, q, position_ids, unsqueeze_dim):
@@ -165,18 +168,6 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
         )
 
 
-def _halves(x, rot):
-    """`[..., h_d]` with its first rot dims reordered from pairs (2i, 2i + 1) to halves."""
-    return torch.cat((x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]), dim=-1)
-
-
-def _pairs(x, rot):
-    """The inverse of `_halves`: halves of the first rot dims back to pairs (2i, 2i + 1)."""
-    half = rot // 2
-    pairs = torch.stack((x[..., :half], x[..., half:rot]), dim=-1).flatten(-2)  # [..., rot]
-    return torch.cat((pairs, x[..., rot:]), dim=-1)
-
-
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
@@ -214,22 +205,4 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, int
         rotated = triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved)
         if rotated is not None:  # None: the kernel failed on CUDA and warned
             return rotated
-    if interleaved:  # pairs (2i, 2i + 1) gathered into halves, rotated, put back
-        rot = cos.shape[-1]
-        q, k = _rotate_eager(
-            _halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot), unsqueeze_dim
-        )
-        return _pairs(q, rot), _pairs(k, rot)
-    return _rotate_eager(q, k, cos, sin, unsqueeze_dim)
-
-
-def _rotate_eager(q, k, cos, sin, unsqueeze_dim):
-    """The eager (or fused) kernel on checked inputs, fp32 cos/sin `[b, s, rot]`."""
-    cos = cos.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
-    sin = sin.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] for unsqueeze_dim=1
-    rot = cos.shape[-1]
-    if rot == q.shape[-1]:
-        return _ApplyRotary.apply(q, k, cos, sin)
-    # Partial rotary: the first rot dims rotate, the rest pass through.
-    q_rot, k_rot = _ApplyRotary.apply(q[..., :rot], k[..., :rot], cos, sin)
-    return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+    return _ApplyRotary.apply(q, k, cos, sin, unsqueeze_dim, bool(interleaved))

@@ -10,8 +10,16 @@ eager path runs too (the user's compiler fuses it).
 (NumPy, slow, for tests): it sets `TRITON_INTERPRET=1` for the process before the kernel is
 first decorated, which is when Triton (3.6 and 3.9) picks interpreter or compiler (Triton's own
 library, decorated when Triton is imported, must agree at launch: the variable stays set), so
-set it before the first rotary apply of the process. Interpreted runs raise on error; on CUDA a kernel that fails to
-compile or launch warns and hands over to the eager kernel for the rest of the process.
+set it before the first rotary apply of the process.
+
+A kernel that cannot run never stops training: where Triton does not import (for any reason),
+the first CUDA rotation warns once, naming the Triton to install, and rotates eagerly; where a
+launch fails (forward or backward; both variants are compiled at the first forward of a shape,
+so a failure shows there), one warning names the error and the eager kernel of `ops.rotate`
+takes over for the rest of the process, the backward of that very call included (same
+gradients). A CUDA out-of-memory error is re-raised as one (it is no reason to turn the kernel
+off). `XTUNER_ROPE_TRITON_STRICT=1` re-raises every failure instead: the kernel tests set it, so
+that a broken kernel fails them; `XTUNER_ROPE_TRITON_INTERPRET=1` alone behaves as CUDA does.
 
 Before the first interpreted launch, a copy kernel probes the interpreter
 (:func:`interpreter_fault`): Triton 3.0.0's (torch 2.4's) loads return nothing or garbage
@@ -24,13 +32,19 @@ angles, fp64 past 2**24, every scaling type and per-document frequency already a
 rotates in fp32 registers. Torch only here; Triton is imported lazily (`ops.rope_triton_kernel`).
 """
 
+import contextlib
 import os
 import warnings
+from importlib import metadata
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from xtuner_rope.ops.rotate import rotate_heads
 
 __all__ = [
     "INTERPRET_ENV",
+    "STRICT_ENV",
     "SWITCH_ENV",
     "interpreter_fault",
     "triton_apply",
@@ -41,15 +55,30 @@ __all__ = [
 
 SWITCH_ENV = "XTUNER_ROPE_TRITON"  # "0": the eager kernel everywhere
 INTERPRET_ENV = "XTUNER_ROPE_TRITON_INTERPRET"  # "1": the kernel on CPU tensors, interpreted
+STRICT_ENV = "XTUNER_ROPE_TRITON_STRICT"  # "1": a failing kernel raises (tests) instead of eager
 # enabled: None until use_triton_apply is called (then SWITCH_ENV decides); kernel: None until
-# the first use, then the jitted kernel or False (Triton missing); calls: launches served;
-# fault: None until the interpreter is probed, then "" (it computes) or why not.
-_state = {"enabled": None, "kernel": None, "calls": 0, "fault": None}
+# the first use, then the jitted kernel or False (Triton does not import: `missing` says why,
+# and `warned` once it was said); calls: launches served; fault: None until the interpreter
+# is probed, then "" (it computes) or why not; compiled: the shapes whose backward variant was
+# compiled at their first forward.
+_state = {
+    "enabled": None,
+    "kernel": None,
+    "missing": None,
+    "warned": False,
+    "calls": 0,
+    "fault": None,
+    "compiled": set(),
+}
 _TILE = 1024  # q elements (half a rotary dim per head) per program, see _launch
 
 
 def _interpret():
     return os.environ.get(INTERPRET_ENV, "0") == "1"
+
+
+def _strict():
+    return os.environ.get(STRICT_ENV, "0") == "1"
 
 
 def use_triton_apply(enabled=True):
@@ -83,17 +112,45 @@ def triton_kernel_calls():
 
 
 def _kernel():
-    """The jitted kernel, or None where Triton does not import."""
+    """The jitted kernel, or None where Triton does not import (`_state["missing"]`: why)."""
     if _state["kernel"] is None:
         if _interpret():  # triton.jit reads it when the kernel module below is imported
             os.environ["TRITON_INTERPRET"] = "1"
         try:
             from xtuner_rope.ops.rope_triton_kernel import rope_kernel
-        except ImportError:  # a CPU-only torch build ships no Triton
+        # Not only ImportError: a Triton built for another torch or CUDA can raise anything.
+        except Exception as error:  # noqa: BLE001 - reported at the first rotation it serves
             _state["kernel"] = False
+            _state["missing"] = f"{type(error).__name__}: {str(error)[:300]}"
         else:
             _state["kernel"] = rope_kernel
     return _state["kernel"] or None
+
+
+def _wanted_triton():
+    """The Triton requirement of this torch build (its metadata), e.g. `triton==3.6.0`."""
+    try:
+        requires = metadata.requires("torch") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    wanted = [r.split(";")[0].strip() for r in requires if r.lower().startswith("triton")]
+    return wanted[0].replace(" ", "") if wanted else "triton"
+
+
+def _warn_missing(x):
+    """Once per process: the kernel is wanted for x's device but Triton did not import."""
+    if _state["warned"]:
+        return
+    _state["warned"] = True
+    message = (
+        f"xtuner_rope: Triton does not import here ({_state['missing']}), so RoPE on "
+        f"{x.device.type} runs the eager kernel (slower: three passes over q and k instead of "
+        f"one). Install the Triton this torch {torch.__version__} was built with: "
+        f"pip install '{_wanted_triton()}' (or set {SWITCH_ENV}=0 to silence this)."
+    )
+    if _strict():
+        raise RuntimeError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def triton_apply_active(x):
@@ -112,6 +169,7 @@ def triton_apply_active(x):
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):
         return False
     if _kernel() is None:
+        _warn_missing(x)
         return False
     return x.device.type == "cuda" or interpreter_fault() is None
 
@@ -165,13 +223,27 @@ def _bshd(x, unsqueeze_dim):
     return x.transpose(1, 2) if unsqueeze_dim == 1 else x  # [b, s, n, h_d]
 
 
+def _empty_bshd(x, unsqueeze_dim):
+    """An empty tensor shaped like x whose memory is `[b, s, n, h_d]`: packed attention reads
+    it as `[t, n, h_d]` without a copy (InternLM2's k, a strided view of `wqkv`, would give
+    `torch.empty_like` a `[b, n, s, h_d]` layout: a hidden copy of k for batch > 1)."""
+    b, s, n, h_d = _bshd(x, unsqueeze_dim).shape
+    out = torch.empty(b, s, n, h_d, dtype=x.dtype, device=x.device)  # [b, s, n, h_d]
+    return _bshd(out, unsqueeze_dim)  # x's shape
+
+
 def _pow2(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _on_device(x):
+    """x's CUDA device made current: Triton launches on the current device's stream."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _launch(q, k, cos, sin, unsqueeze_dim, transpose, interleaved=False):
     """Rotated (or, with transpose, back-rotated) q and k from one kernel launch."""
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = _empty_bshd(q, unsqueeze_dim), _empty_bshd(k, unsqueeze_dim)
     q_v, k_v = _bshd(q, unsqueeze_dim), _bshd(k, unsqueeze_dim)  # [b, s, n, h_d]
     qo_v, ko_v = _bshd(q_out, unsqueeze_dim), _bshd(k_out, unsqueeze_dim)
     b, s, n_q, h_d = q_v.shape
@@ -185,38 +257,78 @@ def _launch(q, k, cos, sin, unsqueeze_dim, transpose, interleaved=False):
     # Tokens per program: tiles of about _TILE q elements (one token of 16 heads x 128 dims on
     # GPUs; many tokens of the tests' tiny heads, which the interpreter runs per program).
     block_s = min(max(_TILE // (block_q * block_half), 1), _pow2(b * s))
-    _kernel()[(-(-b * s // block_s),)](
-        q, k, q_out, k_out, cos, sin, b * s, s, n_q, n_k,
-        *q_v.stride(), *k_v.stride(), *qo_v.stride(), *ko_v.stride(),
-        c_sb, cos.stride(1), cos.stride(2),
-        HALF=rot // 2, PASS=h_d - rot, BLOCK_S=block_s, BLOCK_Q=block_q, BLOCK_K=block_k,
-        BLOCK_HALF=block_half, BLOCK_PASS=_pow2(max(h_d - rot, 1)), TRANSPOSE=transpose,
-        INTERLEAVED=interleaved,
-    )  # fmt: skip
-    _state["calls"] += 1
+    with _on_device(q):
+        _kernel()[(-(-b * s // block_s),)](
+            q, k, q_out, k_out, cos, sin, b * s, s, n_q, n_k,
+            *q_v.stride(), *k_v.stride(), *qo_v.stride(), *ko_v.stride(),
+            c_sb, cos.stride(1), cos.stride(2),
+            HALF=rot // 2, PASS=h_d - rot, BLOCK_S=block_s, BLOCK_Q=block_q, BLOCK_K=block_k,
+            BLOCK_HALF=block_half, BLOCK_PASS=_pow2(max(h_d - rot, 1)), TRANSPOSE=transpose,
+            INTERLEAVED=interleaved,
+        )  # fmt: skip
     return q_out, k_out
 
 
+@torch.no_grad()
+def _compile_backward(q, k, cos, sin, unsqueeze_dim, interleaved):
+    """At the first forward of a shape, the backward variant launched on the first token, so
+    that a failure to compile it shows (and falls back) there, not in `loss.backward()`."""
+    n_q, n_k = _bshd(q, unsqueeze_dim).shape[2], _bshd(k, unsqueeze_dim).shape[2]
+    # What the compiled variant depends on (not the length: a new one compiles nothing new).
+    key = (q.device, q.dtype, k.dtype, n_q, n_k, q.shape[-1], cos.shape[-1], interleaved)
+    if key in _state["compiled"]:
+        return
+    first = [x[:1, :, :1] if unsqueeze_dim == 1 else x[:1, :1] for x in (q, k)]  # one token
+    _launch(*first, cos[:1, :1], sin[:1, :1], unsqueeze_dim, True, interleaved)
+    _state["compiled"].add(key)
+
+
+def _give_up(error, where, device_type):
+    """A launch failed: re-raise an out-of-memory error (or any, under `STRICT_ENV`), else
+    turn the kernel off for the process with one warning naming the error."""
+    if isinstance(error, torch.cuda.OutOfMemoryError) or _strict():
+        raise error
+    _state["enabled"] = False
+    warnings.warn(
+        f"xtuner_rope: the Triton RoPE kernel failed in the {where} on {device_type} "
+        f"({type(error).__name__}: {str(error)[:300]}); the eager kernel rotates from now on, "
+        f"this call included (set {SWITCH_ENV}=0 or call use_triton_apply(False) to silence "
+        "this).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 class TritonRotary(torch.autograd.Function):
-    """q, k rotated by the kernel; the backward is the same kernel with the transpose."""
+    """q, k rotated by the kernel; the backward is the same kernel with the transpose, or the
+    eager transpose where that launch fails."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved):
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
-        return _launch(q, k, cos, sin, unsqueeze_dim, False, interleaved)
+        out = _launch(q, k, cos, sin, unsqueeze_dim, False, interleaved)
+        _state["calls"] += 1
+        return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
+        ud, interleaved = ctx.unsqueeze_dim, ctx.interleaved
         # The map is linear in q (and k): its vector-Jacobian product is its transpose.
-        grad_q, grad_k = _launch(grad_q, grad_k, cos, sin, ctx.unsqueeze_dim, True, ctx.interleaved)
+        try:
+            grads = _launch(grad_q, grad_k, cos, sin, ud, True, interleaved)
+            _state["calls"] += 1
+        except Exception as error:  # noqa: BLE001 - a failed launch must not stop training
+            _give_up(error, "backward", grad_q.device.type)
+            grads = [rotate_heads(g, cos, sin, ud, True, interleaved) for g in (grad_q, grad_k)]
         needs = ctx.needs_input_grad
-        return grad_q if needs[0] else None, grad_k if needs[1] else None, None, None, None, None
+        return grads[0] if needs[0] else None, grads[1] if needs[1] else None, *[None] * 4
 
 
 def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
-    """Rotate q and k with the Triton kernel; None if it failed on CUDA (eager takes over).
+    """Rotate q and k with the Triton kernel; None if it failed and warned (eager takes over).
 
     Args:
         q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
@@ -230,19 +342,19 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
             (Cohere) instead of (i, i + rot/2) (`rotate_half`).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes.
+        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes and in the
+        memory layout `[b, s, n, h_d]` whatever the inputs' strides.
+
+    Raises:
+        torch.cuda.OutOfMemoryError: Memory ran out (the kernel stays on).
+        Exception: Any failure of the kernel, under `XTUNER_ROPE_TRITON_STRICT=1`.
     """
+    where = "backward, compiled at the first forward"
     try:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            _compile_backward(q, k, cos, sin, unsqueeze_dim, bool(interleaved))
+        where = "forward"
         return TritonRotary.apply(q, k, cos, sin, unsqueeze_dim, bool(interleaved))
     except Exception as error:  # noqa: BLE001 - a compile failure: keep training, eagerly
-        if _interpret():  # tests: a broken kernel must fail, not fall back
-            raise
-        _state["enabled"] = False
-        warnings.warn(
-            f"xtuner_rope: the Triton RoPE kernel failed on {q.device.type} "
-            f"({type(error).__name__}: {str(error)[:300]}); using the eager kernel from now "
-            f"on (set {SWITCH_ENV}=0 or call use_triton_apply(False) to silence this).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _give_up(error, where, q.device.type)
         return None

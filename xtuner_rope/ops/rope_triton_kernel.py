@@ -49,7 +49,9 @@ def _rotate_heads(
     """Rotate the `n` heads of tokens (bi, si) `[BLOCK_S, 1, 1]` of x `[b, s, n, h_d]` (any
     strides) into out, pairing dims `i_1` and `i_2` `[1, 1, BLOCK_HALF]`; `tok` `[BLOCK_S, 1, 1]`
     masks the tokens past the end."""
-    h = tl.arange(0, BLOCK_N)[None, :, None]  # [1, BLOCK_N, 1] heads
+    # int64: h * x_sn overflows int32 past 2**31 elements (540k tokens x 32 heads of 128 dims
+    # in the [b, n, s, h_d] layout), as t's offsets do in rope_kernel.
+    h = tl.arange(0, BLOCK_N)[None, :, None].to(tl.int64)  # [1, BLOCK_N, 1] heads
     d = tl.arange(0, BLOCK_HALF)[None, None, :]  # [1, 1, BLOCK_HALF] dims of one half
     mask = tok & (h < n) & (d < HALF)
     src = x + bi * x_sb + si * x_ss + h * x_sn

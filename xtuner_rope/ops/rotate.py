@@ -146,3 +146,45 @@ def rotate(x, cos, sin, transpose):
                 _fused["calls"] += 1
             return out
     return rotate_eager(x, cos, sin, transpose)
+
+
+def pairs_to_halves(x, rot):
+    """`[..., h_d]` with its first rot dims reordered from pairs (2i, 2i + 1) to halves."""
+    return torch.cat((x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]), dim=-1)
+
+
+def halves_to_pairs(x, rot):
+    """The inverse of `pairs_to_halves`: halves of the first rot dims back to pairs."""
+    half = rot // 2
+    pairs = torch.stack((x[..., :half], x[..., half:rot]), dim=-1).flatten(-2)  # [..., rot]
+    return torch.cat((pairs, x[..., rot:]), dim=-1)
+
+
+def rotate_heads(x, cos, sin, unsqueeze_dim, transpose, interleaved=False):
+    """Rotate the heads of q, k or a gradient (or apply the transpose) with `rotate`.
+
+    The eager rotation `rope.apply_rotary_pos_emb` runs where the Triton kernel does not, and
+    the Triton kernel's backward falls back to when its launch fails.
+
+    Args:
+        x (torch.Tensor): `[b, n, s, h_d]` (unsqueeze_dim 1) or `[b, s, n, h_d]` (2).
+        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d: the first rot dims
+            rotate, the rest pass through (partial rotary).
+        sin (torch.Tensor): Same shape as cos.
+        unsqueeze_dim (int): The heads dim of x.
+        transpose (bool): Apply the transpose (the backward).
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
+            (Cohere) instead of (i, i + rot/2).
+
+    Returns:
+        torch.Tensor: x rotated, in x's dtype.
+    """
+    rot = cos.shape[-1]
+    if interleaved:  # pairs gathered into halves, rotated, put back
+        x, cos, sin = (pairs_to_halves(t, rot) for t in (x, cos, sin))
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # [b, 1, s, rot] (1)
+    if rot == x.shape[-1]:
+        out = rotate(x, cos, sin, transpose)
+    else:  # partial rotary: the first rot dims rotate, the rest pass through
+        out = torch.cat((rotate(x[..., :rot], cos, sin, transpose), x[..., rot:]), dim=-1)
+    return halves_to_pairs(out, rot) if interleaved else out
