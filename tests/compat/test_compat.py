@@ -17,7 +17,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_apply_is_idempotent():
     first = compat.apply()
     assert compat.apply() == first
-    assert "register_internlm2_auto_classes" in first  # registered by `import xtuner_rope`
+    assert "register_internlm2_auto_classes" in first  # registered by the activation (conftest)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gap exists on CPU-only machines")
@@ -53,7 +53,7 @@ def test_bitsandbytes_imports_with_the_plugin_where_triton_lacks_ops():
     bare = _python("import bitsandbytes")
     assert bare.returncode != 0 and "triton.ops" in bare.stderr
     fixed = _python(
-        "import xtuner_rope, bitsandbytes; from peft import LoraConfig, get_peft_model;"
+        "import xtuner_rope; xtuner_rope.activate(); import bitsandbytes; from peft import LoraConfig, get_peft_model;"
         "import torch; m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
         "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)"
     )
@@ -68,7 +68,7 @@ def test_bitsandbytes_imports_after_peft_half_imported_it():
     code = (
         "import sys, peft; left = [m for m in sys.modules if m.startswith('bitsandbytes.')];"
         "assert left and 'bitsandbytes' not in sys.modules, left;"
-        "import xtuner_rope, torch; from peft import LoraConfig, get_peft_model;"
+        "import xtuner_rope, torch; xtuner_rope.activate(); from peft import LoraConfig, get_peft_model;"
         "m = torch.nn.Sequential(torch.nn.Linear(4, 4));"
         "print(type(get_peft_model(m, LoraConfig(r=2, target_modules=['0']))).__name__)"
     )
@@ -76,7 +76,9 @@ def test_bitsandbytes_imports_after_peft_half_imported_it():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("PeftModel")
     # Without the plugin the same order fails: the leftovers make the next import fail again.
-    bare = _python(code.replace("import xtuner_rope, torch", "import torch"))
+    bare = _python(
+        code.replace("import xtuner_rope, torch; xtuner_rope.activate()", "import torch")
+    )
     assert bare.returncode != 0 and "triton.ops" in bare.stderr
 
 

@@ -54,7 +54,7 @@ def test_every_record_holds_on_the_pinned_stack():
         assert guard._why_not(record) in (None, ("not needed", "its gap does not exist here")), (
             record.name
         )
-    assert compat.skipped() == {}  # nothing skipped by `import xtuner_rope` here
+    assert compat.skipped() == {}  # nothing skipped by the activation here
 
 
 def test_every_record_is_mapped_to_the_configs_that_need_it():

@@ -14,8 +14,9 @@ from mmengine.config import Config
 
 from xtuner_rope import compat
 from xtuner_rope.compat import guard, versions
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.patch_needs import patch_findings, version_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 
 ZERO2 = dict(type="DeepSpeedStrategy", config=dict(zero_optimization=dict(stage=2)))
 

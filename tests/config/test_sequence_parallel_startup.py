@@ -7,7 +7,8 @@ from mmengine.config import Config
 
 from xtuner_rope import compat
 from xtuner_rope.config import startup
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import prepare_config
 
 
 def _sp_cfg(sp, model_type="SupervisedFinetune") -> Config:

@@ -36,7 +36,8 @@ import pytest
 from stock_configs import ensure_tiny_model
 
 from xtuner_rope.config.as_xtuner_train import start_file
-from xtuner_rope.config.startup import FINDINGS, ConfigConflict, state_kept
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import FINDINGS, state_kept
 from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 
 HEAD = """from xtuner_rope import enable_xtuner_rope

@@ -38,6 +38,7 @@ from xtuner_rope import compat
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
 from xtuner_rope.compat import config_dict
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
@@ -309,7 +310,7 @@ def test_internvl_qlora_config_is_refused_on_cpu_at_start_up():
     cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_qlora_finetune"])
     assert compat.cpu_only()
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match="model.quantization_llm: True on this CPU-only machine: bitsandbytes' 4-bit",
     ):
         startup.prepare_config(cfg)

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.tiny import build_tiny_hf
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.models import HF_ATTENTION_CLASSES, HFValidatedRotaryEmbedding, integration_for
@@ -240,7 +241,7 @@ def test_start_up_refuses_unserved_families_before_loading(tmp_path, name, confi
     from mmengine.config import Config
 
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"model.llm.pretrained_model_name_or_path: "
         f".*{message}.*\n  -> use a checkpoint of a "
         "served family",

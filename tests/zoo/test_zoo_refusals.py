@@ -18,8 +18,9 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.launch import deepspeed_dtype_findings, launched_with
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 from xtuner_rope.config.warmup import refuse_rounded_warmup, rounding_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,9 @@ def test_the_warmup_check_runs_in_mmengines_runner():
     """The check sits right before MMEngine builds the schedulers (compat, version-guarded)."""
     from mmengine.runner import Runner
 
-    import xtuner_rope  # noqa: F401 - applies compat
+    import xtuner_rope
+
+    xtuner_rope.activate()  # applies compat
 
     assert getattr(Runner._build_param_scheduler, "_xtuner_rope_warmup", False)
 

@@ -29,7 +29,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--patched",
         action="store_true",
-        help="import xtuner_rope first (applies xtuner_rope.compat)",
+        help="activate xtuner_rope first (applies xtuner_rope.compat)",
     )
     parser.add_argument(
         "--sequential",
@@ -68,7 +68,9 @@ def _snapshot(engine) -> list[torch.Tensor]:
 def main() -> None:
     args = _parse()
     if args.patched:
-        import xtuner_rope  # noqa: F401  (applies xtuner_rope.compat)
+        import xtuner_rope
+
+        xtuner_rope.activate()  # applies xtuner_rope.compat
     engine = _engine(args)
     rank = torch.distributed.get_rank()
     torch.manual_seed(1 + rank)

@@ -13,8 +13,8 @@ patch raises, it is skipped with one :class:`CompatPatchSkipped` warning naming 
 and :func:`skipped` says why; the start-up then refuses the configs that need that feature
 (``xtuner_rope.config.patch_needs``). Inside them a patch still decides itself whether its gap
 exists here (most only on a CPU-only machine, or on the releases that have the bug) and leaves
-everything else as it was. ``apply()`` is idempotent and runs when ``xtuner_rope`` is
-imported; it never raises. Every public name of the modules is importable from here.
+everything else as it was. ``apply()`` is idempotent and runs when the plugin is
+activated (``xtuner_rope.activate``); it never raises. Every public name of the modules is importable from here.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def slot_rank(slot: str) -> int:
     if slot not in SLOTS:
         raise ValueError(
             f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "
-            "(xtuner_rope.config.startup.SLOTS), or add a slot there"
+            "(xtuner_rope.config.findings.SLOTS), or add a slot there"
         )
     return SLOTS.index(slot)
 

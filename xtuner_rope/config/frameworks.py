@@ -12,7 +12,8 @@ from mmengine.config import Config
 
 from xtuner_rope.compat import config_dict
 
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 
 @register_findings("framework")

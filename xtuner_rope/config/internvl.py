@@ -28,7 +28,9 @@ from mmengine.config import Config
 
 from xtuner_rope.compat import INTERNVL_LOAD, config_dict, cpu_only
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["checkpoint_config", "internvl_findings", "is_internvl"]
 

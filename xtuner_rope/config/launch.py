@@ -32,7 +32,9 @@ from mmengine.config import Config
 
 from xtuner_rope.compat import config_dict, cpu_only, current_world_size
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 # The project's fp32 DeepSpeed settings for CPU runs, by ZeRO stage.
 FP32_CPU_JSON = {

@@ -28,7 +28,8 @@ from .fields import setter as _setitem
 from .fields import type_name
 from .fields import walk_datasets as _datasets
 from .fields import xtuner_packs as _xtuner_packs
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 
 def _packs_without_boundaries(dataset: dict) -> bool:

@@ -31,11 +31,12 @@ from xtuner_rope.compat import (
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 from .fields import lazy_get, offline_packs, type_name, walk_datasets, xtuner_packs
+from .findings import Finding
 from .internvl import is_internvl
 from .launch import deepspeed_argument, deepspeed_zero_stage
 from .multimodal import is_llava
 from .preference import preference_dataset
-from .startup import Finding, register_findings
+from .startup import register_findings
 
 __all__ = ["NEEDS", "NOT_REFUSED", "needs_table", "patch_findings", "version_findings"]
 

@@ -24,7 +24,9 @@ from mmengine.config import Config
 from xtuner_rope.compat import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 PREFERENCE_DATASET = "build_preference_dataset"
 PREFERENCE_MODELS = ("DPO", "ORPO", "RewardModel")

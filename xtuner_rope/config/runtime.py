@@ -12,8 +12,9 @@ from xtuner_rope.compat import config_dict, cpu_only
 
 from .fields import lazy_get as _get
 from .fields import type_name
+from .findings import Finding
 from .sequence_parallel import sequence_parallel_size_findings as _sequence_parallel_findings
-from .startup import Finding, register_findings
+from .startup import register_findings
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {

@@ -25,7 +25,8 @@ from xtuner_rope.compat import config_dict, cpu_only, gloo_all_to_all_missing
 from .checkpoint_findings import llm_checkpoint_config
 from .fields import lazy_get as _get
 from .fields import type_name
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = [
     "checkpoint_heads",

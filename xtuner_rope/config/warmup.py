@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 from xtuner_rope.compat import SCHEDULER_CHECKS
 
-from .startup import ConfigConflict, Finding, conflict_message
+from .findings import ConfigConflict, Finding, conflict_message
 
 INF = 1e9  # MMEngine's INF for an open-ended scheduler
 

@@ -32,7 +32,9 @@ import math
 from mmengine.logging import print_log
 
 from xtuner_rope.compat import config_dict
-from xtuner_rope.config.startup import Finding, register_findings, type_name
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.findings import Finding
+from xtuner_rope.config.startup import register_findings
 
 WINDOW_KEY = "xtuner_rope.accumulation_window"  # message-hub key: {"counts": K, "open": bool}
 RESUME_ANYWAY_KEY = "resume_mid_window"  # top-level config key: resume a mid-window checkpoint

@@ -9,7 +9,7 @@ configs die on bitsandbytes' ``triton.ops`` import. ``xtuner`` also exits 0 when
 crashes (its entry point ignores the child's return code).
 
 :func:`run_xtuner_tool` runs XTuner's own tool in this process, with the same arguments, after
-``import xtuner_rope`` applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
+the plugin's activation applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
 real exit status. Nothing of the plugin's training-time machinery (validated rotary, packed
 attention) is installed: the tools build and save plain Hugging Face models.
 """
