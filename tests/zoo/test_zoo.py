@@ -239,16 +239,3 @@ def test_isolation_tolerance_follows_the_runs_dtype():
     assert zoo.isolation_tolerance("bfloat16") == 8 * 2**-8  # 0.031; leaks move 0.2 to 2
     with pytest.raises(KeyError):
         zoo.isolation_tolerance("int8")
-
-
-def test_the_old_import_path_warns_and_names_the_new_one():
-    import importlib
-    import sys
-
-    sys.modules.pop("xtuner_rope.doctor.zoo", None)
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"xtuner_rope\.doctor\.zoo is deprecated: it moved to xtuner_rope\.zoo",
-    ):
-        old = importlib.import_module("xtuner_rope.doctor.zoo")
-    assert old is zoo and old.run_row is zoo.run_row

@@ -19,9 +19,6 @@ activated (``xtuner_rope.activate``); it never raises. Every public name of the 
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe, triton_lacks_ops
 from .checkpoint import patch_checkpoint_loading
 from .checkpoint_files import (
@@ -155,7 +152,6 @@ __all__ = [
     "cpu_only",
     "gloo_all_to_all_missing",
     "SCHEDULER_CHECKS",
-    "MOVED_NAMES",
     "patch_torch_cpu_bf16_query",
     "patch_bitsandbytes_triton_probe",
     "register_internlm2_auto_classes",
@@ -218,24 +214,6 @@ __all__ = [
     "merge_loading_in",
     "MERGE_BASE_CLASSES",
 ]
-
-# Model patches that lived here once and now live with their family in ``models``.
-MOVED_NAMES = {"patch_hf_fp32_rotation": "xtuner_rope.models.hf_rope"}
-
-
-def __getattr__(name: str) -> object:
-    """``compat.<moved name>``: the name from its new module, with a warning naming it."""
-    if name not in MOVED_NAMES:
-        raise AttributeError(f"module 'xtuner_rope.compat' has no attribute {name!r}")
-    new = MOVED_NAMES[name]
-    warnings.warn(
-        f"xtuner_rope.compat.{name} is deprecated: it is a model patch, import it from "
-        f"{new} (`from {new} import {name}`).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(new), name)
-
 
 def run_patch(patch, *args, **kwargs) -> object:
     """Run ``patch(*args, **kwargs)`` in its record's guard (for the patches applied later).

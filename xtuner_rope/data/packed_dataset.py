@@ -385,6 +385,4 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
             return process_hf_dataset(dataset, **kwargs)
 
 
-# ``pack_plan`` (the cut plan's name before whole-dialogue packing) is answered, with a warning
-# naming ``pack_plans.cut_plan``, by ``xtuner_rope.deprecated.MOVED_NAMES``.
 __all__ = ["lossless_process_hf_dataset", "pack_dataset", "recorded_packs"]
