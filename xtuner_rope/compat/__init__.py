@@ -215,6 +215,7 @@ __all__ = [
     "MERGE_BASE_CLASSES",
 ]
 
+
 def run_patch(patch, *args, **kwargs) -> object:
     """Run ``patch(*args, **kwargs)`` in its record's guard (for the patches applied later).
 
