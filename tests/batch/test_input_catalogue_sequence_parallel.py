@@ -17,7 +17,7 @@ from mmengine.config import Config
 from stock_configs import ensure_tiny_model
 
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.config.as_xtuner_train import start_file
 from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.overrides import cfg_options_argument, recheck_config

@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 
 from xtuner_rope import compat
-from xtuner_rope.compat import guard
+from xtuner_rope.compat import guard, records
 from xtuner_rope.config.patch_needs import NEEDS, NOT_REFUSED, needs_table
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
@@ -40,8 +40,8 @@ def applied_patches() -> list[str]:
 def test_every_patch_of_apply_and_every_later_one_has_a_record():
     names = applied_patches()
     assert len(names) >= 26
-    assert set(names) | {r.name for r in compat.DEFERRED} == set(compat.RECORDS)
-    for name, record in compat.RECORDS.items():
+    assert set(names) | {r.name for r in records.DEFERRED} == set(records.RECORDS)
+    for name, record in records.RECORDS.items():
         assert callable(getattr(compat, name)), name
         assert record.versions and record.feature and record.symptom, name
         assert record.probes or record.probe_note, name
@@ -50,15 +50,15 @@ def test_every_patch_of_apply_and_every_later_one_has_a_record():
 
 
 def test_every_record_holds_on_the_pinned_stack():
-    for record in compat.RECORDS.values():
+    for record in records.RECORDS.values():
         assert guard._why_not(record) in (None, ("not needed", "its gap does not exist here")), (
             record.name
         )
-    assert compat.skipped() == {}  # nothing skipped by the activation here
+    assert guard.skipped() == {}  # nothing skipped by the activation here
 
 
 def test_every_record_is_mapped_to_the_configs_that_need_it():
-    assert set(NEEDS) | set(NOT_REFUSED) == set(compat.RECORDS)
+    assert set(NEEDS) | set(NOT_REFUSED) == set(records.RECORDS)
     assert not set(NEEDS) & set(NOT_REFUSED)
 
 
@@ -69,7 +69,7 @@ def _block(text: str, marker: str) -> str:
 
 def test_the_compat_page_shows_the_records_and_the_map():
     text = PAGE.read_text(encoding="utf-8")
-    assert _block(text, "records") == compat.records_table()
+    assert _block(text, "records") == records.records_table()
     assert _block(text, "needs") == needs_table()
 
 
@@ -77,4 +77,4 @@ def test_a_page_with_a_stale_version_is_caught():
     text = PAGE.read_text(encoding="utf-8").replace(
         "| mmengine ~=0.10.6 |", "| mmengine ~=0.10.5 |", 1
     )
-    assert _block(text, "records") != compat.records_table()
+    assert _block(text, "records") != records.records_table()

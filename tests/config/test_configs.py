@@ -22,7 +22,7 @@ from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
 from runners import bare_runner
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import INTERNVL_LOAD, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 from xtuner_rope.config import startup
 from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.internvl import internvl_findings

@@ -11,7 +11,7 @@ import torch
 from mmengine.config import Config
 from xtuner.registry import BUILDER
 
-from xtuner_rope.compat import cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.devices import cpu_only, gloo_all_to_all_missing
 from xtuner_rope.config import startup
 from xtuner_rope.config.fields import type_name
 from xtuner_rope.config.findings import ConfigConflict

@@ -136,7 +136,7 @@ def test_moe_routing_per_token_equals_alone(variant):
 @pytest.mark.parametrize("family", ["gemma", "cohere", "qwen2_moe"])
 def test_bfloat16_packed_equals_alone(family):
     # Cohere's own apply_rotary_pos_emb upcasts to fp32 and rotates interleaved pairs: it keeps
-    # it (no fp32 wrapper); the others get compat.patch_hf_fp32_rotation.
+    # it (no fp32 wrapper); the others get models.hf_rope.patch_hf_fp32_rotation.
     reference, patched = gold.build_pair(family, torch.bfloat16)
     gold.check_packed_equals_alone(reference, patched, 2)
     rotary = patched.model.rotary_emb

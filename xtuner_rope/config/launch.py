@@ -30,7 +30,9 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict, cpu_only, current_world_size
+from xtuner_rope.compat.checkpoint_world import current_world_size
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import type_name
 from .findings import Finding
@@ -128,7 +130,8 @@ def resolved_dtype(ds: dict) -> str | None:
     """
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
-    from xtuner_rope.compat import patch_torch_cpu_bf16_query, run_patch
+    from xtuner_rope.compat import run_patch
+    from xtuner_rope.compat.torch_cpu import patch_torch_cpu_bf16_query
 
     run_patch(patch_torch_cpu_bf16_query)  # what the plugin's start-up does before xtuner reads it
     ds = auto_dtype_of_deepspeed_config(copy.deepcopy(ds))

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import type_name
 from .findings import Finding

@@ -19,7 +19,7 @@ checkpoint without the state does is warned by ``hooks.optimizer_state``.
 
 from __future__ import annotations
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import type_name
 from .findings import Finding

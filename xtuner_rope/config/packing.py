@@ -20,7 +20,7 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get as _get
 from .fields import offline_packs as _offline_packs

@@ -19,15 +19,11 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import (
-    RECORDS,
-    SUPPORTED,
-    config_dict,
-    cpu_only,
-    skip_message,
-    skipped,
-    unsupported,
-)
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.guard import skip_message, skipped
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.records import RECORDS
+from xtuner_rope.compat.versions import SUPPORTED, unsupported
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 from .fields import lazy_get, offline_packs, type_name, walk_datasets, xtuner_packs

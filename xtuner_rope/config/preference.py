@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
 from .fields import type_name

@@ -8,7 +8,8 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get as _get
 from .fields import type_name

@@ -31,7 +31,9 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import config_being_started, config_dict, keep_other_model_paths, run_patch
+from xtuner_rope.compat import run_patch
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.xtuner_model_resource import config_being_started, keep_other_model_paths
 
 from .findings import MODEL_RESOURCE_EDIT, ConfigConflict, Finding, conflict_message, slot_rank
 
@@ -138,7 +140,7 @@ def state_kept() -> Iterator[None]:
 def prepare_started_config(path: str) -> str:
     """Prepare the config of the calling ``set_model_resource`` (if any); return ``path``.
 
-    The config is :func:`xtuner_rope.compat.config_being_started`'s: the one XTuner's
+    The config is :func:`xtuner_rope.compat.xtuner_model_resource.config_being_started`'s: the one XTuner's
     ``set_model_resource`` is starting (``xtuner train``, or a tool that starts a config in
     process). Called outside it (a script building the tiny checkpoint), only ``path`` returns.
 

@@ -371,7 +371,7 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
     """
     from xtuner.dataset.huggingface import process_hf_dataset
 
-    from xtuner_rope.compat import xtuner_pack_step
+    from xtuner_rope.compat.xtuner_packing import xtuner_pack_step
 
     if not isinstance(whole_dialogues, bool):
         raise TypeError(

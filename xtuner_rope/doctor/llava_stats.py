@@ -29,7 +29,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.doctor.stats import length_percentiles
 
 IGNORE_INDEX = -100

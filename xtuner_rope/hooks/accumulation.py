@@ -31,7 +31,7 @@ import math
 
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config.fields import type_name
 from xtuner_rope.config.findings import Finding
 from xtuner_rope.config.startup import register_findings

@@ -17,6 +17,7 @@ from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.batch.internvl_tiles import check_image_context
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
+from xtuner_rope.compat import xtuner_llava
 from xtuner_rope.config.fields import packing_source
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import require_prepared
@@ -163,7 +164,9 @@ class PackedBatchCheckHook(Hook):
         self._isolating = isolates_documents(runner.model)
         self._checked_limits = self._limits(runner)
         self._reported = False
-        compat.run_patch(compat.patch_llava_expansion_check, runner.model, self._checked_limits[1])
+        compat.run_patch(
+            xtuner_llava.patch_llava_expansion_check, runner.model, self._checked_limits[1]
+        )
         self._internvl = internvl_image_tokens(runner.model)
 
     def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:

@@ -54,7 +54,7 @@ from mmengine.logging import print_log
 from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config.findings import Finding
 from xtuner_rope.config.startup import register_findings
 from xtuner_rope.hooks.accumulation import check_resume, record_window

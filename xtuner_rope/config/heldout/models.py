@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from ..fields import lazy_get as _get
 from ..fields import setter as _setitem

@@ -22,7 +22,7 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from ..fields import lazy_get as _get
 from ..fields import type_name
