@@ -5,7 +5,7 @@ the optimizer step with one async gloo all-gather per parameter and waits only f
 (see ``xtuner_rope.compat.deepspeed_cpu.patch_deepspeed_zero3_cpu_gather``). If a gather is still running
 when ``step()`` returns, the parameter read right after differs from the same parameter read a
 moment later. Nothing of XTuner or xtuner-rope is involved unless ``--patched`` is given, which
-imports ``xtuner_rope`` (and so applies its compat patches) before DeepSpeed starts.
+activates ``xtuner_rope`` (and so applies its compat patches) before DeepSpeed starts.
 
 Run on 2 processes over gloo::
 
