@@ -2,14 +2,16 @@
 
 ``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
 set_model_resource``), before its own config check, the distributed start, the model and the
-dataset. :func:`enable_xtuner_rope` is meant for that slot: importing it loads the plugin (and
-its ``compat`` patches) early enough, and it reads the config being started, so every setting
+dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the package
+(``from xtuner_rope import enable_xtuner_rope``), the name activates the plugin (its ``compat``
+patches, its hooks) early enough, and it reads the config being started, so every setting
 that conflicts with the plugin is refused before a weight is loaded, with the setting and the
 exact edit named; what has one right answer is fixed instead, and logged.
 
-This module is the findings engine: :class:`Finding`, :func:`register_findings` (at a named
-slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks call it too) and
-:func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
+This module is the findings engine: :func:`register_findings` (at a named slot of
+``findings.SLOTS``; a finding is a ``findings.Finding``), :func:`inspect_config` (pure: the
+doctor and the hooks call it too) and :func:`prepare_config` (applies the fixes, raises
+``findings.ConfigConflict`` for the rest). The
 findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
 ``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
 (and ``config.moss``), ``config.frameworks``, ``hooks.loss_norm``, ``config.multimodal``,
@@ -140,7 +142,7 @@ def state_kept() -> Iterator[None]:
 def prepare_started_config(path: str) -> str:
     """Prepare the config of the calling ``set_model_resource`` (if any); return ``path``.
 
-    The config is :func:`xtuner_rope.compat.xtuner_model_resource.config_being_started`'s: the one XTuner's
+    The config is ``compat.xtuner_model_resource.config_being_started()``: the one XTuner's
     ``set_model_resource`` is starting (``xtuner train``, or a tool that starts a config in
     process). Called outside it (a script building the tiny checkpoint), only ``path`` returns.
 
