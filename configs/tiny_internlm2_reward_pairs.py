@@ -31,15 +31,15 @@ from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
 from xtuner_rope.hooks.random_state import RandomStateHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
-from xtuner_rope.demo.resources import tiny_checkpoint
+from xtuner_rope import tiny_checkpoint
 
 #######################################################################
 #                          PART 1  Settings                           #
 #######################################################################
 # Model: built offline from the sample dialogues when missing (paths relative to the repo root).
 pretrained_model_name_or_path = "models/tiny-internlm2"
-# `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
-# xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
+# `xtuner train` calls this first: it builds the tiny checkpoint if needed; read from the
+# package, the name turned the plugin on (compat patches, hooks) before XTuner builds anything.
 model_resource = dict(fn=tiny_checkpoint, args=dict(data_path="data/short_dialogues.jsonl"))
 # Pack whole pairs (XTuner's `use_varlen_attn` of the model, dataset and collate function;
 # named so because XTuner's top-level `use_varlen_attn` demands flash-attn): no flash-attn

@@ -3,8 +3,9 @@
 # keeps the first 95%, no dialogue in both), TokenLossMetric every 50 iterations and at the end,
 # the training and held-out loss curves in <work_dir>/heldout_curves.png (docs/evaluation.md).
 #   xtuner train configs/tiny_internlm2_short_dialogues_heldout.py   # from the repository root
-# The plugin is loaded by the `from xtuner_rope... import` lines below: MMEngine parses XTuner
-# configs in lazy-import mode, where `custom_imports` is silently ignored.
+# The plugin is turned on by `from xtuner_rope import tiny_checkpoint` below: MMEngine parses
+# XTuner configs in lazy-import mode (`custom_imports` is silently ignored) and reads that name
+# when XTuner calls `model_resource`, and reading a name of the package activates the plugin.
 import torch
 from datasets import load_dataset
 from mmengine.dataset import DefaultSampler
@@ -30,15 +31,15 @@ from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
 from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
 from xtuner_rope.hooks.random_state import RandomStateHook
 from xtuner_rope.hooks.monitor import NonFiniteTripwireHook, PackingMetricsHook
-from xtuner_rope.demo.resources import tiny_checkpoint
+from xtuner_rope import tiny_checkpoint
 
 #######################################################################
 #                          PART 1  Settings                           #
 #######################################################################
 # Model: built offline from the sample data when missing (paths relative to the repo root).
 pretrained_model_name_or_path = "models/tiny-internlm2"
-# `xtuner train` calls this first: it builds the tiny checkpoint if needed and, being an
-# xtuner_rope import, loads the plugin's compat patches before XTuner builds anything.
+# `xtuner train` calls this first: it builds the tiny checkpoint if needed; read from the
+# package, the name turned the plugin on (compat patches, hooks) before XTuner builds anything.
 model_resource = dict(fn=tiny_checkpoint, args=dict(data_path="data/short_dialogues.jsonl"))
 attn_implementation = "sdpa"
 

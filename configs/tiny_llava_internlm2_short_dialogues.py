@@ -31,7 +31,7 @@ from xtuner.engine.hooks import DatasetInfoHook, EvaluateChatHook
 from xtuner.engine.runner import TrainLoop
 from xtuner.model import LLaVAModel
 from xtuner.utils import PROMPT_TEMPLATE
-from xtuner_rope.demo.resources import tiny_llava
+from xtuner_rope import tiny_llava
 
 #######################################################################
 #                          PART 1  Settings                           #

@@ -23,8 +23,10 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
-import xtuner_rope  # noqa: E402, F401  (applies compat: Auto registration, CPU patches)
-from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer  # noqa: E402
+import xtuner_rope  # noqa: E402
+
+xtuner_rope.activate()  # the tests drive the modules directly: patches, registries, findings
+from xtuner_rope.demo.tiny import build_tiny_internlm2, iter_dialogue_texts, train_tokenizer  # noqa: E402, I001
 from xtuner_rope.ops.rotate import use_fused_apply  # noqa: E402
 
 # Property tests: 100 random examples by default; CI (`CI` set, as in .ci/run) replays a fixed

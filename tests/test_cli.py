@@ -182,14 +182,16 @@ def test_a_subcommand_activates_the_plugin_without_the_banners():
 
 
 def test_import_xtuner_rope_loads_the_start_up_and_no_tool():
-    """A config's `from xtuner_rope import ...`: every public name, and none of the tools."""
+    """A config's `from xtuner_rope import ...`: reading a public name activates the plugin (the
+    import alone does not), and loads every public name and none of the tools."""
     code = (
         "import json, sys, xtuner_rope\n"
+        "before = [xtuner_rope._activated, 'xtuner_rope.compat' in sys.modules]\n"
         "missing = [n for n in xtuner_rope.__all__ if getattr(xtuner_rope, n, None) is None]\n"
         "tools = sorted(m for m in sys.modules if m.split('.')[:2][-1] in json.loads(sys.argv[1])"
         " and m.startswith('xtuner_rope.'))\n"
         "print('RESULT', json.dumps({'missing': missing, 'tools': tools,"
-        " 'activated': xtuner_rope._activated}))\n"
+        " 'before': before, 'activated': xtuner_rope._activated}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(TOOLS)],
@@ -203,5 +205,6 @@ def test_import_xtuner_rope_loads_the_start_up_and_no_tool():
     assert json.loads(result[0][len("RESULT ") :]) == {
         "missing": [],
         "tools": [],
+        "before": [False, False],
         "activated": True,
     }

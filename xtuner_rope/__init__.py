@@ -3,16 +3,17 @@
 Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)`` (see
 ``xtuner_rope.config.startup``). This module is the public API: the names of ``__all__``.
 
-Activation: ``import xtuner_rope`` (and importing any module of the face: ``config``, ``data``,
-``hooks``, ``compat``, ``doctor``, ``cli`` ..., or reading a public name such as
-``from xtuner_rope import enable_xtuner_rope``) applies the third-party patches of
-``xtuner_rope.compat`` (each only where its gap exists) and registers the hooks in MMEngine's
-``HOOKS``, the collate functions in ``FUNCTIONS`` and the metrics (``TokenLossMetric``,
-``PreferenceMetric``) in ``METRICS``, so configs can name them by string as well as by
-object. Importing the family-free math alone (``import xtuner_rope.ops.packing``) activates
-nothing: no MMEngine, transformers or XTuner import, no patch. Nor does importing the
-command line (``xtuner_rope.cli``): it answers ``--help`` and usage errors with the standard
-library alone and activates the plugin when a subcommand runs.
+Importing a module of the package activates nothing. Activation (:func:`activate`: the
+third-party patches of ``xtuner_rope.compat``, each only where its gap exists; the hooks in
+MMEngine's ``HOOKS``, the collate functions in ``FUNCTIONS`` and the metrics in ``METRICS``, so
+configs can name them by string as well as by object; the start-up's findings) happens on one
+of three ways in, each explicit:
+
+- reading a public name of this module (``from xtuner_rope import enable_xtuner_rope`` in a
+  config: MMEngine's lazy import reads the name while XTuner's ``set_model_resource`` reads
+  ``model_resource.fn``, before XTuner builds anything);
+- a subcommand of the command line (``xtuner-rope doctor|check|convert|chat|train``);
+- calling :func:`activate` (a script or test that drives the plugin's modules directly).
 
 What activation imports is what ``xtuner train`` 's start-up needs (``config/``, ``data/``,
 ``hooks/``, ``models/``, ``compat/``); the tools (``check/``, ``capture/``, ``zoo/``,
@@ -22,11 +23,6 @@ What activation imports is what ``xtuner train`` 's start-up needs (``config/``,
 from __future__ import annotations
 
 import importlib
-import sys
-
-from . import deprecated
-
-deprecated.install()
 
 __version__ = "0.1.0"
 # Public name -> the module that defines it (imported on first use, see `activate`).
@@ -47,6 +43,9 @@ PUBLIC_API = {
     "rope_collate_fn": "xtuner_rope.data.collate",
     "llava_collate_fn": "xtuner_rope.data.collate_llava",
     "internvl_collate_fn": "xtuner_rope.data.collate_internvl",
+    # The tiny recipes' `model_resource` (configs/tiny_*.py): build the tiny models, then start.
+    "tiny_checkpoint": "xtuner_rope.demo.resources",
+    "tiny_llava": "xtuner_rope.demo.resources",
 }
 __all__ = sorted(PUBLIC_API)
 # Where the plugin's findings functions live: importing them registers them with the start-up.
@@ -72,15 +71,17 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.heldout.shortcut",
     "xtuner_rope.config.patch_needs",
 )
-FAMILY_FREE = ("xtuner_rope.ops",)  # subpackages whose import activates nothing
-# Modules whose import activates nothing: the math, and the command line (each subcommand
-# activates when it runs, so `xtuner-rope --help` imports no torch).
-INERT = (*FAMILY_FREE, "xtuner_rope.cli")
 _activated = False
 
 
 def activate() -> None:
-    """Apply the compat patches, register hooks/collate and the findings (idempotent)."""
+    """Turn the plugin on in this process (idempotent; importing a module never does).
+
+    Applies the compat patches (each where its gap exists here), registers the findings
+    modules with the start-up, the hooks in MMEngine's ``HOOKS``, the collate functions in
+    ``FUNCTIONS`` and the metrics in ``METRICS`` (so a config's ``type='PackingMetricsHook'``
+    resolves), and tells the start-up it may run (``config.startup.mark_active``).
+    """
     global _activated
     if _activated:
         return
@@ -105,6 +106,9 @@ def activate() -> None:
             FUNCTIONS.register_module(module=value, force=True)
         elif name.endswith("Metric"):
             METRICS.register_module(module=value, force=True)
+    from .config.startup import mark_active
+
+    mark_active()
 
 
 def __getattr__(name: str) -> object:
@@ -113,33 +117,3 @@ def __getattr__(name: str) -> object:
         activate()
         return globals()[name]
     raise AttributeError(f"module 'xtuner_rope' has no attribute {name!r}")
-
-
-def requested_module() -> str:
-    """The module the running import statement asked for: ``xtuner_rope`` or a submodule.
-
-    Python imports a package before its submodules, so ``import xtuner_rope.ops.packing`` runs
-    this file first. The name asked for is the one of the outermost ``_find_and_load`` frame of
-    importlib's bootstrap (the frames of the running import); outside an import, this package;
-    under ``python -m xtuner_rope.X``, ``xtuner_rope.X``.
-    """
-    frame, asked = sys._getframe(1), __name__
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.startswith("<frozen importlib") and code.co_name == "_find_and_load":
-            asked = frame.f_locals.get("name", asked)
-        elif asked != __name__ and not code.co_filename.startswith("<frozen importlib"):
-            break  # the statement that started this import
-        frame = frame.f_back
-    if asked == __name__ and sys.argv[:1] == ["-m"]:
-        # `python -m xtuner_rope.cli`: runpy imports this package by its own name while it locates
-        # the module (sys.argv[0] is "-m" meanwhile); the module asked for is on the command line.
-        argv = getattr(sys, "orig_argv", [])
-        found = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"]
-        found += [arg[2:] for arg in argv if arg.startswith("-m") and len(arg) > 2]
-        asked = found[0] if found else asked
-    return asked
-
-
-if not requested_module().startswith(INERT):
-    activate()

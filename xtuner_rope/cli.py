@@ -201,7 +201,7 @@ def _check(args: argparse.Namespace) -> int:
     activate_quietly()
     from xtuner_rope.check import format_summary, run_check, write_report
 
-    from .config.startup import ConfigConflict
+    from .config.findings import ConfigConflict
 
     out = Path(args.out or Path("work_dirs") / "check" / Path(args.config).stem)
     try:
@@ -251,8 +251,8 @@ def _doctor(args: argparse.Namespace) -> int:
     from xtuner_rope.doctor.report import format_summary, write_outputs
     from xtuner_rope.doctor.verdict import launch_problems, refusal_when_data_fails
 
+    from .config.findings import ConfigConflict
     from .config.launch import launched_with
-    from .config.startup import ConfigConflict
 
     options = cfg_options(args.cfg_options)
     try:

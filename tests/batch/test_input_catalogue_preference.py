@@ -4,7 +4,7 @@ The pairs are made by XTuner's own code: ``orpo_dpo_mix_40k_map_fn`` and ``token
 (``xtuner.dataset.preference_dataset``) with the tiny InternLM2 tokenizer, packed by XTuner's
 ``PackedDatasetWrapper``. ``PackedBatchCheckHook.before_train`` runs
 ``check_preference_dataset`` on the run's train dataset; a dataset map function that fails
-names its source row (``compat.patch_preference_map_fn_errors``); a reward token outside the
+names its source row (``xtuner_preference.patch_preference_map_fn_errors``); a reward token outside the
 vocabulary (or left at -1) is a start-up conflict (``config.preference``).
 """
 

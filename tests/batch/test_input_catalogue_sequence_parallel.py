@@ -17,11 +17,12 @@ from mmengine.config import Config
 from stock_configs import ensure_tiny_model
 
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
-from xtuner_rope.compat import cpu_only
+from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.config.as_xtuner_train import start_file
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.overrides import cfg_options_argument, recheck_config
 from xtuner_rope.config.sequence_parallel import sequence_parallel_heads_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config, state_kept
+from xtuner_rope.config.startup import prepare_config, state_kept
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"  # 4 heads, rope_collate_fn
@@ -69,7 +70,7 @@ BAD = {
 
 
 def _raise(findings) -> None:
-    from xtuner_rope.config.startup import conflict_message
+    from xtuner_rope.config.findings import conflict_message
 
     if findings:
         raise ConfigConflict(conflict_message(findings))

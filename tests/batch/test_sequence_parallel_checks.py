@@ -15,9 +15,9 @@ from xtuner_rope.batch.sequence_parallel import (
     check_sequence_parallel_rows,
     sequence_parallel_padding,
 )
-from xtuner_rope.compat import cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.devices import cpu_only, gloo_all_to_all_missing
 from xtuner_rope.config import startup
-from xtuner_rope.config.startup import ConfigConflict
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.doctor.report import format_summary

@@ -27,7 +27,8 @@ CHILD = textwrap.dedent(
     """
     import resource, signal, sys
     import torch
-    import xtuner_rope  # noqa: F401  (applies the checkpoint-write patches, as training does)
+    import xtuner_rope
+    xtuner_rope.activate()  # applies the checkpoint-write patches, as training does
 
     writer, path, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = {"meta": {"iter": 8}, "state_dict": {"w": torch.arange(1 << 18, dtype=torch.float32)}}

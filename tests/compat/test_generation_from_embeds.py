@@ -2,7 +2,7 @@
 
 transformers 4.48's ``generate`` starts with an empty ``DynamicCache``; InternLM2's modeling
 code feeds ``inputs_embeds`` only when ``past_key_values is None``, so without
-``compat.patch_internlm2_generation_from_embeds`` it dies in ``_update_causal_mask`` (checked
+``transformers_internlm2.patch_internlm2_generation_from_embeds`` it dies in ``_update_causal_mask`` (checked
 below on the unwrapped method: the test fails if upstream ever changes). With it, greedy
 generation from the prompt's embeddings equals generation from its ids, token for token, on
 XTuner's shipped class and on hub-style remote code, unpatched and patched by the plugin.

@@ -18,13 +18,21 @@ from mmengine.config import Config
 from mmengine.hooks import CheckpointHook
 
 from xtuner_rope import compat
-from xtuner_rope.compat import guard
+from xtuner_rope.compat import (
+    checkpoint_save,
+    guard,
+    mmengine_config,
+    records,
+    xtuner_packing,
+    xtuner_zero_read,
+)
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.patch_needs import patch_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 from xtuner_rope.data.preference_truncation import counted_preference_dataset
 from xtuner_rope.data.truncation import counted_tokenize_step
 
-WRITES = compat.RECORDS["patch_checkpoint_writes"]
+WRITES = records.RECORDS["patch_checkpoint_writes"]
 FEATURE = "crash-safe checkpoint writes"
 
 
@@ -42,25 +50,27 @@ def _skips(call) -> list[warnings.WarningMessage]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call()
-    return [w for w in caught if issubclass(w.category, compat.CompatPatchSkipped)]
+    return [w for w in caught if issubclass(w.category, guard.CompatPatchSkipped)]
 
 
 def test_renamed_private_method_skips_the_patch_and_the_startup_refuses(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    caught = _skips(lambda: compat.run_patch(compat.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
     assert len(caught) == 1
     message = str(caught[0].message)
     assert FEATURE in message and "_save_checkpoint_with_step is missing" in message
     assert "mmengine ~=0.10.6" in message and "mmengine 0.10.6" in message
-    assert "_save_checkpoint_with_step" in compat.skipped()["patch_checkpoint_writes"]
-    assert _skips(lambda: compat.run_patch(compat.patch_checkpoint_writes)) == []  # one warning
+    assert "_save_checkpoint_with_step" in guard.skipped()["patch_checkpoint_writes"]
+    assert (
+        _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes)) == []
+    )  # one warning
     with pytest.raises(ConfigConflict, match=r"crash-safe checkpoint writes \(every run.*skipped"):
         prepare_config(_with_checkpoint_hook())
 
 
 def test_a_config_that_does_not_need_the_feature_is_not_refused(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    _skips(lambda: compat.run_patch(compat.patch_checkpoint_writes))
+    _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
     assert patch_findings(Config(dict(default_hooks=dict(checkpoint=None)))) == []
     assert len(patch_findings(_with_checkpoint_hook())) == 1
 
@@ -70,7 +80,7 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
     monkeypatch.setattr(
         guard.metadata, "version", lambda d: "0.11.0" if d == "mmengine" else real(d)
     )
-    caught = _skips(lambda: compat.run_patch(compat.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
     assert len(caught) == 1
     assert "mmengine 0.11.0 is outside the versions it was written for" in str(caught[0].message)
     assert "pip install 'mmengine~=0.10.6'" in str(caught[0].message)
@@ -113,7 +123,7 @@ def test_a_newer_deepspeed_skips_its_write_patch(fresh, monkeypatch):
     assert len(caught) == 1
     assert "deepspeed 0.20.0 is outside the versions it was written for" in str(caught[0].message)
     compat.run_patch(compat.patch_checkpoint_writes)  # MMEngine's writes: their own record
-    assert compat.outcomes()["patch_checkpoint_writes"] == "applied"
+    assert guard.outcomes()["patch_checkpoint_writes"] == "applied"
 
 
 def _apply_all() -> None:
@@ -134,8 +144,8 @@ def test_a_missing_module_skips_a_deferred_patch_and_its_use_is_refused(fresh, m
     assert "whole-dialogue packing (lossless_process_hf_dataset)" in pack
     assert "xtuner.dataset.huggingface:pack_dataset is missing" in pack
     assert "every truncation counted" in tokenize and "tokenize_dataset is missing" in tokenize
-    with pytest.raises(compat.CompatPatchUnavailable, match="whole-dialogue packing.*unpatched"):
-        with compat.xtuner_pack_step(lambda *a, **k: None):
+    with pytest.raises(guard.CompatPatchUnavailable, match="whole-dialogue packing.*unpatched"):
+        with xtuner_packing.xtuner_pack_step(lambda *a, **k: None):
             pass
     packed = Config(
         dict(train_dataloader=dict(dataset=dict(type="process_hf_dataset", max_length=64)))
@@ -152,28 +162,30 @@ def test_a_patch_that_raises_is_skipped_not_raised(fresh):
     record = guard.PatchRecord(
         "patch_that_breaks", {"torch": ">=2.4"}, ("torch",), "a feature", "s"
     )
-    with pytest.warns(compat.CompatPatchSkipped, match="'a feature' is unavailable.*KeyError"):
+    with pytest.warns(guard.CompatPatchSkipped, match="'a feature' is unavailable.*KeyError"):
         assert guard.run_guarded(record, patch_that_breaks) is False
 
 
 def test_an_uninstalled_package_is_not_a_skip(fresh):
     record = guard.PatchRecord("p", {"no-such-dist-xtr": ">=1"}, ("no_such_module",), "f", "s")
     assert _skips(lambda: guard.run_guarded(record, lambda: True)) == []
-    assert compat.outcomes()["p"] == "not needed: no-such-dist-xtr is not installed"
+    assert guard.outcomes()["p"] == "not needed: no-such-dist-xtr is not installed"
 
 
 def test_config_dict_names_the_mmengine_to_install():
     cfg = Config(dict(a=1))
-    assert compat.config_dict(cfg) is cfg._cfg_dict
-    with pytest.raises(compat.ConfigDictUnavailable, match=r"has no _cfg_dict.*mmengine~=0\.10"):
-        compat.config_dict(object())
+    assert mmengine_config.config_dict(cfg) is cfg._cfg_dict
+    with pytest.raises(
+        mmengine_config.ConfigDictUnavailable, match=r"has no _cfg_dict.*mmengine~=0\.10"
+    ):
+        mmengine_config.config_dict(object())
 
 
 # slow: one fresh interpreter importing the whole stack (~10 s idle, ~28 s on the shared box);
-# the claim is `import xtuner_rope` itself with the method gone first, which needs one.
+# the claim is the plugin's activation itself with the method gone first, which needs one.
 @pytest.mark.slow
 def test_import_succeeds_with_the_private_method_removed_and_the_startup_refuses():
-    """The issue's done-when, in a fresh interpreter: removed before ``import xtuner_rope``."""
+    """The issue's done-when, in a fresh interpreter: removed before the plugin activates."""
     code = textwrap.dedent(
         """
         import warnings
@@ -182,12 +194,14 @@ def test_import_succeeds_with_the_private_method_removed_and_the_startup_refuses
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import xtuner_rope
-            from xtuner_rope import compat
+            xtuner_rope.activate()
         from mmengine.config import Config
-        from xtuner_rope.config.startup import ConfigConflict, prepare_config
-        skips = [w for w in caught if w.category is compat.CompatPatchSkipped]
+        from xtuner_rope.compat import guard
+        from xtuner_rope.config.findings import ConfigConflict
+        from xtuner_rope.config.startup import prepare_config
+        skips = [w for w in caught if w.category is guard.CompatPatchSkipped]
         print("WARNINGS", len(skips), skips[0].message)
-        print("SKIPPED", sorted(compat.skipped()))
+        print("SKIPPED", sorted(guard.skipped()))
         cfg = Config(dict(default_hooks=dict(checkpoint=dict(type=CheckpointHook))))
         try:
             prepare_config(cfg)
@@ -213,7 +227,7 @@ def test_convert_of_a_deepspeed_folder_is_refused_when_the_fp32_read_is_skipped(
     from xtuner_rope.outputs.xtuner_tools import run_xtuner_tool
 
     monkeypatch.delattr(reader, "DEFAULT_DTYPE")
-    (caught,) = _skips(lambda: compat.run_patch(compat.patch_xtuner_zero_read_fp32))
+    (caught,) = _skips(lambda: compat.run_patch(xtuner_zero_read.patch_xtuner_zero_read_fp32))
     assert "DeepSpeed checkpoints read at fp32" in str(caught.message)
     folder = tmp_path / "iter_8.pth"
     folder.mkdir()  # a DeepSpeed checkpoint is a folder

@@ -13,9 +13,10 @@ import pytest
 from mmengine.config import Config
 
 from xtuner_rope import compat
-from xtuner_rope.compat import guard, versions
+from xtuner_rope.compat import checkpoint, guard, records, versions
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.patch_needs import patch_findings, version_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 
 ZERO2 = dict(type="DeepSpeedStrategy", config=dict(zero_optimization=dict(stage=2)))
 
@@ -37,7 +38,7 @@ def _warned(call) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call()
-    return [str(w.message) for w in caught if w.category is compat.UnsupportedVersionWarning]
+    return [str(w.message) for w in caught if w.category is versions.UnsupportedVersionWarning]
 
 
 def test_the_installed_pins_are_inside_the_range():
@@ -63,8 +64,8 @@ def test_an_older_torch_is_warned_once_and_every_config_refused(installed):
 
 def test_a_torch_outside_the_range_is_one_message_not_one_per_patch(installed):
     installed(torch="2.3.1")
-    compat.run_patch(compat.patch_checkpoint_loading)  # written for torch>=2.4: skipped
-    assert "patch_checkpoint_loading" in compat.skipped()
+    compat.run_patch(checkpoint.patch_checkpoint_loading)  # written for torch>=2.4: skipped
+    assert "patch_checkpoint_loading" in guard.skipped()
     cfg = Config(dict(load_from="iter_1.pth"))
     assert patch_findings(cfg) == []
     assert [f.setting.split(" (")[0] for f in version_findings(cfg)] == ["the installed torch"]
@@ -94,6 +95,6 @@ def test_a_version_string_that_is_not_pep440_counts_as_outside(installed):
 
 
 def test_the_patch_records_take_their_ranges_from_here():
-    for record in compat.RECORDS.values():
+    for record in records.RECORDS.values():
         for dist in set(record.versions) & set(versions.SUPPORTED):
             assert record.versions[dist] == versions.SUPPORTED[dist].spec, record.name

@@ -1,4 +1,4 @@
-"""`compat.merge_loading_in`: `xtuner convert merge`'s fp16 base load replaced by the dtype asked.
+"""`xtuner_merge.merge_loading_in`: `xtuner convert merge`'s fp16 base load replaced by the dtype asked.
 
 The merge itself, against the trained LoRA model, is in tests/outputs/test_xtuner_tools.py.
 """
@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import xtuner_rope  # noqa: F401  (registers InternLM2 with the Auto classes)
-from xtuner_rope.compat import merge_loading_in
+from xtuner_rope.compat.xtuner_merge import merge_loading_in
 
 
 def test_the_load_gets_the_dtype_asked_and_is_restored_after():

@@ -1,4 +1,4 @@
-"""`compat.to_hf_in_dtype`: XTuner's `to_hf` casts first (the callback) and skips its `.half()`.
+"""`xtuner_to_hf.to_hf_in_dtype`: XTuner's `to_hf` casts first (the callback) and skips its `.half()`.
 
 XTuner's own `SupervisedFinetune.to_hf` runs here on a LoRA-shaped model whose LLM records what
 is done to it; the conversions of real ZeRO-2/ZeRO-3 checkpoints with `--dtype` are in
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from xtuner.model.sft import SupervisedFinetune
 
-from xtuner_rope.compat import TO_HF_CLASSES, to_hf_in_dtype
+from xtuner_rope.compat.xtuner_to_hf import TO_HF_CLASSES, to_hf_in_dtype
 
 
 class RecordingLLM:

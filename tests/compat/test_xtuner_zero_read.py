@@ -1,4 +1,4 @@
-"""`compat.patch_xtuner_zero_read_fp32`: XTuner's ZeRO checkpoint reader defaults to fp32.
+"""`xtuner_zero_read.patch_xtuner_zero_read_fp32`: XTuner's ZeRO checkpoint reader defaults to fp32.
 
 The reads of a real ZeRO-2 checkpoint, bit for bit against the module DeepSpeed saved, are in
 tests/integration/test_resume.py (they share its 2-process run); here the patch's state and its
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import xtuner_rope  # noqa: F401  (applies the compat patches)
-from xtuner_rope.compat import (
+from xtuner_rope.compat.xtuner_zero_read import (
     ZERO_READ_FEATURE,
     ZERO_READER_FUNCTIONS,
     ZERO_READER_MODULE,

@@ -26,6 +26,7 @@ from xtuner_rope.cli import main
 from xtuner_rope.config import startup
 from xtuner_rope.config.checkpoint_findings import checkpoint_config_findings
 from xtuner_rope.config.families import model_family_findings
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 SETTING = "model.llm.pretrained_model_name_or_path"
@@ -80,7 +81,7 @@ def recipe(tmp_path: Path, checkpoint: str) -> Path:
 
 
 def refusal(config: Path) -> str:
-    with pytest.raises(startup.ConfigConflict) as err:
+    with pytest.raises(ConfigConflict) as err:
         startup.prepare_config(Config.fromfile(str(config)))
     return str(err.value)
 

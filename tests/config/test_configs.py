@@ -22,7 +22,7 @@ from mmengine.config import Config, ConfigDict
 from mmengine.config.lazy import LazyAttr, LazyObject
 from runners import bare_runner
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
@@ -188,8 +188,9 @@ def test_preference_recipe_is_xtuner_style_and_packs_pairs(config, tmp_path):
     from xtuner.dataset.collate_fns.preference_collate_fn import preference_collate_fn
     from xtuner.dataset.preference_dataset import build_preference_dataset
 
+    from xtuner_rope.config.fields import type_name
     from xtuner_rope.config.runtime import PLUGIN_HOOKS
-    from xtuner_rope.config.startup import inspect_config, type_name
+    from xtuner_rope.config.startup import inspect_config
 
     text = (REPO / config).read_text()
     found = [text.find(f"PART {i}  {title}") for i, title in enumerate(BANNERS, start=1)]
@@ -408,8 +409,8 @@ def test_config_dicts_are_plain_after_tiny_override(config):
     wrapper, QLoRA's quantization left out) and what `xtuner train`'s start-up does to every
     config (the plugin's missing hooks put first in custom_hooks): nothing else.
     """
+    from xtuner_rope.config.fields import type_name
     from xtuner_rope.config.runtime import PLUGIN_HOOKS
-    from xtuner_rope.config.startup import type_name
 
     real, cfg = _load(config), _tiny_cfg(config, quantize=False)
     assert isinstance(cfg.model, ConfigDict)

@@ -1,11 +1,11 @@
-"""The start-up's slots: names that say what they hold, old names refused with the new one."""
+"""The start-up's slots: names that say what they hold; an unknown one is refused, naming them."""
 
 from __future__ import annotations
 
 import pytest
 
 from xtuner_rope.config import startup
-from xtuner_rope.config.findings import RENAMED_SLOTS, SLOTS, slot_rank
+from xtuner_rope.config.findings import slot_rank
 
 
 def test_an_unknown_slot_is_refused_with_the_slots_named():
@@ -13,16 +13,7 @@ def test_an_unknown_slot_is_refused_with_the_slots_named():
         slot_rank("nowhere")
 
 
-@pytest.mark.parametrize(
-    ("old", "new"), [("checkpoints", "checkpoint_saving"), ("checkpoint", "llm_checkpoint")]
-)
-def test_a_renamed_slot_names_its_new_name(old, new):
-    with pytest.raises(ValueError, match=rf"slot '{old}' was renamed '{new}'.*'{new}'\)"):
-        startup.register_findings(old)
-    assert new in SLOTS and RENAMED_SLOTS[old] == new
-
-
-def test_the_checkpoint_findings_sit_at_the_renamed_slots():
+def test_the_checkpoint_findings_sit_at_their_slots():
     slots = {check.__module__.rsplit(".", 1)[-1]: slot for slot, check in startup.FINDINGS}
     assert slots["checkpoint_findings"] == "llm_checkpoint"
     assert slots["accumulation"] == slots["optimizer_state"] == "checkpoint_saving"

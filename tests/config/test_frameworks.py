@@ -5,8 +5,9 @@ import pytest
 from mmengine.config import Config
 
 import xtuner_rope
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.frameworks import huggingface_trainer_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 
 xtuner_rope.activate()
 

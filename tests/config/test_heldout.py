@@ -11,8 +11,11 @@ import pytest
 import stock_configs as sc
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict, cpu_only, gloo_all_to_all_missing
-from xtuner_rope.config.startup import ConfigConflict, inspect_config, prepare_config, type_name
+from xtuner_rope.compat.devices import cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import inspect_config, prepare_config
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 

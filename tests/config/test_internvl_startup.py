@@ -6,8 +6,10 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import INTERNVL_LOAD, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.internvl import internvl_findings
 
 
@@ -78,7 +80,7 @@ def test_an_llm_xtuner_cannot_template_is_refused(load_kept, tmp_path):
         "internvl_v2_internlm2_2b_lora_finetune", _checkpoint(tmp_path, "Qwen2ForCausalLM", "qwen2")
     )
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"model.model_path: .*config.json: llm_config.architectures\[0\] = 'Qwen2ForCausalLM'",
     ):
         startup.prepare_config(cfg)
@@ -101,7 +103,7 @@ def test_llava_collate_on_internvl_samples_is_refused(load_kept, tmp_path):
     cfg = _stock("internvl_v2_phi3_4b_finetune", _checkpoint(tmp_path, "Phi3ForCausalLM", "phi3"))
     cfg.train_dataloader.collate_fn = dict(type=llava_collate_fn, max_length=1024, image_tokens=256)
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match="train_dataloader.collate_fn: llava_collate_fn on InternVL samples",
     ):
         startup.prepare_config(cfg)

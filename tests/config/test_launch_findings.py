@@ -15,6 +15,7 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.launch import (
     LAUNCHER_ENV,
     deepspeed_argument,
@@ -22,7 +23,7 @@ from xtuner_rope.config.launch import (
     sampler_findings,
     single_process_deepspeed_findings,
 )
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

@@ -14,9 +14,10 @@ import pytest
 from mmengine.config import Config
 
 from xtuner_rope.config.as_xtuner_train import start_file
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.llava_tower import llava_collate_findings, tower_image_tokens
 from xtuner_rope.config.overrides import recheck_config
-from xtuner_rope.config.startup import ConfigConflict, state_kept
+from xtuner_rope.config.startup import state_kept
 from xtuner_rope.demo.resources import tiny_llava
 from xtuner_rope.demo.tiny_clip import save_tiny_clip
 
@@ -74,8 +75,8 @@ def _recipe(tmp_path: Path, image_tokens: int) -> Path:
         f"collate_fn=dict(type=llava_collate_fn, max_length=256, image_tokens={image_tokens})",
     )
     text = text.replace(
-        "from xtuner_rope.demo.resources import tiny_llava\n",
-        "from xtuner_rope.demo.resources import tiny_llava\nfrom xtuner_rope import llava_collate_fn\n",
+        "from xtuner_rope import tiny_llava\n",
+        "from xtuner_rope import tiny_llava\nfrom xtuner_rope import llava_collate_fn\n",
     )
     path = tmp_path / f"tiny_llava_image_tokens_{image_tokens}.py"
     path.write_text(text)

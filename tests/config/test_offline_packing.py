@@ -8,7 +8,9 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.config.startup import ConfigConflict, packing_source, prepare_config, type_name
+from xtuner_rope.config.fields import packing_source, type_name
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import prepare_config
 from xtuner_rope.hooks.isolation import refuse_unbounded_packing
 
 

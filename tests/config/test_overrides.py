@@ -19,7 +19,7 @@ from xtuner.dataset.collate_fns import default_collate_fn
 from xtuner.dataset.utils import Packer
 
 from xtuner_rope.batch.checks import row_boundaries
-from xtuner_rope.config.startup import packing_source
+from xtuner_rope.config.fields import packing_source
 from xtuner_rope.hooks.isolation import refuse_unbounded_packing
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"

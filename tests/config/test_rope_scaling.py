@@ -11,8 +11,9 @@ import json
 import pytest
 from mmengine.config import Config
 
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.rope_scaling import rope_scaling_findings
-from xtuner_rope.config.startup import ConfigConflict, prepare_config, state_kept
+from xtuner_rope.config.startup import prepare_config, state_kept
 from xtuner_rope.doctor.rope import rope_figures, rope_lines, rope_problems
 from xtuner_rope.models.rope_documents import per_document_rope_setting
 from xtuner_rope.models.rope_settings import rope_setting

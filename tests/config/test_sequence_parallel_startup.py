@@ -5,9 +5,10 @@ from argparse import Namespace
 import pytest
 from mmengine.config import Config
 
-from xtuner_rope import compat
+from xtuner_rope.compat import devices, xtuner_sft
 from xtuner_rope.config import startup
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import prepare_config
 
 
 def _sp_cfg(sp, model_type="SupervisedFinetune") -> Config:
@@ -40,8 +41,8 @@ def train_module(monkeypatch):
     monkeypatch.setattr(
         train, "check_cfg", getattr(train.check_cfg, "__wrapped__", train.check_cfg)
     )
-    assert compat.patch_xtuner_train_sequence_parallel_check()
-    assert not compat.patch_xtuner_train_sequence_parallel_check()  # idempotent
+    assert xtuner_sft.patch_xtuner_train_sequence_parallel_check()
+    assert not xtuner_sft.patch_xtuner_train_sequence_parallel_check()  # idempotent
     return train
 
 
@@ -94,7 +95,7 @@ def test_sequence_parallel_on_cpu_is_refused_where_gloo_has_no_all_to_all():
 
     from xtuner_rope.config.sequence_parallel import sequence_parallel_heads_findings
 
-    missing = compat.gloo_all_to_all_missing()
+    missing = devices.gloo_all_to_all_missing()
     findings = sequence_parallel_heads_findings(_sp_cfg(2))  # no checkpoint: no heads to check
     if missing is None:
         assert findings == []

@@ -11,9 +11,11 @@ import torch
 from mmengine.config import Config
 from xtuner.registry import BUILDER
 
-from xtuner_rope.compat import cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.devices import cpu_only, gloo_all_to_all_missing
 from xtuner_rope.config import startup
-from xtuner_rope.config.startup import ConfigConflict, inspect_config, prepare_config, type_name
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import inspect_config, prepare_config
 from xtuner_rope.data.packed_dataset import lossless_process_hf_dataset
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"

@@ -12,7 +12,8 @@ from datasets import Dataset
 from mmengine.config import Config
 from xtuner.dataset import intern_repo
 
-from xtuner_rope.config.startup import prepare_config, type_name
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.startup import prepare_config
 from xtuner_rope.data.intern_repo_packing import build_whole_packed_dataset
 
 

@@ -280,7 +280,7 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     )
     text = sc.sub_once(
         text,
-        r"^(from xtuner_rope.demo.resources import tiny_llava\n)",
+        r"^(from xtuner_rope import tiny_llava\n)",
         r"\g<1>from xtuner_rope import llava_collate_fn\nfrom "
         "xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n",
     )

@@ -99,20 +99,6 @@ def test_plan_of_nothing_and_bad_max_length():
         cut_plan(np.array([3, 4]), 0)
 
 
-def test_the_old_pack_plan_name_warns_and_names_cut_plan():
-    import xtuner_rope.data.packed_dataset as packed_dataset
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"packed_dataset\.pack_plan is deprecated: it is "
-        r"xtuner_rope\.data\.pack_plans\.cut_plan",
-    ):
-        from xtuner_rope.data.packed_dataset import pack_plan
-    assert pack_plan is cut_plan
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        packed_dataset.no_such_name  # noqa: B018
-
-
 def test_untokenized_dataset_is_refused_with_its_columns():
     with pytest.raises(
         ValueError,

@@ -17,6 +17,7 @@ from xtuner.registry import BUILDER
 
 from xtuner_rope.cli import main
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
 from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose, load_config
 from xtuner_rope.doctor.report import format_summary, write_outputs
 from xtuner_rope.doctor.stats import supervised_count
@@ -348,10 +349,10 @@ def test_plugin_not_enabled_fails_with_packed_data_and_warns_without(tmp_path):
     report, _ = diagnose(config, progress=False)
     assert not report["plugin"]["enabled"] and report["plugin"]["edit"]
     assert report["packed"] and report["exit_code"] == 1
-    assert startup.MODEL_RESOURCE_EDIT in report["problems"][0]
+    assert MODEL_RESOURCE_EDIT in report["problems"][0]
     report, _ = diagnose(config, {"train_dataloader.collate_fn.pack": False}, progress=False)
     assert not report["packed"] and report["exit_code"] == 0
-    assert startup.MODEL_RESOURCE_EDIT in report["warnings"][0]
+    assert MODEL_RESOURCE_EDIT in report["warnings"][0]
 
 
 def test_unknown_collate_name_is_refused():

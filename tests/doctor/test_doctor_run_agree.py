@@ -15,12 +15,12 @@ The doctor's refusals (``doctor/diagnose.py``: ``diagnose`` and ``judge``) come 
 3. the warm-up that rounds to 0 iterations (``config.warmup``, refused after the model loads
    with the doctor's message: ``tests/doctor/test_zoo_refusals.py``);
 4. sequence parallel without DeepSpeed (``launch_problems``; XTuner's own check, kept by
-   ``compat.patch_xtuner_train_sequence_parallel_check``: ``tests/config/
+   ``xtuner_sft.patch_xtuner_train_sequence_parallel_check``: ``tests/config/
    test_sequence_parallel_startup.py``).
 
 Not refused before a step by the run, by design: the plugin not enabled (nothing of it runs;
 packed rows from ``rope_collate_fn`` are stopped at the first forward by
-``compat.patch_sft_forward_names_missing_hook``), and per-sample text problems the doctor
+``xtuner_sft.patch_sft_forward_names_missing_hook``), and per-sample text problems the doctor
 finds by scanning the data (empty, over-long, label-mismatched samples, unsupervised batches):
 the collate function refuses the batch that holds one, naming the sample.
 
@@ -36,7 +36,8 @@ import pytest
 from stock_configs import ensure_tiny_model
 
 from xtuner_rope.config.as_xtuner_train import start_file
-from xtuner_rope.config.startup import FINDINGS, ConfigConflict, state_kept
+from xtuner_rope.config.findings import ConfigConflict
+from xtuner_rope.config.startup import FINDINGS, state_kept
 from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 
 HEAD = """from xtuner_rope import enable_xtuner_rope

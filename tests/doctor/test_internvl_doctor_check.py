@@ -81,7 +81,7 @@ def test_doctor_refuses_packed_rows_without_the_edit(configs, tmp_path, capsys):
 
 def test_doctor_and_check_leave_xtuner_prompt_templates_as_shipped(configs, tmp_path, capsys):
     """xtuner 0.2.0 ``InternVL_V1_5_Dataset`` rewrites the template a config hands it, which is
-    XTuner's own ``PROMPT_TEMPLATE`` entry: without ``compat.patch_internvl_dataset_template``
+    XTuner's own ``PROMPT_TEMPLATE`` entry: without ``xtuner_internvl.patch_internvl_dataset_template``
     every text dataset built later in the process drops the newline after ``<|im_end|>``
     (the tiny recipe's rebuilt batches: ``real_token_share`` 0.892 where ``xtuner train``
     logged 0.9125)."""

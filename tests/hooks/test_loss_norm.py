@@ -309,7 +309,8 @@ def test_deepspeed_without_zero_is_refused():
 def test_unknown_loss_normalization_is_refused_at_start_up(tmp_path):
     from mmengine.config import Config
 
-    from xtuner_rope.config.startup import ConfigConflict, prepare_config
+    from xtuner_rope.config.findings import ConfigConflict
+    from xtuner_rope.config.startup import prepare_config
 
     cfg = Config(dict(loss_normalization="per_dialog"))
     with pytest.raises(

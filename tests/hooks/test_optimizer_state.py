@@ -111,12 +111,3 @@ def test_resume_from_a_checkpoint_without_optimizer_state_warns(
     assert ("holds no optimizer state" in out) is warned, out[-2000:]
     if warned:
         assert "(iteration 2)" in out and "the optimizer starts afresh" in out
-
-
-def test_the_finding_s_old_address_warns_and_names_config_optimizer_state():
-    with pytest.warns(
-        DeprecationWarning, match=r"hooks\.optimizer_state\.save_optimizer_findings is deprecated"
-    ) as caught:
-        from xtuner_rope.hooks.optimizer_state import save_optimizer_findings as old
-    assert old is save_optimizer_findings
-    assert "from xtuner_rope.config.optimizer_state import" in str(caught[0].message)

@@ -140,7 +140,7 @@ def _internvl_reference(config: Path, pth: Path):
     with LoRA merged by peft in fp32; and the row."""
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 
     kept = dict(INTERNVL_LOAD)
     INTERNVL_LOAD.update(torch_dtype=torch.float32, attn_implementation="eager")

@@ -35,10 +35,11 @@ import torch
 from mmengine.config import Config
 
 from tools.zoo.localize import short_chat_samples
-from xtuner_rope import compat
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat import devices
+from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny_clip import image_tokens, save_tiny_clip
@@ -295,7 +296,7 @@ def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm
 def test_user_alias_line_keeps_clip_paths(llava, tmp_path):
     """The finetune config with the user's ``pretrained_model_name_or_path = llm_name_or_path``
     line too: XTuner's start-up keeps the CLIP encoder's and image processor's paths."""
-    assert compat.cpu_only()
+    assert devices.cpu_only()
     (alias,) = _started(_config(llava, "finetune", tmp_path / "alias.py", alias=True))
     assert alias["llm"] == alias["tokenizer"] == str(llava["llm"])
     assert alias["clip"] == alias["processor"] == str(llava["clip"])
@@ -307,9 +308,9 @@ def test_internvl_qlora_config_is_refused_on_cpu_at_start_up():
     from xtuner.configs import cfgs_name_path  # the file `xtuner copy-cfg` copies
 
     cfg = Config.fromfile(cfgs_name_path["internvl_v2_internlm2_2b_qlora_finetune"])
-    assert compat.cpu_only()
+    assert devices.cpu_only()
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match="model.quantization_llm: True on this CPU-only machine: bitsandbytes' 4-bit",
     ):
         startup.prepare_config(cfg)

@@ -155,7 +155,7 @@ def reference(request, tmp_path_factory):
 
 
 # How often the opt-in repeated check runs the 2-process ZeRO-3 case (0: not at all, as in CI).
-# ZeRO-3 on CPU was wrong in about 1 run in 3 before `compat.patch_deepspeed_zero3_cpu_gather`.
+# ZeRO-3 on CPU was wrong in about 1 run in 3 before `deepspeed_cpu.patch_deepspeed_zero3_cpu_gather`.
 REPEAT_ZERO3 = int(os.environ.get("XTUNER_ROPE_REPEAT_ZERO3", "0"))
 
 

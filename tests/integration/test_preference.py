@@ -28,6 +28,7 @@ from mmengine.config import Config
 
 from xtuner_rope.capture.preference import capture_file, compare_preference_capture
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.runlog import check_run
 from xtuner_rope.demo.tiny import save_tiny
 
@@ -268,7 +269,7 @@ def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
     _as_xtuner_train(monkeypatch, pref[pc.DPO], "--deepspeed", str(sc.REPO / ZERO3))
     cfg = Config.fromfile(str(pref[pc.DPO]))
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"model\.ref_llm \(DPO\) with DeepSpeed ZeRO-3: None: XTuner's DPO "
         r"then makes the reference model with create_reference_model.*\n"
         r"  -> set model\.ref_llm = dict\(type=AutoModelForCausalLM"
@@ -287,7 +288,7 @@ def test_full_dpo_under_zero3_refused_at_start(pref, monkeypatch):
 def test_stock_reward_token_outside_vocabulary_refused_at_start(pref):
     cfg = Config.fromfile(str(pref[f"{pc.REWARD}_stock_token"]))
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"reward_token_id \(PART 1; train_dataloader\.dataset\."
         r"reward_token_id\): 92527 is outside the vocabulary .*vocab_size "
         r"1024.*\n  -> set reward_token_id to an id in 0\.\.1023",
@@ -300,7 +301,7 @@ def test_packed_pairs_at_batch_size_two_refused_at_start(pref, name):
     cfg = Config.fromfile(str(pref[name]))
     cfg.train_dataloader.batch_size = 2
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"train_dataloader\.batch_size: 2: packed preference pairs .*"
         r"asserts batch size 1.*\n  -> set batch_size = 1",
     ):
@@ -311,7 +312,7 @@ def test_mismatched_varlen_switches_refused_at_start(pref):
     cfg = Config.fromfile(str(pref[pc.DPO]))
     cfg.model.use_varlen_attn = False
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"use_varlen_attn: packed preference pairs need the same "
         r"use_varlen_attn .*model\.use_varlen_attn=False.*\n  -> set "
         r"use_varlen_attn = True",

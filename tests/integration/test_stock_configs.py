@@ -15,6 +15,7 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
@@ -140,7 +141,7 @@ def test_stock_packing_without_the_edit_leaks_inside_xtuner_train(stock, tmp_pat
 
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("import xtuner_rope  # noqa: F401\n")
+    (site / "sitecustomize.py").write_text("import xtuner_rope\nxtuner_rope.activate()\n")
     text = sc.localize(stock[FULL], stock["alpaca"])
     text = sc.sub_once(text, r"^    shuffle_before_pack=True,$", "    shuffle_before_pack=False,")
     config = tmp_path / "stock.py"
@@ -259,7 +260,7 @@ def test_hooks_listed_without_start_up_are_refused(stock, tmp_path, monkeypatch)
         ],
     )
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"(?s)ValidatedRoPEHook: xtuner-rope was "
         r"loaded after XTuner built the model.*enable_xtuner_rope",
     ):

@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.demo.tiny import build_tiny_hf
 from xtuner_rope.doctor.diagnose import diagnose
 from xtuner_rope.models import HF_ATTENTION_CLASSES, HFValidatedRotaryEmbedding, integration_for
@@ -135,7 +136,7 @@ def test_moe_routing_per_token_equals_alone(variant):
 @pytest.mark.parametrize("family", ["gemma", "cohere", "qwen2_moe"])
 def test_bfloat16_packed_equals_alone(family):
     # Cohere's own apply_rotary_pos_emb upcasts to fp32 and rotates interleaved pairs: it keeps
-    # it (no fp32 wrapper); the others get compat.patch_hf_fp32_rotation.
+    # it (no fp32 wrapper); the others get models.hf_rope.patch_hf_fp32_rotation.
     reference, patched = gold.build_pair(family, torch.bfloat16)
     gold.check_packed_equals_alone(reference, patched, 2)
     rotary = patched.model.rotary_emb
@@ -240,7 +241,7 @@ def test_start_up_refuses_unserved_families_before_loading(tmp_path, name, confi
     from mmengine.config import Config
 
     with pytest.raises(
-        startup.ConfigConflict,
+        ConfigConflict,
         match=r"model.llm.pretrained_model_name_or_path: "
         f".*{message}.*\n  -> use a checkpoint of a "
         "served family",

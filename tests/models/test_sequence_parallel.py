@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from xtuner_rope.compat import gloo_all_to_all_missing
+from xtuner_rope.compat.devices import gloo_all_to_all_missing
 
 SP = 2
 VOCAB = 256

@@ -60,7 +60,7 @@ def internvl_lora(request, tmp_path_factory) -> dict:
     adapters drawn, saved as ``iter_4.pth``."""
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
     from xtuner_rope.demo.llava_data import write_llava_data
     from xtuner_rope.demo.tiny_internvl import save_tiny_internvl
 

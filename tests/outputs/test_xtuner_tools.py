@@ -1,8 +1,8 @@
 """After training: `xtuner-rope convert pth_to_hf / merge` and `xtuner-rope chat`, for real.
 
 Two real `xtuner train` runs of XTuner's stock configs (`xtuner copy-cfg`), 10 iterations each,
-shared by every test here: the full fine-tune turned on with the edit an earlier README taught
-(`from xtuner_rope.resources import local_checkpoint`: it must still train, and warn), on a
+shared by every test here: the full fine-tune turned on with the edit for a downloaded checkpoint
+(`model_resource = dict(fn=enable_xtuner_rope, args=dict(local_only=True))`), on a
 checkpoint that carries its own modeling code as real InternLM2 checkpoints do; LoRA (the
 stock QLoRA config without its 4-bit `quantization_config`, on CPU) with today's one edit, on
 the tiny checkpoint without remote code. The converted models are loaded by plain
@@ -30,9 +30,9 @@ from xtuner_rope.demo.runlog import check_run
 
 FULL = "internlm2_chat_1_8b_full_alpaca_e3"
 QLORA = "internlm2_chat_1_8b_qlora_alpaca_e3"
-OLD_EDIT = (
-    "from xtuner_rope.resources import local_checkpoint\n"
-    "model_resource = dict(fn=local_checkpoint)\n"
+LOCAL_EDIT = (
+    "from xtuner_rope import enable_xtuner_rope\n"
+    "model_resource = dict(fn=enable_xtuner_rope, args=dict(local_only=True))\n"
 )
 SHORT_RUN = ("train_cfg.max_epochs=None", "train_cfg.max_iters=10", "randomness.seed=0")
 PROMPT = "What is 7 plus 5?"
@@ -96,7 +96,7 @@ def full_run(stock) -> dict:
     text = sc.localize(sc.copy_stock(FULL, root), stock["data"], model=stock["base"])
     config = root / "full.py"
     config.write_text(
-        sc.sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + OLD_EDIT)
+        sc.sub_once(text, r'^(pretrained_model_name_or_path = ".*"\n)', r"\g<1>" + LOCAL_EDIT)
     )
     pth, out = _train(config, root / "run_full")
     return {"config": config, "pth": pth, "out": out}
@@ -156,12 +156,8 @@ def _same_config(saved: Path, base: Path) -> None:
     assert (saved / "modeling_internlm2.py").is_file()
 
 
-def test_old_import_still_trains_and_warns(full_run):
-    out = full_run["out"]
-    # On MMEngine's logger: importing xtuner mutes FutureWarning under `xtuner train`.
-    assert "mmengine - WARNING - xtuner_rope.resources.local_checkpoint is deprecated" in out
-    assert "model_resource = dict(fn=enable_xtuner_rope, args=dict(local_only=True))" in out
-    assert "xtuner-rope: custom_hooks: ValidatedRoPEHook" in out  # the start-up ran
+def test_the_local_only_edit_starts_the_plugin(full_run):
+    assert "xtuner-rope: custom_hooks: ValidatedRoPEHook" in full_run["out"]  # the start-up ran
 
 
 @pytest.fixture(scope="module")

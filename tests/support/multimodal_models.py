@@ -83,7 +83,7 @@ def internvl_models(root: Path):
     and ``(img_context_token_id, tokens per tile, tile side)``."""
     from xtuner.model.internvl import InternVL_V1_5
 
-    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
     from xtuner_rope.demo.tiny_internvl import save_tiny_internvl
 
     sc.ensure_tiny_model()

@@ -1,7 +1,7 @@
 """XTuner's own dataset steps, for live references: the plugin's counting wrappers taken off.
 
-``import xtuner_rope`` wraps XTuner's ``tokenize_dataset`` (``compat.patch_xtuner_tokenize_counted``)
-and ``PreferenceDataset`` (``compat.patch_preference_truncation_counted``) for the process. A
+The plugin's activation wraps XTuner's ``tokenize_dataset`` (``xtuner_tokenize.patch_xtuner_tokenize_counted``)
+and ``PreferenceDataset`` (``xtuner_preference.patch_preference_truncation_counted``) for the process. A
 reference built inside :func:`xtuner_unpatched` is XTuner's, never the plugin's count of it.
 """
 

@@ -180,7 +180,7 @@ def test_the_doctor_is_right_only_for_the_same_reason():
 
 
 def test_refusals_and_doctor_reasons_are_read_from_the_logs(tmp_path):
-    from xtuner_rope.config.startup import Finding, conflict_message
+    from xtuner_rope.config.findings import Finding, conflict_message
 
     out = "noise\n" + conflict_message(
         [Finding("a.b", "bad", "edit it"), Finding("param_scheduler[0]", "LinearLR: 0", "longer")]

@@ -18,8 +18,9 @@ import stock_configs as sc
 import torch
 from mmengine.config import Config
 
+from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.launch import deepspeed_dtype_findings, launched_with
-from xtuner_rope.config.startup import ConfigConflict, prepare_config
+from xtuner_rope.config.startup import prepare_config
 from xtuner_rope.config.warmup import refuse_rounded_warmup, rounding_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,9 +64,12 @@ def test_the_warmup_check_runs_in_mmengines_runner():
     """The check sits right before MMEngine builds the schedulers (compat, version-guarded)."""
     from mmengine.runner import Runner
 
+    import xtuner_rope
     from xtuner_rope import compat
 
-    assert "patch_mmengine_warmup_rounding" in compat.apply()
+    xtuner_rope.activate()  # applies compat
+
+    assert "patch_mmengine_warmup_rounding" in compat.applied()
     assert Runner._build_param_scheduler.__module__ == "xtuner_rope.compat.mmengine_scheduler"
 
 

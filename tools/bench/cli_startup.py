@@ -47,6 +47,7 @@ COMMANDS = {
 }
 HEAVY = {
     "python -c 'import xtuner_rope'": [sys.executable, "-c", "import xtuner_rope"],
+    "xtuner_rope.activate()": [sys.executable, "-c", "import xtuner_rope; xtuner_rope.activate()"],
     "xtuner-rope chat --help (XTuner's)": [str(BIN / "xtuner-rope"), "chat", "--help"],
 }
 

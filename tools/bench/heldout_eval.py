@@ -34,6 +34,7 @@ import torch
 from packing import add_data_options, add_timing_options  # tools/bench/packing.py, beside
 from tqdm import tqdm
 
+import xtuner_rope
 from xtuner_rope.data.heldout_dataset import heldout_process_hf_dataset
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny import build_tiny
@@ -143,6 +144,7 @@ def time_ways(ways, args):
 
 def main():
     args = parse_args()
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     if args.quick:
         args.dialogues, args.repeats = min(args.dialogues, 80), min(args.repeats, 3)
     torch.set_num_threads(args.threads)

@@ -18,6 +18,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import xtuner_rope
 from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny_internvl import save_tiny_internvl
@@ -25,6 +26,7 @@ from xtuner_rope.doctor.internvl_stats import real_token_shares
 
 
 def main() -> None:
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=400, help="image dialogues")
     parser.add_argument("--texts", type=int, default=400, help="text-only dialogues")

@@ -24,6 +24,7 @@ import tempfile
 
 import torch
 
+import xtuner_rope
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.data.collate_llava import llava_collate_fn
 from xtuner_rope.demo.llava_data import write_llava_data
@@ -91,6 +92,7 @@ def share(batches: list[list[int]]) -> tuple[float, int, int]:
 
 
 def main():
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     from xtuner.dataset.collate_fns import default_collate_fn
     from xtuner.dataset.samplers import LengthGroupedSampler
 

@@ -27,6 +27,7 @@ from packing import (  # tools/bench/packing.py, next to this file
 )
 from tqdm import tqdm
 
+import xtuner_rope
 from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.tiny import build_tiny_internlm2
 from xtuner_rope.hooks import PackedBatchCheckHook
@@ -64,6 +65,7 @@ def iteration_seconds(runner, check, wrapper, hook, data, clock):
 
 def main():
     args = parse_args()
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     if args.quick:
         args.batches = min(args.batches, 15)
     torch.set_num_threads(args.threads)

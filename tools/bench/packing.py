@@ -32,6 +32,7 @@ import types
 import torch
 from tqdm import tqdm
 
+import xtuner_rope
 from xtuner_rope.data.collate import rope_collate_fn
 from xtuner_rope.demo.resources import tiny_checkpoint
 from xtuner_rope.demo.tiny import build_tiny
@@ -284,6 +285,7 @@ def report_speed(items, vocab_size, args, family):
 
 def main():
     args = parse_args()
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     if args.quick:
         args.train_batches = min(args.train_batches, 16)
     torch.set_num_threads(args.threads)

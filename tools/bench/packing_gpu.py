@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import packing as cpu_bench  # noqa: E402 - tools/bench/packing.py, this script's sibling
 
+import xtuner_rope  # noqa: E402
 from xtuner_rope.demo.tiny import TINY_MODEL_KWARGS  # noqa: E402
 from xtuner_rope.hooks import PackedBatchCheckHook  # noqa: E402
 from xtuner_rope.models.dispatch import patch_model  # noqa: E402
@@ -226,6 +227,7 @@ def report(args, backend, m):
 def main(argv=None):
     """Measure every ``--max-length``; returns the figures, one dict per capacity."""
     args = parse_args(argv)
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     start = time.perf_counter()
     capacities = list(args.max_length)
     args.max_length = max(capacities)  # tokenized once, nothing cut below the largest row

@@ -125,7 +125,7 @@ def train(args, config: Path, work_dir: Path, plugin: bool) -> dict:
         # natively. The plugin's compat patches apply; its start-up (the edit) does not run.
         site = work_dir.parent / "site"
         site.mkdir(parents=True, exist_ok=True)
-        (site / "sitecustomize.py").write_text("import xtuner_rope  # noqa: F401\n")
+        (site / "sitecustomize.py").write_text("import xtuner_rope\nxtuner_rope.activate()\n")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if shutil.which("xtuner", path=env["PATH"]) is None:
         raise SystemExit(

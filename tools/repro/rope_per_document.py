@@ -20,6 +20,7 @@ import copy
 
 import torch
 
+import xtuner_rope
 from xtuner_rope.demo.tiny import build_tiny_hf, build_tiny_internlm2
 from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries, set_per_document_rope
@@ -55,6 +56,7 @@ def build(family: str, attn: str):
 
 
 def main():
+    xtuner_rope.activate()  # the modules are driven directly: patches and registries first
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("family", choices=["llama", "qwen2", "mistral", "phi3", "internlm2"])
     parser.add_argument("attn", choices=["eager", "sdpa"])

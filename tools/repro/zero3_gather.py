@@ -2,10 +2,10 @@
 
 DeepSpeed 0.19.6 on the CPU accelerator re-gathers every small ("persistent") parameter after
 the optimizer step with one async gloo all-gather per parameter and waits only for the last
-(see ``xtuner_rope.compat.patch_deepspeed_zero3_cpu_gather``). If a gather is still running
+(see ``xtuner_rope.compat.deepspeed_cpu.patch_deepspeed_zero3_cpu_gather``). If a gather is still running
 when ``step()`` returns, the parameter read right after differs from the same parameter read a
 moment later. Nothing of XTuner or xtuner-rope is involved unless ``--patched`` is given, which
-imports ``xtuner_rope`` (and so applies its compat patches) before DeepSpeed starts.
+activates ``xtuner_rope`` (and so applies its compat patches) before DeepSpeed starts.
 
 Run on 2 processes over gloo::
 
@@ -29,7 +29,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument(
         "--patched",
         action="store_true",
-        help="import xtuner_rope first (applies xtuner_rope.compat)",
+        help="activate xtuner_rope first (applies xtuner_rope.compat)",
     )
     parser.add_argument(
         "--sequential",
@@ -68,7 +68,9 @@ def _snapshot(engine) -> list[torch.Tensor]:
 def main() -> None:
     args = _parse()
     if args.patched:
-        import xtuner_rope  # noqa: F401  (applies xtuner_rope.compat)
+        import xtuner_rope
+
+        xtuner_rope.activate()  # applies xtuner_rope.compat
     engine = _engine(args)
     rank = torch.distributed.get_rank()
     torch.manual_seed(1 + rank)

@@ -112,7 +112,7 @@ def reference_internvl_llm(cfg: Config) -> nn.Module:
     fp32, with an attention that runs here; its weights are the checkpoint's until loaded."""
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
     from xtuner_rope.config.internvl import internvl_findings
 
     kept = dict(INTERNVL_LOAD)

@@ -7,8 +7,7 @@ table that ``run_check`` and ``format_summary`` dispatch on). The measurements t
 batch's documents, packed against alone; randomness off) live in :mod:`xtuner_rope.capture`,
 shared with the captures of real runs.
 
-The names below are the command's API (and what the old ``xtuner_rope.doctor.check`` and
-``xtuner_rope.doctor.check_report`` modules held).
+The names below are the command's API.
 """
 
 from xtuner_rope.check.kinds import KINDS, format_summary, kind_of, run_check

@@ -25,9 +25,10 @@ from xtuner_rope.capture.preference import (
 )
 from xtuner_rope.check.report import TOLERANCES
 from xtuner_rope.check.runner import CheckRequest, apply_patch, prepared_runner
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.config.fields import type_name
+from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
 from xtuner_rope.config.preference import PREFERENCE_MODELS
-from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT, type_name
 from xtuner_rope.models import channel
 
 # Tolerances: check.report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its

@@ -21,7 +21,7 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
-from xtuner_rope.config.startup import MODEL_RESOURCE_EDIT
+from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
 from xtuner_rope.doctor.diagnose import plugin_resource
 
 TOLERANCES = {  # relative, see the module docstring

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start_file
+from xtuner_rope.config.fields import type_name
 from xtuner_rope.doctor.diagnose import build_collate_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,7 +97,7 @@ def train_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     torch_dtype = llm.get("torch_dtype")
     if _deepspeed_dtype(cfg) is not None:
         return _deepspeed_dtype(cfg)
-    if startup.type_name(optim.get("type")) == "AmpOptimWrapper":
+    if type_name(optim.get("type")) == "AmpOptimWrapper":
         return DTYPES.get(str(optim.get("dtype") or "float16"), torch.float16)
     return torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32
 
@@ -124,7 +124,7 @@ def first_batches(cfg: Config, count: int) -> list[tuple[dict, list[list[int]] |
     if (
         len(dataset)
         and "cumulative_len" not in dataset[0]
-        and startup.type_name(loader.dataset.get("type")) == "process_hf_dataset"
+        and type_name(loader.dataset.get("type")) == "process_hf_dataset"
         and loader.dataset.get("pack_to_max_length", True)
     ):
         np.random.set_state(state)

@@ -5,7 +5,7 @@ written for, the modules and attributes it replaces (probed before it runs), the
 feature it serves and the symptom it removes. :func:`run_guarded` runs a patch only when every
 package is inside its versions and every probe resolves; otherwise, or if the patch raises, the
 patch is skipped with one :class:`CompatPatchSkipped` warning naming the patch, the feature,
-the versions found and the versions it supports. ``import xtuner_rope`` never fails because a
+the versions found and the versions it supports. Activation (``xtuner_rope.activate``) never fails because a
 release renamed a private name: the start-up refuses the configs that need a skipped patch's
 feature (``xtuner_rope.config.patch_needs``).
 """

@@ -5,7 +5,7 @@ Versions: what each patch was written for and has run with. mmengine ``~=0.10.6`
 minor release left out); DeepSpeed is the ``setup.cfg`` range; torch and transformers are
 named where a patch reads them (torch and DeepSpeed: ``compat.versions.SUPPORTED``). Probes: the names each patch reads or replaces; a release
 that renames one makes the guard skip the patch (one ``CompatPatchSkipped`` warning) instead
-of failing ``import xtuner_rope``. docs/compat.md's table of versions and probes is
+of failing the plugin's activation. docs/compat.md's table of versions and probes is
 :func:`records_table` (``tests/compat/test_compat_records.py`` compares them).
 """
 

@@ -3,7 +3,7 @@
 XTuner 0.2.0 pins mmengine 0.10.6 and transformers 4.48.0; users bring their own torch and
 DeepSpeed. :data:`SUPPORTED` holds each one's range, why it ends where it ends, and the
 releases that ran the fast tests and the 2-process ZeRO runs (``make test-compat``,
-``tools/test_compat.sh``). Outside it, ``import xtuner_rope`` still works, with one
+``tools/test_compat.sh``). Outside it, the activation (``xtuner_rope.activate``) still works, with one
 :class:`UnsupportedVersionWarning` per package (:func:`warn_unsupported`), and the start-up
 refuses the configs that use the package (``config.patch_needs.version_findings``): one
 message with the release found, the range and the pip command, never a crash deep in torch

@@ -1,4 +1,13 @@
-"""XTuner ``set_model_resource`` patches: a LLaVA config's LLM path, other models' paths kept."""
+"""XTuner ``set_model_resource`` patches: a LLaVA config's LLM path, other models' paths kept.
+
+xtuner 0.2.0 ``set_model_resource(cfg)`` calls ``cfg.model_resource.fn(path, **args)``: the
+config being started is not handed to ``fn``. :func:`config_being_started` is how the start-up
+gets it: the config handed over explicitly by this module's ``set_model_resource`` wrapper
+(:func:`patch_set_model_resource_llm_path`: every in-process caller once the plugin is active),
+else, for ``xtuner train`` itself, whose ``tools/train.py`` bound XTuner's own function before
+the config (and with it the plugin) was read, the ``cfg`` of that call's frame. That function is
+the package's only reader of the interpreter's frames (``tests/test_layout.py`` holds it so).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +17,9 @@ import sys
 
 from .mmengine_config import config_dict, is_config
 
-
-def _model_resource_config():
-    """The config of a running xtuner 0.2.0 ``set_model_resource`` up the stack, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "set_model_resource" and frame.f_code.co_filename.endswith(
-            os.path.join("xtuner", "tools", "utils.py")
-        ):
-            cfg = frame.f_locals.get("cfg")
-            return cfg if is_config(cfg) else None
-        frame = frame.f_back
-    return None
+# The configs handed over by the ``set_model_resource`` wrapper, innermost last.
+_HANDED_OVER: list = []
+_XTUNER_UTILS = os.path.join("xtuner", "tools", "utils.py")
 
 
 def config_being_started():
@@ -28,8 +28,23 @@ def config_being_started():
     Inside that call (``xtuner train``'s, or the doctor's start-up) XTuner writes the path
     ``fn`` returns into every nested ``pretrained_model_name_or_path`` right after: the
     top-level setting is the checkpoint that will load. None outside it.
+
+    The config comes from the wrapper of :func:`patch_set_model_resource_llm_path`, which hands
+    it over explicitly. ``xtuner train`` calls XTuner's unwrapped function (its ``train.py``
+    imported the name before the config, and so the plugin, was read: no patch can reach that
+    call), so there the config is the ``cfg`` argument of the ``set_model_resource`` frame up
+    the stack: the one frame read of the package.
     """
-    return _model_resource_config()
+    if _HANDED_OVER:
+        return _HANDED_OVER[-1]
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "set_model_resource" and code.co_filename.endswith(_XTUNER_UTILS):
+            cfg = frame.f_locals.get("cfg")
+            return cfg if is_config(cfg) else None
+        frame = frame.f_back
+    return None
 
 
 def patch_model_resource_llm_path() -> bool:
@@ -38,11 +53,11 @@ def patch_model_resource_llm_path() -> bool:
     xtuner 0.2.0 ``set_model_resource`` calls ``fn(cfg["pretrained_model_name_or_path"])``;
     XTuner's LLaVA/InternVL configs name the LLM ``llm_name_or_path`` and have no such key:
     ``xtuner train`` stops with ``KeyError: 'pretrained_model_name_or_path'``. The config's
-    ``from xtuner_rope import enable_xtuner_rope`` is imported (lazily) by that very call, just
-    before the key is read, so here the config being started gets the key, set to its
+    ``from xtuner_rope import enable_xtuner_rope`` is read (lazily) by that very call, just
+    before the key is read, and reading it activates the plugin, so here the config being started gets the key, set to its
     ``llm_name_or_path`` (logged). Applies only inside that call (``xtuner train``).
     """
-    return _give_llm_path(_model_resource_config())
+    return _give_llm_path(config_being_started())
 
 
 def _llm_path_setting(cfg) -> str | None:
@@ -84,7 +99,7 @@ def _give_llm_path(cfg) -> bool:
 def patch_set_model_resource_llm_path() -> bool:
     """The same gap for later callers of xtuner 0.2.0 ``set_model_resource`` in this process.
 
-    Where ``xtuner_rope`` is already imported when the config is started (``xtuner-rope
+    Where the plugin is already active when the config is started (``xtuner-rope
     doctor`` / ``check`` / ``replay`` call ``xtuner.tools.utils.set_model_resource`` in
     process), :func:`patch_model_resource_llm_path` cannot act: the module's function gets the
     LLM path first instead (same ``KeyError`` otherwise).
@@ -99,7 +114,11 @@ def patch_set_model_resource_llm_path() -> bool:
     def with_llm_path(cfg):
         if cfg.get("model_resource"):
             _give_llm_path(cfg)
-        return original(cfg)
+        _HANDED_OVER.append(cfg)  # what config_being_started answers during the call
+        try:
+            return original(cfg)
+        finally:
+            _HANDED_OVER.pop()
 
     xtuner_utils.set_model_resource = with_llm_path
     return True
@@ -136,7 +155,7 @@ def keep_other_model_paths(cfg, returned: str) -> bool:
     if (
         returned != path
         or not any(value in others for _, _, value in nested)
-        or _model_resource_config() is not cfg
+        or config_being_started() is not cfg
     ):
         return False
     for node, key, value in nested:
@@ -147,9 +166,7 @@ def keep_other_model_paths(cfg, returned: str) -> bool:
     class _SkipWriteBack(base):
         def items(self):
             object.__setattr__(self, "__class__", base)
-            if sys._getframe(1).f_code.co_name in ("set_model_resource", "<listcomp>"):
-                return []
-            return base.items(self)
+            return []
 
     object.__setattr__(top, "__class__", _SkipWriteBack)
     return True

@@ -102,7 +102,7 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
     prepared by ``enable_xtuner_rope`` the plugin's packed attention runs the sequence-parallel
     attention on every backend (``models.sequence_parallel``): the check runs with that
     requirement lifted (logged) and XTuner's DeepSpeed requirement for sequence parallel kept.
-    The wrapper applies once the plugin is imported by the config's ``model_resource``, which
+    The wrapper applies once the plugin is activated by the config's ``model_resource``, which
     ``xtuner train`` calls before ``check_cfg``.
 
     Returns:
@@ -126,10 +126,11 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
             if not (prepared and isinstance(sp, int) and sp > 1):
                 return _original(cfg, args)
             if args.deepspeed is None:  # a refusal before loading, listed as the start-up's
-                raise startup.ConfigConflict(
-                    startup.conflict_message(
+                findings = sys.modules["xtuner_rope.config.findings"]  # the start-up's own import
+                raise findings.ConfigConflict(
+                    findings.conflict_message(
                         [
-                            startup.Finding(
+                            findings.Finding(
                                 "sequence_parallel_size",
                                 f"sequence_parallel_size = {sp} without "
                                 "DeepSpeed: XTuner trains sequence parallel only under DeepSpeed",

@@ -2,7 +2,7 @@
 
 - ``startup``: ``enable_xtuner_rope`` (XTuner's ``model_resource``), ``inspect_config`` and
   ``prepare_config`` over the registered findings functions (``register_findings``, at the named
-  slots of ``startup.SLOTS``);
+  slots of ``findings.SLOTS``);
 - ``fields``: reading a config without building it (``type_name``, its datasets, its packing);
 - findings modules, one topic each: ``packing`` (boundaries recorded and kept, nothing dropped,
   the stock ``use_varlen_attn``), ``runtime`` (the plugin's hooks, AMP on CPU),

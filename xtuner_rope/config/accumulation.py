@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["accumulative_counts", "checkpoint_interval_findings"]
 

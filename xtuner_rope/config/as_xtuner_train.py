@@ -12,7 +12,8 @@ import contextlib
 
 from mmengine.config import Config
 
-from .startup import ConfigConflict, state_kept
+from .findings import ConfigConflict
+from .startup import state_kept
 
 
 def start(cfg: Config, cfg_options: dict | None = None, look_only: bool = False) -> Config:

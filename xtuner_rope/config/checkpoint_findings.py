@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_being_started, config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.xtuner_model_resource import config_being_started
 from xtuner_rope.models.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from xtuner_rope.models.families import model_class_verdict
 
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = [
     "checkpoint_config_findings",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get as _get
 from .fields import setter as _setitem
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["flash_attn_findings", "model_family_findings"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from mmengine.config.lazy import LazyAttr, LazyObject
 
-from xtuner_rope.compat import ConfigDictUnavailable, config_dict
+from xtuner_rope.compat.mmengine_config import ConfigDictUnavailable, config_dict
 
 __all__ = [
     "OFFLINE_PACKED_TYPES",

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "MODEL_RESOURCE_EDIT",
-    "RENAMED_SLOTS",
     "SLOTS",
     "ConfigConflict",
     "Finding",
@@ -76,26 +75,16 @@ SLOTS = (
 )
 
 
-# Slots renamed to say what they hold: old name -> new name (named in the refusal).
-RENAMED_SLOTS = {"checkpoints": "checkpoint_saving", "checkpoint": "llm_checkpoint"}
-
-
 def slot_rank(slot: str) -> int:
     """The place of ``slot`` in the report (its index in :data:`SLOTS`).
 
     Raises:
         ValueError: ``slot`` names no slot (an order number of an earlier release, say).
     """
-    if slot in RENAMED_SLOTS:
-        raise ValueError(
-            f"register_findings: the slot {slot!r} was renamed {RENAMED_SLOTS[slot]!r} (it "
-            f"holds {'the saving of checkpoints' if slot == 'checkpoints' else 'the LLM checkpoint'}"
-            f"); write @register_findings({RENAMED_SLOTS[slot]!r})"
-        )
     if slot not in SLOTS:
         raise ValueError(
             f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "
-            "(xtuner_rope.config.startup.SLOTS), or add a slot there"
+            "(xtuner_rope.config.findings.SLOTS), or add a slot there"
         )
     return SLOTS.index(slot)
 

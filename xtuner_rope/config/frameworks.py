@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 
 @register_findings("framework")

@@ -1,10 +1,10 @@
 """Start-up findings of XTuner's InternVL configs (``model.type=InternVL_V1_5``).
 
 Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit goes after
-the config's ``path = ...`` line (``compat.patch_model_resource_llm_path`` hands XTuner's
+the config's ``path = ...`` line (``xtuner_model_resource.patch_model_resource_llm_path`` hands XTuner's
 ``set_model_resource`` that ``path``). xtuner 0.2.0 ``InternVL_V1_5`` hard-codes how it loads
 the checkpoint; what has one right answer is fixed here (each logged), through
-``compat.INTERNVL_LOAD``:
+``xtuner_internvl.INTERNVL_LOAD``:
 
 - the LLM's ``flash_attention_2`` where flash-attn cannot run: the LLM's own attention instead
   (``eager`` for InternLM2 remote code, whose older hub versions have no SDPA class; ``sdpa``
@@ -26,9 +26,13 @@ from pathlib import Path
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import INTERNVL_LOAD, config_dict, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["checkpoint_config", "internvl_findings", "is_internvl"]
 

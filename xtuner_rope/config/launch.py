@@ -30,9 +30,13 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict, cpu_only, current_world_size
+from xtuner_rope.compat.checkpoint_world import current_world_size
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 # The project's fp32 DeepSpeed settings for CPU runs, by ZeRO stage.
 FP32_CPU_JSON = {
@@ -126,7 +130,8 @@ def resolved_dtype(ds: dict) -> str | None:
     """
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
-    from xtuner_rope.compat import patch_torch_cpu_bf16_query, run_patch
+    from xtuner_rope.compat import run_patch
+    from xtuner_rope.compat.torch_cpu import patch_torch_cpu_bf16_query
 
     run_patch(patch_torch_cpu_bf16_query)  # what the plugin's start-up does before xtuner reads it
     ds = auto_dtype_of_deepspeed_config(copy.deepcopy(ds))

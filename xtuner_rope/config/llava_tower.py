@@ -30,9 +30,11 @@ from collections.abc import Mapping
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = [
     "crop_size_findings",

@@ -9,9 +9,10 @@ start-up, before anything is built.
 
 from __future__ import annotations
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = [
     "DIALOGUE",

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get, type_name, walk_datasets
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 
 @register_findings("packing")

@@ -1,8 +1,8 @@
 """Start-up findings of XTuner's LLaVA configs (InternVL's: ``config.internvl``).
 
 Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit works for a
-LLaVA config as for a text one (``compat.patch_model_resource_llm_path`` gives XTuner's
-``set_model_resource`` the LLM path it reads; ``compat.keep_other_model_paths`` keeps the CLIP
+LLaVA config as for a text one (``xtuner_model_resource.patch_model_resource_llm_path`` gives XTuner's
+``set_model_resource`` the LLM path it reads; ``xtuner_model_resource.keep_other_model_paths`` keeps the CLIP
 encoder's and image processor's own paths). What the config itself must change is here:
 
 - on a CPU-only machine the stock ``torch_dtype=torch.float16`` LLM cannot run (torch:
@@ -10,7 +10,7 @@ encoder's and image processor's own paths). What the config itself must change i
 - XTuner's ``EvaluateChatHook`` with ``evaluation_images`` is kept: its generation from
   ``inputs_embeds`` died in InternLM2's modeling code under transformers 4.48 ("The size of
   tensor a (0) must match the size of tensor b ...", an upstream gap, with or without the
-  plugin), which ``compat.patch_internlm2_generation_from_embeds`` closes.
+  plugin), which ``transformers_internlm2.patch_internlm2_generation_from_embeds`` closes.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["is_llava", "multimodal_findings"]
 

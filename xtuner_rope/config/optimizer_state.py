@@ -19,9 +19,11 @@ checkpoint without the state does is warned by ``hooks.optimizer_state``.
 
 from __future__ import annotations
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save_optimizer=False
 

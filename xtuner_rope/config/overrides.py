@@ -15,14 +15,8 @@ import sys
 
 from mmengine.config import Config
 
-from .startup import (
-    ConfigConflict,
-    Finding,
-    applied_fixes,
-    conflict_message,
-    inspect_config,
-    is_prepared,
-)
+from .findings import ConfigConflict, Finding, conflict_message
+from .startup import applied_fixes, inspect_config, is_prepared
 
 
 def cfg_options_argument(argv: list[str] | None = None) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get as _get
 from .fields import offline_packs as _offline_packs
@@ -28,7 +28,8 @@ from .fields import setter as _setitem
 from .fields import type_name
 from .fields import walk_datasets as _datasets
 from .fields import xtuner_packs as _xtuner_packs
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 
 def _packs_without_boundaries(dataset: dict) -> bool:

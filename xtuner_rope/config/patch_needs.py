@@ -20,23 +20,20 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import (
-    RECORDS,
-    SUPPORTED,
-    config_dict,
-    cpu_only,
-    skip_message,
-    skipped,
-    unsupported,
-)
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.guard import skip_message, skipped
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.records import RECORDS
+from xtuner_rope.compat.versions import SUPPORTED, unsupported
 from xtuner_rope.models.checkpoint_config import read_checkpoint_config
 
 from .fields import lazy_get, offline_packs, type_name, walk_datasets, xtuner_packs
+from .findings import Finding
 from .internvl import is_internvl
 from .launch import deepspeed_argument, deepspeed_zero_stage
 from .multimodal import is_llava
 from .preference import preference_dataset
-from .startup import Finding, register_findings
+from .startup import register_findings
 
 __all__ = ["CONDITIONS", "needs_table", "patch_findings", "version_findings"]
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
-from .startup import Finding, register_findings, type_name
+from .fields import type_name
+from .findings import Finding
+from .startup import register_findings
 
 PREFERENCE_DATASET = "build_preference_dataset"
 PREFERENCE_MODELS = ("DPO", "ORPO", "RewardModel")

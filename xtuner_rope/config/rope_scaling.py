@@ -16,7 +16,8 @@ from mmengine.config import Config
 from xtuner_rope.models.rope_settings import checkpoint_rope
 
 from .checkpoint_findings import llm_checkpoint_path
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = ["rope_scaling_findings"]
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict, cpu_only
+from xtuner_rope.compat.devices import cpu_only
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .fields import lazy_get as _get
 from .fields import type_name
+from .findings import Finding
 from .sequence_parallel import sequence_parallel_size_findings as _sequence_parallel_findings
-from .startup import Finding, register_findings
+from .startup import register_findings
 
 # The plugin's hooks, in the order they are added to custom_hooks, and where they live.
 PLUGIN_HOOKS = {

@@ -11,7 +11,7 @@ non-CPU tensor there, so on a CPU-only machine such a run dies at the first atte
 weights are loaded (``models.sequence_parallel.sequence_parallel_attention`` refuses it there
 too). The LLM's local ``config.json`` gives the head counts: the start-up (and so
 ``xtuner-rope doctor``) refuses it first, with the edit. On a CPU-only machine the all-to-all
-runs over gloo, which torch 2.4.1 lacks (``compat.gloo_all_to_all_missing``, probed): there any
+runs over gloo, which torch 2.4.1 lacks (``devices.gloo_all_to_all_missing``, probed): there any
 ``sequence_parallel_size`` > 1 is refused at start-up, before the model is built.
 """
 
@@ -20,12 +20,14 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict, cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.devices import cpu_only, gloo_all_to_all_missing
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
 from .fields import lazy_get as _get
 from .fields import type_name
-from .startup import Finding, register_findings
+from .findings import Finding
+from .startup import register_findings
 
 __all__ = [
     "checkpoint_heads",

@@ -2,14 +2,16 @@
 
 ``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
 set_model_resource``), before its own config check, the distributed start, the model and the
-dataset. :func:`enable_xtuner_rope` is meant for that slot: importing it loads the plugin (and
-its ``compat`` patches) early enough, and it reads the config being started, so every setting
+dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the package
+(``from xtuner_rope import enable_xtuner_rope``), the name activates the plugin (its ``compat``
+patches, its hooks) early enough, and it reads the config being started, so every setting
 that conflicts with the plugin is refused before a weight is loaded, with the setting and the
 exact edit named; what has one right answer is fixed instead, and logged.
 
-This module is the findings engine: :class:`Finding`, :func:`register_findings` (at a named
-slot of :data:`SLOTS`), :func:`inspect_config` (pure: the doctor and the hooks call it too) and
-:func:`prepare_config` (applies the fixes, raises :class:`ConfigConflict` for the rest). The
+This module is the findings engine: :func:`register_findings` (at a named slot of
+``findings.SLOTS``; a finding is a ``findings.Finding``), :func:`inspect_config` (pure: the
+doctor and the hooks call it too) and :func:`prepare_config` (applies the fixes, raises
+``findings.ConfigConflict`` for the rest). The
 findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
 ``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
 (and ``config.moss``), ``config.frameworks``, ``config.loss``, ``config.multimodal``,
@@ -24,7 +26,6 @@ without building it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,24 +33,16 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-from xtuner_rope.compat import keep_other_model_paths, run_patch
+from xtuner_rope.compat import run_patch
+from xtuner_rope.compat.mmengine_config import config_dict
+from xtuner_rope.compat.xtuner_model_resource import config_being_started, keep_other_model_paths
 
-# Read through this module by the findings, the hooks and the doctor since before the split.
-from .fields import XTUNER_DATASET_TYPES as XTUNER_DATASET_TYPES
-from .fields import packing_source as packing_source
-from .fields import type_name as type_name
-
-# What a finding is and where it goes: read through this module too (``startup.Finding``).
-from .findings import MODEL_RESOURCE_EDIT as MODEL_RESOURCE_EDIT
-from .findings import SLOTS as SLOTS
-from .findings import ConfigConflict as ConfigConflict
-from .findings import Finding as Finding
-from .findings import conflict_message as conflict_message
-from .findings import slot_rank as slot_rank
+from .findings import MODEL_RESOURCE_EDIT, ConfigConflict, Finding, conflict_message, slot_rank
 
 # "fixes": what the start-up applied, so the re-check of the config that really trains can
 # name a fix that an override (``--cfg-options``, merged after the start-up) undid.
 _STATE = {"prepared": False, "fixes": []}
+_active = False  # set by `xtuner_rope.activate` (mark_active): the start-up refuses without it
 FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` list)
 
 
@@ -146,30 +139,50 @@ def state_kept() -> Iterator[None]:
         _STATE.update(kept)
 
 
-def _config_being_started() -> Config | None:
-    """The config of the ``xtuner train`` that called our ``model_resource`` function.
-
-    xtuner 0.2.0 calls ``set_model_resource(cfg)`` -> ``fn(path, **args)``: the config is a
-    local of a caller frame; it is not passed to ``fn``.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "set_model_resource":
-            cfg = frame.f_locals.get("cfg")
-            return cfg if isinstance(cfg, Config) else None
-        frame = frame.f_back
-    return None
-
-
 def prepare_started_config(path: str) -> str:
-    """Prepare the config of the calling ``xtuner train`` (if any); return ``path``."""
-    cfg = _config_being_started()
+    """Prepare the config of the calling ``set_model_resource`` (if any); return ``path``.
+
+    The config is ``compat.xtuner_model_resource.config_being_started()``: the one XTuner's
+    ``set_model_resource`` is starting (``xtuner train``, or a tool that starts a config in
+    process). Called outside it (a script building the tiny checkpoint), only ``path`` returns.
+
+    Raises:
+        ConfigConflict: see :func:`prepare_config`; or the plugin is not active in this process
+            (its patches and hooks are missing): the config named the function by a module
+            path instead of ``from xtuner_rope import ...``.
+    """
+    cfg = config_being_started()
     if cfg is not None:
+        _refuse_inactive(cfg)
         prepare_config(cfg)
-        run_patch(
-            keep_other_model_paths, cfg, path
-        )  # a LLaVA config's CLIP paths are not the LLM's
+        # a LLaVA config's CLIP paths are not the LLM's
+        run_patch(keep_other_model_paths, cfg, path)
     return path
+
+
+def mark_active() -> None:
+    """Record that the plugin is active in this process (``xtuner_rope.activate`` calls it)."""
+    global _active
+    _active = True
+
+
+def _refuse_inactive(cfg: Config) -> None:
+    """Refuse to start ``cfg`` in a process where the plugin was never activated.
+
+    Raises:
+        ConfigConflict: the plugin is not active; the message names the import to write.
+    """
+    if _active:
+        return
+    resource = dict.get(config_dict(cfg), "model_resource") or {}
+    fn = resource.get("fn") if isinstance(resource, dict) else None
+    name = getattr(fn, "__name__", None) or "enable_xtuner_rope"
+    raise ConfigConflict(
+        f"model_resource.fn={name}: xtuner-rope is not active in this process (its patches "
+        "and hooks are missing): the config imports the function from a module of the "
+        "package, and importing a module activates nothing. Import it from the package, "
+        f"which activates the plugin when the name is read:\n    from xtuner_rope import {name}"
+    )
 
 
 def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
@@ -225,12 +238,15 @@ def require_prepared(cfg: object, who: str) -> None:
 
 
 __all__ = [
-    "ConfigConflict",
-    "Finding",
+    "FINDINGS",
+    "applied_fixes",
     "enable_xtuner_rope",
     "inspect_config",
     "is_prepared",
-    "packing_source",
+    "mark_active",
     "prepare_config",
+    "prepare_started_config",
+    "register_findings",
     "require_prepared",
+    "state_kept",
 ]

@@ -14,21 +14,21 @@ the edit, at the first moment that length is known:
 
 - ``xtuner-rope doctor`` builds the dataset and computes the same integers
   (``doctor/schedule.py``);
-- in ``xtuner train``, ``compat.patch_mmengine_warmup_rounding`` checks right before MMEngine
+- in ``xtuner train``, ``mmengine_scheduler.patch_mmengine_warmup_rounding`` checks right before MMEngine
   builds the schedulers (after the dataloader, hence after the model: the start-up in
   ``model_resource`` runs before the dataset exists and cannot know its length).
 
 The arithmetic is pure Python; the module registers ``refuse_rounded_warmup`` in
-``compat.SCHEDULER_CHECKS`` when imported (``xtuner_rope.activate`` imports it).
+``mmengine_scheduler.SCHEDULER_CHECKS`` when imported (``xtuner_rope.activate`` imports it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from xtuner_rope.compat import SCHEDULER_CHECKS
+from xtuner_rope.compat.mmengine_scheduler import SCHEDULER_CHECKS
 
-from .startup import ConfigConflict, Finding, conflict_message
+from .findings import ConfigConflict, Finding, conflict_message
 
 INF = 1e9  # MMEngine's INF for an open-ended scheduler
 
@@ -113,7 +113,7 @@ def refuse_rounded_warmup(schedulers: Iterable, length: int, data: str) -> None:
         raise ConfigConflict(conflict_message([Finding(*p) for p in problems]))
 
 
-# MMEngine's scheduler build runs it (compat.patch_mmengine_warmup_rounding): compat sits below
+# MMEngine's scheduler build runs it (mmengine_scheduler.patch_mmengine_warmup_rounding): compat sits below
 # the start-up, so the check is handed down when this module is imported (at activation).
 if refuse_rounded_warmup not in SCHEDULER_CHECKS:
     SCHEDULER_CHECKS.append(refuse_rounded_warmup)

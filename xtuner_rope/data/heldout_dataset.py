@@ -30,7 +30,7 @@ def heldout_process_hf_dataset(dataset, **kwargs):
     """
     from xtuner.dataset.huggingface import process_hf_dataset
 
-    from xtuner_rope.compat import xtuner_pack_step
+    from xtuner_rope.compat.xtuner_packing import xtuner_pack_step
 
     with xtuner_pack_step(functools.partial(pack_dataset, whole=True)):
         return process_hf_dataset(dataset, **kwargs)

@@ -236,7 +236,7 @@ def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
     """
     from xtuner.dataset.intern_repo import build_packed_dataset
 
-    from xtuner_rope.compat import xtuner_intern_repo_packer
+    from xtuner_rope.compat.xtuner_packing import xtuner_intern_repo_packer
 
     if not isinstance(whole_documents, bool):
         raise TypeError(

@@ -371,7 +371,7 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
     """
     from xtuner.dataset.huggingface import process_hf_dataset
 
-    from xtuner_rope.compat import xtuner_pack_step
+    from xtuner_rope.compat.xtuner_packing import xtuner_pack_step
 
     if not isinstance(whole_dialogues, bool):
         raise TypeError(
@@ -385,6 +385,4 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
             return process_hf_dataset(dataset, **kwargs)
 
 
-# ``pack_plan`` (the cut plan's name before whole-dialogue packing) is answered, with a warning
-# naming ``pack_plans.cut_plan``, by ``xtuner_rope.deprecated.MOVED_NAMES``.
 __all__ = ["lossless_process_hf_dataset", "pack_dataset", "recorded_packs"]

@@ -11,7 +11,7 @@
 - labels not as long as the ids (a source row whose conversation has no answer turn): the
   packed row's labels slide against its ids;
 - a pair longer than ``max_packed_length``: ``PackedDatasetWrapper`` drops it and only logs a
-  count (``compat.patch_preference_unpacked_pairs`` keeps what it packed).
+  count (``xtuner_preference.patch_preference_unpacked_pairs`` keeps what it packed).
 
 :func:`preference_pair_problems` names the pairs and the fix; :func:`check_preference_dataset`
 raises them at once (``PackedBatchCheckHook.before_train``).
@@ -91,7 +91,7 @@ def dataset_pairs(dataset) -> tuple[list[Mapping], list[tuple[int, int]], int | 
 
     ``PreferenceDataset`` keeps its pairs in ``tokenized_pairs`` (source order).
     ``PackedDatasetWrapper`` keeps only the pairs it packed, shuffled; with
-    ``compat.patch_preference_unpacked_pairs`` it also keeps the dataset it packed
+    ``xtuner_preference.patch_preference_unpacked_pairs`` it also keeps the dataset it packed
     (``unpacked_pairs``), so pairs are named by their source index and the dropped ones are
     found.
     """

@@ -182,7 +182,7 @@ def record_figures(figures: dict) -> bool:
 def counted_tokenize_step(original):
     """XTuner's ``tokenize_dataset`` counted and logged wherever no counting block is open.
 
-    ``compat.patch_xtuner_tokenize_counted`` puts it in place for the process: the builds the
+    ``xtuner_tokenize.patch_xtuner_tokenize_counted`` puts it in place for the process: the builds the
     start-up does not route through :func:`counting_truncation` (``process_hf_dataset`` with
     ``pack_to_max_length=False``, ``LLaVADataset``'s text) are counted the same way, cut exactly
     as XTuner cuts, and get one start-up line (:func:`tokenized_line`). Inside a counting block
@@ -245,7 +245,7 @@ def counting_truncation(split_documents: bool = False):
         A list that gets one :func:`truncation_figures` dict per tokenize step run inside
         (every open block gets each).
     """
-    from xtuner_rope.compat import xtuner_tokenize_step
+    from xtuner_rope.compat.xtuner_tokenize import xtuner_tokenize_step
 
     sink: list = []
     _SINKS.append(sink)

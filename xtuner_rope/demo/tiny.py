@@ -217,7 +217,7 @@ def save_tiny_internlm2(
     The tokenizer files are saved with the weights, so ``AutoTokenizer`` and
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` load it offline. The transformers
     families load with plain transformers. The InternLM2 checkpoint carries no remote code (no
-    ``auto_map``): after ``import xtuner_rope`` it resolves to XTuner's InternLM2 classes.
+    ``auto_map``): after ``xtuner_rope.activate()`` it resolves to XTuner's InternLM2 classes.
 
     Args:
         out_dir: Directory to write (created if missing, files overwritten).

@@ -15,7 +15,13 @@ from mmengine.config import Config
 
 from xtuner_rope.config import startup
 from xtuner_rope.config.as_xtuner_train import start
-from xtuner_rope.config.fields import offline_packs
+from xtuner_rope.config.fields import XTUNER_DATASET_TYPES, offline_packs, type_name
+from xtuner_rope.config.findings import (
+    MODEL_RESOURCE_EDIT,
+    ConfigConflict,
+    Finding,
+    conflict_message,
+)
 from xtuner_rope.config.overrides import recheck_config
 from xtuner_rope.data.truncation import counting_truncation, summed_figures
 from xtuner_rope.doctor.checkpoint_space import (
@@ -96,7 +102,7 @@ def start_config(cfg: Config) -> None:
 
 def start_like_xtuner_train(
     path: str, cfg_options: dict | None = None
-) -> tuple[Config, list[startup.Finding], str | None]:
+) -> tuple[Config, list[Finding], str | None]:
     """The config as ``xtuner train`` trains it, and every finding training would meet.
 
     ``xtuner train``'s order (``xtuner/tools/train.py``): ``Config.fromfile``, then
@@ -147,14 +153,14 @@ def build_collate_fn(loader: dict):
                 f"name registered in MMEngine's FUNCTIONS, got {name!r}. Import the "
                 "function in the config and pass type=<function>."
             )
-    return partial(fn, **kwargs), startup.type_name(fn), kwargs
+    return partial(fn, **kwargs), type_name(fn), kwargs
 
 
 def _dataset_facts(loader: dict) -> dict:
     """What the dataset config says: type, max_length, offline packing (XTuner's defaults)."""
     ds = loader.get("dataset") or {}
-    name = startup.type_name(ds.get("type"))
-    xtuner = name in startup.XTUNER_DATASET_TYPES
+    name = type_name(ds.get("type"))
+    xtuner = name in XTUNER_DATASET_TYPES
     max_length = ds.get("max_length") if xtuner else None
     if offline_packs(ds):  # intern-repo rows: packed_length tokens each (8192: XTuner's default)
         max_length = ds.get("packed_length", 8192)
@@ -173,7 +179,7 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 
     ds = loader.get("dataset") or {}
     if (
-        facts["type"] not in startup.XTUNER_DATASET_TYPES
+        facts["type"] not in XTUNER_DATASET_TYPES
         or not isinstance(ds.get("dataset"), dict)
         or ds.get("max_dataset_length")
     ):
@@ -212,8 +218,8 @@ def _build_dataset(cfg: Config, facts: dict, progress: Progress):
     return packed, row_lengths(dialogues).tolist(), packing, truncation
 
 
-def _findings(findings: list[startup.Finding]) -> dict:
-    def as_dict(f: startup.Finding) -> dict:
+def _findings(findings: list[Finding]) -> dict:
+    def as_dict(f: Finding) -> dict:
         return {"setting": f.setting, "problem": f.problem, "edit": f.edit}
 
     return {
@@ -244,7 +250,7 @@ def refuse_unreadable_checkpoint(findings: list) -> None:
 
     conflicts = [f for f in findings if f.fix is None]
     if any(is_unreadable_checkpoint(f) for f in conflicts):
-        raise startup.ConfigConflict(startup.conflict_message(conflicts))
+        raise ConfigConflict(conflict_message(conflicts))
 
 
 def diagnose(
@@ -310,7 +316,7 @@ def diagnose(
         "plugin": {
             "enabled": resource is not None,
             "model_resource": resource,
-            "edit": None if resource else startup.MODEL_RESOURCE_EDIT,
+            "edit": None if resource else MODEL_RESOURCE_EDIT,
         },
         "findings": _findings(findings),
         "dataset": {

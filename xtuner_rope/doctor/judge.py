@@ -7,7 +7,7 @@ occurs; :func:`exit_code` is what ``xtuner-rope doctor`` exits with.
 
 from __future__ import annotations
 
-from xtuner_rope.config import startup
+from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
 from xtuner_rope.doctor.truncation import cut_warnings, truncation_warnings
 
 __all__ = ["exit_code", "judge"]
@@ -36,7 +36,7 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
         )
         text = (
             f"xtuner-rope is not enabled (no model_resource from xtuner_rope): its start-up "
-            f"fixes do not run. To enable it, {startup.MODEL_RESOURCE_EDIT}{unfixed}"
+            f"fixes do not run. To enable it, {MODEL_RESOURCE_EDIT}{unfixed}"
         )
         (problems if report["packed"] else warnings).append(
             text

@@ -29,7 +29,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.doctor.stats import length_percentiles
 
 IGNORE_INDEX = -100
@@ -64,6 +64,7 @@ def refuse_unserved_model(path: str) -> None:
     from mmengine.config import Config
 
     from xtuner_rope.config import startup
+    from xtuner_rope.config.findings import ConfigConflict, conflict_message
 
     conflicts = [
         f
@@ -71,7 +72,7 @@ def refuse_unserved_model(path: str) -> None:
         if f.setting == "model.type" and f.fix is None
     ]
     if conflicts:
-        raise startup.ConfigConflict(startup.conflict_message(conflicts))
+        raise ConfigConflict(conflict_message(conflicts))
 
 
 def image_tokens_of(cfg) -> dict:
@@ -255,7 +256,7 @@ def sampler_padding(
     """
     from mmengine.registry import DATA_SAMPLERS
 
-    from xtuner_rope.config.startup import type_name
+    from xtuner_rope.config.fields import type_name
 
     sampler_cfg = dict(_get(cfg.train_dataloader, "sampler") or {})
     seed = _get(cfg.get("randomness"), "seed")

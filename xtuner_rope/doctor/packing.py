@@ -52,7 +52,7 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None, progress: Pro
     from mmengine.runner import set_random_seed
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.config.startup import type_name
+    from xtuner_rope.config.fields import type_name
     from xtuner_rope.data.packed_dataset import recorded_packs
 
     used = set_random_seed(seed)  # None: a seed drawn as MMEngine's Runner draws one

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from xtuner_rope.config import startup
+from xtuner_rope.config.findings import ConfigConflict, conflict_message
 
 
 @contextlib.contextmanager
@@ -25,7 +25,7 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
     """
     try:
         yield
-    except startup.ConfigConflict:  # the start-up's refusal itself, already the verdict
+    except ConfigConflict:  # the start-up's refusal itself, already the verdict
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless the start-up refuses
         from xtuner_rope.doctor.diagnose import start_like_xtuner_train
@@ -37,8 +37,8 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
         conflicts = [f for f in findings if f.fix is None]
         if not conflicts:
             raise
-        raise startup.ConfigConflict(
-            f"{startup.conflict_message(conflicts)}\n(the doctor could not build the data "
+        raise ConfigConflict(
+            f"{conflict_message(conflicts)}\n(the doctor could not build the data "
             f"either: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})"
         ) from exc
 

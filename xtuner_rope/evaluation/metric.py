@@ -9,9 +9,9 @@ each dialogue whole and alone, as isolated attention computed it.
 
 LLaVA and InternVL (the loss over the text labels of held-out image and text samples): XTuner's
 ``LLaVAModel`` scores the sequence after the image expansion, so its rows return their own
-labels (``compat.patch_llava_predict_labels``) and the boundaries are the expanded ones
+labels (``xtuner_llava.patch_llava_predict_labels``) and the boundaries are the expanded ones
 (``models.llava.restart_after_expansion``); ``InternVL_V1_5`` answers ``mode='predict'``
-(``compat.patch_internvl_predict``) on the collate's own sequence. Rows that
+(``xtuner_internvl.patch_internvl_predict``) on the collate's own sequence. Rows that
 ``llava_collate_fn`` / ``internvl_collate_fn`` packed name their samples
 (``data_samples['rows']``): one result per sample, in batch order.
 
@@ -55,7 +55,7 @@ def row_documents(
     Args:
         out: The row's ``val_step`` output: ``logits`` ``[s', V]``, and for a LLaVA model
             ``labels`` ``[s']`` of the sequence its LLM saw (after the image expansion; see
-            ``compat.patch_llava_predict_labels``). Otherwise the batch's labels align.
+            ``xtuner_llava.patch_llava_predict_labels``). Otherwise the batch's labels align.
         labels: ``[s]`` the batch row's labels; ids: ``[s]`` its input ids.
         bounds: ``[n + 1]`` the segments of the sequence the logits cover.
 

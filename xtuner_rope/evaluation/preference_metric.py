@@ -3,7 +3,7 @@ reward models, each pair whole and alone, exact on any rank count.
 
 MMEngine's ``ValLoop`` hands :meth:`PreferenceMetric.process` the batch and ``val_step``'s
 output: per row the policy's ``logits`` ``[s, V]`` (DPO also ``ref_logits``, see
-``compat.patch_dpo_predict_reference``) or the reward head's scores ``[s, 1]``. Packed pairs
+``xtuner_preference.patch_dpo_predict_reference``) or the reward head's scores ``[s, 1]``. Packed pairs
 (``use_varlen_attn``: ``PackedDatasetWrapper`` rows, chosen then rejected) are cut into their
 responses at the boundaries ``PackedBatchCheckHook`` published on the channel; unpacked pairs
 are two rows each (``preference_collate_fn``). Each response is scored by

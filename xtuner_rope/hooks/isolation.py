@@ -17,8 +17,10 @@ from xtuner_rope.batch.checks import batch_data, row_boundaries
 from xtuner_rope.batch.images import check_batch_with_images
 from xtuner_rope.batch.internvl_tiles import check_image_context
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
+from xtuner_rope.compat import xtuner_llava
+from xtuner_rope.config.fields import packing_source
 from xtuner_rope.config.overrides import recheck_started_config
-from xtuner_rope.config.startup import packing_source, require_prepared
+from xtuner_rope.config.startup import require_prepared
 from xtuner_rope.hooks.train_data import check_train_data
 from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import (
@@ -100,7 +102,7 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
     Args:
         data: The batch's ``data`` dict (already checked by ``check_packed_batch``).
         rows: Its per-row boundaries from ``cumulative_len``; empty when it has none.
-        packed_by: Where the config packs the train rows (``startup.packing_source``), or None.
+        packed_by: Where the config packs the train rows (``fields.packing_source``), or None.
 
     Raises:
         ValueError: ``packed_by`` is set and the batch has no boundary at all.
@@ -135,7 +137,7 @@ class PackedBatchCheckHook(Hook):
     ``cumulative_len_rank_{rank}`` / ``max_seqlen_rank_{rank}`` (XTuner's convention), as one
     flat int32 tensor of boundaries over the ``[b * s]`` tokens. Both keys are reset to None in
     ``after_train_iter`` / ``after_val_iter``. When ``runner.cfg`` packs the train rows
-    (``startup.packing_source``), a train batch without any boundary stops the run
+    (``fields.packing_source``), a train batch without any boundary stops the run
     (:func:`refuse_unbounded_packing`). Under sequence parallel a train batch that XTuner's shard
     split cannot cut stops it too (:mod:`xtuner_rope.batch.sequence_parallel`).
 
@@ -162,7 +164,9 @@ class PackedBatchCheckHook(Hook):
         self._isolating = isolates_documents(runner.model)
         self._checked_limits = self._limits(runner)
         self._reported = False
-        compat.run_patch(compat.patch_llava_expansion_check, runner.model, self._checked_limits[1])
+        compat.run_patch(
+            xtuner_llava.patch_llava_expansion_check, runner.model, self._checked_limits[1]
+        )
         self._internvl = internvl_image_tokens(runner.model)
 
     def _report_first_batch(self, rows: list[torch.Tensor], b: int, s: int) -> None:
@@ -246,7 +250,7 @@ class PackedBatchCheckHook(Hook):
         channel.clear()
 
     def before_train_iter(self, runner, batch_idx: int, data_batch: DATA_BATCH = None) -> None:
-        # Only the train loader's packing is read from the config (startup.packing_source).
+        # Only the train loader's packing is read from the config (fields.packing_source).
         self._check_and_publish(runner, data_batch, self._packed_by)
         # Sequence parallel splits train rows only (batch.sequence_parallel).
         shape = tuple(batch_data(data_batch, "PackedBatchCheckHook")["input_ids"].shape)

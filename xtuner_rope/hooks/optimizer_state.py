@@ -5,8 +5,8 @@ stock InternVL configs; the start-up turns it on, ``config.optimizer_state``, un
 sets ``checkpoint_without_optimizer = True``) still resumes: MMEngine builds a fresh optimizer
 without a word, so momentum and AdamW's moments restart from zero.
 :func:`resume_without_optimizer_warning` names that resume in the log (``RandomStateHook``
-calls it when the checkpoint is loaded). ``save_optimizer_findings`` lived here before it moved
-to ``config.optimizer_state`` (the old name warns, ``xtuner_rope.deprecated.MOVED_NAMES``).
+calls it when the checkpoint is loaded). The start-up's finding that turns ``save_optimizer``
+on is ``config.optimizer_state.save_optimizer_findings``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ rotary classes by name (as XTuner's dispatch finds layers) and its quirks:
   ``forward`` (Qwen2-MoE in 4.48): that forward is replaced on the layer;
 - ``interleaved``: cos/sin interleave the frequencies (``[f0, f0, f1, f1, ...]``, Cohere)
   instead of repeating the half (``[f0, f1, ..., f0, f1, ...]``);
-- ``fp32_apply``: the family's ``apply_rotary_pos_emb`` needs ``compat.patch_hf_fp32_rotation``
+- ``fp32_apply``: the family's ``apply_rotary_pos_emb`` needs ``models.hf_rope.patch_hf_fp32_rotation``
   to rotate bf16/fp16 q, k in fp32 (Cohere's already upcasts to fp32 itself).
 
 ``REFUSED`` names what cannot be served, by ``config.json`` ``model_type``; ``checkpoint_verdict``

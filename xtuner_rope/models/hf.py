@@ -303,7 +303,7 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
 
     Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
     ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. The fp32 rotation
-    of bf16/fp16 q/k is a patch of the family's module (``compat.patch_hf_fp32_rotation``),
+    of bf16/fp16 q/k is a patch of the family's module (``models.hf_rope.patch_hf_fp32_rotation``),
     which ``hooks.patch_model`` installs beside this.
 
     Args:

@@ -233,7 +233,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
         Returns:
             cos, sin ``[b, s, h_d]`` in fp32 (times the yarn attention scaling), whatever the
             dtype of ``x``: the family's ``apply_rotary_pos_emb`` (patched by
-            ``compat.patch_hf_fp32_rotation``) rotates in fp32 and returns q's dtype.
+            ``models.hf_rope.patch_hf_fp32_rotation``) rotates in fp32 and returns q's dtype.
 
         Raises:
             TypeError: position_ids not an integer tensor.

@@ -6,7 +6,7 @@ embeddings, drops the padding and pads again on the right: ``inputs_embeds`` ``[
 with ``s'`` the longest expanded row, ``attention_mask`` True over each row's real tokens,
 ``position_ids`` ``0..n_r-1`` per row, ``labels`` -100 on image tokens and padding. The LLM's
 attention and RoPE are the family's (patched as in text SFT); :func:`check_expanded_batch`
-checks that sequence (``xtuner_rope.compat.patch_llava_expansion_check`` calls it).
+checks that sequence (``xtuner_rope.compat.xtuner_llava.patch_llava_expansion_check`` calls it).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def build_trained(model_cfg: dict, checkpoint: str) -> torch.nn.Module:
     from xtuner.model.utils import LoadWoInit, guess_load_checkpoint
     from xtuner.registry import BUILDER
 
-    from xtuner_rope.compat import INTERNVL_LOAD
+    from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 
     # The script's settings: no pretrained_pth read at build time, no 4-bit base.
     built = ConfigDict({**model_cfg, "pretrained_pth": None})

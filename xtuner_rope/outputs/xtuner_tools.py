@@ -9,7 +9,7 @@ configs die on bitsandbytes' ``triton.ops`` import. ``xtuner`` also exits 0 when
 crashes (its entry point ignores the child's return code).
 
 :func:`run_xtuner_tool` runs XTuner's own tool in this process, with the same arguments, after
-``import xtuner_rope`` applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
+the plugin's activation applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
 real exit status. Nothing of the plugin's training-time machinery (validated rotary, packed
 attention) is installed: the tools build and save plain Hugging Face models.
 """
@@ -154,6 +154,7 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
         KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
     """
     from xtuner_rope import compat
+    from xtuner_rope.compat import xtuner_merge
 
     from . import convert_dtype  # torch: not before the usage errors have answered
 
@@ -164,7 +165,7 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
         return _convert_pth_to_hf(argv, dtype)
     if command == ("convert", "merge") and dtype:
         print(f"xtuner-rope convert merge: base loaded, merged and saved in {dtype} (asked).")
-        with compat.merge_loading_in(convert_dtype.DTYPES[dtype]):
+        with xtuner_merge.merge_loading_in(convert_dtype.DTYPES[dtype]):
             return _run_module(module, command, argv)
     return _run_module(module, command, argv)
 
@@ -172,7 +173,7 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
 def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
     """``convert pth_to_hf``: the model path ``model_resource`` gives, the dtype to save in
     (said), the cast counted; XTuner's tool does the rest. Its exit status."""
-    from xtuner_rope import compat
+    from xtuner_rope.compat import guard, xtuner_to_hf, xtuner_zero_read
 
     from . import convert_dtype, internvl_convert
 
@@ -189,11 +190,11 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    if Path(pth).is_dir() and "patch_xtuner_zero_read_fp32" in compat.skipped():
+    if Path(pth).is_dir() and "patch_xtuner_zero_read_fp32" in guard.skipped():
         print(
             f"xtuner-rope convert: refused: {pth} is a DeepSpeed checkpoint and "
-            f"{compat.ZERO_READ_FEATURE} is off here "
-            f"({compat.skipped()['patch_xtuner_zero_read_fp32']}): XTuner would read its "
+            f"{xtuner_zero_read.ZERO_READ_FEATURE} is off here "
+            f"({guard.skipped()['patch_xtuner_zero_read_fp32']}): XTuner would read its "
             "weights as fp16. Install xtuner 0.2.x (the version the patch was written for).",
             file=sys.stderr,
         )
@@ -206,7 +207,7 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
     print(f"xtuner-rope convert: saving in {convert_dtype.NAMES[saved_as]} ({why}).")
     if internvl:
         return _convert_internvl(argv, model_cfg, saved_as)
-    with compat.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
+    with xtuner_to_hf.to_hf_in_dtype(functools.partial(_cast_and_report, dtype=saved_as)):
         return _run_module(XTUNER_TOOLS[command], command, argv)
 
 

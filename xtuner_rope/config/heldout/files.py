@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..fields import lazy_get as _get
 from ..fields import walk_datasets as _datasets
-from ..startup import Finding
+from ..findings import Finding
 
 
 def _local_files(node: object) -> list[str]:

@@ -25,15 +25,16 @@ from __future__ import annotations
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from ..fields import lazy_get as _get
 from ..fields import setter as _setitem
 from ..fields import type_name
 from ..fields import walk_datasets as _datasets
 from ..fields import xtuner_packs as _xtuner_packs
+from ..findings import Finding
 from ..sequence_parallel import heldout_collate_findings
-from ..startup import Finding, register_findings
+from ..startup import register_findings
 from .files import heldout_file_findings
 from .models import (
     SERVED_MODELS,

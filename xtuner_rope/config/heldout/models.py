@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from mmengine.config import Config
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from ..fields import lazy_get as _get
 from ..fields import setter as _setitem
 from ..fields import type_name
+from ..findings import Finding
 from ..preference import PREFERENCE_MODELS, packed_pairs_findings, preference_dataset
-from ..startup import Finding
 
 TOKEN_METRIC = "TokenLossMetric"
 PREFERENCE_METRIC = "PreferenceMetric"

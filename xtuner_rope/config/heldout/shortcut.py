@@ -22,13 +22,13 @@ from pathlib import Path
 from mmengine.config import Config
 from mmengine.config.lazy import LazyObject
 
-from xtuner_rope.compat import config_dict
+from xtuner_rope.compat.mmengine_config import config_dict
 
 from ..fields import lazy_get as _get
 from ..fields import type_name
 from ..fields import walk_datasets as _datasets
-from ..findings import ConfigConflict, conflict_message
-from ..startup import Finding, register_findings
+from ..findings import ConfigConflict, Finding, conflict_message
+from ..startup import register_findings
 from .models import METRIC_MODULES, metric_for
 
 KEY = "heldout"
