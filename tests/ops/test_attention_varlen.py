@@ -94,6 +94,9 @@ def test_torch_kernel_is_cuda_only(monkeypatch):
 def test_varlen_without_torch_2_10_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(attention, "VARLEN_KERNEL", None)
     monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen", None)
+    # The lookup is cached per process: a fresh cache for this test, the real one after it.
+    fresh = functools.lru_cache(maxsize=None)(attention._torch_varlen_kernel.__wrapped__)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", fresh)
     assert attention.varlen_kernel() is None
     q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
     plan = plan_documents(cumulative_from_lengths([4]), q.device)

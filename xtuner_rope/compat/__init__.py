@@ -2,7 +2,8 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
+``mmengine_preprocessor``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``,
+``checkpoint_save``, ``xtuner_sft``,
 ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
 ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``;
 ``mmengine_config``: :func:`config_dict`, MMEngine's private config
@@ -70,6 +71,7 @@ from .guard import (
 )
 from .mmengine_config import ConfigDictUnavailable, config_dict, is_config
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
+from .mmengine_preprocessor import patch_mmengine_host_copies
 from .mmengine_scheduler import SCHEDULER_CHECKS, patch_mmengine_warmup_rounding
 from .records import DEFERRED, RECORDS, records_table
 from .torch_cpu import patch_torch_cpu_bf16_query
@@ -163,6 +165,7 @@ __all__ = [
     "patch_mmengine_dist_init_on_cpu",
     "patch_mmengine_ddp_device_ids_on_cpu",
     "patch_mmengine_warmup_rounding",
+    "patch_mmengine_host_copies",
     "patch_deepspeed_cpu_allgather_grad_mode",
     "patch_deepspeed_zero3_cpu_gather",
     "patch_checkpoint_loading",
@@ -293,6 +296,7 @@ def apply() -> list[str]:
         patch_internvl_predict,
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
+        patch_mmengine_host_copies,
     ):
         if patch.__name__ not in applied():
             run_patch(patch)
