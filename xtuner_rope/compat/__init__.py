@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``mmengine_preprocessor``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``,
+``batch_host_copies``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``,
 ``checkpoint_save``, ``xtuner_sft``,
 ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``, ``xtuner_internvl``,
 ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``, ``xtuner_merge``;
@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
+from .batch_host_copies import patch_mmengine_host_copies, patch_xtuner_varlen_hook_host_copies
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe, triton_lacks_ops
 from .checkpoint import patch_checkpoint_loading
 from .checkpoint_files import (
@@ -71,7 +72,6 @@ from .guard import (
 )
 from .mmengine_config import ConfigDictUnavailable, config_dict, is_config
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
-from .mmengine_preprocessor import patch_mmengine_host_copies
 from .mmengine_scheduler import SCHEDULER_CHECKS, patch_mmengine_warmup_rounding
 from .records import DEFERRED, RECORDS, records_table
 from .torch_cpu import patch_torch_cpu_bf16_query
@@ -166,6 +166,7 @@ __all__ = [
     "patch_mmengine_ddp_device_ids_on_cpu",
     "patch_mmengine_warmup_rounding",
     "patch_mmengine_host_copies",
+    "patch_xtuner_varlen_hook_host_copies",
     "patch_deepspeed_cpu_allgather_grad_mode",
     "patch_deepspeed_zero3_cpu_gather",
     "patch_checkpoint_loading",
@@ -297,6 +298,7 @@ def apply() -> list[str]:
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
         patch_mmengine_host_copies,
+        patch_xtuner_varlen_hook_host_copies,
     ):
         if patch.__name__ not in applied():
             run_patch(patch)

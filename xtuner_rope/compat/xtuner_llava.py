@@ -26,6 +26,7 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
     from xtuner_rope.models.llava import (
         check_expanded_batch,
         expanded_row_lengths,
+        remember_expanded_host_copies,
         restart_after_expansion,
     )
 
@@ -42,6 +43,8 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
                 kwargs["input_ids"], kwargs.get("attention_mask"), image_tokens
             )
             check_expanded_batch(out, checked.max_position, lengths)
+            if lengths is not None:
+                remember_expanded_host_copies(out, lengths)
             # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
             out = restart_after_expansion(
                 out,

@@ -206,6 +206,8 @@ NOT_REFUSED = {
     "patch_preference_map_fn_errors": "a clearer error; without it the map still fails",
     "patch_mmengine_warmup_rounding": "a clearer error; without it MMEngine still fails",
     "patch_mmengine_host_copies": "speed only; without it the batch is read back once per step",
+    "patch_xtuner_varlen_hook_host_copies": "speed only; without it the boundaries are read "
+    "back once per step",
     "patch_xtuner_tokenize_counted": "a count in the log; without it the data are the same",
     "patch_preference_truncation_counted": "a count in the log; without it the pairs are the same",
 }

@@ -18,7 +18,7 @@ import torch
 from xtuner_rope.batch.image_packing import expand_row_boundaries
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.ops.document_plan import host_to_device
-from xtuner_rope.ops.host_copies import host_copy
+from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 from xtuner_rope.ops.packing import (
     cumulative_from_lengths,
     flat_cumulative,
@@ -120,6 +120,27 @@ def check_expanded_batch(
         )
 
 
+def remember_expanded_host_copies(out: Mapping, lengths: torch.Tensor) -> None:
+    """Remember the host copies of XTuner's rebuilt ``attention_mask`` and ``position_ids``.
+
+    XTuner's expansion right-pads every row to the longest: True and ``0..n-1`` over a row's
+    ``n`` tokens, False and 0 after (xtuner 0.2.0). From the expanded lengths computed on the
+    host (:func:`expanded_row_lengths`), the plan and the rotaries then read them without a
+    device read. On the CPU (where reading is free) they are compared with XTuner's tensors.
+    """
+    s_out = out["inputs_embeds"].shape[1]
+    columns = torch.arange(s_out)[None]  # [1, s']
+    real = columns < lengths[:, None]  # [b, s']
+    for key, host in (("attention_mask", real), ("position_ids", columns * real)):
+        device = out.get(key)
+        if device is None:
+            continue
+        host = host.to(device.dtype)
+        if device.device.type == "cpu":  # an internal invariant, checked where it costs nothing
+            assert torch.equal(device, host), f"XTuner's expanded {key} is not right-padded"
+        remember_host_copy(device, host)
+
+
 def _check_rebuilt_positions(positions: torch.Tensor, lengths: torch.Tensor, b: int, s: int):
     """XTuner's rebuilt positions count ``0..n-1`` over each row's ``lengths`` real tokens."""
     expected = torch.arange(s, device=positions.device).expand(b, s)
@@ -186,7 +207,9 @@ def restart_after_expansion(
     device = out["inputs_embeds"].device
     positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))
     channel.publish(flat_cumulative(cus, s_out), int(positions.max()) + 1)  # host: no sync
-    return {**out, "position_ids": host_to_device(positions, device)}
+    moved = host_to_device(positions, device)
+    remember_host_copy(moved, positions)
+    return {**out, "position_ids": moved}
 
 
 def _check_expanded_width(totals: list[int], segments: list[list[int]], s_out: int) -> None:

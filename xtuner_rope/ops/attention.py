@@ -67,7 +67,7 @@ def varlen_kernel() -> VarlenKernel | None:
     return _torch_varlen_kernel()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_varlen_kernel() -> VarlenKernel | None:
     """torch's own ``varlen_attn``, looked up once per process (every layer asks)."""
     try:
@@ -95,7 +95,7 @@ def packed_backend(q: torch.Tensor, eager: bool) -> str:
     return backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_attn_installed() -> bool:
     """Whether flash-attn is importable: looked up once per process, not per layer call."""
     from importlib.util import find_spec
