@@ -125,6 +125,8 @@ _TORCH = str(Path(torch.__file__).resolve().parent)
 _HERE = str(Path(__file__).resolve())
 # Tensor methods that hand device values to the host: on CUDA each waits for the GPU.
 _VALUE_READS = {"item", "tolist", "numpy", "__int__", "__bool__", "__float__", "__index__"}
+# Factories: given a ``torch.device`` (``device=x.device``, not the string "cpu"), a device tensor.
+_FACTORIES = {"zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "randn", "rand"}
 # Ops whose output shape depends on device values (CUDA syncs to size the output).
 _SHAPE_READS = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"}
 
@@ -162,9 +164,13 @@ class DeviceReads(TorchFunctionMode):
     read is a device-side tensor's value handed to Python (``.item()``, ``.tolist()``,
     ``.numpy()``, ``int()``, ``bool()``, ``float()``), copied to the host (``.cpu()``,
     ``.to('cpu')``, which here return an unmarked copy, as on CUDA) or sizing an output
-    (``nonzero``, ``unique``, boolean-mask indexing). It is counted when the innermost frame
-    outside torch is the package's (``xtuner_rope``): XTuner's and transformers' own reads are
-    theirs. ``reads`` lists ``"file:line what"`` of each.
+    (``nonzero``, ``unique``, boolean-mask indexing). Tensors made by a factory given a
+    ``torch.device`` (``torch.zeros(..., device=x.device)``) count as device tensors too; code
+    that means the host writes the string ``"cpu"`` or no device. Not seen: a host tensor moved
+    with ``.to(x.device)`` (on the CPU the same tensor; ``.to(x.device)`` of a host ``x`` is not a
+    move either), which the meta-device test and the CUDA test cover. A read is counted when
+    the innermost frame outside torch is the package's (``xtuner_rope``): XTuner's and
+    transformers' own reads are theirs. ``reads`` lists ``"file:line what"`` of each.
     """
 
     def __init__(self) -> None:
@@ -200,6 +206,8 @@ class DeviceReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         device_in = [t for t in _flat_tensors((args, kwargs)) if self.is_device(t)]
         out = func(*args, **kwargs)
+        if name in _FACTORIES and isinstance(kwargs.get("device"), torch.device):
+            self.on_device(out)  # e.g. XTuner's expansion: torch.zeros(..., device=x.device)
         if not device_in:
             return out
         read = name in _VALUE_READS or name in _SHAPE_READS or _to_host(func, args, kwargs)
