@@ -32,10 +32,14 @@ def remember_host_copy(device_tensor: torch.Tensor, host: torch.Tensor) -> None:
     """Record that ``device_tensor`` holds the values of the CPU tensor ``host``.
 
     Call where a host tensor was copied to the device (``host.to(device)``); nothing is
-    recorded for the same tensor (a move to the CPU itself), a non-CPU ``host``, or inference
-    tensors (no version counter to tell a later edit).
+    recorded for the same tensor (a move to the CPU itself), a non-CPU ``host``, floating-point
+    tensors (pixel values, embeddings: the forward never needs them on the host, and keeping
+    them would hold host memory), or inference tensors (no version counter to tell a later
+    edit).
     """
     if device_tensor is host or host.device.type != "cpu":
+        return
+    if host.is_floating_point() or host.is_complex():
         return
     versions = _version(device_tensor), _version(host)
     if None in versions:
