@@ -230,7 +230,8 @@ def document_plan(
             cu = check_flat_boundaries(cu, b, s, source)
         # Device boundaries (XTuner's VarlenAttnArgsToMessageHubHook moves them) are checked
         # on their host copy when one is known: nothing read back.
-        values = cu if host_copy(cu) is None else host_copy(cu)
+        host = host_copy(cu)
+        values = cu if host is None else host
         return _cached_plan(
             cu, ("hub", b, s), lambda: check_flat_boundaries(values, b, s, source), device
         )
