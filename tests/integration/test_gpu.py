@@ -1,10 +1,13 @@
 """What only a GPU can show: the real varlen kernel, every packed backend on CUDA in bf16 and
-fp16, and the failures first seen on GPUs. Skipped without CUDA; run by tools/gpu/run_gpu.sh.
+fp16, the failures first seen on GPUs, and a training step without a host sync. Skipped
+without CUDA; run by tools/gpu/run_gpu.sh.
 """
 
+import contextlib
 import copy
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,3 +154,52 @@ def test_inv_freq_stays_fp32_after_cuda_bfloat16():
     truth = torch.cat((freqs, freqs), dim=-1).cos()
     cos, _ = moved(x, pos)
     assert (cos[0].double().cpu() - truth).abs().max() < 1e-2  # bf16 output rounding only
+
+
+@pytest.mark.parametrize("mode", ["published", "resets"])
+def test_training_step_without_a_host_sync(mode, tmp_path):
+    """Issue 58: XTuner's training step as a run takes it (the hook publishes the boundaries on
+    the host, the data preprocessor moves the batch), forward and backward of the second step
+    under ``torch.cuda.set_sync_debug_mode("error")``; bf16, dynamic NTK past 16 positions."""
+    from host_sync import sync_debug_error
+    from mmengine.config import ConfigDict
+    from transformers import AutoModelForCausalLM
+    from xtuner.model import SupervisedFinetune
+
+    from xtuner_rope.demo.tiny import build_tiny
+    from xtuner_rope.hooks.isolation import PackedBatchCheckHook
+    from xtuner_rope.models import channel
+    from xtuner_rope.models.dispatch import patch_model
+
+    scaling = dict(type="dynamic", factor=2.0)
+    build_tiny("internlm2", 256, max_position_embeddings=16, rope_scaling=scaling).save_pretrained(
+        tmp_path
+    )
+    llm = dict(pretrained_model_name_or_path=str(tmp_path), torch_dtype=torch.bfloat16)
+    sft = SupervisedFinetune(
+        llm=ConfigDict(type=AutoModelForCausalLM.from_pretrained, trust_remote_code=True, **llm)
+    )
+    patch_model(sft)
+    sft = sft.cuda().train()
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        items = []
+        for n in (5, 17, 9, 30, 2, 1):
+            ids = torch.randint(3, 256, (n,), generator=gen).tolist()
+            items.append({"input_ids": ids, "labels": ids})
+        data_batch = rope_collate_fn(items, pack=True, max_length=32)
+        if mode == "resets":
+            data_batch["data"].pop("cumulative_len")
+        hook = PackedBatchCheckHook()
+        hook.before_val(SimpleNamespace(model=sft))
+        hook.before_val_iter(SimpleNamespace(model=sft), step, data_batch)
+        data = sft.data_preprocessor(data_batch, True)["data"]  # the move, host copies kept
+        torch.cuda.synchronize()
+        try:
+            with sync_debug_error() if step else contextlib.nullcontext():
+                loss = sft(data, mode="loss")["loss"]
+                loss.backward()
+            torch.cuda.synchronize()
+        finally:
+            channel.clear()
+        assert torch.isfinite(loss), step

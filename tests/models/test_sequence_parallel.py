@@ -11,7 +11,9 @@ references, in fp32:
   label included, and the gradients averaged over the two ranks (what DDP / DeepSpeed do)
   equal the one-process gradients;
 - XTuner 0.2.0's own ``_compute_sequence_parallel_loss`` does not (the dropped boundary
-  label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces.
+  label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces;
+- no training forward after the first reads device data in the package's code (issue 58:
+  ``host_sync.DeviceReads``, the batch moved as the data preprocessor moves it).
 
 Cases: eager and SDPA attention classes, GQA with key/value heads divisible by sp (sent
 through the all-to-all as they are) and not (repeated first, as XTuner does), and dynamic-NTK
@@ -181,6 +183,37 @@ def _check_case(family: str, attn: str, n_kv: int, overrides: dict, path: str, r
     xtuner_loss = xtuner_method(sft, padded)["loss"].detach()
     _reset_hub()
     assert (xtuner_loss - one.loss.detach()).abs() > 1e-3, (xtuner_loss, one.loss)
+    if overrides:  # dynamic NTK: the shard's per-document frequencies run too
+        _forward_reads(sft, data)
+
+
+def _forward_reads(sft, data: dict) -> None:
+    """Issue 58: three training forwards of this rank's shard, as in a run (the hook publishes
+    the host boundaries, the data preprocessor moves the batch and remembers its host copies):
+    the package's code reads no device data in any forward after the first, on either rank."""
+    from host_sync import DeviceReads, preprocessor_move
+
+    from xtuner_rope.ops.host_copies import forget_host_copies
+
+    per_forward = []
+    for _ in range(3):
+        batch = _as_hook_leaves_it(data)
+        reads = DeviceReads()
+        reads.on_device(list(sft.parameters()), list(sft.buffers()))
+        moved = preprocessor_move(batch, reads)
+        try:
+            with reads:
+                loss = sft(moved, mode="loss")["loss"]
+            loss.backward()
+        finally:
+            _reset_hub()
+            forget_host_copies()
+        sft.zero_grad()
+        assert reads.calls > 300
+        per_forward.append(reads.reads)
+    found = torch.tensor([sum(map(len, per_forward[1:]))])
+    dist.all_reduce(found)  # both ranks pass or fail together (no rank left waiting)
+    assert int(found) == 0, per_forward
 
 
 def _worker(rank: int, port: int, paths: list[str]) -> None:

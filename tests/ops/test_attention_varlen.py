@@ -8,6 +8,7 @@ dtypes the kernel takes. ``tests/test_gpu.py`` runs the real kernel against the 
 """
 
 import functools
+import importlib.util
 import logging.handlers
 
 import pytest
@@ -94,6 +95,9 @@ def test_torch_kernel_is_cuda_only(monkeypatch):
 def test_varlen_without_torch_2_10_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(attention, "VARLEN_KERNEL", None)
     monkeypatch.setitem(__import__("sys").modules, "torch.nn.attention.varlen", None)
+    # The lookup is cached per process: a fresh cache for this test, the real one after it.
+    fresh = functools.lru_cache(maxsize=None)(attention._torch_varlen_kernel.__wrapped__)
+    monkeypatch.setattr(attention, "_torch_varlen_kernel", fresh)
     assert attention.varlen_kernel() is None
     q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
     plan = plan_documents(cumulative_from_lengths([4]), q.device)
@@ -109,3 +113,27 @@ def test_packed_equals_documents_alone_through_varlen(counted_kernel, family, bs
     reference, model = build_pair(family, torch.bfloat16)
     check_packed_equals_alone(reference, model, bs)
     assert counted_kernel.calls == 2  # one call per layer: the integration took 'varlen'
+
+
+def test_a_layer_call_looks_nothing_up(counted_kernel, monkeypatch):
+    """Issue 58: the kernel's signature and flash-attn's presence are looked up once per
+    process; every later layer call finds them in a dictionary."""
+    signatures, specs = [], []
+    real_signature, real_find_spec = attention.inspect.signature, importlib.util.find_spec
+    monkeypatch.setattr(
+        attention.inspect, "signature", lambda fn: signatures.append(fn) or real_signature(fn)
+    )
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: specs.append(name) or real_find_spec(name)
+    )
+    monkeypatch.setattr(attention, "_KERNEL_PARAMS", {})
+    fresh = functools.lru_cache(maxsize=None)(attention._flash_attn_installed.__wrapped__)
+    monkeypatch.setattr(attention, "_flash_attn_installed", fresh)
+    q = torch.randn(1, 16, 4, 8, dtype=torch.bfloat16)
+    k = torch.randn(1, 16, 2, 8, dtype=torch.bfloat16)
+    plan = plan_documents(cumulative_from_lengths([5, 11]), q.device)
+    for _ in range(4):  # four layers
+        packed_attention(q, k, k, plan, "varlen")
+        attention._flash_attn_installed()
+    assert counted_kernel.calls == 4
+    assert len(signatures) == 1 and specs == ["flash_attn"], (signatures, specs)

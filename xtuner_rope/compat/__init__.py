@@ -2,7 +2,7 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
+``batch_host_copies``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
 ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``,
 ``xtuner_merge``; ``mmengine_config``: ``config_dict``, MMEngine's private config dict read in
@@ -24,6 +24,7 @@ Every other name is imported from the module that defines it
 
 from __future__ import annotations
 
+from .batch_host_copies import patch_mmengine_host_copies, patch_xtuner_varlen_hook_host_copies
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
 from .checkpoint import patch_checkpoint_loading
 from .checkpoint_save import patch_checkpoint_writes, patch_deepspeed_checkpoint_writes
@@ -122,6 +123,8 @@ def apply() -> list[str]:
         patch_internvl_predict,
         patch_llava_predict_labels,
         patch_xtuner_zero_read_fp32,
+        patch_mmengine_host_copies,
+        patch_xtuner_varlen_hook_host_copies,
     ):
         run_patch(patch)  # the guard runs each patch once per process
     _check_deferred()

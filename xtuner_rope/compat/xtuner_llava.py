@@ -23,7 +23,12 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
         return False
     import xtuner.model.llava as llava
 
-    from xtuner_rope.models.llava import check_expanded_batch, restart_after_expansion
+    from xtuner_rope.models.llava import (
+        check_expanded_batch,
+        expanded_row_lengths,
+        remember_expanded_host_copies,
+        restart_after_expansion,
+    )
 
     current = llava.prepare_inputs_labels_for_multimodal
     original = getattr(current, "__wrapped__", current)
@@ -32,13 +37,20 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
     def checked(llm, **kwargs):
         out = original(llm=llm, **kwargs)
         if kwargs.get("pixel_values") is not None:
-            check_expanded_batch(out, checked.max_position)
+            # Row lengths from the host copy of the batch: the check reads nothing back.
+            image_tokens = kwargs["pixel_values"].shape[1]
+            lengths = expanded_row_lengths(
+                kwargs["input_ids"], kwargs.get("attention_mask"), image_tokens
+            )
+            check_expanded_batch(out, checked.max_position, lengths)
+            if lengths is not None:
+                remember_expanded_host_copies(out, lengths)
             # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
             out = restart_after_expansion(
                 out,
                 kwargs["input_ids"],
                 kwargs.get("attention_mask"),
-                kwargs["pixel_values"].shape[1],
+                image_tokens,
             )
         return out
 

@@ -16,6 +16,9 @@ from collections.abc import Mapping
 import torch
 
 from xtuner_rope.batch.image_packing import expand_row_boundaries
+from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.ops.document_plan import host_to_device
+from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 from xtuner_rope.ops.packing import (
     cumulative_from_lengths,
     flat_cumulative,
@@ -36,7 +39,37 @@ def _fail(row: int, field: str, expected: str, got: object, fix: str) -> ValueEr
     )
 
 
-def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
+def _host_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The ids and bool mask ``[b, s]`` before the expansion, on the host (their host copies,
+    ``ops.host_copies``), or None when only the device holds them."""
+    ids = host_copy(input_ids)
+    mask = None if attention_mask is None else host_copy(attention_mask)
+    if ids is None or (attention_mask is not None and mask is None):
+        return None
+    mask = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    return ids, mask
+
+
+def expanded_row_lengths(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_tokens: int
+) -> torch.Tensor | None:
+    """Each row's length after the image expansion ``[b]``, computed on the host, or None.
+
+    XTuner keeps a row's attended tokens and replaces each placeholder by ``image_tokens``
+    patch embeddings: ``n - k + k * P``. From the host copies of the batch (``_host_batch``);
+    None when there are none (the check then reads the expanded batch back).
+    """
+    host = _host_batch(input_ids, attention_mask)
+    if host is None:
+        return None
+    ids, mask = host
+    images = ((ids == IMAGE_TOKEN_INDEX) & mask).sum(dim=1)  # [b]
+    return mask.sum(dim=1) + images * (image_tokens - 1)
+
+
+def check_expanded_batch(
+    out: Mapping, max_position: int | None = None, lengths: torch.Tensor | None = None
+) -> None:
     """Check XTuner's expanded LLaVA batch, as the LLM will see it.
 
     Args:
@@ -44,6 +77,10 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
             ``[b, s, d]``, optional ``attention_mask`` / ``position_ids`` / ``labels``
             ``[b, s]``.
         max_position: The RoPE range positions must stay below (None: unchecked).
+        lengths: ``[b]`` each row's expanded length computed on the host
+            (:func:`expanded_row_lengths`): the check then reads nothing back from the
+            device. None: measured on ``out`` (a device read), and the rebuilt positions are
+            checked too.
 
     Raises:
         ValueError: a row attends to nothing, its positions do not count 0, 1, ... over its
@@ -53,7 +90,11 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
     embeds = out["inputs_embeds"]
     b, s = embeds.shape[:2]
     mask = out.get("attention_mask")
-    lengths = mask.bool().sum(dim=1) if mask is not None else torch.full((b,), s, dtype=torch.long)
+    on_host = lengths is not None
+    if not on_host:
+        lengths = (
+            mask.bool().sum(dim=1) if mask is not None else torch.full((b,), s, dtype=torch.long)
+        )
     empty = (lengths == 0).nonzero()
     if len(empty):
         raise _fail(
@@ -64,19 +105,8 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
             "Drop empty samples: an all-masked row gives NaN attention.",
         )
     positions = out.get("position_ids")
-    if positions is not None:
-        expected = torch.arange(s, device=positions.device).expand(b, s)
-        real = expected < lengths.to(positions.device)[:, None]
-        bad = (positions != expected) & real
-        if bool(bad.any()):
-            r, c = (int(v) for v in bad.nonzero()[0])
-            raise _fail(
-                r,
-                "position_ids",
-                f"{c} at column {c} (0..n-1 over the row's tokens)",
-                int(positions[r, c]),
-                "Report this: XTuner's expansion rebuilds them.",
-            )
+    if positions is not None and not on_host:
+        _check_rebuilt_positions(positions, lengths, b, s)
     longest = int(lengths.max())
     if max_position is not None and longest > max_position:
         r = int(lengths.argmax())
@@ -90,9 +120,48 @@ def check_expanded_batch(out: Mapping, max_position: int | None = None) -> None:
         )
 
 
+def remember_expanded_host_copies(out: Mapping, lengths: torch.Tensor) -> None:
+    """Remember the host copies of XTuner's rebuilt ``attention_mask`` and ``position_ids``.
+
+    XTuner's expansion right-pads every row to the longest: True and ``0..n-1`` over a row's
+    ``n`` tokens, False and 0 after (xtuner 0.2.0). From the expanded lengths computed on the
+    host (:func:`expanded_row_lengths`), the plan and the rotaries then read them without a
+    device read. On the CPU (where reading is free) they are compared with XTuner's tensors.
+    """
+    s_out = out["inputs_embeds"].shape[1]
+    columns = torch.arange(s_out)[None]  # [1, s']
+    real = columns < lengths[:, None]  # [b, s']
+    for key, host in (("attention_mask", real), ("position_ids", columns * real)):
+        device = out.get(key)
+        if device is None:
+            continue
+        host = host.to(device.dtype)
+        if device.device.type == "cpu":  # an internal invariant, checked where it costs nothing
+            assert torch.equal(device, host), f"XTuner's expanded {key} is not right-padded"
+        remember_host_copy(device, host)
+
+
+def _check_rebuilt_positions(positions: torch.Tensor, lengths: torch.Tensor, b: int, s: int):
+    """XTuner's rebuilt positions count ``0..n-1`` over each row's ``lengths`` real tokens."""
+    expected = torch.arange(s, device=positions.device).expand(b, s)
+    real = expected < lengths.to(positions.device)[:, None]
+    bad = (positions != expected) & real
+    if bool(bad.any()):
+        r, c = (int(v) for v in bad.nonzero()[0])
+        raise _fail(
+            r,
+            "position_ids",
+            f"{c} at column {c} (0..n-1 over the row's tokens)",
+            int(positions[r, c]),
+            "Report this: XTuner's expansion rebuilds them.",
+        )
+
+
 def _row_boundaries(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
     """Per-row boundaries ``0 .. s`` of a flat ``[n + 1]`` boundary tensor over ``b * s``."""
-    flat = torch.as_tensor(flat).reshape(-1).long().cpu()
+    flat = torch.as_tensor(flat)
+    host = host_copy(flat)
+    flat = (flat.cpu() if host is None else host).reshape(-1).long()
     return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
 
 
@@ -123,29 +192,36 @@ def restart_after_expansion(
         return out
     b, s = input_ids.shape
     s_out = out["inputs_embeds"].shape[1]
-    mask = (
-        attention_mask.bool().cpu()
-        if attention_mask is not None
-        else torch.ones(b, s, dtype=torch.bool)
-    )
-    ids = input_ids.cpu()
-    cus = []
+    host = _host_batch(input_ids, attention_mask)
+    if host is None:  # device tensors without host copies: read back once
+        mask = torch.ones(b, s, dtype=torch.bool) if attention_mask is None else attention_mask
+        host = input_ids.cpu(), mask.bool().cpu()
+    ids, mask = host
+    cus, expanded = [], []
     for r, cu in enumerate(_row_boundaries(published, b, s)):
         lengths = expand_row_boundaries(ids[r], mask[r], cu, image_tokens)
+        expanded.append(lengths)
         n = sum(lengths)
-        got = (
-            int(out["attention_mask"][r].sum()) if out.get("attention_mask") is not None else s_out
-        )
-        if n != got:
+        cus.append(cumulative_from_lengths(lengths + ([s_out - n] if n < s_out else [])))
+    _check_expanded_width([sum(lengths) for lengths in expanded], expanded, s_out)
+    device = out["inputs_embeds"].device
+    positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))
+    channel.publish(flat_cumulative(cus, s_out), int(positions.max()) + 1)  # host: no sync
+    moved = host_to_device(positions, device)
+    remember_host_copy(moved, positions)
+    return {**out, "position_ids": moved}
+
+
+def _check_expanded_width(totals: list[int], segments: list[list[int]], s_out: int) -> None:
+    """XTuner pads the expanded rows to the longest one: the row lengths measured on the host
+    must fit ``s_out`` and the longest must fill it (checked without reading the device)."""
+    longest = max(range(len(totals)), key=totals.__getitem__)
+    for r, n in enumerate(totals):
+        if n > s_out or (r == longest and n != s_out):
             raise _fail(
                 r,
                 "cumulative_len",
-                f"{n} tokens after the expansion (segments {lengths})",
-                f"{got} in XTuner's expanded row",
+                f"{n} tokens after the expansion (segments {segments[r]})",
+                f"{s_out} in XTuner's expanded row",
                 "Collate LLaVA samples with xtuner_rope.llava_collate_fn.",
             )
-        cus.append(cumulative_from_lengths(lengths + ([s_out - n] if n < s_out else [])))
-    device = out["inputs_embeds"].device
-    positions = position_ids_from_starts(segment_starts_from_cumulative(cus, s_out))
-    channel.publish(flat_cumulative(cus, s_out), int(positions.max()) + 1)
-    return {**out, "position_ids": positions.to(device)}

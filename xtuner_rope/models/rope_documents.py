@@ -34,6 +34,7 @@ from mmengine.logging import print_log
 from torch import nn
 
 from xtuner_rope.ops.document_plan import DocumentPlan
+from xtuner_rope.ops.host_copies import host_copy
 from xtuner_rope.ops.rope_documents import document_lengths, host_document_lengths
 
 from . import channel
@@ -99,7 +100,8 @@ def rotary_document_lengths(
 ) -> torch.Tensor | None:
     """Each token's document length ``[b, s]`` (int64), or None when the call holds no documents.
 
-    On the CPU when the batch's boundaries were published on the host (computed there, no
+    On the CPU when the batch's boundaries were published on the host, or the position ids'
+    host copy is known (``ops.host_copies``), and under sequence parallel (computed there, no
     device read); on ``device`` otherwise.
 
     Args:
@@ -111,8 +113,10 @@ def rotary_document_lengths(
             families' attention rule; InternLM2's attention has none).
     """
     if sequence_parallel_active(rotary):
-        lengths = channel.read_lengths()
-        return None if lengths is None else lengths.to(device)
+        lengths = channel.read_lengths()  # on the host as shard_rows publishes them
+        if lengths is None or lengths.device.type == "cpu":
+            return lengths
+        return lengths.to(device)
     published = hub_cumulative_len()
     if published is None and zero_start and not rows_start_at_zero(position_ids):
         return None
@@ -121,8 +125,11 @@ def rotary_document_lengths(
         return padded_row_lengths(rotary, position_ids, b, s, device)
     if _LAST.get("plan") is not plan or _LAST.get("positions") is not position_ids:
         _LAST.clear()
+        host = host_copy(position_ids)
         if isinstance(published, torch.Tensor) and published.device.type == "cpu":
             lengths = host_document_lengths(plan.host_cu_seqlens, b, s)  # [b, s] on the CPU
+        elif host is not None:  # the collated ids: each document's last position, on the host
+            lengths = document_lengths(host, plan.host_cu_seqlens, b, s)
         else:
             lengths = document_lengths(position_ids.to(device), plan.cu_seqlens, b, s)
         _LAST.update(plan=plan, positions=position_ids, lengths=lengths)
@@ -220,11 +227,14 @@ def padded_row_lengths(
         return None
     cached = state.lengths
     if cached is not None and cached[0] is mask and cached[1] is position_ids:
-        return None if cached[2] is None else cached[2].to(device)
-    attended = mask.to(device) != 0  # [b, s]
+        return cached[2]
+    host_mask, host_positions = host_copy(mask), host_copy(position_ids)
+    if host_mask is not None and host_positions is not None:  # the collated batch: no sync
+        attended, positions = host_mask != 0, host_positions.expand(b, s)  # [b, s] on the CPU
+    else:
+        attended, positions = mask.to(device) != 0, position_ids.to(device).expand(b, s)
     lengths = None
     if not bool(attended.all()):
-        positions = position_ids.to(device).expand(b, s)
         last = torch.where(attended, positions, torch.full_like(positions, -1)).amax(dim=1)
         lengths = (last + 1).clamp(min=1)[:, None].expand(b, s)  # [b, s]
     state.lengths = (mask, position_ids, lengths)

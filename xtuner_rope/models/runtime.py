@@ -13,6 +13,7 @@ import torch
 from mmengine.logging import print_log
 
 from xtuner_rope.ops.attention import DocumentPlan, document_plan, packed_backend
+from xtuner_rope.ops.host_copies import host_copy
 
 from . import channel
 from .channel import CUMULATIVE_KEY, MAX_SEQLEN_KEY, VARLEN_HUB
@@ -49,10 +50,13 @@ _STARTS: dict = {}
 
 def rows_start_at_zero(position_ids: torch.Tensor) -> bool:
     """True if every row of ``position_ids`` ``[b, s]`` starts at 0 (a left-padded prompt does
-    not): one host read per tensor, cached for the next layer."""
+    not): read on the ids' host copy (``ops.host_copies``), else one device read per tensor,
+    cached for the next layer."""
     key = position_ids._version
     if _STARTS.get("source") is not position_ids or _STARTS.get("key") != key:
-        starts = bool((position_ids[:, 0] == 0).all())
+        host = host_copy(position_ids)
+        values = position_ids if host is None else host
+        starts = bool((values[:, 0] == 0).all())
         _STARTS.clear()
         _STARTS.update(source=position_ids, key=key, value=starts)
     return _STARTS["value"]

@@ -35,6 +35,7 @@ from torch import nn
 
 from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.attention import document_plan, packed_attention
+from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 from xtuner_rope.ops.rope_documents import document_lengths
 
@@ -128,11 +129,18 @@ def sequence_parallel_attention(
     return post_process_for_sequence_parallel_attn(out).contiguous()  # [b, S/sp, n_h, h_d]
 
 
+def _host_values(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host: its remembered host copy (the collated batch), else read back."""
+    host = host_copy(x)
+    return x.detach().cpu() if host is None else host
+
+
 def _row_boundaries(data: dict, b: int, s: int) -> list[torch.Tensor]:
-    """Per-row ``[0, ..., s]`` boundaries: the published flat ones, else position resets."""
+    """Per-row ``[0, ..., s]`` boundaries: the published flat ones, else position resets, read
+    on the host (``PackedBatchCheckHook`` publishes them there; the positions' host copy)."""
     flat = hub_cumulative_len()
     if flat is not None:
-        flat = torch.as_tensor(flat).to("cpu", torch.int64).reshape(-1)
+        flat = _host_values(torch.as_tensor(flat)).to(torch.int64).reshape(-1)
     if flat is not None and int(flat[-1]) == b * s:  # else stale: read the positions
         rows = []
         for r in range(b):
@@ -142,26 +150,46 @@ def _row_boundaries(data: dict, b: int, s: int) -> list[torch.Tensor]:
     positions = data.get("position_ids")
     if positions is None:
         return [torch.tensor([0, s], dtype=torch.int32)] * b
-    return [cumulative_from_position_ids(row) for row in positions.detach().cpu().expand(b, s)]
+    return [cumulative_from_position_ids(row) for row in _host_values(positions).expand(b, s)]
 
 
 def _pad_row_tail(data: dict, rows: list[torch.Tensor], s: int, pad: int, pad_index: int):
     """Append ``pad`` tokens to every row as a segment of their own (positions ``0..pad-1``,
-    labels ignored)."""
+    labels ignored), built on the batch's device (no blocking host-to-device copy)."""
     b = data["input_ids"].shape[0]
     device = data["input_ids"].device
 
     def tail(x: torch.Tensor, fill) -> torch.Tensor:
-        filler = fill if torch.is_tensor(fill) else torch.full((b, pad), fill, dtype=x.dtype)
-        return torch.cat([x, filler.to(device, x.dtype)], dim=1)  # [b, s + pad]
+        if not torch.is_tensor(fill):
+            fill = torch.full((b, pad), fill, dtype=x.dtype, device=x.device)
+        return torch.cat([x, fill.to(x.device, x.dtype)], dim=1)  # [b, s + pad]
 
     data["input_ids"] = tail(data["input_ids"], pad_index)
     data["labels"] = tail(data["labels"], IGNORE_INDEX)
     positions = data.get("position_ids")
     if positions is None:
         positions = torch.arange(s, device=device).expand(b, s)
-    data["position_ids"] = tail(positions.expand(b, s), torch.arange(pad).expand(b, pad))
+    tail_positions = torch.arange(pad, device=positions.device).expand(b, pad)
+    data["position_ids"] = tail(positions.expand(b, s), tail_positions)
     return [torch.cat([cu, torch.tensor([s + pad], dtype=cu.dtype)]) for cu in rows]
+
+
+def _host_positions(positions: torch.Tensor | None, b: int, s: int, pad: int):
+    """The full rows' ``[b, s + pad]`` positions on the host, as ``_pad_row_tail`` pads them, or
+    None when only the device holds them."""
+    host = torch.arange(s).expand(b, s) if positions is None else host_copy(positions)
+    if host is None:
+        return None
+    host = host.expand(b, s)
+    return torch.cat([host, torch.arange(pad).expand(b, pad)], dim=1) if pad else host
+
+
+def _supervised_count(labels: torch.Tensor) -> int:
+    """Supervised tokens of the full rows after the shift (every label but each row's first),
+    counted on the labels' host copy when known (the padding adds ignored labels only)."""
+    host = host_copy(labels)
+    values = labels if host is None else host
+    return int((values[:, 1:] != IGNORE_INDEX).sum())
 
 
 def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict, int]:
@@ -187,11 +215,14 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     b, s = data["input_ids"].shape
     rows = _row_boundaries(data, b, s)
     pad = (-s) % sp
+    n_supervised = _supervised_count(data["labels"])
+    host_positions = _host_positions(data.get("position_ids"), b, s, pad)
     if pad:
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad
     flat = flat_cumulative(rows, s_full)
-    channel.publish(flat.to(data["input_ids"].device), int((flat[1:] - flat[:-1]).max()))
+    # On the host: the plan after the all-to-all reads them without a device sync.
+    channel.publish(flat, int((flat[1:] - flat[:-1]).max()))
     labels = data["labels"]
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     positions = data.get("position_ids")
@@ -201,14 +232,19 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     width = s_full // sp
     cut = slice(rank * width, (rank + 1) * width)
     # Length-dependent RoPE of the shard needs each token's document length in the full row.
-    lengths = document_lengths(positions, flat.to(positions.device), b, s_full)  # [b, S']
+    if host_positions is not None:  # on the host, like the rotary's range check of the shard
+        lengths = document_lengths(host_positions, flat, b, s_full)  # [b, S']
+    else:
+        lengths = document_lengths(positions, flat.to(positions.device), b, s_full)
     channel.publish_lengths(lengths[:, cut])
     shard = {
         "input_ids": data["input_ids"][:, cut],
         "position_ids": positions[:, cut],
         "shifted_labels": shifted[:, cut],
     }
-    return shard, int((shifted != IGNORE_INDEX).sum())
+    if host_positions is not None:
+        remember_host_copy(shard["position_ids"], host_positions[:, cut])
+    return shard, n_supervised
 
 
 class _GroupSum(torch.autograd.Function):

@@ -26,6 +26,7 @@ generation steps with a KV cache) take the family's own dense path.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -64,6 +65,12 @@ def varlen_kernel() -> VarlenKernel | None:
     """``VARLEN_KERNEL`` if set, else torch's ``varlen_attn`` (torch >= 2.10), else None."""
     if VARLEN_KERNEL is not None:
         return VARLEN_KERNEL
+    return _torch_varlen_kernel()
+
+
+@functools.cache
+def _torch_varlen_kernel() -> VarlenKernel | None:
+    """torch's own ``varlen_attn``, looked up once per process (every layer asks)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -89,16 +96,29 @@ def packed_backend(q: torch.Tensor, eager: bool) -> str:
     return backend
 
 
+@functools.cache
 def _flash_attn_installed() -> bool:
+    """Whether flash-attn is importable: looked up once per process, not per layer call."""
     from importlib.util import find_spec
 
     return find_spec("flash_attn") is not None
 
 
+# The parameter names of each varlen kernel seen, so a layer's call is a dictionary lookup.
+_KERNEL_PARAMS: dict[Callable, frozenset[str]] = {}
+
+
+def _kernel_params(fn: Callable) -> frozenset[str]:
+    params = _KERNEL_PARAMS.get(fn)
+    if params is None:
+        params = _KERNEL_PARAMS[fn] = frozenset(inspect.signature(fn).parameters)
+    return params
+
+
 def _varlen_attention(q_t, k_t, v_t, plan: DocumentPlan, fn: Callable) -> torch.Tensor:
     """Causal attention per document of ``q_t [t, n_h, h_d]`` over ``k_t, v_t [t, n_kv, h_d]``
     through a kernel with ``varlen_attn``'s contract; ``[t, n_h, h_d]`` out."""
-    params = inspect.signature(fn).parameters
+    params = _kernel_params(fn)
     kwargs = {}
     if "window_size" in params:  # torch >= 2.12; a tuple: some releases compare with (-1, 0)
         kwargs["window_size"] = (-1, 0)

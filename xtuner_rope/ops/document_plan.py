@@ -5,8 +5,9 @@ computes ``cumulative_len`` on the CPU and ``PackedBatchCheckHook`` publishes it
 CPU, in XTuner's ``MessageHub`` convention. The plan then reads nothing back from the device:
 ``max_seqlen`` is a Python int computed on the host, and ``cu_seqlens`` goes to the device in
 one non-blocking copy (from pinned memory on CUDA), so a CUDA forward never waits for the GPU
-here (``torch.cuda.set_sync_debug_mode("error")`` passes). Only a batch without host
-boundaries (position resets alone, or boundaries published on the device) is read back, once
+here (``torch.cuda.set_sync_debug_mode("error")`` passes). Boundaries published on the device
+and position resets are read from their host copies (``ops.host_copies``: the collated batch
+before the data preprocessor moved it); only device tensors without one are read back, once
 per forward.
 
 The length buckets of the SDPA/eager backend are built on first use only: the varlen and
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from xtuner_rope.ops.boundaries import check_flat_boundaries
+from xtuner_rope.ops.host_copies import host_copy
 from xtuner_rope.ops.packing import cumulative_from_position_ids, flat_cumulative
 
 __all__ = [
@@ -182,10 +184,12 @@ def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device
 def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
     """Flat boundaries from position resets, or None when every row is a single document.
 
-    The fallback for batches without host boundaries: device position ids are read back here,
-    once per forward.
+    The fallback for batches without published boundaries: read from the position ids' host
+    copy (``ops.host_copies``: the collated batch before its move), else read back from the
+    device here, once per forward.
     """
-    rows = position_ids.detach().to("cpu").expand(b, s)  # [b, s]
+    host = host_copy(position_ids)
+    rows = (position_ids.detach().to("cpu") if host is None else host).expand(b, s)  # [b, s]
     cus = [cumulative_from_position_ids(row) for row in rows]
     if all(cu.numel() == 2 for cu in cus):
         return None
@@ -224,8 +228,12 @@ def document_plan(
     if cu is not None:
         if not isinstance(cu, torch.Tensor):  # checked before the identity-keyed cache
             cu = check_flat_boundaries(cu, b, s, source)
+        # Device boundaries (XTuner's VarlenAttnArgsToMessageHubHook moves them) are checked
+        # on their host copy when one is known: nothing read back.
+        host = host_copy(cu)
+        values = cu if host is None else host
         return _cached_plan(
-            cu, ("hub", b, s), lambda: check_flat_boundaries(cu, b, s, source), device
+            cu, ("hub", b, s), lambda: check_flat_boundaries(values, b, s, source), device
         )
     if position_ids is None:
         return None

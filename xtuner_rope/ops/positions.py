@@ -1,14 +1,18 @@
 """Position-id checks for RoPE: reject bad ids before any table lookup or kernel sees them.
 
 Torch only: the rotaries call `check_position_ids` on every forward. Ids on the host are read
-there (no device sync); device ids are read once per tensor (one host sync, shared by all
-layers of a model), unless the caller knows their range on the host (`known_range`: the batch's
-host boundaries, whose documents count positions from 0): then nothing is read back.
+there (no device sync), so are device ids whose host copy is known (`ops.host_copies`: the
+collated batch before its move); other device ids are read once per tensor (one host sync,
+shared by all layers of a model), unless the caller knows their range on the host
+(`known_range`: the batch's host boundaries, whose documents count positions from 0): then
+nothing is read back.
 """
 
 import weakref
 
 import torch
+
+from xtuner_rope.ops.host_copies import host_copy
 
 # Min/max of the last position_ids checked; see `_min_max`.
 _last_range = {}
@@ -89,6 +93,9 @@ def check_position_ids(
         lo, hi = (int(v) for v in known_range)
         if lo >= 0 and (limit is None or hi < limit):
             return lo, hi
+    host = host_copy(position_ids)  # the collated ids before their move: read without a sync
+    if host is not None:
+        position_ids = host
     if position_ids.device.type == "meta":
         raise ValueError(
             "position_ids is a meta tensor (no values to check or index with); "

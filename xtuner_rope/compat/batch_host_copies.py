@@ -1,0 +1,89 @@
+"""MMEngine and XTuner patches: what moves the batch to the device remembers its host copy.
+
+Code in a training forward that needs a batch value on the host (where the documents are, the
+positions' range, LLaVA's expanded lengths) reads the host copy (``ops.host_copies``) instead of
+the device: no host sync. Two places move the collated batch: MMEngine's data preprocessor
+(every tensor of ``data``) and XTuner's ``VarlenAttnArgsToMessageHubHook`` (``cumulative_len``,
+published on the device in the stock varlen configs' convention).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from xtuner_rope.ops.host_copies import remember_host_copy
+
+
+def patch_mmengine_host_copies() -> bool:
+    """The data preprocessor's move remembers each moved tensor's host tensor.
+
+    mmengine 0.10.x ``BaseDataPreprocessor.cast_data`` moves every tensor of the collated batch
+    to the model's device (``data.to(device, non_blocking=...)``) and keeps nothing of the host
+    tensor it came from. The move is unchanged; each tensor it copies is recorded with its host
+    tensor (``remember_host_copy``), which ``ops.host_copies.host_copy`` hands back.
+
+    Returns:
+        True if applied (mmengine's ``BaseDataPreprocessor`` has ``cast_data``).
+    """
+    try:
+        from mmengine.model import BaseDataPreprocessor
+    except ImportError:
+        return False
+    original = BaseDataPreprocessor.__dict__.get("cast_data")
+    if original is None:
+        return False
+
+    @functools.wraps(original)
+    def cast_data(self, data):
+        out = original(self, data)  # containers recurse through this wrapper
+        if isinstance(data, torch.Tensor) and isinstance(out, torch.Tensor):
+            remember_host_copy(out, data)
+        return out
+
+    BaseDataPreprocessor.cast_data = cast_data
+    return True
+
+
+def _remembering(publish):
+    """``VarlenAttnArgsToMessageHubHook.before_*_iter`` that remembers the published
+    boundaries' host copy (the collate's ``cumulative_len``, before the hook moves it)."""
+
+    @functools.wraps(publish)
+    def before_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        data = data_batch.get("data") if isinstance(data_batch, dict) else None
+        host = data.get("cumulative_len") if isinstance(data, dict) else None
+        publish(self, runner, batch_idx, data_batch)
+        if isinstance(host, (list, tuple)) and len(host) == 1 and torch.is_tensor(host[0]):
+            from xtuner_rope.models import channel
+
+            published = channel.read()[0]
+            if torch.is_tensor(published):
+                remember_host_copy(published, host[0])
+
+    return before_iter
+
+
+def patch_xtuner_varlen_hook_host_copies() -> bool:
+    """XTuner's varlen hook remembers the host copy of the boundaries it publishes.
+
+    xtuner 0.2.0 ``VarlenAttnArgsToMessageHubHook.before_train_iter`` / ``before_val_iter``
+    pop the collate's ``cumulative_len`` and publish ``cumulative_len[0].to(get_device())`` in
+    ``MessageHub``: the attention's plan had to read them back from the device every step. The
+    hook is unchanged; the host tensor it moved is recorded for the published one.
+
+    Returns:
+        True if applied (XTuner's hook has both methods).
+    """
+    try:
+        from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
+    except ImportError:
+        return False
+    names = ("before_train_iter", "before_val_iter")
+    originals = [Hook.__dict__.get(name) for name in names]
+    if None in originals:
+        return False
+    for name, original in zip(names, originals):  # the guard applies it once per process
+        setattr(Hook, name, _remembering(original))
+    return True
