@@ -28,13 +28,10 @@ import pytest
 import torch
 from stock_configs import venv_env
 
+from xtuner_rope.batch.token_counts import IGNORE_INDEX, supervised_tokens
 from xtuner_rope.config.loss import loss_normalization
 from xtuner_rope.demo.runlog import check_run
-from xtuner_rope.hooks.loss_norm import (
-    IGNORE_INDEX,
-    TokenWeightedLossHook,
-    supervised_tokens,
-)
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

@@ -17,8 +17,9 @@ import torch
 from runners import tiny_runner, token_items
 from test_loss_norm import RTOL, _relative
 
+from xtuner_rope.batch.token_counts import dialogue_weights
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
-from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook, dialogue_weights
+from xtuner_rope.hooks.loss_norm import TokenWeightedLossHook
 
 LENGTHS = [5, 30, 12, 40, 9, 20]
 

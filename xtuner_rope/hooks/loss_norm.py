@@ -54,6 +54,7 @@ from mmengine.logging import print_log
 from mmengine.optim import OptimWrapper
 
 from xtuner_rope.batch.checks import batch_data, row_boundaries
+from xtuner_rope.batch.token_counts import IGNORE_INDEX, dialogue_weights, supervised_tokens
 from xtuner_rope.config.loss import (
     DIALOGUE,
     LOSS_NORMALIZATION_KEY,
@@ -64,7 +65,6 @@ from xtuner_rope.config.loss import (
 from xtuner_rope.hooks.accumulation import check_resume, record_window
 from xtuner_rope.models.dispatch import unwrap_model
 
-IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 # LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
 # placeholder they replace does too, so the batch's count is the expanded sequence's.
@@ -72,50 +72,6 @@ TOKEN_MEAN_MODELS = ("SupervisedFinetune", "LLaVAModel")
 PAIR_MEAN_MODELS = ("DPO", "ORPO", "RewardModel")
 NOT_PAIR_MEAN_DPO_LOSSES = ("kto_pair",)  # batch-level KL terms: no per-pair decomposition
 OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
-
-
-def supervised_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss: labels other than -100 after the causal shift.
-
-    Args:
-        labels: ``[b, s]`` XTuner labels (the model shifts them: position ``i`` predicts
-            ``labels[:, i + 1]``, so the first column never counts).
-
-    Returns:
-        The count the model's mean loss divides by.
-    """
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tensor, int]:
-    """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
-
-    Args:
-        labels: ``[b, s]`` XTuner labels (position ``t`` predicts ``labels[:, t + 1]``; a label
-            belongs to the dialogue of its own position).
-        boundaries: ``b`` 1-D ``cumulative_len`` tensors (packed rows: one segment per
-            dialogue, collate padding included), or None: every row is one dialogue.
-
-    Returns:
-        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]``: ``1 / n_d`` on each
-        supervised label of dialogue ``d`` (``n_d`` its supervised labels), 0 elsewhere; and the
-        number of dialogues with at least one supervised label.
-    """
-    b, s = labels.shape
-    segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue
-    if boundaries is not None:
-        first = 0
-        for row, bounds in enumerate(boundaries):
-            bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
-            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())[:s]
-            segment[row] = first + len(bounds) - 1  # positions after the last boundary
-            segment[row, : len(ids)] = first + ids
-            first += len(bounds)
-    segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
-    counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
-    weights = torch.zeros(b, s - 1, dtype=torch.float32)
-    weights[supervised] = 1.0 / counts[segment[supervised]].float()
-    return weights, int((counts > 0).sum())
 
 
 def preference_pairs(data: dict) -> int:
@@ -396,9 +352,4 @@ class TokenWeightedLossHook(Hook):
             torch._foreach_mul_(grads, factor)
 
 
-__all__ = [
-    "TokenWeightedLossHook",
-    "dialogue_weights",
-    "preference_pairs",
-    "supervised_tokens",
-]
+__all__ = ["TokenWeightedLossHook", "preference_pairs"]

@@ -1,0 +1,59 @@
+"""Per-micro-batch counts the token-weighted step needs: supervised tokens, dialogue weights.
+
+XTuner's models average their loss over a micro-batch's supervised tokens (labels other than
+-100 after the causal shift). :class:`xtuner_rope.hooks.loss_norm.TokenWeightedLossHook` turns
+that mean back into a sum (:func:`supervised_tokens`), or weighs every dialogue alike
+(:func:`dialogue_weights`); both read the batch on the host, before the model sees it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xtuner_rope.ops.token_nll import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "dialogue_weights", "supervised_tokens"]
+
+
+def supervised_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss: labels other than -100 after the causal shift.
+
+    Args:
+        labels: ``[b, s]`` XTuner labels (the model shifts them: position ``i`` predicts
+            ``labels[:, i + 1]``, so the first column never counts).
+
+    Returns:
+        The count the model's mean loss divides by.
+    """
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tensor, int]:
+    """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
+
+    Args:
+        labels: ``[b, s]`` XTuner labels (position ``t`` predicts ``labels[:, t + 1]``; a label
+            belongs to the dialogue of its own position).
+        boundaries: ``b`` 1-D ``cumulative_len`` tensors (packed rows: one segment per
+            dialogue, collate padding included), or None: every row is one dialogue.
+
+    Returns:
+        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]``: ``1 / n_d`` on each
+        supervised label of dialogue ``d`` (``n_d`` its supervised labels), 0 elsewhere; and the
+        number of dialogues with at least one supervised label.
+    """
+    b, s = labels.shape
+    segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue
+    if boundaries is not None:
+        first = 0
+        for row, bounds in enumerate(boundaries):
+            bounds = torch.as_tensor(bounds, dtype=torch.long).reshape(-1)
+            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds.diff())[:s]
+            segment[row] = first + len(bounds) - 1  # positions after the last boundary
+            segment[row, : len(ids)] = first + ids
+            first += len(bounds)
+    segment, supervised = segment[:, 1:], labels[:, 1:] != IGNORE_INDEX
+    counts = torch.bincount(segment[supervised], minlength=int(segment.max()) + 1)
+    weights = torch.zeros(b, s - 1, dtype=torch.float32)
+    weights[supervised] = 1.0 / counts[segment[supervised]].float()
+    return weights, int((counts > 0).sum())
