@@ -63,6 +63,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.rope_scaling",
     "xtuner_rope.config.preference",
     "xtuner_rope.hooks.loss_norm",
+    "xtuner_rope.hooks.chunked_loss",
     "xtuner_rope.hooks.accumulation",
     "xtuner_rope.config.optimizer_state",
     "xtuner_rope.config.warmup",

@@ -19,6 +19,7 @@ from xtuner_rope.batch.internvl_tiles import check_image_context
 from xtuner_rope.batch.sequence_parallel import check_sequence_parallel_rows
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import packing_source, require_prepared
+from xtuner_rope.hooks.chunked_loss import enable_chunked_loss
 from xtuner_rope.hooks.train_data import check_train_data
 from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import (
@@ -81,6 +82,7 @@ class ValidatedRoPEHook(Hook):
 
     def before_train(self, runner) -> None:
         self._patch(runner)
+        print_log(enable_chunked_loss(runner), logger="current")  # the training loss only
 
     def before_val(self, runner) -> None:
         self._patch(runner)
