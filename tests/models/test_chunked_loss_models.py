@@ -34,7 +34,7 @@ def _loss_and_grads(model, chunked):
     model.zero_grad()
     if chunked:
         with loss_only():
-            out = model(input_ids=ids, labels=labels)
+            out = model(input_ids=ids, labels=labels, return_dict=True)
         assert out.logits is None
     else:
         out = model(input_ids=ids, labels=labels)

@@ -126,6 +126,7 @@ def _forward(self, *args, **kwargs):
     if args or labels is None or not _LOSS_ONLY.get() or kwargs.get("return_dict") is False:
         return own(*args, **kwargs)
     kwargs.pop("labels")
+    kwargs.pop("return_dict", None)  # the decoder's output is read by name below
     n_items = kwargs.pop("num_items_in_batch", None)
     kwargs.pop("num_logits_to_keep", None)
     head, scale, _ = chunked_loss_head(self)
