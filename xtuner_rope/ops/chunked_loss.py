@@ -113,11 +113,14 @@ def _linear_chunk(h, t, head, scale, inv_n, grads, rows):
     x = F.linear(h, head.weight, head.bias).float()  # [c, V] fp32 (a copy unless fp32)
     if scale is not None:
         x = x.mul_(scale)  # Cohere's logit_scale
-    lse = torch.logsumexp(x, dim=-1)  # [c]
-    nll = (lse - x.gather(1, t[:, None]).squeeze(1)).sum()
+    # logsumexp in place (torch.logsumexp would hold a second [c, V] buffer)
+    top = x.amax(dim=-1, keepdim=True)  # [c, 1]
+    picked = x.gather(1, t[:, None])  # [c, 1]
+    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]; x = exp(x - top)
+    nll = (top + total.log() - picked).sum()
     # d(sum(nll) * inv_n)/dx = (softmax(x) - onehot(t)) * inv_n, written over x.
-    x.sub_(lse[:, None]).exp_().mul_(inv_n)
-    x.scatter_add_(1, t[:, None], torch.zeros_like(lse)[:, None].sub_(inv_n))
+    x.div_(total).mul_(inv_n)
+    x.scatter_add_(1, t[:, None], torch.zeros_like(picked).sub_(inv_n))
     if scale is not None:
         x.mul_(scale)
     g = x.to(head.weight.dtype)  # [c, V], as the model's upcast hands its gradient back
