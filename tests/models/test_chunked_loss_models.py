@@ -108,3 +108,21 @@ def test_a_head_it_does_not_know_is_refused_with_why():
     moe.config.output_router_logits = True
     with pytest.raises(UnsupportedHead, match="adds the router's auxiliary loss"):
         patch_chunked_loss(moe)
+
+
+def test_paused_the_model_gives_its_own_logits_inside_loss_only():
+    """What reads a training forward's logits (the isolation capture) pauses the chunked loss."""
+    from xtuner_rope.models.chunked_loss import pause_chunked_loss
+
+    model = build_tiny("internlm2", VOCAB).train()
+    patch_chunked_loss(model)
+    ids, labels = _batch()
+    resume = pause_chunked_loss(model)
+    with loss_only():
+        paused = model(input_ids=ids, labels=labels)
+    resume()
+    with loss_only():
+        chunked = model(input_ids=ids, labels=labels)
+    assert paused.logits.shape == (2, 24, VOCAB) and chunked.logits is None
+    torch.testing.assert_close(chunked.loss, paused.loss, rtol=1e-6, atol=0)
+    assert pause_chunked_loss(build_tiny("internlm2", VOCAB))() is None  # unpatched: nothing

@@ -8,14 +8,15 @@ returns the model's output type with that ``loss`` and ``logits=None``; every ot
 labels, outside the block: generation, ``mode="predict"``, DPO which reads the logits) is the
 model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
 calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
-``outputs.loss`` (``hooks.chunked_loss``, around XTuner's ``SupervisedFinetune.compute_loss``).
+``outputs.loss`` (``hooks.chunked_loss``, around XTuner's ``SupervisedFinetune.compute_loss``);
+what reads a training forward's logits pauses it (``pause_chunked_loss``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch import nn
@@ -32,6 +33,7 @@ __all__ = [
     "is_chunked",
     "loss_only",
     "patch_chunked_loss",
+    "pause_chunked_loss",
 ]
 
 
@@ -120,10 +122,29 @@ def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
     return f"{desc}, vocabulary {head.out_features}, chunks of {chunk} supervised tokens"
 
 
+def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
+    """The model's own loss and logits until the returned function is called.
+
+    For what reads the logits of a training forward (``capture.text.IsolationCaptureHook``
+    records iteration 1's); a model without the chunked loss is left as it is.
+    """
+    model = causal_lm(llm)
+    if _ORIGINAL not in vars(model):
+        return lambda: None
+    model._xtuner_rope_paused = getattr(model, "_xtuner_rope_paused", 0) + 1
+
+    def resume() -> None:
+        model._xtuner_rope_paused -= 1
+
+    return resume
+
+
 def _forward(self, *args, **kwargs):
     own = getattr(self, _ORIGINAL)
     labels = kwargs.get("labels")
     if args or labels is None or not _LOSS_ONLY.get() or kwargs.get("return_dict") is False:
+        return own(*args, **kwargs)
+    if getattr(self, "_xtuner_rope_paused", 0):
         return own(*args, **kwargs)
     kwargs.pop("labels")
     kwargs.pop("return_dict", None)  # the decoder's output is read by name below
