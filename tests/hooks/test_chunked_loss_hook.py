@@ -78,3 +78,16 @@ def test_bad_values_are_refused(value):
 
     findings = inspect_config(Config(dict(chunked_loss=value)))
     assert any(f.setting == "chunked_loss" for f in findings)
+
+
+def test_a_model_it_does_not_serve_keeps_its_own_loss_and_says_why():
+    """Another XTuner model (DPO reads the logits of its forward, LLaVA...) is left alone."""
+    import types
+
+    from xtuner_rope.demo.tiny import build_tiny
+
+    llm = build_tiny("internlm2", 97)
+    runner = types.SimpleNamespace(cfg={}, model=llm)
+    line = enable_chunked_loss(runner)
+    assert "the model's own loss (full logits) runs: InternLM2ForCausalLM's loss is not" in line
+    assert "_xtuner_rope_own_forward" not in vars(llm)
