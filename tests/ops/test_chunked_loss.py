@@ -207,3 +207,12 @@ def test_backward_twice_is_refused():
 def test_chunk_tokens_for_keeps_the_fp32_chunk_within_budget():
     assert chunk_tokens_for(151936, 2**28) * 151936 * 4 <= 2**28
     assert chunk_tokens_for(10**9) == 64  # never below the floor
+
+
+def test_a_zero3_partitioned_head_is_not_run():
+    head = nn.Linear(H, V)
+    head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
+    assert head_kind(head) == (
+        None,
+        "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)",
+    )

@@ -55,13 +55,14 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     Args:
         head: The causal LM's output head (``lm_head`` / InternLM2's ``output``).
     """
+    if any(hasattr(p, "ds_id") for p in head.parameters()):
+        # ZeRO-3: the weight is gathered only inside the module's own call.
+        return None, "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)"
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
     if type(base) is nn.Linear and hasattr(head, "lora_A") and hasattr(head, "lora_B"):
         return "module", f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
-    if getattr(head, "weight", None) is not None and hasattr(head.weight, "ds_id"):
-        return None, "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)"
     return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
 
 
