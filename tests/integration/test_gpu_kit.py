@@ -359,3 +359,19 @@ def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
     summary = (tmp_path / "work" / "out" / "summary.txt").read_text()
     assert done.returncode == 0, summary + done.stdout[-3000:]
     assert re.search(r"^correctness rc=0 \d+s of \d+s", summary, re.M), summary
+
+
+def test_loss_bench_runs_each_variant_in_its_own_process_at_a_tiny_shape(capsys):
+    """tools/bench/loss.py --quick on the CPU: the full-logits and the chunked loss each in a
+    fresh process, the same loss, their peaks and ratios printed; Liger skipped (CUDA only)."""
+    bench = _load("tools/bench/loss.py", "loss_bench")
+    results = bench.main(["--quick"])
+    row = results[(256, 1000)]
+    assert row["liger"] == {"skipped": bench.liger_skip("cpu")}
+    for variant in ("full", "chunked"):
+        assert row[variant]["seconds"] > 0 and row[variant]["peak"] >= 0
+    assert abs(row["chunked"]["loss"] - row["full"]["loss"]) <= 1e-5 * row["full"]["loss"]
+    out = capsys.readouterr().out
+    assert re.search(r"chunked / full: memory [\d.]+x \(goal <= 0.15x\), time [\d.]+x", out)
+    # a variant that cannot fit is skipped, not run into the OOM killer
+    assert bench.estimated_need("full", 8192, 151936, 2048, 4) > 16 * 2**30

@@ -22,6 +22,7 @@ from torch import nn
 from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.config.fields import offline_packs
+from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 
 CAPTURE_FILE = "isolation_capture.pt"
@@ -57,7 +58,9 @@ class IsolationCaptureHook(CaptureHook):
 
     def install(self, runner, data_batch: dict) -> None:
         self._data = {k: _copy(v) for k, v in data_batch["data"].items()}
-        self.on_undo(language_model(runner.model).register_forward_hook(self._collect).remove)
+        llm = language_model(runner.model)
+        self.on_undo(pause_chunked_loss(llm))  # the training forward's logits, for this step
+        self.on_undo(llm.register_forward_hook(self._collect).remove)
 
     def saved(self, runner, outputs: dict | None) -> dict:
         return {"data": self._data, **self._out}

@@ -1,10 +1,12 @@
-"""Start-up finding and reader of ``loss_normalization`` (the token-weighted step's setting).
+"""Start-up findings and readers of the loss settings: ``loss_normalization``, ``chunked_loss``.
 
 ``loss_normalization`` at the top level of a config chooses how
 :class:`xtuner_rope.hooks.loss_norm.TokenWeightedLossHook` weighs the step: ``"token"`` (the
 default: every supervised token of a step weighs the same), ``"dialogue"`` (every dialogue) or
 ``"micro_batch"`` (XTuner's per-micro-batch mean, the opt-out). An unknown value is refused at
-start-up, before anything is built.
+start-up, before anything is built. ``chunked_loss`` (:mod:`xtuner_rope.hooks.chunked_loss`):
+``True`` (the default), ``False`` (the model's own loss) or a number of tokens per chunk; any
+other value is refused the same way.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from .findings import Finding
 from .startup import register_findings
 
 __all__ = [
+    "CHUNKED_LOSS_KEY",
+    "CHUNKED_LOSS_OPT_OUT",
     "DIALOGUE",
     "LOSS_NORMALIZATIONS",
     "LOSS_NORMALIZATION_KEY",
     "MICRO_BATCH",
     "TOKEN",
+    "chunked_loss_findings",
+    "chunked_loss_setting",
     "loss_normalization",
     "loss_normalization_findings",
 ]
@@ -61,5 +67,51 @@ def loss_normalization_findings(cfg) -> list:
             f'set {LOSS_NORMALIZATION_KEY} = "{TOKEN}" (the default: every supervised '
             f'token of a step weighs the same), "{DIALOGUE}" (every dialogue weighs the '
             f'same) or "{MICRO_BATCH}" (XTuner\'s per-micro-batch mean)',
+        )
+    ]
+
+
+# The chunked training loss (hooks.chunked_loss): on by default; False, or tokens per chunk.
+CHUNKED_LOSS_KEY = "chunked_loss"
+CHUNKED_LOSS_OPT_OUT = f"{CHUNKED_LOSS_KEY} = False"
+
+
+def _chunked_loss_problem(value: object) -> str | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and value > 0:
+        return None
+    return f"expected True, False or a number of tokens per chunk (> 0), got {value!r}"
+
+
+def chunked_loss_setting(cfg: object) -> bool | int:
+    """The config's ``chunked_loss`` (default True), checked.
+
+    Raises:
+        ValueError: a value that is no bool nor a positive int.
+    """
+    value = cfg.get(CHUNKED_LOSS_KEY, True) if hasattr(cfg, "get") else True
+    problem = _chunked_loss_problem(value)
+    if problem:
+        raise ValueError(
+            f"{CHUNKED_LOSS_KEY}: {problem}. Set it at the top level of the config, or delete "
+            "it for the default (True)."
+        )
+    return value
+
+
+@register_findings("loss")
+def chunked_loss_findings(cfg) -> list[Finding]:
+    """Start-up check: a ``chunked_loss`` that is no bool nor token count is refused."""
+    problem = _chunked_loss_problem(config_dict(cfg).get(CHUNKED_LOSS_KEY, True))
+    if problem is None:
+        return []
+    return [
+        Finding(
+            CHUNKED_LOSS_KEY,
+            problem,
+            f"set {CHUNKED_LOSS_KEY} = True (the default: the training loss in chunks of "
+            "supervised tokens, no full logits), False (the model's own loss) or a number of "
+            "tokens per chunk",
         )
     ]

@@ -4,6 +4,8 @@
   ``PackedBatchCheckHook`` (checks every packed batch before the forward);
 - ``monitor``: ``PackingMetricsHook`` and ``NonFiniteTripwireHook``;
 - ``loss_norm``: ``TokenWeightedLossHook`` (token-weighted loss across ranks and accumulation);
+- ``chunked_loss``: the training loss in chunks of supervised tokens (``chunked_loss``), switched
+  on by ``ValidatedRoPEHook.before_train``;
 - ``random_state``: ``RandomStateHook`` (every process's random state with each checkpoint).
 
 ``enable_xtuner_rope`` adds them to ``custom_hooks``; list them yourself only to pass arguments.

@@ -21,6 +21,7 @@ from xtuner_rope.compat import xtuner_llava
 from xtuner_rope.config.fields import packing_source
 from xtuner_rope.config.overrides import recheck_started_config
 from xtuner_rope.config.startup import require_prepared
+from xtuner_rope.hooks.chunked_loss import enable_chunked_loss
 from xtuner_rope.hooks.train_data import check_train_data
 from xtuner_rope.models import channel
 from xtuner_rope.models.dispatch import (
@@ -83,6 +84,7 @@ class ValidatedRoPEHook(Hook):
 
     def before_train(self, runner) -> None:
         self._patch(runner)
+        print_log(enable_chunked_loss(runner), logger="current")  # the training loss only
 
     def before_val(self, runner) -> None:
         self._patch(runner)

@@ -1,0 +1,218 @@
+"""``chunked_causal_lm_loss`` against the live full-logits loss: transformers 4.48's own
+``ForCausalLMLoss`` on ``head(hidden)``, forward and backward (hidden states, head weight, bias,
+LoRA adapters), packed and padded rows, several chunk sizes."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from xtuner_rope.ops.chunked_loss import chunk_tokens_for, chunked_causal_lm_loss, head_kind
+
+B, S, H, V = 3, 29, 16, 53
+
+
+def _labels(b=B, s=S, masked=0.4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (b, s), generator=gen)
+    labels[torch.rand(b, s, generator=gen) < masked] = -100
+    return labels
+
+
+def _packed_and_padded():
+    """Row 0: three documents packed, each prompt -100; row 1: right padding of -100."""
+    labels = _labels(2, S, masked=0.0)
+    labels[0, [0, 1, 9, 10, 11, 20]] = -100  # each document's prompt
+    labels[1, :4] = -100
+    labels[1, 17:] = -100  # padding
+    return labels
+
+
+def _reference(hidden, labels, head, scale=None, n=None):
+    logits = head(hidden)
+    if scale is not None:
+        logits = logits * scale
+    return ForCausalLMLoss(logits, labels, V, num_items_in_batch=n)
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def _assert_same(got, want, rtol=1e-6, atol=1e-7):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", ["random", "packed_padded"])
+def test_linear_head_equals_the_models_loss_fp32(chunk, bias, rows):
+    labels = _labels() if rows == "random" else _packed_and_padded()
+    head = nn.Linear(H, V, bias=bias)
+    hidden = torch.randn(*labels.shape, H, requires_grad=True)
+    wrt = [hidden, *head.parameters()]
+    want = _reference(hidden, labels, head)
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+@pytest.mark.parametrize("n", [40, "tensor"])
+def test_num_items_in_batch_divides_the_sum(n):
+    n = torch.tensor(40) if n == "tensor" else n
+    labels, head = _labels(), nn.Linear(H, V)
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden, *head.parameters()]
+    want = _reference(hidden, labels, head, n=n)
+    got = chunked_causal_lm_loss(hidden, labels, head, num_items_in_batch=n, chunk_tokens=5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+def test_logit_scale_as_cohere():
+    labels, head = _labels(), nn.Linear(H, V, bias=False)
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden, head.weight]
+    want = _reference(hidden, labels, head, scale=0.0625)
+    got = chunked_causal_lm_loss(hidden, labels, head, logit_scale=0.0625, chunk_tokens=9)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+def test_tied_head_gets_both_gradients():
+    """Qwen2.5-0.5B style: the head's weight is the input embedding's."""
+    embed, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+    head.weight = embed.weight
+    ids, labels = torch.randint(0, V, (B, S)), _labels()
+    mix = nn.Linear(H, H)
+
+    def loss(chunked):
+        hidden = torch.tanh(mix(embed(ids)))  # [b, s, H], through the tied weight
+        if chunked:
+            return chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=11)
+        return _reference(hidden, labels, head)
+
+    wrt = [embed.weight, *mix.parameters()]
+    _assert_same(_grads(loss(True), wrt), _grads(loss(False), wrt))
+
+
+def _lora_head(dropout=0.0):
+    model = nn.Sequential()
+    model.add_module("output", nn.Linear(H, V, bias=False))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["output"])
+    peft = get_peft_model(model, config)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)  # B starts at 0: give the test a real adapter
+    return peft.base_model.model.output
+
+
+def test_lora_head_equals_the_models_loss_fp32():
+    head = _lora_head()
+    assert head_kind(head)[0] == "module"
+    labels = _packed_and_padded()
+    hidden = torch.randn(*labels.shape, H, requires_grad=True)
+    wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
+    assert len(wrt) == 3  # hidden, lora_A, lora_B (the base weight is frozen)
+    want = _reference(hidden, labels, head)
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+def test_lora_dropout_draws_once_per_token():
+    """With dropout, the adapters see each supervised token once: the chunked loss equals the
+    full-logits loss computed on the same hidden states with the same masks (drawn per chunk)."""
+    head = _lora_head(dropout=0.5)
+    labels, hidden = _labels(), torch.randn(B, S, H, requires_grad=True)
+    state = torch.get_rng_state()
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=1000)
+    torch.set_rng_state(state)
+    # One chunk of all k supervised tokens: the mask covers exactly those rows.
+    keep = labels[:, 1:] != -100
+    logits = head(hidden[:, :-1][keep])  # [k, V]
+    want = nn.functional.cross_entropy(logits.float(), labels[:, 1:][keep])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_bf16_no_further_from_fp32_than_the_full_logits_path():
+    torch.manual_seed(1)
+    labels = _labels(4, 257, masked=0.5)
+    vocab = V
+    head32 = nn.Linear(64, vocab, bias=True)
+    hidden32 = torch.randn(4, 257, 64, requires_grad=True)
+
+    def run(dtype, chunked):
+        head = nn.Linear(64, vocab, bias=True).to(dtype)
+        head.load_state_dict({k: v.to(dtype) for k, v in head32.state_dict().items()})
+        hidden = hidden32.detach().to(dtype).requires_grad_(True)
+        if chunked:
+            loss = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=100)
+        else:
+            loss = ForCausalLMLoss(head(hidden), labels, vocab)
+        return [loss.double(), *(g.double() for g in _grads(loss, [hidden, *head.parameters()]))]
+
+    ref = run(torch.float32, False)
+    full, ours = run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for r, f, o in zip(ref, full, ours):
+        err_full, err_ours = (f - r).norm() / r.norm(), (o - r).norm() / r.norm()
+        assert err_ours <= err_full * 1.05 + 1e-7, (float(err_ours), float(err_full))
+
+
+def test_no_supervised_token_gives_zero_and_zero_gradients():
+    labels, head = torch.full((B, S), -100), nn.Linear(H, V)
+    labels[:, 0] = 3  # the first label of a row is never predicted
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden, *head.parameters()]
+    assert torch.isnan(_reference(hidden, labels, head))  # the model's own mean: NaN
+    got = chunked_causal_lm_loss(hidden, labels, head)
+    assert got.item() == 0.0
+    for g in _grads(got, wrt):
+        assert g.abs().sum().item() == 0.0
+
+
+def test_label_outside_the_vocabulary_is_named():
+    labels, head = _labels(), nn.Linear(H, V)
+    labels[1, 5] = V + 7
+    with pytest.raises(ValueError, match=rf"labels\[1, 5\] = {V + 7} is outside the vocabulary"):
+        chunked_causal_lm_loss(torch.randn(B, S, H), labels, head)
+    labels[1, 5] = -3
+    with pytest.raises(ValueError, match=r"labels\[1, 5\] = -3 is outside"):
+        chunked_causal_lm_loss(torch.randn(B, S, H), labels, head)
+
+
+def test_head_on_another_device_is_refused():
+    head = nn.Linear(H, V, device="meta")
+    with pytest.raises(ValueError, match="'weight' is on meta, the hidden states on cpu"):
+        chunked_causal_lm_loss(torch.randn(B, S, H), _labels(), head)
+
+
+def test_unknown_head_and_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="unsupported head: Sequential is not a plain"):
+        chunked_causal_lm_loss(torch.randn(B, S, H), _labels(), nn.Sequential(nn.Linear(H, V)))
+    with pytest.raises(ValueError, match=r"expected hidden \[b, s, H\] and labels \[b, s\]"):
+        chunked_causal_lm_loss(torch.randn(B, S, H), _labels()[:, :-1], nn.Linear(H, V))
+
+
+def test_backward_twice_is_refused():
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    loss = chunked_causal_lm_loss(hidden, _labels(), nn.Linear(H, V))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_chunk_tokens_for_keeps_the_fp32_chunk_within_budget():
+    assert chunk_tokens_for(151936, 2**28) * 151936 * 4 <= 2**28
+    assert chunk_tokens_for(10**9) == 64  # never below the floor
+
+
+def test_a_zero3_partitioned_head_is_not_run():
+    head = nn.Linear(H, V)
+    head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
+    assert head_kind(head) == (
+        None,
+        "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)",
+    )

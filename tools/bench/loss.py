@@ -1,0 +1,255 @@
+"""The training loss's memory and time: the chunked loss against the model's full-logits loss.
+
+One row of ``--tokens`` tokens, half of its labels supervised (blocks of prompt and response),
+hidden ``--hidden``, a head ``nn.Linear(hidden, vocab)`` trained as in full fine-tuning. Each
+variant runs forward + backward of the loss (gradients of the hidden states and the head's
+weight) ``--repeats`` times in a fresh process (``--variant``, run by ``main`` through
+``subprocess``), so one variant's allocations never count against another's:
+
+- ``full``: transformers 4.48's ``ForCausalLMLoss`` on ``head(hidden)``, what the model does;
+- ``chunked``: ``xtuner_rope.ops.chunked_loss.chunked_causal_lm_loss`` (``--chunk-bytes``);
+- ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` on the shifted supervised
+  positions (CUDA only: Triton kernels; skipped elsewhere, and where it is not installed).
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step minus what was allocated
+before it; on the CPU the process's peak resident set (``VmHWM``) after the step minus its
+resident set before it. A variant whose estimated need exceeds the memory available is skipped
+(said in the output): the full loss of 8,192 x 151,936 fp32 logits needs ~17 GB. Printed: each
+variant's seconds (median), peak and loss, and the ratios to ``full`` against the goals
+(memory <= 0.15x, time <= 0.8x). No assertion: read the ratios.
+
+Usage:
+    python tools/bench/loss.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16]
+        [--tokens 4096 8192] [--vocab 92544 151936] [--hidden 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GOALS = {"memory": 0.15, "time": 0.8}
+VARIANTS = ("full", "chunked", "liger")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--dtype", default=None, choices=("fp32", "bf16"), help="default: fp32 on cpu, bf16 on cuda"
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[92544, 151936])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="default: CHUNK_BYTES")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--quick", action="store_true", help="one tiny shape (a test of the script)"
+    )
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.vocab, args.hidden, args.repeats = [256], [1000], [64][0], 1
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    return args
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def make_inputs(tokens: int, vocab: int, hidden: int, device: str, dtype):
+    """hidden ``[1, tokens, hidden]``, labels ``[1, tokens]`` (half -100 in blocks), head."""
+    import torch
+
+    torch.manual_seed(0)  # the head's initialisation: the same in every variant's process
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+    block = max(tokens // 16, 1)  # 8 prompts and 8 responses
+    prompt = (torch.arange(tokens) // block) % 2 == 0
+    labels[0, prompt] = -100
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(device, dtype)
+    x = torch.randn(1, tokens, hidden, generator=gen).to(device, dtype).requires_grad_(True)
+    return x, labels.to(device), head
+
+
+def loss_fn(variant: str, args, vocab: int):
+    import torch
+
+    if variant == "full":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return lambda x, labels, head: ForCausalLMLoss(head(x), labels, vocab)
+    if variant == "chunked":
+        from xtuner_rope.ops.chunked_loss import (
+            CHUNK_BYTES,
+            chunk_tokens_for,
+            chunked_causal_lm_loss,
+        )
+
+        chunk = chunk_tokens_for(vocab, args.chunk_bytes or CHUNK_BYTES)
+        return lambda x, labels, head: chunked_causal_lm_loss(x, labels, head, chunk_tokens=chunk)
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    liger = LigerFusedLinearCrossEntropyLoss()
+
+    def liger_loss(x, labels, head):
+        shift = labels[:, 1:].reshape(-1)
+        return liger(head.weight, x[:, :-1].reshape(-1, x.shape[-1]), shift)
+
+    assert torch.cuda.is_available()
+    return liger_loss
+
+
+def run_variant(args) -> dict:
+    """One variant in this process: its median seconds, peak bytes over the step, loss."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    tokens, vocab = args.tokens[0], args.vocab[0]
+    fn = loss_fn(args.variant, args, vocab)
+    x, labels, head = make_inputs(tokens, vocab, args.hidden, args.device, dtype)
+    cuda = args.device == "cuda"
+    seconds, peak, loss = [], None, None
+    for i in range(args.repeats):
+        x.grad = head.weight.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = _status_kb("VmRSS") * 1024
+        start = time.perf_counter()
+        out = fn(x, labels, head)
+        out.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        if i == 0:
+            high = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
+            peak, loss = high - before, float(out)
+        del out
+    return {"seconds": statistics.median(seconds), "peak": peak, "loss": loss}
+
+
+def estimated_need(variant: str, tokens: int, vocab: int, hidden: int, size: int) -> int:
+    """Bytes a variant needs at most (weights, gradients and its vocabulary-sized tensors)."""
+    weights = 2 * vocab * hidden * max(size, 4)  # the weight and its (fp32) gradient
+    if variant == "full":
+        # logits, their shifted copy and the log-softmax (measured: 4,357 MiB at 4,096 x 92,544)
+        return weights + int(3.2 * tokens * vocab * 4)
+    return weights + 2**30
+
+
+def available_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def spawn(args, variant: str, tokens: int, vocab: int) -> dict:
+    """Run one variant in a fresh Python process; its result, or ``{"skipped": why}``."""
+    argv = [sys.executable, __file__, "--variant", variant, "--device", args.device]
+    argv += ["--dtype", args.dtype, "--tokens", str(tokens), "--vocab", str(vocab)]
+    argv += ["--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+    if args.chunk_bytes:
+        argv += ["--chunk-bytes", str(args.chunk_bytes)]
+    # If memory runs out anyway, the kernel's OOM killer takes this process first.
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, preexec_fn=_oom_first if os.name == "posix" else None
+    )
+    if proc.returncode != 0:
+        return {"skipped": f"failed ({proc.returncode}): {proc.stderr.strip()[-300:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _oom_first() -> None:
+    try:
+        Path("/proc/self/oom_score_adj").write_text("1000")
+    except OSError:
+        pass
+
+
+def liger_skip(device: str) -> str | None:
+    if device != "cuda":
+        return "Liger-Kernel's fused linear cross-entropy runs Triton kernels: CUDA only"
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "liger-kernel is not installed"
+    return None
+
+
+def _fmt(result: dict) -> str:
+    if "skipped" in result:
+        return f"skipped: {result['skipped']}"
+    return f"{result['seconds']:.3f} s, peak {result['peak'] / 2**20:,.0f} MiB, loss {result['loss']:.6f}"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return {}
+    size = 4 if args.dtype == "fp32" else 2
+    results = {}
+    for tokens in args.tokens:
+        for vocab in args.vocab:
+            shape = f"{tokens} tokens x {vocab} vocabulary, hidden {args.hidden}, {args.dtype} on {args.device}"
+            print(f"== {shape} (half supervised)")
+            row = {}
+            for variant in args.variants:
+                need = estimated_need(variant, tokens, vocab, args.hidden, size)
+                have = available_bytes(args.device)
+                why = liger_skip(args.device) if variant == "liger" else None
+                if why is None and need > 0.8 * have:
+                    why = f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"
+                row[variant] = {"skipped": why} if why else spawn(args, variant, tokens, vocab)
+                print(f"  {variant:8s} {_fmt(row[variant])}", flush=True)
+            report_ratios(row, grad_bytes=vocab * args.hidden * 4)
+            results[(tokens, vocab)] = row
+    return results
+
+
+def report_ratios(row: dict, grad_bytes: int) -> None:
+    """Ratios to ``full``; ``grad_bytes``: the head's fp32 gradient, which the chunked loss
+    holds from its forward on (the full path allocates it after its peak)."""
+    full = row.get("full", {"skipped": "not asked"})
+    if "skipped" in full:
+        print("  ratios: the full-logits baseline did not run")
+        return
+    print(
+        f"  the head's fp32 gradient alone: {grad_bytes / 2**20:,.0f} MiB = "
+        f"{grad_bytes / full['peak']:.3f}x the full path's peak"
+    )
+    for variant in ("chunked", "liger"):
+        got = row.get(variant, {"skipped": "not asked"})
+        if "skipped" in got:
+            continue
+        memory, speed = got["peak"] / full["peak"], got["seconds"] / full["seconds"]
+        agree = abs(got["loss"] - full["loss"]) / abs(full["loss"])
+        print(
+            f"  {variant} / full: memory {memory:.3f}x (goal <= {GOALS['memory']}x), time "
+            f"{speed:.3f}x (goal <= {GOALS['time']}x), loss agrees within {agree:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

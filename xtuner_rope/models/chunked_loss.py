@@ -1,0 +1,171 @@
+"""The causal LM's training loss through ``ops.chunked_loss``: the instance ``forward`` patch.
+
+``patch_chunked_loss`` replaces the ``forward`` of the causal LM instance (InternLM2's remote
+code, with its head ``output``; the transformers families of ``models.families``, head
+``lm_head``, tied or not, Cohere's ``logit_scale``). Inside a :func:`loss_only` block a call with
+``labels`` runs the decoder, then ``chunked_causal_lm_loss`` on its last hidden states, and
+returns the model's output type with that ``loss`` and ``logits=None``; every other call (no
+labels, outside the block: generation, ``mode="predict"``, DPO which reads the logits) is the
+model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
+calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
+``outputs.loss`` (``hooks.chunked_loss``, around XTuner's ``SupervisedFinetune.compute_loss``);
+what reads a training forward's logits pauses it (``pause_chunked_loss``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from xtuner_rope.ops.chunked_loss import chunk_tokens_for, chunked_causal_lm_loss, head_kind
+
+_LOSS_ONLY = contextvars.ContextVar("xtuner_rope_loss_only", default=False)
+_ORIGINAL = "_xtuner_rope_own_forward"  # the instance attribute holding the model's forward
+
+__all__ = [
+    "UnsupportedHead",
+    "causal_lm",
+    "chunked_loss_head",
+    "is_chunked",
+    "loss_only",
+    "patch_chunked_loss",
+    "pause_chunked_loss",
+]
+
+
+class UnsupportedHead(ValueError):
+    """The model's loss cannot go through the chunked loss; the message says why."""
+
+
+@contextmanager
+def loss_only() -> Iterator[None]:
+    """Calls with ``labels`` inside this block return the chunked loss and no logits."""
+    token = _LOSS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.reset(token)
+
+
+def causal_lm(llm: nn.Module) -> nn.Module:
+    """The causal LM itself: ``llm``, or the model inside peft's ``PeftModel``."""
+    get_base = getattr(llm, "get_base_model", None)
+    return get_base() if callable(get_base) else llm
+
+
+def chunked_loss_head(model: nn.Module) -> tuple[nn.Module, float | None, str]:
+    """The head, logit scale and a description of how ``model``'s loss would be chunked.
+
+    Raises:
+        UnsupportedHead: the model's loss is more than its head's cross-entropy, or its head is
+            not one ``ops.chunked_loss.head_kind`` runs.
+    """
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    get_head, get_decoder = (
+        getattr(model, n, None) for n in ("get_output_embeddings", "get_decoder")
+    )
+    if not callable(get_head) or not callable(get_decoder):
+        raise UnsupportedHead(f"{name} has no get_output_embeddings / get_decoder")
+    if getattr(config, "pretraining_tp", 1) > 1 and name == "InternLM2ForCausalLM":
+        raise UnsupportedHead(f"{name} splits its head (pretraining_tp > 1)")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedHead(f"{name}'s loss adds the router's auxiliary loss")
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise UnsupportedHead(f"{name} soft-caps its logits (not supported yet)")
+    head = get_head()
+    kind, what = head_kind(head)
+    if kind is None:
+        raise UnsupportedHead(f"{name}'s head: {what}")
+    scale = getattr(model, "logit_scale", None)  # Cohere multiplies its logits by it
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise UnsupportedHead(f"{name}'s logit_scale is a {type(scale).__name__}, not a number")
+    tied = head.weight is _input_weight(model)
+    desc = f"{what}{', tied to the input embeddings' if tied else ''}"
+    return head, scale, desc + (f", logit scale {scale}" if scale is not None else "")
+
+
+def _input_weight(model: nn.Module):
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "weight", None)
+
+
+def is_chunked(llm: nn.Module) -> bool:
+    """True if the causal LM of ``llm`` carries the chunked-loss ``forward``."""
+    return _ORIGINAL in vars(causal_lm(llm))
+
+
+def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
+    """Give the causal LM of ``llm`` the chunked training loss (idempotent).
+
+    Args:
+        llm: The HF causal LM, or peft's ``PeftModel`` around it.
+        chunk_tokens: Tokens per chunk; default ``ops.chunked_loss.chunk_tokens_for(V)``.
+
+    Returns:
+        What runs, for the start-up log: the head and the chunk.
+
+    Raises:
+        UnsupportedHead: see :func:`chunked_loss_head`; the model is left unpatched.
+    """
+    model = causal_lm(llm)
+    head, scale, desc = chunked_loss_head(model)
+    chunk = chunk_tokens or chunk_tokens_for(head.out_features)
+    if _ORIGINAL not in vars(model):
+        setattr(model, _ORIGINAL, model.forward)
+    model._xtuner_rope_chunk = chunk
+    model.forward = types.MethodType(_forward, model)
+    return f"{desc}, vocabulary {head.out_features}, chunks of {chunk} supervised tokens"
+
+
+def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
+    """The model's own loss and logits until the returned function is called.
+
+    For what reads the logits of a training forward (``capture.text.IsolationCaptureHook``
+    records iteration 1's); a model without the chunked loss is left as it is.
+    """
+    model = causal_lm(llm)
+    if _ORIGINAL not in vars(model):
+        return lambda: None
+    model._xtuner_rope_paused = getattr(model, "_xtuner_rope_paused", 0) + 1
+
+    def resume() -> None:
+        model._xtuner_rope_paused -= 1
+
+    return resume
+
+
+def _forward(self, *args, **kwargs):
+    own = getattr(self, _ORIGINAL)
+    labels = kwargs.get("labels")
+    if args or labels is None or not _LOSS_ONLY.get() or kwargs.get("return_dict") is False:
+        return own(*args, **kwargs)
+    if getattr(self, "_xtuner_rope_paused", 0):
+        return own(*args, **kwargs)
+    kwargs.pop("labels")
+    kwargs.pop("return_dict", None)  # the decoder's output is read by name below
+    n_items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("num_logits_to_keep", None)
+    head, scale, _ = chunked_loss_head(self)
+    outputs = self.get_decoder()(**kwargs, return_dict=True)
+    loss = chunked_causal_lm_loss(
+        outputs.last_hidden_state,
+        labels,
+        head,
+        logit_scale=scale,
+        num_items_in_batch=n_items,
+        chunk_tokens=self._xtuner_rope_chunk,
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
