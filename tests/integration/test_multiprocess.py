@@ -178,7 +178,13 @@ def _two_process_losses(config: str, data_file: Path, deepspeed, work_dir: Path)
     "reference,deepspeed",
     [
         (INTERNLM2, None),
-        (INTERNLM2, ZERO2),
+        # ZeRO-2 on 2 processes equal to one: proven in CI by test_resume's 1-vs-2-process
+        # step (its sft-zero2 run, parameters after 8 iterations, also read by 3 other tests).
+        pytest.param(
+            INTERNLM2,
+            ZERO2,
+            marks=again("test_resume.py::test_two_processes_zero2_step_equals_one_process[sft]"),
+        ),
         (INTERNLM2, ZERO3),
         # Two processes over the same DDP path as internlm2-ddp; Qwen2's attention path is
         # trained isolated in CI by test_e2e's tiny Qwen2 recipe.
