@@ -3,7 +3,7 @@
 Each config is copied with `xtuner copy-cfg`, localized (tiny InternLM2 with hub-style remote
 code, or a tiny Llama for the Llama 3 LoRA DPO config, a few hundred local pairs, fp32
 optimizer, see preference_configs.py) and turned on with the README's one edit. Runs: one
-process (DPO, ORPO, reward, LoRA DPO), 2 processes with DDP (DPO) and with DeepSpeed ZeRO-2
+process (DPO, ORPO, LoRA DPO; the reward model opt-in, ``make test-all``), 2 processes with DDP (DPO) and with DeepSpeed ZeRO-2
 (ORPO, reward; DPO under ZeRO-2/3 verified by hand, see docs/incoming/s6-pref.md). `PreferenceCaptureHook` saves iteration 3 (after two optimizer steps,
 so policy != reference and the reward head is no longer zero): every chosen/rejected log-prob
 of policy and reference, and every reward score, computed on the packed row must equal the
@@ -27,6 +27,7 @@ import preference_configs as pc
 import pytest
 import stock_configs as sc
 from mmengine.config import Config
+from opt_in import again
 
 from xtuner_rope.capture.preference import capture_file, compare_preference_capture
 from xtuner_rope.config import startup
@@ -126,7 +127,21 @@ def dpo_run(pref, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(
     "name,kind",
-    [(pc.DPO, "dpo"), (pc.ORPO, "orpo"), (pc.REWARD, "reward"), (pc.LLAMA_DPO_QLORA, "dpo")],
+    [
+        (pc.DPO, "dpo"),
+        (pc.ORPO, "orpo"),
+        # The reward model has no one-process failure of its own (XTuner's RewardModel checks
+        # for a process group; DPO and ORPO called dist.get_rank()): its isolation, the same
+        # assertions, is proven in CI on each rank of the ZeRO-2 run.
+        pytest.param(
+            pc.REWARD,
+            "reward",
+            marks=again(
+                "test_stock_preference_zero2_two_processes_isolated_on_every_rank[...-reward]"
+            ),
+        ),
+        (pc.LLAMA_DPO_QLORA, "dpo"),
+    ],
 )
 def test_stock_preference_config_trains_isolated_single_process(
     pref, name, kind, tmp_path, request
