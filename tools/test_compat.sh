@@ -37,9 +37,10 @@ step_fast() {  # $1 venv
 
 # The real runs: XTuner's own launcher, 2 CPU processes under DeepSpeed ZeRO-2 and ZeRO-3
 # (gloo), losses against one process (`xtuner-rope train` returns the run's status; the test
-# also reads both ranks' logs and the checkpoint).
+# also reads both ranks' logs and the checkpoint). XTUNER_ROPE_AGAIN=1: the ZeRO-2 case is
+# opt-in in `make test` (tests/support/opt_in.py), where test_resume's 1-vs-2 step proves it.
 step_run() {  # $1 venv
-    PATH="$PWD/$1/bin:$PATH" python -m pytest -q -p no:cacheprovider -n 0 \
+    PATH="$PWD/$1/bin:$PATH" XTUNER_ROPE_AGAIN=1 python -m pytest -q -p no:cacheprovider -n 0 \
         --basetemp="$1/pytest-run" \
         "tests/integration/test_multiprocess.py::test_two_processes_match_one[internlm2-zero2]" \
         "tests/integration/test_multiprocess.py::test_two_processes_match_one[internlm2-zero3]"
