@@ -75,6 +75,10 @@ CASES = {
         LOADER.format(batch=2, dataset=TEXT, collate=ROPE) + 'loss_normalization = "sequence"\n',
         "loss_normalization",
     ),
+    "chunked_loss_findings": (
+        LOADER.format(batch=2, dataset=TEXT, collate=ROPE) + 'chunked_loss = "yes"\n',
+        "chunked_loss",
+    ),
     "multimodal_findings": None,  # LLaVA's fp16 LLM on CPU: fixed (InternVL is served now)
     "internvl_findings": (
         "model.update(type='InternVL_V1_5', model_path=pretrained_model_name_or_path, "

@@ -221,6 +221,9 @@ def _worker(rank: int, port: int, paths: list[str]) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(SP)
     )
     torch.set_num_threads(1)
+    import xtuner_rope
+
+    xtuner_rope.activate()  # a spawned process starts bare: the plugin's patches, as a run has
     dist.init_process_group("gloo", rank=rank, world_size=SP)
     try:
         from xtuner.parallel.sequence import init_sequence_parallel

@@ -90,7 +90,7 @@ GUARANTEES = (
     Guarantee(
         "dialogue-loss",
         "The per-dialogue loss weighs each packed dialogue, not each row, equally.",
-        "xtuner_rope/hooks/loss_norm.py",
+        "xtuner_rope/batch/token_counts.py",
         "    if boundaries is not None:\n        first = 0",
         "    if False:\n        first = 0",
         (
