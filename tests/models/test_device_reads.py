@@ -20,6 +20,7 @@ Sequence parallel (two processes) is in test_sequence_parallel.py.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +40,7 @@ from xtuner_rope.demo.tiny import build_tiny
 from xtuner_rope.demo.tiny_clip import image_tokens
 from xtuner_rope.hooks.isolation import PackedBatchCheckHook
 from xtuner_rope.models import channel
+from xtuner_rope.models.chunked_loss import loss_only, patch_chunked_loss
 from xtuner_rope.models.dispatch import patch_model
 from xtuner_rope.ops.host_copies import forget_host_copies
 
@@ -116,9 +118,14 @@ def _sft(path: str) -> SupervisedFinetune:
     return sft.train()
 
 
-def _forward_reads(mode: str, path: str, monkeypatch, keep_host: bool = True) -> list:
-    """The reads of device data by the package in each of three training forwards."""
+def _forward_reads(
+    mode: str, path: str, monkeypatch, keep_host: bool = True, chunked: bool = False
+) -> list:
+    """The reads of device data by the package in each of three training forwards
+    (``chunked``: through the chunked training loss, as ``chunked_loss = True`` runs it)."""
     sft = _sft(path)
+    if chunked:
+        patch_chunked_loss(sft.llm)
     per_forward = []
     for _ in range(3):
         data_batch = _collate(mode)
@@ -127,7 +134,7 @@ def _forward_reads(mode: str, path: str, monkeypatch, keep_host: bool = True) ->
         reads.on_device(list(sft.parameters()), list(sft.buffers()))
         data = preprocessor_move(data_batch["data"], reads, keep_host)
         try:
-            with reads:
+            with reads, loss_only() if chunked else contextlib.nullcontext():
                 loss = sft(data, mode="loss")["loss"]
             loss.backward()
         finally:
@@ -152,6 +159,21 @@ CASES = [
 def test_training_forward_reads_no_device_data(mode, family, checkpoints, monkeypatch):
     reads = _forward_reads(mode, checkpoints[family], monkeypatch)
     assert reads[1:] == [[], []], reads
+
+
+@pytest.mark.parametrize("mode,family", [("published", "internlm2"), ("padded", "llama")])
+def test_the_chunked_loss_reads_no_device_data(mode, family, checkpoints, monkeypatch):
+    """The chunked loss finds the supervised positions in the labels' host copy."""
+    reads = _forward_reads(mode, checkpoints[family], monkeypatch, chunked=True)
+    assert reads[1:] == [[], []], reads
+
+
+def test_the_chunked_loss_without_host_labels_reads_the_count(checkpoints, monkeypatch):
+    """The control: labels nobody copied from the host are read back for the count."""
+    reads = _forward_reads(
+        "published", checkpoints["internlm2"], monkeypatch, keep_host=False, chunked=True
+    )
+    assert any("chunked_loss" in str(read) for read in reads[1]), reads
 
 
 @pytest.mark.parametrize("mode,family", [("xtuner_hook", "internlm2"), ("resets", "llama")])

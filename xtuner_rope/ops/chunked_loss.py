@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xtuner_rope.ops.host_copies import host_copy
+
 IGNORE_INDEX = -100  # XTuner's and transformers' label of an unsupervised token
 # The fp32 logits of one chunk: [c, V] * 4 bytes at most (tools/bench/loss.py, docs/packing.md).
 CHUNK_BYTES = 128 * 2**20
@@ -77,7 +79,8 @@ def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     Returns:
         ``(index, targets)``: ``[k]`` flat positions ``r * s + t`` into ``[b * s]`` and their
-        ``[k]`` target ids (reads the count back: one host sync).
+        ``[k]`` target ids (on the device, reading the count back is one host sync: give
+        the host labels where there are).
     """
     b, s = labels.shape
     shifted = labels[:, 1:]  # [b, s - 1]: the target of position t is label t + 1
@@ -240,8 +243,14 @@ def chunked_causal_lm_loss(
     _check_devices(hidden, head)
     b, s, width = hidden.shape
     vocab = head.out_features
-    index, targets = supervised_positions(labels.to(hidden.device))
+    # The positions from the labels' host copy (the collated batch, ``ops.host_copies``) where
+    # there is one: no read of the device's labels, and the count is known on the host.
+    host = host_copy(labels)
+    index, targets = supervised_positions(host if host is not None else labels.to(hidden.device))
     _check_targets(index, targets, s, vocab)
+    if index.device != hidden.device:
+        index = index.to(hidden.device, non_blocking=True)
+        targets = targets.to(hidden.device, non_blocking=True)
     if num_items_in_batch is None:
         inv_n = 1.0 / max(int(index.numel()), 1)
     elif isinstance(num_items_in_batch, torch.Tensor):
