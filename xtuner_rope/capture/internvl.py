@@ -139,5 +139,8 @@ def compare_internvl_capture(config: str | Path, capture: str | Path) -> dict:
 
 
 if __name__ == "__main__":  # python -m xtuner_rope.capture.internvl CONFIG CAPTURE
+    from xtuner_rope.compat import apply
+
+    apply()  # a fresh process: the patches InternVL's load needs (importing patches nothing)
     result = compare_internvl_capture(sys.argv[1], sys.argv[2])
     print("INTERNVL_COMPARE=" + json.dumps({k: v for k, v in result.items()}))

@@ -67,13 +67,18 @@ __all__ = ["apply", "apply_counting", "run_patch"]
 
 
 def run_patch(patch, *args, **kwargs) -> object:
-    """Run ``patch(*args, **kwargs)`` in its record's guard (for the patches applied later).
+    """Run ``patch(*args, **kwargs)`` in its record's guard.
+
+    A process-wide patch runs once per process (the guard's "already applied"); a patch applied
+    for one call (``DEFERRED``: a config's model paths, one dataset build, one model's check)
+    runs at every call.
 
     Returns:
         The patch's result, or False where it was skipped (one ``CompatPatchSkipped``
         warning) or is not needed here.
     """
-    return run_guarded(RECORDS[patch.__name__], patch, *args, **kwargs)
+    record = RECORDS[patch.__name__]
+    return run_guarded(record, patch, *args, once=record not in DEFERRED, **kwargs)
 
 
 def _check_deferred() -> None:

@@ -199,18 +199,21 @@ def check_only(record: PatchRecord) -> bool:
     return False
 
 
-def run_guarded(record: PatchRecord, patch: Callable[..., object], *args, **kwargs) -> object:
+def run_guarded(
+    record: PatchRecord, patch: Callable[..., object], *args, once: bool = True, **kwargs
+) -> object:
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
     The guard owns "already applied": a patch applied once in this process is not run again
     (the patch functions carry no marker of their own), so every entry point (``apply()``, the
-    start-up, a hook) may call it any number of times.
+    start-up, a hook) may call it any number of times. ``once=False`` is for the patches applied
+    for one call (``records.DEFERRED``: a config's paths, one dataset build), which run each time.
 
     Returns:
         The patch's own result (True once applied, also on a later call), or False where it
         was skipped or is not needed.
     """
-    if _OUTCOMES.get(record.name) == "applied":
+    if once and _OUTCOMES.get(record.name) == "applied":
         return True
     verdict = _why_not(record)
     if verdict is not None:

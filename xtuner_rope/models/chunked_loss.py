@@ -15,6 +15,7 @@ what reads a training forward's logits pauses it (``pause_chunked_loss``).
 from __future__ import annotations
 
 import contextvars
+import functools
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,7 +119,14 @@ def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
     if _ORIGINAL not in vars(model):
         setattr(model, _ORIGINAL, model.forward)
     model._xtuner_rope_chunk = chunk
-    model.forward = types.MethodType(_forward, model)
+
+    # The model's own signature stays visible (``__wrapped__``): ``generate()`` reads it to pass
+    # ``num_logits_to_keep`` (Phi-3's generation step fails with ``-None`` without it).
+    def forward(self, *args, **kwargs):
+        return _forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, type(model).forward)
+    model.forward = types.MethodType(forward, model)
     return f"{desc}, vocabulary {head.out_features}, chunks of {chunk} supervised tokens"
 
 
