@@ -261,6 +261,9 @@ def test_the_guard_runs_a_patch_once_per_process(fresh):
     assert guard.run_guarded(record, lambda: calls.append(1) or True) is True
     assert guard.run_guarded(record, lambda: calls.append(1) or True) is True
     assert calls == [1] and compat.applied()[-1] == "patch_counted"
+    # a patch applied for one call (records.DEFERRED: a config's paths) runs at every call
+    assert guard.run_guarded(record, lambda: calls.append(2) or True, once=False) is True
+    assert calls == [1, 2]
 
 
 def test_at_least_reads_the_installed_release():
