@@ -131,19 +131,7 @@ def test_paused_the_model_gives_its_own_logits_inside_loss_only():
 def test_a_patched_model_generates_as_before():
     """``generate()`` reads ``forward``'s signature (``num_logits_to_keep``): Phi-3's step fed
     ``-None`` when the chunked forward hid it."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Phi3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        pad_token_id=0,
-    )
-    model = Phi3ForCausalLM(config).eval()
+    model = build_tiny("phi3", VOCAB).eval()
     ids = torch.tensor([[3, 4, 5, 6]])
     before = model.generate(ids, max_new_tokens=4, do_sample=False)
     patch_chunked_loss(model)
