@@ -242,7 +242,7 @@ def _assert_scaled(got, want, rtol=1e-6):
     """Within ``rtol`` of each tensor's scale: an upstream gradient of N(0, 1) per token gives
     entries of order 1 whose fp32 sums over tokens round at ~1e-7 of the largest."""
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * float(w.abs().max()))
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * float(w.detach().abs().max()))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, None])

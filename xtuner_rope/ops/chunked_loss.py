@@ -132,7 +132,8 @@ def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
     top = x.amax(dim=-1, keepdim=True)  # [c, 1]
     picked = x.gather(1, t[:, None])  # [c, 1]
     total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]
-    return (top + total.log() - picked)[:, 0], total
+    # In log_softmax's order, (x_t - max) - log(sum): the per-token values match it closest.
+    return (total.log() - (picked - top))[:, 0], total
 
 
 def _chunk_nll(h, t, head, kind, scale):
