@@ -4,7 +4,9 @@
 XTuner's ``SupervisedFinetune`` gets an instance ``compute_loss`` that runs its own inside
 ``models.chunked_loss.loss_only``, and its causal LM the chunked-loss ``forward``, so the loss
 of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no ``[tokens, vocab]``
-logits of the row). XTuner's ``DPO`` and ``ORPO`` run theirs inside
+logits of the row); its ``predict`` (the held-out ``val_step``) returns per row the
+``target_logprobs`` ``[s]`` of the row-shifted labels that ``evaluation.metric.TokenLossMetric``
+reads instead of the logits. XTuner's ``DPO`` and ``ORPO`` run theirs inside
 ``models.chunked_loss.target_logprobs_only``: policy and reference (its ``ref_llm`` patched too)
 return the target log-probs of ``ops.chunked_loss.chunked_target_logprobs``, which
 ``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
@@ -19,12 +21,15 @@ The setting, at the top level of the config (read and checked by ``config.loss``
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from xtuner_rope.compat.guard import applied
 from xtuner_rope.config.loss import CHUNKED_LOSS_OPT_OUT as OPT_OUT
 from xtuner_rope.config.loss import chunked_loss_setting
 from xtuner_rope.models.chunked_loss import (
     UnsupportedHead,
     is_chunked,
+    is_target_logprobs,
     loss_only,
     patch_chunked_loss,
     target_logprobs_only,
@@ -55,6 +60,25 @@ def _why_not(runner, model) -> str | None:
     if sequence_parallel_size() > 1:
         return "sequence parallel computes its loss from the full logits (not chunked yet)"
     return None
+
+
+def _predict_target_logprobs(own):
+    """Wrap XTuner's SFT ``predict``: per row ``{"target_logprobs": [s]}``, position ``t``'s
+    log-prob of ``labels[t + 1]`` (0 where -100 and at the end), from the chunked path."""
+
+    def predict(data, data_samples=None):
+        labels = data.get("labels")
+        if labels is None:
+            return own(data, data_samples)
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [b, s]: what position t predicts
+        with target_logprobs_only():
+            rows = own({**data, "labels": targets}, data_samples)
+            chunked = all(is_target_logprobs(row["logits"]) for row in rows)
+        if not chunked:  # the model's own forward ran (paused): its logits, as without us
+            return rows
+        return [{"target_logprobs": row["logits"][:, 0]} for row in rows]
+
+    return predict
 
 
 def enable_chunked_loss(runner) -> str:
@@ -94,6 +118,8 @@ def enable_chunked_loss(runner) -> str:
 
         compute_loss.xtuner_rope_chunked = True
         model.compute_loss = compute_loss
+        if block is loss_only:
+            model.predict = _predict_target_logprobs(model.predict)
     assert is_chunked(language_model(runner.model))
     served = "the training loss" if block is loss_only else f"{type(model).__name__}'s log-probs"
     return (
