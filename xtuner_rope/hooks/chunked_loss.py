@@ -122,7 +122,8 @@ def enable_chunked_loss(runner) -> str:
             model.predict = _predict_target_logprobs(model.predict)
     assert is_chunked(language_model(runner.model))
     served = "the training loss" if block is loss_only else f"{type(model).__name__}'s log-probs"
+    also = ", the held-out log-probs too" if block is loss_only else ""
     return (
         f"xtuner-rope: chunked loss: {served} projects only the supervised tokens "
-        f"through the head ({what}); opt out: {OPT_OUT}."
+        f"through the head ({what}){also}; opt out: {OPT_OUT}."
     )
