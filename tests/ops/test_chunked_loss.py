@@ -17,6 +17,7 @@ from xtuner_rope.ops.chunked_loss import (
 )
 
 B, S, H, V = 3, 29, 16, 53
+CUDA = torch.cuda.is_available()
 
 
 def _labels(b=B, s=S, masked=0.4, seed=0):
@@ -287,24 +288,29 @@ def test_target_logprobs_through_a_lora_head_and_a_tied_weight():
     _assert_scaled(_grads(summed(True), [embed.weight]), _grads(summed(False), [embed.weight]))
 
 
-def test_target_logprobs_backward_replays_the_lora_dropout_masks():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))],
+)
+def test_target_logprobs_backward_replays_the_lora_dropout_masks(device):
     """The backward runs each chunk again: it draws the forward's dropout masks (the RNG is
     replayed), and leaves the global RNG where the forward left it."""
-    head = _lora_head(dropout=0.5)
-    targets = _targets()
-    hidden = torch.randn(B, S, H, requires_grad=True)
+    rng = torch.cuda if device == "cuda" else torch  # the generator dropout draws from
+    head = _lora_head(dropout=0.5).to(device)
+    targets = _targets().to(device)
+    hidden = torch.randn(B, S, H, device=device, requires_grad=True)
     wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
-    upstream = torch.randn(B, S)
-    state = torch.get_rng_state()
+    upstream = torch.randn(B, S, device=device)
+    state = rng.get_rng_state()
     got = chunked_target_logprobs(hidden, targets, head, chunk_tokens=1000)  # one chunk
-    after = torch.get_rng_state()
+    after = rng.get_rng_state()
     got_grads = torch.autograd.grad(got, wrt, upstream)
-    assert torch.equal(torch.get_rng_state(), after)
-    torch.set_rng_state(state)
+    assert torch.equal(rng.get_rng_state(), after)
+    rng.set_rng_state(state)
     keep = targets != -100
     logits = head(hidden[keep])  # [k, V]: the same rows, the same mask
     picked = logits.float().log_softmax(-1).gather(-1, targets[keep][:, None])[:, 0]
-    want = torch.zeros(B, S).masked_scatter(keep, picked)
+    want = torch.zeros(B, S, device=device).masked_scatter(keep, picked)
     _assert_scaled([got], [want])
     _assert_scaled(got_grads, torch.autograd.grad(want, wrt, upstream))
 
