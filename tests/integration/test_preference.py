@@ -153,7 +153,8 @@ def test_stock_preference_config_trains_isolated_single_process(
     runs its iteration with dropout off, as the responses alone are computed; with dropout
     on the policy log-probs differed by ~2e-3, relative 1.7e-5): the reference is the policy
     with its adapter disabled; the capture rebuilds both as plain models (adapter merged /
-    removed). DPO: the run shared with the held-out test (``dpo_run``)."""
+    removed). DPO and ORPO log-probs go through the chunked path (``chunked_loss``, logged).
+    DPO: the run shared with the held-out test (``dpo_run``)."""
     if name == pc.DPO:
         run = request.getfixturevalue("dpo_run")
         config, work, out = run["config"], run["work"], run["out"]
@@ -163,6 +164,9 @@ def test_stock_preference_config_trains_isolated_single_process(
         out = proc.stdout + proc.stderr
     check_run(work, min_iters=3)
     assert "Default process group has not been initialized" not in out
+    if kind != "reward":  # the log-probs came from the chunked path (docs/loss.md)
+        model = kind.upper()
+        assert f"chunked loss: {model}'s log-probs projects only the supervised" in out, out[-3000:]
     _assert_isolated(config, work / capture_file(), kind)
 
 

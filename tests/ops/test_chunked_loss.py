@@ -7,10 +7,17 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
+from vocab_tensors import VocabTensors
 
-from xtuner_rope.ops.chunked_loss import chunk_tokens_for, chunked_causal_lm_loss, head_kind
+from xtuner_rope.ops.chunked_loss import (
+    chunk_tokens_for,
+    chunked_causal_lm_loss,
+    chunked_target_logprobs,
+    head_kind,
+)
 
 B, S, H, V = 3, 29, 16, 53
+CUDA = torch.cuda.is_available()
 
 
 def _labels(b=B, s=S, masked=0.4, seed=0):
@@ -216,3 +223,122 @@ def test_a_zero3_partitioned_head_is_not_run():
         None,
         "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)",
     )
+
+
+# ---- chunked_target_logprobs: per-token log-probs, backward by recomputation ----------------
+
+
+def _targets(b=B, s=S, masked=0.4, seed=3):
+    """Already-shifted targets (the id each position predicts), -100 where none is wanted."""
+    return _labels(b, s, masked, seed)
+
+
+def _reference_logprobs(hidden, targets, head, scale=None):
+    logits = head(hidden) * (scale if scale is not None else 1)
+    logp = logits.float().log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return logp * (targets != -100)
+
+
+def _assert_scaled(got, want, rtol=1e-6):
+    """Within ``rtol`` of each tensor's scale: an upstream gradient of N(0, 1) per token gives
+    entries of order 1 whose fp32 sums over tokens round at ~1e-7 of the largest."""
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * float(w.detach().abs().max()))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, None])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.0625])
+def test_target_logprobs_equal_the_full_logits_for_any_upstream_gradient(chunk, bias, scale):
+    targets, head = _targets(), nn.Linear(H, V, bias=bias)
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden, *head.parameters()]
+    want = _reference_logprobs(hidden, targets, head, scale)
+    got = chunked_target_logprobs(hidden, targets, head, logit_scale=scale, chunk_tokens=chunk)
+    _assert_scaled([got], [want])
+    upstream = torch.randn(B, S)  # DPO's loss is not linear in the log-probs
+    got_grads = torch.autograd.grad(got, wrt, upstream)
+    _assert_scaled(got_grads, torch.autograd.grad(want, wrt, upstream))
+    assert got_grads[0][targets == -100].abs().sum() == 0
+
+
+def test_target_logprobs_through_a_lora_head_and_a_tied_weight():
+    head = _lora_head()
+    targets = _targets()
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
+    want = _reference_logprobs(hidden, targets, head)
+    got = chunked_target_logprobs(hidden, targets, head, chunk_tokens=6)
+    _assert_scaled([got], [want])
+    upstream = torch.randn(B, S)
+    _assert_scaled(
+        torch.autograd.grad(got, wrt, upstream), torch.autograd.grad(want, wrt, upstream)
+    )
+
+    embed, tied = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+    tied.weight = embed.weight
+    ids = torch.randint(0, V, (B, S))
+
+    def summed(chunked):
+        hidden = torch.tanh(embed(ids))
+        if chunked:
+            return chunked_target_logprobs(hidden, targets, tied, chunk_tokens=5).sum()
+        return _reference_logprobs(hidden, targets, tied).sum()
+
+    _assert_scaled(_grads(summed(True), [embed.weight]), _grads(summed(False), [embed.weight]))
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))],
+)
+def test_target_logprobs_backward_replays_the_lora_dropout_masks(device):
+    """The backward runs each chunk again: it draws the forward's dropout masks (the RNG is
+    replayed), and leaves the global RNG where the forward left it."""
+    rng = torch.cuda if device == "cuda" else torch  # the generator dropout draws from
+    head = _lora_head(dropout=0.5).to(device)
+    targets = _targets().to(device)
+    hidden = torch.randn(B, S, H, device=device, requires_grad=True)
+    wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
+    upstream = torch.randn(B, S, device=device)
+    state = rng.get_rng_state()
+    got = chunked_target_logprobs(hidden, targets, head, chunk_tokens=1000)  # one chunk
+    after = rng.get_rng_state()
+    got_grads = torch.autograd.grad(got, wrt, upstream)
+    assert torch.equal(rng.get_rng_state(), after)
+    rng.set_rng_state(state)
+    keep = targets != -100
+    logits = head(hidden[keep])  # [k, V]: the same rows, the same mask
+    picked = logits.float().log_softmax(-1).gather(-1, targets[keep][:, None])[:, 0]
+    want = torch.zeros(B, S, device=device).masked_scatter(keep, picked)
+    _assert_scaled([got], [want])
+    _assert_scaled(got_grads, torch.autograd.grad(want, wrt, upstream))
+
+
+def test_target_logprobs_no_grad_and_nothing_wanted():
+    head, hidden = nn.Linear(H, V), torch.randn(B, S, H, requires_grad=True)
+    with torch.no_grad():
+        got = chunked_target_logprobs(hidden, _targets(), head, chunk_tokens=4)
+    assert got.grad_fn is None and got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference_logprobs(hidden, _targets(), head).detach())
+    none = chunked_target_logprobs(hidden, torch.full((B, S), -100), head)
+    assert none.abs().sum() == 0
+    assert _grads(none.sum(), [hidden])[0].abs().sum() == 0
+
+
+def test_target_logprobs_never_build_the_rows_logits():
+    targets, head = _targets(masked=0.0), nn.Linear(H, V)
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    with VocabTensors(V) as seen:
+        chunked_target_logprobs(hidden, targets, head, chunk_tokens=7).sum().backward()
+    assert 0 < seen.rows <= 7  # chunks of 7 tokens, forward and backward
+    with VocabTensors(V) as seen:
+        _reference_logprobs(hidden, targets, head).sum().backward()
+    assert seen.rows >= B * S  # the counter sees the full path's [b, s, V]
+
+
+def test_target_logprobs_name_a_bad_target_at_its_position():
+    targets = _targets()
+    targets[1, 5] = V + 2
+    with pytest.raises(ValueError, match=rf"chunked_target_logprobs: labels\[1, 5\] = {V + 2}"):
+        chunked_target_logprobs(torch.randn(B, S, H), targets, nn.Linear(H, V))

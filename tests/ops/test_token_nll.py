@@ -41,5 +41,21 @@ def test_bad_boundaries_and_shapes_are_named():
     logits, labels = torch.randn(6, 5), torch.zeros(6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"boundaries must rise from 0 to at most 6"):
         document_nll(logits, labels, torch.tensor([0, 4, 4, 6]))
-    with pytest.raises(ValueError, match=r"logits must be \[s, V\] with s = 6"):
+    with pytest.raises(ValueError, match=r"logits must be \[s, V\] or \[s\] with s = 6"):
         document_nll(torch.randn(1, 6, 5), labels, torch.tensor([0, 6]))
+
+
+@pytest.mark.parametrize("bounds", [[0, 13], [0, 5, 6, 13], [0, 2, 3, 7, 11]])
+def test_target_logprobs_give_the_logits_sums(bounds):
+    """The chunked path's ``[s]`` log-probs of the row-shifted labels (what the held-out
+    ``predict`` returns with ``chunked_loss`` on) instead of the logits."""
+    s, vocab = 13, 11
+    logits, labels = torch.randn(s, vocab), torch.randint(0, vocab, (s,))
+    labels[torch.rand(s) < 0.3] = -100
+    targets = torch.cat([labels[1:], torch.tensor([-100])])  # what position t predicts
+    logp = logits.log_softmax(-1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    logp = logp * (targets != -100)
+    bounds = torch.tensor(bounds)
+    want, got = document_nll(logits, labels, bounds), document_nll(logp, labels, bounds)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)

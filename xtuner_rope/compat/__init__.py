@@ -49,6 +49,7 @@ from .xtuner_llava import patch_llava_predict_labels
 from .xtuner_model_resource import patch_model_resource_llm_path, patch_set_model_resource_llm_path
 from .xtuner_preference import (
     patch_dpo_predict_reference,
+    patch_preference_chunked_logprobs,
     patch_preference_map_fn_errors,
     patch_preference_truncation_counted,
     patch_preference_unpacked_pairs,
@@ -114,6 +115,8 @@ def apply() -> list[str]:
         patch_model_resource_llm_path,
         patch_set_model_resource_llm_path,
         patch_xtuner_preference_rank,
+        # inside target_zero's wrapper: the chunked log-probs get its mask (target id 0 kept)
+        patch_preference_chunked_logprobs,
         patch_xtuner_preference_target_zero,
         patch_preference_unpacked_pairs,
         patch_preference_map_fn_errors,

@@ -1,5 +1,6 @@
-"""XTuner DPO/ORPO patches: rank without a process group, target id 0 counted, the
-reference model's logits in DPO's ``predict`` (held-out evaluation)."""
+"""XTuner DPO/ORPO patches: rank without a process group, target id 0 counted, the log-probs
+from the chunked target log-probs, the reference model's logits in DPO's ``predict``
+(held-out evaluation)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import inspect
 import types
 
 import torch
+
+from xtuner_rope.models.chunked_loss import is_target_logprobs
 
 
 class _RankWithoutGroup:
@@ -119,6 +122,58 @@ def patch_xtuner_preference_target_zero() -> bool:
         model._gather_masked_logits = _gather_with_targets(model._gather_masked_logits)
         applied = True
     return applied
+
+
+def _gather_target_logprobs(gather):
+    """Wrap ``_gather_masked_logits``: the chunked target log-probs are already gathered."""
+
+    @functools.wraps(gather)
+    def wrapped(self, logits, labels, mask):
+        if is_target_logprobs(logits):  # [b, s, 1]
+            return logits[..., 0] * mask
+        return gather(self, logits, labels, mask)
+
+    return wrapped
+
+
+def _cross_entropy_from_logprobs(cross_entropy):
+    """Wrap ORPO's ``cross_entropy_loss``: its mean NLL from the chunked target log-probs."""
+
+    @functools.wraps(cross_entropy)
+    def wrapped(self, logits, labels):
+        if not is_target_logprobs(logits):
+            return cross_entropy(self, logits, labels)
+        # As XTuner: the last position (its dummy label) dropped, the mean over labels != -100.
+        logp, labels = logits[..., :-1, 0], labels[..., :-1].to(logits.device)
+        keep = labels != -100
+        return -(logp * keep).sum() / keep.sum()
+
+    return wrapped
+
+
+def patch_preference_chunked_logprobs() -> bool:
+    """XTuner's DPO and ORPO take their log-probs from the chunked target log-probs.
+
+    xtuner 0.2.0 ``DPO.compute_loss`` / ``ORPO.compute_loss`` read ``self.llm(**data).logits``
+    ``[b, s, V]`` of policy and reference and reduce them with ``_gather_masked_logits``
+    (``log_softmax`` then ``gather`` at the already-shifted labels; ORPO also with
+    ``cross_entropy_loss`` on the chosen rows). Where ``hooks.chunked_loss`` runs their
+    ``compute_loss`` inside ``models.chunked_loss.target_logprobs_only``, the causal LMs return
+    the ``[b, s, 1]`` target log-probs instead (``ops.chunked_loss.chunked_target_logprobs``):
+    both methods accept them, and give the same values and gradients; full logits pass
+    through unchanged. Applied before ``patch_xtuner_preference_target_zero``, whose wrapper
+    hands it the mask that keeps target id 0.
+
+    Returns:
+        True if applied.
+    """
+    from xtuner.model.dpo import DPO
+    from xtuner.model.orpo import ORPO
+
+    for cls in (DPO, ORPO):
+        cls._gather_masked_logits = _gather_target_logprobs(cls._gather_masked_logits)
+    ORPO.cross_entropy_loss = _cross_entropy_from_logprobs(ORPO.cross_entropy_loss)
+    return True
 
 
 def patch_preference_unpacked_pairs() -> bool:

@@ -1,7 +1,8 @@
 """``TokenLossMetric``: the held-out loss that packing does not change, exact on any rank count.
 
 MMEngine's ``ValLoop`` calls ``model.val_step`` (XTuner's ``SupervisedFinetune`` in
-``mode='predict'``: one ``{'logits': [s, V]}`` per row) and hands the outputs with the batch to
+``mode='predict'``: one ``{'logits': [s, V]}`` per row, or with the chunked loss on,
+``{'target_logprobs': [s]}``: ``hooks.chunked_loss``) and hands the outputs with the batch to
 :meth:`TokenLossMetric.process`. Each row is cut into its documents at the boundaries
 ``PackedBatchCheckHook`` published for this batch (the channel of ``models.channel``; a row
 without boundaries is one document) and scored by :func:`xtuner_rope.ops.token_nll.document_nll`:
@@ -53,7 +54,8 @@ def row_documents(
     """Each segment of one row: summed NLL, supervised tokens, first ids (padding included).
 
     Args:
-        out: The row's ``val_step`` output: ``logits`` ``[s', V]``, and for a LLaVA model
+        out: The row's ``val_step`` output: ``logits`` ``[s', V]`` (or ``target_logprobs``
+            ``[s]``, the chunked path), and for a LLaVA model
             ``labels`` ``[s']`` of the sequence its LLM saw (after the image expansion; see
             ``xtuner_llava.patch_llava_predict_labels``). Otherwise the batch's labels align.
         labels: ``[s]`` the batch row's labels; ids: ``[s]`` its input ids.
@@ -65,7 +67,7 @@ def row_documents(
     """
     own = out.get("labels")
     row_labels = own if isinstance(own, torch.Tensor) else labels
-    nll, tokens = document_nll(out["logits"], row_labels, bounds)
+    nll, tokens = document_nll(_scores(out), row_labels, bounds)
     docs = []
     for d in range(len(tokens)):
         a, e = int(bounds[d]), int(bounds[d + 1])
@@ -76,6 +78,14 @@ def row_documents(
             first = segment[segment != -100][:FIRST_TOKENS]
         docs.append({"nll": float(nll[d]), "tokens": int(tokens[d]), "first_ids": first.tolist()})
     return docs
+
+
+def _scores(out: object) -> torch.Tensor | None:
+    """A row output's ``logits`` ``[s, V]`` or chunked ``target_logprobs`` ``[s]``, else None."""
+    if not isinstance(out, dict):
+        return None
+    scores = out.get("target_logprobs", out.get("logits"))
+    return scores if isinstance(scores, torch.Tensor) else None
 
 
 def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[dict]:
@@ -162,10 +172,7 @@ class TokenLossMetric(BaseMetric):
         if (
             not isinstance(data_samples, Sequence)
             or len(data_samples) != b
-            or not all(
-                isinstance(x, dict) and isinstance(x.get("logits"), torch.Tensor)
-                for x in data_samples
-            )
+            or any(_scores(x) is None for x in data_samples)
         ):
             got = (
                 [type(x).__name__ for x in data_samples]
@@ -179,7 +186,7 @@ class TokenLossMetric(BaseMetric):
                 "for other models."
             )
         # The logits' length: LLaVA's rows are longer after the image expansion.
-        bounds = row_bounds(channel.read()[0], b, data_samples[0]["logits"].shape[0])
+        bounds = row_bounds(channel.read()[0], b, _scores(data_samples[0]).shape[0])
         rows = [
             row_documents(out, labels[r], ids[r], bounds[r]) for r, out in enumerate(data_samples)
         ]

@@ -4,9 +4,15 @@
 XTuner's ``SupervisedFinetune`` gets an instance ``compute_loss`` that runs its own inside
 ``models.chunked_loss.loss_only``, and its causal LM the chunked-loss ``forward``, so the loss
 of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no ``[tokens, vocab]``
-logits of the row). What runs is logged once. Where the chunked loss cannot serve (another
-XTuner model, ``loss_normalization = "dialogue"``, sequence parallel, a head it does not know),
-the model's own loss runs and the log says why.
+logits of the row); its ``predict`` (the held-out ``val_step``) returns per row the
+``target_logprobs`` ``[s]`` of the row-shifted labels that ``evaluation.metric.TokenLossMetric``
+reads instead of the logits. XTuner's ``DPO`` and ``ORPO`` run theirs inside
+``models.chunked_loss.target_logprobs_only``: policy and reference (its ``ref_llm`` patched too)
+return the target log-probs of ``ops.chunked_loss.chunked_target_logprobs``, which
+``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
+is logged once. Where the chunked loss cannot serve (another XTuner model,
+``loss_normalization = "dialogue"``, sequence parallel, a head it does not know), the model's
+own loss runs and the log says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
 ``chunked_loss = False`` (the model's own loss), ``True`` (the default: chunks of
@@ -15,18 +21,30 @@ The setting, at the top level of the config (read and checked by ``config.loss``
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
+from xtuner_rope.compat.guard import applied
 from xtuner_rope.config.loss import CHUNKED_LOSS_OPT_OUT as OPT_OUT
 from xtuner_rope.config.loss import chunked_loss_setting
 from xtuner_rope.models.chunked_loss import (
     UnsupportedHead,
     is_chunked,
+    is_target_logprobs,
     loss_only,
     patch_chunked_loss,
+    target_logprobs_only,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 
-SERVED_MODELS = ("SupervisedFinetune",)  # XTuner models whose compute_loss reads outputs.loss
+# XTuner models served -> the block their compute_loss runs in: SFT reads outputs.loss, DPO and
+# ORPO the log-probs of the targets.
+SERVED_MODELS = {
+    "SupervisedFinetune": loss_only,
+    "DPO": target_logprobs_only,
+    "ORPO": target_logprobs_only,
+}
+_PREFERENCE_PATCH = "patch_preference_chunked_logprobs"
 
 __all__ = ["enable_chunked_loss"]
 
@@ -35,11 +53,32 @@ def _why_not(runner, model) -> str | None:
     name = type(model).__name__
     if name not in SERVED_MODELS:
         return f"{name}'s loss is not served by the chunked loss yet"
+    if SERVED_MODELS[name] is target_logprobs_only and _PREFERENCE_PATCH not in applied():
+        return f"{_PREFERENCE_PATCH} was skipped (see its CompatPatchSkipped warning)"
     if "compute_loss" in vars(model) and not getattr(model.compute_loss, "xtuner_rope_chunked", 0):
         return 'loss_normalization = "dialogue" computes its loss from the full logits'
     if sequence_parallel_size() > 1:
         return "sequence parallel computes its loss from the full logits (not chunked yet)"
     return None
+
+
+def _predict_target_logprobs(own):
+    """Wrap XTuner's SFT ``predict``: per row ``{"target_logprobs": [s]}``, position ``t``'s
+    log-prob of ``labels[t + 1]`` (0 where -100 and at the end), from the chunked path."""
+
+    def predict(data, data_samples=None):
+        labels = data.get("labels")
+        if labels is None:
+            return own(data, data_samples)
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [b, s]: what position t predicts
+        with target_logprobs_only():
+            rows = own({**data, "labels": targets}, data_samples)
+            chunked = all(is_target_logprobs(row["logits"]) for row in rows)
+        if not chunked:  # the model's own forward ran (paused): its logits, as without us
+            return rows
+        return [{"target_logprobs": row["logits"][:, 0]} for row in rows]
+
+    return predict
 
 
 def enable_chunked_loss(runner) -> str:
@@ -59,26 +98,32 @@ def enable_chunked_loss(runner) -> str:
         return f"xtuner-rope: {OPT_OUT}: the model's own loss (full logits) runs."
     model = unwrap_model(runner.model)
     why = _why_not(runner, model)
+    chunk = None if setting is True else setting
     if why is None:
         try:
-            what = patch_chunked_loss(
-                language_model(runner.model), None if setting is True else setting
-            )
+            what = patch_chunked_loss(language_model(runner.model), chunk)
+            if getattr(model, "ref_llm", None) is not None:  # DPO's reference model
+                patch_chunked_loss(model.ref_llm, chunk)
         except UnsupportedHead as error:
             why = str(error)
     if why is not None:
         return f"xtuner-rope: the model's own loss (full logits) runs: {why}."
+    block = SERVED_MODELS[type(model).__name__]
     if not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
         own = model.compute_loss
 
         def compute_loss(data, data_samples=None):
-            with loss_only():
+            with block():
                 return own(data, data_samples)
 
         compute_loss.xtuner_rope_chunked = True
         model.compute_loss = compute_loss
+        if block is loss_only:
+            model.predict = _predict_target_logprobs(model.predict)
     assert is_chunked(language_model(runner.model))
+    served = "the training loss" if block is loss_only else f"{type(model).__name__}'s log-probs"
+    also = ", the held-out log-probs too" if block is loss_only else ""
     return (
-        f"xtuner-rope: chunked loss: the training loss projects only the supervised tokens "
-        f"through the head ({what}); opt out: {OPT_OUT}."
+        f"xtuner-rope: chunked loss: {served} projects only the supervised tokens "
+        f"through the head ({what}){also}; opt out: {OPT_OUT}."
     )

@@ -4,9 +4,11 @@
 code, with its head ``output``; the transformers families of ``models.families``, head
 ``lm_head``, tied or not, Cohere's ``logit_scale``). Inside a :func:`loss_only` block a call with
 ``labels`` runs the decoder, then ``chunked_causal_lm_loss`` on its last hidden states, and
-returns the model's output type with that ``loss`` and ``logits=None``; every other call (no
-labels, outside the block: generation, ``mode="predict"``, DPO which reads the logits) is the
-model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
+returns the model's output type with that ``loss`` and ``logits=None``; inside a
+:func:`target_logprobs_only` block (XTuner's DPO and ORPO, whose labels arrive already shifted)
+it returns as ``logits`` the ``[b, s, 1]`` target log-probs of ``chunked_target_logprobs``, which
+only the patched DPO/ORPO methods read (:func:`is_target_logprobs`); every other call (no
+labels, outside the blocks: generation, ``mode="predict"``) is the model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
 calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
 ``outputs.loss`` (``hooks.chunked_loss``, around XTuner's ``SupervisedFinetune.compute_loss``);
 what reads a training forward's logits pauses it (``pause_chunked_loss``).
@@ -20,11 +22,18 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
-from xtuner_rope.ops.chunked_loss import chunk_tokens_for, chunked_causal_lm_loss, head_kind
+from xtuner_rope.ops.chunked_loss import (
+    chunk_tokens_for,
+    chunked_causal_lm_loss,
+    chunked_target_logprobs,
+    head_kind,
+)
 
-_LOSS_ONLY = contextvars.ContextVar("xtuner_rope_loss_only", default=False)
+# What a call with labels returns inside a block: "loss" (loss_only) or "logprobs".
+_MODE = contextvars.ContextVar("xtuner_rope_chunked_mode", default=None)
 _ORIGINAL = "_xtuner_rope_own_forward"  # the instance attribute holding the model's forward
 
 __all__ = [
@@ -32,9 +41,11 @@ __all__ = [
     "causal_lm",
     "chunked_loss_head",
     "is_chunked",
+    "is_target_logprobs",
     "loss_only",
     "patch_chunked_loss",
     "pause_chunked_loss",
+    "target_logprobs_only",
 ]
 
 
@@ -43,13 +54,30 @@ class UnsupportedHead(ValueError):
 
 
 @contextmanager
-def loss_only() -> Iterator[None]:
-    """Calls with ``labels`` inside this block return the chunked loss and no logits."""
-    token = _LOSS_ONLY.set(True)
+def _mode(mode: str) -> Iterator[None]:
+    token = _MODE.set(mode)
     try:
         yield
     finally:
-        _LOSS_ONLY.reset(token)
+        _MODE.reset(token)
+
+
+def loss_only():
+    """Calls with ``labels`` inside this block return the chunked loss and no logits."""
+    return _mode("loss")
+
+
+def target_logprobs_only():
+    """Calls with ``labels`` inside this block return as ``logits`` the ``[b, s, 1]`` fp32
+    log-probs of the targets ``labels`` (already shifted: position ``t`` predicts
+    ``labels[:, t]``; 0 where -100), and no loss."""
+    return _mode("logprobs")
+
+
+def is_target_logprobs(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` (or a part of them, indexed as XTuner's ORPO does) are the target
+    log-probs a :func:`target_logprobs_only` block returns, not the vocabulary's logits."""
+    return _MODE.get() == "logprobs" and logits.shape[-1] == 1
 
 
 def causal_lm(llm: nn.Module) -> nn.Module:
@@ -150,7 +178,8 @@ def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
 def _forward(self, *args, **kwargs):
     own = getattr(self, _ORIGINAL)
     labels = kwargs.get("labels")
-    if args or labels is None or not _LOSS_ONLY.get() or kwargs.get("return_dict") is False:
+    mode = _MODE.get()
+    if args or labels is None or mode is None or kwargs.get("return_dict") is False:
         return own(*args, **kwargs)
     if getattr(self, "_xtuner_rope_paused", 0):
         return own(*args, **kwargs)
@@ -160,19 +189,18 @@ def _forward(self, *args, **kwargs):
     kwargs.pop("num_logits_to_keep", None)
     head, scale, _ = chunked_loss_head(self)
     outputs = self.get_decoder()(**kwargs, return_dict=True)
-    loss = chunked_causal_lm_loss(
-        outputs.last_hidden_state,
-        labels,
-        head,
-        logit_scale=scale,
-        num_items_in_batch=n_items,
-        chunk_tokens=self._xtuner_rope_chunk,
-    )
+    hidden = outputs.last_hidden_state
+    options = dict(logit_scale=scale, chunk_tokens=self._xtuner_rope_chunk)
+    loss = logits = None
+    if mode == "logprobs":
+        logits = chunked_target_logprobs(hidden, labels, head, **options)[..., None]  # [b, s, 1]
+    else:
+        loss = chunked_causal_lm_loss(hidden, labels, head, num_items_in_batch=n_items, **options)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(
         loss=loss,
-        logits=None,
+        logits=logits,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,

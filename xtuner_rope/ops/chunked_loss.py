@@ -21,9 +21,17 @@ Two ways through a chunk:
 The loss equals the model's: ``sum(nll) / num_items_in_batch`` when given, else the mean over the
 supervised tokens. A micro-batch without one gives 0 and zero gradients (the model's own mean
 gives NaN there).
+
+``chunked_target_logprobs`` gives the per-token target log-probabilities ``[b, s]`` instead, for
+losses that are not linear in them (DPO, ORPO) and the held-out metric. Its upstream gradient is
+known only in the backward, so the forward keeps the selected hidden states and targets (no
+logits) and the backward runs each chunk again through the same kernels, with the upstream
+gradient as each token's weight (the RNG replayed for a LoRA head's dropout).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +49,7 @@ __all__ = [
     "IGNORE_INDEX",
     "chunk_tokens_for",
     "chunked_causal_lm_loss",
+    "chunked_target_logprobs",
     "head_kind",
     "supervised_positions",
 ]
@@ -68,14 +77,18 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
 
 
-def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def supervised_positions(
+    labels: torch.Tensor, shift: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the supervised predictions of ``labels`` and their targets.
 
     Position ``t`` of row ``r`` predicts ``labels[r, t + 1]`` (the model's own shift, over the
-    whole row: packed or padded, as the model does).
+    whole row: packed or padded, as the model does); with ``shift=False``, ``labels[r, t]``
+    (targets already shifted, as XTuner's DPO and ORPO hand them to the model).
 
     Args:
         labels: ``[b, s]`` int labels, -100 where not supervised.
+        shift: Whether position ``t``'s target is ``labels[:, t + 1]`` (else ``labels[:, t]``).
 
     Returns:
         ``(index, targets)``: ``[k]`` flat positions ``r * s + t`` into ``[b * s]`` and their
@@ -83,48 +96,64 @@ def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         the host labels where there are).
     """
     b, s = labels.shape
-    shifted = labels[:, 1:]  # [b, s - 1]: the target of position t is label t + 1
+    shifted = labels[:, 1:] if shift else labels  # [b, s - shift]: position t's target
     rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)  # [k], [k]
     return rows * s + cols, shifted[rows, cols]
 
 
-def _check_targets(index: torch.Tensor, targets: torch.Tensor, s: int, vocab: int) -> None:
+def _check_targets(who, index, targets, s, vocab, shift) -> None:
     bad = (targets < 0) | (targets >= vocab)
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
         row, pos = divmod(int(index[first]), s)
         raise ValueError(
-            f"chunked_causal_lm_loss: labels[{row}, {pos + 1}] = {int(targets[first])} is "
+            f"{who}: labels[{row}, {pos + shift}] = {int(targets[first])} is "
             f"outside the vocabulary [0, {vocab}) of the model's head (-100 marks an "
             "unsupervised token). Check that the tokenizer matches the model (vocab_size) and "
             "the label masking."
         )
 
 
-def _check_devices(hidden: torch.Tensor, head: nn.Module) -> None:
+def _check_devices(who, hidden: torch.Tensor, head: nn.Module) -> None:
     for name, p in head.named_parameters():
         if p.device != hidden.device:
             raise ValueError(
-                f"chunked_causal_lm_loss: the head's parameter {name!r} is on {p.device}, the "
+                f"{who}: the head's parameter {name!r} is on {p.device}, the "
                 f"hidden states on {hidden.device}: the chunked loss needs them on one device "
                 "(a head placed on another device than the last layer is not supported). Set "
                 "chunked_loss = False in the config to use the model's own loss."
             )
 
 
-def _linear_chunk(h, t, head, scale, inv_n, grads, rows):
-    """One chunk through an ``nn.Linear`` head; gradients added into ``grads``; summed NLL."""
+def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c]`` NLL of targets ``t`` under fp32 logits ``x`` ``[c, V]``, which become
+    ``exp(x - max)`` (torch.logsumexp would hold a second ``[c, V]`` buffer); and their
+    ``[c, 1]`` sums."""
+    top = x.amax(dim=-1, keepdim=True)  # [c, 1]
+    picked = x.gather(1, t[:, None])  # [c, 1]
+    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]
+    # In log_softmax's order, (x_t - max) - log(sum): the per-token values match it closest.
+    return (total.log() - (picked - top))[:, 0], total
+
+
+def _chunk_nll(h, t, head, kind, scale):
+    """``[c]`` NLL of one chunk, no gradients (``chunked_target_logprobs``' forward)."""
+    x = (F.linear(h, head.weight, head.bias) if kind == "linear" else head(h)).float()
+    return _nll_in_place(x if scale is None else x.mul_(scale), t)[0]
+
+
+def _linear_chunk(h, t, head, scale, coef, grads, rows):
+    """One chunk through an ``nn.Linear`` head: ``[c]`` NLL; ``coef * d(nll)`` added into
+    ``grads`` (``coef``: a number, or ``[c]`` per token)."""
     x = F.linear(h, head.weight, head.bias).float()  # [c, V] fp32 (a copy unless fp32)
     if scale is not None:
         x = x.mul_(scale)  # Cohere's logit_scale
-    # logsumexp in place (torch.logsumexp would hold a second [c, V] buffer)
-    top = x.amax(dim=-1, keepdim=True)  # [c, 1]
-    picked = x.gather(1, t[:, None])  # [c, 1]
-    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]; x = exp(x - top)
-    nll = (top + total.log() - picked).sum()
-    # d(sum(nll) * inv_n)/dx = (softmax(x) - onehot(t)) * inv_n, written over x.
-    x.div_(total).mul_(inv_n)
-    x.scatter_add_(1, t[:, None], torch.zeros_like(picked).sub_(inv_n))
+    nll, total = _nll_in_place(x, t)
+    if isinstance(coef, torch.Tensor) and coef.dim():
+        coef = coef[:, None]  # [c, 1]
+    # d(coef * nll)/dx = (softmax(x) - onehot(t)) * coef, written over x.
+    x.div_(total).mul_(coef)
+    x.scatter_add_(1, t[:, None], torch.zeros_like(total).sub_(coef))
     if scale is not None:
         x.mul_(scale)
     g = x.to(head.weight.dtype)  # [c, V], as the model's upcast hands its gradient back
@@ -138,19 +167,47 @@ def _linear_chunk(h, t, head, scale, inv_n, grads, rows):
     return nll
 
 
-def _module_chunk(h, t, head, scale, inv_n, params, grads, rows):
+def _module_chunk(h, t, head, scale, coef, params, grads, rows):
     """One chunk through the head module (LoRA); autograd gives the chunk's gradients."""
     with torch.enable_grad():
         h = h.detach().requires_grad_(True)
         x = head(h)
         if scale is not None:
             x = x * scale
-        nll = F.cross_entropy(x.float(), t, reduction="sum")
-        got = torch.autograd.grad(nll * inv_n, [h, *params])
+        nll = F.cross_entropy(x.float(), t, reduction="none")  # [c]
+        got = torch.autograd.grad((nll * coef).sum(), [h, *params])
     grads["hidden"][rows] = got[0]
     for acc, g in zip(grads["params"], got[1:]):
         acc.add_(g)
     return nll.detach()
+
+
+def _run_chunks(hidden, targets, setup, params, coef):
+    """Every chunk through its kernel: the ``[k]`` NLL and ``coef``-weighted gradients of
+    ``hidden`` and ``params`` (fp32 for the head's), as ``(nll, hidden_grad, param_grads)``."""
+    head, kind, scale, chunk = setup
+    grads = {"hidden": torch.zeros_like(hidden)}  # [k, H], filled chunk by chunk
+    if kind == "linear":
+        grads["weight"] = torch.zeros_like(head.weight, dtype=torch.float32)
+        if head.bias is not None:
+            grads["bias"] = torch.zeros_like(head.bias, dtype=torch.float32)
+    else:
+        grads["params"] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    nll = [hidden.new_zeros(0, dtype=torch.float32)]
+    for a in range(0, hidden.shape[0], chunk):
+        rows = slice(a, a + chunk)
+        c = coef[rows] if isinstance(coef, torch.Tensor) and coef.dim() else coef
+        if kind == "linear":
+            nll.append(_linear_chunk(hidden[rows], targets[rows], head, scale, c, grads, rows))
+        else:
+            args = (head, scale, c, params, grads, rows)
+            nll.append(_module_chunk(hidden[rows], targets[rows], *args))
+    if kind == "linear":
+        named = {"weight": grads["weight"], "bias": grads.get("bias")}
+        param_grads = [named["weight" if p is head.weight else "bias"] for p in params]
+    else:
+        param_grads = grads["params"]
+    return torch.cat(nll), grads["hidden"], param_grads
 
 
 class _ChunkedNLL(torch.autograd.Function):
@@ -158,33 +215,10 @@ class _ChunkedNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, inv_n, setup, *params):
-        head, kind, scale, chunk = setup
-        k = hidden.shape[0]
-        grads = {"hidden": torch.zeros_like(hidden)}  # [k, H], filled chunk by chunk
-        if kind == "linear":
-            w, bias = head.weight, head.bias
-            grads["weight"] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            if bias is not None:
-                grads["bias"] = torch.zeros(bias.shape, dtype=torch.float32, device=w.device)
-        else:
-            grads["params"] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for a in range(0, k, chunk):
-            rows = slice(a, a + chunk)
-            h, t = hidden[rows], targets[rows]
-            if kind == "linear":
-                total += _linear_chunk(h, t, head, scale, inv_n, grads, rows)
-            else:
-                total += _module_chunk(h, t, head, scale, inv_n, params, grads, rows)
-        hidden_grad = grads["hidden"]
-        if kind == "linear":
-            named = {"weight": grads["weight"], "bias": grads.get("bias")}
-            param_grads = [named["weight" if p is head.weight else "bias"] for p in params]
-        else:
-            param_grads = grads["params"]
+        nll, hidden_grad, param_grads = _run_chunks(hidden, targets, setup, params, inv_n)
         ctx.grads = (hidden_grad, param_grads)
         ctx.dtypes = [p.dtype for p in params]
-        return total * inv_n
+        return nll.sum() * inv_n
 
     @staticmethod
     def backward(ctx, grad):
@@ -197,6 +231,77 @@ class _ChunkedNLL(torch.autograd.Function):
         ctx.grads = None
         out = [g.mul_(grad).to(dtype) for g, dtype in zip(param_grads, ctx.dtypes)]
         return (hidden_grad.mul_(grad.to(hidden_grad.dtype)), None, None, None, *out)
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _replayed_rng(state, device: torch.device):
+    """The RNG at ``state`` inside the block (a LoRA head's dropout draws the forward's masks
+    again), and as it was after it."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+class _ChunkedTargetLogProbs(torch.autograd.Function):
+    """``[k]`` log-probs of the targets; the backward runs each chunk again (no logits kept)."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, setup, *params):
+        head, kind, scale, chunk = setup
+        ctx.rng = _rng_state(hidden.device) if kind == "module" else None
+        nll = [hidden.new_zeros(0, dtype=torch.float32)]
+        for a in range(0, hidden.shape[0], chunk):
+            nll.append(_chunk_nll(hidden[a : a + chunk], targets[a : a + chunk], *setup[:3]))
+        ctx.save_for_backward(hidden, targets)
+        ctx.setup, ctx.params = setup, params
+        return torch.cat(nll).neg_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, targets = ctx.saved_tensors
+        # d(sum g * logp) = d(sum (-g) * nll): the upstream gradient weighs each token's NLL.
+        with nullcontext() if ctx.rng is None else _replayed_rng(ctx.rng, hidden.device):
+            _, hidden_grad, param_grads = _run_chunks(
+                hidden, targets, ctx.setup, ctx.params, grad.float().neg()
+            )
+        out = [g.to(p.dtype) for g, p in zip(param_grads, ctx.params)]
+        return (hidden_grad, None, None, *out)
+
+
+def _select(who, hidden, labels, head, shift, logit_scale, chunk_tokens):
+    """The checks, then ``(index, targets, selected [k, H], params, setup)``."""
+    kind, what = head_kind(head)
+    if kind is None:
+        raise ValueError(f"{who}: unsupported head: {what}.")
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"{who}: expected hidden [b, s, H] and labels [b, s], got "
+            f"{tuple(hidden.shape)} and {tuple(labels.shape)}."
+        )
+    _check_devices(who, hidden, head)
+    b, s, width = hidden.shape
+    # The positions from the labels' host copy (the collated batch, ``ops.host_copies``) where
+    # there is one: no read of the device's labels, and the count is known on the host.
+    host = host_copy(labels)
+    index, targets = supervised_positions(
+        host if host is not None else labels.to(hidden.device), shift
+    )
+    _check_targets(who, index, targets, s, head.out_features, shift)
+    if index.device != hidden.device:
+        index = index.to(hidden.device, non_blocking=True)
+        targets = targets.to(hidden.device, non_blocking=True)
+    selected = hidden.reshape(b * s, width).index_select(0, index)  # [k, H]
+    params = [p for p in head.parameters() if p.requires_grad]
+    chunk = chunk_tokens or chunk_tokens_for(head.out_features)
+    return index, targets, selected, params, (head, kind, logit_scale, chunk)
 
 
 def chunked_causal_lm_loss(
@@ -232,33 +337,53 @@ def chunked_causal_lm_loss(
             shapes that disagree, or a supervised label outside ``[0, V)`` (named by row and
             position).
     """
-    kind, what = head_kind(head)
-    if kind is None:
-        raise ValueError(f"chunked_causal_lm_loss: unsupported head: {what}.")
-    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"chunked_causal_lm_loss: expected hidden [b, s, H] and labels [b, s], got "
-            f"{tuple(hidden.shape)} and {tuple(labels.shape)}."
-        )
-    _check_devices(hidden, head)
-    b, s, width = hidden.shape
-    vocab = head.out_features
-    # The positions from the labels' host copy (the collated batch, ``ops.host_copies``) where
-    # there is one: no read of the device's labels, and the count is known on the host.
-    host = host_copy(labels)
-    index, targets = supervised_positions(host if host is not None else labels.to(hidden.device))
-    _check_targets(index, targets, s, vocab)
-    if index.device != hidden.device:
-        index = index.to(hidden.device, non_blocking=True)
-        targets = targets.to(hidden.device, non_blocking=True)
+    who = "chunked_causal_lm_loss"
+    index, targets, selected, params, setup = _select(
+        who, hidden, labels, head, True, logit_scale, chunk_tokens
+    )
     if num_items_in_batch is None:
         inv_n = 1.0 / max(int(index.numel()), 1)
     elif isinstance(num_items_in_batch, torch.Tensor):
         inv_n = 1.0 / num_items_in_batch.to(hidden.device, torch.float32)
     else:
         inv_n = 1.0 / num_items_in_batch
-    selected = hidden.reshape(b * s, width).index_select(0, index)  # [k, H]
-    params = [p for p in head.parameters() if p.requires_grad]
-    chunk = chunk_tokens or chunk_tokens_for(vocab)
-    setup = (head, kind, logit_scale, chunk)
     return _ChunkedNLL.apply(selected, targets, inv_n, setup, *params)
+
+
+def chunked_target_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: nn.Module,
+    *,
+    logit_scale: float | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Per-token fp32 ``log_softmax(head(hidden) * logit_scale)`` at the targets, chunk by chunk.
+
+    Equals ``log_softmax(logits.float(), -1).gather(-1, targets)`` where ``targets`` is not
+    -100 (0 elsewhere), in value and in gradients for any upstream gradient (hidden states,
+    head weight and bias, LoRA adapters), without a ``[b * s, V]`` tensor in the forward or
+    the backward. Under ``torch.no_grad`` it is a plain chunked forward.
+
+    Args:
+        hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
+        targets: ``[b, s]`` the id position ``t`` predicts (already shifted: XTuner's DPO and
+            ORPO labels; for the model's own labels ``labels[:, 1:]`` padded with -100), -100
+            where no log-prob is wanted.
+        head: The output head (``head_kind`` must accept it): ``[H] -> [V]``.
+        logit_scale: Multiplies the logits before the softmax (Cohere), or None.
+        chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
+
+    Returns:
+        ``[b, s]`` fp32 target log-probs, 0 where ``targets`` is -100.
+
+    Raises:
+        ValueError: as :func:`chunked_causal_lm_loss` (a target outside ``[0, V)`` is named
+            ``labels[row, position]``, the position being the one that predicts it).
+    """
+    index, ids, selected, params, setup = _select(
+        "chunked_target_logprobs", hidden, targets, head, False, logit_scale, chunk_tokens
+    )
+    logp = _ChunkedTargetLogProbs.apply(selected, ids, setup, *params)  # [k]
+    b, s = targets.shape
+    return logp.new_zeros(b * s).index_copy(0, index, logp).view(b, s)

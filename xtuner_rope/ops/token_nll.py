@@ -5,7 +5,9 @@ A packed row holds several documents back to back. Scored alone, a document of t
 of one document never predicts the first token of the next. With attention that isolates the
 documents, the row's logits at a document's positions are the document's logits alone, so the
 sums below are exactly what a plain per-dialogue evaluation computes. fp32 log-softmax, fp64
-sums (a held-out set has millions of tokens: fp32 sums would drift).
+sums (a held-out set has millions of tokens: fp32 sums would drift). Instead of the logits, the
+row's target log-probs ``[s]`` (``ops.chunked_loss.chunked_target_logprobs`` of the row-shifted
+labels: no ``[s, V]`` logits) give the same sums.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def document_nll(
     """Summed next-token NLL and supervised-token count of each document of one row.
 
     Args:
-        logits: ``[s, V]`` the row's logits.
+        logits: ``[s, V]`` the row's logits, or ``[s]`` fp32 log-probs of label ``t + 1`` at
+            each position ``t`` (read where the document's own target is supervised).
         labels: ``[s]`` the row's labels (``-100``: not supervised), aligned with the inputs
             (label ``t`` is the token at ``t``; the shift happens here, per document).
         bounds: ``[n + 1]`` int document starts in the row, 0 first and ``s`` (or the last
@@ -35,9 +38,9 @@ def document_nll(
         ValueError: shapes disagree, or ``bounds`` is not increasing within ``[0, s]``.
     """
     s = labels.shape[0]
-    if logits.dim() != 2 or logits.shape[0] != s:
+    if logits.dim() not in (1, 2) or logits.shape[0] != s:
         raise ValueError(
-            f"document_nll: logits must be [s, V] with s = {s} (the labels' length), got "
+            f"document_nll: logits must be [s, V] or [s] with s = {s} (the labels' length), got "
             f"{tuple(logits.shape)}; the model's predict output must keep one row per sample."
         )
     labels = labels.to(logits.device)  # the batch stays on the CPU, the logits may not
@@ -53,7 +56,9 @@ def document_nll(
     target[(bounds[1:] - 1).to(labels.device)] = IGNORE_INDEX
     supervised = target != IGNORE_INDEX
     token_nll = torch.zeros(s, dtype=torch.float64, device=logits.device)
-    if bool(supervised.any()):
+    if logits.dim() == 1:  # the target log-probs themselves
+        token_nll[supervised] = -logits[supervised].double()
+    elif bool(supervised.any()):
         picked = torch.log_softmax(logits[supervised].float(), dim=-1)  # [k, V]
         nll = -picked.gather(1, target[supervised].unsqueeze(1)).squeeze(1)  # [k]
         token_nll[supervised] = nll.double()
