@@ -5,7 +5,9 @@ lr 1, one optimizer step), the same 6 dialogues grouped three ways: packed in on
 packed 2 per micro-batch x accumulation 3; XTuner's padded ``default_collate_fn`` 3 per
 micro-batch x accumulation 2. Each equals one SGD step by hand on the mean over the dialogues of
 each dialogue's mean loss, every dialogue alone through the HF model (an independent
-computation); the token-weighted default and XTuner's weighting give other steps.
+computation); the token-weighted default and XTuner's weighting give other steps. The runs take
+their per-token log-probs from the chunked loss (on by default): the packed row's logits are
+never built.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 from runners import tiny_runner, token_items
 from test_loss_norm import RTOL, _relative
+from vocab_tensors import VocabTensors
 
 from xtuner_rope.batch.token_counts import dialogue_weights
 from xtuner_rope.hooks import PackedBatchCheckHook, ValidatedRoPEHook
@@ -68,7 +71,10 @@ def test_one_step_per_dialogue_whatever_the_grouping(tmp_path):
         ),
     }
     for i, (name, kw) in enumerate(groupings.items()):
-        got = _train(tmp_path / f"g{i}", items, mode="dialogue", **kw)
+        with VocabTensors(start.config.vocab_size) as seen:
+            got = _train(tmp_path / f"g{i}", items, mode="dialogue", **kw)
+        if i == 0:  # the chunked log-probs ran: no [tokens, V] logits of the packed row
+            assert 0 < seen.rows < sum(LENGTHS), seen.rows
         worst = _relative(expected, got)
         print(f"dialogue mode, {name}: parameters {worst:.1e} relative to the step by hand")
         assert worst <= RTOL, name

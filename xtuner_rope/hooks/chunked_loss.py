@@ -11,7 +11,7 @@ reads instead of the logits. XTuner's ``DPO`` and ``ORPO`` run theirs inside
 return the target log-probs of ``ops.chunked_loss.chunked_target_logprobs``, which
 ``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
 is logged once. Where the chunked loss cannot serve (another XTuner model,
-``loss_normalization = "dialogue"``, sequence parallel, a head it does not know), the model's
+sequence parallel, a head it does not know), the model's
 own loss runs and the log says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
@@ -55,8 +55,11 @@ def _why_not(runner, model) -> str | None:
         return f"{name}'s loss is not served by the chunked loss yet"
     if SERVED_MODELS[name] is target_logprobs_only and _PREFERENCE_PATCH not in applied():
         return f"{_PREFERENCE_PATCH} was skipped (see its CompatPatchSkipped warning)"
-    if "compute_loss" in vars(model) and not getattr(model.compute_loss, "xtuner_rope_chunked", 0):
-        return 'loss_normalization = "dialogue" computes its loss from the full logits'
+    own = vars(model).get("compute_loss")
+    if own is not None and not any(
+        getattr(own, f"xtuner_rope_{what}", 0) for what in ("chunked", "dialogue")
+    ):
+        return "its compute_loss is replaced by code that reads the full logits"
     if sequence_parallel_size() > 1:
         return "sequence parallel computes its loss from the full logits (not chunked yet)"
     return None

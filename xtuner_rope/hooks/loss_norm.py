@@ -37,9 +37,10 @@ left as XTuner weighs it (logged).
 the step's loss is the mean over its dialogues (all micro-batches, all ranks) of each dialogue's
 mean token loss. Dialogues are the documents of a packed row (``cumulative_len``) or the rows of
 an unpacked batch. The model's loss becomes each micro-batch's mean over its dialogues, computed
-from the logits the forward already returns (per-token cross-entropy times ``1 / (supervised
-tokens of the token's dialogue)``): no extra forward; the counting unit of the step is the
-dialogue.
+from the one forward (per-token cross-entropy times ``1 / (supervised tokens of the token's
+dialogue)``): the per-token log-probs come from the chunked loss where it runs
+(``models.chunked_loss.target_logprobs_only``, no ``[tokens, vocab]`` logits), else from the
+logits; the counting unit of the step is the dialogue.
 
 The logged ``loss`` is each micro-batch's mean token (pair; dialogue) loss, as XTuner logs it.
 Opt out with ``loss_normalization = "micro_batch"`` in the config (XTuner's own weighting).
@@ -63,7 +64,13 @@ from xtuner_rope.config.loss import (
     loss_normalization,
 )
 from xtuner_rope.hooks.accumulation import check_resume, record_window
+from xtuner_rope.models.chunked_loss import (
+    is_chunked,
+    is_target_logprobs,
+    target_logprobs_only,
+)
 from xtuner_rope.models.dispatch import unwrap_model
+from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 # LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
@@ -231,7 +238,8 @@ class TokenWeightedLossHook(Hook):
     # -- the per-dialogue loss ------------------------------------------------------------
     def _patch_dialogue_loss(self, model) -> None:
         """``model.compute_loss`` returns the micro-batch's mean over dialogues of their mean
-        token loss, from the logits of the one forward (the HF model computes no loss)."""
+        token loss from one forward: the chunked target log-probs where the chunked loss runs
+        (``hooks.chunked_loss`` serves this ``compute_loss``), else the model's logits."""
         from xtuner.parallel.sequence import get_sequence_parallel_world_size
 
         if get_sequence_parallel_world_size() > 1:
@@ -246,16 +254,27 @@ class TokenWeightedLossHook(Hook):
             assert weights is not None, "a train step without before_train_iter"
             self._dialogue_weights = None
             labels = data["labels"]
-            logits = model.llm(**{k: v for k, v in data.items() if k != "labels"}).logits
-            tokens = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(),
-                labels[:, 1:].flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="none",
-            )
+            inputs = {k: v for k, v in data.items() if k != "labels"}
+            chunked = is_chunked(model.llm)
+            if chunked:  # position t's target is labels[:, t + 1]
+                with target_logprobs_only():
+                    logits = model.llm(**inputs, labels=_shifted(labels)).logits
+                    chunked = is_target_logprobs(logits)  # else paused: the model's logits
+            else:
+                logits = model.llm(**inputs).logits
+            if chunked:
+                tokens = -logits[:, :-1, 0].flatten()  # [b, s, 1] log-probs; 0 unsupervised
+            else:
+                tokens = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(),
+                    labels[:, 1:].flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
+                )
             weights = weights.to(tokens.device).flatten()
             return {"loss": (tokens * weights).sum() / max(dialogues, 1)}
 
+        compute_loss.xtuner_rope_dialogue = True  # hooks.chunked_loss serves it
         model.compute_loss = compute_loss
         self._patched_model = model
 
@@ -353,3 +372,14 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["TokenWeightedLossHook", "preference_pairs"]
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` targets ``labels[:, t + 1]`` at position ``t`` (-100 at the last), with the
+    labels' host copy shifted alike so the chunked log-probs read no device data."""
+    pad = torch.nn.functional.pad
+    targets = pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    host = host_copy(labels)
+    if host is not None and targets.device != host.device:
+        remember_host_copy(targets, pad(host[:, 1:], (0, 1), value=IGNORE_INDEX))
+    return targets
