@@ -205,13 +205,18 @@ def _llava_batch(packed: bool, seed: int) -> dict:
     return default_collate_fn(items)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["own_loss", "chunked_loss"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_llava_training_forward_reads_no_device_data(llava, packed):
+def test_llava_training_forward_reads_no_device_data(llava, packed, chunked):
     """XTuner's LLaVA forward: the expansion's check, the expanded boundaries and positions,
     the plan and the per-document frequencies read the host batch; XTuner's own reads (its
-    expansion indexes with device masks) are XTuner's."""
-    per_forward = []
+    expansion indexes with device masks) are XTuner's. The chunked loss finds the supervised
+    positions in the expanded labels' host copy (``models.llava.expanded_labels``)."""
+    per_forward, logits = [], []
     llava.train()
+    if chunked:
+        patch_chunked_loss(llava.llm)
+    kept = llava.llm.register_forward_hook(lambda m, a, out: logits.append(out.logits))
     try:
         for seed in range(3):
             data_batch = _llava_batch(packed, seed)
@@ -220,7 +225,7 @@ def test_llava_training_forward_reads_no_device_data(llava, packed):
             reads.on_device(list(llava.parameters()), list(llava.buffers()))
             data = preprocessor_move(data_batch["data"], reads)
             try:
-                with reads:
+                with reads, loss_only() if chunked else contextlib.nullcontext():
                     llava(data, mode="loss")
             finally:
                 channel.clear()
@@ -228,5 +233,7 @@ def test_llava_training_forward_reads_no_device_data(llava, packed):
             assert reads.calls > 300
             per_forward.append(reads.reads)
     finally:
+        kept.remove()
         llava.eval()
     assert per_forward[1:] == [[], []], per_forward
+    assert all((x is None) == chunked for x in logits) and len(logits) == 3

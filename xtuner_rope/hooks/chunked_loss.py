@@ -1,10 +1,13 @@
 """The chunked training loss switched on for the run (``chunked_loss``, on by default).
 
 ``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss` after patching the model:
-XTuner's ``SupervisedFinetune`` gets an instance ``compute_loss`` that runs its own inside
-``models.chunked_loss.loss_only``, and its causal LM the chunked-loss ``forward``, so the loss
-of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no ``[tokens, vocab]``
-logits of the row). What runs is logged once. Where the chunked loss cannot serve (another
+XTuner's ``SupervisedFinetune`` and ``LLaVAModel`` (whose LLM gets the expanded
+``inputs_embeds`` and ``labels``) get an instance ``compute_loss`` that runs their own inside
+``models.chunked_loss.loss_only``; ``InternVL_V1_5`` (which computes the loss from its LLM's
+logits) an instance ``forward`` whose training call hands the labels to the LLM
+(``models.internvl.llm_computes_the_loss``); and the causal LM the chunked-loss ``forward``.
+So the loss of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no
+``[tokens, vocab]`` logits of the row). What runs is logged once. Where the chunked loss cannot serve (another
 XTuner model, ``loss_normalization = "dialogue"``, sequence parallel, a head it does not know),
 the model's own loss runs and the log says why.
 
@@ -24,9 +27,11 @@ from xtuner_rope.models.chunked_loss import (
     patch_chunked_loss,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
+from xtuner_rope.models.internvl import internvl_chat_model, llm_computes_the_loss
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 
-SERVED_MODELS = ("SupervisedFinetune",)  # XTuner models whose compute_loss reads outputs.loss
+# XTuner models whose compute_loss reads outputs.loss, and InternVL (its forward, below).
+SERVED_MODELS = ("SupervisedFinetune", "LLaVAModel", "InternVL_V1_5")
 
 __all__ = ["enable_chunked_loss"]
 
@@ -68,7 +73,9 @@ def enable_chunked_loss(runner) -> str:
             why = str(error)
     if why is not None:
         return f"xtuner-rope: the model's own loss (full logits) runs: {why}."
-    if not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
+    if internvl_chat_model(model) is not None:
+        _serve_internvl(model)
+    elif not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
         own = model.compute_loss
 
         def compute_loss(data, data_samples=None):
@@ -82,3 +89,20 @@ def enable_chunked_loss(runner) -> str:
         f"xtuner-rope: chunked loss: the training loss projects only the supervised tokens "
         f"through the head ({what}); opt out: {OPT_OUT}."
     )
+
+
+def _serve_internvl(model) -> None:
+    """``InternVL_V1_5.forward`` (training): XTuner's with ``labels=None``, the LLM given them."""
+    if getattr(vars(model).get("forward"), "xtuner_rope_chunked", False):
+        return
+    own, chat = model.forward, internvl_chat_model(model)
+
+    def forward(data, data_samples=None, mode="loss"):
+        if mode != "loss" or data.get("labels") is None:
+            return own(data, data_samples, mode)
+        with loss_only(), llm_computes_the_loss(chat, data["labels"]) as got:
+            out = own({**data, "labels": None}, data_samples, mode)
+        return {**out, "loss": got["output"].loss}
+
+    forward.xtuner_rope_chunked = True
+    model.forward = forward
