@@ -101,7 +101,7 @@ def _assert_equal(model, reference, batch) -> None:
         float((g - want_grads[n]).norm() / want_grads[n].norm().clamp_min(1e-30))
         for n, g in got_grads.items()
     )
-    print(f"loss {float(got):.6g} vs {float(want):.6g}; worst gradient relative error {worst:.2g}")
+    print(f"loss relative error {abs(float(got / want - 1)):.2g}, gradients' worst {worst:.2g}")
     for name, g in got_grads.items():
         error = (g - want_grads[name]).norm() / want_grads[name].norm().clamp_min(1e-30)
         assert error <= 1e-6, (name, float(error))

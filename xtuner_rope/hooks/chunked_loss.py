@@ -7,9 +7,9 @@ XTuner's ``SupervisedFinetune`` and ``LLaVAModel`` (whose LLM gets the expanded
 logits) an instance ``forward`` whose training call hands the labels to the LLM
 (``models.internvl.llm_computes_the_loss``); and the causal LM the chunked-loss ``forward``.
 So the loss of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no
-``[tokens, vocab]`` logits of the row). What runs is logged once. Where the chunked loss cannot serve (another
-XTuner model, ``loss_normalization = "dialogue"``, sequence parallel, a head it does not know),
-the model's own loss runs and the log says why.
+``[tokens, vocab]`` logits of the row). What runs is logged once. Where the chunked loss cannot
+serve (another XTuner model, ``loss_normalization = "dialogue"``, sequence parallel, a head it
+does not know), the model's own loss runs and the log says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
 ``chunked_loss = False`` (the model's own loss), ``True`` (the default: chunks of
