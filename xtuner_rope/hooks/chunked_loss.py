@@ -102,6 +102,7 @@ def _serve_internvl(model) -> None:
             return own(data, data_samples, mode)
         with loss_only(), llm_computes_the_loss(chat, data["labels"]) as got:
             out = own({**data, "labels": None}, data_samples, mode)
+        assert "output" in got, "InternVL_V1_5's forward did not call its language_model"
         return {**out, "loss": got["output"].loss}
 
     forward.xtuner_rope_chunked = True
