@@ -293,6 +293,8 @@ def test_tiny_llava_recipe_trains_packed_and_isolates_samples(tmp_path):
     out = proc.stdout + proc.stderr
     check_run(tmp_path / "run", min_iters=6)
     assert "PackedBatchCheckHook: first batch 1 rows x" in out, out[-3000:]
+    # The LLM trains through the chunked loss (the captured iteration 1 through its own).
+    assert "xtuner-rope: chunked loss: the training loss projects only" in out, out[-3000:]
     result = compare_llava_capture(config, tmp_path / "run" / LLAVA_CAPTURE_FILE)
     saved = torch.load(tmp_path / "run" / LLAVA_CAPTURE_FILE, weights_only=False)
     assert saved["inputs_embeds"].shape[0] == 1 and result["samples"] == 4, result  # one row

@@ -35,6 +35,7 @@ from xtuner_rope.demo.llava_data import write_llava_data
 from xtuner_rope.demo.runlog import check_run
 
 pytestmark = pytest.mark.slow
+CHUNKED_LINE = "xtuner-rope: chunked loss: the training loss projects only the supervised tokens"
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +76,8 @@ def _train(config: Path, work_dir: Path) -> str:
     assert 'XTuner loads the LLM with attn_implementation="flash_attention_2"' in out
     assert "loaded in float32" in out, out[-3000:]
     assert "InternVLIsolationCaptureHook: saved" in out, out[-3000:]
+    # The LLM computes the loss through the chunked loss (iteration 1 paused for the capture).
+    assert CHUNKED_LINE in out, out[-3000:]
     return out
 
 
@@ -90,6 +93,7 @@ def test_internlm2_lora_config_trains_padded_each_sample_as_alone(internvl, tmp_
     config = _config(internvl, ic.INTERNLM2_LORA, "internlm2", tmp_path / "internlm2_lora.py")
     out = _train(config, tmp_path / "run")
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out, out[-3000:]
+    assert "(LoRA-adapted nn.Linear(" in out, out[-3000:]  # LoRA on InternLM2's head too
     assert "PackedBatchCheckHook: first batch 4 rows x" in out, out[-3000:]
     saved = torch.load(tmp_path / "run" / INTERNVL_CAPTURE_FILE, weights_only=False)
     assert any("lora_A" in k for k in saved["llm_state"]), "LoRA on the LLM"

@@ -47,6 +47,8 @@ from xtuner_rope.models.llava import check_expanded_batch
 
 CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"
+# The start-up line of the chunked training loss (hooks.chunked_loss): the LLM inside LLaVA.
+CHUNKED_LINE = "xtuner-rope: chunked loss: the training loss projects only the supervised tokens"
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,7 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(finetune_run):
     assert "custom_hooks: EvaluateChatHook" not in out  # kept (compat fixes its generation)
     assert_chat_hook_generated(tmp_path / "run")
     assert "ValidatedRoPEHook: 2 InternLM2 attention layers" in out
+    assert CHUNKED_LINE in out, out[-3000:]  # iteration 1 paused for the capture, then chunked
     assert "the sequence its LLM sees after the image expansion is checked every step" in out
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
     from xtuner_rope.capture.llava import LLAVA_CAPTURE_FILE, compare_llava_capture
@@ -283,6 +286,7 @@ def test_stock_llama3_llava_finetune_trains_packed_and_isolated(llava, llama_llm
     out = proc.stdout + proc.stderr
     run = check_run(tmp_path / "run", min_iters=6)
     assert "ValidatedRoPEHook: 2 Llama attention layers" in out, out[-3000:]
+    assert CHUNKED_LINE in out, out[-3000:]
     assert "LLaVAIsolationCaptureHook: saved" in out, out[-3000:]
     assert_chat_hook_generated(tmp_path / "run", "<|start_header_id|>assistant<|end_header_id|>")
     result = _assert_in_run_isolation(tmp_path / "run")

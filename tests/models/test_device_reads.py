@@ -14,7 +14,8 @@ same forwards read the device: the control that shows the count can fail.
 Modes: packed rows with published boundaries (ours, XTuner's), packed rows with position resets
 only, and XTuner's padded rows; InternLM2 (XTuner's class) and transformers' Llama, dynamic NTK
 past 16 positions so the per-document frequencies run too; XTuner's LLaVA (tiny CLIP and
-InternLM2, dynamic NTK past 32), packed by ``llava_collate_fn`` and padded by XTuner's collate.
+InternLM2, dynamic NTK past 32), packed by ``llava_collate_fn`` and padded by XTuner's collate;
+XTuner's InternVL through the chunked loss, packed by ``internvl_collate_fn`` and padded.
 Sequence parallel (two processes) is in test_sequence_parallel.py.
 """
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 from host_sync import DeviceReads, preprocessor_move
 from mmengine.config import ConfigDict
-from multimodal_models import llava_models, llava_samples
+from multimodal_models import internvl_models, internvl_samples, llava_models, llava_samples
 from test_host_sync_forward import SCALING, THRESHOLD
 from transformers import AutoModelForCausalLM
 from xtuner.dataset.collate_fns import default_collate_fn
@@ -36,8 +37,10 @@ from xtuner.model import SupervisedFinetune
 
 from xtuner_rope import llava_collate_fn
 from xtuner_rope.data.collate import rope_collate_fn
+from xtuner_rope.data.collate_internvl import internvl_collate_fn
 from xtuner_rope.demo.tiny import build_tiny
 from xtuner_rope.demo.tiny_clip import image_tokens
+from xtuner_rope.hooks.chunked_loss import enable_chunked_loss
 from xtuner_rope.hooks.isolation import PackedBatchCheckHook
 from xtuner_rope.models import channel
 from xtuner_rope.models.chunked_loss import loss_only, patch_chunked_loss
@@ -205,13 +208,18 @@ def _llava_batch(packed: bool, seed: int) -> dict:
     return default_collate_fn(items)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["own_loss", "chunked_loss"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_llava_training_forward_reads_no_device_data(llava, packed):
+def test_llava_training_forward_reads_no_device_data(llava, packed, chunked):
     """XTuner's LLaVA forward: the expansion's check, the expanded boundaries and positions,
     the plan and the per-document frequencies read the host batch; XTuner's own reads (its
-    expansion indexes with device masks) are XTuner's."""
-    per_forward = []
+    expansion indexes with device masks) are XTuner's. The chunked loss finds the supervised
+    positions in the expanded labels' host copy (``models.llava.expanded_labels``)."""
+    per_forward, logits = [], []
     llava.train()
+    if chunked:
+        patch_chunked_loss(llava.llm)
+    kept = llava.llm.register_forward_hook(lambda m, a, out: logits.append(out.logits))
     try:
         for seed in range(3):
             data_batch = _llava_batch(packed, seed)
@@ -220,7 +228,7 @@ def test_llava_training_forward_reads_no_device_data(llava, packed):
             reads.on_device(list(llava.parameters()), list(llava.buffers()))
             data = preprocessor_move(data_batch["data"], reads)
             try:
-                with reads:
+                with reads, loss_only() if chunked else contextlib.nullcontext():
                     llava(data, mode="loss")
             finally:
                 channel.clear()
@@ -228,5 +236,45 @@ def test_llava_training_forward_reads_no_device_data(llava, packed):
             assert reads.calls > 300
             per_forward.append(reads.reads)
     finally:
+        kept.remove()
         llava.eval()
+    assert per_forward[1:] == [[], []], per_forward
+    assert all((x is None) == chunked for x in logits) and len(logits) == 3
+
+
+@pytest.fixture(scope="module")
+def internvl(tmp_path_factory):
+    """XTuner's InternVL (tiny InternLM2 inside) with the chunked loss, as a run switches it on."""
+    model, _, tokens = internvl_models(tmp_path_factory.mktemp("internvl_reads"))
+    assert "chunked loss" in enable_chunked_loss(SimpleNamespace(cfg={}, model=model))
+    return model, tokens
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_internvl_chunked_loss_reads_no_device_data(internvl, packed):
+    """InternVL's training forward through the chunked loss: the LLM is given the batch's labels
+    (their host copy), the plan reads the host batch."""
+    model, (context, per_tile, side) = internvl
+    per_forward = []
+    model.train()
+    try:
+        for seed in range(3):
+            items = internvl_samples(6, seed, context, per_tile, side)
+            data_batch = (
+                internvl_collate_fn(items, max_length=128) if packed else default_collate_fn(items)
+            )
+            _before_train_iter("published", model, data_batch, None)
+            reads = DeviceReads()
+            reads.on_device(list(model.parameters()), list(model.buffers()))
+            data = preprocessor_move(data_batch["data"], reads)
+            try:
+                with reads:
+                    model(data, mode="loss")["loss"].backward()
+            finally:
+                channel.clear()
+                forget_host_copies()
+            assert reads.calls > 300
+            per_forward.append(reads.reads)
+    finally:
+        model.eval()
     assert per_forward[1:] == [[], []], per_forward

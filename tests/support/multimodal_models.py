@@ -22,9 +22,10 @@ from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.models.dispatch import patch_model
 
 
-def llava_models(root: Path, rope_scaling=None, max_position_embeddings=None):
+def llava_models(root: Path, rope_scaling=None, max_position_embeddings=None, **options):
     """A patched ``LLaVAModel`` and an unpatched copy; ``rope_scaling`` /
-    ``max_position_embeddings`` edit the LLM's config.json."""
+    ``max_position_embeddings`` edit the LLM's config.json; ``options`` go to ``LLaVAModel``
+    (default: LLM and CLIP frozen)."""
     from transformers import AutoModelForCausalLM, CLIPVisionModel
     from xtuner.model import LLaVAModel
 
@@ -49,8 +50,7 @@ def llava_models(root: Path, rope_scaling=None, max_position_embeddings=None):
             visual_encoder=ConfigDict(
                 type=CLIPVisionModel.from_pretrained, pretrained_model_name_or_path=str(clip)
             ),
-            freeze_llm=True,
-            freeze_visual_encoder=True,
+            **{"freeze_llm": True, "freeze_visual_encoder": True, **options},
         )
         .float()
         .eval()
@@ -78,9 +78,10 @@ def llava_samples(n: int, seed: int) -> list[dict]:
     return out
 
 
-def internvl_models(root: Path):
+def internvl_models(root: Path, **options):
     """A patched ``InternVL_V1_5`` (tiny InternVL around a tiny InternLM2), an unpatched copy,
-    and ``(img_context_token_id, tokens per tile, tile side)``."""
+    and ``(img_context_token_id, tokens per tile, tile side)``; ``options`` go to
+    ``InternVL_V1_5`` (default: LLM and vision model frozen)."""
     from xtuner.model.internvl import InternVL_V1_5
 
     from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
@@ -92,7 +93,8 @@ def internvl_models(root: Path):
     INTERNVL_LOAD.update(torch_dtype=torch.float32, attn_implementation="eager")
     try:
         torch.manual_seed(0)
-        model = InternVL_V1_5(model_path=str(path), freeze_llm=True, freeze_visual_encoder=True)
+        options = {"freeze_llm": True, "freeze_visual_encoder": True, **options}
+        model = InternVL_V1_5(model_path=str(path), **options)
     finally:
         INTERNVL_LOAD.clear()
         INTERNVL_LOAD.update(kept)

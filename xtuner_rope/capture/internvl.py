@@ -30,6 +30,7 @@ from torch import nn
 
 from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.capture.llava import in_run_sentence, isolation_figures
+from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 
 INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
@@ -94,6 +95,7 @@ class InternVLIsolationCaptureHook(CaptureHook):
             self._reference = reference_internvl_llm(runner.cfg)
             self._reference.load_state_dict(self._saved["llm_state"])
             self._reference.to(next(llm.parameters()).device).eval()
+        self.on_undo(pause_chunked_loss(llm))  # the training forward's logits, for this step
         self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
     def saved(self, runner, outputs: dict | None) -> dict:

@@ -31,6 +31,7 @@ from torch import nn
 from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.weights import plain_state_dict, plain_weights_refusal
+from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 
@@ -101,6 +102,7 @@ class LLaVAIsolationCaptureHook(CaptureHook):
         quiet = randomness_off(llm)
         quiet.__enter__()
         self.on_undo(lambda: quiet.__exit__(None, None, None))
+        self.on_undo(pause_chunked_loss(llm))  # the training forward's logits, for this step
         self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
     def saved(self, runner, outputs: dict | None) -> dict:

@@ -44,7 +44,7 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
             )
             check_expanded_batch(out, checked.max_position, lengths)
             if lengths is not None:
-                remember_expanded_host_copies(out, lengths)
+                remember_expanded_host_copies(out, lengths, kwargs, image_tokens)
             # Packed rows (llava_collate_fn): positions restart per sample, boundaries expanded.
             out = restart_after_expansion(
                 out,

@@ -1,18 +1,21 @@
 """The chunked training loss switched on for the run (``chunked_loss``, on by default).
 
 ``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss` after patching the model:
-XTuner's ``SupervisedFinetune`` gets an instance ``compute_loss`` that runs its own inside
-``models.chunked_loss.loss_only``, and its causal LM the chunked-loss ``forward``, so the loss
-of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no ``[tokens, vocab]``
-logits of the row); its ``predict`` (the held-out ``val_step``) returns per row the
-``target_logprobs`` ``[s]`` of the row-shifted labels that ``evaluation.metric.TokenLossMetric``
-reads instead of the logits. XTuner's ``DPO`` and ``ORPO`` run theirs inside
-``models.chunked_loss.target_logprobs_only``: policy and reference (its ``ref_llm`` patched too)
-return the target log-probs of ``ops.chunked_loss.chunked_target_logprobs``, which
+XTuner's ``SupervisedFinetune`` and ``LLaVAModel`` (whose LLM gets the expanded
+``inputs_embeds`` and ``labels``) get an instance ``compute_loss`` that runs their own inside
+``models.chunked_loss.loss_only``; ``InternVL_V1_5`` (which computes the loss from its LLM's
+logits) an instance ``forward`` whose training call hands the labels to the LLM
+(``models.internvl.llm_computes_the_loss``); and the causal LM the chunked-loss ``forward``.
+So the loss of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no
+``[tokens, vocab]`` logits of the row). SFT's ``predict`` (the held-out ``val_step``) returns
+per row the ``target_logprobs`` ``[s]`` of the row-shifted labels that
+``evaluation.metric.TokenLossMetric`` reads instead of the logits. XTuner's ``DPO`` and ``ORPO``
+run theirs inside ``models.chunked_loss.target_logprobs_only``: policy and reference (its
+``ref_llm`` patched too) return the target log-probs of
+``ops.chunked_loss.chunked_target_logprobs``, which
 ``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
-is logged once. Where the chunked loss cannot serve (another XTuner model,
-sequence parallel, a head it does not know), the model's
-own loss runs and the log says why.
+is logged once. Where the chunked loss cannot serve (another XTuner model, sequence parallel, a
+head it does not know), the model's own loss runs and the log says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
 ``chunked_loss = False`` (the model's own loss), ``True`` (the default: chunks of
@@ -35,12 +38,15 @@ from xtuner_rope.models.chunked_loss import (
     target_logprobs_only,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
+from xtuner_rope.models.internvl import internvl_chat_model, llm_computes_the_loss
 from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 
-# XTuner models served -> the block their compute_loss runs in: SFT reads outputs.loss, DPO and
-# ORPO the log-probs of the targets.
+# XTuner models served -> the block their compute_loss runs in: SFT and LLaVA read outputs.loss
+# (InternVL its LLM's, through its forward, below), DPO and ORPO the log-probs of the targets.
 SERVED_MODELS = {
     "SupervisedFinetune": loss_only,
+    "LLaVAModel": loss_only,
+    "InternVL_V1_5": loss_only,
     "DPO": target_logprobs_only,
     "ORPO": target_logprobs_only,
 }
@@ -111,8 +117,10 @@ def enable_chunked_loss(runner) -> str:
             why = str(error)
     if why is not None:
         return f"xtuner-rope: the model's own loss (full logits) runs: {why}."
-    block = SERVED_MODELS[type(model).__name__]
-    if not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
+    block, sft = SERVED_MODELS[type(model).__name__], type(model).__name__ == "SupervisedFinetune"
+    if internvl_chat_model(model) is not None:
+        _serve_internvl(model)
+    elif not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
         own = model.compute_loss
 
         def compute_loss(data, data_samples=None):
@@ -121,12 +129,30 @@ def enable_chunked_loss(runner) -> str:
 
         compute_loss.xtuner_rope_chunked = True
         model.compute_loss = compute_loss
-        if block is loss_only:
+        if sft:
             model.predict = _predict_target_logprobs(model.predict)
     assert is_chunked(language_model(runner.model))
     served = "the training loss" if block is loss_only else f"{type(model).__name__}'s log-probs"
-    also = ", the held-out log-probs too" if block is loss_only else ""
+    also = ", the held-out log-probs too" if sft else ""
     return (
         f"xtuner-rope: chunked loss: {served} projects only the supervised tokens "
         f"through the head ({what}){also}; opt out: {OPT_OUT}."
     )
+
+
+def _serve_internvl(model) -> None:
+    """``InternVL_V1_5.forward`` (training): XTuner's with ``labels=None``, the LLM given them."""
+    if getattr(vars(model).get("forward"), "xtuner_rope_chunked", False):
+        return
+    own, chat = model.forward, internvl_chat_model(model)
+
+    def forward(data, data_samples=None, mode="loss"):
+        if mode != "loss" or data.get("labels") is None:
+            return own(data, data_samples, mode)
+        with loss_only(), llm_computes_the_loss(chat, data["labels"]) as got:
+            out = own({**data, "labels": None}, data_samples, mode)
+        assert "output" in got, "InternVL_V1_5's forward did not call its language_model"
+        return {**out, "loss": got["output"].loss}
+
+    forward.xtuner_rope_chunked = True
+    model.forward = forward

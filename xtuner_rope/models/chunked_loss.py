@@ -10,8 +10,9 @@ it returns as ``logits`` the ``[b, s, 1]`` target log-probs of ``chunked_target_
 only the patched DPO/ORPO methods read (:func:`is_target_logprobs`); every other call (no
 labels, outside the blocks: generation, ``mode="predict"``) is the model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
 calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
-``outputs.loss`` (``hooks.chunked_loss``, around XTuner's ``SupervisedFinetune.compute_loss``);
-what reads a training forward's logits pauses it (``pause_chunked_loss``).
+``outputs.loss`` (``hooks.chunked_loss``: around the ``compute_loss`` of XTuner's
+``SupervisedFinetune`` and ``LLaVAModel``, and ``InternVL_V1_5``'s training forward); what
+reads a training forward's logits pauses it (``pause_chunked_loss``).
 """
 
 from __future__ import annotations

@@ -6,13 +6,21 @@ code: ``vision_model``, ``mlp1``, ``language_model``, ``num_image_token``,
 ``<IMG_CONTEXT>`` ids *before* the LLM: unlike LLaVA, the sequence (length, ``position_ids``,
 ``attention_mask``) is the one the collate function made, so the text path's attention patch
 and boundaries serve it unchanged.
+
+``_llm_forward`` computes the loss itself from the LLM's logits (a mean over the supervised
+tokens, the same shift as the LLM's own loss): :func:`llm_computes_the_loss` hands the labels to
+the LLM instead, so a chunked-loss LLM (``models.chunked_loss``) returns the loss and no logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import nn
 
-__all__ = ["internvl_chat_model", "internvl_image_tokens"]
+__all__ = ["internvl_chat_model", "internvl_image_tokens", "llm_computes_the_loss"]
 
 
 def internvl_chat_model(model: nn.Module) -> nn.Module | None:
@@ -31,3 +39,35 @@ def internvl_image_tokens(model: nn.Module) -> tuple[int, int] | None:
     if chat is None or getattr(chat, "img_context_token_id", None) is None:
         return None
     return int(chat.img_context_token_id), int(chat.num_image_token)
+
+
+@contextmanager
+def llm_computes_the_loss(chat: nn.Module, labels: torch.Tensor) -> Iterator[dict]:
+    """Inside: the next call of ``chat.language_model`` also gets ``labels``; its output is kept.
+
+    For ``InternVL_V1_5.forward`` called with ``labels=None`` (its ``_llm_forward`` then
+    computes no loss from the logits): the yielded dict's ``"output"`` is the LLM's output,
+    whose ``loss`` is the LLM's own mean over the supervised tokens of ``labels``.
+
+    Args:
+        chat: The chat model (:func:`internvl_chat_model`).
+        labels: ``[b, s]`` the batch's labels (-100: not supervised), aligned with the ids.
+    """
+    got: dict = {}
+    llm = chat.language_model
+
+    def give(module, args, kwargs):
+        given.remove()  # the training call only: a hook may call the LLM again inside it
+        return args, {**kwargs, "labels": labels}
+
+    def keep(module, args, kwargs, output):
+        if kwargs.get("labels") is labels:
+            got["output"] = output
+
+    given = llm.register_forward_pre_hook(give, with_kwargs=True)
+    kept = llm.register_forward_hook(keep, with_kwargs=True)
+    try:
+        yield got
+    finally:
+        given.remove()
+        kept.remove()

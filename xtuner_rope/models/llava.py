@@ -120,24 +120,61 @@ def check_expanded_batch(
         )
 
 
-def remember_expanded_host_copies(out: Mapping, lengths: torch.Tensor) -> None:
-    """Remember the host copies of XTuner's rebuilt ``attention_mask`` and ``position_ids``.
+def expanded_labels(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    image_tokens: int,
+    width: int,
+) -> torch.Tensor:
+    """XTuner's expanded labels ``[b, width]``, computed on the host.
+
+    The expansion keeps a row's attended labels, replaces each placeholder's by ``P`` times
+    -100 (its image's patches) and pads the row on the right with -100 (xtuner 0.2.0).
+
+    Args:
+        input_ids: ``[b, s]`` host ids before the expansion; attention_mask: ``[b, s]`` bool.
+        labels: ``[b, s]`` host labels before the expansion.
+        image_tokens: ``P``, patch embeddings per image; width: ``s'``, the expanded width.
+    """
+    out = torch.full((input_ids.shape[0], width), IGNORE_INDEX, dtype=labels.dtype)
+    for r, (ids, mask, row) in enumerate(zip(input_ids, attention_mask, labels)):
+        image = ids[mask] == IMAGE_TOKEN_INDEX  # [n]
+        counts = torch.where(image, image_tokens, 1)  # [n]: P tokens for a placeholder
+        row = row[mask].masked_fill(image, IGNORE_INDEX).repeat_interleave(counts)  # [n']
+        out[r, : row.numel()] = row
+    return out
+
+
+def remember_expanded_host_copies(
+    out: Mapping, lengths: torch.Tensor, before: Mapping, image_tokens: int
+) -> None:
+    """Remember the host copies of XTuner's rebuilt ``attention_mask``, ``position_ids`` and
+    ``labels``.
 
     XTuner's expansion right-pads every row to the longest: True and ``0..n-1`` over a row's
-    ``n`` tokens, False and 0 after (xtuner 0.2.0). From the expanded lengths computed on the
-    host (:func:`expanded_row_lengths`), the plan and the rotaries then read them without a
-    device read. On the CPU (where reading is free) they are compared with XTuner's tensors.
+    ``n`` tokens, False and 0 after (xtuner 0.2.0); the labels as :func:`expanded_labels`.
+    From the expanded lengths computed on the host (:func:`expanded_row_lengths`) and the host
+    copies of the batch (``before``: the expansion's arguments), the plan, the rotaries and
+    the chunked loss then read them without a device read. On the CPU (where reading is free)
+    they are compared with XTuner's tensors.
     """
     s_out = out["inputs_embeds"].shape[1]
     columns = torch.arange(s_out)[None]  # [1, s']
     real = columns < lengths[:, None]  # [b, s']
-    for key, host in (("attention_mask", real), ("position_ids", columns * real)):
+    hosts = [("attention_mask", real), ("position_ids", columns * real)]
+    batch = _host_batch(before["input_ids"], before.get("attention_mask"))
+    labels = before.get("labels")
+    labels = None if labels is None else host_copy(labels)
+    if batch is not None and labels is not None:
+        hosts.append(("labels", expanded_labels(*batch, labels, image_tokens, s_out)))
+    for key, host in hosts:
         device = out.get(key)
         if device is None:
             continue
         host = host.to(device.dtype)
         if device.device.type == "cpu":  # an internal invariant, checked where it costs nothing
-            assert torch.equal(device, host), f"XTuner's expanded {key} is not right-padded"
+            assert torch.equal(device, host), f"XTuner's expanded {key} differs from ours"
         remember_host_copy(device, host)
 
 
