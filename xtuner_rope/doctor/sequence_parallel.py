@@ -1,11 +1,7 @@
 """The doctor's sequence-parallel figures: rows against ``sequence_parallel_size``.
 
-With ``sequence_parallel_size = sp`` each collated ``[b, s]`` row is split into ``sp`` shards,
-one per rank of the group. A row whose length is not a multiple of ``sp`` gets a padding segment
-of its own (``rope_collate_fn(pad_to_multiple_of=sp)``, which the start-up sets, or the
-plugin's sequence-parallel loss); a row shorter than ``sp`` leaves some ranks a shard of padding
-only (no loss there, compute spent all the same). The figures say how much of that the data
-hold, from the dataset's rows and from the first batches as the config collates them.
+Each collated ``[b, s]`` row is split into ``sp`` shards; a row not a multiple of ``sp`` gets a
+padding segment, and a row shorter than ``sp`` leaves some ranks only padding.
 """
 
 from __future__ import annotations
@@ -29,11 +25,9 @@ def sequence_parallel_figures(
         shapes: ``(b, s)`` of each collated batch (after the collate function's padding).
 
     Returns:
-        None without sequence parallel (or with a size the start-up refuses), else
-        ``size``; ``rows``: how many, those shorter than ``size`` (count, first indices), those
-        needing a padding segment, the padding tokens that adds and its share of the padded
-        tokens; ``batches``: the collated widths that still do not divide (padded by the loss),
-        the padding tokens the loss adds, and the per-rank shard length (min, max).
+        None without sequence parallel, else ``size``; ``rows`` (count, ``shorter_than_size``,
+        ``needing_padding``, ``padding_tokens``, ``padding_share``); ``batches`` (count,
+        ``not_divisible``, ``loss_padding_tokens``, ``shard_length`` min/max).
     """
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1:
         return None

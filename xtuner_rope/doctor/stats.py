@@ -1,12 +1,7 @@
 """What a dataset looks like to the plugin: per-sample checks and the collate plan, simulated.
 
-Pure functions over the items a built XTuner dataset yields (``input_ids`` and ``labels``,
-plain or packed with ``cumulative_len`` / ``position_ids``) and over a collate callable; the
-config side lives in :mod:`xtuner_rope.doctor.diagnose`. No MMEngine, no XTuner.
-
-A label is *supervised* when it is not ``IGNORE_INDEX`` and it is not a document's first
-label: the causal shift predicts token ``t`` from the tokens before it, so a document's first
-token is never predicted from its own document (``rope_collate_fn`` masks it in packed rows).
+A label is *supervised* when it is not ``IGNORE_INDEX`` and not a document's first label (the
+causal shift never predicts a document's first token from its own document).
 """
 
 from __future__ import annotations
@@ -105,10 +100,10 @@ def scan_samples(
 
     Args:
         dataset: ``n`` items, indexable.
-        collate_max_length: Samples longer than this are refused by the collate function
-            (``over_long``); None to skip the check.
-        truncation_length: The dataset's silent truncation length: a sample exactly this
-            long was probably cut (``truncated``); None when the dataset does not truncate.
+        collate_max_length: Longer samples are refused by the collate function (``over_long``);
+            None to skip the check.
+        truncation_length: A sample exactly this long was probably cut (``truncated``); None
+            when the dataset does not truncate.
         progress: Show a progress bar on stderr.
 
     Returns:
@@ -176,14 +171,13 @@ def simulate_collate(
 ) -> CollatePlan:
     """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples.
 
-    A batch the collate function refuses is recorded in ``errors`` (its message) and left out
-    of the token shares; a batch whose samples hold no supervised label at all is recorded in
-    ``unsupervised_batches`` (batch indices) whatever the collate function does with it.
+    A refused batch goes to ``errors`` (its message), left out of the token shares; a batch
+    without any supervised label goes to ``unsupervised_batches``.
 
     Args:
         dataset: The built dataset.
         collate_fn: The config's collate function, kwargs bound.
-        batch_size: Samples per batch (the sampler does not drop the last, short batch).
+        batch_size: Samples per batch (the last, short batch kept).
         max_batches: How many batches to simulate.
         scan: :func:`scan_samples` of the same dataset.
         progress: Show a progress bar on stderr.
