@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from xtuner_rope.data.pack_plans import token_indices
 from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, table_and_order
 
 TOKENS_PER_BLOCK = 1 << 21  # tokens per block read (16 MiB a column of int64)
@@ -72,7 +73,7 @@ def list_column(dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
     drop_mapped_pages([f["filename"] for f in dataset.cache_files])
     if order is not None:
         starts = np.cumsum(sizes) - sizes
-        values = values[_ranges(starts[order], sizes[order])]
+        values = values[token_indices(starts[order], sizes[order])]
         sizes = sizes[order]
     return values, np.concatenate([[0], np.cumsum(sizes)])
 
@@ -99,11 +100,6 @@ def token_blocks(
         lengths, starts = lengths[order], starts[order]
     for rows in row_blocks(lengths):
         yield rows.start, lengths[rows], gather.gather(starts[rows], lengths[rows])
-
-
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    first = np.cumsum(sizes) - sizes
-    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
 
 
 def whole_matches(dialogue_keys: np.ndarray, segment_keys_: np.ndarray) -> np.ndarray:
