@@ -1,11 +1,4 @@
-"""A tiny CLIP vision tower and image processor, built locally and deterministically.
-
-XTuner's LLaVA configs load ``CLIPVisionModel.from_pretrained(visual_encoder_name_or_path)``
-and ``CLIPImageProcessor.from_pretrained(...)`` from the same directory. :func:`save_tiny_clip`
-writes such a directory from ``transformers.CLIPVisionConfig`` (2 layers, hidden 32, 56x56
-images in 14x14 patches: 16 image tokens per image after XTuner drops the CLS token) with
-seeded weights, so nothing is downloaded. ``python tools/make_tiny.py --family clip`` writes one.
-"""
+"""A tiny CLIP vision tower and image processor (56 px, 14 px patches: 16 tokens), built offline."""
 
 from __future__ import annotations
 
