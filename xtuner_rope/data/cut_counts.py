@@ -16,5 +16,5 @@ def kept_counts(before: int, after: int) -> dict:
 
 def length_quantile(lengths, q: float) -> int | None:
     """The ``max_length`` that keeps a share ``q`` of ``lengths`` whole; None for no lengths."""
-    ordered = np.sort(np.asarray(lengths))
-    return int(ordered[int(np.ceil(q * len(ordered))) - 1]) if len(ordered) else None
+    lengths = np.asarray(lengths)  # the smallest length that at least a share q is <= to
+    return int(np.quantile(lengths, q, method="inverted_cdf")) if len(lengths) else None

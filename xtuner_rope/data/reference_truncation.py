@@ -14,7 +14,6 @@ import numpy as np
 
 from .cut_counts import FIRST_INDICES, kept_counts, length_quantile
 
-PARTS = ("prompt", "reference", "chosen", "rejected")
 RESPONSES = ("reference", "chosen", "rejected")
 RESERVED = 4  # tokenize_ref's own: one RM token, two separators, one reward token
 STEP = "XTuner's preference tokenize_ref"

@@ -119,6 +119,19 @@ _SINKS: list[list] = []  # the open counting_truncation contexts' figure lists, 
 _SPLIT: list[bool] = []
 
 
+@contextlib.contextmanager
+def _counting_block(split: bool):
+    """Open one counting block (its figures list, its ``split_documents``) for this block."""
+    sink: list = []
+    _SINKS.append(sink)
+    _SPLIT.append(split)
+    try:
+        yield sink
+    finally:
+        _SINKS.pop()
+        _SPLIT.pop()
+
+
 def _tokenize(
     original,
     dataset,
@@ -183,14 +196,8 @@ def counted_tokenize_step(original):
         with_output = kwargs.get("input_ids_with_output", args[1] if len(args) > 1 else True)
         if _SINKS or not with_output or not isinstance(max_length, int):
             return step()  # counted by the open block; or nothing cut to count
-        sink: list = []
-        _SINKS.append(sink)
-        _SPLIT.append(False)
-        try:
+        with _counting_block(split=False) as sink:
             built = _tokenize(original, dataset, tokenizer, max_length, *args, **kwargs)
-        finally:
-            _SINKS.pop()
-            _SPLIT.pop()
         from mmengine.logging import print_log
 
         (figures,) = sink
@@ -227,18 +234,12 @@ def counting_truncation(split_documents: bool = False):
     """
     from xtuner_rope.compat.xtuner_tokenize import xtuner_tokenize_step
 
-    sink: list = []
-    _SINKS.append(sink)
-    _SPLIT.append(split_documents)
-    try:
+    with _counting_block(split_documents) as sink:
         if len(_SINKS) > 1:  # an outer block has XTuner's step swapped already
             yield sink
         else:
             with xtuner_tokenize_step(lambda original: functools.partial(_tokenize, original)):
                 yield sink
-    finally:
-        _SINKS.pop()
-        _SPLIT.pop()
 
 
 def unit(figures: dict | None, plural: bool = True) -> str:

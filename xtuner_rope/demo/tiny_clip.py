@@ -18,12 +18,9 @@ TINY_CLIP_KWARGS = dict(
 )
 
 
-def image_tokens(
-    image_size: int = TINY_CLIP_KWARGS["image_size"],
-    patch_size: int = TINY_CLIP_KWARGS["patch_size"],
-) -> int:
-    """How many positions one image takes in the LLM's sequence (patches, CLS dropped)."""
-    return (image_size // patch_size) ** 2
+def image_tokens() -> int:
+    """How many positions one tiny image takes in the LLM's sequence (patches, CLS dropped)."""
+    return (TINY_CLIP_KWARGS["image_size"] // TINY_CLIP_KWARGS["patch_size"]) ** 2
 
 
 def build_tiny_clip(seed: int = 0, **overrides):

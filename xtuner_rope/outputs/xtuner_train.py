@@ -32,13 +32,12 @@ def _slurm(argv: list[str]) -> bool:
     return argv[i + 1 : i + 2] == ["slurm"]
 
 
-def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+def train_command(argv: list[str]) -> list[str]:
     """The command ``xtuner train ARGV`` runs, by XTuner 0.2.0's rule.
 
     Args:
-        argv: The arguments after ``train``.
-        env: The environment to read ``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``, ``ADDR``
-            and ``PORT`` from (default: this process's).
+        argv: The arguments after ``train`` (``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``,
+            ``ADDR``, ``PORT`` are read from the environment).
 
     Returns:
         The child's command line.
@@ -46,7 +45,7 @@ def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
     Raises:
         ValueError: ``NNODES`` or ``NPROC_PER_NODE`` is not an integer.
     """
-    env = os.environ if env is None else env
+    env = os.environ
     script = train_script()
     try:
         nnodes = int(env.get("NNODES", 1))
