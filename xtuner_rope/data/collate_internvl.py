@@ -1,8 +1,7 @@
 """``internvl_collate_fn``: XTuner's InternVL samples, several whole samples to a row.
 
-``InternVL_V1_5_Dataset`` writes each image into the ids, so a sample's length is what the LLM
-sees; each row carries its samples' boundaries, positions restarting per sample, and its
-samples' tiles in order (text-only samples' zero tiles included, as XTuner drops them).
+Each row carries its samples' boundaries and their tiles in order (text-only samples' zero
+tiles included, as XTuner drops them by their zero pixels).
 """
 
 from __future__ import annotations

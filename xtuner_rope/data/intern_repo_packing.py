@@ -1,9 +1,8 @@
 """XTuner's intern-repo packing (``build_packed_dataset``) with every document whole.
 
-xtuner 0.2.0's ``PackedDataset`` cuts its shuffled stream every ``packed_length`` tokens and
-drops the last partial row; :class:`WholePackedDataset` takes the same arguments and shuffle
-and places each document whole into one row (``pack_plans.whole_plan``), documents longer than
-a row split into ``packed_length`` pieces. Rows are built on access, with XTuner's columns.
+:class:`WholePackedDataset` takes XTuner's ``PackedDataset`` arguments and shuffle and places
+each document whole into one row (longer ones split into ``packed_length`` pieces) instead of
+cutting the stream and dropping the last partial row.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def _table_token_starts(dataset, documents: np.ndarray, offsets: np.ndarray) -> 
 class WholePackedDataset(torch.utils.data.Dataset):
     """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
 
-    Holds the plan only (about 40 bytes a document); a row is read when asked for: from a
-    ``JsonlDataset``'s mapped lines (``token_lines.TokenLines``), or gathered from a
-    ``datasets.Dataset``'s Arrow columns (``token_gather.TokenGather``).
+    Holds the plan only (about 40 bytes a document); rows are read on access, from a
+    ``JsonlDataset``'s lines (``token_lines``) or a ``datasets.Dataset``'s columns (``token_gather``).
 
     Args:
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
@@ -199,16 +197,13 @@ def _summary(
 def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
     """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
 
-    XTuner's function runs with :class:`WholePackedDataset` as its packer; what the untokenized
-    loader's ``encode_fn`` cuts at ``max_length`` is counted and logged in one line.
-
     Args:
         *args: As ``build_packed_dataset`` (``dataset_cfg``, ``packed_length``, ``seed``).
         whole_documents: Pack each document whole (the default); False: XTuner's own packer.
         **kwargs: As ``build_packed_dataset``.
 
     Returns:
-        The ``ConcatDataset`` of packed datasets ``build_packed_dataset`` returns.
+        The ``ConcatDataset`` of packed datasets; ``encode_fn``'s cut counted in one log line.
 
     Raises:
         TypeError: ``whole_documents`` is not a bool.

@@ -1,9 +1,7 @@
 """XTuner's LLaVA training data, checked before the first step (the doctor runs the same checks).
 
-Missing or unreadable images, ``<image>`` placeholders that do not match the sample's image (or
-more than one), and samples longer than a row or the RoPE range once each image is ``P`` tokens
-fail deep in a run or train silently wrong: :func:`llava_data_problems` finds them from the
-tokenized text and the image headers; :func:`check_llava_dataset` raises them at once.
+Missing or unreadable images, ``<image>`` placeholders that do not match their image, and
+samples too long once each image is ``P`` tokens: found from the text and image headers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Where offline packing puts each token: whole dialogues (the default) or XTuner's cut.
+"""Where offline packing puts each token, from the dialogue lengths only: whole dialogues or XTuner's cut.
 
-Plans read the dialogue lengths only and describe the rows as *pieces* of the tokenized stream
-in row order: :func:`whole_plan` (best-fit decreasing, documents longer than a row split into
-``max_length`` pieces), :func:`cut_plan` (XTuner's Packer over one stream, leftover kept) and
-:func:`intern_repo_cut_plan` (XTuner's intern-repo cut, last partial row dropped).
+Plans describe the rows as *pieces* of the tokenized stream in row order.
 """
 
 from __future__ import annotations
@@ -27,10 +24,7 @@ def _check_max_length(max_length: object) -> None:
 def cut_plan(
     lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
 ) -> np.ndarray:
-    """Where XTuner's Packer cuts one stream of dialogues, the final leftover kept.
-
-    The Packer cuts each batch onto the previous leftover; a batch short of one row comes out
-    as one short row; the last leftover is a short row here (XTuner drops it).
+    """Where XTuner's Packer cuts one stream of dialogues, batch by batch, the final leftover kept.
 
     Args:
         lengths: ``[n]`` token counts of the dialogues, in stream order.

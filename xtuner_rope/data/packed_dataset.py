@@ -1,12 +1,10 @@
 """XTuner's offline packing with every dialogue whole and nothing dropped.
 
 xtuner 0.2.0's ``pack_to_max_length=True`` cuts the token stream every ``max_length`` tokens
-(a dialogue across a row edge trained as two fragments) and drops each shard's leftover.
-:func:`lossless_process_hf_dataset` runs XTuner's own pipeline with the pack step replaced by
-:func:`pack_dataset`: each dialogue whole in one row (``pack_plans.whole_plan``), pretraining
-documents longer than a row split into ``max_length`` pieces, or with ``whole_dialogues=False``
-XTuner's cut of one stream, leftover kept. Rows are Arrow gathers written to a cache file next
-to the dataset's, with XTuner's columns.
+and drops each shard's leftover. :func:`lossless_process_hf_dataset` runs XTuner's pipeline with
+the pack step replaced by :func:`pack_dataset`: each dialogue whole in one row (longer
+pretraining documents split), or XTuner's cut with the leftover kept; rows are Arrow gathers
+written next to the dataset's cache files.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ def recorded_packs():
     """Record every :func:`pack_dataset` call made in this block (the doctor reads the very build).
 
     Yields:
-        A list that gets one ``(dialogues, packed)`` per call: the tokenized dialogues in packing
-        order (a shuffle is an indices view) and the packed ``datasets.Dataset``.
+        A list that gets ``(dialogues, packed)`` per call: the tokenized dialogues in packing order
+        and the packed ``datasets.Dataset``.
     """
     record: list = []
     _RECORDS.append(record)

@@ -1,9 +1,7 @@
 """XTuner's preference pairs (DPO, ORPO, reward model), checked before the first step.
 
-What trains silently wrong: chosen equal to rejected, a response without a supervised token,
-labels not as long as the ids, a pair longer than ``max_packed_length`` (dropped by
-``PackedDatasetWrapper`` with only a count). :func:`check_preference_dataset` raises them all
-(``PackedBatchCheckHook.before_train``).
+Chosen equal to rejected, a response without a supervised token, labels not as long as the
+ids, and pairs dropped by ``PackedDatasetWrapper`` train silently wrong: named and refused.
 """
 
 from __future__ import annotations

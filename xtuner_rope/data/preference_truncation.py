@@ -1,9 +1,7 @@
 """What XTuner's preference ``tokenize`` cuts at ``max_length``, counted: pairs.
 
-xtuner 0.2.0 ``PreferenceDataset`` keeps the first ``max_length`` tokens of prompt + chosen and
-prompt + rejected, silently. :func:`counted_preference_dataset` tokenizes uncut, counts what
-the cut loses (:func:`pair_figures`), then applies the very same cut; ``is_reference`` pairs
-are built as XTuner builds them, then counted (``data.reference_truncation``).
+:func:`counted_preference_dataset` tokenizes uncut, counts what the cut loses, then applies the
+very same cut; ``is_reference`` pairs are counted after XTuner builds them.
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ STEP = "XTuner's preference tokenize"
 
 
 def cut_pair(pair: dict, max_length: int, is_reward: bool) -> dict:
-    """``tokenize``'s cut of one uncut pair: each response's first ``max_length`` tokens and labels.
-
-    A reward model's last token (the reward token) is kept after them.
-    """
+    """``tokenize``'s cut of one pair: each response's first ``max_length`` tokens (a reward token kept)."""
     out = {}
     for part in RESPONSES:
         ids, labels = pair[f"{part}_ids"], pair[f"{part}_labels"]

@@ -1,11 +1,9 @@
 """What XTuner's ``tokenize_ref`` cuts from ``is_reference`` preference pairs, counted.
 
-xtuner 0.2.0 ``PreferenceDataset(is_reference=True)`` keeps the first ``max_response_length``
-tokens of each response and the last ``max_prompt_length`` of the prompt (the smaller of
-``(max_length - 4 - reference - response) // 2`` over chosen and rejected), then decodes and
-encodes ``reference + "<|reward|>" + response`` again: the final sequences are not bounded by
-``max_length``. Its slice ``prompt[-max_prompt_length:]`` keeps the whole prompt at 0 and drops
-only ``k`` tokens at ``-k``: counted apart (``no_room``). Tokens counted are text tokens.
+xtuner 0.2.0 keeps each response's first ``max_response_length`` tokens and the prompt's last
+``max_prompt_length`` (``(max_length - 4 - reference - response) // 2``), then re-encodes the
+text: final sequences are not bounded by ``max_length``, and a budget <= 0 keeps the prompt
+(nearly) whole (``no_room``). Counts are in text tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ def _texts(dataset, part: str) -> list[str]:
 
 
 def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length: int) -> dict:
-    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations.
-
-    Text tokens (ids outside ``tokenizer.all_special_ids``) are what a cut can lose: the decode
-    skips special tokens.
+    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations (text tokens: ids
+    outside ``tokenizer.all_special_ids``).
 
     Args:
         dataset: The pairs (``prompt``, ``reference``, ``chosen``, ``rejected`` message lists).
@@ -45,9 +41,8 @@ def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length
         max_response_length: The dataset's ``max_response_length``.
 
     Returns:
-        ``length`` / ``kept`` (all tokens) and ``text`` / ``text_kept`` (text tokens), each
-        ``{part: [n]}``; ``budget`` ``[n]`` (XTuner's ``max_prompt_length``); ``lead`` ``[n]``
-        (the prompt's leading special tokens).
+        ``length`` / ``kept`` (all tokens) and ``text`` / ``text_kept``, each ``{part: [n]}``;
+        ``budget`` ``[n]`` (``max_prompt_length``); ``lead`` ``[n]`` (leading special tokens).
     """
     special = np.asarray(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
     length, kept, text, text_kept = {}, {}, {}, {}

@@ -1,10 +1,8 @@
 """Gather token ranges from a tokenized Arrow column without joining its chunks.
 
-``ChunkedArray.take`` joins every chunk first (a copy of the whole column); here each chunk
-stays a zero-copy numpy view of the mapped file, read a *window* of consecutive chunks
-(``WINDOW_BYTES``) at a time with one fancy index per column. The mapped pages a gather reads
-are released once read (``MADV_DONTNEED``: peak RSS 1.07x XTuner's instead of 1.40x at 500,000
-dialogues, docs/measurements.md); ``XTUNER_ROPE_RELEASE_PAGES=0`` turns it off.
+Each chunk stays a zero-copy view of the mapped file, read a window (``WINDOW_BYTES``) at a
+time; pages are released once read (peak RSS 1.07x XTuner's instead of 1.40x at 500,000
+dialogues, docs/measurements.md); ``XTUNER_ROPE_RELEASE_PAGES=0`` turns that off.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The documents of XTuner's tokenized intern-repo files (``.bin``) parsed a packed row at a time.
 
-The lines of one row's documents are read in one call of pyarrow's JSON reader with an explicit
-schema (``tokens``: ``list<int64>``), which refuses anything else: such a row is read through
-XTuner's own reader, so no row differs from XTuner's reading.
+One pyarrow JSON read per row with an explicit ``list<int64>`` schema; a row it refuses is
+read through XTuner's own reader.
 """
 
 from __future__ import annotations

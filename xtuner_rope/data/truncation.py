@@ -1,9 +1,8 @@
 """What XTuner's ``encode_fn`` cuts at ``max_length``, counted; pretraining text kept whole.
 
-:func:`counting_truncation` runs XTuner's own tokenize step uncut, counts what the cut loses
-(:func:`truncation_figures`), then applies the very same cut: the dataset is XTuner's, token
-for token. With ``split_documents=True`` pretraining documents (every label supervised but
-BOS) are not cut: the pack step splits them into ``max_length`` pieces.
+:func:`counting_truncation` runs XTuner's tokenize step uncut, counts what the cut loses, then
+applies the very same cut. With ``split_documents=True`` pretraining documents are not cut:
+the pack step splits them into ``max_length`` pieces.
 """
 
 from __future__ import annotations
@@ -177,11 +176,7 @@ def record_figures(figures: dict) -> bool:
 
 
 def counted_tokenize_step(original):
-    """XTuner's ``tokenize_dataset`` counted and logged wherever no counting block is open.
-
-    Put in place by ``xtuner_tokenize.patch_xtuner_tokenize_counted`` for the builds the start-up
-    does not route through :func:`counting_truncation` (unpacked ``process_hf_dataset``,
-    ``LLaVADataset``'s text): one start-up line each (:func:`tokenized_line`).
+    """XTuner's ``tokenize_dataset`` counted and logged (one line) wherever no counting block is open.
 
     Args:
         original: XTuner's ``tokenize_dataset``.

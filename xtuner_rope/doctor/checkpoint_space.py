@@ -1,9 +1,7 @@
 """The doctor's check of checkpoint space: the size of one checkpoint against the free disk.
 
-The size is the work dir's newest complete checkpoint, else an estimate from the LLM's weight
-headers and the config (saved weights in the training dtype, plus the optimizer's states; the
-vision tower, projector and ``ref_llm`` not counted). How many at once: ``max_keep_ckpts`` plus
-the one being written (the oldest goes only after the new one is complete).
+The size is the newest complete checkpoint's, else estimated from the LLM's weight headers and
+the config; ``max_keep_ckpts`` plus the one being written are held at once.
 """
 
 from __future__ import annotations
@@ -59,13 +57,10 @@ def _local_dir(name: object) -> Path | None:
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
-    """``{name: (shape, dtype)}`` of a Hugging Face checkpoint's weights, nothing loaded.
+    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (None without any), nothing loaded.
 
     Args:
         folder: The checkpoint directory (``*.safetensors`` or ``pytorch_model*.bin``).
-
-    Returns:
-        Every tensor's shape and stored dtype; None when the folder has no weight file.
     """
     import torch
     from safetensors import safe_open
@@ -224,8 +219,8 @@ def checkpoint_space(cfg: Config, samples: int, batch_size: int, work_dir: str) 
         work_dir: Where the run writes its checkpoints.
 
     Returns:
-        ``work_dir``, ``checkpoint_bytes`` (None when unknown), ``size_from``, ``at_once``,
-        ``max_keep_ckpts``, ``needed_bytes``, ``free_bytes`` and ``filesystem``.
+        ``work_dir``, ``checkpoint_bytes`` (None: unknown), ``size_from``, ``at_once``,
+        ``max_keep_ckpts``, ``needed_bytes``, ``free_bytes``, ``filesystem``.
     """
     loader, train = _get(config_dict(cfg), "train_dataloader"), _get(config_dict(cfg), "train_cfg")
     per_epoch = epoch_length(samples, batch_size, bool(_get(loader, "drop_last", False)))

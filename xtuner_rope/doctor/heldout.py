@@ -1,9 +1,4 @@
-"""The doctor's held-out figures: ``val_dataloader``'s set as the run will evaluate it.
-
-Built with XTuner's builders after the start-up and described by
-:func:`xtuner_rope.evaluation.heldout_counts.heldout_counts`, the figures
-``HeldOutCurvesHook`` logs when the run starts.
-"""
+"""The doctor's held-out figures: ``val_dataloader``'s set as ``HeldOutCurvesHook`` logs it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The doctor's figures for XTuner's InternVL configs: image tokens, cut images, missing files.
 
-``InternVL_V1_5_Dataset`` (xtuner 0.2.0) writes ``P x tiles`` ``<IMG_CONTEXT>`` per image (``P``
-from the checkpoint's ``config.json``). It silently replaces a sample whose image is missing by
-a random other one, and a ``max_length`` that cuts image tokens makes wrong vision tokens: both
-are named with the sample. Each sample is built once uncut, then cut as XTuner cuts it.
+``InternVL_V1_5_Dataset`` silently replaces a sample whose image is missing, and a
+``max_length`` that cuts image tokens makes wrong vision tokens: both named with the sample.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The doctor on XTuner's LLaVA configs: lengths as the LLM sees them, after the image expansion.
 
-``LLaVAModel`` (xtuner 0.2.0) puts ``P`` patch embeddings where each ``IMAGE_TOKEN_INDEX``
-placeholder was (``P = 576`` for CLIP-L/14 at 336 px): :func:`llava_view` expands the tokenized
-text the same way (no image opened) so every figure of the doctor counts image tokens; ``P`` is
-read from the vision tower's config, never guessed.
+Each ``IMAGE_TOKEN_INDEX`` placeholder becomes ``P`` patch embeddings (``P`` read from the
+vision tower's config): :func:`llava_view` expands the tokenized text the same way.
 """
 
 from __future__ import annotations
@@ -185,8 +183,7 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
 
     Args:
         cfg: The started config.
-        dataset: Its built train dataset (``LLaVADataset``: ``text_data`` holds the tokenized
-            samples).
+        dataset: Its built ``LLaVADataset`` (``text_data``: the tokenized samples).
         collate_fn: The config's collate function, kwargs bound.
     """
     from xtuner_rope.config.multimodal import is_llava
@@ -258,7 +255,7 @@ def llava_figures(
         view: :func:`llava_view` of the config.
         dataset: The ``LLaVADataset``.
         collate_kwargs: The collate function's kwargs (``image_tokens``).
-        dataset_max_length: ``LLaVADataset``'s ``max_length``: samples that long were probably cut.
+        dataset_max_length: ``LLaVADataset``'s ``max_length`` (samples that long were cut).
     """
     text = dataset.text_data
     p = view.image_tokens["image_tokens"]

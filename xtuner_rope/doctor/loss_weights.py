@@ -1,9 +1,7 @@
 """The doctor's figure for the loss weighting: how unequal tokens would weigh without the fix.
 
-XTuner averages the loss per micro-batch and MMEngine divides by the accumulation count ``a``:
-a token of micro-batch ``m`` weighs ``1 / (a * n_m)``, against ``1 / N`` with the plugin's
-token-weighted loss (:mod:`xtuner_rope.hooks.loss_norm`). The factor per dialogue is
-``N / (a * n_m)``.
+XTuner's per-micro-batch mean divided by the accumulation ``a`` weighs a token ``1 / (a * n_m)``,
+the token-weighted loss ``1 / N``: the factor per dialogue is ``N / (a * n_m)``.
 """
 
 from __future__ import annotations
@@ -20,15 +18,14 @@ def token_weight_figures(
     """Per-token weight inequality of XTuner's per-micro-batch loss, against token weighting.
 
     Args:
-        batches: ``[m]`` micro-batches in sampler order, each the supervised-token counts of its
-            items.
+        batches: ``[m]`` micro-batches in sampler order: each item's supervised tokens.
         dialogues: ``[m]`` dialogues in each micro-batch.
         accumulation: ``optim_wrapper.accumulative_counts`` (the last window may be shorter).
 
     Returns:
-        ``max_over_min`` (largest over smallest factor; None without a supervised micro-batch),
-        ``changed_2x_share`` (dialogues whose weight changes by more than 2x),
-        ``micro_batches``, ``windows``, ``accumulation``.
+        ``max_over_min`` (of the factors; None without a supervised micro-batch),
+        ``changed_2x_share`` (dialogues reweighted > 2x), ``micro_batches``, ``windows``,
+        ``accumulation``.
     """
     factors, weights = [], []  # per supervised micro-batch: N / (a * n_m), its dialogues
     windows = 0

@@ -1,9 +1,4 @@
-"""The doctor on XTuner's offline packing: the dialogues before packing and what packing did.
-
-The config's dataset is built once, as training builds it (numpy seeded as the Runner seeds
-it), with its pack step recorded; :func:`packing_figures` counts tokens, labels, rows, fill and
-cut dialogues before and after, and what XTuner's cut of the same stream would make.
-"""
+"""The doctor on XTuner's offline packing: the dialogues before packing and what packing did."""
 
 from __future__ import annotations
 
@@ -82,24 +77,21 @@ def _xtuner_dialogues_and_packs(dataset_cfg: dict):
 def packing_figures(
     dialogues, packed, max_length: int, intern_repo: bool = False, progress: Progress = QUIET
 ) -> dict:
-    """What the pack step did to the dialogues, JSON-ready.
+    """What the pack step did to the dialogues, JSON-ready, block by block (``token_columns``).
 
     Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut), else
-    by finding each dialogue whole among the packed documents (``dialogue_keys.segment_keys``),
-    block by block: the doctor never holds the tokens of the corpus.
+    by finding each dialogue whole among the packed documents (``dialogue_keys.segment_keys``).
 
     Args:
         dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
         packed: The packed rows built from them (``cumulative_len`` when recorded).
         max_length: Tokens per packed row.
-        intern_repo: The rows are one file's of XTuner's intern-repo packing (its cut drops the
-            last partial row).
+        intern_repo: One file's rows of XTuner's intern-repo packing (last partial row dropped).
         progress: Where the passes over the tokens show their progress (default: nowhere).
 
     Returns:
         ``tokens`` / ``labels`` (``before``, ``after``, ``lost``), ``rows``, ``fill``, ``sft``,
-        ``xtuner_cut`` (``rows``, ``cut_dialogues``), ``split_long`` / ``split_pieces``
-        (documents over ``max_length``, split by design) and, when the rows carry boundaries
+        ``xtuner_cut``, ``split_long`` / ``split_pieces`` and, when the rows carry boundaries
         and keep the stream, ``cut_dialogues``, ``pieces``, ``unsupervised_pieces`` and
         ``unsupervised_seen`` (else None).
     """
@@ -171,12 +163,11 @@ def intern_repo_figures(concat, packed_length: int) -> tuple[list[int], dict]:
     """The packing figures of an intern-repo ``build_packed_dataset``, file by file, summed.
 
     Args:
-        concat: The built train dataset (``ConcatDataset`` of ``PackedDataset`` or
-            ``WholePackedDataset``).
+        concat: The built ``ConcatDataset`` of ``PackedDataset`` or ``WholePackedDataset``.
         packed_length: Tokens per row.
 
     Returns:
-        ``(lengths, figures)``: ``[n]`` document lengths in stream order over all files, and
+        ``(lengths, figures)``: ``[n]`` document lengths in stream order, and
         :func:`packing_figures` of all files together (None without a file).
     """
     from datasets import Dataset

@@ -1,8 +1,7 @@
-"""What ``xtuner-rope doctor`` shows for XTuner's preference data (DPO, ORPO, reward model).
+"""What ``xtuner-rope doctor`` shows for XTuner's preference pairs (DPO, ORPO, reward model).
 
-``PackedDatasetWrapper`` packs whole pairs into rows of ``max_packed_length`` tokens and
-drops longer pairs silently: :func:`preference_figures` describes the pairs (lengths, drops,
-pairs per row, real-token share), not the packed rows.
+:func:`preference_figures` describes the pairs (lengths, pairs dropped by
+``PackedDatasetWrapper``, pairs per row, real-token share), not the packed rows.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""What the doctor is doing, on stderr, while it works (stdout keeps the report's summary).
-
-A stage line per step with the seconds since the start, and a bar for each pass over the
-tokens longer than one block; ``--quiet`` turns it all off (and the datasets library's bars).
-"""
+"""What the doctor is doing, on stderr (stage lines, bars over the tokens); ``--quiet`` silences it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""What the doctor says about length-dependent RoPE: the threshold and who crosses it.
-
-Dynamic NTK and LongRoPE choose their frequencies from the length served; the run gives each
-packed document those of its own length (``models.rope_documents``). With
-``per_document_rope = False`` documents past the threshold would share their row's: a problem.
-"""
+"""What the doctor says about length-dependent RoPE (dynamic NTK, LongRoPE): threshold, who crosses it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-""":func:`stats.scan_samples` on the columns of a ``datasets.Dataset``, block by block.
-
-The same facts per sample computed with numpy over Arrow blocks instead of one Python list
-per sample; used when every token column is a list of integers without nulls.
-"""
+""":func:`stats.scan_samples` on the Arrow columns of a ``datasets.Dataset``, block by block (numpy)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The doctor's check of the learning-rate schedule: MMEngine's epoch-to-iteration rounding.
 
-MMEngine converts ``convert_to_iter_based`` schedulers with ``int(end * len(train_dataloader))``
-and refuses ``end <= begin``: on a small dataset the warm-up rounds to 0 iterations and the run
-stops after loading. The doctor knows the dataset's length, so it computes the same integers
-first (the run's own refusal: ``xtuner_rope.config.warmup``).
+On a small dataset ``int(end * len(train_dataloader))`` rounds a warm-up to 0 iterations and
+MMEngine refuses ``end <= begin`` after loading; the doctor computes the same integers first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size``.
-
-Each collated ``[b, s]`` row is split into ``sp`` shards; a row not a multiple of ``sp`` gets a
-padding segment, and a row shorter than ``sp`` leaves some ranks only padding.
-"""
+"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size`` (padding, short rows)."""
 
 from __future__ import annotations
 
@@ -21,13 +17,11 @@ def sequence_parallel_figures(
 
     Args:
         sp: The config's ``sequence_parallel_size`` (None/1: no figures).
-        row_lengths: ``[n]`` token counts of the dataset's rows (one per sample).
-        shapes: ``(b, s)`` of each collated batch (after the collate function's padding).
+        row_lengths: ``[n]`` token counts of the dataset's rows.
+        shapes: ``(b, s)`` of each collated batch.
 
     Returns:
-        None without sequence parallel, else ``size``; ``rows`` (count, ``shorter_than_size``,
-        ``needing_padding``, ``padding_tokens``, ``padding_share``); ``batches`` (count,
-        ``not_divisible``, ``loss_padding_tokens``, ``shard_length`` min/max).
+        None without sequence parallel, else ``size``, ``rows`` and ``batches`` figures.
     """
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1:
         return None

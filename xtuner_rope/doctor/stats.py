@@ -1,7 +1,6 @@
 """What a dataset looks like to the plugin: per-sample checks and the collate plan, simulated.
 
-A label is *supervised* when it is not ``IGNORE_INDEX`` and not a document's first label (the
-causal shift never predicts a document's first token from its own document).
+A label is *supervised* when it is not ``IGNORE_INDEX`` and not a document's first label.
 """
 
 from __future__ import annotations
@@ -47,14 +46,11 @@ def _as_list(value: object) -> list[int]:
 
 
 def document_starts(item: Mapping) -> list[int]:
-    """First column of every document of one item.
+    """First column of every document of one item (``[0]`` plain, ``[]`` empty).
 
     Args:
-        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``
-            boundaries) or ``position_ids`` (``[n]``, 0 at each document start).
-
-    Returns:
-        The start columns, ``[0]`` for a plain item, ``[]`` for an empty one.
+        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``) or
+            ``position_ids`` (``[n]``, 0 at each document start).
     """
     n = len(_as_list(item.get("input_ids")))
     if n == 0:
@@ -96,18 +92,13 @@ def scan_samples(
     truncation_length: int | None,
     progress: bool = True,
 ) -> SampleScan:
-    """Check every sample of a built dataset.
+    """Check every sample of a built dataset; issue indices are sample indices.
 
     Args:
         dataset: ``n`` items, indexable.
-        collate_max_length: Longer samples are refused by the collate function (``over_long``);
-            None to skip the check.
-        truncation_length: A sample exactly this long was probably cut (``truncated``); None
-            when the dataset does not truncate.
+        collate_max_length: Longer samples are ``over_long`` (None: not checked).
+        truncation_length: A sample exactly this long was probably cut (None: not checked).
         progress: Show a progress bar on stderr.
-
-    Returns:
-        The scan; issue indices are sample indices.
     """
     scan = SampleScan()
     enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
@@ -171,8 +162,8 @@ def simulate_collate(
 ) -> CollatePlan:
     """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples.
 
-    A refused batch goes to ``errors`` (its message), left out of the token shares; a batch
-    without any supervised label goes to ``unsupervised_batches``.
+    A refused batch goes to ``errors``, left out of the token shares; a batch without any
+    supervised label to ``unsupervised_batches``.
 
     Args:
         dataset: The built dataset.
@@ -181,9 +172,6 @@ def simulate_collate(
         max_batches: How many batches to simulate.
         scan: :func:`scan_samples` of the same dataset.
         progress: Show a progress bar on stderr.
-
-    Returns:
-        The plan.
     """
     plan = CollatePlan()
     n_batches = min(max_batches, -(-len(dataset) // batch_size))

@@ -1,9 +1,4 @@
-"""The token columns of a built ``datasets.Dataset``, read block by block.
-
-Numpy blocks of ``TOKENS_PER_BLOCK`` tokens from the memory-mapped table (through a shuffle's
-indices), their pages released once read: the doctor holds one block and per-row arrays,
-never the corpus as Python ints.
-"""
+"""The token columns of a built ``datasets.Dataset``, read as numpy blocks, never the whole corpus."""
 
 from __future__ import annotations
 
@@ -50,11 +45,7 @@ def row_lengths(dataset, column: str = "input_ids") -> np.ndarray:
 
 
 def row_blocks(lengths: np.ndarray) -> Iterator[slice]:
-    """Consecutive slices of whole rows of about ``TOKENS_PER_BLOCK`` tokens (one row at least).
-
-    Args:
-        lengths: ``[n]`` tokens per row.
-    """
+    """Consecutive slices of whole rows of about ``TOKENS_PER_BLOCK`` tokens (``lengths``: ``[n]``)."""
     ends = np.cumsum(lengths)
     first = 0
     while first < len(lengths):
@@ -86,8 +77,8 @@ def token_blocks(
     Args:
         dataset: A ``datasets.Dataset`` of the list ``columns`` (equally long row by row).
         columns: The token columns to read.
-        table_order: Read in stored order (for order-free counts), not through a shuffle's
-            indices; ``first_row`` is then a table row.
+        table_order: Read in stored order, not through a shuffle's indices (``first_row`` is
+            then a table row).
     """
     table, order = table_and_order(dataset)
     lengths = list_sizes(table.column(columns[0]))

@@ -1,8 +1,4 @@
-"""The doctor on XTuner's cuts at ``max_length`` and at row edges, in the words of the data.
-
-The report's ``truncation`` holds the exact counts of ``data.truncation.counting_truncation``
-(None for tokenized files); this module turns them into the summary line and the warnings.
-"""
+"""The doctor on XTuner's cuts at ``max_length`` and at row edges: summary line and warnings."""
 
 from __future__ import annotations
 

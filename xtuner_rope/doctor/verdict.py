@@ -1,8 +1,4 @@
-"""The doctor's verdict when the data cannot be built: the start-up's refusal comes first.
-
-``xtuner train`` stops at the start-up's refusal before it reads a tokenizer or a dataset, so
-when the doctor's data build fails on a config the start-up refuses, the verdict is that refusal.
-"""
+"""The doctor's verdict when the data cannot be built: the start-up's refusal comes first."""
 
 from __future__ import annotations
 
