@@ -1,13 +1,4 @@
-"""The bottom of ``xtuner-rope check``: the config started, its Runner built, its first batches.
-
-Every kind of check (:mod:`xtuner_rope.check.kinds`) stands on this module: the config is
-started as ``xtuner train`` starts it (``set_model_resource``, which runs the plugin's start-up,
-then the ``--cfg-options`` overrides, in that order), MMEngine's ``Runner`` builds its model
-(real weights from the config's path, on this machine's device) and its hooks
-(:func:`prepared_runner`), and the first batches come from the config's own dataset and
-collate function (:func:`first_batches`). :func:`apply_patch` runs the plugin's hooks'
-``before_train`` as training does.
-"""
+"""The bottom of ``xtuner-rope check``: the config started as ``xtuner train`` starts it, its Runner built, its first batches."""
 
 from __future__ import annotations
 
@@ -189,8 +180,8 @@ def prepared_runner(cfg: Config, work_dir: Path, dtype: str | None = None) -> Pr
     Args:
         cfg: The started config (:func:`start_config`).
         work_dir: Runner work dir (its log goes there).
-        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); the
-            default is the config's (:func:`train_dtype`: float32 on CPU).
+        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); default:
+            :func:`train_dtype`.
     """
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device
