@@ -40,17 +40,18 @@ CHAT_TEMPLATE = (
 )
 
 
-FAMILIES = (
-    "internlm2",
-    "llama",
-    "qwen2",
-    "mistral",
-    "phi3",
-    "mixtral",
-    "qwen2_moe",
-    "gemma",
-    "cohere",
-)
+# transformers' class prefix of each family but InternLM2 (XTuner's shipped classes).
+CLASS_PREFIX = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "mistral": "Mistral",
+    "phi3": "Phi3",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
+    "gemma": "Gemma",
+    "cohere": "Cohere",
+}
+FAMILIES = ("internlm2", *CLASS_PREFIX)
 
 # Each family's quirk in its tiny model, on top of TINY_MODEL_KWARGS: MoE with 4 experts of
 # which 2 route each token (Qwen2-MoE: plus its shared expert); Gemma's MQA (1 kv head) with
@@ -123,72 +124,46 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
     return tokenizer
 
 
-def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny ``InternLM2ForCausalLM`` (XTuner's shipped class).
+def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """A randomly initialised tiny ``ForCausalLM`` of ``family``, fp32, in eval mode.
 
     Args:
+        family: One of :data:`FAMILIES` (``FAMILY_KWARGS`` adds its quirks).
         vocab_size: Embedding rows; use ``len(tokenizer)``.
         seed: Seed for the weight initialisation (the global torch RNG is restored after).
-        **overrides: ``InternLM2Config`` fields replacing ``TINY_MODEL_KWARGS``.
-
-    Returns:
-        The model in fp32 and eval mode.
-    """
-    from xtuner._lite.modelings.internlm2 import InternLM2Config, InternLM2ForCausalLM
-
-    config = InternLM2Config(vocab_size=vocab_size, **{**TINY_MODEL_KWARGS, **overrides})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = InternLM2ForCausalLM(config)
-    return model.eval()
-
-
-def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny transformers ``ForCausalLM`` of ``family``.
-
-    Args:
-        family: One of :data:`FAMILIES` but ``'internlm2'`` (``FAMILY_KWARGS`` adds its quirks).
-        vocab_size: Embedding rows; use ``len(tokenizer)``.
-        seed: Seed for the weight initialisation (the global torch RNG is restored after).
-        **overrides: Config fields replacing the defaults.
-
-    Returns:
-        The model in fp32 and eval mode.
+        **overrides: Config fields replacing ``TINY_MODEL_KWARGS`` (e.g. ``rope_scaling``).
 
     Raises:
-        ValueError: ``family`` is not a transformers family of :data:`FAMILIES`.
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
     """
-    import transformers
-
-    names = {
-        "llama": "Llama",
-        "qwen2": "Qwen2",
-        "mistral": "Mistral",
-        "phi3": "Phi3",
-        "mixtral": "Mixtral",
-        "qwen2_moe": "Qwen2Moe",
-        "gemma": "Gemma",
-        "cohere": "Cohere",
-    }
-    if family not in names:
-        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(names)}.")
-    config_cls = getattr(transformers, f"{names[family]}Config")
-    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
-    kwargs = {**TINY_MODEL_KWARGS, **FAMILY_KWARGS.get(family, {}), **overrides}
-    config = config_cls(vocab_size=vocab_size, **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.eval()
-
-
-def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """The tiny model of ``family`` (one of :data:`FAMILIES`)."""
     if family not in FAMILIES:
         raise ValueError(f"build_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
     if family == "internlm2":
-        return build_tiny_internlm2(vocab_size, seed=seed, **overrides)
-    return build_tiny_hf(family, vocab_size, seed=seed, **overrides)
+        from xtuner._lite.modelings import internlm2 as classes
+
+        prefix = "InternLM2"
+    else:
+        import transformers as classes
+
+        prefix = CLASS_PREFIX[family]
+    kwargs = {**TINY_MODEL_KWARGS, **FAMILY_KWARGS.get(family, {}), **overrides}
+    config = getattr(classes, f"{prefix}Config")(vocab_size=vocab_size, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(classes, f"{prefix}ForCausalLM")(config)
+    return model.eval()
+
+
+def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
+    """:func:`build_tiny` of XTuner's shipped ``InternLM2ForCausalLM``."""
+    return build_tiny("internlm2", vocab_size, seed=seed, **overrides)
+
+
+def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """:func:`build_tiny` of a transformers family (``ValueError`` for any other)."""
+    if family not in CLASS_PREFIX:
+        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(CLASS_PREFIX)}.")
+    return build_tiny(family, vocab_size, seed=seed, **overrides)
 
 
 def save_tiny(
