@@ -1,4 +1,5 @@
-"""Cheap CPU checks of a collated batch, so bad input fails with a clear message, not in a CUDA kernel."""
+"""Cheap CPU checks of a collated batch, so bad input fails with a clear message, not in a CUDA
+kernel."""
 
 from __future__ import annotations
 

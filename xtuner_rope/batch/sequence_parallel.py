@@ -1,4 +1,5 @@
-"""What a collated batch must satisfy for XTuner's sequence-parallel shard split (``s % sp == 0``)."""
+"""What a collated batch must satisfy for XTuner's sequence-parallel shard split (``s % sp ==
+0``)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Captures of real ``xtuner train`` runs, and the measurements they share with ``xtuner-rope check``."""
+"""Captures of real ``xtuner train`` runs, and the measurements they share with ``xtuner-rope
+check``."""

@@ -116,7 +116,8 @@ def reference_internvl_llm(cfg: Config) -> nn.Module:
 
 
 def compare_internvl_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured sample against itself alone, unpatched, with the step's weights (:func:`isolation_figures`)."""
+    """Each captured sample against itself alone, unpatched, with the step's weights
+    (:func:`isolation_figures`)."""
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     cfg = Config.fromfile(str(config))
     llm = reference_internvl_llm(cfg)

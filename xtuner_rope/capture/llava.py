@@ -29,7 +29,8 @@ IGNORE_INDEX = -100
 
 
 class LLaVAIsolationCaptureHook(CaptureHook):
-    """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run (tiny models).
+    """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run (tiny
+    models).
 
     The captured step runs with dropout off, as the reference passes do.
 

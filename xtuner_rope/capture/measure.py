@@ -1,4 +1,5 @@
-"""The measurements of ``xtuner-rope check`` and the captures: a batch's documents, packed against alone (fp32, CPU)."""
+"""The measurements of ``xtuner-rope check`` and the captures: a batch's documents, packed against
+alone (fp32, CPU)."""
 
 from __future__ import annotations
 

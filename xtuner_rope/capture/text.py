@@ -75,11 +75,8 @@ def reference_llm(cfg: Config) -> nn.Module:
 
 
 def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
-    """Boundaries of stock XTuner packs: the dataset rebuilt with ``use_varlen_attn=True``.
-
-    Raises:
-        ValueError: a row matches no pack (``shuffle_before_pack=True`` packs differently).
-    """
+    """Boundaries of stock XTuner packs: the dataset rebuilt with ``use_varlen_attn=True``
+    (``ValueError`` if a row matches none)."""
     from xtuner.registry import BUILDER
 
     dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
@@ -109,7 +106,8 @@ UNPACKED_BUILDERS = ("MOSSSFTDataset",)
 
 
 def packs_documents(dataset_cfg: dict) -> bool:
-    """Whether a dataset config packs documents into rows (``pack_to_max_length`` defaults to True)."""
+    """Whether a dataset config packs documents into rows (``pack_to_max_length`` defaults to
+    True)."""
     kind = dataset_cfg.get("type")
     name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
     if name == "ConcatDataset":

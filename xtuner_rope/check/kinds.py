@@ -1,4 +1,5 @@
-"""The kinds of ``xtuner-rope check`` and the dispatch over them, as ``models.families`` has ``FAMILIES``.
+"""The kinds of ``xtuner-rope check`` and the dispatch over them, as ``models.families`` has
+``FAMILIES``.
 
 Each kind module has ``KIND`` (the report's ``kind``), ``applies(cfg)``, ``run(cfg, request)``
 (the JSON-ready report with its verdict) and ``summary(report)``; :data:`KINDS` asks them in

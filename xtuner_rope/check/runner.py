@@ -1,4 +1,5 @@
-"""The bottom of ``xtuner-rope check``: the config started as ``xtuner train`` starts it, its Runner built, its first batches."""
+"""The bottom of ``xtuner-rope check``: the config started as ``xtuner train`` starts it, its
+Runner built, its first batches."""
 
 from __future__ import annotations
 

@@ -33,11 +33,7 @@ DEFAULT_PAD_TOKEN_INDEX = 0
 
 
 def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]:
-    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them.
-
-    Returns:
-        The samples to collate and how many of them have no supervised label.
-    """
+    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them."""
     bad = [s.index for s in samples if not is_supervised(s)]
     if len(bad) == len(samples):
         shown = f"{bad[:20]}{'...' if len(bad) > 20 else ''}"
@@ -126,11 +122,8 @@ def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
-    """Boundaries of the padding ``[n, s)`` of a row, in segments shorter than ``longest``.
-
-    ``longest`` is the batch's longest real document (1 if it is 1): padding positions stay
-    below every real document's, so padding never leaves the RoPE range nor sets ``max_seqlen``.
-    """
+    """Boundaries of a row's padding ``[n, s)`` in segments shorter than ``longest`` (the batch's
+    longest document), so padding never leaves the RoPE range."""
     cap = max(longest - 1, 1)
     return torch.tensor([*range(n + cap, s, cap), s], dtype=torch.int32)
 

@@ -51,7 +51,8 @@ class WholePackedDataset(torch.utils.data.Dataset):
     """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
 
     Holds the plan only (about 40 bytes a document); rows are read on access, from a
-    ``JsonlDataset``'s lines (``token_lines``) or a ``datasets.Dataset``'s columns (``token_gather``).
+    ``JsonlDataset``'s lines (``token_lines``) or a ``datasets.Dataset``'s columns
+    (``token_gather``).
 
     Args:
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.

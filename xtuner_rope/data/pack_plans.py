@@ -1,4 +1,5 @@
-"""Where offline packing puts each token, from the dialogue lengths only: whole dialogues or XTuner's cut.
+"""Where offline packing puts each token, from the dialogue lengths only: whole dialogues or
+XTuner's cut.
 
 Plans describe the rows as *pieces* of the tokenized stream in row order.
 """
@@ -55,7 +56,8 @@ def cut_plan(
 
 
 def intern_repo_cut_plan(lengths: np.ndarray, packed_length: int) -> np.ndarray:
-    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream (last partial row dropped).
+    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream (last partial row
+    dropped).
 
     Args:
         lengths: ``[n]`` token counts of the documents, in stream (shuffled) order.
@@ -81,7 +83,8 @@ def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
 
 
 def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order of their first piece.
+    """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order of their
+    first piece.
 
     Args:
         lengths: ``[n]`` token counts of the documents, in stream order, each >= 1.

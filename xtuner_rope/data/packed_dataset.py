@@ -124,16 +124,8 @@ def packed_tables(
 def _whole_rows(
     lengths: np.ndarray, order: np.ndarray | None, max_length: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_plans.whole_plan`` of the dialogues in stream order, ``starts`` into the table.
-
-    Args:
-        lengths: ``[n]`` token counts of the table's rows, in table order.
-        order: ``[n]`` the table's rows in stream order (a shuffle), or None.
-        max_length: Tokens per packed row.
-
-    Returns:
-        ``(starts, sizes, row_pieces)`` as ``whole_plan``'s.
-    """
+    """``whole_plan``'s ``(starts, sizes, row_pieces)`` of the ``[n]`` table-ordered ``lengths``
+    read in ``order``, ``starts`` into the table."""
     if order is None:
         return whole_plan(lengths, max_length)
     stream_lengths = lengths[order]
@@ -151,7 +143,8 @@ def _whole_rows(
 
 
 def _output_path(dataset, *plan_args) -> Path:
-    """Where the packed rows go: beside the dataset's cache files, named by its fingerprint and args."""
+    """Where the packed rows go: beside the dataset's cache files, named by its fingerprint and
+    args."""
     from datasets.fingerprint import get_temporary_cache_files_directory
 
     files = dataset.cache_files

@@ -27,7 +27,8 @@ STEP = "XTuner's preference tokenize"
 
 
 def cut_pair(pair: dict, max_length: int, is_reward: bool) -> dict:
-    """``tokenize``'s cut of one pair: each response's first ``max_length`` tokens (a reward token kept)."""
+    """``tokenize``'s cut of one pair: each response's first ``max_length`` tokens (a reward token
+    kept)."""
     out = {}
     for part in RESPONSES:
         ids, labels = pair[f"{part}_ids"], pair[f"{part}_labels"]

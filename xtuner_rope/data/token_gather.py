@@ -109,7 +109,8 @@ class TokenGather:
         return out
 
     def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`gather` for the few pieces of one packed row, in order (no sort, nothing released).
+        """:meth:`gather` for the few pieces of one packed row, in order (no sort, nothing
+        released).
 
         Args:
             starts: ``[p]`` offsets of the pieces into the flattened stream.
@@ -164,7 +165,8 @@ class _Windows:
                     self._first[k][c] = (a.ctypes.data - view.ctypes.data) // a.itemsize
 
     def view(self, column: str, window: int, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The array ``window`` reads ``column`` through, and ``[p]`` each piece's chunk offset in it."""
+        """The array ``window`` reads ``column`` through, and ``[p]`` each piece's chunk offset in
+        it."""
         m = self._mapping_of[window]
         if m < 0:
             return self._chunks[column][int(chunk[0])], np.zeros(len(chunk), dtype=np.int64)
@@ -202,7 +204,8 @@ def _mapping_holding(arrays: list[np.ndarray], mappings: list, starts: np.ndarra
 
 
 def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
-    """A dataset's table as held (zero-copy) and ``[n]`` its rows' table rows if shuffled, else None."""
+    """A dataset's table as held (zero-copy) and ``[n]`` its rows' table rows if shuffled, else
+    None."""
     # ``_indices`` is how datasets 2.x-5.x keep a shuffle or selection (no public accessor).
     indices = getattr(dataset, "_indices", None)
     if indices is None:

@@ -73,7 +73,8 @@ class TokenLines:
     def pieces(
         self, documents: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """``input_ids`` and ``labels`` of the pieces, one after another, as XTuner's reader makes them.
+        """``input_ids`` and ``labels`` of the pieces, one after another, as XTuner's reader makes
+        them.
 
         Args:
             documents: ``[p]`` document indices (into ``JsonlDataset``).

@@ -23,7 +23,8 @@ STEP = "XTuner's encode_fn"  # what cuts (the figures' ``step`` where another do
 
 
 def _cut(batch: dict, max_length: int, keep_from: int | None) -> dict:
-    """``encode_fn``'s cut of a batch; rows supervised from ``keep_from`` on (pretraining) kept whole."""
+    """``encode_fn``'s cut of a batch; rows supervised from ``keep_from`` on (pretraining) kept
+    whole."""
     ids, labels = [], []
     for row_ids, row_labels in zip(batch["input_ids"], batch["labels"]):
         whole = keep_from is not None and IGNORE_INDEX not in row_labels[keep_from:]
@@ -176,7 +177,8 @@ def record_figures(figures: dict) -> bool:
 
 
 def counted_tokenize_step(original):
-    """XTuner's ``tokenize_dataset`` counted and logged (one line) wherever no counting block is open.
+    """XTuner's ``tokenize_dataset`` counted and logged (one line) wherever no counting block is
+    open.
 
     Args:
         original: XTuner's ``tokenize_dataset``.

@@ -1,4 +1,5 @@
-"""The tiny recipes' ``model_resource``: build the tiny checkpoint where missing, then start the plugin."""
+"""The tiny recipes' ``model_resource``: build the tiny checkpoint where missing, then start the
+plugin."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Read what an ``xtuner train`` run produced (its exit code cannot be trusted): losses, checkpoint."""
+"""Read what an ``xtuner train`` run produced (its exit code cannot be trusted): losses,
+checkpoint."""
 
 from __future__ import annotations
 

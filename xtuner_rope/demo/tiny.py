@@ -210,7 +210,8 @@ def save_tiny(
 
 
 def add_internlm2_remote_code(folder: str | Path) -> Path:
-    """Give an InternLM2 checkpoint folder XTuner's modeling code and its ``auto_map``, as the hub does.
+    """Give an InternLM2 checkpoint folder XTuner's modeling code and its ``auto_map``, as the hub
+    does.
 
     Returns:
         ``folder`` as a ``Path``.

@@ -132,7 +132,8 @@ class _ImageItems(Sequence):
 
 
 def _expanded_batch(out: object, image_tokens: int) -> dict:
-    """The collated batch's ``[b, s']`` after the expansion, and its rows packing several samples."""
+    """The collated batch's ``[b, s']`` after the expansion, and its rows packing several
+    samples."""
     data = out.get("data", out) if isinstance(out, Mapping) else out
     ids, mask = data["input_ids"], data.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()

@@ -28,7 +28,8 @@ def _pairs(dataset_cfg: dict) -> tuple[list[dict], dict | None]:
 
 
 class PairSamples(Sequence):
-    """An unpacked preference dataset as the doctor's samples: pair ``i``'s two responses end to end."""
+    """An unpacked preference dataset as the doctor's samples: pair ``i``'s two responses end to
+    end."""
 
     def __init__(self, dataset: Sequence[Mapping]) -> None:
         self.dataset = dataset

@@ -1,4 +1,5 @@
-"""What the doctor is doing, on stderr (stage lines, bars over the tokens); ``--quiet`` silences it."""
+"""What the doctor is doing, on stderr (stage lines, bars over the tokens); ``--quiet`` silences
+it."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ QUIET = Progress(enabled=False)
 
 @contextlib.contextmanager
 def datasets_bars(shown: bool):
-    """The datasets library's progress bars left as they are, or hidden in this block if not ``shown``."""
+    """The datasets library's progress bars left as they are, or hidden in this block if not
+    ``shown``."""
     import datasets
 
     if shown or not datasets.is_progress_bar_enabled():

@@ -1,4 +1,5 @@
-"""What the doctor says about length-dependent RoPE (dynamic NTK, LongRoPE): threshold, who crosses it."""
+"""What the doctor says about length-dependent RoPE (dynamic NTK, LongRoPE): threshold, who crosses
+it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-""":func:`stats.scan_samples` on the Arrow columns of a ``datasets.Dataset``, block by block (numpy)."""
+""":func:`stats.scan_samples` on the Arrow columns of a ``datasets.Dataset``, block by block
+(numpy)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,8 @@ def _lists(table, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _starts(table, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each row's document starts as ``stats.document_starts`` gives them.
-
-    Returns:
-        ``(rows, columns, documents)``: ``[s]`` row and column of every start, ``[r]``
-        documents per row (0 for an empty row).
-    """
+    """``(rows [s], columns [s], documents [r])``: every document start of a block's rows
+    (``stats.document_starts``)."""
     r = len(n)
     rows = np.arange(r)
     if "cumulative_len" in table.column_names:

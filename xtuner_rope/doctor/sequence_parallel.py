@@ -1,4 +1,5 @@
-"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size`` (padding, short rows)."""
+"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size`` (padding, short
+rows)."""
 
 from __future__ import annotations
 

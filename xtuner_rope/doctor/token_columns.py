@@ -1,4 +1,5 @@
-"""The token columns of a built ``datasets.Dataset``, read as numpy blocks, never the whole corpus."""
+"""The token columns of a built ``datasets.Dataset``, read as numpy blocks, never the whole
+corpus."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def row_lengths(dataset, column: str = "input_ids") -> np.ndarray:
 
 
 def row_blocks(lengths: np.ndarray) -> Iterator[slice]:
-    """Consecutive slices of whole rows of about ``TOKENS_PER_BLOCK`` tokens (``lengths``: ``[n]``)."""
+    """Consecutive slices of whole rows of about ``TOKENS_PER_BLOCK`` tokens (``lengths``:
+    ``[n]``)."""
     ends = np.cumsum(lengths)
     first = 0
     while first < len(lengths):
@@ -56,7 +58,8 @@ def row_blocks(lengths: np.ndarray) -> Iterator[slice]:
 
 
 def list_column(dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values [m], offsets [n + 1])`` of a small list column (``cumulative_len``), dataset order."""
+    """``(values [m], offsets [n + 1])`` of a small list column (``cumulative_len``), dataset
+    order."""
     table, order = table_and_order(dataset)
     sizes = list_sizes(table.column(column))
     values = pc.list_flatten(table.column(column)).to_numpy(zero_copy_only=False)

@@ -95,7 +95,8 @@ def cut_warnings(report: dict) -> list[str]:
 
 
 def cut_verdict(report: dict) -> str | None:
-    """The summary's last line for the cut opt-out (exit 0), naming any ``max_length`` cut; or None."""
+    """The summary's last line for the cut opt-out (exit 0), naming any ``max_length`` cut; or
+    None."""
     packing = report.get("packing") or {}
     if not packing.get("cut_dialogues"):
         return None

@@ -15,7 +15,8 @@ from pathlib import Path
 
 
 class AnyValues(argparse.Action):
-    """Stands in for MMEngine's ``DictAction`` (whose import costs torch's): keeps the values as text."""
+    """Stands in for MMEngine's ``DictAction`` (whose import costs torch's): keeps the values as
+    text."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)

@@ -69,11 +69,7 @@ def resolved_model_options(config: str, cfg_options: dict | None = None) -> list
     Returns:
         ``key=path`` overrides; empty when there is no ``model_resource`` or the path is unchanged.
     """
-    from mmengine.config import Config
-
-    cfg = Config.fromfile(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
+    cfg = _load_config(config, cfg_options)
     resource = cfg.get("model_resource")
     if not resource or MODEL_PATH_KEY not in cfg:
         return []
@@ -164,7 +160,7 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         argv = [*argv, "--cfg-options", *overrides]
     if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
         return _run_module(XTUNER_TOOLS[command], command, argv)
-    model_cfg = _model_cfg(config, options) if Path(config).is_file() else {}
+    model_cfg = (_load_config(config, options).get("model") or {}) if Path(config).is_file() else {}
     internvl = internvl_convert.is_internvl(model_cfg)
     refusal = None if internvl or not model_cfg else _no_llm_refusal(config, model_cfg)
     if refusal:
@@ -191,18 +187,19 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         return _run_module(XTUNER_TOOLS[command], command, argv)
 
 
-def _model_cfg(config: str, cfg_options: dict | None) -> dict:
-    """The config's ``model`` (with the user's ``--cfg-options``), as the tool reads it."""
+def _load_config(config: str, cfg_options: dict | None):
+    """The config with the user's ``--cfg-options`` merged, as the tool reads it."""
     from mmengine.config import Config
 
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
-    return cfg.get("model") or {}
+    return cfg
 
 
 def _no_llm_refusal(config: str, model_cfg: dict) -> str | None:
-    """Why ``pth_to_hf`` cannot convert ``config``'s model (no ``model.llm``, not InternVL), or None."""
+    """Why ``pth_to_hf`` cannot convert ``config``'s model (no ``model.llm``, not InternVL), or
+    None."""
     from .internvl_convert import INTERNVL_MODEL
 
     if "llm" in model_cfg:
