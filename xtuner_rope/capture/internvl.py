@@ -1,10 +1,8 @@
 """Isolation inside a real InternVL ``xtuner train`` run: capture what the LLM saw, compare.
 
-:class:`InternVLIsolationCaptureHook` (opt-in) records the LLM's inputs of iteration 1
-(``inputs_embeds`` ``[b, s, d]``, ``attention_mask``, ``position_ids``), the labels, the step's
-weights and its logits (the same forward with dropout off; ``logits_train`` keeps the training
-one). :func:`compare_internvl_capture` (``python -m xtuner_rope.capture.internvl CONFIG
-CAPTURE``) runs each sample alone through the unpatched LLM with those weights.
+:class:`InternVLIsolationCaptureHook` records the LLM's inputs, weights and logits of iteration
+1 (dropout off); :func:`compare_internvl_capture` (``python -m xtuner_rope.capture.internvl
+CONFIG CAPTURE``) runs each sample alone through the unpatched LLM with those weights.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Isolation inside a real LLaVA ``xtuner train`` run: capture what the LLM saw, compare offline.
 
-``LLaVAModel`` expands the image placeholders before the LLM, so
-:class:`LLaVAIsolationCaptureHook` (opt-in) records the LLM's own inputs of iteration 1 and its
-logits and loss; :func:`compare_llava_capture` runs each sample alone through the config's LLM
-loaded fresh (fp32, unpatched). With ``negative_control=True`` the hook also measures in the
-run, through an unpatched copy with the run's weights: each sample alone, and the captured rows
-as they are (the leak the plugin prevents).
+The LLM sees the expanded rows, not the collated batch: :class:`LLaVAIsolationCaptureHook`
+records its inputs, logits and loss of iteration 1; :func:`compare_llava_capture` runs each
+sample alone through the unpatched LLM, and the hook's negative control the same in the run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Isolation measured inside a real ``xtuner train`` run: capture iteration 1, compare offline.
 
-:class:`IsolationCaptureHook` (opt-in) saves the first training batch and the logits and loss
-its forward computed; :func:`compare_capture` runs each document alone through the config's
-model freshly loaded (unpatched, fp32) and reports the largest difference per document.
+:class:`IsolationCaptureHook` saves the first batch and its logits and loss;
+:func:`compare_capture` runs each document alone through the unpatched model.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """XTuner's intern-repo packing (``build_packed_dataset``) with every document whole.
 
-:class:`WholePackedDataset` takes XTuner's ``PackedDataset`` arguments and shuffle and places
-each document whole into one row (longer ones split into ``packed_length`` pieces) instead of
-cutting the stream and dropping the last partial row.
+:class:`WholePackedDataset`: XTuner's arguments and shuffle, each document whole in one row
+(longer ones split), nothing dropped.
 """
 
 from __future__ import annotations

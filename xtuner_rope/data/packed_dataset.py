@@ -1,10 +1,8 @@
 """XTuner's offline packing with every dialogue whole and nothing dropped.
 
-xtuner 0.2.0's ``pack_to_max_length=True`` cuts the token stream every ``max_length`` tokens
-and drops each shard's leftover. :func:`lossless_process_hf_dataset` runs XTuner's pipeline with
-the pack step replaced by :func:`pack_dataset`: each dialogue whole in one row (longer
-pretraining documents split), or XTuner's cut with the leftover kept; rows are Arrow gathers
-written next to the dataset's cache files.
+:func:`lossless_process_hf_dataset` runs XTuner's pipeline with the pack step replaced by
+:func:`pack_dataset`: each dialogue whole in one row (longer pretraining documents split), or
+XTuner's cut with the leftover kept; rows are written next to the dataset's cache files.
 """
 
 from __future__ import annotations

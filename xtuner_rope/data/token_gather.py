@@ -1,8 +1,8 @@
 """Gather token ranges from a tokenized Arrow column without joining its chunks.
 
-Each chunk stays a zero-copy view of the mapped file, read a window (``WINDOW_BYTES``) at a
-time; pages are released once read (peak RSS 1.07x XTuner's instead of 1.40x at 500,000
-dialogues, docs/measurements.md); ``XTUNER_ROPE_RELEASE_PAGES=0`` turns that off.
+Chunks stay zero-copy views of the mapped file, read a window at a time; the pages read are
+released (peak RSS 1.07x XTuner's instead of 1.40x, docs/measurements.md) unless
+``XTUNER_ROPE_RELEASE_PAGES=0``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What XTuner's ``encode_fn`` cuts at ``max_length``, counted; pretraining text kept whole.
 
-:func:`counting_truncation` runs XTuner's tokenize step uncut, counts what the cut loses, then
-applies the very same cut. With ``split_documents=True`` pretraining documents are not cut:
-the pack step splits them into ``max_length`` pieces.
+XTuner's tokenize step runs uncut, is counted, then cut exactly as XTuner cuts; with
+``split_documents=True`` pretraining documents stay whole for the pack step to split.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""A tiny InternVL checkpoint, built offline around a tiny LLM checkpoint (InternLM2 or Phi-3).
+"""A tiny InternVL checkpoint around a tiny InternLM2 or Phi-3 (InternViT, ``mlp1``, chat wrapper).
 
-A seeded tiny InternViT (XTuner's code) and ``mlp1``, the chat-model wrapper of
-``demo/internvl_hub``, ``config.json`` with ``auto_map`` and the tokenizer with InternVL's
-special tokens; 112 px tiles, 16 tokens per tile. ``python tools/make_tiny.py --family
-internvl2 --llm LLM_DIR --out DIR`` runs it.
+112 px tiles, 16 tokens a tile; ``python tools/make_tiny.py --family internvl2 --llm LLM_DIR
+--out DIR`` runs it.
 """
 
 from __future__ import annotations

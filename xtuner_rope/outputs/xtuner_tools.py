@@ -1,9 +1,8 @@
 """XTuner's after-training tools, run with the plugin loaded: convert, merge, chat.
 
-xtuner 0.2.0's ``convert`` and ``chat`` never load the plugin (its ``model_resource`` is not
-called), so CPU-only machines, local InternLM2 checkpoints and LoRA configs fail there, and
-``xtuner`` exits 0 when its tool crashes. :func:`run_xtuner_tool` runs XTuner's own tool in this
-process after the :mod:`xtuner_rope.compat` patches, and returns its real exit status.
+xtuner 0.2.0's tools never load the plugin and ``xtuner`` exits 0 when they crash:
+:func:`run_xtuner_tool` runs XTuner's own tool in this process after the compat patches and
+returns its real exit status.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``xtuner-rope train``: XTuner's ``xtuner train``, with the exit status of the training.
 
-``xtuner train`` (xtuner 0.2.0) exits 0 whatever its child returned. :func:`run_xtuner_train`
-starts the very same child by the same rule (``python train.py ARGS`` for one process or
-``--launcher slurm``, else ``torchrun`` from ``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``,
-``ADDR``, ``PORT``) and returns its status; SIGINT and SIGTERM are passed on to it.
+``xtuner train`` exits 0 whatever its child returned; :func:`run_xtuner_train` starts the same
+child by the same rule, passes SIGINT/SIGTERM on, and returns its status.
 """
 
 from __future__ import annotations
