@@ -17,12 +17,11 @@ from mmengine.config import Config
 from torch import nn
 
 from xtuner_rope.capture.base import CaptureHook
-from xtuner_rope.capture.llava import in_run_sentence, isolation_figures
+from xtuner_rope.capture.llava import IGNORE_INDEX, in_run_sentence, isolation_figures
 from xtuner_rope.models.dispatch import language_model
 
 INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
 _INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
-IGNORE_INDEX = -100
 
 
 def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xtuner_rope.batch.checks import row_boundaries
+from xtuner_rope.batch.checks import IGNORE_INDEX, row_boundaries
 from xtuner_rope.models import channel
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.ops.packing import cumulative_from_position_ids
@@ -15,7 +15,6 @@ from xtuner_rope.ops.packing import cumulative_from_position_ids
 # XTuner's own for use_varlen_attn): every check pass runs them before its forward.
 BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
-IGNORE_INDEX = -100
 # Keys of XTuner batches that the HF forward does not take (the boundary hooks pop them).
 BOUNDARY_KEYS = ("cumulative_len", "max_seqlen", "num_unsupervised")
 

@@ -17,7 +17,7 @@ from mmengine.config import Config
 from xtuner_rope.batch.image_packing import expanded_length, llava_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
-from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS, IGNORE_INDEX
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.check.report import judge, report_head
 from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
@@ -27,7 +27,6 @@ from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.models.runtime import chosen_backends
 
-IGNORE_INDEX = -100
 KIND = "llava"
 
 
