@@ -197,7 +197,9 @@ def pack_dataset(
         dataset = dataset.shuffle()  # numpy's global generator, drawn from as XTuner draws
         if not whole:  # XTuner's cut reads the shuffled stream in order: written out, as XTuner
             dataset = dataset.flatten_indices(num_proc=map_num_proc)
-    table, order = _table_and_order(dataset, whole)
+    # Whole rows read the table through a shuffle's indices; XTuner's cut reads the flattened
+    # table (zero-copy slices of the cache files).
+    table, order = table_and_order(dataset) if whole else (dataset.with_format("arrow")[:], None)
     path = _output_path(dataset, int(max_length), bool(use_varlen_attn), bool(whole))
     if path.exists():  # packed before from the same dialogues and arguments
         packed = Dataset.from_file(str(path))
@@ -221,13 +223,6 @@ def pack_dataset(
         level=logging.WARNING if truncation_message(figures) else logging.INFO,
     )
     return packed
-
-
-def _table_and_order(dataset, whole: bool) -> tuple[pa.Table, np.ndarray | None]:
-    """The table as mapped and its rows' order: whole rows read through a shuffle's indices."""
-    if not whole:
-        return dataset.with_format("arrow")[:], None  # zero-copy slices of the cache files
-    return table_and_order(dataset)
 
 
 def _write_rows(dataset, table, order, path: Path, max_length, use_varlen_attn, whole) -> tuple:
