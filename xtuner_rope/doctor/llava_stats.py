@@ -15,7 +15,7 @@ import torch
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.compat.mmengine_config import config_dict
-from xtuner_rope.doctor.stats import length_percentiles
+from xtuner_rope.doctor.stats import length_percentiles, percentiles_text
 
 IGNORE_INDEX = -100
 
@@ -330,10 +330,6 @@ def llava_lines(figures: Mapping | None) -> list[str]:
     if not figures:
         return []
     share = figures["image_token_share"]
-
-    def pct(values: Mapping) -> str:
-        return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
-
     return [
         f"images       {figures['image_samples']} image samples, {figures['text_samples']} "
         f"text-only; each image is {figures['image_tokens']} tokens for the LLM "
@@ -341,10 +337,10 @@ def llava_lines(figures: Mapping | None) -> list[str]:
         f"{figures['tokens_expanded']} ({'n/a' if share is None else f'{100 * share:.1f}%'})",
         "             all lengths, rows and shares below count the expanded sequence "
         "(XTuner's prepare_inputs_labels_for_multimodal)",
-        f"             image samples {pct(figures['lengths_image_samples'])}",
-        f"             text samples  {pct(figures['lengths_text_samples'])}",
+        f"             image samples {percentiles_text(figures['lengths_image_samples'])}",
+        f"             text samples  {percentiles_text(figures['lengths_text_samples'])}",
         f"             as the dataset counts them (image = 1 token) "
-        f"{pct(figures['lengths_as_dataset'])}",
+        f"{percentiles_text(figures['lengths_as_dataset'])}",
     ] + _sampler_line(figures.get("sampler_order"))
 
 

@@ -128,6 +128,11 @@ def length_percentiles(lengths: Sequence[int]) -> dict[str, float | None]:
     return {f"p{q}": None if v is None else float(v) for q, v in zip(PERCENTILES, values)}
 
 
+def percentiles_text(values: Mapping) -> str:
+    """``p0=... p50=...`` of :func:`length_percentiles`, for the summary lines."""
+    return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
+
+
 def _batch_shape(out: object) -> tuple[int, int]:
     """``(b, s)`` of a collated batch (``{'data': {...}}`` or the inner dict)."""
     data = out.get("data", out) if isinstance(out, Mapping) else None
