@@ -13,7 +13,7 @@ from xtuner._lite.modelings.internlm2 import InternLM2ForCausalLM
 
 from xtuner_rope.config.startup import enable_xtuner_rope
 from xtuner_rope.demo.resources import tiny_checkpoint
-from xtuner_rope.demo.tiny import SPECIAL_TOKENS, save_tiny, save_tiny_internlm2
+from xtuner_rope.demo.tiny import SPECIAL_TOKENS, save_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
@@ -38,11 +38,11 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return save_tiny_internlm2(tmp_path_factory.mktemp("tiny") / "ckpt", SAMPLE_DATA)
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "ckpt", dialogues_jsonl=SAMPLE_DATA)
 
 
 def test_same_seed_same_files(tiny_dir, tmp_path):
-    again = save_tiny_internlm2(tmp_path / "again", SAMPLE_DATA)
+    again = save_tiny(tmp_path / "again", dialogues_jsonl=SAMPLE_DATA)
     files = sorted(p.name for p in tiny_dir.iterdir())
     assert "model.safetensors" in files and "tokenizer.json" in files
     match, mismatch, errors = filecmp.cmpfiles(tiny_dir, again, files, shallow=False)

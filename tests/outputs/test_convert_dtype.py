@@ -14,7 +14,6 @@ from deepspeed_folders import deepspeed_folder
 from xtuner_rope.cli import main
 from xtuner_rope.outputs.convert_dtype import (
     cast_module,
-    cast_state_dict,
     describe_cast,
     save_dtype,
     trained_dtype,
@@ -37,14 +36,17 @@ def _expected(values: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cast_counts_overflow_and_flush_per_tensor(dtype):
-    state = {"a.weight": VALUES.clone(), "b.weight": torch.ones(3), "ids": torch.arange(4)}
-    cast, losses = cast_state_dict(state, dtype)
-    assert cast["a.weight"].dtype == dtype and cast["ids"].dtype == torch.int64  # ints kept
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(VALUES.clone())
+    model.b = torch.nn.Parameter(torch.ones(3))
+    model.register_buffer("ids", torch.arange(4))
+    losses = cast_module(model, dtype)
+    assert model.a.dtype == dtype and model.ids.dtype == torch.int64  # ints kept
     by_name = {loss.name: loss for loss in losses}
-    assert set(by_name) == {"a.weight", "b.weight"}
-    a = by_name["a.weight"]
+    assert set(by_name) == {"a", "b"}
+    a = by_name["a"]
     assert (a.overflowed, a.flushed) == _expected(VALUES, dtype)
-    assert (by_name["b.weight"].overflowed, by_name["b.weight"].flushed) == (0, 0)
+    assert (by_name["b"].overflowed, by_name["b"].flushed) == (0, 0)
     if dtype == torch.float16:
         assert (a.overflowed, a.flushed) == (2, 2)  # the live count is not trivially zero
 

@@ -1,10 +1,5 @@
-"""Cheap CPU checks of a collated batch, so bad input fails with a clear message.
-
-A wrong position id or an out-of-range label otherwise surfaces as a device-side assert
-inside a CUDA kernel (or silently wrong RoPE angles). :func:`check_packed_batch` runs every
-iteration, so it is vectorised over the batch: a handful of tensor ops plus O(b) Python
-work to gather the per-row ``cumulative_len`` tensors.
-"""
+"""Cheap CPU checks of a collated batch, so bad input fails with a clear message, not in a CUDA
+kernel."""
 
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def batch_data(data_batch: object, who: str) -> Mapping:
         who: the caller, for the message (``"PackedBatchCheckHook"``).
 
     Raises:
-        TypeError: the batch is not a dict, or its ``data`` field is not one; the message
-            names the field and the type that came.
+        TypeError: the batch is not a dict, or its ``data`` field is not one.
     """
     fix = "Collate with rope_collate_fn or XTuner's default_collate_fn."
     if not isinstance(data_batch, Mapping):
@@ -294,15 +288,11 @@ def check_packed_batch(
 ) -> None:
     """Check a collated batch (the inner ``data`` dict) before it reaches the model.
 
-    Checks: ``input_ids``/``labels``/``position_ids``/``attention_mask`` are ``[b, s]``;
-    ``cumulative_len`` (``b`` 1-D tensors, or one tensor when ``b == 1``) starts at 0,
-    strictly increases and ends at ``s``; position ids restart at 0 at each boundary and
-    count +1 within (without ``cumulative_len``, a segment starts wherever a position is 0);
-    ``max_seqlen`` equals the longest segment; positions stay below ``max_position``; ids
-    and labels are in ``[0, vocab_size)`` (labels may be -100); every ``attention_mask`` row
-    attends to something; the batch has a supervised label after column 0 (rows without
-    one are fine, a batch without any would give a NaN loss); ``num_unsupervised``, if
-    present, is an int >= 0.
+    Fields are ``[b, s]``; ``cumulative_len`` starts at 0, strictly increases and ends at ``s``;
+    position ids restart at 0 per document and count +1 within; ``max_seqlen`` is the longest
+    segment; positions stay below ``max_position``; ids and labels are in ``[0, vocab_size)``
+    (labels may be -100); every mask row attends to something; some label after column 0 is
+    supervised; ``num_unsupervised`` is an int >= 0.
 
     Args:
         data: batch dict with ``input_ids`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64),

@@ -1,12 +1,7 @@
-"""Batch checks of XTuner's multimodal (LLaVA) batches: image placeholders against images.
+"""Batch checks of XTuner's LLaVA batches: image placeholders (``-200``) against images.
 
-XTuner's LLaVA data put one placeholder id, ``IMAGE_TOKEN_INDEX = -200``, where an image goes
-(``xtuner.utils.IMAGE_TOKEN_INDEX``), and every sample brings one ``pixel_values`` entry (a
-text-only sample brings a zero image). ``LLaVAModel.forward`` then expands each placeholder into
-the image's patch embeddings (``prepare_inputs_labels_for_multimodal``), taking the images in
-order: one per placeholder, and one (unused) per row without a placeholder. A batch whose
-placeholders and images disagree gives the wrong picture to every later sample, or an
-``IndexError`` deep in the model: :func:`check_image_placeholders` names the row first.
+``LLaVAModel`` takes the images in order, one per placeholder and one per row without any: a
+mismatch gives later samples the wrong picture or an ``IndexError`` deep in the model.
 """
 
 from __future__ import annotations
@@ -44,15 +39,13 @@ def check_image_placeholders(data: Mapping) -> list[int]:
     """Each row's image placeholders against the images that came with the batch.
 
     Args:
-        data: Batch dict with ``input_ids`` ``[b, s]`` (placeholders ``-200``) and
-            ``pixel_values``.
+        data: Batch dict with ``input_ids`` ``[b, s]`` and ``pixel_values``.
 
     Returns:
         The placeholder count of each row.
 
     Raises:
-        ValueError: a row needs more images than are left, or images are left over; the
-            message names the row (the sample of an unpacked batch), the field and the counts.
+        ValueError: a row needs more images than are left, or images are left over.
     """
     ids = data["input_ids"]
     counts = (ids == IMAGE_TOKEN_INDEX).sum(dim=1).tolist()
@@ -82,13 +75,7 @@ def check_image_placeholders(data: Mapping) -> list[int]:
 def check_batch_with_images(
     data: Mapping, *, vocab_size: int | None = None, max_position: int | None = None
 ) -> None:
-    """:func:`check_packed_batch`, knowing XTuner's image placeholder when images came.
-
-    Without ``pixel_values`` this is :func:`check_packed_batch`. With them, placeholders are
-    counted against the images (:func:`check_image_placeholders`) and the token checks run
-    with each placeholder read as a valid id; positions as the LLM sees them (after the
-    expansion into patch embeddings) are checked in ``xtuner_rope.models.llava``.
-    """
+    """:func:`check_packed_batch`, each image placeholder read as a valid id when images came."""
     if data.get("pixel_values") is None or not isinstance(data.get("input_ids"), torch.Tensor):
         check_packed_batch(data, vocab_size=vocab_size, max_position=max_position)
         return

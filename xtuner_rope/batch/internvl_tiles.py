@@ -1,13 +1,7 @@
 """Batch checks of XTuner's InternVL batches: image-context tokens against image tiles.
 
-``InternVL_V1_5_Dataset`` (xtuner 0.2.0) writes each image into the ids as ``<img>`` + ``P x
-tiles`` ``<IMG_CONTEXT>`` + ``</img>`` (``P`` tokens per tile after the pixel shuffle) and
-brings the image's tiles as ``pixel_values`` ``[tiles, 3, H, W]``; a text-only sample brings
-one zero tile. ``InternVL_V1_5._llm_forward`` keeps the tiles whose pixels do not sum to 0
-(``image_flags``) and writes their ``P`` vision tokens, in order, over the batch's
-``<IMG_CONTEXT>`` positions. When the counts disagree it prints a warning and writes only the
-first vision tokens: later samples silently get another sample's picture.
-:func:`check_image_context` names the row before the step.
+``InternVL_V1_5`` writes ``P`` vision tokens per kept tile over the ``<IMG_CONTEXT>`` ids in
+order; when the counts disagree later samples silently get another sample's picture.
 """
 
 from __future__ import annotations
@@ -40,18 +34,17 @@ def check_image_context(data: Mapping, context_id: int, tokens_per_tile: int) ->
     """Each row's ``<IMG_CONTEXT>`` tokens against its image tiles.
 
     Args:
-        data: Batch dict: ``input_ids`` ``[b, s]``, ``pixel_values`` (a ``[b, t, 3, H, W]``
-            tensor or a list of ``b`` ``[t_r, 3, H, W]``: one entry per row, as XTuner's
-            ``default_collate_fn`` and ``internvl_collate_fn`` give).
-        context_id: The tokenizer's ``<IMG_CONTEXT>`` id (``img_context_token_id``).
+        data: Batch dict: ``input_ids`` ``[b, s]``, ``pixel_values`` (``[b, t, 3, H, W]`` or
+            a list of ``b`` ``[t_r, 3, H, W]``).
+        context_id: The tokenizer's ``<IMG_CONTEXT>`` id.
         tokens_per_tile: ``P``, the checkpoint's ``num_image_token``.
 
     Returns:
         The ``<IMG_CONTEXT>`` count of each row.
 
     Raises:
-        ValueError: a row's count is not ``P x`` its kept tiles (or, for a batch whose tiles
-            cannot be told apart by row, the batch's total); the message names row and counts.
+        ValueError: a row's count (or the batch's, when tiles are flat) is not ``P x`` its
+            kept tiles.
     """
     ids = data["input_ids"]
     counts = (ids == context_id).sum(dim=1).tolist()

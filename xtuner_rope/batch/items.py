@@ -1,10 +1,4 @@
-"""Dataset items as ``rope_collate_fn`` reads them: parsed, checked, one ``Sample`` each.
-
-An item is a dict with ``input_ids`` and ``labels`` (lists, tuples, arrays or 1-D integer
-tensors) and, for XTuner-packed items, ``cumulative_len`` and/or ``position_ids``. Every
-fault raises an error naming the sample, the document, the field, what was expected and
-what came, and the fix.
-"""
+"""Dataset items as ``rope_collate_fn`` reads them: parsed, checked, one ``Sample`` each."""
 
 from __future__ import annotations
 
@@ -77,8 +71,7 @@ def _as_1d_ints(index: int, item: Mapping, field: str) -> torch.Tensor:
 
 
 def check_id_range(samples: list[Sample]) -> None:
-    """Ids are >= 0 (an embedding row); labels too, or IGNORE_INDEX. One test for the batch,
-    then the sample and column of the first bad value."""
+    """Ids are >= 0; labels too, or IGNORE_INDEX (one test, then the first bad value named)."""
     ids = torch.cat([s.input_ids for s in samples])
     labels = torch.cat([s.labels for s in samples])
     if not bool(((ids < 0) | ((labels < 0) & (labels != IGNORE_INDEX))).any()):

@@ -1,8 +1,4 @@
-"""The file a ``NonFiniteTripwireHook`` failure leaves: one batch and how to rebuild its pass.
-
-Written by the tripwire (``monitor.py``), read by the replay (``outputs/replay.py``): tensors,
-numbers and strings only, so it loads with ``weights_only=True``.
-"""
+"""The file a ``NonFiniteTripwireHook`` failure leaves: one batch and how to rebuild its pass."""
 
 from __future__ import annotations
 

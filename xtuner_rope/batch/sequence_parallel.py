@@ -1,11 +1,5 @@
-"""What a collated batch must satisfy for XTuner's sequence-parallel shard split.
-
-With ``sequence_parallel_size = sp`` every ``[b, s]`` row is cut into ``sp`` shards of
-``s / sp`` tokens (``xtuner.parallel.sequence.split_for_sequence_parallel``). XTuner's split
-asserts ``s % sp == 0``; xtuner-rope's sequence-parallel loss (``models.sequence_parallel``)
-pads the row itself with a segment of its own, so only batches that take XTuner's own path
-(a model whose attention the plugin did not patch) need the collate function to pad.
-"""
+"""What a collated batch must satisfy for XTuner's sequence-parallel shard split (``s % sp ==
+0``)."""
 
 from __future__ import annotations
 
@@ -21,15 +15,12 @@ def check_sequence_parallel_rows(shape: tuple[int, int], sp: int, *, pads_itself
     """Refuse a ``[b, s]`` batch the sequence-parallel split cannot cut into ``sp`` shards.
 
     Args:
-        shape: ``(b, s)`` of the collated ``input_ids`` (every row is ``s`` long after the
-            collate function's padding).
+        shape: ``(b, s)`` of the collated ``input_ids``.
         sp: Sequence-parallel world size (1: nothing to check).
-        pads_itself: The loss pads rows to a multiple of ``sp`` (xtuner-rope's
-            sequence-parallel loss serves the model): any ``s`` works.
+        pads_itself: xtuner-rope's sequence-parallel loss pads the rows: any ``s`` works.
 
     Raises:
-        ValueError: ``s`` is not a multiple of ``sp`` and XTuner's split would assert; the
-            message names the row length, the remainder and the collate edit.
+        ValueError: ``s`` is not a multiple of ``sp`` and XTuner's split would assert.
     """
     b, s = shape
     pad = sequence_parallel_padding(s, sp)

@@ -1,16 +1,8 @@
 """Packing figures of one collated batch: documents, real tokens, lengths, unsupervised documents.
 
-Pure functions over the ``[b, s]`` tensors a collator returns; they read the document
-boundaries from ``position_ids`` (a document starts at column 0 and wherever the position is
-0), which every batch of this project carries, so they do not depend on ``cumulative_len``
-still being in the batch (``PackedBatchCheckHook`` pops it).
-
-Padding is the tail of a row: the segments after the row's last real token. A token is
-padding where ``attention_mask`` is False when the collator returns a mask (unpacked plain
-rows), otherwise where ``input_ids == pad_index`` with label -100 (``rope_collate_fn`` pads each
-row's tail as segments of their own, several where the tail is longer than the RoPE range
-allows). A real document at a row's end made only of pad ids with no label would be counted
-as padding.
+Documents are read from ``position_ids`` (``cumulative_len`` may be popped already). Padding is
+a row's tail after its last real token: ``attention_mask`` False, else ``input_ids == pad_index``
+with label -100.
 """
 
 from __future__ import annotations
@@ -94,11 +86,7 @@ def _padding_tokens(data: Mapping, pad_index: int) -> torch.Tensor:
 
 
 def _row_tails(real: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` bool: the tokens after each row's last real token (the row's padding).
-
-    The collator pads a row's tail, split into several segments where it is longer than the
-    RoPE range allows (``rope_collate_fn``): every one of them is padding.
-    """
+    """``[b, s]`` bool: the tokens after each row's last real token (the row's padding segments)."""
     b, s = real.shape
     last = s - 1 - real.flip(1).to(torch.uint8).argmax(1)  # [b] column of the last real token
     last = torch.where(real.any(1), last, -1)

@@ -1,10 +1,4 @@
-"""Per-micro-batch counts the token-weighted step needs: supervised tokens, dialogue weights.
-
-XTuner's models average their loss over a micro-batch's supervised tokens (labels other than
--100 after the causal shift). :class:`xtuner_rope.hooks.loss_norm.TokenWeightedLossHook` turns
-that mean back into a sum (:func:`supervised_tokens`), or weighs every dialogue alike
-(:func:`dialogue_weights`); both read the batch on the host, before the model sees it.
-"""
+"""Per-micro-batch counts the token-weighted step needs: supervised tokens, dialogue weights."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ def supervised_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry a loss: labels other than -100 after the causal shift.
 
     Args:
-        labels: ``[b, s]`` XTuner labels (the model shifts them: position ``i`` predicts
-            ``labels[:, i + 1]``, so the first column never counts).
+        labels: ``[b, s]`` XTuner labels (the first column never counts).
 
     Returns:
         The count the model's mean loss divides by.
@@ -32,15 +25,12 @@ def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tenso
     """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
 
     Args:
-        labels: ``[b, s]`` XTuner labels (position ``t`` predicts ``labels[:, t + 1]``; a label
-            belongs to the dialogue of its own position).
-        boundaries: ``b`` 1-D ``cumulative_len`` tensors (packed rows: one segment per
-            dialogue, collate padding included), or None: every row is one dialogue.
+        labels: ``[b, s]`` XTuner labels (a label belongs to the dialogue of its position).
+        boundaries: ``b`` 1-D ``cumulative_len`` tensors, or None: every row is one dialogue.
 
     Returns:
-        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]``: ``1 / n_d`` on each
-        supervised label of dialogue ``d`` (``n_d`` its supervised labels), 0 elsewhere; and the
-        number of dialogues with at least one supervised label.
+        ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]`` (``1 / n_d`` on each
+        supervised label of dialogue ``d``), and the number of dialogues with a supervised label.
     """
     b, s = labels.shape
     segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue

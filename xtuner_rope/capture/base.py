@@ -1,13 +1,4 @@
-"""The one shape of every capture hook: do something at iteration N, undo it, save, log.
-
-A capture records what a real ``xtuner train`` step computed (its batch, the logits or
-log-probs, the weights) so that it can be compared offline with each document alone. Each
-capture (:mod:`~xtuner_rope.capture.text`, :mod:`~xtuner_rope.capture.llava`,
-:mod:`~xtuner_rope.capture.preference`) says only what it installs and what it saves;
-:class:`CaptureHook` gates it to one iteration, undoes what it installed after the step (forward
-hooks, wrapped methods, randomness switched off), writes the file into the run's work dir and
-logs where it went.
-"""
+"""The one shape of every capture hook: do something at iteration N, undo it, save, log."""
 
 from __future__ import annotations
 
@@ -22,9 +13,8 @@ from mmengine.logging import print_log
 class CaptureHook(Hook):
     """Base of the capture hooks: :meth:`install` at iteration ``at_iter``, undo, save, log.
 
-    A subclass implements :meth:`install` (register what records the step; each undo action
-    goes to :meth:`on_undo`), :meth:`saved` (the object ``torch.save`` writes),
-    :meth:`file_name` and :meth:`message`. Nothing happens at other iterations.
+    Subclasses implement :meth:`install` (undo actions go to :meth:`on_undo`), :meth:`saved`,
+    :meth:`file_name` and :meth:`message`.
 
     Args:
         at_iter: The 0-based iteration captured.

@@ -1,20 +1,8 @@
 """Isolation inside a real InternVL ``xtuner train`` run: capture what the LLM saw, compare.
 
-``InternVL_V1_5._llm_forward`` (xtuner 0.2.0) writes the vision tokens over the
-``<IMG_CONTEXT>`` embeddings and calls its ``language_model`` with ``inputs_embeds`` ``[b, s,
-d]``, ``attention_mask`` and ``position_ids`` ``[b, s]``. :class:`InternVLIsolationCaptureHook`
-(opt-in: ``dict(type=InternVLIsolationCaptureHook)`` in ``custom_hooks``) records those inputs
-at iteration 1, the batch's labels, the LLM's weights of that step and its logits, to
-``<work_dir>/internvl_isolation_capture.pt``. The logits are the same patched LLM on the same
-inputs with dropout off (XTuner's LoRA configs train with ``lora_dropout=0.05``, which makes the
-training forward itself random); ``logits_train`` keeps the training forward's.
-
-:func:`compare_internvl_capture` (in a fresh process: ``python -m
-xtuner_rope.capture.internvl CONFIG CAPTURE``) builds the config's ``InternVL_V1_5``
-again, unpatched, gives its LLM the step's weights and runs each sample alone (its real tokens,
-positions ``0..n-1``; a packed row's samples are cut where its positions restart). With
-``negative_control=True`` (the default) the hook measures the same inside the run and also runs
-the captured rows as they are through the unpatched copy: packed rows leak there.
+:class:`InternVLIsolationCaptureHook` records the LLM's inputs, weights and logits of iteration
+1 (dropout off); :func:`compare_internvl_capture` (``python -m xtuner_rope.capture.internvl
+CONFIG CAPTURE``) runs each sample alone through the unpatched LLM with those weights.
 """
 
 from __future__ import annotations
@@ -29,13 +17,12 @@ from mmengine.config import Config
 from torch import nn
 
 from xtuner_rope.capture.base import CaptureHook
-from xtuner_rope.capture.llava import in_run_sentence, isolation_figures
+from xtuner_rope.capture.llava import IGNORE_INDEX, in_run_sentence, isolation_figures
 from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 
 INTERNVL_CAPTURE_FILE = "internvl_isolation_capture.pt"
 _INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
-IGNORE_INDEX = -100
 
 
 def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -50,9 +37,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class InternVLIsolationCaptureHook(CaptureHook):
-    """Save the LLM's inputs, weights and logits of the first step of an InternVL run.
-
-    For tiny test models: the saved logits are ``[b, s, V]`` fp32, the weights whole.
+    """Save the LLM's inputs, weights and logits of the first step of an InternVL run (tiny models).
 
     Args:
         negative_control: Also measure inside the run, through an unpatched copy of the LLM
@@ -110,8 +95,7 @@ class InternVLIsolationCaptureHook(CaptureHook):
 
 
 def reference_internvl_llm(cfg: Config) -> nn.Module:
-    """The config's InternVL LLM built again by XTuner (LoRA-wrapped as in the run), unpatched,
-    fp32, with an attention that runs here; its weights are the checkpoint's until loaded."""
+    """The config's InternVL LLM built again by XTuner (LoRA as in the run), unpatched, fp32."""
     from xtuner.registry import BUILDER
 
     from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
@@ -131,8 +115,8 @@ def reference_internvl_llm(cfg: Config) -> nn.Module:
 
 
 def compare_internvl_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured sample's LLM logits against the same sample alone, unpatched, with the
-    step's weights (the capture's ``llm_state``); :func:`isolation_figures`' result."""
+    """Each captured sample against itself alone, unpatched, with the step's weights
+    (:func:`isolation_figures`)."""
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     cfg = Config.fromfile(str(config))
     llm = reference_internvl_llm(cfg)
@@ -145,4 +129,4 @@ if __name__ == "__main__":  # python -m xtuner_rope.capture.internvl CONFIG CAPT
 
     apply()  # a fresh process: the patches InternVL's load needs (importing patches nothing)
     result = compare_internvl_capture(sys.argv[1], sys.argv[2])
-    print("INTERNVL_COMPARE=" + json.dumps({k: v for k, v in result.items()}))
+    print("INTERNVL_COMPARE=" + json.dumps(result))

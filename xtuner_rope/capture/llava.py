@@ -1,22 +1,8 @@
 """Isolation inside a real LLaVA ``xtuner train`` run: capture what the LLM saw, compare offline.
 
-In a LLaVA model the LLM never sees the batch the collate function made: ``LLaVAModel``
-expands each image placeholder into patch embeddings first. :class:`LLaVAIsolationCaptureHook`
-(opt-in: ``dict(type=LLaVAIsolationCaptureHook)`` in ``custom_hooks``) therefore records the
-LLM's own inputs of iteration 1 (``inputs_embeds`` ``[b, s, d]``, ``attention_mask``,
-``position_ids``, ``labels``) and its logits and loss, to ``<work_dir>/llava_isolation_capture.pt``.
-:func:`compare_llava_capture` runs each sample alone (its real tokens, positions ``0..n-1``;
-a packed row's samples are cut where its positions restart)
-through the config's LLM loaded fresh from its checkpoint in fp32, unpatched: 0 up to
-rounding when the run kept each sample to itself.
-
-Inside the run, the hook also measures (``negative_control=True``, the default): at the first
-step it builds the config's LLM again from its checkpoint, unpatched (the plugin patches layer
-instances, so a fresh model is the plain HF / remote-code one), gives it the run's LLM weights
-(``load_state_dict`` of the in-run LLM just before the step) and runs through it (a) each
-sample alone and (b) the captured rows as they are: a packed row through the unpatched LLM
-lets its samples attend to each other, the leak the plugin prevents. The figures are logged
-and saved under ``'in_run'`` (:func:`isolation_figures`).
+The LLM sees the expanded rows, not the collated batch: :class:`LLaVAIsolationCaptureHook`
+records its inputs, logits and loss of iteration 1; :func:`compare_llava_capture` runs each
+sample alone through the unpatched LLM, and the hook's negative control the same in the run.
 """
 
 from __future__ import annotations
@@ -41,17 +27,15 @@ IGNORE_INDEX = -100
 
 
 class LLaVAIsolationCaptureHook(CaptureHook):
-    """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run.
+    """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run (tiny
+    models).
 
-    For tiny test models: the saved logits are ``[b, s, V]`` fp32.
+    The captured step runs with dropout off, as the reference passes do.
 
     Args:
-        negative_control: Also measure inside the run, through an unpatched copy of the LLM
-            with the run's weights: each sample alone against the captured logits, and the
-            captured rows through the unpatched LLM (the leak without the plugin when rows are
-            packed). A LoRA LLM is merged into a copy and ZeRO-3 shards are gathered for it
-            (``capture.weights``); LoRA under ZeRO-3 is refused before the first step.
-            The captured step runs with dropout off (as the reference passes do).
+        negative_control: Also measure inside the run through an unpatched copy with the run's
+            weights (LoRA merged, ZeRO-3 gathered; LoRA under ZeRO-3 refused before the first
+            step).
     """
 
     def __init__(self, negative_control: bool = True) -> None:
@@ -138,8 +122,7 @@ def reference_llava_llm(cfg: Config) -> nn.Module:
 
 
 def _samples(lengths: list[int], positions: torch.Tensor | None):
-    """(row, start, length) of each sample: a row's real tokens, cut where positions restart
-    at 0 (rows packed by ``llava_collate_fn``; a padded row is one sample)."""
+    """``(row, start, length)`` of each sample: a row's real tokens, cut where positions restart."""
     for r, n in enumerate(lengths):
         starts = (
             [0]
@@ -157,12 +140,11 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
         llm: The unpatched LLM with the weights of the captured step.
         saved: The capture (``inputs_embeds`` ``[b, s, d]``, ``logits`` ``[b, s, V]``,
             ``attention_mask`` / ``position_ids`` / ``labels`` ``[b, s]``, optionally
-            ``unpatched_logits`` ``[b, s, V]``: the same rows through ``llm``).
+            ``unpatched_logits`` ``[b, s, V]``).
 
     Returns:
-        ``{'rows', 'samples', 'max_abs_diff', 'unpatched_max_abs_diff' (None without
-        ``unpatched_logits``), 'per_sample': [{'row', 'start', 'tokens', 'max_abs_diff',
-        'unpatched_max_abs_diff', 'max_abs_logit'}], 'loss': {'captured', 'samples'}}``.
+        ``{'rows', 'samples', 'max_abs_diff', 'unpatched_max_abs_diff', 'per_sample': [...],
+        'loss': {'captured', 'samples'}}``.
     """
     embeds, logits = saved["inputs_embeds"], saved["logits"]
     unpatched = saved.get("unpatched_logits")
@@ -214,11 +196,7 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
 
 
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32).
-
-    Offline, after the run: the LLM is loaded fresh from the config's checkpoint (the weights
-    of the first step when the run starts from it; the hook's ``'in_run'`` figures use the
-    run's own weights).
+    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32, offline).
 
     Args:
         config: The config that was trained (its LLM is loaded from its path).

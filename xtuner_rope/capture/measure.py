@@ -1,15 +1,12 @@
-"""The measurements of ``xtuner-rope check``: a batch's documents, packed against alone.
-
-Shared with the isolation capture of real runs (:mod:`xtuner_rope.capture.text`). All
-logits and losses are compared in fp32 (the model's logits upcast), on the CPU.
-"""
+"""The measurements of ``xtuner-rope check`` and the captures: a batch's documents, packed against
+alone (fp32, CPU)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from xtuner_rope.batch.checks import row_boundaries
+from xtuner_rope.batch.checks import IGNORE_INDEX, row_boundaries
 from xtuner_rope.models import channel
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.ops.packing import cumulative_from_position_ids
@@ -18,7 +15,6 @@ from xtuner_rope.ops.packing import cumulative_from_position_ids
 # XTuner's own for use_varlen_attn): every check pass runs them before its forward.
 BOUNDARY_HOOKS = ("PackedBatchCheckHook", "VarlenAttnArgsToMessageHubHook")
 
-IGNORE_INDEX = -100
 # Keys of XTuner batches that the HF forward does not take (the boundary hooks pop them).
 BOUNDARY_KEYS = ("cumulative_len", "max_seqlen", "num_unsupervised")
 
@@ -49,14 +45,20 @@ def documents(
 ) -> tuple[list[tuple[int, int, int]], str]:
     """Cut the batch after its first ``max_documents`` documents; list its documents.
 
-    A document is a segment with a supervised label after its first token (padding segments
-    have none). The rows are cut in place to a common length that ends at the last kept
-    document: causal attention makes a row's prefix independent of what follows, so the cut
-    batch is an exact, smaller instance of the same batch.
+    A document is a segment with a supervised label after its first token. The rows are cut in
+    place to end at the last kept document: causal attention makes the cut batch an exact,
+    smaller instance of the same batch.
+
+    Args:
+        data: The batch's ``data`` dict (cut in place).
+        recorded: Each row's boundaries when the batch does not carry them, or None.
+        max_documents: How many documents to keep.
 
     Returns:
-        ``[(row, start, end)]`` of every document left in the cut batch, and the source of
-        the boundaries.
+        ``[(row, start, end)]`` of every document left, and the source of the boundaries.
+
+    Raises:
+        ValueError: the batch has no supervised label.
     """
     rows, source = _row_segments(data, recorded)
     labels = data["labels"]
@@ -74,7 +76,6 @@ def documents(
     cut = max(e for _, _, e in spans[:max_documents])
     if cut < data["input_ids"].shape[1]:
         _cut_rows(data, rows, cut)
-        rows = [[c for c in cu if c < cut] + [cut] for cu in rows]
     return [(r, a, min(e, cut)) for r, a, e in spans if a < cut], source
 
 
@@ -98,8 +99,7 @@ def label_count(labels: torch.Tensor, docs: list[Doc]) -> tuple[int, int]:
         docs: The documents.
 
     Returns:
-        ``(packed, documents)``: they differ when a document's first token carries a label
-        (the packed loss predicts it from the previous document).
+        ``(packed, documents)`` (they differ when a document's first token carries a label).
     """
     packed = int((labels[:, 1:] != IGNORE_INDEX).sum())
     alone = sum(int((labels[r, a + 1 : e] != IGNORE_INDEX).sum()) for r, a, e in docs)
@@ -126,8 +126,8 @@ def documents_alone(
         data: The packed batch (``input_ids``, ``labels`` ``[b, s]``, on the CPU).
         docs: The documents.
         n_labels: Divisor of the loss (the packed loss's label count).
-        backward: Backpropagate ``-(sum of each document's token losses) / n_labels``, so
-            ``.grad`` holds minus the reference gradient of the packed loss.
+        backward: Backpropagate ``-(sum of the documents' token losses) / n_labels`` (``.grad``
+            then holds minus the reference gradient of the packed loss).
 
     Returns:
         The ``[len, V]`` fp32 logits of each document (CPU) and the reference loss.
@@ -148,21 +148,13 @@ def documents_alone(
     return logits, total
 
 
-def reset_boundaries() -> None:
-    """Clear the boundaries a hook published (what the hooks' ``after_train_iter`` do)."""
-    channel.clear()
-
-
 def packed_forward(
     runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[str, ...], backward: bool
 ) -> tuple[torch.Tensor, float, list[str]]:
     """The packed batch through the model as MMEngine's training step runs it.
 
-    The boundary hooks' ``before_train_iter`` (priority order) publish the boundaries and pop
-    them from the batch; the model's ``data_preprocessor`` moves it to the device; then
-    ``SupervisedFinetune.forward(mode='tensor')`` (``llm(**data)``, as ``mode='loss'`` does,
-    also returning the logits). Boundary keys no hook consumed are dropped (training would
-    refuse them) and named.
+    The boundary hooks' ``before_train_iter`` publish the boundaries, the ``data_preprocessor``
+    moves the batch, then ``forward(mode='tensor')``; boundary keys no hook consumed are dropped.
 
     Returns:
         ``[b, s, V]`` fp32 logits (CPU), the loss, and the dropped keys.
@@ -181,7 +173,7 @@ def packed_forward(
             if backward:
                 out.loss.backward()
     finally:
-        reset_boundaries()
+        channel.clear()  # the boundaries the hooks published, as their after_train_iter does
     return out.logits.detach().float().cpu(), float(out.loss.detach()), dropped
 
 

@@ -1,19 +1,7 @@
 """Randomness off for ``xtuner-rope check``: both passes must compute the same function.
 
-The packed pass and the per-document passes see different tensor shapes, so they draw different
-dropout masks even from the same seed: XTuner's stock LoRA configs (``lora_dropout=0.1``) then
-differ by 12-28% in their gradients with perfectly isolated documents, a false FAIL. The check
-therefore measures the model with every source of training-time randomness switched off, the
-same for both passes, and says so in its report:
-
-- every ``torch.nn.Dropout``-like module (PEFT's ``lora_dropout``, residual and embedding
-  dropout) gets ``p = 0`` (kept in training mode: ``F.dropout`` with ``p = 0`` is the identity,
-  and generation's ``eval()``/``train()`` toggles cannot turn it back on);
-- float attributes that layers read in training mode instead of a module: attention-weight
-  dropout (``attention_dropout``, ``dropout``) and MoE router noise (``jitter_noise``,
-  ``router_jitter_noise``), set to 0.0.
-
-Everything is restored when the context exits.
+Packed and per-document passes draw different dropout masks (12-28% apart in LoRA gradients):
+dropout, attention dropout and MoE router noise are set to 0, restored on exit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Isolation measured inside a real ``xtuner train`` run: capture iteration 1, compare offline.
 
-:class:`IsolationCaptureHook` (opt-in: add ``dict(type=IsolationCaptureHook)`` to
-``custom_hooks``) saves the first training batch as the collate function made it (boundaries
-included) and the logits and loss the training step's forward computed from it, to
-``<work_dir>/isolation_capture.pt``. :func:`compare_capture` then runs each document of that
-batch alone through the config's model freshly loaded from its checkpoint (the weights of
-iteration 1's forward, before the first optimizer step), unpatched, and reports the largest
-difference per document: 0 up to rounding when the run isolated its documents, whole units
-when they attended to each other.
+:class:`IsolationCaptureHook` saves the first batch and its logits and loss;
+:func:`compare_capture` runs each document alone through the unpatched model.
 """
 
 from __future__ import annotations
@@ -39,9 +33,8 @@ def _copy(value: object) -> object:
 class IsolationCaptureHook(CaptureHook):
     """Save the first training batch and the logits/loss the model computed from it.
 
-    Writes ``isolation_capture.pt`` (``{'data': the collated batch, 'logits': [b, s, V] fp32,
-    'loss': float, 'dtype': the model's dtype name, e.g. 'bfloat16'}``) into the run's work dir after iteration 1; nothing afterwards. For the
-    tiny and test models: the logits of a 7B model on a long pack are gigabytes.
+    Writes ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``)
+    into the run's work dir after iteration 1 (for tiny models: 7B logits are gigabytes).
     """
 
     def __init__(self) -> None:
@@ -81,16 +74,8 @@ def reference_llm(cfg: Config) -> nn.Module:
 
 
 def _pack_boundaries(cfg: Config, data: dict) -> list[list[int]]:
-    """Boundaries of stock XTuner packs (not in the batch): the same packs, recorded.
-
-    The dataset is built again with ``use_varlen_attn=True`` (the same packs, with their
-    ``cumulative_len``; ``build_packed_dataset`` as it is: it records them always) and each
-    captured row is looked up by its tokens.
-
-    Raises:
-        ValueError: a row matches no pack (``shuffle_before_pack=True`` packs differently in
-            every process: set it to False for such a comparison).
-    """
+    """Boundaries of stock XTuner packs: the dataset rebuilt with ``use_varlen_attn=True``
+    (``ValueError`` if a row matches none)."""
     from xtuner.registry import BUILDER
 
     dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
@@ -120,9 +105,8 @@ UNPACKED_BUILDERS = ("MOSSSFTDataset",)
 
 
 def packs_documents(dataset_cfg: dict) -> bool:
-    """Whether a dataset config packs documents into rows: ``pack_to_max_length`` unless False
-    (XTuner's builders default to packing), not for a builder that never packs, and a
-    ``ConcatDataset`` when one of its datasets does."""
+    """Whether a dataset config packs documents into rows (``pack_to_max_length`` defaults to
+    True)."""
     kind = dataset_cfg.get("type")
     name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
     if name == "ConcatDataset":
@@ -136,18 +120,12 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
     """Each captured document's logits against the same document alone (unpatched, fp32).
 
     Args:
-        config: The config that was trained, started as ``xtuner train`` starts it (its
-            ``model_resource`` runs: e.g. the start-up's ``flash_attention_2 -> sdpa``); its
-            ``llm`` is loaded from its path.
+        config: The config that was trained (started as ``xtuner train`` starts it).
         capture: The ``isolation_capture.pt`` written by :class:`IsolationCaptureHook`.
 
     Returns:
         ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document': [...],
-        'loss': {'captured', 'documents'}}``; ``dtype`` is the run's (a ``torch_dtype=bfloat16``
-        run is compared with the same bf16-rounded weights computing in fp32: judge it with
-        that dtype's tolerance). Packs that did not record their boundaries
-        (stock XTuner packing) get them from the same packs rebuilt with
-        ``use_varlen_attn=True`` (see :func:`xtuner_rope.check.runner.first_batches`).
+        'loss': {'captured', 'documents'}}``; ``dtype`` is the run's (judge with its tolerance).
     """
     from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 

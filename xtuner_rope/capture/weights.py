@@ -1,16 +1,7 @@
 """The weights of a run's LLM as a plain (unpatched, unwrapped) model loads them.
 
-The in-run negative controls (``LLaVAIsolationCaptureHook``) give a fresh copy of the config's
-LLM the run's own weights. ``llm.state_dict()`` is that only for a full LLM on one process:
-
-- a PEFT (LoRA/QLoRA) LLM's keys are ``base_model.model.<name>.base_layer.weight`` plus the
-  adapter's ``lora_A``/``lora_B``: a plain model raises "Error(s) in loading state_dict ...
-  Missing key(s)". Merged into a copy (``merge_and_unload``), it is the plain model's dict;
-- under DeepSpeed ZeRO-3 each process holds an empty placeholder per parameter: the full
-  tensors are gathered first (``deepspeed.zero.GatheredParameters``).
-
-A PEFT LLM under ZeRO-3 would need both at once (a copy of gathered LoRA layers): refused by
-:func:`plain_weights_refusal` before the first step, naming the way that works.
+A PEFT LLM is merged into a copy; ZeRO-3 parameters are gathered first; a PEFT LLM under ZeRO-3
+is refused (:func:`plain_weights_refusal`).
 """
 
 from __future__ import annotations

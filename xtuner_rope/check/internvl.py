@@ -1,16 +1,10 @@
 """``xtuner-rope check`` on an InternVL config: each sample in its batch equals itself alone.
 
-For a config whose model is XTuner's ``InternVL_V1_5``: the config's real model is built by
-the runner (the plugin's start-up applied), an unpatched copy of its LLM is built by XTuner
-again and given the same weights, and the first batches of the config's own dataset and
-collate function (padded by ``default_collate_fn`` or packed by ``internvl_collate_fn``) go
-through the real ``InternVL_V1_5`` forward, patched, with the plugin's batch hook publishing
-their boundaries as in training. What reaches the LLM there (``inputs_embeds`` with the vision
-tokens written in, mask, positions) is then run sample by sample through the unpatched LLM:
-each sample's logits must match, fp32, within 1e-5 (relative to the logits' size). The same
-rows through the unpatched LLM are reported beside it: for packed rows they leak (the figure
-the plugin removes). Dropout is off in both (``capture.randomness``). Gradients and generation
-are not compared for InternVL (the text and LLaVA checks do).
+The first batches go through the real, patched ``InternVL_V1_5``; what reached its LLM
+(``inputs_embeds``, mask, positions) is run sample by sample through an unpatched copy with the
+same weights: logits must match in fp32 within 1e-5 (relative), the same rows unpatched
+reported beside (packed rows leak there). Dropout is off; gradients and generation are
+compared by the text and LLaVA checks only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The kinds of ``xtuner-rope check`` and the dispatch over them, as ``models.families`` has
 ``FAMILIES``.
 
-Each kind is one module with the same small interface:
-
-- ``KIND``: its name, also the report's ``kind`` (a text report has none);
-- ``applies(cfg) -> bool``: whether a started config is this kind's;
-- ``run(cfg, request) -> dict``: measure the config (:class:`~xtuner_rope.check.runner.CheckRequest`
-  holds the command's options) and return the JSON-ready report with its verdict;
-- ``summary(report) -> str``: the short text the command prints.
-
-:data:`KINDS` lists them in the order they are asked; the text check applies to every config
-and comes last. A new kind is a module with that interface and a row here.
+Each kind module has ``KIND`` (the report's ``kind``), ``applies(cfg)``, ``run(cfg, request)``
+(the JSON-ready report with its verdict) and ``summary(report)``; :data:`KINDS` asks them in
+order, the text check last.
 """
 
 from __future__ import annotations
@@ -49,10 +42,9 @@ def run_check(
 ) -> dict:
     """Measure isolation and equality on the config's own model and data; see the kind's module.
 
-    Memory: one copy of the model, one set of gradients (the reference's are negated into
-    ``.grad`` and the packed backward adds to them, so ``.grad`` ends as the difference), the
-    reference logits of at most ``max_documents`` documents per batch (on the CPU), and
-    activations of one cut batch or one document.
+    Memory: one copy of the model, one set of gradients (``.grad`` ends as the difference), the
+    reference logits of at most ``max_documents`` documents per batch (CPU), and activations of
+    one cut batch or one document.
 
     Args:
         config: XTuner config file.

@@ -1,24 +1,10 @@
 """``xtuner-rope check`` for XTuner's LLaVA configs, through the real ``LLaVAModel``.
 
-The config is started and its Runner built as for text SFT (:mod:`xtuner_rope.check.runner`):
-the vision tower, projector and LLM the config names. The LLM never sees the collated batch:
-``LLaVAModel.forward`` expands each image placeholder into ``P`` patch embeddings first. So
-each sample of the config's first batches (padded by XTuner's ``default_collate_fn`` or
-packed by ``llava_collate_fn``) is located in the *expanded* rows (its length
-``n - 1 + P`` with an image, ``P`` from the tower's config as the doctor counts it), and:
-
-1. unpatched (the model as built): each sample alone, collated by itself with its own image
-   (XTuner's one-sample batch), through ``LLaVAModel``: the LLM's logits, loss and
-   gradients (projector and LLM, whatever the config trains);
-2. the plugin's hooks run as in training (``ValidatedRoPEHook`` patches the LLM,
-   ``PackedBatchCheckHook`` checks the batch, publishes its boundaries and expands them after
-   the image expansion);
-3. patched: the batch through ``LLaVAModel`` as the training step calls it; each sample's
-   LLM logits against step 1, the loss, the gradients; the real expansion's row lengths
-   against the doctor's arithmetic (a disagreement is a problem).
-
-Randomness is off in both passes (``capture.randomness``), the backend the packed attention ran
-is reported, and the verdict uses ``check.report``'s tolerances.
+Each sample of the first batches is located in the *expanded* rows (``n - 1 + P`` with an
+image) and compared: (1) unpatched, alone, collated by itself with its image; (2) the plugin's
+hooks run as in training; (3) patched, the batch as the training step calls it: each sample's
+LLM logits against (1), the loss, the gradients, and the real expansion's row lengths against
+the doctor's arithmetic. Randomness is off in both passes; ``check.report``'s tolerances judge.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ from mmengine.config import Config
 from xtuner_rope.batch.image_packing import expanded_length, llava_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
-from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS, IGNORE_INDEX
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.check.report import judge, report_head
 from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
@@ -41,7 +27,6 @@ from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 from xtuner_rope.models.runtime import chosen_backends
 
-IGNORE_INDEX = -100
 KIND = "llava"
 
 

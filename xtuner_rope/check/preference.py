@@ -1,13 +1,9 @@
 """``xtuner-rope check`` for XTuner's preference models (DPO, ORPO, reward model).
 
-The config is started and its Runner built as for SFT (:mod:`xtuner_rope.check.runner`); the
-first batch of its own dataset and collate function (packed pairs) goes through the model's
-``compute_loss`` as in a training step, with the plugin's hooks run as in training, while
-:class:`~xtuner_rope.capture.preference.PreferenceCaptureHook` records what the model
-computed: policy and reference chosen/rejected log-probs (DPO), chosen/rejected average
-log-probs (ORPO), reward scores (reward model), and the weights. Then
-:func:`~xtuner_rope.capture.preference.compare_preference_capture` runs each response
-alone through the unpatched model (float64 sums) and the packed row unpatched (the leak).
+The first batch goes through ``compute_loss`` as in a training step while
+:class:`~xtuner_rope.capture.preference.PreferenceCaptureHook` records what the model computed;
+:func:`~xtuner_rope.capture.preference.compare_preference_capture` then runs each response
+alone through the unpatched model, and the packed row unpatched (the leak).
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The bottom of ``xtuner-rope check``: the config started, its Runner built, its first batches.
-
-Every kind of check (:mod:`xtuner_rope.check.kinds`) stands on this module: the config is
-started as ``xtuner train`` starts it (``set_model_resource``, which runs the plugin's start-up,
-then the ``--cfg-options`` overrides, in that order), MMEngine's ``Runner`` builds its model
-(real weights from the config's path, on this machine's device) and its hooks
-(:func:`prepared_runner`), and the first batches come from the config's own dataset and
-collate function (:func:`first_batches`). :func:`apply_patch` runs the plugin's hooks'
-``before_train`` as training does.
-"""
+"""The bottom of ``xtuner-rope check``: the config started as ``xtuner train`` starts it, its
+Runner built, its first batches."""
 
 from __future__ import annotations
 
@@ -42,10 +34,7 @@ class CheckRequest:
 
 
 def start_config(path: str, cfg_options: dict | None = None) -> Config:
-    """The config as ``xtuner train`` has it when it builds the Runner.
-
-    ``Config.fromfile``, then the config's ``model_resource`` (the plugin's start-up when the
-    config enables it), then the ``--cfg-options`` overrides (xtuner/tools/train.py's order).
+    """The config as ``xtuner train`` has it (``fromfile``, ``model_resource``, ``--cfg-options``).
 
     Raises:
         ConfigConflict: the plugin's start-up refuses a setting (message names the edit).
@@ -54,11 +43,7 @@ def start_config(path: str, cfg_options: dict | None = None) -> Config:
 
 
 def build_runner(cfg: Config, work_dir: Path):
-    """MMEngine's ``Runner`` of the config (model on this machine's device, hooks built).
-
-    A DeepSpeed config (``runner_type="FlexibleRunner"``) is built with the plain Runner: the
-    check holds one unsharded copy of the model on one device.
-    """
+    """MMEngine's ``Runner`` of the config (one unsharded model on this device, hooks built)."""
     from mmengine.runner import Runner
 
     cfg = copy.deepcopy(cfg)
@@ -86,9 +71,8 @@ def _deepspeed_dtype(cfg: Config) -> torch.dtype | None:
 def train_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """The dtype the config trains in on ``device``.
 
-    On CPU: float32 (MMEngine's AMP needs a GPU; the plugin's start-up refuses it there). On a
-    GPU: the DeepSpeed config's bf16/fp16, else ``AmpOptimWrapper``'s dtype (float16 when
-    unset, MMEngine's default), else the ``llm``'s ``torch_dtype``, else float32.
+    CPU: float32 (no AMP there). GPU: DeepSpeed's bf16/fp16, else ``AmpOptimWrapper``'s dtype
+    (float16 unset), else the ``llm``'s ``torch_dtype``, else float32.
     """
     if device.type == "cpu":
         return torch.float32
@@ -163,11 +147,7 @@ def plugin_hooks(runner) -> dict:
 
 
 def apply_patch(runner, hooks: dict) -> bool:
-    """Run the plugin's hooks' ``before_train`` as training does; True if the model was patched.
-
-    ``ValidatedRoPEHook.before_train`` patches the model (the same call as in ``runner.train``);
-    ``PackedBatchCheckHook.before_train`` then reads what the model isolates.
-    """
+    """Run the plugin's hooks' ``before_train`` as training does; True if the model was patched."""
     for name in ("ValidatedRoPEHook", "PackedBatchCheckHook"):
         if name in hooks:
             hooks[name].before_train(runner)
@@ -189,8 +169,8 @@ def prepared_runner(cfg: Config, work_dir: Path, dtype: str | None = None) -> Pr
     Args:
         cfg: The started config (:func:`start_config`).
         work_dir: Runner work dir (its log goes there).
-        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); the
-            default is the config's (:func:`train_dtype`: float32 on CPU).
+        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); default:
+            :func:`train_dtype`.
     """
     runner = build_runner(cfg, Path(work_dir))
     device = next(runner.model.parameters()).device

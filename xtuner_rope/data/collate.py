@@ -1,11 +1,4 @@
-"""``rope_collate_fn``: XTuner's batch structure with per-document RoPE positions.
-
-Every row of the batch is cut into segments (documents, then padding segments, each shorter
-than the batch's longest document, when the row is short). Position ids restart
-at 0 at each segment and the boundaries travel as ``cumulative_len``, so packed documents
-get the same RoPE angles as alone and a boundary-aware attention can isolate them.
-See :func:`rope_collate_fn`.
-"""
+"""``rope_collate_fn``: XTuner's batch structure with per-document RoPE positions."""
 
 from __future__ import annotations
 
@@ -40,11 +33,7 @@ DEFAULT_PAD_TOKEN_INDEX = 0
 
 
 def _apply_policy(samples: list[Sample], drop: bool) -> tuple[list[Sample], int]:
-    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them.
-
-    Returns:
-        The samples to collate and how many of them have no supervised label.
-    """
+    """Keep (and count) or drop the samples without a supervised label; refuse a batch of them."""
     bad = [s.index for s in samples if not is_supervised(s)]
     if len(bad) == len(samples):
         shown = f"{bad[:20]}{'...' if len(bad) > 20 else ''}"
@@ -133,16 +122,8 @@ def _assemble_row(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _padding_boundaries(n: int, s: int, longest: int) -> torch.Tensor:
-    """Boundaries after the real tokens ``[0, n)`` of a row: padding ``[n, s)`` cut into
-    segments shorter than ``longest``, the longest real document of the batch (1 if it is 1).
-
-    One padding segment can be longer than the RoPE range (``pack=True`` rows may exceed it,
-    since positions restart per document; ``pad_to_multiple_of`` / ``min_length`` add more).
-    Kept shorter than ``longest``, padding positions stay below every real document's, so a
-    batch whose documents fit the RoPE range always fits, padding never sets ``max_seqlen``,
-    and the largest position of a batch always belongs to a real document: an error about it
-    names the document at fault, never a padding segment that inherited its length.
-    """
+    """Boundaries of a row's padding ``[n, s)`` in segments shorter than ``longest`` (the batch's
+    longest document), so padding never leaves the RoPE range."""
     cap = max(longest - 1, 1)
     return torch.tensor([*range(n + cap, s, cap), s], dtype=torch.int32)
 
@@ -184,47 +165,36 @@ def rope_collate_fn(
 ) -> dict:
     """Collate XTuner items into a batch whose rows carry document boundaries.
 
-    Items are plain (``input_ids``, ``labels``) or XTuner-packed (with ``cumulative_len``
-    and/or ``position_ids`` restarting at 0 per document). Each row is one item, or with
-    ``pack=True`` several items placed by best-fit decreasing. Rows are padded to one
-    length ``s``; the padding is cut into segments of its own, each shorter than the
-    longest real document of the batch (so padding never leaves the RoPE range when the
-    documents fit in it, whatever ``pad_to_multiple_of`` / ``min_length`` add, and the
-    largest position is always a real document's).
-
-    Samples without a supervised label (all labels -100 after the causal shift: a 1-token
-    sample, a reply truncated away) add nothing to the loss: they are kept as documents like
-    any other and counted in ``num_unsupervised``, or dropped with ``drop_unsupervised=True``.
-    A batch where no sample has a supervised label (mean loss 0/0 = NaN) is refused.
+    Each row is one item, or with ``pack=True`` several placed by best-fit decreasing; position
+    ids restart at 0 per document and the padding is cut into segments of its own, each shorter
+    than the batch's longest document. Samples without a supervised label are kept and counted
+    (``num_unsupervised``) or dropped; a batch with none supervised (0/0 = NaN) is refused.
 
     Args:
-        instances: ``b`` items; ``input_ids``/``labels`` as lists or 1-D integer tensors.
+        instances: ``b`` items; ``input_ids``/``labels`` as lists or 1-D integer tensors, plain
+            or XTuner-packed (``cumulative_len`` and/or ``position_ids``).
         pad_index: token id used for padding (an int >= 0).
-        use_varlen_attn: accepted for XTuner config compatibility; boundaries are always
-            returned, and unlike XTuner any batch size works.
+        use_varlen_attn: accepted for XTuner configs; boundaries are always returned.
         pack: pack the items into as few rows of at most ``max_length`` tokens as possible.
         max_length: row capacity when packing; otherwise an upper bound on item length.
         pad_to_multiple_of: round ``s`` up to a multiple of this.
         min_length: pad ``s`` to at least this.
         return_hf_format: return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
-        drop_unsupervised: drop items with no supervised label (one warning with the count)
-            instead of keeping them.
+        drop_unsupervised: drop items with no supervised label (one warning with the count).
 
     Returns:
-        ``{'data': data, 'data_samples': None}`` (or ``data``) with ``input_ids``,
-        ``labels`` (-100 on padding and on each document's first token after column 0),
-        ``position_ids`` (all ``[b, s]`` long), ``cumulative_len`` (``b`` int32 tensors
-        ``[0, ..., s]``), ``max_seqlen`` (int, longest segment), ``num_unsupervised`` (int,
-        kept samples without a supervised label; ``PackedBatchCheckHook`` pops it with the
-        boundaries) and, only for unpacked plain items, ``attention_mask`` (``[b, s]`` bool,
-        True on real tokens).
+        ``{'data': data, 'data_samples': None}`` (or ``data``) with ``input_ids``, ``labels``
+        (-100 on padding and each document's first token after column 0), ``position_ids``
+        (all ``[b, s]`` long), ``cumulative_len`` (``b`` int32 tensors ``[0, ..., s]``),
+        ``max_seqlen`` (int), ``num_unsupervised`` (int) and, only for unpacked plain items,
+        ``attention_mask`` (``[b, s]`` bool, True on real tokens).
 
     Raises:
         ValueError: empty batch or sample, mismatched lengths, negative ids or labels (other
             than -100), bad ``cumulative_len`` or ``position_ids``, a sample over
             ``max_length``, a batch without any supervised label, an option out of range.
-        TypeError: an item that is not a dict, ids that are not ints (None, strings, floats),
-            an option of the wrong type.
+        TypeError: an item that is not a dict, ids that are not ints, an option of the wrong
+            type.
     """
     del use_varlen_attn  # boundaries are always returned; kept for XTuner configs
     _check_options(

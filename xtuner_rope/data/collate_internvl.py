@@ -1,14 +1,7 @@
 """``internvl_collate_fn``: XTuner's InternVL samples, several whole samples to a row.
 
-XTuner 0.2.0's InternVL configs collate with ``default_collate_fn``: one sample per row, padded
-to the batch's longest, so short text-only dialogues beside image dialogues are mostly
-padding. ``InternVL_V1_5_Dataset`` already writes each image into the ids (``<img>`` + ``P x
-tiles`` ``<IMG_CONTEXT>`` + ``</img>``): a sample's length is what the LLM sees, and a row can
-hold several whole samples. Each row carries its samples' boundaries (``cumulative_len``,
-published by ``PackedBatchCheckHook`` for the patched attention), positions restarting at 0 per
-sample, and its samples' tiles in sample order (``pixel_values``: one ``[t_r, 3, H, W]`` entry
-per row, text-only samples' zero tiles included: XTuner drops those by their zero pixels and
-writes the other tiles' vision tokens over the ``<IMG_CONTEXT>`` ids in order).
+Each row carries its samples' boundaries and their tiles in order (text-only samples' zero
+tiles included, as XTuner drops them by their zero pixels).
 """
 
 from __future__ import annotations
@@ -57,20 +50,17 @@ def internvl_collate_fn(
 
     Args:
         instances: ``InternVL_V1_5_Dataset`` items: ``input_ids`` / ``labels`` (1-D, image
-            tokens included), ``pixel_values`` ``[tiles, 3, H, W]`` (one zero tile for a
-            text-only sample).
+            tokens included), ``pixel_values`` ``[tiles, 3, H, W]``.
         pad_index: Token id of the padding.
         max_length: Row capacity in tokens (the dataset's ``max_length`` or more).
         pack: Pack samples into rows (``ops.packing.plan_packs``); False: one sample per row.
         return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples':
-            {'rows': plan}}`` (``plan``: per row, the batch indices of its samples in order).
+            {'rows': plan}}`` (``plan``: per row, the batch indices of its samples).
 
     Returns:
-        ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
-        first token), ``position_ids`` ``[b, s]`` (restarting per sample), ``attention_mask``
-        ``[b, s]`` (True on real tokens), ``pixel_values`` (a list of ``b`` ``[t_r, 3, H, W]``:
-        each row's samples' tiles in order), ``cumulative_len`` (``b`` int32 tensors ``0 ..
-        s``, padding its own segment), ``max_seqlen`` and ``num_unsupervised``.
+        ``input_ids`` / ``labels`` / ``position_ids`` / ``attention_mask`` ``[b, s]``,
+        ``pixel_values`` (``b`` tensors ``[t_r, 3, H, W]``), ``cumulative_len`` (``b`` int32
+        tensors ``0 .. s``), ``max_seqlen`` and ``num_unsupervised``.
 
     Raises:
         ValueError: ``max_length`` < 1, a sample longer than ``max_length``, an empty batch, a

@@ -1,7 +1,4 @@
-"""The counts every report of a cut shares: before / after / lost, and the ``max_length``
-that keeps a share of the rows whole (``data.truncation`` for dialogues and documents,
-``data.preference_truncation`` and ``data.reference_truncation`` for pairs, the doctor).
-"""
+"""The counts every report of a cut shares: before / after / lost, and the ``max_length`` kept."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ def kept_counts(before: int, after: int) -> dict:
 
 
 def length_quantile(lengths, q: float) -> int | None:
-    """The ``max_length`` that keeps a share ``q`` of ``lengths`` whole (``keep_99``: q=0.99);
-    None for no lengths."""
-    ordered = np.sort(np.asarray(lengths))
-    return int(ordered[int(np.ceil(q * len(ordered))) - 1]) if len(ordered) else None
+    """The ``max_length`` that keeps a share ``q`` of ``lengths`` whole; None for no lengths."""
+    lengths = np.asarray(lengths)  # the smallest length that at least a share q is <= to
+    return int(np.quantile(lengths, q, method="inverted_cdf")) if len(lengths) else None

@@ -1,11 +1,4 @@
-"""A dialogue's identity: one 128-bit hash of its token ids, with its length.
-
-"The same dialogue" means the same token ids (the same template and tokenizer give the same
-ids). The doctor matches a million packed documents against the dialogues they came from, and
-the held-out figures count held-out dialogues found in the training data: both key a dialogue by
-:func:`segment_keys`, computed over numpy arrays of many dialogues at once (no Python loop per
-token, no per-dialogue digest object).
-"""
+"""A dialogue's identity: one 128-bit hash of its token ids, with its length (numpy, vectorised)."""
 
 from __future__ import annotations
 
@@ -51,12 +44,7 @@ def segment_keys(tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def key_bytes(tokens: np.ndarray, starts: np.ndarray) -> list[bytes]:
-    """:func:`segment_keys` of each segment as 24 bytes (hashable: for sets of dialogues).
-
-    Args:
-        tokens: ``[t]`` token ids.
-        starts: ``[k]`` increasing segment starts, the first 0; a segment runs to the next.
-    """
+    """:func:`segment_keys` of each segment as 24 hashable bytes."""
     return [row.tobytes() for row in segment_keys(tokens, starts)]
 
 

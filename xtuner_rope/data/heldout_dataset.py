@@ -1,13 +1,4 @@
-"""Held-out packing: XTuner's packed rows, never a dialogue cut at a row edge.
-
-XTuner's Packer cuts the token stream every ``max_length`` tokens: a dialogue across a row edge
-becomes two documents, the second scored without its first part. A held-out loss must be each
-dialogue's loss whole and alone. :func:`heldout_process_hf_dataset` takes
-``process_hf_dataset``'s arguments and packs each dialogue whole (``packed_dataset.pack_dataset``
-with ``whole=True``, best-fit decreasing), whatever the training's ``offline_packing`` says;
-the rows carry ``cumulative_len`` and ``position_ids`` as XTuner's do. The start-up puts it in
-place of ``process_hf_dataset`` in a packing ``val_dataloader``.
-"""
+"""Held-out packing: XTuner's packed rows, never a dialogue cut at a row edge."""
 
 from __future__ import annotations
 
@@ -21,9 +12,7 @@ def heldout_process_hf_dataset(dataset, **kwargs):
 
     Args:
         dataset: As ``process_hf_dataset``.
-        **kwargs: As ``process_hf_dataset``; with ``pack_to_max_length=True`` the rows hold
-            whole dialogues (set ``use_varlen_attn=True`` to keep their boundaries, as the
-            start-up does).
+        **kwargs: As ``process_hf_dataset`` (``use_varlen_attn=True`` keeps the boundaries).
 
     Returns:
         The held-out dataset, rows of whole dialogues.

@@ -1,16 +1,7 @@
 """XTuner's intern-repo packing (``build_packed_dataset``) with every document whole.
 
-xtuner 0.2.0's intern-repo ``PackedDataset`` shuffles the documents (``seed``), concatenates
-them and cuts every ``packed_length`` tokens: a document across a row edge is trained as
-pieces, and the last partial row is dropped. :class:`WholePackedDataset` takes the same
-arguments and the same shuffle, and places each document whole into one row through
-``pack_plans.whole_plan`` (best-fit decreasing, the planner of every other packing): every
-document once, nothing dropped. Documents longer than ``packed_length`` (the tokenized
-intern-repo files are pretraining data and may hold them) are split into ``packed_length``
-pieces; dialogues (``load_intern_repo_untokenized_dataset``) never are: XTuner's ``encode_fn``
-truncates them at ``max_length``, counted (one start-up line, :func:`build_whole_packed_dataset`).
-Rows are built on access, as XTuner's are, with XTuner's columns (``input_ids``, ``labels``,
-``cumulative_len``, ``position_ids``: lists of ints).
+:class:`WholePackedDataset`: XTuner's arguments and shuffle, each document whole in one row
+(longer ones split), nothing dropped.
 """
 
 from __future__ import annotations
@@ -33,11 +24,7 @@ UNTOKENIZED = "load_intern_repo_untokenized_dataset"  # the loader whose encode_
 
 
 def _lengths(dataset) -> np.ndarray:
-    """``[n]`` document lengths, read as XTuner's ``PackedDataset`` reads them.
-
-    XTuner's ``JsonlDataset`` (tokenized ``.bin``) has them from its ``.meta`` index; a
-    ``datasets.Dataset`` (untokenized files) from its Arrow column, no row decoded.
-    """
+    """``[n]`` document lengths: a ``JsonlDataset``'s ``.meta`` index, or the Arrow column."""
     from datasets import Dataset
 
     length = getattr(dataset, "length", None)
@@ -51,8 +38,7 @@ def _lengths(dataset) -> np.ndarray:
 
 
 def _table_token_starts(dataset, documents: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """``[p]`` offsets of the pieces into the flattened token stream of a ``datasets.Dataset``'s
-    table (as held: a shuffle or selection read through its indices)."""
+    """``[p]`` offsets of the pieces into the flattened token stream of a dataset's table."""
     table, order = table_and_order(dataset)
     sizes = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     doc_starts = np.cumsum(sizes, dtype=np.int64) - sizes
@@ -63,21 +49,15 @@ def _table_token_starts(dataset, documents: np.ndarray, offsets: np.ndarray) -> 
 class WholePackedDataset(torch.utils.data.Dataset):
     """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
 
-    Holds the plan only (which pieces of which documents form each row: integer arrays, about
-    40 bytes a document); rows are read from the loaded dataset when asked for, as XTuner's
-    are: a ``JsonlDataset`` (tokenized ``.bin``) by parsing the lines of the row's documents
-    in one go from a mapping of its file (``token_lines.TokenLines``; a line in another form
-    than ``{"tokens": [...]}``: the row through XTuner's reader, document by document), a
-    ``datasets.Dataset`` (untokenized files) by gathering the row's pieces from its Arrow
-    columns (``token_gather.TokenGather``, zero-copy views); both built in each reading process.
+    Holds the plan only (about 40 bytes a document); rows are read on access, from a
+    ``JsonlDataset``'s lines (``token_lines``) or a ``datasets.Dataset``'s columns
+    (``token_gather``).
 
     Args:
         dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
         packed_length: Tokens per row.
         seed: Seed of the document shuffle (XTuner's: ``np.random.RandomState(seed)``).
-        truncation: The figures of what XTuner's ``encode_fn`` cut before packing
-            (``truncation.counting_truncation``'s list), for the start-up line's words; None:
-            nothing counted.
+        truncation: ``truncation.counting_truncation``'s list of what ``encode_fn`` cut, or None.
 
     Raises:
         ValueError: ``packed_length`` is not a positive integer, or a document is empty.
@@ -133,9 +113,7 @@ class WholePackedDataset(torch.utils.data.Dataset):
         }
 
     def _tokens(self, pieces: slice, sizes: np.ndarray) -> tuple[list, list]:
-        """``input_ids`` and ``labels`` of the row's pieces, joined: gathered from the Arrow
-        columns, parsed from the ``.bin`` lines in one go, or (any other dataset, or a line
-        the bulk parse does not take) read document by document through ``dataset[i]``."""
+        """``input_ids`` and ``labels`` of the row's pieces, joined."""
         if self.token_starts is not None:
             if self._gather is None:
                 self._gather = TokenGather(table_and_order(self.dataset)[0], COLUMNS)
@@ -151,9 +129,17 @@ class WholePackedDataset(torch.utils.data.Dataset):
 
 
 def pieces_by_reader(dataset, documents, offsets, sizes) -> tuple[list, list]:
-    """``input_ids`` and ``labels`` of tokens ``offsets[i] .. offsets[i] + sizes[i]`` of each
-    ``documents[i]``, joined, read document by document through ``dataset[i]`` (XTuner's
-    reader: what a row cost before the bulk parse; ``tools/bench/bin_rows.py`` times it)."""
+    """The row's pieces read document by document through ``dataset[i]`` (XTuner's reader).
+
+    Args:
+        dataset: The loaded dataset.
+        documents: ``[p]`` document of each piece.
+        offsets: ``[p]`` first token of each piece in its document.
+        sizes: ``[p]`` tokens of each piece.
+
+    Returns:
+        ``(input_ids, labels)`` of the pieces, joined.
+    """
     ids, labels = [], []
     for doc, a, n in zip(documents, offsets, sizes):
         sample = dataset[int(doc)]
@@ -163,8 +149,7 @@ def pieces_by_reader(dataset, documents, offsets, sizes) -> tuple[list, list]:
 
 
 def _token_lines(dataset) -> TokenLines | bool:
-    """A bulk reader of ``dataset``'s lines if it is XTuner's own ``JsonlDataset`` (a
-    subclass may read its lines differently), else False."""
+    """A bulk reader of the lines of XTuner's own ``JsonlDataset`` (not a subclass), else False."""
     from xtuner.dataset.intern_repo import JsonlDataset
 
     if type(dataset) is not JsonlDataset:
@@ -173,8 +158,7 @@ def _token_lines(dataset) -> TokenLines | bool:
 
 
 def _unit(dataset) -> str:
-    """``dialogues`` where some label is -100 (a ``datasets.Dataset`` of the untokenized
-    loader: prompts), else ``documents`` (the tokenized files: not read here, they may be large)."""
+    """``dialogues`` where some label is -100 (prompts), else ``documents``."""
     table = getattr(dataset, "data", None)
     if table is None or "labels" not in getattr(table, "column_names", ()):
         return "documents"
@@ -185,9 +169,7 @@ def _unit(dataset) -> str:
 def _summary(
     lengths: np.ndarray, rows: int, packed_length: int, what: str = "documents", cut: bool = False
 ) -> str:
-    """The start-up's line on one file's packing, with XTuner's cut for comparison, in the
-    words of the data (``what``: ``dialogues`` or ``documents``); ``cut``: XTuner's
-    ``encode_fn`` lost tokens before packing (its own line says how many)."""
+    """The start-up's line on one file's packing, with XTuner's cut for comparison."""
     cuts = intern_repo_cut_plan(lengths, packed_length)
     tokens, long = int(lengths.sum()), lengths[lengths > packed_length]
     split, pieces = len(long), int((-(-long // packed_length)).sum())
@@ -215,21 +197,13 @@ def _summary(
 def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
     """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
 
-    XTuner's function runs (rank 0 builds, the others receive it by broadcast); only its
-    packer is :class:`WholePackedDataset`. What ``load_intern_repo_untokenized_dataset``'s
-    ``encode_fn`` cuts at ``max_length`` (each file tokenized by XTuner's ``process``) is
-    counted and logged in one line (``truncation.tokenized_line``): dialogues are truncated
-    exactly as XTuner truncates them, never split. The start-up puts it in place of
-    ``build_packed_dataset``; ``whole_documents=False`` (``offline_packing = "cut"``) runs
-    XTuner's own packer.
-
     Args:
         *args: As ``build_packed_dataset`` (``dataset_cfg``, ``packed_length``, ``seed``).
-        whole_documents: Pack each document whole (the default).
+        whole_documents: Pack each document whole (the default); False: XTuner's own packer.
         **kwargs: As ``build_packed_dataset``.
 
     Returns:
-        The ``ConcatDataset`` of packed datasets ``build_packed_dataset`` returns.
+        The ``ConcatDataset`` of packed datasets; ``encode_fn``'s cut counted in one log line.
 
     Raises:
         TypeError: ``whole_documents`` is not a bool.

@@ -1,20 +1,7 @@
 """XTuner's LLaVA training data, checked before the first step (the doctor runs the same checks).
 
-``LLaVADataset`` (xtuner 0.2.0) opens each image only when its sample is loaded, and XTuner's
-expansion (``prepare_inputs_labels_for_multimodal``) trusts the text: what is wrong in the data
-shows up deep in a run, or never:
-
-- an image that is missing or cannot be opened (not an image, a PIL decompression bomb) stops the run at the batch that loads it, with PIL's error and no sample named;
-- a sample that names an image but whose text has no ``<image>`` (or whose placeholder the
-  dataset's ``max_length`` cut away) trains without it: the expansion takes the image and
-  ignores it. A sample with ``<image>`` but no image gets a zero (black) image: silently wrong;
-- a sample with more than one ``<image>``: ``LLaVADataset`` loads one image per sample;
-- a sample longer than a ``llava_collate_fn`` row (or than the LLM's RoPE range) once each
-  image is ``P`` patch embeddings is refused only at the batch that holds it.
-
-:func:`llava_data_problems` finds all of these from the dataset's tokenized text and the
-image files' headers (no pixel is decoded) and names the samples and the fix;
-:func:`check_llava_dataset` raises them at once (``PackedBatchCheckHook.before_train``).
+Missing or unreadable images, ``<image>`` placeholders that do not match their image, and
+samples too long once each image is ``P`` tokens: found from the text and image headers.
 """
 
 from __future__ import annotations
@@ -28,13 +15,7 @@ __all__ = ["check_llava_dataset", "llava_data_problems", "unreadable_image"]
 
 
 def unreadable_image(path: str) -> str | None:
-    """Why the image at ``path`` cannot be opened, else None.
-
-    PIL parses the header only (no pixel is decoded, so a whole dataset is cheap to scan): a
-    file that is not an image, or one over twice ``PIL.Image.MAX_IMAGE_PIXELS`` (PIL's
-    ``DecompressionBombError``, raised again when ``LLaVADataset`` opens it). A file whose
-    header is intact but whose pixel data is cut still fails only when it is loaded.
-    """
+    """Why the image at ``path`` cannot be opened (PIL parses the header only), else None."""
     from PIL import Image
 
     try:

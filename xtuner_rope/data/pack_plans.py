@@ -1,19 +1,7 @@
-"""Where offline packing puts each token: whole dialogues (the default) or XTuner's cut.
+"""Where offline packing puts each token, from the dialogue lengths only: whole dialogues or
+XTuner's cut.
 
-Both plans work on the dialogue lengths only (numpy, no token is touched) and describe the
-packed rows as *pieces* of the tokenized stream, listed in row order:
-
-- :func:`whole_plan`: every dialogue is one piece, placed whole by ``ops.pack_planner.best_fit_decreasing``
-  (best-fit decreasing, the planner of collate-time packing too). A document longer than a
-  row (only pretraining-style data has them: XTuner's ``encode_fn`` truncates dialogues at
-  ``max_length``) is split into ``max_length`` pieces first, the last one shorter.
-- :func:`cut_plan`: XTuner's Packer over one stream (concatenate, cut every ``max_length``
-  tokens; batches of 1000 as ``datasets.map`` feeds it), the final leftover kept;
-  :func:`intern_repo_cut_plan`: XTuner's intern-repo ``PackedDataset`` (the same cut, the last
-  partial row dropped), for the doctor's comparison.
-
-:func:`row_boundaries` and :func:`position_ids` then write the rows' ``cumulative_len`` and
-``position_ids`` in XTuner's format, whichever plan made them.
+Plans describe the rows as *pieces* of the tokenized stream in row order.
 """
 
 from __future__ import annotations
@@ -37,11 +25,7 @@ def _check_max_length(max_length: object) -> None:
 def cut_plan(
     lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
 ) -> np.ndarray:
-    """Where XTuner's Packer cuts one stream of dialogues, the final leftover kept.
-
-    The Packer concatenates each batch onto the previous leftover and cuts whole
-    ``max_length`` rows; a batch that does not fill one row comes out as one short row. The
-    leftover after the last batch is a last, short row here (XTuner drops it).
+    """Where XTuner's Packer cuts one stream of dialogues, batch by batch, the final leftover kept.
 
     Args:
         lengths: ``[n]`` token counts of the dialogues, in stream order.
@@ -72,10 +56,8 @@ def cut_plan(
 
 
 def intern_repo_cut_plan(lengths: np.ndarray, packed_length: int) -> np.ndarray:
-    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream of documents.
-
-    It cuts every ``packed_length`` tokens and has ``total // packed_length`` rows: the last
-    partial row is dropped (unlike :func:`cut_plan`, whose leftover is kept here).
+    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream (last partial row
+    dropped).
 
     Args:
         lengths: ``[n]`` token counts of the documents, in stream (shuffled) order.
@@ -101,20 +83,16 @@ def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
 
 
 def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each dialogue whole in one row, rows filled by best-fit decreasing.
-
-    Rows come in the stream order of their first piece, so shuffling the dialogues before
-    (``shuffle_before_pack``) shuffles which equal-length dialogues share a row and the order
-    of the rows; without it the plan depends on the lengths and their order only.
+    """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order of their
+    first piece.
 
     Args:
         lengths: ``[n]`` token counts of the documents, in stream order, each >= 1.
         max_length: Tokens per packed row.
 
     Returns:
-        ``(starts, sizes, row_offsets)``: ``[p]`` stream offsets and ``[p]`` lengths of the
-        pieces in row order (one per document, more for documents longer than
-        ``max_length``), and ``[r + 1]`` int64 offsets of each row's first piece into them.
+        ``(starts, sizes, row_offsets)``: ``[p]`` stream offsets and lengths of the pieces in
+        row order, and ``[r + 1]`` int64 offsets of each row's first piece into them.
 
     Raises:
         ValueError: ``max_length`` is not a positive integer, or a document is empty.
@@ -151,8 +129,7 @@ def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.nda
 
 
 def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each piece, in order
-    (the stream offsets of every token of the pieces)."""
+    """``[sum(sizes)]`` the integers ``start .. start + size - 1`` of each piece, in order."""
     starts = np.asarray(starts, dtype=np.int64)
     sizes = np.asarray(sizes, dtype=np.int64)
     first = np.cumsum(sizes) - sizes
@@ -167,8 +144,8 @@ def row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarra
         cuts: ``[k + 1]`` row offsets of consecutive rows in that stream.
 
     Returns:
-        ``(values, offsets)``: per row, 0, the document starts inside it and its length, as
-        XTuner's Packer writes them; ``offsets`` is ``[k + 1]`` into ``values``.
+        ``(values, offsets)``: per row 0, the document starts inside it and its length (as
+        XTuner's Packer), ``offsets`` ``[k + 1]`` into ``values``.
     """
     lo = np.searchsorted(doc_offsets, cuts[:-1], side="right")
     hi = np.searchsorted(doc_offsets, cuts[1:], side="left")

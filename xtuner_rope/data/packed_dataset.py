@@ -1,26 +1,8 @@
 """XTuner's offline packing with every dialogue whole and nothing dropped.
 
-xtuner 0.2.0's ``process_hf_dataset(pack_to_max_length=True)`` concatenates the tokenized
-dialogues and cuts the stream every ``max_length`` tokens (its ``Packer``, mapped over
-``map_num_proc`` shards): a dialogue across a row edge is trained as two fragments (the
-second at position 0, mid-answer, without its prompt), and each shard's leftover below
-``max_length`` is dropped (38% of the tokens of 2,400 short alpaca dialogues at the default
-32 shards).
-
-:func:`lossless_process_hf_dataset` takes the same arguments and runs XTuner's own pipeline
-(loading, map and template functions, tokenization, filtering, shuffle, ``length``), with
-the pack step replaced by :func:`pack_dataset`. By default each dialogue is packed whole into
-one row (``pack_plans.whole_plan``: best-fit decreasing, the planner of collate-time packing
-too), every dialogue exactly once. Pretraining documents (every token supervised, no prompt)
-reach it uncut by XTuner's ``encode_fn`` (``data.truncation``) and those longer than a row are
-split into ``max_length`` pieces: every token trained once. Dialogues are cut at ``max_length``
-as XTuner cuts them, and the start-up's line counts what that loses. With ``whole_dialogues=False`` (the config's
-``offline_packing = "cut"``) the rows are XTuner's cut of one stream (``pack_plans.cut_plan``,
-what ``map_num_proc=1`` gives), the final leftover kept as a short last row. Either way the
-plan is computed with numpy from the lengths and the rows are written as Arrow gathers of the
-tokenized columns to a cache file next to the dataset's, as ``datasets.map`` does (no Python
-list per token), with XTuner's columns (``cumulative_len``/``position_ids`` restarting at 0
-per document with ``use_varlen_attn``).
+:func:`lossless_process_hf_dataset` runs XTuner's pipeline with the pack step replaced by
+:func:`pack_dataset`: each dialogue whole in one row (longer pretraining documents split), or
+XTuner's cut with the leftover kept; rows are written next to the dataset's cache files.
 """
 
 from __future__ import annotations
@@ -56,13 +38,11 @@ _RECORDS: list[list] = []  # the open recorded_packs() blocks
 
 @contextlib.contextmanager
 def recorded_packs():
-    """Record every :func:`pack_dataset` call made in this block (the doctor reads the pack
-    step of the very build training runs, instead of building the dialogues a second time).
+    """Record every :func:`pack_dataset` call made in this block (the doctor reads the very build).
 
     Yields:
-        A list that gets one ``(dialogues, packed)`` per call: the tokenized dialogues in the
-        order they were packed (a shuffle is an indices view, never written out) and the
-        packed ``datasets.Dataset``.
+        A list that gets ``(dialogues, packed)`` per call: the tokenized dialogues in packing order
+        and the packed ``datasets.Dataset``.
     """
     record: list = []
     _RECORDS.append(record)
@@ -84,18 +64,15 @@ def packed_tables(
     mapped_files: tuple[str, ...] = (),
     order: np.ndarray | None = None,
 ):
-    """Yield the packed rows of a tokenized table, ``ROWS_PER_WRITE`` (cut) or
-    ``TOKENS_PER_GATHER // max_length`` (whole) rows per Arrow table.
+    """Yield the packed rows of a tokenized table, a bounded number of rows per Arrow table.
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
         max_length: Tokens per packed row.
         use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
         whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
-        mapped_files: The files ``table`` is memory-mapped from: their pages are released as
-            soon as read (``token_gather.TokenGather``).
-        order: ``[n]`` the table's rows in stream order (a shuffle not written out: whole
-            rows gather from anywhere anyway); None: the table's own order.
+        mapped_files: The files ``table`` is memory-mapped from (pages released once read).
+        order: ``[n]`` the table's rows in stream order (a shuffle), or None.
 
     Yields:
         Tables with XTuner's packed columns.
@@ -145,17 +122,8 @@ def packed_tables(
 def _whole_rows(
     lengths: np.ndarray, order: np.ndarray | None, max_length: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_plans.whole_plan`` of the dialogues in stream order, its pieces' starts turned
-    into offsets into the table's token stream.
-
-    Args:
-        lengths: ``[n]`` token counts of the table's rows, in table order.
-        order: ``[n]`` the table's rows in stream order (a shuffle), or None.
-        max_length: Tokens per packed row.
-
-    Returns:
-        ``(starts, sizes, row_pieces)`` as ``whole_plan``'s, ``starts`` into the table.
-    """
+    """``whole_plan``'s ``(starts, sizes, row_pieces)`` of the ``[n]`` table-ordered ``lengths``
+    read in ``order``, ``starts`` into the table."""
     if order is None:
         return whole_plan(lengths, max_length)
     stream_lengths = lengths[order]
@@ -173,12 +141,8 @@ def _whole_rows(
 
 
 def _output_path(dataset, *plan_args) -> Path:
-    """Where the packed rows go: beside the dataset's cache files, as ``datasets.map`` does.
-
-    Named, as ``datasets.map`` names its cache files, by the tokenized (and shuffled)
-    dataset's fingerprint and the arguments that decide the rows: the next start of the same
-    config and seed finds the rows packed and reuses them.
-    """
+    """Where the packed rows go: beside the dataset's cache files, named by its fingerprint and
+    args."""
     from datasets.fingerprint import get_temporary_cache_files_directory
 
     files = dataset.cache_files
@@ -206,13 +170,10 @@ def pack_dataset(
         dataset: Tokenized ``datasets.Dataset`` with ``input_ids`` and ``labels``.
         max_length: Tokens per packed row.
         use_varlen_attn: Write ``cumulative_len`` and ``position_ids`` (as XTuner).
-        shuffle_before_pack: Shuffle the dialogues first (as XTuner, numpy's global seed): it
-            decides which equal-length dialogues share a row and the order of the rows.
+        shuffle_before_pack: Shuffle the dialogues first (numpy's global seed, as XTuner).
         map_num_proc: Processes for the shuffle's ``flatten_indices`` (as XTuner).
-        whole: Each dialogue whole in one row (the default); False: XTuner's cut of one
-            stream (``offline_packing = "cut"``).
-        truncation: The figures of the tokenize step's cut (``data.truncation``), for the
-            start-up's line; None when not counted.
+        whole: Each dialogue whole in one row (the default); False: XTuner's cut.
+        truncation: The tokenize step's cut figures (``data.truncation``), or None.
 
     Returns:
         The packed ``datasets.Dataset``.
@@ -236,7 +197,9 @@ def pack_dataset(
         dataset = dataset.shuffle()  # numpy's global generator, drawn from as XTuner draws
         if not whole:  # XTuner's cut reads the shuffled stream in order: written out, as XTuner
             dataset = dataset.flatten_indices(num_proc=map_num_proc)
-    table, order = _table_and_order(dataset, whole)
+    # Whole rows read the table through a shuffle's indices; XTuner's cut reads the flattened
+    # table (zero-copy slices of the cache files).
+    table, order = table_and_order(dataset) if whole else (dataset.with_format("arrow")[:], None)
     path = _output_path(dataset, int(max_length), bool(use_varlen_attn), bool(whole))
     if path.exists():  # packed before from the same dialogues and arguments
         packed = Dataset.from_file(str(path))
@@ -260,18 +223,6 @@ def pack_dataset(
         level=logging.WARNING if truncation_message(figures) else logging.INFO,
     )
     return packed
-
-
-def _table_and_order(dataset, whole: bool) -> tuple[pa.Table, np.ndarray | None]:
-    """The dataset's table as mapped (zero-copy) and its rows in the dataset's order.
-
-    Whole rows read the table through a shuffle's indices (``token_gather.table_and_order``):
-    the shuffle is never written out (XTuner's ``flatten_indices`` writes a shuffled copy of
-    the corpus, one process per shard). XTuner's cut reads the flattened table.
-    """
-    if not whole:
-        return dataset.with_format("arrow")[:], None  # zero-copy slices of the cache files
-    return table_and_order(dataset)
 
 
 def _write_rows(dataset, table, order, path: Path, max_length, use_varlen_attn, whole) -> tuple:
@@ -301,11 +252,7 @@ def _summary(
     whole: bool,
     truncation: dict | None,
 ) -> str:
-    """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare.
-
-    ``lengths`` are the dialogues' in stream order, ``counts`` the tokens and supervised
-    labels of the rows (those of the dialogues).
-    """
+    """The start-up's line on what tokenizing and packing did, with XTuner's cut to compare."""
     tokens, labels = counts
     cuts = cut_plan(lengths, max_length)
     fill = tokens / max(rows * max_length, 1)
@@ -353,14 +300,10 @@ def _token_counts(table: pa.Table) -> tuple[int, int]:
 def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs):
     """``xtuner.dataset.process_hf_dataset`` (same arguments), each dialogue packed whole.
 
-    The start-up puts it in place of ``process_hf_dataset`` in packing configs. XTuner's own
-    function runs, distributed start included; only its pack step is this module's
-    :func:`pack_dataset`.
-
     Args:
         dataset: As ``process_hf_dataset``.
         whole_dialogues: Pack each dialogue whole (the default); False keeps XTuner's cut of
-            the stream (the start-up sets it from ``offline_packing = "cut"``), leftover kept.
+            the stream (``offline_packing = "cut"``), leftover kept.
         **kwargs: As ``process_hf_dataset``.
 
     Returns:

@@ -1,20 +1,7 @@
 """XTuner's preference pairs (DPO, ORPO, reward model), checked before the first step.
 
-``build_preference_dataset`` (xtuner 0.2.0) tokenizes each pair (``chosen_ids``,
-``rejected_ids`` and their labels) and, with ``use_varlen_attn``, packs whole pairs with
-``PackedDatasetWrapper``. Nothing checks the pairs themselves, and what is wrong trains silently:
-
-- chosen equal to rejected: the two log-probs (or rewards) cancel, the pair has no gradient but
-  counts as a pair in the loss's normalization;
-- a response without a supervised token (its answer cut away by ``max_length``, or a prompt as
-  long as ``max_length``): its log-prob is a sum over nothing, 0;
-- labels not as long as the ids (a source row whose conversation has no answer turn): the
-  packed row's labels slide against its ids;
-- a pair longer than ``max_packed_length``: ``PackedDatasetWrapper`` drops it and only logs a
-  count (``xtuner_preference.patch_preference_unpacked_pairs`` keeps what it packed).
-
-:func:`preference_pair_problems` names the pairs and the fix; :func:`check_preference_dataset`
-raises them at once (``PackedBatchCheckHook.before_train``).
+Chosen equal to rejected, a response without a supervised token, labels not as long as the
+ids, and pairs dropped by ``PackedDatasetWrapper`` train silently wrong: named and refused.
 """
 
 from __future__ import annotations
@@ -89,11 +76,8 @@ def preference_pair_problems(
 def dataset_pairs(dataset) -> tuple[list[Mapping], list[tuple[int, int]], int | None] | None:
     """``(pairs, dropped, max_packed_length)`` of XTuner's preference dataset, else None.
 
-    ``PreferenceDataset`` keeps its pairs in ``tokenized_pairs`` (source order).
-    ``PackedDatasetWrapper`` keeps only the pairs it packed, shuffled; with
-    ``xtuner_preference.patch_preference_unpacked_pairs`` it also keeps the dataset it packed
-    (``unpacked_pairs``), so pairs are named by their source index and the dropped ones are
-    found.
+    A ``PackedDatasetWrapper`` patched by ``xtuner_preference.patch_preference_unpacked_pairs``
+    keeps ``unpacked_pairs``: pairs are named by their source index and the dropped ones found.
     """
     name = type(dataset).__name__
     if name == "PreferenceDataset":

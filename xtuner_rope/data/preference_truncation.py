@@ -1,16 +1,7 @@
 """What XTuner's preference ``tokenize`` cuts at ``max_length``, counted: pairs.
 
-xtuner 0.2.0 ``PreferenceDataset`` (``build_preference_dataset``: DPO, ORPO, reward model)
-tokenizes prompt + chosen and prompt + rejected and keeps the first ``max_length`` tokens of
-each (a reward model's reward token appended after the cut), and says nothing: a pair whose
-response is cut is trained on part of it (DPO/ORPO), or scored on part of it (reward).
-:func:`counted_preference_dataset` runs XTuner's tokenize step without the cut (``max_length``
-unlimited), counts what the cut loses (:func:`pair_figures`, the keys of
-``data.truncation.truncation_figures``, in pairs), then applies the very same cut: the pairs are
-XTuner's, token for token. The figures go to the open ``counting_truncation`` blocks (the
-doctor), else to one start-up line. ``is_reference`` pairs (``tokenize_ref``: responses cut at
-``max_response_length``, the prompt shortened from the front to fit, the text encoded again)
-are built by XTuner as they are, then counted (``data.reference_truncation``).
+:func:`counted_preference_dataset` tokenizes uncut, counts what the cut loses, then applies the
+very same cut; ``is_reference`` pairs are counted after XTuner builds them.
 """
 
 from __future__ import annotations
@@ -36,9 +27,8 @@ STEP = "XTuner's preference tokenize"
 
 
 def cut_pair(pair: dict, max_length: int, is_reward: bool) -> dict:
-    """``tokenize``'s cut of one uncut pair: each response's first ``max_length`` tokens and
-    labels (DPO labels are the ids past the prompt, so the cut labels are the labels cut); a
-    reward model's last token (the reward token, label 0/1) kept after them."""
+    """``tokenize``'s cut of one pair: each response's first ``max_length`` tokens (a reward token
+    kept)."""
     out = {}
     for part in RESPONSES:
         ids, labels = pair[f"{part}_ids"], pair[f"{part}_labels"]
@@ -58,11 +48,9 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
     """What cutting each response of uncut ``pairs`` at ``max_length`` loses, JSON-ready.
 
     Returns:
-        ``data.truncation.truncation_figures``' keys, counted in pairs (``dialogues``: the
-        pairs; ``truncated``: pairs with a response cut; ``dropped``: 0, XTuner keeps them all;
-        ``keep_all`` / ``keep_99``: the longest response of every pair / of 99% of them),
-        plus ``unit`` ("pair"), ``step``, ``builder``, ``responses`` (responses cut) and
-        ``unsupervised`` (DPO/ORPO pairs the cut leaves a response without a supervised label).
+        ``data.truncation.truncation_figures``' keys in pairs (``dropped``: 0), plus ``unit``,
+        ``step``, ``builder``, ``responses`` (responses cut) and ``unsupervised`` (DPO/ORPO
+        pairs left with a response without a supervised label).
     """
     extra = 1 if is_reward else 0  # the reward token, appended after the cut
     longest = np.zeros(len(pairs), dtype=np.int64)
@@ -98,8 +86,7 @@ def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
 
 
 def _report(figures: dict) -> None:
-    """Give ``figures`` to the open counting blocks (the doctor), else log the start-up line
-    (with the warning on prompts left no room, for ``is_reference`` pairs)."""
+    """Give ``figures`` to the open counting blocks, else log the start-up line."""
     if record_figures(figures):
         return
     from mmengine.logging import print_log
@@ -119,8 +106,7 @@ def counted_preference_dataset(xtuner_class: type) -> type:
         xtuner_class: XTuner's ``PreferenceDataset``.
 
     Returns:
-        A subclass with the same arguments; ``truncation`` holds its :func:`pair_figures`
-        (``reference_truncation.reference_figures`` for ``is_reference`` pairs; None where
+        A subclass with the same arguments; ``truncation`` holds its figures (None where
         ``max_length`` is not an int), ``xtuner_class`` the class it extends.
     """
     signature = inspect.signature(xtuner_class.__init__)

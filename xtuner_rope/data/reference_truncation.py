@@ -1,23 +1,8 @@
-"""What XTuner's ``tokenize_ref`` cuts from ``is_reference`` preference pairs, counted.
+"""What XTuner's ``tokenize_ref`` cuts from ``is_reference`` preference pairs, in text tokens.
 
-xtuner 0.2.0 ``PreferenceDataset(is_reference=True)`` (POLAR reward configs) tokenizes the
-prompt, reference, chosen and rejected texts (each message list's contents joined by newlines,
-special tokens added), keeps the first ``max_response_length`` tokens of each response
-(reference, chosen, rejected; one log line per cut item) and the last ``max_prompt_length``
-tokens of the prompt, where ``max_prompt_length`` is the smaller of ``(max_length - 4 -
-reference - response) // 2`` over chosen and rejected (the responses already cut). Then it
-decodes the kept tokens and encodes ``reference + "<|reward|>" + response`` again (each with the
-prompt): the final sequences are not bounded by ``max_length``.
-
-XTuner's own slicing ``prompt[-max_prompt_length:]`` decides the edge cases: at 0 it keeps the
-whole prompt, below 0 (``-k``) it drops only the first ``k`` tokens. Either way the responses
-left the prompt no room and XTuner keeps more than fits: counted apart (``no_room``), a warning
-with the setting to change (:func:`reference_warning`).
-
-:func:`reference_figures` counts, from the same four tokenizations (run again), what the cut loses (in the
-keys of ``data.truncation.truncation_figures``, in pairs, plus ``reference``); the final
-sequences longer than ``max_length`` are counted on XTuner's own built pairs. Tokens are text
-tokens: the special tokens each part starts with are skipped by the decode, kept or not.
+It keeps each response's first ``max_response_length`` tokens and the prompt's last
+``(max_length - 4 - reference - response) // 2``, then re-encodes: a budget <= 0 keeps the
+prompt (nearly) whole (``no_room``) and the final sequences are not bounded by ``max_length``.
 """
 
 from __future__ import annotations
@@ -26,7 +11,6 @@ import numpy as np
 
 from .cut_counts import FIRST_INDICES, kept_counts, length_quantile
 
-PARTS = ("prompt", "reference", "chosen", "rejected")
 RESPONSES = ("reference", "chosen", "rejected")
 RESERVED = 4  # tokenize_ref's own: one RM token, two separators, one reward token
 STEP = "XTuner's preference tokenize_ref"
@@ -46,11 +30,8 @@ def _texts(dataset, part: str) -> list[str]:
 
 
 def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length: int) -> dict:
-    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations.
-
-    The kept tokens are decoded with ``skip_special_tokens=True`` before XTuner encodes the
-    text again: a special token (the BOS each part starts with) is never text, kept or not.
-    Text tokens (ids outside ``tokenizer.all_special_ids``) are what a cut can lose.
+    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations (text tokens: ids
+    outside ``tokenizer.all_special_ids``).
 
     Args:
         dataset: The pairs (``prompt``, ``reference``, ``chosen``, ``rejected`` message lists).
@@ -59,10 +40,8 @@ def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length
         max_response_length: The dataset's ``max_response_length``.
 
     Returns:
-        ``[n]`` arrays: ``length`` / ``kept`` (tokens, special ones included: XTuner's
-        arithmetic) and ``text`` / ``text_kept`` (text tokens) per part (``{part: [n]}``);
-        ``budget`` (XTuner's ``max_prompt_length``); ``lead`` (the prompt's leading special
-        tokens: dropping only those loses no text).
+        ``length`` / ``kept`` (all tokens) and ``text`` / ``text_kept``, each ``{part: [n]}``;
+        ``budget`` ``[n]`` (``max_prompt_length``); ``lead`` ``[n]`` (leading special tokens).
     """
     special = np.asarray(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
     length, kept, text, text_kept = {}, {}, {}, {}
@@ -99,8 +78,7 @@ def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length
 
 
 def pairs_head(step: str, max_length: int, pairs: int, truncated: int) -> dict:
-    """The keys every preference-pair report shares with ``data.truncation``'s figures:
-    counted in pairs, built by ``build_preference_dataset``, none dropped or split."""
+    """The keys every preference-pair report shares with ``data.truncation``'s figures."""
     return {
         "max_length": int(max_length),
         "unit": "pair",
@@ -125,18 +103,10 @@ def reference_figures(counts: dict, max_length: int, max_response_length: int, b
         built: XTuner's built pairs (``chosen_ids`` / ``rejected_ids``), for the final lengths.
 
     Returns:
-        ``data.truncation.truncation_figures``' keys in pairs (``truncated``: pairs that lose
-        text; ``responses``: responses that lose text; ``tokens``: the four parts' text tokens
-        before and after the cut; ``labels``: the reward labels, none lost; ``keep_all`` /
-        ``keep_99``: the ``max_length`` that keeps every pair's text / 99% of them, with
-        ``max_response_length`` at least ``reference['keep_response_length']``), ``unit``
-        ("pair"), ``step``, ``builder``, and ``reference``: ``max_response_length``,
-        ``keep_response_length``, ``prompts`` (prompts shortened), ``prompt_tokens`` and
-        ``response_tokens`` (text tokens before / after / lost), ``no_room`` (pairs whose
-        responses leave the prompt no room: XTuner keeps it whole, or drops only its first
-        tokens), ``fit_all`` (the ``max_length`` that shortens no prompt at this
-        ``max_response_length``), ``sequences``, ``over_max_length`` (final sequences longer
-        than ``max_length``) and ``longest``.
+        ``data.truncation.truncation_figures``' keys in pairs (``responses``: responses that lose
+        text), and ``reference``: ``max_response_length``, ``keep_response_length``,
+        ``prompts``, ``prompt_tokens`` / ``response_tokens`` (before / after / lost),
+        ``no_room``, ``fit_all``, ``sequences``, ``over_max_length`` and ``longest``.
     """
     length, kept, text, text_kept = (counts[k] for k in ("length", "kept", "text", "text_kept"))
     n = len(counts["budget"])
@@ -208,10 +178,8 @@ def sequences_note(figures: dict) -> str:
 def reference_warning(figures: dict | None) -> str | None:
     """The warning for pairs whose responses leave the prompt no room, or None.
 
-    XTuner's ``prompt[-max_prompt_length:]`` keeps the whole prompt when the budget is 0 and
-    drops only the first ``k`` tokens when it is ``-k``: those pairs train on more than
-    ``max_length`` tokens. The edit: a ``max_response_length`` of at most ``(max_length - 6)
-    // 2`` (two responses then leave at least one prompt token), or a larger ``max_length``.
+    Its edit: ``max_response_length <= (max_length - 6) // 2`` (two responses leave the prompt at
+    least one token), or a larger ``max_length``.
     """
     ref = (figures or {}).get("reference")
     if not ref or not ref["no_room"]:

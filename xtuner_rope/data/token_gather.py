@@ -1,21 +1,8 @@
 """Gather token ranges from a tokenized Arrow column without joining its chunks.
 
-A tokenized ``datasets`` table is memory-mapped from its cache files in record batches (a
-thousand dialogues each, as ``datasets.map`` writes them). Rows packed whole take their
-dialogues from anywhere in it, but ``ChunkedArray.take`` (pyarrow 26 still) first joins every
-chunk into one array: a copy of the whole column in memory, 0.4 GiB for 50M int64 tokens.
-Here each chunk stays a zero-copy numpy view of the mapped file (a dialogue never spans two
-chunks). Chunks that lie in one read-only mapping are read through one view of the whole
-mapping, a *window* of consecutive chunks (``WINDOW_BYTES`` of the file) at a time, with one
-fancy index per column: the work per gather grows with the windows it touches, not with the
-chunks (10,000 chunks at 10M dialogues).
-
-The pages of the mapped file a gather reads count in the process's resident size (RSS) until
-the kernel reclaims them (they are the file's page cache: reclaimable, never swapped), and a
-gather reads from nearly every page. They are released once read (``MADV_DONTNEED``), which
-keeps the RSS under a window for about 7% more CPU time (the pages are faulted in again at the
-next gather; docs/measurements.md: at 500,000 dialogues peak RSS 1.07x XTuner's with the
-release, 1.40x without); ``XTUNER_ROPE_RELEASE_PAGES=0`` turns it off (:func:`releases_pages`).
+Chunks stay zero-copy views of the mapped file, read a window at a time; the pages read are
+released (peak RSS 1.07x XTuner's instead of 1.40x, docs/measurements.md) unless
+``XTUNER_ROPE_RELEASE_PAGES=0``.
 """
 
 from __future__ import annotations
@@ -58,12 +45,12 @@ class TokenGather:
     Args:
         table: A table of list columns (one row per dialogue), chunked as it was mapped.
         columns: The columns to gather (each flattened to one token stream).
-        mapped_files: The files ``table`` is memory-mapped from: chunks inside a read-only
-            mapping of one of them are read through one view of the mapping; with
-            :func:`releases_pages` (the default), each window's pages are released as soon as
-            a gather has read it, so the process never holds the whole tokenized table
-            resident (every gather reads from nearly every page). Other chunks (in memory)
-            are read chunk by chunk.
+        mapped_files: The files ``table`` is memory-mapped from: chunks in a read-only mapping
+            of one are read through one view of it, their pages released once read (if
+            :func:`releases_pages`); other chunks are read chunk by chunk.
+
+    Raises:
+        ValueError: a column holds a different number of tokens than the first in some row.
     """
 
     def __init__(
@@ -122,8 +109,8 @@ class TokenGather:
         return out
 
     def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`gather` for the few pieces of one packed row: their slices joined, in order
-        (no sort by chunk, nothing released: a data loader reads rows this way).
+        """:meth:`gather` for the few pieces of one packed row, in order (no sort, nothing
+        released).
 
         Args:
             starts: ``[p]`` offsets of the pieces into the flattened stream.
@@ -142,13 +129,7 @@ class TokenGather:
 
 
 class _Windows:
-    """Which window each chunk is read in, and how (``TokenGather``'s bookkeeping).
-
-    A window is a run of consecutive chunks of every column inside one read-only mapping,
-    spanning at most about ``WINDOW_BYTES`` of it, read through one numpy view of the mapping
-    (each chunk at its element offset into the view); any other chunk is a window of its own,
-    read through its own array.
-    """
+    """Which window each chunk is read in: runs of chunks in one mapping within ``WINDOW_BYTES``."""
 
     def __init__(self, chunks: dict[str, list[np.ndarray]], mappings: list, table) -> None:
         columns = list(chunks)
@@ -184,8 +165,8 @@ class _Windows:
                     self._first[k][c] = (a.ctypes.data - view.ctypes.data) // a.itemsize
 
     def view(self, column: str, window: int, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The array window ``window`` reads ``column`` through, and ``[p]`` each piece's chunk
-        offset into it (``chunk``: the pieces' chunks, all in that window)."""
+        """The array ``window`` reads ``column`` through, and ``[p]`` each piece's chunk offset in
+        it."""
         m = self._mapping_of[window]
         if m < 0:
             return self._chunks[column][int(chunk[0])], np.zeros(len(chunk), dtype=np.int64)
@@ -203,8 +184,7 @@ class _Windows:
 
 
 def _mapping_holding(arrays: list[np.ndarray], mappings: list, starts: np.ndarray) -> int:
-    """The index of the read-only mapping that holds every one of ``arrays`` (contiguous,
-    aligned to their item size, none empty), else -1."""
+    """The read-only mapping holding every one of ``arrays`` (contiguous, aligned), else -1."""
     if not len(starts):
         return -1
     found = set()
@@ -224,12 +204,8 @@ def _mapping_holding(arrays: list[np.ndarray], mappings: list, starts: np.ndarra
 
 
 def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
-    """A ``datasets.Dataset``'s table as it is held (mapped or in memory, zero-copy) and, if it
-    is shuffled or selected, ``[n]`` the table row of each of its rows (else None).
-
-    Reading through the indices never writes the shuffle out, nor takes the whole column
-    (``ChunkedArray.take`` joins every chunk first).
-    """
+    """A dataset's table as held (zero-copy) and ``[n]`` its rows' table rows if shuffled, else
+    None."""
     # ``_indices`` is how datasets 2.x-5.x keep a shuffle or selection (no public accessor).
     indices = getattr(dataset, "_indices", None)
     if indices is None:
@@ -238,11 +214,7 @@ def table_and_order(dataset) -> tuple[pa.Table, np.ndarray | None]:
 
 
 def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
-    """``(start, end)`` addresses of this process's read-only mappings of the files ``paths``.
-
-    Only mappings no one can write through: dropping their pages loses nothing (the next
-    read faults them in again from the file or the page cache). Empty off Linux.
-    """
+    """``(start, end)`` of this process's read-only mappings of ``paths`` (empty off Linux)."""
     if not sys.platform.startswith("linux") or not paths:
         return []
     names = {os.path.realpath(p) for p in paths}
@@ -258,31 +230,25 @@ def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
 def releases_pages() -> bool:
     """Whether mapped pages are released once read: yes unless ``XTUNER_ROPE_RELEASE_PAGES=0``.
 
-    On by default: without it a pack step's peak RSS grows by the tokenized table it reads
-    (1.40x XTuner's at 500,000 dialogues instead of 1.07x, docs/measurements.md), for about 7%
-    of its CPU time. Those pages are reclaimable: ``0`` (or ``false``, ``no``, ``off``) leaves
-    them to the kernel. Read at each release, so a test or a run may set it at any time.
+    ``0`` (or ``false``, ``no``, ``off``) leaves the reclaimable pages to the kernel; read at
+    each release, so it may be set at any time.
     """
     value = os.environ.get(RELEASE_PAGES_ENV, "1").strip().lower()
     return value not in ("0", "false", "no", "off")
 
 
 def release_pages(start: int, nbytes: int) -> None:
-    """``MADV_DONTNEED`` the pages of ``[start, start + nbytes)`` if :func:`releases_pages`:
-    only for read-only mappings of a file (``read_only_mappings``), where it unmaps pages
-    without losing any data."""
+    """``MADV_DONTNEED`` the pages of ``[start, start + nbytes)`` (read-only file mappings only)."""
     if not releases_pages():
         return
     page = mmap.PAGESIZE
     lo = start // page * page
     hi = -(-(start + nbytes) // page) * page
-    _madvise(lo, hi - lo, MADV_DONTNEED)
+    _libc_madvise()(lo, hi - lo, MADV_DONTNEED)
 
 
 def list_lengths(column: pa.ChunkedArray, mapped_files: tuple[str, ...] = ()) -> np.ndarray:
-    """``[n]`` lengths of a list column's rows, read chunk by chunk, the pages of the files
-    ``mapped_files`` it reads (offsets, and their neighbours) released as it goes if
-    :func:`releases_pages`.
+    """``[n]`` lengths of a list column's rows, read chunk by chunk, mapped pages released.
 
     Args:
         column: A list column (one row per dialogue), memory-mapped or not.
@@ -307,15 +273,11 @@ def _release_mappings(mappings: list[tuple[int, int]]) -> None:
     if not releases_pages():
         return
     for lo, hi in mappings:
-        _madvise(lo, hi - lo, MADV_DONTNEED)
+        _libc_madvise()(lo, hi - lo, MADV_DONTNEED)
 
 
 def drop_mapped_pages(paths: list[str]) -> None:
-    """Drop this process's resident pages of its read-only mappings of the files ``paths``,
-    if :func:`releases_pages` (the default).
-
-    A memory-mapped table keeps every page read counted in the process's resident memory
-    though the kernel may reclaim it. Linux only; elsewhere nothing is done.
+    """Drop the resident pages of this process's read-only mappings of ``paths`` (Linux only).
 
     Args:
         paths: Files whose mappings to release (a dataset's cache files).
@@ -328,7 +290,3 @@ def _libc_madvise():
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return madvise
-
-
-def _madvise(start: int, length: int, advice: int) -> None:
-    _libc_madvise()(start, length, advice)

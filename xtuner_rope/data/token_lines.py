@@ -1,14 +1,7 @@
 """The documents of XTuner's tokenized intern-repo files (``.bin``) parsed a packed row at a time.
 
-XTuner's ``JsonlDataset`` reads one document by seeking its memory-mapped file to the line's
-offset, ``json.loads`` the line ``{"tokens": [...]}`` and builds ``input_ids`` (each token's
-absolute value) and ``labels`` (the token where positive, else -100) with two Python list
-comprehensions: about 0.3 us a token. Here the lines of all the documents of one row are joined
-and read in one call of pyarrow's JSON reader with an explicit schema (``tokens``:
-``list<int64>``), which refuses what is not exactly that (a float, a string, a null, an integer
-beyond int64, a repeated key, text that is not JSON): for such a line the caller reads the row
-through XTuner's reader, so no row differs from XTuner's reading (and a broken line fails there,
-as it did before).
+One pyarrow JSON read per row with an explicit ``list<int64>`` schema; a row it refuses is
+read through XTuner's own reader.
 """
 
 from __future__ import annotations
@@ -34,13 +27,11 @@ def parse_token_lines(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray] | Non
 
     Args:
         lines: ``[k]`` one JSON object each (no newline inside), with a ``tokens`` list of
-            integers; other keys are ignored, as XTuner's reader ignores them.
+            integers; other keys are ignored.
 
     Returns:
-        ``(values, counts)``: ``[t]`` int64, the integers of every line in order, and ``[k]``
-        how many each line holds; None where some line is not exactly that (not one JSON
-        object, no ``tokens`` list, an element that is not an integer within int64, or is
-        int64's lowest, whose absolute value is not).
+        ``(values, counts)``: ``[t]`` int64 values of every line in order and ``[k]`` counts;
+        None where some line is not exactly that (or holds int64's lowest value).
     """
     if not lines:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -82,8 +73,8 @@ class TokenLines:
     def pieces(
         self, documents: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """``input_ids`` and ``labels`` of tokens ``offsets[i] .. offsets[i] + sizes[i]`` of
-        each ``documents[i]``, one piece after another, as XTuner's reader makes them.
+        """``input_ids`` and ``labels`` of the pieces, one after another, as XTuner's reader makes
+        them.
 
         Args:
             documents: ``[p]`` document indices (into ``JsonlDataset``).
@@ -91,8 +82,8 @@ class TokenLines:
             sizes: ``[p]`` tokens of each piece.
 
         Returns:
-            ``(input_ids, labels)``, each ``[sum(sizes)]`` int64; None where a line is not in
-            the form parsed here (the caller reads the row through XTuner's reader).
+            ``(input_ids, labels)``, each ``[sum(sizes)]`` int64; None where a line is not in the
+            form parsed here.
         """
         lines = []
         for at in self._offsets[documents].tolist():

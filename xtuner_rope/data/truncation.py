@@ -1,18 +1,7 @@
 """What XTuner's ``encode_fn`` cuts at ``max_length``, counted; pretraining text kept whole.
 
-xtuner 0.2.0's ``process_hf_dataset`` tokenizes each dialogue whole and keeps its first
-``max_length`` tokens (``encode_fn``), then drops the dialogues left without a supervised label:
-a silent loss, before any packing, on the packed and the unpacked path alike.
-:func:`counting_truncation` runs XTuner's own tokenize step without the cut (``max_length``
-unlimited), counts what the cut loses (:func:`truncation_figures`), then applies the very same
-cut (the first ``max_length`` tokens and labels of each dialogue): the dataset is XTuner's, token
-for token.
-
-With ``split_documents=True`` (whole-dialogue offline packing, the plugin's default),
-pretraining-style documents (every label supervised except the tokenizer's BOS:
-``pretrain_map_fn``, no prompt) are not cut: the pack step splits those longer than a row into
-``max_length`` pieces (``pack_plans.whole_plan``), so every token is trained once. Dialogues are
-never split, only cut as XTuner cuts them, and counted.
+XTuner's tokenize step runs uncut, is counted, then cut exactly as XTuner cuts; with
+``split_documents=True`` pretraining documents stay whole for the pack step to split.
 """
 
 from __future__ import annotations
@@ -33,8 +22,8 @@ STEP = "XTuner's encode_fn"  # what cuts (the figures' ``step`` where another do
 
 
 def _cut(batch: dict, max_length: int, keep_from: int | None) -> dict:
-    """``encode_fn``'s cut of a batch: the first ``max_length`` tokens and labels of each row;
-    rows whose labels are all supervised from ``keep_from`` on (pretraining text) kept whole."""
+    """``encode_fn``'s cut of a batch; rows supervised from ``keep_from`` on (pretraining) kept
+    whole."""
     ids, labels = [], []
     for row_ids, row_labels in zip(batch["input_ids"], batch["labels"]):
         whole = keep_from is not None and IGNORE_INDEX not in row_labels[keep_from:]
@@ -52,24 +41,19 @@ def _row_sums(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndar
 def truncation_figures(table, max_length: int, bos: int, split_documents: bool) -> dict:
     """What cutting each row of a tokenized table at ``max_length`` loses, JSON-ready.
 
-    Rows without a supervised label before the cut are left out (XTuner drops them whether cut
-    or not); a row the cut leaves without one is counted in ``dropped`` (XTuner drops it).
+    Rows without a supervised label before the cut are left out (XTuner drops them anyway).
 
     Args:
-        table: Arrow table with ``input_ids`` and ``labels`` (lists, one row per dialogue),
-            untruncated.
+        table: Arrow table with ``input_ids`` and ``labels`` (lists, one row per dialogue), uncut.
         max_length: Where ``encode_fn`` cuts.
-        bos: The tokenizer's BOS tokens per turn (their labels are -100 in pretraining text).
+        bos: The tokenizer's BOS tokens per turn (labels -100 in pretraining text).
         split_documents: Pretraining documents are kept whole (split by the pack step), not cut.
 
     Returns:
-        ``dialogues`` (rows with a supervised label), ``documents`` (those of them that are
-        pretraining text), ``pretraining`` (all are), ``truncated`` (rows cut), ``dropped`` (cut
-        to no supervised label), ``split`` (pretraining documents longer than ``max_length``
-        kept whole to be split), ``tokens`` and ``labels`` (``before`` / ``after`` / ``lost``),
-        ``keep_all`` and ``keep_99`` (the ``max_length`` that keeps every row whole, and 99% of
-        them), ``first_truncated`` (indices of the first cut rows among the rows XTuner keeps,
-        in the tokenized order), ``max_length``.
+        ``dialogues``, ``documents`` (pretraining rows), ``pretraining`` (all are),
+        ``truncated``, ``dropped`` (cut to no supervised label), ``split``, ``tokens`` and
+        ``labels`` (``before`` / ``after`` / ``lost``), ``keep_all`` / ``keep_99`` (the
+        ``max_length`` keeping every row / 99% whole), ``first_truncated``, ``max_length``.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     lengths = lengths.astype(np.int64)
@@ -134,6 +118,19 @@ _SINKS: list[list] = []  # the open counting_truncation contexts' figure lists, 
 _SPLIT: list[bool] = []
 
 
+@contextlib.contextmanager
+def _counting_block(split: bool):
+    """Open one counting block (its figures list, its ``split_documents``) for this block."""
+    sink: list = []
+    _SINKS.append(sink)
+    _SPLIT.append(split)
+    try:
+        yield sink
+    finally:
+        _SINKS.pop()
+        _SPLIT.pop()
+
+
 def _tokenize(
     original,
     dataset,
@@ -172,21 +169,15 @@ def _tokenize(
 
 
 def record_figures(figures: dict) -> bool:
-    """Give ``figures`` to every open :func:`counting_truncation` block; False when none is open
-    (the caller logs them itself)."""
+    """Give ``figures`` to every open :func:`counting_truncation` block; False when none is open."""
     for sink in _SINKS:
         sink.append(figures)
     return bool(_SINKS)
 
 
 def counted_tokenize_step(original):
-    """XTuner's ``tokenize_dataset`` counted and logged wherever no counting block is open.
-
-    ``xtuner_tokenize.patch_xtuner_tokenize_counted`` puts it in place for the process: the builds the
-    start-up does not route through :func:`counting_truncation` (``process_hf_dataset`` with
-    ``pack_to_max_length=False``, ``LLaVADataset``'s text) are counted the same way, cut exactly
-    as XTuner cuts, and get one start-up line (:func:`tokenized_line`). Inside a counting block
-    XTuner's step runs as it is: the block counts (and its caller logs).
+    """XTuner's ``tokenize_dataset`` counted and logged (one line) wherever no counting block is
+    open.
 
     Args:
         original: XTuner's ``tokenize_dataset``.
@@ -201,14 +192,8 @@ def counted_tokenize_step(original):
         with_output = kwargs.get("input_ids_with_output", args[1] if len(args) > 1 else True)
         if _SINKS or not with_output or not isinstance(max_length, int):
             return step()  # counted by the open block; or nothing cut to count
-        sink: list = []
-        _SINKS.append(sink)
-        _SPLIT.append(False)
-        try:
+        with _counting_block(split=False) as sink:
             built = _tokenize(original, dataset, tokenizer, max_length, *args, **kwargs)
-        finally:
-            _SINKS.pop()
-            _SPLIT.pop()
         from mmengine.logging import print_log
 
         (figures,) = sink
@@ -238,32 +223,23 @@ def counting_truncation(split_documents: bool = False):
     """Count what ``process_hf_dataset``'s ``encode_fn`` cuts, for the calls in this block.
 
     Args:
-        split_documents: Keep pretraining documents whole (the pack step splits them); the
-            innermost open block decides.
+        split_documents: Keep pretraining documents whole; the innermost open block decides.
 
     Yields:
-        A list that gets one :func:`truncation_figures` dict per tokenize step run inside
-        (every open block gets each).
+        A list that gets one :func:`truncation_figures` dict per tokenize step run inside.
     """
     from xtuner_rope.compat.xtuner_tokenize import xtuner_tokenize_step
 
-    sink: list = []
-    _SINKS.append(sink)
-    _SPLIT.append(split_documents)
-    try:
+    with _counting_block(split_documents) as sink:
         if len(_SINKS) > 1:  # an outer block has XTuner's step swapped already
             yield sink
         else:
             with xtuner_tokenize_step(lambda original: functools.partial(_tokenize, original)):
                 yield sink
-    finally:
-        _SINKS.pop()
-        _SPLIT.pop()
 
 
 def unit(figures: dict | None, plural: bool = True) -> str:
-    """What the rows are: the figures' ``unit`` (preference ``pairs``), else pretraining
-    ``documents`` when every one is, else ``dialogues``."""
+    """What the rows are: the figures' ``unit`` (``pairs``), else ``documents`` or ``dialogues``."""
     word = (figures or {}).get("unit") or (
         "document" if figures and figures["pretraining"] else "dialogue"
     )
@@ -271,8 +247,7 @@ def unit(figures: dict | None, plural: bool = True) -> str:
 
 
 def truncation_message(figures: dict | None) -> str | None:
-    """The one sentence on what ``encode_fn``'s cut loses (start-up log and doctor), or None
-    when it cuts nothing."""
+    """The one sentence on what ``encode_fn``'s cut loses, or None when it cuts nothing."""
     if not figures or not figures["truncated"]:
         return None
     if figures.get("reference"):  # is_reference pairs: cut at two settings, not one

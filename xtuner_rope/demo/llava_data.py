@@ -1,11 +1,7 @@
 """A small LLaVA-format training set: drawn images with short questions, plus text-only turns.
 
-XTuner's ``LLaVADataset`` reads a JSON list of ``{"id", "image" (optional), "conversations":
-[{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": "..."}]}`` and the image
-files under ``image_folder``. :func:`write_llava_data` writes such a set, deterministically:
-PIL-drawn shapes (one colour, one shape per picture) with one-line questions about them, mixed
-with the first exchange of the package's sample dialogues (text-only, as LLaVA's own
-``llava_v1_5_mix665k.json`` mixes them). ``python tools/make_llava_data.py --out DIR`` runs it.
+Deterministic: PIL-drawn shapes with one-line questions, mixed with the first exchange of the
+shipped sample dialogues. ``python tools/make_llava_data.py --out DIR`` runs it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Read what an ``xtuner train`` run produced, because its exit code cannot be trusted.
-
-``xtuner train`` returns 0 even when training crashed (its entry point ignores the child's
-return code), so scripts and tests judge a run by its outputs: MMEngine's scalar log
-(``<work_dir>/<timestamp>/vis_data/scalars.json``) and ``<work_dir>/last_checkpoint``.
-"""
+"""Read what an ``xtuner train`` run produced (its exit code cannot be trusted): losses,
+checkpoint."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The sample of short chat dialogues the package ships: ``short_dialogues.jsonl``, read.
-
-2,400 dialogues in OpenAI chat format (``{"messages": [...]}`` a line), written by the
-maintainer's generator (``tools/sample_data/``, ``python tools/make_sample_data.py``) and
-shipped as package data beside this module, so the tiny checkpoints' tokenizer and the tiny
-LLaVA data need no repository checkout. The repository's ``data/short_dialogues.jsonl`` is a
-link to the same file.
-"""
+"""The 2,400 short chat dialogues the package ships (``short_dialogues.jsonl``, package data)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Tiny checkpoints of every supported family: a tokenizer trained on our sample dialogues
-and a seeded model (InternLM2, Llama, Qwen2, Mistral, Phi-3, Mixtral, Qwen2-MoE, Gemma,
-Cohere; 2 layers, hidden 64).
+"""Tiny checkpoints of every supported family (2 layers, hidden 64), deterministic and offline.
 
-Everything here is deterministic and offline: the same dialogues and seed give the same
-tokenizer files and the same weights, so tests and demos never download a checkpoint. The
-default dialogues are the sample the package ships (``xtuner_rope.demo.sample_dialogues``:
-``short_dialogues.jsonl``, linked from ``data/``), so nothing depends on the current directory.
-InternLM2 uses the classes XTuner ships (``xtuner._lite.modelings.internlm2``, registered with the
-``transformers`` Auto factories by ``xtuner_rope.compat``); the others are transformers' own.
-``python tools/make_tiny.py --family mistral --out DIR`` writes one.
+A byte-level BPE tokenizer trained on the shipped sample dialogues and a seeded model: XTuner's
+own InternLM2 classes, transformers' for the others. ``python tools/make_tiny.py --family
+mistral --out DIR`` writes one.
 """
 
 from __future__ import annotations
@@ -46,17 +40,18 @@ CHAT_TEMPLATE = (
 )
 
 
-FAMILIES = (
-    "internlm2",
-    "llama",
-    "qwen2",
-    "mistral",
-    "phi3",
-    "mixtral",
-    "qwen2_moe",
-    "gemma",
-    "cohere",
-)
+# transformers' class prefix of each family but InternLM2 (XTuner's shipped classes).
+CLASS_PREFIX = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "mistral": "Mistral",
+    "phi3": "Phi3",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
+    "gemma": "Gemma",
+    "cohere": "Cohere",
+}
+FAMILIES = ("internlm2", *CLASS_PREFIX)
 
 # Each family's quirk in its tiny model, on top of TINY_MODEL_KWARGS: MoE with 4 experts of
 # which 2 route each token (Qwen2-MoE: plus its shared expert); Gemma's MQA (1 kv head) with
@@ -79,9 +74,7 @@ def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
     """Yield every message content of an OpenAI-messages JSONL file, in file order.
 
     Args:
-        jsonl_path: The file; None: the sample dialogues the package ships
-            (:func:`~xtuner_rope.demo.sample_dialogues.sample_path`), wherever the current
-            directory is.
+        jsonl_path: The file; None: the sample dialogues the package ships.
     """
     if jsonl_path is None:
         from .sample_dialogues import sample_path
@@ -95,18 +88,14 @@ def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
-    """Train a byte-level BPE tokenizer with the InternLM2 chat special tokens.
-
-    Byte-level BPE never produces an unknown token, so any text a user types at the tiny
-    model round-trips. Training is deterministic for a given text order.
+    """Train a byte-level BPE tokenizer (deterministic, no unknown token) with InternLM2's specials.
 
     Args:
         texts: Training texts.
         vocab_size: Target vocabulary size, special tokens included.
 
     Returns:
-        A ``transformers.PreTrainedTokenizerFast`` with bos/eos/pad/unk set and a ChatML
-        chat template.
+        A ``transformers.PreTrainedTokenizerFast`` with bos/eos/pad/unk and a ChatML template.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -135,102 +124,79 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
     return tokenizer
 
 
-def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny ``InternLM2ForCausalLM`` (XTuner's shipped class).
-
-    Args:
-        vocab_size: Embedding rows; use ``len(tokenizer)``.
-        seed: Seed for the weight initialisation (the global torch RNG is restored after).
-        **overrides: ``InternLM2Config`` fields replacing ``TINY_MODEL_KWARGS`` (e.g.
-            ``attn_implementation='sdpa'``, ``rope_scaling={'type': 'linear', 'factor': 2.0}``).
-
-    Returns:
-        The model in fp32 and eval mode.
-    """
-    from xtuner._lite.modelings.internlm2 import InternLM2Config, InternLM2ForCausalLM
-
-    config = InternLM2Config(vocab_size=vocab_size, **{**TINY_MODEL_KWARGS, **overrides})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = InternLM2ForCausalLM(config)
-    return model.eval()
-
-
-def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """Build a randomly initialised tiny transformers ``ForCausalLM`` of ``family``.
-
-    Same sizes as the tiny InternLM2 (``TINY_MODEL_KWARGS``), GQA included, plus the family's
-    quirks (``FAMILY_KWARGS``).
-
-    Args:
-        family: One of :data:`FAMILIES` but ``'internlm2'``.
-        vocab_size: Embedding rows; use ``len(tokenizer)``.
-        seed: Seed for the weight initialisation (the global torch RNG is restored after).
-        **overrides: Config fields replacing the defaults.
-
-    Returns:
-        The model in fp32 and eval mode.
-    """
-    import transformers
-
-    names = {
-        "llama": "Llama",
-        "qwen2": "Qwen2",
-        "mistral": "Mistral",
-        "phi3": "Phi3",
-        "mixtral": "Mixtral",
-        "qwen2_moe": "Qwen2Moe",
-        "gemma": "Gemma",
-        "cohere": "Cohere",
-    }
-    if family not in names:
-        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(names)}.")
-    config_cls = getattr(transformers, f"{names[family]}Config")
-    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
-    kwargs = {**TINY_MODEL_KWARGS, **FAMILY_KWARGS.get(family, {}), **overrides}
-    config = config_cls(vocab_size=vocab_size, **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.eval()
-
-
 def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """The tiny model of ``family`` (one of :data:`FAMILIES`)."""
+    """A randomly initialised tiny ``ForCausalLM`` of ``family``, fp32, in eval mode.
+
+    Args:
+        family: One of :data:`FAMILIES` (``FAMILY_KWARGS`` adds its quirks).
+        vocab_size: Embedding rows; use ``len(tokenizer)``.
+        seed: Seed for the weight initialisation (the global torch RNG is restored after).
+        **overrides: Config fields replacing ``TINY_MODEL_KWARGS`` (e.g. ``rope_scaling``).
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
+    """
     if family not in FAMILIES:
         raise ValueError(f"build_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
     if family == "internlm2":
-        return build_tiny_internlm2(vocab_size, seed=seed, **overrides)
-    return build_tiny_hf(family, vocab_size, seed=seed, **overrides)
+        from xtuner._lite.modelings import internlm2 as classes
+
+        prefix = "InternLM2"
+    else:
+        import transformers as classes
+
+        prefix = CLASS_PREFIX[family]
+    kwargs = {**TINY_MODEL_KWARGS, **FAMILY_KWARGS.get(family, {}), **overrides}
+    config = getattr(classes, f"{prefix}Config")(vocab_size=vocab_size, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(classes, f"{prefix}ForCausalLM")(config)
+    return model.eval()
 
 
-def save_tiny_internlm2(
+def build_tiny_internlm2(vocab_size: int, seed: int = 0, **overrides):
+    """:func:`build_tiny` of XTuner's shipped ``InternLM2ForCausalLM``."""
+    return build_tiny("internlm2", vocab_size, seed=seed, **overrides)
+
+
+def build_tiny_hf(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """:func:`build_tiny` of a transformers family (``ValueError`` for any other)."""
+    if family not in CLASS_PREFIX:
+        raise ValueError(f"build_tiny_hf: family {family!r} is not one of {sorted(CLASS_PREFIX)}.")
+    return build_tiny(family, vocab_size, seed=seed, **overrides)
+
+
+def save_tiny(
     out_dir: str | Path,
+    family: str = "internlm2",
     dialogues_jsonl: str | Path | None = None,
     seed: int = 0,
     vocab_size: int = 1024,
-    family: str = "internlm2",
     **overrides,
 ) -> Path:
-    """Train the tokenizer, build the model and save both as one checkpoint directory.
+    """Train the tokenizer, build the model of ``family`` and save both to ``out_dir``.
 
-    The tokenizer files are saved with the weights, so ``AutoTokenizer`` and
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` load it offline. The transformers
-    families load with plain transformers. The InternLM2 checkpoint carries no remote code (no
-    ``auto_map``): after ``xtuner_rope.activate()`` it resolves to XTuner's InternLM2 classes.
+    Loads offline with ``AutoTokenizer`` / ``AutoModelForCausalLM``; the InternLM2 checkpoint
+    carries no remote code (no ``auto_map``): after ``xtuner_rope.activate()`` it resolves to
+    XTuner's InternLM2 classes.
 
     Args:
         out_dir: Directory to write (created if missing, files overwritten).
+        family: One of :data:`FAMILIES` (default ``'internlm2'``).
         dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer; None: the
             package's sample dialogues.
         seed: Weight-initialisation seed.
         vocab_size: Tokenizer vocabulary size.
-        family: One of :data:`FAMILIES` (default ``'internlm2'``).
-        **overrides: Config fields of the model (e.g. ``rope_scaling``, ``max_position_embeddings``).
+        **overrides: Config fields of the model (e.g. ``rope_scaling``).
 
     Returns:
         ``out_dir`` as a ``Path``.
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"save_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
     out_dir = Path(out_dir)
     tokenizer = train_tokenizer(iter_dialogue_texts(dialogues_jsonl), vocab_size=vocab_size)
     model = build_tiny(family, len(tokenizer), seed=seed, **overrides)
@@ -243,35 +209,15 @@ def save_tiny_internlm2(
     return out_dir
 
 
-def save_tiny(
-    out_dir: str | Path,
-    family: str = "internlm2",
-    dialogues_jsonl: str | Path | None = None,
-    seed: int = 0,
-    vocab_size: int = 1024,
-    **overrides,
-) -> Path:
-    """The tiny checkpoint of ``family`` written to ``out_dir`` (see :func:`save_tiny_internlm2`).
-
-    Raises:
-        ValueError: ``family`` is not one of :data:`FAMILIES`.
-    """
-    if family not in FAMILIES:
-        raise ValueError(f"save_tiny: family {family!r} is not one of {', '.join(FAMILIES)}.")
-    return save_tiny_internlm2(
-        out_dir, dialogues_jsonl, seed=seed, vocab_size=vocab_size, family=family, **overrides
-    )
-
-
 def add_internlm2_remote_code(folder: str | Path) -> Path:
-    """Give an InternLM2 checkpoint folder its modeling code, as hub checkpoints ship it.
-
-    Copies XTuner's ``configuration_internlm2.py`` and ``modeling_internlm2.py`` (the current
-    hub version) into ``folder`` and writes their ``auto_map`` into its ``config.json``, so
-    ``trust_remote_code=True`` loads it without xtuner-rope's Auto registration.
+    """Give an InternLM2 checkpoint folder XTuner's modeling code and its ``auto_map``, as the hub
+    does.
 
     Returns:
         ``folder`` as a ``Path``.
+
+    Raises:
+        ValueError: ``folder`` has no readable ``config.json``.
     """
     import shutil
 

@@ -1,11 +1,4 @@
-"""A tiny CLIP vision tower and image processor, built locally and deterministically.
-
-XTuner's LLaVA configs load ``CLIPVisionModel.from_pretrained(visual_encoder_name_or_path)``
-and ``CLIPImageProcessor.from_pretrained(...)`` from the same directory. :func:`save_tiny_clip`
-writes such a directory from ``transformers.CLIPVisionConfig`` (2 layers, hidden 32, 56x56
-images in 14x14 patches: 16 image tokens per image after XTuner drops the CLS token) with
-seeded weights, so nothing is downloaded. ``python tools/make_tiny.py --family clip`` writes one.
-"""
+"""A tiny CLIP vision tower and image processor (56 px, 14 px patches: 16 tokens), built offline."""
 
 from __future__ import annotations
 
@@ -25,12 +18,9 @@ TINY_CLIP_KWARGS = dict(
 )
 
 
-def image_tokens(
-    image_size: int = TINY_CLIP_KWARGS["image_size"],
-    patch_size: int = TINY_CLIP_KWARGS["patch_size"],
-) -> int:
-    """How many positions one image takes in the LLM's sequence (patches, CLS dropped)."""
-    return (image_size // patch_size) ** 2
+def image_tokens() -> int:
+    """How many positions one tiny image takes in the LLM's sequence (patches, CLS dropped)."""
+    return (TINY_CLIP_KWARGS["image_size"] // TINY_CLIP_KWARGS["patch_size"]) ** 2
 
 
 def build_tiny_clip(seed: int = 0, **overrides):

@@ -1,15 +1,7 @@
-"""A tiny InternVL checkpoint, built offline around a tiny LLM checkpoint.
+"""A tiny InternVL checkpoint around a tiny InternLM2 or Phi-3 (InternViT, ``mlp1``, chat wrapper).
 
-XTuner's InternVL configs load ``AutoModel.from_pretrained(path, trust_remote_code=True)``: a
-hub checkpoint (``OpenGVLab/InternVL2-2B``...) whose remote code defines the chat model.
-:func:`save_tiny_internvl` writes such a directory locally: the LLM of ``llm_dir`` (InternLM2
-with its remote code, or transformers' Phi-3) behind a seeded tiny InternViT (XTuner's own
-``xtuner._lite.modelings.internvl2`` code, copied) and ``mlp1`` projector, the chat-model
-wrapper of ``demo/internvl_hub`` (ours: it stands in for the hub code, with the names XTuner
-reads), ``config.json`` with ``auto_map``, and the LLM's tokenizer with InternVL's special
-tokens (``<img>``, ``</img>``, ``<IMG_CONTEXT>``, ...). Tiles are 112 px in 14 px patches:
-64 patches, 16 tokens per tile after the 0.5 pixel shuffle (InternVL2: 448 px, 1024 -> 256).
-``python tools/make_tiny.py --family internvl2 --llm LLM_DIR --out DIR`` runs it.
+112 px tiles, 16 tokens a tile; ``python tools/make_tiny.py --family internvl2 --llm LLM_DIR
+--out DIR`` runs it.
 """
 
 from __future__ import annotations
@@ -72,14 +64,12 @@ def save_tiny_internvl(llm_dir: str | Path, out_dir: str | Path, seed: int = 0) 
     """Write a tiny InternVL checkpoint around the LLM checkpoint ``llm_dir``; return ``out_dir``.
 
     Args:
-        llm_dir: A tiny InternLM2 (``architectures`` ``InternLM2ForCausalLM``) or Phi-3
-            checkpoint with its tokenizer.
+        llm_dir: A tiny InternLM2 or Phi-3 checkpoint with its tokenizer.
         out_dir: Directory to write (created).
         seed: Seeds the InternViT and ``mlp1`` weights.
 
     Raises:
-        ValueError: the LLM is neither InternLM2 nor Phi-3 (XTuner's InternVL dataset serves
-            only those two).
+        ValueError: the LLM is neither InternLM2 nor Phi-3.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.dynamic_module_utils import get_class_from_dynamic_module

@@ -1,34 +1,14 @@
 """The doctor's check of checkpoint space: the size of one checkpoint against the free disk.
 
-A run that fills its disk at a checkpoint stops there (``compat.checkpoint_save`` names the bytes
-needed), after hours of training. The doctor knows the figures before: the size of one checkpoint
-and how many of them the work dir holds at once, against the free space of its filesystem.
-
-- **The size** is the work dir's newest complete checkpoint's real size when one exists (a
-  resumed or repeated run writes the same kind). Otherwise it is estimated from the LLM's weight
-  files (their headers: names, shapes; nothing is loaded) and the config: what the model's
-  ``state_dict`` holds (every weight for full fine-tuning; only the LoRA adapter, which XTuner's
-  ``SupervisedFinetune`` saves alone, under ``model.lora``) in the training dtype, plus the
-  optimizer's per-parameter states of the trainable parameters (AdamW: two, in the parameter's
-  dtype; DeepSpeed ZeRO: an fp32 master copy and two fp32 moments, 12 bytes a parameter), plus
-  the config's text (MMEngine's ``meta``).
-- **How many at once**: ``default_hooks.checkpoint.max_keep_ckpts`` (every save of the run when
-  it is not positive), plus the one being written: with the plugin the oldest is deleted only
-  after the new one is complete. Never more than the run saves (its iterations from the dataset,
-  one process, ``save_last`` included).
-
-Only the LLM of ``model.llm`` is estimated (text SFT, DPO/ORPO/reward, LLaVA's LLM); a vision
-tower or projector is not counted, and a ``ref_llm`` is not saved. When the size cannot be
-known (weights not on this machine), the figures say so and nothing is judged.
+The size is the newest complete checkpoint's, else estimated from the LLM's weight headers and
+the config; ``max_keep_ckpts`` plus the one being written are held at once.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import struct
 from pathlib import Path
 
 from mmengine.config import Config
@@ -76,35 +56,24 @@ def _local_dir(name: object) -> Path | None:
         return None
 
 
-def _safetensors_header(path: Path) -> dict:
-    """The JSON header of a ``.safetensors`` file: ``{name: {dtype, shape, data_offsets}}``."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))  # little-endian u64, then the JSON
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
 def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
-    """``{name: (shape, dtype)}`` of a Hugging Face checkpoint's weights, nothing loaded.
+    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (None without any), nothing
+    loaded.
 
     Args:
         folder: The checkpoint directory (``*.safetensors`` or ``pytorch_model*.bin``).
-
-    Returns:
-        Every tensor's shape and stored dtype; None when the folder has no weight file.
     """
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return {
-            name: (tuple(info["shape"]), info["dtype"])
-            for file in files
-            for name, info in _safetensors_header(file).items()
-        }
     import torch
+    from safetensors import safe_open
 
     shapes = {}
-    for file in sorted(folder.glob("pytorch_model*.bin")):  # memory-mapped: shapes only
+    for file in sorted(folder.glob("*.safetensors")):  # headers only
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                info = f.get_slice(name)
+                shapes[name] = (tuple(info.get_shape()), info.get_dtype())
+    bins = [] if shapes else sorted(folder.glob("pytorch_model*.bin"))
+    for file in bins:  # memory-mapped: shapes only
         for name, t in torch.load(file, map_location="cpu", mmap=True, weights_only=True).items():
             shapes[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
     return shapes or None
@@ -113,10 +82,8 @@ def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None
 def lora_parameters(shapes: dict, lora: dict) -> int:
     """Parameters of the LoRA adapter ``lora`` (``r``, ``target_modules``) on these weights.
 
-    Each adapted ``[out, in]`` weight gets ``A: [r, in]`` and ``B: [out, r]``. Without
-    ``target_modules`` XTuner adapts every linear layer but one named ``lm_head`` or
-    ``output_layer`` (InternLM2's head, ``output``, is adapted): here every 2-D weight whose
-    module is not one of those or an embedding.
+    Each adapted ``[out, in]`` weight gets ``A: [r, in]`` and ``B: [out, r]``; without
+    ``target_modules``, every 2-D weight but the heads and embeddings (as XTuner).
     """
     r, targets = int(_get(lora, "r", 8)), _get(lora, "target_modules")
     targets = [targets] if isinstance(targets, str) else targets
@@ -136,8 +103,7 @@ def lora_parameters(shapes: dict, lora: dict) -> int:
 
 
 def _train_dtype_bytes(llm: object, shapes: dict) -> int:
-    """Bytes per weight as trained: ``torch_dtype`` of ``model.llm``, else fp32 (the default of
-    ``from_pretrained``); ``"auto"``: the stored dtype."""
+    """Bytes per weight as trained: ``model.llm.torch_dtype`` (``"auto"``: as stored), else fp32."""
     dtype = _get(llm, "torch_dtype")
     if dtype == "auto":
         return DTYPE_BYTES.get(next(iter(shapes.values()))[1], 4)
@@ -162,8 +128,7 @@ def estimate_checkpoint_bytes(
 
 
 def _config_text_bytes(cfg: Config) -> int:
-    """Bytes of the config's text, which MMEngine's checkpoint ``meta`` keeps (0 when the
-    config cannot be printed: objects built into it)."""
+    """Bytes of the config's text (MMEngine's checkpoint ``meta``); 0 when it cannot be printed."""
     try:
         return len(cfg.pretty_text.encode())
     except Exception:  # noqa: BLE001 - yapf's SyntaxError on a built object, and the like
@@ -212,10 +177,9 @@ def checkpoints_at_once(hook: dict, iterations: int, max_epochs: int | None) -> 
     """How many checkpoints the work dir holds at the peak of a save.
 
     Args:
-        hook: ``default_hooks.checkpoint`` (``interval``, ``by_epoch``, ``max_keep_ckpts``,
-            ``save_last``; MMEngine's defaults where absent).
+        hook: ``default_hooks.checkpoint`` (MMEngine's defaults where absent).
         iterations: Training iterations of the run.
-        max_epochs: Epochs of the run (for an epoch-based hook); None when iteration-based.
+        max_epochs: Epochs of the run; None when iteration-based.
     """
     interval = int(_get(hook, "interval", -1))
     if interval <= 0:
@@ -238,8 +202,7 @@ def _free_bytes(folder: Path) -> tuple[int | None, str]:
 
 
 def run_work_dir(cfg: Config, config: str, work_dir: str | None = None) -> str:
-    """The work dir ``xtuner train config [--work-dir work_dir]`` writes to: the argument, else
-    the config's ``work_dir``, else ``./work_dirs/<config stem>`` (``xtuner/tools/train.py``)."""
+    """``xtuner train``'s work dir: ``work_dir``, else the config's, else ``./work_dirs/<stem>``."""
     return (
         work_dir
         or _get(config_dict(cfg), "work_dir")
@@ -257,9 +220,8 @@ def checkpoint_space(cfg: Config, samples: int, batch_size: int, work_dir: str) 
         work_dir: Where the run writes its checkpoints.
 
     Returns:
-        ``work_dir``, ``checkpoint_bytes`` (None when unknown), ``size_from`` (the checkpoint
-        measured, or how it was estimated), ``at_once``, ``needed_bytes``, ``free_bytes`` and
-        ``filesystem`` (the existing folder whose free space was read).
+        ``work_dir``, ``checkpoint_bytes`` (None: unknown), ``size_from``, ``at_once``,
+        ``max_keep_ckpts``, ``needed_bytes``, ``free_bytes``, ``filesystem``.
     """
     loader, train = _get(config_dict(cfg), "train_dataloader"), _get(config_dict(cfg), "train_cfg")
     per_epoch = epoch_length(samples, batch_size, bool(_get(loader, "drop_last", False)))

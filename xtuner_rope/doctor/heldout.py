@@ -1,11 +1,4 @@
-"""The doctor's held-out figures: ``val_dataloader``'s set as the run will evaluate it.
-
-After the start-up (MMEngine's entries as written, or derived from ``heldout = dict(...)``),
-the held-out dataset is built with XTuner's builders and described by
-:func:`xtuner_rope.evaluation.heldout_counts.heldout_counts`: dialogues, supervised tokens, rows
-after packing and their fill, and the dialogues the training data holds too (by token ids),
-the same figures ``HeldOutCurvesHook`` logs when the run starts.
-"""
+"""The doctor's held-out figures: ``val_dataloader``'s set as ``HeldOutCurvesHook`` logs it."""
 
 from __future__ import annotations
 
@@ -29,11 +22,8 @@ def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict
 
     Args:
         cfg: The config after the start-up.
-        dataset: The built training dataset; its documents are the training dialogues (rows
-            packed offline carry their boundaries; a dialogue XTuner's cut split in two
-            matches no held-out dialogue).
-        refused: The start-up refuses the config: nothing is built (a missing held-out file
-            would end in XTuner's error instead of the start-up's).
+        dataset: The built training dataset (its documents are the training dialogues).
+        refused: The start-up refuses the config: nothing is built.
         collate_builder: ``diagnose.build_collate_fn`` (the loader's bound collate function).
 
     Returns:

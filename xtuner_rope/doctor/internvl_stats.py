@@ -1,24 +1,7 @@
 """The doctor's figures for XTuner's InternVL configs: image tokens, cut images, missing files.
 
-``InternVL_V1_5_Dataset`` (xtuner 0.2.0) writes each image into the ids as ``<img>`` + ``P x
-tiles`` ``<IMG_CONTEXT>`` + ``</img>``: ``P`` is read here from the checkpoint's own
-``config.json`` (``(force_image_size / patch_size) ** 2 * downsample_ratio ** 2``: 256 for
-InternVL2's 448 px tiles, 16 for the tiny checkpoint), the tiles from XTuner's own tiling of
-each image (``prepare_data``). Two things the dataset does silently are named with the sample:
-
-- a sample whose image file is missing: ``__getitem__`` prints the error and returns a random
-  *other* sample in its place;
-- a sample whose image tokens ``max_length`` cuts: ``InternVL_V1_5`` then writes the wrong
-  vision tokens (or fails), and the plugin's batch check refuses the step.
-
-Every sample is built once uncut (XTuner's ``prepare_data`` with ``max_length`` lifted), then cut
-as ``get_inputid_labels`` cuts it: the figures' ``truncation`` counts what that cut loses
-(samples, tokens, supervised labels, the ``max_length`` that keeps every sample), the report's
-``truncation`` for the doctor's line, warning and verdict. The start-up does not count it: the
-cut happens per item in training (XTuner logs each one).
-
-It also gives the real-token share of the config's batches padded (``default_collate_fn``)
-against packed by ``internvl_collate_fn``, on the same batches in dataset order.
+``InternVL_V1_5_Dataset`` silently replaces a sample whose image is missing, and a
+``max_length`` that cuts image tokens makes wrong vision tokens: both named with the sample.
 """
 
 from __future__ import annotations
@@ -112,18 +95,14 @@ def _uncut_item(dataset, i: int) -> dict:
 
 
 def internvl_truncation(items: list[tuple[int, list, list]], max_length: int) -> dict:
-    """What ``InternVL_V1_5_Dataset`` cuts at ``max_length``, in ``data.truncation``'s figures.
-
-    xtuner 0.2.0 cuts each item in ``__getitem__`` (``get_inputid_labels``: the first
-    ``max_length`` ids and labels) and keeps it, supervised label or not: nothing is dropped.
+    """What ``InternVL_V1_5_Dataset`` cuts at ``max_length`` (per item, nothing dropped).
 
     Args:
         items: ``(index, input_ids, labels)`` of each built sample, uncut.
         max_length: The dataset's ``max_length``.
 
     Returns:
-        The figures ``data.truncation.truncation_message`` and the doctor's lines read
-        (``step`` names the dataset; ``dropped`` is 0).
+        ``data.truncation``'s figures (``step`` names the dataset; ``dropped`` is 0).
     """
     lengths = [len(ids) for _, ids, _ in items]
     labels = [sum(x != IGNORE_INDEX for x in lab) for _, _, lab in items]

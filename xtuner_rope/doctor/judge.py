@@ -1,9 +1,4 @@
-"""The doctor's judgement of its report: the problems that fail training, the warnings, the exit code.
-
-:func:`judge` reads the report :func:`xtuner_rope.doctor.diagnose.diagnose` builds (figures of the
-data, the start-up's findings, the sampler's batches) and names each problem with where it
-occurs; :func:`exit_code` is what ``xtuner-rope doctor`` exits with.
-"""
+"""The doctor's judgement of its report: problems that fail training, warnings, the exit code."""
 
 from __future__ import annotations
 
@@ -21,9 +16,8 @@ def _where(occ: dict, what: str = "samples") -> str:
 def judge(report: dict) -> tuple[list[str], list[str]]:
     """Problems (training fails or is silently wrong) and warnings of a report.
 
-    Problems: a start-up conflict; the plugin not enabled with packed data (nothing isolates
-    the documents); empty, over-long or label-mismatched samples; a sampler batch without a
-    supervised label; a batch the collate function refuses. Warnings: the rest.
+    Problems: start-up conflicts; packed data without the plugin; empty, over-long or
+    label-mismatched samples; unsupervised sampler batches; refused batches. Warnings: the rest.
     """
     problems = [
         f"conflict: {c['setting']}: {c['problem']}\n  -> {c['edit']}"

@@ -1,22 +1,7 @@
 """The doctor on XTuner's LLaVA configs: lengths as the LLM sees them, after the image expansion.
 
-``LLaVAModel.forward`` (xtuner 0.2.0) runs the vision tower, keeps the hidden states of all
-patches but the CLS token (``hidden_states[visual_select_layer][:, 1:]``) and
-``prepare_inputs_labels_for_multimodal`` puts those ``P`` patch embeddings where the sample's
-``IMAGE_TOKEN_INDEX`` placeholder was (labels -100), then pads each row again to the longest
-expanded row. A sample of ``n`` ids with one image is ``n - 1 + P`` tokens for the LLM
-(``P = 576`` for CLIP-L/14 at 336 px); an image counted as one token (what the dataset's
-``input_ids`` show) understates every length, padding share and packing plan.
-
-:func:`llava_view` gives the doctor that picture: a view of the dataset whose items are the
-expanded sequences (each placeholder ``P`` placeholders, its label ``P`` times -100), read
-from the dataset's tokenized text without opening an image, and the config's collate
-function followed by the expansion's arithmetic, so every existing figure (percentiles,
-padding share, rows, tokens, loss weights) counts image tokens. ``P`` is read from the vision
-tower's config, never guessed; :func:`llava_figures` adds the
-image/text split; :func:`llava_data_of` runs the data checks a LLaVA run makes before its first
-step (the settings checked against the vision tower are start-up findings,
-``config.llava_tower``).
+Each ``IMAGE_TOKEN_INDEX`` placeholder becomes ``P`` patch embeddings (``P`` read from the
+vision tower's config): :func:`llava_view` expands the tokenized text the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +15,7 @@ import torch
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.compat.mmengine_config import config_dict
-from xtuner_rope.doctor.stats import length_percentiles
+from xtuner_rope.doctor.stats import length_percentiles, percentiles_text
 
 IGNORE_INDEX = -100
 
@@ -53,10 +38,7 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def refuse_unserved_model(path: str) -> None:
-    """Stop before any data when the start-up refuses the model itself (``model.type``).
-
-    ``xtuner train`` never gets to the data of such a config, so neither the doctor nor the
-    check reads them.
+    """Stop before any data when the start-up refuses ``model.type`` (``xtuner train`` would too).
 
     Raises:
         ConfigConflict: the start-up's refusal of ``model.type``, with what to do.
@@ -76,10 +58,7 @@ def refuse_unserved_model(path: str) -> None:
 
 
 def image_tokens_of(cfg) -> dict:
-    """``P``, the patch embeddings one image becomes, from the vision tower's own config.
-
-    The start-up's reading (``config.llava_tower.tower_image_tokens``), so the doctor and
-    the run count the same ``P``.
+    """``P`` from the vision tower's config, as the start-up reads it (``config.llava_tower``).
 
     Args:
         cfg: A started LLaVA config (``model.visual_encoder`` names the tower's path).
@@ -88,8 +67,7 @@ def image_tokens_of(cfg) -> dict:
         ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
 
     Raises:
-        ValueError: the tower's config has no ``image_size`` / ``patch_size`` (not a
-            ViT-style tower XTuner's ``LLaVAModel`` serves); the message names the setting.
+        ValueError: the tower's config has no ``image_size`` / ``patch_size``.
     """
     from xtuner_rope.config.llava_tower import tower_image_tokens
 
@@ -154,8 +132,8 @@ class _ImageItems(Sequence):
 
 
 def _expanded_batch(out: object, image_tokens: int) -> dict:
-    """The collated batch's ``[b, s']`` shape after the expansion (XTuner re-pads rows), and
-    how many of its rows pack several samples (``cumulative_len`` with > 1 real segment)."""
+    """The collated batch's ``[b, s']`` after the expansion, and its rows packing several
+    samples."""
     data = out.get("data", out) if isinstance(out, Mapping) else out
     ids, mask = data["input_ids"], data.get("attention_mask")
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
@@ -175,7 +153,7 @@ def _expanded_batch(out: object, image_tokens: int) -> dict:
 
 @dataclass
 class LLaVAView:
-    """What the doctor scans and collates for a LLaVA config (see the module docstring)."""
+    """What the doctor scans and collates for a LLaVA config."""
 
     scan_items: Sequence  # expanded samples, for lengths and labels
     collate_items: Sequence  # real items, for the config's collate function
@@ -206,8 +184,7 @@ def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
 
     Args:
         cfg: The started config.
-        dataset: Its built train dataset (``LLaVADataset``: ``text_data`` holds the tokenized
-            samples).
+        dataset: Its built ``LLaVADataset`` (``text_data``: the tokenized samples).
         collate_fn: The config's collate function, kwargs bound.
     """
     from xtuner_rope.config.multimodal import is_llava
@@ -238,11 +215,7 @@ def sampler_padding(
 ) -> dict:
     """Real-token share of padded batches in the order of the config's own sampler.
 
-    The stock finetune configs sample with ``LengthGroupedSampler(length_property=
-    "modality_length")``: image and text samples in separate batches of similar length (as
-    the dataset counts them, an image one token), so XTuner's padding wastes less than in
-    dataset order. The sampler is built as the Runner builds it, seeded with
-    ``randomness.seed`` (0 when the config has none: training then draws one).
+    The sampler is built as the Runner builds it, seeded with ``randomness.seed`` (0 if unset).
 
     Args:
         cfg: The started config.
@@ -282,10 +255,8 @@ def llava_figures(
     Args:
         view: :func:`llava_view` of the config.
         dataset: The ``LLaVADataset``.
-        collate_kwargs: The collate function's kwargs (``image_tokens`` of
-            ``llava_collate_fn``).
-        dataset_max_length: ``LLaVADataset``'s ``max_length`` (it cuts the ids, an image
-            counted as one token): samples exactly that long were probably cut.
+        collate_kwargs: The collate function's kwargs (``image_tokens``).
+        dataset_max_length: ``LLaVADataset``'s ``max_length`` (samples that long were cut).
     """
     text = dataset.text_data
     p = view.image_tokens["image_tokens"]
@@ -328,11 +299,7 @@ def llava_figures(
 
 
 def llava_data_of(view: LLaVAView, dataset) -> list[str]:
-    """The run's own data checks (``data.llava_dataset_checks``) on the doctor's dataset.
-
-    ``llava_collate_fn``'s row capacity is left out: the doctor's scan reports samples over the
-    collate ``max_length`` already.
-    """
+    """The run's own data checks (``data.llava_dataset_checks``) on the doctor's dataset."""
     from xtuner_rope.data.llava_dataset_checks import llava_data_problems
 
     text = dataset.text_data
@@ -363,10 +330,6 @@ def llava_lines(figures: Mapping | None) -> list[str]:
     if not figures:
         return []
     share = figures["image_token_share"]
-
-    def pct(values: Mapping) -> str:
-        return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
-
     return [
         f"images       {figures['image_samples']} image samples, {figures['text_samples']} "
         f"text-only; each image is {figures['image_tokens']} tokens for the LLM "
@@ -374,10 +337,10 @@ def llava_lines(figures: Mapping | None) -> list[str]:
         f"{figures['tokens_expanded']} ({'n/a' if share is None else f'{100 * share:.1f}%'})",
         "             all lengths, rows and shares below count the expanded sequence "
         "(XTuner's prepare_inputs_labels_for_multimodal)",
-        f"             image samples {pct(figures['lengths_image_samples'])}",
-        f"             text samples  {pct(figures['lengths_text_samples'])}",
+        f"             image samples {percentiles_text(figures['lengths_image_samples'])}",
+        f"             text samples  {percentiles_text(figures['lengths_text_samples'])}",
         f"             as the dataset counts them (image = 1 token) "
-        f"{pct(figures['lengths_as_dataset'])}",
+        f"{percentiles_text(figures['lengths_as_dataset'])}",
     ] + _sampler_line(figures.get("sampler_order"))
 
 

@@ -1,11 +1,7 @@
 """The doctor's figure for the loss weighting: how unequal tokens would weigh without the fix.
 
-XTuner 0.2.0 averages the loss per micro-batch and MMEngine divides it by the accumulation
-count: a supervised token of micro-batch ``m`` in a window of ``a`` micro-batches weighs
-``1 / (a * n_m)`` in the step (``n_m`` the micro-batch's supervised tokens; ranks divide all of
-a step's tokens alike and are left out). The plugin's token-weighted loss
-(:mod:`xtuner_rope.hooks.loss_norm`) gives every token of the window ``1 / N`` (``N = sum of n_m``).
-Per dialogue, the factor XTuner's weighting puts on it is ``N / (a * n_m)``; 1 means no change.
+XTuner's per-micro-batch mean divided by the accumulation ``a`` weighs a token ``1 / (a * n_m)``,
+the token-weighted loss ``1 / N``: the factor per dialogue is ``N / (a * n_m)``.
 """
 
 from __future__ import annotations
@@ -22,17 +18,14 @@ def token_weight_figures(
     """Per-token weight inequality of XTuner's per-micro-batch loss, against token weighting.
 
     Args:
-        batches: ``[m]`` micro-batches in sampler order; each, the supervised-token counts of
-            its dataset items (after the causal shift).
-        dialogues: ``[m]`` dialogues in each micro-batch (a packed row holds several).
-        accumulation: ``optim_wrapper.accumulative_counts``; windows of that many consecutive
-            micro-batches, the last one possibly shorter (MMEngine divides it by its length).
+        batches: ``[m]`` micro-batches in sampler order: each item's supervised tokens.
+        dialogues: ``[m]`` dialogues in each micro-batch.
+        accumulation: ``optim_wrapper.accumulative_counts`` (the last window may be shorter).
 
     Returns:
-        ``max_over_min``: the largest over the smallest factor of a supervised micro-batch
-        (None without one); ``changed_2x_share``: share of the dialogues in supervised
-        micro-batches whose weight XTuner's weighting changes by more than 2x;
-        ``micro_batches``, ``windows``, ``accumulation``.
+        ``max_over_min`` (of the factors; None without a supervised micro-batch),
+        ``changed_2x_share`` (dialogues reweighted > 2x), ``micro_batches``, ``windows``,
+        ``accumulation``.
     """
     factors, weights = [], []  # per supervised micro-batch: N / (a * n_m), its dialogues
     windows = 0
@@ -66,7 +59,7 @@ def dataset_loss_weights(
     Args:
         dataset: The built train dataset (items may be packed rows with ``cumulative_len``).
         supervised: ``[n]`` supervised tokens per item (the doctor's scan).
-        batch_size: Items per micro-batch (dataset order, as the doctor collates).
+        batch_size: Items per micro-batch (dataset order).
         accumulation: ``optim_wrapper.accumulative_counts``.
         max_batches: How many micro-batches to look at.
     """

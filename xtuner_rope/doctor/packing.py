@@ -1,16 +1,4 @@
-"""The doctor on XTuner's offline packing: the dialogues before packing and what packing did.
-
-A ``lossless_process_hf_dataset`` config (the start-up's replacement of
-``process_hf_dataset(pack_to_max_length=True)``) is built once, as training builds it, with
-numpy seeded from ``randomness.seed`` as MMEngine's Runner seeds it, and its pack step recorded:
-the dialogues as it received them (tokenized, filtered, shuffled as the config says) and its
-rows. Without the plugin, XTuner's ``process_hf_dataset`` is built unpacked, then shuffled and
-packed by XTuner's own pack step. :func:`packing_figures` counts tokens and labels before and after (kept /
-lost), the rows and their fill, the dialogues cut at row edges and their pieces (0 with
-whole-dialogue packing, the plugin's default), what XTuner's cut of the same stream would
-make (rows, dialogues cut), and the packed documents with no supervised label, counted as
-``batch_stats`` counts them in training (``unsupervised_seen`` after one epoch).
-"""
+"""The doctor on XTuner's offline packing: the dialogues before packing and what packing did."""
 
 from __future__ import annotations
 
@@ -29,11 +17,8 @@ from xtuner_rope.doctor.token_columns import row_lengths, whole_matches
 def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None, progress: Progress = QUIET):
     """The dialogues in stream order and the packed dataset, as the config builds them.
 
-    With the plugin's pack step (``lossless_process_hf_dataset``) the config's own dataset is
-    built once, as training builds it, and its pack step is recorded
-    (``packed_dataset.recorded_packs``): the dialogues it received, in the order it packed them
-    (a shuffle read through its indices), and its rows. XTuner's own pack step is run on the
-    dialogues built unpacked and shuffled as XTuner shuffles them.
+    The plugin's pack step is recorded (``packed_dataset.recorded_packs``); XTuner's own is run
+    on the dialogues built unpacked and shuffled as XTuner shuffles them.
 
     Args:
         dataset_cfg: The train dataloader's ``dataset`` dict (an XTuner packing dataset).
@@ -41,13 +26,9 @@ def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None, progress: Pro
         progress: Where the build says what it does (default: nowhere).
 
     Returns:
-        ``(dialogues, packed, truncation, seed)``: ``datasets.Dataset`` s of the tokenized
-        dialogues in the order they are packed, and of the packed rows (the built train
-        dataset with the plugin's pack step); what XTuner's ``encode_fn`` cut at
-        ``max_length`` (``data.truncation.truncation_figures``; pretraining documents kept whole
-        to be split, as ``lossless_process_hf_dataset`` keeps them, with whole packing); the
-        seed numpy was seeded with (drawn when ``seed`` is None: training draws another, and
-        its shuffle before packing with it).
+        ``(dialogues, packed, truncation, seed)``: the tokenized dialogues in packing order and
+        the packed rows (``datasets.Dataset``), what ``encode_fn`` cut at ``max_length``
+        (``data.truncation.truncation_figures``) and the seed used (drawn when ``seed`` is None).
     """
     from mmengine.runner import set_random_seed
     from xtuner.registry import BUILDER
@@ -96,37 +77,23 @@ def _xtuner_dialogues_and_packs(dataset_cfg: dict):
 def packing_figures(
     dialogues, packed, max_length: int, intern_repo: bool = False, progress: Progress = QUIET
 ) -> dict:
-    """What the pack step did to the dialogues, JSON-ready.
+    """What the pack step did to the dialogues, JSON-ready, block by block (``token_columns``).
 
-    Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut),
-    else by finding each dialogue whole among the packed documents (whole-dialogue packing; a
-    document and a dialogue match when their token ids do: compared by a 128-bit hash of the
-    ids and the length, ``data.dialogue_keys.segment_keys``). Every count is made block by block
-    (``token_columns``): the doctor never holds the tokens of the corpus.
+    Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut), else
+    by finding each dialogue whole among the packed documents (``dialogue_keys.segment_keys``).
 
     Args:
-        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order (a
-            ``datasets.Dataset``; a shuffle's indices are read through).
-        packed: The packed rows built from them (with ``cumulative_len`` when the config
-            records boundaries).
+        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
+        packed: The packed rows built from them (``cumulative_len`` when recorded).
         max_length: Tokens per packed row.
-        intern_repo: The rows are one file's of XTuner's intern-repo packing: ``xtuner_cut``
-            is its ``PackedDataset``'s cut (last partial row dropped), not ``process_hf_dataset``'s.
+        intern_repo: One file's rows of XTuner's intern-repo packing (last partial row dropped).
         progress: Where the passes over the tokens show their progress (default: nowhere).
 
     Returns:
-        Counts: ``tokens`` and ``labels`` (labels other than -100) ``before`` / ``after`` /
-        ``lost``; ``rows``; ``fill`` (tokens / row slots); ``sft`` (some label is -100: the
-        dialogues have prompts); ``xtuner_cut`` (``rows`` and ``cut_dialogues`` of XTuner's cut
-        of the same stream; its leftover kept, or dropped with ``intern_repo``); and, when the
-        rows carry boundaries and hold the stream in order or every token of it,
-        ``cut_dialogues`` (a row edge falls inside them), ``pieces`` (their parts),
-        ``unsupervised_pieces`` and ``unsupervised_seen`` (packed documents whose every label
-        is -100 or its document's first: what training counts over one epoch); else None.
-        ``split_long``: documents longer than ``max_length``. Whole-dialogue packing splits
-        them into ``max_length`` pieces by design (``split_pieces`` of them; None for XTuner's
-        cut): they are not counted in ``cut_dialogues`` or ``pieces`` there (XTuner's cut
-        counts them like any other).
+        ``tokens`` / ``labels`` (``before``, ``after``, ``lost``), ``rows``, ``fill``, ``sft``,
+        ``xtuner_cut``, ``split_long`` / ``split_pieces`` and, when the rows carry boundaries
+        and keep the stream, ``cut_dialogues``, ``pieces``, ``unsupervised_pieces`` and
+        ``unsupervised_seen`` (else None).
     """
     lengths = row_lengths(dialogues)  # [n] in stream order
     rows = row_lengths(packed)
@@ -193,19 +160,14 @@ def packing_figures(
 
 
 def intern_repo_figures(concat, packed_length: int) -> tuple[list[int], dict]:
-    """The packing figures of an intern-repo ``build_packed_dataset`` (XTuner's or ours).
-
-    Each file is packed on its own (a ``ConcatDataset`` of packers): its documents in the
-    packer's stream order (``shuffled_indices``, XTuner's and :class:`WholePackedDataset`'s)
-    against its rows, then the files' figures summed.
+    """The packing figures of an intern-repo ``build_packed_dataset``, file by file, summed.
 
     Args:
-        concat: The built train dataset (``ConcatDataset`` of ``PackedDataset`` or
-            ``WholePackedDataset``).
+        concat: The built ``ConcatDataset`` of ``PackedDataset`` or ``WholePackedDataset``.
         packed_length: Tokens per row.
 
     Returns:
-        ``(lengths, figures)``: ``[n]`` document lengths in stream order over all files, and
+        ``(lengths, figures)``: ``[n]`` document lengths in stream order, and
         :func:`packing_figures` of all files together (None without a file).
     """
     from datasets import Dataset

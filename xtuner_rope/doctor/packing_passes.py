@@ -1,10 +1,4 @@
-"""The passes of :func:`doctor.packing.packing_figures` over the token columns, block by block.
-
-One pass over the dialogues as stored (supervised labels, prompts, a key per dialogue) and one
-over the packed rows (labels kept, a key per packed document and whether it has a supervised
-label, whether the rows hold the dialogues' stream in order), each reading blocks of
-``token_columns.TOKENS_PER_BLOCK`` tokens: never the corpus as Python objects.
-"""
+"""The passes of :func:`doctor.packing.packing_figures` over the token columns, block by block."""
 
 from __future__ import annotations
 
@@ -29,8 +23,7 @@ def segment_starts(packed, row_lengths: np.ndarray) -> np.ndarray | None:
 
 
 class PrefixCheck:
-    """Whether the packed tokens, fed block by block, are the dialogues' stream from its start
-    (XTuner's cut keeps the stream in order); reads the stream only as far as they agree."""
+    """Whether the packed tokens, fed block by block, are the dialogues' stream from its start."""
 
     def __init__(self, dialogues) -> None:
         self._stream = (b["input_ids"] for _, _, b in token_blocks(dialogues, ("input_ids",)))
@@ -50,8 +43,7 @@ class PrefixCheck:
 
 
 def packed_pass(packed, dialogues, starts, progress: Progress) -> dict:
-    """One pass over the packed rows: labels kept, each document's key and whether it has a
-    supervised label, and whether the rows hold the dialogues' stream in order."""
+    """One pass over the packed rows: labels kept, document keys and supervision, stream order."""
     prefix = PrefixCheck(dialogues)
     labels = 0
     unsupervised, keys = [], []

@@ -1,18 +1,14 @@
-"""What ``xtuner-rope doctor`` shows for XTuner's preference data (DPO, ORPO, reward model).
+"""What ``xtuner-rope doctor`` shows for XTuner's preference pairs (DPO, ORPO, reward model).
 
-``build_preference_dataset`` tokenizes pairs (prompt + chosen, prompt + rejected, each cut to
-``max_length``) and, with ``use_varlen_attn=True``, packs whole pairs greedily into rows of at
-most ``max_packed_length`` tokens with ``PackedDatasetWrapper``, which drops every pair longer
-than that (it logs the count, nothing else). The doctor's dialogue figures would describe the
-packed rows; :func:`preference_figures` describes the pairs instead: how many, the prompt,
-chosen and rejected lengths before packing, the pairs dropped, pairs per packed row and the
-real-token share of the rows.
+:func:`preference_figures` describes the pairs (lengths, pairs dropped by
+``PackedDatasetWrapper``, pairs per row, real-token share), not the packed rows.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from os.path import commonprefix
 
 from mmengine.config import Config
 
@@ -21,19 +17,8 @@ from xtuner_rope.doctor.stats import length_percentiles
 from xtuner_rope.doctor.truncation import truncation_lines
 
 
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    """Tokens chosen and rejected share from the start: the prompt (and any common opening)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _pairs(dataset_cfg: dict) -> tuple[list[dict], dict | None]:
-    """The tokenized pairs before packing (the config's dataset, rebuilt unpacked), and the
-    count of XTuner's cut at ``max_length`` (``data.preference_truncation``; None uncounted)."""
+    """The tokenized pairs before packing, and XTuner's cut at ``max_length`` (None uncounted)."""
     from xtuner.registry import BUILDER
 
     unpacked = copy.deepcopy(dataset_cfg)
@@ -43,14 +28,8 @@ def _pairs(dataset_cfg: dict) -> tuple[list[dict], dict | None]:
 
 
 class PairSamples(Sequence):
-    """An unpacked preference dataset seen as the doctor's samples: one per pair.
-
-    Without ``use_varlen_attn`` a pair is ``chosen_ids``/``rejected_ids`` (no ``input_ids``),
-    and ``preference_collate_fn`` makes two rows of it. Sample ``i`` is pair ``i``'s two
-    responses end to end (``input_ids``/``labels`` ``[len(chosen) + len(rejected)]``), so the
-    sample checks (empty, unsupervised, length mismatch) and the sampler's batches (one index
-    per pair) read the pairs instead of finding 0 tokens in every sample.
-    """
+    """An unpacked preference dataset as the doctor's samples: pair ``i``'s two responses end to
+    end."""
 
     def __init__(self, dataset: Sequence[Mapping]) -> None:
         self.dataset = dataset
@@ -110,7 +89,8 @@ def preference_figures(cfg: Config, dataset) -> dict | None:
         else 0,
         "lengths": {
             "prompt": length_percentiles(
-                [_shared_prefix(p["chosen_ids"], p["rejected_ids"]) for p in pairs]
+                # chosen and rejected share the prompt (and any common opening)
+                [len(commonprefix([p["chosen_ids"], p["rejected_ids"]])) for p in pairs]
             ),
             "chosen": length_percentiles([len(p["chosen_ids"]) for p in pairs]),
             "rejected": length_percentiles([len(p["rejected_ids"]) for p in pairs]),

@@ -1,11 +1,5 @@
-"""What the doctor is doing, on stderr, while it works (stdout keeps the report's summary).
-
-A stage line per step, with its counts and the seconds since the doctor started
-(``doctor: packing figures: 1000000 dialogues, 26384 rows (41 s)``), and a bar for each pass
-over the tokens that holds more than one block (``token_columns.TOKENS_PER_BLOCK``): on a
-million dialogues the doctor works for a minute or more, never silently. ``--quiet`` turns it
-all off (and the datasets library's own bars).
-"""
+"""What the doctor is doing, on stderr (stage lines, bars over the tokens); ``--quiet`` silences
+it."""
 
 from __future__ import annotations
 
@@ -52,8 +46,8 @@ QUIET = Progress(enabled=False)
 
 @contextlib.contextmanager
 def datasets_bars(shown: bool):
-    """The datasets library's progress bars (``map``, ``filter``) left as they are, or hidden
-    in this block (``shown`` False) and restored after it."""
+    """The datasets library's progress bars left as they are, or hidden in this block if not
+    ``shown``."""
     import datasets
 
     if shown or not datasets.is_progress_bar_enabled():

@@ -20,6 +20,7 @@ from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 from xtuner_rope.doctor.rope import rope_lines
 from xtuner_rope.doctor.sequence_parallel import sequence_parallel_lines
+from xtuner_rope.doctor.stats import percentiles_text
 from xtuner_rope.doctor.truncation import cut_verdict, data_unit, truncation_lines
 
 
@@ -51,14 +52,10 @@ def _data_lines(report: dict) -> list[str]:
         f"documents, {ds['tokens']} tokens; {how}",
         "lengths      "
         + (f"{data_unit(report)} before packing: " if report["packing"] else "")
-        + _percentiles(lengths),
+        + percentiles_text(lengths),
         "samples      " + "  ".join(f"{k}={_occ(v)}" for k, v in samples.items()),
         *truncation_lines(report.get("truncation")),
     ] + _packing_lines(report, report["collate"]["batch_size"])
-
-
-def _percentiles(lengths: dict) -> str:
-    return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in lengths.items())
 
 
 def _kept(packed: dict, cut: dict | None) -> str:
@@ -80,7 +77,7 @@ def _packing_lines(report: dict, batch_size: int) -> list[str]:
         f"packing      {p['dialogues']} {what} -> {p['rows']} rows of max_length="
         f"{p['max_length']}: tokens {_kept(t, cut and cut['tokens'])}, "
         f"supervised labels {_kept(lab, cut and cut['labels'])}",
-        f"             row lengths {_percentiles(p['row_lengths'])}, fill {p['fill']:.1%} "
+        f"             row lengths {percentiles_text(p['row_lengths'])}, fill {p['fill']:.1%} "
         "(tokens / row slots)",
         f"             epoch: {p['rows']} rows, {-(-p['rows'] // batch_size)} iterations of "
         f"batch size {batch_size}; XTuner's cut of the same stream: {xt['rows']} rows, "

@@ -1,12 +1,5 @@
-"""What the doctor says about length-dependent RoPE: the threshold and who crosses it.
-
-Dynamic NTK and LongRoPE choose their frequencies from the length served
-(``models.rope_settings`` reads the checkpoint's ``config.json``). The run gives each packed
-document the frequencies of its own length (``models.rope_documents``); the doctor counts the
-documents past the threshold and says so. With ``per_document_rope = False`` in the config
-those documents would share their row's frequencies: a problem (exit 1), as ``xtuner-rope
-check`` measures it.
-"""
+"""What the doctor says about length-dependent RoPE (dynamic NTK, LongRoPE): threshold, who crosses
+it."""
 
 from __future__ import annotations
 

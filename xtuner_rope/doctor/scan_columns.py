@@ -1,11 +1,5 @@
-""":func:`stats.scan_samples` on the columns of a ``datasets.Dataset``, block by block.
-
-The same facts per sample (length, supervised labels, documents, the issues) computed with
-numpy over blocks of rows read from the Arrow table, instead of one Python list per sample:
-the doctor scans the rows of a million packed dialogues in seconds, holding one block. Used
-when every token column is a list of integers without nulls (``is_scannable``); anything else
-goes through :func:`stats.scan_samples`.
-"""
+""":func:`stats.scan_samples` on the Arrow columns of a ``datasets.Dataset``, block by block
+(numpy)."""
 
 from __future__ import annotations
 
@@ -16,13 +10,13 @@ from xtuner_rope.data.collate import IGNORE_INDEX
 from xtuner_rope.data.token_gather import drop_mapped_pages
 from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.stats import SampleScan
-from xtuner_rope.doctor.token_columns import TOKENS_PER_BLOCK, is_token_table, row_lengths
+from xtuner_rope.doctor.token_columns import is_token_table, list_sizes, row_blocks, row_lengths
 
 BOUNDARIES = ("cumulative_len", "position_ids")  # document starts, in XTuner's packed rows
 
 
 def is_scannable(dataset: object) -> bool:
-    """True when :func:`scan_columns` can scan ``dataset`` (see the module docstring)."""
+    """True when :func:`scan_columns` can scan ``dataset`` (integer list columns, no nulls)."""
     if not is_token_table(dataset):
         return False
     extra = tuple(c for c in BOUNDARIES if c in dataset.column_names)
@@ -32,18 +26,12 @@ def is_scannable(dataset: object) -> bool:
 def _lists(table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """``(values [m], sizes [r])`` of a list column of a block."""
     column = table.column(name)
-    sizes = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
-    return values, sizes
+    return pc.list_flatten(column).to_numpy(zero_copy_only=False), list_sizes(column)
 
 
 def _starts(table, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each row's document starts as ``stats.document_starts`` gives them.
-
-    Returns:
-        ``(rows, columns, documents)``: ``[s]`` row and column of every start (repeats kept as
-        in ``cumulative_len``), ``[r]`` documents per row (0 for an empty row).
-    """
+    """``(rows [s], columns [s], documents [r])``: every document start of a block's rows
+    (``stats.document_starts``)."""
     r = len(n)
     rows = np.arange(r)
     if "cumulative_len" in table.column_names:
@@ -77,8 +65,7 @@ def _starts(table, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _scan_block(table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(n, n_labels, supervised, documents)`` per row of a block."""
-    n = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    n = n.astype(np.int64)
+    n = list_sizes(table.column("input_ids"))
     labels, n_labels = _lists(table, "labels")
     label_starts = np.cumsum(n_labels) - n_labels
     used = labels != IGNORE_INDEX
@@ -107,15 +94,11 @@ def scan_columns(
     """
     scan = SampleScan()
     lengths = row_lengths(dataset)
-    ends = np.cumsum(lengths)
     rows = dataset.with_format("arrow")
     files = [f["filename"] for f in dataset.cache_files]
-    first = 0
-    with progress.bar(int(ends[-1]) if len(ends) else 0, f"samples, {len(dataset)} rows") as bar:
-        while first < len(lengths):
-            budget = ends[first] - lengths[first] + TOKENS_PER_BLOCK
-            last = max(int(np.searchsorted(ends, budget, side="right")), first + 1)
-            n, n_labels, supervised, documents = _scan_block(rows[first:last])
+    with progress.bar(int(lengths.sum()), f"samples, {len(dataset)} rows") as bar:
+        for block in row_blocks(lengths):
+            n, n_labels, supervised, documents = _scan_block(rows[block])
             drop_mapped_pages(files)
             scan.lengths += n.tolist()
             scan.supervised += supervised.tolist()
@@ -129,7 +112,6 @@ def scan_columns(
             }
             for kind, hit in checks.items():
                 if hit is not None:
-                    scan.issues[kind].add_all(np.flatnonzero(hit) + first)
+                    scan.issues[kind].add_all(np.flatnonzero(hit) + block.start)
             bar.update(int(n.sum()))
-            first = last
     return scan

@@ -1,12 +1,5 @@
-"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size``.
-
-With ``sequence_parallel_size = sp`` each collated ``[b, s]`` row is split into ``sp`` shards,
-one per rank of the group. A row whose length is not a multiple of ``sp`` gets a padding segment
-of its own (``rope_collate_fn(pad_to_multiple_of=sp)``, which the start-up sets, or the
-plugin's sequence-parallel loss); a row shorter than ``sp`` leaves some ranks a shard of padding
-only (no loss there, compute spent all the same). The figures say how much of that the data
-hold, from the dataset's rows and from the first batches as the config collates them.
-"""
+"""The doctor's sequence-parallel figures: rows against ``sequence_parallel_size`` (padding, short
+rows)."""
 
 from __future__ import annotations
 
@@ -25,15 +18,11 @@ def sequence_parallel_figures(
 
     Args:
         sp: The config's ``sequence_parallel_size`` (None/1: no figures).
-        row_lengths: ``[n]`` token counts of the dataset's rows (one per sample).
-        shapes: ``(b, s)`` of each collated batch (after the collate function's padding).
+        row_lengths: ``[n]`` token counts of the dataset's rows.
+        shapes: ``(b, s)`` of each collated batch.
 
     Returns:
-        None without sequence parallel (or with a size the start-up refuses), else
-        ``size``; ``rows``: how many, those shorter than ``size`` (count, first indices), those
-        needing a padding segment, the padding tokens that adds and its share of the padded
-        tokens; ``batches``: the collated widths that still do not divide (padded by the loss),
-        the padding tokens the loss adds, and the per-rank shard length (min, max).
+        None without sequence parallel, else ``size``, ``rows`` and ``batches`` figures.
     """
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1:
         return None

@@ -1,12 +1,6 @@
 """What a dataset looks like to the plugin: per-sample checks and the collate plan, simulated.
 
-Pure functions over the items a built XTuner dataset yields (``input_ids`` and ``labels``,
-plain or packed with ``cumulative_len`` / ``position_ids``) and over a collate callable; the
-config side lives in :mod:`xtuner_rope.doctor.diagnose`. No MMEngine, no XTuner.
-
-A label is *supervised* when it is not ``IGNORE_INDEX`` and it is not a document's first
-label: the causal shift predicts token ``t`` from the tokens before it, so a document's first
-token is never predicted from its own document (``rope_collate_fn`` masks it in packed rows).
+A label is *supervised* when it is not ``IGNORE_INDEX`` and not a document's first label.
 """
 
 from __future__ import annotations
@@ -52,14 +46,11 @@ def _as_list(value: object) -> list[int]:
 
 
 def document_starts(item: Mapping) -> list[int]:
-    """First column of every document of one item.
+    """First column of every document of one item (``[0]`` plain, ``[]`` empty).
 
     Args:
-        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``
-            boundaries) or ``position_ids`` (``[n]``, 0 at each document start).
-
-    Returns:
-        The start columns, ``[0]`` for a plain item, ``[]`` for an empty one.
+        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``) or
+            ``position_ids`` (``[n]``, 0 at each document start).
     """
     n = len(_as_list(item.get("input_ids")))
     if n == 0:
@@ -101,18 +92,13 @@ def scan_samples(
     truncation_length: int | None,
     progress: bool = True,
 ) -> SampleScan:
-    """Check every sample of a built dataset.
+    """Check every sample of a built dataset; issue indices are sample indices.
 
     Args:
         dataset: ``n`` items, indexable.
-        collate_max_length: Samples longer than this are refused by the collate function
-            (``over_long``); None to skip the check.
-        truncation_length: The dataset's silent truncation length: a sample exactly this
-            long was probably cut (``truncated``); None when the dataset does not truncate.
+        collate_max_length: Longer samples are ``over_long`` (None: not checked).
+        truncation_length: A sample exactly this long was probably cut (None: not checked).
         progress: Show a progress bar on stderr.
-
-    Returns:
-        The scan; issue indices are sample indices.
     """
     scan = SampleScan()
     enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
@@ -140,6 +126,11 @@ def length_percentiles(lengths: Sequence[int]) -> dict[str, float | None]:
     """``p0 ... p100`` of the sample lengths (linear interpolation, numpy's default)."""
     values = np.percentile(lengths, PERCENTILES) if len(lengths) else [None] * len(PERCENTILES)
     return {f"p{q}": None if v is None else float(v) for q, v in zip(PERCENTILES, values)}
+
+
+def percentiles_text(values: Mapping) -> str:
+    """``p0=... p50=...`` of :func:`length_percentiles`, for the summary lines."""
+    return "  ".join(f"{k}={'n/a' if v is None else f'{v:g}'}" for k, v in values.items())
 
 
 def _batch_shape(out: object) -> tuple[int, int]:
@@ -176,20 +167,16 @@ def simulate_collate(
 ) -> CollatePlan:
     """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples.
 
-    A batch the collate function refuses is recorded in ``errors`` (its message) and left out
-    of the token shares; a batch whose samples hold no supervised label at all is recorded in
-    ``unsupervised_batches`` (batch indices) whatever the collate function does with it.
+    A refused batch goes to ``errors``, left out of the token shares; a batch without any
+    supervised label to ``unsupervised_batches``.
 
     Args:
         dataset: The built dataset.
         collate_fn: The config's collate function, kwargs bound.
-        batch_size: Samples per batch (the sampler does not drop the last, short batch).
+        batch_size: Samples per batch (the last, short batch kept).
         max_batches: How many batches to simulate.
         scan: :func:`scan_samples` of the same dataset.
         progress: Show a progress bar on stderr.
-
-    Returns:
-        The plan.
     """
     plan = CollatePlan()
     n_batches = min(max_batches, -(-len(dataset) // batch_size))

@@ -1,12 +1,5 @@
-"""The token columns of a built ``datasets.Dataset``, read block by block.
-
-The doctor counts over every token of the data (tokens and labels kept, packed documents with
-no supervised label, each dialogue found whole among the rows). Read as Python lists, a million
-short dialogues are ~54M Python ints (GiBs, minutes); here they are read as numpy blocks of
-``TOKENS_PER_BLOCK`` tokens from the memory-mapped table (through a shuffle's indices when the
-dataset has one, never written out), each block's mapped pages released once read
-(``data.token_gather``), so the doctor holds one block and per-row arrays, never the corpus.
-"""
+"""The token columns of a built ``datasets.Dataset``, read as numpy blocks, never the whole
+corpus."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from xtuner_rope.data.pack_plans import token_indices
 from xtuner_rope.data.token_gather import TokenGather, drop_mapped_pages, table_and_order
 
 TOKENS_PER_BLOCK = 1 << 21  # tokens per block read (16 MiB a column of int64)
@@ -39,26 +33,41 @@ def is_token_table(dataset: object, columns: tuple[str, ...] = ("input_ids", "la
     return True
 
 
+def list_sizes(column) -> np.ndarray:
+    """``[n]`` int64 row lengths of an Arrow list column."""
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def row_lengths(dataset, column: str = "input_ids") -> np.ndarray:
     """``[n]`` list lengths of ``column``, in the dataset's order (through its indices)."""
     table, order = table_and_order(dataset)
-    lengths = pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-    lengths = lengths.astype(np.int64)
+    lengths = list_sizes(table.column(column))
     return lengths if order is None else lengths[order]
 
 
+def row_blocks(lengths: np.ndarray) -> Iterator[slice]:
+    """Consecutive slices of whole rows of about ``TOKENS_PER_BLOCK`` tokens (``lengths``:
+    ``[n]``)."""
+    ends = np.cumsum(lengths)
+    first = 0
+    while first < len(lengths):
+        budget = ends[first] - lengths[first] + TOKENS_PER_BLOCK
+        last = max(int(np.searchsorted(ends, budget, side="right")), first + 1)
+        yield slice(first, last)
+        first = last
+
+
 def list_column(dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values, offsets)`` of a small list column (``cumulative_len``) in dataset order:
-    ``[m]`` flat values and ``[n + 1]`` row offsets into them."""
+    """``(values [m], offsets [n + 1])`` of a small list column (``cumulative_len``), dataset
+    order."""
     table, order = table_and_order(dataset)
-    sizes = pc.list_value_length(table.column(column)).to_numpy(zero_copy_only=False)
-    sizes = sizes.astype(np.int64)
+    sizes = list_sizes(table.column(column))
     values = pc.list_flatten(table.column(column)).to_numpy(zero_copy_only=False)
     values = values.astype(np.int64)
     drop_mapped_pages([f["filename"] for f in dataset.cache_files])
     if order is not None:
         starts = np.cumsum(sizes) - sizes
-        values = values[_ranges(starts[order], sizes[order])]
+        values = values[token_indices(starts[order], sizes[order])]
         sizes = sizes[order]
     return values, np.concatenate([[0], np.cumsum(sizes)])
 
@@ -69,15 +78,13 @@ def token_blocks(
     """Consecutive blocks of whole rows: ``(first_row, [r] lengths, {column: [t] tokens})``.
 
     Args:
-        dataset: A ``datasets.Dataset`` of the list ``columns`` (as long as each other, row by
-            row: ``TokenGather`` refuses them otherwise).
+        dataset: A ``datasets.Dataset`` of the list ``columns`` (equally long row by row).
         columns: The token columns to read.
-        table_order: Read in the order the rows are stored (for order-free counts), not the
-            dataset's (a shuffle's indices); ``first_row`` is then a table row.
+        table_order: Read in stored order, not through a shuffle's indices (``first_row`` is
+            then a table row).
     """
     table, order = table_and_order(dataset)
-    lengths = pc.list_value_length(table.column(columns[0])).to_numpy(zero_copy_only=False)
-    lengths = lengths.astype(np.int64)
+    lengths = list_sizes(table.column(columns[0]))
     if not len(lengths):
         return
     mapped = tuple(f["filename"] for f in dataset.cache_files)
@@ -85,24 +92,12 @@ def token_blocks(
     starts = np.cumsum(lengths) - lengths
     if order is not None and not table_order:
         lengths, starts = lengths[order], starts[order]
-    ends = np.cumsum(lengths)
-    first = 0
-    while first < len(lengths):
-        budget = ends[first] - lengths[first] + TOKENS_PER_BLOCK
-        last = max(int(np.searchsorted(ends, budget, side="right")), first + 1)
-        rows = slice(first, last)
-        yield first, lengths[rows], gather.gather(starts[rows], lengths[rows])
-        first = last
-
-
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    first = np.cumsum(sizes) - sizes
-    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - first, sizes)
+    for rows in row_blocks(lengths):
+        yield rows.start, lengths[rows], gather.gather(starts[rows], lengths[rows])
 
 
 def whole_matches(dialogue_keys: np.ndarray, segment_keys_: np.ndarray) -> np.ndarray:
-    """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, the
-    segments matched in order (the first of equal segments first).
+    """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, in order.
 
     Args:
         dialogue_keys: ``[n, 3]`` :func:`xtuner_rope.data.dialogue_keys.segment_keys` of the dialogues.

@@ -1,14 +1,4 @@
-"""The doctor on XTuner's cuts: at ``max_length`` (counted exactly, before any packing) and
-at row edges (``offline_packing = "cut"``), in the words of the data.
-
-``process_hf_dataset`` and the intern-repo untokenized loader build the doctor's data inside
-``data.truncation.counting_truncation`` (packed offline or not): their tokenize step runs uncut,
-is counted, then cut as XTuner cuts; ``InternVL_V1_5_Dataset``'s per-item cut is counted from
-the doctor's pass over its items (``internvl_stats``). The report's ``truncation`` holds those
-figures (None where no tokenize step built the data: tokenized files; the heuristic
-``samples.truncated`` stays there); this module turns them into the samples' ``truncated`` entry, the summary line and the warning, in the
-words of the start-up's own line (``data.truncation.truncation_message``).
-"""
+"""The doctor on XTuner's cuts at ``max_length`` and at row edges: summary line and warnings."""
 
 from __future__ import annotations
 
@@ -18,8 +8,7 @@ from xtuner_rope.doctor.stats import Occurrences
 
 
 def truncated_occurrences(figures: dict) -> Occurrences:
-    """``samples.truncated`` from the exact count (indices: the dialogues XTuner keeps, in
-    tokenized order; before any shuffle and packing)."""
+    """``samples.truncated`` from the exact count (indices in tokenized order, before packing)."""
     return Occurrences(figures["truncated"], list(figures["first_truncated"]))
 
 
@@ -78,8 +67,7 @@ def truncation_warnings(figures: dict | None) -> list[str]:
 
 
 def data_unit(report: dict, plural: bool = True) -> str:
-    """What the data's rows are: pretraining ``documents`` (every label supervised, no prompt)
-    or ``dialogues``; from the tokenize step's figures, else from the packing figures."""
+    """What the data's rows are: pretraining ``documents`` or ``dialogues``."""
     if report.get("truncation"):
         return unit(report["truncation"], plural)
     packing = report.get("packing") or {}
@@ -107,8 +95,8 @@ def cut_warnings(report: dict) -> list[str]:
 
 
 def cut_verdict(report: dict) -> str | None:
-    """The summary's last line for the cut opt-out (exit 0: a choice), or None; it names the
-    truncation at ``max_length`` too where one cuts (XTuner's behaviour the opt-out keeps)."""
+    """The summary's last line for the cut opt-out (exit 0), naming any ``max_length`` cut; or
+    None."""
     packing = report.get("packing") or {}
     if not packing.get("cut_dialogues"):
         return None

@@ -1,11 +1,4 @@
-"""The doctor's verdict when the data cannot be built: the start-up's refusal comes first.
-
-``xtuner train`` stops at the start-up's refusal (``model_resource``) before it reads a tokenizer
-or a dataset; the doctor builds both to measure the data. When that build fails (a hub
-checkpoint or dataset offline, XTuner's own modeling package not importing) on a config the
-start-up refuses anyway, the doctor's verdict must be that refusal, the same one the run
-meets, not the unrelated error of its own data build.
-"""
+"""The doctor's verdict when the data cannot be built: the start-up's refusal comes first."""
 
 from __future__ import annotations
 
@@ -46,9 +39,7 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
 def launch_problems(sp: object, deepspeed: str | None) -> list[str]:
     """What ``xtuner train CONFIG [--deepspeed X]`` refuses from its command line alone.
 
-    XTuner's ``check_cfg`` (``xtuner/tools/train.py``) refuses ``sequence_parallel_size > 1``
-    without ``--deepspeed`` (and a config of its own ``DeepSpeedStrategy`` still goes through
-    that check): the doctor, told the run's ``--deepspeed``, names it the same way.
+    XTuner's ``check_cfg`` refuses ``sequence_parallel_size > 1`` without ``--deepspeed``.
 
     Args:
         sp: The config's ``sequence_parallel_size``.

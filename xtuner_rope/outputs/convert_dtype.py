@@ -1,10 +1,8 @@
 """The dtype ``xtuner-rope convert pth_to_hf`` saves in, and what a cast to it loses.
 
-``--dtype bf16|fp16|fp32`` names it; without it the dtype the run trained in, read from the
-checkpoint (:func:`trained_dtype`); XTuner's own ``--fp32`` is ``--dtype fp32``. The cast
-(:func:`cast_module`) counts per tensor the values that overflow to ``inf`` (finite before,
-infinite after: fp16's largest value is 65504) and the nonzero values flushed to zero (below
-fp16's smallest subnormal, 6.0e-8, or bf16's 9.2e-41), and :func:`describe_cast` names them.
+``--dtype bf16|fp16|fp32``, else the dtype the run trained in (:func:`trained_dtype`); the cast
+(:func:`cast_module`) counts per tensor the values overflowed to ``inf`` and the nonzero values
+flushed to zero, and :func:`describe_cast` names them.
 """
 
 from __future__ import annotations
@@ -53,32 +51,11 @@ def cast_losses(name: str, old: torch.Tensor, new: torch.Tensor) -> CastLoss:
     return CastLoss(name, overflowed, flushed, old.numel())
 
 
-def cast_state_dict(
-    state: dict[str, torch.Tensor], dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], list[CastLoss]]:
-    """Cast a state dict's floating tensors to ``dtype``, counting what is lost.
-
-    Args:
-        state: Name -> tensor; integer tensors are kept as they are.
-        dtype: The dtype to cast to.
-
-    Returns:
-        The cast state dict and one :class:`CastLoss` per tensor cast.
-    """
-    cast, losses = {}, []
-    for name, tensor in state.items():
-        cast[name] = tensor
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            cast[name] = tensor.to(dtype)
-            losses.append(cast_losses(name, tensor, cast[name]))
-    return cast, losses
-
-
 def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
     """Cast a model's floating parameters and buffers to ``dtype`` in place, counting losses.
 
-    Like ``module.to(dtype)``, one tensor at a time (no second copy of the model). Tensors on
-    the meta device (not in the checkpoint: a LoRA base built empty) are cast, not counted.
+    One tensor at a time (no second copy); meta tensors (a LoRA base built empty) are cast, not
+    counted.
 
     Args:
         module: The model (XTuner's, whose ``to_hf`` saves it next).
@@ -100,15 +77,15 @@ def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
 
 
 def describe_cast(losses: list[CastLoss], dtype: torch.dtype) -> str:
-    """One line (or a few) for the output: what the cast to ``dtype`` lost, by tensor.
+    """What the cast to ``dtype`` lost, by tensor, for the output.
 
     Args:
-        losses: What :func:`cast_module` or :func:`cast_state_dict` returned.
+        losses: What :func:`cast_module` returned.
         dtype: The dtype cast to.
 
     Returns:
         A line saying nothing was lost, or the tensors (the first :data:`LISTED` named) and
-        their counts of values overflowed to ``inf`` and flushed to zero.
+        their counts of values overflowed and flushed.
     """
     name = NAMES.get(dtype, str(dtype))
     lossy = [loss for loss in losses if loss.overflowed or loss.flushed]
@@ -134,8 +111,7 @@ def describe_cast(losses: list[CastLoss], dtype: torch.dtype) -> str:
 
 
 def _model_states(checkpoint: str) -> dict[str, torch.Tensor]:
-    """The tensors that name the run's dtype: a ``.pth``'s ``state_dict``, a DeepSpeed
-    folder's module (ZeRO-1/2: ``mp_rank_00``; ZeRO-3: rank 0's partition)."""
+    """The tensors that name the run's dtype: a ``.pth``'s ``state_dict``, a DeepSpeed module."""
     if os.path.isfile(checkpoint):
         state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
         return state.get("state_dict", state)
@@ -152,10 +128,6 @@ def _model_states(checkpoint: str) -> dict[str, torch.Tensor]:
 
 def trained_dtype(checkpoint: str) -> torch.dtype:
     """The dtype of the weights the run held: the most common floating dtype of its tensors.
-
-    A DeepSpeed run under ``bf16`` (or ``fp16``) held its module in that dtype (its fp32
-    partitions are the optimizer's masters); an MMEngine ``.pth`` holds the model's own weights
-    (fp32 under AMP, which computes in bf16/fp16 from fp32 weights).
 
     Args:
         checkpoint: ``iter_N.pth``: a file or a DeepSpeed folder.
@@ -204,7 +176,6 @@ __all__ = [
     "save_dtype",
     "CastLoss",
     "cast_losses",
-    "cast_state_dict",
     "cast_module",
     "describe_cast",
     "trained_dtype",

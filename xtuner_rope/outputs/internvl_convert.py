@@ -1,22 +1,8 @@
-"""``xtuner-rope convert pth_to_hf`` of XTuner's InternVL (``InternVL_V1_5``): the official
-layout, in the dtype asked, exact.
+"""``xtuner-rope convert pth_to_hf`` of XTuner's ``InternVL_V1_5``: the official layout, exact.
 
-xtuner 0.2.0's ``pth_to_hf`` cannot convert ``InternVL_V1_5`` (no ``model.llm``, no ``to_hf``);
-XTuner ships ``xtuner/configs/internvl/v1_5/convert_to_official.py`` instead. Measured on the
-tiny InternVL runs of ``tests/integration/test_internvl.py`` (transformers 4.48), that script:
-builds the model in bf16 (XTuner hard-codes it) and merges LoRA there, so the saved weights are
-up to 7.6e-3 off the trained ones (logits 4.4e-3-5.1e-3 off); saves no remote code (transformers
-4.48 copies a remote-code model's files only for a class registered for an Auto class, which
-``AutoModel`` does not do), so ``AutoModel.from_pretrained(..., trust_remote_code=True)`` of its
-output raises ``OSError: ... does not appear to have a file named modeling_internvl_chat.py``;
-and keeps XTuner's forced ``attn_implementation="flash_attention_2"`` in an InternLM2 LLM's
-config (without flash-attn the first forward dies on ``flash_attn_func``).
-
-:func:`convert_internvl` writes what that script means to write, exactly: the config's model
-built in fp32 with eager attention, the checkpoint's weights loaded (a DeepSpeed folder read at
-fp32), LoRA merged in fp32 (``merge_and_unload``, as the script does), the cast to the dtype
-asked counted, ``save_pretrained`` of the chat model, the checkpoint's own ``config.json``
-(``torch_dtype`` set to the dtype saved) and remote code, and its tokenizer.
+XTuner's ``convert_to_official.py`` merges LoRA in bf16 (weights up to 7.6e-3 off), saves no
+remote code and keeps a forced ``flash_attention_2``; here the model is built in fp32 with
+eager attention and saved with the checkpoint's config, remote code and tokenizer.
 """
 
 from __future__ import annotations
@@ -47,15 +33,13 @@ def build_trained(model_cfg: dict, checkpoint: str) -> torch.nn.Module:
 
     Args:
         model_cfg: The config's ``model`` (``InternVL_V1_5``); not changed.
-        checkpoint: ``iter_N.pth``, a file or a DeepSpeed folder (XTuner's
-            ``guess_load_checkpoint``, read at fp32 under the plugin's patch).
+        checkpoint: ``iter_N.pth``, a file or a DeepSpeed folder (read at fp32).
 
     Returns:
         XTuner's ``InternVL_V1_5`` (LoRA still unmerged), evaluation mode.
 
     Raises:
-        ValueError: the checkpoint holds weights the config's model does not have (it was
-            trained from another config).
+        ValueError: the checkpoint holds weights the config's model does not have.
     """
     from mmengine.config import ConfigDict
     from xtuner.model.utils import LoadWoInit, guess_load_checkpoint
@@ -88,8 +72,7 @@ def build_trained(model_cfg: dict, checkpoint: str) -> torch.nn.Module:
 
 
 def merged_chat_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The hub chat model inside XTuner's ``InternVL_V1_5``, its LoRA adapters merged (in the
-    model's dtype: fp32 here), as ``convert_to_official.py`` merges them."""
+    """The hub chat model inside XTuner's ``InternVL_V1_5``, its LoRA adapters merged (fp32)."""
     chat = model.model
     if model.use_visual_encoder_lora:
         chat.vision_model = chat.vision_model.merge_and_unload()
@@ -99,8 +82,7 @@ def merged_chat_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def write_official_files(model_path: str, save_dir: Path, dtype: torch.dtype) -> None:
-    """Next to the saved weights: the checkpoint's ``config.json`` (its ``torch_dtype``s set to
-    ``dtype``), its remote code (every ``*.py`` of ``model_path``) and its tokenizer."""
+    """The checkpoint's ``config.json`` (``torch_dtype`` set), remote code and tokenizer, saved."""
     from transformers import AutoTokenizer
 
     from xtuner_rope.models.checkpoint_config import read_checkpoint_config
@@ -128,8 +110,7 @@ def convert_internvl(
 ) -> None:
     """Convert an ``InternVL_V1_5`` checkpoint to the official InternVL layout under ``save_dir``.
 
-    The folder loads with ``AutoModel.from_pretrained(save_dir, trust_remote_code=True)``; at
-    fp32 its weights are the trained module's (LoRA merged) bit for bit.
+    At fp32 the saved weights are the trained module's (LoRA merged) bit for bit.
 
     Args:
         model_cfg: The config's ``model``.

@@ -1,11 +1,8 @@
 """Replay a batch saved by ``NonFiniteTripwireHook`` and name where the first NaN/inf appeared.
 
-The tripwire saves one file per failure (see :func:`save_record`): the batch, its document
-boundaries, what the attention saw in XTuner's varlen ``MessageHub``, the iteration and seed,
-and the path of a weights file holding the model exactly as it was when the batch ran (the
-tripwire fires before the optimizer step). :func:`replay` rebuilds that forward (and backward)
-pass with a hook on every submodule and reports the first module whose output (or output
-gradient) is non-finite, with the row, document and token range it sits in.
+:func:`replay` reruns the recorded forward (and backward) pass with a hook on every submodule
+and reports the first non-finite module output (or output gradient), with its row, document
+and token range.
 """
 
 from __future__ import annotations
@@ -118,14 +115,13 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     """Run the recorded batch through ``model`` (forward, then backward) and find the first NaN.
 
     Args:
-        model: the run's model (an XTuner ``SupervisedFinetune``, called with ``mode='loss'``),
-            with the recorded weights loaded and its attention patched as in the run.
+        model: the run's model (XTuner's ``SupervisedFinetune``, ``mode='loss'``), the recorded
+            weights loaded and its attention patched as in the run.
         record: from :func:`load_record`.
 
     Returns:
-        The first non-finite module output in execution order, else the first non-finite
-        output gradient in backward order, else None (the batch replays finite: the failure
-        depends on something not saved, e.g. a data-parallel peer's gradients).
+        The first non-finite module output in execution order, else the first non-finite output
+        gradient in backward order, else None (the batch replays finite).
     """
     device = next(model.parameters()).device
     data = {k: v.to(device) for k, v in record["data"].items()}
@@ -162,8 +158,7 @@ def build_run_model(
     """The run's model, built from its config, with the weights it had when the batch failed.
 
     Args:
-        config: the training config (relative paths in it resolve from the working directory,
-            as for ``xtuner train``).
+        config: the training config (relative paths resolve from the working directory).
         record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``.
         checkpoint: an MMEngine checkpoint (``iter_N.pth``) to load instead.
         cfg_options: overrides, as ``xtuner train --cfg-options`` takes them.

@@ -1,12 +1,8 @@
 """XTuner's own command-line parsers, answered without importing XTuner (help, usage errors).
 
-XTuner's tools (``xtuner/tools/train.py``, ``model_converters/pth_to_hf.py``, ...) import torch,
-MMEngine and XTuner (seconds) before their ``parse_args()`` runs, so ``-h`` or a misspelled flag
-waits for them. :func:`parser_answer` reads ``parse_args`` from the very file the tool would
-run and calls it with argparse alone (MMEngine's ``DictAction`` stood in for by
-:class:`AnyValues`): what it prints and its exit status are the tool's own. A ``parse_args``
-that needs more of its module (``chat``'s template names, ``merge``'s device query) is left to
-the tool: the answer is then ``None``.
+:func:`parser_answer` reads ``parse_args`` from the very file the tool would run and calls it
+with argparse alone, so ``-h`` and usage errors do not wait for torch; a ``parse_args`` that
+needs more of its module is left to the tool (``None``).
 """
 
 from __future__ import annotations
@@ -19,21 +15,15 @@ from pathlib import Path
 
 
 class AnyValues(argparse.Action):
-    """Stands in for MMEngine's ``DictAction``: keeps the values as text.
-
-    Only argparse's own verdict is wanted here; the values are parsed by the tool itself, by the
-    real ``DictAction`` (whose import would cost torch's).
-    """
+    """Stands in for MMEngine's ``DictAction`` (whose import costs torch's): keeps the values as
+    text."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
 
 
 def tool_script(module: str) -> str:
-    """Path of ``module``'s file (e.g. ``xtuner.tools.train``), found without importing it.
-
-    ``importlib.util.find_spec("xtuner.tools.train")`` would import ``xtuner`` (and with it
-    MMEngine and torch, 3 s): the file is looked up in the top-level package's folders instead.
+    """Path of ``module``'s file (e.g. ``xtuner.tools.train``), found without importing ``xtuner``.
 
     Raises:
         ModuleNotFoundError: no such file (XTuner not installed).
@@ -54,13 +44,11 @@ def parser_answer(script: str, argv: list[str], prog: str | None = None) -> int 
     Args:
         script: The tool's file (:func:`tool_script`).
         argv: Its arguments.
-        prog: ``sys.argv[0]`` as the tool would see it (default: ``script``; argparse shows its
-            base name in the usage line).
+        prog: ``sys.argv[0]`` as the tool would see it (default: ``script``).
 
     Returns:
-        The exit status when ``parse_args`` stopped (0 after the help, 2 on a usage error),
-        having printed what it prints; ``None`` when the arguments parse, or when the file has
-        no self-contained ``parse_args`` (the tool then decides, as it always did).
+        The exit status when ``parse_args`` stopped (0 after the help, 2 on a usage error);
+        ``None`` when the arguments parse or the file has no self-contained ``parse_args``.
     """
     try:
         tree = ast.parse(Path(script).read_text(encoding="utf-8"), filename=script)

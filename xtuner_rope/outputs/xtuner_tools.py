@@ -1,17 +1,8 @@
 """XTuner's after-training tools, run with the plugin loaded: convert, merge, chat.
 
-``xtuner convert pth_to_hf``, ``xtuner convert merge`` and ``xtuner chat`` (xtuner 0.2.0) never
-call the config's ``model_resource``, and MMEngine's lazy config import never runs the config's
-``from xtuner_rope ... import`` line either, so nothing of the plugin is loaded there: on a
-CPU-only machine ``SupervisedFinetune`` dies on ``torch.cpu.is_bf16_supported``, a local
-InternLM2 checkpoint without remote code is unknown to transformers' Auto classes, and LoRA
-configs die on bitsandbytes' ``triton.ops`` import. ``xtuner`` also exits 0 when its tool
-crashes (its entry point ignores the child's return code).
-
-:func:`run_xtuner_tool` runs XTuner's own tool in this process, with the same arguments, after
-the plugin's activation applied the :mod:`xtuner_rope.compat` patches, and returns the tool's
-real exit status. Nothing of the plugin's training-time machinery (validated rotary, packed
-attention) is installed: the tools build and save plain Hugging Face models.
+xtuner 0.2.0's tools never load the plugin and ``xtuner`` exits 0 when they crash:
+:func:`run_xtuner_tool` runs XTuner's own tool in this process after the compat patches and
+returns its real exit status.
 """
 
 from __future__ import annotations
@@ -49,10 +40,7 @@ def dtype_help(tool: str) -> str:
 
 
 def _model_path_keys(node: object, prefix: str = "") -> list[str]:
-    """Dotted keys of every ``pretrained_model_name_or_path`` in a config (lists by index).
-
-    The keys ``xtuner train``'s ``set_model_resource`` rewrites with the resolved path.
-    """
+    """Dotted keys of every ``pretrained_model_name_or_path`` in a config (lists by index)."""
     if isinstance(node, dict):
         items = node.items()
     elif isinstance(node, (list, tuple)):
@@ -70,25 +58,17 @@ def _model_path_keys(node: object, prefix: str = "") -> list[str]:
 def resolved_model_options(config: str, cfg_options: dict | None = None) -> list[str]:
     """``--cfg-options`` that give a tool the model path ``xtuner train`` trained from.
 
-    ``xtuner train`` calls ``cfg.model_resource.fn(cfg.pretrained_model_name_or_path,
-    **cfg.model_resource.args)`` and puts the returned path in every
-    ``pretrained_model_name_or_path`` of the config; ``xtuner convert pth_to_hf`` builds the
-    model from the config as written. Called here outside ``xtuner train``, the plugin's own
-    functions only resolve the path (they prepare a config only for ``xtuner train``).
+    ``xtuner train`` puts ``model_resource``'s resolved path in every
+    ``pretrained_model_name_or_path``; ``pth_to_hf`` builds the model from the config as written.
 
     Args:
         config: The config file.
         cfg_options: The user's ``--cfg-options`` (applied first, as the tool applies them).
 
     Returns:
-        ``key=path`` overrides; empty when the config has no ``model_resource`` or it returns
-        the path unchanged.
+        ``key=path`` overrides; empty when there is no ``model_resource`` or the path is unchanged.
     """
-    from mmengine.config import Config
-
-    cfg = Config.fromfile(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
+    cfg = _load_config(config, cfg_options)
     resource = cfg.get("model_resource")
     if not resource or MODEL_PATH_KEY not in cfg:
         return []
@@ -100,8 +80,7 @@ def resolved_model_options(config: str, cfg_options: dict | None = None) -> list
 
 
 def _config_and_options(argv: list[str]) -> tuple[str, str, dict | None]:
-    """The config, checkpoint and ``--cfg-options`` of a ``pth_to_hf`` command line, as the
-    tool reads them."""
+    """The config, checkpoint and ``--cfg-options`` of a ``pth_to_hf`` command line."""
     import argparse
 
     from mmengine.config import DictAction
@@ -122,9 +101,8 @@ def parser_answer(command: tuple[str, ...], argv: list[str]) -> int | None:
         argv: The tool's own arguments.
 
     Returns:
-        0 after the help, 2 on a usage error (printed as the tool prints them, under the name
-        :func:`run_xtuner_tool` gives it); ``None`` when the tool must run to answer
-        (:func:`xtuner_rope.outputs.xtuner_parsers.parser_answer`).
+        0 after the help, 2 on a usage error (printed as the tool prints them); ``None`` when
+        the tool must run to answer.
     """
     script = xtuner_parsers.tool_script(XTUNER_TOOLS[command])
     return xtuner_parsers.parser_answer(script, argv, prog=_prog(command))
@@ -141,14 +119,12 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
     Args:
         command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
         argv: The tool's own arguments, exactly as ``xtuner`` takes them.
-        dtype: ``--dtype`` of ``convert`` (``bf16``, ``fp16``, ``fp32``). ``pth_to_hf``: None
-            saves in the dtype the run trained in (XTuner's ``--fp32`` is ``fp32``);
-            ``merge``: None keeps XTuner's fp16.
+        dtype: ``--dtype`` of ``convert`` (``bf16``, ``fp16``, ``fp32``); None: the trained
+            dtype for ``pth_to_hf``, XTuner's fp16 for ``merge``.
 
     Returns:
-        The tool's exit status: 0 when it finished, its ``sys.exit`` code otherwise, 2 for
-        ``--fp32`` with another ``--dtype``. An exception raised by the tool propagates
-        (Python then exits with status 1).
+        The tool's exit status (its ``sys.exit`` code; 2 for ``--fp32`` with another
+        ``--dtype``). An exception raised by the tool propagates.
 
     Raises:
         KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
@@ -171,8 +147,7 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
 
 
 def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
-    """``convert pth_to_hf``: the model path ``model_resource`` gives, the dtype to save in
-    (said), the cast counted; XTuner's tool does the rest. Its exit status."""
+    """``convert pth_to_hf``: the resolved model path, the dtype said, the cast counted."""
     from xtuner_rope.compat import guard, xtuner_to_hf, xtuner_zero_read
 
     from . import convert_dtype, internvl_convert
@@ -184,7 +159,7 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         argv = [*argv, "--cfg-options", *overrides]
     if not Path(pth).exists():  # XTuner's tool says so itself ("Cannot find ...")
         return _run_module(XTUNER_TOOLS[command], command, argv)
-    model_cfg = _model_cfg(config, options) if Path(config).is_file() else {}
+    model_cfg = (_load_config(config, options).get("model") or {}) if Path(config).is_file() else {}
     internvl = internvl_convert.is_internvl(model_cfg)
     refusal = None if internvl or not model_cfg else _no_llm_refusal(config, model_cfg)
     if refusal:
@@ -211,24 +186,19 @@ def _convert_pth_to_hf(argv: list[str], dtype: str | None) -> int:
         return _run_module(XTUNER_TOOLS[command], command, argv)
 
 
-def _model_cfg(config: str, cfg_options: dict | None) -> dict:
-    """The config's ``model`` (with the user's ``--cfg-options``), as the tool reads it."""
+def _load_config(config: str, cfg_options: dict | None):
+    """The config with the user's ``--cfg-options`` merged, as the tool reads it."""
     from mmengine.config import Config
 
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
-    return cfg.get("model") or {}
+    return cfg
 
 
 def _no_llm_refusal(config: str, model_cfg: dict) -> str | None:
-    """Why ``pth_to_hf`` cannot convert ``config``'s model, or None.
-
-    xtuner 0.2.0's ``pth_to_hf`` reads ``cfg.model.llm`` before building the model (fine-tune,
-    LLaVA, reward and preference models have one) and would stop on an AttributeError without
-    one. InternVL's ``InternVL_V1_5`` has none: xtuner-rope converts it itself
-    (:mod:`xtuner_rope.outputs.internvl_convert`).
-    """
+    """Why ``pth_to_hf`` cannot convert ``config``'s model (no ``model.llm``, not InternVL), or
+    None."""
     from .internvl_convert import INTERNVL_MODEL
 
     if "llm" in model_cfg:
@@ -245,8 +215,7 @@ def _no_llm_refusal(config: str, model_cfg: dict) -> str | None:
 
 
 def _convert_internvl(argv: list[str], model_cfg: dict, dtype: object) -> int:
-    """``convert pth_to_hf`` of an InternVL config: xtuner-rope's own conversion (the
-    official layout); XTuner's ``--save-format`` choices are LLaVA's. Its exit status."""
+    """``convert pth_to_hf`` of an InternVL config in the official layout; its exit status."""
     import argparse
 
     from . import internvl_convert

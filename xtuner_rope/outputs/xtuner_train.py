@@ -1,23 +1,7 @@
 """``xtuner-rope train``: XTuner's ``xtuner train``, with the exit status of the training.
 
-``xtuner train ARGS`` (xtuner 0.2.0, ``xtuner/entry_point.py``) starts XTuner's
-``xtuner/tools/train.py`` in a child process and exits 0 whatever the child returned: a crash,
-a start-up refusal of the plugin or a stop by ``NonFiniteTripwireHook`` all look like success
-to a script, a scheduler or CI. :func:`run_xtuner_train` starts the very same child, by the
-very same rule, and returns its status:
-
-- ``python <train.py> ARGS`` with one node and one process per node (``NNODES``,
-  ``NPROC_PER_NODE`` unset or 1), and with ``--launcher slurm`` (srun starts the processes);
-- else ``torchrun --nnodes=NNODES --node_rank=NODE_RANK --nproc_per_node=NPROC_PER_NODE
-  --master_addr=ADDR --master_port=PORT <train.py> ARGS --launcher pytorch`` (a random port in
-  20000-29999 when ``PORT`` is unset, logged as XTuner logs it).
-
-``ARGS`` pass on untouched (``--deepspeed``, ``--cfg-options``, ``--resume``, ``--work-dir``,
-``--launcher``, ``-h`` ...); ``python`` and ``torchrun`` are found on ``PATH``, as XTuner finds
-them. The child's status is returned: 0 when training finished, non-zero otherwise (``train.py``
-exits 1 on any exception; torchrun non-zero when a worker failed). SIGINT and SIGTERM sent to
-this process are passed to the child, which then decides; a child killed by a signal gives
-``128 + signal``, as a shell reports it.
+``xtuner train`` exits 0 whatever its child returned; :func:`run_xtuner_train` starts the same
+child by the same rule, passes SIGINT/SIGTERM on, and returns its status.
 """
 
 from __future__ import annotations
@@ -46,22 +30,20 @@ def _slurm(argv: list[str]) -> bool:
     return argv[i + 1 : i + 2] == ["slurm"]
 
 
-def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
-    """The command ``xtuner train ARGV`` runs, by XTuner 0.2.0's rule (module docstring).
+def train_command(argv: list[str]) -> list[str]:
+    """The command ``xtuner train ARGV`` runs, by XTuner 0.2.0's rule.
 
     Args:
-        argv: The arguments after ``train``.
-        env: The environment to read ``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``, ``ADDR``
-            and ``PORT`` from (default: this process's).
+        argv: The arguments after ``train`` (``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``,
+            ``ADDR``, ``PORT`` are read from the environment).
 
     Returns:
         The child's command line.
 
     Raises:
-        ValueError: ``NNODES`` or ``NPROC_PER_NODE`` is not an integer (XTuner prints its
-            help and exits 0 there).
+        ValueError: ``NNODES`` or ``NPROC_PER_NODE`` is not an integer.
     """
-    env = os.environ if env is None else env
+    env = os.environ
     script = train_script()
     try:
         nnodes = int(env.get("NNODES", 1))
@@ -93,15 +75,11 @@ def train_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
 
 
 def parser_answer(argv: list[str], script: str | None = None) -> int | None:
-    """What XTuner's ``train.py`` answers by itself to ``argv``: its help, or a usage error.
+    """What XTuner's ``train.py`` answers by itself to ``argv``: 0 (help), 2 (usage error) or None.
 
     Args:
         argv: The arguments after ``train``.
         script: XTuner's ``train.py`` (default: :func:`train_script`).
-
-    Returns:
-        See :func:`xtuner_rope.outputs.xtuner_parsers.parser_answer`: 0 after the help, 2 on a
-        usage error, ``None`` when the child decides.
     """
     return xtuner_parsers.parser_answer(script or train_script(), argv)
 
@@ -113,9 +91,8 @@ def run_xtuner_train(argv: list[str]) -> int:
         argv: The arguments after ``train``, exactly as ``xtuner train`` takes them.
 
     Returns:
-        The child's status (``128 + N`` when signal N killed it); 2 when the command cannot
-        be built or started (the reason printed); XTuner's own answer to ``-h`` or a usage
-        error (:func:`parser_answer`) without starting the child.
+        The child's status (``128 + N`` when signal N killed it); 2 when the command cannot be
+        built or started; XTuner's own answer to ``-h`` or a usage error without a child.
     """
     try:
         command = train_command(argv)
