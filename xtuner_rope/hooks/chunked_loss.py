@@ -4,8 +4,9 @@
 XTuner's ``SupervisedFinetune`` gets an instance ``compute_loss`` that runs its own inside
 ``models.chunked_loss.loss_only``, and its causal LM the chunked-loss ``forward``, so the loss
 of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no ``[tokens, vocab]``
-logits of the row). What runs is logged once. Where the chunked loss cannot serve (another
-XTuner model, ``loss_normalization = "dialogue"``, sequence parallel, a head it does not know),
+logits of the row), under sequence parallel too (``models.sequence_parallel``: each rank's
+shard). What runs is logged once. Where the chunked loss cannot serve (another XTuner model,
+``loss_normalization = "dialogue"``, a head it does not know, a LoRA head under ZeRO-3),
 the model's own loss runs and the log says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
@@ -24,7 +25,6 @@ from xtuner_rope.models.chunked_loss import (
     patch_chunked_loss,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
-from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 
 SERVED_MODELS = ("SupervisedFinetune",)  # XTuner models whose compute_loss reads outputs.loss
 
@@ -37,8 +37,6 @@ def _why_not(runner, model) -> str | None:
         return f"{name}'s loss is not served by the chunked loss yet"
     if "compute_loss" in vars(model) and not getattr(model.compute_loss, "xtuner_rope_chunked", 0):
         return 'loss_normalization = "dialogue" computes its loss from the full logits'
-    if sequence_parallel_size() > 1:
-        return "sequence parallel computes its loss from the full logits (not chunked yet)"
     return None
 
 

@@ -57,9 +57,6 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     Args:
         head: The causal LM's output head (``lm_head`` / InternLM2's ``output``).
     """
-    if any(hasattr(p, "ds_id") for p in head.parameters()):
-        # ZeRO-3: the weight is gathered only inside the module's own call.
-        return None, "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)"
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
@@ -68,14 +65,18 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
 
 
-def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def supervised_positions(
+    labels: torch.Tensor, shifted: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the supervised predictions of ``labels`` and their targets.
 
     Position ``t`` of row ``r`` predicts ``labels[r, t + 1]`` (the model's own shift, over the
-    whole row: packed or padded, as the model does).
+    whole row: packed or padded, as the model does), or ``labels[r, t]`` when ``shifted``.
 
     Args:
         labels: ``[b, s]`` int labels, -100 where not supervised.
+        shifted: The labels are already the targets of their positions (sequence parallel's
+            shards, shifted over the full row before the split).
 
     Returns:
         ``(index, targets)``: ``[k]`` flat positions ``r * s + t`` into ``[b * s]`` and their
@@ -83,18 +84,18 @@ def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         the host labels where there are).
     """
     b, s = labels.shape
-    shifted = labels[:, 1:]  # [b, s - 1]: the target of position t is label t + 1
-    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)  # [k], [k]
-    return rows * s + cols, shifted[rows, cols]
+    targets = labels if shifted else labels[:, 1:]  # [b, s or s - 1]: position t's target
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)  # [k], [k]
+    return rows * s + cols, targets[rows, cols]
 
 
-def _check_targets(index: torch.Tensor, targets: torch.Tensor, s: int, vocab: int) -> None:
+def _check_targets(index, targets, s: int, vocab: int, shift: int) -> None:
     bad = (targets < 0) | (targets >= vocab)
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
         row, pos = divmod(int(index[first]), s)
         raise ValueError(
-            f"chunked_causal_lm_loss: labels[{row}, {pos + 1}] = {int(targets[first])} is "
+            f"chunked_causal_lm_loss: labels[{row}, {pos + shift}] = {int(targets[first])} is "
             f"outside the vocabulary [0, {vocab}) of the model's head (-100 marks an "
             "unsupervised token). Check that the tokenizer matches the model (vocab_size) and "
             "the label masking."
@@ -207,6 +208,7 @@ def chunked_causal_lm_loss(
     logit_scale: float | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """The model's causal-LM loss from its last hidden states, chunk by chunk.
 
@@ -223,6 +225,7 @@ def chunked_causal_lm_loss(
         num_items_in_batch: The denominator of the summed NLL (transformers' gradient
             accumulation), or None for the mean over this batch's supervised tokens.
         chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
+        shifted: ``labels[:, t]`` is already position ``t``'s target (no shift here).
 
     Returns:
         The fp32 scalar loss; 0 (zero gradients, graph kept) when nothing is supervised.
@@ -246,8 +249,10 @@ def chunked_causal_lm_loss(
     # The positions from the labels' host copy (the collated batch, ``ops.host_copies``) where
     # there is one: no read of the device's labels, and the count is known on the host.
     host = host_copy(labels)
-    index, targets = supervised_positions(host if host is not None else labels.to(hidden.device))
-    _check_targets(index, targets, s, vocab)
+    index, targets = supervised_positions(
+        host if host is not None else labels.to(hidden.device), shifted
+    )
+    _check_targets(index, targets, s, vocab, 0 if shifted else 1)
     if index.device != hidden.device:
         index = index.to(hidden.device, non_blocking=True)
         targets = targets.to(hidden.device, non_blocking=True)
