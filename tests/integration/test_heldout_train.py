@@ -139,6 +139,7 @@ def test_heldout_loss_equals_plain_reference(assets, tmp_path, mode):
     out = _train(config, tmp_path, nproc, deepspeed)
     assert "xtuner-rope: val_dataloader.dataset.type:" in out  # whole dialogues, boundaries kept
     assert "segments (documents and padding) isolated by the attention" in out
+    assert "xtuner-rope: chunked loss: " in out  # ZeRO-3 and sequence parallel too
     logged = ho.logged_heldout(tmp_path)
     assert sorted(logged) == [4, 8], sorted(logged)
     checkpoint = tmp_path / "iter_8.pth"

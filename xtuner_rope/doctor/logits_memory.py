@@ -20,12 +20,12 @@ from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config.checkpoint_findings import llm_checkpoint_config
 from xtuner_rope.config.fields import lazy_get, type_name
 from xtuner_rope.config.loss import CHUNKED_LOSS_KEY, DIALOGUE, LOSS_NORMALIZATION_KEY
+from xtuner_rope.doctor.checkpoint_space import size_text
 from xtuner_rope.ops.chunked_loss import chunk_tokens_for
 
 __all__ = ["logits_memory", "logits_memory_lines"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GIB = 2**30
 
 
 def _why_full(cfg: Config, plugin: bool) -> str | None:
@@ -72,6 +72,7 @@ def logits_memory(cfg: Config, max_length: object, plugin: bool) -> dict | None:
     extra = 0 if d == 4 else d  # an fp32 head's output is its own fp32 copy
     setting = config_dict(cfg).get(CHUNKED_LOSS_KEY, True)
     chunk = setting if type(setting) is int else chunk_tokens_for(vocab)
+    chunk = min(chunk, max_length)  # a chunk holds supervised tokens of the row at most
     grad = 0 if lazy_get(model, "lora") else vocab * hidden * 4  # the head's fp32 gradient
     return {
         "tokens": max_length,
@@ -99,9 +100,9 @@ def logits_memory_lines(fig: dict | None) -> list[str]:
     )
     return [
         f"logits       a row of {fig['tokens']} tokens x vocabulary {fig['vocab']} "
-        f"({fig['dtype']}): full-logits loss {fig['full_bytes'] / GIB:.2f} GiB, chunked loss "
-        f"{fig['chunked_bytes'] / GIB:.2f} GiB at its peak (chunks of {fig['chunk_tokens']} "
-        f"tokens: {fig['chunk_bytes'] / GIB:.2f} GiB"
-        + (f"; the head's fp32 weight gradient: {grad / GIB:.2f} GiB" if grad else "")
+        f"({fig['dtype']}): full-logits loss {size_text(fig['full_bytes'])}, chunked loss "
+        f"{size_text(fig['chunked_bytes'])} at its peak (chunks of {fig['chunk_tokens']} "
+        f"tokens: {size_text(fig['chunk_bytes'])}"
+        + (f"; the head's fp32 weight gradient: {size_text(grad)}" if grad else "")
         + f"); {runs}"
     ]
