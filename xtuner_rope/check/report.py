@@ -94,6 +94,7 @@ def judge(report: dict) -> dict:
                 "no hook consumes the boundaries (training would refuse the batch)"
             )
     problems += chunked_loss_problems(report.get("chunked_loss"))
+    compared = (report.get("chunked_loss") or {}).get("compared")
     gen = report["generation"]
     if gen["patched"] != gen["unpatched"]:
         problems.append(f"generation: patched {gen['patched']} != unpatched {gen['unpatched']}")
@@ -107,6 +108,7 @@ def judge(report: dict) -> dict:
         if problems
         else "PASS: each packed document gets the logits, loss and gradients it gets alone; "
         "generation unchanged"
+        + ("; the chunked loss equals the full-logits loss" if compared else "")
     )
     return {
         "figures": fig,
