@@ -221,30 +221,36 @@ def _chunked_equals_full_logits(sft, data: dict, loss: torch.Tensor, grads: dict
 def _forward_reads(sft, data: dict) -> None:
     """Issue 58: three training forwards of this rank's shard, as in a run (the hook publishes
     the host boundaries, the data preprocessor moves the batch and remembers its host copies):
-    the package's code reads no device data in any forward after the first, on either rank."""
+    the package's code reads no device data in any forward after the first, on either rank,
+    with the full-logits loss and with the chunked loss (the shard's labels read on the host)."""
+    from contextlib import nullcontext
+
     from host_sync import DeviceReads, preprocessor_move
 
+    from xtuner_rope.models.chunked_loss import is_chunked, loss_only
     from xtuner_rope.ops.host_copies import forget_host_copies
 
-    per_forward = []
-    for _ in range(3):
-        batch = _as_hook_leaves_it(data)
-        reads = DeviceReads()
-        reads.on_device(list(sft.parameters()), list(sft.buffers()))
-        moved = preprocessor_move(batch, reads)
-        try:
-            with reads:
-                loss = sft(moved, mode="loss")["loss"]
-            loss.backward()
-        finally:
-            _reset_hub()
-            forget_host_copies()
-        sft.zero_grad()
-        assert reads.calls > 300
-        per_forward.append(reads.reads)
-    found = torch.tensor([sum(map(len, per_forward[1:]))])
-    dist.all_reduce(found)  # both ranks pass or fail together (no rank left waiting)
-    assert int(found) == 0, per_forward
+    assert is_chunked(sft.llm)  # by _chunked_equals_full_logits
+    for chunked in (False, True):
+        per_forward = []
+        for _ in range(3):
+            batch = _as_hook_leaves_it(data)
+            reads = DeviceReads()
+            reads.on_device(list(sft.parameters()), list(sft.buffers()))
+            moved = preprocessor_move(batch, reads)
+            try:
+                with reads, loss_only() if chunked else nullcontext():
+                    loss = sft(moved, mode="loss")["loss"]
+                loss.backward()
+            finally:
+                _reset_hub()
+                forget_host_copies()
+            sft.zero_grad()
+            assert reads.calls > 300
+            per_forward.append(reads.reads)
+        found = torch.tensor([sum(map(len, per_forward[1:]))])
+        dist.all_reduce(found)  # both ranks pass or fail together (no rank left waiting)
+        assert int(found) == 0, (chunked, per_forward)
 
 
 def _worker(rank: int, port: int, paths: list[str]) -> None:

@@ -220,6 +220,7 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     pad = (-s) % sp
     n_supervised = _supervised_count(data["labels"])
     host_positions = _host_positions(data.get("position_ids"), b, s, pad)
+    host_labels = host_copy(data["labels"])  # the chunked loss reads the shard's on the host
     if pad:
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad
@@ -247,6 +248,9 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     }
     if host_positions is not None:
         remember_host_copy(shard["position_ids"], host_positions[:, cut])
+    if host_labels is not None:
+        host_labels = F.pad(host_labels, (0, pad + 1), value=IGNORE_INDEX)[:, 1:]  # [b, S']
+        remember_host_copy(shard["shifted_labels"], host_labels[:, cut])
     return shard, n_supervised
 
 
