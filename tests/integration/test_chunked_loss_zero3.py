@@ -1,8 +1,9 @@
 """The chunked loss under DeepSpeed ZeRO-3 on 2 CPU processes equals the full-logits loss.
 
-One ``torchrun`` of ``tests/support/chunked_loss_zero3.py`` (about 25 s): each rank's batch
-through the chunked loss and through the model's own loss, the same engine and partitioned
-parameters; the losses and the gradients DeepSpeed reduced into the partitions agree within
+One ``torchrun`` of ``tests/support/chunked_loss_zero3.py`` (15-35 s here): each rank's batch
+through the chunked loss and through the model's own loss, the same engine and parameters, every
+one partitioned (``stage3_param_persistence_threshold: 0``: by default the tiny models' heads would
+stay whole on every rank, as in ``test_multiprocess.py``'s run); the losses and the gradients DeepSpeed reduced into the partitions agree within
 1e-6 relative for an untied head (InternLM2) and a tied one (Qwen2), and the head module runs
 once per forward (its weight gathered once, not once per chunk). The 12-iteration ZeRO-3
 training run of ``test_multiprocess.py`` (chunked, against one process) is the long proof.

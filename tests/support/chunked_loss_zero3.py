@@ -23,7 +23,13 @@ CONFIG = {
     "gradient_accumulation_steps": 1,
     "zero_allow_untested_optimizer": True,
     "zero_force_ds_cpu_optimizer": False,
-    "zero_optimization": {"stage": 3, "overlap_comm": False},
+    # Threshold 0: every parameter partitioned (by default ZeRO-3 keeps parameters under 1e5
+    # elements whole on every rank, the tiny head among them).
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": False,
+        "stage3_param_persistence_threshold": 0,
+    },
 }
 
 
@@ -42,6 +48,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _case(family: str, overrides: dict, rank: int) -> dict:
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_grad
 
     from xtuner_rope.demo.tiny import build_tiny
@@ -52,7 +59,9 @@ def _case(family: str, overrides: dict, rank: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
     what = patch_chunked_loss(model, chunk_tokens=CHUNK)
     head = model.get_output_embeddings()
-    assert all(hasattr(p, "ds_id") for p in head.parameters()), "not partitioned"
+    # Partitioned: outside the head's call each rank holds no element of the weight.
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in head.parameters())
+    assert all(p.data.numel() == 0 for p in head.parameters())
     outputs = []
     head.register_forward_hook(lambda module, args, out: outputs.append(tuple(out.shape)))
     ids, labels = _batch(rank)
@@ -64,6 +73,7 @@ def _case(family: str, overrides: dict, rank: int) -> dict:
             loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         resume()
+        assert all(p.data.numel() == 0 for p in head.parameters())  # released again
         grads = {n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()}
         runs[name] = (loss.detach(), grads, list(outputs))
         engine.optimizer.zero_grad()  # micro step 0: the next backward overwrites the partitions
