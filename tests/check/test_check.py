@@ -50,6 +50,8 @@ def _isolated(report: dict) -> None:
     gen = report["generation"]
     assert len(gen["patched"]) == 8 and gen["patched"] == gen["unpatched"]
     assert report["exit_code"] == 0 and report["problems"] == []
+    chunked = report["chunked_loss"]  # the chunked loss against the model's own
+    assert chunked["compared"] and all(v <= 1e-6 for v in chunked["relative"].values()), chunked
 
 
 def test_tiny_internlm2_recipe_passes_through_console_script(tmp_path):
@@ -71,6 +73,7 @@ def test_tiny_internlm2_recipe_passes_through_console_script(tmp_path):
     assert report["model"]["attn_implementation"] == "sdpa"
     assert report["plugin"]["hooks"] == ["ValidatedRoPEHook", "PackedBatchCheckHook"]
     assert report["batches"][0]["boundaries"] == "cumulative_len"
+    assert "  chunked  loss " in proc.stdout
 
 
 def test_tiny_qwen2_recipe_passes(tmp_path, monkeypatch, capsys):
@@ -80,6 +83,7 @@ def test_tiny_qwen2_recipe_passes(tmp_path, monkeypatch, capsys):
     report = _report(tmp_path)
     _isolated(report)
     assert report["model"]["class"] == "Qwen2ForCausalLM"
+    assert report["chunked_loss"]["head_parameters"] == ["weight"]  # tied to the embeddings
     assert len(report["batches"]) == 2
 
 
@@ -93,6 +97,7 @@ def test_hook_free_run_fails_with_the_leak(tmp_path, monkeypatch, capsys):
     assert code == 1
     report = _report(tmp_path)
     assert not report["plugin"]["patched"] and report["plugin"]["hooks"] == []
+    assert report["chunked_loss"] is None  # nothing patched, nothing chunked
     assert report["figures"]["logits"]["max_abs_diff"] > 0.05  # a leak, not rounding
     assert report["batches"][0]["unconsumed_keys"][:2] == ["cumulative_len", "max_seqlen"]
     assert "documents attend to each other" in out and "FAIL: logits" in out
@@ -254,6 +259,9 @@ def test_stock_lora_with_dropout_passes_and_reports_the_backend_it_ran(
     assert "packed backend eager (layers InternLM2Attention)" in out
     assert report["figures"]["grads"]["relative"] <= report["figures"]["grads"]["tolerance"]
     assert report["exit_code"] == 0, report["problems"]
+    chunked = report["chunked_loss"]  # LoRA on the head: its adapters' gradients compared
+    assert any("lora_A" in n for n in chunked["head_parameters"]), chunked
+    assert all(v <= 1e-6 for v in chunked["relative"].values()), chunked
 
 
 def test_stock_lora_without_the_edit_still_fails(stock, stock_lora, tmp_path, capsys):

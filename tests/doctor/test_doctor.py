@@ -71,6 +71,8 @@ def test_tiny_recipe_writes_json_and_a_png(tiny):
     assert "OK: nothing that would fail" in text and "ideal speed-up" in text
     assert report["checkpoints"]["at_once"] == 2  # a save at 100 and the last, keep 1 (+1)
     assert "\ncheckpoints  " in text and " at once need " in text
+    assert report["logits"]["tokens"] == 512 and report["logits"]["full_because"] is None
+    assert "\nlogits       a row of 512 tokens x vocabulary " in text
     full = {**report, "checkpoints": {**report["checkpoints"], "free_bytes": 0}}
     assert format_summary(full).endswith(
         "DISK: the checkpoints the run keeps do not fit in the free space (see the warning); "

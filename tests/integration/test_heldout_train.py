@@ -139,6 +139,7 @@ def test_heldout_loss_equals_plain_reference(assets, tmp_path, mode):
     out = _train(config, tmp_path, nproc, deepspeed)
     assert "xtuner-rope: val_dataloader.dataset.type:" in out  # whole dialogues, boundaries kept
     assert "segments (documents and padding) isolated by the attention" in out
+    assert "xtuner-rope: chunked loss: " in out  # ZeRO-3 and sequence parallel too
     if sp == 1 and deepspeed != ZERO3:  # the held-out log-probs chunked (docs/loss.md)
         assert "the held-out log-probs too; opt out: chunked_loss = False" in out
     logged = ho.logged_heldout(tmp_path)

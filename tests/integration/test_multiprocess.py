@@ -13,7 +13,10 @@ when both ranks hold as many supervised tokens. On the sample data they do not (
 recipe's dialogues in pairs of equal supervised-token count and turns shuffling off: with
 ``DefaultSampler`` rank r takes items r, r + 2, ..., so every global batch of 16 splits into
 two halves of equal token count and the two-process objective *is* the one-process one.
-What is left is fp32 summation order (all-reduce, thread count, packed shapes).
+What is left is fp32 summation order (all-reduce, thread count, packed shapes). Every run
+trains through the chunked loss (its log says so; under ZeRO-3 the head's partitioned weight is
+gathered for the loss as the head's own call); that it equals the full-logits loss on 2
+processes under ZeRO-3 is ``tests/integration/test_chunked_loss_zero3.py``.
 
 In CI: the one-process reference and ZeRO-3 (the only 1-vs-2-process check of ZeRO-3's
 parameter gather, over 12 iterations). DDP and ZeRO-2 are opt-in (``make test-all``), their
@@ -126,8 +129,13 @@ def _rank_losses(work_dir: Path) -> dict[int, dict[int, float]]:
 
 
 def _global_losses(work_dir: Path, nproc: int, output: str) -> list[float]:
-    """Per iteration, the mean over ranks of the logged per-rank loss (the DDP/ZeRO objective)."""
+    """Per iteration, the mean over ranks of the logged per-rank loss (the DDP/ZeRO objective);
+    every rank's log says the chunked training loss ran."""
     check_run(work_dir, min_iters=ITERS)  # losses logged and a checkpoint saved
+    logs = sorted(work_dir.glob("*/*.log"))
+    assert len(logs) == nproc and all(
+        "xtuner-rope: chunked loss: " in log.read_text(encoding="utf-8") for log in logs
+    ), output
     by_rank = _rank_losses(work_dir)
     assert sorted(by_rank) == list(range(nproc)), f"ranks logged: {sorted(by_rank)}\n{output}"
     for rank, losses in by_rank.items():

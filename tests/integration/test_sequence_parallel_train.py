@@ -114,6 +114,7 @@ def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
     assert proc.returncode == 0 and states.is_file(), output[-4000:]
     losses = LOSS.findall(output)
     assert losses, output[-4000:]
+    assert "xtuner-rope: chunked loss: " in output, output[-4000:]  # sp = 2: each rank's shard
     return float(losses[0]), torch.load(states, map_location="cpu", weights_only=False)["module"]
 
 

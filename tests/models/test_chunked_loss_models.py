@@ -98,6 +98,29 @@ def test_lora_on_the_head_goes_through_peft():
         torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_a_zero3_partitioned_head_runs_the_loss_as_its_own_call():
+    """ZeRO-3 (``ds_id`` on the head's weight): the loss runs as the head module's call, so
+    DeepSpeed's hooks on the head (a pre-hook here) fire once per forward, whatever the chunks;
+    loss and gradients unchanged. A partitioned LoRA head is refused (its modules would gather
+    once per chunk)."""
+    model = build_tiny("internlm2", VOCAB).train()
+    reference = copy.deepcopy(model)
+    model.output.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
+    calls = []
+    model.output.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    patch_chunked_loss(model, chunk_tokens=5)
+    got, got_grads = _loss_and_grads(model, chunked=True)
+    assert calls == [torch.Size([2, 24, 64])] and "forward" not in vars(model.output)
+    want, want_grads = _loss_and_grads(reference, chunked=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    lora = get_peft_model(build_tiny("internlm2", VOCAB), LoraConfig(target_modules=["output"]))
+    lora.base_model.model.output.base_layer.weight.ds_id = 7
+    with pytest.raises(UnsupportedHead, match="LoRA-adapted nn.Linear.*partitioned by DeepSpeed"):
+        patch_chunked_loss(lora)
+
+
 def test_a_head_it_does_not_know_is_refused_with_why():
     model = build_tiny("internlm2", VOCAB)
     model.output = torch.nn.Sequential(model.output)

@@ -10,6 +10,8 @@ references, in fp32:
 - the loss equals the one-process loss (XTuner's own ``outputs.loss``), every shard-boundary
   label included, and the gradients averaged over the two ranks (what DDP / DeepSpeed do)
   equal the one-process gradients;
+- the chunked loss (``models.chunked_loss``) gives each rank the same loss and gradients as
+  the full-logits shard loss, within 1e-6 relative, without calling the head;
 - XTuner 0.2.0's own ``_compute_sequence_parallel_loss`` does not (the dropped boundary
   label), which is what ``compat.patch_xtuner_sequence_parallel_loss`` replaces;
 - no training forward after the first reads device data in the package's code (issue 58:
@@ -166,11 +168,13 @@ def _check_case(family: str, attn: str, n_kv: int, overrides: dict, path: str, r
     torch.testing.assert_close(loss, one.loss.detach(), **TOL)
     loss.backward()
     _reset_hub()
+    rank_grads = {n: p.grad.clone() for n, p in patched.named_parameters()}
     for name, p in patched.named_parameters():  # the data-parallel average over both ranks
         grad = p.grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(grad / SP, want_grads[name], **TOL, msg=name)
     patched.zero_grad()
+    _chunked_equals_full_logits(sft, data, loss.detach(), rank_grads)
 
     # XTuner 0.2.0's own method (what compat's patch wraps), on the same batch padded to an
     # even length and our attention: the label at each shard boundary is lost, the loss is off.
@@ -187,33 +191,66 @@ def _check_case(family: str, attn: str, n_kv: int, overrides: dict, path: str, r
         _forward_reads(sft, data)
 
 
+def _chunked_equals_full_logits(sft, data: dict, loss: torch.Tensor, grads: dict) -> None:
+    """The chunked loss (``models.chunked_loss``, chunks of 4 tokens) under sequence parallel:
+    the same loss and this rank's own gradients as the full-logits shard loss within 1e-6, and
+    the head never builds the shard's logits (its module is not called)."""
+    from xtuner_rope.models.chunked_loss import loss_only, patch_chunked_loss
+
+    llm = sft.llm
+    patch_chunked_loss(llm, chunk_tokens=4)
+    head = llm.get_output_embeddings()
+    calls = []
+    handle = head.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with loss_only():
+            chunked = sft(_as_hook_leaves_it(data), mode="loss")["loss"]
+        chunked.backward()
+    finally:
+        handle.remove()
+        _reset_hub()
+    assert calls == []
+    torch.testing.assert_close(chunked.detach(), loss, rtol=1e-6, atol=0)
+    for name, p in llm.named_parameters():
+        want = grads[name]
+        atol = 1e-6 * float(want.abs().max())
+        torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=atol, msg=name)
+    llm.zero_grad()
+
+
 def _forward_reads(sft, data: dict) -> None:
     """Issue 58: three training forwards of this rank's shard, as in a run (the hook publishes
     the host boundaries, the data preprocessor moves the batch and remembers its host copies):
-    the package's code reads no device data in any forward after the first, on either rank."""
+    the package's code reads no device data in any forward after the first, on either rank,
+    with the full-logits loss and with the chunked loss (the shard's labels read on the host)."""
+    from contextlib import nullcontext
+
     from host_sync import DeviceReads, preprocessor_move
 
+    from xtuner_rope.models.chunked_loss import is_chunked, loss_only
     from xtuner_rope.ops.host_copies import forget_host_copies
 
-    per_forward = []
-    for _ in range(3):
-        batch = _as_hook_leaves_it(data)
-        reads = DeviceReads()
-        reads.on_device(list(sft.parameters()), list(sft.buffers()))
-        moved = preprocessor_move(batch, reads)
-        try:
-            with reads:
-                loss = sft(moved, mode="loss")["loss"]
-            loss.backward()
-        finally:
-            _reset_hub()
-            forget_host_copies()
-        sft.zero_grad()
-        assert reads.calls > 300
-        per_forward.append(reads.reads)
-    found = torch.tensor([sum(map(len, per_forward[1:]))])
-    dist.all_reduce(found)  # both ranks pass or fail together (no rank left waiting)
-    assert int(found) == 0, per_forward
+    assert is_chunked(sft.llm)  # by _chunked_equals_full_logits
+    for chunked in (False, True):
+        per_forward = []
+        for _ in range(3):
+            batch = _as_hook_leaves_it(data)
+            reads = DeviceReads()
+            reads.on_device(list(sft.parameters()), list(sft.buffers()))
+            moved = preprocessor_move(batch, reads)
+            try:
+                with reads, loss_only() if chunked else nullcontext():
+                    loss = sft(moved, mode="loss")["loss"]
+                loss.backward()
+            finally:
+                _reset_hub()
+                forget_host_copies()
+            sft.zero_grad()
+            assert reads.calls > 300
+            per_forward.append(reads.reads)
+        found = torch.tensor([sum(map(len, per_forward[1:]))])
+        dist.all_reduce(found)  # both ranks pass or fail together (no rank left waiting)
+        assert int(found) == 0, (chunked, per_forward)
 
 
 def _worker(rank: int, port: int, paths: list[str]) -> None:

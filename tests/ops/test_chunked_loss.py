@@ -216,15 +216,6 @@ def test_chunk_tokens_for_keeps_the_fp32_chunk_within_budget():
     assert chunk_tokens_for(10**9) == 64  # never below the floor
 
 
-def test_a_zero3_partitioned_head_is_not_run():
-    head = nn.Linear(H, V)
-    head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
-    assert head_kind(head) == (
-        None,
-        "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)",
-    )
-
-
 # ---- chunked_target_logprobs: per-token log-probs, backward by recomputation ----------------
 
 
@@ -342,3 +333,20 @@ def test_target_logprobs_name_a_bad_target_at_its_position():
     targets[1, 5] = V + 2
     with pytest.raises(ValueError, match=rf"chunked_target_logprobs: labels\[1, 5\] = {V + 2}"):
         chunked_target_logprobs(torch.randn(B, S, H), targets, nn.Linear(H, V))
+
+
+def test_shifted_labels_are_the_positions_own_targets():
+    """Sequence parallel's shards bring labels shifted over the full row: no shift again."""
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    head, labels = nn.Linear(H, V), _labels()
+    want = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=3)
+    want_grads = torch.autograd.grad(want, [hidden, head.weight])
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    got = chunked_causal_lm_loss(hidden, shifted, head, chunk_tokens=3, shifted=True)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    shifted[1, 2] = V + 5
+    with pytest.raises(ValueError, match=rf"labels\[1, 2\] = {V + 5} is outside"):
+        chunked_causal_lm_loss(hidden, shifted, head, shifted=True)

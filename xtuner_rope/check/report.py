@@ -21,6 +21,7 @@ import torch
 from mmengine.config import Config
 
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.check.chunked_loss import chunked_loss_problems
 from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
 from xtuner_rope.doctor.diagnose import plugin_resource
 
@@ -92,6 +93,8 @@ def judge(report: dict) -> dict:
                 f"batch {i}: {', '.join(b['unconsumed_keys'])} reached the model: "
                 "no hook consumes the boundaries (training would refuse the batch)"
             )
+    problems += chunked_loss_problems(report.get("chunked_loss"))
+    compared = (report.get("chunked_loss") or {}).get("compared")
     gen = report["generation"]
     if gen["patched"] != gen["unpatched"]:
         problems.append(f"generation: patched {gen['patched']} != unpatched {gen['unpatched']}")
@@ -105,6 +108,7 @@ def judge(report: dict) -> dict:
         if problems
         else "PASS: each packed document gets the logits, loss and gradients it gets alone; "
         "generation unchanged"
+        + ("; the chunked loss equals the full-logits loss" if compared else "")
     )
     return {
         "figures": fig,

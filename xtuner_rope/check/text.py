@@ -27,7 +27,8 @@ from mmengine.config import Config
 from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
 from xtuner_rope.capture.randomness import describe, randomness_off
-from xtuner_rope.check.report import judge, report_head
+from xtuner_rope.check.chunked_loss import chunked_loss_lines, compare_chunked_loss
+from xtuner_rope.check.report import TOLERANCES, judge, report_head
 from xtuner_rope.check.runner import (
     CheckRequest,
     apply_patch,
@@ -72,6 +73,9 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     prompt = cm.prompt_of(batches[0][0]["data"], batches[0][1][0])
     generated_ref = cm.greedy(llm, prompt, new_tokens)
     patched = apply_patch(runner, hooks)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    tolerance = TOLERANCES[dtype]["loss"]
+    chunked = compare_chunked_loss(runner, batches[0][0], hooks, tolerance) if patched else None
     chosen_backends(reset=True)
     results = []
     for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
@@ -96,6 +100,7 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
         "patched": patched,
         "backend": ", ".join(chosen_backends(reset=True)) or None,
         "batches": results,
+        "chunked_loss": chunked,
         "grads": {
             "max_abs_diff": diff,
             "max_abs_grad": ref_grad,
@@ -199,6 +204,7 @@ def format_text_summary(report: dict) -> str:
         f"  generate {len(gen['patched'])} greedy tokens, patched "
         f"{'==' if gen['patched'] == gen['unpatched'] else '!='} unpatched  "
         f"{'ok' if gen['patched'] == gen['unpatched'] else 'FAIL'}",
+        *chunked_loss_lines(report.get("chunked_loss")),
         *[f"  problem: {p}" for p in report["problems"]],
         report["verdict"],
     ]

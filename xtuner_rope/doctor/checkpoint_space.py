@@ -29,6 +29,7 @@ __all__ = [
     "fits",
     "estimate_checkpoint_bytes",
     "run_work_dir",
+    "size_text",
     "weight_shapes",
 ]
 
@@ -247,7 +248,7 @@ def checkpoint_space(cfg: Config, samples: int, batch_size: int, work_dir: str) 
     }
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     """``n`` bytes in MiB, GiB or TiB (one decimal)."""
     for unit, power in (("TiB", 40), ("GiB", 30)):
         if n >= 2**power:
@@ -273,10 +274,10 @@ def checkpoint_space_warnings(figures: dict | None) -> list[str]:
         else f"max_keep_ckpts={keep}, and the newest is written before the oldest goes"
     )
     return [
-        f"checkpoints: {figures['at_once']:,} checkpoints of {_size(figures['checkpoint_bytes'])}"
-        f" ({figures['size_from']}) need {_size(figures['needed_bytes'])} at once in "
+        f"checkpoints: {figures['at_once']:,} checkpoints of {size_text(figures['checkpoint_bytes'])}"
+        f" ({figures['size_from']}) need {size_text(figures['needed_bytes'])} at once in "
         f"{figures['work_dir']} ({kept}), "
-        f"but {figures['filesystem']} has {_size(figures['free_bytes'])} free: the run would "
+        f"but {figures['filesystem']} has {size_text(figures['free_bytes'])} free: the run would "
         "stop at a checkpoint with the disk full\n  -> make room, lower max_keep_ckpts "
         "(save_total_limit in PART 1), or give a --work-dir on a disk with space"
     ]
@@ -288,9 +289,9 @@ def checkpoint_space_lines(figures: dict | None) -> list[str]:
         return []
     if figures["checkpoint_bytes"] is None:
         return [f"checkpoints  size unknown ({figures['size_from']})"]
-    free = "unknown" if figures["free_bytes"] is None else _size(figures["free_bytes"])
+    free = "unknown" if figures["free_bytes"] is None else size_text(figures["free_bytes"])
     return [
-        f"checkpoints  {_size(figures['checkpoint_bytes'])} each ({figures['size_from']}); "
-        f"{figures['at_once']:,} at once need {_size(figures['needed_bytes'])}, "
+        f"checkpoints  {size_text(figures['checkpoint_bytes'])} each ({figures['size_from']}); "
+        f"{figures['at_once']:,} at once need {size_text(figures['needed_bytes'])}, "
         f"{free} free in {figures['filesystem']}"
     ]

@@ -40,6 +40,7 @@ from xtuner_rope.doctor.llava_stats import (
     refuse_unserved_model,
     sampler_padding,
 )
+from xtuner_rope.doctor.logits_memory import logits_memory
 from xtuner_rope.doctor.loss_weights import dataset_loss_weights
 from xtuner_rope.doctor.packing import (
     build_dialogues_and_packs,
@@ -55,10 +56,8 @@ from xtuner_rope.doctor.progress import Progress
 from xtuner_rope.doctor.rope import rope_figures, rope_problems
 from xtuner_rope.doctor.scan_columns import is_scannable, scan_columns
 from xtuner_rope.doctor.schedule import schedule_problems
-from xtuner_rope.doctor.sequence_parallel import (
-    sequence_parallel_figures,
-    sequence_parallel_warnings,
-)
+from xtuner_rope.doctor.sequence_parallel import sequence_parallel_figures as sp_figures
+from xtuner_rope.doctor.sequence_parallel import sequence_parallel_warnings as sp_warnings
 from xtuner_rope.doctor.stats import (
     length_percentiles,
     plan_summary,
@@ -66,9 +65,7 @@ from xtuner_rope.doctor.stats import (
     simulate_collate,
 )
 from xtuner_rope.doctor.token_columns import row_lengths
-from xtuner_rope.doctor.truncation import (
-    truncated_occurrences,
-)
+from xtuner_rope.doctor.truncation import truncated_occurrences
 
 DEFAULT_BATCHES = 200
 
@@ -371,16 +368,19 @@ def diagnose(
         or (collate_name == "internvl_collate_fn" and collate_kwargs.get("pack", True))
     )  # llava_collate_fn / internvl_collate_fn rows
     report["preference"] = preference_figures(cfg, dataset)  # pairs, not dialogues
-    report["sequence_parallel"] = sequence_parallel_figures(
+    report["sequence_parallel"] = sp_figures(
         cfg.get("sequence_parallel_size", 1), scan.lengths, plan.shapes
     )
     if report["preference"]:  # TokenWeightedLossHook serves SupervisedFinetune only
         report["loss_weights"] = None
     report["rope"] = rope_figures(cfg, lengths, report["packed"])
+    report["logits"] = logits_memory(
+        cfg, facts["max_length"] or report["collate"]["max_length"], bool(resource)
+    )
     report["problems"], report["warnings"] = judge(report)
     report["problems"] += rope_problems(report["rope"])
     report["warnings"] += preference_warnings(report)
-    report["warnings"] += sequence_parallel_warnings(report["sequence_parallel"])
+    report["warnings"] += sp_warnings(report["sequence_parallel"])
     report["problems"] += [] if llava is None else llava_data_of(llava, dataset)
     report["internvl"] = internvl
     report["problems"] += internvl_problems(report["internvl"])

@@ -16,6 +16,7 @@ from xtuner_rope.doctor.checkpoint_space import checkpoint_space_lines, fits
 from xtuner_rope.doctor.heldout import heldout_lines
 from xtuner_rope.doctor.internvl_stats import internvl_lines
 from xtuner_rope.doctor.llava_stats import llava_lines
+from xtuner_rope.doctor.logits_memory import logits_memory_lines
 from xtuner_rope.doctor.loss_weights import loss_weight_line
 from xtuner_rope.doctor.preference import preference_lines
 from xtuner_rope.doctor.rope import rope_lines
@@ -147,6 +148,7 @@ def format_summary(report: dict) -> str:
     lines += loss_weight_line(report.get("loss_weights"))
     lines += sequence_parallel_lines(report.get("sequence_parallel"))
     lines += rope_lines(report.get("rope"))
+    lines += logits_memory_lines(report.get("logits"))
     lines += checkpoint_space_lines(report.get("checkpoints"))
     lines += [f"PROBLEM      {p}" for p in report["problems"]]
     lines += [f"warning      {w}" for w in report["warnings"]]

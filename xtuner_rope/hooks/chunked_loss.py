@@ -7,15 +7,16 @@ XTuner's ``SupervisedFinetune`` and ``LLaVAModel`` (whose LLM gets the expanded
 logits) an instance ``forward`` whose training call hands the labels to the LLM
 (``models.internvl.llm_computes_the_loss``); and the causal LM the chunked-loss ``forward``.
 So the loss of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no
-``[tokens, vocab]`` logits of the row). SFT's ``predict`` (the held-out ``val_step``) returns
-per row the ``target_logprobs`` ``[s]`` of the row-shifted labels that
-``evaluation.metric.TokenLossMetric`` reads instead of the logits. XTuner's ``DPO`` and ``ORPO``
-run theirs inside ``models.chunked_loss.target_logprobs_only``: policy and reference (its
-``ref_llm`` patched too) return the target log-probs of
+``[tokens, vocab]`` logits of the row), under sequence parallel too (each rank's shard). SFT's
+``predict`` (the held-out ``val_step``) returns per row the ``target_logprobs`` ``[s]`` of the
+row-shifted labels that ``evaluation.metric.TokenLossMetric`` reads instead of the logits.
+XTuner's ``DPO`` and ``ORPO`` run theirs inside ``models.chunked_loss.target_logprobs_only``:
+policy and reference (its ``ref_llm`` patched too) return the target log-probs of
 ``ops.chunked_loss.chunked_target_logprobs``, which
 ``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
-is logged once. Where the chunked loss cannot serve (another XTuner model, sequence parallel, a
-head it does not know), the model's own loss runs and the log says why.
+is logged once. Where the chunked loss cannot serve (another XTuner model, a head it does not
+know, a LoRA head under ZeRO-3, DPO/ORPO under ZeRO-3), the model's own loss runs and the log
+says why.
 
 The setting, at the top level of the config (read and checked by ``config.loss``):
 ``chunked_loss = False`` (the model's own loss), ``True`` (the default: chunks of
@@ -31,15 +32,16 @@ from xtuner_rope.config.loss import CHUNKED_LOSS_OPT_OUT as OPT_OUT
 from xtuner_rope.config.loss import chunked_loss_setting
 from xtuner_rope.models.chunked_loss import (
     UnsupportedHead,
+    causal_lm,
     is_chunked,
     is_target_logprobs,
     loss_only,
+    partitioned,
     patch_chunked_loss,
     target_logprobs_only,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
 from xtuner_rope.models.internvl import internvl_chat_model, llm_computes_the_loss
-from xtuner_rope.models.sequence_parallel import sequence_parallel_size
 
 # XTuner models served -> the block their compute_loss runs in: SFT and LLaVA read outputs.loss
 # (InternVL its LLM's, through its forward, below), DPO and ORPO the log-probs of the targets.
@@ -66,8 +68,6 @@ def _why_not(runner, model) -> str | None:
         getattr(own, f"xtuner_rope_{what}", 0) for what in ("chunked", "dialogue")
     ):
         return "its compute_loss is replaced by code that reads the full logits"
-    if sequence_parallel_size() > 1:
-        return "sequence parallel computes its loss from the full logits (not chunked yet)"
     return None
 
 
@@ -107,7 +107,10 @@ def enable_chunked_loss(runner) -> str:
         return f"xtuner-rope: {OPT_OUT}: the model's own loss (full logits) runs."
     model = unwrap_model(runner.model)
     why = _why_not(runner, model)
+    block = SERVED_MODELS.get(type(model).__name__)
     chunk = None if setting is True else setting
+    if why is None and block is target_logprobs_only and _partitioned_head(runner.model):
+        why = "its log-probs under DeepSpeed ZeRO-3 (a partitioned head) are not verified yet"
     if why is None:
         try:
             what = patch_chunked_loss(language_model(runner.model), chunk)
@@ -117,7 +120,7 @@ def enable_chunked_loss(runner) -> str:
             why = str(error)
     if why is not None:
         return f"xtuner-rope: the model's own loss (full logits) runs: {why}."
-    block, sft = SERVED_MODELS[type(model).__name__], type(model).__name__ == "SupervisedFinetune"
+    sft = type(model).__name__ == "SupervisedFinetune"
     if internvl_chat_model(model) is not None:
         _serve_internvl(model)
     elif not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
@@ -156,3 +159,10 @@ def _serve_internvl(model) -> None:
 
     forward.xtuner_rope_chunked = True
     model.forward = forward
+
+
+def _partitioned_head(model) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the run's causal LM's output head."""
+    get_head = getattr(causal_lm(language_model(model)), "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return head is not None and partitioned(head)

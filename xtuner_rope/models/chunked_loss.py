@@ -13,6 +13,12 @@ calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller 
 ``outputs.loss`` (``hooks.chunked_loss``: around the ``compute_loss`` of XTuner's
 ``SupervisedFinetune`` and ``LLaVAModel``, and ``InternVL_V1_5``'s training forward); what
 reads a training forward's logits pauses it (``pause_chunked_loss``).
+
+Under DeepSpeed ZeRO-3 the head's weight is partitioned and gathered only inside the head
+module's own call: the whole chunked loss then runs *as* that call (:func:`head_call`), so
+DeepSpeed's hooks gather the weight once for the forward and once for the backward (as for the
+model's own ``head(hidden)``), and the gradient the loss returns for the gathered weight is
+reduced into its partition by DeepSpeed's own gradient hook.
 """
 
 from __future__ import annotations
@@ -41,9 +47,13 @@ __all__ = [
     "UnsupportedHead",
     "causal_lm",
     "chunked_loss_head",
+    "chunked_now",
+    "head_call",
+    "hidden_loss",
     "is_chunked",
     "is_target_logprobs",
     "loss_only",
+    "partitioned",
     "patch_chunked_loss",
     "pause_chunked_loss",
     "target_logprobs_only",
@@ -111,12 +121,42 @@ def chunked_loss_head(model: nn.Module) -> tuple[nn.Module, float | None, str]:
     kind, what = head_kind(head)
     if kind is None:
         raise UnsupportedHead(f"{name}'s head: {what}")
+    if kind == "module" and partitioned(head):  # its modules gather per chunk: not once
+        raise UnsupportedHead(f"{name}'s head: {what}, partitioned by DeepSpeed ZeRO-3")
     scale = getattr(model, "logit_scale", None)  # Cohere multiplies its logits by it
     if scale is not None and not isinstance(scale, (int, float)):
         raise UnsupportedHead(f"{name}'s logit_scale is a {type(scale).__name__}, not a number")
     tied = head.weight is _input_weight(model)
     desc = f"{what}{', tied to the input embeddings' if tied else ''}"
     return head, scale, desc + (f", logit scale {scale}" if scale is not None else "")
+
+
+def partitioned(head: nn.Module) -> bool:
+    """True where DeepSpeed ZeRO-3 partitions the head's parameters (``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in head.parameters())
+
+
+def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """``loss_of(hidden)`` run as ``head(hidden)``: the module's hooks fire once around it.
+
+    DeepSpeed ZeRO-3's hooks on the head gather its parameters before the call and release
+    them after, gather them again before the call's backward and hand each gradient to its
+    partition: with the loss as the call, once per forward, not once per chunk.
+
+    Args:
+        head: The output head.
+        loss_of: ``[b, s, H] -> scalar``, reading the head's parameters.
+        hidden: ``[b, s, H]`` the decoder's last hidden states.
+    """
+    own = vars(head).get("forward")
+    head.forward = loss_of
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def _input_weight(model: nn.Module):
@@ -127,6 +167,14 @@ def _input_weight(model: nn.Module):
 def is_chunked(llm: nn.Module) -> bool:
     """True if the causal LM of ``llm`` carries the chunked-loss ``forward``."""
     return _ORIGINAL in vars(causal_lm(llm))
+
+
+def chunked_now(llm: nn.Module) -> bool:
+    """True where a training loss computed now for ``llm`` is to be chunked: the model carries
+    the chunked loss, inside :func:`loss_only`, not paused."""
+    model = causal_lm(llm)
+    paused = getattr(model, "_xtuner_rope_paused", 0)
+    return is_chunked(model) and _MODE.get() == "loss" and not paused
 
 
 def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
@@ -176,6 +224,44 @@ def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
     return resume
 
 
+def hidden_loss(
+    llm: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    shifted: bool = False,
+) -> torch.Tensor:
+    """The chunked loss of the patched causal LM of ``llm`` on its last hidden states.
+
+    Args:
+        llm: The causal LM carrying the chunked loss (``patch_chunked_loss``), or peft's model.
+        hidden: ``[b, s, H]`` its decoder's last hidden states.
+        labels: ``[b, s]`` labels; ``shifted``: already the label each position predicts
+            (sequence parallel's shards), else the model's own shift applies.
+        num_items_in_batch: The NLL sum's denominator, or None for the mean.
+
+    Returns:
+        The fp32 scalar loss (``ops.chunked_loss.chunked_causal_lm_loss``), through the head
+        module's call under ZeRO-3 (:func:`head_call`).
+    """
+    model = causal_lm(llm)
+    head, scale, _ = chunked_loss_head(model)
+
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        return chunked_causal_lm_loss(
+            h,
+            labels,
+            head,
+            logit_scale=scale,
+            num_items_in_batch=num_items_in_batch,
+            chunk_tokens=model._xtuner_rope_chunk,
+            shifted=shifted,
+        )
+
+    return head_call(head, loss_of, hidden) if partitioned(head) else loss_of(hidden)
+
+
 def _forward(self, *args, **kwargs):
     own = getattr(self, _ORIGINAL)
     labels = kwargs.get("labels")
@@ -188,15 +274,22 @@ def _forward(self, *args, **kwargs):
     kwargs.pop("return_dict", None)  # the decoder's output is read by name below
     n_items = kwargs.pop("num_items_in_batch", None)
     kwargs.pop("num_logits_to_keep", None)
-    head, scale, _ = chunked_loss_head(self)
     outputs = self.get_decoder()(**kwargs, return_dict=True)
     hidden = outputs.last_hidden_state
-    options = dict(logit_scale=scale, chunk_tokens=self._xtuner_rope_chunk)
     loss = logits = None
     if mode == "logprobs":
-        logits = chunked_target_logprobs(hidden, labels, head, **options)[..., None]  # [b, s, 1]
+        head, scale, _ = chunked_loss_head(self)
+
+        def logprobs_of(h: torch.Tensor) -> torch.Tensor:
+            options = dict(logit_scale=scale, chunk_tokens=self._xtuner_rope_chunk)
+            return chunked_target_logprobs(h, labels, head, **options)
+
+        # ZeRO-3 gathers the head inside its call (the held-out predict; the hook refuses
+        # DPO/ORPO's log-probs with a partitioned head)
+        run = functools.partial(head_call, head, logprobs_of) if partitioned(head) else logprobs_of
+        logits = run(hidden)[..., None]  # [b, s, 1]
     else:
-        loss = chunked_causal_lm_loss(hidden, labels, head, num_items_in_batch=n_items, **options)
+        loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(

@@ -17,7 +17,9 @@ each rank attends over the *whole* row for ``n_h / sp`` heads. For packed rows t
   shard, which drops the first label of every shard after the first (the token the previous
   shard's last token predicts);
 - the loss is token-weighted: each rank sums its shard's token losses over the full row's
-  supervised-token count, and the group's loss is the sum, exactly the one-rank mean.
+  supervised-token count, and the group's loss is the sum, exactly the one-rank mean. Under the
+  chunked loss (``models.chunked_loss``) each rank's sum comes from its shard's hidden states,
+  chunk by chunk, with the same reduction.
   XTuner weights each rank's *mean* by its token count in the forward but back-propagates
   the unweighted mean, so ranks with unequal token counts get wrong gradients.
 
@@ -41,6 +43,7 @@ from xtuner_rope.ops.rope_documents import document_lengths
 
 from . import channel
 from .channel import VARLEN_HUB
+from .chunked_loss import causal_lm, chunked_now, hidden_loss
 from .runtime import choose_backend, hub_cumulative_len
 
 __all__ = [
@@ -217,6 +220,7 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     pad = (-s) % sp
     n_supervised = _supervised_count(data["labels"])
     host_positions = _host_positions(data.get("position_ids"), b, s, pad)
+    host_labels = host_copy(data["labels"])  # the chunked loss reads the shard's on the host
     if pad:
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad
@@ -244,6 +248,9 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     }
     if host_positions is not None:
         remember_host_copy(shard["position_ids"], host_positions[:, cut])
+    if host_labels is not None:
+        host_labels = F.pad(host_labels, (0, pad + 1), value=IGNORE_INDEX)[:, 1:]  # [b, S']
+        remember_host_copy(shard["shifted_labels"], host_labels[:, cut])
     return shard, n_supervised
 
 
@@ -289,16 +296,25 @@ def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> di
     shard, n_supervised = shard_rows(
         data, sp, get_sequence_parallel_rank() if sp > 1 else 0, pad_index
     )
-    logits = llm(
-        input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False
-    ).logits  # [b, S/sp, vocab]
-    token_sum = F.cross_entropy(
-        logits.float().flatten(0, 1),
-        shard["shifted_labels"].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    local = token_sum / max(n_supervised, 1)
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    if chunked_now(llm):  # the chunked loss of the shard's hidden states, same reduction
+        hidden = causal_lm(llm).get_decoder()(**inputs, use_cache=False, return_dict=True)
+        local = hidden_loss(
+            llm,
+            hidden.last_hidden_state,  # [b, S/sp, H]
+            shard["shifted_labels"],
+            num_items_in_batch=max(n_supervised, 1),
+            shifted=True,
+        )
+    else:
+        logits = llm(**inputs, use_cache=False).logits  # [b, S/sp, vocab]
+        token_sum = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            shard["shifted_labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        local = token_sum / max(n_supervised, 1)
     if sp == 1:
         return {"loss": local}
     return {"loss": _GroupSum.apply(local, get_sequence_parallel_group(), float(sp))}

@@ -66,9 +66,6 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     Args:
         head: The causal LM's output head (``lm_head`` / InternLM2's ``output``).
     """
-    if any(hasattr(p, "ds_id") for p in head.parameters()):
-        # ZeRO-3: the weight is gathered only inside the module's own call.
-        return None, "its weight is partitioned by DeepSpeed ZeRO-3 (not supported yet)"
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
@@ -312,6 +309,7 @@ def chunked_causal_lm_loss(
     logit_scale: float | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """The model's causal-LM loss from its last hidden states, chunk by chunk.
 
@@ -328,6 +326,7 @@ def chunked_causal_lm_loss(
         num_items_in_batch: The denominator of the summed NLL (transformers' gradient
             accumulation), or None for the mean over this batch's supervised tokens.
         chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
+        shifted: ``labels[:, t]`` is already position ``t``'s target (no shift here).
 
     Returns:
         The fp32 scalar loss; 0 (zero gradients, graph kept) when nothing is supervised.
@@ -339,7 +338,7 @@ def chunked_causal_lm_loss(
     """
     who = "chunked_causal_lm_loss"
     index, targets, selected, params, setup = _select(
-        who, hidden, labels, head, True, logit_scale, chunk_tokens
+        who, hidden, labels, head, not shifted, logit_scale, chunk_tokens
     )
     if num_items_in_batch is None:
         inv_n = 1.0 / max(int(index.numel()), 1)
