@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from xtuner_rope.capture.measure import BOUNDARY_HOOKS, BOUNDARY_KEYS, reset_boundaries
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS, BOUNDARY_KEYS
+from xtuner_rope.models import channel
 from xtuner_rope.hooks.chunked_loss import enable_chunked_loss
 from xtuner_rope.models.chunked_loss import (
     causal_lm,
@@ -59,7 +60,7 @@ def _loss_and_grads(runner, data_batch: dict, hooks: dict, params: list) -> dict
         loss.backward()
     finally:
         handle.remove()
-        reset_boundaries()
+        channel.clear()  # the boundaries the hooks published, as their after_train_iter does
     return {
         "loss": float(loss.detach()),
         "hidden": store["hidden"].grad.float(),
