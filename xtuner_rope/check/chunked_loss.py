@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS, BOUNDARY_KEYS
-from xtuner_rope.models import channel
 from xtuner_rope.hooks.chunked_loss import enable_chunked_loss
+from xtuner_rope.models import channel
 from xtuner_rope.models.chunked_loss import (
     causal_lm,
     chunked_loss_head,
