@@ -17,6 +17,7 @@ from mmengine.config import Config
 from xtuner_rope.capture.internvl import batch_loss, reference_internvl_llm
 from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.internvl import internvl_image_tokens
 
@@ -36,6 +37,7 @@ def _llm_inputs(runner, hooks: dict, i: int, data_batch: dict) -> dict:
 
     check = hooks.get("PackedBatchCheckHook")
     handle = llm.register_forward_hook(collect, with_kwargs=True)
+    resume = pause_chunked_loss(llm)  # the check reads the training forward's logits
     try:
         if check is not None:
             check.before_train_iter(runner, i, data_batch)  # publishes the rows' boundaries
@@ -44,6 +46,7 @@ def _llm_inputs(runner, hooks: dict, i: int, data_batch: dict) -> dict:
             runner.model(**data, mode="loss")
     finally:
         handle.remove()
+        resume()
         if check is not None:
             check.after_train_iter(runner, i, data_batch, None)
     return seen
