@@ -68,11 +68,7 @@ def _tensor(
 
 
 def batch_data(data_batch: object, who: str) -> Mapping:
-    """The inner ``data`` dict of an XTuner batch ``{'data': {...}, 'data_samples': ...}``.
-
-    Args:
-        data_batch: what the dataloader handed to the hook.
-        who: the caller, for the message (``"PackedBatchCheckHook"``).
+    """The inner ``data`` dict of an XTuner batch (``who``: the caller, for the message).
 
     Raises:
         TypeError: the batch is not a dict, or its ``data`` field is not one.
@@ -94,12 +90,8 @@ def batch_data(data_batch: object, who: str) -> Mapping:
 
 
 def row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
-    """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1).
-
-    Args:
-        data: batch dict holding ``cumulative_len``: a list of ``b`` 1-D tensors (or lists),
-            a ``[b, k]`` tensor, or for ``b == 1`` a bare ``[k]`` tensor.
-        b: number of rows.
+    """``cumulative_len`` of ``data`` as ``b`` 1-D integer tensors (from a list, a ``[b, k]``
+    tensor, or for ``b == 1`` XTuner's bare ``[k]`` tensor).
 
     Raises:
         ValueError: not one 1-D boundary tensor per row; TypeError: non-integer boundaries.
