@@ -160,16 +160,8 @@ def packing_figures(
 
 
 def intern_repo_figures(concat, packed_length: int) -> tuple[list[int], dict]:
-    """The packing figures of an intern-repo ``build_packed_dataset``, file by file, summed.
-
-    Args:
-        concat: The built ``ConcatDataset`` of ``PackedDataset`` or ``WholePackedDataset``.
-        packed_length: Tokens per row.
-
-    Returns:
-        ``(lengths, figures)``: ``[n]`` document lengths in stream order, and
-        :func:`packing_figures` of all files together (None without a file).
-    """
+    """``([n] document lengths in stream order, packing_figures of all files)`` of a built intern-repo
+    ``ConcatDataset`` of ``packed_length`` rows (figures None without a file)."""
     from datasets import Dataset
 
     lengths, parts = [], []
