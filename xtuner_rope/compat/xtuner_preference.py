@@ -14,6 +14,16 @@ import torch
 from xtuner_rope.models.chunked_loss import is_target_logprobs
 
 
+def _preference_models():
+    """``(module, class)`` of XTuner's DPO and ORPO, those that import."""
+    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        yield module, getattr(module, cls)
+
+
 class _RankWithoutGroup:
     """``torch.distributed`` as xtuner's DPO/ORPO modules see it: rank 0 without a group."""
 
@@ -38,16 +48,10 @@ def patch_xtuner_preference_rank() -> bool:
         True if applied (an XTuner whose DPO/ORPO call ``dist.get_rank()`` there).
     """
     applied = False
-    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
+    for module, model in _preference_models():
+        if module.__dict__.get("dist") is not torch.distributed:
             continue
-        if module.__dict__.get(
-            "dist"
-        ) is torch.distributed and "dist.get_rank()" in inspect.getsource(
-            getattr(module, cls).compute_loss
-        ):
+        if "dist.get_rank()" in inspect.getsource(model.compute_loss):
             module.dist = _RankWithoutGroup(torch.distributed)
             applied = True
     return applied
@@ -105,11 +109,7 @@ def patch_xtuner_preference_target_zero() -> bool:
         True if applied (an XTuner whose DPO/ORPO still build the mask that way).
     """
     applied = False
-    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
-        try:
-            model = getattr(importlib.import_module(name), cls)
-        except ImportError:
-            continue
+    for _, model in _preference_models():
         if "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
             continue
         model.compute_loss = _keep_target_id_zero(model.compute_loss)
