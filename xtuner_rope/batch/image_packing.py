@@ -27,20 +27,15 @@ def expanded_length(ids: torch.Tensor, image_tokens: int) -> int:
 def expand_row_boundaries(
     ids: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, image_tokens: int
 ) -> list[int]:
-    """A collated row's real segments, measured after the image expansion.
+    """The expanded lengths of a collated row's real segments, in row order.
 
     Args:
-        ids: ``[s]`` the row's ids before the expansion (placeholders included).
-        mask: ``[s]`` bool, True on real tokens (the expansion drops the others).
+        ids: ``[s]`` the row's ids before the expansion; mask: ``[s]`` bool, True on real tokens.
         cu: ``[n + 1]`` the row's boundaries before the expansion, ``0 .. s``.
         image_tokens: ``P``, patch embeddings per image.
 
-    Returns:
-        The expanded lengths of the segments holding real tokens, in row order.
-
     Raises:
-        ValueError: a segment mixes real tokens and padding (the expansion would merge it
-            with its neighbour).
+        ValueError: a segment mixes real tokens and padding (the expansion would merge it).
     """
     lengths = []
     cu = [int(c) for c in cu]

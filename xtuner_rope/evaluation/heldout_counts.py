@@ -116,12 +116,9 @@ def heldout_counts(
     Args:
         heldout: The built held-out dataset (rows: ``input_ids``, ``labels`` ``[n]`` each, and
             ``cumulative_len`` ``[k + 1]`` when packed).
-        training: ``dialogue_keys`` / ``document_keys`` of the training data; None when they
-            were not counted (``in_training`` is then None).
-        max_length: Row capacity when the held-out rows are packed to it (``row_capacity``),
-            else None (no fill).
-        rows: Rows after an online-packing collate function (``collated_rows``); None: the
-            dataset's rows.
+        training: :func:`document_keys` of the training data; None: not counted.
+        max_length: :func:`row_capacity` of packed held-out rows, else None (no fill).
+        rows: :func:`collated_rows` after an online-packing collate; None: the dataset's rows.
 
     Returns:
         ``{'dialogues', 'supervised_tokens', 'tokens', 'rows', 'max_length', 'fill',

@@ -112,15 +112,8 @@ def trained_dtype(checkpoint: str) -> torch.dtype:
 
 
 def save_dtype(asked: str | None, fp32: bool, checkpoint: str) -> tuple[torch.dtype, str]:
-    """The dtype to save in, and why.
-
-    Args:
-        asked: ``--dtype`` (``bf16``, ``fp16``, ``fp32``) or None.
-        fp32: XTuner's ``--fp32`` was given (the same as ``--dtype fp32``).
-        checkpoint: The ``iter_N.pth`` converted (read when nothing was asked).
-
-    Returns:
-        The dtype and a few words on where it came from, for the output.
+    """The dtype to save in and where it came from: ``--dtype`` (``asked``) or ``--fp32``, else
+    the trained dtype of ``checkpoint``.
 
     Raises:
         ValueError: ``--fp32`` together with another ``--dtype``.
