@@ -68,11 +68,7 @@ def _tensor(
 
 
 def batch_data(data_batch: object, who: str) -> Mapping:
-    """The inner ``data`` dict of an XTuner batch ``{'data': {...}, 'data_samples': ...}``.
-
-    Args:
-        data_batch: what the dataloader handed to the hook.
-        who: the caller, for the message (``"PackedBatchCheckHook"``).
+    """The inner ``data`` dict of an XTuner batch (``who``: the caller, for the message).
 
     Raises:
         TypeError: the batch is not a dict, or its ``data`` field is not one.
@@ -94,12 +90,8 @@ def batch_data(data_batch: object, who: str) -> Mapping:
 
 
 def row_boundaries(data: Mapping, b: int) -> list[torch.Tensor]:
-    """``cumulative_len`` as ``b`` 1-D integer tensors (XTuner keeps a bare tensor for b=1).
-
-    Args:
-        data: batch dict holding ``cumulative_len``: a list of ``b`` 1-D tensors (or lists),
-            a ``[b, k]`` tensor, or for ``b == 1`` a bare ``[k]`` tensor.
-        b: number of rows.
+    """``cumulative_len`` of ``data`` as ``b`` 1-D integer tensors (from a list, a ``[b, k]``
+    tensor, or for ``b == 1`` XTuner's bare ``[k]`` tensor).
 
     Raises:
         ValueError: not one 1-D boundary tensor per row; TypeError: non-integer boundaries.
@@ -288,18 +280,14 @@ def check_packed_batch(
 ) -> None:
     """Check a collated batch (the inner ``data`` dict) before it reaches the model.
 
-    Fields are ``[b, s]``; ``cumulative_len`` starts at 0, strictly increases and ends at ``s``;
-    position ids restart at 0 per document and count +1 within; ``max_seqlen`` is the longest
-    segment; positions stay below ``max_position``; ids and labels are in ``[0, vocab_size)``
-    (labels may be -100); every mask row attends to something; some label after column 0 is
-    supervised; ``num_unsupervised`` is an int >= 0.
+    Boundaries run 0 .. ``s`` strictly increasing; positions restart at 0 per document and stay
+    below ``max_position``; ids and labels lie in ``[0, vocab_size)`` (labels may be -100); every
+    mask row attends to something; some label after column 0 is supervised.
 
     Args:
-        data: batch dict with ``input_ids`` ``[b, s]`` and ``labels`` ``[b, s]`` (int64),
-            optional ``position_ids``, ``cumulative_len``, ``max_seqlen``, ``attention_mask``,
-            ``num_unsupervised``.
-        vocab_size: if given, the upper bound for ids and labels.
-        max_position: if given, the RoPE range positions must stay below.
+        data: ``input_ids``, ``labels`` ``[b, s]`` int64, optional ``position_ids``,
+            ``cumulative_len``, ``max_seqlen``, ``attention_mask``, ``num_unsupervised``.
+        vocab_size, max_position: Upper bounds, None: unchecked.
 
     Raises:
         ValueError: a check fails; the message names row, document, field, expected and got.

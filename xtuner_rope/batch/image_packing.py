@@ -1,11 +1,7 @@
 """Lengths and boundaries of LLaVA samples as the LLM sees them, after the image expansion.
 
-XTuner's ``prepare_inputs_labels_for_multimodal`` replaces each image placeholder
-(``IMAGE_TOKEN_INDEX``) by the image's ``P`` patch embeddings, so a sample of ``n`` ids with
-``k`` placeholders is ``n - k + k * P`` tokens long for the LLM. Packing plans rows on those
-*expanded* lengths, and the boundaries published for the attention must be expanded the same
-way: :func:`expanded_length` and :func:`expand_row_boundaries` do that arithmetic, and
-:func:`llava_samples` locates each sample of a collated batch in the expanded rows.
+Each placeholder becomes the image's ``P`` patch embeddings: a sample of ``n`` ids with ``k``
+placeholders is ``n - k + k * P`` tokens long; plans and boundaries use those lengths.
 """
 
 from __future__ import annotations
@@ -31,20 +27,15 @@ def expanded_length(ids: torch.Tensor, image_tokens: int) -> int:
 def expand_row_boundaries(
     ids: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor, image_tokens: int
 ) -> list[int]:
-    """A collated row's real segments, measured after the image expansion.
+    """The expanded lengths of a collated row's real segments, in row order.
 
     Args:
-        ids: ``[s]`` the row's ids before the expansion (placeholders included).
-        mask: ``[s]`` bool, True on real tokens (the expansion drops the others).
+        ids: ``[s]`` the row's ids before the expansion; mask: ``[s]`` bool, True on real tokens.
         cu: ``[n + 1]`` the row's boundaries before the expansion, ``0 .. s``.
         image_tokens: ``P``, patch embeddings per image.
 
-    Returns:
-        The expanded lengths of the segments holding real tokens, in row order.
-
     Raises:
-        ValueError: a segment mixes real tokens and padding (the expansion would merge it
-            with its neighbour).
+        ValueError: a segment mixes real tokens and padding (the expansion would merge it).
     """
     lengths = []
     cu = [int(c) for c in cu]
@@ -73,18 +64,11 @@ def _row_segments(data: dict) -> list[list[int]]:
 
 
 def llava_samples(data: dict, image_tokens: int) -> list[dict]:
-    """The samples of a collated LLaVA batch, where the LLM sees them and what they hold.
-
-    Args:
-        data: The collated batch (``input_ids``, ``labels``, ``attention_mask`` ``[b, s]``,
-            ``pixel_values`` ``[n, 3, H, W]`` taken in order: one per placeholder, one per row
-            without any; ``cumulative_len`` for packed rows).
-        image_tokens: ``P``.
+    """The samples of a collated LLaVA batch (``data``), where the LLM sees them and what they hold.
 
     Returns:
-        Per sample: ``row``, ``raw`` ``(start, end)`` before the expansion, ``expanded``
-        ``(start, end)`` in the expanded row, ``image`` (index into ``pixel_values``; for a
-        text-only sample the row's ignored image or the first image), ``has_image``.
+        Per sample: ``row``, ``raw`` and ``expanded`` ``(start, end)``, ``image`` (index into
+        ``pixel_values``; a text-only sample's row's ignored image or the first) and ``has_image``.
     """
     ids = data["input_ids"]
     mask = data.get("attention_mask")

@@ -36,13 +36,7 @@ def image_count(pixel_values: object) -> int:
 
 
 def check_image_placeholders(data: Mapping) -> list[int]:
-    """Each row's image placeholders against the images that came with the batch.
-
-    Args:
-        data: Batch dict with ``input_ids`` ``[b, s]`` and ``pixel_values``.
-
-    Returns:
-        The placeholder count of each row.
+    """Each row's placeholder count of ``input_ids`` ``[b, s]``, checked against ``pixel_values``.
 
     Raises:
         ValueError: a row needs more images than are left, or images are left over.

@@ -31,20 +31,12 @@ def _row_tiles(pixel_values: object, rows: int) -> list[torch.Tensor] | None:
 
 
 def check_image_context(data: Mapping, context_id: int, tokens_per_tile: int) -> list[int]:
-    """Each row's ``<IMG_CONTEXT>`` tokens against its image tiles.
-
-    Args:
-        data: Batch dict: ``input_ids`` ``[b, s]``, ``pixel_values`` (``[b, t, 3, H, W]`` or
-            a list of ``b`` ``[t_r, 3, H, W]``).
-        context_id: The tokenizer's ``<IMG_CONTEXT>`` id.
-        tokens_per_tile: ``P``, the checkpoint's ``num_image_token``.
-
-    Returns:
-        The ``<IMG_CONTEXT>`` count of each row.
+    """The ``<IMG_CONTEXT>`` (``context_id``) count of each row of ``input_ids`` ``[b, s]``, checked
+    against ``tokens_per_tile`` (``P``) times its kept tiles (``pixel_values`` ``[b, t, 3, H, W]``
+    or ``b`` tensors ``[t_r, 3, H, W]``).
 
     Raises:
-        ValueError: a row's count (or the batch's, when tiles are flat) is not ``P x`` its
-            kept tiles.
+        ValueError: a row's count (or the batch's, when tiles are flat) is not ``P x`` its tiles.
     """
     ids = data["input_ids"]
     counts = (ids == context_id).sum(dim=1).tolist()

@@ -12,12 +12,8 @@ def sequence_parallel_padding(length: int, sp: int) -> int:
 
 
 def check_sequence_parallel_rows(shape: tuple[int, int], sp: int, *, pads_itself: bool) -> None:
-    """Refuse a ``[b, s]`` batch the sequence-parallel split cannot cut into ``sp`` shards.
-
-    Args:
-        shape: ``(b, s)`` of the collated ``input_ids``.
-        sp: Sequence-parallel world size (1: nothing to check).
-        pads_itself: xtuner-rope's sequence-parallel loss pads the rows: any ``s`` works.
+    """Refuse a ``(b, s)`` batch the sequence-parallel split cannot cut into ``sp`` shards (any
+    ``s`` works when xtuner-rope's loss ``pads_itself``).
 
     Raises:
         ValueError: ``s`` is not a multiple of ``sp`` and XTuner's split would assert.

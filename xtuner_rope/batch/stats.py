@@ -21,15 +21,8 @@ IGNORE_INDEX = -100
 class BatchStats:
     """Counts of one batch; add them up over a logging window with ``+``.
 
-    Attributes:
-        rows: ``b``.
-        tokens: ``b * s``, padding included.
-        real_tokens: tokens outside the padding segments.
-        documents: non-padding segments.
-        longest_document: tokens of the longest document.
-        max_position: largest position id fed to the RoPE (padding included).
-        unsupervised_documents: documents with no label used by the loss: every label -100
-            besides the document's first one (the causal shift never uses that one).
+    ``tokens`` counts padding, ``real_tokens`` not; ``max_position`` is the largest position
+    fed to the RoPE; ``unsupervised_documents`` have every label -100 after their first.
     """
 
     rows: int = 0
@@ -57,18 +50,9 @@ def segment_ids(
     shape: tuple[int, int],
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Number every segment of the batch, row by row.
-
-    Args:
-        position_ids: ``[b, s]`` ids restarting at 0 per document, or None (one document
-            per row).
-        shape: ``(b, s)``.
-        attention_mask: optional ``[b, s]`` mask; a row's masked tail starts a segment.
-
-    Returns:
-        ``[b, s]`` long, 0 for the first segment of row 0, increasing by one at each segment
-        start (column 0 of every row included).
-    """
+    """``[b, s]`` long segment numbers, row by row, +1 at each segment start (column 0 of every
+    row, a position restarting at 0, a row's masked tail); ``position_ids`` None: one document
+    per row."""
     b, s = shape
     starts = torch.zeros(b, s, dtype=torch.bool) if position_ids is None else position_ids == 0
     if attention_mask is not None:
@@ -94,16 +78,8 @@ def _row_tails(real: torch.Tensor) -> torch.Tensor:
 
 
 def batch_stats(data: Mapping, pad_index: int = 0) -> BatchStats:
-    """Count documents, real tokens and unsupervised documents of one batch.
-
-    Args:
-        data: the collated batch (``data_batch['data']``): ``input_ids`` and ``labels``
-            ``[b, s]`` long, and optionally ``position_ids`` ``[b, s]`` and
-            ``attention_mask`` ``[b, s]``.
-        pad_index: the id the collator pads ``input_ids`` with.
-
-    Returns:
-        The batch's :class:`BatchStats`.
+    """The :class:`BatchStats` of one collated batch (``input_ids``, ``labels``, optional
+    ``position_ids`` / ``attention_mask``, all ``[b, s]``; ``pad_index`` pads ``input_ids``).
 
     Raises:
         ValueError: ``input_ids`` is not ``[b, s]`` or another field has another shape.

@@ -10,14 +10,8 @@ __all__ = ["IGNORE_INDEX", "dialogue_weights", "supervised_tokens"]
 
 
 def supervised_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss: labels other than -100 after the causal shift.
-
-    Args:
-        labels: ``[b, s]`` XTuner labels (the first column never counts).
-
-    Returns:
-        The count the model's mean loss divides by.
-    """
+    """Labels other than -100 of ``[b, s]`` ``labels`` after the causal shift (the mean's
+    divisor)."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
@@ -25,12 +19,12 @@ def dialogue_weights(labels: torch.Tensor, boundaries=None) -> tuple[torch.Tenso
     """Per-token loss weights of the per-dialogue mean, and the dialogues that carry a loss.
 
     Args:
-        labels: ``[b, s]`` XTuner labels (a label belongs to the dialogue of its position).
+        labels: ``[b, s]`` XTuner labels.
         boundaries: ``b`` 1-D ``cumulative_len`` tensors, or None: every row is one dialogue.
 
     Returns:
         ``[b, s - 1]`` float32 weights aligned with ``labels[:, 1:]`` (``1 / n_d`` on each
-        supervised label of dialogue ``d``), and the number of dialogues with a supervised label.
+        supervised label of dialogue ``d``), and the number of dialogues with one.
     """
     b, s = labels.shape
     segment = torch.arange(b).unsqueeze(1).expand(b, s).clone()  # unpacked: a row, a dialogue

@@ -1,8 +1,7 @@
 """Isolation inside a real InternVL ``xtuner train`` run: capture what the LLM saw, compare.
 
-:class:`InternVLIsolationCaptureHook` records the LLM's inputs, weights and logits of iteration
-1 (dropout off); :func:`compare_internvl_capture` (``python -m xtuner_rope.capture.internvl
-CONFIG CAPTURE``) runs each sample alone through the unpatched LLM with those weights.
+:func:`compare_internvl_capture` (``python -m xtuner_rope.capture.internvl CONFIG CAPTURE``)
+runs each captured sample alone through the unpatched LLM with the step's weights.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import torch.nn.functional as F
 from mmengine.config import Config
 from torch import nn
 
-from xtuner_rope.capture.base import CaptureHook
-from xtuner_rope.capture.llava import IGNORE_INDEX, in_run_sentence, isolation_figures
+from xtuner_rope.capture.llava import LLMCaptureHook, isolation_figures
+from xtuner_rope.capture.measure import IGNORE_INDEX
 from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 
@@ -36,19 +35,10 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
     )
 
 
-class InternVLIsolationCaptureHook(CaptureHook):
-    """Save the LLM's inputs, weights and logits of the first step of an InternVL run (tiny models).
+class InternVLIsolationCaptureHook(LLMCaptureHook):
+    """Save the LLM's inputs, weights and logits of the first step of an InternVL run (tiny models)."""
 
-    Args:
-        negative_control: Also measure inside the run, through an unpatched copy of the LLM
-            with the run's weights: each sample alone, and the captured rows as they are.
-    """
-
-    def __init__(self, negative_control: bool = True) -> None:
-        super().__init__(at_iter=0)
-        self.negative_control = negative_control
-        self._saved: dict = {}
-        self._reference: nn.Module | None = None
+    FILE, WHAT = INTERNVL_CAPTURE_FILE, "LLM inputs, weights and logits"
 
     def _collect(self, module, args, kwargs, output) -> None:
         if "logits" in self._saved or not module.training:
@@ -82,16 +72,6 @@ class InternVLIsolationCaptureHook(CaptureHook):
             self._reference.to(next(llm.parameters()).device).eval()
         self.on_undo(pause_chunked_loss(llm))  # the training forward's logits, for this step
         self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
-
-    def saved(self, runner, outputs: dict | None) -> dict:
-        return self._saved
-
-    def file_name(self) -> str:
-        return INTERNVL_CAPTURE_FILE
-
-    def message(self, path: Path, saved: dict) -> str:
-        measured = in_run_sentence(saved.get("in_run"))
-        return f"saved iteration 1's LLM inputs, weights and logits to {path}.{measured}"
 
 
 def reference_internvl_llm(cfg: Config) -> nn.Module:

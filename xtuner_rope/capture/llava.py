@@ -1,8 +1,7 @@
 """Isolation inside a real LLaVA ``xtuner train`` run: capture what the LLM saw, compare offline.
 
-The LLM sees the expanded rows, not the collated batch: :class:`LLaVAIsolationCaptureHook`
-records its inputs, logits and loss of iteration 1; :func:`compare_llava_capture` runs each
-sample alone through the unpatched LLM, and the hook's negative control the same in the run.
+:class:`LLaVAIsolationCaptureHook` records the LLM's (expanded) inputs, logits and loss of
+iteration 1; :func:`compare_llava_capture` runs each sample alone through the unpatched LLM.
 """
 
 from __future__ import annotations
@@ -10,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from mmengine.config import Config
 from torch import nn
 
+from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.base import CaptureHook
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.weights import plain_state_dict, plain_weights_refusal
@@ -23,26 +22,40 @@ from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 
 LLAVA_CAPTURE_FILE = "llava_isolation_capture.pt"
 _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
-IGNORE_INDEX = -100
 
 
-class LLaVAIsolationCaptureHook(CaptureHook):
-    """Save the LLM's inputs, logits and loss of the first training step of a LLaVA run (tiny
-    models).
-
-    The captured step runs with dropout off, as the reference passes do.
+class LLMCaptureHook(CaptureHook):
+    """Base of the multimodal captures: the LLM's first step, with an in-run negative control.
 
     Args:
-        negative_control: Also measure inside the run through an unpatched copy with the run's
-            weights (LoRA merged, ZeRO-3 gathered; LoRA under ZeRO-3 refused before the first
-            step).
+        negative_control: Also measure inside the run through an unpatched copy of the LLM
+            with the run's weights (:func:`isolation_figures`, logged).
     """
+
+    FILE = WHAT = ""  # the capture's file name; what the log line says was saved
 
     def __init__(self, negative_control: bool = True) -> None:
         super().__init__(at_iter=0)
         self.negative_control = negative_control
         self._saved: dict = {}
         self._reference: nn.Module | None = None
+
+    def saved(self, runner, outputs: dict | None) -> dict:
+        return self._saved
+
+    def file_name(self) -> str:
+        return self.FILE
+
+    def message(self, path: Path, saved: dict) -> str:
+        measured = in_run_sentence(saved.get("in_run"))
+        return f"saved iteration 1's {self.WHAT} to {path}.{measured}"
+
+
+class LLaVAIsolationCaptureHook(LLMCaptureHook):
+    """Save the LLM's inputs, logits and loss of the first step of a LLaVA run (tiny models),
+    dropout off; the negative control merges LoRA, gathers ZeRO-3 (refuses LoRA under ZeRO-3)."""
+
+    FILE, WHAT = LLAVA_CAPTURE_FILE, "LLM inputs and logits"
 
     def before_train(self, runner) -> None:
         """Refuse, before any step, a negative control this LLM cannot have."""
@@ -89,16 +102,6 @@ class LLaVAIsolationCaptureHook(CaptureHook):
         self.on_undo(pause_chunked_loss(llm))  # the training forward's logits, for this step
         self.on_undo(llm.register_forward_hook(self._collect, with_kwargs=True).remove)
 
-    def saved(self, runner, outputs: dict | None) -> dict:
-        return self._saved
-
-    def file_name(self) -> str:
-        return LLAVA_CAPTURE_FILE
-
-    def message(self, path: Path, saved: dict) -> str:
-        measured = in_run_sentence(saved.get("in_run"))
-        return f"saved iteration 1's LLM inputs and logits to {path}.{measured}"
-
 
 def in_run_sentence(figures: dict | None) -> str:
     """The log's sentence on :func:`isolation_figures` (``""`` without a negative control)."""
@@ -122,15 +125,14 @@ def reference_llava_llm(cfg: Config) -> nn.Module:
 
 
 def _samples(lengths: list[int], positions: torch.Tensor | None):
-    """``(row, start, length)`` of each sample: a row's real tokens, cut where positions restart."""
+    """``(row, start, end)`` of each sample: a row's real tokens, cut where positions restart."""
     for r, n in enumerate(lengths):
         starts = (
             [0]
             if positions is None
             else [int(c) for c in (positions[r, :n] == 0).nonzero().reshape(-1)] or [0]
         )
-        for a, e in zip(starts, starts[1:] + [n]):
-            yield r, a, e - a
+        yield from ((r, a, e) for a, e in zip(starts, starts[1:] + [n]))
 
 
 def isolation_figures(llm: nn.Module, saved: dict) -> dict:
@@ -146,52 +148,35 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
         ``{'rows', 'samples', 'max_abs_diff', 'unpatched_max_abs_diff', 'per_sample': [...],
         'loss': {'captured', 'samples'}}``.
     """
-    embeds, logits = saved["inputs_embeds"], saved["logits"]
+    embeds, labels = saved["inputs_embeds"], saved["labels"]
     unpatched = saved.get("unpatched_logits")
     b, s = embeds.shape[:2]
     mask = saved.get("attention_mask")
     lengths = mask.bool().sum(dim=1).tolist() if mask is not None else [s] * b
-    positions = saved.get("position_ids")
+    docs = list(_samples(lengths, saved.get("position_ids")))
     device = next(llm.parameters()).device
-    per_sample, loss_sum, count = [], 0.0, 0
+    alone = []
     with torch.no_grad():
-        for r, a, n in _samples(lengths, positions):
+        for r, a, e in docs:
             reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: each as loaded
-            alone = (
-                llm(
-                    inputs_embeds=embeds[r : r + 1, a : a + n].to(device),
-                    position_ids=torch.arange(n, device=device)[None],
-                )
-                .logits[0]
-                .float()
-                .cpu()
-            )
-            per_sample.append(
-                {
-                    "row": r,
-                    "start": a,
-                    "tokens": n,
-                    "max_abs_logit": float(alone.abs().max()),
-                    "max_abs_diff": float((logits[r, a : a + n] - alone).abs().max()),
-                    "unpatched_max_abs_diff": None
-                    if unpatched is None
-                    else float((unpatched[r, a : a + n] - alone).abs().max()),
-                }
-            )
-            labels = saved["labels"][r, a : a + n]
-            loss_sum += float(
-                F.cross_entropy(alone[:-1], labels[1:], reduction="sum", ignore_index=IGNORE_INDEX)
-            )
-            count += int((labels[1:] != IGNORE_INDEX).sum())
+            positions = torch.arange(e - a, device=device)[None]  # [1, n]
+            out = llm(inputs_embeds=embeds[r : r + 1, a:e].to(device), position_ids=positions)
+            alone.append(out.logits[0].float().cpu())
+    per_sample = cm.logits_differences(saved["logits"], alone, docs)
+    leaks = cm.logits_differences(unpatched, alone, docs) if unpatched is not None else None
+    for i, sample in enumerate(per_sample):
+        sample["unpatched_max_abs_diff"] = leaks and leaks[i]["max_abs_diff"]
+    loss = sum(float(cm.token_loss_sum(x, labels[r, a:e])) for x, (r, a, e) in zip(alone, docs))
     return {
         "rows": b,
         "samples": len(per_sample),
         "max_abs_diff": max(d["max_abs_diff"] for d in per_sample),
-        "unpatched_max_abs_diff": None
-        if unpatched is None
-        else max(d["unpatched_max_abs_diff"] for d in per_sample),
+        "unpatched_max_abs_diff": leaks and max(d["max_abs_diff"] for d in leaks),
         "per_sample": per_sample,
-        "loss": {"captured": saved["loss"], "samples": loss_sum / max(count, 1)},
+        "loss": {
+            "captured": saved["loss"],
+            "samples": loss / max(cm.label_count(labels, docs)[1], 1),
+        },
     }
 
 

@@ -43,19 +43,12 @@ def _row_segments(data: dict, recorded: list[list[int]] | None) -> tuple[list[li
 def documents(
     data: dict, recorded: list[list[int]] | None, max_documents: int
 ) -> tuple[list[tuple[int, int, int]], str]:
-    """Cut the batch after its first ``max_documents`` documents; list its documents.
+    """``[(row, start, end)]`` of the batch's documents (segments with a supervised label after
+    their first token), and where the boundaries came from.
 
-    A document is a segment with a supervised label after its first token. The rows are cut in
-    place to end at the last kept document: causal attention makes the cut batch an exact,
-    smaller instance of the same batch.
-
-    Args:
-        data: The batch's ``data`` dict (cut in place).
-        recorded: Each row's boundaries when the batch does not carry them, or None.
-        max_documents: How many documents to keep.
-
-    Returns:
-        ``[(row, start, end)]`` of every document left, and the source of the boundaries.
+    The rows of ``data`` are cut in place after the first ``max_documents`` documents: causal
+    attention makes the cut batch an exact, smaller instance of it. ``recorded``: each row's
+    boundaries when the batch does not carry them.
 
     Raises:
         ValueError: the batch has no supervised label.
@@ -92,15 +85,8 @@ def _cut_rows(data: dict, rows: list[list[int]], cut: int) -> None:
 
 
 def label_count(labels: torch.Tensor, docs: list[Doc]) -> tuple[int, int]:
-    """Supervised labels the packed loss averages over, and those the documents hold.
-
-    Args:
-        labels: ``[b, s]`` labels of the packed batch.
-        docs: The documents.
-
-    Returns:
-        ``(packed, documents)`` (they differ when a document's first token carries a label).
-    """
+    """``(packed, documents)``: the supervised labels the packed loss averages over (``[b, s]``
+    ``labels``) and those ``docs`` hold (fewer when a document's first token has a label)."""
     packed = int((labels[:, 1:] != IGNORE_INDEX).sum())
     alone = sum(int((labels[r, a + 1 : e] != IGNORE_INDEX).sum()) for r, a, e in docs)
     return packed, alone
@@ -119,18 +105,16 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def documents_alone(
     llm, data: dict, docs: list[Doc], n_labels: int, backward: bool
 ) -> tuple[list[torch.Tensor], float]:
-    """Each document through ``llm`` alone (positions from 0, no other token).
+    """Each document through ``llm`` alone (positions from 0, no other token), fp32 on the CPU.
 
     Args:
-        llm: The HF model (unpatched for the check's reference).
         data: The packed batch (``input_ids``, ``labels`` ``[b, s]``, on the CPU).
-        docs: The documents.
         n_labels: Divisor of the loss (the packed loss's label count).
-        backward: Backpropagate ``-(sum of the documents' token losses) / n_labels`` (``.grad``
-            then holds minus the reference gradient of the packed loss).
+        backward: Backpropagate ``-(sum of the documents' token losses) / n_labels``
+            (``.grad`` then holds minus the reference gradient of the packed loss).
 
     Returns:
-        The ``[len, V]`` fp32 logits of each document (CPU) and the reference loss.
+        The ``[len, V]`` logits of each document and the reference loss.
     """
     device = next(llm.parameters()).device
     logits, total = [], 0.0
@@ -151,13 +135,12 @@ def documents_alone(
 def packed_forward(
     runner, data_batch: dict, hooks: dict, boundary_hooks: tuple[str, ...], backward: bool
 ) -> tuple[torch.Tensor, float, list[str]]:
-    """The packed batch through the model as MMEngine's training step runs it.
-
-    The boundary hooks' ``before_train_iter`` publish the boundaries, the ``data_preprocessor``
-    moves the batch, then ``forward(mode='tensor')``; boundary keys no hook consumed are dropped.
+    """The packed batch through the model as MMEngine's training step runs it (the boundary hooks'
+    ``before_train_iter``, ``data_preprocessor``, ``forward(mode='tensor')``).
 
     Returns:
-        ``[b, s, V]`` fp32 logits (CPU), the loss, and the dropped keys.
+        ``[b, s, V]`` fp32 logits (CPU), the loss, and the boundary keys no hook consumed
+        (dropped).
     """
     for name in boundary_hooks:
         if name in hooks:

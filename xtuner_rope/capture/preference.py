@@ -1,14 +1,9 @@
 """Isolation of packed preference pairs, measured inside a real ``xtuner train`` run.
 
-:class:`PreferenceCaptureHook` (opt-in: ``dict(type=PreferenceCaptureHook)`` in
-``custom_hooks``) saves one training batch of XTuner's DPO, ORPO or reward model (packed
-pairs, boundaries included), the model's weights at that step and what the model computed
-from the batch: the policy and reference chosen/rejected log-probs (DPO), the chosen/rejected
-average log-probs (ORPO) or the chosen/rejected reward scores (reward model).
-:func:`compare_preference_capture` runs each response alone through the config's model,
-unpatched, with those weights, and sums log p over the response in float64 itself; as a
-negative control it also runs the packed row through the unpatched model (what XTuner does
-without flash-attn: every response attends to the ones before it).
+:class:`PreferenceCaptureHook` (opt-in) saves one DPO/ORPO/reward batch, the step's weights and
+the per-response values the model computed; :func:`compare_preference_capture` runs each
+response alone through the unpatched model (float64 sums), and the packed row as a negative
+control (XTuner without flash-attn: each response attends to the ones before it).
 """
 
 from __future__ import annotations
@@ -30,6 +25,8 @@ from xtuner_rope.capture.preference_losses import (
 )
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.capture.text import reference_llm
+from xtuner_rope.capture.weights import plain_state_dict
+from xtuner_rope.evaluation.preference_metric import preference_kind
 from xtuner_rope.models.dispatch import unwrap_model
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
 
@@ -46,81 +43,34 @@ def capture_file(rank: int = 0, world_size: int = 1) -> str:
     )
 
 
-def model_kind(model: nn.Module) -> str:
-    """'dpo', 'orpo' or 'reward' for XTuner's preference models.
-
-    Raises:
-        TypeError: another model.
-    """
-    kinds = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
-    for cls in type(model).__mro__:
-        if cls.__name__ in kinds:
-            return kinds[cls.__name__]
-    raise TypeError(f"{type(model).__name__} is not XTuner's DPO, ORPO or RewardModel")
-
-
-def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights in fp32 on the CPU, gathered first under DeepSpeed ZeRO-3.
-
-    ZeRO-3 leaves each process an empty placeholder per parameter (its shard lives elsewhere):
-    ``deepspeed.zero.GatheredParameters`` brings the full tensors back for the copy.
-    """
-    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    if params:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+def _cpu(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
 def _lora_dpo_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Policy and reference weights of a LoRA DPO as two plain models (``llm.``, ``ref_llm.``).
-
-    XTuner's LoRA DPO has no ``ref_llm``: the reference is the policy with its adapter
-    disabled, and its ``state_dict`` holds the adapter only. The policy is a copy with the
-    adapter merged, the reference a copy with it removed; both load into the config's plain
-    ``llm``.
-    """
+    """A LoRA DPO's policy (adapter merged, ``llm.``) and reference (adapter removed,
+    ``ref_llm.``) as plain models: XTuner's state_dict holds the adapter only."""
     state = {}
     for prefix, undo in (("llm.", "merge_and_unload"), ("ref_llm.", "unload")):
-        plain = getattr(copy.deepcopy(model.llm), undo)()
-        state.update(
-            {prefix + k: v.detach().float().cpu().clone() for k, v in plain.state_dict().items()}
-        )
+        state.update(_cpu(getattr(copy.deepcopy(model.llm), undo)().state_dict(), prefix))
     return state
 
 
 def _lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A LoRA preference model's weights as a plain model (``llm.``) and its other parts.
-
-    XTuner's ``state_dict`` of a LoRA model holds the adapter only: the policy is a copy with
-    the adapter merged; the rest (a reward model's ``v_head``) is copied as it is.
-    """
-    merged = copy.deepcopy(model.llm).merge_and_unload()
-    state = {"llm." + k: v.detach().float().cpu().clone() for k, v in merged.state_dict().items()}
+    """A LoRA preference model as a plain ``llm.`` (adapter merged) and its other parts."""
+    state = _cpu(copy.deepcopy(model.llm).merge_and_unload().state_dict(), "llm.")
     for name, part in model.named_children():
-        if name != "llm":  # a reference model (ZeRO-3 DPO) is plain: copied as it is
-            state.update(
-                {
-                    f"{name}.{k}": v.detach().float().cpu().clone()
-                    for k, v in part.state_dict().items()
-                }
-            )
+        if name != "llm":  # a reward model's v_head; a (plain) ZeRO-3 DPO reference
+            state.update(_cpu(part.state_dict(), f"{name}."))
     return state
 
 
 class PreferenceCaptureHook(CaptureHook):
     """Save one preference batch, the weights and the per-response values computed.
 
-    Writes ``preference_capture.pt`` (``preference_capture_rank{r}.pt`` on several processes)
-    into the work dir after iteration ``at_iter + 1``:
-    ``{'kind', 'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss',
-    'randomness_off'}``. Packed pairs (``use_varlen_attn``) and unpacked ones (one response
-    per row) alike. The captured iteration runs with dropout and router noise off
-    (:func:`~xtuner_rope.capture.randomness.randomness_off`, restored after it;
-    ``randomness_off`` says what was off), as the responses alone are computed. For tiny test
-    models (the weights are saved).
+    Writes ``preference_capture[_rank{r}].pt`` after iteration ``at_iter + 1``: ``{'kind',
+    'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss', 'randomness_off'}``; the
+    step runs with dropout and router noise off (:func:`randomness_off`). Tiny models only.
 
     Args:
         at_iter: The 0-based iteration to capture; after an optimizer step the policy and
@@ -159,7 +109,9 @@ class PreferenceCaptureHook(CaptureHook):
 
     def install(self, runner, data_batch: dict) -> None:
         model = unwrap_model(runner.model)
-        kind = model_kind(model)
+        kind = preference_kind(model)
+        if kind is None:
+            raise TypeError(f"{type(model).__name__} is not XTuner's DPO, ORPO or RewardModel")
         data = {
             k: copy.deepcopy(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
             for k, v in data_batch["data"].items()
@@ -168,7 +120,7 @@ class PreferenceCaptureHook(CaptureHook):
         if kind == "dpo" and model.ref_llm is None:
             state = _lora_dpo_state_dict(model)
         else:
-            state = _lora_state_dict(model) if lora else _full_state_dict(model)
+            state = _lora_state_dict(model) if lora else plain_state_dict(model)
         self._saved = {
             "kind": kind,
             "data": data,
@@ -208,11 +160,7 @@ class PreferenceCaptureHook(CaptureHook):
 
 def _segments(data: dict) -> list[tuple[int, int, int]]:
     """``(row, start, end)`` of each captured response, in order: chosen, rejected, ...
-
-    Packed pairs (``use_varlen_attn``): the spans of row 0 between its ``cumulative_len``.
-    Unpacked pairs (``preference_collate_fn`` without varlen): row ``r`` is response ``r``
-    alone, right-padded; its ``attention_mask`` gives its length.
-    """
+    (packed: row 0 between its ``cumulative_len``; unpacked: row ``r`` up to its mask)."""
     cumulative = data.get("cumulative_len")
     if cumulative is None:
         lengths = data["attention_mask"].sum(-1).tolist()
@@ -250,25 +198,16 @@ def _values(
     """
     ids, labels = data["input_ids"], data["labels"]
     segments = _segments(data)
+
+    def run(**inputs) -> torch.Tensor:  # hidden states for the reward head, else logits
+        reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: each as loaded
+        return llm.model(**inputs)[0] if head is not None else llm(**inputs).logits
+
     if packed:  # the leak: one causal range over the row, positions restarting per response
-        reset_upstream_rotaries(llm)  # dynamic NTK is stateful upstream: start as loaded
-        row = (
-            llm.model(input_ids=ids, position_ids=data["position_ids"])[0]
-            if head is not None
-            else llm(input_ids=ids, position_ids=data["position_ids"]).logits
-        )
+        row = run(input_ids=ids, position_ids=data["position_ids"])
         outs = [row[r, a:b] for r, a, b in segments]
     else:
-        outs = []
-        for r, a, b in segments:
-            reset_upstream_rotaries(llm)  # each response as a fresh copy gets it alone
-            outs.append(
-                (
-                    llm.model(input_ids=ids[r : r + 1, a:b])[0]
-                    if head is not None
-                    else llm(input_ids=ids[r : r + 1, a:b]).logits
-                )[0]
-            )
+        outs = [run(input_ids=ids[r : r + 1, a:b])[0] for r, a, b in segments]
     if head is not None:  # reward score at the response's reward token
         hidden = torch.cat(
             [out[labels[r, a:b] != IGNORE].double() for out, (r, a, b) in zip(outs, segments)]
@@ -292,8 +231,7 @@ def _loss_alone(cfg: Config, kind: str, alone: dict, data: dict) -> float | None
     if kind == "orpo":
         labels = data["labels"]
         counts = [int((labels[r, a + 1 : b] != IGNORE).sum()) for r, a, b in _segments(data)]
-        counts = counts[::2]
-        return orpo_loss(alone, counts, model.get("beta", 0.1))
+        return orpo_loss(alone, counts[::2], model.get("beta", 0.1))
     return reward_loss(
         alone,
         model.get("loss_type", "ranking"),
@@ -317,14 +255,10 @@ def compare_preference_capture(config: str | Path | Config, capture: str | Path)
         capture: The ``preference_capture.pt`` of :class:`PreferenceCaptureHook`.
 
     Returns:
-        ``{'kind', 'pairs', 'alone': {name: [values]}, 'captured': {name: [values]},
-        'max_abs_diff': {name: float}, 'leak_max_abs_diff': {name: float}, 'loss'}``:
-        ``max_abs_diff`` is run vs alone, ``leak_max_abs_diff`` the unpatched packed row vs
-        alone (the negative control; empty for unpacked pairs, one response per row, where
-        nothing can leak); ``packed``: whether the pairs were packed; ``reward_token_states``: the same two figures for the
-        hidden states the reward head reads (reward models); ``loss``: the logged loss and
-        the same loss from the responses alone (DPO sigmoid, ORPO, reward ranking/focal with
-        its penalty; a reward loss only from a one-process capture).
+        ``{'kind', 'packed', 'pairs', 'alone', 'captured', 'max_abs_diff',
+        'leak_max_abs_diff', 'reward_token_states', 'loss'}``: values per name, run vs alone
+        and unpatched packed row vs alone (empty unpacked); the reward head's input states the
+        same; the logged loss and the one from the responses alone (reward: one process).
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     cfg = config if isinstance(config, Config) else Config.fromfile(str(config))

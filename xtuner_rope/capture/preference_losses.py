@@ -1,9 +1,5 @@
-"""The references of the preference capture: each response's log-prob and XTuner's losses, float64.
-
-:mod:`xtuner_rope.capture.preference` recomputes what XTuner's DPO, ORPO and reward model
-computed from a packed batch, from each response alone: :func:`response_logp` sums log p over a
-response's own targets, and the loss functions below rebuild the model's loss from those values
-(through ``ops.preference_loss``, the per-pair losses the plugin's metrics use too).
+"""The references of the preference capture, float64: each response's log-prob and XTuner's
+losses rebuilt from them (through ``ops.preference_loss``, as the metrics).
 """
 
 from __future__ import annotations
@@ -18,13 +14,8 @@ IGNORE = -100
 
 
 def response_logp(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> float:
-    """Sum (or mean) of log p(target) over a response's supervised targets, in float64.
-
-    Args:
-        logits: ``[s, V]`` of one response (its own tokens only).
-        labels: ``[s]`` as collated (unshifted; -100 where unsupervised).
-        average: Divide by the number of supervised targets (ORPO, IPO).
-    """
+    """Sum (or with ``average`` the mean) of log p(target) over a response's supervised targets,
+    float64, from its own ``[s, V]`` ``logits`` and ``[s]`` unshifted ``labels``."""
     logp = logits[:-1].double().log_softmax(-1)  # [s - 1, V]: token t predicts t + 1
     targets = labels[1:]
     supervised = targets != IGNORE
@@ -45,17 +36,9 @@ def dpo_sigmoid_loss(values: dict, beta: float, label_smoothing: float = 0.0) ->
 
 
 def orpo_loss(values: dict, counts: list[int], beta: float) -> float:
-    """XTuner's ORPO loss from per-response average log-probs, float64.
-
-    ``nll`` of the chosen responses (mean over all their supervised targets) minus the mean of
-    ``beta * logsigmoid(log odds ratio)`` over pairs (pairs whose ratio is NaN are skipped, as
-    XTuner does).
-
-    Args:
-        values: ``{'chosen': [pairs], 'rejected': [pairs]}`` average log-probs.
-        counts: Supervised targets of each chosen response, in pair order.
-        beta: The model's ``beta``.
-    """
+    """XTuner's ORPO loss from per-response average log-probs (``{'chosen', 'rejected'}``), float64:
+    the chosen NLL over their ``counts`` supervised targets minus the mean of ``beta *
+    logsigmoid(log odds ratio)`` (NaN ratios skipped, as XTuner)."""
     chosen = torch.tensor(values["chosen"], dtype=torch.float64)
     rejected = torch.tensor(values["rejected"], dtype=torch.float64)
     n = torch.tensor(counts, dtype=torch.float64)
@@ -71,12 +54,9 @@ def reward_loss(
     penalty_type: str = "log_barrier",
     penalty_weight: float = 0.01,
 ) -> float | None:
-    """XTuner's reward-model loss of one process's batch from its scores, float64.
-
-    Ranking (or focal ranking) loss over pairs plus ``penalty_weight`` times the penalty on
-    every score, both summed and divided by the pairs (XTuner averages ``1 / pairs`` over
-    processes: equal to this on one process only). None for a type XTuner does not have.
-    """
+    """XTuner's reward-model loss of one process's batch from its scores, float64: the (focal)
+    ranking loss plus ``penalty_weight`` times the penalty, over pairs (XTuner's equals it on one
+    process only); None for a type XTuner does not have."""
     chosen = torch.tensor(values["chosen"], dtype=torch.float64)
     rejected = torch.tensor(values["rejected"], dtype=torch.float64)
     try:  # each pair's ranking loss plus its two scores' penalty: their mean is the batch's

@@ -17,14 +17,11 @@ RANDOM_ATTRIBUTES = ("attention_dropout", "dropout", "jitter_noise", "router_jit
 
 @contextmanager
 def randomness_off(model: nn.Module) -> Iterator[dict]:
-    """Switch off dropout and router noise in ``model`` for the duration of the context.
-
-    Args:
-        model: The model (PEFT- or XTuner-wrapped: every submodule is visited).
+    """Switch off dropout and router noise in ``model`` (every submodule) inside the context.
 
     Yields:
-        What was switched off: ``{"dropout_modules": n, "dropout_p": [distinct p > 0],
-        "attributes": {name: [distinct values > 0]}}`` (empty lists when there was none).
+        What was off: ``{"dropout_modules": n, "dropout_p": [p > 0], "attributes": {name:
+        [values > 0]}}``.
     """
     restore: list[tuple[object, str, float]] = []
     probabilities: set[float] = set()

@@ -31,10 +31,9 @@ def _copy(value: object) -> object:
 
 
 class IsolationCaptureHook(CaptureHook):
-    """Save the first training batch and the logits/loss the model computed from it.
+    """Save the first training batch and the logits/loss the model computed from it (tiny models).
 
-    Writes ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``)
-    into the run's work dir after iteration 1 (for tiny models: 7B logits are gigabytes).
+    Writes ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``).
     """
 
     def __init__(self) -> None:
@@ -121,11 +120,11 @@ def compare_capture(config: str | Path, capture: str | Path) -> dict:
 
     Args:
         config: The config that was trained (started as ``xtuner train`` starts it).
-        capture: The ``isolation_capture.pt`` written by :class:`IsolationCaptureHook`.
+        capture: The ``isolation_capture.pt`` of :class:`IsolationCaptureHook`.
 
     Returns:
-        ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document': [...],
-        'loss': {'captured', 'documents'}}``; ``dtype`` is the run's (judge with its tolerance).
+        ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document', 'loss'}``;
+        ``dtype`` is the run's (judge with its tolerance).
     """
     from xtuner_rope.doctor.diagnose import start_like_xtuner_train
 

@@ -39,10 +39,8 @@ def plain_weights_refusal(module: nn.Module, who: str) -> str | None:
 
 
 def plain_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s weights under the names of the plain model, fp32 on the CPU.
-
-    Args:
-        module: The run's LLM (full, PEFT-wrapped, or partitioned by ZeRO-3).
+    """``module``'s weights (full, PEFT merged, ZeRO-3 gathered) under the plain model's names,
+    fp32 on the CPU.
 
     Raises:
         ValueError: a PEFT LLM under ZeRO-3 (:func:`plain_weights_refusal`).

@@ -14,6 +14,16 @@ import torch
 from xtuner_rope.models.chunked_loss import is_target_logprobs
 
 
+def _preference_models():
+    """``(module, class)`` of XTuner's DPO and ORPO, those that import."""
+    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        yield module, getattr(module, cls)
+
+
 class _RankWithoutGroup:
     """``torch.distributed`` as xtuner's DPO/ORPO modules see it: rank 0 without a group."""
 
@@ -30,27 +40,18 @@ class _RankWithoutGroup:
 def patch_xtuner_preference_rank() -> bool:
     """Let a single-process ``xtuner train`` run XTuner's packed DPO and ORPO.
 
-    xtuner 0.2.0 ``DPO.compute_loss`` / ``ORPO.compute_loss`` (``use_varlen_attn=True``) read
-    the boundaries under ``cumulative_len_rank_{dist.get_rank()}`` with torch's ``get_rank``,
-    which needs a process group: a plain ``xtuner train`` (no launcher) dies at the first step
-    with ``ValueError: Default process group has not been initialized``. Their module's
-    ``dist`` is swapped for a view of ``torch.distributed`` whose ``get_rank`` is 0 without a
-    group (MMEngine's convention, the rank ``PackedBatchCheckHook`` publishes under).
+    xtuner 0.2.0's packed ``compute_loss`` calls ``dist.get_rank()``, which needs a process
+    group (``Default process group has not been initialized`` without a launcher); their
+    module's ``dist`` becomes a view whose ``get_rank`` is 0 without a group (as MMEngine's).
 
     Returns:
         True if applied (an XTuner whose DPO/ORPO call ``dist.get_rank()`` there).
     """
     applied = False
-    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
+    for module, model in _preference_models():
+        if module.__dict__.get("dist") is not torch.distributed:
             continue
-        if module.__dict__.get(
-            "dist"
-        ) is torch.distributed and "dist.get_rank()" in inspect.getsource(
-            getattr(module, cls).compute_loss
-        ):
+        if "dist.get_rank()" in inspect.getsource(model.compute_loss):
             module.dist = _RankWithoutGroup(torch.distributed)
             applied = True
     return applied
@@ -100,22 +101,15 @@ def _gather_with_targets(gather):
 def patch_xtuner_preference_target_zero() -> bool:
     """Count target token id 0 in XTuner's DPO/ORPO log-probs.
 
-    xtuner 0.2.0 ``DPO.compute_loss`` / ``ORPO.compute_loss`` build the log-prob mask as
-    ``labels[labels == -100] = 0; loss_mask = labels != 0``: every supervised target whose id
-    is 0 (a real token in Llama 3 and Qwen2 vocabularies, "!") is silently left out of the
-    chosen/rejected log-probs, while the IPO/ORPO denominators (``labels != -100``) still count
-    it. The wrapped ``compute_loss`` records ``labels != -100`` (shifted as XTuner shifts)
-    before XTuner overwrites the -100s, and ``_gather_masked_logits`` uses it.
+    xtuner 0.2.0 masks with ``labels[labels == -100] = 0; loss_mask = labels != 0``, dropping
+    every target of id 0 (Llama 3's and Qwen2's "!") while the IPO/ORPO denominators count it;
+    ``compute_loss`` now records ``labels != -100`` first and ``_gather_masked_logits`` uses it.
 
     Returns:
         True if applied (an XTuner whose DPO/ORPO still build the mask that way).
     """
     applied = False
-    for name, cls in (("xtuner.model.dpo", "DPO"), ("xtuner.model.orpo", "ORPO")):
-        try:
-            model = getattr(importlib.import_module(name), cls)
-        except ImportError:
-            continue
+    for _, model in _preference_models():
         if "loss_mask = labels != 0" not in inspect.getsource(model.compute_loss):
             continue
         model.compute_loss = _keep_target_id_zero(model.compute_loss)
@@ -154,15 +148,10 @@ def _cross_entropy_from_logprobs(cross_entropy):
 def patch_preference_chunked_logprobs() -> bool:
     """XTuner's DPO and ORPO take their log-probs from the chunked target log-probs.
 
-    xtuner 0.2.0 ``DPO.compute_loss`` / ``ORPO.compute_loss`` read ``self.llm(**data).logits``
-    ``[b, s, V]`` of policy and reference and reduce them with ``_gather_masked_logits``
-    (``log_softmax`` then ``gather`` at the already-shifted labels; ORPO also with
-    ``cross_entropy_loss`` on the chosen rows). Where ``hooks.chunked_loss`` runs their
-    ``compute_loss`` inside ``models.chunked_loss.target_logprobs_only``, the causal LMs return
-    the ``[b, s, 1]`` target log-probs instead (``ops.chunked_loss.chunked_target_logprobs``):
-    both methods accept them, and give the same values and gradients; full logits pass
-    through unchanged. Applied before ``patch_xtuner_preference_target_zero``, whose wrapper
-    hands it the mask that keeps target id 0.
+    Inside ``models.chunked_loss.target_logprobs_only`` the LLMs return ``[b, s, 1]`` target
+    log-probs instead of ``[b, s, V]`` logits; ``_gather_masked_logits`` and ORPO's
+    ``cross_entropy_loss`` accept both (same values and gradients). Applied before
+    ``patch_xtuner_preference_target_zero``, whose wrapper hands it the mask.
 
     Returns:
         True if applied.
@@ -179,10 +168,8 @@ def patch_preference_chunked_logprobs() -> bool:
 def patch_preference_unpacked_pairs() -> bool:
     """``PackedDatasetWrapper`` keeps the pairs it packed, in dataset order (``unpacked_pairs``).
 
-    xtuner 0.2.0's wrapper packs whole pairs after a shuffle and drops every pair longer than
-    ``max_packed_length``, logging only a count: the pairs cannot be named afterwards, and the
-    dropped ones are gone. ``xtuner_rope.data.preference_checks`` needs both (the check before
-    the first step); the reference costs no copy (the wrapper's rows hold the same dicts).
+    xtuner 0.2.0 shuffles and drops pairs over ``max_packed_length`` with only a count;
+    ``data.preference_checks`` needs them named (a reference, no copy).
 
     Returns:
         True if the wrapper is patched.
@@ -214,11 +201,9 @@ def _failing_row(dataset, map_fn) -> tuple[int, Exception] | None:
 def patch_preference_map_fn_errors() -> bool:
     """A preference ``dataset_map_fn`` that fails names the source row and what a pair needs.
 
-    xtuner 0.2.0's ``build_preference_dataset`` maps the raw rows with ``datasets.map``: a
-    one-sided row (``orpo_dpo_mix_40k_map_fn``: ``assert len(chosen) == len(rejected)``), a
-    row without its answer turn or without ``rejected`` dies there with a bare
-    ``AssertionError`` / ``KeyError`` and no row named. On such a failure the rows are mapped
-    again one by one to find the first that fails, and a ``ValueError`` names it.
+    xtuner 0.2.0 dies with a bare ``AssertionError`` / ``KeyError`` (one-sided row, no answer
+    turn, no ``rejected``); on failure the rows are mapped one by one and a ``ValueError``
+    names the first that fails.
 
     Returns:
         True if ``map_dataset`` is patched.
@@ -273,11 +258,8 @@ def _predict_with_reference(self, data, data_samples=None):
 def patch_dpo_predict_reference() -> bool:
     """XTuner's DPO ``predict`` (its ``val_step``) returns the reference model's logits too.
 
-    xtuner 0.2.0 ``DPO`` inherits ``SupervisedFinetune.predict``: the policy's logits only.
-    A held-out DPO loss, reward accuracy and margin need the reference log-probs of the same
-    responses, so a validation loop (MMEngine's ``ValLoop`` with ``PreferenceMetric``) could
-    not compute them. Now each row's dict also holds ``ref_logits`` ``[s, V]`` (the
-    ``ref_llm``, or for LoRA the policy with its adapter disabled, as ``compute_loss`` does).
+    xtuner 0.2.0 inherits ``SupervisedFinetune.predict`` (policy only); ``PreferenceMetric``
+    needs ``ref_logits`` ``[s, V]`` per row (``ref_llm``, or LoRA's adapter disabled).
 
     Returns:
         True if applied (an XTuner whose DPO has no ``predict`` of its own).
@@ -297,16 +279,12 @@ def patch_dpo_predict_reference() -> bool:
 def patch_preference_truncation_counted(counted_class) -> bool:
     """Count XTuner's cut of preference responses at ``max_length`` (same pairs).
 
-    xtuner 0.2.0 ``PreferenceDataset`` (``build_preference_dataset``: DPO, ORPO, reward)
-    keeps the first ``max_length`` tokens of prompt + chosen and of prompt + rejected and says
-    nothing. The module's class is replaced by ``counted_class(PreferenceDataset)``
-    (``xtuner_rope.data.preference_truncation.counted_preference_dataset``, handed in by
-    ``xtuner_rope.activate``; a subclass, same arguments): tokenized uncut, counted, then cut
-    as XTuner cuts; one start-up line (or the doctor's figures) with the pairs truncated and
-    the tokens and labels lost.
+    xtuner 0.2.0 ``PreferenceDataset`` cuts prompt + response at ``max_length`` silently; the
+    module's class becomes ``counted_class(PreferenceDataset)``, a subclass that counts.
 
     Args:
-        counted_class: ``PreferenceDataset -> subclass`` that counts.
+        counted_class: ``PreferenceDataset -> subclass``
+            (``data.preference_truncation.counted_preference_dataset``).
 
     Returns:
         True if the class is replaced (now or before).

@@ -165,36 +165,30 @@ def rope_collate_fn(
 ) -> dict:
     """Collate XTuner items into a batch whose rows carry document boundaries.
 
-    Each row is one item, or with ``pack=True`` several placed by best-fit decreasing; position
-    ids restart at 0 per document and the padding is cut into segments of its own, each shorter
-    than the batch's longest document. Samples without a supervised label are kept and counted
-    (``num_unsupervised``) or dropped; a batch with none supervised (0/0 = NaN) is refused.
+    Position ids restart at 0 per document; the padding is a segment of its own. Samples
+    without a supervised label are counted (``num_unsupervised``) or dropped.
 
     Args:
         instances: ``b`` items; ``input_ids``/``labels`` as lists or 1-D integer tensors, plain
             or XTuner-packed (``cumulative_len`` and/or ``position_ids``).
         pad_index: token id used for padding (an int >= 0).
         use_varlen_attn: accepted for XTuner configs; boundaries are always returned.
-        pack: pack the items into as few rows of at most ``max_length`` tokens as possible.
+        pack: pack the items by best-fit decreasing into rows of at most ``max_length``.
         max_length: row capacity when packing; otherwise an upper bound on item length.
-        pad_to_multiple_of: round ``s`` up to a multiple of this.
-        min_length: pad ``s`` to at least this.
+        pad_to_multiple_of: round ``s`` up to a multiple of this; min_length: at least this.
         return_hf_format: return the inner dict instead of ``{'data': ..., 'data_samples': None}``.
         drop_unsupervised: drop items with no supervised label (one warning with the count).
 
     Returns:
-        ``{'data': data, 'data_samples': None}`` (or ``data``) with ``input_ids``, ``labels``
-        (-100 on padding and each document's first token after column 0), ``position_ids``
-        (all ``[b, s]`` long), ``cumulative_len`` (``b`` int32 tensors ``[0, ..., s]``),
-        ``max_seqlen`` (int), ``num_unsupervised`` (int) and, only for unpacked plain items,
-        ``attention_mask`` (``[b, s]`` bool, True on real tokens).
+        ``input_ids``, ``labels`` (-100 on padding and each document's first token),
+        ``position_ids`` ``[b, s]``, ``cumulative_len`` (``b`` int32 ``[0, ..., s]``),
+        ``max_seqlen``, ``num_unsupervised`` and, for unpacked plain items, ``attention_mask``
+        ``[b, s]`` bool.
 
     Raises:
-        ValueError: empty batch or sample, mismatched lengths, negative ids or labels (other
-            than -100), bad ``cumulative_len`` or ``position_ids``, a sample over
-            ``max_length``, a batch without any supervised label, an option out of range.
-        TypeError: an item that is not a dict, ids that are not ints, an option of the wrong
-            type.
+        ValueError: an empty batch or sample, mismatched lengths, bad ids, labels or
+            boundaries, a sample over ``max_length``, no supervised label, an option out of range.
+        TypeError: an item that is not a dict, ids that are not ints, an option's type.
     """
     del use_varlen_attn  # boundaries are always returned; kept for XTuner configs
     _check_options(

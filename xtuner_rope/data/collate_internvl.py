@@ -51,11 +51,8 @@ def internvl_collate_fn(
     Args:
         instances: ``InternVL_V1_5_Dataset`` items: ``input_ids`` / ``labels`` (1-D, image
             tokens included), ``pixel_values`` ``[tiles, 3, H, W]``.
-        pad_index: Token id of the padding.
+        pad_index, pack, return_hf_format: As :func:`llava_collate_fn`.
         max_length: Row capacity in tokens (the dataset's ``max_length`` or more).
-        pack: Pack samples into rows (``ops.packing.plan_packs``); False: one sample per row.
-        return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples':
-            {'rows': plan}}`` (``plan``: per row, the batch indices of its samples).
 
     Returns:
         ``input_ids`` / ``labels`` / ``position_ids`` / ``attention_mask`` ``[b, s]``,

@@ -1,14 +1,8 @@
 """``llava_collate_fn``: XTuner's LLaVA samples packed into rows, planned on expanded lengths.
 
-XTuner 0.2.0 cannot pack LLaVA data (``LLaVADataset`` fixes ``pack_to_max_length=False``,
-``default_collate_fn`` asserts no images with ``use_varlen_attn``): short image dialogues are
-padded to the batch's longest. Here several samples share a row. The plan counts each image
-placeholder as the ``image_tokens`` patch embeddings it becomes; each row carries its samples'
-boundaries (``cumulative_len``, before the expansion) and exactly the images its placeholders
-take (one ignored image for a row without any, as XTuner's expansion takes one). After
-``LLaVAModel`` expands the placeholders, ``xtuner_rope.models.llava.restart_after_expansion``
-(installed by ``PackedBatchCheckHook``) expands the boundaries too and restarts the positions
-per sample, so the patched attention keeps each sample to itself.
+XTuner 0.2.0 cannot pack LLaVA data. Each placeholder counts as the ``image_tokens`` patch
+embeddings it becomes; each row carries its samples' boundaries (before the expansion, which
+``models.llava.restart_after_expansion`` expands) and exactly the images it takes.
 """
 
 from __future__ import annotations
@@ -70,26 +64,20 @@ def llava_collate_fn(
 
     Args:
         instances: ``LLaVADataset`` items: ``input_ids`` / ``labels`` (1-D, placeholder
-            ``-200`` where the image goes), ``pixel_values`` ``[3, H, W]`` (a zero image for a
-            text-only sample).
+            ``-200``), ``pixel_values`` ``[3, H, W]`` (zeros for a text-only sample).
         pad_index: Token id of the padding.
         max_length: Row capacity in tokens *after* the image expansion.
-        image_tokens: ``P``, the patch embeddings one image becomes (``(image_size /
-            patch_size) ** 2`` for CLIP, CLS dropped).
-        pack: Pack samples into rows (best-fit decreasing on expanded lengths); False keeps
-            one sample per row (XTuner's padding, with the same fields).
+        image_tokens: ``P``, the patch embeddings one image becomes.
+        pack: Pack samples into rows (``ops.packing.plan_packs`` on expanded lengths); False:
+            one sample per row.
         return_hf_format: Return the inner dict instead of ``{'data': ..., 'data_samples':
             {'rows': plan}}`` (``plan``: per row, the batch indices of its samples in order).
 
     Returns:
-        ``input_ids`` / ``labels`` ``[b, s]`` (labels -100 on padding and on each sample's
-        first token), ``position_ids`` ``[b, s]`` (restarting per sample, before the
-        expansion), ``attention_mask`` ``[b, s]`` (True on real tokens: XTuner's expansion
-        drops the rest), ``pixel_values`` ``[n_images, 3, H, W]`` (per row: its samples'
-        images in order, or one when the row has no placeholder), ``cumulative_len`` (``b``
-        int32 tensors ``0 .. s``, before the expansion, padding its own segment),
-        ``max_seqlen`` (longest segment before the expansion) and ``num_unsupervised`` (samples without a supervised label, kept); the rows hold
-        the samples of ``ops.packing.plan_packs`` on the expanded lengths, in that order.
+        ``input_ids`` / ``labels`` / ``position_ids`` / ``attention_mask`` ``[b, s]`` (before
+        the expansion), ``pixel_values`` ``[n_images, 3, H, W]`` (one for a row without a
+        placeholder), ``cumulative_len`` (``b`` int32 ``0 .. s``), ``max_seqlen`` and
+        ``num_unsupervised``.
 
     Raises:
         ValueError: an option out of range, a sample longer than ``max_length`` once expanded,

@@ -8,15 +8,8 @@ from .packed_dataset import pack_dataset
 
 
 def heldout_process_hf_dataset(dataset, **kwargs):
-    """``xtuner.dataset.process_hf_dataset`` (same arguments), packing whole dialogues.
-
-    Args:
-        dataset: As ``process_hf_dataset``.
-        **kwargs: As ``process_hf_dataset`` (``use_varlen_attn=True`` keeps the boundaries).
-
-    Returns:
-        The held-out dataset, rows of whole dialogues.
-    """
+    """``xtuner.dataset.process_hf_dataset`` (same arguments), rows of whole dialogues
+    (``use_varlen_attn=True`` keeps the boundaries)."""
     from xtuner.dataset.huggingface import process_hf_dataset
 
     from xtuner_rope.compat.xtuner_packing import xtuner_pack_step

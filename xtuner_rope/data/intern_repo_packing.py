@@ -49,15 +49,11 @@ def _table_token_starts(dataset, documents: np.ndarray, offsets: np.ndarray) -> 
 class WholePackedDataset(torch.utils.data.Dataset):
     """XTuner's intern-repo ``PackedDataset`` (same arguments), each document whole in a row.
 
-    Holds the plan only (about 40 bytes a document); rows are read on access, from a
-    ``JsonlDataset``'s lines (``token_lines``) or a ``datasets.Dataset``'s columns
-    (``token_gather``).
+    Holds the plan only (~40 bytes a document); rows are read on access (``token_lines`` for a
+    ``JsonlDataset``, ``token_gather`` for a ``datasets.Dataset``).
 
     Args:
-        dataset: A ``JsonlDataset`` or a ``datasets.Dataset`` of ``input_ids`` / ``labels``.
-        packed_length: Tokens per row.
-        seed: Seed of the document shuffle (XTuner's: ``np.random.RandomState(seed)``).
-        truncation: ``truncation.counting_truncation``'s list of what ``encode_fn`` cut, or None.
+        truncation: ``counting_truncation``'s list of what ``encode_fn`` cut, or None.
 
     Raises:
         ValueError: ``packed_length`` is not a positive integer, or a document is empty.
@@ -129,17 +125,8 @@ class WholePackedDataset(torch.utils.data.Dataset):
 
 
 def pieces_by_reader(dataset, documents, offsets, sizes) -> tuple[list, list]:
-    """The row's pieces read document by document through ``dataset[i]`` (XTuner's reader).
-
-    Args:
-        dataset: The loaded dataset.
-        documents: ``[p]`` document of each piece.
-        offsets: ``[p]`` first token of each piece in its document.
-        sizes: ``[p]`` tokens of each piece.
-
-    Returns:
-        ``(input_ids, labels)`` of the pieces, joined.
-    """
+    """``(input_ids, labels)`` of the pieces (``[p]`` documents, first tokens ``offsets``,
+    ``sizes``) read through ``dataset[i]`` (XTuner's reader), joined."""
     ids, labels = [], []
     for doc, a, n in zip(documents, offsets, sizes):
         sample = dataset[int(doc)]
@@ -195,15 +182,8 @@ def _summary(
 
 
 def build_whole_packed_dataset(*args, whole_documents: bool = True, **kwargs):
-    """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole.
-
-    Args:
-        *args: As ``build_packed_dataset`` (``dataset_cfg``, ``packed_length``, ``seed``).
-        whole_documents: Pack each document whole (the default); False: XTuner's own packer.
-        **kwargs: As ``build_packed_dataset``.
-
-    Returns:
-        The ``ConcatDataset`` of packed datasets; ``encode_fn``'s cut counted in one log line.
+    """``xtuner.dataset.intern_repo.build_packed_dataset`` (same arguments), documents whole
+    (``whole_documents=False``: XTuner's own packer); ``encode_fn``'s cut counted in one line.
 
     Raises:
         TypeError: ``whole_documents`` is not a bool.

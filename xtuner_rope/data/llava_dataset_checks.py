@@ -121,9 +121,8 @@ def llava_data_problems(
     """What in a LLaVA dataset fails or trains silently wrong, each naming samples and fix.
 
     Args:
-        ids: ``[n]`` tokenized samples (``IMAGE_TOKEN_INDEX`` where ``<image>`` was).
-        names: ``[n]`` each sample's image file (None: text-only).
-        image_folder: Where the names are looked up (``LLaVADataset.image_folder``).
+        ids: ``[n]`` tokenized samples; names: ``[n]`` image files (None: text-only), looked up
+            in ``image_folder``.
         image_tokens: ``P``, patch embeddings per image.
         row_capacity: ``llava_collate_fn``'s ``max_length`` (None: XTuner's padding).
         max_position: The LLM's RoPE range (None: unchecked).
@@ -138,10 +137,7 @@ def llava_data_problems(
 def check_llava_dataset(
     dataset, image_tokens: int, row_capacity: int | None = None, max_position: int | None = None
 ) -> None:
-    """Refuse a ``LLaVADataset`` with any of :func:`llava_data_problems`, before training.
-
-    Args:
-        dataset: The built ``LLaVADataset`` (``text_data``, ``image_folder``).
+    """Refuse a built ``LLaVADataset`` with any of :func:`llava_data_problems`, before training.
 
     Raises:
         ValueError: every problem found, each naming its samples and the fix.

@@ -25,15 +25,8 @@ def _check_max_length(max_length: object) -> None:
 def cut_plan(
     lengths: np.ndarray, max_length: int, batch_size: int = XTUNER_MAP_BATCH
 ) -> np.ndarray:
-    """Where XTuner's Packer cuts one stream of dialogues, batch by batch, the final leftover kept.
-
-    Args:
-        lengths: ``[n]`` token counts of the dialogues, in stream order.
-        max_length: Tokens per packed row.
-        batch_size: Dialogues per Packer call.
-
-    Returns:
-        ``[r + 1]`` int64 row offsets into the concatenated stream (0 first, the total last).
+    """``[r + 1]`` int64 row offsets where XTuner's Packer cuts a stream of ``[n]`` ``lengths``,
+    ``batch_size`` dialogues a call, the final leftover kept.
 
     Raises:
         ValueError: ``max_length`` is not a positive integer.
@@ -56,15 +49,8 @@ def cut_plan(
 
 
 def intern_repo_cut_plan(lengths: np.ndarray, packed_length: int) -> np.ndarray:
-    """Where XTuner's intern-repo ``PackedDataset`` cuts one file's stream (last partial row
-    dropped).
-
-    Args:
-        lengths: ``[n]`` token counts of the documents, in stream (shuffled) order.
-        packed_length: Tokens per packed row.
-
-    Returns:
-        ``[r + 1]`` int64 row offsets into the concatenated stream (0 first).
+    """``[r + 1]`` int64 row offsets where XTuner's intern-repo ``PackedDataset`` cuts one file's
+    stream of ``[n]`` ``lengths`` (last partial row dropped).
 
     Raises:
         ValueError: ``packed_length`` is not a positive integer.
@@ -83,8 +69,7 @@ def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
 
 
 def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order of their
-    first piece.
+    """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order.
 
     Args:
         lengths: ``[n]`` token counts of the documents, in stream order, each >= 1.
@@ -137,15 +122,12 @@ def token_indices(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 def row_boundaries(doc_offsets: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``cumulative_len`` of rows ``cuts[0]..cuts[-1]``: flat values and their list offsets.
-
-    Args:
-        doc_offsets: ``[n + 1]`` document starts in the (row-ordered) stream, the total last.
-        cuts: ``[k + 1]`` row offsets of consecutive rows in that stream.
+    """``cumulative_len`` of rows ``cuts[0]..cuts[-1]`` (``[k + 1]`` row offsets into the stream
+    whose document starts are ``[n + 1]`` ``doc_offsets``).
 
     Returns:
-        ``(values, offsets)``: per row 0, the document starts inside it and its length (as
-        XTuner's Packer), ``offsets`` ``[k + 1]`` into ``values``.
+        ``(values, offsets)``: per row 0, its document starts and its length (as XTuner's
+        Packer), ``offsets`` ``[k + 1]`` into ``values``.
     """
     lo = np.searchsorted(doc_offsets, cuts[:-1], side="right")
     hi = np.searchsorted(doc_offsets, cuts[1:], side="left")

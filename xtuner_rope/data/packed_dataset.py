@@ -68,14 +68,9 @@ def packed_tables(
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
-        max_length: Tokens per packed row.
-        use_varlen_attn: Also write ``cumulative_len`` and ``position_ids`` (as XTuner).
-        whole: Each dialogue whole in one row (``whole_plan``); False: XTuner's cut.
+        max_length, use_varlen_attn, whole: As :func:`pack_dataset`.
         mapped_files: The files ``table`` is memory-mapped from (pages released once read).
         order: ``[n]`` the table's rows in stream order (a shuffle), or None.
-
-    Yields:
-        Tables with XTuner's packed columns.
     """
     lengths = list_lengths(table.column("input_ids"), mapped_files)
     if whole:
@@ -168,15 +163,9 @@ def pack_dataset(
 
     Args:
         dataset: Tokenized ``datasets.Dataset`` with ``input_ids`` and ``labels``.
-        max_length: Tokens per packed row.
-        use_varlen_attn: Write ``cumulative_len`` and ``position_ids`` (as XTuner).
-        shuffle_before_pack: Shuffle the dialogues first (numpy's global seed, as XTuner).
-        map_num_proc: Processes for the shuffle's ``flatten_indices`` (as XTuner).
+        max_length, use_varlen_attn, shuffle_before_pack, map_num_proc: As XTuner's.
         whole: Each dialogue whole in one row (the default); False: XTuner's cut.
         truncation: The tokenize step's cut figures (``data.truncation``), or None.
-
-    Returns:
-        The packed ``datasets.Dataset``.
 
     Raises:
         ValueError: a column XTuner packs is missing, or a dialogue has no tokens.
@@ -301,13 +290,8 @@ def lossless_process_hf_dataset(dataset, whole_dialogues: bool = True, **kwargs)
     """``xtuner.dataset.process_hf_dataset`` (same arguments), each dialogue packed whole.
 
     Args:
-        dataset: As ``process_hf_dataset``.
-        whole_dialogues: Pack each dialogue whole (the default); False keeps XTuner's cut of
-            the stream (``offline_packing = "cut"``), leftover kept.
-        **kwargs: As ``process_hf_dataset``.
-
-    Returns:
-        The dataset ``process_hf_dataset`` builds, with every dialogue's tokens kept.
+        whole_dialogues: False keeps XTuner's cut of the stream (``offline_packing = "cut"``),
+            leftover kept.
 
     Raises:
         TypeError: ``whole_dialogues`` is not a bool.

@@ -23,11 +23,9 @@ def preference_pair_problems(
     """What in tokenized preference pairs trains silently wrong, naming pairs and fix.
 
     Args:
-        pairs: ``[n]`` XTuner pairs (``chosen_ids``, ``rejected_ids``, ``chosen_labels``,
-            ``rejected_labels``), in dataset order.
-        dropped: ``(pair index, chosen + rejected length)`` of the pairs ``PackedDatasetWrapper``
-            dropped.
-        max_packed_length: The wrapper's limit (for the message).
+        pairs: ``[n]`` XTuner pairs, in dataset order.
+        dropped: ``(pair index, length)`` of the pairs ``PackedDatasetWrapper`` dropped over
+            ``max_packed_length``.
     """
     equal, unsupervised, mismatch = [], [], []
     for i, pair in enumerate(pairs):

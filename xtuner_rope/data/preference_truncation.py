@@ -45,13 +45,9 @@ def _supervised(labels: list) -> int:
 
 
 def pair_figures(pairs: list[dict], max_length: int, is_reward: bool) -> dict:
-    """What cutting each response of uncut ``pairs`` at ``max_length`` loses, JSON-ready.
-
-    Returns:
-        ``data.truncation.truncation_figures``' keys in pairs (``dropped``: 0), plus ``unit``,
-        ``step``, ``builder``, ``responses`` (responses cut) and ``unsupervised`` (DPO/ORPO
-        pairs left with a response without a supervised label).
-    """
+    """What cutting each response of uncut ``pairs`` at ``max_length`` loses, JSON-ready:
+    ``truncation_figures``' keys in pairs, ``unit``, ``step``, ``builder``, ``responses`` (cut)
+    and ``unsupervised`` (pairs left with an unsupervised response)."""
     extra = 1 if is_reward else 0  # the reward token, appended after the cut
     longest = np.zeros(len(pairs), dtype=np.int64)
     tokens = [0, 0]
@@ -100,15 +96,8 @@ def _report(figures: dict) -> None:
 
 
 def counted_preference_dataset(xtuner_class: type) -> type:
-    """XTuner's ``PreferenceDataset`` whose cut at ``max_length`` is counted (same pairs).
-
-    Args:
-        xtuner_class: XTuner's ``PreferenceDataset``.
-
-    Returns:
-        A subclass with the same arguments; ``truncation`` holds its figures (None where
-        ``max_length`` is not an int), ``xtuner_class`` the class it extends.
-    """
+    """A subclass of XTuner's ``PreferenceDataset`` (same arguments) that counts its cut at
+    ``max_length`` in ``truncation`` (None where ``max_length`` is not an int)."""
     signature = inspect.signature(xtuner_class.__init__)
 
     class CountedPreferenceDataset(xtuner_class):

@@ -30,18 +30,12 @@ def _texts(dataset, part: str) -> list[str]:
 
 
 def tokenize_ref_counts(dataset, tokenizer, max_length: int, max_response_length: int) -> dict:
-    """``tokenize_ref``'s cut of each pair, counted on the same tokenizations (text tokens: ids
-    outside ``tokenizer.all_special_ids``).
-
-    Args:
-        dataset: The pairs (``prompt``, ``reference``, ``chosen``, ``rejected`` message lists).
-        tokenizer: The dataset's tokenizer.
-        max_length: The dataset's ``max_length``.
-        max_response_length: The dataset's ``max_response_length``.
+    """``tokenize_ref``'s cut of each pair of ``dataset``, counted on the same tokenizations.
 
     Returns:
-        ``length`` / ``kept`` (all tokens) and ``text`` / ``text_kept``, each ``{part: [n]}``;
-        ``budget`` ``[n]`` (``max_prompt_length``); ``lead`` ``[n]`` (leading special tokens).
+        ``length`` / ``kept`` (all tokens) and ``text`` / ``text_kept`` (ids outside
+        ``all_special_ids``), each ``{part: [n]}``; ``budget`` ``[n]`` (``max_prompt_length``);
+        ``lead`` ``[n]`` (leading special tokens).
     """
     special = np.asarray(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
     length, kept, text, text_kept = {}, {}, {}, {}
@@ -94,19 +88,14 @@ def pairs_head(step: str, max_length: int, pairs: int, truncated: int) -> dict:
 
 
 def reference_figures(counts: dict, max_length: int, max_response_length: int, built: list) -> dict:
-    """What ``tokenize_ref``'s cut loses, in text tokens, JSON-ready.
+    """What ``tokenize_ref``'s cut of ``counts`` (:func:`tokenize_ref_counts`) loses, JSON-ready.
 
-    Args:
-        counts: :func:`tokenize_ref_counts` of the pairs.
-        max_length: The dataset's ``max_length``.
-        max_response_length: The dataset's ``max_response_length``.
-        built: XTuner's built pairs (``chosen_ids`` / ``rejected_ids``), for the final lengths.
+    ``built``: XTuner's built pairs (``chosen_ids`` / ``rejected_ids``), for the final lengths.
 
     Returns:
-        ``data.truncation.truncation_figures``' keys in pairs (``responses``: responses that lose
-        text), and ``reference``: ``max_response_length``, ``keep_response_length``,
-        ``prompts``, ``prompt_tokens`` / ``response_tokens`` (before / after / lost),
-        ``no_room``, ``fit_all``, ``sequences``, ``over_max_length`` and ``longest``.
+        ``truncation_figures``' keys in pairs (``responses`` that lose text), and ``reference``:
+        ``max_response_length``, ``keep_response_length``, ``prompts``, ``prompt_tokens`` /
+        ``response_tokens``, ``no_room``, ``fit_all``, ``sequences``, ``over_max_length``, ``longest``.
     """
     length, kept, text, text_kept = (counts[k] for k in ("length", "kept", "text", "text_kept"))
     n = len(counts["budget"])

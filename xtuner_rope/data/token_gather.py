@@ -40,14 +40,11 @@ RELEASE_EVERY = 256
 
 
 class TokenGather:
-    """Pieces of the flattened token stream of list columns, gathered window by window.
+    """Pieces of the flattened token stream of a table's list ``columns``, gathered window by window.
 
-    Args:
-        table: A table of list columns (one row per dialogue), chunked as it was mapped.
-        columns: The columns to gather (each flattened to one token stream).
-        mapped_files: The files ``table`` is memory-mapped from: chunks in a read-only mapping
-            of one are read through one view of it, their pages released once read (if
-            :func:`releases_pages`); other chunks are read chunk by chunk.
+    ``mapped_files``: the files ``table`` is memory-mapped from; chunks in a read-only mapping
+    of one are read through one view of it, their pages released once read (if
+    :func:`releases_pages`).
 
     Raises:
         ValueError: a column holds a different number of tokens than the first in some row.
@@ -79,15 +76,8 @@ class TokenGather:
         _release_mappings(mappings)
 
     def gather(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
-        """The tokens of the pieces ``starts[i] .. starts[i] + sizes[i]``, one after another.
-
-        Args:
-            starts: ``[p]`` offsets of the pieces into the flattened stream.
-            sizes: ``[p]`` lengths of the pieces (each inside one dialogue).
-
-        Returns:
-            Per column, ``[sum(sizes)]`` tokens, the pieces in the given order.
-        """
+        """Per column, ``[sum(sizes)]`` tokens of the pieces ``starts[i] .. starts[i] + sizes[i]``
+        (``[p]`` offsets into the flattened stream, each inside one dialogue), in the given order."""
         starts = np.asarray(starts, dtype=np.int64)
         sizes = np.asarray(sizes, dtype=np.int64)
         chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
@@ -109,16 +99,7 @@ class TokenGather:
         return out
 
     def row(self, starts: np.ndarray, sizes: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`gather` for the few pieces of one packed row, in order (no sort, nothing
-        released).
-
-        Args:
-            starts: ``[p]`` offsets of the pieces into the flattened stream.
-            sizes: ``[p]`` lengths of the pieces (each inside one dialogue).
-
-        Returns:
-            Per column, ``[sum(sizes)]`` tokens, the pieces in the given order.
-        """
+        """:meth:`gather` for the few pieces of one packed row (no sort, nothing released)."""
         chunk = np.searchsorted(self._chunk_starts, starts, side="right") - 1
         local = (np.asarray(starts) - self._chunk_starts[chunk]).tolist()
         pieces = list(zip(chunk.tolist(), local, np.asarray(sizes).tolist()))
@@ -228,11 +209,8 @@ def read_only_mappings(paths: list[str]) -> list[tuple[int, int]]:
 
 
 def releases_pages() -> bool:
-    """Whether mapped pages are released once read: yes unless ``XTUNER_ROPE_RELEASE_PAGES=0``.
-
-    ``0`` (or ``false``, ``no``, ``off``) leaves the reclaimable pages to the kernel; read at
-    each release, so it may be set at any time.
-    """
+    """Whether mapped pages are released once read: yes unless ``XTUNER_ROPE_RELEASE_PAGES`` is
+    ``0`` / ``false`` / ``no`` / ``off`` (read at each release)."""
     value = os.environ.get(RELEASE_PAGES_ENV, "1").strip().lower()
     return value not in ("0", "false", "no", "off")
 
@@ -248,15 +226,8 @@ def release_pages(start: int, nbytes: int) -> None:
 
 
 def list_lengths(column: pa.ChunkedArray, mapped_files: tuple[str, ...] = ()) -> np.ndarray:
-    """``[n]`` lengths of a list column's rows, read chunk by chunk, mapped pages released.
-
-    Args:
-        column: A list column (one row per dialogue), memory-mapped or not.
-        mapped_files: The files it is memory-mapped from (nothing released without them).
-
-    Returns:
-        The lengths (int32 for ``list``, int64 for ``large_list``).
-    """
+    """``[n]`` lengths of a list column's rows (int32, int64 for ``large_list``), read chunk by
+    chunk, pages of ``mapped_files`` released."""
     mappings = read_only_mappings(list(mapped_files))
     parts = []
     for i, chunk in enumerate(column.chunks):
@@ -277,11 +248,7 @@ def _release_mappings(mappings: list[tuple[int, int]]) -> None:
 
 
 def drop_mapped_pages(paths: list[str]) -> None:
-    """Drop the resident pages of this process's read-only mappings of ``paths`` (Linux only).
-
-    Args:
-        paths: Files whose mappings to release (a dataset's cache files).
-    """
+    """Drop the resident pages of this process's read-only mappings of ``paths`` (Linux only)."""
     _release_mappings(read_only_mappings(paths))
 
 

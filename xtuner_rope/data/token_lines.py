@@ -23,15 +23,11 @@ _INT64_MIN = np.iinfo(np.int64).min
 
 
 def parse_token_lines(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
-    """The ``tokens`` of JSON lines, read together, as ``json.loads(line)["tokens"]`` reads them.
-
-    Args:
-        lines: ``[k]`` one JSON object each (no newline inside), with a ``tokens`` list of
-            integers; other keys are ignored.
+    """The ``tokens`` of ``[k]`` JSON lines, read together, as ``json.loads(line)["tokens"]``.
 
     Returns:
-        ``(values, counts)``: ``[t]`` int64 values of every line in order and ``[k]`` counts;
-        None where some line is not exactly that (or holds int64's lowest value).
+        ``(values, counts)``: ``[t]`` int64 values in order and ``[k]`` counts; None where a
+        line is not one object with a ``tokens`` list of integers (or holds int64's lowest).
     """
     if not lines:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -55,14 +51,9 @@ def parse_token_lines(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray] | Non
 
 
 class TokenLines:
-    """The lines of one XTuner ``JsonlDataset``'s file, read straight from its own mapping.
-
-    Args:
-        path: The ``.bin`` file (``JsonlDataset.path``).
-        offsets: ``[n]`` byte offset of each document's line (``JsonlDataset.offsets``).
-        lengths: ``[n]`` tokens of each document per the ``.meta`` index
-            (``JsonlDataset.length``); a line holding another count goes the slow way.
-    """
+    """The lines of one XTuner ``JsonlDataset``'s file (``path``, ``offsets``), read straight from
+    its own mapping; a line whose count differs from ``lengths`` (the ``.meta`` index) goes the
+    slow way."""
 
     def __init__(self, path: str, offsets: np.ndarray, lengths: np.ndarray) -> None:
         with open(path, "rb") as f:
@@ -73,18 +64,9 @@ class TokenLines:
     def pieces(
         self, documents: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """``input_ids`` and ``labels`` of the pieces, one after another, as XTuner's reader makes
-        them.
-
-        Args:
-            documents: ``[p]`` document indices (into ``JsonlDataset``).
-            offsets: ``[p]`` first token of each piece in its document.
-            sizes: ``[p]`` tokens of each piece.
-
-        Returns:
-            ``(input_ids, labels)``, each ``[sum(sizes)]`` int64; None where a line is not in the
-            form parsed here.
-        """
+        """``(input_ids, labels)``, each ``[sum(sizes)]`` int64, of the pieces (``[p]`` documents,
+        first tokens ``offsets``, ``sizes``) as XTuner's reader makes them; None where a line is
+        not in the form parsed here."""
         lines = []
         for at in self._offsets[documents].tolist():
             end = self._map.find(b"\n", at)

@@ -39,21 +39,17 @@ def _row_sums(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndar
 
 
 def truncation_figures(table, max_length: int, bos: int, split_documents: bool) -> dict:
-    """What cutting each row of a tokenized table at ``max_length`` loses, JSON-ready.
-
-    Rows without a supervised label before the cut are left out (XTuner drops them anyway).
+    """What cutting each row of an uncut tokenized ``table`` at ``max_length`` loses, JSON-ready
+    (rows without a supervised label left out, as XTuner drops them).
 
     Args:
-        table: Arrow table with ``input_ids`` and ``labels`` (lists, one row per dialogue), uncut.
-        max_length: Where ``encode_fn`` cuts.
         bos: The tokenizer's BOS tokens per turn (labels -100 in pretraining text).
-        split_documents: Pretraining documents are kept whole (split by the pack step), not cut.
+        split_documents: Pretraining documents are kept whole (split by the pack step).
 
     Returns:
-        ``dialogues``, ``documents`` (pretraining rows), ``pretraining`` (all are),
-        ``truncated``, ``dropped`` (cut to no supervised label), ``split``, ``tokens`` and
-        ``labels`` (``before`` / ``after`` / ``lost``), ``keep_all`` / ``keep_99`` (the
-        ``max_length`` keeping every row / 99% whole), ``first_truncated``, ``max_length``.
+        ``dialogues``, ``documents``, ``pretraining``, ``truncated``, ``dropped``, ``split``,
+        ``tokens`` / ``labels`` (``before`` / ``after`` / ``lost``), ``keep_all`` / ``keep_99``,
+        ``first_truncated``, ``max_length``.
     """
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     lengths = lengths.astype(np.int64)
@@ -176,15 +172,8 @@ def record_figures(figures: dict) -> bool:
 
 
 def counted_tokenize_step(original):
-    """XTuner's ``tokenize_dataset`` counted and logged (one line) wherever no counting block is
-    open.
-
-    Args:
-        original: XTuner's ``tokenize_dataset``.
-
-    Returns:
-        A function with its arguments.
-    """
+    """XTuner's ``tokenize_dataset`` (``original``), counted and logged wherever no counting block
+    is open."""
 
     @functools.wraps(original)
     def counted(dataset, tokenizer, max_length, *args, **kwargs):
@@ -220,14 +209,9 @@ def tokenized_line(figures: dict) -> str:
 
 @contextlib.contextmanager
 def counting_truncation(split_documents: bool = False):
-    """Count what ``process_hf_dataset``'s ``encode_fn`` cuts, for the calls in this block.
-
-    Args:
-        split_documents: Keep pretraining documents whole; the innermost open block decides.
-
-    Yields:
-        A list that gets one :func:`truncation_figures` dict per tokenize step run inside.
-    """
+    """Count what ``encode_fn`` cuts in this block: yields a list that gets one
+    :func:`truncation_figures` dict per tokenize step (``split_documents``: keep pretraining
+    documents whole; the innermost block decides)."""
     from xtuner_rope.compat.xtuner_tokenize import xtuner_tokenize_step
 
     with _counting_block(split_documents) as sink:

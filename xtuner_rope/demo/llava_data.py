@@ -69,15 +69,8 @@ def write_llava_data(
 ) -> Path:
     """Write ``images/*.png`` and ``llava_data.json`` under ``out_dir``; return the JSON path.
 
-    Args:
-        out_dir: Directory to write (created if missing).
-        n_images: Image dialogues (one picture each, drawn and saved as PNG).
-        n_text: Text-only dialogues (from the package's sample dialogues).
-        seed: Picks shapes, colours, questions and the interleaving.
-
-    Returns:
-        The path of the JSON list (``image_folder`` is ``out_dir / "images"``).
-    """
+    ``n_images`` dialogues with one drawn picture each, ``n_text`` text-only ones (the sample
+    dialogues); ``seed`` picks shapes, colours, questions and the interleaving."""
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)

@@ -15,16 +15,12 @@ __all__ = ["tiny_checkpoint", "tiny_llava"]
 def tiny_checkpoint(
     path: str, data_path: str | None = None, seed: int = 0, family: str = "internlm2"
 ) -> str:
-    """Return the tiny checkpoint at ``path``, building it (process-safe) if it is missing.
+    """Return ``path``, building the tiny checkpoint there (process-safe) if it is missing.
 
     Args:
-        path: Checkpoint directory.
         data_path: Dialogues that train the tokenizer; None: the shipped sample dialogues.
         seed: Weight-initialisation seed.
         family: ``'internlm2'`` (default), or another of ``demo.tiny.FAMILIES``.
-
-    Returns:
-        ``path``.
     """
     from .tiny import save_tiny
 

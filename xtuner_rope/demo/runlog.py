@@ -31,11 +31,7 @@ def train_losses(work_dir: str | Path) -> tuple[list[int], list[float]]:
 
 
 def check_run(work_dir: str | Path, min_iters: int = 1) -> RunSummary:
-    """Summarise a finished run, or raise if it did not train and save.
-
-    Args:
-        work_dir: The run's ``--work-dir``.
-        min_iters: The last logged iteration must be at least this.
+    """Summarise a finished run in ``work_dir``, or raise if it did not train ``min_iters`` and save.
 
     Raises:
         RuntimeError: no loss logged, too few iterations, a non-finite loss or no checkpoint;

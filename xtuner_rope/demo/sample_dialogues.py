@@ -28,13 +28,7 @@ def sample_path() -> Path:
 
 
 def sample_dialogues(n: int | None = None) -> list[dict]:
-    """The first ``n`` shipped dialogues (all 2,400 when None), in file order.
-
-    Args:
-        n: How many; the file's first ``n`` lines.
-
-    Returns:
-        ``{"messages": [{"role": ..., "content": ...}, ...]}`` records.
+    """The first ``n`` shipped dialogues (all 2,400 when None), ``{"messages": [...]}`` records.
 
     Raises:
         ValueError: ``n`` is more than the file holds.

@@ -88,15 +88,8 @@ def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
-    """Train a byte-level BPE tokenizer (deterministic, no unknown token) with InternLM2's specials.
-
-    Args:
-        texts: Training texts.
-        vocab_size: Target vocabulary size, special tokens included.
-
-    Returns:
-        A ``transformers.PreTrainedTokenizerFast`` with bos/eos/pad/unk and a ChatML template.
-    """
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of ``vocab_size`` (specials included) trained on
+    ``texts`` (deterministic, no unknown token), with InternLM2's specials and a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -125,13 +118,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
 
 
 def build_tiny(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """A randomly initialised tiny ``ForCausalLM`` of ``family``, fp32, in eval mode.
+    """A randomly initialised tiny ``ForCausalLM`` of ``family`` (:data:`FAMILIES`), fp32, eval mode.
 
-    Args:
-        family: One of :data:`FAMILIES` (``FAMILY_KWARGS`` adds its quirks).
-        vocab_size: Embedding rows; use ``len(tokenizer)``.
-        seed: Seed for the weight initialisation (the global torch RNG is restored after).
-        **overrides: Config fields replacing ``TINY_MODEL_KWARGS`` (e.g. ``rope_scaling``).
+    ``vocab_size``: ``len(tokenizer)``; ``seed``: the weights' (the global RNG is restored);
+    ``overrides``: config fields replacing ``TINY_MODEL_KWARGS`` (e.g. ``rope_scaling``).
 
     Raises:
         ValueError: ``family`` is not one of :data:`FAMILIES`.
@@ -174,23 +164,15 @@ def save_tiny(
     vocab_size: int = 1024,
     **overrides,
 ) -> Path:
-    """Train the tokenizer, build the model of ``family`` and save both to ``out_dir``.
+    """Train the tokenizer, build the model of ``family`` and save both to ``out_dir``; return it.
 
-    Loads offline with ``AutoTokenizer`` / ``AutoModelForCausalLM``; the InternLM2 checkpoint
-    carries no remote code (no ``auto_map``): after ``xtuner_rope.activate()`` it resolves to
-    XTuner's InternLM2 classes.
+    The InternLM2 checkpoint carries no remote code: after ``xtuner_rope.activate()`` it
+    resolves to XTuner's InternLM2 classes.
 
     Args:
-        out_dir: Directory to write (created if missing, files overwritten).
         family: One of :data:`FAMILIES` (default ``'internlm2'``).
-        dialogues_jsonl: OpenAI-messages JSONL whose texts train the tokenizer; None: the
-            package's sample dialogues.
-        seed: Weight-initialisation seed.
-        vocab_size: Tokenizer vocabulary size.
-        **overrides: Config fields of the model (e.g. ``rope_scaling``).
-
-    Returns:
-        ``out_dir`` as a ``Path``.
+        dialogues_jsonl: OpenAI-messages JSONL that trains the tokenizer; None: the samples.
+        seed, vocab_size, overrides: As :func:`build_tiny`.
 
     Raises:
         ValueError: ``family`` is not one of :data:`FAMILIES`.
@@ -210,11 +192,7 @@ def save_tiny(
 
 
 def add_internlm2_remote_code(folder: str | Path) -> Path:
-    """Give an InternLM2 checkpoint folder XTuner's modeling code and its ``auto_map``, as the hub
-    does.
-
-    Returns:
-        ``folder`` as a ``Path``.
+    """Give an InternLM2 checkpoint ``folder`` XTuner's modeling code and its ``auto_map``; return it.
 
     Raises:
         ValueError: ``folder`` has no readable ``config.json``.

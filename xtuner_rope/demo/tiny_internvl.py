@@ -61,12 +61,8 @@ def _copy_code(llm_dir: Path, out: Path) -> None:
 
 
 def save_tiny_internvl(llm_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny InternVL checkpoint around the LLM checkpoint ``llm_dir``; return ``out_dir``.
-
-    Args:
-        llm_dir: A tiny InternLM2 or Phi-3 checkpoint with its tokenizer.
-        out_dir: Directory to write (created).
-        seed: Seeds the InternViT and ``mlp1`` weights.
+    """Write a tiny InternVL checkpoint around the tiny InternLM2 or Phi-3 checkpoint ``llm_dir``
+    (``seed``: the InternViT and ``mlp1`` weights); return ``out_dir``.
 
     Raises:
         ValueError: the LLM is neither InternLM2 nor Phi-3.

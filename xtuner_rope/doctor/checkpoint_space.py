@@ -114,15 +114,9 @@ def _train_dtype_bytes(llm: object, shapes: dict) -> int:
 def estimate_checkpoint_bytes(
     saved: int, trainable: int, weight_bytes: int, states: int, zero: int | None
 ) -> int:
-    """Bytes of one checkpoint: the saved weights plus the optimizer's states.
-
-    Args:
-        saved: Parameters in the model's ``state_dict`` (the adapter alone under LoRA).
-        trainable: Parameters the optimizer updates.
-        weight_bytes: Bytes per parameter of the training dtype.
-        states: Per-parameter state tensors of the optimizer (AdamW: 2).
-        zero: The DeepSpeed ZeRO stage, None without DeepSpeed.
-    """
+    """Bytes of one checkpoint: the ``saved`` parameters (the adapter alone under LoRA) at
+    ``weight_bytes`` plus the optimizer's ``states`` per ``trainable`` parameter (ZeRO stage
+    ``zero``, None without DeepSpeed)."""
     if zero:  # the optimizer files hold fp32 partitions, whatever the training dtype
         return saved * weight_bytes + trainable * ZERO_BYTES_PER_PARAMETER
     return saved * weight_bytes + trainable * weight_bytes * states
@@ -175,13 +169,8 @@ def _bytes_of(path: str) -> int:
 
 
 def checkpoints_at_once(hook: dict, iterations: int, max_epochs: int | None) -> int:
-    """How many checkpoints the work dir holds at the peak of a save.
-
-    Args:
-        hook: ``default_hooks.checkpoint`` (MMEngine's defaults where absent).
-        iterations: Training iterations of the run.
-        max_epochs: Epochs of the run; None when iteration-based.
-    """
+    """How many checkpoints the work dir holds at the peak of a save, for ``default_hooks.checkpoint``
+    ``hook`` and a run of ``iterations`` (``max_epochs`` None: iteration-based)."""
     interval = int(_get(hook, "interval", -1))
     if interval <= 0:
         return 0
@@ -212,13 +201,7 @@ def run_work_dir(cfg: Config, config: str, work_dir: str | None = None) -> str:
 
 
 def checkpoint_space(cfg: Config, samples: int, batch_size: int, work_dir: str) -> dict:
-    """The checkpoint figures of a run of ``cfg`` in ``work_dir``.
-
-    Args:
-        cfg: The started config.
-        samples: Items of the train dataset (packs, when packed offline).
-        batch_size: ``train_dataloader.batch_size``.
-        work_dir: Where the run writes its checkpoints.
+    """The checkpoint figures of a run of ``cfg`` in ``work_dir`` (``samples``: train items).
 
     Returns:
         ``work_dir``, ``checkpoint_bytes`` (None: unknown), ``size_from``, ``at_once``,

@@ -21,13 +21,9 @@ def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict
     """The held-out figures of a started config, or None without ``TokenLossMetric``.
 
     Args:
-        cfg: The config after the start-up.
         dataset: The built training dataset (its documents are the training dialogues).
-        refused: The start-up refuses the config: nothing is built.
-        collate_builder: ``diagnose.build_collate_fn`` (the loader's bound collate function).
-
-    Returns:
-        ``heldout_counts``' dict, or ``{'refused': True}`` when the start-up refuses.
+        refused: The start-up refuses the config (nothing is built: ``{'refused': True}``).
+        collate_builder: ``diagnose.build_collate_fn``.
     """
     from xtuner.registry import BUILDER
 

@@ -95,15 +95,8 @@ def _uncut_item(dataset, i: int) -> dict:
 
 
 def internvl_truncation(items: list[tuple[int, list, list]], max_length: int) -> dict:
-    """What ``InternVL_V1_5_Dataset`` cuts at ``max_length`` (per item, nothing dropped).
-
-    Args:
-        items: ``(index, input_ids, labels)`` of each built sample, uncut.
-        max_length: The dataset's ``max_length``.
-
-    Returns:
-        ``data.truncation``'s figures (``step`` names the dataset; ``dropped`` is 0).
-    """
+    """``data.truncation``'s figures of what ``InternVL_V1_5_Dataset`` cuts at ``max_length`` from
+    uncut ``(index, input_ids, labels)`` items (nothing dropped)."""
     lengths = [len(ids) for _, ids, _ in items]
     labels = [sum(x != IGNORE_INDEX for x in lab) for _, _, lab in items]
     kept = [sum(x != IGNORE_INDEX for x in lab[:max_length]) for _, _, lab in items]

@@ -58,13 +58,8 @@ def refuse_unserved_model(path: str) -> None:
 
 
 def image_tokens_of(cfg) -> dict:
-    """``P`` from the vision tower's config, as the start-up reads it (``config.llava_tower``).
-
-    Args:
-        cfg: A started LLaVA config (``model.visual_encoder`` names the tower's path).
-
-    Returns:
-        ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
+    """``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}`` of a started LLaVA
+    config's vision tower, as the start-up reads it (``config.llava_tower``).
 
     Raises:
         ValueError: the tower's config has no ``image_size`` / ``patch_size``.
@@ -76,16 +71,8 @@ def image_tokens_of(cfg) -> dict:
 
 
 def expand_item(input_ids: Sequence[int], labels: Sequence[int], image_tokens: int) -> dict:
-    """One sample as the LLM sees it: each placeholder ``image_tokens`` times, labels -100.
-
-    Args:
-        input_ids: ``[n]`` ids, ``IMAGE_TOKEN_INDEX`` where an image goes.
-        labels: ``[n]`` labels.
-        image_tokens: ``P``.
-
-    Returns:
-        ``{'input_ids': [n - k + k * P], 'labels': [n - k + k * P]}`` (``k`` placeholders).
-    """
+    """One sample as the LLM sees it: ``{'input_ids', 'labels'}`` of ``n - k + k * P`` tokens, each
+    placeholder ``image_tokens`` (``P``) times with label -100."""
     ids, labs = [], []
     for token, label in zip(input_ids, labels):
         if token == IMAGE_TOKEN_INDEX:
@@ -180,13 +167,8 @@ def _llm_max_position(cfg) -> int | None:
 
 
 def llava_view(cfg, dataset, collate_fn: Callable) -> LLaVAView | None:
-    """The doctor's view of a LLaVA config's data; None for any other config.
-
-    Args:
-        cfg: The started config.
-        dataset: Its built ``LLaVADataset`` (``text_data``: the tokenized samples).
-        collate_fn: The config's collate function, kwargs bound.
-    """
+    """The doctor's view of a LLaVA config's built ``LLaVADataset`` and bound ``collate_fn``; None for
+    any other config."""
     from xtuner_rope.config.multimodal import is_llava
 
     if not is_llava(cfg) or not hasattr(dataset, "text_data"):
@@ -213,16 +195,11 @@ def _crop_size(dataset) -> tuple[int, int] | None:
 def sampler_padding(
     cfg, dataset, lengths: Sequence[int], batch_size: int, max_batches: int
 ) -> dict:
-    """Real-token share of padded batches in the order of the config's own sampler.
-
-    The sampler is built as the Runner builds it, seeded with ``randomness.seed`` (0 if unset).
+    """Real-token share of the first ``max_batches`` padded batches of ``batch_size`` in the order
+    of the config's own sampler (built as the Runner builds it, ``randomness.seed`` or 0).
 
     Args:
-        cfg: The started config.
-        dataset: The built train dataset.
-        lengths: ``[n]`` expanded sample lengths.
-        batch_size: Samples per batch.
-        max_batches: How many batches of the sampler to count.
+        lengths: ``[n]`` expanded sample lengths of ``dataset``.
 
     Returns:
         ``{'sampler', 'seed', 'batches', 'padded_share'}``.
@@ -250,14 +227,8 @@ def sampler_padding(
 def llava_figures(
     view: LLaVAView, dataset, collate_kwargs: Mapping, dataset_max_length: int | None = None
 ) -> dict:
-    """Image and text samples, image-token share, lengths before and after the expansion.
-
-    Args:
-        view: :func:`llava_view` of the config.
-        dataset: The ``LLaVADataset``.
-        collate_kwargs: The collate function's kwargs (``image_tokens``).
-        dataset_max_length: ``LLaVADataset``'s ``max_length`` (samples that long were cut).
-    """
+    """Image and text samples, image-token share, lengths before and after the expansion, of a
+    ``LLaVADataset`` (its ``max_length``: samples that long were cut)."""
     text = dataset.text_data
     p = view.image_tokens["image_tokens"]
     raw = [len(ids) for ids in text["input_ids"]]

@@ -23,9 +23,8 @@ def token_weight_figures(
         accumulation: ``optim_wrapper.accumulative_counts`` (the last window may be shorter).
 
     Returns:
-        ``max_over_min`` (of the factors; None without a supervised micro-batch),
-        ``changed_2x_share`` (dialogues reweighted > 2x), ``micro_batches``, ``windows``,
-        ``accumulation``.
+        ``max_over_min`` (None without a supervised micro-batch), ``changed_2x_share``
+        (dialogues reweighted > 2x), ``micro_batches``, ``windows``, ``accumulation``.
     """
     factors, weights = [], []  # per supervised micro-batch: N / (a * n_m), its dialogues
     windows = 0
@@ -54,15 +53,8 @@ def dataset_loss_weights(
     accumulation: int,
     max_batches: int,
 ) -> dict:
-    """:func:`token_weight_figures` for the first ``max_batches`` sampler batches of a dataset.
-
-    Args:
-        dataset: The built train dataset (items may be packed rows with ``cumulative_len``).
-        supervised: ``[n]`` supervised tokens per item (the doctor's scan).
-        batch_size: Items per micro-batch (dataset order).
-        accumulation: ``optim_wrapper.accumulative_counts``.
-        max_batches: How many micro-batches to look at.
-    """
+    """:func:`token_weight_figures` of the first ``max_batches`` micro-batches of ``batch_size``
+    items of ``dataset`` (dataset order; ``supervised``: ``[n]`` tokens per item)."""
     batches, dialogues = [], []
     for start in range(0, min(len(dataset), max_batches * batch_size), batch_size):
         indices = range(start, min(start + batch_size, len(dataset)))

@@ -15,20 +15,13 @@ from xtuner_rope.doctor.token_columns import row_lengths, whole_matches
 
 
 def build_dialogues_and_packs(dataset_cfg: dict, seed: int | None, progress: Progress = QUIET):
-    """The dialogues in stream order and the packed dataset, as the config builds them.
-
-    The plugin's pack step is recorded (``packed_dataset.recorded_packs``); XTuner's own is run
-    on the dialogues built unpacked and shuffled as XTuner shuffles them.
-
-    Args:
-        dataset_cfg: The train dataloader's ``dataset`` dict (an XTuner packing dataset).
-        seed: ``randomness.seed`` of the config (numpy is seeded with it first), or None.
-        progress: Where the build says what it does (default: nowhere).
+    """The dialogues in stream order and the packed dataset, as the config's ``dataset_cfg`` builds
+    them (the plugin's pack step recorded; XTuner's run on the unpacked dialogues, shuffled as
+    XTuner shuffles them, numpy seeded with ``seed``).
 
     Returns:
-        ``(dialogues, packed, truncation, seed)``: the tokenized dialogues in packing order and
-        the packed rows (``datasets.Dataset``), what ``encode_fn`` cut at ``max_length``
-        (``data.truncation.truncation_figures``) and the seed used (drawn when ``seed`` is None).
+        ``(dialogues, packed, truncation, seed)``: what ``encode_fn`` cut is
+        ``truncation_figures``; the seed is drawn when ``seed`` is None.
     """
     from mmengine.runner import set_random_seed
     from xtuner.registry import BUILDER
@@ -77,23 +70,19 @@ def _xtuner_dialogues_and_packs(dataset_cfg: dict):
 def packing_figures(
     dialogues, packed, max_length: int, intern_repo: bool = False, progress: Progress = QUIET
 ) -> dict:
-    """What the pack step did to the dialogues, JSON-ready, block by block (``token_columns``).
+    """What the pack step did to ``dialogues`` (tokenized, stream order), JSON-ready, by blocks.
 
     Cut dialogues are counted from the stream order where the rows keep it (XTuner's cut), else
-    by finding each dialogue whole among the packed documents (``dialogue_keys.segment_keys``).
+    by finding each dialogue whole among the packed documents.
 
     Args:
-        dialogues: ``n`` tokenized dialogues (``input_ids``, ``labels``) in stream order.
         packed: The packed rows built from them (``cumulative_len`` when recorded).
-        max_length: Tokens per packed row.
         intern_repo: One file's rows of XTuner's intern-repo packing (last partial row dropped).
-        progress: Where the passes over the tokens show their progress (default: nowhere).
 
     Returns:
         ``tokens`` / ``labels`` (``before``, ``after``, ``lost``), ``rows``, ``fill``, ``sft``,
-        ``xtuner_cut``, ``split_long`` / ``split_pieces`` and, when the rows carry boundaries
-        and keep the stream, ``cut_dialogues``, ``pieces``, ``unsupervised_pieces`` and
-        ``unsupervised_seen`` (else None).
+        ``xtuner_cut``, ``split_long`` / ``split_pieces``, and ``cut_dialogues``, ``pieces``,
+        ``unsupervised_pieces``, ``unsupervised_seen`` (None without boundaries in stream order).
     """
     lengths = row_lengths(dialogues)  # [n] in stream order
     rows = row_lengths(packed)
@@ -160,16 +149,8 @@ def packing_figures(
 
 
 def intern_repo_figures(concat, packed_length: int) -> tuple[list[int], dict]:
-    """The packing figures of an intern-repo ``build_packed_dataset``, file by file, summed.
-
-    Args:
-        concat: The built ``ConcatDataset`` of ``PackedDataset`` or ``WholePackedDataset``.
-        packed_length: Tokens per row.
-
-    Returns:
-        ``(lengths, figures)``: ``[n]`` document lengths in stream order, and
-        :func:`packing_figures` of all files together (None without a file).
-    """
+    """``([n] document lengths in stream order, packing_figures of all files)`` of a built intern-repo
+    ``ConcatDataset`` of ``packed_length`` rows (figures None without a file)."""
     from datasets import Dataset
 
     lengths, parts = [], []

@@ -15,13 +15,8 @@ __all__ = ["rope_figures", "rope_lines", "rope_problems"]
 
 
 def rope_figures(cfg: Config, lengths: Sequence[int], packed: bool) -> dict | None:
-    """The RoPE entry of the report; None when the checkpoint's ``config.json`` is unknown.
-
-    Args:
-        cfg: The started config.
-        lengths: Each document's length in tokens (before packing).
-        packed: Whether rows hold several documents.
-    """
+    """The RoPE entry of the report for documents of ``lengths`` tokens (``packed``: several to a
+    row); None when the checkpoint's ``config.json`` is unknown."""
     llm = (cfg.get("model") or {}).get("llm") or {}
     where, setting = checkpoint_rope(llm.get("pretrained_model_name_or_path"))
     if setting is None:

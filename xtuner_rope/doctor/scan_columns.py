@@ -84,14 +84,8 @@ def scan_columns(
     truncation_length: int | None,
     progress: Progress,
 ) -> SampleScan:
-    """:func:`stats.scan_samples` of a :func:`is_scannable` dataset, with the same results.
-
-    Args:
-        dataset: A ``datasets.Dataset`` (a shuffle or selection is read through its indices).
-        collate_max_length: As ``scan_samples``.
-        truncation_length: As ``scan_samples``.
-        progress: Where the pass shows its progress.
-    """
+    """:func:`stats.scan_samples` (same arguments and results) of an :func:`is_scannable`
+    ``datasets.Dataset``, read through a shuffle's or selection's indices."""
     scan = SampleScan()
     lengths = row_lengths(dataset)
     rows = dataset.with_format("arrow")

@@ -15,17 +15,9 @@ __all__ = ["INF", "epoch_length", "iteration_bounds", "schedule_problems"]
 def schedule_problems(
     param_scheduler, samples: int, batch_size: int, drop_last: bool = False
 ) -> list[str]:
-    """The schedulers MMEngine would refuse (``end <= begin`` after conversion), as problems.
-
-    Args:
-        param_scheduler: The config's ``param_scheduler`` (a dict, a list of dicts, or None).
-        samples: Items of the train dataset (packs, when packed).
-        batch_size: ``train_dataloader.batch_size``.
-        drop_last: ``train_dataloader.drop_last``.
-
-    Returns:
-        One message per refused scheduler: which, the integers and the edit.
-    """
+    """One message (which, the integers, the edit) per scheduler of ``param_scheduler`` (a dict, a
+    list, or None) MMEngine would refuse (``end <= begin`` once converted from epochs with
+    ``samples`` train items, ``batch_size`` and ``drop_last``)."""
     length = epoch_length(samples, batch_size, drop_last)
     data = f"{samples} samples, batch size {batch_size}, 1 process"
     return [

@@ -14,16 +14,8 @@ __all__ = ["sequence_parallel_figures", "sequence_parallel_lines", "sequence_par
 def sequence_parallel_figures(
     sp: object, row_lengths: Sequence[int], shapes: Sequence[tuple[int, int]]
 ) -> dict | None:
-    """The sequence-parallel figures of a dataset's rows and its collated batches.
-
-    Args:
-        sp: The config's ``sequence_parallel_size`` (None/1: no figures).
-        row_lengths: ``[n]`` token counts of the dataset's rows.
-        shapes: ``(b, s)`` of each collated batch.
-
-    Returns:
-        None without sequence parallel, else ``size``, ``rows`` and ``batches`` figures.
-    """
+    """``size``, ``rows`` and ``batches`` figures of ``sequence_parallel_size`` ``sp`` on rows of
+    ``[n]`` ``row_lengths`` and batches of ``(b, s)`` ``shapes``; None without sequence parallel."""
     if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 1:
         return None
     shorter = Occurrences()

@@ -95,10 +95,8 @@ def scan_samples(
     """Check every sample of a built dataset; issue indices are sample indices.
 
     Args:
-        dataset: ``n`` items, indexable.
         collate_max_length: Longer samples are ``over_long`` (None: not checked).
         truncation_length: A sample exactly this long was probably cut (None: not checked).
-        progress: Show a progress bar on stderr.
     """
     scan = SampleScan()
     enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
@@ -165,18 +163,11 @@ def simulate_collate(
     scan: SampleScan,
     progress: bool = True,
 ) -> CollatePlan:
-    """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples.
+    """Collate the first ``max_batches`` batches of ``batch_size`` consecutive samples (the last
+    short batch kept) with the config's bound ``collate_fn``; ``scan``: :func:`scan_samples`'.
 
     A refused batch goes to ``errors``, left out of the token shares; a batch without any
     supervised label to ``unsupervised_batches``.
-
-    Args:
-        dataset: The built dataset.
-        collate_fn: The config's collate function, kwargs bound.
-        batch_size: Samples per batch (the last, short batch kept).
-        max_batches: How many batches to simulate.
-        scan: :func:`scan_samples` of the same dataset.
-        progress: Show a progress bar on stderr.
     """
     plan = CollatePlan()
     n_batches = min(max_batches, -(-len(dataset) // batch_size))

@@ -75,14 +75,9 @@ def list_column(dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
 def token_blocks(
     dataset, columns: tuple[str, ...] = ("input_ids", "labels"), table_order: bool = False
 ) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
-    """Consecutive blocks of whole rows: ``(first_row, [r] lengths, {column: [t] tokens})``.
-
-    Args:
-        dataset: A ``datasets.Dataset`` of the list ``columns`` (equally long row by row).
-        columns: The token columns to read.
-        table_order: Read in stored order, not through a shuffle's indices (``first_row`` is
-            then a table row).
-    """
+    """Consecutive blocks of whole rows of ``dataset``'s equally long list ``columns``: ``(first_row,
+    [r] lengths, {column: [t] tokens})``; ``table_order`` reads in stored order, not through a
+    shuffle's indices."""
     table, order = table_and_order(dataset)
     lengths = list_sizes(table.column(columns[0]))
     if not len(lengths):

@@ -37,14 +37,8 @@ def refusal_when_data_fails(config: str, cfg_options: dict | None = None):
 
 
 def launch_problems(sp: object, deepspeed: str | None) -> list[str]:
-    """What ``xtuner train CONFIG [--deepspeed X]`` refuses from its command line alone.
-
-    XTuner's ``check_cfg`` refuses ``sequence_parallel_size > 1`` without ``--deepspeed``.
-
-    Args:
-        sp: The config's ``sequence_parallel_size``.
-        deepspeed: The run's ``--deepspeed`` (None: launched without).
-    """
+    """What ``xtuner train CONFIG [--deepspeed X]`` refuses from its command line alone
+    (``check_cfg``: ``sequence_parallel_size > 1`` without ``--deepspeed``)."""
     if deepspeed or not isinstance(sp, int) or sp <= 1:
         return []
     return [

@@ -1,18 +1,8 @@
 """The held-out set's counts: its size after packing and its overlap with the training data.
 
-Read by ``xtuner-rope doctor`` (before training) and by ``HeldOutCurvesHook`` (logged when the
-run starts), from the built datasets:
-
-- ``dialogues``: documents of the held-out rows (``cumulative_len``, else ``position_ids``
-  restarting at 0, else one document a row);
-- ``supervised_tokens``: the labels ``TokenLossMetric`` scores, each document's labels after
-  its first column other than -100 (the first is never predicted from its own document);
-- ``rows``: rows the model sees, after the collate function when it packs online
-  (``rope_collate_fn(pack=True)``), else the dataset's rows (packed offline or not);
-- ``fill``: tokens / ``rows * max_length`` for rows packed to ``max_length`` (else None);
-- ``in_training``: held-out dialogues whose token ids equal a training dialogue's (the same
-  template and tokenizer give the same ids). The ``heldout = dict(fraction=...)`` split keeps
-  different rows of the file apart; a count above 0 there means the file repeats dialogues.
+Read by ``xtuner-rope doctor`` and logged by ``HeldOutCurvesHook``. Overlap means equal token
+ids (same template and tokenizer); under ``heldout = dict(fraction=...)`` it means the file
+repeats dialogues.
 """
 
 from __future__ import annotations
@@ -32,8 +22,6 @@ CHUNK = 1024  # rows read at a time
 
 def _ints(value: object) -> np.ndarray:
     """``[n]`` int64 ids of a list, tensor or array."""
-    tolist = getattr(value, "tolist", None)  # tensors
-    value = value if isinstance(value, np.ndarray) else tolist() if tolist else value
     return np.asarray(value, dtype=np.int64).reshape(-1)
 
 
@@ -47,11 +35,8 @@ def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rows_of(dataset: object) -> Iterator[Mapping]:
-    """The rows of a built dataset, as dicts of the columns above.
-
-    An HF ``Dataset`` is read in Arrow chunks (its index mapping respected), each row a numpy
-    view: a training set of millions of dialogues is hashed without Python lists of its ids.
-    """
+    """The rows of a built dataset as dicts of ``COLUMNS``; an HF ``Dataset`` in Arrow chunks,
+    each row a numpy view (millions of dialogues hashed without Python lists)."""
     dataset = getattr(dataset, "text_data", dataset)  # LLaVA: its tokenized text, no image
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list):
@@ -87,12 +72,8 @@ def dialogue_keys(dialogues: Iterable[Sequence[int]]) -> set[bytes]:
 
 
 def document_keys(dataset: object) -> set[bytes] | None:
-    """Identities of every document of a built (possibly packed) dataset's rows.
-
-    None for an image dataset that keeps no tokenized text (InternVL's): its items are built
-    on access, images included, so counting a large training set would take as long as an
-    epoch of data loading. The overlap is then not counted.
-    """
+    """Identities of every document of a built (possibly packed) dataset's rows; None for an
+    image dataset without tokenized text (InternVL's: counting would cost an epoch of loading)."""
     text = getattr(dataset, "text_data", dataset)
     if not isinstance(getattr(text, "column_names", None), list) and (
         type(dataset).__name__ in IMAGE_DATASETS
@@ -135,12 +116,9 @@ def heldout_counts(
     Args:
         heldout: The built held-out dataset (rows: ``input_ids``, ``labels`` ``[n]`` each, and
             ``cumulative_len`` ``[k + 1]`` when packed).
-        training: ``dialogue_keys`` / ``document_keys`` of the training data; None when they
-            were not counted (``in_training`` is then None).
-        max_length: Row capacity when the held-out rows are packed to it (``row_capacity``),
-            else None (no fill).
-        rows: Rows after an online-packing collate function (``collated_rows``); None: the
-            dataset's rows.
+        training: :func:`document_keys` of the training data; None: not counted.
+        max_length: :func:`row_capacity` of packed held-out rows, else None (no fill).
+        rows: :func:`collated_rows` after an online-packing collate; None: the dataset's rows.
 
     Returns:
         ``{'dialogues', 'supervised_tokens', 'tokens', 'rows', 'max_length', 'fill',
@@ -188,10 +166,7 @@ def heldout_line(counts: dict) -> str:
 
 
 def overlap_warning(counts: dict) -> str | None:
-    """The warning for held-out dialogues the training data holds too, or None when none is.
-
-    One text for the doctor's warnings and the run's start-up log.
-    """
+    """The warning (doctor and start-up log) for held-out dialogues in the training data too."""
     if not counts.get("in_training"):
         return None
     return (

@@ -1,14 +1,8 @@
 """``HeldOutCurvesHook``: the held-out evaluation's checks, its files and the curves' picture.
 
-The start-up adds it with ``TokenLossMetric`` or ``PreferenceMetric``. Before training it binds
-a ``PreferenceMetric`` to the built model (its kind and loss settings) and refuses what is
-only knowable
-once the run is built (a held-out set without rows or supervised tokens; a ``val_interval``
-beyond the iterations of an epoch-based XTuner ``TrainLoop`` is logged as a warning: MMEngine
-still evaluates after the last iteration), logs the held-out set's counts (``heldout_counts``: its
-size after packing and the dialogues the training data holds too), points the metric at the work
-dir (worst-dialogues file), records the training loss of every iteration and the held-out loss
-of every evaluation, and at the end of training draws both in ``heldout_curves.png``.
+Before training it binds a ``PreferenceMetric`` to the model, refuses a held-out set without
+supervised tokens, logs ``heldout_counts`` and points the metric at the work dir; at the end it
+draws the training and held-out losses in ``heldout_curves.png``.
 """
 
 from __future__ import annotations
@@ -47,9 +41,7 @@ def heldout_metrics(runner) -> list[TokenLossMetric | PreferenceMetric]:
 
 
 def supervised_labels(dataset) -> int:
-    """Labels other than -100 in a held-out dataset (XTuner's rows: label lists in
-    ``LABEL_KEYS``; a ``datasets.Dataset`` is read by column, LLaVA's text by its
-    ``text_data``: no image is loaded)."""
+    """Labels other than -100 in ``LABEL_KEYS`` of a held-out dataset (by column; no image)."""
     dataset = getattr(dataset, "text_data", dataset)
     if hasattr(dataset, "column_names"):
         keys = [k for k in LABEL_KEYS if k in dataset.column_names]
@@ -87,11 +79,7 @@ def check_heldout_run(runner) -> None:
 
 
 def log_heldout_counts(runner) -> dict:
-    """Log the held-out set's size and its overlap with the training data (main process).
-
-    Returns:
-        The counts (``heldout_counts.heldout_counts``).
-    """
+    """Log and return ``heldout_counts`` of the run's held-out set (main process)."""
     val = (getattr(runner, "cfg", None) or {}).get("val_dataloader") or {}
     loader = runner.val_loop.dataloader
     capacity = row_capacity(val.get("dataset"), val.get("collate_fn"))
@@ -156,13 +144,7 @@ class HeldOutCurvesHook(Hook):
 
 
 def draw_curves(train: list, heldout: list, path: Path) -> None:
-    """A PNG of the training loss per iteration and the held-out loss per evaluation.
-
-    Args:
-        train: ``(iteration, loss)`` of every training iteration.
-        heldout: ``(iteration, held-out loss)`` of every evaluation.
-        path: Where the PNG goes.
-    """
+    """A PNG at ``path`` of ``train`` and ``heldout``, lists of ``(iteration, loss)``."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines

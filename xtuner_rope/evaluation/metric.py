@@ -1,25 +1,11 @@
 """``TokenLossMetric``: the held-out loss that packing does not change, exact on any rank count.
 
-MMEngine's ``ValLoop`` calls ``model.val_step`` (XTuner's ``SupervisedFinetune`` in
-``mode='predict'``: one ``{'logits': [s, V]}`` per row, or with the chunked loss on,
-``{'target_logprobs': [s]}``: ``hooks.chunked_loss``) and hands the outputs with the batch to
-:meth:`TokenLossMetric.process`. Each row is cut into its documents at the boundaries
-``PackedBatchCheckHook`` published for this batch (the channel of ``models.channel``; a row
-without boundaries is one document) and scored by :func:`xtuner_rope.ops.token_nll.document_nll`:
-each dialogue whole and alone, as isolated attention computed it.
-
-LLaVA and InternVL (the loss over the text labels of held-out image and text samples): XTuner's
-``LLaVAModel`` scores the sequence after the image expansion, so its rows return their own
-labels (``xtuner_llava.patch_llava_predict_labels``) and the boundaries are the expanded ones
-(``models.llava.restart_after_expansion``); ``InternVL_V1_5`` answers ``mode='predict'``
-(``xtuner_internvl.patch_internvl_predict``) on the collate's own sequence. Rows that
-``llava_collate_fn`` / ``internvl_collate_fn`` packed name their samples
-(``data_samples['rows']``): one result per sample, in batch order.
-
-Exact across data-parallel ranks: one result per dataset row (or packed sample); MMEngine's ``collect_results``
-interleaves the ranks' results back into the ``DefaultSampler`` order and cuts the list to the
-dataset's length, which drops the samples the sampler repeated to even out the ranks (the
-start-up makes the held-out sampler a ``DefaultSampler(shuffle=False)``).
+``val_step`` (``mode='predict'``) gives per row ``logits`` ``[s, V]`` or, with the chunked loss,
+``target_logprobs`` ``[s]``; each row is cut at the boundaries ``PackedBatchCheckHook``
+published (``models.channel``) and each dialogue scored whole and alone by
+:func:`xtuner_rope.ops.token_nll.document_nll`. LLaVA rows bring their expanded ``labels``;
+packed LLaVA/InternVL rows name their samples (``data_samples['rows']``). One result per
+dataset sample, so MMEngine's ``collect_results`` drops the sampler's repeats across ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +20,7 @@ from mmengine.evaluator import BaseMetric
 from mmengine.logging import print_log
 
 from xtuner_rope.models import channel
+from xtuner_rope.models.llava import flat_row_bounds
 from xtuner_rope.ops.token_nll import document_nll
 
 WORST_FILE = "heldout_worst.jsonl"  # in the run's work dir (set by HeldOutCurvesHook)
@@ -44,8 +31,7 @@ def row_bounds(flat: torch.Tensor | None, b: int, s: int) -> list[torch.Tensor]:
     """Per-row ``[n_r + 1]`` boundaries from the channel's flat ``[n + 1]`` ones (or whole rows)."""
     if flat is None:
         return [torch.tensor([0, s]) for _ in range(b)]
-    flat = torch.as_tensor(flat).reshape(-1).long().cpu()
-    return [flat[(flat >= r * s) & (flat <= (r + 1) * s)] - r * s for r in range(b)]
+    return flat_row_bounds(flat, b, s)
 
 
 def row_documents(
@@ -54,16 +40,14 @@ def row_documents(
     """Each segment of one row: summed NLL, supervised tokens, first ids (padding included).
 
     Args:
-        out: The row's ``val_step`` output: ``logits`` ``[s', V]`` (or ``target_logprobs``
-            ``[s]``, the chunked path), and for a LLaVA model
-            ``labels`` ``[s']`` of the sequence its LLM saw (after the image expansion; see
-            ``xtuner_llava.patch_llava_predict_labels``). Otherwise the batch's labels align.
+        out: The row's ``val_step`` output: ``logits`` ``[s', V]`` or ``target_logprobs``
+            ``[s']``; a LLaVA model's also ``labels`` ``[s']`` (after the image expansion).
         labels: ``[s]`` the batch row's labels; ids: ``[s]`` its input ids.
         bounds: ``[n + 1]`` the segments of the sequence the logits cover.
 
     Returns:
-        One dict per segment: ``nll``, ``tokens`` and ``first_ids`` (the first input ids, or
-        where the LLM saw image embeddings instead of ids, the first supervised targets).
+        Per segment ``{'nll', 'tokens', 'first_ids'}`` (input ids, or for LLaVA the first
+        supervised targets).
     """
     own = out.get("labels")
     row_labels = own if isinstance(own, torch.Tensor) else labels
@@ -89,11 +73,8 @@ def _scores(out: object) -> torch.Tensor | None:
 
 
 def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[dict]:
-    """One result per batch sample, in batch order, from rows packed by ``plan``.
-
-    ``llava_collate_fn`` / ``internvl_collate_fn`` put several dataset samples in a row (in the
-    order of their pack plan, ``data_samples['rows']``); MMEngine's ``collect_results`` drops
-    the sampler's repeats only from results in sampler order, one per sample.
+    """One result per batch sample, in batch order, from rows packed by ``plan``
+    (``data_samples['rows']`` of ``llava_collate_fn`` / ``internvl_collate_fn``).
 
     Raises:
         ValueError: a row has fewer segments than samples (packed rows without boundaries).
@@ -115,18 +96,14 @@ def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[di
 class TokenLossMetric(BaseMetric):
     """Token-weighted mean next-token NLL over every supervised token of the held-out set.
 
-    Reported (``name`` ``heldout`` by default; MMEngine's log and scalars file add ``val/``):
-    ``heldout_loss`` (sum of token NLLs / supervised tokens, never a mean of batch means),
-    ``heldout_ppl`` (its exp), ``heldout_tokens`` (supervised tokens) and
-    ``heldout_dialogues`` (documents with at least one supervised token). Use it for
-    ``CheckpointHook(save_best='heldout_loss', rule='less')``.
+    Reports ``<name>_loss`` (sum of token NLLs / supervised tokens), ``_ppl``, ``_tokens`` and
+    ``_dialogues`` (documents with a supervised token).
 
     Args:
         name: Key prefix of the metrics.
-        tokenizer: Tokenizer (or XTuner's config dict of one) to write each worst dialogue's
-            first words; the start-up passes the config's ``tokenizer``. None: token ids.
-        worst: How many of the worst dialogues (highest mean NLL) to list in
-            ``heldout_worst.jsonl`` in the work dir (``HeldOutCurvesHook`` sets it).
+        tokenizer: Tokenizer (or its XTuner config dict) for the worst dialogues' first words;
+            None: token ids.
+        worst: How many of the worst dialogues (highest mean NLL) ``heldout_worst.jsonl`` lists.
         collect_device: As MMEngine's ``BaseMetric``.
     """
 
@@ -150,11 +127,8 @@ class TokenLossMetric(BaseMetric):
         """Score each row's documents; one result per row, or per sample of a packed row.
 
         Args:
-            data_batch: The collated batch; ``data_batch['data']`` holds ``input_ids`` and
-                ``labels``, each ``[b, s]``; ``data_batch['data_samples']['rows']`` (packed LLaVA /
-                InternVL rows) the batch samples of each row.
-            data_samples: ``val_step``'s output: ``b`` dicts with ``logits`` ``[s, V]`` (a
-                LLaVA model's ``[s', V]`` with its ``labels`` ``[s']``, after the expansion).
+            data_batch: The collated batch: ``data`` holds ``input_ids``, ``labels`` ``[b, s]``.
+            data_samples: ``val_step``'s output, ``b`` dicts (see :func:`row_documents`).
 
         Raises:
             TypeError: the model's ``val_step`` does not return per-row logits.

@@ -1,20 +1,9 @@
 """``PreferenceMetric``: held-out loss, preference accuracy and reward margin of DPO, ORPO and
 reward models, each pair whole and alone, exact on any rank count.
 
-MMEngine's ``ValLoop`` hands :meth:`PreferenceMetric.process` the batch and ``val_step``'s
-output: per row the policy's ``logits`` ``[s, V]`` (DPO also ``ref_logits``, see
-``xtuner_preference.patch_dpo_predict_reference``) or the reward head's scores ``[s, 1]``. Packed pairs
-(``use_varlen_attn``: ``PackedDatasetWrapper`` rows, chosen then rejected) are cut into their
-responses at the boundaries ``PackedBatchCheckHook`` published on the channel; unpacked pairs
-are two rows each (``preference_collate_fn``). Each response is scored by
-:func:`xtuner_rope.ops.token_nll.document_nll` (its own targets only), each pair's loss is the
-model's loss of a batch holding that pair alone (:mod:`xtuner_rope.ops.preference_loss`), and
-the held-out loss is their sum over pairs / pairs: never a mean of batch means.
-
-The metric learns the model's kind and loss settings from the built model
-(:meth:`PreferenceMetric.bind`, called by ``HeldOutCurvesHook`` before training). One result
-per dataset sample, so MMEngine's ``collect_results`` drops the sampler's repeats as for
-``TokenLossMetric``.
+Packed pairs are cut into their responses at the published boundaries; unpacked pairs are two
+rows each. Each pair's loss is the model's loss of a batch holding that pair alone
+(:mod:`xtuner_rope.ops.preference_loss`); the held-out loss sums pairs / pairs.
 """
 
 from __future__ import annotations
@@ -47,9 +36,8 @@ def preference_kind(model: object) -> str | None:
 
 
 def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
-    """Per row, the ``(start, end)`` of each response: packed rows at the published
-    boundaries (a trailing sequence-parallel pad segment dropped), else the whole row up to
-    its ``attention_mask`` length."""
+    """Per row, each response's ``(start, end)``: at the published boundaries (an odd trailing
+    pad segment dropped), else the row up to its ``attention_mask`` length."""
     flat = channel.read()[0]
     if flat is None:
         mask = data.get("attention_mask")
@@ -65,13 +53,8 @@ def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
 class PreferenceMetric(BaseMetric):
     """Held-out loss, preference accuracy and reward margin of XTuner's DPO, ORPO, reward model.
 
-    Reported (``name`` ``heldout`` by default; MMEngine adds ``val/``): ``heldout_loss`` (the
-    model's loss of each pair alone, summed over pairs / pairs), ``heldout_accuracy`` (share
-    of pairs whose chosen reward beats the rejected one: DPO's ``beta * (log pi - log ref)``,
-    ORPO's ``beta *`` average log-prob, a reward model's scores), ``heldout_margin`` (mean
-    chosen minus rejected reward) and ``heldout_pairs``. Use
-    ``CheckpointHook(save_best='heldout_loss', rule='less')`` or ``'heldout_accuracy'`` with
-    ``rule='greater'``.
+    Reports ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean
+    chosen minus rejected reward) and ``_pairs``.
 
     Args:
         name: Key prefix of the metrics.
@@ -140,9 +123,9 @@ class PreferenceMetric(BaseMetric):
         """Score each response; one result (its pairs) per dataset sample.
 
         Args:
-            data_batch: The collated batch; ``data_batch['data']`` holds ``labels`` ``[b, s]``.
-            data_samples: ``val_step``'s output: ``b`` dicts with ``logits`` (``[s, V]``, DPO
-                also ``ref_logits``; a reward model ``[s, 1]``).
+            data_batch: The collated batch; ``data`` holds ``labels`` ``[b, s]``.
+            data_samples: ``b`` dicts with ``logits`` ``[s, V]`` (DPO also ``ref_logits``;
+                reward ``[s, 1]``).
 
         Raises:
             RuntimeError: the metric was not bound to the model.

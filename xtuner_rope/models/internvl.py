@@ -1,15 +1,7 @@
 """XTuner's InternVL models: where the LLM is, and what an image becomes for it.
 
-``InternVL_V1_5`` (xtuner 0.2.0) holds the checkpoint's chat model as ``.model`` (hub remote
-code: ``vision_model``, ``mlp1``, ``language_model``, ``num_image_token``,
-``img_context_token_id``). Its ``_llm_forward`` writes the vision tokens over the
-``<IMG_CONTEXT>`` ids *before* the LLM: unlike LLaVA, the sequence (length, ``position_ids``,
-``attention_mask``) is the one the collate function made, so the text path's attention patch
-and boundaries serve it unchanged.
-
-``_llm_forward`` computes the loss itself from the LLM's logits (a mean over the supervised
-tokens, the same shift as the LLM's own loss): :func:`llm_computes_the_loss` hands the labels to
-the LLM instead, so a chunked-loss LLM (``models.chunked_loss``) returns the loss and no logits.
+``InternVL_V1_5`` (xtuner 0.2.0) writes the vision tokens over the ``<IMG_CONTEXT>`` ids before
+the LLM: the sequence is the collate's, so the text path's attention patch serves it unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +37,8 @@ def internvl_image_tokens(model: nn.Module) -> tuple[int, int] | None:
 def llm_computes_the_loss(chat: nn.Module, labels: torch.Tensor) -> Iterator[dict]:
     """Inside: the next call of ``chat.language_model`` also gets ``labels``; its output is kept.
 
-    For ``InternVL_V1_5.forward`` called with ``labels=None`` (its ``_llm_forward`` then
-    computes no loss from the logits): the yielded dict's ``"output"`` is the LLM's output,
-    whose ``loss`` is the LLM's own mean over the supervised tokens of ``labels``.
+    For ``InternVL_V1_5.forward`` with ``labels=None``: the yielded ``"output"`` carries the
+    LLM's own loss (a chunked-loss LLM then returns no logits).
 
     Args:
         chat: The chat model (:func:`internvl_chat_model`).

@@ -1,12 +1,9 @@
 """XTuner's LLaVA models: the sequence the LLM sees after the image expansion, checked.
 
-``LLaVAModel.forward`` (xtuner 0.2.0) runs the CLIP tower and the projector, then
-``prepare_inputs_labels_for_multimodal`` replaces each image placeholder by the image's patch
-embeddings, drops the padding and pads again on the right: ``inputs_embeds`` ``[b, s', d]``
-with ``s'`` the longest expanded row, ``attention_mask`` True over each row's real tokens,
-``position_ids`` ``0..n_r-1`` per row, ``labels`` -100 on image tokens and padding. The LLM's
-attention and RoPE are the family's (patched as in text SFT); :func:`check_expanded_batch`
-checks that sequence (``xtuner_rope.compat.xtuner_llava.patch_llava_expansion_check`` calls it).
+xtuner 0.2.0's ``prepare_inputs_labels_for_multimodal`` replaces each image placeholder by its
+patch embeddings and right-pads again: ``inputs_embeds`` ``[b, s', d]``, ``position_ids``
+``0..n_r-1`` per row, ``labels`` -100 on image tokens and padding. :func:`check_expanded_batch`
+checks it (called by ``compat.xtuner_llava.patch_llava_expansion_check``).
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def _fail(row: int, field: str, expected: str, got: object, fix: str) -> ValueEr
 
 
 def _host_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """The ids and bool mask ``[b, s]`` before the expansion, on the host (their host copies,
-    ``ops.host_copies``), or None when only the device holds them."""
+    """The host copies of the ids and bool mask ``[b, s]`` before the expansion, or None."""
     ids = host_copy(input_ids)
     mask = None if attention_mask is None else host_copy(attention_mask)
     if ids is None or (attention_mask is not None and mask is None):
@@ -53,12 +49,8 @@ def _host_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
 def expanded_row_lengths(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, image_tokens: int
 ) -> torch.Tensor | None:
-    """Each row's length after the image expansion ``[b]``, computed on the host, or None.
-
-    XTuner keeps a row's attended tokens and replaces each placeholder by ``image_tokens``
-    patch embeddings: ``n - k + k * P``. From the host copies of the batch (``_host_batch``);
-    None when there are none (the check then reads the expanded batch back).
-    """
+    """Each row's length ``n - k + k * P`` after the image expansion ``[b]``, from the host
+    copies of the batch; None without them (the check then reads the expanded batch back)."""
     host = _host_batch(input_ids, attention_mask)
     if host is None:
         return None
@@ -77,15 +69,12 @@ def check_expanded_batch(
             ``[b, s, d]``, optional ``attention_mask`` / ``position_ids`` / ``labels``
             ``[b, s]``.
         max_position: The RoPE range positions must stay below (None: unchecked).
-        lengths: ``[b]`` each row's expanded length computed on the host
-            (:func:`expanded_row_lengths`): the check then reads nothing back from the
-            device. None: measured on ``out`` (a device read), and the rebuilt positions are
-            checked too.
+        lengths: ``[b]`` expanded lengths from :func:`expanded_row_lengths` (no device read);
+            None: measured on ``out``, and the rebuilt positions checked too.
 
     Raises:
         ValueError: a row attends to nothing, its positions do not count 0, 1, ... over its
-            real tokens, or they leave the RoPE range (image tokens count: each placeholder
-            became the image's patch embeddings); the message names row and field.
+            real tokens, or they leave the RoPE range (image patches count).
     """
     embeds = out["inputs_embeds"]
     b, s = embeds.shape[:2]
@@ -127,10 +116,8 @@ def expanded_labels(
     image_tokens: int,
     width: int,
 ) -> torch.Tensor:
-    """XTuner's expanded labels ``[b, width]``, computed on the host.
-
-    The expansion keeps a row's attended labels, replaces each placeholder's by ``P`` times
-    -100 (its image's patches) and pads the row on the right with -100 (xtuner 0.2.0).
+    """XTuner's expanded labels ``[b, width]`` on the host: attended labels, ``P`` times -100
+    per placeholder, right-padded with -100 (xtuner 0.2.0).
 
     Args:
         input_ids: ``[b, s]`` host ids before the expansion; attention_mask: ``[b, s]`` bool.
@@ -149,15 +136,9 @@ def expanded_labels(
 def remember_expanded_host_copies(
     out: Mapping, lengths: torch.Tensor, before: Mapping, image_tokens: int
 ) -> None:
-    """Remember the host copies of XTuner's rebuilt ``attention_mask``, ``position_ids`` and
-    ``labels``.
-
-    XTuner's expansion right-pads every row to the longest: True and ``0..n-1`` over a row's
-    ``n`` tokens, False and 0 after (xtuner 0.2.0); the labels as :func:`expanded_labels`.
-    From the expanded lengths computed on the host (:func:`expanded_row_lengths`) and the host
-    copies of the batch (``before``: the expansion's arguments), the plan, the rotaries and
-    the chunked loss then read them without a device read. On the CPU (where reading is free)
-    they are compared with XTuner's tensors.
+    """Remember host copies of XTuner's rebuilt ``attention_mask``, ``position_ids`` (True and
+    ``0..n-1`` over a row's ``n`` tokens, then False and 0) and ``labels``, built from the host
+    ``lengths`` and ``before`` (the expansion's arguments); compared with XTuner's on the CPU.
     """
     s_out = out["inputs_embeds"].shape[1]
     columns = torch.arange(s_out)[None]  # [1, s']
@@ -194,8 +175,8 @@ def _check_rebuilt_positions(positions: torch.Tensor, lengths: torch.Tensor, b: 
         )
 
 
-def _row_boundaries(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
-    """Per-row boundaries ``0 .. s`` of a flat ``[n + 1]`` boundary tensor over ``b * s``."""
+def flat_row_bounds(flat: torch.Tensor, b: int, s: int) -> list[torch.Tensor]:
+    """Per-row ``[n_r + 1]`` boundaries ``0 .. s`` of flat ``[n + 1]`` ones over ``b * s``."""
     flat = torch.as_tensor(flat)
     host = host_copy(flat)
     flat = (flat.cpu() if host is None else host).reshape(-1).long()
@@ -207,13 +188,9 @@ def restart_after_expansion(
 ) -> dict:
     """Packed LLaVA rows: boundaries and positions of the expanded sequence, published.
 
-    ``PackedBatchCheckHook`` publishes the collate's boundaries (``cumulative_len`` before the
-    expansion) in ``MessageHub``; XTuner's expansion then makes each row longer and numbers it
-    ``0..n-1`` as one sequence. Here each segment is measured after the expansion
-    (``batch.image_packing.expand_row_boundaries``), the positions restart at 0 per sample
-    and the expanded boundaries (padding a segment of its own) replace the published ones, so
-    the patched attention isolates the samples the LLM really sees. Without published
-    boundaries (XTuner's padded rows) ``out`` is returned unchanged.
+    The collate's published boundaries are measured again after the expansion (padding a
+    segment of its own) and replace them; positions restart at 0 per sample. Without
+    published boundaries (padded rows) ``out`` is returned unchanged.
 
     Args:
         out: The expansion's result (``inputs_embeds`` ``[b, s', d]``, ``attention_mask``,
@@ -235,7 +212,7 @@ def restart_after_expansion(
         host = input_ids.cpu(), mask.bool().cpu()
     ids, mask = host
     cus, expanded = [], []
-    for r, cu in enumerate(_row_boundaries(published, b, s)):
+    for r, cu in enumerate(flat_row_bounds(published, b, s)):
         lengths = expand_row_boundaries(ids[r], mask[r], cu, image_tokens)
         expanded.append(lengths)
         n = sum(lengths)
@@ -250,8 +227,7 @@ def restart_after_expansion(
 
 
 def _check_expanded_width(totals: list[int], segments: list[list[int]], s_out: int) -> None:
-    """XTuner pads the expanded rows to the longest one: the row lengths measured on the host
-    must fit ``s_out`` and the longest must fill it (checked without reading the device)."""
+    """The host-measured row lengths fit ``s_out`` and the longest fills it (XTuner pads to it)."""
     longest = max(range(len(totals)), key=totals.__getitem__)
     for r, n in enumerate(totals):
         if n > s_out or (r == longest and n != s_out):

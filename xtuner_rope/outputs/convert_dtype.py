@@ -20,14 +20,8 @@ LISTED = 10  # tensors named one by one in the report; the rest are counted
 
 @dataclass(frozen=True)
 class CastLoss:
-    """What casting one tensor lost.
-
-    Attributes:
-        name: The tensor's name in the model (``llm.model.layers.0...weight``).
-        overflowed: Finite values that became ``inf``.
-        flushed: Nonzero values that became 0.
-        numel: The tensor's number of values.
-    """
+    """What casting tensor ``name`` lost: finite values ``overflowed`` to ``inf``, nonzero values
+    ``flushed`` to 0, of ``numel``."""
 
     name: str
     overflowed: int
@@ -36,33 +30,17 @@ class CastLoss:
 
 
 def cast_losses(name: str, old: torch.Tensor, new: torch.Tensor) -> CastLoss:
-    """Compare a tensor with its cast: values overflowed to ``inf`` and flushed to zero.
-
-    Args:
-        name: The tensor's name, for the report.
-        old: The tensor before the cast (any shape).
-        new: The same tensor after the cast (same shape).
-
-    Returns:
-        The counts (zero when nothing was lost).
-    """
+    """The values of ``old`` (any shape) that its cast ``new`` overflowed or flushed."""
     overflowed = int((torch.isfinite(old) & torch.isinf(new)).sum())
     flushed = int(((old != 0) & (new == 0)).sum())
     return CastLoss(name, overflowed, flushed, old.numel())
 
 
 def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
-    """Cast a model's floating parameters and buffers to ``dtype`` in place, counting losses.
-
-    One tensor at a time (no second copy); meta tensors (a LoRA base built empty) are cast, not
-    counted.
-
-    Args:
-        module: The model (XTuner's, whose ``to_hf`` saves it next).
-        dtype: The dtype to save in.
+    """Cast a model's floating parameters and buffers to ``dtype`` in place, one at a time.
 
     Returns:
-        One :class:`CastLoss` per tensor cast (not for those already in ``dtype``).
+        One :class:`CastLoss` per tensor cast (meta tensors cast, not counted).
     """
     losses = []
     tensors = [*module.named_parameters(), *module.named_buffers()]
@@ -77,16 +55,8 @@ def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
 
 
 def describe_cast(losses: list[CastLoss], dtype: torch.dtype) -> str:
-    """What the cast to ``dtype`` lost, by tensor, for the output.
-
-    Args:
-        losses: What :func:`cast_module` returned.
-        dtype: The dtype cast to.
-
-    Returns:
-        A line saying nothing was lost, or the tensors (the first :data:`LISTED` named) and
-        their counts of values overflowed and flushed.
-    """
+    """What the cast to ``dtype`` lost (:func:`cast_module`'s ``losses``): one line, or the
+    tensors (the first :data:`LISTED` named) with their counts."""
     name = NAMES.get(dtype, str(dtype))
     lossy = [loss for loss in losses if loss.overflowed or loss.flushed]
     if not lossy:
@@ -127,13 +97,8 @@ def _model_states(checkpoint: str) -> dict[str, torch.Tensor]:
 
 
 def trained_dtype(checkpoint: str) -> torch.dtype:
-    """The dtype of the weights the run held: the most common floating dtype of its tensors.
-
-    Args:
-        checkpoint: ``iter_N.pth``: a file or a DeepSpeed folder.
-
-    Returns:
-        That dtype; fp32 when the checkpoint holds no floating tensor.
+    """The most common floating dtype of ``checkpoint``'s tensors (``iter_N.pth``, a file or a
+    DeepSpeed folder); fp32 when none.
 
     Raises:
         FileNotFoundError: ``checkpoint`` is neither (the message says what to give).
@@ -147,15 +112,8 @@ def trained_dtype(checkpoint: str) -> torch.dtype:
 
 
 def save_dtype(asked: str | None, fp32: bool, checkpoint: str) -> tuple[torch.dtype, str]:
-    """The dtype to save in, and why.
-
-    Args:
-        asked: ``--dtype`` (``bf16``, ``fp16``, ``fp32``) or None.
-        fp32: XTuner's ``--fp32`` was given (the same as ``--dtype fp32``).
-        checkpoint: The ``iter_N.pth`` converted (read when nothing was asked).
-
-    Returns:
-        The dtype and a few words on where it came from, for the output.
+    """The dtype to save in and where it came from: ``--dtype`` (``asked``) or ``--fp32``, else
+    the trained dtype of ``checkpoint``.
 
     Raises:
         ValueError: ``--fp32`` together with another ``--dtype``.

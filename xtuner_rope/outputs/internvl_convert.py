@@ -29,14 +29,8 @@ def is_internvl(model_cfg: dict) -> bool:
 
 
 def build_trained(model_cfg: dict, checkpoint: str) -> torch.nn.Module:
-    """The config's InternVL in fp32 with eager attention, holding ``checkpoint``'s weights.
-
-    Args:
-        model_cfg: The config's ``model`` (``InternVL_V1_5``); not changed.
-        checkpoint: ``iter_N.pth``, a file or a DeepSpeed folder (read at fp32).
-
-    Returns:
-        XTuner's ``InternVL_V1_5`` (LoRA still unmerged), evaluation mode.
+    """``model_cfg``'s ``InternVL_V1_5`` in fp32, eager attention, eval mode, LoRA unmerged,
+    holding ``checkpoint``'s weights (``iter_N.pth``, file or DeepSpeed folder).
 
     Raises:
         ValueError: the checkpoint holds weights the config's model does not have.
@@ -108,17 +102,8 @@ def write_official_files(model_path: str, save_dir: Path, dtype: torch.dtype) ->
 def convert_internvl(
     model_cfg: dict, checkpoint: str, save_dir: str, dtype: torch.dtype, max_shard_size: str
 ) -> None:
-    """Convert an ``InternVL_V1_5`` checkpoint to the official InternVL layout under ``save_dir``.
-
-    At fp32 the saved weights are the trained module's (LoRA merged) bit for bit.
-
-    Args:
-        model_cfg: The config's ``model``.
-        checkpoint: The run's ``iter_N.pth`` (file or DeepSpeed folder).
-        save_dir: Where to write (created).
-        dtype: The dtype to save in; the cast's losses are counted and printed.
-        max_shard_size: ``save_pretrained``'s shard size (``--max-shard-size``).
-    """
+    """Convert an ``InternVL_V1_5`` checkpoint (``iter_N.pth``) to the official InternVL layout
+    under ``save_dir``, in ``dtype`` (the cast's losses printed; fp32: bit for bit)."""
     chat = merged_chat_model(build_trained(model_cfg, checkpoint))
     print(convert_dtype.describe_cast(convert_dtype.cast_module(chat, dtype), dtype))
     out = Path(save_dir)

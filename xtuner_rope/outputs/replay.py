@@ -115,13 +115,11 @@ def replay(model: nn.Module, record: dict) -> Finding | None:
     """Run the recorded batch through ``model`` (forward, then backward) and find the first NaN.
 
     Args:
-        model: the run's model (XTuner's ``SupervisedFinetune``, ``mode='loss'``), the recorded
-            weights loaded and its attention patched as in the run.
+        model: the run's model, the recorded weights loaded, patched as in the run.
         record: from :func:`load_record`.
 
     Returns:
-        The first non-finite module output in execution order, else the first non-finite output
-        gradient in backward order, else None (the batch replays finite).
+        The first non-finite module output, else output gradient (backward order), else None.
     """
     device = next(model.parameters()).device
     data = {k: v.to(device) for k, v in record["data"].items()}
@@ -158,9 +156,9 @@ def build_run_model(
     """The run's model, built from its config, with the weights it had when the batch failed.
 
     Args:
-        config: the training config (relative paths resolve from the working directory).
-        record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``.
-        checkpoint: an MMEngine checkpoint (``iter_N.pth``) to load instead.
+        config: the training config.
+        record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``
+            (an ``iter_N.pth``) is given.
         cfg_options: overrides, as ``xtuner train --cfg-options`` takes them.
 
     Raises:

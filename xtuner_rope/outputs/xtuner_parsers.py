@@ -39,17 +39,9 @@ def tool_script(module: str) -> str:
 
 
 def parser_answer(script: str, argv: list[str], prog: str | None = None) -> int | None:
-    """What ``script`` 's ``parse_args()`` answers by itself to ``argv``: help, or a usage error.
-
-    Args:
-        script: The tool's file (:func:`tool_script`).
-        argv: Its arguments.
-        prog: ``sys.argv[0]`` as the tool would see it (default: ``script``).
-
-    Returns:
-        The exit status when ``parse_args`` stopped (0 after the help, 2 on a usage error);
-        ``None`` when the arguments parse or the file has no self-contained ``parse_args``.
-    """
+    """What ``script`` 's ``parse_args()`` answers by itself to ``argv`` (``sys.argv[0]``
+    ``prog``): 0 after the help, 2 on a usage error; None when the arguments parse or the file
+    has no self-contained ``parse_args``."""
     try:
         tree = ast.parse(Path(script).read_text(encoding="utf-8"), filename=script)
         (function,) = [

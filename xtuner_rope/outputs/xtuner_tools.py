@@ -56,18 +56,9 @@ def _model_path_keys(node: object, prefix: str = "") -> list[str]:
 
 
 def resolved_model_options(config: str, cfg_options: dict | None = None) -> list[str]:
-    """``--cfg-options`` that give a tool the model path ``xtuner train`` trained from.
-
-    ``xtuner train`` puts ``model_resource``'s resolved path in every
-    ``pretrained_model_name_or_path``; ``pth_to_hf`` builds the model from the config as written.
-
-    Args:
-        config: The config file.
-        cfg_options: The user's ``--cfg-options`` (applied first, as the tool applies them).
-
-    Returns:
-        ``key=path`` overrides; empty when there is no ``model_resource`` or the path is unchanged.
-    """
+    """``key=path`` ``--cfg-options`` that give a tool the model path ``xtuner train`` trained
+    from (``model_resource``'s resolved path; the user's ``cfg_options`` applied first); empty
+    when there is no ``model_resource`` or the path is unchanged."""
     cfg = _load_config(config, cfg_options)
     resource = cfg.get("model_resource")
     if not resource or MODEL_PATH_KEY not in cfg:
@@ -94,16 +85,8 @@ def _config_and_options(argv: list[str]) -> tuple[str, str, dict | None]:
 
 
 def parser_answer(command: tuple[str, ...], argv: list[str]) -> int | None:
-    """XTuner's tool ``command`` answering ``-h`` or a usage error without being imported.
-
-    Args:
-        command: A key of :data:`XTUNER_TOOLS`.
-        argv: The tool's own arguments.
-
-    Returns:
-        0 after the help, 2 on a usage error (printed as the tool prints them); ``None`` when
-        the tool must run to answer.
-    """
+    """XTuner's tool ``command`` (a key of :data:`XTUNER_TOOLS`) answering ``-h`` (0) or a
+    usage error (2) without being imported; None when the tool must run to answer."""
     script = xtuner_parsers.tool_script(XTUNER_TOOLS[command])
     return xtuner_parsers.parser_answer(script, argv, prog=_prog(command))
 
@@ -119,12 +102,11 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
     Args:
         command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
         argv: The tool's own arguments, exactly as ``xtuner`` takes them.
-        dtype: ``--dtype`` of ``convert`` (``bf16``, ``fp16``, ``fp32``); None: the trained
-            dtype for ``pth_to_hf``, XTuner's fp16 for ``merge``.
+        dtype: ``--dtype`` of ``convert``; None: the trained dtype (``pth_to_hf``), fp16
+            (``merge``).
 
     Returns:
-        The tool's exit status (its ``sys.exit`` code; 2 for ``--fp32`` with another
-        ``--dtype``). An exception raised by the tool propagates.
+        The tool's exit status (2 for ``--fp32`` with another ``--dtype``).
 
     Raises:
         KeyError: ``command`` is not one of :data:`XTUNER_TOOLS`.
@@ -197,8 +179,7 @@ def _load_config(config: str, cfg_options: dict | None):
 
 
 def _no_llm_refusal(config: str, model_cfg: dict) -> str | None:
-    """Why ``pth_to_hf`` cannot convert ``config``'s model (no ``model.llm``, not InternVL), or
-    None."""
+    """Why ``pth_to_hf`` cannot convert a model without ``model.llm``, or None."""
     from .internvl_convert import INTERNVL_MODEL
 
     if "llm" in model_cfg:

@@ -31,14 +31,8 @@ def _slurm(argv: list[str]) -> bool:
 
 
 def train_command(argv: list[str]) -> list[str]:
-    """The command ``xtuner train ARGV`` runs, by XTuner 0.2.0's rule.
-
-    Args:
-        argv: The arguments after ``train`` (``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``,
-            ``ADDR``, ``PORT`` are read from the environment).
-
-    Returns:
-        The child's command line.
+    """The child's command line ``xtuner train ARGV`` runs, by XTuner 0.2.0's rule
+    (``NNODES``, ``NPROC_PER_NODE``, ``NODE_RANK``, ``ADDR``, ``PORT`` from the environment).
 
     Raises:
         ValueError: ``NNODES`` or ``NPROC_PER_NODE`` is not an integer.
@@ -75,24 +69,16 @@ def train_command(argv: list[str]) -> list[str]:
 
 
 def parser_answer(argv: list[str], script: str | None = None) -> int | None:
-    """What XTuner's ``train.py`` answers by itself to ``argv``: 0 (help), 2 (usage error) or None.
-
-    Args:
-        argv: The arguments after ``train``.
-        script: XTuner's ``train.py`` (default: :func:`train_script`).
-    """
+    """What XTuner's ``train.py`` (``script``) answers to ``argv``: 0 (help), 2 (usage), None."""
     return xtuner_parsers.parser_answer(script or train_script(), argv)
 
 
 def run_xtuner_train(argv: list[str]) -> int:
     """Run ``xtuner train ARGV`` as XTuner does and return the training's exit status.
 
-    Args:
-        argv: The arguments after ``train``, exactly as ``xtuner train`` takes them.
-
     Returns:
-        The child's status (``128 + N`` when signal N killed it); 2 when the command cannot be
-        built or started; XTuner's own answer to ``-h`` or a usage error without a child.
+        The child's status (``128 + N`` when signal N killed it); 2 when it cannot start;
+        XTuner's own answer to ``-h`` or a usage error.
     """
     try:
         command = train_command(argv)
