@@ -19,10 +19,10 @@ from mmengine.hooks import CheckpointHook
 
 from xtuner_rope import compat
 from xtuner_rope.compat import (
-    checkpoint_save,
     guard,
     mmengine_config,
     records,
+    runner_checkpoints,
     xtuner_packing,
     xtuner_zero_read,
 )
@@ -70,14 +70,14 @@ def _skips(call) -> list[warnings.WarningMessage]:
 
 def test_renamed_private_method_skips_the_patch_and_the_startup_refuses(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert len(caught) == 1
     message = str(caught[0].message)
     assert FEATURE in message and "_save_checkpoint_with_step is missing" in message
     assert "mmengine ~=0.10.6" in message and "mmengine 0.10.6" in message
     assert "_save_checkpoint_with_step" in guard.skipped()["patch_checkpoint_writes"]
     assert (
-        _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes)) == []
+        _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes)) == []
     )  # one warning
     with pytest.raises(ConfigConflict, match=r"crash-safe checkpoint writes \(every run.*skipped"):
         prepare_config(_with_checkpoint_hook())
@@ -85,7 +85,7 @@ def test_renamed_private_method_skips_the_patch_and_the_startup_refuses(fresh, m
 
 def test_a_config_that_does_not_need_the_feature_is_not_refused(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert patch_findings(Config(dict(default_hooks=dict(checkpoint=None)))) == []
     assert len(patch_findings(_with_checkpoint_hook())) == 1
 
@@ -95,7 +95,7 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
     monkeypatch.setattr(
         guard.metadata, "version", lambda d: "0.11.0" if d == "mmengine" else real(d)
     )
-    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert len(caught) == 1
     assert "mmengine 0.11.0 is outside the versions it was written for" in str(caught[0].message)
     assert "pip install 'mmengine~=0.10.6'" in str(caught[0].message)

@@ -2,7 +2,8 @@
 
 One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
 ``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``batch_host_copies``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
+``batch_host_copies``, ``runner_checkpoints`` (checkpoint reads and writes handed to the
+feature, ``xtuner_rope.checkpoints``), ``xtuner_sft``,
 ``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``,
 ``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``,
 ``xtuner_merge``; ``mmengine_config``: ``config_dict``, MMEngine's private config dict read in
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 from .batch_host_copies import patch_mmengine_host_copies, patch_xtuner_varlen_hook_host_copies
 from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
-from .checkpoint import patch_checkpoint_loading
-from .checkpoint_save import patch_checkpoint_writes, patch_deepspeed_checkpoint_writes
 from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
 from .guard import applied, check_only, run_guarded
 from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
 from .mmengine_scheduler import patch_mmengine_warmup_rounding
 from .records import DEFERRED, RECORDS
+from .runner_checkpoints import (
+    patch_checkpoint_loading,
+    patch_checkpoint_writes,
+    patch_deepspeed_checkpoint_writes,
+)
 from .torch_cpu import patch_torch_cpu_bf16_query
 from .transformers_internlm2 import (
     patch_internlm2_generation_from_embeds,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat.checkpoint_world import current_world_size
+from xtuner_rope.checkpoints.world import current_world_size
 from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 

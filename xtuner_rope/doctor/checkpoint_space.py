@@ -1,6 +1,6 @@
 """The doctor's check of checkpoint space: the size of one checkpoint against the free disk.
 
-A run that fills its disk at a checkpoint stops there (``compat.checkpoint_save`` names the bytes
+A run that fills its disk at a checkpoint stops there (``checkpoints.atomic`` names the bytes
 needed), after hours of training. The doctor knows the figures before: the size of one checkpoint
 and how many of them the work dir holds at once, against the free space of its filesystem.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat.checkpoint_files import newest_complete
+from xtuner_rope.checkpoints.complete import newest_complete
 from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config.checkpoint_findings import llm_checkpoint_path
 from xtuner_rope.config.fields import lazy_get as _get

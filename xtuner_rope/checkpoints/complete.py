@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import load_checkpoint, runner_globals_allowed
+from .loading import load_checkpoint, runner_globals_allowed
 
 CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
 MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")

@@ -3,7 +3,7 @@
 A ``.pth`` written by ``torch.save`` is a pickle; unpickling it with ``weights_only=False`` can
 run any code the file names. torch >= 2.6 loads with ``weights_only=True`` by default, which
 refuses the few non-tensor types a runner checkpoint really holds (the message hub's
-``HistoryBuffer`` and the numpy arrays, scalars and dtypes inside it). ``load_checkpoint``
+``HistoryBuffer`` and the numpy arrays, scalars and dtypes inside it). :func:`load_checkpoint`
 allows exactly those, only for its own call (:func:`runner_globals_allowed`), so resume
 and ``load_from`` work as before and a file naming any other type is refused with its name.
 
@@ -12,8 +12,8 @@ trust (separated by ``os.pathsep``); a checkpoint at or under one of them loads 
 ``weights_only=False``. A type that is safe to rebuild can instead be allow-listed for every
 load with ``torch.serialization.add_safe_globals([...])`` (in the config, say).
 
-``patch_checkpoint_loading`` (applied by ``compat.apply()``) routes MMEngine's and XTuner's
-loaders of runner checkpoints through ``load_checkpoint``.
+``compat.runner_checkpoints.patch_checkpoint_loading`` routes MMEngine's and XTuner's loaders
+of runner checkpoints through :func:`load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,27 +22,14 @@ import _codecs
 import os
 import pickle
 import re
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
-
-from .guard import at_least
+from torch.torch_version import TorchVersion
 
 TRUST_ENV = "XTUNER_ROPE_TRUSTED_CHECKPOINTS"
-# Checks a checkpoint path passes before the patched loaders unpickle it (each raises to refuse):
-# ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_files.refuse_incomplete``.
-PATH_CHECKS: list = []
-# Checks only a resume passes (``xtuner train --resume``, read first thing for the seed):
-# ``checkpoint_save.patch_checkpoint_writes`` adds ``checkpoint_world.refuse_other_world_size``.
-RESUME_CHECKS: list = []
-
-
-def _check_path(path: str, checks: list = PATH_CHECKS) -> None:
-    for check in checks:
-        check(path)
 
 
 class UntrustedCheckpointError(pickle.UnpicklingError):
@@ -138,7 +125,7 @@ def runner_globals_allowed() -> Iterator[None]:
     """
     entries = runner_checkpoint_globals()
     serialization = torch.serialization
-    if at_least("torch", "2.6"):
+    if TorchVersion(torch.__version__) >= (2, 6):  # a Version, not a string compare
         with serialization.safe_globals(entries):
             yield
         return
@@ -216,64 +203,3 @@ def load_checkpoint(path: str, map_location="cpu"):
             if "unexpected EOF" in str(error):
                 raise EOFError(f"{path} ends early: {error}") from error
             raise _refusal(path, error) from error
-
-
-def _load_from_local_checked(filename: str, map_location=None):
-    """MMEngine's loader for local checkpoint paths, through :func:`load_checkpoint`."""
-    filename = os.path.expanduser(filename)
-    if not os.path.isfile(filename):
-        raise FileNotFoundError(f"{filename} can not be found.")
-    _check_path(filename)
-    return load_checkpoint(filename, map_location)
-
-
-def _seed_from_checkpoint(path: str) -> int:
-    """The seed stored in an MMEngine checkpoint file or a DeepSpeed checkpoint directory.
-
-    ``xtuner train --resume`` reads it first thing: an incomplete checkpoint (and a ZeRO one
-    written by another number of processes) is refused here, before the runner, the model or
-    the data are built.
-    """
-    if os.path.exists(path):
-        _check_path(path, PATH_CHECKS + RESUME_CHECKS)
-    if os.path.isdir(path):
-        from deepspeed.utils.zero_to_fp32 import get_model_state_files
-
-        path = get_model_state_files(path)[0]
-    elif not os.path.isfile(path):
-        raise FileNotFoundError(f"Cannot find {path}")
-    return load_checkpoint(path)["meta"]["seed"]
-
-
-def patch_checkpoint_loading() -> bool:
-    """Let ``xtuner train --resume`` and ``load_from`` load weights-only (needed from torch 2.6).
-
-    torch 2.6 made ``weights_only=True`` the default of ``torch.load``. mmengine 0.10.6
-    (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
-    (``tools.utils.get_seed_from_checkpoint``, called first by ``xtuner train --resume``) load
-    the runner's own checkpoints without an allow-list; those hold the message hub
-    (``HistoryBuffer``, numpy scalars), so resuming dies with ``UnpicklingError: Weights only
-    load failed ... Unsupported global: GLOBAL mmengine.logging.history_buffer.HistoryBuffer``
-    (mmengine issue #1655). Both loaders go through :func:`load_checkpoint`, after the
-    :data:`PATH_CHECKS` (``checkpoint_files.refuse_incomplete``: a checkpoint cut short is
-    refused, naming the newest complete one beside it):
-    ``weights_only=True`` with exactly those types allowed; any other type is refused with its
-    name and the way to load a file you trust (``XTUNER_ROPE_TRUSTED_CHECKPOINTS``).
-
-    On torch 2.4 and 2.5 (``weights_only=False`` by default, nothing fails) it is applied too:
-    the same allow-list, and the :data:`PATH_CHECKS` that crash-safe checkpoints rely on.
-
-    Returns:
-        True (applied).
-    """
-    import xtuner.tools.utils as xtuner_tool_utils
-    from mmengine.runner.checkpoint import CheckpointLoader
-
-    CheckpointLoader.register_scheme(prefixes="", force=True)(_load_from_local_checked)
-    # `xtuner/tools/train.py` (run as __main__) imported the function by name: rebind it there.
-    original = xtuner_tool_utils.get_seed_from_checkpoint
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if namespace is not None and namespace.get("get_seed_from_checkpoint") is original:
-            module.get_seed_from_checkpoint = _seed_from_checkpoint
-    return True

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 
-from .checkpoint_files import MODEL_STATES, deepspeed_layout
+from .complete import MODEL_STATES, deepspeed_layout
 
 _WORLD_ENV = "WORLD_SIZE"  # set by torchrun (XTuner's --launcher pytorch) and by slurm setups
 

@@ -1,0 +1,186 @@
+"""Checkpoint files written whole or not at all: a temporary name, fsync, ``os.replace``.
+
+MMEngine 0.10.6 writes ``iter_N.pth`` with ``torch.save`` straight to its final name, DeepSpeed
+0.19.6 each rank's ``*_states.pt`` the same way: a kill, a crash or a full disk during the write
+leaves a truncated checkpoint that ``--resume`` dies on deep in torch's reader.
+:func:`save_atomically` streams ``torch.save`` to a hidden temporary name in the same folder (no
+copy of the object in memory, as in DeepSpeed's own save), flushes it to disk and renames it
+(atomic on POSIX): the final name holds a complete checkpoint or none. A write that fails (no
+space, quota, file size limit, unwritable folder) raises :class:`CheckpointWriteError` naming
+the path, the bytes needed and the free space; the previous checkpoints are left as they were.
+``compat.runner_checkpoints`` routes MMEngine's and DeepSpeed's writes here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import torch
+
+from .complete import checkpoint_number, newest_complete
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written whole (disk full, quota, unwritable folder)."""
+
+
+def _free_bytes(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _write_error(path: str, size: int, err: OSError) -> CheckpointWriteError:
+    """The error for a failed write: path, bytes needed, free space, what to do."""
+    folder = os.path.dirname(os.path.abspath(path))
+    free = _free_bytes(folder)
+    where = f"{free} bytes free in {folder}" if free is not None else f"{folder} unreadable"
+    # A DeepSpeed rank file lies inside its checkpoint folder (iter_N.pth/): look beside that.
+    inside = checkpoint_number(folder)
+    where_ckpts = os.path.dirname(folder) if inside else folder
+    named = inside or checkpoint_number(path) or ("iter", 0)
+    previous = newest_complete(where_ckpts, named[0], exclude=folder if inside else None)
+    kept = f"the newest complete checkpoint is {previous}" if previous else "none complete yet"
+    return CheckpointWriteError(
+        err.errno or errno.EIO,
+        f"xtuner-rope: could not write checkpoint {path}: it needs {size} bytes "
+        f"({size / 2**20:.1f} MiB), {where}; the write failed with "
+        f"[Errno {err.errno}] {err.strerror or err}. Nothing was left under its name and the "
+        f"checkpoints written before are intact ({kept}). Make room (or lower max_keep_ckpts), "
+        "or give a --work-dir on a disk with space that you can write, then resume"
+        + (f" with --resume {previous}" if previous else ""),
+    )
+
+
+def _remove_stale_temporaries(folder: str, name: str) -> None:
+    """Delete the temporaries of ``name`` that a process killed mid-write left in ``folder``.
+
+    No two processes write the same checkpoint name at once (each DeepSpeed rank has its own
+    files), so any ``.name.<pid>.tmp`` found before a write is a dead writer's, as large as the
+    part of a checkpoint it got out.
+    """
+    prefix = f".{name}."
+    for entry in os.listdir(folder):
+        if entry.startswith(prefix) and entry.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(folder, entry))
+            except OSError:  # gone already, or not ours to remove: the write goes on
+                pass
+
+
+class _Stream:
+    """The temporary file as ``torch.save`` sees it: every write goes through :meth:`write`.
+
+    torch writes to a file object with a descriptor behind Python's back (its legacy format
+    calls ``write()`` on the descriptor) and reports a failed write as ``RuntimeError`` (also
+    its zip writer, which raises ``unexpected pos`` while handling the ``OSError``): here
+    the file has no ``fileno`` for torch, and the disk's ``OSError`` is kept as it was raised.
+    """
+
+    def __init__(self, file) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _atomic_write(path: str, write, size) -> None:
+    """Write a file at ``path`` whole or not at all: a temporary name, fsync, ``os.replace``.
+
+    Args:
+        path: The final path; its folder is created if missing.
+        write: Called with the temporary file open for binary writing (a :class:`_Stream`:
+            ``write`` and ``flush``); writes the content.
+        size: Called only when the write failed: the bytes the content needs (for the error).
+
+    Raises:
+        CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
+            untouched and no temporary file remains.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    stream = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_temporaries(folder, os.path.basename(path))
+        with open(temporary, "wb") as f:
+            stream = _Stream(f)
+            write(stream)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.replace(temporary, path)
+    except BaseException as err:  # a full disk, a pickling error, Ctrl-C: no temporary left
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        failed = err if isinstance(err, OSError) else getattr(stream, "error", None)
+        if failed is not None:
+            raise _write_error(path, size(), failed) from err
+        raise
+    try:  # the rename itself on disk (best effort: not every filesystem opens folders)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class _ByteCount:
+    """A write-only sink that counts what ``torch.save`` writes to it and keeps nothing."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.size += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def _saved_size(obj, torch_save_kwargs: dict) -> int:
+    """The bytes ``torch.save(obj, **torch_save_kwargs)`` writes, counted without keeping them."""
+    sink = _ByteCount()
+    torch.save(obj, sink, **torch_save_kwargs)
+    return sink.size
+
+
+def save_atomically(obj, path: str, **torch_save_kwargs) -> None:
+    """``torch.save(obj)`` streamed into a temporary file, fsynced, renamed to ``path``.
+
+    Nothing of ``obj`` is copied in memory (as with DeepSpeed's own ``torch.save(obj, path)``):
+    the tensors' bytes go from their storages to the file. The size in the error of a failed
+    write is counted afterwards, by serialising ``obj`` again into a sink that keeps nothing.
+
+    Args:
+        obj: What ``torch.save`` writes (a checkpoint dict, a DeepSpeed rank's state).
+        path: The final path; its folder is created if missing.
+        **torch_save_kwargs: Passed to ``torch.save`` (``_use_new_zipfile_serialization``).
+
+    Raises:
+        CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
+            untouched and no temporary file remains.
+    """
+    _atomic_write(
+        path,
+        lambda f: torch.save(obj, f, **torch_save_kwargs),
+        lambda: _saved_size(obj, torch_save_kwargs),
+    )
+
+
+__all__ = ["CheckpointWriteError", "save_atomically"]
