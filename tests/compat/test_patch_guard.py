@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import pytest
@@ -36,25 +37,14 @@ WRITES = records.RECORDS["patch_checkpoint_writes"]
 FEATURE = "crash-safe checkpoint writes"
 
 
-# The patches these tests run again: idempotent (they rebind, never wrap what they bound), or
-# skipped where they run again (the tokenize count, with its module hidden).
-RERUN = {
-    "patch_checkpoint_writes",
-    "patch_deepspeed_checkpoint_writes",
-    "patch_xtuner_zero_read_fp32",
-    "patch_xtuner_tokenize_counted",
-}
-
-
 @pytest.fixture
 def fresh(monkeypatch):
     """This process's patch outcomes as a fresh process has them, put back afterwards.
 
-    The guard owns "already applied": the patches applied here stay recorded (running one
-    again would wrap its target twice, for good), except the idempotent ones the tests re-run.
+    A patch run again is judged again (versions, probes); one whose probes still hold its own
+    wrappers is recognised as applied by the guard, not wrapped twice.
     """
-    kept = {k: v for k, v in guard._OUTCOMES.items() if v == "applied" and k not in RERUN}
-    monkeypatch.setattr(guard, "_OUTCOMES", kept)
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
 
 
 def _with_checkpoint_hook() -> Config:
@@ -274,3 +264,35 @@ def test_at_least_reads_the_installed_release():
     assert guard.at_least("torch", release) and guard.at_least("torch", "2.4")
     assert not guard.at_least("torch", "999.0")
     assert not guard.at_least("no-such-dist-xtr", "0")  # not installed: never "at least"
+
+
+def test_the_guard_knows_its_own_wrapper_after_its_outcomes_are_reset(fresh, monkeypatch):
+    """Outcomes forgotten (a fresh fixture): a wrapping patch is recognised, not wrapped twice;
+    with its wrapper gone (the original put back) it is applied again."""
+    module = types.ModuleType("xtr_guard_target")
+    module.f = lambda: 1
+    monkeypatch.setitem(sys.modules, "xtr_guard_target", module)
+    monkeypatch.setattr(guard, "_LEFT", dict(guard._LEFT))
+    record = guard.PatchRecord("patch_wraps", {"torch": ">=2.4"}, ("xtr_guard_target:f",), "f", "s")
+
+    def wrap():
+        original = module.f
+        module.f = lambda: original() + 1
+        return True
+
+    assert guard.run_guarded(record, wrap) and module.f() == 2
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    assert guard.run_guarded(record, wrap) is True and module.f() == 2
+    module.f = lambda: 1
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    assert guard.run_guarded(record, wrap) is True and module.f() == 2
+
+
+def test_every_applied_patch_run_again_leaves_its_targets_as_they_were(fresh):
+    compat.apply()  # applied here if not yet (the guard keeps what each one left)
+    applied = [records.RECORDS[name] for name in guard._LEFT if name in records.RECORDS]
+    assert "patch_sft_forward_names_missing_hook" in [r.name for r in applied]
+    targets = {r.name: [guard._resolve(p) for p in r.probes] for r in applied}
+    guard._OUTCOMES.clear()  # as `fresh` does: every outcome of this process forgotten
+    compat.apply()
+    assert {r.name: [guard._resolve(p) for p in r.probes] for r in applied} == targets

@@ -25,17 +25,9 @@ ZERO2 = dict(type="DeepSpeedStrategy", config=dict(zero_optimization=dict(stage=
 def installed(monkeypatch):
     """Pretend the given releases are installed: ``installed(torch="2.3.1")``.
 
-    The patches of torch's and DeepSpeed's records are judged again; the others applied here
-    stay recorded (the guard owns "already applied": running one again would wrap it twice).
+    Every patch is judged again (the guard recognises the wrappers of those applied here).
     """
-    kept = {
-        name: outcome
-        for name, outcome in guard._OUTCOMES.items()
-        if outcome == "applied"
-        and name in records.RECORDS
-        and not {"torch", "deepspeed"} & set(records.RECORDS[name].versions)
-    }
-    monkeypatch.setattr(guard, "_OUTCOMES", kept)
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
     monkeypatch.setattr(versions, "_WARNED", set())
     real = guard.metadata.version
 

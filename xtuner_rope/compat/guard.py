@@ -84,6 +84,9 @@ class PatchRecord:
 
 # name -> "applied" | "not needed: ..." | "skipped: <reason>"; one entry per patch run here.
 _OUTCOMES: dict[str, str] = {}
+# name -> what each probe of an applied patch resolved to right after it ran: the guard knows its
+# own wrappers, so a patch is not run twice over them even where ``_OUTCOMES`` was reset.
+_LEFT: dict[str, tuple] = {}
 _SKIPPED = "skipped: "
 
 
@@ -106,12 +109,29 @@ def at_least(dist: str, minimum: str) -> bool:
     return version is not None and Version(version).release >= Version(minimum).release
 
 
-def _resolve(probe: str) -> None:
+def _resolve(probe: str) -> object:
     """Import ``probe``'s module and read its attribute path; raise if either is missing."""
     module_name, _, attrs = probe.partition(":")
     target = importlib.import_module(module_name)
     for attr in filter(None, attrs.split(".")):
         target = getattr(target, attr)
+    return target
+
+
+def _same(left: object, right: object) -> bool:
+    """``left is right``, or equal bound methods (a ``classmethod`` read twice)."""
+    try:
+        return left is right or bool(left == right)
+    except Exception:  # an object whose == is not a truth value (a tensor)
+        return False
+
+
+def _still_applied(record: PatchRecord) -> bool:
+    """True if every probe still holds what ``record``'s patch left there (its own wrapper)."""
+    left = _LEFT.get(record.name)
+    return left is not None and all(
+        _same(_resolve(probe), was) for probe, was in zip(record.probes, left)
+    )
 
 
 def _why_not(record: PatchRecord) -> tuple[str, str] | None:
@@ -204,10 +224,10 @@ def run_guarded(
 ) -> object:
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
-    The guard owns "already applied": a patch applied once in this process is not run again
-    (the patch functions carry no marker of their own), so every entry point (``apply()``, the
-    start-up, a hook) may call it any number of times. ``once=False`` is for the patches applied
-    for one call (``records.DEFERRED``: a config's paths, one dataset build), which run each time.
+    The guard owns "already applied": a patch applied in this process, or whose probes still
+    hold what it left there (its own wrappers), is not run again; so every entry point may call
+    it any number of times. ``once=False`` is for the patches applied for one call
+    (``records.DEFERRED``: a config's paths, one dataset build), which run each time.
 
     Returns:
         The patch's own result (True once applied, also on a later call), or False where it
@@ -222,12 +242,16 @@ def run_guarded(
             return _skip(record, reason)
         _OUTCOMES.setdefault(record.name, f"not needed: {reason}")
         return False
+    if once and _still_applied(record):
+        _OUTCOMES[record.name] = "applied"
+        return True
     try:
         result = patch(*args, **kwargs)
     except Exception as error:  # a release changed what the patch relies on: skip, say so
         return _skip(record, f"it raised {type(error).__name__}: {error}")
     if result:
         _OUTCOMES[record.name] = "applied"
+        _LEFT[record.name] = tuple(_resolve(probe) for probe in record.probes)
     else:
         _OUTCOMES.setdefault(record.name, "not needed: the patch found no gap")
     return result
