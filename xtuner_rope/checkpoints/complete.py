@@ -1,23 +1,11 @@
 """Is a runner checkpoint complete? Judged cheaply, before anything loads it.
 
-A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short. MMEngine
-0.10.6 writes ``iter_N.pth`` straight to its final name (``runner.checkpoint.save_checkpoint``)
-and then points ``last_checkpoint`` at it, so such a file looks like any other until torch fails
-deep in its reader (``PytorchStreamReader failed reading zip archive: failed finding central
-directory``, or ``OSError: [Errno 22] Invalid argument`` with torch 2.15), naming neither the
-file's state nor the complete checkpoint beside it.
-
-- An MMEngine ``.pth`` (``torch.save``'s zip format, every torch >= 1.6) is complete when its zip
-  central directory, which ``torch.save`` writes last, is there and every member it lists lies
-  inside the file: reading the end of the file, not the weights. A legacy (non-zip) ``torch.save``
-  file is loaded in full to be judged (MMEngine never writes one).
-- A DeepSpeed checkpoint (a folder ``iter_N.pth/``, as MMEngine's ``DeepSpeedStrategy`` saves
-  with ``save_latest=False``, so no ``latest`` tag inside) is complete when it holds model
-  states, each complete, and the optimizer states of every data-parallel rank its model states
-  name (``dp_world_size``; under ZeRO-3 also each rank's model states), each complete.
-
-:func:`newest_complete` finds what to resume from instead, by iteration number;
-:func:`refuse_incomplete` is the refusal ``--resume`` of an incomplete checkpoint gets.
+A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short that looks
+like any other until torch fails deep in its reader. A zip-format ``.pth`` is complete when its
+central directory (written last) is there and every member lies inside the file; a legacy file
+is loaded to be judged. A DeepSpeed folder is complete when its model states and the optimizer
+states of every rank its ``dp_world_size`` names (ZeRO-3: model states too) are complete.
+:func:`newest_complete` finds what to resume from instead; :func:`refuse_incomplete` refuses.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """A DeepSpeed ZeRO checkpoint resumed on another number of processes: refused before loading.
 
-Under ZeRO 1-3, DeepSpeed 0.19.6 saves the optimizer states in one file per data-parallel rank
-(``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``), each holding that rank's slice of the flat
-fp32 weights and optimizer state, and records ``dp_world_size`` in the model states. Resumed on
-another number of processes, ``DeepSpeedEngine._load_zero_checkpoint`` stops with
-``ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the current
-world size is 1. Automatic adjustment of ZeRO's optimizer state partitioning with a new world
-size is not currently supported.``, after XTuner has built the model, the data and DeepSpeed's
-engine. DeepSpeed's own re-partitioning path, the universal checkpoint
-(``deepspeed.checkpoint.ds_to_universal`` and ``"checkpoint": {"load_universal": true}``),
-reads Adam's ``exp_avg`` / ``exp_avg_sq`` only (``KeyError: 'exp_avg'`` on an SGD checkpoint)
-and is not verified with MMEngine's checkpoint layout: it is not offered.
-
-:func:`refuse_other_world_size` is called where ``xtuner train --resume`` first reads the
-checkpoint (its seed), before anything is built, and by auto-resume: it names the saved and
-the current number of processes, the command that resumes on the saved number, and DeepSpeed's
-``zero_to_fp32`` conversion that gives the weights for a new run on any number (``load_from``:
-the optimizer state and the iteration count start anew). A plain (MMEngine) checkpoint holds
-whole weights and optimizer state and resumes on any number of processes; only its data order
-changes (``hooks/random_state.py`` logs how).
+Under ZeRO 1-3, DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and
+records ``dp_world_size``; resumed on another number it stops with ``ZeRORuntimeException``
+after the model, the data and the engine are built. Its universal checkpoint reads Adam's state
+only and is not verified with MMEngine's layout, so it is not offered.
+:func:`refuse_other_world_size` runs where ``--resume`` first reads the checkpoint and in
+auto-resume: it names both numbers, the command that resumes on the saved one, and DeepSpeed's
+``zero_to_fp32`` for a new run from the weights. A plain MMEngine checkpoint resumes on any
+number of processes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Every patch xtuner-rope applies to a third-party package, in one place: this package.
 
-One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
-``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``batch_host_copies``, ``runner_checkpoints`` (checkpoint reads and writes handed to the
-feature, ``xtuner_rope.checkpoints``), ``xtuner_sft``,
-``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``,
-``xtuner_merge``; ``mmengine_config``: ``config_dict``, MMEngine's private config dict read in
-one place; ``versions``: the supported torch and DeepSpeed releases; ``devices``: what this
-machine lacks). Each patch has a record (``records.RECORDS``: the versions it was written for,
-the names it replaces, the feature it serves, the symptom it removes) and runs in a guard
-(``guard.run_guarded``): outside those versions, with a probed name missing, or if the patch
-raises, it is skipped with one ``guard.CompatPatchSkipped`` warning naming the feature, and
-``guard.skipped`` says why; the start-up then refuses the configs that need that feature
-(``xtuner_rope.config.patch_needs``). Inside them a patch still decides itself whether its gap
-exists here (most only on a CPU-only machine, or on the releases that have the bug) and leaves
-everything else as it was.
+One module per third party and gap (docs/compat.md lists them); ``mmengine_config`` reads
+MMEngine's private config dict in one place, ``versions`` holds the supported torch and
+DeepSpeed releases, ``devices`` what this machine lacks. Each patch has a record
+(``records.RECORDS``) and runs in a guard (``guard.run_guarded``): outside its versions, with a
+probed name missing, or if it raises, it is skipped with one ``guard.CompatPatchSkipped``
+warning, and the start-up refuses the configs that need its feature (``config.patch_needs``).
 
-This module holds what applies them: :func:`apply` (idempotent, never raises; run by the
-plugin's activation, ``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
-Every other name is imported from the module that defines it
-(``from xtuner_rope.compat.guard import skipped``).
+This module holds what applies them: :func:`apply` (idempotent, never raises; run by
+``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """How the run is launched: DeepSpeed dtypes on a CPU-only machine, samplers that need DeepSpeed.
 
-Two launch settings make ``xtuner train`` fail only after the model's weights are loaded; the
-start-up (and so ``xtuner-rope doctor``) names them first, with the edit:
+Two launch settings fail ``xtuner train`` only after the weights are loaded; the start-up names
+them first, with the edit:
 
-- a DeepSpeed config whose fp16/bf16 resolve to enabled on a CPU-only machine. XTuner's stock
-  ``deepspeed_zero2``/``zero3`` say ``"fp16": {"enabled": "auto"}``, and XTuner's
-  ``auto_dtype_of_deepspeed_config`` resolves ``auto`` with ``get_torch_device().is_available()``,
-  which is ``torch.cpu.is_available()`` (True) there; DeepSpeed's CPU accelerator then raises
-  ``ValueError: Type fp16 is not supported on your device`` when the engine is built (bf16 would
-  train in emulated bf16, while xtuner-rope's CPU guarantees are measured in fp32). The DeepSpeed
-  config comes either from the config (``strategy.config``) or from ``xtuner train``'s
-  ``--deepspeed`` argument, which ``xtuner/tools/train.py`` turns into ``strategy`` only *after*
-  ``model_resource`` ran: the start-up reads it from the command line of that script. The edit
-  points at the project's fp32 settings (``configs/deepspeed/zero{2,3}_fp32_cpu.json``).
-- a run of several processes whose sampler reads DeepSpeed's data-parallel group
-  (``InternRepoSampler``: ``xtuner.parallel.sequence.get_data_parallel_world_size``, set up by
-  XTuner's ``DeepSpeedStrategy``) without DeepSpeed: ``AssertionError: data parallel group is
-  not initialized`` when the dataloader is built.
+- DeepSpeed fp16/bf16 resolving to enabled on a CPU-only machine (XTuner resolves ``"auto"``
+  with ``torch.cpu.is_available()``; DeepSpeed's CPU accelerator then refuses fp16). The
+  DeepSpeed config is ``strategy.config`` or ``xtuner train --deepspeed``, read from the command
+  line; the edit points at ``configs/deepspeed/zero{2,3}_fp32_cpu.json``.
+- several processes with ``InternRepoSampler`` (DeepSpeed's data-parallel group) without
+  DeepSpeed: "data parallel group is not initialized".
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Start-up findings of LLaVA configs against their vision tower (``image_tokens``, crop size).
 
-``llava_collate_fn``'s ``image_tokens`` must be the tower's ``P``, and the image processor must
-crop to the size the tower takes.
-
-``llava_collate_fn`` plans rows on the expanded lengths, each image placeholder counted as
-``image_tokens`` patch embeddings. ``LLaVAModel`` really inserts ``P`` of them, ``P = (image_size
-// patch_size) ** 2`` of the vision tower (its CLS token dropped, ``hidden_states[...][:, 1:]``
-in xtuner 0.2.0). A wrong value does not fail loudly where it happens:
-
-- too small: image rows come out longer than ``max_length`` once expanded, and training goes
-  on silently on rows the config never asked for (memory, and the doctor's figures, off);
-- too large: every image sample looks longer than it is; the text-only batches train, and the
-  run dies at the first image batch with a ``max_length`` message that blames the wrong
-  setting.
-
-An image processor that crops to another size than the tower's ``image_size`` makes CLIP's
-position embeddings not fit: the first step dies in transformers ("Input image size ... doesn't
-match model"). The tower's ``config.json`` (and the processor's ``preprocessor_config.json``)
-are read here, before anything is built, so ``xtuner train`` refuses
-the config at start-up, and ``xtuner-rope doctor`` reports the same finding (it runs the same
-start-up). A tower whose config cannot be read offline yet (a hub id not in the cache) is
-judged again before the first step, when ``ValidatedRoPEHook`` re-checks the started config
-(the model, and so the tower's config, is loaded by then).
+``llava_collate_fn`` plans rows on expanded lengths, each image counted as ``image_tokens``;
+``LLaVAModel`` inserts ``P = (image_size // patch_size) ** 2`` (CLS dropped, xtuner 0.2.0). Too
+small: rows longer than ``max_length`` train silently; too large: the run dies at the first
+image batch blaming ``max_length``. An image processor cropping to another size than the
+tower's fails in CLIP's position embeddings at the first step. The tower's ``config.json`` and
+``preprocessor_config.json`` are read before anything is built; a tower not readable offline
+yet is judged again by ``ValidatedRoPEHook`` before the first step.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """Start-up: load xtuner-rope before XTuner builds anything, then check and prepare the config.
 
-``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
-set_model_resource``), before its own config check, the distributed start, the model and the
-dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the package
-(``from xtuner_rope import enable_xtuner_rope``), the name activates the plugin (its ``compat``
-patches, its hooks) early enough, and it reads the config being started, so every setting
-that conflicts with the plugin is refused before a weight is loaded, with the setting and the
-exact edit named; what has one right answer is fixed instead, and logged.
+``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``set_model_resource``), before
+the model and the dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the
+package it activates the plugin, and it refuses every conflicting setting of the config being
+started with the exact edit, fixing (and logging) what has one right answer.
 
-This module is the findings engine: :func:`register_findings` (at a named slot of
-``findings.SLOTS``; a finding is a ``findings.Finding``), :func:`inspect_config` (pure: the
-doctor and the hooks call it too) and :func:`prepare_config` (applies the fixes, raises
-``findings.ConfigConflict`` for the rest). The
-findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
-``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
-(and ``config.moss``), ``config.frameworks``, ``config.loss``, ``config.multimodal``,
-``config.internvl``, ``config.llava_tower``, ``config.launch``, ``config.accumulation`` and
-``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
-``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
-``sequence_parallel_size``), ``config.heldout.findings`` (and ``config.heldout.shortcut``),
-``config.families``, ``config.checkpoint_findings``, ``config.preference``
-(``xtuner_rope.FINDINGS_MODULES`` imports them all). ``config.fields`` reads a config
-without building it.
+This module is the findings engine: :func:`register_findings` (at a slot of ``findings.SLOTS``),
+:func:`inspect_config` (pure: the doctor and the hooks call it too) and :func:`prepare_config`
+(fixes applied, ``findings.ConfigConflict`` for the rest). The findings live by topic, each
+module registering its own: ``config.patch_needs``, ``config.packing``, ``config.moss``,
+``config.frameworks``, ``config.multimodal``, ``config.internvl``, ``config.llava_tower``,
+``config.launch``, ``config.optimizer_state``, ``config.sequence_parallel``,
+``config.rope_scaling``, ``config.runtime``, ``config.heldout.findings``,
+``config.heldout.shortcut``, ``config.families``, ``config.checkpoint_findings``,
+``config.preference`` (``xtuner_rope.FINDINGS_MODULES`` imports them all).
 """
 
 from __future__ import annotations

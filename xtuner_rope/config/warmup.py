@@ -1,25 +1,12 @@
 """A warm-up that rounds to 0 iterations: MMEngine's epoch-to-iteration conversion, named.
 
-XTuner's stock configs warm up for a ratio of the run (``end=warmup_ratio * max_epochs``,
-``convert_to_iter_based=True``). MMEngine turns such a scheduler into an iteration-based one
-when the Runner builds it (``build_iter_from_epoch``: ``begin = int(begin * epoch_length)``,
-``end = int(end * epoch_length)``, ``epoch_length = len(train_dataloader)``), and the
-scheduler's constructor then refuses ``end <= begin`` with ``ValueError: end should be larger
-than begin, but got begin=0, end=0``: a message that names neither the setting nor the data.
-
-That happens on small data: 3% of a 30-iteration epoch truncates to 0 iterations. The truncation
-is MMEngine's documented conversion, not a defect to patch (rounding it up would train a warm-up
-the config did not ask for), so the run is refused with the setting, the dataset's length and
-the edit, at the first moment that length is known:
-
-- ``xtuner-rope doctor`` builds the dataset and computes the same integers
-  (``doctor/schedule.py``);
-- in ``xtuner train``, ``mmengine_scheduler.patch_mmengine_warmup_rounding`` checks right before MMEngine
-  builds the schedulers (after the dataloader, hence after the model: the start-up in
-  ``model_resource`` runs before the dataset exists and cannot know its length).
-
-The arithmetic is pure Python; the module registers ``refuse_rounded_warmup`` in
-``mmengine_scheduler.SCHEDULER_CHECKS`` when imported (``xtuner_rope.activate`` imports it).
+MMEngine converts ``end=warmup_ratio * max_epochs`` (``convert_to_iter_based=True``) with
+``int(end * len(train_dataloader))``; 3% of a 30-iteration epoch is 0, and the scheduler dies
+with "end should be larger than begin" naming neither setting nor data. The conversion is
+MMEngine's documented one, so the run is refused with the setting, the dataset's length and
+the edit, once that length is known: by ``xtuner-rope doctor`` (``doctor/schedule.py``) and, in
+``xtuner train``, right before the schedulers are built (``refuse_rounded_warmup``, registered
+in ``compat.mmengine_scheduler.SCHEDULER_CHECKS`` on import).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Checkpoints at accumulation-window boundaries: a resume equals the uninterrupted run.
 
-With ``accumulative_counts = K`` the optimizer steps after iterations K, 2K, ... (MMEngine's
-``OptimWrapper`` counts windows from iteration 0, across epochs; DeepSpeed counts its micro-steps
-the same way). A checkpoint written inside a window holds the weights of the last step but not
-the gradients accumulated since: neither MMEngine nor DeepSpeed saves them, and MMEngine only
-warns on resume ("the gradient of some iterations is lost"). Measured before this module: a
-tiny-recipe run resumed from a mid-window checkpoint ended 9.4e-3 away from the uninterrupted run.
-
-Design: the checkpoints land only where no gradient is pending, so there is nothing to save.
-
-- start-up (:func:`xtuner_rope.config.accumulation.checkpoint_interval_findings`, a fix, logged): the iteration-based
-  ``CheckpointHook`` interval (and ``save_begin``) is raised to the next multiple of
-  ``accumulative_counts`` (XTuner's stock ``save_steps = 500`` with ``accumulative_counts = 16``
-  becomes 512). A run killed at any iteration is resumed from its newest checkpoint, at a window
-  boundary, and continues as if never stopped.
-- every iteration (:func:`record_window`, from ``TokenWeightedLossHook.after_train_iter``, before
-  ``CheckpointHook`` saves): whether a window is open is written to the message hub, which both
-  MMEngine's and DeepSpeed's checkpoints carry (checkpoints at epoch ends and at the last
-  iteration are not aligned by the start-up: the record says whether they are mid-window).
-- resume (:func:`check_resume`, from ``TokenWeightedLossHook.before_train``, before any step):
-  a checkpoint written inside an open window (by this plugin's record, or for a checkpoint
-  without a record, an iteration that is not a multiple of ``accumulative_counts``) is refused
-  with the checkpoints that work; ``resume_mid_window = True`` in the config resumes anyway
-  (MMEngine's behaviour: the open window's gradients are lost).
+With ``accumulative_counts = K`` the optimizer steps after iterations K, 2K, ...; a checkpoint
+inside a window lacks the gradients accumulated since (neither MMEngine nor DeepSpeed saves
+them: a tiny run resumed mid-window ended 9.4e-3 away). So checkpoints land where no gradient
+is pending: the start-up raises the ``CheckpointHook`` interval to a multiple of ``K``
+(``config.accumulation``); :func:`record_window` writes to the message hub whether a window is
+open at each iteration; :func:`check_resume` refuses a checkpoint written inside an open window
+(``resume_mid_window = True`` resumes anyway, MMEngine's behaviour).
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """The random state of every process with each checkpoint: a resume draws what the run drew.
 
-MMEngine 0.10.6 saves no random state in its checkpoints (``Runner.save_checkpoint`` stores the
-seed, never ``torch.get_rng_state()``), and on ``--resume`` it re-seeds only when the seed
-changed. A resumed run therefore starts iteration ``N + 1`` with the random stream of a fresh
-start (the seed, then the model build), while the uninterrupted run has drawn ``N`` iterations
-of dropout masks since: LoRA dropout (XTuner's stock ``lora_dropout`` 0.05-0.1), residual and
-attention dropout draw other masks, and the resumed weights drift away from the uninterrupted
-run although every batch and every checkpointed tensor is the same.
-
-What this hook does:
-
-- before each checkpoint (``after_train_iter`` / ``after_train_epoch``, just ahead of
-  ``CheckpointHook``, on the iterations where it saves): each process captures Python
-  ``random``, NumPy, torch CPU and (when initialized) the current CUDA device's generator; with
-  several processes the states are gathered, so every rank holds all of them. They go into the
-  message hub, which every checkpoint carries (MMEngine's ``.pth`` and DeepSpeed's
-  ``client_state``: MMEngine's DeepSpeed strategy never calls the ``before_save_checkpoint``
-  and ``after_load_checkpoint`` hooks, so the checkpoint dict cannot be used).
-- on resume (``before_train_epoch``, the last hook before the loop draws): each rank restores
-  its own state, at the point where the uninterrupted run continued from the checkpoint. For
-  the iteration-based loop (XTuner's ``TrainLoop``) that is after MMEngine has skipped the
-  ``N`` batches already trained (``IterBasedTrainLoop.run`` re-reads them from a new iterator;
-  with ``num_workers = 0`` that re-reading runs the dataset and collate code in this process
-  and may draw): the state is restored right after the ``N``-th skipped batch, before batch
-  ``N + 1`` is fetched.
-
-The dataloader workers need nothing more: their seeds derive from the main process's stream
-when the iterator is created, which happens before the resume in both runs (at the loop's
-build), at the same point of that stream; the workers then produce batches ``1..N`` again and
-continue exactly as in the uninterrupted run. A resume past an epoch boundary of the
-iteration-based loop creates that epoch's iterator during the skip, from another point of the
-stream: its workers' seeds differ (they matter only to random augmentation in the dataset);
-the hook logs it (``dataloader_base_seed`` is compared).
+MMEngine 0.10.6 saves no random state (``Runner.save_checkpoint`` stores the seed only), so a
+resumed run draws other dropout masks (LoRA, residual, attention) than the uninterrupted run.
+Before each checkpoint every process captures Python ``random``, NumPy, torch CPU and the
+current CUDA generator (gathered across ranks) into the message hub, which MMEngine's ``.pth``
+and DeepSpeed's ``client_state`` both carry. On resume each rank restores its own state in
+``before_train_epoch``; for the iteration-based loop right after MMEngine re-read the ``N``
+batches already trained. Dataloader workers are seeded from the main stream when the iterator
+is built, before the resume in both runs; past an epoch boundary their seeds differ, which is
+logged. docs/distributed.md has the details.
 """
 
 from __future__ import annotations

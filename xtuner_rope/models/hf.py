@@ -1,28 +1,15 @@
 """Document-isolating attention and validated RoPE for the transformers families.
 
-The families and their quirks are one table, ``models.families.FAMILIES`` (Llama, Qwen2,
-Mistral, Phi-3, Mixtral, Gemma, Cohere, Qwen2-MoE). In transformers 4.48 most of these
-families' attention layers rotate q/k with the ``position_embeddings``
-(cos, sin) of the model's one rotary module, then call
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (or the family's
-``eager_attention_forward`` for ``"eager"``). ``patch_hf_model`` plugs in there:
-
-- the rotary module becomes ``HFValidatedRotaryEmbedding`` (fp32, checked positions);
-- ``hf_packed_attention`` is registered under ``PACKED_ATTENTION_KEY``, and each attention
-  layer gets its own copy of the config naming that key. The model's config keeps its
-  original implementation, so the model still builds the masks that implementation expects
-  (SDPA: none while training unpadded rows; no ``[s, s]`` mask for a pack) and
-  ``save_pretrained`` writes it unchanged. The original kernel is remembered on the layer
-  (``DENSE_KERNEL_ATTR``) for the dense path.
-
-Packed rows (boundaries published in the ``MessageHub`` by ``PackedBatchCheckHook``, else
-position-id resets) go through the family-free ``attention.packed_attention``; rows without
-boundaries, left-padded prompts (first position not 0) and steps with cached keys take the
-original kernel unchanged, so generation matches the unpatched model.
-
-Qwen2-MoE (4.48) still has one attention class per backend, each with its own ``forward``:
-its layers get ``moe_attention_forward`` as an instance attribute instead (packed rows through
-the same ``packed_attention``, everything else through the class's own forward).
+The families are one table, ``models.families.FAMILIES``. In transformers 4.48 their attention
+layers rotate q/k with the ``position_embeddings`` of the model's one rotary module, then call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. ``patch_hf_model`` plugs in there: the
+rotary becomes ``HFValidatedRotaryEmbedding`` (fp32, checked positions), and each attention
+layer gets a config copy naming ``PACKED_ATTENTION_KEY`` (``hf_packed_attention``), while the
+model's config keeps its implementation (its masks, ``save_pretrained``); the original kernel is
+kept on the layer (``DENSE_KERNEL_ATTR``). Packed rows go through ``attention.packed_attention``;
+rows without boundaries, left-padded prompts and cached steps take the original kernel, so
+generation matches the unpatched model. Qwen2-MoE (one attention class per backend) gets
+``moe_attention_forward`` as an instance attribute instead.
 """
 
 from __future__ import annotations

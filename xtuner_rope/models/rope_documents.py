@@ -1,27 +1,13 @@
 """Where the documents of a rotary call are, so length-dependent RoPE goes per document.
 
-Dynamic NTK and LongRoPE choose their frequencies from the length served (see
-``ops.rope_documents``). The validated rotaries (``hf_rope``, ``internlm2_rope``) ask
-:func:`rotary_document_lengths` for each token's document length whenever a call reaches past
-the threshold. The documents are those the family's attention isolates, read the same way:
-
-- the boundaries published for this batch (``PackedBatchCheckHook``, LLaVA's expanded rows,
-  preference pairs), else position-id resets;
-- for the transformers families only where every row starts at position 0 (a left-padded
-  prompt is one sequence per row, as in ``models.hf``);
-- under sequence parallel, the lengths of the full row, published for this rank's shard by
-  ``sequence_parallel.shard_rows`` (the shard alone cannot know where its documents end).
-
-Padded rows (one sequence per row, XTuner's ``default_collate_fn``, LLaVA's and InternVL's rows,
-preference pairs without varlen): each row is a document of its real length, its last attended
-position + 1, read from the 2-D ``attention_mask`` its decoder received
-(:func:`install_row_lengths` records it for the rotaries below that decoder). Upstream would give
-every row the frequencies of the batch's padded length; alone, a row gets those of its own.
-
-Nothing to go by (one unpadded sequence per row, calls with a KV cache, including generation's
-prefill): None, and the rotary keeps upstream's per-call choice. ``set_per_document_rope(model, False)`` (the config's
-``per_document_rope = False``) turns per-document frequencies off: every packed document then
-gets the frequencies of its call's longest one, as upstream computes them.
+Dynamic NTK and LongRoPE choose their frequencies from the length served
+(``ops.rope_documents``). The validated rotaries ask :func:`rotary_document_lengths` for each
+token's document length when a call reaches past the threshold: the boundaries published for
+the batch, else position-id resets (transformers families: only where every row starts at 0);
+under sequence parallel the full row's lengths (``sequence_parallel.shard_rows``). A padded row
+is a document of its real length, read from its decoder's 2-D ``attention_mask``
+(:func:`install_row_lengths`). Nothing to go by (KV cache, one unpadded sequence): None, and the
+rotary keeps upstream's choice. ``set_per_document_rope(model, False)`` turns it off.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Family-free packed attention: where the documents of a batch are, and attention within each.
 
-A packed row holds several documents; each must attend only to itself. The boundaries come
-from the collator's ``cumulative_len`` (published by ``PackedBatchCheckHook`` in XTuner's
-``MessageHub`` convention) or, failing that, from ``position_ids`` resets (a document starts
-wherever the position is 0). Backends:
-
-- flash-attn ``flash_attn_varlen_func`` when installed, on CUDA, in fp16/bf16;
-- else PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), on CUDA, in
-  fp16/bf16 (both of its causal signatures: ``is_causal=`` up to 2.11, ``window_size=(-1, 0)``
-  later); the kernel is looked up through ``varlen_kernel()``, the seam through which the tests
-  run this glue on CPU against a pure-torch kernel with the same contract;
-- otherwise SDPA (or explicit eager softmax for the eager class) over the documents re-padded
-  into length buckets: documents of similar length share one ``[n_docs, n_h, L, h_d]`` call,
-  each padded by less than 12.5% (to at least ``MIN_BUCKET``), so the cost grows like
-  the sum of the squared document lengths, never the squared pack length, and no dense
-  ``[s, s]`` mask is ever built. The pad sits at each document's end, so ``is_causal`` alone
-  keeps real queries away from it.
-
-The document layout (``ops.document_plan``: ``cu_seqlens``, ``max_seqlen``, the buckets) is
-planned once per forward from the host's boundaries, without a device sync; only the bucket
-backends build buckets. Each model family's integration (``models/internlm2.py``,
-``models/hf.py``) calls ``document_plan`` and ``packed_attention``; rows without boundaries (plain padded batches,
-generation steps with a KV cache) take the family's own dense path.
+Each document of a packed row attends only to itself; the boundaries come from the collator's
+``cumulative_len`` (published by ``PackedBatchCheckHook``) or from ``position_ids`` resets.
+Backends: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16); else torch's
+``varlen_attn`` (torch >= 2.10, CUDA, fp16/bf16; looked up through :func:`varlen_kernel`, the
+tests' seam); otherwise SDPA (or eager softmax) over the documents re-padded into length
+buckets (``ops.document_plan``: each padded by less than 12.5%), so the cost grows with the sum
+of squared document lengths and no ``[s, s]`` mask is built. Rows without boundaries take the
+family's own dense path.
 """
 
 from __future__ import annotations

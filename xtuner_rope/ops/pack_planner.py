@@ -1,26 +1,12 @@
 """Best-fit decreasing over item lengths, equal lengths placed in bulk.
 
-Best-fit decreasing (BFD) takes the items longest first and puts each into the row with the
-least free room that still fits it, opening a new row when none does. Placed one by one,
-a million items cost a million Python-level searches. Two facts make most of them bulk work:
-
-- Items of one length ``L`` come consecutively. The row with the least room ``r >= L`` that
-  takes the first of them keeps taking the next ones until its room drops below ``L``
-  (``r - L`` is then the least room ``>= L``): it takes ``r // L`` of them at once.
-- Rows with equal room are interchangeable for every later item, so they are kept together
-  in one *bucket* and a group of equal items fills as many of them as it needs at once.
-
-So the cost is per (length, bucket) pair touched, not per item: real dialogue lengths are
-small integers with many repeats. With all-distinct lengths it falls back to one heap search
-per item, still ``O(n log n)``, and rooms are never indexed by value: any ``max_length``
-works.
-
-Rows with room ``>= L`` sit in a min-heap (*fitting*: the least is the best fit); the others
-in a max-heap (*waiting*), moved over when a shorter length makes them fit. A room value is
-in at most one heap, with its rows (a stack, last in first out) in a dict.
-
-The rows (which items, in which row) are those of placing the items one at a time, ties by
-index, the row chosen among equal rooms the one that reached that room last.
+BFD takes the items longest first and puts each into the row with the least free room that
+still fits it. Items of one length ``L`` come consecutively, and the best-fit row with room
+``r`` takes ``r // L`` of them at once; rows of equal room are kept together in one bucket. So
+the cost is per (length, bucket) pair, not per item (``O(n log n)`` with all-distinct lengths).
+Rows with room ``>= L`` sit in a min-heap (*fitting*), the others in a max-heap (*waiting*); the
+rows are those of placing items one at a time, ties by index, among equal rooms the row that
+reached that room last.
 """
 
 from __future__ import annotations

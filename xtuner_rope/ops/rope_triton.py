@@ -1,35 +1,19 @@
 """The Triton RoPE apply: q and k rotated in one launch, forward and backward (CUDA default).
 
-`rope.apply_rotary_pos_emb` sends q, k here when `triton_apply_active(q)`: CUDA tensors and
-Triton importable (it ships with torch's CUDA build), unless switched off with
-`use_triton_apply(False)` or the environment variable `XTUNER_ROPE_TRITON=0`; then, and on the
-CPU, the eager kernel of `ops.rotate` rotates. Inside a model that `torch.compile` traces, the
-eager path runs too (the user's compiler fuses it).
+``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active`: CUDA tensors and
+Triton importable, unless ``use_triton_apply(False)`` or ``XTUNER_ROPE_TRITON=0``; on the CPU,
+and inside ``torch.compile``, the eager kernel of ``ops.rotate`` rotates.
+``XTUNER_ROPE_TRITON_INTERPRET=1`` runs the kernel on CPU tensors under Triton's interpreter
+(tests; set it before the first rotary apply of the process, Triton picks at decoration).
 
-`XTUNER_ROPE_TRITON_INTERPRET=1` runs the kernel on CPU tensors under Triton's interpreter
-(NumPy, slow, for tests): it sets `TRITON_INTERPRET=1` for the process before the kernel is
-first decorated, which is when Triton (3.6 and 3.9) picks interpreter or compiler (Triton's own
-library, decorated when Triton is imported, must agree at launch: the variable stays set), so
-set it before the first rotary apply of the process.
+A kernel that cannot run never stops training: without Triton, or after a failed launch, one
+warning and the eager kernel takes over for the rest of the process (the backward of that call
+included); CUDA out-of-memory is re-raised. ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises every
+failure (the kernel tests). :func:`interpreter_fault` probes the interpreter first: Triton 3.0.0
+with NumPy 2 loads garbage, and the CPU tensors then rotate eagerly with one warning.
 
-A kernel that cannot run never stops training: where Triton does not import (for any reason),
-the first CUDA rotation warns once, naming the Triton to install, and rotates eagerly; where a
-launch fails (forward or backward; both variants are compiled at the first forward of a shape,
-so a failure shows there), one warning names the error and the eager kernel of `ops.rotate`
-takes over for the rest of the process, the backward of that very call included (same
-gradients). A CUDA out-of-memory error is re-raised as one (it is no reason to turn the kernel
-off). `XTUNER_ROPE_TRITON_STRICT=1` re-raises every failure instead: the kernel tests set it, so
-that a broken kernel fails them; `XTUNER_ROPE_TRITON_INTERPRET=1` alone behaves as CUDA does.
-
-Before the first interpreted launch, a copy kernel probes the interpreter
-(:func:`interpreter_fault`): Triton 3.0.0's (torch 2.4's) loads return nothing or garbage
-with NumPy 2 (its C++ helpers read NumPy 1's layout; with NumPy 1.26.4 the same kernel is
-exact). Where the probe fails, the CPU tensors rotate eagerly, with one `RuntimeWarning`
-naming the Triton and NumPy found. The compiled kernel (CUDA) does not use NumPy.
-
-The kernel reads cos/sin per token (fp32 `[b or 1, s, rot]`, from `rope.cos_sin_at`: fp32-exact
-angles, fp64 past 2**24, every scaling type and per-document frequency already applied) and
-rotates in fp32 registers. Torch only here; Triton is imported lazily (`ops.rope_triton_kernel`).
+The kernel reads fp32 cos/sin per token (``[b or 1, s, rot]`` from ``rope.cos_sin_at``) and
+rotates in fp32 registers; Triton is imported lazily (``ops.rope_triton_kernel``).
 """
 
 import contextlib
