@@ -13,7 +13,8 @@ module registering its own: ``config.patch_needs``, ``config.packing``, ``config
 ``config.launch``, ``config.optimizer_state``, ``config.sequence_parallel``,
 ``config.rope_scaling``, ``config.runtime``, ``config.heldout.findings``,
 ``config.heldout.shortcut``, ``config.families``, ``config.checkpoint_findings``,
-``config.preference`` (``xtuner_rope.FINDINGS_MODULES`` imports them all).
+``config.preference``, ``config.loss``, ``config.accumulation`` (``xtuner_rope.FINDINGS_MODULES``
+imports them all).
 """
 
 from __future__ import annotations
