@@ -21,12 +21,9 @@ def cpu_only() -> bool:
 def gloo_all_to_all_missing() -> str | None:
     """Why torch's gloo backend cannot ``all_to_all`` here; None where it can.
 
-    XTuner's sequence parallel exchanges heads and tokens with ``dist.all_to_all`` (a list of
-    tensors per rank); on a CPU-only machine that runs over gloo, whose ``alltoall`` torch 2.4.1
-    lacks ("Backend gloo does not support alltoall"; torch 2.14.1 and 2.15.0 have it). Probed
-    once, not by version: a one-rank gloo group in this process (an in-memory store, no
-    network) exchanges one tensor. Anything else that fails in the probe is not reported
-    here (None): the run itself will say.
+    XTuner's sequence parallel exchanges with ``dist.all_to_all``; torch 2.4.1's gloo lacks it
+    (2.14.1 and 2.15.0 have it). Probed once on a one-rank in-memory gloo group; any other failure
+    of the probe is left to the run to report (None).
 
     Returns:
         str | None: torch's version and gloo's own error; or None.

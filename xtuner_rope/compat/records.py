@@ -154,7 +154,7 @@ _ALL = (
     _R("patch_internvl_predict", _XT, (f"{_IVL}:InternVL_V1_5.forward",),
        "held-out loss of InternVL", "forward ignores mode='predict'",
        needs=("InternVL with a `val_dataloader`", "internvl_evaluates")),
-    _R("patch_llava_predict_labels", _XT, ("xtuner.model.llava:LLaVAModel",),
+    _R("patch_llava_predict_labels", _XT, ("xtuner.model.llava:LLaVAModel.predict",),
        "held-out loss of LLaVA", "predict's logits not aligned with labels",
        needs=("LLaVA with a `val_dataloader`", "llava_evaluates")),
     _R("patch_xtuner_zero_read_fp32", _XT,
