@@ -69,9 +69,8 @@ def use_triton_apply(enabled=True):
     """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
 
     Args:
-        enabled (bool | None): True: CUDA tensors (and CPU ones under
-            `XTUNER_ROPE_TRITON_INTERPRET=1`) rotate with the Triton kernel; False: the eager
-            kernel of `ops.rotate` everywhere; None: `XTUNER_ROPE_TRITON` decides (the default).
+        enabled (bool | None): True: the Triton kernel; False: the eager kernel everywhere;
+            None: `XTUNER_ROPE_TRITON` decides (the default).
 
     Returns:
         bool: Whether it was on before.
@@ -138,15 +137,10 @@ def _warn_missing(x):
 
 
 def triton_apply_active(x):
-    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` with the Triton kernel.
+    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` (gives the device) with Triton.
 
-    Args:
-        x (torch.Tensor): q (gives the device).
-
-    Returns:
-        bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`, where
-        :func:`interpreter_fault` finds none) when the kernel is on, Triton imports and no
-        `torch.compile` trace is running.
+    True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1` without an
+    :func:`interpreter_fault`) when the kernel is on, Triton imports and no trace is running.
     """
     if torch.compiler.is_compiling() or not _enabled():
         return False
@@ -161,11 +155,9 @@ def triton_apply_active(x):
 def interpreter_fault():
     """Why Triton's interpreter cannot run the kernel here; None where it can.
 
-    Probed once per process, under `XTUNER_ROPE_TRITON_INTERPRET=1` only (elsewhere nothing
-    is interpreted: None): a copy kernel of 4 floats, interpreted. Triton 3.0.0's interpreter
-    with NumPy 2 reads wrong values (torch 2.4.1's Triton; NumPy 1.26.4 and Triton 3.9.0 copy
-    exactly). The first fault found warns once (`RuntimeWarning`); `triton_apply_active` then
-    answers False for CPU tensors, so they rotate eagerly. Tests skip with this reason.
+    Probed once, under `XTUNER_ROPE_TRITON_INTERPRET=1` only: a copy kernel of 4 floats (Triton
+    3.0.0 with NumPy 2 reads wrong values). The first fault warns once; CPU tensors then rotate
+    eagerly, and tests skip with this reason.
 
     Returns:
         str | None: The Triton and NumPy versions, what the copy read, and the fix; or None.
@@ -318,16 +310,14 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
         q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
             strides (InternLM2's views of its packed `wqkv` are read in place).
         k (torch.Tensor): `[b, n_kv, s, h_d]` or `[b, s, n_kv, h_d]`.
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d: the first rot dims
-            of each head rotate, the rest pass through (partial rotary).
+        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
-        interleaved (bool): rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
-            (Cohere) instead of (i, i + rot/2) (`rotate_half`).
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes and in the
-        memory layout `[b, s, n, h_d]` whatever the inputs' strides.
+        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes, laid out
+        `[b, s, n, h_d]` whatever the inputs' strides.
 
     Raises:
         torch.cuda.OutOfMemoryError: Memory ran out (the kernel stays on).
