@@ -49,8 +49,7 @@ def record_window(runner) -> None:
 def check_resume(runner) -> None:
     """Refuse to continue from a checkpoint written inside an open accumulation window.
 
-    Call in ``before_train``: after MMEngine resumed (``runner.iter`` is the checkpoint's
-    iteration, the message hub the checkpoint's), before the first step.
+    Call in ``before_train``, after MMEngine resumed, before the first step.
 
     Raises:
         MidWindowResumeError: the checkpoint's window was open (its record), or it has no record

@@ -82,11 +82,8 @@ def _base_seed(loop) -> int | None:
 
 
 class _RestoreAfterSkip:
-    """Stands in for the loop's dataloader iterator during MMEngine's resume skip.
-
-    ``IterBasedTrainLoop.run`` calls ``next(self.dataloader_iterator)`` ``N`` times to skip the
-    batches trained before the checkpoint; after the ``N``-th, the random state is restored and
-    the loop's own iterator put back, so batch ``N + 1`` is fetched from the restored stream.
+    """The loop's dataloader iterator during MMEngine's resume skip: after the ``N``-th skipped
+    batch the random state is restored and the loop's own iterator put back.
     """
 
     def __init__(self, loop, skip: int, state: dict) -> None:
@@ -194,12 +191,9 @@ def _checkpoint_hook(runner) -> CheckpointHook | None:
 def data_order_change(saved: int, world: int, done: int, batch: int, items: int) -> str:
     """What a resume on another number of processes trains again or skips, in words.
 
-    MMEngine 0.10.6's ``DefaultSampler`` deals one order of the dataset (drawn from the seed
-    and the epoch, whatever the number of processes) to the processes in turn: rank ``r`` of
-    ``W`` takes items ``r, r + W, ...``. After ``N`` iterations of ``b`` items per process, ``W``
-    processes have trained the first ``N * b * W`` items of the order; on resume,
-    ``IterBasedTrainLoop`` skips ``N`` batches of this run's own dataloader, the first
-    ``N * b * W'`` items. The per-process batch size is assumed unchanged.
+    MMEngine's ``DefaultSampler`` deals one seeded order to the ranks in turn; ``W`` processes
+    trained its first ``N * b * W`` items, and the resume skips the first ``N * b * W'`` (the
+    per-process batch size assumed unchanged).
 
     Args:
         saved: Processes of the checkpointed run (``W``).
