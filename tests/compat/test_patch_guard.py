@@ -101,7 +101,7 @@ def test_a_deepspeed_that_moves_its_checkpoint_engine_skips_its_write_patch(fres
 
     save = TorchCheckpointEngine.save
     monkeypatch.setitem(sys.modules, DS_ENGINE, None)  # import -> ImportError
-    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_deepspeed_checkpoint_writes))
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert "crash-safe DeepSpeed checkpoint writes" in message
@@ -124,10 +124,12 @@ def test_a_newer_deepspeed_skips_its_write_patch(fresh, monkeypatch):
     monkeypatch.setattr(
         guard.metadata, "version", lambda d: "0.20.0" if d == "deepspeed" else real(d)
     )
-    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_deepspeed_checkpoint_writes))
     assert len(caught) == 1
     assert "deepspeed 0.20.0 is outside the versions it was written for" in str(caught[0].message)
-    compat.run_patch(compat.patch_checkpoint_writes)  # MMEngine's writes: their own record
+    compat.run_patch(
+        runner_checkpoints.patch_checkpoint_writes
+    )  # MMEngine's writes: their own record
     assert guard.outcomes()["patch_checkpoint_writes"] == "applied"
 
 

@@ -13,49 +13,52 @@ This module holds what applies them: :func:`apply` (idempotent, never raises; ru
 
 from __future__ import annotations
 
-from .batch_host_copies import patch_mmengine_host_copies, patch_xtuner_varlen_hook_host_copies
-from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
-from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
+from . import (
+    batch_host_copies,
+    bitsandbytes_triton,
+    deepspeed_cpu,
+    mmengine_dist,
+    mmengine_scheduler,
+    runner_checkpoints,
+    torch_cpu,
+    transformers_internlm2,
+    xtuner_internvl,
+    xtuner_llava,
+    xtuner_model_resource,
+    xtuner_preference,
+    xtuner_sft,
+    xtuner_tokenize,
+    xtuner_zero_read,
+)
 from .guard import applied, check_only, run_guarded
-from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
-from .mmengine_scheduler import patch_mmengine_warmup_rounding
-from .records import DEFERRED, RECORDS
-from .runner_checkpoints import (
-    patch_checkpoint_loading,
-    patch_checkpoint_writes,
-    patch_deepspeed_checkpoint_writes,
-)
-from .torch_cpu import patch_torch_cpu_bf16_query
-from .transformers_internlm2 import (
-    patch_internlm2_generation_from_embeds,
-    register_internlm2_auto_classes,
-)
+from .records import ACTIVATION, DEFERRED, RECORDS
 from .versions import warn_unsupported
-from .xtuner_internvl import (
-    patch_internvl_dataset_template,
-    patch_internvl_loading,
-    patch_internvl_predict,
-    patch_internvl_rank,
-)
-from .xtuner_llava import patch_llava_predict_labels
-from .xtuner_model_resource import patch_model_resource_llm_path, patch_set_model_resource_llm_path
-from .xtuner_preference import (
-    patch_dpo_predict_reference,
-    patch_preference_map_fn_errors,
-    patch_preference_truncation_counted,
-    patch_preference_unpacked_pairs,
-    patch_xtuner_preference_rank,
-    patch_xtuner_preference_target_zero,
-)
-from .xtuner_sft import (
-    patch_sft_forward_names_missing_hook,
-    patch_sft_sequence_parallel_loss,
-    patch_xtuner_train_sequence_parallel_check,
-)
-from .xtuner_tokenize import patch_xtuner_tokenize_counted
-from .xtuner_zero_read import patch_xtuner_zero_read_fp32
 
-__all__ = ["apply", "apply_counting", "run_patch"]
+# The modules whose functions the records of ``ACTIVATION`` and ``COUNTING`` name.
+_PATCH_MODULES = (
+    batch_host_copies,
+    bitsandbytes_triton,
+    deepspeed_cpu,
+    mmengine_dist,
+    mmengine_scheduler,
+    runner_checkpoints,
+    torch_cpu,
+    transformers_internlm2,
+    xtuner_internvl,
+    xtuner_llava,
+    xtuner_model_resource,
+    xtuner_preference,
+    xtuner_sft,
+    xtuner_tokenize,
+    xtuner_zero_read,
+)
+
+__all__ = ["apply", "apply_counting", "patch_named", "run_patch"]
+
+
+def patch_named(name: str):
+    """The patch function a record of ``ACTIVATION`` or ``COUNTING`` names."""
+    return next(getattr(m, name) for m in _PATCH_MODULES if hasattr(m, name))
 
 
 def run_patch(patch, *args, **kwargs) -> object:
@@ -91,39 +94,8 @@ def apply() -> list[str]:
         The names of the patches applied so far in this process.
     """
     warn_unsupported()
-    for patch in (
-        patch_torch_cpu_bf16_query,
-        patch_bitsandbytes_triton_probe,
-        register_internlm2_auto_classes,
-        patch_mmengine_dist_init_on_cpu,
-        patch_mmengine_ddp_device_ids_on_cpu,
-        patch_deepspeed_cpu_allgather_grad_mode,
-        patch_deepspeed_zero3_cpu_gather,
-        patch_checkpoint_loading,
-        patch_checkpoint_writes,
-        patch_deepspeed_checkpoint_writes,
-        patch_sft_forward_names_missing_hook,
-        patch_model_resource_llm_path,
-        patch_set_model_resource_llm_path,
-        patch_xtuner_preference_rank,
-        patch_xtuner_preference_target_zero,
-        patch_preference_unpacked_pairs,
-        patch_preference_map_fn_errors,
-        patch_dpo_predict_reference,
-        patch_sft_sequence_parallel_loss,
-        patch_xtuner_train_sequence_parallel_check,
-        patch_internlm2_generation_from_embeds,
-        patch_mmengine_warmup_rounding,
-        patch_internvl_loading,
-        patch_internvl_rank,
-        patch_internvl_dataset_template,
-        patch_internvl_predict,
-        patch_llava_predict_labels,
-        patch_xtuner_zero_read_fp32,
-        patch_mmengine_host_copies,
-        patch_xtuner_varlen_hook_host_copies,
-    ):
-        run_patch(patch)  # the guard runs each patch once per process
+    for record in ACTIVATION:
+        run_patch(patch_named(record.name))
     _check_deferred()
     return applied()
 
@@ -138,6 +110,6 @@ def apply_counting(counted_step, counted_class) -> list[str]:
     Returns:
         The names of the patches applied so far in this process.
     """
-    run_patch(patch_xtuner_tokenize_counted, counted_step)
-    run_patch(patch_preference_truncation_counted, counted_class)
+    run_patch(xtuner_tokenize.patch_xtuner_tokenize_counted, counted_step)
+    run_patch(xtuner_preference.patch_preference_truncation_counted, counted_class)
     return applied()

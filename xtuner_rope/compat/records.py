@@ -17,7 +17,7 @@ from .devices import cpu_only
 from .guard import PatchRecord
 from .versions import SUPPORTED
 
-__all__ = ["DEFERRED", "RECORDS", "records_table"]
+__all__ = ["ACTIVATION", "COUNTING", "DEFERRED", "RECORDS", "records_table"]
 
 _MM = {"mmengine": "~=0.10.6"}
 _XT = {"xtuner": "~=0.2.0"}
@@ -36,7 +36,8 @@ def _cpu_and_old_deepspeed() -> bool:
 
 _R = PatchRecord
 # fmt: off
-_ALL = (
+# Applied by ``compat.apply()`` at activation, in this order.
+ACTIVATION = (
     _R("patch_torch_cpu_bf16_query", _TORCH, ("torch.cpu",),
        "training on a CPU-only machine", "AttributeError: torch.cpu.is_bf16_supported",
        needs=("every run on a CPU-only machine", "cpu")),
@@ -163,6 +164,9 @@ _ALL = (
        "DeepSpeed checkpoints read at fp32 (convert pth_to_hf, pretrained_pth)",
        "ZeRO fp32 partitions read as fp16, also with --fp32",
        needs=("a `pretrained_pth` (XTuner reads a DeepSpeed folder through it)", "pretrained_pth")),
+)
+# Run by ``compat.apply_counting`` with the wrappers of the floor above (``data``) handed in.
+COUNTING = (
     _R("patch_preference_truncation_counted", _XT, (f"{_PREF}:PreferenceDataset",),
        "truncation counted on preference pairs (build_preference_dataset)",
        "responses cut at max_length without a word",
@@ -195,13 +199,13 @@ DEFERRED = (
        needs=("LLaVA configs", "llava")),
 )
 # fmt: on
-RECORDS: dict[str, PatchRecord] = {r.name: r for r in _ALL + DEFERRED}
+RECORDS: dict[str, PatchRecord] = {r.name: r for r in ACTIVATION + COUNTING + DEFERRED}
 
 
 def records_table() -> str:
     """The Markdown table of docs/compat.md's "Versions and probes" section."""
     rows = ["| Patch | Versions | Probes | Feature | Without it |", "|---|---|---|---|---|"]
-    for r in _ALL + DEFERRED:
+    for r in RECORDS.values():
         probes = ", ".join(f"`{p}`" for p in r.probes) or f"none: {r.probe_note}"
         rows.append(
             f"| `{r.name}`{' (later)' if r in DEFERRED else ''} | {r.supported()} | {probes} "
