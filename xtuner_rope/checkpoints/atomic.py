@@ -56,11 +56,8 @@ def _write_error(path: str, size: int, err: OSError) -> CheckpointWriteError:
 
 
 def _remove_stale_temporaries(folder: str, name: str) -> None:
-    """Delete the temporaries of ``name`` that a process killed mid-write left in ``folder``.
-
-    No two processes write the same checkpoint name at once (each DeepSpeed rank has its own
-    files), so any ``.name.<pid>.tmp`` found before a write is a dead writer's, as large as the
-    part of a checkpoint it got out.
+    """Delete the ``.name.<pid>.tmp`` that writers killed mid-write left in ``folder`` (no two
+    processes write one checkpoint name at once, so any found is a dead writer's).
     """
     prefix = f".{name}."
     for entry in os.listdir(folder):
@@ -74,10 +71,8 @@ def _remove_stale_temporaries(folder: str, name: str) -> None:
 class _Stream:
     """The temporary file as ``torch.save`` sees it: every write goes through :meth:`write`.
 
-    torch writes to a file object with a descriptor behind Python's back (its legacy format
-    calls ``write()`` on the descriptor) and reports a failed write as ``RuntimeError`` (also
-    its zip writer, which raises ``unexpected pos`` while handling the ``OSError``): here
-    the file has no ``fileno`` for torch, and the disk's ``OSError`` is kept as it was raised.
+    Without a ``fileno`` torch cannot write behind Python's back, and the disk's ``OSError`` is
+    kept as raised (torch reports a failed write as ``RuntimeError``).
     """
 
     def __init__(self, file) -> None:
@@ -100,9 +95,8 @@ def _atomic_write(path: str, write, size) -> None:
 
     Args:
         path: The final path; its folder is created if missing.
-        write: Called with the temporary file open for binary writing (a :class:`_Stream`:
-            ``write`` and ``flush``); writes the content.
-        size: Called only when the write failed: the bytes the content needs (for the error).
+        write: Called with the temporary file (a :class:`_Stream`); writes the content.
+        size: Called only when the write failed: the bytes the content needs.
 
     Raises:
         CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
@@ -163,9 +157,8 @@ def _saved_size(obj, torch_save_kwargs: dict) -> int:
 def save_atomically(obj, path: str, **torch_save_kwargs) -> None:
     """``torch.save(obj)`` streamed into a temporary file, fsynced, renamed to ``path``.
 
-    Nothing of ``obj`` is copied in memory (as with DeepSpeed's own ``torch.save(obj, path)``):
-    the tensors' bytes go from their storages to the file. The size in the error of a failed
-    write is counted afterwards, by serialising ``obj`` again into a sink that keeps nothing.
+    Nothing of ``obj`` is copied in memory; the size named by a failed write is counted
+    afterwards, serialising ``obj`` again into a sink that keeps nothing.
 
     Args:
         obj: What ``torch.save`` writes (a checkpoint dict, a DeepSpeed rank's state).

@@ -69,11 +69,8 @@ def _zip_reason(path: str, size: int) -> str:
 
 
 def _legacy_reason(path: str, size: int) -> str:
-    """Why a legacy (non-zip) ``torch.save`` file is incomplete; empty when it is complete.
-
-    The format is five pickles (magic number, protocol, system info, the object, the storage
-    keys) and then the storages' bytes. The pickles are walked opcode by opcode (nothing is
-    executed); the storages are checked by loading the file with the runner allow-list.
+    """Why a legacy ``torch.save`` file is incomplete (empty when complete): its five pickles are
+    walked opcode by opcode (nothing executed), its storages checked by a weights-only load.
     """
     with open(path, "rb") as f:
         for _ in range(5):
@@ -155,14 +152,10 @@ def _folder_reason(path: str) -> str:
 
 
 def judge_checkpoint(path: str) -> Verdict:
-    """Judge a checkpoint file or DeepSpeed checkpoint folder complete or not.
-
-    Args:
-        path: An MMEngine ``.pth`` file, a DeepSpeed checkpoint folder, or a ``torch.save``
-            file of another writer.
+    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not.
 
     Returns:
-        The verdict; a path that does not exist is incomplete ("does not exist").
+        The verdict; a path that does not exist is incomplete.
     """
     path = os.path.expanduser(path)
     if os.path.isdir(path):
@@ -181,11 +174,8 @@ def checkpoint_number(path: str) -> tuple[str, int] | None:
 
 
 def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str]]:
-    """``(number, path)`` of each ``kind_N`` checkpoint name in ``folder``, lowest first.
-
-    Args:
-        folder: A work dir (or CheckpointHook ``out_dir``); none when it is not a folder.
-        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to list.
+    """``(number, path)`` of each ``kind_N`` (``"iter"`` or ``"epoch"``) checkpoint in ``folder``,
+    lowest first; none when ``folder`` is not a folder.
     """
     if not os.path.isdir(folder):
         return []
@@ -198,15 +188,12 @@ def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str
 
 
 def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
-    """The complete checkpoint of the highest number in ``folder`` (``iter_N.pth`` by default).
+    """The complete checkpoint of the highest number in ``folder``, or None.
 
     Args:
         folder: A work dir (or CheckpointHook ``out_dir``).
         kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to consider.
         exclude: A path to leave out (the checkpoint already judged incomplete).
-
-    Returns:
-        Its path, or None when no checkpoint there is complete.
     """
     left_out = os.path.realpath(exclude or "")
     for _, path in reversed(numbered_checkpoints(folder, kind)):
@@ -216,10 +203,7 @@ def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None)
 
 
 def refuse_incomplete(path: str) -> None:
-    """Raise if the checkpoint at ``path`` is incomplete, naming what to resume from instead.
-
-    Args:
-        path: The checkpoint about to be loaded (``--resume``, ``load_from``).
+    """Raise if the checkpoint at ``path`` (to be loaded) is incomplete, naming what to resume from.
 
     Raises:
         IncompleteCheckpointError: It is incomplete (what is missing, and the newest complete

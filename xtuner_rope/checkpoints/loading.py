@@ -37,12 +37,8 @@ class UntrustedCheckpointError(pickle.UnpicklingError):
 
 
 def _history_buffer_getattr(owner, name: str):
-    """``getattr`` as MMEngine's ``HistoryBuffer`` pickles need it, and nothing more.
-
-    ``HistoryBuffer.__getstate__`` stores its statistics methods (``HistoryBuffer.min`` ...),
-    which pickle as ``getattr(HistoryBuffer, "min")``. A general ``getattr`` would let a file
-    reach any attribute (``__globals__``, ``__builtins__``...) of the objects it can build, so
-    only public functions of ``HistoryBuffer`` itself are handed out.
+    """``getattr`` as MMEngine's ``HistoryBuffer`` pickles need it (its public methods), nothing more:
+    a general ``getattr`` would let a file reach any attribute of what it can build.
     """
     from mmengine.logging import HistoryBuffer
 
@@ -116,12 +112,9 @@ def _named(entry):
 def runner_globals_allowed() -> Iterator[None]:
     """:func:`runner_checkpoint_globals` allowed for ``weights_only`` loads inside the block.
 
-    torch >= 2.6 has ``torch.serialization.safe_globals`` with ``(object, "module.name")``
-    entries. torch 2.4 and 2.5 have only the process-wide ``add_safe_globals``, which keys an
-    object by its own ``__module__.__name__`` (``AttributeError: ... no attribute
-    'safe_globals'`` on torch 2.4.1): there each renamed entry becomes an alias carrying the
-    name the pickle uses (plus ``_codecs.encode``, which torch 2.6 allows by default), and the
-    list before the block is put back after it.
+    torch >= 2.6: ``safe_globals``. torch 2.4 / 2.5 have only the process-wide
+    ``add_safe_globals`` keyed by an object's own name: each renamed entry becomes an alias with
+    the name the pickle uses (plus ``_codecs.encode``), and the list is put back after the block.
     """
     entries = runner_checkpoint_globals()
     serialization = torch.serialization
@@ -186,11 +179,11 @@ def load_checkpoint(path: str, map_location="cpu"):
         map_location: As for ``torch.load``.
 
     Returns:
-        The unpickled checkpoint (usually a dict with ``meta``, ``state_dict``...).
+        The unpickled checkpoint.
 
     Raises:
-        UntrustedCheckpointError: The file holds a type outside the allow-list and is not
-            trusted through ``XTUNER_ROPE_TRUSTED_CHECKPOINTS``.
+        UntrustedCheckpointError: A type outside the allow-list, and the file is not trusted
+            through ``XTUNER_ROPE_TRUSTED_CHECKPOINTS``.
     """
     if is_trusted(path):
         return torch.load(path, map_location=map_location, weights_only=False)

@@ -1,13 +1,9 @@
 """The guard every third-party patch runs in: versions checked, targets probed, failures kept.
 
-Each patch has a :class:`PatchRecord` (``compat.records``): the packages and versions it was
-written for, the modules and attributes it replaces (probed before it runs), the user-visible
-feature it serves and the symptom it removes. :func:`run_guarded` runs a patch only when every
-package is inside its versions and every probe resolves; otherwise, or if the patch raises, the
-patch is skipped with one :class:`CompatPatchSkipped` warning naming the patch, the feature,
-the versions found and the versions it supports. Activation (``xtuner_rope.activate``) never fails because a
-release renamed a private name: the start-up refuses the configs that need a skipped patch's
-feature (``xtuner_rope.config.patch_needs``).
+:func:`run_guarded` runs a patch only when its record's (:class:`PatchRecord`) versions hold
+and every probe resolves; otherwise, or if it raises, it is skipped with one
+:class:`CompatPatchSkipped` warning, and the start-up refuses the configs that need its feature
+(``config.patch_needs``). Activation never fails because a release renamed a private name.
 """
 
 from __future__ import annotations
@@ -48,23 +44,18 @@ class PatchRecord:
 
     Attributes:
         name: The patch function's name (``patch_checkpoint_writes``).
-        versions: Distribution name -> PEP 440 versions it was written for
-            (``{"mmengine": "~=0.10.6"}``); a distribution not installed means the gap
-            cannot occur (nothing to patch, no warning).
-        probes: What the patch reads or replaces, each ``"module"`` or
-            ``"module:Attr.attr"``; all must resolve before the patch runs.
-        feature: The user-visible feature the patch serves (named in the warning and in the
-            start-up's refusal).
+        versions: Distribution -> PEP 440 versions it was written for; a distribution not
+            installed means the gap cannot occur.
+        probes: What the patch reads or replaces (``"module"`` or ``"module:Attr.attr"``); all
+            must resolve before it runs.
+        feature: The user-visible feature it serves (named in the warning and the refusal).
         symptom: What goes wrong without it (short; docs/compat.md has the long story).
-        when: Where the gap can exist at all (``cpu_only``): elsewhere nothing is checked,
-            nothing warned. None: everywhere.
+        when: Where the gap can exist at all (``cpu_only``); None: everywhere.
         probe_note: Why ``probes`` is empty, where the patch finds its own target.
-        needs: ``(the configs that need the feature, in words; a condition's name)``: the
-            start-up refuses those configs where the patch was skipped
-            (``xtuner_rope.config.patch_needs.CONDITIONS`` holds the condition of each name).
-        not_refused: Why a config is never refused for its absence (a clearer error, a count
-            in the log: without it the run still fails loudly, or its data are the same).
-            Exactly one of ``needs`` and ``not_refused`` is given.
+        needs: ``(the configs that need the feature, in words; a condition's name in
+            config.patch_needs.CONDITIONS)``: refused where the patch was skipped.
+        not_refused: Why a config is never refused for its absence. Exactly one of ``needs`` and
+            ``not_refused`` is given.
     """
 
     name: str
@@ -99,11 +90,8 @@ def installed_version(dist: str) -> str | None:
 
 
 def at_least(dist: str, minimum: str) -> bool:
-    """True if distribution ``dist`` is installed at ``minimum`` or later (PEP 440 order).
-
-    The package's one way of asking for a release: ``Version`` of the installed distribution,
-    never a string comparison or a signature probe (local tags such as ``+cu128`` count as the
-    release they tag).
+    """True if distribution ``dist`` is installed at ``minimum`` or later: the package's one version
+    check (``Version`` of the installed release; ``+cu128`` counts as the release it tags).
     """
     version = installed_version(dist)
     return version is not None and Version(version).release >= Version(minimum).release
@@ -225,13 +213,11 @@ def run_guarded(
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
     The guard owns "already applied": a patch applied in this process, or whose probes still
-    hold what it left there (its own wrappers), is not run again; so every entry point may call
-    it any number of times. ``once=False`` is for the patches applied for one call
-    (``records.DEFERRED``: a config's paths, one dataset build), which run each time.
+    hold what it left there (its own wrappers), is not run again. ``once=False`` (``DEFERRED``:
+    applied for one call) runs each time.
 
     Returns:
-        The patch's own result (True once applied, also on a later call), or False where it
-        was skipped or is not needed.
+        The patch's own result (True once applied), or False where skipped or not needed.
     """
     if once and _OUTCOMES.get(record.name) == "applied":
         return True

@@ -1,11 +1,8 @@
 """One :class:`~xtuner_rope.compat.guard.PatchRecord` per patch: versions, probes, feature.
 
-Versions: what each patch was written for and has run with. mmengine ``~=0.10.6`` and xtuner
-``~=0.2.0`` are the pins of xtuner-rope's ``setup.cfg`` (their patch releases kept, their next
-minor release left out); DeepSpeed is the ``setup.cfg`` range; torch and transformers are
-named where a patch reads them (torch and DeepSpeed: ``compat.versions.SUPPORTED``). Probes: the names each patch reads or replaces; a release
-that renames one makes the guard skip the patch (one ``CompatPatchSkipped`` warning) instead
-of failing the plugin's activation. docs/compat.md's table of versions and probes is
+mmengine ``~=0.10.6`` and xtuner ``~=0.2.0`` are ``setup.cfg``'s pins; torch and DeepSpeed come
+from ``compat.versions.SUPPORTED``. A release that renames a probed name makes the guard skip
+the patch with one warning. docs/compat.md's table of versions and probes is
 :func:`records_table` (``tests/compat/test_compat_records.py`` compares them).
 """
 

@@ -1,18 +1,10 @@
 """XTuner patch: its DeepSpeed checkpoint reader reads the ZeRO fp32 partitions at fp32.
 
-xtuner 0.2.0's ``guess_load_checkpoint`` (``xtuner/model/utils.py``, what ``xtuner convert
-pth_to_hf`` and ``pretrained_pth`` loading use) reads a DeepSpeed checkpoint folder through
-``xtuner.utils.zero_to_any_dtype.get_state_dict_from_zero_checkpoint`` without a ``dtype``, and
-that module's ``DEFAULT_DTYPE`` is ``torch.float16``: the fp32 partitions of the optimizer (which
-equal the trained module's weights bit for bit, checked with DeepSpeed's own ``zero_to_fp32``)
-come back rounded to fp16, and ``--fp32`` then saves those rounded weights (measured on a
-2-process ZeRO-2 run: the converted model equals ``module.half()``, up to 3.0e-5 off the trained
-weights, 4.7e-4 under sequence parallel).
-
-The patch changes the defaults of the reader's functions from ``float16`` to ``float32`` (a
-caller that names a ``dtype`` still gets it): the read is exact, and the conversion's own
-``--fp32`` / ``--dtype`` decides what is saved. Written against xtuner 0.2.0; where the module
-or a function is missing (another XTuner), it is skipped with a warning naming the feature.
+xtuner 0.2.0's ``guess_load_checkpoint`` (``convert pth_to_hf``, ``pretrained_pth``) reads a
+ZeRO folder through ``zero_to_any_dtype`` whose ``DEFAULT_DTYPE`` is fp16: the exact fp32
+partitions come back rounded (a 2-process ZeRO-2 run converted to ``module.half()``, also with
+``--fp32``). The reader's defaults become fp32 (a named ``dtype`` still wins); a missing
+module or function is skipped with a warning naming the feature.
 """
 
 from __future__ import annotations

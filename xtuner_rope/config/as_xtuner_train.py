@@ -22,10 +22,8 @@ def start(cfg: Config, cfg_options: dict | None = None, look_only: bool = False)
     Args:
         cfg: The config as ``Config.fromfile`` returns it; changed in place.
         cfg_options: The ``--cfg-options`` overrides, as a dict (None: none).
-        look_only: For tools that only look (the doctor): a conflict the start-up refuses is not
-            raised (the caller reports it from ``inspect_config``) and the process is left as
-            not prepared. Otherwise (the check, which builds the Runner) the process is prepared
-            as in a run and a conflict raises.
+        look_only: For the doctor: a conflict is not raised (``inspect_config`` reports it) and
+            the process stays not prepared.
 
     Returns:
         ``cfg``.

@@ -1,17 +1,10 @@
 """Start-up finding: the LLM's checkpoint must have a ``config.json`` the start-up can read.
 
-The start-up judges the model before a weight loads from its checkpoint's ``config.json``
-(``models.checkpoint_config``): the family (``model_family_findings`` refuses families that
-xtuner-rope does not serve, remote code included), the heads, the vocabulary, the attention it
-asks for. When that file cannot be read, nothing of it is known: a hub id offline, a cluster
-path that does not exist here, a directory without ``config.json``. Without this refusal such
-a run ends after the plugin's start-up lines in a raw ``OSError`` traceback of the hub client or
-transformers (when XTuner builds the tokenizer or the model); with it, the start-up (and
-``xtuner-rope doctor``) names the path, why it cannot be read and what to do.
-
-Only ``model.llm`` is read (text SFT, DPO/ORPO/reward, LLaVA's LLM). An LLM of XTuner's own
-modeling packages is judged by its class (``models.families.model_class_verdict``); other
-models (InternVL's whole-model path) are left to their own findings.
+The start-up judges the model from it before a weight loads (family, heads, vocabulary,
+attention). Where it cannot be read (a hub id offline, a path missing here, no ``config.json``)
+the start-up and the doctor name the path, why and what to do, instead of a raw ``OSError``
+later. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by its
+class (``models.families.model_class_verdict``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Start-up findings of the model's family and attention, read from the config and the
-checkpoint's ``config.json`` before a weight loads.
-
-- ``attn_implementation="flash_attention_2"`` where flash-attn cannot run becomes ``"sdpa"``
-  (:func:`flash_attn_findings`);
-- a family xtuner-rope cannot serve is refused (:func:`model_family_findings`,
-  ``models.families.REFUSED``).
+"""Start-up findings of the model's family and attention (config and ``config.json``):
+``flash_attention_2`` where flash-attn cannot run becomes ``"sdpa"`` (:func:`flash_attn_findings`);
+a family xtuner-rope cannot serve is refused (:func:`model_family_findings`).
 """
 
 from __future__ import annotations

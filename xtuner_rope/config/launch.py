@@ -64,15 +64,11 @@ def launched_with(deepspeed: str | None):
 
 
 def deepspeed_argument(argv: list[str] | None = None) -> str | None:
-    """``--deepspeed``'s value when this process is ``xtuner train`` (its ``tools/train.py``).
+    """``--deepspeed``'s value when this process is ``xtuner train``, or None.
 
     Args:
-        argv: The command line (default ``sys.argv``).
-
-    Returns:
-        The argument as given (a file or one of XTuner's names, e.g. ``deepspeed_zero2``), or
-        None when absent or when this process is not XTuner's training script. Without
-        ``argv``, the doctor's ``--deepspeed`` (:func:`launched_with`) comes first.
+        argv: The command line (default ``sys.argv``; then the doctor's :func:`launched_with`
+            comes first).
     """
     if argv is None and _LAUNCH.get("deepspeed"):
         return _LAUNCH["deepspeed"]
@@ -229,11 +225,9 @@ def single_process_deepspeed_findings(
 ) -> list[Finding]:
     """``xtuner train CFG --deepspeed X.json`` in one process, without a launcher: a fix.
 
-    DeepSpeed starts its process group from torchrun's variables; without them it looks for
-    MPI and dies with ``No module named 'mpi4py'`` once the model is built (and ``xtuner
-    train`` exits 0). The fix gives this process the variables of a one-process torchrun
-    (``MASTER_PORT``: a free port), before DeepSpeed reads them. Only inside ``xtuner train``
-    (``tools/train.py``), which runs ``model_resource`` first.
+    Without torchrun's variables DeepSpeed looks for MPI ("No module named 'mpi4py'") once the
+    model is built; the fix gives this process a one-process torchrun's variables (a free
+    ``MASTER_PORT``). Only inside ``xtuner train``.
 
     Args:
         cfg: The config (lazy objects unbuilt).
@@ -283,14 +277,11 @@ def launch_findings(cfg: Config) -> list[Finding]:
 
 
 def deepspeed_zero_stage(cfg: Config, argv: list[str] | None = None) -> int | None:
-    """The ZeRO stage of the run's DeepSpeed config (the config's strategy or ``--deepspeed``).
+    """The ZeRO stage (0-3) of the run's DeepSpeed config, or None (none, or not readable yet).
 
     Args:
         cfg: The config (lazy objects unbuilt).
         argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
-
-    Returns:
-        The stage (0-3), or None without DeepSpeed (or a file that cannot be read yet).
     """
     ds, _ = _resolve(_deepspeed_source(cfg, argv)[0])
     if ds is None:

@@ -39,15 +39,14 @@ def tower_image_tokens(path: object, local_only: bool = False) -> dict:
 
     Args:
         path: ``model.visual_encoder.pretrained_model_name_or_path``.
-        local_only: Read only what is on disk (the start-up: no download before a run).
+        local_only: Read only what is on disk (no download before a run).
 
     Returns:
         ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
 
     Raises:
-        ValueError: no path, or a config without int ``image_size`` / ``patch_size`` (not a
-            ViT-style tower ``LLaVAModel`` serves); the message names the setting.
-        OSError: the config cannot be read (``local_only`` and not on disk).
+        ValueError: no path, or no int ``image_size`` / ``patch_size`` (not a ViT-style tower).
+        OSError: the config cannot be read.
     """
     from transformers import AutoConfig
 

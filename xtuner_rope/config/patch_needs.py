@@ -1,14 +1,10 @@
 """Refuse a config that needs a feature whose third-party patch was skipped in this process.
 
-``xtuner_rope.compat`` skips a patch (one ``CompatPatchSkipped`` warning) where the installed
-release is outside the versions the patch was written for, a name it replaces is missing, or
-it raised. Each patch's record (``compat.records``) says which configs need its feature
-(``needs``: the words and a condition's name, evaluated here by :data:`CONDITIONS`); such a
-config is refused here, naming the feature, the patch, the versions that have it and the pip
-command. A config that does not need it trains as usual. A record whose patch only turns a
-crash into a clearer error says so (``not_refused``): without it the run still fails loudly.
-Before those, :func:`version_findings` refuses torch or DeepSpeed outside the supported range
-(``compat.versions``): one finding per package, and no second one for its patches.
+Each patch's record (``compat.records``) says which configs need its feature (``needs``: words
+and a condition's name, evaluated by :data:`CONDITIONS`) or why none is refused
+(``not_refused``); such a config is refused with the feature, the patch, the versions and the
+pip command. :func:`version_findings` first refuses torch or DeepSpeed outside the supported
+range (``compat.versions``): one finding per package.
 """
 
 from __future__ import annotations

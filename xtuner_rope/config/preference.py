@@ -1,20 +1,10 @@
 """Start-up findings for XTuner's preference configs (DPO, ORPO, reward model).
 
-XTuner 0.2.0 builds preference data with ``build_preference_dataset`` (``use_varlen_attn=True``:
-``PackedDatasetWrapper`` packs whole pairs, chosen then rejected, ``cumulative_len`` per
-response) and collates it with ``preference_collate_fn``. Four of its settings fail late or
-silently, after the model has loaded; :func:`preference_findings` names them before anything
-is built (``startup.inspect_config`` calls it; the doctor prints the same findings):
-
-- ``reward_token_id`` outside the checkpoint's vocabulary (the stock reward configs ship
-  InternLM2's 92527): refused at the first batch, by a message about ``input_ids``;
-- ``batch_size`` > 1 with packed pairs: ``preference_collate_fn`` asserts batch size 1 at the
-  first batch;
-- ``use_varlen_attn`` that differs between the model, the dataset and the collate function:
-  a ``KeyError`` in the collate function, or (model off, data packed) chosen and rejected
-  log-probs taken from the wrong rows, silently;
-- full-parameter DPO without ``ref_llm`` under DeepSpeed ZeRO-3 (``--deepspeed``): XTuner's
-  ``create_reference_model`` raises after the policy has loaded.
+Four settings of ``build_preference_dataset`` / ``preference_collate_fn`` configs fail late or
+silently, after the model loaded; :func:`preference_findings` names them first: a
+``reward_token_id`` outside the vocabulary, ``batch_size`` > 1 with packed pairs,
+``use_varlen_attn`` differing between model, dataset and collate function (a ``KeyError``, or
+log-probs from the wrong rows), and full-parameter DPO without ``ref_llm`` under ZeRO-3.
 """
 
 from __future__ import annotations

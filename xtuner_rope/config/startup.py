@@ -40,9 +40,7 @@ FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` lis
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
-    """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve.
-
-    Pure: nothing is changed until a finding's ``fix`` is called (see :func:`prepare_config`).
+    """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve (pure).
 
     Args:
         cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
@@ -60,10 +58,7 @@ def inspect_config(cfg: Config) -> list[Finding]:
 def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
     """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order``.
 
-    Findings modules register themselves when imported (``xtuner_rope.activate`` imports them
-    all, ``config/__init__`` the ``config/`` ones); the slot fixes where their findings appear
-    in the report and when their fixes apply (:data:`SLOTS`, first to last; functions of one
-    slot in the order they registered).
+    The slot (:data:`SLOTS`) fixes where its findings appear and when their fixes apply.
 
     Raises:
         ValueError: ``order`` names no slot.
@@ -83,17 +78,13 @@ FINDINGS: list[tuple[str, FindingsFn]] = []
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
-    """Apply the plugin's fixes to ``cfg`` and refuse what cannot be fixed.
-
-    Args:
-        cfg: The config about to be trained; changed in place.
+    """Apply the plugin's fixes to ``cfg`` (in place) and refuse what cannot be fixed.
 
     Returns:
         The fixes applied (each also logged).
 
     Raises:
-        ConfigConflict: a setting conflicts with the plugin; the message lists each one with
-            the exact edit, all at once.
+        ConfigConflict: every conflicting setting with its exact edit, all at once.
     """
     findings = inspect_config(cfg)
     conflicts = [f for f in findings if f.fix is None]
@@ -133,16 +124,11 @@ def state_kept() -> Iterator[None]:
 
 
 def prepare_started_config(path: str) -> str:
-    """Prepare the config of the calling ``set_model_resource`` (if any); return ``path``.
-
-    The config is ``compat.xtuner_model_resource.config_being_started()``: the one XTuner's
-    ``set_model_resource`` is starting (``xtuner train``, or a tool that starts a config in
-    process). Called outside it (a script building the tiny checkpoint), only ``path`` returns.
+    """Prepare the config ``set_model_resource`` is starting (``config_being_started``); return ``path``.
 
     Raises:
-        ConfigConflict: see :func:`prepare_config`; or the plugin is not active in this process
-            (its patches and hooks are missing): the config named the function by a module
-            path instead of ``from xtuner_rope import ...``.
+        ConfigConflict: see :func:`prepare_config`; or the plugin is not active (the config named
+            the function by a module path instead of ``from xtuner_rope import ...``).
     """
     cfg = config_being_started()
     if cfg is not None:
@@ -182,21 +168,18 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
     """``model_resource`` function: load xtuner-rope, check and prepare the config.
 
     Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config.
-    ``xtuner train`` calls it before anything is built; the path (a hub id or a local
-    directory) is returned unchanged.
 
     Args:
-        path: The config's ``pretrained_model_name_or_path``.
-        local_only: Refuse a path that is not a local checkpoint directory (the recipes in
-            ``configs/`` expect a downloaded checkpoint: no download at training time).
+        path: The config's ``pretrained_model_name_or_path`` (returned unchanged).
+        local_only: Refuse a path that is not a local checkpoint directory (no download at
+            training time).
 
     Returns:
         ``path``.
 
     Raises:
         ConfigConflict: see :func:`prepare_config`.
-        FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``; the message
-            says how to fix it.
+        FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``.
     """
     if local_only and not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(
@@ -212,8 +195,7 @@ def require_prepared(cfg: object, who: str) -> None:
     """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
 
     Args:
-        cfg: ``runner.cfg``; only configs read from a file are judged (a runner built in code
-            without a config file has nothing to prepare).
+        cfg: ``runner.cfg``; only configs read from a file are judged.
         who: The caller, for the message.
 
     Raises:

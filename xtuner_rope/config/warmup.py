@@ -33,8 +33,7 @@ def iteration_bounds(scheduler: dict, length: int) -> tuple[int, int] | None:
         length: ``len(train_dataloader)`` (iterations per epoch).
 
     Returns:
-        None when the scheduler is not converted (``by_epoch=False`` or no
-        ``convert_to_iter_based``), or has no ``end`` (MMEngine defaults it to the run's end).
+        None when the scheduler is not converted, or has no ``end``.
     """
     if not scheduler.get("by_epoch", True) or not scheduler.get("convert_to_iter_based"):
         return None
@@ -54,13 +53,10 @@ def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[
     Args:
         schedulers: ``param_scheduler`` of the config (a dict, a list of dicts, or None).
         length: ``len(train_dataloader)``: iterations per epoch.
-        data: How that length came about, for the message
-            (``"475 samples, batch size 16"``).
+        data: How that length came about, for the message (``"475 samples, batch size 16"``).
 
     Returns:
-        ``(setting, problem, edit)`` per refused scheduler: the setting
-        (``param_scheduler[0]``), what MMEngine would do with it on this data, and the edit
-        (``warmup_ratio`` long enough for one iteration, an iteration-based end, or more data).
+        ``(setting, problem, edit)`` per refused scheduler.
     """
     if not schedulers or length <= 0:
         return []
