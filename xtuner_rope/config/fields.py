@@ -1,6 +1,6 @@
 """Reading an XTuner config without building it: a field, a ``type``'s name, its datasets.
 
-MMEngine parses XTuner configs in lazy-import mode (``type=`` values are ``LazyObject``\ s):
+MMEngine parses XTuner configs in lazy-import mode (``type=`` values are ``LazyObject`` objects):
 ``lazy_get``, ``type_name``, ``walk_datasets`` and ``xtuner_packs`` / ``offline_packs`` /
 :func:`packing_source` read one without building anything.
 """
