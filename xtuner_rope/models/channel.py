@@ -1,11 +1,8 @@
 """The boundary channel: where a batch's document boundaries travel to the attention.
 
-XTuner's varlen convention (``VarlenAttnArgsToMessageHubHook``): one ``MessageHub`` instance,
-``varlen_attn_args``, and two keys per rank, ``cumulative_len_rank_{rank}`` (the flat
-``[n_docs + 1]`` boundaries of the batch, rows back to back) and ``max_seqlen_rank_{rank}``.
-Everything that publishes, reads or clears them calls this module: ``PackedBatchCheckHook``,
-the LLaVA and sequence-parallel models, ``models.runtime`` (the attention's read), the
-monitor, and the doctor's replay and check. ``ops`` never sees MMEngine: it gets the tensor.
+XTuner's varlen convention: the ``MessageHub`` instance ``varlen_attn_args``, keys
+``cumulative_len_rank_{rank}`` (flat ``[n_docs + 1]`` boundaries) and ``max_seqlen_rank_{rank}``.
+Everything that publishes, reads or clears them calls this module.
 """
 
 from __future__ import annotations

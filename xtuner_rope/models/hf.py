@@ -149,11 +149,8 @@ def moe_attention_forward(
     position_embeddings=None,
     **kwargs,
 ):
-    """Qwen2-MoE attention (any of its backend classes): packed rows isolated, the rest upstream.
-
-    Same signature and return as transformers 4.48 ``Qwen2MoeAttention.forward``:
-    ``hidden_states`` ``[b, s, hidden]``, ``position_ids`` ``[b, s]``, ``position_embeddings``
-    (cos, sin) ``[b, s, h_d]``; returns (``[b, s, hidden]``, None, the cache).
+    """Qwen2-MoE attention (any backend class): packed rows isolated, the rest upstream; the
+    signature and return of transformers 4.48 ``Qwen2MoeAttention.forward``.
     """
     b, s, _ = hidden_states.shape
     cached = past_key_value.get_seq_length(self.layer_idx) if past_key_value is not None else 0
@@ -213,12 +210,9 @@ def is_patched_hf_attention(layer: nn.Module) -> bool:
 
 
 def rotation_modules(layers: list[nn.Module]) -> dict[str, bool]:
-    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets
-    ``patch_hf_fp32_rotation``, each with its pairing (True: interleaved pairs, Cohere).
-
-    Families with ``fp32_apply`` rotate bf16/fp16 q/k in fp32 through the wrapper; Cohere's
-    apply upcasts to fp32 itself, so its wrapper only hands the Triton kernel (interleaved
-    pairs) the calls it serves (CUDA), and leaves the others to Cohere's own apply.
+    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets ``patch_hf_fp32_rotation``,
+    each with its pairing (True: interleaved, Cohere, whose apply upcasts itself: only the Triton
+    kernel's calls are taken).
     """
     found = {}
     for layer in layers:
@@ -288,10 +282,8 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
 def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
     """Give a model of a ``FAMILIES`` family the validated RoPE and document-isolating attention.
 
-    Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
-    ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. The fp32 rotation
-    of bf16/fp16 q/k is a patch of the family's module (``models.hf_rope.patch_hf_fp32_rotation``),
-    which ``hooks.patch_model`` installs beside this.
+    The layers are found by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's).
+    Idempotent.
 
     Args:
         model: The model, or a wrapper around it.
@@ -301,8 +293,8 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
         The number of attention layers now routed to ``hf_packed_attention``.
 
     Raises:
-        ValueError: No attention layer of a supported family, no rotary module on the model
-            (layers would rotate with unvalidated cos/sin), or an unsupported ``rope_type``.
+        ValueError: No attention layer of a supported family, no rotary module on the model, or
+            an unsupported ``rope_type``.
     """
     layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
     if not layers:

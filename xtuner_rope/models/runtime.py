@@ -1,10 +1,6 @@
-"""What the family integrations read from the running trainer: boundaries and the backend log.
-
-The boundaries of the current batch travel as XTuner's varlen convention
-(``VarlenAttnArgsToMessageHubHook``; ``PackedBatchCheckHook`` publishes them the same way):
-one ``MessageHub`` instance, one key per rank. ``ops.attention`` knows nothing of MMEngine;
-this module reads the hub for it and logs, once, which packed backend each device and dtype
-got.
+"""What the family integrations read from the running trainer: the batch's boundaries (through
+``models.channel``; ``ops.attention`` knows nothing of MMEngine) and the packed backend, logged
+once per device and dtype.
 """
 
 from __future__ import annotations
