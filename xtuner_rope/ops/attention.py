@@ -65,11 +65,8 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
 
 
 def packed_backend(q: torch.Tensor, eager: bool) -> str:
-    """The packed backend for ``q`` (``models.runtime.choose_backend`` logs it once).
-
-    ``'flash'`` where flash-attn's varlen kernel can run (installed, CUDA, fp16/bf16), else
-    ``'varlen'`` where ``varlen_kernel()`` can (torch >= 2.10, CUDA, fp16/bf16), else ``'eager'``
-    or ``'sdpa'`` (length buckets) as the caller's dense kernel is.
+    """The packed backend for ``q``: ``'flash'`` (flash-attn, CUDA, fp16/bf16), else ``'varlen'``
+    (``varlen_kernel()``), else ``'eager'`` or ``'sdpa'`` (length buckets) as the dense kernel is.
     """
     half = q.dtype in HALF_DTYPES
     kernel = varlen_kernel() if half else None
@@ -162,8 +159,7 @@ def packed_attention(
         k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
         v: ``[b, s, n_kv, h_d]`` values.
         plan: Document layout from ``document_plan`` / ``plan_documents``.
-        backend: ``'flash'`` (flash-attn varlen, CUDA fp16/bf16), ``'varlen'`` (the kernel of
-            ``varlen_kernel()``, fp16/bf16), ``'sdpa'`` or ``'eager'``.
+        backend: ``'flash'``, ``'varlen'``, ``'sdpa'`` or ``'eager'`` (:func:`packed_backend`).
 
     Returns:
         ``[b, s, n_h, h_d]`` attention output, in ``q.dtype``.

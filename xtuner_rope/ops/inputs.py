@@ -50,8 +50,7 @@ def to_int_tensor(value: object, where: str, fix: str) -> torch.Tensor:
 
     Args:
         value: what the user gave.
-        where: who and which field, for the message (``"rope_collate_fn: sample 3, field
-            'labels'"``).
+        where: who and which field, for the message.
         fix: what to do, for the message.
 
     Returns:

@@ -1,13 +1,8 @@
 """Per-pair preference losses and rewards, as XTuner 0.2's models compute them for one pair.
 
-XTuner's ``DPO``, ``ORPO`` and ``RewardModel`` compute their loss over a batch of pairs. For
-a held-out set the loss of each pair alone is what packing must not change: these functions
-take one value per pair (summed response log-probs, or reward scores) and return the loss the
-model computes for a batch holding that pair alone, and the two rewards XTuner logs (its
-``reward_acc`` and ``reward_margin`` compare them). float64 throughout: a held-out set sums
-thousands of them.
-
-Shapes: ``p`` pairs; every tensor argument is ``[p]``.
+XTuner's ``DPO``, ``ORPO`` and ``RewardModel`` compute over a batch; a held-out set needs each
+pair's loss alone (what packing must not change) and the two rewards XTuner logs. float64
+throughout. Shapes: ``p`` pairs; every tensor argument is ``[p]``.
 """
 
 from __future__ import annotations
@@ -87,11 +82,8 @@ def dpo_pair_losses(
 def orpo_pair_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """XTuner's ORPO loss of each pair alone, and its chosen and rejected rewards.
-
-    A pair alone: the chosen response's mean NLL (XTuner's cross-entropy over the chosen
-    tokens of the batch) minus ``beta * logsigmoid(log odds ratio)``; where the ratio is NaN
-    XTuner replaces the odds term by 0.
+    """XTuner's ORPO loss of each pair alone (the chosen mean NLL minus ``beta * logsigmoid(log odds
+    ratio)``, 0 for a NaN ratio as XTuner does), and its chosen and rejected rewards.
 
     Args:
         chosen: ``[p]`` average log-prob of each chosen response (over its supervised targets).

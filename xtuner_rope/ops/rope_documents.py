@@ -1,14 +1,9 @@
 """Per-document RoPE frequencies for packed rows: each document gets what it gets alone.
 
-Some RoPE variants choose their frequencies from the length of the sequence they serve:
-dynamic NTK scales the base once a sequence is longer than ``max_position_embeddings``, and
-LongRoPE (Phi-3) switches from its short to its long factors past
-``original_max_position_embeddings``. Upstream picks them once per forward call, from the largest
-position of the batch, so in a packed row every document would get the frequencies of the row's
-longest one. Here each document's length is its own last position + 1 (what upstream measures
-when the document runs alone), and every token gets the inverse frequencies of its document.
-
-Torch only: the family modules (``models.hf_rope``, ``models.internlm2_rope``) say where the
+Dynamic NTK (past ``max_position_embeddings``) and LongRoPE (Phi-3, past its original length)
+choose frequencies from the length served; upstream picks them once per call from the row's
+largest position. Here each token gets the inverse frequencies of its document's length (its
+last position + 1). Torch only: ``models.hf_rope`` and ``models.internlm2_rope`` say where the
 documents are and how a length maps to frequencies.
 """
 
@@ -42,10 +37,8 @@ def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: in
 
 
 def host_document_lengths(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """Each token's document length from host boundaries, ``[b, s]`` int64 on the CPU.
-
-    For batches whose position ids count from 0 in each document (the collate function's):
-    a document's last position + 1 is then its length, known on the host without a device read.
+    """Each token's document length ``[b, s]`` int64 on the CPU, from host boundaries (positions
+    counting from 0 per document, as the collate function's).
 
     Args:
         cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens, on the CPU.
@@ -66,16 +59,15 @@ def per_token_inv_freq(
     """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]``.
 
     Documents up to ``threshold`` tokens keep ``base_inv_freq``; each longer length gets
-    ``inv_freq_of(length)`` (computed once per distinct length: a handful per batch).
+    ``inv_freq_of(length)`` (once per distinct length).
 
     Args:
         lengths: ``[b, s]`` document length of every token (see :func:`document_lengths`).
         base_inv_freq: ``[h_d/2]`` fp32 frequencies of the short documents.
         threshold: The longest length that keeps ``base_inv_freq``.
         inv_freq_of: Length -> ``[h_d/2]`` fp32 frequencies upstream uses for that length.
-        device: Where the result goes (default: ``lengths``' device). Lengths on the CPU are
-            grouped there, without a device sync, and the token index goes to ``device`` in one
-            non-blocking copy; device lengths are grouped on the device (one host sync).
+        device: Where the result goes (default: ``lengths``' device); CPU lengths are grouped
+            without a device sync.
 
     Returns:
         ``[b, s, h_d/2]`` fp32, on ``device``.

@@ -22,14 +22,13 @@ def document_nll(
 
     Args:
         logits: ``[s, V]`` the row's logits.
-        labels: ``[s]`` the row's labels (``-100``: not supervised), aligned with the inputs
-            (label ``t`` is the token at ``t``; the shift happens here, per document).
-        bounds: ``[n + 1]`` int document starts in the row, 0 first and ``s`` (or the last
-            real token + 1) last, strictly increasing.
+        labels: ``[s]`` labels aligned with the inputs (``-100``: not supervised); the shift
+            happens here, per document.
+        bounds: ``[n + 1]`` int document starts, 0 first and ``s`` (or the last real token + 1)
+            last, strictly increasing.
 
     Returns:
-        ``(nll, tokens)``: ``[n]`` float64 summed NLL and ``[n]`` int64 count of the
-        supervised next tokens of each document.
+        ``(nll, tokens)``: ``[n]`` float64 summed NLL and ``[n]`` int64 supervised next tokens.
 
     Raises:
         ValueError: shapes disagree, or ``bounds`` is not increasing within ``[0, s]``.
