@@ -35,12 +35,9 @@ def accumulative_counts(cfg_dict: dict) -> int:
 def checkpoint_interval_findings(cfg) -> list[Finding]:
     """Start-up fix: iteration checkpoints at multiples of ``accumulative_counts``.
 
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
     Returns:
-        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is
-        not a multiple of ``optim_wrapper.accumulative_counts``; none for epoch checkpoints.
+        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is not
+        a multiple of it; none for epoch checkpoints.
     """
     counts = accumulative_counts(config_dict(cfg))
     hooks = dict.get(config_dict(cfg), "default_hooks")

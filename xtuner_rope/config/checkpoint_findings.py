@@ -35,13 +35,9 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def llm_checkpoint_path(cfg: Config) -> object:
-    """The checkpoint XTuner will load the LLM from: ``model.llm.pretrained_model_name_or_path``.
-
-    Except while ``xtuner train``'s ``set_model_resource`` starts ``cfg`` (the start-up runs
-    inside it): right after, XTuner writes ``fn(cfg.pretrained_model_name_or_path)`` into every
-    nested path (xtuner-rope's functions return it unchanged), so the top-level setting is the
-    one that loads. ``--cfg-options`` are merged after that, into the nested paths. None
-    without a ``model.llm`` dict (InternVL names its whole model instead: not an LLM path).
+    """The checkpoint XTuner will load the LLM from: ``model.llm.pretrained_model_name_or_path``;
+    while ``set_model_resource`` starts ``cfg``, the top-level setting (XTuner writes it into every
+    nested path right after). None without a ``model.llm`` dict.
     """
     llm = _get(_get(config_dict(cfg), "model"), "llm")
     if not isinstance(llm, dict):
@@ -82,13 +78,9 @@ def is_unreadable_checkpoint(finding: Finding) -> bool:
 def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     """Refuse an LLM whose ``config.json`` cannot be read, before anything loads.
 
-    Args:
-        cfg: An XTuner config (lazy objects unbuilt).
-
     Returns:
-        One conflict on ``model.llm.pretrained_model_name_or_path`` naming the path, why its
-        ``config.json`` cannot be read and what to do; empty when it can be read, when the LLM
-        names no path, or when it is built from one of XTuner's own modeling packages.
+        One conflict naming the path, why and what to do; empty when it can be read, when the
+        LLM names no path, or when it is built from one of XTuner's own modeling packages.
     """
     llm = _get(_get(config_dict(cfg), "model"), "llm")
     if model_class_verdict(getattr(_get(llm, "type"), "_module", None)) is not None:

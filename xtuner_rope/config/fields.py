@@ -80,11 +80,8 @@ def offline_packs(dataset: dict) -> bool:
 
 
 def packing_source(cfg: object) -> str | None:
-    """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
-
-    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True;
-    ``build_packed_dataset``, always) or ``rope_collate_fn(pack=True)``: such rows must reach
-    the model with boundaries.
+    """Where the train dataloader of ``cfg`` packs several dialogues per row (XTuner's offline
+    packing, ``build_packed_dataset``, ``rope_collate_fn(pack=True)``), or None.
     """
     try:
         loader = lazy_get(config_dict(cfg), "train_dataloader")

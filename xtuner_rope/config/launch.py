@@ -47,11 +47,8 @@ _LAUNCH: dict = {}
 
 @contextlib.contextmanager
 def launched_with(deepspeed: str | None):
-    """Inspect configs as if ``xtuner train ... --deepspeed deepspeed`` had started them.
-
-    Args:
-        deepspeed: The argument as ``xtuner train`` takes it (a json file or one of XTuner's
-            names, e.g. ``deepspeed_zero2``); None changes nothing.
+    """Inspect configs as if ``xtuner train ... --deepspeed deepspeed`` had started them (a json or
+    one of XTuner's names; None changes nothing).
     """
     saved = dict(_LAUNCH)
     if deepspeed:
@@ -64,11 +61,8 @@ def launched_with(deepspeed: str | None):
 
 
 def deepspeed_argument(argv: list[str] | None = None) -> str | None:
-    """``--deepspeed``'s value when this process is ``xtuner train``, or None.
-
-    Args:
-        argv: The command line (default ``sys.argv``; then the doctor's :func:`launched_with`
-            comes first).
+    """``--deepspeed``'s value when this process is ``xtuner train`` (``argv`` default ``sys.argv``,
+    then the doctor's :func:`launched_with` comes first), or None.
     """
     if argv is None and _LAUNCH.get("deepspeed"):
         return _LAUNCH["deepspeed"]
@@ -136,11 +130,8 @@ def _fp32_json(stage: int) -> str:
 
 
 def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list[Finding]:
-    """A DeepSpeed config that resolves to fp16/bf16 on this CPU-only machine: refused.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
+    """A DeepSpeed config that resolves to fp16/bf16 on this CPU-only machine: refused (``argv``:
+    default ``sys.argv``, read only inside ``xtuner train``).
     """
     if not cpu_only():
         return []
@@ -183,7 +174,7 @@ def sampler_findings(
     Args:
         cfg: The config (lazy objects unbuilt).
         argv: The command line (default ``sys.argv``).
-        world_size: Processes of the run (default: ``WORLD_SIZE``, which torchrun sets).
+        world_size: Processes of the run (default: ``WORLD_SIZE``).
     """
     if world_size is None:
         world_size = current_world_size()
@@ -277,11 +268,8 @@ def launch_findings(cfg: Config) -> list[Finding]:
 
 
 def deepspeed_zero_stage(cfg: Config, argv: list[str] | None = None) -> int | None:
-    """The ZeRO stage (0-3) of the run's DeepSpeed config, or None (none, or not readable yet).
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
+    """The ZeRO stage (0-3) of the run's DeepSpeed config, or None (none, or not readable yet);
+    ``argv`` as in :func:`deepspeed_dtype_findings`.
     """
     ds, _ = _resolve(_deepspeed_source(cfg, argv)[0])
     if ds is None:

@@ -85,11 +85,8 @@ def image_tokens_from_config(config: object, path: str) -> dict:
 
 
 def image_tokens_finding(asked: object, tower: Mapping) -> Finding | None:
-    """The refusal of ``llava_collate_fn(image_tokens=asked)`` for ``tower``; None when equal.
-
-    Args:
-        asked: ``train_dataloader.collate_fn.image_tokens``.
-        tower: :func:`tower_image_tokens` of the config's vision tower.
+    """The refusal of ``llava_collate_fn(image_tokens=asked)`` for ``tower``
+    (:func:`tower_image_tokens`); None when equal.
     """
     p = tower["image_tokens"]
     if asked == p:

@@ -20,14 +20,8 @@ KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save
 
 @register_findings("checkpoint_saving")
 def save_optimizer_findings(cfg) -> list[Finding]:
-    """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
-    Returns:
-        One fix when the checkpoint hook sets ``save_optimizer=False`` (none when the config
-        sets ``checkpoint_without_optimizer = True``, or when its hook is not MMEngine's).
+    """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on (none with
+    ``checkpoint_without_optimizer = True``, or when the hook is not MMEngine's).
     """
     hooks = dict.get(config_dict(cfg), "default_hooks")
     hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None

@@ -169,10 +169,8 @@ _USES = {"torch": lambda cfg: True, "deepspeed": _uses_deepspeed}
 
 @register_findings("patches")
 def version_findings(cfg: Config) -> list[Finding]:
-    """One conflict per package outside its supported range that ``cfg`` uses.
-
-    torch is used by every config; DeepSpeed by a DeepSpeed run (mmengine 0.10.6 cannot even
-    import DeepSpeed >= 0.19.7, so the run would die inside MMEngine after the model build).
+    """One conflict per package outside its supported range that ``cfg`` uses (torch: every config;
+    DeepSpeed: a DeepSpeed run).
     """
     return [
         Finding(
@@ -187,10 +185,8 @@ def version_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("patches")
 def patch_findings(cfg: Config) -> list[Finding]:
-    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``).
-
-    A patch written for a package outside its supported range is left to
-    :func:`version_findings` (one message per package, not one per patch).
+    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``); a package
+    outside its range is left to :func:`version_findings`.
     """
     findings = []
     outside = unsupported()

@@ -39,11 +39,7 @@ def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | 
 
 
 def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
-    """``vocab_size`` of the local checkpoint the model loads, and the file it came from.
-
-    Returns:
-        ``(None, "")`` for a ``config.json`` that cannot be read or has no ``vocab_size``.
-    """
+    """``(vocab_size, file)`` of the local checkpoint the model loads; ``(None, "")`` when unknown."""
     config = llm_checkpoint_config(cfg)
     if config is None or config.data is None:
         return None, ""
@@ -90,12 +86,9 @@ def _varlen_flags(cfg: Config, dataset: dict, key: str) -> dict[str, object]:
 def packed_pairs_findings(
     cfg: Config, dataset: dict, key: str = "train_dataloader"
 ) -> list[Finding]:
-    """Varlen switches that disagree, or packed pairs at a batch size above 1, in ``key``.
-
-    Args:
-        cfg: The config.
-        dataset: ``key``'s ``build_preference_dataset`` dict.
-        key: ``train_dataloader`` or ``val_dataloader`` (held-out pairs).
+    """Varlen switches that disagree, or packed pairs at a batch size above 1, in ``key``
+    (``train_dataloader``, or ``val_dataloader`` for held-out pairs; ``dataset`` its
+    ``build_preference_dataset`` dict).
     """
     flags = _varlen_flags(cfg, dataset, key)
     if len(set(flags.values())) > 1:
@@ -154,13 +147,8 @@ def _zero3_reference_finding(cfg: Config) -> list[Finding]:
 
 @register_findings("preference")
 def preference_findings(cfg: Config) -> list[Finding]:
-    """Conflicts of a preference config that XTuner would report late or never.
-
-    Args:
-        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
-
-    Returns:
-        The conflicts (no fixes: each needs the user's choice), empty for other configs.
+    """Conflicts of a preference config that XTuner would report late or never (no fixes: each needs
+    the user's choice); empty for other configs.
     """
     dataset = preference_dataset(cfg)
     if dataset is None:

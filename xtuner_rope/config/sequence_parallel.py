@@ -78,9 +78,8 @@ def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
 def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
     """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
 
-    Heads not divisible by the size need no refusal on GPUs: XTuner's inner sequence parallel
-    splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
-    machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
+    Heads not divisible by the size are served on GPUs (XTuner's inner sequence parallel); on a
+    CPU-only machine they are refused from ``config.json``.
     """
     sp = _get(config_dict(cfg), "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:

@@ -111,10 +111,8 @@ def is_prepared() -> bool:
 
 @contextmanager
 def state_kept() -> Iterator[None]:
-    """Run the block and put the start-up's state (prepared, fixes) back as it was.
-
-    For tools that start a config as ``xtuner train`` does only to look at it (the doctor):
-    the process must not count as prepared afterwards.
+    """Run the block and put the start-up's state (prepared, fixes) back as it was (for the doctor,
+    which starts a config only to look at it).
     """
     kept = dict(_STATE)
     try:
