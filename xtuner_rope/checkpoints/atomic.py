@@ -1,14 +1,10 @@
 """Checkpoint files written whole or not at all: a temporary name, fsync, ``os.replace``.
 
-MMEngine 0.10.6 writes ``iter_N.pth`` with ``torch.save`` straight to its final name, DeepSpeed
-0.19.6 each rank's ``*_states.pt`` the same way: a kill, a crash or a full disk during the write
-leaves a truncated checkpoint that ``--resume`` dies on deep in torch's reader.
-:func:`save_atomically` streams ``torch.save`` to a hidden temporary name in the same folder (no
-copy of the object in memory, as in DeepSpeed's own save), flushes it to disk and renames it
-(atomic on POSIX): the final name holds a complete checkpoint or none. A write that fails (no
-space, quota, file size limit, unwritable folder) raises :class:`CheckpointWriteError` naming
-the path, the bytes needed and the free space; the previous checkpoints are left as they were.
-``compat.runner_checkpoints`` routes MMEngine's and DeepSpeed's writes here.
+MMEngine 0.10.6 and DeepSpeed 0.19.6 write checkpoints straight to their final name: a kill or a
+full disk leaves a truncated one. :func:`save_atomically` streams ``torch.save`` to a hidden
+temporary name beside it (no copy in memory), fsyncs and renames it; a failed write raises
+:class:`CheckpointWriteError` naming the path, the bytes needed and the free space, the previous
+checkpoints left as they were.
 """
 
 from __future__ import annotations

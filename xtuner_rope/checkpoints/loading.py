@@ -1,19 +1,11 @@
 """Load runner checkpoints with ``weights_only=True``: MMEngine's and XTuner's types allow-listed.
 
-A ``.pth`` written by ``torch.save`` is a pickle; unpickling it with ``weights_only=False`` can
-run any code the file names. torch >= 2.6 loads with ``weights_only=True`` by default, which
-refuses the few non-tensor types a runner checkpoint really holds (the message hub's
-``HistoryBuffer`` and the numpy arrays, scalars and dtypes inside it). :func:`load_checkpoint`
-allows exactly those, only for its own call (:func:`runner_globals_allowed`), so resume
-and ``load_from`` work as before and a file naming any other type is refused with its name.
-
-Trusting a file: set ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` to the checkpoint files or folders you
-trust (separated by ``os.pathsep``); a checkpoint at or under one of them loads with
-``weights_only=False``. A type that is safe to rebuild can instead be allow-listed for every
-load with ``torch.serialization.add_safe_globals([...])`` (in the config, say).
-
-``compat.runner_checkpoints.patch_checkpoint_loading`` routes MMEngine's and XTuner's loaders
-of runner checkpoints through :func:`load_checkpoint`.
+Unpickling a ``.pth`` with ``weights_only=False`` can run any code the file names; torch >= 2.6
+loads weights-only by default and refuses the message hub's types. :func:`load_checkpoint`
+allows exactly the types runner checkpoints hold, for its own call; any other is refused with
+its name. ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` (files or folders, ``os.pathsep``-separated) loads
+trusted files in full; ``torch.serialization.add_safe_globals`` allows a type everywhere.
+``compat.runner_checkpoints`` routes MMEngine's and XTuner's loaders here.
 """
 
 from __future__ import annotations
@@ -61,25 +53,8 @@ def runner_checkpoint_globals() -> list:
     from mmengine.logging import HistoryBuffer
 
     multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    dtype_classes = [
-        type(np.dtype(name))
-        for name in (
-            "bool",
-            "int8",
-            "int16",
-            "int32",
-            "int64",
-            "uint8",
-            "uint16",
-            "uint32",
-            "uint64",
-            "float16",
-            "float32",
-            "float64",
-            "complex64",
-            "complex128",
-        )
-    ]
+    names = "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64"
+    dtype_classes = [type(np.dtype(name)) for name in f"{names} complex64 complex128".split()]
     # ConfigDict and set: in DeepSpeed's model-states file (read for the seed on resume).
     return [
         HistoryBuffer,

@@ -1,11 +1,9 @@
 """MMEngine's, XTuner's and DeepSpeed's checkpoint reads and writes routed through ``checkpoints``.
 
-mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list (fails from torch
-2.6, mmengine issue #1655), write them straight to their final name (a kill mid-save leaves a
-truncated newest checkpoint), delete the oldest beyond ``max_keep_ckpts`` before the new one is
-written, and auto-resume from whatever ``last_checkpoint`` names; DeepSpeed 0.19.6 writes each
-rank's file straight to its final name too. The patches here hand those steps to the feature
-(``xtuner_rope.checkpoints``): ``loading``, ``complete``, ``world``, ``atomic``, ``auto_resume``.
+mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list (mmengine issue
+#1655), write them straight to their final name, delete the oldest beyond ``max_keep_ckpts``
+first, and auto-resume whatever ``last_checkpoint`` names; DeepSpeed 0.19.6 writes its rank
+files straight too. The patches hand each step to ``xtuner_rope.checkpoints``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""MMEngine hooks that watch training: packing figures in the log, and a NaN/inf tripwire.
-
-- :class:`PackingMetricsHook` puts the figures of :mod:`xtuner_rope.batch.stats` next to the
-  loss in every log line and in ``vis_data/scalars.json``.
-- :class:`NonFiniteTripwireHook` stops the run at the first non-finite loss or gradient norm,
-  before the optimizer applies it, and saves the batch and the weights for
-  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.outputs.replay`).
+"""MMEngine hooks that watch training: :class:`PackingMetricsHook` (the figures of
+:mod:`xtuner_rope.batch.stats` in every log line) and :class:`NonFiniteTripwireHook` (the run
+stopped at the first non-finite loss or gradient norm, the batch and weights saved for
+``tools/replay_batch.py``).
 """
 
 from __future__ import annotations

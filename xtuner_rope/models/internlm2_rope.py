@@ -1,10 +1,8 @@
 """InternLM2's rotary module, validated: fp32 `inv_freq`, checked positions, shared tables.
 
-A drop-in for XTuner 0.2.0's (and InternLM2 remote code's) rotary classes, default, linear and
-dynamic-NTK scaling, that keeps `inv_freq` in fp32 after `module.bfloat16()`, keeps dynamic NTK
-stateless and rejects bad position ids before any table lookup or kernel sees them. Dynamic NTK
-goes per document in packed rows (`models.rope_documents`): each document gets the base its own
-length gives it alone.
+A drop-in for XTuner's (and remote code's) default, linear and dynamic-NTK rotaries: `inv_freq`
+stays fp32 after `module.bfloat16()`, dynamic NTK is stateless and per document in packed rows
+(`models.rope_documents`), bad position ids are refused before any lookup.
 """
 
 import weakref

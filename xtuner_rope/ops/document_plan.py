@@ -1,17 +1,11 @@
 """Where the documents of a packed batch are: the plan every packed-attention backend reads.
 
-The boundaries come from the host whenever the batch carries them: the collate function
-computes ``cumulative_len`` on the CPU and ``PackedBatchCheckHook`` publishes it, still on the
-CPU, in XTuner's ``MessageHub`` convention. The plan then reads nothing back from the device:
-``max_seqlen`` is a Python int computed on the host, and ``cu_seqlens`` goes to the device in
-one non-blocking copy (from pinned memory on CUDA), so a CUDA forward never waits for the GPU
-here (``torch.cuda.set_sync_debug_mode("error")`` passes). Boundaries published on the device
-and position resets are read from their host copies (``ops.host_copies``: the collated batch
-before the data preprocessor moved it); only device tensors without one are read back, once
-per forward.
-
-The length buckets of the SDPA/eager backend are built on first use only: the varlen and
-flash backends never build them.
+The boundaries come from the host (the collate function's ``cumulative_len``, published by
+``PackedBatchCheckHook``): ``max_seqlen`` is a host int and ``cu_seqlens`` goes to the device in
+one non-blocking copy, so a CUDA forward never waits here (``set_sync_debug_mode("error")``
+passes). Device boundaries and position resets are read from their host copies
+(``ops.host_copies``), else read back once per forward. The SDPA/eager length buckets are built
+on first use only.
 """
 
 from __future__ import annotations

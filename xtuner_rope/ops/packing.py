@@ -1,16 +1,9 @@
 """Pure functions for packed sequences: lengths, boundaries, position ids, pack plans.
 
-Vocabulary used across xtuner-rope:
-
-- A *row* is one line of a batch, ``s`` tokens long.
-- A row is cut into *segments* (documents, plus a trailing padding segment).
-- ``cumulative_len`` (``cu`` for short) lists the segment boundaries of one row:
-  ``[0, l_0, l_0 + l_1, ..., s]``, the same convention as flash-attn's ``cu_seqlens``
-  and XTuner's ``cumulative_len``.
-- Position ids restart at 0 at every boundary and count +1 within a segment, so each
-  document sees the RoPE angles it would see alone.
-
-This module imports torch and numpy only: no MMEngine, no XTuner.
+A *row* (``s`` tokens) is cut into *segments* (documents, then a padding segment);
+``cumulative_len`` (``cu``) lists a row's boundaries ``[0, l_0, l_0 + l_1, ..., s]`` as
+flash-attn's ``cu_seqlens`` and XTuner's ``cumulative_len``; position ids restart at 0 at every
+boundary, so each document sees the RoPE angles it sees alone. torch and numpy only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The rotation kernels behind `rope.apply_rotary_pos_emb`: eager (default) and fused.
 
 Both compute `x * cos + rotate_half(x) * sin` (or its transpose, the backward) in fp32 and
-return x's dtype. The eager kernel runs PyTorch ops over cache-sized chunks: about 2.5x the
-time of cloning x on CPU, the floor of three elementwise passes. The fused kernel is one
-`torch.compile` loop (about 1.2-1.5x a clone on CPU); it is opt-in because the first call
-compiles for seconds (C++ compiler on CPU, Triton on CUDA), and it falls back to the eager
-kernel with a warning if compiling fails. Torch only.
+return x's dtype. The eager kernel runs over cache-sized chunks (about 2.5x a clone on CPU); the
+opt-in fused kernel is one `torch.compile` loop (1.2-1.5x), compiling for seconds at its first
+call and falling back to eager with a warning. Torch only.
 """
 
 import itertools

@@ -1,11 +1,8 @@
 """Per-document next-token NLL of packed rows: each document scored whole and alone.
 
-A packed row holds several documents back to back. Scored alone, a document of tokens
-``[a, e)`` predicts token ``t + 1`` from position ``t`` for ``a <= t < e - 1``: the last token
-of one document never predicts the first token of the next. With attention that isolates the
-documents, the row's logits at a document's positions are the document's logits alone, so the
-sums below are exactly what a plain per-dialogue evaluation computes. fp32 log-softmax, fp64
-sums (a held-out set has millions of tokens: fp32 sums would drift).
+Alone, a document ``[a, e)`` predicts token ``t + 1`` from ``t`` for ``a <= t < e - 1``; with
+isolating attention the row's logits are the documents' own, so these sums are what a
+per-dialogue evaluation computes. fp32 log-softmax, fp64 sums.
 """
 
 from __future__ import annotations
