@@ -13,7 +13,9 @@ This module holds what applies them: :func:`apply` (idempotent, never raises; ru
 
 from __future__ import annotations
 
-from . import (
+from types import ModuleType
+
+from . import (  # noqa: F401  (the records name their patches: :func:`patch_named`)
     batch_host_copies,
     bitsandbytes_triton,
     deepspeed_cpu,
@@ -34,31 +36,13 @@ from .guard import applied, check_only, run_guarded
 from .records import ACTIVATION, DEFERRED, RECORDS
 from .versions import warn_unsupported
 
-# The modules whose functions the records of ``ACTIVATION`` and ``COUNTING`` name.
-_PATCH_MODULES = (
-    batch_host_copies,
-    bitsandbytes_triton,
-    deepspeed_cpu,
-    mmengine_dist,
-    mmengine_scheduler,
-    runner_checkpoints,
-    torch_cpu,
-    transformers_internlm2,
-    xtuner_internvl,
-    xtuner_llava,
-    xtuner_model_resource,
-    xtuner_preference,
-    xtuner_sft,
-    xtuner_tokenize,
-    xtuner_zero_read,
-)
-
 __all__ = ["apply", "apply_counting", "patch_named", "run_patch"]
 
 
 def patch_named(name: str):
-    """The patch function a record of ``ACTIVATION`` or ``COUNTING`` names."""
-    return next(getattr(m, name) for m in _PATCH_MODULES if hasattr(m, name))
+    """The patch function a record of ``ACTIVATION`` or ``COUNTING`` names (in its module)."""
+    modules = [value for value in globals().values() if isinstance(value, ModuleType)]
+    return next(getattr(m, name) for m in modules if callable(getattr(m, name, None)))
 
 
 def run_patch(patch, *args, **kwargs) -> object:
