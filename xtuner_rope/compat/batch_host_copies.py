@@ -23,13 +23,9 @@ def patch_mmengine_host_copies() -> bool:
     Returns:
         True (applied).
     """
-    try:
-        from mmengine.model import BaseDataPreprocessor
-    except ImportError:
-        return False
-    original = BaseDataPreprocessor.__dict__.get("cast_data")
-    if original is None:
-        return False
+    from mmengine.model import BaseDataPreprocessor
+
+    original = BaseDataPreprocessor.cast_data
 
     @functools.wraps(original)
     def cast_data(self, data):
@@ -70,14 +66,8 @@ def patch_xtuner_varlen_hook_host_copies() -> bool:
     Returns:
         True (applied).
     """
-    try:
-        from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
-    except ImportError:
-        return False
-    names = ("before_train_iter", "before_val_iter")
-    originals = [Hook.__dict__.get(name) for name in names]
-    if None in originals:
-        return False
-    for name, original in zip(names, originals):  # the guard applies it once per process
-        setattr(Hook, name, _remembering(original))
+    from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
+
+    for name in ("before_train_iter", "before_val_iter"):
+        setattr(Hook, name, _remembering(getattr(Hook, name)))
     return True
