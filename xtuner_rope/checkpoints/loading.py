@@ -29,8 +29,8 @@ class UntrustedCheckpointError(pickle.UnpicklingError):
 
 
 def _history_buffer_getattr(owner, name: str):
-    """``getattr`` as MMEngine's ``HistoryBuffer`` pickles need it (its public methods), nothing more:
-    a general ``getattr`` would let a file reach any attribute of what it can build.
+    """``getattr`` as MMEngine's ``HistoryBuffer`` pickles need it (its public methods) and no
+    more: a general ``getattr`` would let a file reach any attribute of what it can build.
     """
     from mmengine.logging import HistoryBuffer
 

@@ -17,7 +17,7 @@ from .startup import applied_fixes, inspect_config, is_prepared
 
 
 def cfg_options_argument(argv: list[str] | None = None) -> list[str]:
-    """The ``key=value`` tokens after ``--cfg-options`` in ``argv`` (default ``sys.argv``); empty if none."""
+    """The ``key=value`` tokens after ``--cfg-options`` in ``argv`` (default ``sys.argv``), or []"""
     argv = sys.argv if argv is None else argv
     given, taking = [], False
     for arg in argv[1:]:

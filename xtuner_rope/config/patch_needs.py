@@ -185,8 +185,8 @@ def version_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("patches")
 def patch_findings(cfg: Config) -> list[Finding]:
-    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``); a package
-    outside its range is left to :func:`version_findings`.
+    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``); a
+    package outside its range is left to :func:`version_findings`.
     """
     findings = []
     outside = unsupported()

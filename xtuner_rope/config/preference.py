@@ -39,7 +39,7 @@ def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | 
 
 
 def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
-    """``(vocab_size, file)`` of the local checkpoint the model loads; ``(None, "")`` when unknown."""
+    """``(vocab_size, file)`` of the local checkpoint the model loads, or ``(None, "")``."""
     config = llm_checkpoint_config(cfg)
     if config is None or config.data is None:
         return None, ""

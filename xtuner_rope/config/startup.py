@@ -122,7 +122,7 @@ def state_kept() -> Iterator[None]:
 
 
 def prepare_started_config(path: str) -> str:
-    """Prepare the config ``set_model_resource`` is starting (``config_being_started``); return ``path``.
+    """Prepare the config ``set_model_resource`` starts (``config_being_started``); return ``path``.
 
     Raises:
         ConfigConflict: see :func:`prepare_config`; or the plugin is not active (the config named

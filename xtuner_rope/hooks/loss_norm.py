@@ -77,7 +77,7 @@ class TokenWeightedLossHook(Hook):
     Wraps the runner's optimizer wrapper for the run; reads each batch's ``labels`` on the CPU.
     Preference models weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues;
     ``"micro_batch"`` (or a loss of no known mean, logged) leaves XTuner's weighting. In every
-    mode it records the accumulation window and refuses a mid-window resume (``hooks.accumulation``).
+    mode it records the accumulation window, refusing a mid-window resume (``hooks.accumulation``).
     """
 
     # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop

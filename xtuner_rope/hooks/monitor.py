@@ -113,8 +113,9 @@ class NonFiniteTripwireHook(Hook):
     ``optimizer.step`` (a step pre-hook, after MMEngine's clipping): one device sync per step;
     iterations without a step, and DeepSpeed's optimizers, are checked in ``after_train_iter``.
     On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the CPU batch, its boundaries,
-    iteration, seed, config; :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``,
-    then raises :class:`NonFiniteError` naming both and the replay command.
+    iteration, seed, config; :mod:`xtuner_rope.outputs.replay`) and
+    ``nonfinite_iter<k>_weights.pt``, then raises :class:`NonFiniteError` naming both and the
+    replay command.
 
     Args:
         save_weights: also save the model's weights (off for models too large to copy, e.g.

@@ -210,9 +210,9 @@ def is_patched_hf_attention(layer: nn.Module) -> bool:
 
 
 def rotation_modules(layers: list[nn.Module]) -> dict[str, bool]:
-    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets ``patch_hf_fp32_rotation``,
-    each with its pairing (True: interleaved, Cohere, whose apply upcasts itself: only the Triton
-    kernel's calls are taken).
+    """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets
+    ``patch_hf_fp32_rotation``, each with its pairing (True: interleaved, Cohere, whose apply
+    upcasts itself: only the Triton kernel's calls are taken).
     """
     found = {}
     for layer in layers:

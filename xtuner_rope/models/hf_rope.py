@@ -173,7 +173,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
         return inv_freq
 
     def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
-        """fp32 inverse frequencies upstream computes for a call of ``seq_len`` tokens (past ``threshold``).
+        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens.
 
         transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host;
         sent to ``device`` in one non-blocking copy.

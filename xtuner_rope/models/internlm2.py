@@ -81,8 +81,9 @@ def internlm2_attention_forward(
     cache_position=None,
     **kwargs,
 ):
-    """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, documents isolated
-    on packed batches; either KV-cache contract (``internlm2_kv_cache``); no attention weights.
+    """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, documents
+    isolated on packed batches; either KV-cache contract (``internlm2_kv_cache``); no attention
+    weights.
     """
     b, s, _ = hidden_states.shape
     q, k, v = (x.transpose(1, 2) for x in _project_qkv(self, hidden_states))  # [b, heads, s, h_d]

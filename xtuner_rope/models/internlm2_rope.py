@@ -83,7 +83,7 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     @classmethod
     def from_module(cls, rotary_module, max_position=None):
-        """Build one from an InternLM2 rotary module (xtuner's or a remote-code copy), fp32 `inv_freq`.
+        """Build one from an InternLM2 rotary module (xtuner's or remote code's), fp32 `inv_freq`.
 
         Raises:
             TypeError: The module lacks `dim`, `base`, `max_position_embeddings` or `inv_freq`.

@@ -185,8 +185,8 @@ def is_document_rotary(module: nn.Module) -> bool:
 def padded_row_lengths(
     rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Each token's row length ``[b, s]`` (last attended position + 1) for a call of padded rows; None
-    without a recorded ``[b, s]`` mask for this call or when nothing is padded.
+    """Each token's row length ``[b, s]`` (last attended position + 1) for a call of padded rows;
+    None without a recorded ``[b, s]`` mask for this call or when nothing is padded.
     """
     state = getattr(rotary, "row_mask", None)
     mask = None if state is None else state.mask

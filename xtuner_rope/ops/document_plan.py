@@ -167,7 +167,7 @@ def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
-    """Flat boundaries from position resets (their host copy if any), or None for one document a row."""
+    """Flat boundaries from position resets (their host copy if any); None: one document a row."""
     host = host_copy(position_ids)
     rows = (position_ids.detach().to("cpu") if host is None else host).expand(b, s)  # [b, s]
     cus = [cumulative_from_position_ids(row) for row in rows]
