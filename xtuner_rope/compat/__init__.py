@@ -7,8 +7,9 @@ DeepSpeed releases, ``devices`` what this machine lacks. Each patch has a record
 probed name missing, or if it raises, it is skipped with one ``guard.CompatPatchSkipped``
 warning, and the start-up refuses the configs that need its feature (``config.patch_needs``).
 
-This module holds what applies them: :func:`apply` (idempotent, never raises; run by
-``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
+A patch function returns True once applied (False where its gap is not here), and the guard
+remembers it. This module holds what applies them: :func:`apply` (idempotent, never raises;
+run by ``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations

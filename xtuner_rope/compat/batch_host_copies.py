@@ -19,9 +19,6 @@ def patch_mmengine_host_copies() -> bool:
 
     mmengine 0.10.x ``BaseDataPreprocessor.cast_data`` keeps nothing of the host tensors it
     moves; each copy is now recorded (``remember_host_copy``) for ``ops.host_copies.host_copy``.
-
-    Returns:
-        True (applied).
     """
     from mmengine.model import BaseDataPreprocessor
 
@@ -62,9 +59,6 @@ def patch_xtuner_varlen_hook_host_copies() -> bool:
 
     xtuner 0.2.0 ``VarlenAttnArgsToMessageHubHook`` publishes ``cumulative_len[0].to(device)``,
     which the attention's plan had to read back every step; the host tensor is now recorded.
-
-    Returns:
-        True (applied).
     """
     from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
 

@@ -33,9 +33,6 @@ def patch_mmengine_dist_init_on_cpu() -> bool:
 
     mmengine 0.10.6 ``_init_dist_pytorch`` calls ``torch.cuda.set_device`` ("Found no NVIDIA
     driver") and XTuner configs ask for NCCL; ``init_dist`` looks the function up at call time.
-
-    Returns:
-        True (its record runs it only where ``cpu_only``).
     """
     import mmengine.dist.utils as dist_utils
 
@@ -48,9 +45,6 @@ def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
 
     mmengine 0.10.6 ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]``, which torch's DDP
     refuses for a CPU module.
-
-    Returns:
-        True (its record runs it only where ``cpu_only``).
     """
     from mmengine.model import MMDistributedDataParallel
 

@@ -18,9 +18,6 @@ def patch_mmengine_warmup_rounding() -> bool:
     mmengine 0.10.x ``Runner._build_param_scheduler`` truncates ``end * len(train_dataloader)``;
     a stock warm-up on small data becomes 0 iterations and the scheduler raises "end should be
     larger than begin". :data:`SCHEDULER_CHECKS` run just before, with the same dataloader.
-
-    Returns:
-        True (applied).
     """
     from mmengine.runner import Runner
 

@@ -67,9 +67,6 @@ def patch_checkpoint_loading() -> bool:
     (``tools.utils.get_seed_from_checkpoint``) load through ``checkpoints.loading.load_checkpoint``
     after the :data:`PATH_CHECKS`. Applied on torch 2.4 and 2.5 too (the same allow-list, and
     the checks crash-safe checkpoints rely on).
-
-    Returns:
-        True (applied).
     """
     import xtuner.tools.utils as xtuner_tool_utils
     from mmengine.runner.checkpoint import CheckpointLoader
@@ -117,9 +114,6 @@ def patch_checkpoint_writes() -> bool:
     ``CheckpointHook`` deletes the checkpoint beyond ``max_keep_ckpts`` after the new one is
     complete; ``find_latest_checkpoint`` resumes complete checkpoints only; ``--resume`` and
     ``load_from`` refuse an incomplete checkpoint, ``--resume`` a ZeRO one of another world size.
-
-    Returns:
-        True (the gap exists in every MMEngine 0.10 release).
     """
     import mmengine.runner._flexible_runner  # noqa: F401  (imports find_latest_checkpoint by name)
     import mmengine.runner.checkpoint as mm_checkpoint
@@ -149,11 +143,7 @@ def _deepspeed_save(self, state_dict, path: str) -> None:
 
 
 def patch_deepspeed_checkpoint_writes() -> bool:
-    """DeepSpeed 0.19.6's rank files (``TorchCheckpointEngine.save``) written whole or not at all.
-
-    Returns:
-        True (the gap exists in every DeepSpeed release of the supported range).
-    """
+    """DeepSpeed 0.19.6's rank files (``TorchCheckpointEngine.save``) written whole or not at all."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     TorchCheckpointEngine.save = _deepspeed_save

@@ -99,9 +99,6 @@ def patch_internlm2_generation_from_embeds() -> bool:
     ``evaluation_images``). The step gets its ``inputs_embeds`` while the cache is empty; every
     other step is untouched. Applied to the InternLM2 ``*ForCausalLM`` classes with that check:
     XTuner's copies now, remote-code classes when ``transformers`` loads them.
-
-    Returns:
-        True (transformers' remote-code loader wrapped).
     """
     import transformers.dynamic_module_utils as dynamic
 

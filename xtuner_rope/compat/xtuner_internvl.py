@@ -48,9 +48,6 @@ def patch_internvl_loading() -> bool:
     ``ImportError`` without flash-attn) and bf16 weights (on a CPU-only machine, against an fp32
     ``OptimWrapper``). The module's ``AutoModel`` is wrapped so that ``INTERNVL_LOAD`` (set and
     logged by ``config.internvl``) replaces those; empty, XTuner's load runs unchanged.
-
-    Returns:
-        True (applied).
     """
     import xtuner.model.internvl as internvl
 
@@ -79,9 +76,6 @@ def patch_internvl_rank() -> bool:
     xtuner 0.2.0 ``InternVL_V1_5._llm_forward`` calls ``torch.distributed.get_rank()`` at every
     step ("Default process group has not been initialized" without a launcher). The module's
     ``torch`` becomes a view whose ``distributed.get_rank`` is 0 without a group.
-
-    Returns:
-        True (applied).
     """
     import xtuner.model.internvl as internvl
 
@@ -97,9 +91,6 @@ def patch_internvl_dataset_template() -> bool:
     xtuner 0.2.0 ``InternVL_V1_5_Dataset.__init__`` rewrites ``SYSTEM`` / ``INSTRUCTION`` of the
     template it receives, XTuner's process-wide entry: every later text dataset of the process
     (the doctor on another config) would be templated differently. It now edits a copy.
-
-    Returns:
-        True (applied).
     """
     from xtuner.dataset.internvl_dataset import InternVL_V1_5_Dataset
 
@@ -119,9 +110,6 @@ def patch_internvl_predict() -> bool:
     xtuner 0.2.0 ``InternVL_V1_5.forward`` ignores ``mode`` and returns ``{'loss': ...}``, so no
     held-out loss per sample can be computed. With ``mode='predict'`` the forward runs unchanged
     and returns ``[{'logits': [s, V]}]`` per row; other modes are XTuner's.
-
-    Returns:
-        True (applied).
     """
     from xtuner.model.internvl import InternVL_V1_5
 

@@ -31,9 +31,6 @@ def patch_sft_forward_names_missing_hook() -> bool:
     xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model; boundaries
     a collate function returned need a hook to take them out first, else every step dies with a
     ``TypeError`` that names neither the hook nor the fix.
-
-    Returns:
-        True (applied).
     """
     from xtuner.model.sft import SupervisedFinetune
 
@@ -48,9 +45,6 @@ def patch_sft_sequence_parallel_loss() -> bool:
     supervised token dropped per shard boundary), back-propagates each rank's unweighted mean and
     shows attention only the shards' boundaries. A model whose attention xtuner-rope patched goes
     through ``sequence_parallel_loss`` instead; other models keep XTuner's method.
-
-    Returns:
-        True (applied).
     """
     from xtuner.model.sft import SupervisedFinetune
 

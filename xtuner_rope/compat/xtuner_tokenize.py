@@ -40,9 +40,6 @@ def patch_xtuner_tokenize_counted(counted_step) -> bool:
 
     Args:
         counted_step: ``original -> wrapped`` for XTuner's ``tokenize_dataset``.
-
-    Returns:
-        True (the step is wrapped).
     """
     import xtuner.dataset.huggingface as hf
 
