@@ -40,13 +40,8 @@ FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` lis
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
-    """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve (pure).
-
-    Args:
-        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
-
-    Returns:
-        The findings, fixes and conflicts, in config order.
+    """Every change the plugin needs in ``cfg`` (as ``Config.fromfile`` returns it) and every
+    conflict it cannot resolve, in config order; pure (nothing changed until a ``fix`` runs).
     """
     return [
         finding
@@ -56,12 +51,8 @@ def inspect_config(cfg: Config) -> list[Finding]:
 
 
 def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
-    """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order``.
-
-    The slot (:data:`SLOTS`) fixes where its findings appear and when their fixes apply.
-
-    Raises:
-        ValueError: ``order`` names no slot.
+    """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order`` of
+    :data:`SLOTS` (where its findings appear, when their fixes apply); ValueError for no slot.
     """
     slot_rank(order)  # refuse an unknown slot when the module registers, not at start-up
 
@@ -144,10 +135,8 @@ def mark_active() -> None:
 
 
 def _refuse_inactive(cfg: Config) -> None:
-    """Refuse to start ``cfg`` in a process where the plugin was never activated.
-
-    Raises:
-        ConfigConflict: the plugin is not active; the message names the import to write.
+    """Refuse (``ConfigConflict``) to start ``cfg`` where the plugin was never activated, naming the
+    import to write.
     """
     if _active:
         return

@@ -26,14 +26,8 @@ def epoch_length(samples: int, batch_size: int, drop_last: bool = False) -> int:
 
 
 def iteration_bounds(scheduler: dict, length: int) -> tuple[int, int] | None:
-    """``(begin, end)`` in iterations as MMEngine builds a converted scheduler, else None.
-
-    Args:
-        scheduler: One ``param_scheduler`` dict of the config.
-        length: ``len(train_dataloader)`` (iterations per epoch).
-
-    Returns:
-        None when the scheduler is not converted, or has no ``end``.
+    """``(begin, end)`` in iterations as MMEngine builds a converted ``scheduler`` with ``length``
+    iterations per epoch; None when it is not converted, or has no ``end``.
     """
     if not scheduler.get("by_epoch", True) or not scheduler.get("convert_to_iter_based"):
         return None
@@ -86,10 +80,8 @@ def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[
 
 
 def refuse_rounded_warmup(schedulers: Iterable, length: int, data: str) -> None:
-    """Raise the start-up's ``ConfigConflict`` for the schedulers MMEngine would refuse.
-
-    Raises:
-        ConfigConflict: naming each scheduler, the dataset's iterations per epoch and the edit.
+    """Raise ``ConfigConflict`` naming each scheduler MMEngine would refuse, the iterations per
+    epoch and the edit.
     """
     problems = rounding_problems(schedulers, length, data)
     if problems:

@@ -22,14 +22,8 @@ class MidWindowResumeError(RuntimeError):
 
 
 def accumulation_state(optim_wrapper) -> tuple[int, bool]:
-    """``(accumulative_counts, window open)`` of an optimizer wrapper after an iteration.
-
-    Args:
-        optim_wrapper: MMEngine's ``OptimWrapper`` (and subclasses) or ``DeepSpeedOptimWrapper``
-            whose ``update_params`` ran this iteration.
-
-    Returns:
-        The window length and whether gradients are pending (the iteration did not step).
+    """``(accumulative_counts, window open)`` after this iteration's ``update_params`` of
+    ``optim_wrapper`` (MMEngine's ``OptimWrapper`` or ``DeepSpeedOptimWrapper``).
     """
     engine = getattr(optim_wrapper, "model", None)
     if type(optim_wrapper).__name__ == "DeepSpeedOptimWrapper" and engine is not None:

@@ -46,15 +46,9 @@ OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
 
 
 def preference_pairs(data: dict) -> int:
-    """Preference pairs in one micro-batch of XTuner's ``preference_collate_fn``.
-
-    Args:
-        data: the batch's ``data`` dict. Packed (``use_varlen_attn``): ``cumulative_len``, one
-            ``[responses + 1]`` boundary tensor per row, chosen then rejected response per pair.
-            Unpacked: ``input_ids`` ``[2 * pairs, s]``, chosen and rejected rows alternating.
-
-    Returns:
-        The count DPO / ORPO / reward losses average over.
+    """Preference pairs in one micro-batch of ``preference_collate_fn`` (what DPO / ORPO / reward
+    losses average over): packed, half the responses of ``cumulative_len``; unpacked, half the
+    rows of ``input_ids`` ``[2 * pairs, s]``.
     """
     cumulative = data.get("cumulative_len")
     if cumulative is not None:  # a sequence-parallel padding segment would be the odd one

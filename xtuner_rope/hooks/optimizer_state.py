@@ -11,15 +11,8 @@ from xtuner_rope.config.optimizer_state import KEEP_OFF_KEY
 
 
 def resume_without_optimizer_warning(runner, checkpoint: dict) -> str | None:
-    """The warning for a resume from a checkpoint that holds no optimizer state, or None.
-
-    Args:
-        runner: MMEngine's runner, loading ``checkpoint`` (``after_load_checkpoint``).
-        checkpoint: The loaded checkpoint dict.
-
-    Returns:
-        None for a plain load, under DeepSpeed (its optimizer state is in the folder's files) or
-        when the checkpoint holds ``optimizer``; else the warning.
+    """The warning for a resume from a checkpoint that holds no optimizer state, or None (a plain
+    load, DeepSpeed's folder, a checkpoint with ``optimizer``); ``runner`` loads ``checkpoint``.
     """
     if not getattr(runner, "_resume", False) or "optimizer" in checkpoint:
         return None

@@ -31,12 +31,11 @@ def capture_random_state(loop=None) -> dict:
     """This process's random generators, as plain picklable values.
 
     Args:
-        loop: The train loop (optional): its dataloader iterator's worker base seed is recorded
-            too, to compare on resume.
+        loop: The train loop (optional): its dataloader's worker base seed is recorded too.
 
     Returns:
-        ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}``; CUDA and the
-        base seed are None where there is none.
+        ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}`` (None where
+        there is no CUDA or no base seed).
     """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     cuda = None
@@ -158,10 +157,8 @@ class RandomStateHook(Hook):
         runner.message_hub.update_info(STATE_KEY, record)
 
     def after_load_checkpoint(self, runner, checkpoint) -> None:
-        """On resume, warn when the checkpoint cannot restore the optimizer either.
-
-        The other half of what a resume must restore; the check lives with the start-up fix
-        that turns ``save_optimizer`` on (:mod:`xtuner_rope.config.optimizer_state`).
+        """On resume, warn when the checkpoint cannot restore the optimizer either
+        (:mod:`xtuner_rope.hooks.optimizer_state`).
         """
         warning = resume_without_optimizer_warning(runner, checkpoint)
         if warning:

@@ -28,8 +28,7 @@ def check_llava_train_data(runner, max_position: int | None) -> None:
     """Refuse a LLaVA run whose training data would fail or train silently wrong.
 
     Args:
-        runner: The MMEngine runner (its model holds XTuner's ``LLaVAModel``; anything else
-            is left alone).
+        runner: The MMEngine runner (a model without XTuner's ``LLaVAModel`` is left alone).
         max_position: The LLM's RoPE range (``PackedBatchCheckHook``'s limit).
 
     Raises:

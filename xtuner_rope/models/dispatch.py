@@ -64,10 +64,7 @@ def isolates_documents(model: nn.Module) -> bool:
 
 
 def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
-    """Patch ``model`` with the integration of its family.
-
-    Returns:
-        The number of attention layers patched and the family's name.
+    """Patch ``model`` with the integration of its family; ``(layers patched, family name)``.
 
     Raises:
         ValueError: no supported family's attention layer in ``model``.

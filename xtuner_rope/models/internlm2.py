@@ -29,15 +29,12 @@ INTERNLM2_ATTENTION_CLASSES = (
 
 
 def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> torch.Tensor:
-    """The unpacked path, as the layer's own class computes it.
+    """The unpacked path, as the layer's own class computes it: ``[b, q_len, n_h, h_d]``.
 
     Args:
         q: ``[b, n_h, q_len, h_d]``; k, v: ``[b, n_kv, kv_len, h_d]`` (cache included).
-        attention_mask: The model's mask: 4-D additive ``[b, 1, q_len, kv_len']`` for
-            eager/SDPA, 2-D ``[b, kv_len]`` padding mask for flash-attn, or None.
-
-    Returns:
-        ``[b, q_len, n_h, h_d]``.
+        attention_mask: 4-D additive ``[b, 1, q_len, kv_len']`` (eager/SDPA), 2-D ``[b, kv_len]``
+            (flash-attn), or None.
     """
     if type(layer).__name__ == "InternLM2FlashAttention2":
         target = layer.wqkv.weight.dtype if q.dtype == torch.float32 else q.dtype

@@ -31,11 +31,7 @@ _CHOSEN: set = set()
 
 
 def hub_cumulative_len() -> object:
-    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention.
-
-    Returns:
-        What the hub holds (checked against the batch by ``document_plan``), or None.
-    """
+    """The flat boundaries published for this rank (XTuner's ``MessageHub`` convention), or None."""
     return channel.read()[0]
 
 
@@ -88,10 +84,8 @@ def choose_backend(q: torch.Tensor, eager: bool) -> str:
 
 
 def chosen_backends(reset: bool = False) -> list[str]:
-    """The packed backends ``choose_backend`` returned since the last reset (sorted).
-
-    Args:
-        reset: Forget them afterwards (call before the passes to observe).
+    """The packed backends ``choose_backend`` returned since the last reset (sorted); ``reset``
+    forgets them afterwards.
     """
     chosen = sorted(_CHOSEN)
     if reset:

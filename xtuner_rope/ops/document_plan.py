@@ -45,9 +45,8 @@ _COPY_CACHE: dict = {}
 
 
 def host_to_device_once(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host_to_device`` shared by every layer of a forward: one copy per host tensor.
-
-    A tensor already on ``device`` is returned as it is; a device tensor elsewhere is moved.
+    """``host_to_device`` shared by every layer of a forward: one copy per host tensor (a tensor on
+    ``device`` returned as is, one elsewhere moved).
     """
     device = torch.device(device)
     if x.device.type != "cpu":

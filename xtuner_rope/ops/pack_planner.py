@@ -26,9 +26,8 @@ def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarra
         max_length: Capacity of a row in tokens, any positive integer.
 
     Returns:
-        ``(items, row_offsets)``: ``[n]`` int64 item indices, row after row (each row's items
-        in index order; rows in the order BFD opened them: by their longest item), and
-        ``[r + 1]`` int64 offsets of each row's first item into ``items``.
+        ``(items, row_offsets)``: ``[n]`` int64 item indices row after row (index order within a
+        row, rows by their longest item), and ``[r + 1]`` int64 offsets of each row into ``items``.
     """
     lengths = np.asarray(lengths).reshape(-1)  # any integer dtype: [n] arrays are the memory
     if lengths.dtype.kind not in "iu":
@@ -59,9 +58,8 @@ def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarra
 def _place(
     lengths: list[int], counts: list[int], max_length: int, rows_out: list, counts_out: list
 ) -> int:
-    """Place ``counts[g]`` items of ``lengths[g]`` (descending) group by group; rows opened.
-
-    Appends to ``rows_out``/``counts_out`` which row takes how many consecutive items.
+    """Place ``counts[g]`` items of ``lengths[g]`` (descending) group by group, appending to
+    ``rows_out``/``counts_out`` which row takes how many consecutive items.
     """
     fitting: list[int] = []  # min-heap of rooms >= the current length
     waiting: list[int] = []  # max-heap (negated) of rooms < the current length

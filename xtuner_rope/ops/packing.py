@@ -34,14 +34,8 @@ IntSeq = Sequence[int] | torch.Tensor
 
 
 def cumulative_from_lengths(lengths: IntSeq) -> torch.Tensor:
-    """Turn segment lengths into boundaries.
-
-    Args:
-        lengths: ``[n]`` segment lengths, each >= 1.
-
-    Returns:
-        ``[n + 1]`` int32 boundaries ``[0, l_0, l_0 + l_1, ..., sum(lengths)]``
-        (int32 because flash-attn's varlen kernels require it).
+    """Turn ``[n]`` segment lengths (each >= 1) into ``[n + 1]`` int32 boundaries ``[0, l_0, ...,
+    sum(lengths)]`` (int32: flash-attn's varlen kernels require it).
 
     Raises:
         ValueError: a length is < 1 (an empty segment has no boundary of its own).
