@@ -115,9 +115,10 @@ def _same(left: object, right: object) -> bool:
 
 
 def _still_applied(record: PatchRecord) -> bool:
-    """True if every probe still holds what ``record``'s patch left there (its own wrapper)."""
+    """True if every probe still holds what ``record``'s patch left there (its own wrapper);
+    False without probes (such a patch recognises its own target, ``probe_note``)."""
     left = _LEFT.get(record.name)
-    return left is not None and all(
+    return bool(left) and all(
         _same(_resolve(probe), was) for probe, was in zip(record.probes, left)
     )
 
