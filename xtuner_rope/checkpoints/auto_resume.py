@@ -42,16 +42,9 @@ def _warn_newer_incomplete(latest: str) -> None:
 
 
 def resume_from(latest: str | None, work_dir: str) -> str | None:
-    """The checkpoint auto-resume loads, given what ``last_checkpoint`` names.
-
-    Args:
-        latest: MMEngine's ``find_latest_checkpoint(work_dir)``: None without
-            ``last_checkpoint``, ``""`` when it is empty.
-        work_dir: The work dir (``last_checkpoint`` is read there).
-
-    Returns:
-        ``latest`` when complete; else the newest complete checkpoint in its folder; None when
-        there is nothing to resume (a fresh start).
+    """The checkpoint auto-resume loads: ``latest`` (``find_latest_checkpoint(work_dir)``:
+    None without ``last_checkpoint``, ``""`` when empty) when complete, else the newest complete
+    checkpoint in its folder, else None (a fresh start).
 
     Raises:
         WorldSizeMismatchError: ``latest`` is a ZeRO checkpoint of another number of processes.

@@ -147,14 +147,8 @@ def _refusal(path: str, error: Exception) -> UntrustedCheckpointError:
 
 
 def load_checkpoint(path: str, map_location="cpu"):
-    """``torch.load`` a runner checkpoint with ``weights_only=True`` and the runner allow-list.
-
-    Args:
-        path: A ``.pth`` file (MMEngine) or DeepSpeed ``*_model_states.pt`` file.
-        map_location: As for ``torch.load``.
-
-    Returns:
-        The unpickled checkpoint.
+    """``torch.load`` a runner checkpoint (``.pth`` or DeepSpeed ``*_model_states.pt``) with
+    ``weights_only=True`` and the runner allow-list; ``map_location`` as for ``torch.load``.
 
     Raises:
         UntrustedCheckpointError: A type outside the allow-list, and the file is not trusted

@@ -62,8 +62,8 @@ def refuse_other_world_size(path: str, world_size: int | None = None) -> None:
         world_size: This run's number of processes; :func:`current_world_size` when None.
 
     Raises:
-        WorldSizeMismatchError: ZeRO stage >= 1 and ``dp_world_size`` differs from
-            ``world_size`` (the message names both and the commands that work).
+        WorldSizeMismatchError: ZeRO stage >= 1 and ``dp_world_size`` differs (the message names
+            both and the commands that work).
     """
     saved, stage = saved_world_size(path)
     world = current_world_size() if world_size is None else world_size

@@ -47,15 +47,12 @@ def patch_named(name: str):
 
 
 def run_patch(patch, *args, **kwargs) -> object:
-    """Run ``patch(*args, **kwargs)`` in its record's guard.
-
-    A process-wide patch runs once per process (the guard's "already applied"); a patch applied
-    for one call (``DEFERRED``: a config's model paths, one dataset build, one model's check)
-    runs at every call.
+    """Run ``patch(*args, **kwargs)`` in its record's guard: once per process, or at every call for
+    a patch applied for one call (``DEFERRED``).
 
     Returns:
-        The patch's result, or False where it was skipped (one ``CompatPatchSkipped``
-        warning) or is not needed here.
+        The patch's result, or False where it was skipped (one ``CompatPatchSkipped`` warning) or
+        is not needed here.
     """
     record = RECORDS[patch.__name__]
     return run_guarded(record, patch, *args, once=record not in DEFERRED, **kwargs)
@@ -68,12 +65,9 @@ def _check_deferred() -> None:
 
 
 def apply() -> list[str]:
-    """Apply every patch whose gap exists here, each in its guard; never raises.
-
-    Safe to call any number of times. torch or DeepSpeed outside the supported range gets one
-    ``UnsupportedVersionWarning`` (``versions``). A patch outside its versions, with a probed name
-    missing, or that raises is skipped with one ``CompatPatchSkipped`` warning (see
-    :func:`skipped`); the patches applied later (``DEFERRED``) are checked the same way now.
+    """Apply every patch of ``records.ACTIVATION`` whose gap exists here, each in its guard; never
+    raises, any number of times. One ``UnsupportedVersionWarning`` for torch or DeepSpeed outside
+    the supported range; the patches applied later (``DEFERRED``) are checked now too.
 
     Returns:
         The names of the patches applied so far in this process.

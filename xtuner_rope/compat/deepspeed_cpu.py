@@ -21,13 +21,10 @@ def deepspeed_flat_buffer_requires_grad() -> bool:
 def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     """Let DeepSpeed < 0.19 ZeRO-1/2 take its optimizer step over gloo on a CPU-only machine.
 
-    deepspeed 0.17.6 - 0.18.9 keep ZeRO-1/2's flat buffer attached to autograd (0.19.0 detaches
-    it); torch 2.15's gloo ``all_gather_into_tensor`` writes through ``split`` views of it, so the
-    first step dies ("Output 0 of Split is a view and is being modified inplace"). The gather is a
-    weight update: run it under ``torch.no_grad()``.
-
-    Returns:
-        True if applied; False where DeepSpeed gathers another way.
+    deepspeed 0.17.6 - 0.18.9 keep ZeRO-1/2's flat buffer attached to autograd; torch 2.15's gloo
+    all-gather writes through ``split`` views of it ("Output 0 of Split is a view and is being
+    modified inplace"). The gather is a weight update: it runs under ``torch.no_grad()``. False
+    where DeepSpeed gathers another way.
     """
     import deepspeed.runtime.utils as ds_utils
 

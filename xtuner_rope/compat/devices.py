@@ -19,14 +19,9 @@ def cpu_only() -> bool:
 
 @functools.cache
 def gloo_all_to_all_missing() -> str | None:
-    """Why torch's gloo backend cannot ``all_to_all`` here; None where it can.
-
-    XTuner's sequence parallel exchanges with ``dist.all_to_all``; torch 2.4.1's gloo lacks it
-    (2.14.1 and 2.15.0 have it). Probed once on a one-rank in-memory gloo group; any other failure
-    of the probe is left to the run to report (None).
-
-    Returns:
-        str | None: torch's version and gloo's own error; or None.
+    """Why torch's gloo backend cannot ``all_to_all`` here (XTuner's sequence parallel needs it;
+    torch 2.4.1 lacks it), probed once on a one-rank in-memory group; None where it can or where
+    the probe fails otherwise (the run will say).
     """
     import torch.distributed as dist
 

@@ -213,9 +213,8 @@ def run_guarded(
 ) -> object:
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
-    The guard owns "already applied": a patch applied in this process, or whose probes still
-    hold what it left there (its own wrappers), is not run again. ``once=False`` (``DEFERRED``:
-    applied for one call) runs each time.
+    "Already applied" is the guard's: applied in this process, or its probes still hold what it
+    left there. ``once=False`` (``DEFERRED``: applied for one call) runs each time.
 
     Returns:
         The patch's own result (True once applied), or False where skipped or not needed.

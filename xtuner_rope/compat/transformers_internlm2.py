@@ -8,14 +8,9 @@ import sys
 
 
 def register_internlm2_auto_classes() -> bool:
-    """Register XTuner's shipped InternLM2 classes with the ``transformers`` Auto factories.
-
-    transformers 4.48 has no ``internlm2`` model type: a local checkpoint without remote code
-    cannot be loaded ("model type `internlm2` ... does not recognize this architecture"). XTuner
-    0.2.0 ships the code at ``xtuner._lite.modelings.internlm2``.
-
-    Returns:
-        True if the classes were registered now, False if ``internlm2`` was already known.
+    """Register XTuner 0.2.0's shipped InternLM2 classes with the ``transformers`` Auto factories
+    (transformers 4.48 has no ``internlm2`` type: a local checkpoint without remote code would not
+    load); False if ``internlm2`` was already known.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING

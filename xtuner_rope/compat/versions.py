@@ -37,7 +37,7 @@ class VersionRange:
     Attributes:
         dist: The distribution name (``torch``).
         spec: The PEP 440 range (``>=2.4``).
-        why: Why the range ends there (shown in the message outside it).
+        why: Why the range ends there.
         tested: The releases that ran, oldest first (docs/compat.md).
         install: The pip command that brings a supported release.
         used_by: The configs the start-up refuses outside the range, in words.

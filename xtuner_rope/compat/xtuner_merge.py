@@ -37,14 +37,9 @@ def _loading_in(cls: type, dtype: object) -> Iterator[None]:
 
 @contextmanager
 def merge_loading_in(dtype: object) -> Iterator[bool]:
-    """While inside, the base loads of merge.py (LLM and CLIP) come in ``dtype``.
-
-    Args:
-        dtype: The ``torch_dtype`` every ``from_pretrained`` of :data:`MERGE_BASE_CLASSES` gets.
-
-    Yields:
-        True when every load is redirected; False (with a warning) when transformers lacks one
-        of those classes (that one loads as XTuner decides).
+    """While inside, every ``from_pretrained`` of :data:`MERGE_BASE_CLASSES` (merge.py's LLM and
+    CLIP loads) gets ``torch_dtype=dtype``; yields False (with a warning) when transformers lacks
+    one of those classes (that one loads as XTuner decides), else True.
     """
     import transformers
 

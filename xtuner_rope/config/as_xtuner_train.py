@@ -17,16 +17,11 @@ from .startup import state_kept
 
 
 def start(cfg: Config, cfg_options: dict | None = None, look_only: bool = False) -> Config:
-    """Run ``cfg``'s ``model_resource`` and merge ``cfg_options``, in ``xtuner train``'s order.
+    """Run ``cfg``'s ``model_resource`` and merge ``cfg_options`` (a dict, or None), in ``xtuner
+    train``'s order; ``cfg`` (as ``Config.fromfile`` returns it) is changed in place and returned.
 
-    Args:
-        cfg: The config as ``Config.fromfile`` returns it; changed in place.
-        cfg_options: The ``--cfg-options`` overrides, as a dict (None: none).
-        look_only: For the doctor: a conflict is not raised (``inspect_config`` reports it) and
-            the process stays not prepared.
-
-    Returns:
-        ``cfg``.
+    ``look_only`` (the doctor): a conflict is not raised (``inspect_config`` reports it) and the
+    process stays not prepared.
 
     Raises:
         ConfigConflict: the start-up refuses a setting (not with ``look_only``).

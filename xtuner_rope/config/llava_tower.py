@@ -35,14 +35,9 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def tower_image_tokens(path: object, local_only: bool = False) -> dict:
-    """``P``, the patch embeddings one image becomes, from the vision tower's own config.
-
-    Args:
-        path: ``model.visual_encoder.pretrained_model_name_or_path``.
-        local_only: Read only what is on disk (no download before a run).
-
-    Returns:
-        ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
+    """``P``, the patch embeddings one image becomes, from the vision tower's config at ``path``
+    (``local_only``: on disk only): ``{'image_tokens': P, 'image_size', 'patch_size',
+    'model_type', 'path'}``.
 
     Raises:
         ValueError: no path, or no int ``image_size`` / ``patch_size`` (not a ViT-style tower).

@@ -42,13 +42,11 @@ def recheck_config(
 ) -> list[Finding]:
     """What the start-up would say about ``cfg`` now, as conflicts only (nothing can be fixed).
 
-    A finding on a setting the start-up fixed says that its fix was overridden.
-
     Args:
         cfg: The config that trains (``runner.cfg``, every override merged).
-        fixes: What the start-up applied; default: what it applied in this process.
-        overrides: The ``--cfg-options`` given (a dict, or ``key=value`` strings), named in
-            each problem.
+        fixes: What the start-up applied (default: in this process); a finding on a fixed
+            setting says that its fix was overridden.
+        overrides: The ``--cfg-options`` given (a dict, or ``key=value`` strings), named in each.
 
     Returns:
         The conflicts, each with the edit; empty when the start-up's verdict still holds.

@@ -42,15 +42,9 @@ def _type_name(value: object) -> str:
 
 
 def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[str, str, str]]:
-    """The schedulers MMEngine would refuse once converted (``end <= begin``).
-
-    Args:
-        schedulers: ``param_scheduler`` of the config (a dict, a list of dicts, or None).
-        length: ``len(train_dataloader)``: iterations per epoch.
-        data: How that length came about, for the message (``"475 samples, batch size 16"``).
-
-    Returns:
-        ``(setting, problem, edit)`` per refused scheduler.
+    """``(setting, problem, edit)`` of each scheduler MMEngine would refuse once converted
+    (``end <= begin``): ``schedulers`` the config's ``param_scheduler`` (dict, list or None),
+    ``length`` iterations per epoch, ``data`` how that length came about (for the message).
     """
     if not schedulers or length <= 0:
         return []

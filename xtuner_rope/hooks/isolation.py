@@ -88,15 +88,10 @@ class ValidatedRoPEHook(Hook):
 
 
 def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: str | None) -> None:
-    """Rows the config packs must bring their boundaries: refuse a batch that has none.
-
-    Packed rows without ``cumulative_len`` (``use_varlen_attn=False``) carry one position range
-    and an all-ones mask over several dialogues, which would attend to each other.
-
-    Args:
-        data: The batch's ``data`` dict (already checked by ``check_packed_batch``).
-        rows: Its per-row boundaries from ``cumulative_len``; empty when it has none.
-        packed_by: Where the config packs the train rows (``fields.packing_source``), or None.
+    """Refuse a batch of rows the config packs (``packed_by``: ``fields.packing_source``) that
+    reaches the model without any boundary: no ``cumulative_len`` (``rows`` empty) and no
+    position reset in ``data`` (checked by ``check_packed_batch``), so its dialogues would attend
+    to each other.
 
     Raises:
         ValueError: ``packed_by`` is set and the batch has no boundary at all.

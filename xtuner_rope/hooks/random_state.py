@@ -186,21 +186,11 @@ def _checkpoint_hook(runner) -> CheckpointHook | None:
 
 
 def data_order_change(saved: int, world: int, done: int, batch: int, items: int) -> str:
-    """What a resume on another number of processes trains again or skips, in words.
+    """What a resume on another number of processes trains again or skips, for the log.
 
-    MMEngine's ``DefaultSampler`` deals one seeded order to the ranks in turn; ``W`` processes
-    trained its first ``N * b * W`` items, and the resume skips the first ``N * b * W'`` (the
-    per-process batch size assumed unchanged).
-
-    Args:
-        saved: Processes of the checkpointed run (``W``).
-        world: Processes of this run (``W'``).
-        done: Iterations trained before the checkpoint (``N``).
-        batch: Items per process and iteration (``b``).
-        items: Items in the dataset (one epoch).
-
-    Returns:
-        The sentence for the log.
+    ``DefaultSampler`` deals one seeded order to the ranks in turn: ``saved`` processes trained the
+    first ``done * batch * saved`` items (of ``items`` an epoch), and the resume on ``world`` skips
+    the first ``done * batch * world`` (the per-process batch size assumed unchanged).
     """
     before, skipped = done * batch * saved, done * batch * world
     how = (

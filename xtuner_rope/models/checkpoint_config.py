@@ -25,8 +25,7 @@ class CheckpointConfig:
 
     Attributes:
         name: ``pretrained_model_name_or_path`` as the config gives it.
-        source: Where it was read (a file: the hub's are read from the local cache); ``""``
-            when it was not.
+        source: The file read (the hub's from the local cache); ``""`` when none was.
         data: The parsed ``config.json``; None when it cannot be read.
         problem: Why it cannot be read (``""`` when it was).
         hub: ``name`` is a hub id (not a local path).

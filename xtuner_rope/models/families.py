@@ -23,11 +23,11 @@ class Family:
         name: What users call it (in messages and the README).
         model_types: ``config.json`` ``model_type`` values of its checkpoints.
         module: The transformers modeling module.
-        attention: Attention class names; for ``interface="forward"`` the first is the eager one.
-        rotary: Rotary class names (model-level; Qwen2-MoE also has an unused one per layer).
-        interface: ``"attention"`` or ``"forward"`` (see the module docstring).
+        attention: Attention class names (``interface="forward"``: the eager one first).
+        rotary: Rotary class names (model-level).
+        interface: ``"attention"`` or ``"forward"`` (the module docstring).
         interleaved: cos/sin interleave the frequencies (Cohere).
-        fp32_apply: ``apply_rotary_pos_emb`` needs the fp32 wrapper of ``compat``.
+        fp32_apply: ``apply_rotary_pos_emb`` needs ``patch_hf_fp32_rotation``.
     """
 
     name: str

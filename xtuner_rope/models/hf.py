@@ -101,19 +101,17 @@ def hf_packed_attention(
 
     Args:
         module: The calling attention layer (carries ``DENSE_KERNEL_ATTR``).
-        query: ``[b, n_h, s, h_d]`` rotated queries.
-        key: ``[b, n_kv, kv_len, h_d]`` rotated keys, cache included.
-        value: ``[b, n_kv, kv_len, h_d]``.
+        query: ``[b, n_h, s, h_d]``; key, value: ``[b, n_kv, kv_len, h_d]`` (cache included).
         attention_mask: The model's mask for the original kernel (4-D additive or None).
-        **kwargs: ``dropout``, ``scaling``, ``sliding_window``, ``position_ids`` ``[b, s]`` and
-            whatever else the family passes (forwarded to the original kernel).
+        **kwargs: ``dropout``, ``scaling``, ``sliding_window``, ``position_ids`` ``[b, s]``, ...
+            (forwarded to the original kernel).
 
     Returns:
         ``([b, s, n_h, h_d]`` attention output, attention weights or None).
 
     Raises:
-        ValueError: A packed batch with dropout, a non-standard scaling or a document longer
-            than the sliding window; a published ``cumulative_len`` not matching the batch.
+        ValueError: A packed batch with dropout, a non-standard scaling or a document longer than
+            the sliding window; a published ``cumulative_len`` not matching the batch.
     """
     # Rotation through a forward that bound the unpatched apply_rotary_pos_emb (fp32 cos/sin
     # promote q, k to fp32): back to the activation dtype, one rounding.

@@ -71,18 +71,16 @@ def extend_cache(
     use_cache: bool,
     cache_kwargs: dict,
 ):
-    """Append this step's keys and values to the cache, as the layer's contract does.
+    """Append this step's ``k``, ``v`` (``[b, n_kv, s, h_d]``, RoPE applied) to the layer's cache.
 
     Args:
         layer: The attention layer (its ``layer_idx`` for the Cache contract).
-        k: ``[b, n_kv, s, h_d]`` new keys, RoPE applied.
-        v: ``[b, n_kv, s, h_d]`` new values.
         past_key_value: A ``Cache``, a ``(k, v)`` pair of ``[b, n_kv, past, h_d]``, or None.
         use_cache: Whether the model wants a present back (tuple contract).
         cache_kwargs: Passed to ``Cache.update``.
 
     Returns:
-        ``(k, v, present)``: keys and values ``[b, n_kv, past + s, h_d]`` and the layer's third
+        ``(k, v, present)``: ``[b, n_kv, past + s, h_d]`` keys and values, and the layer's third
         output (the ``Cache``, or ``(k, v)`` / None).
 
     Raises:

@@ -136,15 +136,9 @@ def _build_buckets(cu: torch.Tensor, device: torch.device) -> tuple[list[_Bucket
 
 
 def plan_documents(cu_seqlens: torch.Tensor, device: torch.device) -> DocumentPlan:
-    """The plan of flat boundaries (buckets built on first use).
-
-    Args:
-        cu_seqlens: ``[n_docs + 1]`` integer boundaries over the flattened ``[b * s]`` tokens,
-            from 0, strictly increasing (on the CPU: no device sync).
-        device: Where the index tensors are needed.
-
-    Returns:
-        The plan, with index tensors on ``device``.
+    """The plan of ``cu_seqlens``, ``[n_docs + 1]`` integer boundaries over the flat ``[b * s]``
+    tokens (from 0, strictly increasing; on the CPU: no device sync), index tensors on ``device``
+    (buckets built on first use).
     """
     return DocumentPlan(cu_seqlens.detach().to("cpu", torch.int64), device)
 

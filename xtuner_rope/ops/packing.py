@@ -94,15 +94,8 @@ def cumulative_from_position_ids(position_ids: IntSeq) -> torch.Tensor:
 
 
 def flat_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
-    """Per-row boundaries of a ``[b, s]`` batch as one tensor over the flattened tokens
-    (flash-attn's ``cu_seqlens``, XTuner's ``cumulative_len``).
-
-    Args:
-        cus: ``b`` boundary tensors, each ``[0, ..., s]``.
-        s: row length.
-
-    Returns:
-        ``[n_docs + 1]`` int32 boundaries ``0 .. b * s``.
+    """Per-row boundaries ``cus`` (``b`` tensors ``[0, ..., s]``) of a ``[b, s]`` batch as one
+    ``[n_docs + 1]`` int32 tensor ``0 .. b * s`` over the flattened tokens (``cu_seqlens``).
     """
     starts = [
         torch.as_tensor(cu).reshape(-1)[:-1].to(torch.int32) + r * s for r, cu in enumerate(cus)

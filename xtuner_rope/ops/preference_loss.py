@@ -29,11 +29,11 @@ def dpo_pair_losses(
     """XTuner's DPO loss of each pair alone, and its chosen and rejected rewards.
 
     Args:
-        policy_chosen: ``[p]`` log-probs of the chosen responses under the policy (summed
-            over the response's supervised targets; averaged for ``ipo``, as XTuner does).
+        policy_chosen: ``[p]`` log-probs of the chosen responses under the policy (summed over the
+            response's supervised targets; averaged for ``ipo``, as XTuner does).
         policy_rejected: ``[p]`` the same for the rejected responses.
         reference_chosen: ``[p]`` the chosen responses under the reference model.
-        reference_rejected: ``[p]`` the rejected responses under the reference model.
+        reference_rejected: ``[p]`` the rejected ones under the reference model.
         beta: The model's ``beta``.
         loss_type: One of :data:`DPO_PAIR_LOSSES`.
         label_smoothing: The model's ``label_smoothing`` (``sigmoid``, ``robust``).
@@ -112,7 +112,7 @@ def reward_pair_losses(
     Args:
         chosen: ``[p]`` the reward score of each chosen response.
         rejected: ``[p]`` the score of each rejected response.
-        loss_type: ``ranking`` or ``focal`` (the InternLM2 paper's focal ranking loss).
+        loss_type: ``ranking`` or ``focal``.
         penalty_type: ``log_barrier`` (scores kept in (-5, 5)), ``L2`` or ``none``.
         penalty_weight: The model's ``penalty_weight``.
 

@@ -19,16 +19,9 @@ __all__ = ["document_lengths", "host_document_lengths", "per_token_inv_freq"]
 
 
 def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: int, s: int):
-    """Each token's document length (the document's last position + 1), ``[b, s]`` int64.
-
-    Args:
-        position_ids: ``[b, s]`` or ``[1, s]`` integer positions.
-        cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens (rows never
-            share a document), e.g. ``DocumentPlan.cu_seqlens``.
-        b: Rows; s: row length.
-
-    Returns:
-        ``[b, s]`` int64 on ``position_ids``' device.
+    """Each token's document length (its last position + 1), ``[b, s]`` int64 on ``position_ids``'
+    device, from ``position_ids`` ``[b, s]`` or ``[1, s]`` and the flat ``cu_seqlens``
+    ``[n_docs + 1]`` over the ``[b * s]`` tokens of ``b`` rows of ``s``.
     """
     flat = position_ids.expand(b, s).reshape(-1)  # [t]
     cu = cu_seqlens.to(flat.device, torch.int64)

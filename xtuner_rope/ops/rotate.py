@@ -112,16 +112,9 @@ def _rotate_fused(x, cos, sin, transpose):
 
 
 def rotate(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` in fp32 with the kernel chosen by `use_fused_apply`.
-
-    Args:
-        x (torch.Tensor): q, k or a gradient, any dtype and strides.
-        cos (torch.Tensor): fp32, broadcasting against x.
-        sin (torch.Tensor): fp32, same shape as cos.
-        transpose (bool): Apply the transpose of the rotation (the backward).
-
-    Returns:
-        torch.Tensor: The rotated x in x's dtype.
+    """Rotate x `[..., h_d]` (q, k or a gradient, any dtype and strides) in fp32 with the kernel
+    `use_fused_apply` chose; cos, sin fp32 broadcasting against x; `transpose` applies the
+    transpose (the backward). Returns x's dtype.
     """
     if _fused["enabled"]:
         try:
