@@ -87,12 +87,9 @@ class _Stream:
 
 
 def _atomic_write(path: str, write, size) -> None:
-    """Write a file at ``path`` whole or not at all: a temporary name, fsync, ``os.replace``.
-
-    Args:
-        path: The final path; its folder is created if missing.
-        write: Called with the temporary file (a :class:`_Stream`); writes the content.
-        size: Called only when the write failed: the bytes the content needs.
+    """Write a file at ``path`` whole or not at all (temporary name, fsync, ``os.replace``; its
+    folder created if missing): ``write`` writes the content to the temporary :class:`_Stream`;
+    ``size``, called only when the write failed, gives the bytes it needs.
 
     Raises:
         CheckpointWriteError: The folder cannot be written or has no room; ``path`` is
@@ -151,15 +148,9 @@ def _saved_size(obj, torch_save_kwargs: dict) -> int:
 
 
 def save_atomically(obj, path: str, **torch_save_kwargs) -> None:
-    """``torch.save(obj)`` streamed into a temporary file, fsynced, renamed to ``path``.
-
-    Nothing of ``obj`` is copied in memory; the size named by a failed write is counted
-    afterwards, serialising ``obj`` again into a sink that keeps nothing.
-
-    Args:
-        obj: What ``torch.save`` writes (a checkpoint dict, a DeepSpeed rank's state).
-        path: The final path; its folder is created if missing.
-        **torch_save_kwargs: Passed to ``torch.save`` (``_use_new_zipfile_serialization``).
+    """``torch.save(obj)`` streamed into a temporary file, fsynced, renamed to ``path`` (its folder
+    created if missing); nothing of ``obj`` is copied in memory, and a failed write's size is
+    counted afterwards into a sink that keeps nothing. ``torch_save_kwargs`` go to ``torch.save``.
 
     Raises:
         CheckpointWriteError: The folder cannot be written or has no room; ``path`` is

@@ -1,13 +1,10 @@
 """A DeepSpeed ZeRO checkpoint resumed on another number of processes: refused before loading.
 
-Under ZeRO 1-3, DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and
-records ``dp_world_size``; resumed on another number it stops with ``ZeRORuntimeException``
-after the model, the data and the engine are built. Its universal checkpoint reads Adam's state
-only and is not verified with MMEngine's layout, so it is not offered.
-:func:`refuse_other_world_size` runs where ``--resume`` first reads the checkpoint and in
-auto-resume: it names both numbers, the command that resumes on the saved one, and DeepSpeed's
-``zero_to_fp32`` for a new run from the weights. A plain MMEngine checkpoint resumes on any
-number of processes.
+DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and stops with
+``ZeRORuntimeException`` on another number, after everything is built (its universal checkpoint
+reads Adam's state only: not offered). :func:`refuse_other_world_size` (``--resume`` and
+auto-resume) names both numbers, the command on the saved one, and ``zero_to_fp32`` for a new
+run from the weights. A plain MMEngine checkpoint resumes on any number.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Every patch xtuner-rope applies to a third-party package, in one place: this package.
 
-One module per third party and gap (docs/compat.md lists them); ``mmengine_config`` reads
-MMEngine's private config dict in one place, ``versions`` holds the supported torch and
-DeepSpeed releases, ``devices`` what this machine lacks. Each patch has a record
-(``records.RECORDS``) and runs in a guard (``guard.run_guarded``): outside its versions, with a
-probed name missing, or if it raises, it is skipped with one ``guard.CompatPatchSkipped``
-warning, and the start-up refuses the configs that need its feature (``config.patch_needs``).
-
-A patch function returns True once applied (False where its gap is not here), and the guard
-remembers it. This module holds what applies them: :func:`apply` (idempotent, never raises;
-run by ``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
+One module per third party and gap (docs/compat.md lists them), besides ``mmengine_config``,
+``versions`` and ``devices``. Each patch has a record (``records.RECORDS``) and runs in a guard
+(``guard.run_guarded``): outside its versions, with a probed name missing, or if it raises, it is
+skipped with one ``CompatPatchSkipped`` warning and the start-up refuses the configs that need
+it. A patch function returns True once applied, False where its gap is not here. This module
+holds :func:`apply` (idempotent, never raises), :func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations

@@ -44,18 +44,16 @@ class PatchRecord:
 
     Attributes:
         name: The patch function's name (``patch_checkpoint_writes``).
-        versions: Distribution -> PEP 440 versions it was written for; a distribution not
-            installed means the gap cannot occur.
-        probes: What the patch reads or replaces (``"module"`` or ``"module:Attr.attr"``); all
-            must resolve before it runs.
+        versions: Distribution -> PEP 440 versions it was written for (not installed: no gap).
+        probes: What it reads or replaces (``"module"`` or ``"module:Attr.attr"``), all resolved
+            before it runs.
         feature: The user-visible feature it serves (named in the warning and the refusal).
         symptom: What goes wrong without it (short; docs/compat.md has the long story).
         when: Where the gap can exist at all (``cpu_only``); None: everywhere.
         probe_note: Why ``probes`` is empty, where the patch finds its own target.
-        needs: ``(the configs that need the feature, in words; a condition's name in
+        needs: ``(configs that need the feature, in words; a condition of
             config.patch_needs.CONDITIONS)``: refused where the patch was skipped.
-        not_refused: Why a config is never refused for its absence. Exactly one of ``needs`` and
-            ``not_refused`` is given.
+        not_refused: Why no config is refused for its absence (exactly one of the two is given).
     """
 
     name: str

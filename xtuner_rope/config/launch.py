@@ -1,14 +1,9 @@
 """How the run is launched: DeepSpeed dtypes on a CPU-only machine, samplers that need DeepSpeed.
 
-Two launch settings fail ``xtuner train`` only after the weights are loaded; the start-up names
-them first, with the edit:
-
-- DeepSpeed fp16/bf16 resolving to enabled on a CPU-only machine (XTuner resolves ``"auto"``
-  with ``torch.cpu.is_available()``; DeepSpeed's CPU accelerator then refuses fp16). The
-  DeepSpeed config is ``strategy.config`` or ``xtuner train --deepspeed``, read from the command
-  line; the edit points at ``configs/deepspeed/zero{2,3}_fp32_cpu.json``.
-- several processes with ``InternRepoSampler`` (DeepSpeed's data-parallel group) without
-  DeepSpeed: "data parallel group is not initialized".
+Refused at start-up, with the edit, instead of after the weights load: DeepSpeed fp16/bf16
+resolving to enabled on a CPU-only machine (``strategy.config`` or ``--deepspeed``; the edit
+names ``configs/deepspeed/zero{2,3}_fp32_cpu.json``), and ``InternRepoSampler`` on several
+processes without DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Start-up findings of LLaVA configs against their vision tower (``image_tokens``, crop size).
 
-``llava_collate_fn`` plans rows on expanded lengths, each image counted as ``image_tokens``;
-``LLaVAModel`` inserts ``P = (image_size // patch_size) ** 2`` (CLS dropped, xtuner 0.2.0). Too
-small: rows longer than ``max_length`` train silently; too large: the run dies at the first
-image batch blaming ``max_length``. An image processor cropping to another size than the
-tower's fails in CLIP's position embeddings at the first step. The tower's ``config.json`` and
-``preprocessor_config.json`` are read before anything is built; a tower not readable offline
-yet is judged again by ``ValidatedRoPEHook`` before the first step.
+``llava_collate_fn``'s ``image_tokens`` must be the ``P = (image_size // patch_size) ** 2``
+``LLaVAModel`` inserts (too small: rows past ``max_length`` train silently; too large: the first
+image batch dies blaming ``max_length``), and the image processor must crop to the tower's size
+(else CLIP fails at the first step). Read from the tower's files before anything is built; a
+tower not readable offline yet is judged again by ``ValidatedRoPEHook``.
 """
 
 from __future__ import annotations

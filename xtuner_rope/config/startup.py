@@ -152,17 +152,11 @@ def _refuse_inactive(cfg: Config) -> None:
 
 
 def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
-    """``model_resource`` function: load xtuner-rope, check and prepare the config.
+    """``model_resource`` function: load xtuner-rope, check and prepare the config; returns ``path``
+    (the config's ``pretrained_model_name_or_path``) unchanged.
 
-    Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config.
-
-    Args:
-        path: The config's ``pretrained_model_name_or_path`` (returned unchanged).
-        local_only: Refuse a path that is not a local checkpoint directory (no download at
-            training time).
-
-    Returns:
-        ``path``.
+    Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config;
+    ``local_only=True`` refuses a path that is not a local checkpoint (no download in training).
 
     Raises:
         ConfigConflict: see :func:`prepare_config`.

@@ -1,12 +1,10 @@
 """A warm-up that rounds to 0 iterations: MMEngine's epoch-to-iteration conversion, named.
 
-MMEngine converts ``end=warmup_ratio * max_epochs`` (``convert_to_iter_based=True``) with
-``int(end * len(train_dataloader))``; 3% of a 30-iteration epoch is 0, and the scheduler dies
-with "end should be larger than begin" naming neither setting nor data. The conversion is
-MMEngine's documented one, so the run is refused with the setting, the dataset's length and
-the edit, once that length is known: by ``xtuner-rope doctor`` (``doctor/schedule.py``) and, in
-``xtuner train``, right before the schedulers are built (``refuse_rounded_warmup``, registered
-in ``compat.mmengine_scheduler.SCHEDULER_CHECKS`` on import).
+MMEngine converts ``end=warmup_ratio * max_epochs`` with ``int(end * len(train_dataloader))``:
+3% of a 30-iteration epoch is 0, and the scheduler dies naming neither setting nor data. The
+run is refused with the setting, the length and the edit by the doctor (``doctor/schedule.py``)
+and, in ``xtuner train``, before the schedulers are built (``refuse_rounded_warmup``, in
+``compat.mmengine_scheduler.SCHEDULER_CHECKS`` on import).
 """
 
 from __future__ import annotations

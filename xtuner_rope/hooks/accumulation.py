@@ -1,12 +1,9 @@
 """Checkpoints at accumulation-window boundaries: a resume equals the uninterrupted run.
 
-With ``accumulative_counts = K`` the optimizer steps after iterations K, 2K, ...; a checkpoint
-inside a window lacks the gradients accumulated since (neither MMEngine nor DeepSpeed saves
-them: a tiny run resumed mid-window ended 9.4e-3 away). So checkpoints land where no gradient
-is pending: the start-up raises the ``CheckpointHook`` interval to a multiple of ``K``
-(``config.accumulation``); :func:`record_window` writes to the message hub whether a window is
-open at each iteration; :func:`check_resume` refuses a checkpoint written inside an open window
-(``resume_mid_window = True`` resumes anyway, MMEngine's behaviour).
+A checkpoint inside a window of ``accumulative_counts = K`` lacks the pending gradients (a tiny
+run resumed mid-window ended 9.4e-3 away), so checkpoints land where none is pending
+(``config.accumulation``); :func:`record_window` records whether a window is open, and
+:func:`check_resume` refuses a mid-window checkpoint (``resume_mid_window = True`` resumes).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Token-weighted loss: the optimizer step is the same however dialogues are grouped.
 
-XTuner 0.2.0 returns each micro-batch's mean token loss, MMEngine divides it by the
-accumulation count, DDP and DeepSpeed average over ranks: a token weighs ``1 / (supervised
-tokens of its micro-batch)``. With :class:`TokenWeightedLossHook` the step's loss is the sum of
-all token losses of the step on all ranks over their number, at no extra pass: each
-micro-batch's mean is multiplied by its token count before backward, and at the step the
-gradients are rescaled once by ``(ranks, DeepSpeed's accumulation) / N`` (one all-reduce of one
-number; DeepSpeed ZeRO gets the factor as that step's loss scale).
-
-Preference models (DPO, ORPO, ``RewardModel``) average over pairs: there every pair of the step
-weighs the same (ORPO's NLL term weighs micro-batches by pairs; ``RewardModel``'s rank-averaged
-division is undone with one more all-reduce; DPO's ``kto_pair`` is left as XTuner weighs it).
-``loss_normalization = "dialogue"`` weighs every SFT dialogue of the step equally, from the
-logits the forward returns. The logged ``loss`` is XTuner's; ``"micro_batch"`` opts out.
+XTuner 0.2.0 returns each micro-batch's mean token loss, MMEngine divides by the accumulation
+count, DDP and DeepSpeed average over ranks: a token weighs ``1 / (supervised tokens of its
+micro-batch)``. :class:`TokenWeightedLossHook` makes the step's loss the sum of all its token
+losses (all micro-batches, all ranks) over their number, at no extra pass: each micro-batch's
+mean times its count before backward, and the gradients rescaled once at the step (one
+all-reduce of one number; DeepSpeed ZeRO gets it as that step's loss scale). Preference models
+weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues, ``"micro_batch"`` opts out.
 docs/loss.md has the details.
 """
 

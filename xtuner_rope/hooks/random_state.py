@@ -1,14 +1,10 @@
 """The random state of every process with each checkpoint: a resume draws what the run drew.
 
-MMEngine 0.10.6 saves no random state (``Runner.save_checkpoint`` stores the seed only), so a
-resumed run draws other dropout masks (LoRA, residual, attention) than the uninterrupted run.
-Before each checkpoint every process captures Python ``random``, NumPy, torch CPU and the
-current CUDA generator (gathered across ranks) into the message hub, which MMEngine's ``.pth``
-and DeepSpeed's ``client_state`` both carry. On resume each rank restores its own state in
-``before_train_epoch``; for the iteration-based loop right after MMEngine re-read the ``N``
-batches already trained. Dataloader workers are seeded from the main stream when the iterator
-is built, before the resume in both runs; past an epoch boundary their seeds differ, which is
-logged. docs/distributed.md has the details.
+MMEngine 0.10.6 saves no random state, so a resumed run draws other dropout masks. Before each
+checkpoint every rank's Python, NumPy, torch CPU and CUDA generators go into the message hub
+(which MMEngine's and DeepSpeed's checkpoints carry); on resume each rank restores its own,
+after MMEngine re-read the batches already trained. A resume past an epoch boundary seeds the
+dataloader workers differently (logged). docs/distributed.md has the details.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Document-isolating attention and validated RoPE for the transformers families.
 
-The families are one table, ``models.families.FAMILIES``. In transformers 4.48 their attention
-layers rotate q/k with the ``position_embeddings`` of the model's one rotary module, then call
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. ``patch_hf_model`` plugs in there: the
-rotary becomes ``HFValidatedRotaryEmbedding`` (fp32, checked positions), and each attention
-layer gets a config copy naming ``PACKED_ATTENTION_KEY`` (``hf_packed_attention``), while the
-model's config keeps its implementation (its masks, ``save_pretrained``); the original kernel is
-kept on the layer (``DENSE_KERNEL_ATTR``). Packed rows go through ``attention.packed_attention``;
-rows without boundaries, left-padded prompts and cached steps take the original kernel, so
-generation matches the unpatched model. Qwen2-MoE (one attention class per backend) gets
-``moe_attention_forward`` as an instance attribute instead.
+transformers 4.48's attention layers rotate q/k with the model's one rotary module and call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. ``patch_hf_model`` swaps the rotary
+for ``HFValidatedRotaryEmbedding`` and gives each layer a config copy naming
+``PACKED_ATTENTION_KEY`` (``hf_packed_attention``; the model's own config and masks unchanged,
+the original kernel kept on the layer). Packed rows go through ``attention.packed_attention``;
+rows without boundaries, left-padded prompts and cached steps through the original kernel.
+Qwen2-MoE's layers get ``moe_attention_forward`` instead.
 """
 
 from __future__ import annotations
@@ -280,12 +277,8 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
 def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
     """Give a model of a ``FAMILIES`` family the validated RoPE and document-isolating attention.
 
-    The layers are found by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's).
-    Idempotent.
-
-    Args:
-        model: The model, or a wrapper around it.
-        max_position: Optional override of the largest position id the RoPE accepts.
+    The layers are found by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's);
+    idempotent; ``max_position`` optionally overrides the largest position id the RoPE accepts.
 
     Returns:
         The number of attention layers now routed to ``hf_packed_attention``.

@@ -1,13 +1,10 @@
 """Validated RoPE for the transformers families with one rotary module per model.
 
-transformers 4.48 computes cos/sin once per forward in ``model.model.rotary_emb``, whose
-``inv_freq`` is a floating buffer (rounded to bf16 by ``model.bfloat16()`` and DeepSpeed),
-whose dynamic NTK grows for good after one long batch, and which checks no position id.
-``HFValidatedRotaryEmbedding`` replaces it: fp32 ``inv_freq`` and cos/sin from the real
-positions (yarn / llama3 scaling applied), dynamic NTK per call, a ValueError for a bad
-position id; Phi-3's ``longrope`` uses transformers' own frequencies, Cohere's layout is
-``interleaved=True``. Length-dependent frequencies go per document in packed rows
-(``models.rope_documents``).
+Upstream's ``model.model.rotary_emb`` keeps a floating ``inv_freq`` (rounded by
+``model.bfloat16()``), grows dynamic NTK for good and checks no position id.
+``HFValidatedRotaryEmbedding`` keeps fp32 ``inv_freq`` and cos/sin (scalings applied), dynamic
+NTK per call and per document, and raises for a bad position id; Phi-3's ``longrope`` uses
+transformers' own frequencies, Cohere's layout is ``interleaved=True``.
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ class HFValidatedRotaryEmbedding(nn.Module):
     """Rotary embedding of a transformers family's model (``models.families``), validated, fp32.
 
     Args:
-        config: The model's ``PretrainedConfig`` (``rope_theta``, head dim,
-            ``max_position_embeddings``, ``rope_scaling``).
+        config: The model's ``PretrainedConfig`` (theta, head dim, positions, ``rope_scaling``).
         max_position: Optional override of the position limit (see ``limit``).
         device: Device of ``inv_freq``.
         interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere).
@@ -213,15 +209,9 @@ class HFValidatedRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
-        """fp32 cos and sin for the tokens of ``x``.
-
-        Args:
-            x: ``[b, s, hidden]`` hidden states (gives b, s and the device).
-            position_ids: Integer ``[b, s]`` or ``[1, s]``; None means ``arange(s)[None]``.
-
-        Returns:
-            cos, sin ``[b, s, h_d]`` in fp32 (times the yarn attention scaling), whatever the dtype
-            of ``x`` (``patch_hf_fp32_rotation`` rotates in fp32 and returns q's dtype).
+        """fp32 cos and sin ``[b, s, h_d]`` (times the yarn attention scaling) for the tokens
+        of ``x`` ``[b, s, hidden]``, whatever its dtype, at ``position_ids`` (integer ``[b, s]`` or
+        ``[1, s]``; None: ``arange(s)[None]``).
 
         Raises:
             TypeError: position_ids not an integer tensor.
@@ -271,13 +261,12 @@ class HFValidatedRotaryEmbedding(nn.Module):
 def patch_hf_fp32_rotation(module_name: str, interleaved: bool = False) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
-    transformers 4.48's apply computes in its inputs' dtype; with the validated rotary's fp32
-    cos/sin, type promotion would make q and k fp32 (fp32 keys in the KV cache, SDPA refusing
-    mixed dtypes). The wrapper rotates with ``rope.apply_rotary_pos_emb`` and returns q's dtype
-    when cos is fp32 and q is not, and takes fp32 calls where its Triton kernel runs; every other
-    call goes to the original. Rebound wherever the original is bound by name (XTuner's
-    ``dispatch/``). Cohere (``interleaved=True``) upcasts itself: only the calls the Triton kernel
-    serves are taken. Called by ``models.dispatch.patch_model``.
+    transformers 4.48's apply computes in its inputs' dtype; with fp32 cos/sin, type promotion
+    would make q and k fp32 (fp32 keys in the KV cache, SDPA refusing mixed dtypes). The wrapper
+    rotates with ``rope.apply_rotary_pos_emb`` and returns q's dtype (and takes the fp32 calls its
+    Triton kernel serves); every other call goes to the original, rebound wherever it is bound by
+    name (XTuner's ``dispatch/``). Cohere (``interleaved=True``) upcasts itself: only the Triton
+    kernel's calls are taken.
 
     Args:
         module_name: The family's modeling module (``"transformers.models.llama.modeling_llama"``).

@@ -113,14 +113,9 @@ def internlm2_attention_forward(
 
 
 def patch_internlm2_attention(model: nn.Module, max_position: int | None = None) -> int:
-    """Give every InternLM2 attention layer the validated RoPE and document-isolating attention.
-
-    Layers are found by class name (XTuner's and remote-code copies), inside any wrapper.
-    Idempotent.
-
-    Args:
-        model: Any module containing InternLM2 attention layers.
-        max_position: Optional override of the largest position id the RoPE accepts.
+    """Give every InternLM2 attention layer of ``model`` the validated RoPE and document-isolating
+    attention (classes found by name, XTuner's and remote-code copies, inside any wrapper;
+    idempotent); ``max_position`` optionally overrides the largest position id the RoPE accepts.
 
     Returns:
         The number of InternLM2 attention layers now carrying the patch.

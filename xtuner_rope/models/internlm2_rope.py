@@ -226,14 +226,13 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids=None, seq_len=None, dtype=None):
-        """cos and sin for `x`, by position ids (current InternLM2) or by length (old code).
-
-        Layers asking for the same position ids and dtype in one forward share the tensors.
+        """cos and sin for `x`, by position ids (current InternLM2) or by length (old code); layers
+        asking for the same ids and dtype in one forward share the tensors.
 
         Args:
             x (torch.Tensor): value_states `[b, n_kv, s, h_d]`; gives device, b, s (and dtype).
             position_ids (torch.Tensor, optional): Integer `[b, s]` or `[1, s]`; None means
-                `arange(s)[None]`. A Python int is taken as `seq_len` (old positional call).
+                `arange(s)[None]`; a Python int is taken as `seq_len` (old positional call).
             seq_len (int, optional): Old signature: rows 0..seq_len-1 of the tables.
             dtype (torch.dtype, optional): Of cos and sin (computed in fp32); None: x's.
 

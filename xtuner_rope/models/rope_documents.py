@@ -1,13 +1,10 @@
 """Where the documents of a rotary call are, so length-dependent RoPE goes per document.
 
-Dynamic NTK and LongRoPE choose their frequencies from the length served
-(``ops.rope_documents``). The validated rotaries ask :func:`rotary_document_lengths` for each
-token's document length when a call reaches past the threshold: the boundaries published for
-the batch, else position-id resets (transformers families: only where every row starts at 0);
-under sequence parallel the full row's lengths (``sequence_parallel.shard_rows``). A padded row
-is a document of its real length, read from its decoder's 2-D ``attention_mask``
-(:func:`install_row_lengths`). Nothing to go by (KV cache, one unpadded sequence): None, and the
-rotary keeps upstream's choice. ``set_per_document_rope(model, False)`` turns it off.
+The validated rotaries ask :func:`rotary_document_lengths` for each token's document length
+(``ops.rope_documents``): the published boundaries, else position-id resets, under sequence
+parallel the full row's; a padded row is a document of its real length
+(:func:`install_row_lengths`). Nothing to go by (KV cache): None, upstream's per-call choice.
+``set_per_document_rope(model, False)`` turns it off.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Family-free packed attention: where the documents of a batch are, and attention within each.
+"""Family-free packed attention: each document of a packed row attends only to itself.
 
-Each document of a packed row attends only to itself; the boundaries come from the collator's
-``cumulative_len`` (published by ``PackedBatchCheckHook``) or from ``position_ids`` resets.
-Backends: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16); else torch's
-``varlen_attn`` (torch >= 2.10, CUDA, fp16/bf16; looked up through :func:`varlen_kernel`, the
-tests' seam); otherwise SDPA (or eager softmax) over the documents re-padded into length
-buckets (``ops.document_plan``: each padded by less than 12.5%), so the cost grows with the sum
-of squared document lengths and no ``[s, s]`` mask is built. Rows without boundaries take the
-family's own dense path.
+Backends (:func:`packed_backend`): flash-attn's varlen kernel (CUDA, fp16/bf16); torch's
+``varlen_attn`` (torch >= 2.10; :func:`varlen_kernel`, the tests' seam); else SDPA (or eager
+softmax) over the documents re-padded into length buckets (``ops.document_plan``), so the cost
+grows with the sum of squared document lengths and no ``[s, s]`` mask is built.
 """
 
 from __future__ import annotations

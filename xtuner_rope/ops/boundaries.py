@@ -25,7 +25,7 @@ def check_flat_boundaries(cu: object, b: int, s: int, source: str) -> torch.Tens
         ``[n_docs + 1]`` int64 boundaries on the CPU.
 
     Raises:
-        TypeError: not integer; ValueError: any of the rules above is broken.
+        TypeError: not integer; ValueError: a rule above is broken.
     """
     fix = (
         "Publish the current batch's boundaries each iteration and reset them to None "

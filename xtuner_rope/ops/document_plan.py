@@ -1,11 +1,8 @@
 """Where the documents of a packed batch are: the plan every packed-attention backend reads.
 
-The boundaries come from the host (the collate function's ``cumulative_len``, published by
-``PackedBatchCheckHook``): ``max_seqlen`` is a host int and ``cu_seqlens`` goes to the device in
-one non-blocking copy, so a CUDA forward never waits here (``set_sync_debug_mode("error")``
-passes). Device boundaries and position resets are read from their host copies
-(``ops.host_copies``), else read back once per forward. The SDPA/eager length buckets are built
-on first use only.
+Host boundaries give a host ``max_seqlen`` and one non-blocking copy of ``cu_seqlens``: a CUDA
+forward never waits here. Device boundaries and position resets are read from their host copies
+(``ops.host_copies``), else once per forward. The SDPA/eager buckets are built on first use.
 """
 
 from __future__ import annotations
@@ -179,8 +176,8 @@ def document_plan(
 ) -> DocumentPlan | None:
     """The document layout of this forward: published boundaries first, then position resets.
 
-    Published boundaries are checked (``check_flat_boundaries``) once per tensor, not per layer;
-    on the CPU they are planned without reading anything back, and ``position_ids`` are not read.
+    Published boundaries are checked (``check_flat_boundaries``) once per tensor; on the CPU they
+    are planned without a device read, and ``position_ids`` are not read.
 
     Args:
         position_ids: ``[b, s]`` or ``[1, s]`` positions, or None.
@@ -191,8 +188,7 @@ def document_plan(
 
     Raises:
         TypeError: the published ``cumulative_len`` is not integer.
-        ValueError: it does not describe this ``[b, s]`` batch, is unordered, or runs a
-            document across rows.
+        ValueError: it does not describe this ``[b, s]`` batch.
     """
     cu = published
     if cu is not None:

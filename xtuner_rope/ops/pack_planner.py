@@ -1,12 +1,9 @@
 """Best-fit decreasing over item lengths, equal lengths placed in bulk.
 
-BFD takes the items longest first and puts each into the row with the least free room that
-still fits it. Items of one length ``L`` come consecutively, and the best-fit row with room
-``r`` takes ``r // L`` of them at once; rows of equal room are kept together in one bucket. So
-the cost is per (length, bucket) pair, not per item (``O(n log n)`` with all-distinct lengths).
-Rows with room ``>= L`` sit in a min-heap (*fitting*), the others in a max-heap (*waiting*); the
-rows are those of placing items one at a time, ties by index, among equal rooms the row that
-reached that room last.
+Items of one length ``L`` come consecutively, and the best-fit row with room ``r`` takes
+``r // L`` of them at once; rows of equal room share a bucket. The cost is per (length, bucket)
+pair, ``O(n log n)`` at worst. Rows with room ``>= L`` sit in a min-heap (*fitting*), the others
+in a max-heap (*waiting*); the rows are those of placing items one at a time (ties by index).
 """
 
 from __future__ import annotations

@@ -156,9 +156,8 @@ def lay_out_rows(
         ignore_index: Label of the padding and of each sample's first token.
 
     Returns:
-        ``input_ids`` / ``labels`` / ``attention_mask`` (bool) / ``position_ids`` ``[b, s]``,
-        ``cumulative_len`` (``b`` int32 tensors ``0 .. s``, the padding its own segment) and
-        ``max_seqlen`` (the longest segment).
+        ``input_ids`` / ``labels`` / ``attention_mask`` / ``position_ids`` ``[b, s]``,
+        ``cumulative_len`` (``b`` int32 ``0 .. s``, padding its own segment), ``max_seqlen``.
     """
     s = max(sum(samples[i][0].numel() for i in row) for row in plan)
     b = len(plan)

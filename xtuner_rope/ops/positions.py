@@ -42,7 +42,7 @@ def _first(position_ids, mask):
 def check_position_ids(
     position_ids, batch, seq_len, limit=None, limit_desc="", advice="", known_range=None
 ):
-    """Check position ids before they index anything; return their (min, max).
+    """Check position ids before they index anything; return their (min, max) (0, -1 when empty).
 
     Args:
         position_ids (torch.Tensor): Integer positions `[b, s]`, b == 1 or `batch`.
@@ -53,9 +53,6 @@ def check_position_ids(
         advice (str): What to do about a position beyond `limit`, for the error message.
         known_range (tuple[int, int], optional): (min, max) known on the host: returned within
             `limit` without reading the ids; beyond it, the ids are read to name the culprit.
-
-    Returns:
-        tuple[int, int]: Smallest and largest position (0, -1 when empty).
 
     Raises:
         TypeError: position_ids is not an integer tensor.

@@ -55,17 +55,11 @@ FP32_EXACT_POSITIONS = 1 << 24
 
 
 def cos_sin_at(position_ids, inv_freq, hi, divisor=None):
-    """fp32 cos and sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`.
+    """fp32 cos and sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`, from fp32
+    `inv_freq` `[h_d/2]` (positions divided by `divisor` first: linear scaling).
 
-    Below `FP32_EXACT_POSITIONS` the angles are fp32, as the reference computes them; beyond,
-    fp32 cannot hold every position (cos/sin off by up to ~1 under dynamic NTK), so the angles
-    are computed in fp64 from the same fp32 `inv_freq`.
-
-    Args:
-        position_ids (torch.Tensor): Integer positions `[...]`.
-        inv_freq (torch.Tensor): fp32 inverse frequencies `[h_d/2]`.
-        hi (int): The largest position.
-        divisor (float, optional): Positions are divided by it first (linear scaling).
+    Below `FP32_EXACT_POSITIONS` the angles are fp32, as the reference computes them; beyond, fp32
+    cannot hold every position, so they are computed in fp64 from the same `inv_freq`.
     """
     dtype = torch.float32 if hi < FP32_EXACT_POSITIONS else torch.float64
     positions = position_ids.to(dtype)
@@ -171,23 +165,20 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, int
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
     On CUDA one Triton kernel rotates q and k (`ops.rope_triton`); elsewhere the eager kernel of
-    `ops.rotate` (or its `torch.compile` version, `use_fused_apply`).
+    `ops.rotate` (or its `torch.compile` version, `use_fused_apply`). No gradient into cos/sin.
 
     Args:
         q (torch.Tensor): Queries `[b, n_h, s, h_d]` (`[b, s, n_h, h_d]` with unsqueeze_dim=2).
         k (torch.Tensor): Keys `[b, n_kv, s, h_d]` (or `[b, s, n_kv, h_d]`).
         cos (torch.Tensor): `[b, s, rot]`, or `[L, rot]` tables of older remote code (rows picked
-            by position_ids, 0..s-1 when None). rot is h_d, or an even rotary dim < h_d (partial
-            rotary: the rest pass).
+            by position_ids, 0..s-1 when None); rot is h_d, or an even dim < h_d (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, rot]` tables.
         unsqueeze_dim (int): Heads dim of q/k.
-        interleaved (bool): Rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
-            (Cohere) instead of (i, i + rot/2).
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes (no gradient
-        into cos/sin).
+        tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes.
 
     Raises:
         TypeError: q, k, cos or sin not a floating-point tensor.

@@ -49,7 +49,7 @@ def per_token_inv_freq(
     inv_freq_of: Callable[[int], torch.Tensor],
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]``.
+    """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]`` on ``device``.
 
     Documents up to ``threshold`` tokens keep ``base_inv_freq``; each longer length gets
     ``inv_freq_of(length)`` (once per distinct length).
@@ -59,11 +59,8 @@ def per_token_inv_freq(
         base_inv_freq: ``[h_d/2]`` fp32 frequencies of the short documents.
         threshold: The longest length that keeps ``base_inv_freq``.
         inv_freq_of: Length -> ``[h_d/2]`` fp32 frequencies upstream uses for that length.
-        device: Where the result goes (default: ``lengths``' device); CPU lengths are grouped
-            without a device sync.
-
-    Returns:
-        ``[b, s, h_d/2]`` fp32, on ``device``.
+        device: Where the result goes (default: ``lengths``' device; CPU lengths are grouped
+            without a device sync).
     """
     device = lengths.device if device is None else torch.device(device)
     distinct, index = torch.unique(lengths, return_inverse=True)  # [n_distinct], [b, s]

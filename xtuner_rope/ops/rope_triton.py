@@ -1,19 +1,11 @@
 """The Triton RoPE apply: q and k rotated in one launch, forward and backward (CUDA default).
 
-``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active`: CUDA tensors and
-Triton importable, unless ``use_triton_apply(False)`` or ``XTUNER_ROPE_TRITON=0``; on the CPU,
-and inside ``torch.compile``, the eager kernel of ``ops.rotate`` rotates.
-``XTUNER_ROPE_TRITON_INTERPRET=1`` runs the kernel on CPU tensors under Triton's interpreter
-(tests; set it before the first rotary apply of the process, Triton picks at decoration).
-
-A kernel that cannot run never stops training: without Triton, or after a failed launch, one
-warning and the eager kernel takes over for the rest of the process (the backward of that call
-included); CUDA out-of-memory is re-raised. ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises every
-failure (the kernel tests). :func:`interpreter_fault` probes the interpreter first: Triton 3.0.0
-with NumPy 2 loads garbage, and the CPU tensors then rotate eagerly with one warning.
-
-The kernel reads fp32 cos/sin per token (``[b or 1, s, rot]`` from ``rope.cos_sin_at``) and
-rotates in fp32 registers; Triton is imported lazily (``ops.rope_triton_kernel``).
+``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active` (CUDA, Triton
+importable, not switched off by ``use_triton_apply(False)`` / ``XTUNER_ROPE_TRITON=0``, no
+``torch.compile`` trace); ``XTUNER_ROPE_TRITON_INTERPRET=1`` interprets it on CPU tensors
+(tests). A kernel that cannot run never stops training: one warning and the eager kernel takes
+over for the process (CUDA out-of-memory re-raised; ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises
+all). fp32 cos/sin per token (``rope.cos_sin_at``), rotated in fp32 registers.
 """
 
 import contextlib
@@ -316,8 +308,8 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
         interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes, laid out
-        `[b, s, n, h_d]` whatever the inputs' strides.
+        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated in their dtypes, laid out
+        `[b, s, n, h_d]`.
 
     Raises:
         torch.cuda.OutOfMemoryError: Memory ran out (the kernel stays on).

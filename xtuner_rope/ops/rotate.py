@@ -149,7 +149,7 @@ def halves_to_pairs(x, rot):
 
 
 def rotate_heads(x, cos, sin, unsqueeze_dim, transpose, interleaved=False):
-    """Rotate the heads of q, k or a gradient (or apply the transpose) with `rotate`.
+    """Rotate the heads of q, k or a gradient ``x`` (or apply the transpose) with `rotate`.
 
     Args:
         x (torch.Tensor): `[b, n, s, h_d]` (unsqueeze_dim 1) or `[b, s, n, h_d]` (2).

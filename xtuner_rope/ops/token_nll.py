@@ -19,8 +19,7 @@ def document_nll(
 
     Args:
         logits: ``[s, V]`` the row's logits.
-        labels: ``[s]`` labels aligned with the inputs (``-100``: not supervised); the shift
-            happens here, per document.
+        labels: ``[s]`` labels aligned with the inputs (``-100``: not supervised).
         bounds: ``[n + 1]`` int document starts, 0 first and ``s`` (or the last real token + 1)
             last, strictly increasing.
 

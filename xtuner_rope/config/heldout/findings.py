@@ -1,12 +1,9 @@
 """Start-up findings of the held-out evaluation (``TokenLossMetric`` or ``PreferenceMetric``).
 
-The held-out rows get what the train rows get, so each dialogue's loss is whole and alone: a
-packing dataset becomes ``heldout_process_hf_dataset``; ``default_collate_fn`` keeps the
-boundaries (``rope_collate_fn`` under sequence parallel); the sampler is
-``DefaultSampler(shuffle=False)`` (the order in which ``collect_results`` drops repeats);
-``TokenLossMetric`` gets the tokenizer, ``HeldOutCurvesHook`` is added. Refused before a weight
-loads: a missing or empty data file, a ``val_interval`` beyond ``max_iters``, a metric on a
-model it cannot serve (``models``).
+The held-out rows get what the train rows get, each dialogue whole and alone
+(``heldout_process_hf_dataset``, boundaries kept, ``DefaultSampler(shuffle=False)``,
+``HeldOutCurvesHook`` added); refused before a weight loads: a missing or empty data file, a
+``val_interval`` beyond ``max_iters``, a metric on a model it cannot serve (``models``).
 """
 
 from __future__ import annotations
