@@ -29,17 +29,12 @@ def _forget_failed_bitsandbytes_import() -> bool:
 
 
 def patch_bitsandbytes_triton_probe() -> bool:
-    """Let bitsandbytes 0.45 import next to a triton without ``triton.ops``.
+    """Let bitsandbytes 0.45 (xtuner 0.2.0's pin) import next to a triton without ``triton.ops``.
 
-    xtuner 0.2.0 pins ``bitsandbytes==0.45.0``, whose optional int8 triton kernels import
-    ``triton.ops``, removed in triton 3.2: ``import bitsandbytes`` fails ("No module named
-    'triton.ops'") and takes every LoRA/QLoRA ``get_peft_model`` with it. bitsandbytes' own probe
-    (``triton_utils.is_triton_available``) is answered False, which turns off only those kernels
-    (4-bit QLoRA does not use them). The submodules a failed import left in ``sys.modules`` (peft
-    half-imports bitsandbytes first) are dropped so the next import starts clean.
-
-    Returns:
-        True if applied (triton lacks ``triton.ops`` and bitsandbytes is not fully imported).
+    Its optional int8 triton kernels import ``triton.ops`` (gone in triton 3.2), failing every
+    LoRA/QLoRA ``get_peft_model``. Its own probe (``triton_utils.is_triton_available``) answers
+    False (4-bit QLoRA does not use them), after dropping what a failed import left in
+    ``sys.modules``. False where triton has ``triton.ops`` or bitsandbytes is fully imported.
     """
     name = "bitsandbytes.triton.triton_utils"
     if "bitsandbytes" in sys.modules or not triton_lacks_ops():

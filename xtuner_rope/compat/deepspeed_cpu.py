@@ -91,15 +91,11 @@ def _waits_only_for_last_gather(method) -> bool:
 def patch_deepspeed_zero3_cpu_gather() -> bool:
     """Make ZeRO-3's coalesced parameter gather wait for every all-gather on the CPU accelerator.
 
-    deepspeed 0.19.6 ``Init._allgather_params_coalesced`` starts one async all-gather per
-    parameter and waits on the last handle only; gloo runs them out of order on background
-    threads, so a rank reads parameters not yet written (2-process ZeRO-3 on CPU drifts;
-    ``tools/repro/zero3_gather.py``). DeepSpeed PR #8539 waits for every handle, in releases
-    mmengine 0.10.6 cannot import: the module's ``dist`` records the handles, and the method
-    returns once each is waited.
-
-    Returns:
-        True if applied (the CPU accelerator, without the upstream fix).
+    deepspeed 0.19.6 ``Init._allgather_params_coalesced`` waits on the last handle only; gloo runs
+    the gathers out of order, so a rank reads parameters not yet written (``tools/repro/
+    zero3_gather.py``; fixed by DeepSpeed PR #8539, in releases mmengine 0.10.6 cannot import). The
+    module's ``dist`` records the handles, and the method returns once each is waited. False off
+    the CPU accelerator or with the upstream fix.
     """
     import deepspeed.runtime.zero.partition_parameters as zero3
     from deepspeed.accelerator import get_accelerator

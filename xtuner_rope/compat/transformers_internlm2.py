@@ -88,12 +88,10 @@ def patch_internlm2_generation_from_embeds() -> bool:
     """Let InternLM2's modeling code generate from ``inputs_embeds`` under transformers 4.48.0.
 
     ``generate()`` hands the first step an empty ``DynamicCache``, and InternLM2's
-    ``prepare_inputs_for_generation`` (hub code, and XTuner 0.2.0's copy) feeds ``inputs_embeds``
-    only when ``past_key_values is None``: the empty ``[b, 0]`` ids go in instead and the model dies
-    ("The size of tensor a (0) must match ..."; XTuner's ``EvaluateChatHook`` with
-    ``evaluation_images``). The step gets its ``inputs_embeds`` while the cache is empty; every
-    other step is untouched. Applied to the InternLM2 ``*ForCausalLM`` classes with that check:
-    XTuner's copies now, remote-code classes when ``transformers`` loads them.
+    ``prepare_inputs_for_generation`` feeds ``inputs_embeds`` only without a cache: the empty ids
+    go in and the model dies (XTuner's ``EvaluateChatHook`` with ``evaluation_images``). The step
+    gets its ``inputs_embeds`` while the cache is empty, in XTuner's copies now and in remote-code
+    classes when ``transformers`` loads them.
     """
     import transformers.dynamic_module_utils as dynamic
 

@@ -7,15 +7,11 @@ import functools
 
 
 def patch_llava_expansion_check(model, max_position: int | None) -> bool:
-    """Check the sequence a LLaVA model's LLM really sees, after the image expansion.
+    """Check the sequence a LLaVA ``model``'s LLM really sees, after the image expansion.
 
-    xtuner 0.2.0 expands each image placeholder in ``prepare_inputs_labels_for_multimodal`` (a
-    module global of ``xtuner.model.llava``), where the per-batch checks never look. That function
-    is wrapped so its output goes through ``models.llava.check_expanded_batch``; ``max_position``
-    is updated per call.
-
-    Returns:
-        True if ``model`` holds a ``LLaVAModel`` (the check is on), else False.
+    xtuner 0.2.0 expands each image placeholder in ``prepare_inputs_labels_for_multimodal``, where
+    the batch checks never look: its output goes through ``models.llava.check_expanded_batch``
+    (``max_position`` updated per call). True if ``model`` holds a ``LLaVAModel``, else False.
     """
     if not any(type(m).__name__ == "LLaVAModel" for m in model.modules()):
         return False

@@ -109,14 +109,10 @@ def patch_set_model_resource_llm_path() -> bool:
 def keep_other_model_paths(cfg, returned: str) -> bool:
     """Stop xtuner 0.2.0 ``set_model_resource`` overwriting the paths of other models.
 
-    XTuner writes ``fn``'s result into every nested ``pretrained_model_name_or_path``: in a LLaVA
-    config the CLIP encoder's and the image processor's become the LLM's (``OSError: ...
-    preprocessor_config.json``). Where a top-level ``*_name_or_path`` names another model, the
-    write-back is done here for the other paths and XTuner's walk is skipped, once, by an empty
-    ``items()``. Call from inside ``fn``; nothing is done when ``fn`` returns another path.
-
-    Returns:
-        True if the write-back was done here and XTuner's will be skipped.
+    XTuner writes ``fn``'s result into every nested ``pretrained_model_name_or_path`` (a LLaVA
+    config's CLIP and image processor too: ``OSError``). Where a top-level ``*_name_or_path`` names
+    another model, the write-back is done here and XTuner's walk skipped once (an empty
+    ``items()``). Call from inside ``fn``; True if done, False when ``fn`` returns another path.
     """
     top = config_dict(cfg)
     path = dict.get(top, "pretrained_model_name_or_path")

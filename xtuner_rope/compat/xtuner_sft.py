@@ -78,12 +78,9 @@ def patch_xtuner_train_sequence_parallel_check() -> bool:
     """Lift ``xtuner train``'s flash-attn requirement for sequence parallel where xtuner-rope serves.
 
     xtuner 0.2.0 ``tools/train.py`` ``check_cfg`` asserts flash-attn whenever
-    ``sequence_parallel_size > 1`` ("`flash_attn` is required ..."). With the config prepared by
-    ``enable_xtuner_rope`` the plugin's attention serves sequence parallel on every backend: the
-    check runs with that requirement lifted (logged), XTuner's DeepSpeed requirement kept.
-
-    Returns:
-        True if applied (``xtuner/tools/train.py`` is running in this process).
+    ``sequence_parallel_size > 1``; with a config ``enable_xtuner_rope`` prepared, the check runs
+    with that requirement lifted (logged) and XTuner's DeepSpeed requirement kept. True if applied
+    (``xtuner/tools/train.py`` is running in this process).
     """
     # No probe can name the running train.py (``probe_note``): the wrapper is recognised here.
     modules = [m for m in _xtuner_train_modules() if not hasattr(m.check_cfg, "xtuner_rope_sp")]

@@ -209,16 +209,10 @@ def _launcher(argv: list[str]) -> str:
 def single_process_deepspeed_findings(
     cfg: Config, argv: list[str] | None = None, environ: dict | None = None
 ) -> list[Finding]:
-    """``xtuner train CFG --deepspeed X.json`` in one process, without a launcher: a fix.
-
-    Without torchrun's variables DeepSpeed looks for MPI ("No module named 'mpi4py'") once the
-    model is built; the fix gives this process a one-process torchrun's variables (a free
-    ``MASTER_PORT``). Only inside ``xtuner train``.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``).
-        environ: The environment to read and fix (default ``os.environ``).
+    """``xtuner train CFG --deepspeed X.json`` in one process without a launcher: a fix giving this
+    process a one-process torchrun's variables (a free ``MASTER_PORT``), as DeepSpeed would look
+    for MPI once the model is built. Only inside ``xtuner train``; ``argv`` defaults to
+    ``sys.argv``, ``environ`` (read and fixed) to ``os.environ``.
     """
     argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ

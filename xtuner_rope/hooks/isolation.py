@@ -42,14 +42,13 @@ DATA_BATCH = Optional[Union[dict, tuple, list]]
 class ValidatedRoPEHook(Hook):
     """Give the model the validated fp32 RoPE and document-isolating attention of its family.
 
-    Runs before training, validation and testing (idempotent), after the runner wrapped the model
-    (DDP / DeepSpeed / PEFT); a model of no supported family is refused. In a runner whose config
-    ``enable_xtuner_rope`` did not prepare, it refuses to start (the plugin was loaded too late).
+    Runs before training, validation and testing (idempotent), after the runner wrapped the
+    model; refuses a model of no supported family, and a config ``enable_xtuner_rope`` did not
+    prepare (the plugin was loaded too late).
 
     Args:
         max_position: Optional override of the largest position the RoPE accepts.
-        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (process-wide,
-            ``xtuner_rope.ops.rope.use_fused_apply``).
+        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (``use_fused_apply``).
     """
 
     # Before every default hook (RuntimeInfo is 10): the model is patched before anything runs it.
@@ -119,12 +118,10 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
 class PackedBatchCheckHook(Hook):
     """Check every train/val batch on the CPU, then publish its document boundaries.
 
-    Before each iteration ``check_packed_batch`` runs on ``data_batch['data']``; ``cumulative_len``
-    and ``max_seqlen`` are popped (the HF forward does not take them) and published in
-    ``MessageHub.get_instance('varlen_attn_args')`` (XTuner's keys, one flat int32 tensor over the
-    ``[b * s]`` tokens), reset after the iteration. A packed config's train batch without any
-    boundary (:func:`refuse_unbounded_packing`), and under sequence parallel one XTuner's split
-    cannot cut, stops the run.
+    ``check_packed_batch`` runs on ``data_batch['data']``; ``cumulative_len`` and ``max_seqlen``
+    are popped (the HF forward does not take them) and published in XTuner's ``MessageHub``
+    convention (``models.channel``), reset after the iteration. A packed config's train batch
+    without any boundary, or one XTuner's sequence-parallel split cannot cut, stops the run.
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.

@@ -34,12 +34,9 @@ PAIR_MODELS = ("DPO", "ORPO", "RewardModel")
 
 
 class PackingMetricsHook(Hook):
-    """Log documents per row, real-token share, longest document, largest position id, and the
-    running count of unsupervised documents (``pairs_per_row`` too for DPO / ORPO / reward).
-
-    Each figure is aggregated over the logging window by this hook (ratios of the window's sums,
-    maxima, the run's running total continued on resume) and written as ``train/<name>`` scalars
-    into ``runner.message_hub`` before each iteration; the batch is not edited.
+    """Log documents per row, real-token share, longest document, largest position id and the
+    running count of unsupervised documents (``pairs_per_row`` for DPO / ORPO / reward), each
+    aggregated over the logging window, as ``train/<name>`` scalars of ``runner.message_hub``.
 
     Args:
         window: iterations per window; default: the LoggerHook's interval.
@@ -109,13 +106,11 @@ def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 class NonFiniteTripwireHook(Hook):
     """Stop training at the first non-finite loss or gradient norm, before the weights change.
 
-    The loss tensors (a forward hook) and the total gradient norm are checked right before
-    ``optimizer.step`` (a step pre-hook, after MMEngine's clipping): one device sync per step;
-    iterations without a step, and DeepSpeed's optimizers, are checked in ``after_train_iter``.
-    On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the CPU batch, its boundaries,
-    iteration, seed, config; :mod:`xtuner_rope.outputs.replay`) and
-    ``nonfinite_iter<k>_weights.pt``, then raises :class:`NonFiniteError` naming both and the
-    replay command.
+    Checked right before ``optimizer.step`` (after MMEngine's clipping; one device sync a step),
+    else in ``after_train_iter`` (no step, DeepSpeed). On failure it writes
+    ``<work_dir>/nonfinite_iter<k>.pt`` (the batch and its provenance, for
+    :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``, then raises
+    :class:`NonFiniteError` naming both and the replay command.
 
     Args:
         save_weights: also save the model's weights (off for models too large to copy, e.g.

@@ -16,11 +16,8 @@ __all__ = ["best_fit_decreasing"]
 
 
 def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Group whole items into rows of at most ``max_length`` tokens by best-fit decreasing.
-
-    Args:
-        lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (checked by the caller).
-        max_length: Capacity of a row in tokens, any positive integer.
+    """Group whole items (``lengths`` ``[n]``, each in ``[1, max_length]``, checked by the
+    caller) into rows of at most ``max_length`` tokens by best-fit decreasing.
 
     Returns:
         ``(items, row_offsets)``: ``[n]`` int64 item indices row after row (index order within a

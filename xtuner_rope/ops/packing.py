@@ -205,11 +205,9 @@ def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> l
     """Group whole items into as few rows of at most ``max_length`` tokens as best-fit decreasing
     finds: the one row planner of every packing (collate time and offline).
 
-    With ``level``, the items are then spread over that many rows, longest first into the
-    shortest row, so the rows come out about equally long (every row of a batch is padded to the
-    longest); the BFD rows are kept where levelling would overflow or lengthen the longest row.
-    Deterministic (ties by index); each row lists its items in their original order;
-    ``O(n log n)``.
+    With ``level`` the items are then spread over that many rows, longest first into the shortest
+    (every row of a batch is padded to the longest), unless that overflows or lengthens the longest
+    row. Deterministic (ties by index); rows list their items in original order; ``O(n log n)``.
 
     Args:
         lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (a list or a 1-D array).

@@ -83,15 +83,9 @@ def orpo_pair_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """XTuner's ORPO loss of each pair alone (the chosen mean NLL minus ``beta * logsigmoid(log odds
-    ratio)``, 0 for a NaN ratio as XTuner does), and its chosen and rejected rewards.
-
-    Args:
-        chosen: ``[p]`` average log-prob of each chosen response (over its supervised targets).
-        rejected: ``[p]`` the same for the rejected responses.
-        beta: The model's ``beta``.
-
-    Returns:
-        ``(loss, chosen_reward, rejected_reward)``, each ``[p]`` float64.
+    ratio)``, 0 for a NaN ratio as XTuner does) from ``chosen``, ``rejected`` ``[p]`` average
+    log-probs of each response, and its rewards: ``(loss, chosen_reward, rejected_reward)``, each
+    ``[p]`` float64.
     """
     chosen, rejected = chosen.double(), rejected.double()
     log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
