@@ -52,11 +52,9 @@ def _commands(path: str, saved: int) -> str:
 
 
 def refuse_other_world_size(path: str, world_size: int | None = None) -> None:
-    """Raise if ``path`` is a ZeRO checkpoint written by another number of processes.
-
-    Args:
-        path: The checkpoint to resume (a DeepSpeed folder; anything else passes).
-        world_size: This run's number of processes; :func:`current_world_size` when None.
+    """Raise if ``path`` (the checkpoint to resume; all but a DeepSpeed folder passes) is a ZeRO
+    checkpoint written by another number of processes than ``world_size`` (default:
+    :func:`current_world_size`).
 
     Raises:
         WorldSizeMismatchError: ZeRO stage >= 1 and ``dp_world_size`` differs (the message names

@@ -40,16 +40,10 @@ def _named(overrides: object) -> str:
 def recheck_config(
     cfg: Config, fixes: list[Finding] | None = None, overrides: object = None
 ) -> list[Finding]:
-    """What the start-up would say about ``cfg`` now, as conflicts only (nothing can be fixed).
-
-    Args:
-        cfg: The config that trains (``runner.cfg``, every override merged).
-        fixes: What the start-up applied (default: in this process); a finding on a fixed
-            setting says that its fix was overridden.
-        overrides: The ``--cfg-options`` given (a dict, or ``key=value`` strings), named in each.
-
-    Returns:
-        The conflicts, each with the edit; empty when the start-up's verdict still holds.
+    """What the start-up would say about ``cfg`` (``runner.cfg``, every override merged) now, as
+    conflicts only: ``fixes`` the start-up applied (default: in this process; a finding on a fixed
+    setting says its fix was overridden), ``overrides`` the ``--cfg-options`` given (a dict or
+    ``key=value`` strings, named in each). Empty when the start-up's verdict still holds.
     """
     fixed = {f.setting: f for f in (applied_fixes() if fixes is None else fixes)}
     conflicts = []

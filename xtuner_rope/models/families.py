@@ -142,14 +142,9 @@ def remote_code(auto_map: object) -> str:
 
 
 def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
-    """What a local checkpoint's ``config.json`` says about serving it.
-
-    Args:
-        path: ``pretrained_model_name_or_path`` of the config's LLM.
-
-    Returns:
-        None where ``config.json`` cannot be read or names no ``model_type``; else
-        ``(description, None)`` for a served family, ``(description, refusal)`` for a refused one.
+    """What the local checkpoint at ``path`` (the LLM's ``pretrained_model_name_or_path``) says
+    about serving it: None where ``config.json`` cannot be read or names no ``model_type``; else
+    ``(description, None)`` for a served family, ``(description, refusal)`` for a refused one.
     """
     config = read_checkpoint_config(path)
     if config is None or config.data is None:
