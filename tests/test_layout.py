@@ -5,17 +5,18 @@ Floors, lowest first (a module may import its own folder and any lower floor, no
     0 ops/      family-free math, torch only (importing it patches nothing)
     1 batch/    what the collate function and the batch hooks share
     2 models/   one file per family, the family dispatch (models.dispatch)
-    3 compat/   every patch of a third-party gap (the one place that patches)
-    4 data/     collate functions, lossless pack step    | same floor: neither imports
-    4 config/   the start-up, its findings, the re-check | the other
-    5 hooks/    the MMEngine hooks (isolation, monitor, loss)         | same floor: neither
-    5 evaluation/  the held-out metrics and their hook                 | imports the other
-    6 demo/     tiny checkpoints, sample data, run-log checks
-    7 doctor/   the dataset doctor (``xtuner-rope doctor``)   | same floor: neither imports
-    7 outputs/  xtuner-rope train, replay of a recorded batch, XTuner's tools  | the other
-    8 capture/  the captures of real runs, the packed-against-alone measurements
-    9 check/    ``xtuner-rope check``: runner, report, one module per kind, ``KINDS``
-   10 cli, __init__ (the public API)
+    3 checkpoints/  crash-safe checkpoints: loaded weights-only, written whole, resumed complete
+    4 compat/   every patch of a third-party gap (the one place that patches)
+    5 data/     collate functions, lossless pack step    | same floor: neither imports
+    5 config/   the start-up, its findings, the re-check | the other
+    6 hooks/    the MMEngine hooks (isolation, monitor, loss)         | same floor: neither
+    6 evaluation/  the held-out metrics and their hook                 | imports the other
+    7 demo/     tiny checkpoints, sample data, run-log checks
+    8 doctor/   the dataset doctor (``xtuner-rope doctor``)   | same floor: neither imports
+    8 outputs/  xtuner-rope train, replay of a recorded batch, XTuner's tools  | the other
+    9 capture/  the captures of real runs, the packed-against-alone measurements
+   10 check/    ``xtuner-rope check``: runner, report, one module per kind, ``KINDS``
+   11 cli, __init__ (the public API)
 
 The maintainer's tools (the config zoo ``tools/zoo/``, the sample-data generator
 ``tools/sample_data/``) live outside the package and the wheel: the package never imports
@@ -46,18 +47,19 @@ FLOORS = {
     "ops": 0,
     "batch": 1,
     "models": 2,
-    "compat": 3,
-    "data": 4,
-    "config": 4,
-    "hooks": 5,
-    "evaluation": 5,
-    "demo": 6,
-    "doctor": 7,
-    "outputs": 7,
-    "capture": 8,
-    "check": 9,
+    "checkpoints": 3,
+    "compat": 4,
+    "data": 5,
+    "config": 5,
+    "hooks": 6,
+    "evaluation": 6,
+    "demo": 7,
+    "doctor": 8,
+    "outputs": 8,
+    "capture": 9,
+    "check": 10,
 }
-TOP = 10  # the top-level modules: cli, __init__
+TOP = 11  # the top-level modules: cli, __init__
 OPS_MAY_IMPORT = {
     "torch",
     "numpy",

@@ -1,23 +1,14 @@
 """xtuner-rope: correct, crash-free RoPE and packed short-dialogue SFT for XTuner 0.x.
 
-Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)`` (see
-``xtuner_rope.config.startup``). This module is the public API: the names of ``__all__``.
+Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)``. This
+module is the public API: the names of ``__all__``.
 
 Importing a module of the package activates nothing. Activation (:func:`activate`: the
-third-party patches of ``xtuner_rope.compat``, each only where its gap exists; the hooks in
-MMEngine's ``HOOKS``, the collate functions in ``FUNCTIONS`` and the metrics in ``METRICS``, so
-configs can name them by string as well as by object; the start-up's findings) happens on one
-of three ways in, each explicit:
-
-- reading a public name of this module (``from xtuner_rope import enable_xtuner_rope`` in a
-  config: MMEngine's lazy import reads the name while XTuner's ``set_model_resource`` reads
-  ``model_resource.fn``, before XTuner builds anything);
-- a subcommand of the command line (``xtuner-rope doctor|check|convert|chat|train``);
-- calling :func:`activate` (a script or test that drives the plugin's modules directly).
-
-What activation imports is what ``xtuner train`` 's start-up needs (``config/``, ``data/``,
-``hooks/``, ``models/``, ``compat/``); the tools (``check/``, ``capture/``, ``zoo/``,
-``doctor/``, ``outputs/``) load only when a command or a test uses them.
+``compat`` patches, the hooks, collate functions and metrics in MMEngine's registries, the
+start-up's findings) happens on one of three explicit ways in: reading a public name of this
+module (``from xtuner_rope import enable_xtuner_rope`` in a config), a subcommand of the command
+line, or calling :func:`activate`. It imports what ``xtuner train``'s start-up needs; the tools
+(``check/``, ``capture/``, ``doctor/``, ``outputs/``) load only when used.
 """
 
 from __future__ import annotations

@@ -31,12 +31,8 @@ BANNERS = {
 
 
 class _KeyValues(argparse.Action):
-    """``--cfg-options k=v ...`` checked and kept as text; :func:`cfg_options` parses them.
-
-    MMEngine's ``DictAction`` parses the values at once, but importing MMEngine imports torch
-    (1.7 s): the values are parsed by that very action once the subcommand runs, so a command
-    line keeps the meaning it had with ``action=DictAction``.
-    """
+    """``--cfg-options k=v ...`` checked and kept as text; :func:`cfg_options` parses them with
+    MMEngine's ``DictAction`` once the subcommand runs (importing MMEngine takes seconds)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         bad = [value for value in values if "=" not in value]
@@ -46,15 +42,8 @@ class _KeyValues(argparse.Action):
 
 
 def cfg_options(pairs: list[str] | None) -> dict | None:
-    """``--cfg-options`` as MMEngine's ``DictAction`` gives them to ``xtuner train``.
-
-    Args:
-        pairs: The ``key=value`` texts :class:`_KeyValues` kept, or ``None`` when not given.
-
-    Returns:
-        ``{key: value}`` with values parsed as ``DictAction`` does (numbers, lists, tuples), or
-        ``None`` when the option was not given.
-    """
+    """``--cfg-options`` (the texts :class:`_KeyValues` kept) as ``DictAction`` parses them for
+    ``xtuner train``: ``{key: value}``, or None when the option was not given."""
     if pairs is None:
         return None
     from mmengine.config import DictAction
@@ -76,11 +65,8 @@ class DropBanner(logging.Filter):
 
 
 def activate_quietly() -> None:
-    """Activate the plugin (patches, registries) with :data:`BANNERS` left out of the output.
-
-    The filters sit on the named loggers while the stack is imported and are removed after, so
-    any later message of those loggers is shown as usual.
-    """
+    """Activate the plugin with :data:`BANNERS` left out of the output (filters on the named
+    loggers while the stack is imported, removed after)."""
     import xtuner_rope
 
     filters = {name: DropBanner(start) for name, start in BANNERS.items()}
@@ -100,6 +86,23 @@ def _existing_config(path: str) -> str:
     return path
 
 
+def _add_config_arguments(command: argparse.ArgumentParser, outputs: str) -> None:
+    """CONFIG, ``--out`` and ``--cfg-options``, as ``doctor`` and ``check`` take them."""
+    command.add_argument("config", type=_existing_config, help="XTuner config file")
+    command.add_argument(
+        "--out",
+        help=f"output folder for {outputs} (default: work_dirs/{command.prog.split()[-1]}/"
+        "<config stem>)",
+    )
+    command.add_argument(
+        "--cfg-options",
+        nargs="+",
+        action=_KeyValues,
+        default=None,
+        help="override config settings, key=value (as xtuner train)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtuner-rope", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -117,12 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the plugin will see: lengths, bad samples, the collate plan, settings. "
         "Exit 1 when training would fail or be silently wrong.",
     )
-    doctor.add_argument("config", type=_existing_config, help="XTuner config file")
-    doctor.add_argument(
-        "--out",
-        help="output folder for report.json and lengths.png "
-        "(default: work_dirs/doctor/<config stem>)",
-    )
+    _add_config_arguments(doctor, "report.json and lengths.png")
     doctor.add_argument(
         "--work-dir",
         help="the run's --work-dir, where checkpoint size and free space are judged "
@@ -130,13 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument(
         "--batches", type=int, default=200, help="sampler batches to collate (default: 200)"
-    )
-    doctor.add_argument(
-        "--cfg-options",
-        nargs="+",
-        action=_KeyValues,
-        default=None,
-        help="override config settings, key=value (as xtuner train)",
     )
     doctor.add_argument(
         "--deepspeed",
@@ -163,12 +154,7 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
         "(logits, loss, gradients) and patched with unpatched generation. "
         "Exit 1 when documents are not isolated or results differ.",
     )
-    check.add_argument("config", type=_existing_config, help="XTuner config file")
-    check.add_argument(
-        "--out",
-        help="output folder for report.json and the runner's log "
-        "(default: work_dirs/check/<config stem>)",
-    )
+    _add_config_arguments(check, "report.json and the runner's log")
     check.add_argument("--batches", type=int, default=1, help="batches to measure (default: 1)")
     check.add_argument(
         "--max-documents",
@@ -186,13 +172,6 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="override the training dtype (default: the config's on a GPU, float32 on CPU)",
-    )
-    check.add_argument(
-        "--cfg-options",
-        nargs="+",
-        action=_KeyValues,
-        default=None,
-        help="override config settings, key=value (as xtuner train)",
     )
 
 
@@ -282,13 +261,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code.
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); the subcommand's exit status.
 
-    Args:
-        argv: The arguments after ``xtuner-rope`` (default: ``sys.argv[1:]``).
-
-    Returns:
-        The subcommand's exit status. Usage errors exit 2 through argparse (``SystemExit``).
+    Usage errors exit 2 through argparse (``SystemExit``).
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched

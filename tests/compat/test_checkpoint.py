@@ -2,7 +2,7 @@
 
 The loaders under test are the ones ``xtuner train`` really calls: MMEngine's local loader
 (``CheckpointLoader``, used by ``--resume`` and ``load_from``) and XTuner's seed reader, both
-routed through ``xtuner_rope.compat.checkpoint.load_checkpoint`` by ``compat``. Resume = uninterrupted
+routed through ``xtuner_rope.checkpoints.loading.load_checkpoint`` by ``compat``. Resume = uninterrupted
 through ``xtuner train`` is ``tests/test_resume.py``.
 """
 
@@ -18,7 +18,7 @@ from mmengine.config import ConfigDict
 from mmengine.logging import HistoryBuffer, MessageHub
 from mmengine.runner.checkpoint import CheckpointLoader
 
-from xtuner_rope.compat.checkpoint import TRUST_ENV, UntrustedCheckpointError, load_checkpoint
+from xtuner_rope.checkpoints.loading import TRUST_ENV, UntrustedCheckpointError, load_checkpoint
 
 
 class _RunsCode:

@@ -18,7 +18,7 @@ import xtuner.tools.utils as xtuner_tool_utils
 from deepspeed_folders import deepspeed_folder
 from mmengine.runner.checkpoint import CheckpointLoader
 
-from xtuner_rope.compat.checkpoint_files import (
+from xtuner_rope.checkpoints.complete import (
     IncompleteCheckpointError,
     judge_checkpoint,
     newest_complete,

@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from xtuner_rope.compat.checkpoint_files import judge_checkpoint
+from xtuner_rope.checkpoints.complete import judge_checkpoint
 
 CHILD = textwrap.dedent(
     """

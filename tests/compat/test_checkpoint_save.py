@@ -25,9 +25,9 @@ from mmengine.runner import Runner
 from mmengine.runner import checkpoint as mm_checkpoint
 from mmengine.runner.checkpoint import save_checkpoint
 
-from xtuner_rope.compat import checkpoint_save
-from xtuner_rope.compat.checkpoint_files import judge_checkpoint
-from xtuner_rope.compat.checkpoint_save import CheckpointWriteError, write_atomically
+from xtuner_rope.checkpoints import auto_resume
+from xtuner_rope.checkpoints.atomic import CheckpointWriteError, save_atomically
+from xtuner_rope.checkpoints.complete import judge_checkpoint
 
 
 @contextlib.contextmanager
@@ -162,7 +162,7 @@ def test_auto_resume_names_a_newer_incomplete_deepspeed_folder_it_skips(tmp_path
     ``last_checkpoint`` still names ``iter_4.pth/``: resumed from there, with a warning that
     names the skipped folder and what it lacks."""
     warned = []
-    monkeypatch.setattr(checkpoint_save, "print_log", lambda msg, **kw: warned.append(msg))
+    monkeypatch.setattr(auto_resume, "print_log", lambda msg, **kw: warned.append(msg))
     monkeypatch.setenv("WORLD_SIZE", "2")  # as the two ranks that resume it see
     deepspeed_folder(tmp_path / "iter_4.pth", 2, [0, 1])
     deepspeed_folder(tmp_path / "iter_8.pth", 2, [0])
@@ -185,8 +185,8 @@ def test_a_killed_writers_temporary_is_removed_when_the_checkpoint_is_written_ag
     stale.write_bytes(b"PK\x03\x04 half")
     other = tmp_path / ".iter_4.pth.999999.tmp"  # another checkpoint's: not this write's to judge
     other.write_bytes(b"x")
-    write_atomically(b"whole", str(tmp_path / "iter_8.pth"))
-    assert (tmp_path / "iter_8.pth").read_bytes() == b"whole"
+    save_atomically({"w": torch.ones(2)}, str(tmp_path / "iter_8.pth"))
+    assert judge_checkpoint(str(tmp_path / "iter_8.pth")).complete
     assert not stale.exists() and other.exists()
 
 
@@ -200,7 +200,7 @@ PEAK_CHILD = textwrap.dedent(
 
     variant, path, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if variant == "patched":
-        from xtuner_rope.compat.checkpoint_save import patch_deepspeed_checkpoint_writes
+        from xtuner_rope.compat.runner_checkpoints import patch_deepspeed_checkpoint_writes
 
         assert patch_deepspeed_checkpoint_writes()
     save = TorchCheckpointEngine.save

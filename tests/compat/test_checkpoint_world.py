@@ -15,7 +15,7 @@ import xtuner.tools.utils as xtuner_tool_utils
 from deepspeed_folders import deepspeed_folder
 from mmengine.runner import checkpoint as mm_checkpoint
 
-from xtuner_rope.compat.checkpoint_world import (
+from xtuner_rope.checkpoints.world import (
     WorldSizeMismatchError,
     current_world_size,
     refuse_other_world_size,

@@ -1,28 +1,23 @@
 """`docs/compat.md` lists every patch `compat.apply()` runs (issue 42: five were missing).
 
-The list is read from the code: the functions named in `apply()`'s loop (`ast`, so a patch added
-there is seen without running it), and each must appear in the page by its name.
+The list is read from the code: the records `apply()` loops over (`records.ACTIVATION`), and each
+must appear in the page by its name.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from pathlib import Path
 
 from xtuner_rope import compat
+from xtuner_rope.compat import records
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "compat.md"
 
 
 def applied_patches() -> list[str]:
-    """The names of the functions ``compat.apply()`` loops over, in order."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(compat.apply)))
-    loops = [node for node in ast.walk(tree) if isinstance(node, ast.For)]
-    assert len(loops) == 1 and isinstance(loops[0].iter, ast.Tuple), "apply()'s loop changed"
-    return [element.id for element in loops[0].iter.elts if isinstance(element, ast.Name)]
+    """The names of the patches ``compat.apply()`` runs, in order (``records.ACTIVATION``)."""
+    return [record.name for record in records.ACTIVATION]
 
 
 def missing_from(text: str) -> list[str]:
@@ -33,7 +28,7 @@ def missing_from(text: str) -> list[str]:
 def test_the_patch_list_is_read_from_apply():
     names = applied_patches()
     assert len(names) == len(set(names)) >= 20
-    assert all(callable(getattr(compat, name)) for name in names)
+    assert all(callable(compat.patch_named(name)) for name in names)
     assert names[0] == "patch_torch_cpu_bf16_query"  # the first gap every CPU run hits
 
 

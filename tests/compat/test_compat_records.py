@@ -23,18 +23,18 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
 
 
 def applied_patches() -> list[str]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(compat.apply)))
-    (loop,) = [node for node in ast.walk(tree) if isinstance(node, ast.For)][:1]
-    in_loop = [element.id for element in loop.iter.elts if isinstance(element, ast.Name)]
-    # and the two that ``apply_counting`` runs with the ``data`` floor's wrappers handed in
+    """What ``apply()`` runs (``records.ACTIVATION``, each its patch imported by ``compat``) and
+    the two that ``apply_counting`` runs with the ``data`` floor's wrappers handed in."""
+    names = [r.name for r in records.ACTIVATION + records.COUNTING]
+    assert all(callable(compat.patch_named(name)) for name in names), names
     counting = ast.parse(textwrap.dedent(inspect.getsource(compat.apply_counting)))
     handed = [
-        node.args[0].id
+        node.args[0].attr
         for node in ast.walk(counting)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_patch"
     ]
-    assert len(handed) == 2, handed
-    return in_loop + handed
+    assert sorted(handed) == sorted(r.name for r in records.COUNTING), handed
+    return names
 
 
 def _patch_functions() -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import pytest
@@ -19,10 +20,10 @@ from mmengine.hooks import CheckpointHook
 
 from xtuner_rope import compat
 from xtuner_rope.compat import (
-    checkpoint_save,
     guard,
     mmengine_config,
     records,
+    runner_checkpoints,
     xtuner_packing,
     xtuner_zero_read,
 )
@@ -36,25 +37,14 @@ WRITES = records.RECORDS["patch_checkpoint_writes"]
 FEATURE = "crash-safe checkpoint writes"
 
 
-# The patches these tests run again: idempotent (they rebind, never wrap what they bound), or
-# skipped where they run again (the tokenize count, with its module hidden).
-RERUN = {
-    "patch_checkpoint_writes",
-    "patch_deepspeed_checkpoint_writes",
-    "patch_xtuner_zero_read_fp32",
-    "patch_xtuner_tokenize_counted",
-}
-
-
 @pytest.fixture
 def fresh(monkeypatch):
     """This process's patch outcomes as a fresh process has them, put back afterwards.
 
-    The guard owns "already applied": the patches applied here stay recorded (running one
-    again would wrap its target twice, for good), except the idempotent ones the tests re-run.
+    A patch run again is judged again (versions, probes); one whose probes still hold its own
+    wrappers is recognised as applied by the guard, not wrapped twice.
     """
-    kept = {k: v for k, v in guard._OUTCOMES.items() if v == "applied" and k not in RERUN}
-    monkeypatch.setattr(guard, "_OUTCOMES", kept)
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
 
 
 def _with_checkpoint_hook() -> Config:
@@ -70,14 +60,14 @@ def _skips(call) -> list[warnings.WarningMessage]:
 
 def test_renamed_private_method_skips_the_patch_and_the_startup_refuses(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert len(caught) == 1
     message = str(caught[0].message)
     assert FEATURE in message and "_save_checkpoint_with_step is missing" in message
     assert "mmengine ~=0.10.6" in message and "mmengine 0.10.6" in message
     assert "_save_checkpoint_with_step" in guard.skipped()["patch_checkpoint_writes"]
     assert (
-        _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes)) == []
+        _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes)) == []
     )  # one warning
     with pytest.raises(ConfigConflict, match=r"crash-safe checkpoint writes \(every run.*skipped"):
         prepare_config(_with_checkpoint_hook())
@@ -85,7 +75,7 @@ def test_renamed_private_method_skips_the_patch_and_the_startup_refuses(fresh, m
 
 def test_a_config_that_does_not_need_the_feature_is_not_refused(fresh, monkeypatch):
     monkeypatch.delattr(CheckpointHook, "_save_checkpoint_with_step")
-    _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert patch_findings(Config(dict(default_hooks=dict(checkpoint=None)))) == []
     assert len(patch_findings(_with_checkpoint_hook())) == 1
 
@@ -95,7 +85,7 @@ def test_a_newer_release_skips_the_patch(fresh, monkeypatch):
     monkeypatch.setattr(
         guard.metadata, "version", lambda d: "0.11.0" if d == "mmengine" else real(d)
     )
-    caught = _skips(lambda: compat.run_patch(checkpoint_save.patch_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_checkpoint_writes))
     assert len(caught) == 1
     assert "mmengine 0.11.0 is outside the versions it was written for" in str(caught[0].message)
     assert "pip install 'mmengine~=0.10.6'" in str(caught[0].message)
@@ -111,7 +101,7 @@ def test_a_deepspeed_that_moves_its_checkpoint_engine_skips_its_write_patch(fres
 
     save = TorchCheckpointEngine.save
     monkeypatch.setitem(sys.modules, DS_ENGINE, None)  # import -> ImportError
-    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_deepspeed_checkpoint_writes))
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert "crash-safe DeepSpeed checkpoint writes" in message
@@ -134,10 +124,12 @@ def test_a_newer_deepspeed_skips_its_write_patch(fresh, monkeypatch):
     monkeypatch.setattr(
         guard.metadata, "version", lambda d: "0.20.0" if d == "deepspeed" else real(d)
     )
-    caught = _skips(lambda: compat.run_patch(compat.patch_deepspeed_checkpoint_writes))
+    caught = _skips(lambda: compat.run_patch(runner_checkpoints.patch_deepspeed_checkpoint_writes))
     assert len(caught) == 1
     assert "deepspeed 0.20.0 is outside the versions it was written for" in str(caught[0].message)
-    compat.run_patch(compat.patch_checkpoint_writes)  # MMEngine's writes: their own record
+    compat.run_patch(
+        runner_checkpoints.patch_checkpoint_writes
+    )  # MMEngine's writes: their own record
     assert guard.outcomes()["patch_checkpoint_writes"] == "applied"
 
 
@@ -274,3 +266,35 @@ def test_at_least_reads_the_installed_release():
     assert guard.at_least("torch", release) and guard.at_least("torch", "2.4")
     assert not guard.at_least("torch", "999.0")
     assert not guard.at_least("no-such-dist-xtr", "0")  # not installed: never "at least"
+
+
+def test_the_guard_knows_its_own_wrapper_after_its_outcomes_are_reset(fresh, monkeypatch):
+    """Outcomes forgotten (a fresh fixture): a wrapping patch is recognised, not wrapped twice;
+    with its wrapper gone (the original put back) it is applied again."""
+    module = types.ModuleType("xtr_guard_target")
+    module.f = lambda: 1
+    monkeypatch.setitem(sys.modules, "xtr_guard_target", module)
+    monkeypatch.setattr(guard, "_LEFT", dict(guard._LEFT))
+    record = guard.PatchRecord("patch_wraps", {"torch": ">=2.4"}, ("xtr_guard_target:f",), "f", "s")
+
+    def wrap():
+        original = module.f
+        module.f = lambda: original() + 1
+        return True
+
+    assert guard.run_guarded(record, wrap) and module.f() == 2
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    assert guard.run_guarded(record, wrap) is True and module.f() == 2
+    module.f = lambda: 1
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    assert guard.run_guarded(record, wrap) is True and module.f() == 2
+
+
+def test_every_applied_patch_run_again_leaves_its_targets_as_they_were(fresh):
+    compat.apply()  # applied here if not yet (the guard keeps what each one left)
+    applied = [records.RECORDS[name] for name in guard._LEFT if name in records.RECORDS]
+    assert "patch_sft_forward_names_missing_hook" in [r.name for r in applied]
+    targets = {r.name: [guard._resolve(p) for p in r.probes] for r in applied}
+    guard._OUTCOMES.clear()  # as `fresh` does: every outcome of this process forgotten
+    compat.apply()
+    assert {r.name: [guard._resolve(p) for p in r.probes] for r in applied} == targets

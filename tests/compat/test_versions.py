@@ -13,7 +13,7 @@ import pytest
 from mmengine.config import Config
 
 from xtuner_rope import compat
-from xtuner_rope.compat import checkpoint, guard, records, versions
+from xtuner_rope.compat import guard, records, runner_checkpoints, versions
 from xtuner_rope.config.findings import ConfigConflict
 from xtuner_rope.config.patch_needs import patch_findings, version_findings
 from xtuner_rope.config.startup import prepare_config
@@ -25,17 +25,9 @@ ZERO2 = dict(type="DeepSpeedStrategy", config=dict(zero_optimization=dict(stage=
 def installed(monkeypatch):
     """Pretend the given releases are installed: ``installed(torch="2.3.1")``.
 
-    The patches of torch's and DeepSpeed's records are judged again; the others applied here
-    stay recorded (the guard owns "already applied": running one again would wrap it twice).
+    Every patch is judged again (the guard recognises the wrappers of those applied here).
     """
-    kept = {
-        name: outcome
-        for name, outcome in guard._OUTCOMES.items()
-        if outcome == "applied"
-        and name in records.RECORDS
-        and not {"torch", "deepspeed"} & set(records.RECORDS[name].versions)
-    }
-    monkeypatch.setattr(guard, "_OUTCOMES", kept)
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
     monkeypatch.setattr(versions, "_WARNED", set())
     real = guard.metadata.version
 
@@ -75,7 +67,7 @@ def test_an_older_torch_is_warned_once_and_every_config_refused(installed):
 
 def test_a_torch_outside_the_range_is_one_message_not_one_per_patch(installed):
     installed(torch="2.3.1")
-    compat.run_patch(checkpoint.patch_checkpoint_loading)  # written for torch>=2.4: skipped
+    compat.run_patch(runner_checkpoints.patch_checkpoint_loading)  # written for torch>=2.4: skipped
     assert "patch_checkpoint_loading" in guard.skipped()
     cfg = Config(dict(load_from="iter_1.pth"))
     assert patch_findings(cfg) == []

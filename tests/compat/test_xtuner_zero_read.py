@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import xtuner_rope  # noqa: F401  (applies the compat patches)
+from xtuner_rope.compat import guard, records
 from xtuner_rope.compat.xtuner_zero_read import (
     ZERO_READ_FEATURE,
     ZERO_READER_FUNCTIONS,
@@ -31,14 +32,18 @@ def test_reader_defaults_to_fp32_once_the_plugin_is_loaded():
 
 
 def test_a_reader_not_as_xtuner_0_2_0_wrote_it_is_skipped_with_a_warning(monkeypatch):
+    """The guard judges it (one ``CompatPatchSkipped``), whatever the way it differs."""
+    record = records.RECORDS["patch_xtuner_zero_read_fp32"]
     changed = types.ModuleType(ZERO_READER_MODULE)
     changed.DEFAULT_DTYPE = torch.float16
     changed.get_state_dict_from_zero_checkpoint = lambda checkpoint_dir, dtype=None: None
     monkeypatch.setitem(sys.modules, ZERO_READER_MODULE, changed)
-    with pytest.warns(UserWarning, match="exact read of DeepSpeed checkpoints .* is off: .*"):
-        assert not patch_xtuner_zero_read_fp32()
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    with pytest.warns(guard.CompatPatchSkipped, match="read at fp32.*no float16 default dtype"):
+        assert not guard.run_guarded(record, patch_xtuner_zero_read_fp32)
     assert changed.DEFAULT_DTYPE is torch.float16  # nothing half-patched
     del changed.DEFAULT_DTYPE
-    with pytest.warns(UserWarning, match="DEFAULT_DTYPE is missing \\(written for xtuner 0.2.0\\)"):
-        assert not patch_xtuner_zero_read_fp32()
+    monkeypatch.setattr(guard, "_OUTCOMES", {})
+    with pytest.warns(guard.CompatPatchSkipped, match="DEFAULT_DTYPE is missing"):
+        assert not guard.run_guarded(record, patch_xtuner_zero_read_fp32)
     assert ZERO_READ_FEATURE.startswith("xtuner-rope's exact read")

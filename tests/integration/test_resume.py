@@ -47,7 +47,7 @@ import pytest
 import stock_configs as sc
 import torch
 
-from xtuner_rope.compat.checkpoint_files import judge_checkpoint
+from xtuner_rope.checkpoints.complete import judge_checkpoint
 from xtuner_rope.demo.runlog import check_run, train_losses
 
 REPO = Path(__file__).resolve().parents[2]

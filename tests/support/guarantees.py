@@ -77,7 +77,7 @@ GUARANTEES = (
     Guarantee(
         "atomic-write",
         "A checkpoint is written whole or not at all, even when the writer is killed mid-write.",
-        "xtuner_rope/compat/checkpoint_save.py",
+        "xtuner_rope/checkpoints/atomic.py",
         'temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")',
         "temporary = path",
         (
@@ -124,7 +124,7 @@ GUARANTEES = (
     Guarantee(
         "incomplete-checkpoint",
         "An incomplete checkpoint is never resumed from.",
-        "xtuner_rope/compat/checkpoint_files.py",
+        "xtuner_rope/checkpoints/complete.py",
         "    return Verdict(path, not reason, reason)",
         '    return Verdict(path, True, "")',
         (

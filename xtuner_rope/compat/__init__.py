@@ -1,82 +1,54 @@
 """Every patch xtuner-rope applies to a third-party package, in one place: this package.
 
-One module per third party and gap (``torch_cpu``, ``bitsandbytes_triton``,
-``transformers_internlm2``, ``mmengine_dist``, ``mmengine_scheduler``, ``deepspeed_cpu``,
-``batch_host_copies``, ``checkpoint``, ``checkpoint_files``, ``checkpoint_world``, ``checkpoint_save``, ``xtuner_sft``,
-``xtuner_packing``, ``xtuner_tokenize``, ``xtuner_model_resource``, ``xtuner_llava``,
-``xtuner_internvl``, ``xtuner_preference``, ``xtuner_zero_read``, ``xtuner_to_hf``,
-``xtuner_merge``; ``mmengine_config``: ``config_dict``, MMEngine's private config dict read in
-one place; ``versions``: the supported torch and DeepSpeed releases; ``devices``: what this
-machine lacks). Each patch has a record (``records.RECORDS``: the versions it was written for,
-the names it replaces, the feature it serves, the symptom it removes) and runs in a guard
-(``guard.run_guarded``): outside those versions, with a probed name missing, or if the patch
-raises, it is skipped with one ``guard.CompatPatchSkipped`` warning naming the feature, and
-``guard.skipped`` says why; the start-up then refuses the configs that need that feature
-(``xtuner_rope.config.patch_needs``). Inside them a patch still decides itself whether its gap
-exists here (most only on a CPU-only machine, or on the releases that have the bug) and leaves
-everything else as it was.
-
-This module holds what applies them: :func:`apply` (idempotent, never raises; run by the
-plugin's activation, ``xtuner_rope.activate``), :func:`apply_counting` and :func:`run_patch`.
-Every other name is imported from the module that defines it
-(``from xtuner_rope.compat.guard import skipped``).
+One module per third party and gap (docs/compat.md lists them), besides ``mmengine_config``,
+``versions`` and ``devices``. Each patch has a record (``records.RECORDS``) and runs in a guard
+(``guard.run_guarded``): outside its versions, with a probed name missing, or if it raises, it is
+skipped with one ``CompatPatchSkipped`` warning and the start-up refuses the configs that need
+it. A patch function returns True once applied, False where its gap is not here. This module
+holds :func:`apply` (idempotent, never raises), :func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations
 
-from .batch_host_copies import patch_mmengine_host_copies, patch_xtuner_varlen_hook_host_copies
-from .bitsandbytes_triton import patch_bitsandbytes_triton_probe
-from .checkpoint import patch_checkpoint_loading
-from .checkpoint_save import patch_checkpoint_writes, patch_deepspeed_checkpoint_writes
-from .deepspeed_cpu import patch_deepspeed_cpu_allgather_grad_mode, patch_deepspeed_zero3_cpu_gather
-from .guard import applied, check_only, run_guarded
-from .mmengine_dist import patch_mmengine_ddp_device_ids_on_cpu, patch_mmengine_dist_init_on_cpu
-from .mmengine_scheduler import patch_mmengine_warmup_rounding
-from .records import DEFERRED, RECORDS
-from .torch_cpu import patch_torch_cpu_bf16_query
-from .transformers_internlm2 import (
-    patch_internlm2_generation_from_embeds,
-    register_internlm2_auto_classes,
-)
-from .versions import warn_unsupported
-from .xtuner_internvl import (
-    patch_internvl_dataset_template,
-    patch_internvl_loading,
-    patch_internvl_predict,
-    patch_internvl_rank,
-)
-from .xtuner_llava import patch_llava_predict_labels
-from .xtuner_model_resource import patch_model_resource_llm_path, patch_set_model_resource_llm_path
-from .xtuner_preference import (
-    patch_dpo_predict_reference,
-    patch_preference_chunked_logprobs,
-    patch_preference_map_fn_errors,
-    patch_preference_truncation_counted,
-    patch_preference_unpacked_pairs,
-    patch_xtuner_preference_rank,
-    patch_xtuner_preference_target_zero,
-)
-from .xtuner_sft import (
-    patch_sft_forward_names_missing_hook,
-    patch_sft_sequence_parallel_loss,
-    patch_xtuner_train_sequence_parallel_check,
-)
-from .xtuner_tokenize import patch_xtuner_tokenize_counted
-from .xtuner_zero_read import patch_xtuner_zero_read_fp32
+from types import ModuleType
 
-__all__ = ["apply", "apply_counting", "run_patch"]
+from . import (  # noqa: F401  (the records name their patches: :func:`patch_named`)
+    batch_host_copies,
+    bitsandbytes_triton,
+    deepspeed_cpu,
+    mmengine_dist,
+    mmengine_scheduler,
+    runner_checkpoints,
+    torch_cpu,
+    transformers_internlm2,
+    xtuner_internvl,
+    xtuner_llava,
+    xtuner_model_resource,
+    xtuner_preference,
+    xtuner_sft,
+    xtuner_tokenize,
+    xtuner_zero_read,
+)
+from .guard import applied, check_only, run_guarded
+from .records import ACTIVATION, DEFERRED, RECORDS
+from .versions import warn_unsupported
+
+__all__ = ["apply", "apply_counting", "patch_named", "run_patch"]
+
+
+def patch_named(name: str):
+    """The patch function a record of ``ACTIVATION`` or ``COUNTING`` names (in its module)."""
+    modules = [value for value in globals().values() if isinstance(value, ModuleType)]
+    return next(getattr(m, name) for m in modules if callable(getattr(m, name, None)))
 
 
 def run_patch(patch, *args, **kwargs) -> object:
-    """Run ``patch(*args, **kwargs)`` in its record's guard.
-
-    A process-wide patch runs once per process (the guard's "already applied"); a patch applied
-    for one call (``DEFERRED``: a config's model paths, one dataset build, one model's check)
-    runs at every call.
+    """Run ``patch(*args, **kwargs)`` in its record's guard: once per process, or at every call for
+    a patch applied for one call (``DEFERRED``).
 
     Returns:
-        The patch's result, or False where it was skipped (one ``CompatPatchSkipped``
-        warning) or is not needed here.
+        The patch's result, or False where it was skipped (one ``CompatPatchSkipped`` warning) or
+        is not needed here.
     """
     record = RECORDS[patch.__name__]
     return run_guarded(record, patch, *args, once=record not in DEFERRED, **kwargs)
@@ -89,52 +61,16 @@ def _check_deferred() -> None:
 
 
 def apply() -> list[str]:
-    """Apply every patch whose gap exists here, each in its guard; never raises.
-
-    Safe to call any number of times. torch or DeepSpeed outside the supported range gets one
-    ``UnsupportedVersionWarning`` (``versions``). A patch outside its versions, with a probed name
-    missing, or that raises is skipped with one ``CompatPatchSkipped`` warning (see
-    :func:`skipped`); the patches applied later (``DEFERRED``) are checked the same way now.
+    """Apply every patch of ``records.ACTIVATION`` whose gap exists here, each in its guard; never
+    raises, any number of times. One ``UnsupportedVersionWarning`` for torch or DeepSpeed outside
+    the supported range; the patches applied later (``DEFERRED``) are checked now too.
 
     Returns:
         The names of the patches applied so far in this process.
     """
     warn_unsupported()
-    for patch in (
-        patch_torch_cpu_bf16_query,
-        patch_bitsandbytes_triton_probe,
-        register_internlm2_auto_classes,
-        patch_mmengine_dist_init_on_cpu,
-        patch_mmengine_ddp_device_ids_on_cpu,
-        patch_deepspeed_cpu_allgather_grad_mode,
-        patch_deepspeed_zero3_cpu_gather,
-        patch_checkpoint_loading,
-        patch_checkpoint_writes,
-        patch_deepspeed_checkpoint_writes,
-        patch_sft_forward_names_missing_hook,
-        patch_model_resource_llm_path,
-        patch_set_model_resource_llm_path,
-        patch_xtuner_preference_rank,
-        # inside target_zero's wrapper: the chunked log-probs get its mask (target id 0 kept)
-        patch_preference_chunked_logprobs,
-        patch_xtuner_preference_target_zero,
-        patch_preference_unpacked_pairs,
-        patch_preference_map_fn_errors,
-        patch_dpo_predict_reference,
-        patch_sft_sequence_parallel_loss,
-        patch_xtuner_train_sequence_parallel_check,
-        patch_internlm2_generation_from_embeds,
-        patch_mmengine_warmup_rounding,
-        patch_internvl_loading,
-        patch_internvl_rank,
-        patch_internvl_dataset_template,
-        patch_internvl_predict,
-        patch_llava_predict_labels,
-        patch_xtuner_zero_read_fp32,
-        patch_mmengine_host_copies,
-        patch_xtuner_varlen_hook_host_copies,
-    ):
-        run_patch(patch)  # the guard runs each patch once per process
+    for record in ACTIVATION:
+        run_patch(patch_named(record.name))
     _check_deferred()
     return applied()
 
@@ -149,6 +85,6 @@ def apply_counting(counted_step, counted_class) -> list[str]:
     Returns:
         The names of the patches applied so far in this process.
     """
-    run_patch(patch_xtuner_tokenize_counted, counted_step)
-    run_patch(patch_preference_truncation_counted, counted_class)
+    run_patch(xtuner_tokenize.patch_xtuner_tokenize_counted, counted_step)
+    run_patch(xtuner_preference.patch_preference_truncation_counted, counted_class)
     return applied()

@@ -1,10 +1,8 @@
 """MMEngine and XTuner patches: what moves the batch to the device remembers its host copy.
 
-Code in a training forward that needs a batch value on the host (where the documents are, the
-positions' range, LLaVA's expanded lengths) reads the host copy (``ops.host_copies``) instead of
-the device: no host sync. Two places move the collated batch: MMEngine's data preprocessor
-(every tensor of ``data``) and XTuner's ``VarlenAttnArgsToMessageHubHook`` (``cumulative_len``,
-published on the device in the stock varlen configs' convention).
+Forward code that needs a batch value on the host reads the host copy (``ops.host_copies``):
+no host sync. Two places move the batch: MMEngine's data preprocessor and XTuner's
+``VarlenAttnArgsToMessageHubHook`` (``cumulative_len``).
 """
 
 from __future__ import annotations
@@ -19,21 +17,12 @@ from xtuner_rope.ops.host_copies import remember_host_copy
 def patch_mmengine_host_copies() -> bool:
     """The data preprocessor's move remembers each moved tensor's host tensor.
 
-    mmengine 0.10.x ``BaseDataPreprocessor.cast_data`` moves every tensor of the collated batch
-    to the model's device (``data.to(device, non_blocking=...)``) and keeps nothing of the host
-    tensor it came from. The move is unchanged; each tensor it copies is recorded with its host
-    tensor (``remember_host_copy``), which ``ops.host_copies.host_copy`` hands back.
-
-    Returns:
-        True if applied (mmengine's ``BaseDataPreprocessor`` has ``cast_data``).
+    mmengine 0.10.x ``BaseDataPreprocessor.cast_data`` keeps nothing of the host tensors it
+    moves; each copy is now recorded (``remember_host_copy``) for ``ops.host_copies.host_copy``.
     """
-    try:
-        from mmengine.model import BaseDataPreprocessor
-    except ImportError:
-        return False
-    original = BaseDataPreprocessor.__dict__.get("cast_data")
-    if original is None:
-        return False
+    from mmengine.model import BaseDataPreprocessor
+
+    original = BaseDataPreprocessor.cast_data
 
     @functools.wraps(original)
     def cast_data(self, data):
@@ -68,22 +57,11 @@ def _remembering(publish):
 def patch_xtuner_varlen_hook_host_copies() -> bool:
     """XTuner's varlen hook remembers the host copy of the boundaries it publishes.
 
-    xtuner 0.2.0 ``VarlenAttnArgsToMessageHubHook.before_train_iter`` / ``before_val_iter``
-    pop the collate's ``cumulative_len`` and publish ``cumulative_len[0].to(get_device())`` in
-    ``MessageHub``: the attention's plan had to read them back from the device every step. The
-    hook is unchanged; the host tensor it moved is recorded for the published one.
-
-    Returns:
-        True if applied (XTuner's hook has both methods).
+    xtuner 0.2.0 ``VarlenAttnArgsToMessageHubHook`` publishes ``cumulative_len[0].to(device)``,
+    which the attention's plan had to read back every step; the host tensor is now recorded.
     """
-    try:
-        from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
-    except ImportError:
-        return False
-    names = ("before_train_iter", "before_val_iter")
-    originals = [Hook.__dict__.get(name) for name in names]
-    if None in originals:
-        return False
-    for name, original in zip(names, originals):  # the guard applies it once per process
-        setattr(Hook, name, _remembering(original))
+    from xtuner.engine.hooks import VarlenAttnArgsToMessageHubHook as Hook
+
+    for name in ("before_train_iter", "before_val_iter"):
+        setattr(Hook, name, _remembering(getattr(Hook, name)))
     return True

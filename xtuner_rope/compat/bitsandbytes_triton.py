@@ -19,12 +19,7 @@ def triton_lacks_ops() -> bool:
 
 
 def _forget_failed_bitsandbytes_import() -> bool:
-    """Drop the modules a failed ``import bitsandbytes`` left behind; True if there were any.
-
-    Python removes the package that raised from ``sys.modules`` but keeps the submodules that
-    finished loading (``bitsandbytes.triton.triton_utils`` among them). A later import would
-    reuse those and fail again, whatever the probe answers.
-    """
+    """Drop the submodules a failed ``import bitsandbytes`` left behind; True if there were any."""
     leftovers = [m for m in sys.modules if m.startswith("bitsandbytes.")]
     if "bitsandbytes" in sys.modules or not leftovers:
         return False
@@ -34,24 +29,12 @@ def _forget_failed_bitsandbytes_import() -> bool:
 
 
 def patch_bitsandbytes_triton_probe() -> bool:
-    """Let bitsandbytes 0.45 import next to a triton without ``triton.ops``.
+    """Let bitsandbytes 0.45 (xtuner 0.2.0's pin) import next to a triton without ``triton.ops``.
 
-    xtuner 0.2.0 pins ``bitsandbytes==0.45.0``, whose optional int8 "SwitchBack" triton
-    kernels import ``triton.ops.matmul_perf_model`` whenever triton is installed. triton 3.2+
-    (shipped with torch >= 2.6, e.g. triton 3.9 with torch 2.15) removed ``triton.ops``, so
-    ``import bitsandbytes`` fails with ``ModuleNotFoundError: No module named 'triton.ops'`` and
-    takes every LoRA/QLoRA ``get_peft_model`` with it (peft imports bitsandbytes for its bnb
-    layers). bitsandbytes already has a path for "no triton": we answer its own probe
-    (``bitsandbytes.triton.triton_utils.is_triton_available``) with False, which disables only
-    those optional triton kernels; 4-bit QLoRA does not use them.
-
-    Whatever was imported first: ``xtuner train`` imports peft before any config code runs,
-    and peft's availability check half-imports bitsandbytes (the package fails, its finished
-    submodules stay in ``sys.modules``). Those leftovers are dropped so that the next import,
-    from ``get_peft_model``, starts clean and meets the probe.
-
-    Returns:
-        True if applied (triton lacks ``triton.ops`` and bitsandbytes is not fully imported).
+    Its optional int8 triton kernels import ``triton.ops`` (gone in triton 3.2), failing every
+    LoRA/QLoRA ``get_peft_model``. Its own probe (``triton_utils.is_triton_available``) answers
+    False (4-bit QLoRA does not use them), after dropping what a failed import left in
+    ``sys.modules``. False where triton has ``triton.ops`` or bitsandbytes is fully imported.
     """
     name = "bitsandbytes.triton.triton_utils"
     if "bitsandbytes" in sys.modules or not triton_lacks_ops():

@@ -21,16 +21,10 @@ def deepspeed_flat_buffer_requires_grad() -> bool:
 def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
     """Let DeepSpeed < 0.19 ZeRO-1/2 take its optimizer step over gloo on a CPU-only machine.
 
-    deepspeed 0.17.6 - 0.18.9 build ZeRO-1/2's flat parameter buffer with ``torch.cat`` of the
-    parameters and keep it attached to autograd (0.19.0 added ``.detach()``). After the step,
-    ``runtime.utils.all_gather_into_tensor_dp_groups`` gathers the updated partitions into it;
-    torch 2.15's gloo ``all_gather_into_tensor`` writes through ``split`` views of its output,
-    so the first ``optimizer.step()`` dies with ``RuntimeError: Output 0 of Split is a view and
-    is being modified inplace``. NCCL writes the buffer directly (GPUs are unaffected). The
-    gather is a weight update, never differentiated: run it under ``torch.no_grad()``.
-
-    Returns:
-        True if applied (no CUDA/NPU/MLU/MUSA device here and deepspeed < 0.19.0 installed).
+    deepspeed 0.17.6 - 0.18.9 keep ZeRO-1/2's flat buffer attached to autograd; torch 2.15's gloo
+    all-gather writes through ``split`` views of it ("Output 0 of Split is a view and is being
+    modified inplace"). The gather is a weight update: it runs under ``torch.no_grad()``. False
+    where DeepSpeed gathers another way.
     """
     import deepspeed.runtime.utils as ds_utils
 
@@ -50,9 +44,8 @@ def patch_deepspeed_cpu_allgather_grad_mode() -> bool:
 class _GatherHandleRecorder:
     """``deepspeed.comm`` as ``partition_parameters`` sees it, recording async gather handles.
 
-    Every attribute is DeepSpeed's own; ``all_gather_into_tensor`` and ``all_gather`` also put
-    the handle they return into this thread's open recording, if one is open (see
-    ``every_gather_waited``). Outside a recording they behave exactly as before.
+    Every attribute is DeepSpeed's own; the two all-gathers also record the handle they return
+    in this thread's open recording (:meth:`every_gather_waited`), if any.
     """
 
     def __init__(self, comm: types.ModuleType):
@@ -98,30 +91,17 @@ def _waits_only_for_last_gather(method) -> bool:
 def patch_deepspeed_zero3_cpu_gather() -> bool:
     """Make ZeRO-3's coalesced parameter gather wait for every all-gather on the CPU accelerator.
 
-    deepspeed 0.19.6 (the pinned version) ``Init._allgather_params_coalesced``
-    (``runtime/zero/partition_parameters.py``) starts one async ``all_gather_into_tensor`` per
-    parameter, waits on the last handle only, points ``param.data`` at the gather buffers and
-    skips the closing ``synchronize`` because the CPU accelerator ``resolves_data_dependency()``.
-    On CUDA the gathers run in order on one stream; gloo runs them on background threads, out of
-    order, so a rank reads parameters that are not yet written (symptom: 2-process ZeRO-3 on CPU
-    gives one rank a wrong loss at a random iteration, then both drift; parameters still
-    changing after ``engine.step()`` returned, ``tools/repro/zero3_gather.py``). DeepSpeed PR
-    #8539 waits for every handle, in releases mmengine 0.10.6 can no longer import. We do the
-    same from outside: the module's ``dist`` records the handles the method starts, and the
-    method returns only once each of them is waited.
-
-    Returns:
-        True if applied (DeepSpeed picked its CPU accelerator and lacks the upstream fix).
+    deepspeed 0.19.6 ``Init._allgather_params_coalesced`` waits on the last handle only; gloo runs
+    the gathers out of order, so a rank reads parameters not yet written (``tools/repro/
+    zero3_gather.py``; fixed by DeepSpeed PR #8539, in releases mmengine 0.10.6 cannot import). The
+    module's ``dist`` records the handles, and the method returns once each is waited. False off
+    the CPU accelerator or with the upstream fix.
     """
     import deepspeed.runtime.zero.partition_parameters as zero3
     from deepspeed.accelerator import get_accelerator
 
     coalesced = zero3.Init._allgather_params_coalesced
-    if (
-        get_accelerator().device_name() != "cpu"
-        or isinstance(zero3.dist, _GatherHandleRecorder)
-        or not _waits_only_for_last_gather(coalesced)
-    ):
+    if get_accelerator().device_name() != "cpu" or not _waits_only_for_last_gather(coalesced):
         return False
     recorder = _GatherHandleRecorder(zero3.dist)
 

@@ -19,17 +19,9 @@ def cpu_only() -> bool:
 
 @functools.cache
 def gloo_all_to_all_missing() -> str | None:
-    """Why torch's gloo backend cannot ``all_to_all`` here; None where it can.
-
-    XTuner's sequence parallel exchanges heads and tokens with ``dist.all_to_all`` (a list of
-    tensors per rank); on a CPU-only machine that runs over gloo, whose ``alltoall`` torch 2.4.1
-    lacks ("Backend gloo does not support alltoall"; torch 2.14.1 and 2.15.0 have it). Probed
-    once, not by version: a one-rank gloo group in this process (an in-memory store, no
-    network) exchanges one tensor. Anything else that fails in the probe is not reported
-    here (None): the run itself will say.
-
-    Returns:
-        str | None: torch's version and gloo's own error; or None.
+    """Why torch's gloo backend cannot ``all_to_all`` here (XTuner's sequence parallel needs it;
+    torch 2.4.1 lacks it), probed once on a one-rank in-memory group; None where it can or where
+    the probe fails otherwise (the run will say).
     """
     import torch.distributed as dist
 

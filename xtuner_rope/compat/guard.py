@@ -1,13 +1,9 @@
 """The guard every third-party patch runs in: versions checked, targets probed, failures kept.
 
-Each patch has a :class:`PatchRecord` (``compat.records``): the packages and versions it was
-written for, the modules and attributes it replaces (probed before it runs), the user-visible
-feature it serves and the symptom it removes. :func:`run_guarded` runs a patch only when every
-package is inside its versions and every probe resolves; otherwise, or if the patch raises, the
-patch is skipped with one :class:`CompatPatchSkipped` warning naming the patch, the feature,
-the versions found and the versions it supports. Activation (``xtuner_rope.activate``) never fails because a
-release renamed a private name: the start-up refuses the configs that need a skipped patch's
-feature (``xtuner_rope.config.patch_needs``).
+:func:`run_guarded` runs a patch only when its record's (:class:`PatchRecord`) versions hold
+and every probe resolves; otherwise, or if it raises, it is skipped with one
+:class:`CompatPatchSkipped` warning, and the start-up refuses the configs that need its feature
+(``config.patch_needs``). Activation never fails because a release renamed a private name.
 """
 
 from __future__ import annotations
@@ -48,23 +44,16 @@ class PatchRecord:
 
     Attributes:
         name: The patch function's name (``patch_checkpoint_writes``).
-        versions: Distribution name -> PEP 440 versions it was written for
-            (``{"mmengine": "~=0.10.6"}``); a distribution not installed means the gap
-            cannot occur (nothing to patch, no warning).
-        probes: What the patch reads or replaces, each ``"module"`` or
-            ``"module:Attr.attr"``; all must resolve before the patch runs.
-        feature: The user-visible feature the patch serves (named in the warning and in the
-            start-up's refusal).
+        versions: Distribution -> PEP 440 versions it was written for (not installed: no gap).
+        probes: What it reads or replaces (``"module"`` or ``"module:Attr.attr"``), all resolved
+            before it runs.
+        feature: The user-visible feature it serves (named in the warning and the refusal).
         symptom: What goes wrong without it (short; docs/compat.md has the long story).
-        when: Where the gap can exist at all (``cpu_only``): elsewhere nothing is checked,
-            nothing warned. None: everywhere.
+        when: Where the gap can exist at all (``cpu_only``); None: everywhere.
         probe_note: Why ``probes`` is empty, where the patch finds its own target.
-        needs: ``(the configs that need the feature, in words; a condition's name)``: the
-            start-up refuses those configs where the patch was skipped
-            (``xtuner_rope.config.patch_needs.CONDITIONS`` holds the condition of each name).
-        not_refused: Why a config is never refused for its absence (a clearer error, a count
-            in the log: without it the run still fails loudly, or its data are the same).
-            Exactly one of ``needs`` and ``not_refused`` is given.
+        needs: ``(configs that need the feature, in words; a condition of
+            config.patch_needs.CONDITIONS)``: refused where the patch was skipped.
+        not_refused: Why no config is refused for its absence (exactly one of the two is given).
     """
 
     name: str
@@ -84,6 +73,9 @@ class PatchRecord:
 
 # name -> "applied" | "not needed: ..." | "skipped: <reason>"; one entry per patch run here.
 _OUTCOMES: dict[str, str] = {}
+# name -> what each probe of an applied patch resolved to right after it ran: the guard knows its
+# own wrappers, so a patch is not run twice over them even where ``_OUTCOMES`` was reset.
+_LEFT: dict[str, tuple] = {}
 _SKIPPED = "skipped: "
 
 
@@ -96,22 +88,37 @@ def installed_version(dist: str) -> str | None:
 
 
 def at_least(dist: str, minimum: str) -> bool:
-    """True if distribution ``dist`` is installed at ``minimum`` or later (PEP 440 order).
-
-    The package's one way of asking for a release: ``Version`` of the installed distribution,
-    never a string comparison or a signature probe (local tags such as ``+cu128`` count as the
-    release they tag).
+    """True if distribution ``dist`` is installed at ``minimum`` or later: the package's one version
+    check (``Version`` of the installed release; ``+cu128`` counts as the release it tags).
     """
     version = installed_version(dist)
     return version is not None and Version(version).release >= Version(minimum).release
 
 
-def _resolve(probe: str) -> None:
+def _resolve(probe: str) -> object:
     """Import ``probe``'s module and read its attribute path; raise if either is missing."""
     module_name, _, attrs = probe.partition(":")
     target = importlib.import_module(module_name)
     for attr in filter(None, attrs.split(".")):
         target = getattr(target, attr)
+    return target
+
+
+def _same(left: object, right: object) -> bool:
+    """``left is right``, or equal bound methods (a ``classmethod`` read twice)."""
+    try:
+        return left is right or bool(left == right)
+    except Exception:  # an object whose == is not a truth value (a tensor)
+        return False
+
+
+def _still_applied(record: PatchRecord) -> bool:
+    """True if every probe still holds what ``record``'s patch left there (its own wrapper);
+    False without probes (such a patch recognises its own target, ``probe_note``)."""
+    left = _LEFT.get(record.name)
+    return bool(left) and all(
+        _same(_resolve(probe), was) for probe, was in zip(record.probes, left)
+    )
 
 
 def _why_not(record: PatchRecord) -> tuple[str, str] | None:
@@ -204,14 +211,11 @@ def run_guarded(
 ) -> object:
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
-    The guard owns "already applied": a patch applied once in this process is not run again
-    (the patch functions carry no marker of their own), so every entry point (``apply()``, the
-    start-up, a hook) may call it any number of times. ``once=False`` is for the patches applied
-    for one call (``records.DEFERRED``: a config's paths, one dataset build), which run each time.
+    "Already applied" is the guard's: applied in this process, or its probes still hold what it
+    left there. ``once=False`` (``DEFERRED``: applied for one call) runs each time.
 
     Returns:
-        The patch's own result (True once applied, also on a later call), or False where it
-        was skipped or is not needed.
+        The patch's own result (True once applied), or False where skipped or not needed.
     """
     if once and _OUTCOMES.get(record.name) == "applied":
         return True
@@ -222,12 +226,16 @@ def run_guarded(
             return _skip(record, reason)
         _OUTCOMES.setdefault(record.name, f"not needed: {reason}")
         return False
+    if once and _still_applied(record):
+        _OUTCOMES[record.name] = "applied"
+        return True
     try:
         result = patch(*args, **kwargs)
     except Exception as error:  # a release changed what the patch relies on: skip, say so
         return _skip(record, f"it raised {type(error).__name__}: {error}")
     if result:
         _OUTCOMES[record.name] = "applied"
+        _LEFT[record.name] = tuple(_resolve(probe) for probe in record.probes)
     else:
         _OUTCOMES.setdefault(record.name, "not needed: the patch found no gap")
     return result

@@ -24,12 +24,8 @@ def config_dict(cfg: object) -> dict:
     Args:
         cfg: An ``mmengine.config.Config``; a plain ``dict`` / ``ConfigDict`` is returned as is.
 
-    Returns:
-        ``cfg._cfg_dict`` for a ``Config``.
-
     Raises:
-        ConfigDictUnavailable: ``cfg`` has no ``_cfg_dict`` (an MMEngine other than 0.10.x);
-            names the MMEngine found and the version to install.
+        ConfigDictUnavailable: ``cfg`` has no ``_cfg_dict`` (an MMEngine other than 0.10.x).
     """
     if isinstance(cfg, dict):
         return cfg

@@ -31,15 +31,8 @@ def _init_dist_pytorch_cpu(backend: str, init_backend: str = "torch", **kwargs) 
 def patch_mmengine_dist_init_on_cpu() -> bool:
     """Let ``--launcher pytorch`` start a process group on a CPU-only machine.
 
-    mmengine 0.10.6 ``mmengine.dist.utils._init_dist_pytorch`` (used by ``Runner`` and by the
-    DeepSpeed strategy) always calls ``torch.cuda.set_device(local_rank)``, which dies with
-    ``RuntimeError: Found no NVIDIA driver on your system`` on a CPU-only machine (torch 2.15
-    CUDA build), and XTuner configs ask for ``dist_cfg=dict(backend='nccl')``, which needs GPUs.
-    ``init_dist`` looks the function up at call time, so replacing it is enough.
-
-    Returns:
-        True if applied. Its record runs it only where no CUDA/NPU/MLU/MUSA device is
-        (``when=cpu_only``).
+    mmengine 0.10.6 ``_init_dist_pytorch`` calls ``torch.cuda.set_device`` ("Found no NVIDIA
+    driver") and XTuner configs ask for NCCL; ``init_dist`` looks the function up at call time.
     """
     import mmengine.dist.utils as dist_utils
 
@@ -50,15 +43,8 @@ def patch_mmengine_dist_init_on_cpu() -> bool:
 def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
     """Wrap CPU models in DDP without ``device_ids`` on a CPU-only machine.
 
-    mmengine 0.10.6 ``Runner.wrap_model`` (and ``DDPStrategy``) always passes
-    ``device_ids=[LOCAL_RANK]`` to ``MMDistributedDataParallel``; torch's DDP refuses that for a
-    CPU module (``ValueError: DistributedDataParallel device_ids and output_device arguments
-    only work with single-device/multiple-device GPU modules or CPU modules``). On a machine
-    without accelerators every module is on the CPU, where ``device_ids`` must be None.
-
-    Returns:
-        True if applied. Its record runs it only where no CUDA/NPU/MLU/MUSA device is
-        (``when=cpu_only``).
+    mmengine 0.10.6 ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]``, which torch's DDP
+    refuses for a CPU module.
     """
     from mmengine.model import MMDistributedDataParallel
 

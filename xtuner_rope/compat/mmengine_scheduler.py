@@ -13,25 +13,15 @@ SCHEDULER_CHECKS: list = []
 
 
 def patch_mmengine_warmup_rounding() -> bool:
-    """Turn "end should be larger than begin, but got begin=0, end=0" into an error naming the
-    warm-up, the dataset's length and the edit (``xtuner_rope.config.warmup``).
+    """Name the warm-up that rounds to 0 iterations (``xtuner_rope.config.warmup``).
 
-    mmengine 0.10.x ``Runner._build_param_scheduler`` converts an epoch-based scheduler with
-    ``convert_to_iter_based=True`` by truncating ``end * len(train_dataloader)``; XTuner's stock
-    warm-up (``end=warmup_ratio * max_epochs``) becomes 0 iterations on a small dataset and the
-    scheduler's constructor raises a ``ValueError`` that names neither. The check runs just
-    before the original, with the same dataloader; nothing else changes.
-
-    Returns:
-        True if applied (mmengine's Runner has ``_build_param_scheduler``).
+    mmengine 0.10.x ``Runner._build_param_scheduler`` truncates ``end * len(train_dataloader)``;
+    a stock warm-up on small data becomes 0 iterations and the scheduler raises "end should be
+    larger than begin". :data:`SCHEDULER_CHECKS` run just before, with the same dataloader.
     """
-    try:
-        from mmengine.runner import Runner
-    except ImportError:
-        return False
-    original = getattr(Runner, "_build_param_scheduler", None)
-    if original is None:
-        return False
+    from mmengine.runner import Runner
+
+    original = Runner._build_param_scheduler
 
     @functools.wraps(original)
     def build(self, scheduler, optim_wrapper):

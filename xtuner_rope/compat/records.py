@@ -1,11 +1,8 @@
 """One :class:`~xtuner_rope.compat.guard.PatchRecord` per patch: versions, probes, feature.
 
-Versions: what each patch was written for and has run with. mmengine ``~=0.10.6`` and xtuner
-``~=0.2.0`` are the pins of xtuner-rope's ``setup.cfg`` (their patch releases kept, their next
-minor release left out); DeepSpeed is the ``setup.cfg`` range; torch and transformers are
-named where a patch reads them (torch and DeepSpeed: ``compat.versions.SUPPORTED``). Probes: the names each patch reads or replaces; a release
-that renames one makes the guard skip the patch (one ``CompatPatchSkipped`` warning) instead
-of failing the plugin's activation. docs/compat.md's table of versions and probes is
+mmengine ``~=0.10.6`` and xtuner ``~=0.2.0`` are ``setup.cfg``'s pins; torch and DeepSpeed come
+from ``compat.versions.SUPPORTED``. A release that renames a probed name makes the guard skip
+the patch with one warning. docs/compat.md's table of versions and probes is
 :func:`records_table` (``tests/compat/test_compat_records.py`` compares them).
 """
 
@@ -17,7 +14,7 @@ from .devices import cpu_only
 from .guard import PatchRecord
 from .versions import SUPPORTED
 
-__all__ = ["DEFERRED", "RECORDS", "records_table"]
+__all__ = ["ACTIVATION", "COUNTING", "DEFERRED", "RECORDS", "records_table"]
 
 _MM = {"mmengine": "~=0.10.6"}
 _XT = {"xtuner": "~=0.2.0"}
@@ -36,7 +33,8 @@ def _cpu_and_old_deepspeed() -> bool:
 
 _R = PatchRecord
 # fmt: off
-_ALL = (
+# Applied by ``compat.apply()`` at activation, in this order.
+ACTIVATION = (
     _R("patch_torch_cpu_bf16_query", _TORCH, ("torch.cpu",),
        "training on a CPU-only machine", "AttributeError: torch.cpu.is_bf16_supported",
        needs=("every run on a CPU-only machine", "cpu")),
@@ -101,17 +99,18 @@ _ALL = (
        ("xtuner.model.dpo:DPO.compute_loss", "xtuner.model.orpo:ORPO.compute_loss"),
        "packed DPO/ORPO in one process", "Default process group has not been initialized",
        needs=("DPO / ORPO", "dpo_orpo")),
-    _R("patch_xtuner_preference_target_zero", _XT,
-       ("xtuner.model.dpo:DPO._gather_masked_logits",
-        "xtuner.model.orpo:ORPO._gather_masked_logits"),
-       "DPO/ORPO log-probs of target id 0", "target id 0 silently left out",
-       needs=("DPO / ORPO", "dpo_orpo")),
+    # before target_zero: its wrapper then runs inside target_zero's, and gets that mask (id 0)
     _R("patch_preference_chunked_logprobs", _XT,
        ("xtuner.model.dpo:DPO._gather_masked_logits",
         "xtuner.model.orpo:ORPO._gather_masked_logits",
         "xtuner.model.orpo:ORPO.cross_entropy_loss"),
        "DPO/ORPO log-probs without the whole logits", "[tokens, vocab] logits of every row",
        not_refused="without it DPO/ORPO compute their log-probs from the full logits (logged)"),
+    _R("patch_xtuner_preference_target_zero", _XT,
+       ("xtuner.model.dpo:DPO._gather_masked_logits",
+        "xtuner.model.orpo:ORPO._gather_masked_logits"),
+       "DPO/ORPO log-probs of target id 0", "target id 0 silently left out",
+       needs=("DPO / ORPO", "dpo_orpo")),
     _R("patch_preference_unpacked_pairs", _XT, (f"{_PREF}:PackedDatasetWrapper.__init__",),
        "the packed preference pairs check", "pairs dropped, only a count logged",
        needs=("preference datasets (`build_preference_dataset`)", "preference_dataset")),
@@ -160,7 +159,7 @@ _ALL = (
     _R("patch_internvl_predict", _XT, (f"{_IVL}:InternVL_V1_5.forward",),
        "held-out loss of InternVL", "forward ignores mode='predict'",
        needs=("InternVL with a `val_dataloader`", "internvl_evaluates")),
-    _R("patch_llava_predict_labels", _XT, ("xtuner.model.llava:LLaVAModel",),
+    _R("patch_llava_predict_labels", _XT, ("xtuner.model.llava:LLaVAModel.predict",),
        "held-out loss of LLaVA", "predict's logits not aligned with labels",
        needs=("LLaVA with a `val_dataloader`", "llava_evaluates")),
     _R("patch_xtuner_zero_read_fp32", _XT,
@@ -169,6 +168,9 @@ _ALL = (
        "DeepSpeed checkpoints read at fp32 (convert pth_to_hf, pretrained_pth)",
        "ZeRO fp32 partitions read as fp16, also with --fp32",
        needs=("a `pretrained_pth` (XTuner reads a DeepSpeed folder through it)", "pretrained_pth")),
+)
+# Run by ``compat.apply_counting`` with the wrappers of the floor above (``data``) handed in.
+COUNTING = (
     _R("patch_preference_truncation_counted", _XT, (f"{_PREF}:PreferenceDataset",),
        "truncation counted on preference pairs (build_preference_dataset)",
        "responses cut at max_length without a word",
@@ -201,13 +203,13 @@ DEFERRED = (
        needs=("LLaVA configs", "llava")),
 )
 # fmt: on
-RECORDS: dict[str, PatchRecord] = {r.name: r for r in _ALL + DEFERRED}
+RECORDS: dict[str, PatchRecord] = {r.name: r for r in ACTIVATION + COUNTING + DEFERRED}
 
 
 def records_table() -> str:
     """The Markdown table of docs/compat.md's "Versions and probes" section."""
     rows = ["| Patch | Versions | Probes | Feature | Without it |", "|---|---|---|---|---|"]
-    for r in _ALL + DEFERRED:
+    for r in RECORDS.values():
         probes = ", ".join(f"`{p}`" for p in r.probes) or f"none: {r.probe_note}"
         rows.append(
             f"| `{r.name}`{' (later)' if r in DEFERRED else ''} | {r.supported()} | {probes} "

@@ -8,17 +8,9 @@ import sys
 
 
 def register_internlm2_auto_classes() -> bool:
-    """Register XTuner's shipped InternLM2 classes with the ``transformers`` Auto factories.
-
-    transformers 4.48 has no ``internlm2`` model type: real checkpoints carry remote code, and a
-    locally built checkpoint without it cannot be loaded offline
-    (``ValueError: The checkpoint you are trying to load has model type `internlm2` but
-    Transformers does not recognize this architecture``). XTuner 0.2.0 ships the current
-    InternLM2 code at ``xtuner._lite.modelings.internlm2``; registering it makes
-    ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained(dir)`` work without remote code.
-
-    Returns:
-        True if the classes were registered now, False if ``internlm2`` was already known.
+    """Register XTuner 0.2.0's shipped InternLM2 classes with the ``transformers`` Auto factories
+    (transformers 4.48 has no ``internlm2`` type: a local checkpoint without remote code would not
+    load); False if ``internlm2`` was already known.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -93,26 +85,13 @@ def _internlm2_causal_lm_classes(module) -> list[type]:
 
 
 def patch_internlm2_generation_from_embeds() -> bool:
-    """Let InternLM2's modeling code generate from ``inputs_embeds`` under transformers 4.48.
+    """Let InternLM2's modeling code generate from ``inputs_embeds`` under transformers 4.48.0.
 
-    Written against transformers 4.48.0 and InternLM2's hub ``modeling_internlm2.py`` (the
-    version xtuner 0.2.0 ships at ``xtuner._lite.modelings.internlm2``); other versions not
-    checked. ``generate()`` hands the first step an empty ``DynamicCache`` instead of
-    ``past_key_values=None``, and the
-    modeling code's ``prepare_inputs_for_generation`` feeds ``inputs_embeds`` only
-    ``if inputs_embeds is not None and past_key_values is None``: it feeds the empty ``[b, 0]``
-    ``input_ids`` instead, with ``cache_position`` over the ``n`` prompt embeddings, and the
-    model dies in its own ``_update_causal_mask``: ``RuntimeError: The size of tensor a (0)
-    must match the size of tensor b (n) at non-singleton dimension 0``. Seen in XTuner's
-    ``EvaluateChatHook`` with ``evaluation_images`` (LLaVA: ``llm.generate(inputs_embeds=...)``),
-    with or without xtuner-rope. Here the step is given its ``inputs_embeds`` when the cache is
-    still empty (what transformers' own models check, ``cache_position[0] == 0``); later steps
-    are untouched, and so is every step where the gap is absent (no ``Cache`` object, or
-    ``inputs_embeds`` already fed). Applied to InternLM2 ``*ForCausalLM`` classes whose code has that check:
-    XTuner's shipped copies now, remote-code classes when ``transformers`` loads them.
-
-    Returns:
-        True if the patch is installed (transformers' remote-code loader wrapped).
+    ``generate()`` hands the first step an empty ``DynamicCache``, and InternLM2's
+    ``prepare_inputs_for_generation`` feeds ``inputs_embeds`` only without a cache: the empty ids
+    go in and the model dies (XTuner's ``EvaluateChatHook`` with ``evaluation_images``). The step
+    gets its ``inputs_embeds`` while the cache is empty, in XTuner's copies now and in remote-code
+    classes when ``transformers`` loads them.
     """
     import transformers.dynamic_module_utils as dynamic
 

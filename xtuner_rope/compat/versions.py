@@ -1,14 +1,9 @@
 """The torch and DeepSpeed releases xtuner-rope supports with XTuner 0.2.0, checked once.
 
-XTuner 0.2.0 pins mmengine 0.10.6 and transformers 4.48.0; users bring their own torch and
-DeepSpeed. :data:`SUPPORTED` holds each one's range, why it ends where it ends, and the
-releases that ran the fast tests and the 2-process ZeRO runs (``make test-compat``,
-``tools/test_compat.sh``). Outside it, the activation (``xtuner_rope.activate``) still works, with one
-:class:`UnsupportedVersionWarning` per package (:func:`warn_unsupported`), and the start-up
-refuses the configs that use the package (``config.patch_needs.version_findings``): one
-message with the release found, the range and the pip command, never a crash deep in torch
-or MMEngine. The patch records (``compat.records``) take their torch and DeepSpeed versions
-from here.
+XTuner 0.2.0 pins mmengine and transformers; users bring torch and DeepSpeed. :data:`SUPPORTED`
+holds each range, why it ends there and the releases tested (``make test-compat``). Outside
+it activation works with one :class:`UnsupportedVersionWarning` per package, and the start-up
+refuses the configs that use it (``config.patch_needs.version_findings``).
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ class VersionRange:
     Attributes:
         dist: The distribution name (``torch``).
         spec: The PEP 440 range (``>=2.4``).
-        why: Why the range ends there (shown in the message outside it).
-        tested: The releases that ran (CI, ``make test-compat``, the 2-process runs; oldest
-            first); docs/compat.md says what each ran and what failed.
+        why: Why the range ends there.
+        tested: The releases that ran, oldest first (docs/compat.md).
         install: The pip command that brings a supported release.
         used_by: The configs the start-up refuses outside the range, in words.
     """

@@ -7,17 +7,11 @@ import functools
 
 
 def patch_llava_expansion_check(model, max_position: int | None) -> bool:
-    """Check the sequence a LLaVA model's LLM really sees, after the image expansion.
+    """Check the sequence a LLaVA ``model``'s LLM really sees, after the image expansion.
 
-    xtuner 0.2.0 ``LLaVAModel.forward`` replaces each image placeholder by the image's patch
-    embeddings in ``prepare_inputs_labels_for_multimodal`` (a module global of
-    ``xtuner.model.llava``) and rebuilds ``attention_mask`` and ``position_ids`` there: the
-    per-batch checks before the forward never see that sequence (a row of image tokens past
-    the RoPE range got no message). Wraps that function (once) so its output goes through
-    ``xtuner_rope.models.llava.check_expanded_batch``; ``max_position`` is updated per call.
-
-    Returns:
-        True if ``model`` holds a ``LLaVAModel`` (the check is on), else False.
+    xtuner 0.2.0 expands each image placeholder in ``prepare_inputs_labels_for_multimodal``, where
+    the batch checks never look: its output goes through ``models.llava.check_expanded_batch``
+    (``max_position`` updated per call). True if ``model`` holds a ``LLaVAModel``, else False.
     """
     if not any(type(m).__name__ == "LLaVAModel" for m in model.modules()):
         return False
@@ -79,21 +73,15 @@ def _predict_with_labels(self, data, data_samples=None):
 def patch_llava_predict_labels() -> bool:
     """XTuner's LLaVA ``predict`` (its ``val_step``) returns each row's expanded labels too.
 
-    xtuner 0.2.0 ``LLaVAModel.predict`` returns ``{'logits': [s', V]}`` per row over the
-    sequence *after* the image expansion (each placeholder became ``P`` patch embeddings, the
-    padding moved to the right), while the batch a metric receives holds the labels *before*
-    it (``[b, s]``): a held-out loss could not align them. Each row's dict now also holds
-    ``labels`` ``[s']`` (-100 on image tokens and padding), the ones ``compute_loss`` uses.
+    xtuner 0.2.0 ``LLaVAModel.predict`` returns logits over the sequence after the image
+    expansion, while the metric's batch holds the labels before it: each row's dict now holds the
+    ``labels`` ``[s']`` that ``compute_loss`` uses (-100 on image tokens and padding).
 
     Returns:
-        True if applied (an XTuner whose ``LLaVAModel`` has ``predict``).
+        True if applied (a ``LLaVAModel`` with its own ``predict``).
     """
-    try:
-        from xtuner.model.llava import LLaVAModel
-    except ImportError:
-        return False
-    if LLaVAModel.__dict__.get("predict") is _predict_with_labels:
-        return True
+    from xtuner.model.llava import LLaVAModel
+
     if "predict" not in LLaVAModel.__dict__:  # another XTuner: leave it
         return False
     LLaVAModel.predict = _predict_with_labels

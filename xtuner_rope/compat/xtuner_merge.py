@@ -1,14 +1,9 @@
 """XTuner patch, for one merge: ``xtuner convert merge`` loads the base in the dtype asked.
 
-xtuner 0.2.0's ``xtuner/tools/model_converters/merge.py`` loads the base model with
-``AutoModelForCausalLM.from_pretrained(..., torch_dtype=torch.float16)`` whatever the model or
-the adapter: the merged weights ``W + B @ A * alpha / r`` are computed and saved in fp16 (on the
-tiny LoRA run: logits 4.8e-4 off the trained model). With ``--is-clip`` (a LLaVA visual
-encoder's adapter) it loads ``CLIPVisionModel.from_pretrained(...)`` without a dtype, so fp32
-whatever was asked. ``xtuner-rope convert merge --dtype bf16|fp16|fp32`` runs the tool inside
-:func:`merge_loading_in`, which hands both loads the dtype asked and is undone after. Not in
-``compat.apply()``. Written against xtuner 0.2.0 and transformers 4.48; a class without
-``from_pretrained`` is warned about and left as it is.
+xtuner 0.2.0's ``merge.py`` loads the base LLM in fp16 whatever the model (logits 4.8e-4 off on
+the tiny LoRA run), and CLIP (``--is-clip``) in fp32. ``xtuner-rope convert merge --dtype`` runs
+it inside :func:`merge_loading_in`, which hands both loads the dtype asked. Not in
+``compat.apply()``; a class without ``from_pretrained`` is warned about and left as it is.
 """
 
 from __future__ import annotations
@@ -42,16 +37,9 @@ def _loading_in(cls: type, dtype: object) -> Iterator[None]:
 
 @contextmanager
 def merge_loading_in(dtype: object) -> Iterator[bool]:
-    """While inside, the base loads of merge.py (LLM and CLIP) come in ``dtype``.
-
-    Args:
-        dtype: The ``torch.dtype`` every ``from_pretrained`` call of
-            :data:`MERGE_BASE_CLASSES` gets as ``torch_dtype`` (the fp16 merge.py passes for
-            the LLM is replaced; CLIP's default fp32 too).
-
-    Yields:
-        True when every load is redirected; False (with a warning) when transformers lacks
-        one of those classes or its ``from_pretrained`` (that one loads as XTuner decides).
+    """While inside, every ``from_pretrained`` of :data:`MERGE_BASE_CLASSES` (merge.py's LLM and
+    CLIP loads) gets ``torch_dtype=dtype``; yields False (with a warning) when transformers lacks
+    one of those classes (that one loads as XTuner decides), else True.
     """
     import transformers
 

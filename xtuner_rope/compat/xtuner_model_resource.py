@@ -1,12 +1,10 @@
 """XTuner ``set_model_resource`` patches: a LLaVA config's LLM path, other models' paths kept.
 
-xtuner 0.2.0 ``set_model_resource(cfg)`` calls ``cfg.model_resource.fn(path, **args)``: the
-config being started is not handed to ``fn``. :func:`config_being_started` is how the start-up
-gets it: the config handed over explicitly by this module's ``set_model_resource`` wrapper
-(:func:`patch_set_model_resource_llm_path`: every in-process caller once the plugin is active),
-else, for ``xtuner train`` itself, whose ``tools/train.py`` bound XTuner's own function before
-the config (and with it the plugin) was read, the ``cfg`` of that call's frame. That function is
-the package's only reader of the interpreter's frames (``tests/test_layout.py`` holds it so).
+xtuner 0.2.0 ``set_model_resource(cfg)`` calls ``cfg.model_resource.fn(path, **args)`` without
+the config. :func:`config_being_started` is how the start-up gets it: handed over by this
+module's wrapper (:func:`patch_set_model_resource_llm_path`), else, in ``xtuner train`` (whose
+``train.py`` bound XTuner's function before the plugin loaded), the ``cfg`` of that call's
+frame: the package's only reader of the interpreter's frames (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -25,15 +23,10 @@ _XTUNER_UTILS = os.path.join("xtuner", "tools", "utils.py")
 def config_being_started():
     """The config whose ``model_resource`` xtuner 0.2.0 ``set_model_resource`` is running now.
 
-    Inside that call (``xtuner train``'s, or the doctor's start-up) XTuner writes the path
-    ``fn`` returns into every nested ``pretrained_model_name_or_path`` right after: the
-    top-level setting is the checkpoint that will load. None outside it.
-
-    The config comes from the wrapper of :func:`patch_set_model_resource_llm_path`, which hands
-    it over explicitly. ``xtuner train`` calls XTuner's unwrapped function (its ``train.py``
-    imported the name before the config, and so the plugin, was read: no patch can reach that
-    call), so there the config is the ``cfg`` argument of the ``set_model_resource`` frame up
-    the stack: the one frame read of the package.
+    Inside that call XTuner writes the path ``fn`` returns into every nested
+    ``pretrained_model_name_or_path`` right after. The config is the one the wrapper handed over,
+    else the ``cfg`` argument of the ``set_model_resource`` frame up the stack (``xtuner train``
+    calls XTuner's unwrapped function). None outside that call.
     """
     if _HANDED_OVER:
         return _HANDED_OVER[-1]
@@ -50,23 +43,16 @@ def config_being_started():
 def patch_model_resource_llm_path() -> bool:
     """Give a LLaVA config the ``pretrained_model_name_or_path`` XTuner's start-up reads.
 
-    xtuner 0.2.0 ``set_model_resource`` calls ``fn(cfg["pretrained_model_name_or_path"])``;
-    XTuner's LLaVA/InternVL configs name the LLM ``llm_name_or_path`` and have no such key:
-    ``xtuner train`` stops with ``KeyError: 'pretrained_model_name_or_path'``. The config's
-    ``from xtuner_rope import enable_xtuner_rope`` is read (lazily) by that very call, just
-    before the key is read, and reading it activates the plugin, so here the config being started gets the key, set to its
-    ``llm_name_or_path`` (logged). Applies only inside that call (``xtuner train``).
+    xtuner 0.2.0 ``set_model_resource`` reads ``cfg["pretrained_model_name_or_path"]``; LLaVA and
+    InternVL configs name the LLM otherwise (``KeyError``). Reading the config's
+    ``enable_xtuner_rope`` activates the plugin just before, so the config being started gets the
+    key (logged). Applies only inside that call (``xtuner train``).
     """
     return _give_llm_path(config_being_started())
 
 
 def _llm_path_setting(cfg) -> str | None:
-    """The top-level setting naming the LLM of a config without ``pretrained_model_name_or_path``.
-
-    LLaVA configs name it ``llm_name_or_path``; XTuner's InternVL configs name the whole model
-    ``path`` (their ``model.model_path``): the start-up then refuses InternVL with its reason
-    instead of XTuner's ``KeyError``.
-    """
+    """The top-level setting naming the LLM (``llm_name_or_path``; InternVL's ``path``), or None."""
     if isinstance(dict.get(config_dict(cfg), "llm_name_or_path"), str):
         return "llm_name_or_path"
     model = dict.get(config_dict(cfg), "model")
@@ -97,18 +83,14 @@ def _give_llm_path(cfg) -> bool:
 
 
 def patch_set_model_resource_llm_path() -> bool:
-    """The same gap for later callers of xtuner 0.2.0 ``set_model_resource`` in this process.
+    """The same gap for the in-process callers of xtuner 0.2.0 ``set_model_resource``.
 
-    Where the plugin is already active when the config is started (``xtuner-rope
-    doctor`` / ``check`` / ``replay`` call ``xtuner.tools.utils.set_model_resource`` in
-    process), :func:`patch_model_resource_llm_path` cannot act: the module's function gets the
-    LLM path first instead (same ``KeyError`` otherwise).
+    ``xtuner-rope doctor`` / ``check`` / ``replay`` start the config with the plugin active: the
+    wrapper gives the LLM path first, and hands the config to :func:`config_being_started`.
     """
     import xtuner.tools.utils as xtuner_utils
 
     original = xtuner_utils.set_model_resource
-    if getattr(original, "__wrapped__", None) is not None:
-        return False
 
     @functools.wraps(original)
     def with_llm_path(cfg):
@@ -127,19 +109,10 @@ def patch_set_model_resource_llm_path() -> bool:
 def keep_other_model_paths(cfg, returned: str) -> bool:
     """Stop xtuner 0.2.0 ``set_model_resource`` overwriting the paths of other models.
 
-    After ``model_resource.fn`` returns, XTuner writes its result into *every* nested
-    ``pretrained_model_name_or_path`` of the config: in a LLaVA config the CLIP encoder's and
-    the image processor's become the LLM's path (``OSError: ... does not appear to have a file
-    named preprocessor_config.json``). Another model's path is one a top-level
-    ``*_name_or_path`` setting other than the LLM's names (``visual_encoder_name_or_path``).
-    Where such paths exist, XTuner's write-back is done here for every other nested path (with
-    the config's own path, which xtuner-rope's ``model_resource`` functions return unchanged),
-    and XTuner's walk is skipped, once, by handing it an empty ``items()`` of the config. Call
-    from inside ``fn``; configs without another model's path are left to XTuner, and so is
-    the write-back when ``fn`` returns another path than the config's (``returned``).
-
-    Returns:
-        True if the write-back was done here and XTuner's will be skipped.
+    XTuner writes ``fn``'s result into every nested ``pretrained_model_name_or_path`` (a LLaVA
+    config's CLIP and image processor too: ``OSError``). Where a top-level ``*_name_or_path`` names
+    another model, the write-back is done here and XTuner's walk skipped once (an empty
+    ``items()``). Call from inside ``fn``; True if done, False when ``fn`` returns another path.
     """
     top = config_dict(cfg)
     path = dict.get(top, "pretrained_model_name_or_path")

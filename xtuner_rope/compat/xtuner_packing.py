@@ -13,12 +13,9 @@ from .records import RECORDS
 def xtuner_pack_step(pack_fn):
     """Run XTuner's ``process_hf_dataset`` with ``pack_fn`` as its pack step, for one call.
 
-    xtuner 0.2.0 ``xtuner.dataset.huggingface.process`` packs through the module's
-    ``pack_dataset``, which maps the ``Packer`` over ``map_num_proc`` (default 32) shards:
-    each worker drops its own leftover below ``max_length`` (38% of the tokens and labels of
-    2,400 short alpaca dialogues lost, silently). Used only by
-    ``xtuner_rope.data.packed_dataset.lossless_process_hf_dataset`` (the config names it, the
-    start-up logs it); XTuner's function is restored on exit.
+    xtuner 0.2.0 ``pack_dataset`` maps the ``Packer`` over ``map_num_proc`` shards, each dropping
+    its leftover (38% of 2,400 short alpaca dialogues' tokens lost silently). Used by
+    ``data.packed_dataset.lossless_process_hf_dataset``; XTuner's function is restored on exit.
 
     Args:
         pack_fn: Same arguments as XTuner's ``pack_dataset``.
@@ -38,12 +35,9 @@ def xtuner_pack_step(pack_fn):
 def xtuner_intern_repo_packer(packer_cls):
     """Run XTuner's intern-repo ``build_packed_dataset`` with ``packer_cls`` as its packer.
 
-    xtuner 0.2.0 ``xtuner.dataset.intern_repo.build_packed_dataset_rank0`` wraps each loaded
-    dataset in the module's ``PackedDataset``, which concatenates the shuffled documents and
-    cuts every ``packed_length`` tokens (a document across a row edge trained as pieces) and
-    drops the last partial row. Used only by
-    ``xtuner_rope.data.intern_repo_packing.build_whole_packed_dataset`` (the start-up names it);
-    XTuner's rank-0 build and broadcast run as they are, and its class is restored on exit.
+    xtuner 0.2.0 ``PackedDataset`` cuts the concatenated documents every ``packed_length`` tokens
+    and drops the last partial row. Used by ``data.intern_repo_packing.build_whole_packed_dataset``;
+    XTuner's class is restored on exit.
 
     Args:
         packer_cls: Same arguments as XTuner's ``PackedDataset`` (dataset, packed_length, seed).

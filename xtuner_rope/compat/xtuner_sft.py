@@ -28,19 +28,12 @@ def _refuse_unconsumed_boundaries(forward):
 def patch_sft_forward_names_missing_hook() -> bool:
     """Turn "unexpected keyword argument 'cumulative_len'" into an error naming the fix.
 
-    xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model. A
-    collate function that returns document boundaries (``rope_collate_fn``, or XTuner's own
-    ``default_collate_fn(use_varlen_attn=True)``) relies on a hook to take them out first;
-    without it every step dies with ``TypeError: InternLM2ForCausalLM.forward() got an
-    unexpected keyword argument 'cumulative_len'``, which names neither the hook nor the fix.
-
-    Returns:
-        True if applied (xtuner's SupervisedFinetune is importable).
+    xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model; boundaries
+    a collate function returned need a hook to take them out first, else every step dies with a
+    ``TypeError`` that names neither the hook nor the fix.
     """
-    try:
-        from xtuner.model.sft import SupervisedFinetune
-    except ImportError:
-        return False
+    from xtuner.model.sft import SupervisedFinetune
+
     SupervisedFinetune.forward = _refuse_unconsumed_boundaries(SupervisedFinetune.forward)
     return True
 
@@ -48,25 +41,14 @@ def patch_sft_forward_names_missing_hook() -> bool:
 def patch_sft_sequence_parallel_loss() -> bool:
     """Give plugin-patched models the sequence-parallel loss of ``models.sequence_parallel``.
 
-    xtuner 0.2.0 ``SupervisedFinetune._compute_sequence_parallel_loss`` splits ``labels`` with
-    the row and lets the model shift them inside each shard: the first label of every shard
-    after the first (predicted by the previous shard's last token) is dropped, silently, one
-    supervised token per shard boundary. It also back-propagates each rank's unweighted mean
-    (wrong gradients when shards hold unequal token counts), and its attention would see only
-    the shards' boundaries. For a model whose attention xtuner-rope patched, the loss goes
-    through ``sequence_parallel_loss`` instead (full-row boundaries published, labels shifted
-    over the full row, token-weighted); other models keep XTuner's method unchanged.
-
-    Returns:
-        True if applied (xtuner's SupervisedFinetune has the method).
+    xtuner 0.2.0 ``_compute_sequence_parallel_loss`` shifts labels inside each shard (one
+    supervised token dropped per shard boundary), back-propagates each rank's unweighted mean and
+    shows attention only the shards' boundaries. A model whose attention xtuner-rope patched goes
+    through ``sequence_parallel_loss`` instead; other models keep XTuner's method.
     """
-    try:
-        from xtuner.model.sft import SupervisedFinetune
-    except ImportError:
-        return False
-    original = getattr(SupervisedFinetune, "_compute_sequence_parallel_loss", None)
-    if original is None:
-        return False
+    from xtuner.model.sft import SupervisedFinetune
+
+    original = SupervisedFinetune._compute_sequence_parallel_loss
 
     @functools.wraps(original)
     def _compute_sequence_parallel_loss(self, data):
@@ -95,22 +77,13 @@ def _xtuner_train_modules() -> list:
 def patch_xtuner_train_sequence_parallel_check() -> bool:
     """Lift ``xtuner train``'s flash-attn requirement for sequence parallel where xtuner-rope serves.
 
-    xtuner 0.2.0 ``tools/train.py`` ``check_cfg`` asserts ``flash_attn`` is installed and
-    ``attn_implementation`` is unset or ``"flash_attention_2"`` whenever
-    ``sequence_parallel_size > 1`` (symptom: "`flash_attn` is required if you want to use
-    sequence parallel." on every machine without flash-attn, CPU included). With the config
-    prepared by ``enable_xtuner_rope`` the plugin's packed attention runs the sequence-parallel
-    attention on every backend (``models.sequence_parallel``): the check runs with that
-    requirement lifted (logged) and XTuner's DeepSpeed requirement for sequence parallel kept.
-    The wrapper applies once the plugin is activated by the config's ``model_resource``, which
-    ``xtuner train`` calls before ``check_cfg``.
-
-    Returns:
-        True if applied (``xtuner/tools/train.py`` is running in this process).
+    xtuner 0.2.0 ``tools/train.py`` ``check_cfg`` asserts flash-attn whenever
+    ``sequence_parallel_size > 1``; with a config ``enable_xtuner_rope`` prepared, the check runs
+    with that requirement lifted (logged) and XTuner's DeepSpeed requirement kept. True if applied
+    (``xtuner/tools/train.py`` is running in this process).
     """
-    modules = [
-        m for m in _xtuner_train_modules() if not getattr(m.check_cfg, "xtuner_rope_sp", False)
-    ]
+    # No probe can name the running train.py (``probe_note``): the wrapper is recognised here.
+    modules = [m for m in _xtuner_train_modules() if not hasattr(m.check_cfg, "xtuner_rope_sp")]
     for module in modules:
         original = module.check_cfg
 

@@ -1,12 +1,9 @@
 """XTuner patch, for one conversion: ``to_hf`` saves in the dtype asked, not fp16-or-fp32.
 
-xtuner 0.2.0's ``to_hf`` (``SupervisedFinetune`` and so DPO/ORPO, ``LLaVAModel``,
-``RewardModel``) knows two dtypes: ``fp32=True`` saves the model as it is, anything else casts
-it with ``.half()`` first. ``xtuner-rope convert pth_to_hf --dtype bf16|fp16|fp32`` needs a
-third and a count of what the cast loses: :func:`to_hf_in_dtype` wraps those methods while
-the conversion runs so that ``prepare(model)`` (the counted cast) runs first and XTuner's own
-``.half()`` is skipped (``fp32=True``), and restores them after. Not in ``compat.apply()``.
-Written against xtuner 0.2.0; a class that is missing is skipped with a warning naming it.
+xtuner 0.2.0's ``to_hf`` saves as is with ``fp32=True`` and casts ``.half()`` otherwise.
+:func:`to_hf_in_dtype` wraps it while ``xtuner-rope convert pth_to_hf --dtype`` runs: the
+counted cast ``prepare(model)`` first, XTuner's ``.half()`` skipped. Not in ``compat.apply()``;
+a missing class is skipped with a warning naming it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """XTuner patch: its DeepSpeed checkpoint reader reads the ZeRO fp32 partitions at fp32.
 
-xtuner 0.2.0's ``guess_load_checkpoint`` (``xtuner/model/utils.py``, what ``xtuner convert
-pth_to_hf`` and ``pretrained_pth`` loading use) reads a DeepSpeed checkpoint folder through
-``xtuner.utils.zero_to_any_dtype.get_state_dict_from_zero_checkpoint`` without a ``dtype``, and
-that module's ``DEFAULT_DTYPE`` is ``torch.float16``: the fp32 partitions of the optimizer (which
-equal the trained module's weights bit for bit, checked with DeepSpeed's own ``zero_to_fp32``)
-come back rounded to fp16, and ``--fp32`` then saves those rounded weights (measured on a
-2-process ZeRO-2 run: the converted model equals ``module.half()``, up to 3.0e-5 off the trained
-weights, 4.7e-4 under sequence parallel).
-
-The patch changes the defaults of the reader's functions from ``float16`` to ``float32`` (a
-caller that names a ``dtype`` still gets it): the read is exact, and the conversion's own
-``--fp32`` / ``--dtype`` decides what is saved. Written against xtuner 0.2.0; where the module
-or a function is missing (another XTuner), it is skipped with a warning naming the feature.
+xtuner 0.2.0's ``guess_load_checkpoint`` (``convert pth_to_hf``, ``pretrained_pth``) reads a
+ZeRO folder through ``zero_to_any_dtype`` whose ``DEFAULT_DTYPE`` is fp16: the exact fp32
+partitions come back rounded (a 2-process ZeRO-2 run converted to ``module.half()``, also with
+``--fp32``). The reader's defaults become fp32 (a named ``dtype`` still wins); a missing
+module or function is skipped with a warning naming the feature.
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
 
 ZERO_READER_MODULE = "xtuner.utils.zero_to_any_dtype"
 # The functions of xtuner 0.2.0's reader whose last default is DEFAULT_DTYPE (float16).
@@ -32,34 +23,26 @@ ZERO_READER_FUNCTIONS = (
 ZERO_READ_FEATURE = "xtuner-rope's exact read of DeepSpeed checkpoints (convert pth_to_hf at fp32)"
 
 
-def _skip(why: str) -> bool:
-    warnings.warn(f"{ZERO_READ_FEATURE} is off: {why} (written for xtuner 0.2.0).", stacklevel=3)
-    return False
-
-
 def patch_xtuner_zero_read_fp32() -> bool:
     """Make xtuner 0.2.0's ZeRO checkpoint reader default to fp32 instead of fp16.
 
     Returns:
-        True if applied. False, silently, when XTuner or DeepSpeed is not installed or the
-        reader already defaults to something other than fp16 (no gap); False with a warning
-        naming the feature when the module is there but not as xtuner 0.2.0 wrote it.
+        True if applied; False where the reader defaults to another dtype already (no gap).
+
+    Raises:
+        RuntimeError: a reader function has no float16 default (not as xtuner 0.2.0 wrote it):
+            the guard skips the patch with one ``CompatPatchSkipped`` warning.
     """
     import torch
 
-    try:
-        reader = importlib.import_module(ZERO_READER_MODULE)
-    except ImportError:  # no XTuner, or no DeepSpeed (the reader imports it): nothing to read
+    reader = importlib.import_module(ZERO_READER_MODULE)
+    if reader.DEFAULT_DTYPE is not torch.float16:
         return False
-    if getattr(reader, "DEFAULT_DTYPE", None) is not torch.float16:
-        if hasattr(reader, "DEFAULT_DTYPE"):
-            return False  # another default: the gap is not there
-        return _skip(f"{ZERO_READER_MODULE}.DEFAULT_DTYPE is missing")
     functions = [getattr(reader, name, None) for name in ZERO_READER_FUNCTIONS]
     for name, function in zip(ZERO_READER_FUNCTIONS, functions):
         defaults = getattr(function, "__defaults__", None)
         if not defaults or defaults[-1] is not torch.float16:
-            return _skip(f"{ZERO_READER_MODULE}.{name} has no float16 default dtype")
+            raise RuntimeError(f"{ZERO_READER_MODULE}.{name} has no float16 default dtype")
     for function in functions:
         function.__defaults__ = (*function.__defaults__[:-1], torch.float32)
     reader.DEFAULT_DTYPE = torch.float32

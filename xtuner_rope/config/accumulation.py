@@ -1,11 +1,8 @@
 """Start-up fix: iteration checkpoints at accumulation-window boundaries.
 
-A checkpoint written inside an accumulation window holds the weights of the last step but not
-the gradients accumulated since, so a resume from it differs from the uninterrupted run
-(:mod:`xtuner_rope.hooks.accumulation` records the windows and refuses such a resume). The
-start-up raises the iteration-based ``CheckpointHook`` interval (and ``save_begin``) to the next
-multiple of ``accumulative_counts`` (XTuner's stock ``save_steps = 500`` with
-``accumulative_counts = 16`` becomes 512), so every checkpoint lands where no gradient is pending.
+A checkpoint inside an accumulation window lacks the pending gradients
+(:mod:`xtuner_rope.hooks.accumulation`); the ``CheckpointHook`` interval (and ``save_begin``) is
+raised to the next multiple of ``accumulative_counts`` (stock 500 with 16 becomes 512).
 """
 
 from __future__ import annotations
@@ -38,12 +35,9 @@ def accumulative_counts(cfg_dict: dict) -> int:
 def checkpoint_interval_findings(cfg) -> list[Finding]:
     """Start-up fix: iteration checkpoints at multiples of ``accumulative_counts``.
 
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
     Returns:
-        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is
-        not a multiple of ``optim_wrapper.accumulative_counts``; none for epoch checkpoints.
+        One fix per ``default_hooks.checkpoint`` setting (``interval``, ``save_begin``) that is not
+        a multiple of it; none for epoch checkpoints.
     """
     counts = accumulative_counts(config_dict(cfg))
     hooks = dict.get(config_dict(cfg), "default_hooks")

@@ -17,18 +17,11 @@ from .startup import state_kept
 
 
 def start(cfg: Config, cfg_options: dict | None = None, look_only: bool = False) -> Config:
-    """Run ``cfg``'s ``model_resource`` and merge ``cfg_options``, in ``xtuner train``'s order.
+    """Run ``cfg``'s ``model_resource`` and merge ``cfg_options`` (a dict, or None), in ``xtuner
+    train``'s order; ``cfg`` (as ``Config.fromfile`` returns it) is changed in place and returned.
 
-    Args:
-        cfg: The config as ``Config.fromfile`` returns it; changed in place.
-        cfg_options: The ``--cfg-options`` overrides, as a dict (None: none).
-        look_only: For tools that only look (the doctor): a conflict the start-up refuses is not
-            raised (the caller reports it from ``inspect_config``) and the process is left as
-            not prepared. Otherwise (the check, which builds the Runner) the process is prepared
-            as in a run and a conflict raises.
-
-    Returns:
-        ``cfg``.
+    ``look_only`` (the doctor): a conflict is not raised (``inspect_config`` reports it) and the
+    process stays not prepared.
 
     Raises:
         ConfigConflict: the start-up refuses a setting (not with ``look_only``).

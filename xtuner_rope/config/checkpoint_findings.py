@@ -1,17 +1,10 @@
 """Start-up finding: the LLM's checkpoint must have a ``config.json`` the start-up can read.
 
-The start-up judges the model before a weight loads from its checkpoint's ``config.json``
-(``models.checkpoint_config``): the family (``model_family_findings`` refuses families that
-xtuner-rope does not serve, remote code included), the heads, the vocabulary, the attention it
-asks for. When that file cannot be read, nothing of it is known: a hub id offline, a cluster
-path that does not exist here, a directory without ``config.json``. Without this refusal such
-a run ends after the plugin's start-up lines in a raw ``OSError`` traceback of the hub client or
-transformers (when XTuner builds the tokenizer or the model); with it, the start-up (and
-``xtuner-rope doctor``) names the path, why it cannot be read and what to do.
-
-Only ``model.llm`` is read (text SFT, DPO/ORPO/reward, LLaVA's LLM). An LLM of XTuner's own
-modeling packages is judged by its class (``models.families.model_class_verdict``); other
-models (InternVL's whole-model path) are left to their own findings.
+The start-up judges the model from it before a weight loads (family, heads, vocabulary,
+attention). Where it cannot be read (a hub id offline, a path missing here, no ``config.json``)
+the start-up and the doctor name the path, why and what to do, instead of a raw ``OSError``
+later. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by its
+class (``models.families.model_class_verdict``).
 """
 
 from __future__ import annotations
@@ -42,13 +35,9 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def llm_checkpoint_path(cfg: Config) -> object:
-    """The checkpoint XTuner will load the LLM from: ``model.llm.pretrained_model_name_or_path``.
-
-    Except while ``xtuner train``'s ``set_model_resource`` starts ``cfg`` (the start-up runs
-    inside it): right after, XTuner writes ``fn(cfg.pretrained_model_name_or_path)`` into every
-    nested path (xtuner-rope's functions return it unchanged), so the top-level setting is the
-    one that loads. ``--cfg-options`` are merged after that, into the nested paths. None
-    without a ``model.llm`` dict (InternVL names its whole model instead: not an LLM path).
+    """The checkpoint XTuner will load the LLM from: ``model.llm.pretrained_model_name_or_path``;
+    while ``set_model_resource`` starts ``cfg``, the top-level setting (XTuner writes it into every
+    nested path right after). None without a ``model.llm`` dict.
     """
     llm = _get(_get(config_dict(cfg), "model"), "llm")
     if not isinstance(llm, dict):
@@ -89,13 +78,9 @@ def is_unreadable_checkpoint(finding: Finding) -> bool:
 def checkpoint_config_findings(cfg: Config) -> list[Finding]:
     """Refuse an LLM whose ``config.json`` cannot be read, before anything loads.
 
-    Args:
-        cfg: An XTuner config (lazy objects unbuilt).
-
     Returns:
-        One conflict on ``model.llm.pretrained_model_name_or_path`` naming the path, why its
-        ``config.json`` cannot be read and what to do; empty when it can be read, when the LLM
-        names no path, or when it is built from one of XTuner's own modeling packages.
+        One conflict naming the path, why and what to do; empty when it can be read, when the
+        LLM names no path, or when it is built from one of XTuner's own modeling packages.
     """
     llm = _get(_get(config_dict(cfg), "model"), "llm")
     if model_class_verdict(getattr(_get(llm, "type"), "_module", None)) is not None:

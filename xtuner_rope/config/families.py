@@ -1,10 +1,6 @@
-"""Start-up findings of the model's family and attention, read from the config and the
-checkpoint's ``config.json`` before a weight loads.
-
-- ``attn_implementation="flash_attention_2"`` where flash-attn cannot run becomes ``"sdpa"``
-  (:func:`flash_attn_findings`);
-- a family xtuner-rope cannot serve is refused (:func:`model_family_findings`,
-  ``models.families.REFUSED``).
+"""Start-up findings of the model's family and attention (config and ``config.json``):
+``flash_attention_2`` where flash-attn cannot run becomes ``"sdpa"`` (:func:`flash_attn_findings`);
+a family xtuner-rope cannot serve is refused (:func:`model_family_findings`).
 """
 
 from __future__ import annotations
@@ -25,11 +21,9 @@ __all__ = ["flash_attn_findings", "model_family_findings"]
 def flash_attn_findings(cfg: Config) -> list[Finding]:
     """``attn_implementation="flash_attention_2"`` where flash-attn cannot run: use SDPA.
 
-    Two places ask for it: ``model.llm.attn_implementation`` (XTuner's stock Mistral configs;
-    transformers then refuses to build the model) and, when the LLM dict sets none, a local
-    checkpoint's ``config.json`` (InternLM2 remote code picks its attention class from
-    ``config.attn_implementation`` and imports flash-attn at the first forward). The packed
-    attention of xtuner-rope isolates documents on every backend, so SDPA loses nothing.
+    Asked by ``model.llm.attn_implementation`` (transformers refuses to build) or, when the LLM
+    dict sets none, by a local ``config.json`` (InternLM2 remote code imports flash-attn at the
+    first forward). The packed attention isolates documents on every backend.
     """
     from transformers.utils import is_flash_attn_2_available
 
@@ -55,12 +49,8 @@ def flash_attn_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("family")
 def model_family_findings(cfg: Config) -> list[Finding]:
-    """The LLM's family, read from its ``config.json`` before a weight loads: refuse what
-    xtuner-rope cannot serve (``models.families.REFUSED``: GPT-BigCode, remote-code families).
-
-    A checkpoint whose ``config.json`` cannot be read (a hub id offline) is refused by
-    ``config.checkpoint_findings``; one without ``model_type`` by ``ValidatedRoPEHook`` after
-    it loaded.
+    """The LLM's family from its ``config.json``: refuse what xtuner-rope cannot serve
+    (``models.families.REFUSED``).
     """
     from xtuner_rope.models.families import UNSERVED_ADVICE, checkpoint_verdict, model_class_verdict
 

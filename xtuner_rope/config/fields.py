@@ -1,11 +1,8 @@
 """Reading an XTuner config without building it: a field, a ``type``'s name, its datasets.
 
-XTuner configs are parsed by MMEngine in lazy-import mode: their ``type=`` values are
-``LazyObject`` s that import a module when built. The start-up's findings (and the hooks, the
-doctor, the check) read a config before anything is built, so they read it through these:
-``lazy_get`` (``node[key]`` of a dict, nothing built), ``type_name`` (a ``type``'s name),
-``walk_datasets`` (every dataset dict below a dataloader), ``xtuner_packs`` /
-``offline_packs`` / :func:`packing_source` (whether and where the train rows are packed).
+MMEngine parses XTuner configs in lazy-import mode (``type=`` values are ``LazyObject`` objects):
+``lazy_get``, ``type_name``, ``walk_datasets`` and ``xtuner_packs`` / ``offline_packs`` /
+:func:`packing_source` read one without building anything.
 """
 
 from __future__ import annotations
@@ -83,11 +80,8 @@ def offline_packs(dataset: dict) -> bool:
 
 
 def packing_source(cfg: object) -> str | None:
-    """Where the train dataloader of ``cfg`` packs several dialogues per row, or None.
-
-    XTuner's offline packing (``process_hf_dataset``, ``pack_to_max_length`` defaults to True;
-    ``build_packed_dataset``, always) or ``rope_collate_fn(pack=True)``: such rows must reach
-    the model with boundaries.
+    """Where the train dataloader of ``cfg`` packs several dialogues per row (XTuner's offline
+    packing, ``build_packed_dataset``, ``rope_collate_fn(pack=True)``), or None.
     """
     try:
         loader = lazy_get(config_dict(cfg), "train_dataloader")

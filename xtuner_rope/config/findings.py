@@ -76,11 +76,7 @@ SLOTS = (
 
 
 def slot_rank(slot: str) -> int:
-    """The place of ``slot`` in the report (its index in :data:`SLOTS`).
-
-    Raises:
-        ValueError: ``slot`` names no slot (an order number of an earlier release, say).
-    """
+    """The place of ``slot`` in the report (its index in :data:`SLOTS`); ValueError for no slot."""
     if slot not in SLOTS:
         raise ValueError(
             f"register_findings: unknown slot {slot!r}; use one of {', '.join(SLOTS)} "

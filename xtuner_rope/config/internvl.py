@@ -1,22 +1,11 @@
 """Start-up findings of XTuner's InternVL configs (``model.type=InternVL_V1_5``).
 
-Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit goes after
-the config's ``path = ...`` line (``xtuner_model_resource.patch_model_resource_llm_path`` hands XTuner's
-``set_model_resource`` that ``path``). xtuner 0.2.0 ``InternVL_V1_5`` hard-codes how it loads
-the checkpoint; what has one right answer is fixed here (each logged), through
-``xtuner_internvl.INTERNVL_LOAD``:
-
-- the LLM's ``flash_attention_2`` where flash-attn cannot run: the LLM's own attention instead
-  (``eager`` for InternLM2 remote code, whose older hub versions have no SDPA class; ``sdpa``
-  for transformers' Phi-3); xtuner-rope's attention isolates samples on every backend;
-- bf16 weights on a CPU-only machine: fp32 (as a LLaVA config's fp16 LLM).
-
-``internvl_collate_fn`` rows shorter than the dataset's ``max_length`` are raised to it (a row
-holds at least the longest sample). Refused before any weight loads: the LLaVA or text collate
-function on InternVL samples, 4-bit quantization (``quantization_llm`` /
-``quantization_vit``) on a CPU-only machine (bitsandbytes' 4-bit layers need a GPU), and a
-local checkpoint whose LLM XTuner's ``InternVL_V1_5_Dataset`` cannot template (InternLM2 and
-Phi-3 only: it raises ``NotImplementedError`` after the model loaded).
+xtuner 0.2.0 ``InternVL_V1_5`` hard-codes how it loads; fixed here through
+``compat.xtuner_internvl.INTERNVL_LOAD`` (each logged): ``flash_attention_2`` where flash-attn
+cannot run becomes the LLM's own attention, bf16 on a CPU-only machine fp32.
+``internvl_collate_fn`` rows are raised to the dataset's ``max_length``. Refused before any
+weight loads: the LLaVA or text collate function on InternVL samples, 4-bit quantization on a
+CPU-only machine, an LLM that ``InternVL_V1_5_Dataset`` cannot template (InternLM2, Phi-3 only).
 """
 
 from __future__ import annotations

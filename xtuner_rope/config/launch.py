@@ -1,22 +1,9 @@
 """How the run is launched: DeepSpeed dtypes on a CPU-only machine, samplers that need DeepSpeed.
 
-Two launch settings make ``xtuner train`` fail only after the model's weights are loaded; the
-start-up (and so ``xtuner-rope doctor``) names them first, with the edit:
-
-- a DeepSpeed config whose fp16/bf16 resolve to enabled on a CPU-only machine. XTuner's stock
-  ``deepspeed_zero2``/``zero3`` say ``"fp16": {"enabled": "auto"}``, and XTuner's
-  ``auto_dtype_of_deepspeed_config`` resolves ``auto`` with ``get_torch_device().is_available()``,
-  which is ``torch.cpu.is_available()`` (True) there; DeepSpeed's CPU accelerator then raises
-  ``ValueError: Type fp16 is not supported on your device`` when the engine is built (bf16 would
-  train in emulated bf16, while xtuner-rope's CPU guarantees are measured in fp32). The DeepSpeed
-  config comes either from the config (``strategy.config``) or from ``xtuner train``'s
-  ``--deepspeed`` argument, which ``xtuner/tools/train.py`` turns into ``strategy`` only *after*
-  ``model_resource`` ran: the start-up reads it from the command line of that script. The edit
-  points at the project's fp32 settings (``configs/deepspeed/zero{2,3}_fp32_cpu.json``).
-- a run of several processes whose sampler reads DeepSpeed's data-parallel group
-  (``InternRepoSampler``: ``xtuner.parallel.sequence.get_data_parallel_world_size``, set up by
-  XTuner's ``DeepSpeedStrategy``) without DeepSpeed: ``AssertionError: data parallel group is
-  not initialized`` when the dataloader is built.
+Refused at start-up, with the edit, instead of after the weights load: DeepSpeed fp16/bf16
+resolving to enabled on a CPU-only machine (``strategy.config`` or ``--deepspeed``; the edit
+names ``configs/deepspeed/zero{2,3}_fp32_cpu.json``), and ``InternRepoSampler`` on several
+processes without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat.checkpoint_world import current_world_size
+from xtuner_rope.checkpoints.world import current_world_size
 from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 
@@ -55,11 +42,8 @@ _LAUNCH: dict = {}
 
 @contextlib.contextmanager
 def launched_with(deepspeed: str | None):
-    """Inspect configs as if ``xtuner train ... --deepspeed deepspeed`` had started them.
-
-    Args:
-        deepspeed: The argument as ``xtuner train`` takes it (a json file or one of XTuner's
-            names, e.g. ``deepspeed_zero2``); None changes nothing.
+    """Inspect configs as if ``xtuner train ... --deepspeed deepspeed`` had started them (a json or
+    one of XTuner's names; None changes nothing).
     """
     saved = dict(_LAUNCH)
     if deepspeed:
@@ -72,15 +56,8 @@ def launched_with(deepspeed: str | None):
 
 
 def deepspeed_argument(argv: list[str] | None = None) -> str | None:
-    """``--deepspeed``'s value when this process is ``xtuner train`` (its ``tools/train.py``).
-
-    Args:
-        argv: The command line (default ``sys.argv``).
-
-    Returns:
-        The argument as given (a file or one of XTuner's names, e.g. ``deepspeed_zero2``), or
-        None when absent or when this process is not XTuner's training script. Without
-        ``argv``, the doctor's ``--deepspeed`` (:func:`launched_with`) comes first.
+    """``--deepspeed``'s value when this process is ``xtuner train`` (``argv`` default ``sys.argv``,
+    then the doctor's :func:`launched_with` comes first), or None.
     """
     if argv is None and _LAUNCH.get("deepspeed"):
         return _LAUNCH["deepspeed"]
@@ -148,11 +125,8 @@ def _fp32_json(stage: int) -> str:
 
 
 def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list[Finding]:
-    """A DeepSpeed config that resolves to fp16/bf16 on this CPU-only machine: refused.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
+    """A DeepSpeed config that resolves to fp16/bf16 on this CPU-only machine: refused (``argv``:
+    default ``sys.argv``, read only inside ``xtuner train``).
     """
     if not cpu_only():
         return []
@@ -195,7 +169,7 @@ def sampler_findings(
     Args:
         cfg: The config (lazy objects unbuilt).
         argv: The command line (default ``sys.argv``).
-        world_size: Processes of the run (default: ``WORLD_SIZE``, which torchrun sets).
+        world_size: Processes of the run (default: ``WORLD_SIZE``).
     """
     if world_size is None:
         world_size = current_world_size()
@@ -235,18 +209,10 @@ def _launcher(argv: list[str]) -> str:
 def single_process_deepspeed_findings(
     cfg: Config, argv: list[str] | None = None, environ: dict | None = None
 ) -> list[Finding]:
-    """``xtuner train CFG --deepspeed X.json`` in one process, without a launcher: a fix.
-
-    DeepSpeed starts its process group from torchrun's variables; without them it looks for
-    MPI and dies with ``No module named 'mpi4py'`` once the model is built (and ``xtuner
-    train`` exits 0). The fix gives this process the variables of a one-process torchrun
-    (``MASTER_PORT``: a free port), before DeepSpeed reads them. Only inside ``xtuner train``
-    (``tools/train.py``), which runs ``model_resource`` first.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``).
-        environ: The environment to read and fix (default ``os.environ``).
+    """``xtuner train CFG --deepspeed X.json`` in one process without a launcher: a fix giving this
+    process a one-process torchrun's variables (a free ``MASTER_PORT``), as DeepSpeed would look
+    for MPI once the model is built. Only inside ``xtuner train``; ``argv`` defaults to
+    ``sys.argv``, ``environ`` (read and fixed) to ``os.environ``.
     """
     argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ
@@ -291,14 +257,8 @@ def launch_findings(cfg: Config) -> list[Finding]:
 
 
 def deepspeed_zero_stage(cfg: Config, argv: list[str] | None = None) -> int | None:
-    """The ZeRO stage of the run's DeepSpeed config (the config's strategy or ``--deepspeed``).
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``; read only inside ``xtuner train``).
-
-    Returns:
-        The stage (0-3), or None without DeepSpeed (or a file that cannot be read yet).
+    """The ZeRO stage (0-3) of the run's DeepSpeed config, or None (none, or not readable yet);
+    ``argv`` as in :func:`deepspeed_dtype_findings`.
     """
     ds, _ = _resolve(_deepspeed_source(cfg, argv)[0])
     if ds is None:

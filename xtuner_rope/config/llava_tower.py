@@ -1,27 +1,10 @@
 """Start-up findings of LLaVA configs against their vision tower (``image_tokens``, crop size).
 
-``llava_collate_fn``'s ``image_tokens`` must be the tower's ``P``, and the image processor must
-crop to the size the tower takes.
-
-``llava_collate_fn`` plans rows on the expanded lengths, each image placeholder counted as
-``image_tokens`` patch embeddings. ``LLaVAModel`` really inserts ``P`` of them, ``P = (image_size
-// patch_size) ** 2`` of the vision tower (its CLS token dropped, ``hidden_states[...][:, 1:]``
-in xtuner 0.2.0). A wrong value does not fail loudly where it happens:
-
-- too small: image rows come out longer than ``max_length`` once expanded, and training goes
-  on silently on rows the config never asked for (memory, and the doctor's figures, off);
-- too large: every image sample looks longer than it is; the text-only batches train, and the
-  run dies at the first image batch with a ``max_length`` message that blames the wrong
-  setting.
-
-An image processor that crops to another size than the tower's ``image_size`` makes CLIP's
-position embeddings not fit: the first step dies in transformers ("Input image size ... doesn't
-match model"). The tower's ``config.json`` (and the processor's ``preprocessor_config.json``)
-are read here, before anything is built, so ``xtuner train`` refuses
-the config at start-up, and ``xtuner-rope doctor`` reports the same finding (it runs the same
-start-up). A tower whose config cannot be read offline yet (a hub id not in the cache) is
-judged again before the first step, when ``ValidatedRoPEHook`` re-checks the started config
-(the model, and so the tower's config, is loaded by then).
+``llava_collate_fn``'s ``image_tokens`` must be the ``P = (image_size // patch_size) ** 2``
+``LLaVAModel`` inserts (too small: rows past ``max_length`` train silently; too large: the first
+image batch dies blaming ``max_length``), and the image processor must crop to the tower's size
+(else CLIP fails at the first step). Read from the tower's files before anything is built; a
+tower not readable offline yet is judged again by ``ValidatedRoPEHook``.
 """
 
 from __future__ import annotations
@@ -50,19 +33,13 @@ def _get(node: object, key: str, default: object = None) -> object:
 
 
 def tower_image_tokens(path: object, local_only: bool = False) -> dict:
-    """``P``, the patch embeddings one image becomes, from the vision tower's own config.
-
-    Args:
-        path: ``model.visual_encoder.pretrained_model_name_or_path``.
-        local_only: Read only what is on disk (the start-up: no download before a run).
-
-    Returns:
-        ``{'image_tokens': P, 'image_size', 'patch_size', 'model_type', 'path'}``.
+    """``P``, the patch embeddings one image becomes, from the vision tower's config at ``path``
+    (``local_only``: on disk only): ``{'image_tokens': P, 'image_size', 'patch_size',
+    'model_type', 'path'}``.
 
     Raises:
-        ValueError: no path, or a config without int ``image_size`` / ``patch_size`` (not a
-            ViT-style tower ``LLaVAModel`` serves); the message names the setting.
-        OSError: the config cannot be read (``local_only`` and not on disk).
+        ValueError: no path, or no int ``image_size`` / ``patch_size`` (not a ViT-style tower).
+        OSError: the config cannot be read.
     """
     from transformers import AutoConfig
 
@@ -101,11 +78,8 @@ def image_tokens_from_config(config: object, path: str) -> dict:
 
 
 def image_tokens_finding(asked: object, tower: Mapping) -> Finding | None:
-    """The refusal of ``llava_collate_fn(image_tokens=asked)`` for ``tower``; None when equal.
-
-    Args:
-        asked: ``train_dataloader.collate_fn.image_tokens``.
-        tower: :func:`tower_image_tokens` of the config's vision tower.
+    """The refusal of ``llava_collate_fn(image_tokens=asked)`` for ``tower``
+    (:func:`tower_image_tokens`); None when equal.
     """
     p = tower["image_tokens"]
     if asked == p:

@@ -1,12 +1,8 @@
 """Start-up findings and readers of the loss settings: ``loss_normalization``, ``chunked_loss``.
 
-``loss_normalization`` at the top level of a config chooses how
-:class:`xtuner_rope.hooks.loss_norm.TokenWeightedLossHook` weighs the step: ``"token"`` (the
-default: every supervised token of a step weighs the same), ``"dialogue"`` (every dialogue) or
-``"micro_batch"`` (XTuner's per-micro-batch mean, the opt-out). An unknown value is refused at
-start-up, before anything is built. ``chunked_loss`` (:mod:`xtuner_rope.hooks.chunked_loss`):
-``True`` (the default), ``False`` (the model's own loss) or a number of tokens per chunk; any
-other value is refused the same way.
+``loss_normalization``: ``"token"`` (default), ``"dialogue"`` or ``"micro_batch"`` (XTuner's,
+the opt-out), read by ``hooks.loss_norm.TokenWeightedLossHook``; ``chunked_loss``: ``True``
+(default), ``False`` or tokens per chunk. Any other value is refused at start-up.
 """
 
 from __future__ import annotations

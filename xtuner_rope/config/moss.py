@@ -1,11 +1,8 @@
 """Start-up findings on XTuner's ``MOSSSFTDataset``: a data file its cache would overwrite.
 
-``MOSSSFTDataset`` (xtuner 0.2.0, ``xtuner/dataset/moss_sft.py``) tokenizes its JSON lines once
-and caches them beside the file, under the file's name with ``.jsonl`` replaced by
-``_data_<tokenizer>_<bot>`` (and ``_no_loss_spans_...``). A name without ``.jsonl`` is left as
-it is, so the cache *is* the data file: the dataset ``torch.load``\\ s the JSON lines itself
-(``UnpicklingError: Weights only load failed``) or, had the cache been written first, would
-overwrite the user's data with a pickle. Such a setting is refused before the weights load.
+xtuner 0.2.0 caches the tokenized lines beside the file, its name with ``.jsonl`` replaced; a
+name without ``.jsonl`` makes the cache the data file itself (``torch.load`` of JSON lines, or
+the data overwritten by a pickle). Refused before the weights load.
 """
 
 from __future__ import annotations

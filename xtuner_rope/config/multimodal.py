@@ -1,16 +1,9 @@
 """Start-up findings of XTuner's LLaVA configs (InternVL's: ``config.internvl``).
 
-Registered in :func:`xtuner_rope.config.startup.inspect_config`. The README's one edit works for a
-LLaVA config as for a text one (``xtuner_model_resource.patch_model_resource_llm_path`` gives XTuner's
-``set_model_resource`` the LLM path it reads; ``xtuner_model_resource.keep_other_model_paths`` keeps the CLIP
-encoder's and image processor's own paths). What the config itself must change is here:
-
-- on a CPU-only machine the stock ``torch_dtype=torch.float16`` LLM cannot run (torch:
-  "mat1 and mat2 must have the same dtype" at the first step): it is loaded in fp32 (logged);
-- XTuner's ``EvaluateChatHook`` with ``evaluation_images`` is kept: its generation from
-  ``inputs_embeds`` died in InternLM2's modeling code under transformers 4.48 ("The size of
-  tensor a (0) must match the size of tensor b ...", an upstream gap, with or without the
-  plugin), which ``transformers_internlm2.patch_internlm2_generation_from_embeds`` closes.
+On a CPU-only machine the stock fp16 LLM is loaded in fp32 (logged); XTuner's
+``EvaluateChatHook`` with ``evaluation_images`` is kept (its generation from ``inputs_embeds`` is
+``compat.transformers_internlm2``'s patch). The LLM path and the other models' paths are
+``compat.xtuner_model_resource``'s.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Start-up fix: checkpoints hold the optimizer state, so a resume continues the optimizer.
 
-XTuner 0.2.0's stock InternVL configs (23 of its config files) set
-``default_hooks.checkpoint.save_optimizer=False``. MMEngine 0.10.6 then writes the weights alone,
-and ``--resume`` of such a checkpoint loads them and silently builds a fresh optimizer: SGD's
-momentum and AdamW's moments restart from zero at the resumed iteration, and the run goes
-elsewhere. Measured on the stock ``internvl_v2_phi3_4b_finetune`` and
-``internvl_v2_internlm2_2b_lora_finetune`` (tiny checkpoints, SGD with momentum 0.9, killed after
-iteration 7, resumed from ``iter_4``): the losses match up to the next optimizer step and the
-final weights end 4.0e-1 and 1.1e0 (relative) away from the uninterrupted run.
-
-Design (a start-up fix, logged; :func:`save_optimizer_findings`): ``save_optimizer`` is turned on,
-so every checkpoint can resume exactly; checkpoints grow by the optimizer's state (AdamW: twice
-the trainable parameters in fp32; with a LoRA adapter, the adapter's). A user who wants the small
-checkpoints back sets ``checkpoint_without_optimizer = True`` at the top of the config: the
-start-up then keeps ``save_optimizer=False`` and says what a resume will do. What a resume of a
-checkpoint without the state does is warned by ``hooks.optimizer_state``.
+XTuner 0.2.0's stock InternVL configs set ``save_optimizer=False``; a resume then builds a fresh
+optimizer silently (two stock configs resumed at ``iter_4`` ended 4.0e-1 and 1.1e0 away from
+the uninterrupted run). :func:`save_optimizer_findings` turns ``save_optimizer`` on (logged;
+checkpoints grow by the optimizer's state); ``checkpoint_without_optimizer = True`` keeps the
+small checkpoints, and ``hooks.optimizer_state`` warns what their resume does.
 """
 
 from __future__ import annotations
@@ -30,14 +20,8 @@ KEEP_OFF_KEY = "checkpoint_without_optimizer"  # top-level config key: keep save
 
 @register_findings("checkpoint_saving")
 def save_optimizer_findings(cfg) -> list[Finding]:
-    """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-
-    Returns:
-        One fix when the checkpoint hook sets ``save_optimizer=False`` (none when the config
-        sets ``checkpoint_without_optimizer = True``, or when its hook is not MMEngine's).
+    """Start-up fix: ``default_hooks.checkpoint.save_optimizer`` on (none with
+    ``checkpoint_without_optimizer = True``, or when the hook is not MMEngine's).
     """
     hooks = dict.get(config_dict(cfg), "default_hooks")
     hook = hooks.get("checkpoint") if isinstance(hooks, dict) else None

@@ -1,11 +1,8 @@
 """The config that really trains, checked again before the first step.
 
-``xtuner train`` runs the start-up (``model_resource``) on the config file, then merges
-``--cfg-options`` into it (``xtuner/tools/train.py``: ``set_model_resource(cfg)``, then
-``cfg.merge_from_dict(args.cfg_options)``), then builds the runner from the merged config. An
-override can thus undo a start-up fix or bring a conflict in after the start-up looked.
-:func:`recheck_started_config` (run by ``ValidatedRoPEHook`` before the first step, on
-``runner.cfg``) refuses such a run with the start-up's message and edit; the doctor calls
+``xtuner train`` runs the start-up on the file, then merges ``--cfg-options``, which can undo a
+fix or bring a conflict in. :func:`recheck_started_config` (``ValidatedRoPEHook``, on
+``runner.cfg``) refuses such a run with the start-up's message; the doctor calls
 :func:`recheck_config` in the same order as ``xtuner train``.
 """
 
@@ -20,14 +17,7 @@ from .startup import applied_fixes, inspect_config, is_prepared
 
 
 def cfg_options_argument(argv: list[str] | None = None) -> list[str]:
-    """The ``--cfg-options`` of this process's command line (``xtuner train``), as given.
-
-    Args:
-        argv: The command line (default ``sys.argv``).
-
-    Returns:
-        The ``key=value`` tokens after ``--cfg-options`` up to the next option; empty if none.
-    """
+    """The ``key=value`` tokens after ``--cfg-options`` in ``argv`` (default ``sys.argv``), or []"""
     argv = sys.argv if argv is None else argv
     given, taking = [], False
     for arg in argv[1:]:
@@ -50,21 +40,10 @@ def _named(overrides: object) -> str:
 def recheck_config(
     cfg: Config, fixes: list[Finding] | None = None, overrides: object = None
 ) -> list[Finding]:
-    """What the start-up would say about ``cfg`` now, as conflicts only (nothing can be fixed).
-
-    ``xtuner train`` merges ``--cfg-options`` after the start-up ran (``set_model_resource``,
-    then ``cfg.merge_from_dict``), and the runner builds the model and the data from the
-    merged config: a fix is then too late, so every finding is a conflict. A finding on a
-    setting the start-up fixed says that its fix was overridden (never claimed any more).
-
-    Args:
-        cfg: The config that trains (``runner.cfg``, every override merged).
-        fixes: What the start-up applied; default: what it applied in this process.
-        overrides: The ``--cfg-options`` given (a dict, or ``key=value`` strings), named at
-            the end of each problem: the finding's setting may not be the one changed.
-
-    Returns:
-        The conflicts, each with the edit; empty when the start-up's verdict still holds.
+    """What the start-up would say about ``cfg`` (``runner.cfg``, every override merged) now, as
+    conflicts only: ``fixes`` the start-up applied (default: in this process; a finding on a fixed
+    setting says its fix was overridden), ``overrides`` the ``--cfg-options`` given (a dict or
+    ``key=value`` strings, named in each). Empty when the start-up's verdict still holds.
     """
     fixed = {f.setting: f for f in (applied_fixes() if fixes is None else fixes)}
     conflicts = []
@@ -89,10 +68,7 @@ def recheck_config(
 
 
 def recheck_started_config(cfg: object, who: str) -> None:
-    """Refuse to train when the config that really trains conflicts (see :func:`recheck_config`).
-
-    Only for a run the start-up prepared (``xtuner train`` with ``model_resource``): a runner
-    built in code from a config nobody prepared has no start-up verdict to hold to.
+    """Refuse to train when the config that really trains conflicts (a run the start-up prepared).
 
     Args:
         cfg: ``runner.cfg``.

@@ -1,18 +1,11 @@
 """Start-up findings of packing: XTuner's packs record their boundaries, keep them through the
 collate function, drop nothing; the stock ``use_varlen_attn`` switch is served by the plugin.
 
-- XTuner's offline packing (``process_hf_dataset(pack_to_max_length=True)``) records the
-  document boundaries (the dataset's ``use_varlen_attn=True``; the packs are the same) and
-  drops nothing and keeps each dialogue whole in one row (``type=lossless_process_hf_dataset``,
-  same arguments: XTuner's ``pack_dataset`` cuts dialogues at every ``max_length`` tokens and
-  drops each of its ``map_num_proc`` shards' leftover); ``offline_packing = "cut"`` at the top
-  level of the config keeps XTuner's cut (``whole_dialogues=False``), leftover still kept;
-- XTuner's ``default_collate_fn`` keeps those boundaries (its ``use_varlen_attn=True``, batch
-  size 1 only, as in XTuner), those of the intern-repo datasets' ``build_packed_dataset``
-  (always packed, always with ``cumulative_len``) too;
-- the stock ``use_varlen_attn = True`` switch no longer needs flash-attn: the plugin isolates
-  documents itself, so XTuner's flash-attn check is switched off and its
-  ``VarlenAttnArgsToMessageHubHook`` leaves room for ours (same MessageHub keys).
+XTuner's offline packing records the boundaries and becomes ``lossless_process_hf_dataset``
+(whole dialogues, no leftover dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
+``default_collate_fn`` keeps the boundaries (``use_varlen_attn=True``, batch size 1); the stock
+``use_varlen_attn = True`` no longer needs flash-attn (XTuner's check off, its
+``VarlenAttnArgsToMessageHubHook`` leaving room for ours).
 """
 
 from __future__ import annotations

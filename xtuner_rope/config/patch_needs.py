@@ -1,14 +1,10 @@
 """Refuse a config that needs a feature whose third-party patch was skipped in this process.
 
-``xtuner_rope.compat`` skips a patch (one ``CompatPatchSkipped`` warning) where the installed
-release is outside the versions the patch was written for, a name it replaces is missing, or
-it raised. Each patch's record (``compat.records``) says which configs need its feature
-(``needs``: the words and a condition's name, evaluated here by :data:`CONDITIONS`); such a
-config is refused here, naming the feature, the patch, the versions that have it and the pip
-command. A config that does not need it trains as usual. A record whose patch only turns a
-crash into a clearer error says so (``not_refused``): without it the run still fails loudly.
-Before those, :func:`version_findings` refuses torch or DeepSpeed outside the supported range
-(``compat.versions``): one finding per package, and no second one for its patches.
+Each patch's record (``compat.records``) says which configs need its feature (``needs``: words
+and a condition's name, evaluated by :data:`CONDITIONS`) or why none is refused
+(``not_refused``); such a config is refused with the feature, the patch, the versions and the
+pip command. :func:`version_findings` first refuses torch or DeepSpeed outside the supported
+range (``compat.versions``): one finding per package.
 """
 
 from __future__ import annotations
@@ -173,10 +169,8 @@ _USES = {"torch": lambda cfg: True, "deepspeed": _uses_deepspeed}
 
 @register_findings("patches")
 def version_findings(cfg: Config) -> list[Finding]:
-    """One conflict per package outside its supported range that ``cfg`` uses.
-
-    torch is used by every config; DeepSpeed by a DeepSpeed run (mmengine 0.10.6 cannot even
-    import DeepSpeed >= 0.19.7, so the run would die inside MMEngine after the model build).
+    """One conflict per package outside its supported range that ``cfg`` uses (torch: every config;
+    DeepSpeed: a DeepSpeed run).
     """
     return [
         Finding(
@@ -191,10 +185,8 @@ def version_findings(cfg: Config) -> list[Finding]:
 
 @register_findings("patches")
 def patch_findings(cfg: Config) -> list[Finding]:
-    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``).
-
-    A patch written for a package outside its supported range is left to
-    :func:`version_findings` (one message per package, not one per patch).
+    """One conflict per skipped patch whose feature ``cfg`` needs (its record's ``needs``); a
+    package outside its range is left to :func:`version_findings`.
     """
     findings = []
     outside = unsupported()

@@ -1,20 +1,10 @@
 """Start-up findings for XTuner's preference configs (DPO, ORPO, reward model).
 
-XTuner 0.2.0 builds preference data with ``build_preference_dataset`` (``use_varlen_attn=True``:
-``PackedDatasetWrapper`` packs whole pairs, chosen then rejected, ``cumulative_len`` per
-response) and collates it with ``preference_collate_fn``. Four of its settings fail late or
-silently, after the model has loaded; :func:`preference_findings` names them before anything
-is built (``startup.inspect_config`` calls it; the doctor prints the same findings):
-
-- ``reward_token_id`` outside the checkpoint's vocabulary (the stock reward configs ship
-  InternLM2's 92527): refused at the first batch, by a message about ``input_ids``;
-- ``batch_size`` > 1 with packed pairs: ``preference_collate_fn`` asserts batch size 1 at the
-  first batch;
-- ``use_varlen_attn`` that differs between the model, the dataset and the collate function:
-  a ``KeyError`` in the collate function, or (model off, data packed) chosen and rejected
-  log-probs taken from the wrong rows, silently;
-- full-parameter DPO without ``ref_llm`` under DeepSpeed ZeRO-3 (``--deepspeed``): XTuner's
-  ``create_reference_model`` raises after the policy has loaded.
+Four settings of ``build_preference_dataset`` / ``preference_collate_fn`` configs fail late or
+silently, after the model loaded; :func:`preference_findings` names them first: a
+``reward_token_id`` outside the vocabulary, ``batch_size`` > 1 with packed pairs,
+``use_varlen_attn`` differing between model, dataset and collate function (a ``KeyError``, or
+log-probs from the wrong rows), and full-parameter DPO without ``ref_llm`` under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -49,11 +39,7 @@ def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | 
 
 
 def checkpoint_vocab_size(cfg: Config) -> tuple[int | None, str]:
-    """``vocab_size`` of the local checkpoint the model loads, and the file it came from.
-
-    Returns:
-        ``(None, "")`` for a ``config.json`` that cannot be read or has no ``vocab_size``.
-    """
+    """``(vocab_size, file)`` of the local checkpoint the model loads, or ``(None, "")``."""
     config = llm_checkpoint_config(cfg)
     if config is None or config.data is None:
         return None, ""
@@ -100,12 +86,9 @@ def _varlen_flags(cfg: Config, dataset: dict, key: str) -> dict[str, object]:
 def packed_pairs_findings(
     cfg: Config, dataset: dict, key: str = "train_dataloader"
 ) -> list[Finding]:
-    """Varlen switches that disagree, or packed pairs at a batch size above 1, in ``key``.
-
-    Args:
-        cfg: The config.
-        dataset: ``key``'s ``build_preference_dataset`` dict.
-        key: ``train_dataloader`` or ``val_dataloader`` (held-out pairs).
+    """Varlen switches that disagree, or packed pairs at a batch size above 1, in ``key``
+    (``train_dataloader``, or ``val_dataloader`` for held-out pairs; ``dataset`` its
+    ``build_preference_dataset`` dict).
     """
     flags = _varlen_flags(cfg, dataset, key)
     if len(set(flags.values())) > 1:
@@ -164,13 +147,8 @@ def _zero3_reference_finding(cfg: Config) -> list[Finding]:
 
 @register_findings("preference")
 def preference_findings(cfg: Config) -> list[Finding]:
-    """Conflicts of a preference config that XTuner would report late or never.
-
-    Args:
-        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
-
-    Returns:
-        The conflicts (no fixes: each needs the user's choice), empty for other configs.
+    """Conflicts of a preference config that XTuner would report late or never (no fixes: each needs
+    the user's choice); empty for other configs.
     """
     dataset = preference_dataset(cfg)
     if dataset is None:

@@ -1,12 +1,8 @@
 """Start-up check of the checkpoint's RoPE scaling, before any weight loads.
 
-Length-dependent RoPE (dynamic NTK, LongRoPE) is served per packed document
-(``models.rope_documents``): nothing about it is refused. What is refused is what no model can
-compute: a ``rope_scaling`` type the family does not know or one lacking the fields its
-frequencies need (``models.rope_settings``). Upstream fails on those too, but only after the
-weights load (transformers at the model build, the validated RoPE at the patch); read from the
-checkpoint's ``config.json``, the start-up and ``xtuner-rope doctor`` say it first, with the
-setting to change.
+Length-dependent RoPE is served per packed document; what no model can compute is refused from
+the checkpoint's ``config.json``: a ``rope_scaling`` type the family does not know, or one
+lacking the fields its frequencies need (``models.rope_settings``).
 """
 
 from __future__ import annotations

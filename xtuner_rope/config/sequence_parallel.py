@@ -1,18 +1,10 @@
 """Start-up findings of sequence parallel: the size itself, and the LLM's head counts.
 
 ``sequence_parallel_size`` is served for SFT (``models.sequence_parallel``) and refused for the
-other models; XTuner's ``default_collate_fn`` becomes ``rope_collate_fn`` padded to a multiple of
-it (:func:`sequence_parallel_size_findings`, run in the start-up's ``runtime`` slot).
-
-With ``sequence_parallel_size = sp``, XTuner's all-to-all gives each rank ``n_h / sp`` heads.
-When ``sp`` does not divide ``n_h`` XTuner falls back to its "inner sequence parallel" (a
-head-dim split), which gathers with ``gather_for_sequence_parallel``; xtuner 0.2.0 asserts a
-non-CPU tensor there, so on a CPU-only machine such a run dies at the first attention, after the
-weights are loaded (``models.sequence_parallel.sequence_parallel_attention`` refuses it there
-too). The LLM's local ``config.json`` gives the head counts: the start-up (and so
-``xtuner-rope doctor``) refuses it first, with the edit. On a CPU-only machine the all-to-all
-runs over gloo, which torch 2.4.1 lacks (``devices.gloo_all_to_all_missing``, probed): there any
-``sequence_parallel_size`` > 1 is refused at start-up, before the model is built.
+other models; ``default_collate_fn`` becomes ``rope_collate_fn`` padded to a multiple of it.
+Where ``sp`` does not divide the heads, XTuner's "inner sequence parallel" asserts a non-CPU
+tensor: refused on a CPU-only machine from the LLM's ``config.json``, as is any ``sp`` > 1 where
+gloo lacks all-to-all (torch 2.4.1, ``devices.gloo_all_to_all_missing``).
 """
 
 from __future__ import annotations
@@ -86,9 +78,8 @@ def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
 def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
     """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
 
-    Heads not divisible by the size need no refusal on GPUs: XTuner's inner sequence parallel
-    splits the head dimension, and the plugin's all-to-all goes through it (on a CPU-only
-    machine ``startup_sequence_parallel`` refuses them from the checkpoint's config.json).
+    Heads not divisible by the size are served on GPUs (XTuner's inner sequence parallel); on a
+    CPU-only machine they are refused from ``config.json``.
     """
     sp = _get(config_dict(cfg), "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:

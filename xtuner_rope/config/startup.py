@@ -1,27 +1,20 @@
 """Start-up: load xtuner-rope before XTuner builds anything, then check and prepare the config.
 
-``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``xtuner.tools.utils.
-set_model_resource``), before its own config check, the distributed start, the model and the
-dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the package
-(``from xtuner_rope import enable_xtuner_rope``), the name activates the plugin (its ``compat``
-patches, its hooks) early enough, and it reads the config being started, so every setting
-that conflicts with the plugin is refused before a weight is loaded, with the setting and the
-exact edit named; what has one right answer is fixed instead, and logged.
+``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``set_model_resource``), before
+the model and the dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the
+package it activates the plugin, and it refuses every conflicting setting of the config being
+started with the exact edit, fixing (and logging) what has one right answer.
 
-This module is the findings engine: :func:`register_findings` (at a named slot of
-``findings.SLOTS``; a finding is a ``findings.Finding``), :func:`inspect_config` (pure: the
-doctor and the hooks call it too) and :func:`prepare_config` (applies the fixes, raises
-``findings.ConfigConflict`` for the rest). The
-findings live by topic, each module registering its own at its slot (``findings.SLOTS``):
-``config.patch_needs`` (a feature whose third-party patch was skipped), ``config.packing``
-(and ``config.moss``), ``config.frameworks``, ``config.loss``, ``config.multimodal``,
-``config.internvl``, ``config.llava_tower``, ``config.launch``, ``config.accumulation`` and
-``config.optimizer_state`` (what and when ``CheckpointHook`` saves), ``config.sequence_parallel``,
-``config.rope_scaling``, ``config.runtime`` (plugin hooks, AMP on CPU,
-``sequence_parallel_size``), ``config.heldout.findings`` (and ``config.heldout.shortcut``),
-``config.families``, ``config.checkpoint_findings``, ``config.preference``
-(``xtuner_rope.FINDINGS_MODULES`` imports them all). ``config.fields`` reads a config
-without building it.
+This module is the findings engine: :func:`register_findings` (at a slot of ``findings.SLOTS``),
+:func:`inspect_config` (pure: the doctor and the hooks call it too) and :func:`prepare_config`
+(fixes applied, ``findings.ConfigConflict`` for the rest). The findings live by topic, each
+module registering its own: ``config.patch_needs``, ``config.packing``, ``config.moss``,
+``config.frameworks``, ``config.multimodal``, ``config.internvl``, ``config.llava_tower``,
+``config.launch``, ``config.optimizer_state``, ``config.sequence_parallel``,
+``config.rope_scaling``, ``config.runtime``, ``config.heldout.findings``,
+``config.heldout.shortcut``, ``config.families``, ``config.checkpoint_findings``,
+``config.preference``, ``config.loss``, ``config.accumulation`` (``xtuner_rope.FINDINGS_MODULES``
+imports them all).
 """
 
 from __future__ import annotations
@@ -47,15 +40,8 @@ FindingsFn = Callable[[Config], list]  # a config -> its findings (`Finding` lis
 
 
 def inspect_config(cfg: Config) -> list[Finding]:
-    """Every change the plugin needs in ``cfg`` and every conflict it cannot resolve.
-
-    Pure: nothing is changed until a finding's ``fix`` is called (see :func:`prepare_config`).
-
-    Args:
-        cfg: An XTuner config, as ``Config.fromfile`` returns it (lazy objects unbuilt).
-
-    Returns:
-        The findings, fixes and conflicts, in config order.
+    """Every change the plugin needs in ``cfg`` (as ``Config.fromfile`` returns it) and every
+    conflict it cannot resolve, in config order; pure (nothing changed until a ``fix`` runs).
     """
     return [
         finding
@@ -65,15 +51,8 @@ def inspect_config(cfg: Config) -> list[Finding]:
 
 
 def register_findings(order: str) -> Callable[[FindingsFn], FindingsFn]:
-    """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order``.
-
-    Findings modules register themselves when imported (``xtuner_rope.activate`` imports them
-    all, ``config/__init__`` the ``config/`` ones); the slot fixes where their findings appear
-    in the report and when their fixes apply (:data:`SLOTS`, first to last; functions of one
-    slot in the order they registered).
-
-    Raises:
-        ValueError: ``order`` names no slot.
+    """Decorator: add a findings function to what :func:`inspect_config` runs, at slot ``order`` of
+    :data:`SLOTS` (where its findings appear, when their fixes apply); ValueError for no slot.
     """
     slot_rank(order)  # refuse an unknown slot when the module registers, not at start-up
 
@@ -90,17 +69,13 @@ FINDINGS: list[tuple[str, FindingsFn]] = []
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
-    """Apply the plugin's fixes to ``cfg`` and refuse what cannot be fixed.
-
-    Args:
-        cfg: The config about to be trained; changed in place.
+    """Apply the plugin's fixes to ``cfg`` (in place) and refuse what cannot be fixed.
 
     Returns:
         The fixes applied (each also logged).
 
     Raises:
-        ConfigConflict: a setting conflicts with the plugin; the message lists each one with
-            the exact edit, all at once.
+        ConfigConflict: every conflicting setting with its exact edit, all at once.
     """
     findings = inspect_config(cfg)
     conflicts = [f for f in findings if f.fix is None]
@@ -127,10 +102,8 @@ def is_prepared() -> bool:
 
 @contextmanager
 def state_kept() -> Iterator[None]:
-    """Run the block and put the start-up's state (prepared, fixes) back as it was.
-
-    For tools that start a config as ``xtuner train`` does only to look at it (the doctor):
-    the process must not count as prepared afterwards.
+    """Run the block and put the start-up's state (prepared, fixes) back as it was (for the doctor,
+    which starts a config only to look at it).
     """
     kept = dict(_STATE)
     try:
@@ -140,16 +113,11 @@ def state_kept() -> Iterator[None]:
 
 
 def prepare_started_config(path: str) -> str:
-    """Prepare the config of the calling ``set_model_resource`` (if any); return ``path``.
-
-    The config is ``compat.xtuner_model_resource.config_being_started()``: the one XTuner's
-    ``set_model_resource`` is starting (``xtuner train``, or a tool that starts a config in
-    process). Called outside it (a script building the tiny checkpoint), only ``path`` returns.
+    """Prepare the config ``set_model_resource`` starts (``config_being_started``); return ``path``.
 
     Raises:
-        ConfigConflict: see :func:`prepare_config`; or the plugin is not active in this process
-            (its patches and hooks are missing): the config named the function by a module
-            path instead of ``from xtuner_rope import ...``.
+        ConfigConflict: see :func:`prepare_config`; or the plugin is not active (the config named
+            the function by a module path instead of ``from xtuner_rope import ...``).
     """
     cfg = config_being_started()
     if cfg is not None:
@@ -167,10 +135,8 @@ def mark_active() -> None:
 
 
 def _refuse_inactive(cfg: Config) -> None:
-    """Refuse to start ``cfg`` in a process where the plugin was never activated.
-
-    Raises:
-        ConfigConflict: the plugin is not active; the message names the import to write.
+    """Refuse (``ConfigConflict``) to start ``cfg`` where the plugin was never activated, naming the
+    import to write.
     """
     if _active:
         return
@@ -186,24 +152,15 @@ def _refuse_inactive(cfg: Config) -> None:
 
 
 def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
-    """``model_resource`` function: load xtuner-rope, check and prepare the config.
+    """``model_resource`` function: load xtuner-rope, check and prepare the config; returns ``path``
+    (the config's ``pretrained_model_name_or_path``) unchanged.
 
-    Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config.
-    ``xtuner train`` calls it before anything is built; the path (a hub id or a local
-    directory) is returned unchanged.
-
-    Args:
-        path: The config's ``pretrained_model_name_or_path``.
-        local_only: Refuse a path that is not a local checkpoint directory (the recipes in
-            ``configs/`` expect a downloaded checkpoint: no download at training time).
-
-    Returns:
-        ``path``.
+    Use as ``model_resource = dict(fn=enable_xtuner_rope)`` in PART 1 of an XTuner config;
+    ``local_only=True`` refuses a path that is not a local checkpoint (no download in training).
 
     Raises:
         ConfigConflict: see :func:`prepare_config`.
-        FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``; the message
-            says how to fix it.
+        FileNotFoundError: ``local_only`` and ``path`` has no ``config.json``.
     """
     if local_only and not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(
@@ -219,8 +176,7 @@ def require_prepared(cfg: object, who: str) -> None:
     """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
 
     Args:
-        cfg: ``runner.cfg``; only configs read from a file are judged (a runner built in code
-            without a config file has nothing to prepare).
+        cfg: ``runner.cfg``; only configs read from a file are judged.
         who: The caller, for the message.
 
     Raises:

@@ -1,25 +1,10 @@
 """A warm-up that rounds to 0 iterations: MMEngine's epoch-to-iteration conversion, named.
 
-XTuner's stock configs warm up for a ratio of the run (``end=warmup_ratio * max_epochs``,
-``convert_to_iter_based=True``). MMEngine turns such a scheduler into an iteration-based one
-when the Runner builds it (``build_iter_from_epoch``: ``begin = int(begin * epoch_length)``,
-``end = int(end * epoch_length)``, ``epoch_length = len(train_dataloader)``), and the
-scheduler's constructor then refuses ``end <= begin`` with ``ValueError: end should be larger
-than begin, but got begin=0, end=0``: a message that names neither the setting nor the data.
-
-That happens on small data: 3% of a 30-iteration epoch truncates to 0 iterations. The truncation
-is MMEngine's documented conversion, not a defect to patch (rounding it up would train a warm-up
-the config did not ask for), so the run is refused with the setting, the dataset's length and
-the edit, at the first moment that length is known:
-
-- ``xtuner-rope doctor`` builds the dataset and computes the same integers
-  (``doctor/schedule.py``);
-- in ``xtuner train``, ``mmengine_scheduler.patch_mmengine_warmup_rounding`` checks right before MMEngine
-  builds the schedulers (after the dataloader, hence after the model: the start-up in
-  ``model_resource`` runs before the dataset exists and cannot know its length).
-
-The arithmetic is pure Python; the module registers ``refuse_rounded_warmup`` in
-``mmengine_scheduler.SCHEDULER_CHECKS`` when imported (``xtuner_rope.activate`` imports it).
+MMEngine converts ``end=warmup_ratio * max_epochs`` with ``int(end * len(train_dataloader))``:
+3% of a 30-iteration epoch is 0, and the scheduler dies naming neither setting nor data. The
+run is refused with the setting, the length and the edit by the doctor (``doctor/schedule.py``)
+and, in ``xtuner train``, before the schedulers are built (``refuse_rounded_warmup``, in
+``compat.mmengine_scheduler.SCHEDULER_CHECKS`` on import).
 """
 
 from __future__ import annotations
@@ -39,15 +24,8 @@ def epoch_length(samples: int, batch_size: int, drop_last: bool = False) -> int:
 
 
 def iteration_bounds(scheduler: dict, length: int) -> tuple[int, int] | None:
-    """``(begin, end)`` in iterations as MMEngine builds a converted scheduler, else None.
-
-    Args:
-        scheduler: One ``param_scheduler`` dict of the config.
-        length: ``len(train_dataloader)`` (iterations per epoch).
-
-    Returns:
-        None when the scheduler is not converted (``by_epoch=False`` or no
-        ``convert_to_iter_based``), or has no ``end`` (MMEngine defaults it to the run's end).
+    """``(begin, end)`` in iterations as MMEngine builds a converted ``scheduler`` with ``length``
+    iterations per epoch; None when it is not converted, or has no ``end``.
     """
     if not scheduler.get("by_epoch", True) or not scheduler.get("convert_to_iter_based"):
         return None
@@ -62,18 +40,9 @@ def _type_name(value: object) -> str:
 
 
 def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[str, str, str]]:
-    """The schedulers MMEngine would refuse once converted (``end <= begin``).
-
-    Args:
-        schedulers: ``param_scheduler`` of the config (a dict, a list of dicts, or None).
-        length: ``len(train_dataloader)``: iterations per epoch.
-        data: How that length came about, for the message
-            (``"475 samples, batch size 16"``).
-
-    Returns:
-        ``(setting, problem, edit)`` per refused scheduler: the setting
-        (``param_scheduler[0]``), what MMEngine would do with it on this data, and the edit
-        (``warmup_ratio`` long enough for one iteration, an iteration-based end, or more data).
+    """``(setting, problem, edit)`` of each scheduler MMEngine would refuse once converted
+    (``end <= begin``): ``schedulers`` the config's ``param_scheduler`` (dict, list or None),
+    ``length`` iterations per epoch, ``data`` how that length came about (for the message).
     """
     if not schedulers or length <= 0:
         return []
@@ -103,10 +72,8 @@ def rounding_problems(schedulers: object, length: int, data: str) -> list[tuple[
 
 
 def refuse_rounded_warmup(schedulers: Iterable, length: int, data: str) -> None:
-    """Raise the start-up's ``ConfigConflict`` for the schedulers MMEngine would refuse.
-
-    Raises:
-        ConfigConflict: naming each scheduler, the dataset's iterations per epoch and the edit.
+    """Raise ``ConfigConflict`` naming each scheduler MMEngine would refuse, the iterations per
+    epoch and the edit.
     """
     problems = rounding_problems(schedulers, length, data)
     if problems:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmengine.config import Config
 
-from xtuner_rope.compat.checkpoint_files import newest_complete
+from xtuner_rope.checkpoints.complete import newest_complete
 from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.config.checkpoint_findings import llm_checkpoint_path
 from xtuner_rope.config.fields import lazy_get as _get

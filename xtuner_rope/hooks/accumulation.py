@@ -1,28 +1,9 @@
 """Checkpoints at accumulation-window boundaries: a resume equals the uninterrupted run.
 
-With ``accumulative_counts = K`` the optimizer steps after iterations K, 2K, ... (MMEngine's
-``OptimWrapper`` counts windows from iteration 0, across epochs; DeepSpeed counts its micro-steps
-the same way). A checkpoint written inside a window holds the weights of the last step but not
-the gradients accumulated since: neither MMEngine nor DeepSpeed saves them, and MMEngine only
-warns on resume ("the gradient of some iterations is lost"). Measured before this module: a
-tiny-recipe run resumed from a mid-window checkpoint ended 9.4e-3 away from the uninterrupted run.
-
-Design: the checkpoints land only where no gradient is pending, so there is nothing to save.
-
-- start-up (:func:`xtuner_rope.config.accumulation.checkpoint_interval_findings`, a fix, logged): the iteration-based
-  ``CheckpointHook`` interval (and ``save_begin``) is raised to the next multiple of
-  ``accumulative_counts`` (XTuner's stock ``save_steps = 500`` with ``accumulative_counts = 16``
-  becomes 512). A run killed at any iteration is resumed from its newest checkpoint, at a window
-  boundary, and continues as if never stopped.
-- every iteration (:func:`record_window`, from ``TokenWeightedLossHook.after_train_iter``, before
-  ``CheckpointHook`` saves): whether a window is open is written to the message hub, which both
-  MMEngine's and DeepSpeed's checkpoints carry (checkpoints at epoch ends and at the last
-  iteration are not aligned by the start-up: the record says whether they are mid-window).
-- resume (:func:`check_resume`, from ``TokenWeightedLossHook.before_train``, before any step):
-  a checkpoint written inside an open window (by this plugin's record, or for a checkpoint
-  without a record, an iteration that is not a multiple of ``accumulative_counts``) is refused
-  with the checkpoints that work; ``resume_mid_window = True`` in the config resumes anyway
-  (MMEngine's behaviour: the open window's gradients are lost).
+A checkpoint inside a window of ``accumulative_counts = K`` lacks the pending gradients (a tiny
+run resumed mid-window ended 9.4e-3 away), so checkpoints land where none is pending
+(``config.accumulation``); :func:`record_window` records whether a window is open, and
+:func:`check_resume` refuses a mid-window checkpoint (``resume_mid_window = True`` resumes).
 """
 
 from __future__ import annotations
@@ -38,14 +19,8 @@ class MidWindowResumeError(RuntimeError):
 
 
 def accumulation_state(optim_wrapper) -> tuple[int, bool]:
-    """``(accumulative_counts, window open)`` of an optimizer wrapper after an iteration.
-
-    Args:
-        optim_wrapper: MMEngine's ``OptimWrapper`` (and subclasses) or ``DeepSpeedOptimWrapper``
-            whose ``update_params`` ran this iteration.
-
-    Returns:
-        The window length and whether gradients are pending (the iteration did not step).
+    """``(accumulative_counts, window open)`` after this iteration's ``update_params`` of
+    ``optim_wrapper`` (MMEngine's ``OptimWrapper`` or ``DeepSpeedOptimWrapper``).
     """
     engine = getattr(optim_wrapper, "model", None)
     if type(optim_wrapper).__name__ == "DeepSpeedOptimWrapper" and engine is not None:
@@ -65,8 +40,7 @@ def record_window(runner) -> None:
 def check_resume(runner) -> None:
     """Refuse to continue from a checkpoint written inside an open accumulation window.
 
-    Call in ``before_train``: after MMEngine resumed (``runner.iter`` is the checkpoint's
-    iteration, the message hub the checkpoint's), before the first step.
+    Call in ``before_train``, after MMEngine resumed, before the first step.
 
     Raises:
         MidWindowResumeError: the checkpoint's window was open (its record), or it has no record

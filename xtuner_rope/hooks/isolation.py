@@ -42,20 +42,13 @@ DATA_BATCH = Optional[Union[dict, tuple, list]]
 class ValidatedRoPEHook(Hook):
     """Give the model the validated fp32 RoPE and document-isolating attention of its family.
 
-    InternLM2 (XTuner's classes or a checkpoint's remote code) through
-    ``patch_internlm2_attention``; transformers' Llama, Qwen2 and Mistral through
-    ``models.hf.patch_hf_model``; any other model is refused, naming the supported families.
-
-    Runs before training, validation and testing (idempotent), after the runner has wrapped
-    the model, so DDP / DeepSpeed / PEFT wrappers are covered. ``enable_xtuner_rope`` (the
-    config's ``model_resource``) adds this hook; in a runner built from a config that was not
-    prepared by it, the hook refuses to start (the plugin was loaded too late).
+    Runs before training, validation and testing (idempotent), after the runner wrapped the
+    model; refuses a model of no supported family, and a config ``enable_xtuner_rope`` did not
+    prepare (the plugin was loaded too late).
 
     Args:
         max_position: Optional override of the largest position the RoPE accepts.
-        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (process-wide, see
-            ``xtuner_rope.ops.rope.use_fused_apply``): fewer memory passes, a few seconds of
-            compiling at the first step, the eager kernel again if compiling fails.
+        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (``use_fused_apply``).
     """
 
     # Before every default hook (RuntimeInfo is 10): the model is patched before anything runs it.
@@ -94,17 +87,10 @@ class ValidatedRoPEHook(Hook):
 
 
 def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: str | None) -> None:
-    """Rows the config packs must bring their boundaries: refuse a batch that has none.
-
-    XTuner's packed rows without ``cumulative_len`` (its dataset's or collate function's
-    ``use_varlen_attn=False``) carry one ``0..s-1`` position range and an all-ones mask over
-    several dialogues: nothing in the batch shows where one ends, so the model would let them
-    attend to each other. Boundaries are ``cumulative_len`` or position ids restarting at 0.
-
-    Args:
-        data: The batch's ``data`` dict (already checked by ``check_packed_batch``).
-        rows: Its per-row boundaries from ``cumulative_len``; empty when it has none.
-        packed_by: Where the config packs the train rows (``fields.packing_source``), or None.
+    """Refuse a batch of rows the config packs (``packed_by``: ``fields.packing_source``) that
+    reaches the model without any boundary: no ``cumulative_len`` (``rows`` empty) and no
+    position reset in ``data`` (checked by ``check_packed_batch``), so its dialogues would attend
+    to each other.
 
     Raises:
         ValueError: ``packed_by`` is set and the batch has no boundary at all.
@@ -132,21 +118,15 @@ def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: st
 class PackedBatchCheckHook(Hook):
     """Check every train/val batch on the CPU, then publish its document boundaries.
 
-    Before each iteration it runs ``check_packed_batch`` on ``data_batch['data']`` (shapes,
-    boundaries, positions, RoPE range, label range, at least one supervised token), then pops
-    ``cumulative_len`` and ``max_seqlen`` from it, because the HF model's ``forward`` does not
-    take them, and publishes them in ``MessageHub.get_instance('varlen_attn_args')`` under
-    ``cumulative_len_rank_{rank}`` / ``max_seqlen_rank_{rank}`` (XTuner's convention), as one
-    flat int32 tensor of boundaries over the ``[b * s]`` tokens. Both keys are reset to None in
-    ``after_train_iter`` / ``after_val_iter``. When ``runner.cfg`` packs the train rows
-    (``fields.packing_source``), a train batch without any boundary stops the run
-    (:func:`refuse_unbounded_packing`). Under sequence parallel a train batch that XTuner's shard
-    split cannot cut stops it too (:mod:`xtuner_rope.batch.sequence_parallel`).
+    ``check_packed_batch`` runs on ``data_batch['data']``; ``cumulative_len`` and ``max_seqlen``
+    are popped (the HF forward does not take them) and published in XTuner's ``MessageHub``
+    convention (``models.channel``), reset after the iteration. A packed config's train batch
+    without any boundary, or one XTuner's sequence-parallel split cannot cut, stops the run.
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.
-        max_position: RoPE range; default: the validated RoPE's limit (after
-            ``ValidatedRoPEHook``), else the config's ``max_position_embeddings``.
+        max_position: RoPE range; default: the validated RoPE's limit, else the config's
+            ``max_position_embeddings``.
     """
 
     # After ValidatedRoPEHook (5), before every default hook and before XTuner's

@@ -1,49 +1,14 @@
 """Token-weighted loss: the optimizer step is the same however dialogues are grouped.
 
-XTuner 0.2.0's ``SupervisedFinetune`` returns the *mean* token loss of each micro-batch;
-MMEngine's ``OptimWrapper`` divides it by ``accumulative_counts`` (by the remainder in a last
-incomplete window); DDP and DeepSpeed average gradients over the ranks. A token's weight in the
-step is then ``1 / (supervised tokens of its micro-batch)``: packing, batch size, accumulation
-and the number of ranks change how much each dialogue trains.
-
-With :class:`TokenWeightedLossHook` (added by the start-up) the step's loss is instead
-
-    sum of the token losses of all micro-batches of the step on all ranks
-    / number of supervised tokens in all of them,
-
-the loss of one big unpadded batch of the same dialogues. How, at no extra pass or forward:
-
-- each micro-batch's mean loss is multiplied by its own supervised-token count ``n`` (a sum of
-  token losses) before backward, in place of MMEngine's division by the accumulation count;
-- at the step, before gradient clipping, the accumulated gradients are rescaled once by
-  ``(what the wrapper divided by: ranks, DeepSpeed's accumulation steps) / N`` with ``N`` the
-  window's supervised tokens summed over ranks: one all-reduce of one number per step.
-
-MMEngine ``OptimWrapper`` (and subclasses, DDP) get their grads multiplied before ``step``
-clips; DeepSpeed ZeRO divides its gradients by its loss scale (the same division clips and
-reports the norm), so the factor is handed to it as the loss scale of that one step.
-
-Preference models (XTuner's ``DPO``, ``ORPO``, ``RewardModel``) average their loss over the
-*pairs* of each micro-batch (a pack holds a varying number of pairs): there the unit is the pair
-instead of the token, counted from the batch (``cumulative_len``: chosen then rejected per pair;
-unpacked: two rows per pair), and every pair of the step weighs the same. ORPO's loss also has a
-token-mean NLL term on the chosen responses: its odds-ratio term is pair-weighted exactly, its NLL
-term weighs each micro-batch by its pairs. ``RewardModel`` divides by the *rank-averaged*
-``1 / pairs`` of the micro-batch: on several ranks the hook undoes that with one more all-reduce
-of one number per micro-batch. DPO's ``kto_pair`` loss is not a mean over pairs (batch KL terms):
-left as XTuner weighs it (logged).
-
-``loss_normalization = "dialogue"`` (SFT) weighs every *dialogue* of the step equally instead:
-the step's loss is the mean over its dialogues (all micro-batches, all ranks) of each dialogue's
-mean token loss. Dialogues are the documents of a packed row (``cumulative_len``) or the rows of
-an unpacked batch. The model's loss becomes each micro-batch's mean over its dialogues, computed
-from the one forward (per-token cross-entropy times ``1 / (supervised tokens of the token's
-dialogue)``): the per-token log-probs come from the chunked loss where it runs
-(``models.chunked_loss.target_logprobs_only``, no ``[tokens, vocab]`` logits), else from the
-logits; the counting unit of the step is the dialogue.
-
-The logged ``loss`` is each micro-batch's mean token (pair; dialogue) loss, as XTuner logs it.
-Opt out with ``loss_normalization = "micro_batch"`` in the config (XTuner's own weighting).
+XTuner 0.2.0 returns each micro-batch's mean token loss, MMEngine divides by the accumulation
+count, DDP and DeepSpeed average over ranks: a token weighs ``1 / (supervised tokens of its
+micro-batch)``. :class:`TokenWeightedLossHook` makes the step's loss the sum of all its token
+losses (all micro-batches, all ranks) over their number, at no extra pass: each micro-batch's
+mean times its count before backward, and the gradients rescaled once at the step (one
+all-reduce of one number; DeepSpeed ZeRO gets it as that step's loss scale). Preference models
+weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues (each token's log-prob from the
+chunked loss where it runs, else the logits), ``"micro_batch"`` opts out.
+docs/loss.md has the details.
 """
 
 from __future__ import annotations
@@ -82,15 +47,9 @@ OPT_OUT = f'{LOSS_NORMALIZATION_KEY} = "{MICRO_BATCH}"'
 
 
 def preference_pairs(data: dict) -> int:
-    """Preference pairs in one micro-batch of XTuner's ``preference_collate_fn``.
-
-    Args:
-        data: the batch's ``data`` dict. Packed (``use_varlen_attn``): ``cumulative_len``, one
-            ``[responses + 1]`` boundary tensor per row, chosen then rejected response per pair.
-            Unpacked: ``input_ids`` ``[2 * pairs, s]``, chosen and rejected rows alternating.
-
-    Returns:
-        The count DPO / ORPO / reward losses average over.
+    """Preference pairs in one micro-batch of ``preference_collate_fn`` (what DPO / ORPO / reward
+    losses average over): packed, half the responses of ``cumulative_len``; unpacked, half the
+    rows of ``input_ids`` ``[2 * pairs, s]``.
     """
     cumulative = data.get("cumulative_len")
     if cumulative is not None:  # a sequence-parallel padding segment would be the odd one
@@ -108,16 +67,12 @@ def preference_pairs(data: dict) -> int:
 
 
 class TokenWeightedLossHook(Hook):
-    """Weight every supervised token of an optimizer step equally, on every rank.
+    """Weight every supervised token of an optimizer step equally, on every rank (module docstring).
 
-    Wraps the runner's optimizer wrapper for the run (``before_train``; undone in
-    ``after_train``): see the module docstring. Reads ``labels`` of each ``data_batch`` in
-    ``before_train_iter`` (CPU tensors: no device sync). Preference models (DPO, ORPO, reward)
-    weigh pairs instead of tokens; ``loss_normalization = "dialogue"`` weighs SFT dialogues.
-    Does nothing with ``loss_normalization = "micro_batch"`` in the config, or for a model
-    whose loss is none of these means (logged). In every mode it records the accumulation
-    window in the message hub each iteration and refuses a resume from a mid-window checkpoint
-    (``hooks.accumulation``).
+    Wraps the runner's optimizer wrapper for the run; reads each batch's ``labels`` on the CPU.
+    Preference models weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues;
+    ``"micro_batch"`` (or a loss of no known mean, logged) leaves XTuner's weighting. In every
+    mode it records the accumulation window, refusing a mid-window resume (``hooks.accumulation``).
     """
 
     # Before PackedBatchCheckHook (8) and XTuner's VarlenAttnArgsToMessageHubHook (50), which pop

@@ -1,10 +1,7 @@
-"""MMEngine hooks that watch training: packing figures in the log, and a NaN/inf tripwire.
-
-- :class:`PackingMetricsHook` puts the figures of :mod:`xtuner_rope.batch.stats` next to the
-  loss in every log line and in ``vis_data/scalars.json``.
-- :class:`NonFiniteTripwireHook` stops the run at the first non-finite loss or gradient norm,
-  before the optimizer applies it, and saves the batch and the weights for
-  ``tools/replay_batch.py`` (logic in :mod:`xtuner_rope.outputs.replay`).
+"""MMEngine hooks that watch training: :class:`PackingMetricsHook` (the figures of
+:mod:`xtuner_rope.batch.stats` in every log line) and :class:`NonFiniteTripwireHook` (the run
+stopped at the first non-finite loss or gradient norm, the batch and weights saved for
+``tools/replay_batch.py``).
 """
 
 from __future__ import annotations
@@ -38,16 +35,8 @@ PAIR_MODELS = ("DPO", "ORPO", "RewardModel")
 
 class PackingMetricsHook(Hook):
     """Log documents per row, real-token share, longest document, largest position id and the
-    number of unsupervised documents seen so far; for XTuner's preference models (DPO, ORPO,
-    reward model), whose packed rows hold chosen and rejected responses as documents, also
-    ``pairs_per_row`` (half the responses per row).
-
-    Each figure is aggregated over the logging window by this hook (LogProcessor would show
-    only the latest value of a scalar not named like a loss/time): documents per row and the
-    real-token share are ratios of the window's sums, the longest document and the largest
-    position id are the window's maxima, ``unsupervised_seen`` is the run's running total
-    (continued on resume from the MessageHub). The hook writes ``train/<name>`` scalars into
-    ``runner.message_hub`` before each iteration; it does not edit the batch.
+    running count of unsupervised documents (``pairs_per_row`` for DPO / ORPO / reward), each
+    aggregated over the logging window, as ``train/<name>`` scalars of ``runner.message_hub``.
 
     Args:
         window: iterations per window; default: the LoggerHook's interval.
@@ -117,18 +106,10 @@ def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 class NonFiniteTripwireHook(Hook):
     """Stop training at the first non-finite loss or gradient norm, before the weights change.
 
-    Before each iteration it keeps a reference to the batch (``data_batch['data']`` stays on
-    the CPU; the model works on its own device copy). A forward hook on the model collects the
-    iteration's loss tensors, and a ``register_step_pre_hook`` on each torch optimizer checks
-    them with the total gradient norm right before ``optimizer.step`` (after MMEngine's
-    clipping, which with ``error_if_nonfinite=False`` would step on NaN gradients): one device
-    sync per step. Iterations without a step (gradient accumulation, an fp16 step the
-    GradScaler skips) have their loss checked in ``after_train_iter``. Optimizers without step
-    hooks (DeepSpeed's) get only that later check, after their step.
-
-    On failure it writes ``<work_dir>/nonfinite_iter<k>.pt`` (the batch, its boundaries, the
-    varlen attention arguments, iteration, seed, config; see :mod:`xtuner_rope.outputs.replay`) and
-    ``nonfinite_iter<k>_weights.pt`` (the model's state dict as the batch saw it), then raises
+    Checked right before ``optimizer.step`` (after MMEngine's clipping; one device sync a step),
+    else in ``after_train_iter`` (no step, DeepSpeed). On failure it writes
+    ``<work_dir>/nonfinite_iter<k>.pt`` (the batch and its provenance, for
+    :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``, then raises
     :class:`NonFiniteError` naming both and the replay command.
 
     Args:

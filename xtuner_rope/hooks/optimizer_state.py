@@ -1,12 +1,8 @@
 """The resume of a checkpoint without optimizer state, named in the log (``RandomStateHook``).
 
-A checkpoint written with ``default_hooks.checkpoint.save_optimizer=False`` (XTuner 0.2.0's
-stock InternVL configs; the start-up turns it on, ``config.optimizer_state``, unless the config
-sets ``checkpoint_without_optimizer = True``) still resumes: MMEngine builds a fresh optimizer
-without a word, so momentum and AdamW's moments restart from zero.
-:func:`resume_without_optimizer_warning` names that resume in the log (``RandomStateHook``
-calls it when the checkpoint is loaded). The start-up's finding that turns ``save_optimizer``
-on is ``config.optimizer_state.save_optimizer_findings``.
+A checkpoint written with ``save_optimizer=False`` resumes with a fresh optimizer (momentum and
+AdamW's moments from zero) without a word; :func:`resume_without_optimizer_warning` says so.
+The start-up turns ``save_optimizer`` on (``config.optimizer_state``).
 """
 
 from __future__ import annotations
@@ -15,16 +11,8 @@ from xtuner_rope.config.optimizer_state import KEEP_OFF_KEY
 
 
 def resume_without_optimizer_warning(runner, checkpoint: dict) -> str | None:
-    """The warning for a resume from a checkpoint that holds no optimizer state, or None.
-
-    Args:
-        runner: MMEngine's runner, loading ``checkpoint`` (``after_load_checkpoint``).
-        checkpoint: The loaded checkpoint dict.
-
-    Returns:
-        None for a plain load (``load_from`` without resume: the weights are all it needs),
-        under DeepSpeed (its optimizer state lives in the folder's own files, not in this
-        dict) or when the checkpoint holds ``optimizer``; else the warning.
+    """The warning for a resume from a checkpoint that holds no optimizer state, or None (a plain
+    load, DeepSpeed's folder, a checkpoint with ``optimizer``); ``runner`` loads ``checkpoint``.
     """
     if not getattr(runner, "_resume", False) or "optimizer" in checkpoint:
         return None

@@ -1,37 +1,10 @@
 """The random state of every process with each checkpoint: a resume draws what the run drew.
 
-MMEngine 0.10.6 saves no random state in its checkpoints (``Runner.save_checkpoint`` stores the
-seed, never ``torch.get_rng_state()``), and on ``--resume`` it re-seeds only when the seed
-changed. A resumed run therefore starts iteration ``N + 1`` with the random stream of a fresh
-start (the seed, then the model build), while the uninterrupted run has drawn ``N`` iterations
-of dropout masks since: LoRA dropout (XTuner's stock ``lora_dropout`` 0.05-0.1), residual and
-attention dropout draw other masks, and the resumed weights drift away from the uninterrupted
-run although every batch and every checkpointed tensor is the same.
-
-What this hook does:
-
-- before each checkpoint (``after_train_iter`` / ``after_train_epoch``, just ahead of
-  ``CheckpointHook``, on the iterations where it saves): each process captures Python
-  ``random``, NumPy, torch CPU and (when initialized) the current CUDA device's generator; with
-  several processes the states are gathered, so every rank holds all of them. They go into the
-  message hub, which every checkpoint carries (MMEngine's ``.pth`` and DeepSpeed's
-  ``client_state``: MMEngine's DeepSpeed strategy never calls the ``before_save_checkpoint``
-  and ``after_load_checkpoint`` hooks, so the checkpoint dict cannot be used).
-- on resume (``before_train_epoch``, the last hook before the loop draws): each rank restores
-  its own state, at the point where the uninterrupted run continued from the checkpoint. For
-  the iteration-based loop (XTuner's ``TrainLoop``) that is after MMEngine has skipped the
-  ``N`` batches already trained (``IterBasedTrainLoop.run`` re-reads them from a new iterator;
-  with ``num_workers = 0`` that re-reading runs the dataset and collate code in this process
-  and may draw): the state is restored right after the ``N``-th skipped batch, before batch
-  ``N + 1`` is fetched.
-
-The dataloader workers need nothing more: their seeds derive from the main process's stream
-when the iterator is created, which happens before the resume in both runs (at the loop's
-build), at the same point of that stream; the workers then produce batches ``1..N`` again and
-continue exactly as in the uninterrupted run. A resume past an epoch boundary of the
-iteration-based loop creates that epoch's iterator during the skip, from another point of the
-stream: its workers' seeds differ (they matter only to random augmentation in the dataset);
-the hook logs it (``dataloader_base_seed`` is compared).
+MMEngine 0.10.6 saves no random state, so a resumed run draws other dropout masks. Before each
+checkpoint every rank's Python, NumPy, torch CPU and CUDA generators go into the message hub
+(which MMEngine's and DeepSpeed's checkpoints carry); on resume each rank restores its own,
+after MMEngine re-read the batches already trained. A resume past an epoch boundary seeds the
+dataloader workers differently (logged). docs/distributed.md has the details.
 """
 
 from __future__ import annotations
@@ -54,12 +27,11 @@ def capture_random_state(loop=None) -> dict:
     """This process's random generators, as plain picklable values.
 
     Args:
-        loop: The train loop (optional): its dataloader iterator's worker base seed is recorded
-            too, to compare on resume.
+        loop: The train loop (optional): its dataloader's worker base seed is recorded too.
 
     Returns:
-        ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}``; CUDA and the
-        base seed are None where there is none.
+        ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}`` (None where
+        there is no CUDA or no base seed).
     """
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     cuda = None
@@ -105,11 +77,8 @@ def _base_seed(loop) -> int | None:
 
 
 class _RestoreAfterSkip:
-    """Stands in for the loop's dataloader iterator during MMEngine's resume skip.
-
-    ``IterBasedTrainLoop.run`` calls ``next(self.dataloader_iterator)`` ``N`` times to skip the
-    batches trained before the checkpoint; after the ``N``-th, the random state is restored and
-    the loop's own iterator put back, so batch ``N + 1`` is fetched from the restored stream.
+    """The loop's dataloader iterator during MMEngine's resume skip: after the ``N``-th skipped
+    batch the random state is restored and the loop's own iterator put back.
     """
 
     def __init__(self, loop, skip: int, state: dict) -> None:
@@ -184,10 +153,8 @@ class RandomStateHook(Hook):
         runner.message_hub.update_info(STATE_KEY, record)
 
     def after_load_checkpoint(self, runner, checkpoint) -> None:
-        """On resume, warn when the checkpoint cannot restore the optimizer either.
-
-        The other half of what a resume must restore; the check lives with the start-up fix
-        that turns ``save_optimizer`` on (:mod:`xtuner_rope.config.optimizer_state`).
+        """On resume, warn when the checkpoint cannot restore the optimizer either
+        (:mod:`xtuner_rope.hooks.optimizer_state`).
         """
         warning = resume_without_optimizer_warning(runner, checkpoint)
         if warning:
@@ -215,24 +182,11 @@ def _checkpoint_hook(runner) -> CheckpointHook | None:
 
 
 def data_order_change(saved: int, world: int, done: int, batch: int, items: int) -> str:
-    """What a resume on another number of processes trains again or skips, in words.
+    """What a resume on another number of processes trains again or skips, for the log.
 
-    MMEngine 0.10.6's ``DefaultSampler`` deals one order of the dataset (drawn from the seed
-    and the epoch, whatever the number of processes) to the processes in turn: rank ``r`` of
-    ``W`` takes items ``r, r + W, ...``. After ``N`` iterations of ``b`` items per process, ``W``
-    processes have trained the first ``N * b * W`` items of the order; on resume,
-    ``IterBasedTrainLoop`` skips ``N`` batches of this run's own dataloader, the first
-    ``N * b * W'`` items. The per-process batch size is assumed unchanged.
-
-    Args:
-        saved: Processes of the checkpointed run (``W``).
-        world: Processes of this run (``W'``).
-        done: Iterations trained before the checkpoint (``N``).
-        batch: Items per process and iteration (``b``).
-        items: Items in the dataset (one epoch).
-
-    Returns:
-        The sentence for the log.
+    ``DefaultSampler`` deals one seeded order to the ranks in turn: ``saved`` processes trained the
+    first ``done * batch * saved`` items (of ``items`` an epoch), and the resume on ``world`` skips
+    the first ``done * batch * world`` (the per-process batch size assumed unchanged).
     """
     before, skipped = done * batch * saved, done * batch * world
     how = (

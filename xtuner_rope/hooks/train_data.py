@@ -1,13 +1,8 @@
 """Before the first step: the whole training data checked, not batch by batch.
 
-``PackedBatchCheckHook.before_train`` calls :func:`check_train_data`:
-
-- a LLaVA run (``LLaVADataset``): the vision tower's ``P`` (from the built model),
-  ``llava_collate_fn``'s row capacity and the LLM's RoPE range go to
-  :func:`xtuner_rope.data.llava_dataset_checks.check_llava_dataset`, the checks
-  ``xtuner-rope doctor`` reports too;
-- a preference run (``PreferenceDataset`` / ``PackedDatasetWrapper``):
-  :func:`xtuner_rope.data.preference_checks.check_preference_dataset`.
+``PackedBatchCheckHook.before_train`` calls :func:`check_train_data`: a LLaVA run goes to
+``data.llava_dataset_checks.check_llava_dataset`` (the tower's ``P`` from the built model, the
+row capacity, the RoPE range), a preference run to ``data.preference_checks``.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ def check_llava_train_data(runner, max_position: int | None) -> None:
     """Refuse a LLaVA run whose training data would fail or train silently wrong.
 
     Args:
-        runner: The MMEngine runner (its model holds XTuner's ``LLaVAModel``; anything else
-            is left alone).
+        runner: The MMEngine runner (a model without XTuner's ``LLaVAModel`` is left alone).
         max_position: The LLM's RoPE range (``PackedBatchCheckHook``'s limit).
 
     Raises:

@@ -1,11 +1,8 @@
 """The boundary channel: where a batch's document boundaries travel to the attention.
 
-XTuner's varlen convention (``VarlenAttnArgsToMessageHubHook``): one ``MessageHub`` instance,
-``varlen_attn_args``, and two keys per rank, ``cumulative_len_rank_{rank}`` (the flat
-``[n_docs + 1]`` boundaries of the batch, rows back to back) and ``max_seqlen_rank_{rank}``.
-Everything that publishes, reads or clears them calls this module: ``PackedBatchCheckHook``,
-the LLaVA and sequence-parallel models, ``models.runtime`` (the attention's read), the
-monitor, and the doctor's replay and check. ``ops`` never sees MMEngine: it gets the tensor.
+XTuner's varlen convention: the ``MessageHub`` instance ``varlen_attn_args``, keys
+``cumulative_len_rank_{rank}`` (flat ``[n_docs + 1]`` boundaries) and ``max_seqlen_rank_{rank}``.
+Everything that publishes, reads or clears them calls this module.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ def publish(cumulative: object, max_seqlen: object, rank: int | None = None) -> 
     Args:
         cumulative: ``[n_docs + 1]`` flat boundaries (int tensor), or None for "none".
         max_seqlen: The longest document (int), or None.
-        rank: The rank whose keys to set; XTuner's hook and the attention use the process's.
+        rank: The rank whose keys to set.
     """
     hub = MessageHub.get_instance(VARLEN_HUB)
     cumulative_key, max_seqlen_key = _keys(rank)

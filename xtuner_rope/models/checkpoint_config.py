@@ -1,18 +1,10 @@
 """The one reader of a checkpoint's ``config.json``, before anything of the model loads.
 
-Everything the start-up knows of a model before its weights load comes from this file: its
-family (``model_type``, ``auto_map``), its attention heads, its vocabulary, the attention it
-asks for. :func:`read_checkpoint_config` finds it where ``from_pretrained`` would:
-
-- a local directory: ``<dir>/config.json``;
-- a hub id (``org/name``): the local Hugging Face cache first; else, unless offline mode is on
-  (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``), that file alone downloaded into the cache by
-  ``huggingface_hub.hf_hub_download`` (no weight: a few kilobytes; the user's proxies, token and
-  mirror ``HF_ENDPOINT``, as ``from_pretrained``), the answer remembered for the process.
-
-When it cannot be read, :attr:`CheckpointConfig.problem` says why in words a user can act on.
-Pure Python: no torch or transformers import (``huggingface_hub`` is imported only for a hub
-id).
+:func:`read_checkpoint_config` finds it where ``from_pretrained`` would: ``<dir>/config.json``,
+or for a hub id the local cache first, else (unless offline) that file alone through
+``huggingface_hub.hf_hub_download`` (the user's proxies, token, mirror), remembered for the
+process. :attr:`CheckpointConfig.problem` says why it cannot be read. No torch or transformers
+import.
 """
 
 from __future__ import annotations
@@ -33,8 +25,7 @@ class CheckpointConfig:
 
     Attributes:
         name: ``pretrained_model_name_or_path`` as the config gives it.
-        source: Where it was read (a file: the hub's are read from the local cache); ``""``
-            when it was not.
+        source: The file read (the hub's from the local cache); ``""`` when none was.
         data: The parsed ``config.json``; None when it cannot be read.
         problem: Why it cannot be read (``""`` when it was).
         hub: ``name`` is a hub id (not a local path).
@@ -183,10 +174,8 @@ def read_checkpoint_config(name: object) -> CheckpointConfig | None:
         name: ``pretrained_model_name_or_path`` of the config's LLM.
 
     Returns:
-        None when ``name`` is not a non-empty string (nothing to read); else the
-        :class:`CheckpointConfig`, with ``problem`` set when it cannot be read: a local
-        directory without ``config.json``, a path that does not exist and is no hub id, a hub
-        id that is neither cached nor reachable, a file that is not JSON.
+        None when ``name`` is not a non-empty string; else the :class:`CheckpointConfig`, with
+        ``problem`` set when it cannot be read.
     """
     if not isinstance(name, str) or not name:
         return None

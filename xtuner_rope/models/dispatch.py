@@ -1,10 +1,7 @@
-"""Family dispatch: which integration serves a model, patching it, and unwrapping runner models.
-
-The table of families is ``models.families.FAMILIES``; ``integration_for`` (``models.hf``) reads a
-model's attention classes against it. This module is the one entry point the hooks, the doctor
-and the check call: ``patch_model`` patches whatever family the model is, ``isolates_documents``
-says whether it is patched, and ``unwrap_model`` / ``language_model`` are the one way to reach
-the XTuner model and the HF model inside DDP / DeepSpeed wrappers.
+"""Family dispatch: the one entry point of the hooks, the doctor and the check. ``patch_model``
+patches whatever family the model is (``models.families.FAMILIES``), ``isolates_documents`` says
+whether it is patched, ``unwrap_model`` / ``language_model`` reach the XTuner and the HF model
+inside DDP / DeepSpeed wrappers.
 """
 
 from __future__ import annotations
@@ -67,10 +64,7 @@ def isolates_documents(model: nn.Module) -> bool:
 
 
 def patch_model(model: nn.Module, max_position: int | None = None) -> tuple[int, str]:
-    """Patch ``model`` with the integration of its family.
-
-    Returns:
-        The number of attention layers patched and the family's name.
+    """Patch ``model`` with the integration of its family; ``(layers patched, family name)``.
 
     Raises:
         ValueError: no supported family's attention layer in ``model``.

@@ -1,21 +1,11 @@
 """Which model families xtuner-rope serves, how, and which it refuses: one table.
 
-``FAMILIES`` maps each served transformers family (4.48, native classes) to its attention and
-rotary classes by name (as XTuner's dispatch finds layers) and its quirks:
-
-- ``interface``: ``"attention"`` when its attention layers call
-  ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (Llama, Qwen2, Mistral, Phi-3,
-  Mixtral, Gemma, Cohere), ``"forward"`` when each backend is its own class with its own
-  ``forward`` (Qwen2-MoE in 4.48): that forward is replaced on the layer;
-- ``interleaved``: cos/sin interleave the frequencies (``[f0, f0, f1, f1, ...]``, Cohere)
-  instead of repeating the half (``[f0, f1, ..., f0, f1, ...]``);
-- ``fp32_apply``: the family's ``apply_rotary_pos_emb`` needs ``models.hf_rope.patch_hf_fp32_rotation``
-  to rotate bf16/fp16 q, k in fp32 (Cohere's already upcasts to fp32 itself).
-
-``REFUSED`` names what cannot be served, by ``config.json`` ``model_type``; ``checkpoint_verdict``
-reads a checkpoint's ``config.json`` (``checkpoint_config``: no weight, no remote code) so the
-start-up can refuse before anything loads. Pure Python: nothing here imports torch or
-transformers.
+``FAMILIES`` maps each served transformers family (4.48) to its attention and rotary classes
+by name and its quirks (:class:`Family`: ``interface`` ``"attention"`` through
+``ALL_ATTENTION_FUNCTIONS``, ``"forward"`` where each backend is its own class, Qwen2-MoE;
+``interleaved`` cos/sin, Cohere; ``fp32_apply``). ``REFUSED`` names what cannot be served by
+``model_type``; :func:`checkpoint_verdict` reads ``config.json`` so the start-up refuses before
+anything loads. Pure Python.
 """
 
 from __future__ import annotations
@@ -33,11 +23,11 @@ class Family:
         name: What users call it (in messages and the README).
         model_types: ``config.json`` ``model_type`` values of its checkpoints.
         module: The transformers modeling module.
-        attention: Attention class names; for ``interface="forward"`` the first is the eager one.
-        rotary: Rotary class names (model-level; Qwen2-MoE also has an unused one per layer).
-        interface: ``"attention"`` or ``"forward"`` (see the module docstring).
+        attention: Attention class names (``interface="forward"``: the eager one first).
+        rotary: Rotary class names (model-level).
+        interface: ``"attention"`` or ``"forward"`` (the module docstring).
         interleaved: cos/sin interleave the frequencies (Cohere).
-        fp32_apply: ``apply_rotary_pos_emb`` needs the fp32 wrapper of ``compat``.
+        fp32_apply: ``apply_rotary_pos_emb`` needs ``patch_hf_fp32_rotation``.
     """
 
     name: str
@@ -152,17 +142,9 @@ def remote_code(auto_map: object) -> str:
 
 
 def checkpoint_verdict(path: object) -> tuple[str, str | None] | None:
-    """What a local checkpoint's ``config.json`` says about serving it.
-
-    Args:
-        path: ``pretrained_model_name_or_path`` of the config's LLM.
-
-    Returns:
-        None where its ``config.json`` cannot be read (``config.checkpoint_findings`` refuses
-        that) or names no ``model_type`` (the model hook refuses after loading, as a fallback).
-        Else ``(description, None)`` for a served family and ``(description, refusal)`` for
-        one that is refused, the refusal naming the family and why (``UNSERVED_ADVICE`` says
-        what to do).
+    """What the local checkpoint at ``path`` (the LLM's ``pretrained_model_name_or_path``) says
+    about serving it: None where ``config.json`` cannot be read or names no ``model_type``; else
+    ``(description, None)`` for a served family, ``(description, refusal)`` for a refused one.
     """
     config = read_checkpoint_config(path)
     if config is None or config.data is None:
@@ -205,12 +187,10 @@ def model_class_verdict(class_path: object) -> tuple[str, str] | None:
     """The refusal of an LLM built from one of XTuner's own modeling packages.
 
     Args:
-        class_path: Dotted path of the config's ``llm`` ``type``
-            (``xtuner.model.transformers_models.deepseek_v2.DeepseekV2ForCausalLM``).
+        class_path: Dotted path of the config's ``llm`` ``type``.
 
     Returns:
-        ``(description, refusal)`` naming the family and why (and, when the package does not
-        import with the installed transformers, that error), or None for any other class.
+        ``(description, refusal)`` naming the family and why, or None for any other class.
     """
     if not isinstance(class_path, str):
         return None

@@ -1,28 +1,12 @@
 """Document-isolating attention and validated RoPE for the transformers families.
 
-The families and their quirks are one table, ``models.families.FAMILIES`` (Llama, Qwen2,
-Mistral, Phi-3, Mixtral, Gemma, Cohere, Qwen2-MoE). In transformers 4.48 most of these
-families' attention layers rotate q/k with the ``position_embeddings``
-(cos, sin) of the model's one rotary module, then call
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (or the family's
-``eager_attention_forward`` for ``"eager"``). ``patch_hf_model`` plugs in there:
-
-- the rotary module becomes ``HFValidatedRotaryEmbedding`` (fp32, checked positions);
-- ``hf_packed_attention`` is registered under ``PACKED_ATTENTION_KEY``, and each attention
-  layer gets its own copy of the config naming that key. The model's config keeps its
-  original implementation, so the model still builds the masks that implementation expects
-  (SDPA: none while training unpadded rows; no ``[s, s]`` mask for a pack) and
-  ``save_pretrained`` writes it unchanged. The original kernel is remembered on the layer
-  (``DENSE_KERNEL_ATTR``) for the dense path.
-
-Packed rows (boundaries published in the ``MessageHub`` by ``PackedBatchCheckHook``, else
-position-id resets) go through the family-free ``attention.packed_attention``; rows without
-boundaries, left-padded prompts (first position not 0) and steps with cached keys take the
-original kernel unchanged, so generation matches the unpatched model.
-
-Qwen2-MoE (4.48) still has one attention class per backend, each with its own ``forward``:
-its layers get ``moe_attention_forward`` as an instance attribute instead (packed rows through
-the same ``packed_attention``, everything else through the class's own forward).
+transformers 4.48's attention layers rotate q/k with the model's one rotary module and call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. ``patch_hf_model`` swaps the rotary
+for ``HFValidatedRotaryEmbedding`` and gives each layer a config copy naming
+``PACKED_ATTENTION_KEY`` (``hf_packed_attention``; the model's own config and masks unchanged,
+the original kernel kept on the layer). Packed rows go through ``attention.packed_attention``;
+rows without boundaries, left-padded prompts and cached steps through the original kernel.
+Qwen2-MoE's layers get ``moe_attention_forward`` instead.
 """
 
 from __future__ import annotations
@@ -114,19 +98,17 @@ def hf_packed_attention(
 
     Args:
         module: The calling attention layer (carries ``DENSE_KERNEL_ATTR``).
-        query: ``[b, n_h, s, h_d]`` rotated queries.
-        key: ``[b, n_kv, kv_len, h_d]`` rotated keys, cache included.
-        value: ``[b, n_kv, kv_len, h_d]``.
+        query: ``[b, n_h, s, h_d]``; key, value: ``[b, n_kv, kv_len, h_d]`` (cache included).
         attention_mask: The model's mask for the original kernel (4-D additive or None).
-        **kwargs: ``dropout``, ``scaling``, ``sliding_window``, ``position_ids`` ``[b, s]`` and
-            whatever else the family passes (forwarded to the original kernel).
+        **kwargs: ``dropout``, ``scaling``, ``sliding_window``, ``position_ids`` ``[b, s]``, ...
+            (forwarded to the original kernel).
 
     Returns:
         ``([b, s, n_h, h_d]`` attention output, attention weights or None).
 
     Raises:
-        ValueError: A packed batch with dropout, a non-standard scaling or a document longer
-            than the sliding window; a published ``cumulative_len`` not matching the batch.
+        ValueError: A packed batch with dropout, a non-standard scaling or a document longer than
+            the sliding window; a published ``cumulative_len`` not matching the batch.
     """
     # Rotation through a forward that bound the unpatched apply_rotary_pos_emb (fp32 cos/sin
     # promote q, k to fp32): back to the activation dtype, one rounding.
@@ -162,11 +144,8 @@ def moe_attention_forward(
     position_embeddings=None,
     **kwargs,
 ):
-    """Qwen2-MoE attention (any of its backend classes): packed rows isolated, the rest upstream.
-
-    Same signature and return as transformers 4.48 ``Qwen2MoeAttention.forward``:
-    ``hidden_states`` ``[b, s, hidden]``, ``position_ids`` ``[b, s]``, ``position_embeddings``
-    (cos, sin) ``[b, s, h_d]``; returns (``[b, s, hidden]``, None, the cache).
+    """Qwen2-MoE attention (any backend class): packed rows isolated, the rest upstream; the
+    signature and return of transformers 4.48 ``Qwen2MoeAttention.forward``.
     """
     b, s, _ = hidden_states.shape
     cached = past_key_value.get_seq_length(self.layer_idx) if past_key_value is not None else 0
@@ -227,11 +206,8 @@ def is_patched_hf_attention(layer: nn.Module) -> bool:
 
 def rotation_modules(layers: list[nn.Module]) -> dict[str, bool]:
     """Modeling modules of ``layers`` whose ``apply_rotary_pos_emb`` gets
-    ``patch_hf_fp32_rotation``, each with its pairing (True: interleaved pairs, Cohere).
-
-    Families with ``fp32_apply`` rotate bf16/fp16 q/k in fp32 through the wrapper; Cohere's
-    apply upcasts to fp32 itself, so its wrapper only hands the Triton kernel (interleaved
-    pairs) the calls it serves (CUDA), and leaves the others to Cohere's own apply.
+    ``patch_hf_fp32_rotation``, each with its pairing (True: interleaved, Cohere, whose apply
+    upcasts itself: only the Triton kernel's calls are taken).
     """
     found = {}
     for layer in layers:
@@ -301,21 +277,15 @@ def _swap_rotaries(model: nn.Module, max_position: int | None) -> int:
 def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
     """Give a model of a ``FAMILIES`` family the validated RoPE and document-isolating attention.
 
-    Finds the layers by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's
-    ``SupervisedFinetune``: they hold the model as a submodule). Idempotent. The fp32 rotation
-    of bf16/fp16 q/k is a patch of the family's module (``models.hf_rope.patch_hf_fp32_rotation``),
-    which ``hooks.patch_model`` installs beside this.
-
-    Args:
-        model: The model, or a wrapper around it.
-        max_position: Optional override of the largest position id the RoPE accepts.
+    The layers are found by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's);
+    idempotent; ``max_position`` optionally overrides the largest position id the RoPE accepts.
 
     Returns:
         The number of attention layers now routed to ``hf_packed_attention``.
 
     Raises:
-        ValueError: No attention layer of a supported family, no rotary module on the model
-            (layers would rotate with unvalidated cos/sin), or an unsupported ``rope_type``.
+        ValueError: No attention layer of a supported family, no rotary module on the model, or
+            an unsupported ``rope_type``.
     """
     layers = [m for m in model.modules() if type(m).__name__ in HF_ATTENTION_CLASSES]
     if not layers:

@@ -1,19 +1,10 @@
 """Validated RoPE for the transformers families with one rotary module per model.
 
-Llama, Qwen2, Mistral, Phi-3, Mixtral, Qwen2-MoE, Gemma and Cohere (transformers 4.48) compute cos/sin once per forward in
-``model.model.rotary_emb`` and pass them to every attention layer as ``position_embeddings``.
-Upstream that module keeps ``inv_freq`` as a floating buffer (``model.bfloat16()`` and
-DeepSpeed round it to bf16: angles off by radians at long positions), grows dynamic-NTK
-frequencies for good after one long batch, and checks no position id.
-``HFValidatedRotaryEmbedding`` replaces it: fp32 ``inv_freq`` whatever the cast, fp32 cos/sin
-from the real positions (the yarn / llama3 attention scaling applied), dynamic NTK computed per
-call from that call's positions, and a ValueError for a bad position id. Phi-3's ``longrope``
-(``"su"`` in older configs) uses transformers' own frequencies, short or long as upstream picks
-them per call; Cohere's interleaved layout is an ``interleaved=True`` flag.
-
-Length-dependent frequencies (dynamic NTK; LongRoPE where the upstream class switches factors
-per call, Phi-3's) go per document in packed rows: each document gets what transformers computes
-for its own length (``models.rope_documents``); one sequence per row keeps the per-call choice.
+Upstream's ``model.model.rotary_emb`` keeps a floating ``inv_freq`` (rounded by
+``model.bfloat16()``), grows dynamic NTK for good and checks no position id.
+``HFValidatedRotaryEmbedding`` keeps fp32 ``inv_freq`` and cos/sin (scalings applied), dynamic
+NTK per call and per document, and raises for a bad position id; Phi-3's ``longrope`` uses
+transformers' own frequencies, Cohere's layout is ``interleaved=True``.
 """
 
 from __future__ import annotations
@@ -76,19 +67,14 @@ class HFValidatedRotaryEmbedding(nn.Module):
     """Rotary embedding of a transformers family's model (``models.families``), validated, fp32.
 
     Args:
-        config: The model's ``PretrainedConfig`` (``rope_theta``, ``head_dim`` or
-            ``hidden_size / num_attention_heads``, ``max_position_embeddings``, ``rope_scaling``
-            with ``rope_type`` or the older ``type`` key).
+        config: The model's ``PretrainedConfig`` (theta, head dim, positions, ``rope_scaling``).
         max_position: Optional override of the position limit (see ``limit``).
         device: Device of ``inv_freq``.
-        interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere) instead of
-            ``[f0, f1, ..., f0, f1, ...]``.
-        longrope_per_call: The upstream class switches LongRoPE factors per call by length
-            (transformers 4.48: Phi-3's only; Llama's & co. keep the short factors).
+        interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere).
+        longrope_per_call: The upstream class switches LongRoPE factors per call (Phi-3's).
 
     Attributes:
-        per_document: Length-dependent frequencies per document of a packed row (default);
-            False gives every document its call's (upstream's per-call choice).
+        per_document: Length-dependent frequencies per document of a packed row (default).
 
     Raises:
         ValueError: A ``rope_type`` outside ``SUPPORTED_ROPE_TYPES``.
@@ -183,12 +169,11 @@ class HFValidatedRotaryEmbedding(nn.Module):
         return inv_freq
 
     def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
-        """fp32 inverse frequencies upstream computes for a call of ``seq_len`` tokens
-        (``seq_len`` past ``threshold``): transformers' own function, called as its
-        ``_dynamic_frequency_update`` calls it (an int64 tensor length: fp32 arithmetic).
+        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens.
 
-        Computed on the host (transformers' functions build their tensors there and copy them
-        with a blocking ``.to(device)``) and sent to ``device`` in one non-blocking copy."""
+        transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host;
+        sent to ``device`` in one non-blocking copy.
+        """
         if self.rope_type == "longrope":
             freqs = self._longrope(self.original + 1)[0]
         else:
@@ -224,16 +209,9 @@ class HFValidatedRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
-        """fp32 cos and sin for the tokens of ``x``.
-
-        Args:
-            x: ``[b, s, hidden]`` hidden states (gives b, s and the device).
-            position_ids: Integer ``[b, s]`` or ``[1, s]``; None means ``arange(s)[None]``.
-
-        Returns:
-            cos, sin ``[b, s, h_d]`` in fp32 (times the yarn attention scaling), whatever the
-            dtype of ``x``: the family's ``apply_rotary_pos_emb`` (patched by
-            ``models.hf_rope.patch_hf_fp32_rotation``) rotates in fp32 and returns q's dtype.
+        """fp32 cos and sin ``[b, s, h_d]`` (times the yarn attention scaling) for the tokens
+        of ``x`` ``[b, s, hidden]``, whatever its dtype, at ``position_ids`` (integer ``[b, s]`` or
+        ``[1, s]``; None: ``arange(s)[None]``).
 
         Raises:
             TypeError: position_ids not an integer tensor.
@@ -283,27 +261,15 @@ class HFValidatedRotaryEmbedding(nn.Module):
 def patch_hf_fp32_rotation(module_name: str, interleaved: bool = False) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
-    transformers 4.48 Llama / Qwen2 / Mistral (``modeling_<family>.apply_rotary_pos_emb``)
-    compute ``q * cos + rotate_half(q) * sin`` in the dtype of its inputs, and the upstream
-    rotary hands it cos/sin rounded to the activation dtype (bf16: 8 bits of mantissa). The
-    validated rotary (``models.hf_rope``) returns fp32 cos/sin instead; left alone, type
-    promotion would then make q and k fp32 (symptom: fp32 keys in the KV cache, SDPA refusing
-    mixed dtypes, ``StaticCache.update`` failing on ``index_copy_``). The wrapper rotates in
-    fp32 with ``rope.apply_rotary_pos_emb`` and returns q's dtype when cos is fp32 and q is not;
-    every other call (unpatched models hand cos in q's dtype, fp32 models) goes to the original
-    unchanged, except that fp32 q, k with fp32 cos also go to ``rope.apply_rotary_pos_emb``
-    where its Triton kernel runs (CUDA, or the interpreter under
-    ``XTUNER_ROPE_TRITON_INTERPRET=1``). It is rebound wherever the original is bound by name (XTuner 0.2.0's
-    ``dispatch/llama.py`` etc. import it). A model patch, so it lives with its family (``models``), not in
-    ``compat``: ``models.dispatch.patch_model`` calls it for the families it patches.
-
-    Cohere (``interleaved=True``) rotates interleaved pairs and upcasts to fp32 itself: there
-    the wrapper hands ``rope.apply_rotary_pos_emb`` (``interleaved=True``) only the calls its
-    Triton kernel serves, and every other call goes to Cohere's own apply.
+    transformers 4.48's apply computes in its inputs' dtype; with fp32 cos/sin, type promotion
+    would make q and k fp32 (fp32 keys in the KV cache, SDPA refusing mixed dtypes). The wrapper
+    rotates with ``rope.apply_rotary_pos_emb`` and returns q's dtype (and takes the fp32 calls its
+    Triton kernel serves); every other call goes to the original, rebound wherever it is bound by
+    name (XTuner's ``dispatch/``). Cohere (``interleaved=True``) upcasts itself: only the Triton
+    kernel's calls are taken.
 
     Args:
-        module_name: The family's modeling module, e.g.
-            ``"transformers.models.llama.modeling_llama"`` (imported if needed).
+        module_name: The family's modeling module (``"transformers.models.llama.modeling_llama"``).
         interleaved: The family rotates pairs (2i, 2i + 1) (Cohere).
 
     Returns:

@@ -1,9 +1,8 @@
 """InternLM2: its attention forward with the validated RoPE and document isolation, and the patch.
 
-What is specific to InternLM2 lives here: the fused ``wqkv`` projection, the attention classes
-found by name (XTuner's shipped ``xtuner._lite.modelings.internlm2`` and every checkpoint's
-remote-code copy), the dense path as each class computes it, and the two KV-cache contracts
-(``internlm2_kv_cache``). The packed attention itself is family-free (``xtuner_rope.ops.attention``).
+The fused ``wqkv`` projection, the attention classes found by name (XTuner's and remote-code
+copies), the dense path as each class computes it and the KV-cache contracts
+(``internlm2_kv_cache``); the packed attention itself is ``ops.attention``.
 """
 
 from __future__ import annotations
@@ -30,15 +29,12 @@ INTERNLM2_ATTENTION_CLASSES = (
 
 
 def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> torch.Tensor:
-    """The unpacked path, as the layer's own class computes it.
+    """The unpacked path, as the layer's own class computes it: ``[b, q_len, n_h, h_d]``.
 
     Args:
         q: ``[b, n_h, q_len, h_d]``; k, v: ``[b, n_kv, kv_len, h_d]`` (cache included).
-        attention_mask: The model's mask: 4-D additive ``[b, 1, q_len, kv_len']`` for
-            eager/SDPA, 2-D ``[b, kv_len]`` padding mask for flash-attn, or None.
-
-    Returns:
-        ``[b, q_len, n_h, h_d]``.
+        attention_mask: 4-D additive ``[b, 1, q_len, kv_len']`` (eager/SDPA), 2-D ``[b, kv_len]``
+            (flash-attn), or None.
     """
     if type(layer).__name__ == "InternLM2FlashAttention2":
         target = layer.wqkv.weight.dtype if q.dtype == torch.float32 else q.dtype
@@ -82,13 +78,9 @@ def internlm2_attention_forward(
     cache_position=None,
     **kwargs,
 ):
-    """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, and
-    documents isolated whenever the batch is packed.
-
-    Same signature and return as the layer's own code, under either KV-cache contract (see
-    ``kv_cache``): a transformers ``Cache`` is updated and returned; a ``(k, v)`` tuple or None
-    (first-generation remote code) is extended and ``(k, v)`` returned when ``use_cache``.
-    Attention weights are never returned (None).
+    """Drop-in ``forward`` for the InternLM2 attention classes: validated fp32 RoPE, documents
+    isolated on packed batches; either KV-cache contract (``internlm2_kv_cache``); no attention
+    weights.
     """
     b, s, _ = hidden_states.shape
     q, k, v = (x.transpose(1, 2) for x in _project_qkv(self, hidden_states))  # [b, heads, s, h_d]
@@ -121,15 +113,9 @@ def internlm2_attention_forward(
 
 
 def patch_internlm2_attention(model: nn.Module, max_position: int | None = None) -> int:
-    """Give every InternLM2 attention layer the validated RoPE and document-isolating attention.
-
-    Finds the layers by class name, so XTuner's shipped classes and real checkpoints' remote
-    code copies are both covered, also inside DDP, DeepSpeed and PEFT wrappers (they hold the
-    model as a submodule). Idempotent.
-
-    Args:
-        model: Any module containing InternLM2 attention layers.
-        max_position: Optional override of the largest position id the RoPE accepts.
+    """Give every InternLM2 attention layer of ``model`` the validated RoPE and document-isolating
+    attention (classes found by name, XTuner's and remote-code copies, inside any wrapper;
+    idempotent); ``max_position`` optionally overrides the largest position id the RoPE accepts.
 
     Returns:
         The number of InternLM2 attention layers now carrying the patch.

@@ -1,21 +1,11 @@
 """The two KV-cache contracts of InternLM2 remote code, behind one pair of calls.
 
-InternLM2 checkpoints carry their own ``modeling_internlm2.py``, and its attention layers meet
-the KV cache in one of two ways:
-
-- **Cache** (current code, the classes XTuner ships): ``past_key_value`` is a transformers
-  ``Cache`` shared by all layers; a layer appends with ``update(k, v, self.layer_idx, ...)``
-  and returns the same object.
-- **Tuple** (first-generation hub code, e.g. internlm2-chat-7b at release and InternVL's
-  copy): ``past_key_value`` is this layer's own ``(k, v)``, each ``[b, n_kv, past, h_d]``, or
-  None; the layer concatenates its new keys/values along the sequence dim and returns
-  ``(k, v)`` as its "present" when ``use_cache``, else None. Its layers have no ``layer_idx``,
-  and the model reads the next step's past length from ``past_key_values[0][0].shape[2]``.
-
-The contract is told per call by the type of ``past_key_value``: a ``Cache`` instance means
-the Cache contract; anything else (None, or a ``(k, v)`` pair) the tuple contract. Current code
-never hands a layer None with ``use_cache=True`` (its model wraps even an empty past in a
-``DynamicCache``), so returning ``(k, v)`` in that case only ever serves tuple-contract models.
+**Cache** (current code, XTuner's classes): ``past_key_value`` is a transformers ``Cache``
+shared by all layers, appended with ``update(k, v, self.layer_idx, ...)`` and returned.
+**Tuple** (first-generation hub code, InternVL's copy): this layer's own ``(k, v)``, each
+``[b, n_kv, past, h_d]``, or None; concatenated, and ``(k, v)`` returned when ``use_cache``.
+A ``Cache`` instance means the Cache contract, anything else the tuple contract (current code
+wraps even an empty past in a ``DynamicCache``).
 """
 
 from __future__ import annotations
@@ -81,19 +71,17 @@ def extend_cache(
     use_cache: bool,
     cache_kwargs: dict,
 ):
-    """Append this step's keys and values to the cache, as the layer's contract does.
+    """Append this step's ``k``, ``v`` (``[b, n_kv, s, h_d]``, RoPE applied) to the layer's cache.
 
     Args:
-        layer: The attention layer (its ``layer_idx`` is used by the Cache contract).
-        k: ``[b, n_kv, s, h_d]`` new keys, RoPE applied.
-        v: ``[b, n_kv, s, h_d]`` new values.
+        layer: The attention layer (its ``layer_idx`` for the Cache contract).
         past_key_value: A ``Cache``, a ``(k, v)`` pair of ``[b, n_kv, past, h_d]``, or None.
         use_cache: Whether the model wants a present back (tuple contract).
-        cache_kwargs: Passed to ``Cache.update`` (sin, cos, cache_position).
+        cache_kwargs: Passed to ``Cache.update``.
 
     Returns:
-        ``(k, v, present)``: keys and values over ``[b, n_kv, past + s, h_d]``, and what the
-        layer returns as its third output: the ``Cache`` itself, or ``(k, v)`` / None.
+        ``(k, v, present)``: ``[b, n_kv, past + s, h_d]`` keys and values, and the layer's third
+        output (the ``Cache``, or ``(k, v)`` / None).
 
     Raises:
         TypeError: As ``past_length``.

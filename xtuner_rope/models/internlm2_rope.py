@@ -1,10 +1,8 @@
 """InternLM2's rotary module, validated: fp32 `inv_freq`, checked positions, shared tables.
 
-A drop-in for XTuner 0.2.0's (and InternLM2 remote code's) rotary classes, default, linear and
-dynamic-NTK scaling, that keeps `inv_freq` in fp32 after `module.bfloat16()`, keeps dynamic NTK
-stateless and rejects bad position ids before any table lookup or kernel sees them. Dynamic NTK
-goes per document in packed rows (`models.rope_documents`): each document gets the base its own
-length gives it alone.
+A drop-in for XTuner's (and remote code's) default, linear and dynamic-NTK rotaries: `inv_freq`
+stays fp32 after `module.bfloat16()`, dynamic NTK is stateless and per document in packed rows
+(`models.rope_documents`), bad position ids are refused before any lookup.
 """
 
 import weakref
@@ -44,8 +42,7 @@ class ValidatedRotaryEmbedding(nn.Module):
         device (torch.device, optional): Device of `inv_freq`.
 
     Attributes:
-        per_document (bool): Dynamic-NTK frequencies per document of a packed row (default);
-            False gives every document its call's (upstream's per-call choice).
+        per_document (bool): Dynamic-NTK frequencies per document of a packed row (default).
 
     Raises:
         ValueError: Odd dim, unknown scaling type or non-positive scaling factor.
@@ -86,10 +83,7 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     @classmethod
     def from_module(cls, rotary_module, max_position=None):
-        """Build one from an InternLM2 rotary module (xtuner's or a remote-code copy).
-
-        The scaling type comes from the class name ('Linear', 'Dynamic') or a `scaling_type`
-        attribute; `inv_freq` is recomputed in fp32 on the device of the module's one.
+        """Build one from an InternLM2 rotary module (xtuner's or remote code's), fp32 `inv_freq`.
 
         Raises:
             TypeError: The module lacks `dim`, `base`, `max_position_embeddings` or `inv_freq`.
@@ -232,29 +226,22 @@ class ValidatedRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids=None, seq_len=None, dtype=None):
-        """cos and sin for `x`, by position ids (current InternLM2) or by length (old code).
-
-        Every layer asking for the same position ids and dtype in one forward gets the same
-        tensors (computed once). The patched attention (`models.internlm2`) asks for fp32, the
-        rotation kernels' dtype: no layer casts or copies them.
+        """cos and sin for `x`, by position ids (current InternLM2) or by length (old code); layers
+        asking for the same ids and dtype in one forward share the tensors.
 
         Args:
             x (torch.Tensor): value_states `[b, n_kv, s, h_d]`; gives device, b, s (and dtype).
             position_ids (torch.Tensor, optional): Integer `[b, s]` or `[1, s]`; None means
-                `arange(s)[None]`. A Python int is taken as `seq_len` (old positional call).
-            seq_len (int, optional): Old signature: return rows 0..seq_len-1 of the tables.
-            dtype (torch.dtype, optional): Of cos and sin (computed in fp32); None: x's, as
-                upstream returns them.
+                `arange(s)[None]`; a Python int is taken as `seq_len` (old positional call).
+            seq_len (int, optional): Old signature: rows 0..seq_len-1 of the tables.
+            dtype (torch.dtype, optional): Of cos and sin (computed in fp32); None: x's.
 
         Returns:
-            tuple[torch.Tensor, torch.Tensor]: cos, sin in dtype, `[b, s, h_d]` (b of
-            position_ids), or `[seq_len, h_d]` with seq_len.
+            tuple[torch.Tensor, torch.Tensor]: cos, sin `[b, s, h_d]`, or `[seq_len, h_d]`.
 
         Raises:
-            TypeError: x not a tensor, position_ids not an integer tensor, or seq_len not an
-                int.
-            ValueError: Bad position ids (see `check_position_ids`), seq_len <= 0 or beyond
-                the limit, or both position_ids and seq_len given.
+            TypeError: x not a tensor, position_ids not an integer tensor, or seq_len not an int.
+            ValueError: Bad position ids, seq_len <= 0 or beyond the limit, or both given.
         """
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,27 +1,10 @@
 """Where the documents of a rotary call are, so length-dependent RoPE goes per document.
 
-Dynamic NTK and LongRoPE choose their frequencies from the length served (see
-``ops.rope_documents``). The validated rotaries (``hf_rope``, ``internlm2_rope``) ask
-:func:`rotary_document_lengths` for each token's document length whenever a call reaches past
-the threshold. The documents are those the family's attention isolates, read the same way:
-
-- the boundaries published for this batch (``PackedBatchCheckHook``, LLaVA's expanded rows,
-  preference pairs), else position-id resets;
-- for the transformers families only where every row starts at position 0 (a left-padded
-  prompt is one sequence per row, as in ``models.hf``);
-- under sequence parallel, the lengths of the full row, published for this rank's shard by
-  ``sequence_parallel.shard_rows`` (the shard alone cannot know where its documents end).
-
-Padded rows (one sequence per row, XTuner's ``default_collate_fn``, LLaVA's and InternVL's rows,
-preference pairs without varlen): each row is a document of its real length, its last attended
-position + 1, read from the 2-D ``attention_mask`` its decoder received
-(:func:`install_row_lengths` records it for the rotaries below that decoder). Upstream would give
-every row the frequencies of the batch's padded length; alone, a row gets those of its own.
-
-Nothing to go by (one unpadded sequence per row, calls with a KV cache, including generation's
-prefill): None, and the rotary keeps upstream's per-call choice. ``set_per_document_rope(model, False)`` (the config's
-``per_document_rope = False``) turns per-document frequencies off: every packed document then
-gets the frequencies of its call's longest one, as upstream computes them.
+The validated rotaries ask :func:`rotary_document_lengths` for each token's document length
+(``ops.rope_documents``): the published boundaries, else position-id resets, under sequence
+parallel the full row's; a padded row is a document of its real length
+(:func:`install_row_lengths`). Nothing to go by (KV cache): None, upstream's per-call choice.
+``set_per_document_rope(model, False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -62,12 +45,8 @@ _LAST: dict = {}
 def _host_plan(
     rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
 ) -> DocumentPlan | None:
-    """This call's plan when the batch's boundaries were published on the host, else None.
-
-    Published host boundaries come with position ids that count from 0 in each document
-    (``PackedBatchCheckHook`` checks it on the host for every batch): the positions' range and
-    each token's document length follow from the boundaries, with nothing read back. Under
-    sequence parallel the boundaries are the full row's, not this shard's: None.
+    """This call's plan from boundaries published on the host (positions then count from 0 per
+    document, checked by ``PackedBatchCheckHook``), else None (also under sequence parallel).
     """
     published = hub_cumulative_len()
     if not isinstance(published, torch.Tensor) or published.device.type != "cpu":
@@ -80,11 +59,8 @@ def _host_plan(
 def host_position_range(
     rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
 ) -> tuple[int, int] | None:
-    """(0, longest document - 1): the range of this call's positions known on the host, or None.
-
-    From the batch's published host boundaries (see :func:`_host_plan`), for
-    ``ops.positions.check_position_ids(known_range=...)``: the range check then reads nothing
-    back from the device. None without them (the check reads the ids).
+    """(0, longest document - 1) from the published host boundaries, or None: the range
+    ``check_position_ids(known_range=...)`` then needs no device read.
     """
     plan = _host_plan(rotary, position_ids, b, s, device)
     return None if plan is None else (0, plan.max_seqlen - 1)
@@ -100,17 +76,15 @@ def rotary_document_lengths(
 ) -> torch.Tensor | None:
     """Each token's document length ``[b, s]`` (int64), or None when the call holds no documents.
 
-    On the CPU when the batch's boundaries were published on the host, or the position ids'
-    host copy is known (``ops.host_copies``), and under sequence parallel (computed there, no
-    device read); on ``device`` otherwise.
+    On the CPU where the boundaries or the positions' host copy are known, and under sequence
+    parallel; on ``device`` otherwise.
 
     Args:
         rotary: The calling rotary module (its ``training`` tells a sequence-parallel shard).
         position_ids: ``[b, s]`` or ``[1, s]`` integer positions of the call.
         b: Rows; s: row length (of this rank's shard under sequence parallel).
         device: Where the lengths are needed.
-        zero_start: Documents only where every row starts at position 0 (the transformers
-            families' attention rule; InternLM2's attention has none).
+        zero_start: Documents only where every row starts at position 0 (transformers' rule).
     """
     if sequence_parallel_active(rotary):
         lengths = channel.read_lengths()  # on the host as shard_rows publishes them
@@ -137,11 +111,8 @@ def rotary_document_lengths(
 
 
 class RowMask:
-    """The 2-D ``attention_mask`` of a decoder's latest call, shared by the rotaries below it.
-
-    Kept until the decoder's next call (not cleared after the forward): under gradient
-    checkpointing InternLM2's layers call their rotary again during the backward pass, and must
-    get the frequencies of the forward.
+    """The 2-D ``attention_mask`` of a decoder's latest call, shared by the rotaries below it; kept
+    until its next call (gradient checkpointing calls the rotary again in the backward).
     """
 
     def __init__(self) -> None:
@@ -170,11 +141,8 @@ def _row_mask_hook(state: RowMask, signature: inspect.Signature):
 def install_row_lengths(model: nn.Module) -> int:
     """Let the validated rotaries of ``model`` know the real length of each padded row.
 
-    Each decoder (a module with a ``layers`` list whose ``forward`` takes ``attention_mask``)
-    that holds validated rotaries gets a forward pre-hook recording the 2-D mask of its call,
-    read by :func:`padded_row_lengths`. Calls with a KV cache or ``use_cache=True``
-    (generation) record nothing: they keep upstream's per-call choice. Installing twice is a
-    no-op.
+    Each decoder holding validated rotaries gets a forward pre-hook recording its 2-D mask
+    (:func:`padded_row_lengths`); calls with a KV cache record nothing. Idempotent.
 
     Returns:
         How many decoders were hooked.
@@ -214,12 +182,8 @@ def is_document_rotary(module: nn.Module) -> bool:
 def padded_row_lengths(
     rotary: nn.Module, position_ids: torch.Tensor, b: int, s: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Each token's row length ``[b, s]`` for a call of padded rows, or None.
-
-    A row's length is its last attended position + 1: what upstream measures when the row runs
-    alone (right padding; a left-padded row's positions count from its first real token). None
-    when the rotary's decoder recorded no mask for this call (see :func:`install_row_lengths`),
-    the mask is not ``[b, s]`` or nothing is padded.
+    """Each token's row length ``[b, s]`` (last attended position + 1) for a call of padded rows;
+    None without a recorded ``[b, s]`` mask for this call or when nothing is padded.
     """
     state = getattr(rotary, "row_mask", None)
     mask = None if state is None else state.mask
@@ -258,9 +222,6 @@ def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
 def per_document_rope_setting(runner) -> bool:
     """Apply the config's ``per_document_rope`` (default True) to the runner's patched model.
 
-    ``per_document_rope = False`` in the config (or ``--cfg-options per_document_rope=False``)
-    turns per-document frequencies off, e.g. to see ``xtuner-rope check`` fail without them.
-
     Returns:
         The setting applied.
 
@@ -289,10 +250,8 @@ def per_document_rope_setting(runner) -> bool:
 def reset_upstream_rotaries(model: nn.Module) -> int:
     """Put the length state of unpatched rotaries back as a freshly loaded model has it.
 
-    Upstream's dynamic NTK is stateful: transformers keeps grown frequencies until a call shorter
-    than ``max_position_embeddings`` (one of exactly that length keeps them), and InternLM2's
-    class keeps them for good. Running documents alone one after another (the references of
-    ``xtuner-rope check`` and the tests) must start each from the loaded state, as a fresh copy.
+    Upstream's dynamic NTK keeps grown frequencies (InternLM2's for good): documents run alone one
+    after another (``xtuner-rope check``, the tests) must each start from the loaded state.
 
     Returns:
         How many rotary modules were reset.

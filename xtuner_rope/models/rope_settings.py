@@ -1,18 +1,9 @@
 """A checkpoint's RoPE setting, read from its ``config.json`` before anything loads.
 
-What the start-up refuses (``config.rope_scaling``) and what the doctor reports
-(``doctor.rope``) come from here, so both say what the run will do:
-
-- whether the frequencies depend on the length served, and up to which length they do not
-  (the threshold): dynamic NTK past ``max_position_embeddings`` (transformers' families and
-  InternLM2's classes); LongRoPE past ``original_max_position_embeddings`` where the family's
-  rotary switches per call (Phi-3; transformers 4.48's Llama, Qwen2 & co. keep the short
-  factors whatever the length, so theirs does not depend on it);
-- what cannot be served: a ``rope_type`` outside transformers 4.48's (InternLM2: outside
-  ``linear`` / ``dynamic``), a scaling without the fields its frequencies need. Upstream fails
-  on those too, after the weights load.
-
-Pure Python: nothing here imports torch or transformers.
+The start-up's refusals (``config.rope_scaling``) and the doctor's report (``doctor.rope``) come
+from here: up to which length the frequencies do not depend on it (dynamic NTK past
+``max_position_embeddings``; LongRoPE past its original length where the rotary switches per
+call, Phi-3), and what cannot be served (an unknown ``rope_type``, missing fields). Pure Python.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""What the family integrations read from the running trainer: boundaries and the backend log.
-
-The boundaries of the current batch travel as XTuner's varlen convention
-(``VarlenAttnArgsToMessageHubHook``; ``PackedBatchCheckHook`` publishes them the same way):
-one ``MessageHub`` instance, one key per rank. ``ops.attention`` knows nothing of MMEngine;
-this module reads the hub for it and logs, once, which packed backend each device and dtype
-got.
+"""What the family integrations read from the running trainer: the batch's boundaries (through
+``models.channel``; ``ops.attention`` knows nothing of MMEngine) and the packed backend, logged
+once per device and dtype.
 """
 
 from __future__ import annotations
@@ -35,11 +31,7 @@ _CHOSEN: set = set()
 
 
 def hub_cumulative_len() -> object:
-    """The flat boundaries published for this rank in XTuner's ``MessageHub`` convention.
-
-    Returns:
-        What the hub holds (checked against the batch by ``document_plan``), or None.
-    """
+    """The flat boundaries published for this rank (XTuner's ``MessageHub`` convention), or None."""
     return channel.read()[0]
 
 
@@ -92,10 +84,8 @@ def choose_backend(q: torch.Tensor, eager: bool) -> str:
 
 
 def chosen_backends(reset: bool = False) -> list[str]:
-    """The packed backends ``choose_backend`` returned since the last reset (sorted).
-
-    Args:
-        reset: Forget them afterwards (call before the passes to observe).
+    """The packed backends ``choose_backend`` returned since the last reset (sorted); ``reset``
+    forgets them afterwards.
     """
     chosen = sorted(_CHOSEN)
     if reset:

@@ -1,27 +1,9 @@
-"""Family-free packed attention: where the documents of a batch are, and attention within each.
+"""Family-free packed attention: each document of a packed row attends only to itself.
 
-A packed row holds several documents; each must attend only to itself. The boundaries come
-from the collator's ``cumulative_len`` (published by ``PackedBatchCheckHook`` in XTuner's
-``MessageHub`` convention) or, failing that, from ``position_ids`` resets (a document starts
-wherever the position is 0). Backends:
-
-- flash-attn ``flash_attn_varlen_func`` when installed, on CUDA, in fp16/bf16;
-- else PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), on CUDA, in
-  fp16/bf16 (both of its causal signatures: ``is_causal=`` up to 2.11, ``window_size=(-1, 0)``
-  later); the kernel is looked up through ``varlen_kernel()``, the seam through which the tests
-  run this glue on CPU against a pure-torch kernel with the same contract;
-- otherwise SDPA (or explicit eager softmax for the eager class) over the documents re-padded
-  into length buckets: documents of similar length share one ``[n_docs, n_h, L, h_d]`` call,
-  each padded by less than 12.5% (to at least ``MIN_BUCKET``), so the cost grows like
-  the sum of the squared document lengths, never the squared pack length, and no dense
-  ``[s, s]`` mask is ever built. The pad sits at each document's end, so ``is_causal`` alone
-  keeps real queries away from it.
-
-The document layout (``ops.document_plan``: ``cu_seqlens``, ``max_seqlen``, the buckets) is
-planned once per forward from the host's boundaries, without a device sync; only the bucket
-backends build buckets. Each model family's integration (``models/internlm2.py``,
-``models/hf.py``) calls ``document_plan`` and ``packed_attention``; rows without boundaries (plain padded batches,
-generation steps with a KV cache) take the family's own dense path.
+Backends (:func:`packed_backend`): flash-attn's varlen kernel (CUDA, fp16/bf16); torch's
+``varlen_attn`` (torch >= 2.10; :func:`varlen_kernel`, the tests' seam); else SDPA (or eager
+softmax) over the documents re-padded into length buckets (``ops.document_plan``), so the cost
+grows with the sum of squared document lengths and no ``[s, s]`` mask is built.
 """
 
 from __future__ import annotations
@@ -79,11 +61,8 @@ def _torch_varlen_kernel() -> VarlenKernel | None:
 
 
 def packed_backend(q: torch.Tensor, eager: bool) -> str:
-    """The packed backend for ``q`` (``models.runtime.choose_backend`` logs it once).
-
-    ``'flash'`` where flash-attn's varlen kernel can run (installed, CUDA, fp16/bf16), else
-    ``'varlen'`` where ``varlen_kernel()`` can (torch >= 2.10, CUDA, fp16/bf16), else ``'eager'``
-    or ``'sdpa'`` (length buckets) as the caller's dense kernel is.
+    """The packed backend for ``q``: ``'flash'`` (flash-attn, CUDA, fp16/bf16), else ``'varlen'``
+    (``varlen_kernel()``), else ``'eager'`` or ``'sdpa'`` (length buckets) as the dense kernel is.
     """
     half = q.dtype in HALF_DTYPES
     kernel = varlen_kernel() if half else None
@@ -176,8 +155,7 @@ def packed_attention(
         k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
         v: ``[b, s, n_kv, h_d]`` values.
         plan: Document layout from ``document_plan`` / ``plan_documents``.
-        backend: ``'flash'`` (flash-attn varlen, CUDA fp16/bf16), ``'varlen'`` (the kernel of
-            ``varlen_kernel()``, fp16/bf16), ``'sdpa'`` or ``'eager'``.
+        backend: ``'flash'``, ``'varlen'``, ``'sdpa'`` or ``'eager'`` (:func:`packed_backend`).
 
     Returns:
         ``[b, s, n_h, h_d]`` attention output, in ``q.dtype``.

@@ -13,10 +13,8 @@ __all__ = ["check_flat_boundaries"]
 
 
 def check_flat_boundaries(cu: object, b: int, s: int, source: str) -> torch.Tensor:
-    """Check boundaries over the flattened ``[b * s]`` tokens (flash-attn's ``cu_seqlens``).
-
-    They must be a 1-D integer tensor from 0 to ``b * s``, strictly increasing, with a
-    boundary at every row end ``r * s``: a document never runs from one row into the next.
+    """Check boundaries over the flattened ``[b * s]`` tokens (flash-attn's ``cu_seqlens``): 1-D
+    integer, 0 to ``b * s``, strictly increasing, a boundary at every row end ``r * s``.
 
     Args:
         cu: ``[n_docs + 1]`` boundaries, e.g. read from XTuner's ``MessageHub``.
@@ -27,7 +25,7 @@ def check_flat_boundaries(cu: object, b: int, s: int, source: str) -> torch.Tens
         ``[n_docs + 1]`` int64 boundaries on the CPU.
 
     Raises:
-        TypeError: not integer; ValueError: any of the rules above is broken.
+        TypeError: not integer; ValueError: a rule above is broken.
     """
     fix = (
         "Publish the current batch's boundaries each iteration and reset them to None "

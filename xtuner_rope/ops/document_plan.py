@@ -1,17 +1,8 @@
 """Where the documents of a packed batch are: the plan every packed-attention backend reads.
 
-The boundaries come from the host whenever the batch carries them: the collate function
-computes ``cumulative_len`` on the CPU and ``PackedBatchCheckHook`` publishes it, still on the
-CPU, in XTuner's ``MessageHub`` convention. The plan then reads nothing back from the device:
-``max_seqlen`` is a Python int computed on the host, and ``cu_seqlens`` goes to the device in
-one non-blocking copy (from pinned memory on CUDA), so a CUDA forward never waits for the GPU
-here (``torch.cuda.set_sync_debug_mode("error")`` passes). Boundaries published on the device
-and position resets are read from their host copies (``ops.host_copies``: the collated batch
-before the data preprocessor moved it); only device tensors without one are read back, once
-per forward.
-
-The length buckets of the SDPA/eager backend are built on first use only: the varlen and
-flash backends never build them.
+Host boundaries give a host ``max_seqlen`` and one non-blocking copy of ``cu_seqlens``: a CUDA
+forward never waits here. Device boundaries and position resets are read from their host copies
+(``ops.host_copies``), else once per forward. The SDPA/eager buckets are built on first use.
 """
 
 from __future__ import annotations
@@ -37,12 +28,7 @@ MIN_BUCKET = 16  # documents shorter than this share one bucket: fewer, larger k
 
 
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``x`` on ``device`` without the host waiting for the device.
-
-    One non-blocking copy; on CUDA from pinned memory, so the copy is queued on the current
-    stream and the host goes on (a blocking copy synchronizes, and a copy from pageable memory
-    may wait for the stream).
-    """
+    """Host tensor ``x`` on ``device`` in one non-blocking copy (on CUDA from pinned memory)."""
     if device.type == "cpu":
         return x
     if device.type == "cuda":
@@ -56,12 +42,8 @@ _COPY_CACHE: dict = {}
 
 
 def host_to_device_once(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host_to_device`` shared by every layer of a forward: one copy per host tensor.
-
-    Every layer receives the same host ``position_ids`` tensor (as the collate function left
-    it); the first asks for the copy, the others get that same device tensor (so caches keyed
-    on it hit too). A tensor already on ``device`` is returned as it is; a device tensor bound
-    elsewhere is moved with ``.to`` (no host copy is involved).
+    """``host_to_device`` shared by every layer of a forward: one copy per host tensor (a tensor on
+    ``device`` returned as is, one elsewhere moved).
     """
     device = torch.device(device)
     if x.device.type != "cpu":
@@ -151,16 +133,9 @@ def _build_buckets(cu: torch.Tensor, device: torch.device) -> tuple[list[_Bucket
 
 
 def plan_documents(cu_seqlens: torch.Tensor, device: torch.device) -> DocumentPlan:
-    """The plan of flat boundaries (buckets built on first use).
-
-    Args:
-        cu_seqlens: ``[n_docs + 1]`` integer boundaries over the flattened ``[b * s]`` tokens,
-            starting at 0 and strictly increasing (rows never share a document). On the CPU
-            for a plan without a device sync; a device tensor is read back once.
-        device: Where the index tensors are needed.
-
-    Returns:
-        The plan, with index tensors on ``device``.
+    """The plan of ``cu_seqlens``, ``[n_docs + 1]`` integer boundaries over the flat ``[b * s]``
+    tokens (from 0, strictly increasing; on the CPU: no device sync), index tensors on ``device``
+    (buckets built on first use).
     """
     return DocumentPlan(cu_seqlens.detach().to("cpu", torch.int64), device)
 
@@ -182,12 +157,7 @@ def _cached_plan(source: torch.Tensor, extra: tuple, cu_fn, device: torch.device
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor, b: int, s: int) -> torch.Tensor | None:
-    """Flat boundaries from position resets, or None when every row is a single document.
-
-    The fallback for batches without published boundaries: read from the position ids' host
-    copy (``ops.host_copies``: the collated batch before its move), else read back from the
-    device here, once per forward.
-    """
+    """Flat boundaries from position resets (their host copy if any); None: one document a row."""
     host = host_copy(position_ids)
     rows = (position_ids.detach().to("cpu") if host is None else host).expand(b, s)  # [b, s]
     cus = [cumulative_from_position_ids(row) for row in rows]
@@ -206,11 +176,8 @@ def document_plan(
 ) -> DocumentPlan | None:
     """The document layout of this forward: published boundaries first, then position resets.
 
-    Published boundaries (the trainer's, e.g. ``models.runtime.hub_cumulative_len()``) are
-    checked (``check_flat_boundaries``) once per tensor, not per layer: integer, ``0 .. b*s``,
-    strictly increasing, a boundary at every row end. On the CPU (as the collate function and
-    ``PackedBatchCheckHook`` leave them) they are checked and planned without reading anything
-    back from ``device``; ``position_ids`` are then not read at all.
+    Published boundaries are checked (``check_flat_boundaries``) once per tensor; on the CPU they
+    are planned without a device read, and ``position_ids`` are not read.
 
     Args:
         position_ids: ``[b, s]`` or ``[1, s]`` positions, or None.
@@ -221,8 +188,7 @@ def document_plan(
 
     Raises:
         TypeError: the published ``cumulative_len`` is not integer.
-        ValueError: it does not describe this ``[b, s]`` batch, is unordered, or runs a
-            document across rows.
+        ValueError: it does not describe this ``[b, s]`` batch.
     """
     cu = published
     if cu is not None:

@@ -1,15 +1,9 @@
 """Host copies of device tensors: what lets a training forward plan without reading the device.
 
-The batch reaches the model on the device, but it was collated on the CPU: the data
-preprocessor's move (``compat.patch_mmengine_host_copies``) remembers, for each tensor it
-copies to the device, the host tensor it came from. Code that must know a batch tensor's values
-on the host (where the documents are, the positions' range, each row's length) asks
-:func:`host_copy` first and reads the host tensor: no device-to-host copy, no host sync, on
-every layer of every forward. A device tensor without a known host copy is read back as
-before (once per forward, cached by the caller).
-
-A host copy is valid while its device tensor is alive and unchanged (same version counter):
-an in-place edit of the device tensor (or of the host one) forgets it.
+The data preprocessor's move (``compat.batch_host_copies``) remembers each copied tensor's host
+tensor; code that needs a batch value on the host asks :func:`host_copy` first (no host sync),
+else reads the device as before. A host copy is valid while its device tensor is alive and
+unchanged (same version counter).
 """
 
 from __future__ import annotations
@@ -29,13 +23,8 @@ def _version(x: torch.Tensor) -> int | None:
 
 
 def remember_host_copy(device_tensor: torch.Tensor, host: torch.Tensor) -> None:
-    """Record that ``device_tensor`` holds the values of the CPU tensor ``host``.
-
-    Call where a host tensor was copied to the device (``host.to(device)``); nothing is
-    recorded for the same tensor (a move to the CPU itself), a non-CPU ``host``, floating-point
-    tensors (pixel values, embeddings: the forward never needs them on the host, and keeping
-    them would hold host memory), or inference tensors (no version counter to tell a later
-    edit).
+    """Record that ``device_tensor`` holds the values of the CPU tensor ``host`` (after
+    ``host.to(device)``); not for floating-point or inference tensors, nor a non-CPU ``host``.
     """
     if device_tensor is host or host.device.type != "cpu":
         return

@@ -46,16 +46,9 @@ def _conversion_error(value: object, where: str, fix: str) -> Exception:
 
 
 def to_int_tensor(value: object, where: str, fix: str) -> torch.Tensor:
-    """``value`` (list, tuple, array or tensor of ints) as an integer tensor, shape kept.
-
-    Args:
-        value: what the user gave.
-        where: who and which field, for the message (``"rope_collate_fn: sample 3, field
-            'labels'"``).
-        fix: what to do, for the message.
-
-    Returns:
-        The tensor itself when ``value`` is one, else a new one; empty input gives ``long``.
+    """``value`` (list, tuple, array or tensor of ints) as an integer tensor, shape kept (the tensor
+    itself when it is one; empty input gives ``long``); ``where`` (who, which field) and ``fix``
+    (what to do) go into the message.
 
     Raises:
         TypeError: None, a string, a non-int element, or a float/complex/bool dtype.

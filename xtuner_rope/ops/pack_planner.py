@@ -1,26 +1,9 @@
 """Best-fit decreasing over item lengths, equal lengths placed in bulk.
 
-Best-fit decreasing (BFD) takes the items longest first and puts each into the row with the
-least free room that still fits it, opening a new row when none does. Placed one by one,
-a million items cost a million Python-level searches. Two facts make most of them bulk work:
-
-- Items of one length ``L`` come consecutively. The row with the least room ``r >= L`` that
-  takes the first of them keeps taking the next ones until its room drops below ``L``
-  (``r - L`` is then the least room ``>= L``): it takes ``r // L`` of them at once.
-- Rows with equal room are interchangeable for every later item, so they are kept together
-  in one *bucket* and a group of equal items fills as many of them as it needs at once.
-
-So the cost is per (length, bucket) pair touched, not per item: real dialogue lengths are
-small integers with many repeats. With all-distinct lengths it falls back to one heap search
-per item, still ``O(n log n)``, and rooms are never indexed by value: any ``max_length``
-works.
-
-Rows with room ``>= L`` sit in a min-heap (*fitting*: the least is the best fit); the others
-in a max-heap (*waiting*), moved over when a shorter length makes them fit. A room value is
-in at most one heap, with its rows (a stack, last in first out) in a dict.
-
-The rows (which items, in which row) are those of placing the items one at a time, ties by
-index, the row chosen among equal rooms the one that reached that room last.
+Items of one length ``L`` come consecutively, and the best-fit row with room ``r`` takes
+``r // L`` of them at once; rows of equal room share a bucket. The cost is per (length, bucket)
+pair, ``O(n log n)`` at worst. Rows with room ``>= L`` sit in a min-heap (*fitting*), the others
+in a max-heap (*waiting*); the rows are those of placing items one at a time (ties by index).
 """
 
 from __future__ import annotations
@@ -33,16 +16,12 @@ __all__ = ["best_fit_decreasing"]
 
 
 def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Group whole items into rows of at most ``max_length`` tokens by best-fit decreasing.
-
-    Args:
-        lengths: ``[n]`` item lengths, each in ``[1, max_length]`` (checked by the caller).
-        max_length: Capacity of a row in tokens, any positive integer.
+    """Group whole items (``lengths`` ``[n]``, each in ``[1, max_length]``, checked by the
+    caller) into rows of at most ``max_length`` tokens by best-fit decreasing.
 
     Returns:
-        ``(items, row_offsets)``: ``[n]`` int64 item indices, row after row (each row's items
-        in index order; rows in the order BFD opened them: by their longest item), and
-        ``[r + 1]`` int64 offsets of each row's first item into ``items``.
+        ``(items, row_offsets)``: ``[n]`` int64 item indices row after row (index order within a
+        row, rows by their longest item), and ``[r + 1]`` int64 offsets of each row into ``items``.
     """
     lengths = np.asarray(lengths).reshape(-1)  # any integer dtype: [n] arrays are the memory
     if lengths.dtype.kind not in "iu":
@@ -73,9 +52,8 @@ def best_fit_decreasing(lengths: np.ndarray, max_length: int) -> tuple[np.ndarra
 def _place(
     lengths: list[int], counts: list[int], max_length: int, rows_out: list, counts_out: list
 ) -> int:
-    """Place ``counts[g]`` items of ``lengths[g]`` (descending) group by group; rows opened.
-
-    Appends to ``rows_out``/``counts_out`` which row takes how many consecutive items.
+    """Place ``counts[g]`` items of ``lengths[g]`` (descending) group by group, appending to
+    ``rows_out``/``counts_out`` which row takes how many consecutive items.
     """
     fitting: list[int] = []  # min-heap of rooms >= the current length
     waiting: list[int] = []  # max-heap (negated) of rooms < the current length

@@ -1,11 +1,8 @@
 """Position-id checks for RoPE: reject bad ids before any table lookup or kernel sees them.
 
-Torch only: the rotaries call `check_position_ids` on every forward. Ids on the host are read
-there (no device sync), so are device ids whose host copy is known (`ops.host_copies`: the
-collated batch before its move); other device ids are read once per tensor (one host sync,
-shared by all layers of a model), unless the caller knows their range on the host
-(`known_range`: the batch's host boundaries, whose documents count positions from 0): then
-nothing is read back.
+Host ids (or device ids with a host copy, `ops.host_copies`) are read without a device sync;
+other device ids once per tensor (shared by all layers), unless the caller knows their range on
+the host (`known_range`).
 """
 
 import weakref
@@ -19,11 +16,8 @@ _last_range = {}
 
 
 def _min_max(position_ids):
-    """(min, max) of integer `position_ids` as Python ints: one host sync, cached.
-
-    Every layer of a model gets the same position_ids tensor: keeping the answer for the last
-    one (keyed on identity via a weak reference, storage, version counter and shape) leaves
-    the device sync to the first layer only.
+    """(min, max) of integer `position_ids` as Python ints: one host sync, cached for the same
+    tensor (identity, storage, version, shape), so only a model's first layer syncs.
     """
     if position_ids.numel() == 0:
         return 0, -1
@@ -48,7 +42,7 @@ def _first(position_ids, mask):
 def check_position_ids(
     position_ids, batch, seq_len, limit=None, limit_desc="", advice="", known_range=None
 ):
-    """Check position ids before they index anything; return their (min, max).
+    """Check position ids before they index anything; return their (min, max) (0, -1 when empty).
 
     Args:
         position_ids (torch.Tensor): Integer positions `[b, s]`, b == 1 or `batch`.
@@ -57,13 +51,8 @@ def check_position_ids(
         limit (int, optional): Positions must be below it; None means unbounded.
         limit_desc (str): Where `limit` comes from, for the error message.
         advice (str): What to do about a position beyond `limit`, for the error message.
-        known_range (tuple[int, int], optional): (min, max) of `position_ids` known on the
-            host (e.g. from the batch's host boundaries: 0 and the longest document - 1).
-            Within range, it is returned and device ids are not read (no host sync); out of
-            range, the ids are read to name the culprit.
-
-    Returns:
-        tuple[int, int]: Smallest and largest position (0, -1 when empty).
+        known_range (tuple[int, int], optional): (min, max) known on the host: returned within
+            `limit` without reading the ids; beyond it, the ids are read to name the culprit.
 
     Raises:
         TypeError: position_ids is not an integer tensor.

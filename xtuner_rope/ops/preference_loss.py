@@ -1,13 +1,8 @@
 """Per-pair preference losses and rewards, as XTuner 0.2's models compute them for one pair.
 
-XTuner's ``DPO``, ``ORPO`` and ``RewardModel`` compute their loss over a batch of pairs. For
-a held-out set the loss of each pair alone is what packing must not change: these functions
-take one value per pair (summed response log-probs, or reward scores) and return the loss the
-model computes for a batch holding that pair alone, and the two rewards XTuner logs (its
-``reward_acc`` and ``reward_margin`` compare them). float64 throughout: a held-out set sums
-thousands of them.
-
-Shapes: ``p`` pairs; every tensor argument is ``[p]``.
+XTuner's ``DPO``, ``ORPO`` and ``RewardModel`` compute over a batch; a held-out set needs each
+pair's loss alone (what packing must not change) and the two rewards XTuner logs. float64
+throughout. Shapes: ``p`` pairs; every tensor argument is ``[p]``.
 """
 
 from __future__ import annotations
@@ -34,11 +29,11 @@ def dpo_pair_losses(
     """XTuner's DPO loss of each pair alone, and its chosen and rejected rewards.
 
     Args:
-        policy_chosen: ``[p]`` log-probs of the chosen responses under the policy (summed
-            over the response's supervised targets; averaged for ``ipo``, as XTuner does).
+        policy_chosen: ``[p]`` log-probs of the chosen responses under the policy (summed over the
+            response's supervised targets; averaged for ``ipo``, as XTuner does).
         policy_rejected: ``[p]`` the same for the rejected responses.
         reference_chosen: ``[p]`` the chosen responses under the reference model.
-        reference_rejected: ``[p]`` the rejected responses under the reference model.
+        reference_rejected: ``[p]`` the rejected ones under the reference model.
         beta: The model's ``beta``.
         loss_type: One of :data:`DPO_PAIR_LOSSES`.
         label_smoothing: The model's ``label_smoothing`` (``sigmoid``, ``robust``).
@@ -87,19 +82,10 @@ def dpo_pair_losses(
 def orpo_pair_losses(
     chosen: torch.Tensor, rejected: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """XTuner's ORPO loss of each pair alone, and its chosen and rejected rewards.
-
-    A pair alone: the chosen response's mean NLL (XTuner's cross-entropy over the chosen
-    tokens of the batch) minus ``beta * logsigmoid(log odds ratio)``; where the ratio is NaN
-    XTuner replaces the odds term by 0.
-
-    Args:
-        chosen: ``[p]`` average log-prob of each chosen response (over its supervised targets).
-        rejected: ``[p]`` the same for the rejected responses.
-        beta: The model's ``beta``.
-
-    Returns:
-        ``(loss, chosen_reward, rejected_reward)``, each ``[p]`` float64.
+    """XTuner's ORPO loss of each pair alone (the chosen mean NLL minus ``beta * logsigmoid(log odds
+    ratio)``, 0 for a NaN ratio as XTuner does) from ``chosen``, ``rejected`` ``[p]`` average
+    log-probs of each response, and its rewards: ``(loss, chosen_reward, rejected_reward)``, each
+    ``[p]`` float64.
     """
     chosen, rejected = chosen.double(), rejected.double()
     log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
@@ -120,7 +106,7 @@ def reward_pair_losses(
     Args:
         chosen: ``[p]`` the reward score of each chosen response.
         rejected: ``[p]`` the score of each rejected response.
-        loss_type: ``ranking`` or ``focal`` (the InternLM2 paper's focal ranking loss).
+        loss_type: ``ranking`` or ``focal``.
         penalty_type: ``log_barrier`` (scores kept in (-5, 5)), ``L2`` or ``none``.
         penalty_weight: The model's ``penalty_weight``.
 

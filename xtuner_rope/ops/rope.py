@@ -55,18 +55,11 @@ FP32_EXACT_POSITIONS = 1 << 24
 
 
 def cos_sin_at(position_ids, inv_freq, hi, divisor=None):
-    """fp32 cos and sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`.
+    """fp32 cos and sin `[..., h_d]` at integer `position_ids` `[...]` whose max is `hi`, from fp32
+    `inv_freq` `[h_d/2]` (positions divided by `divisor` first: linear scaling).
 
-    Below `FP32_EXACT_POSITIONS` the angles are computed in fp32 exactly as the reference
-    does. From there on fp32 cannot hold every position: tokens would share angles and cos/sin
-    be off by up to ~1 (reachable with dynamic NTK, which has no position limit), so those
-    calls compute the angles in fp64 from the same fp32 `inv_freq` and return fp32 cos/sin.
-
-    Args:
-        position_ids (torch.Tensor): Integer positions `[...]`.
-        inv_freq (torch.Tensor): fp32 inverse frequencies `[h_d/2]`.
-        hi (int): The largest position.
-        divisor (float, optional): Positions are divided by it first (linear scaling).
+    Below `FP32_EXACT_POSITIONS` the angles are fp32, as the reference computes them; beyond, fp32
+    cannot hold every position, so they are computed in fp64 from the same `inv_freq`.
     """
     dtype = torch.float32 if hi < FP32_EXACT_POSITIONS else torch.float64
     positions = position_ids.to(dtype)
@@ -171,31 +164,26 @@ def _check_apply_inputs(q, k, cos, sin, unsqueeze_dim):
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, interleaved=False):
     """Apply rotary position embedding to q and k; arithmetic in fp32 whatever the dtypes.
 
-    On CUDA one Triton kernel rotates q and k (`ops.rope_triton`; off with
-    `use_triton_apply(False)` or `XTUNER_ROPE_TRITON=0`); elsewhere the eager kernel of
-    `ops.rotate` (or its `torch.compile` version, `use_fused_apply`).
+    On CUDA one Triton kernel rotates q and k (`ops.rope_triton`); elsewhere the eager kernel of
+    `ops.rotate` (or its `torch.compile` version, `use_fused_apply`). No gradient into cos/sin.
 
     Args:
         q (torch.Tensor): Queries `[b, n_h, s, h_d]` (`[b, s, n_h, h_d]` with unsqueeze_dim=2).
         k (torch.Tensor): Keys `[b, n_kv, s, h_d]` (or `[b, s, n_kv, h_d]`).
-        cos (torch.Tensor): `[b, s, rot]`, or `[L, rot]` tables of older remote code, whose rows
-            are then picked by position_ids (rows 0..s-1 when None). rot is h_d, or an even
-            rotary dim < h_d (partial rotary: the first rot dims rotate, the rest pass).
+        cos (torch.Tensor): `[b, s, rot]`, or `[L, rot]` tables of older remote code (rows picked
+            by position_ids, 0..s-1 when None); rot is h_d, or an even dim < h_d (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         position_ids (torch.Tensor, optional): `[b, s]`; only used with `[L, rot]` tables.
-        unsqueeze_dim (int): Heads dim of q/k, where cos/sin get a size-1 dim to broadcast.
-        interleaved (bool): Rotate the pairs (2i, 2i + 1) of the rotary dims, with cos/sin
-            `[f0, f0, f1, f1, ...]` (Cohere), instead of (i, i + rot/2) (`rotate_half`).
+        unsqueeze_dim (int): Heads dim of q/k.
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes. No gradient
-        flows into cos/sin (they come from no-grad rotary modules).
+        tuple[torch.Tensor, torch.Tensor]: Rotated q and k in their own dtypes.
 
     Raises:
         TypeError: q, k, cos or sin not a floating-point tensor.
-        ValueError: Odd or mismatched head dims, a rotary dim beyond h_d; q/k/cos/sin of
-            different batch or length (cos/sin of batch 1 broadcast); bad position ids for
-            `[L, rot]` tables.
+        ValueError: Odd or mismatched head dims, a rotary dim beyond h_d, mismatched batch or
+            length, bad position ids for `[L, rot]` tables.
     """
     _check_apply_inputs(q, k, cos, sin, unsqueeze_dim)
     if cos.dim() == 2:

@@ -1,14 +1,9 @@
 """Per-document RoPE frequencies for packed rows: each document gets what it gets alone.
 
-Some RoPE variants choose their frequencies from the length of the sequence they serve:
-dynamic NTK scales the base once a sequence is longer than ``max_position_embeddings``, and
-LongRoPE (Phi-3) switches from its short to its long factors past
-``original_max_position_embeddings``. Upstream picks them once per forward call, from the largest
-position of the batch, so in a packed row every document would get the frequencies of the row's
-longest one. Here each document's length is its own last position + 1 (what upstream measures
-when the document runs alone), and every token gets the inverse frequencies of its document.
-
-Torch only: the family modules (``models.hf_rope``, ``models.internlm2_rope``) say where the
+Dynamic NTK (past ``max_position_embeddings``) and LongRoPE (Phi-3, past its original length)
+choose frequencies from the length served; upstream picks them once per call from the row's
+largest position. Here each token gets the inverse frequencies of its document's length (its
+last position + 1). Torch only: ``models.hf_rope`` and ``models.internlm2_rope`` say where the
 documents are and how a length maps to frequencies.
 """
 
@@ -24,16 +19,9 @@ __all__ = ["document_lengths", "host_document_lengths", "per_token_inv_freq"]
 
 
 def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: int, s: int):
-    """Each token's document length (the document's last position + 1), ``[b, s]`` int64.
-
-    Args:
-        position_ids: ``[b, s]`` or ``[1, s]`` integer positions.
-        cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens (rows never
-            share a document), e.g. ``DocumentPlan.cu_seqlens``.
-        b: Rows; s: row length.
-
-    Returns:
-        ``[b, s]`` int64 on ``position_ids``' device.
+    """Each token's document length (its last position + 1), ``[b, s]`` int64 on ``position_ids``'
+    device, from ``position_ids`` ``[b, s]`` or ``[1, s]`` and the flat ``cu_seqlens``
+    ``[n_docs + 1]`` over the ``[b * s]`` tokens of ``b`` rows of ``s``.
     """
     flat = position_ids.expand(b, s).reshape(-1)  # [t]
     cu = cu_seqlens.to(flat.device, torch.int64)
@@ -42,10 +30,8 @@ def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: in
 
 
 def host_document_lengths(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """Each token's document length from host boundaries, ``[b, s]`` int64 on the CPU.
-
-    For batches whose position ids count from 0 in each document (the collate function's):
-    a document's last position + 1 is then its length, known on the host without a device read.
+    """Each token's document length ``[b, s]`` int64 on the CPU, from host boundaries (positions
+    counting from 0 per document, as the collate function's).
 
     Args:
         cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens, on the CPU.
@@ -63,22 +49,18 @@ def per_token_inv_freq(
     inv_freq_of: Callable[[int], torch.Tensor],
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]``.
+    """fp32 inverse frequencies of each token's document, ``[b, s, h_d/2]`` on ``device``.
 
     Documents up to ``threshold`` tokens keep ``base_inv_freq``; each longer length gets
-    ``inv_freq_of(length)`` (computed once per distinct length: a handful per batch).
+    ``inv_freq_of(length)`` (once per distinct length).
 
     Args:
         lengths: ``[b, s]`` document length of every token (see :func:`document_lengths`).
         base_inv_freq: ``[h_d/2]`` fp32 frequencies of the short documents.
         threshold: The longest length that keeps ``base_inv_freq``.
         inv_freq_of: Length -> ``[h_d/2]`` fp32 frequencies upstream uses for that length.
-        device: Where the result goes (default: ``lengths``' device). Lengths on the CPU are
-            grouped there, without a device sync, and the token index goes to ``device`` in one
-            non-blocking copy; device lengths are grouped on the device (one host sync).
-
-    Returns:
-        ``[b, s, h_d/2]`` fp32, on ``device``.
+        device: Where the result goes (default: ``lengths``' device; CPU lengths are grouped
+            without a device sync).
     """
     device = lengths.device if device is None else torch.device(device)
     distinct, index = torch.unique(lengths, return_inverse=True)  # [n_distinct], [b, s]

@@ -1,35 +1,11 @@
 """The Triton RoPE apply: q and k rotated in one launch, forward and backward (CUDA default).
 
-`rope.apply_rotary_pos_emb` sends q, k here when `triton_apply_active(q)`: CUDA tensors and
-Triton importable (it ships with torch's CUDA build), unless switched off with
-`use_triton_apply(False)` or the environment variable `XTUNER_ROPE_TRITON=0`; then, and on the
-CPU, the eager kernel of `ops.rotate` rotates. Inside a model that `torch.compile` traces, the
-eager path runs too (the user's compiler fuses it).
-
-`XTUNER_ROPE_TRITON_INTERPRET=1` runs the kernel on CPU tensors under Triton's interpreter
-(NumPy, slow, for tests): it sets `TRITON_INTERPRET=1` for the process before the kernel is
-first decorated, which is when Triton (3.6 and 3.9) picks interpreter or compiler (Triton's own
-library, decorated when Triton is imported, must agree at launch: the variable stays set), so
-set it before the first rotary apply of the process.
-
-A kernel that cannot run never stops training: where Triton does not import (for any reason),
-the first CUDA rotation warns once, naming the Triton to install, and rotates eagerly; where a
-launch fails (forward or backward; both variants are compiled at the first forward of a shape,
-so a failure shows there), one warning names the error and the eager kernel of `ops.rotate`
-takes over for the rest of the process, the backward of that very call included (same
-gradients). A CUDA out-of-memory error is re-raised as one (it is no reason to turn the kernel
-off). `XTUNER_ROPE_TRITON_STRICT=1` re-raises every failure instead: the kernel tests set it, so
-that a broken kernel fails them; `XTUNER_ROPE_TRITON_INTERPRET=1` alone behaves as CUDA does.
-
-Before the first interpreted launch, a copy kernel probes the interpreter
-(:func:`interpreter_fault`): Triton 3.0.0's (torch 2.4's) loads return nothing or garbage
-with NumPy 2 (its C++ helpers read NumPy 1's layout; with NumPy 1.26.4 the same kernel is
-exact). Where the probe fails, the CPU tensors rotate eagerly, with one `RuntimeWarning`
-naming the Triton and NumPy found. The compiled kernel (CUDA) does not use NumPy.
-
-The kernel reads cos/sin per token (fp32 `[b or 1, s, rot]`, from `rope.cos_sin_at`: fp32-exact
-angles, fp64 past 2**24, every scaling type and per-document frequency already applied) and
-rotates in fp32 registers. Torch only here; Triton is imported lazily (`ops.rope_triton_kernel`).
+``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active` (CUDA, Triton
+importable, not switched off by ``use_triton_apply(False)`` / ``XTUNER_ROPE_TRITON=0``, no
+``torch.compile`` trace); ``XTUNER_ROPE_TRITON_INTERPRET=1`` interprets it on CPU tensors
+(tests). A kernel that cannot run never stops training: one warning and the eager kernel takes
+over for the process (CUDA out-of-memory re-raised; ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises
+all). fp32 cos/sin per token (``rope.cos_sin_at``), rotated in fp32 registers.
 """
 
 import contextlib
@@ -85,9 +61,8 @@ def use_triton_apply(enabled=True):
     """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
 
     Args:
-        enabled (bool | None): True: CUDA tensors (and CPU ones under
-            `XTUNER_ROPE_TRITON_INTERPRET=1`) rotate with the Triton kernel; False: the eager
-            kernel of `ops.rotate` everywhere; None: `XTUNER_ROPE_TRITON` decides (the default).
+        enabled (bool | None): True: the Triton kernel; False: the eager kernel everywhere;
+            None: `XTUNER_ROPE_TRITON` decides (the default).
 
     Returns:
         bool: Whether it was on before.
@@ -154,15 +129,10 @@ def _warn_missing(x):
 
 
 def triton_apply_active(x):
-    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` with the Triton kernel.
+    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` (gives the device) with Triton.
 
-    Args:
-        x (torch.Tensor): q (gives the device).
-
-    Returns:
-        bool: True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1`, where
-        :func:`interpreter_fault` finds none) when the kernel is on, Triton imports and no
-        `torch.compile` trace is running.
+    True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1` without an
+    :func:`interpreter_fault`) when the kernel is on, Triton imports and no trace is running.
     """
     if torch.compiler.is_compiling() or not _enabled():
         return False
@@ -177,11 +147,9 @@ def triton_apply_active(x):
 def interpreter_fault():
     """Why Triton's interpreter cannot run the kernel here; None where it can.
 
-    Probed once per process, under `XTUNER_ROPE_TRITON_INTERPRET=1` only (elsewhere nothing
-    is interpreted: None): a copy kernel of 4 floats, interpreted. Triton 3.0.0's interpreter
-    with NumPy 2 reads wrong values (torch 2.4.1's Triton; NumPy 1.26.4 and Triton 3.9.0 copy
-    exactly). The first fault found warns once (`RuntimeWarning`); `triton_apply_active` then
-    answers False for CPU tensors, so they rotate eagerly. Tests skip with this reason.
+    Probed once, under `XTUNER_ROPE_TRITON_INTERPRET=1` only: a copy kernel of 4 floats (Triton
+    3.0.0 with NumPy 2 reads wrong values). The first fault warns once; CPU tensors then rotate
+    eagerly, and tests skip with this reason.
 
     Returns:
         str | None: The Triton and NumPy versions, what the copy read, and the fix; or None.
@@ -334,16 +302,14 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
         q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
             strides (InternLM2's views of its packed `wqkv` are read in place).
         k (torch.Tensor): `[b, n_kv, s, h_d]` or `[b, s, n_kv, h_d]`.
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d: the first rot dims
-            of each head rotate, the rest pass through (partial rotary).
+        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
-        interleaved (bool): rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
-            (Cohere) instead of (i, i + rot/2) (`rotate_half`).
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated, in their dtypes and in the
-        memory layout `[b, s, n, h_d]` whatever the inputs' strides.
+        tuple[torch.Tensor, torch.Tensor] | None: q, k rotated in their dtypes, laid out
+        `[b, s, n, h_d]`.
 
     Raises:
         torch.cuda.OutOfMemoryError: Memory ran out (the kernel stays on).

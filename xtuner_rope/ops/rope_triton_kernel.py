@@ -1,17 +1,10 @@
 """The Triton RoPE kernel: q and k of a block of tokens rotated in one program, fp32 in registers.
 
-Imported only by `ops.rope_triton` (lazily, once it knows Triton is wanted): decorating with
-`triton.jit` picks the interpreter or the compiler from `TRITON_INTERPRET` at that moment
-(Triton 3.6 and 3.9 alike). Written with the Triton 3.0-era language only (`tl.load`/`tl.store`
-with masks, constexpr branches) so that the GPU image's Triton 3.6 compiles it.
-
-The rotation pairs dim `i_1` with dim `i_2` of the first `2 * HALF` dims of each head,
-`out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`, with cos/sin read per token at
-the same dims (fp32, as `ops.rope.cos_sin_at` computed them: fp32-exact angles): `i_1 = d`,
-`i_2 = d + HALF` in the `rotate_half` convention, `i_1 = 2d`, `i_2 = 2d + 1` with `INTERLEAVED`
-(Cohere's pairs, cos/sin `[f0, f0, f1, f1, ...]`). `TRANSPOSE` applies the transpose (the
-backward; the rotation by the negative angle for the usual equal halves). The `PASS` dims after
-them (partial rotary, Phi-style) are copied unchanged.
+Imported lazily by `ops.rope_triton` (`triton.jit` picks interpreter or compiler at that
+moment); Triton 3.0-era language only, so Triton 3.6 compiles it. Pairs dim `i_1` with `i_2` of
+the first `2 * HALF` dims: `out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`
+(`i_2 = d + HALF`, or `2d, 2d + 1` with `INTERLEAVED`); `TRANSPOSE` is the backward; the `PASS`
+dims after them (partial rotary) are copied.
 """
 
 import triton

@@ -1,11 +1,9 @@
 """The rotation kernels behind `rope.apply_rotary_pos_emb`: eager (default) and fused.
 
 Both compute `x * cos + rotate_half(x) * sin` (or its transpose, the backward) in fp32 and
-return x's dtype. The eager kernel runs PyTorch ops over cache-sized chunks: about 2.5x the
-time of cloning x on CPU, the floor of three elementwise passes. The fused kernel is one
-`torch.compile` loop (about 1.2-1.5x a clone on CPU); it is opt-in because the first call
-compiles for seconds (C++ compiler on CPU, Triton on CUDA), and it falls back to the eager
-kernel with a warning if compiling fails. Torch only.
+return x's dtype. The eager kernel runs over cache-sized chunks (about 2.5x a clone on CPU); the
+opt-in fused kernel is one `torch.compile` loop (1.2-1.5x), compiling for seconds at its first
+call and falling back to eager with a warning. Torch only.
 """
 
 import itertools
@@ -22,11 +20,10 @@ _fused = {"enabled": False, "fn": None, "calls": 0}
 
 
 def rotate_eager(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` (q, k or a grad; any dtype and strides) in fp32.
+    """Rotate x `[..., h_d]` (any dtype and strides) in fp32: `x * cos + rotate_half(x) * sin`.
 
-    Computes `x * cos + rotate_half(x) * sin`, or with transpose=True its transpose (the
-    backward; for the usual cos/sin with equal halves, the rotation by -angle). cos, sin are
-    fp32 and broadcast against x. Returns x's dtype (and strides where x is dense).
+    With transpose=True its transpose (the backward). Returns x's dtype (and strides where x is
+    dense).
     """
     # Chunks along x's outermost dim in memory (heads for [b, n, s, h_d], s for the transposed
     # views InternLM2 passes) are compact blocks, which stay in cache across the passes below.
@@ -92,10 +89,8 @@ def use_fused_apply(enabled=True):
 def fused_kernel_calls():
     """How many `rotate` calls in this process the compiled (fused) kernel served.
 
-    Calls that fell back to the eager kernel, because compiling failed or the fused kernel is
-    off, are not counted; neither are calls traced into a model the user compiles (there the
-    user's compiler fuses the rotation). Tests and benchmarks use it to tell a compiled run
-    from a silent fall-back.
+    Fall-backs to the eager kernel and calls traced into the user's compiled model are not
+    counted: tests and benchmarks tell a compiled run from a silent fall-back by it.
 
     Returns:
         int: The count since the process started.
@@ -117,16 +112,9 @@ def _rotate_fused(x, cos, sin, transpose):
 
 
 def rotate(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` in fp32 with the kernel chosen by `use_fused_apply`.
-
-    Args:
-        x (torch.Tensor): q, k or a gradient, any dtype and strides.
-        cos (torch.Tensor): fp32, broadcasting against x.
-        sin (torch.Tensor): fp32, same shape as cos.
-        transpose (bool): Apply the transpose of the rotation (the backward).
-
-    Returns:
-        torch.Tensor: The rotated x in x's dtype.
+    """Rotate x `[..., h_d]` (q, k or a gradient, any dtype and strides) in fp32 with the kernel
+    `use_fused_apply` chose; cos, sin fp32 broadcasting against x; `transpose` applies the
+    transpose (the backward). Returns x's dtype.
     """
     if _fused["enabled"]:
         try:
@@ -161,20 +149,15 @@ def halves_to_pairs(x, rot):
 
 
 def rotate_heads(x, cos, sin, unsqueeze_dim, transpose, interleaved=False):
-    """Rotate the heads of q, k or a gradient (or apply the transpose) with `rotate`.
-
-    The eager rotation `rope.apply_rotary_pos_emb` runs where the Triton kernel does not, and
-    the Triton kernel's backward falls back to when its launch fails.
+    """Rotate the heads of q, k or a gradient ``x`` (or apply the transpose) with `rotate`.
 
     Args:
         x (torch.Tensor): `[b, n, s, h_d]` (unsqueeze_dim 1) or `[b, s, n, h_d]` (2).
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d: the first rot dims
-            rotate, the rest pass through (partial rotary).
+        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         sin (torch.Tensor): Same shape as cos.
         unsqueeze_dim (int): The heads dim of x.
         transpose (bool): Apply the transpose (the backward).
-        interleaved (bool): Rotate the pairs (2i, 2i + 1) with cos/sin `[f0, f0, f1, f1, ...]`
-            (Cohere) instead of (i, i + rot/2).
+        interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
         torch.Tensor: x rotated, in x's dtype.

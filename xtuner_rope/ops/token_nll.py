@@ -1,13 +1,10 @@
 """Per-document next-token NLL of packed rows: each document scored whole and alone.
 
-A packed row holds several documents back to back. Scored alone, a document of tokens
-``[a, e)`` predicts token ``t + 1`` from position ``t`` for ``a <= t < e - 1``: the last token
-of one document never predicts the first token of the next. With attention that isolates the
-documents, the row's logits at a document's positions are the document's logits alone, so the
-sums below are exactly what a plain per-dialogue evaluation computes. fp32 log-softmax, fp64
-sums (a held-out set has millions of tokens: fp32 sums would drift). Instead of the logits, the
-row's target log-probs ``[s]`` (``ops.chunked_loss.chunked_target_logprobs`` of the row-shifted
-labels: no ``[s, V]`` logits) give the same sums.
+Alone, a document ``[a, e)`` predicts token ``t + 1`` from ``t`` for ``a <= t < e - 1``; with
+isolating attention the row's logits are the documents' own, so these sums are what a
+per-dialogue evaluation computes. fp32 log-softmax, fp64 sums. The row's target
+log-probs ``[s]`` (``ops.chunked_loss.chunked_target_logprobs``, no ``[s, V]`` logits) give the
+same sums.
 """
 
 from __future__ import annotations
@@ -24,15 +21,13 @@ def document_nll(
 
     Args:
         logits: ``[s, V]`` the row's logits, or ``[s]`` fp32 log-probs of label ``t + 1`` at
-            each position ``t`` (read where the document's own target is supervised).
-        labels: ``[s]`` the row's labels (``-100``: not supervised), aligned with the inputs
-            (label ``t`` is the token at ``t``; the shift happens here, per document).
-        bounds: ``[n + 1]`` int document starts in the row, 0 first and ``s`` (or the last
-            real token + 1) last, strictly increasing.
+            each position ``t``.
+        labels: ``[s]`` labels aligned with the inputs (``-100``: not supervised).
+        bounds: ``[n + 1]`` int document starts, 0 first and ``s`` (or the last real token + 1)
+            last, strictly increasing.
 
     Returns:
-        ``(nll, tokens)``: ``[n]`` float64 summed NLL and ``[n]`` int64 count of the
-        supervised next tokens of each document.
+        ``(nll, tokens)``: ``[n]`` float64 summed NLL and ``[n]`` int64 supervised next tokens.
 
     Raises:
         ValueError: shapes disagree, or ``bounds`` is not increasing within ``[0, s]``.

@@ -168,7 +168,7 @@ def build_run_model(
     from mmengine.registry import MODELS
     from xtuner.tools.utils import set_model_resource
 
-    from xtuner_rope.compat.checkpoint import load_checkpoint
+    from xtuner_rope.checkpoints.loading import load_checkpoint
     from xtuner_rope.models.internlm2 import patch_internlm2_attention
 
     weights = checkpoint or record.get("weights")

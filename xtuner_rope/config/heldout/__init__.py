@@ -1,12 +1,7 @@
-"""The held-out evaluation's start-up, a module per concern.
-
-- ``findings``: the held-out rows prepared as the train rows (``val_dataloader``,
-  ``TokenLossMetric`` / ``PreferenceMetric``, ``HeldOutCurvesHook``), and its refusals;
-- ``files``: a missing or empty held-out data file, refused before a weight loads;
-- ``models``: which metric serves which model, and held-out preference pairs;
-- ``shortcut``: ``heldout = dict(...)`` in PART 1, the entries above derived from it.
-
-Importing the package registers the findings of ``findings`` and ``shortcut``.
+"""The held-out evaluation's start-up: ``findings`` (the held-out rows prepared as the train rows),
+``files`` (a missing or empty data file), ``models`` (which metric serves which model, held-out
+pairs), ``shortcut`` (``heldout = dict(...)``). Importing it registers ``findings`` and
+``shortcut``.
 """
 
 from . import files, findings, models, shortcut

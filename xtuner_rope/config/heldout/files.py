@@ -49,13 +49,8 @@ def _empty(path: Path) -> bool:
 
 
 def heldout_file_findings(loader: dict) -> list[Finding]:
-    """A held-out data file that is missing or holds no dialogue, refused before a weight loads.
-
-    Args:
-        loader: The config's ``val_dataloader`` dict (lazy objects unbuilt).
-
-    Returns:
-        One finding per missing or empty local file of its dataset (nested datasets included).
+    """A held-out data file that is missing or holds no dialogue, refused before a weight loads:
+    one finding per such local file of ``loader`` (``val_dataloader``; nested datasets too).
     """
     findings = []
     for where, dataset in _datasets(_get(loader, "dataset"), "val_dataloader.dataset"):

@@ -1,23 +1,9 @@
-"""Start-up findings of the held-out evaluation (``val_dataloader`` + ``TokenLossMetric`` or
-``PreferenceMetric``).
+"""Start-up findings of the held-out evaluation (``TokenLossMetric`` or ``PreferenceMetric``).
 
-What the start-up does for the train rows it does for the held-out rows, so the held-out loss
-is each dialogue's loss whole and alone:
-
-- a packing ``process_hf_dataset`` (or ``lossless_process_hf_dataset``) becomes
-  ``heldout_process_hf_dataset`` (whole dialogues per row, in file order, boundaries kept);
-- ``default_collate_fn`` keeps the boundaries (``use_varlen_attn=True``, batch size 1), as for
-  training; other collate functions of packed rows are refused (``rope_collate_fn`` works);
-  under ``sequence_parallel_size > 1`` it becomes ``rope_collate_fn`` (XTuner's asserts rows
-  that divide by the size; held-out rows are evaluated whole, never split);
-- the sampler is ``DefaultSampler(shuffle=False)``: the only order in which MMEngine's
-  ``collect_results`` drops the samples it repeated for the ranks (exact on any rank count);
-- ``TokenLossMetric`` gets the config's tokenizer (for its worst-dialogues file) and
-  ``HeldOutCurvesHook`` is added; ``val_cfg`` is set when missing;
-- refused before a weight loads: a held-out data file missing or empty, a ``val_interval``
-  beyond ``max_iters``, a metric on a model it cannot serve (``models``: SFT models take
-  ``TokenLossMetric``, DPO/ORPO/reward models ``PreferenceMetric``; held-out pairs get the
-  training pairs' checks).
+The held-out rows get what the train rows get, each dialogue whole and alone
+(``heldout_process_hf_dataset``, boundaries kept, ``DefaultSampler(shuffle=False)``,
+``HeldOutCurvesHook`` added); refused before a weight loads: a missing or empty data file, a
+``val_interval`` beyond ``max_iters``, a metric on a model it cannot serve (``models``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Held-out findings that depend on the model kind: which metric serves it, held-out pairs.
 
-``TokenLossMetric`` scores next-token logits of XTuner's ``SupervisedFinetune``, ``LLaVAModel``
-and ``InternVL_V1_5`` (the text labels of image and text samples);
-``PreferenceMetric`` scores the pairs of ``DPO``, ``ORPO`` and ``RewardModel``. The other pairing
-is refused before a weight loads, naming the metric to use. Held-out pairs
-(``build_preference_dataset`` in ``val_dataloader``) get the training pairs' checks (varlen
-switches, batch size 1 when packed) and are packed in file order.
+``TokenLossMetric`` serves ``SupervisedFinetune``, ``LLaVAModel`` and ``InternVL_V1_5``;
+``PreferenceMetric`` ``DPO``, ``ORPO`` and ``RewardModel``; the other pairing is refused, naming
+the metric to use. Held-out pairs get the training pairs' checks and are packed in file order.
 """
 
 from __future__ import annotations

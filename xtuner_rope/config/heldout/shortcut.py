@@ -1,17 +1,10 @@
 """The held-out shortcut: ``heldout = dict(...)`` in PART 1 derives MMEngine's held-out entries.
 
-``heldout = dict(data_files="held.jsonl")`` evaluates another file in the training data's
-format; ``heldout = dict(fraction=0.05)`` holds out the last 5% of each training file
-(``datasets``' split slicing ``train[95%:]``, training keeps ``train[:95%]``: deterministic, no
-dialogue in both). Optional ``interval`` sets ``train_cfg.val_interval``. The start-up writes
-``val_dataloader`` (a copy of the training one, on the held-out data, unshuffled),
-``val_evaluator`` (``TokenLossMetric`` for SFT models, ``PreferenceMetric`` for DPO, ORPO and
-reward models) and ``val_cfg = dict(type='ValLoop')``, then
-applies the held-out findings of :mod:`xtuner_rope.config.heldout.findings` to them.
-
-LLaVA and InternVL configs (``LLaVADataset``'s ``data_path``, ``InternVL_V1_5_Dataset``'s
-``data_paths``; no ``load_dataset`` to slice) take ``data_files``: one held-out file in the
-training data's format, its images in the training image folder or in ``image_folder``.
+``data_files=`` evaluates another file in the training format; ``fraction=0.05`` holds out the
+last 5% of each training file (``train[95%:]``, training keeps ``train[:95%]``); ``interval``
+sets ``val_interval``. The start-up writes ``val_dataloader``, ``val_evaluator`` (the metric of
+the model kind) and ``val_cfg``, then applies ``config.heldout.findings``. LLaVA and InternVL
+configs take ``data_files`` only (images in the training folder or ``image_folder``).
 """
 
 from __future__ import annotations

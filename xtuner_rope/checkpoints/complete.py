@@ -1,23 +1,11 @@
 """Is a runner checkpoint complete? Judged cheaply, before anything loads it.
 
-A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short. MMEngine
-0.10.6 writes ``iter_N.pth`` straight to its final name (``runner.checkpoint.save_checkpoint``)
-and then points ``last_checkpoint`` at it, so such a file looks like any other until torch fails
-deep in its reader (``PytorchStreamReader failed reading zip archive: failed finding central
-directory``, or ``OSError: [Errno 22] Invalid argument`` with torch 2.15), naming neither the
-file's state nor the complete checkpoint beside it.
-
-- An MMEngine ``.pth`` (``torch.save``'s zip format, every torch >= 1.6) is complete when its zip
-  central directory, which ``torch.save`` writes last, is there and every member it lists lies
-  inside the file: reading the end of the file, not the weights. A legacy (non-zip) ``torch.save``
-  file is loaded in full to be judged (MMEngine never writes one).
-- A DeepSpeed checkpoint (a folder ``iter_N.pth/``, as MMEngine's ``DeepSpeedStrategy`` saves
-  with ``save_latest=False``, so no ``latest`` tag inside) is complete when it holds model
-  states, each complete, and the optimizer states of every data-parallel rank its model states
-  name (``dp_world_size``; under ZeRO-3 also each rank's model states), each complete.
-
-:func:`newest_complete` finds what to resume from instead, by iteration number;
-:func:`refuse_incomplete` is the refusal ``--resume`` of an incomplete checkpoint gets.
+A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short that looks
+like any other until torch fails deep in its reader. A zip-format ``.pth`` is complete when its
+central directory (written last) is there and every member lies inside the file; a legacy file
+is loaded to be judged. A DeepSpeed folder is complete when its model states and the optimizer
+states of every rank its ``dp_world_size`` names (ZeRO-3: model states too) are complete.
+:func:`newest_complete` finds what to resume from instead; :func:`refuse_incomplete` refuses.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import load_checkpoint, runner_globals_allowed
+from .loading import load_checkpoint, runner_globals_allowed
 
 CHECKPOINT_NAME = re.compile(r"^(iter|epoch)_(\d+)\.pth$")  # MMEngine's filename_tmpl
 MODEL_STATES = re.compile(r"(^|_)mp_rank_\d+_model_states\.pt$")
@@ -81,11 +69,8 @@ def _zip_reason(path: str, size: int) -> str:
 
 
 def _legacy_reason(path: str, size: int) -> str:
-    """Why a legacy (non-zip) ``torch.save`` file is incomplete; empty when it is complete.
-
-    The format is five pickles (magic number, protocol, system info, the object, the storage
-    keys) and then the storages' bytes. The pickles are walked opcode by opcode (nothing is
-    executed); the storages are checked by loading the file with the runner allow-list.
+    """Why a legacy ``torch.save`` file is incomplete (empty when complete): its five pickles are
+    walked opcode by opcode (nothing executed), its storages checked by a weights-only load.
     """
     with open(path, "rb") as f:
         for _ in range(5):
@@ -167,14 +152,10 @@ def _folder_reason(path: str) -> str:
 
 
 def judge_checkpoint(path: str) -> Verdict:
-    """Judge a checkpoint file or DeepSpeed checkpoint folder complete or not.
-
-    Args:
-        path: An MMEngine ``.pth`` file, a DeepSpeed checkpoint folder, or a ``torch.save``
-            file of another writer.
+    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not.
 
     Returns:
-        The verdict; a path that does not exist is incomplete ("does not exist").
+        The verdict; a path that does not exist is incomplete.
     """
     path = os.path.expanduser(path)
     if os.path.isdir(path):
@@ -193,11 +174,8 @@ def checkpoint_number(path: str) -> tuple[str, int] | None:
 
 
 def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str]]:
-    """``(number, path)`` of each ``kind_N`` checkpoint name in ``folder``, lowest first.
-
-    Args:
-        folder: A work dir (or CheckpointHook ``out_dir``); none when it is not a folder.
-        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to list.
+    """``(number, path)`` of each ``kind_N`` (``"iter"`` or ``"epoch"``) checkpoint in ``folder``,
+    lowest first; none when ``folder`` is not a folder.
     """
     if not os.path.isdir(folder):
         return []
@@ -210,15 +188,12 @@ def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str
 
 
 def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
-    """The complete checkpoint of the highest number in ``folder`` (``iter_N.pth`` by default).
+    """The complete checkpoint of the highest number in ``folder``, or None.
 
     Args:
         folder: A work dir (or CheckpointHook ``out_dir``).
         kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to consider.
         exclude: A path to leave out (the checkpoint already judged incomplete).
-
-    Returns:
-        Its path, or None when no checkpoint there is complete.
     """
     left_out = os.path.realpath(exclude or "")
     for _, path in reversed(numbered_checkpoints(folder, kind)):
@@ -228,10 +203,7 @@ def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None)
 
 
 def refuse_incomplete(path: str) -> None:
-    """Raise if the checkpoint at ``path`` is incomplete, naming what to resume from instead.
-
-    Args:
-        path: The checkpoint about to be loaded (``--resume``, ``load_from``).
+    """Raise if the checkpoint at ``path`` (to be loaded) is incomplete, naming what to resume from.
 
     Raises:
         IncompleteCheckpointError: It is incomplete (what is missing, and the newest complete

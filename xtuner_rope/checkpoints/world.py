@@ -1,24 +1,10 @@
 """A DeepSpeed ZeRO checkpoint resumed on another number of processes: refused before loading.
 
-Under ZeRO 1-3, DeepSpeed 0.19.6 saves the optimizer states in one file per data-parallel rank
-(``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``), each holding that rank's slice of the flat
-fp32 weights and optimizer state, and records ``dp_world_size`` in the model states. Resumed on
-another number of processes, ``DeepSpeedEngine._load_zero_checkpoint`` stops with
-``ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the current
-world size is 1. Automatic adjustment of ZeRO's optimizer state partitioning with a new world
-size is not currently supported.``, after XTuner has built the model, the data and DeepSpeed's
-engine. DeepSpeed's own re-partitioning path, the universal checkpoint
-(``deepspeed.checkpoint.ds_to_universal`` and ``"checkpoint": {"load_universal": true}``),
-reads Adam's ``exp_avg`` / ``exp_avg_sq`` only (``KeyError: 'exp_avg'`` on an SGD checkpoint)
-and is not verified with MMEngine's checkpoint layout: it is not offered.
-
-:func:`refuse_other_world_size` is called where ``xtuner train --resume`` first reads the
-checkpoint (its seed), before anything is built, and by auto-resume: it names the saved and
-the current number of processes, the command that resumes on the saved number, and DeepSpeed's
-``zero_to_fp32`` conversion that gives the weights for a new run on any number (``load_from``:
-the optimizer state and the iteration count start anew). A plain (MMEngine) checkpoint holds
-whole weights and optimizer state and resumes on any number of processes; only its data order
-changes (``hooks/random_state.py`` logs how).
+DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and stops with
+``ZeRORuntimeException`` on another number, after everything is built (its universal checkpoint
+reads Adam's state only: not offered). :func:`refuse_other_world_size` (``--resume`` and
+auto-resume) names both numbers, the command on the saved one, and ``zero_to_fp32`` for a new
+run from the weights. A plain MMEngine checkpoint resumes on any number.
 """
 
 from __future__ import annotations
@@ -26,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from .checkpoint_files import MODEL_STATES, deepspeed_layout
+from .complete import MODEL_STATES, deepspeed_layout
 
 _WORLD_ENV = "WORLD_SIZE"  # set by torchrun (XTuner's --launcher pytorch) and by slurm setups
 
@@ -66,15 +52,13 @@ def _commands(path: str, saved: int) -> str:
 
 
 def refuse_other_world_size(path: str, world_size: int | None = None) -> None:
-    """Raise if ``path`` is a ZeRO checkpoint written by another number of processes.
-
-    Args:
-        path: The checkpoint to resume (a DeepSpeed folder; anything else passes).
-        world_size: This run's number of processes; :func:`current_world_size` when None.
+    """Raise if ``path`` (the checkpoint to resume; all but a DeepSpeed folder passes) is a ZeRO
+    checkpoint written by another number of processes than ``world_size`` (default:
+    :func:`current_world_size`).
 
     Raises:
-        WorldSizeMismatchError: ZeRO stage >= 1 and ``dp_world_size`` differs from
-            ``world_size`` (the message names both and the commands that work).
+        WorldSizeMismatchError: ZeRO stage >= 1 and ``dp_world_size`` differs (the message names
+            both and the commands that work).
     """
     saved, stage = saved_world_size(path)
     world = current_world_size() if world_size is None else world_size
