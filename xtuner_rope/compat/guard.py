@@ -112,12 +112,25 @@ def _same(left: object, right: object) -> bool:
         return False
 
 
+def _holds(now: object, left: object) -> bool:
+    """``now`` is ``left``, or wraps it (``functools.wraps``' ``__wrapped__`` chain): a later
+    patch of the same target (DPO's ``_gather_masked_logits`` has two) keeps the first one's."""
+    for _ in range(16):  # a chain of wrappers, never a cycle
+        if _same(now, left):
+            return True
+        now = getattr(now, "__wrapped__", None)
+        if now is None:
+            return False
+    return False
+
+
 def _still_applied(record: PatchRecord) -> bool:
-    """True if every probe still holds what ``record``'s patch left there (its own wrapper);
-    False without probes (such a patch recognises its own target, ``probe_note``)."""
+    """True if every probe still holds what ``record``'s patch left there (its own wrapper,
+    perhaps inside a later patch's); False without probes (such a patch recognises its own
+    target, ``probe_note``)."""
     left = _LEFT.get(record.name)
     return bool(left) and all(
-        _same(_resolve(probe), was) for probe, was in zip(record.probes, left)
+        _holds(_resolve(probe), was) for probe, was in zip(record.probes, left)
     )
 
 
