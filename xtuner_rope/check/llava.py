@@ -19,9 +19,9 @@ from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS, IGNORE_INDEX
 from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.check import text
 from xtuner_rope.check.report import judge, report_head
 from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
-from xtuner_rope.check.text import format_text_summary
 from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
@@ -236,50 +236,32 @@ def expansion_problems(report: dict) -> list[str]:
     return problems
 
 
-def run_llava_check(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    batches: int,
-    work_dir: Path,
-    dtype: str | None,
-    max_documents: int,
-    new_tokens: int,
-) -> dict:
-    """Measure a started LLaVA config; see the module docstring.
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """Measure a started LLaVA config (the kind's entry in ``KINDS``); see the module docstring.
 
-    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
+    Args: as :func:`xtuner_rope.check.text.run`.
 
     Returns:
         The JSON-ready report (``kind='llava'``, the text check's fields plus ``multimodal``
         and each batch's ``expansion``), with ``verdict``, ``problems`` and ``exit_code``.
     """
     p = image_tokens_of(cfg)
-    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    prepared = prepared_runner(cfg, Path(request.work_dir), request.dtype)
+    runner, hooks = prepared.runner, prepared.hooks
     cut = []
-    for data_batch, _ in first_batches(cfg, batches):
+    for data_batch, _ in first_batches(cfg, request.batches):
         samples = llava_samples(data_batch["data"], p["image_tokens"])
-        cut.append((data_batch, _cut(data_batch, samples, max_documents)))
+        cut.append((data_batch, _cut(data_batch, samples, request.max_documents)))
     model = runner.model
     model.train()
     model.zero_grad(set_to_none=True)
     with randomness_off(model) as randomness:
-        measured = _measure(runner, cut, hooks, new_tokens, p["image_tokens"])
-    llm = model.llm
+        measured = _measure(runner, cut, hooks, request.new_tokens, p["image_tokens"])
+    name = f"LLaVAModel({type(model.visual_encoder).__name__} + {type(model.llm).__name__})"
+    size = sum(q.numel() for q in model.parameters())
     report = {
         "kind": "llava",
-        **report_head(
-            cfg,
-            config,
-            cfg_options,
-            hooks,
-            measured,
-            llm,
-            device,
-            dt,
-            model_class=f"LLaVAModel({type(model.visual_encoder).__name__} + {type(llm).__name__})",
-            parameters=sum(q.numel() for q in model.parameters()),
-        ),
+        **report_head(cfg, request, prepared, measured, name, size),
         "multimodal": p,
         "randomness": randomness,
         **measured,
@@ -301,9 +283,9 @@ def run_llava_check(
     return report
 
 
-def format_llava_summary(report: dict) -> str:
-    """The text check's summary plus the image lines."""
-    lines = format_text_summary(report).splitlines()
+def summary(report: dict) -> str:
+    """The text check's summary plus the image lines (``KINDS``)."""
+    lines = text.summary(report).splitlines()
     b = report["batches"][0]
     e = b["expansion"]
     at = next(i for i, line in enumerate(lines) if line.startswith("  batches"))
@@ -315,20 +297,3 @@ def format_llava_summary(report: dict) -> str:
         f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})",
     )
     return "\n".join(lines)
-
-
-def run(cfg: Config, request: CheckRequest) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_llava_check` of the request."""
-    return run_llava_check(
-        cfg,
-        request.config,
-        request.cfg_options,
-        request.batches,
-        request.work_dir,
-        request.dtype,
-        request.max_documents,
-        request.new_tokens,
-    )
-
-
-summary = format_llava_summary  # the kind's summary (``KINDS``)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from mmengine.config import Config
 
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
@@ -119,26 +118,18 @@ def judge(report: dict) -> dict:
 
 
 def report_head(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    hooks: dict,
-    measured: dict,
-    llm,
-    device,
-    dt: torch.dtype,
-    *,
-    model_class: str,
-    parameters: int,
+    cfg: Config, request, prepared, measured: dict, model_class: str, size: int
 ) -> dict:
     """The report's config, plugin and model entries (pops ``patched`` and ``backend``).
 
-    Shared by the text check and the LLaVA check (``check.llava``): what was checked, with the
-    attention the language model really ran (the layers' classes and the packed backend chosen).
+    Shared by the text and LLaVA checks: what was checked (``request``: the ``CheckRequest``;
+    ``prepared``: the ``PreparedRunner``), with the attention the language model really ran
+    (the layers' classes, the packed backend); ``size``: the model's parameters.
     """
+    llm, hooks = prepared.runner.model.llm, prepared.hooks
     return {
-        "config": str(config),
-        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "config": str(request.config),
+        "cfg_options": {k: str(v) for k, v in (request.cfg_options or {}).items()},
         "plugin": {
             "model_resource": plugin_resource(cfg),
             "patched": measured.pop("patched"),
@@ -147,8 +138,8 @@ def report_head(
         "model": {
             "class": model_class,
             "path": str(getattr(llm, "name_or_path", "")),
-            "device": str(device),
-            "dtype": str(dt).replace("torch.", ""),
+            "device": str(prepared.device),
+            "dtype": str(prepared.dtype).replace("torch.", ""),
             # What picks the layers' class: InternLM2's own config attribute, else HF's.
             "attn_implementation": getattr(llm.config, "attn_implementation", None)
             or getattr(llm.config, "_attn_implementation", None),
@@ -160,7 +151,7 @@ def report_head(
                     if type(m).__name__.endswith(("Attention", "Attention2"))
                 }
             ),
-            "parameters": parameters,
+            "parameters": size,
         },
     }
 

@@ -115,68 +115,35 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     }
 
 
-def run_text_check(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    batches: int,
-    work_dir: Path,
-    dtype: str | None,
-    max_documents: int,
-    new_tokens: int,
-) -> dict:
-    """Measure a started text config; see the module docstring.
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """Measure a started text config (the kind's entry in ``KINDS``); see the module docstring.
 
-    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
+    Args:
+        cfg: The started config (:func:`xtuner_rope.check.runner.start_config`).
+        request: The command's options (:class:`xtuner_rope.check.runner.CheckRequest`).
 
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
-    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    prepared = prepared_runner(cfg, Path(request.work_dir), request.dtype)
+    runner, hooks = prepared.runner, prepared.hooks
     cut, sources = [], []
-    for data_batch, recorded in first_batches(cfg, batches):
-        docs, source = cm.documents(data_batch["data"], recorded, max_documents)
+    for data_batch, recorded in first_batches(cfg, request.batches):
+        docs, source = cm.documents(data_batch["data"], recorded, request.max_documents)
         cut.append((data_batch, docs))
         sources.append(source)
-    measured = measure(runner, cut, hooks, new_tokens)
+    measured = measure(runner, cut, hooks, request.new_tokens)
     for result, source in zip(measured["batches"], sources):
         result["boundaries"] = source
     llm = runner.model.llm
-    report = {
-        **report_head(
-            cfg,
-            config,
-            cfg_options,
-            hooks,
-            measured,
-            llm,
-            device,
-            dt,
-            model_class=type(llm).__name__,
-            parameters=sum(p.numel() for p in llm.parameters()),
-        ),
-        **measured,
-    }
+    size = sum(p.numel() for p in llm.parameters())
+    report = {**report_head(cfg, request, prepared, measured, type(llm).__name__, size), **measured}
     report.update(judge(report))
     return report
 
 
-def run(cfg: Config, request: CheckRequest) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_text_check` of the request."""
-    return run_text_check(
-        cfg,
-        request.config,
-        request.cfg_options,
-        request.batches,
-        request.work_dir,
-        request.dtype,
-        request.max_documents,
-        request.new_tokens,
-    )
-
-
-def format_text_summary(report: dict) -> str:
-    """The short text printed by ``xtuner-rope check`` for a text (SFT) config."""
+def summary(report: dict) -> str:
+    """The short text printed by ``xtuner-rope check`` for a text (SFT) config (``KINDS``)."""
     m, fig, gen = report["model"], report["figures"], report["generation"]
     docs = sum(b["documents"] for b in report["batches"])
     rows = sum(b["rows"] for b in report["batches"])
@@ -218,6 +185,3 @@ def _backend(report: dict) -> str:
     if not report["plugin"]["patched"]:
         return f"none (not patched; layers {layers})"
     return f"{m['packed_backend'] or 'none (no packed row reached it)'} (layers {layers})"
-
-
-summary = format_text_summary  # the kind's summary (``KINDS``)

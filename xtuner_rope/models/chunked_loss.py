@@ -1,24 +1,13 @@
 """The causal LM's training loss through ``ops.chunked_loss``: the instance ``forward`` patch.
 
-``patch_chunked_loss`` replaces the ``forward`` of the causal LM instance (InternLM2's remote
-code, with its head ``output``; the transformers families of ``models.families``, head
-``lm_head``, tied or not, Cohere's ``logit_scale``). Inside a :func:`loss_only` block a call with
-``labels`` runs the decoder, then ``chunked_causal_lm_loss`` on its last hidden states, and
-returns the model's output type with that ``loss`` and ``logits=None``; inside a
-:func:`target_logprobs_only` block (XTuner's DPO and ORPO, whose labels arrive already shifted)
-it returns as ``logits`` the ``[b, s, 1]`` target log-probs of ``chunked_target_logprobs``, which
-only the patched DPO/ORPO methods read (:func:`is_target_logprobs`); every other call (no
-labels, outside the blocks: generation, ``mode="predict"``) is the model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
-calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
-``outputs.loss`` (``hooks.chunked_loss``: around the ``compute_loss`` of XTuner's
-``SupervisedFinetune`` and ``LLaVAModel``, and ``InternVL_V1_5``'s training forward); what
-reads a training forward's logits pauses it (``pause_chunked_loss``).
-
-Under DeepSpeed ZeRO-3 the head's weight is partitioned and gathered only inside the head
-module's own call: the whole chunked loss then runs *as* that call (:func:`head_call`), so
-DeepSpeed's hooks gather the weight once for the forward and once for the backward (as for the
-model's own ``head(hidden)``), and the gradient the loss returns for the gathered weight is
-reduced into its partition by DeepSpeed's own gradient hook.
+``patch_chunked_loss`` replaces the causal LM instance's ``forward`` (so peft's ``LoraModel``
+reaches it). A call with ``labels`` inside :func:`loss_only` runs the decoder, then
+``chunked_causal_lm_loss``, and returns ``loss`` with ``logits=None``; inside
+:func:`target_logprobs_only` (DPO/ORPO: labels already shifted) it returns the ``[b, s, 1]``
+target log-probs as ``logits`` (:func:`is_target_logprobs`); every other call is the model's
+own ``forward``. :func:`pause_chunked_loss` gives back the model's own loss and logits. Under
+ZeRO-3 the whole loss runs as the head module's call (:func:`head_call`), so DeepSpeed gathers
+the head's weight once per forward and backward and reduces its gradient into the partition.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Sequence parallel (XTuner's Ulysses all-to-all over heads) for packed rows.
 
-With ``sequence_parallel_size = sp`` XTuner splits every ``[b, S]`` row into ``sp`` shards of
-``S / sp`` tokens, one per rank of the sequence-parallel group. Each rank embeds and projects
-only its shard; around attention an all-to-all trades the sequence split for a head split, so
-each rank attends over the *whole* row for ``n_h / sp`` heads. For packed rows that means:
-
-- positions are the full row's per-document positions, split with the row (RoPE runs on the
-  shard, before the all-to-all, on global positions);
-- the attention after the all-to-all needs the **full row's** boundaries: the shard's own
-  would cut documents at shard edges and misplace every token. ``sequence_parallel_loss``
-  publishes them (XTuner's ``MessageHub`` convention, ``models.runtime``) before splitting;
-- a row whose length is not a multiple of ``sp`` is padded by a segment of its own
-  (positions ``0, 1, ...``, no labels), never appended to the last document;
-- the labels are shifted over the full row before the split. XTuner 0.2.0's
-  ``SupervisedFinetune._compute_sequence_parallel_loss`` lets the model shift inside each
-  shard, which drops the first label of every shard after the first (the token the previous
-  shard's last token predicts);
-- the loss is token-weighted: each rank sums its shard's token losses over the full row's
-  supervised-token count, and the group's loss is the sum, exactly the one-rank mean. Under the
-  chunked loss (``models.chunked_loss``) each rank's sum comes from its shard's hidden states,
-  chunk by chunk, with the same reduction.
-  XTuner weights each rank's *mean* by its token count in the forward but back-propagates
-  the unweighted mean, so ranks with unequal token counts get wrong gradients.
-
-GQA: key/value heads go through the all-to-all unrepeated when ``sp`` divides them; otherwise
-they are repeated to ``n_h`` first, and heads not divisible by ``sp`` take XTuner's "inner
-sequence parallel" (head-dim split) as XTuner does.
+Each rank holds ``S / sp`` tokens of every ``[b, S]`` row; around attention an all-to-all
+trades the sequence split for a head split. For packed rows: positions are the full row's
+(RoPE runs on the shard); the attention after the all-to-all reads the **full row's**
+boundaries, published by :func:`shard_rows`; a row not a multiple of ``sp`` is padded by a
+segment of its own; labels are shifted over the full row before the split (XTuner 0.2.0 shifts
+inside each shard, dropping each later shard's first label); the loss is token-weighted (each
+rank's sum over the full row's supervised count, summed over the group: the one-rank mean,
+chunked or not), where XTuner back-propagates each rank's unweighted mean. GQA: kv heads go
+through unrepeated when ``sp`` divides them, else repeated to ``n_h``; heads not divisible by
+``sp`` take XTuner's inner sequence parallel.
 """
 
 from __future__ import annotations

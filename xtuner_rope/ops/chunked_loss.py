@@ -1,32 +1,14 @@
 """The causal-LM training loss from hidden states, without a ``[tokens, vocab]`` tensor of the row.
 
-A causal LM's own loss (transformers 4.48 ``ForCausalLMLoss``, InternLM2's remote code) projects
-every position of ``[b, s]`` onto the vocabulary, upcasts the logits to fp32 and takes the mean
-cross-entropy of position ``t`` against label ``t + 1`` over the labels that are not -100. Here
-only the hidden states of the supervised positions are gathered (``k`` of the ``b * (s - 1)``),
-projected through the model's own head in chunks of ``c`` tokens, and each chunk's fp32
-log-softmax, target log-probability and gradient are computed before the next chunk starts: the
-largest vocabulary-sized tensor is ``[c, V]``. The gradients (hidden states, head parameters) are
-produced in the forward and handed out by the backward, so nothing is recomputed.
-
-Two ways through a chunk:
-
-- ``"linear"``: the head is a plain ``nn.Linear`` (bias or not, weight trained or frozen). The
-  softmax gradient is written in place over the chunk's fp32 logits and multiplied into the
-  weight's fp32 gradient buffer: one ``[c, V]`` fp32 buffer per chunk.
-- ``"module"``: a LoRA-adapted head (peft's ``lora.Linear`` over an ``nn.Linear``): the head
-  module itself runs on each chunk and ``torch.autograd.grad`` gives the chunk's gradients of its
-  trainable parameters (the adapters: small), so dropout draws its mask once per token.
-
-The loss equals the model's: ``sum(nll) / num_items_in_batch`` when given, else the mean over the
-supervised tokens. A micro-batch without one gives 0 and zero gradients (the model's own mean
-gives NaN there).
-
-``chunked_target_logprobs`` gives the per-token target log-probabilities ``[b, s]`` instead, for
-losses that are not linear in them (DPO, ORPO) and the held-out metric. Its upstream gradient is
-known only in the backward, so the forward keeps the selected hidden states and targets (no
-logits) and the backward runs each chunk again through the same kernels, with the upstream
-gradient as each token's weight (the RNG replayed for a LoRA head's dropout).
+Only the hidden states of the supervised positions are gathered (``k`` of ``b * (s - 1)``) and
+projected through the model's own head in chunks of ``c`` tokens; each chunk's fp32
+log-softmax, target log-prob and gradient are done before the next starts (largest tensor
+``[c, V]``). The gradients are computed in the forward and handed out by the backward. A head
+is ``"linear"`` (a plain ``nn.Linear``: the softmax gradient written in place over the chunk's
+logits) or ``"module"`` (peft's LoRA ``lora.Linear``: the module runs per chunk under autograd).
+The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
+supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
+log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
 """
 
 from __future__ import annotations
