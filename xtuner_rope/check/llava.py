@@ -170,28 +170,14 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
                     else "one sample per row (padded)",
                 }
             )
-        diff = cm.grad_scale(model)
-        model.zero_grad(set_to_none=True)
     finally:
         recorder.remove()
+    out = text.outcome(
+        runner, model, patched, results, ref_grad, (prompt, generated_ref, new_tokens)
+    )
     trainable = [n for n, q in model.named_parameters() if q.requires_grad]
-    return {
-        "patched": patched,
-        "backend": ", ".join(chosen_backends(reset=True)) or None,
-        "batches": results,
-        "grads": {
-            "max_abs_diff": diff,
-            "max_abs_grad": ref_grad,
-            "parameters": sum(q.numel() for q in model.parameters() if q.requires_grad),
-            "trained": sorted({n.split(".")[0] for n in trainable}),
-            "batch": 0,
-        },
-        "generation": {
-            "prompt_tokens": prompt.shape[1],
-            "unpatched": generated_ref,
-            "patched": cm.greedy(llm, prompt, new_tokens),
-        },
-    }
+    out["grads"]["trained"] = sorted({n.split(".")[0] for n in trainable})
+    return out
 
 
 def _cut(data_batch: dict, samples: list[dict], max_documents: int) -> list[dict]:

@@ -1,21 +1,12 @@
 """``xtuner-rope check`` of a text (SFT) config: prove isolation on the user's own model and data.
 
-The config is started and its Runner built by :mod:`xtuner_rope.check.runner` (the user's
-model, dtype, kernel and data). Then, for each of the first batches,
-:mod:`xtuner_rope.capture.measure` compares the packed rows with each document alone:
-
-1. unpatched (the model as built): each document alone, its logits, loss and gradients;
-   greedy generation of the first document's prompt;
-2. the plugin's hooks run as in training (``ValidatedRoPEHook.before_train`` patches the model,
-   the boundary hooks' ``before_train_iter`` publish the batch's boundaries);
-3. patched: the packed batch through ``SupervisedFinetune`` as the training step calls it; its
-   logits, loss and gradients against step 1; the same generation.
-
-A config without the plugin is measured the same way (nothing is patched): the differences
-are the leak of XTuner's own packing. The unpatched reference is the same module before the
-patch, so a 7B model is held once; see :func:`xtuner_rope.check.kinds.run_check` for the
-memory bounds. The kind's interface (``KIND``, ``applies``, ``run``, ``summary``) is the one
-:data:`xtuner_rope.check.kinds.KINDS` dispatches on.
+On the Runner of :mod:`xtuner_rope.check.runner`, for each of the first batches
+(:mod:`xtuner_rope.capture.measure`): (1) unpatched, each document alone: logits, loss,
+gradients, and greedy generation of the first document's prompt; (2) the plugin's hooks run as
+in training (the patch, the boundaries published); (3) patched, the packed batch through
+``SupervisedFinetune`` as the training step calls it, against (1). Without the plugin the same
+figures measure XTuner's own leak. The model is held once (the reference is the same module
+before the patch).
 """
 
 from __future__ import annotations
@@ -48,10 +39,9 @@ def applies(cfg: Config) -> bool:
 def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     """Reference passes (unpatched), the patch, packed passes; see the module docstring.
 
-    Gradients are compared on the first batch (one ``.grad`` buffer holds their difference).
-    Dropout and router noise are off in every pass (``capture.randomness``: different shapes draw
-    different masks); ``randomness`` says what was switched off. ``backend`` is what the patched
-    attention chose during the packed passes (``models.runtime.chosen_backends``).
+    Gradients are compared on the first batch (one ``.grad`` buffer holds their difference);
+    dropout and router noise are off (``randomness`` says what was switched off); ``backend``:
+    what the patched attention chose (``models.runtime.chosen_backends``).
     """
     model = runner.model
     model.train()
@@ -94,22 +84,34 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
                 "unconsumed_keys": dropped,
             }
         )
-    diff = cm.grad_scale(model)
+    out = outcome(runner, llm, patched, results, ref_grad, (prompt, generated_ref, new_tokens))
+    return {**out, "chunked_loss": chunked}
+
+
+def outcome(runner, counted, patched: bool, results: list, ref_grad: float, generation) -> dict:
+    """What the text and LLaVA checks measured, once the packed passes ran (``.grad`` zeroed).
+
+    Args:
+        counted: The module whose trainable parameters the gradients count.
+        generation: ``(prompt [1, k], unpatched greedy tokens, new_tokens)``.
+    """
+    model, llm = runner.model, runner.model.llm
+    diff = cm.grad_scale(model)  # the packed gradients minus the reference's
     model.zero_grad(set_to_none=True)
+    prompt, unpatched, new_tokens = generation
     return {
         "patched": patched,
         "backend": ", ".join(chosen_backends(reset=True)) or None,
         "batches": results,
-        "chunked_loss": chunked,
         "grads": {
             "max_abs_diff": diff,
             "max_abs_grad": ref_grad,
-            "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
+            "parameters": sum(p.numel() for p in counted.parameters() if p.requires_grad),
             "batch": 0,
         },
         "generation": {
             "prompt_tokens": prompt.shape[1],
-            "unpatched": generated_ref,
+            "unpatched": unpatched,
             "patched": cm.greedy(llm, prompt, new_tokens),
         },
     }

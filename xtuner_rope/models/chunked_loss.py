@@ -68,15 +68,13 @@ def loss_only():
 
 
 def target_logprobs_only():
-    """Calls with ``labels`` inside this block return as ``logits`` the ``[b, s, 1]`` fp32
-    log-probs of the targets ``labels`` (already shifted: position ``t`` predicts
-    ``labels[:, t]``; 0 where -100), and no loss."""
+    """Calls with ``labels`` (already shifted; -100: none) inside this block return as ``logits``
+    the ``[b, s, 1]`` fp32 target log-probs (0 where -100), and no loss."""
     return _mode("logprobs")
 
 
 def is_target_logprobs(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` (or a part of them, indexed as XTuner's ORPO does) are the target
-    log-probs a :func:`target_logprobs_only` block returns, not the vocabulary's logits."""
+    """Whether ``logits`` (or ORPO's slice of them) are :func:`target_logprobs_only`'s log-probs."""
     return _MODE.get() == "logprobs" and logits.shape[-1] == 1
 
 
@@ -126,11 +124,8 @@ def partitioned(head: nn.Module) -> bool:
 
 
 def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """``loss_of(hidden)`` run as ``head(hidden)``: the module's hooks fire once around it.
-
-    DeepSpeed ZeRO-3's hooks on the head gather its parameters before the call and release
-    them after, gather them again before the call's backward and hand each gradient to its
-    partition: with the loss as the call, once per forward, not once per chunk.
+    """``loss_of(hidden)`` run as ``head(hidden)``: DeepSpeed ZeRO-3's hooks on the head gather
+    its parameters once for the forward and once for the backward (not once per chunk).
 
     Args:
         head: The output head.
@@ -159,8 +154,7 @@ def is_chunked(llm: nn.Module) -> bool:
 
 
 def chunked_now(llm: nn.Module) -> bool:
-    """True where a training loss computed now for ``llm`` is to be chunked: the model carries
-    the chunked loss, inside :func:`loss_only`, not paused."""
+    """True where ``llm``'s training loss is chunked now (patched, in :func:`loss_only`, not paused)."""
     model = causal_lm(llm)
     paused = getattr(model, "_xtuner_rope_paused", 0)
     return is_chunked(model) and _MODE.get() == "loss" and not paused
@@ -197,11 +191,8 @@ def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
 
 
 def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
-    """The model's own loss and logits until the returned function is called.
-
-    For what reads the logits of a training forward (``capture.text.IsolationCaptureHook``
-    records iteration 1's); a model without the chunked loss is left as it is.
-    """
+    """The model's own loss and logits until the returned function is called (for what reads a
+    training forward's logits); a model without the chunked loss is left as it is."""
     model = causal_lm(llm)
     if _ORIGINAL not in vars(model):
         return lambda: None
@@ -234,21 +225,21 @@ def hidden_loss(
         The fp32 scalar loss (``ops.chunked_loss.chunked_causal_lm_loss``), through the head
         module's call under ZeRO-3 (:func:`head_call`).
     """
-    model = causal_lm(llm)
+    options = dict(num_items_in_batch=num_items_in_batch, shifted=shifted)
+    return _through_head(causal_lm(llm), chunked_causal_lm_loss, hidden, labels, **options)
+
+
+def _through_head(model, op: Callable, hidden, labels, **options) -> torch.Tensor:
+    """``op(hidden, labels, head, ...)`` with the patched model's head, scale and chunk, run
+    as the head module's call where ZeRO-3 partitions it (:func:`head_call`)."""
     head, scale, _ = chunked_loss_head(model)
 
-    def loss_of(h: torch.Tensor) -> torch.Tensor:
-        return chunked_causal_lm_loss(
-            h,
-            labels,
-            head,
-            logit_scale=scale,
-            num_items_in_batch=num_items_in_batch,
-            chunk_tokens=model._xtuner_rope_chunk,
-            shifted=shifted,
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return op(
+            h, labels, head, logit_scale=scale, chunk_tokens=model._xtuner_rope_chunk, **options
         )
 
-    return head_call(head, loss_of, hidden) if partitioned(head) else loss_of(hidden)
+    return head_call(head, run, hidden) if partitioned(head) else run(hidden)
 
 
 def _forward(self, *args, **kwargs):
@@ -266,17 +257,8 @@ def _forward(self, *args, **kwargs):
     outputs = self.get_decoder()(**kwargs, return_dict=True)
     hidden = outputs.last_hidden_state
     loss = logits = None
-    if mode == "logprobs":
-        head, scale, _ = chunked_loss_head(self)
-
-        def logprobs_of(h: torch.Tensor) -> torch.Tensor:
-            options = dict(logit_scale=scale, chunk_tokens=self._xtuner_rope_chunk)
-            return chunked_target_logprobs(h, labels, head, **options)
-
-        # ZeRO-3 gathers the head inside its call (the held-out predict; the hook refuses
-        # DPO/ORPO's log-probs with a partitioned head)
-        run = functools.partial(head_call, head, logprobs_of) if partitioned(head) else logprobs_of
-        logits = run(hidden)[..., None]  # [b, s, 1]
+    if mode == "logprobs":  # ZeRO-3: the held-out predict (the hook refuses DPO/ORPO's)
+        logits = _through_head(self, chunked_target_logprobs, hidden, labels)[..., None]
     else:
         loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
