@@ -131,7 +131,7 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
         chosen_backends(reset=True)
         results = []
         for i, ((data_batch, samples), ref) in enumerate(zip(batches, refs)):
-            b, s = data_batch["data"]["input_ids"].shape
+            b = data_batch["data"]["input_ids"].shape[0]
             packed = data_batch["data"].get("cumulative_len") is not None
             recorder.calls.clear()
             logits, loss, dropped = cm.packed_forward(
@@ -147,29 +147,22 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
             for sample in samples:
                 predicted[sample["row"]] = max(predicted[sample["row"]], sample["expanded"][1])
             docs = [(sm["row"], *sm["expanded"]) for sm in samples]
-            results.append(
-                {
-                    "rows": b,
-                    "tokens_per_row": s,
-                    "expanded_tokens_per_row": logits.shape[1],
-                    "documents": len(samples),
-                    "image_samples": sum(sm["has_image"] for sm in samples),
-                    "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-                    "logits": cm.logits_differences(logits, ref["logits"], docs),
-                    "loss": {"packed": loss, "documents": ref["loss"]},
-                    "expansion": {
-                        "image_tokens": p,
-                        "rows_predicted": predicted,
-                        "rows_expanded": rows,
-                        "samples_predicted": ref["predicted"],
-                        "samples_alone": ref["lengths"],
-                    },
-                    "unconsumed_keys": dropped,
-                    "boundaries": "cumulative_len, expanded after the image expansion"
-                    if packed
-                    else "one sample per row (padded)",
-                }
+            result = text.batch_result(data_batch, docs, ref, (logits, loss, dropped))
+            result["expanded_tokens_per_row"] = logits.shape[1]
+            result["image_samples"] = sum(sm["has_image"] for sm in samples)
+            result["expansion"] = {
+                "image_tokens": p,
+                "rows_predicted": predicted,
+                "rows_expanded": rows,
+                "samples_predicted": ref["predicted"],
+                "samples_alone": ref["lengths"],
+            }
+            result["boundaries"] = (
+                "cumulative_len, expanded after the image expansion"
+                if packed
+                else "one sample per row (padded)"
             )
+            results.append(result)
     finally:
         recorder.remove()
     out = text.outcome(

@@ -1,15 +1,10 @@
 """Tolerances, verdict, the report's head and ``report.json`` of ``xtuner-rope check``.
 
-Tolerances are relative to the size of what is compared (``max(1, |reference|)``): a packed
-document and the same document alone run the same weights through different kernel calls
-(bucketed or varlen attention against one dense call), so their results differ by rounding
-only, and rounding scales with the values. fp32: 1e-5 for logits and loss, 1e-4 for
-gradients (sums over every token of the batch, in a different order). bf16/fp16: 8 units in
-the last place of the dtype (bf16 2^-8 * 8 = 0.031, fp16 2^-11 * 8 = 0.0039), because the
-patched model rotates q/k in fp32 while the reference rounds its cos/sin to the activation
-dtype, and each of the model's matmuls rounds its output once more. A leak is not rounding:
-a document that sees another one moves its logits by whole units (measured 0.2 to 2 on the
-tiny models), far above every tolerance.
+Tolerances are relative to ``max(1, |reference|)``: packed and alone run the same weights
+through different kernel calls, so they differ by rounding only. fp32: 1e-5 (logits, loss),
+1e-4 (gradients: sums in another order); bf16/fp16: 8 units in the last place (0.031, 0.0039:
+the patch rotates q/k in fp32, the reference in the activation dtype). A leak moves a
+document's logits by whole units (0.2 to 2 measured on the tiny models).
 """
 
 from __future__ import annotations

@@ -69,23 +69,26 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     chosen_backends(reset=True)
     results = []
     for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
-        b, s = data_batch["data"]["input_ids"].shape
-        logits, loss, dropped = cm.packed_forward(
-            runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0
-        )
-        results.append(
-            {
-                "rows": b,
-                "tokens_per_row": s,
-                "documents": len(docs),
-                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-                "logits": cm.logits_differences(logits, ref["logits"], docs),
-                "loss": {"packed": loss, "documents": ref["loss"]},
-                "unconsumed_keys": dropped,
-            }
-        )
+        packed = cm.packed_forward(runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0)
+        results.append(batch_result(data_batch, docs, ref, packed))
     out = outcome(runner, llm, patched, results, ref_grad, (prompt, generated_ref, new_tokens))
     return {**out, "chunked_loss": chunked}
+
+
+def batch_result(data_batch: dict, docs: list, ref: dict, packed: tuple) -> dict:
+    """One batch's entry: the packed pass's ``(logits, loss, unconsumed keys)`` against the
+    reference ``ref`` of each document alone (``docs``: ``(row, start, end)`` each)."""
+    logits, loss, dropped = packed
+    b, s = data_batch["data"]["input_ids"].shape
+    return {
+        "rows": b,
+        "tokens_per_row": s,
+        "documents": len(docs),
+        "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+        "logits": cm.logits_differences(logits, ref["logits"], docs),
+        "loss": {"packed": loss, "documents": ref["loss"]},
+        "unconsumed_keys": dropped,
+    }
 
 
 def outcome(runner, counted, patched: bool, results: list, ref_grad: float, generation) -> dict:

@@ -43,11 +43,8 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def head_kind(head: nn.Module) -> tuple[str | None, str]:
-    """How the chunked loss runs ``head``: ``("linear" | "module", what)`` or ``(None, why not)``.
-
-    Args:
-        head: The causal LM's output head (``lm_head`` / InternLM2's ``output``).
-    """
+    """How the chunked loss runs the output ``head``: ``("linear" | "module", what)`` or
+    ``(None, why not)``."""
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
@@ -61,18 +58,13 @@ def supervised_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the supervised predictions of ``labels`` and their targets.
 
-    Position ``t`` of row ``r`` predicts ``labels[r, t + 1]`` (the model's own shift, over the
-    whole row: packed or padded, as the model does); with ``shift=False``, ``labels[r, t]``
-    (targets already shifted, as XTuner's DPO and ORPO hand them to the model).
-
     Args:
         labels: ``[b, s]`` int labels, -100 where not supervised.
         shift: Whether position ``t``'s target is ``labels[:, t + 1]`` (else ``labels[:, t]``).
 
     Returns:
         ``(index, targets)``: ``[k]`` flat positions ``r * s + t`` into ``[b * s]`` and their
-        ``[k]`` target ids (on the device, reading the count back is one host sync: give
-        the host labels where there are).
+        ``[k]`` target ids (on ``labels``' device: give the host labels where there are).
     """
     b, s = labels.shape
     shifted = labels[:, 1:] if shift else labels  # [b, s - shift]: position t's target
@@ -105,9 +97,8 @@ def _check_devices(who, hidden: torch.Tensor, head: nn.Module) -> None:
 
 
 def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[c]`` NLL of targets ``t`` under fp32 logits ``x`` ``[c, V]``, which become
-    ``exp(x - max)`` (torch.logsumexp would hold a second ``[c, V]`` buffer); and their
-    ``[c, 1]`` sums."""
+    """``[c]`` NLL of targets ``t`` under fp32 logits ``x`` ``[c, V]`` (overwritten with
+    ``exp(x - max)``: no second ``[c, V]`` buffer), and their ``[c, 1]`` sums."""
     top = x.amax(dim=-1, keepdim=True)  # [c, 1]
     picked = x.gather(1, t[:, None])  # [c, 1]
     total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]
@@ -296,8 +287,7 @@ def chunked_causal_lm_loss(
     """The model's causal-LM loss from its last hidden states, chunk by chunk.
 
     Equals ``ForCausalLMLoss(head(hidden) * logit_scale, labels, V, num_items_in_batch)``
-    (transformers 4.48; InternLM2's remote-code mean is the same without ``num_items_in_batch``)
-    in value and gradients, without a ``[b * s, V]`` tensor.
+    (transformers 4.48) in value and gradients, without a ``[b * s, V]`` tensor.
 
     Args:
         hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
@@ -342,15 +332,13 @@ def chunked_target_logprobs(
     """Per-token fp32 ``log_softmax(head(hidden) * logit_scale)`` at the targets, chunk by chunk.
 
     Equals ``log_softmax(logits.float(), -1).gather(-1, targets)`` where ``targets`` is not
-    -100 (0 elsewhere), in value and in gradients for any upstream gradient (hidden states,
-    head weight and bias, LoRA adapters), without a ``[b * s, V]`` tensor in the forward or
-    the backward. Under ``torch.no_grad`` it is a plain chunked forward.
+    -100 (0 elsewhere), in value and gradients, without a ``[b * s, V]`` tensor in the forward
+    or the backward.
 
     Args:
         hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
-        targets: ``[b, s]`` the id position ``t`` predicts (already shifted: XTuner's DPO and
-            ORPO labels; for the model's own labels ``labels[:, 1:]`` padded with -100), -100
-            where no log-prob is wanted.
+        targets: ``[b, s]`` the id position ``t`` predicts (already shifted), -100 where no
+            log-prob is wanted.
         head: The output head (``head_kind`` must accept it): ``[H] -> [V]``.
         logit_scale: Multiplies the logits before the softmax (Cohere), or None.
         chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
@@ -359,8 +347,7 @@ def chunked_target_logprobs(
         ``[b, s]`` fp32 target log-probs, 0 where ``targets`` is -100.
 
     Raises:
-        ValueError: as :func:`chunked_causal_lm_loss` (a target outside ``[0, V)`` is named
-            ``labels[row, position]``, the position being the one that predicts it).
+        ValueError: as :func:`chunked_causal_lm_loss`.
     """
     index, ids, selected, params, setup = _select(
         "chunked_target_logprobs", hidden, targets, head, False, logit_scale, chunk_tokens
