@@ -17,6 +17,7 @@ from mmengine.config import Config
 from xtuner_rope.capture.internvl import batch_loss, reference_internvl_llm
 from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.check.runner import apply_patch, first_batches, prepared_runner
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.internvl import internvl_image_tokens
 
@@ -83,19 +84,16 @@ def run(cfg: Config, request) -> dict:
         The JSON-ready report (``kind='internvl'``), with ``verdict``, ``problems`` and
         ``exit_code`` (0: every sample within tolerance).
     """
-    from xtuner_rope.check import runner as ch
-
-    runner = ch.build_runner(cfg, Path(request.work_dir))
-    runner.model.float()  # the check compares in fp32 (XTuner loads bf16 on GPUs)
-    hooks = ch.plugin_hooks(runner)
+    # fp32 (XTuner loads bf16 on GPUs)
+    runner, _, _, hooks = prepared_runner(cfg, Path(request.work_dir), "float32")
     llm = language_model(runner.model)
     reference = reference_internvl_llm(cfg)  # built before the patch: unpatched
-    patched = ch.apply_patch(runner, hooks)
+    patched = apply_patch(runner, hooks)
     reference.load_state_dict(llm.state_dict())
     p = internvl_image_tokens(runner.model)
     results = []
     with randomness_off(runner.model) as randomness:
-        for i, (data_batch, _) in enumerate(ch.first_batches(cfg, request.batches)):
+        for i, (data_batch, _) in enumerate(first_batches(cfg, request.batches)):
             data = data_batch["data"]
             seen = _llm_inputs(runner, hooks, i, data_batch)
             results.append(_batch_result(reference, seen, data["labels"], data["input_ids"], p))

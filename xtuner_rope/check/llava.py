@@ -9,6 +9,7 @@ the doctor's arithmetic. Randomness is off in both passes; ``check.report``'s to
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -17,8 +18,7 @@ from mmengine.config import Config
 from xtuner_rope.batch.image_packing import expanded_length, llava_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
-from xtuner_rope.capture.measure import BOUNDARY_HOOKS, IGNORE_INDEX
-from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
 from xtuner_rope.check import text
 from xtuner_rope.check.report import judge, report_head
 from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
@@ -93,12 +93,9 @@ def _alone(
 def _prompt(data: dict, sample: dict) -> torch.Tensor:
     """``[1, k]`` text ids of a sample up to its first supervised label, image dropped."""
     r, (a, e) = sample["row"], sample["raw"]
-    ids, labels = data["input_ids"][r, a:e], data["labels"][r, a:e]
-    supervised = (labels != IGNORE_INDEX).nonzero().flatten()
-    k = int(supervised[0]) if len(supervised) else e - a
-    text = ids[: max(k, 1)]
-    text = text[text != IMAGE_TOKEN_INDEX]
-    return (text if len(text) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
+    ids, prompt = data["input_ids"][r, a:e], cm.prompt_of(data, (r, a, e))[0]
+    prompt = prompt[prompt != IMAGE_TOKEN_INDEX]
+    return (prompt if len(prompt) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
 
 
 def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dict:
@@ -231,18 +228,15 @@ def run(cfg: Config, request: CheckRequest) -> dict:
     for data_batch, _ in first_batches(cfg, request.batches):
         samples = llava_samples(data_batch["data"], p["image_tokens"])
         cut.append((data_batch, _cut(data_batch, samples, request.max_documents)))
+    passes = functools.partial(_measure, p=p["image_tokens"])
+    measured = text.measure(runner, cut, hooks, request.new_tokens, passes)
     model = runner.model
-    model.train()
-    model.zero_grad(set_to_none=True)
-    with randomness_off(model) as randomness:
-        measured = _measure(runner, cut, hooks, request.new_tokens, p["image_tokens"])
     name = f"LLaVAModel({type(model.visual_encoder).__name__} + {type(model.llm).__name__})"
     size = sum(q.numel() for q in model.parameters())
     report = {
         "kind": "llava",
         **report_head(cfg, request, prepared, measured, name, size),
         "multimodal": p,
-        "randomness": randomness,
         **measured,
     }
     verdict = judge(report)

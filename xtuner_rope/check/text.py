@@ -36,18 +36,19 @@ def applies(cfg: Config) -> bool:
     return True
 
 
-def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
+def measure(runner, batches: list, hooks: dict, new_tokens: int, passes=None) -> dict:
     """Reference passes (unpatched), the patch, packed passes; see the module docstring.
 
     Gradients are compared on the first batch (one ``.grad`` buffer holds their difference);
     dropout and router noise are off (``randomness`` says what was switched off); ``backend``:
-    what the patched attention chose (``models.runtime.chosen_backends``).
+    what the patched attention chose (``models.runtime.chosen_backends``). ``passes``: what
+    measures ``(runner, batches, hooks, new_tokens)`` (the LLaVA check's), default the text's.
     """
     model = runner.model
     model.train()
     model.zero_grad(set_to_none=True)
     with randomness_off(model) as randomness:
-        measured = _measure(runner, batches, hooks, new_tokens)
+        measured = (passes or _measure)(runner, batches, hooks, new_tokens)
     return {**measured, "randomness": randomness}
 
 
