@@ -240,17 +240,14 @@ def run(cfg: Config, request: CheckRequest) -> dict:
         **measured,
     }
     verdict = judge(report)
-    extra = expansion_problems(report)
-    if extra:
-        verdict["problems"] = verdict["problems"] + extra
-        verdict["exit_code"] = 1
-        if verdict["verdict"].startswith("PASS"):
-            verdict["verdict"] = "FAIL: " + extra[0]
+    problems = verdict["problems"] = verdict["problems"] + expansion_problems(report)
+    verdict["exit_code"] = int(bool(problems))
     if verdict["verdict"].startswith("PASS"):
         verdict["verdict"] = (
-            "PASS: each sample's LLM logits, loss and gradients in the batch "
-            "(after the image expansion) equal the sample alone through "
-            "LLaVAModel; generation unchanged"
+            "FAIL: " + problems[0]
+            if problems
+            else "PASS: each sample's LLM logits, loss and gradients in the batch (after the "
+            "image expansion) equal the sample alone through LLaVAModel; generation unchanged"
         )
     report.update(verdict)
     return report
