@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import stock_configs as sc
 from matplotlib.image import imread
+from tiny_recipe import load_config
 from xtuner.registry import BUILDER
 
 from xtuner_rope.cli import main
 from xtuner_rope.config import startup
 from xtuner_rope.config.findings import MODEL_RESOURCE_EDIT
-from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose, load_config
+from xtuner_rope.doctor.diagnose import build_collate_fn, diagnose
 from xtuner_rope.doctor.report import format_summary, write_outputs
 from xtuner_rope.doctor.stats import supervised_count
 

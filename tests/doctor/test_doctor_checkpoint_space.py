@@ -12,6 +12,7 @@ import pytest
 import torch
 from mmengine.runner.checkpoint import save_checkpoint
 from peft import LoraConfig, get_peft_model
+from tiny_recipe import load_config
 from xtuner.model.utils import find_all_linear_names
 
 from xtuner_rope.demo.tiny import build_tiny_internlm2
@@ -23,7 +24,6 @@ from xtuner_rope.doctor.checkpoint_space import (
     lora_parameters,
     weight_shapes,
 )
-from xtuner_rope.doctor.diagnose import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_internlm2_short_dialogues.py"

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_recipe import load_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from xtuner_rope.demo.tiny import build_tiny_internlm2
-from xtuner_rope.doctor.diagnose import load_config
 from xtuner_rope.doctor.logits_memory import logits_memory, logits_memory_lines
 from xtuner_rope.ops.chunked_loss import CHUNK_BYTES, chunked_causal_lm_loss
 

@@ -29,3 +29,13 @@ def xtuner_train(
     if cfg_options:
         cmd += ["--cfg-options", *cfg_options]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def load_config(path: str, cfg_options: dict | None = None):
+    """``Config.fromfile`` plus ``--cfg-options`` overrides (no start-up run)."""
+    from mmengine.config import Config
+
+    cfg = Config.fromfile(path)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg

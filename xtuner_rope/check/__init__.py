@@ -1,13 +1,9 @@
 """``xtuner-rope check``: prove isolation on the user's own model, dtype, kernel and data.
 
-Floors, lowest first: ``runner`` (the config started, its Runner built, its first batches),
-``report`` (tolerances, ``judge``, the report's head, ``report.json``), one module per kind
-(``text``, ``llava``, ``preference``: the same small interface) and ``kinds`` (the ``KINDS``
-table that ``run_check`` and ``format_summary`` dispatch on). The measurements themselves (a
-batch's documents, packed against alone; randomness off) live in :mod:`xtuner_rope.capture`,
-shared with the captures of real runs.
-
-The names below are the command's API.
+Floors, lowest first: ``runner`` (the config started, its Runner, its first batches),
+``report`` (tolerances, verdict, ``report.json``), one module per kind (``text``, ``llava``,
+``internvl``, ``preference``) and ``kinds`` (``KINDS``, ``run_check``, ``format_summary``). The
+measurements live in :mod:`xtuner_rope.capture`. The names below are the command's API.
 """
 
 from xtuner_rope.check.kinds import KINDS, format_summary, kind_of, run_check

@@ -1,13 +1,10 @@
 """``xtuner-rope check``: the chunked training loss against the model's own full-logits loss.
 
-On the user's model, dtype and first batch, the training step's loss (XTuner's
-``SupervisedFinetune.compute_loss``, the boundaries published by the hooks as in training) runs
-twice: through the chunked loss (``hooks.chunked_loss``, as the run trains) and through the
-model's own full-logits loss (``models.chunked_loss.pause_chunked_loss``). The decoder's last
-hidden states enter both as one detached leaf, so the backward stops there: it gives the
-gradients of the hidden states and of the head's trainable parameters (the weight, tied or not,
-and bias; LoRA's adapters) and costs one head's backward, not the model's. Their largest
-relative differences are judged against the tolerances of ``check.report``.
+On the first batch the training step's loss runs twice: chunked (``hooks.chunked_loss``, as the
+run trains) and the model's own (``models.chunked_loss.pause_chunked_loss``). The decoder's
+last hidden states enter both as one detached leaf, so the backward costs one head's: it gives
+the gradients of the hidden states and of the head's trainable parameters, judged with the
+loss against ``check.report``'s tolerances.
 """
 
 from __future__ import annotations
@@ -83,11 +80,10 @@ def compare_chunked_loss(runner, data_batch: dict, hooks: dict, tolerance: float
         tolerance: The largest relative difference accepted (loss and gradients).
 
     Returns:
-        ``startup``: the start-up's line (which loss runs); ``compared``: False where the
-        chunked loss does not run (nothing else then); else ``loss`` (chunked, full),
-        ``relative`` (``loss``, ``hidden_grad``, ``head_grads``: max |chunked - full| over max
-        |full|), ``head_parameters`` (names) and ``tolerance``. The gradients the model held
-        are restored.
+        ``startup`` (the start-up's line) and ``compared`` (False: the chunked loss does not
+        run); if compared, ``loss`` (chunked, full), ``relative`` (``loss``, ``hidden_grad``,
+        ``head_grads``: max |chunked - full| / max |full|), ``head_parameters``, ``tolerance``.
+        The model's gradients are restored.
     """
     line = enable_chunked_loss(runner)  # idempotent: the line ValidatedRoPEHook logged
     llm = runner.model.llm

@@ -17,11 +17,20 @@ from mmengine.config import Config
 from xtuner_rope.capture.internvl import batch_loss, reference_internvl_llm
 from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.check.runner import apply_patch, first_batches, prepared_runner
 from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.internvl import internvl_image_tokens
 
+KIND = "internvl"
 TOLERANCE = 1e-5  # fp32, relative to max(1, |logit|)
+
+
+def applies(cfg: Config) -> bool:
+    """A config whose model is XTuner's ``InternVL_V1_5``."""
+    from xtuner_rope.config.internvl import is_internvl
+
+    return is_internvl(cfg)
 
 
 def _llm_inputs(runner, hooks: dict, i: int, data_batch: dict) -> dict:
@@ -69,26 +78,25 @@ def _batch_result(reference, seen: dict, labels: torch.Tensor, ids: torch.Tensor
     return figures
 
 
-def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -> dict:
-    """Measure a started InternVL config; see the module docstring.
+def run(cfg: Config, request) -> dict:
+    """Measure a started InternVL config (the kind's entry in ``KINDS``); see the module docstring.
+
+    Args: as :func:`xtuner_rope.check.text.run` (``batches`` and ``work_dir`` read).
 
     Returns:
         The JSON-ready report (``kind='internvl'``), with ``verdict``, ``problems`` and
         ``exit_code`` (0: every sample within tolerance).
     """
-    from xtuner_rope.check import runner as ch
-
-    runner = ch.build_runner(cfg, Path(work_dir))
-    runner.model.float()  # the check compares in fp32 (XTuner loads bf16 on GPUs)
-    hooks = ch.plugin_hooks(runner)
+    # fp32 (XTuner loads bf16 on GPUs)
+    runner, _, _, hooks = prepared_runner(cfg, Path(request.work_dir), "float32")
     llm = language_model(runner.model)
     reference = reference_internvl_llm(cfg)  # built before the patch: unpatched
-    patched = ch.apply_patch(runner, hooks)
+    patched = apply_patch(runner, hooks)
     reference.load_state_dict(llm.state_dict())
     p = internvl_image_tokens(runner.model)
     results = []
     with randomness_off(runner.model) as randomness:
-        for i, (data_batch, _) in enumerate(ch.first_batches(cfg, batches)):
+        for i, (data_batch, _) in enumerate(first_batches(cfg, request.batches)):
             data = data_batch["data"]
             seen = _llm_inputs(runner, hooks, i, data_batch)
             results.append(_batch_result(reference, seen, data["labels"], data["input_ids"], p))
@@ -102,7 +110,7 @@ def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -
     chat = runner.model.model
     return {
         "kind": "internvl",
-        "config": str(config),
+        "config": str(request.config),
         "plugin": {"patched": patched, "hooks": sorted(hooks)},
         "model": {
             "class": f"InternVL_V1_5({type(chat.vision_model).__name__} + {type(llm).__name__})",
@@ -125,8 +133,8 @@ def run_internvl_check(cfg: Config, config: str, batches: int, work_dir: Path) -
     }
 
 
-def format_internvl_summary(report: dict) -> str:
-    """The text printed by ``xtuner-rope check`` for an InternVL config."""
+def summary(report: dict) -> str:
+    """The text printed by ``xtuner-rope check`` for an InternVL config (``KINDS``)."""
     lines = [f"xtuner-rope check: {report['config']}", f"  model    {report['model']['class']}"]
     mm = report["multimodal"]
     lines.append(f"  images   {mm['tokens_per_tile']} LLM tokens per tile (checkpoint config)")
@@ -139,23 +147,3 @@ def format_internvl_summary(report: dict) -> str:
         )
     lines.append(report["verdict"])
     return "\n".join(lines)
-
-
-KIND = "internvl"
-
-
-def applies(cfg: Config) -> bool:
-    """A config whose model is XTuner's ``InternVL_V1_5``."""
-    from xtuner_rope.config.internvl import is_internvl
-
-    return is_internvl(cfg)
-
-
-def run(cfg: Config, request) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_internvl_check` of the request."""
-    return run_internvl_check(cfg, request.config, request.batches, request.work_dir)
-
-
-def summary(report: dict) -> str:
-    """The kind's summary (``KINDS``): :func:`format_internvl_summary`."""
-    return format_internvl_summary(report)

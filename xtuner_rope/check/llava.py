@@ -9,6 +9,7 @@ the doctor's arithmetic. Randomness is off in both passes; ``check.report``'s to
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -17,11 +18,10 @@ from mmengine.config import Config
 from xtuner_rope.batch.image_packing import expanded_length, llava_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
 from xtuner_rope.capture import measure as cm
-from xtuner_rope.capture.measure import BOUNDARY_HOOKS, IGNORE_INDEX
-from xtuner_rope.capture.randomness import randomness_off
+from xtuner_rope.capture.measure import BOUNDARY_HOOKS
+from xtuner_rope.check import text
 from xtuner_rope.check.report import judge, report_head
 from xtuner_rope.check.runner import CheckRequest, apply_patch, first_batches, prepared_runner
-from xtuner_rope.check.text import format_text_summary
 from xtuner_rope.config.multimodal import is_llava
 from xtuner_rope.doctor.llava_stats import image_tokens_of
 from xtuner_rope.models.rope_documents import reset_upstream_rotaries
@@ -93,12 +93,9 @@ def _alone(
 def _prompt(data: dict, sample: dict) -> torch.Tensor:
     """``[1, k]`` text ids of a sample up to its first supervised label, image dropped."""
     r, (a, e) = sample["row"], sample["raw"]
-    ids, labels = data["input_ids"][r, a:e], data["labels"][r, a:e]
-    supervised = (labels != IGNORE_INDEX).nonzero().flatten()
-    k = int(supervised[0]) if len(supervised) else e - a
-    text = ids[: max(k, 1)]
-    text = text[text != IMAGE_TOKEN_INDEX]
-    return (text if len(text) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
+    ids, prompt = data["input_ids"][r, a:e], cm.prompt_of(data, (r, a, e))[0]
+    prompt = prompt[prompt != IMAGE_TOKEN_INDEX]
+    return (prompt if len(prompt) else ids[ids != IMAGE_TOKEN_INDEX][:1])[None]
 
 
 def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dict:
@@ -131,7 +128,7 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
         chosen_backends(reset=True)
         results = []
         for i, ((data_batch, samples), ref) in enumerate(zip(batches, refs)):
-            b, s = data_batch["data"]["input_ids"].shape
+            b = data_batch["data"]["input_ids"].shape[0]
             packed = data_batch["data"].get("cumulative_len") is not None
             recorder.calls.clear()
             logits, loss, dropped = cm.packed_forward(
@@ -147,51 +144,30 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int, p: int) -> dic
             for sample in samples:
                 predicted[sample["row"]] = max(predicted[sample["row"]], sample["expanded"][1])
             docs = [(sm["row"], *sm["expanded"]) for sm in samples]
-            results.append(
-                {
-                    "rows": b,
-                    "tokens_per_row": s,
-                    "expanded_tokens_per_row": logits.shape[1],
-                    "documents": len(samples),
-                    "image_samples": sum(sm["has_image"] for sm in samples),
-                    "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-                    "logits": cm.logits_differences(logits, ref["logits"], docs),
-                    "loss": {"packed": loss, "documents": ref["loss"]},
-                    "expansion": {
-                        "image_tokens": p,
-                        "rows_predicted": predicted,
-                        "rows_expanded": rows,
-                        "samples_predicted": ref["predicted"],
-                        "samples_alone": ref["lengths"],
-                    },
-                    "unconsumed_keys": dropped,
-                    "boundaries": "cumulative_len, expanded after the image expansion"
-                    if packed
-                    else "one sample per row (padded)",
-                }
+            result = text.batch_result(data_batch, docs, ref, (logits, loss, dropped))
+            result["expanded_tokens_per_row"] = logits.shape[1]
+            result["image_samples"] = sum(sm["has_image"] for sm in samples)
+            result["expansion"] = {
+                "image_tokens": p,
+                "rows_predicted": predicted,
+                "rows_expanded": rows,
+                "samples_predicted": ref["predicted"],
+                "samples_alone": ref["lengths"],
+            }
+            result["boundaries"] = (
+                "cumulative_len, expanded after the image expansion"
+                if packed
+                else "one sample per row (padded)"
             )
-        diff = cm.grad_scale(model)
-        model.zero_grad(set_to_none=True)
+            results.append(result)
     finally:
         recorder.remove()
+    out = text.outcome(
+        runner, model, patched, results, ref_grad, (prompt, generated_ref, new_tokens)
+    )
     trainable = [n for n, q in model.named_parameters() if q.requires_grad]
-    return {
-        "patched": patched,
-        "backend": ", ".join(chosen_backends(reset=True)) or None,
-        "batches": results,
-        "grads": {
-            "max_abs_diff": diff,
-            "max_abs_grad": ref_grad,
-            "parameters": sum(q.numel() for q in model.parameters() if q.requires_grad),
-            "trained": sorted({n.split(".")[0] for n in trainable}),
-            "batch": 0,
-        },
-        "generation": {
-            "prompt_tokens": prompt.shape[1],
-            "unpatched": generated_ref,
-            "patched": cm.greedy(llm, prompt, new_tokens),
-        },
-    }
+    out["grads"]["trained"] = sorted({n.split(".")[0] for n in trainable})
+    return out
 
 
 def _cut(data_batch: dict, samples: list[dict], max_documents: int) -> list[dict]:
@@ -236,74 +212,50 @@ def expansion_problems(report: dict) -> list[str]:
     return problems
 
 
-def run_llava_check(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    batches: int,
-    work_dir: Path,
-    dtype: str | None,
-    max_documents: int,
-    new_tokens: int,
-) -> dict:
-    """Measure a started LLaVA config; see the module docstring.
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """Measure a started LLaVA config (the kind's entry in ``KINDS``); see the module docstring.
 
-    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
+    Args: as :func:`xtuner_rope.check.text.run`.
 
     Returns:
         The JSON-ready report (``kind='llava'``, the text check's fields plus ``multimodal``
         and each batch's ``expansion``), with ``verdict``, ``problems`` and ``exit_code``.
     """
     p = image_tokens_of(cfg)
-    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    prepared = prepared_runner(cfg, Path(request.work_dir), request.dtype)
+    runner, hooks = prepared.runner, prepared.hooks
     cut = []
-    for data_batch, _ in first_batches(cfg, batches):
+    for data_batch, _ in first_batches(cfg, request.batches):
         samples = llava_samples(data_batch["data"], p["image_tokens"])
-        cut.append((data_batch, _cut(data_batch, samples, max_documents)))
+        cut.append((data_batch, _cut(data_batch, samples, request.max_documents)))
+    passes = functools.partial(_measure, p=p["image_tokens"])
+    measured = text.measure(runner, cut, hooks, request.new_tokens, passes)
     model = runner.model
-    model.train()
-    model.zero_grad(set_to_none=True)
-    with randomness_off(model) as randomness:
-        measured = _measure(runner, cut, hooks, new_tokens, p["image_tokens"])
-    llm = model.llm
+    name = f"LLaVAModel({type(model.visual_encoder).__name__} + {type(model.llm).__name__})"
+    size = sum(q.numel() for q in model.parameters())
     report = {
         "kind": "llava",
-        **report_head(
-            cfg,
-            config,
-            cfg_options,
-            hooks,
-            measured,
-            llm,
-            device,
-            dt,
-            model_class=f"LLaVAModel({type(model.visual_encoder).__name__} + {type(llm).__name__})",
-            parameters=sum(q.numel() for q in model.parameters()),
-        ),
+        **report_head(cfg, request, prepared, measured, name, size),
         "multimodal": p,
-        "randomness": randomness,
         **measured,
     }
     verdict = judge(report)
-    extra = expansion_problems(report)
-    if extra:
-        verdict["problems"] = verdict["problems"] + extra
-        verdict["exit_code"] = 1
-        if verdict["verdict"].startswith("PASS"):
-            verdict["verdict"] = "FAIL: " + extra[0]
+    problems = verdict["problems"] = verdict["problems"] + expansion_problems(report)
+    verdict["exit_code"] = int(bool(problems))
     if verdict["verdict"].startswith("PASS"):
         verdict["verdict"] = (
-            "PASS: each sample's LLM logits, loss and gradients in the batch "
-            "(after the image expansion) equal the sample alone through "
-            "LLaVAModel; generation unchanged"
+            "FAIL: " + problems[0]
+            if problems
+            else "PASS: each sample's LLM logits, loss and gradients in the batch (after the "
+            "image expansion) equal the sample alone through LLaVAModel; generation unchanged"
         )
     report.update(verdict)
     return report
 
 
-def format_llava_summary(report: dict) -> str:
-    """The text check's summary plus the image lines."""
-    lines = format_text_summary(report).splitlines()
+def summary(report: dict) -> str:
+    """The text check's summary plus the image lines (``KINDS``)."""
+    lines = text.summary(report).splitlines()
     b = report["batches"][0]
     e = b["expansion"]
     at = next(i for i, line in enumerate(lines) if line.startswith("  batches"))
@@ -315,20 +267,3 @@ def format_llava_summary(report: dict) -> str:
         f"{e['rows_expanded']}, doctor's count {e['rows_predicted']})",
     )
     return "\n".join(lines)
-
-
-def run(cfg: Config, request: CheckRequest) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_llava_check` of the request."""
-    return run_llava_check(
-        cfg,
-        request.config,
-        request.cfg_options,
-        request.batches,
-        request.work_dir,
-        request.dtype,
-        request.max_documents,
-        request.new_tokens,
-    )
-
-
-summary = format_llava_summary  # the kind's summary (``KINDS``)

@@ -28,15 +28,12 @@ from xtuner_rope.config.preference import PREFERENCE_MODELS
 from xtuner_rope.models import channel
 
 # Tolerances: check.report.TOLERANCES of the dtype checked, relative to max(1, |value|) (its
-# "logits" entry for log-probs, scores and states, "loss" for the loss); fp32: 1e-5, as sums
-# of ~100 log-probs differ by rounding only.
-
-
+# "logits" entry for log-probs, scores and states, "loss" for the loss).
 KIND = "preference"
 
 
-def is_preference_config(cfg: Config) -> bool:
-    """True for a config whose model is XTuner's DPO, ORPO or RewardModel."""
+def applies(cfg: Config) -> bool:
+    """True for a config whose model is XTuner's DPO, ORPO or RewardModel (``KINDS``)."""
     model = config_dict(cfg).get("model")
     return isinstance(model, dict) and type_name(model.get("type")) in PREFERENCE_MODELS
 
@@ -92,29 +89,23 @@ def _problems(result: dict, patched: bool, tol: dict | None = None) -> list[str]
     return problems
 
 
-def run_preference_check(
-    cfg: Config, config: str, work_dir: Path, dtype: str | None = None
-) -> dict:
-    """Measure a started preference config; see the module docstring.
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """Measure a started preference config (the kind's entry in ``KINDS``); see the module docstring.
 
-    Args:
-        cfg: The config as ``xtuner train`` has it (``check.start_config``).
-        config: Its file, for the report.
-        work_dir: Runner work dir; the capture is written there.
-        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); the
-            default is the config's (``check.train_dtype``: float32 on CPU). The tolerances
-            are ``check.report.TOLERANCES`` of that dtype.
+    Args: as :func:`xtuner_rope.check.text.run` (``config``, ``work_dir``, ``dtype`` read; the
+        tolerances are ``check.report.TOLERANCES`` of the dtype checked).
 
     Returns:
         The JSON-ready report (``kind='preference'``), with ``verdict``, ``problems`` and
         ``exit_code`` (1 on a leak).
     """
+    work_dir = Path(request.work_dir)
     # each response alone runs fp32, summed in float64
-    runner, _, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    runner, _, dt, hooks = prepared_runner(cfg, work_dir, request.dtype)
     tol = TOLERANCES[str(dt).replace("torch.", "")]
     patched = apply_patch(runner, hooks)
     with torch.enable_grad():
-        capture = _training_forward(runner, hooks, Path(work_dir))
+        capture = _training_forward(runner, hooks, work_dir)
     result = compare_preference_capture(cfg, capture)
     problems = _problems(result, patched, tol)
     verdict = (
@@ -125,7 +116,7 @@ def run_preference_check(
     )
     return {
         "kind": "preference",
-        "config": str(config),
+        "config": str(request.config),
         "plugin": {"patched": patched},
         "model": result["kind"],
         "dtype": str(dt).replace("torch.", ""),
@@ -140,8 +131,8 @@ def run_preference_check(
     }
 
 
-def format_preference_summary(report: dict) -> str:
-    """The short text printed by ``xtuner-rope check`` for a preference model."""
+def summary(report: dict) -> str:
+    """The short text printed by ``xtuner-rope check`` for a preference model (``KINDS``)."""
     lines = [
         f"xtuner-rope check: {report['config']}",
         f"  model    XTuner {report['model']} model, {report['pairs']} pairs in the first "
@@ -165,14 +156,3 @@ def format_preference_summary(report: dict) -> str:
             f"{report['loss']['alone']:.6f}"
         )
     return "\n".join([*lines, *[f"  problem: {p}" for p in report["problems"]], report["verdict"]])
-
-
-applies = is_preference_config  # the kind's test (``KINDS``)
-
-
-def run(cfg: Config, request: CheckRequest) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_preference_check` of the request."""
-    return run_preference_check(cfg, request.config, request.work_dir, request.dtype)
-
-
-summary = format_preference_summary  # the kind's summary (``KINDS``)

@@ -1,15 +1,10 @@
 """Tolerances, verdict, the report's head and ``report.json`` of ``xtuner-rope check``.
 
-Tolerances are relative to the size of what is compared (``max(1, |reference|)``): a packed
-document and the same document alone run the same weights through different kernel calls
-(bucketed or varlen attention against one dense call), so their results differ by rounding
-only, and rounding scales with the values. fp32: 1e-5 for logits and loss, 1e-4 for
-gradients (sums over every token of the batch, in a different order). bf16/fp16: 8 units in
-the last place of the dtype (bf16 2^-8 * 8 = 0.031, fp16 2^-11 * 8 = 0.0039), because the
-patched model rotates q/k in fp32 while the reference rounds its cos/sin to the activation
-dtype, and each of the model's matmuls rounds its output once more. A leak is not rounding:
-a document that sees another one moves its logits by whole units (measured 0.2 to 2 on the
-tiny models), far above every tolerance.
+Tolerances are relative to ``max(1, |reference|)``: packed and alone run the same weights
+through different kernel calls, so they differ by rounding only. fp32: 1e-5 (logits, loss),
+1e-4 (gradients: sums in another order); bf16/fp16: 8 units in the last place (0.031, 0.0039:
+the patch rotates q/k in fp32, the reference in the activation dtype). A leak moves a
+document's logits by whole units (0.2 to 2 measured on the tiny models).
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from mmengine.config import Config
 
 from xtuner_rope.capture.measure import BOUNDARY_HOOKS
@@ -119,26 +113,18 @@ def judge(report: dict) -> dict:
 
 
 def report_head(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    hooks: dict,
-    measured: dict,
-    llm,
-    device,
-    dt: torch.dtype,
-    *,
-    model_class: str,
-    parameters: int,
+    cfg: Config, request, prepared, measured: dict, model_class: str, size: int
 ) -> dict:
     """The report's config, plugin and model entries (pops ``patched`` and ``backend``).
 
-    Shared by the text check and the LLaVA check (``check.llava``): what was checked, with the
-    attention the language model really ran (the layers' classes and the packed backend chosen).
+    Shared by the text and LLaVA checks: what was checked (``request``: the ``CheckRequest``;
+    ``prepared``: the ``PreparedRunner``), with the attention the language model really ran
+    (the layers' classes, the packed backend); ``size``: the model's parameters.
     """
+    llm, hooks = prepared.runner.model.llm, prepared.hooks
     return {
-        "config": str(config),
-        "cfg_options": {k: str(v) for k, v in (cfg_options or {}).items()},
+        "config": str(request.config),
+        "cfg_options": {k: str(v) for k, v in (request.cfg_options or {}).items()},
         "plugin": {
             "model_resource": plugin_resource(cfg),
             "patched": measured.pop("patched"),
@@ -147,8 +133,8 @@ def report_head(
         "model": {
             "class": model_class,
             "path": str(getattr(llm, "name_or_path", "")),
-            "device": str(device),
-            "dtype": str(dt).replace("torch.", ""),
+            "device": str(prepared.device),
+            "dtype": str(prepared.dtype).replace("torch.", ""),
             # What picks the layers' class: InternLM2's own config attribute, else HF's.
             "attn_implementation": getattr(llm.config, "attn_implementation", None)
             or getattr(llm.config, "_attn_implementation", None),
@@ -160,7 +146,7 @@ def report_head(
                     if type(m).__name__.endswith(("Attention", "Attention2"))
                 }
             ),
-            "parameters": parameters,
+            "parameters": size,
         },
     }
 

@@ -1,21 +1,12 @@
 """``xtuner-rope check`` of a text (SFT) config: prove isolation on the user's own model and data.
 
-The config is started and its Runner built by :mod:`xtuner_rope.check.runner` (the user's
-model, dtype, kernel and data). Then, for each of the first batches,
-:mod:`xtuner_rope.capture.measure` compares the packed rows with each document alone:
-
-1. unpatched (the model as built): each document alone, its logits, loss and gradients;
-   greedy generation of the first document's prompt;
-2. the plugin's hooks run as in training (``ValidatedRoPEHook.before_train`` patches the model,
-   the boundary hooks' ``before_train_iter`` publish the batch's boundaries);
-3. patched: the packed batch through ``SupervisedFinetune`` as the training step calls it; its
-   logits, loss and gradients against step 1; the same generation.
-
-A config without the plugin is measured the same way (nothing is patched): the differences
-are the leak of XTuner's own packing. The unpatched reference is the same module before the
-patch, so a 7B model is held once; see :func:`xtuner_rope.check.kinds.run_check` for the
-memory bounds. The kind's interface (``KIND``, ``applies``, ``run``, ``summary``) is the one
-:data:`xtuner_rope.check.kinds.KINDS` dispatches on.
+On the Runner of :mod:`xtuner_rope.check.runner`, for each of the first batches
+(:mod:`xtuner_rope.capture.measure`): (1) unpatched, each document alone: logits, loss,
+gradients, and greedy generation of the first document's prompt; (2) the plugin's hooks run as
+in training (the patch, the boundaries published); (3) patched, the packed batch through
+``SupervisedFinetune`` as the training step calls it, against (1). Without the plugin the same
+figures measure XTuner's own leak. The model is held once (the reference is the same module
+before the patch).
 """
 
 from __future__ import annotations
@@ -45,19 +36,19 @@ def applies(cfg: Config) -> bool:
     return True
 
 
-def measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
+def measure(runner, batches: list, hooks: dict, new_tokens: int, passes=None) -> dict:
     """Reference passes (unpatched), the patch, packed passes; see the module docstring.
 
-    Gradients are compared on the first batch (one ``.grad`` buffer holds their difference).
-    Dropout and router noise are off in every pass (``capture.randomness``: different shapes draw
-    different masks); ``randomness`` says what was switched off. ``backend`` is what the patched
-    attention chose during the packed passes (``models.runtime.chosen_backends``).
+    Gradients are compared on the first batch (one ``.grad`` buffer holds their difference);
+    dropout and router noise are off (``randomness`` says what was switched off); ``backend``:
+    what the patched attention chose (``models.runtime.chosen_backends``). ``passes``: what
+    measures ``(runner, batches, hooks, new_tokens)`` (the LLaVA check's), default the text's.
     """
     model = runner.model
     model.train()
     model.zero_grad(set_to_none=True)
     with randomness_off(model) as randomness:
-        measured = _measure(runner, batches, hooks, new_tokens)
+        measured = (passes or _measure)(runner, batches, hooks, new_tokens)
     return {**measured, "randomness": randomness}
 
 
@@ -79,104 +70,86 @@ def _measure(runner, batches: list, hooks: dict, new_tokens: int) -> dict:
     chosen_backends(reset=True)
     results = []
     for i, ((data_batch, docs), ref) in enumerate(zip(batches, refs)):
-        b, s = data_batch["data"]["input_ids"].shape
-        logits, loss, dropped = cm.packed_forward(
-            runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0
-        )
-        results.append(
-            {
-                "rows": b,
-                "tokens_per_row": s,
-                "documents": len(docs),
-                "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
-                "logits": cm.logits_differences(logits, ref["logits"], docs),
-                "loss": {"packed": loss, "documents": ref["loss"]},
-                "unconsumed_keys": dropped,
-            }
-        )
-    diff = cm.grad_scale(model)
+        packed = cm.packed_forward(runner, data_batch, hooks, BOUNDARY_HOOKS, backward=i == 0)
+        results.append(batch_result(data_batch, docs, ref, packed))
+    out = outcome(runner, llm, patched, results, ref_grad, (prompt, generated_ref, new_tokens))
+    return {**out, "chunked_loss": chunked}
+
+
+def batch_result(data_batch: dict, docs: list, ref: dict, packed: tuple) -> dict:
+    """One batch's entry: the packed pass's ``(logits, loss, unconsumed keys)`` against the
+    reference ``ref`` of each document alone (``docs``: ``(row, start, end)`` each)."""
+    logits, loss, dropped = packed
+    b, s = data_batch["data"]["input_ids"].shape
+    return {
+        "rows": b,
+        "tokens_per_row": s,
+        "documents": len(docs),
+        "labels": {"packed": ref["labels"][0], "documents": ref["labels"][1]},
+        "logits": cm.logits_differences(logits, ref["logits"], docs),
+        "loss": {"packed": loss, "documents": ref["loss"]},
+        "unconsumed_keys": dropped,
+    }
+
+
+def outcome(runner, counted, patched: bool, results: list, ref_grad: float, generation) -> dict:
+    """What the text and LLaVA checks measured, once the packed passes ran (``.grad`` zeroed).
+
+    Args:
+        counted: The module whose trainable parameters the gradients count.
+        generation: ``(prompt [1, k], unpatched greedy tokens, new_tokens)``.
+    """
+    model, llm = runner.model, runner.model.llm
+    diff = cm.grad_scale(model)  # the packed gradients minus the reference's
     model.zero_grad(set_to_none=True)
+    prompt, unpatched, new_tokens = generation
     return {
         "patched": patched,
         "backend": ", ".join(chosen_backends(reset=True)) or None,
         "batches": results,
-        "chunked_loss": chunked,
         "grads": {
             "max_abs_diff": diff,
             "max_abs_grad": ref_grad,
-            "parameters": sum(p.numel() for p in llm.parameters() if p.requires_grad),
+            "parameters": sum(p.numel() for p in counted.parameters() if p.requires_grad),
             "batch": 0,
         },
         "generation": {
             "prompt_tokens": prompt.shape[1],
-            "unpatched": generated_ref,
+            "unpatched": unpatched,
             "patched": cm.greedy(llm, prompt, new_tokens),
         },
     }
 
 
-def run_text_check(
-    cfg: Config,
-    config: str,
-    cfg_options: dict | None,
-    batches: int,
-    work_dir: Path,
-    dtype: str | None,
-    max_documents: int,
-    new_tokens: int,
-) -> dict:
-    """Measure a started text config; see the module docstring.
+def run(cfg: Config, request: CheckRequest) -> dict:
+    """Measure a started text config (the kind's entry in ``KINDS``); see the module docstring.
 
-    Args: as :func:`xtuner_rope.check.kinds.run_check` (``cfg`` already started).
+    Args:
+        cfg: The started config (:func:`xtuner_rope.check.runner.start_config`).
+        request: The command's options (:class:`xtuner_rope.check.runner.CheckRequest`).
 
     Returns:
         The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
     """
-    runner, device, dt, hooks = prepared_runner(cfg, Path(work_dir), dtype)
+    prepared = prepared_runner(cfg, Path(request.work_dir), request.dtype)
+    runner, hooks = prepared.runner, prepared.hooks
     cut, sources = [], []
-    for data_batch, recorded in first_batches(cfg, batches):
-        docs, source = cm.documents(data_batch["data"], recorded, max_documents)
+    for data_batch, recorded in first_batches(cfg, request.batches):
+        docs, source = cm.documents(data_batch["data"], recorded, request.max_documents)
         cut.append((data_batch, docs))
         sources.append(source)
-    measured = measure(runner, cut, hooks, new_tokens)
+    measured = measure(runner, cut, hooks, request.new_tokens)
     for result, source in zip(measured["batches"], sources):
         result["boundaries"] = source
     llm = runner.model.llm
-    report = {
-        **report_head(
-            cfg,
-            config,
-            cfg_options,
-            hooks,
-            measured,
-            llm,
-            device,
-            dt,
-            model_class=type(llm).__name__,
-            parameters=sum(p.numel() for p in llm.parameters()),
-        ),
-        **measured,
-    }
+    size = sum(p.numel() for p in llm.parameters())
+    report = {**report_head(cfg, request, prepared, measured, type(llm).__name__, size), **measured}
     report.update(judge(report))
     return report
 
 
-def run(cfg: Config, request: CheckRequest) -> dict:
-    """The kind's entry (``KINDS``): :func:`run_text_check` of the request."""
-    return run_text_check(
-        cfg,
-        request.config,
-        request.cfg_options,
-        request.batches,
-        request.work_dir,
-        request.dtype,
-        request.max_documents,
-        request.new_tokens,
-    )
-
-
-def format_text_summary(report: dict) -> str:
-    """The short text printed by ``xtuner-rope check`` for a text (SFT) config."""
+def summary(report: dict) -> str:
+    """The short text printed by ``xtuner-rope check`` for a text (SFT) config (``KINDS``)."""
     m, fig, gen = report["model"], report["figures"], report["generation"]
     docs = sum(b["documents"] for b in report["batches"])
     rows = sum(b["rows"] for b in report["batches"])
@@ -218,6 +191,3 @@ def _backend(report: dict) -> str:
     if not report["plugin"]["patched"]:
         return f"none (not patched; layers {layers})"
     return f"{m['packed_backend'] or 'none (no packed row reached it)'} (layers {layers})"
-
-
-summary = format_text_summary  # the kind's summary (``KINDS``)

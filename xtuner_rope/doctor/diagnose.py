@@ -1,10 +1,8 @@
-"""``xtuner-rope doctor``: look at a config's training data the way the plugin will see it.
+"""``xtuner-rope doctor``: a config's training data as the plugin will see it, before the GPUs.
 
-Before paying for GPUs: the config is loaded and started as ``xtuner train`` starts it
-(``set_model_resource``, which runs the plugin's start-up fixes), the train dataset is built
-with XTuner's own builders, and every sample and the first sampler batches are checked. The
-report (:func:`diagnose`) is a JSON-ready dict; :func:`exit_code` says whether training would
-fail or be silently wrong. Output files and the printed summary: :mod:`xtuner_rope.doctor.report`.
+The config is started as ``xtuner train`` starts it, the train dataset built with XTuner's own
+builders, every sample and the first sampler batches checked. :func:`diagnose` gives the
+JSON-ready report; output files and the summary: :mod:`xtuner_rope.doctor.report`.
 """
 
 from __future__ import annotations
@@ -70,14 +68,6 @@ from xtuner_rope.doctor.truncation import truncated_occurrences
 DEFAULT_BATCHES = 200
 
 
-def load_config(path: str, cfg_options: dict | None = None) -> Config:
-    """``Config.fromfile`` plus ``--cfg-options`` overrides, as ``xtuner train`` reads it."""
-    cfg = Config.fromfile(path)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    return cfg
-
-
 def plugin_resource(cfg: Config) -> str | None:
     """Name of the config's ``model_resource`` function when it is xtuner-rope's, else None."""
     resource = cfg.get("model_resource")
@@ -87,31 +77,18 @@ def plugin_resource(cfg: Config) -> str | None:
     return f"{module}.{fn.__name__}" if module.split(".")[0] == "xtuner_rope" else None
 
 
-def start_config(cfg: Config) -> None:
-    """Run the config's ``model_resource`` like ``xtuner train`` (the plugin's fixes apply).
-
-    A conflict the start-up refuses is not raised here: :func:`diagnose` reports it from
-    :func:`xtuner_rope.config.startup.inspect_config`, and the data are checked all the same. The
-    process is left as not prepared: the doctor looks, it does not start a run.
-    """
-    start(cfg, look_only=True)
-
-
 def start_like_xtuner_train(
     path: str, cfg_options: dict | None = None
 ) -> tuple[Config, list[Finding], str | None]:
     """The config as ``xtuner train`` trains it, and every finding training would meet.
 
-    ``xtuner train``'s order (``xtuner/tools/train.py``): ``Config.fromfile``, then
-    ``set_model_resource`` (the start-up fixes the file's config), then
-    ``merge_from_dict(--cfg-options)``, then the runner, whose ``ValidatedRoPEHook`` checks the
-    merged config again before the first step (:func:`xtuner_rope.config.overrides.recheck_config`).
+    ``xtuner train``'s order: ``Config.fromfile``, ``set_model_resource`` (the start-up),
+    ``--cfg-options``, then ``ValidatedRoPEHook``'s re-check (``config.overrides.recheck_config``).
 
     Returns:
-        ``(cfg, findings, resource)``: the merged config; the start-up's fixes and conflicts on
-        the file's config, plus, when the start-up would pass, the re-check's conflicts (without
-        the plugin's start-up: the findings of the merged config, none of them applied); the
-        file's ``model_resource`` when it is the plugin's (it runs before any override).
+        ``(cfg, findings, resource)``: the merged config; the start-up's findings on the file's
+        config plus, when it would pass, the re-check's (without the plugin: the merged config's
+        findings, none applied); the file's ``model_resource`` when it is the plugin's.
     """
     cfg = Config.fromfile(path)
     resource = plugin_resource(cfg)
@@ -126,10 +103,8 @@ def start_like_xtuner_train(
 
 
 def build_collate_fn(loader: dict):
-    """The train dataloader's collate function with its kwargs bound, as MMEngine's Runner does.
-
-    A config without ``collate_fn`` gets XTuner's ``default_collate_fn`` (as the start-up
-    checks assume; XTuner's configs always name one).
+    """The train dataloader's collate function with its kwargs bound, as MMEngine's Runner does
+    (XTuner's ``default_collate_fn`` when the config names none).
 
     Returns:
         ``(collate_fn, name, kwargs)``.
@@ -189,10 +164,9 @@ def _source_rows(loader: dict, facts: dict) -> int | None:
 
 
 def _build_dataset(cfg: Config, facts: dict, progress: Progress):
-    """``(dataset, lengths, packing, truncation)``: the train dataset; for offline packing the
-    ``[n]`` dialogue lengths before packing in stream order and :func:`packing_figures` (else
-    None, None); what XTuner's ``encode_fn`` cut (None where no XTuner tokenize step built
-    the data: tokenized files); see :mod:`xtuner_rope.doctor.packing` and :mod:`xtuner_rope.doctor.truncation`."""
+    """``(dataset, lengths, packing, truncation)``: the train dataset; when packing, the ``[n]``
+    dialogue lengths before it and :func:`packing_figures` (else None, None); what XTuner's
+    ``encode_fn`` cut (None without an XTuner tokenize step)."""
     from xtuner.registry import BUILDER
 
     if facts["packed_offline"]:  # intern-repo rows: the packers keep their documents
@@ -230,11 +204,8 @@ def _jsonable(value: object) -> object:
 
 
 def refuse_unreadable_checkpoint(findings: list) -> None:
-    """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``.
-
-    The data's tokenizer comes from that same checkpoint in XTuner's configs: building it would
-    end in the hub client's retries and error, where ``xtuner train`` stops at the start-up's
-    refusal first. The doctor says what the run says, at once.
+    """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``
+    (the data's tokenizer comes from that checkpoint: ``xtuner train`` stops there too).
 
     Args:
         findings: The start-up's findings of the config (``start_like_xtuner_train``).

@@ -1,25 +1,12 @@
 """The chunked training loss switched on for the run (``chunked_loss``, on by default).
 
-``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss` after patching the model:
-XTuner's ``SupervisedFinetune`` and ``LLaVAModel`` (whose LLM gets the expanded
-``inputs_embeds`` and ``labels``) get an instance ``compute_loss`` that runs their own inside
-``models.chunked_loss.loss_only``; ``InternVL_V1_5`` (which computes the loss from its LLM's
-logits) an instance ``forward`` whose training call hands the labels to the LLM
-(``models.internvl.llm_computes_the_loss``); and the causal LM the chunked-loss ``forward``.
-So the loss of every training step is ``ops.chunked_loss.chunked_causal_lm_loss`` (no
-``[tokens, vocab]`` logits of the row), under sequence parallel too (each rank's shard). SFT's
-``predict`` (the held-out ``val_step``) returns per row the ``target_logprobs`` ``[s]`` of the
-row-shifted labels that ``evaluation.metric.TokenLossMetric`` reads instead of the logits.
-XTuner's ``DPO`` and ``ORPO`` run theirs inside ``models.chunked_loss.target_logprobs_only``:
-policy and reference (its ``ref_llm`` patched too) return the target log-probs of
-``ops.chunked_loss.chunked_target_logprobs``, which
-``compat.xtuner_preference.patch_preference_chunked_logprobs`` lets their loss read. What runs
-is logged once. Where the chunked loss cannot serve (another XTuner model, a head it does not
-know, a LoRA head under ZeRO-3, DPO/ORPO under ZeRO-3), the model's own loss runs and the log
-says why.
-
-The setting, at the top level of the config (read and checked by ``config.loss``):
-``chunked_loss = False`` (the model's own loss), ``True`` (the default: chunks of
+``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss`: ``SupervisedFinetune``
+and ``LLaVAModel`` get a ``compute_loss`` run inside ``models.chunked_loss.loss_only``,
+``InternVL_V1_5`` a training ``forward`` whose LLM computes the loss, ``DPO``/``ORPO`` theirs
+inside ``target_logprobs_only`` (policy and reference), SFT's ``predict`` the held-out
+``target_logprobs``; the causal LM the chunked ``forward``. Where it cannot serve (another
+model, an unknown head, a LoRA head or DPO/ORPO under ZeRO-3) the model's own loss runs and
+the log says why. The setting (``config.loss``): ``chunked_loss = False``, ``True`` (chunks of
 ``ops.chunked_loss.CHUNK_BYTES`` of fp32 logits) or a number of tokens per chunk.
 """
 

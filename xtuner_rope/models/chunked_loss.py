@@ -1,24 +1,13 @@
 """The causal LM's training loss through ``ops.chunked_loss``: the instance ``forward`` patch.
 
-``patch_chunked_loss`` replaces the ``forward`` of the causal LM instance (InternLM2's remote
-code, with its head ``output``; the transformers families of ``models.families``, head
-``lm_head``, tied or not, Cohere's ``logit_scale``). Inside a :func:`loss_only` block a call with
-``labels`` runs the decoder, then ``chunked_causal_lm_loss`` on its last hidden states, and
-returns the model's output type with that ``loss`` and ``logits=None``; inside a
-:func:`target_logprobs_only` block (XTuner's DPO and ORPO, whose labels arrive already shifted)
-it returns as ``logits`` the ``[b, s, 1]`` target log-probs of ``chunked_target_logprobs``, which
-only the patched DPO/ORPO methods read (:func:`is_target_logprobs`); every other call (no
-labels, outside the blocks: generation, ``mode="predict"``) is the model's own ``forward``. The patch is on the instance, so peft's ``LoraModel.forward``, which
-calls ``self.model.forward``, reaches it. ``loss_only`` is opened by the caller that reads only
-``outputs.loss`` (``hooks.chunked_loss``: around the ``compute_loss`` of XTuner's
-``SupervisedFinetune`` and ``LLaVAModel``, and ``InternVL_V1_5``'s training forward); what
-reads a training forward's logits pauses it (``pause_chunked_loss``).
-
-Under DeepSpeed ZeRO-3 the head's weight is partitioned and gathered only inside the head
-module's own call: the whole chunked loss then runs *as* that call (:func:`head_call`), so
-DeepSpeed's hooks gather the weight once for the forward and once for the backward (as for the
-model's own ``head(hidden)``), and the gradient the loss returns for the gathered weight is
-reduced into its partition by DeepSpeed's own gradient hook.
+``patch_chunked_loss`` replaces the causal LM instance's ``forward`` (so peft's ``LoraModel``
+reaches it). A call with ``labels`` inside :func:`loss_only` runs the decoder, then
+``chunked_causal_lm_loss``, and returns ``loss`` with ``logits=None``; inside
+:func:`target_logprobs_only` (DPO/ORPO: labels already shifted) it returns the ``[b, s, 1]``
+target log-probs as ``logits`` (:func:`is_target_logprobs`); every other call is the model's
+own ``forward``. :func:`pause_chunked_loss` gives back the model's own loss and logits. Under
+ZeRO-3 the whole loss runs as the head module's call (:func:`head_call`), so DeepSpeed gathers
+the head's weight once per forward and backward and reduces its gradient into the partition.
 """
 
 from __future__ import annotations
@@ -79,15 +68,13 @@ def loss_only():
 
 
 def target_logprobs_only():
-    """Calls with ``labels`` inside this block return as ``logits`` the ``[b, s, 1]`` fp32
-    log-probs of the targets ``labels`` (already shifted: position ``t`` predicts
-    ``labels[:, t]``; 0 where -100), and no loss."""
+    """Calls with ``labels`` (already shifted; -100: none) inside this block return as ``logits``
+    the ``[b, s, 1]`` fp32 target log-probs (0 where -100), and no loss."""
     return _mode("logprobs")
 
 
 def is_target_logprobs(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` (or a part of them, indexed as XTuner's ORPO does) are the target
-    log-probs a :func:`target_logprobs_only` block returns, not the vocabulary's logits."""
+    """Whether ``logits`` (or ORPO's slice of them) are :func:`target_logprobs_only`'s log-probs."""
     return _MODE.get() == "logprobs" and logits.shape[-1] == 1
 
 
@@ -137,11 +124,8 @@ def partitioned(head: nn.Module) -> bool:
 
 
 def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """``loss_of(hidden)`` run as ``head(hidden)``: the module's hooks fire once around it.
-
-    DeepSpeed ZeRO-3's hooks on the head gather its parameters before the call and release
-    them after, gather them again before the call's backward and hand each gradient to its
-    partition: with the loss as the call, once per forward, not once per chunk.
+    """``loss_of(hidden)`` run as ``head(hidden)``: DeepSpeed ZeRO-3's hooks on the head gather
+    its parameters once for the forward and once for the backward (not once per chunk).
 
     Args:
         head: The output head.
@@ -170,8 +154,7 @@ def is_chunked(llm: nn.Module) -> bool:
 
 
 def chunked_now(llm: nn.Module) -> bool:
-    """True where a training loss computed now for ``llm`` is to be chunked: the model carries
-    the chunked loss, inside :func:`loss_only`, not paused."""
+    """True where ``llm``'s training loss is chunked now (patched, in :func:`loss_only`, not paused)."""
     model = causal_lm(llm)
     paused = getattr(model, "_xtuner_rope_paused", 0)
     return is_chunked(model) and _MODE.get() == "loss" and not paused
@@ -208,11 +191,8 @@ def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
 
 
 def pause_chunked_loss(llm: nn.Module) -> Callable[[], None]:
-    """The model's own loss and logits until the returned function is called.
-
-    For what reads the logits of a training forward (``capture.text.IsolationCaptureHook``
-    records iteration 1's); a model without the chunked loss is left as it is.
-    """
+    """The model's own loss and logits until the returned function is called (for what reads a
+    training forward's logits); a model without the chunked loss is left as it is."""
     model = causal_lm(llm)
     if _ORIGINAL not in vars(model):
         return lambda: None
@@ -245,21 +225,21 @@ def hidden_loss(
         The fp32 scalar loss (``ops.chunked_loss.chunked_causal_lm_loss``), through the head
         module's call under ZeRO-3 (:func:`head_call`).
     """
-    model = causal_lm(llm)
+    options = dict(num_items_in_batch=num_items_in_batch, shifted=shifted)
+    return _through_head(causal_lm(llm), chunked_causal_lm_loss, hidden, labels, **options)
+
+
+def _through_head(model, op: Callable, hidden, labels, **options) -> torch.Tensor:
+    """``op(hidden, labels, head, ...)`` with the patched model's head, scale and chunk, run
+    as the head module's call where ZeRO-3 partitions it (:func:`head_call`)."""
     head, scale, _ = chunked_loss_head(model)
 
-    def loss_of(h: torch.Tensor) -> torch.Tensor:
-        return chunked_causal_lm_loss(
-            h,
-            labels,
-            head,
-            logit_scale=scale,
-            num_items_in_batch=num_items_in_batch,
-            chunk_tokens=model._xtuner_rope_chunk,
-            shifted=shifted,
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return op(
+            h, labels, head, logit_scale=scale, chunk_tokens=model._xtuner_rope_chunk, **options
         )
 
-    return head_call(head, loss_of, hidden) if partitioned(head) else loss_of(hidden)
+    return head_call(head, run, hidden) if partitioned(head) else run(hidden)
 
 
 def _forward(self, *args, **kwargs):
@@ -277,17 +257,8 @@ def _forward(self, *args, **kwargs):
     outputs = self.get_decoder()(**kwargs, return_dict=True)
     hidden = outputs.last_hidden_state
     loss = logits = None
-    if mode == "logprobs":
-        head, scale, _ = chunked_loss_head(self)
-
-        def logprobs_of(h: torch.Tensor) -> torch.Tensor:
-            options = dict(logit_scale=scale, chunk_tokens=self._xtuner_rope_chunk)
-            return chunked_target_logprobs(h, labels, head, **options)
-
-        # ZeRO-3 gathers the head inside its call (the held-out predict; the hook refuses
-        # DPO/ORPO's log-probs with a partitioned head)
-        run = functools.partial(head_call, head, logprobs_of) if partitioned(head) else logprobs_of
-        logits = run(hidden)[..., None]  # [b, s, 1]
+    if mode == "logprobs":  # ZeRO-3: the held-out predict (the hook refuses DPO/ORPO's)
+        logits = _through_head(self, chunked_target_logprobs, hidden, labels)[..., None]
     else:
         loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast

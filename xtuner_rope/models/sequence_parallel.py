@@ -1,31 +1,15 @@
 """Sequence parallel (XTuner's Ulysses all-to-all over heads) for packed rows.
 
-With ``sequence_parallel_size = sp`` XTuner splits every ``[b, S]`` row into ``sp`` shards of
-``S / sp`` tokens, one per rank of the sequence-parallel group. Each rank embeds and projects
-only its shard; around attention an all-to-all trades the sequence split for a head split, so
-each rank attends over the *whole* row for ``n_h / sp`` heads. For packed rows that means:
-
-- positions are the full row's per-document positions, split with the row (RoPE runs on the
-  shard, before the all-to-all, on global positions);
-- the attention after the all-to-all needs the **full row's** boundaries: the shard's own
-  would cut documents at shard edges and misplace every token. ``sequence_parallel_loss``
-  publishes them (XTuner's ``MessageHub`` convention, ``models.runtime``) before splitting;
-- a row whose length is not a multiple of ``sp`` is padded by a segment of its own
-  (positions ``0, 1, ...``, no labels), never appended to the last document;
-- the labels are shifted over the full row before the split. XTuner 0.2.0's
-  ``SupervisedFinetune._compute_sequence_parallel_loss`` lets the model shift inside each
-  shard, which drops the first label of every shard after the first (the token the previous
-  shard's last token predicts);
-- the loss is token-weighted: each rank sums its shard's token losses over the full row's
-  supervised-token count, and the group's loss is the sum, exactly the one-rank mean. Under the
-  chunked loss (``models.chunked_loss``) each rank's sum comes from its shard's hidden states,
-  chunk by chunk, with the same reduction.
-  XTuner weights each rank's *mean* by its token count in the forward but back-propagates
-  the unweighted mean, so ranks with unequal token counts get wrong gradients.
-
-GQA: key/value heads go through the all-to-all unrepeated when ``sp`` divides them; otherwise
-they are repeated to ``n_h`` first, and heads not divisible by ``sp`` take XTuner's "inner
-sequence parallel" (head-dim split) as XTuner does.
+Each rank holds ``S / sp`` tokens of every ``[b, S]`` row; around attention an all-to-all
+trades the sequence split for a head split. For packed rows: positions are the full row's
+(RoPE runs on the shard); the attention after the all-to-all reads the **full row's**
+boundaries, published by :func:`shard_rows`; a row not a multiple of ``sp`` is padded by a
+segment of its own; labels are shifted over the full row before the split (XTuner 0.2.0 shifts
+inside each shard, dropping each later shard's first label); the loss is token-weighted (each
+rank's sum over the full row's supervised count, summed over the group: the one-rank mean,
+chunked or not), where XTuner back-propagates each rank's unweighted mean. GQA: kv heads go
+through unrepeated when ``sp`` divides them, else repeated to ``n_h``; heads not divisible by
+``sp`` take XTuner's inner sequence parallel.
 """
 
 from __future__ import annotations
@@ -64,8 +48,7 @@ def sequence_parallel_size() -> int:
 
 
 def sequence_parallel_active(layer: nn.Module) -> bool:
-    """True where ``layer`` sees a shard of the row: training with ``sp > 1`` (as XTuner's
-    dispatch decides; evaluation and generation run whole rows)."""
+    """True where ``layer`` sees a shard of the row: training with ``sp > 1`` (as XTuner decides)."""
     return layer.training and sequence_parallel_size() > 1
 
 
@@ -139,8 +122,8 @@ def _host_values(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_boundaries(data: dict, b: int, s: int) -> list[torch.Tensor]:
-    """Per-row ``[0, ..., s]`` boundaries: the published flat ones, else position resets, read
-    on the host (``PackedBatchCheckHook`` publishes them there; the positions' host copy)."""
+    """Per-row ``[0, ..., s]`` boundaries, on the host: the published flat ones, else the
+    positions' resets."""
     flat = hub_cumulative_len()
     if flat is not None:
         flat = _host_values(torch.as_tensor(flat)).to(torch.int64).reshape(-1)
@@ -158,7 +141,7 @@ def _row_boundaries(data: dict, b: int, s: int) -> list[torch.Tensor]:
 
 def _pad_row_tail(data: dict, rows: list[torch.Tensor], s: int, pad: int, pad_index: int):
     """Append ``pad`` tokens to every row as a segment of their own (positions ``0..pad-1``,
-    labels ignored), built on the batch's device (no blocking host-to-device copy)."""
+    labels ignored), on the batch's device."""
     b = data["input_ids"].shape[0]
     device = data["input_ids"].device
 
@@ -188,20 +171,16 @@ def _host_positions(positions: torch.Tensor | None, b: int, s: int, pad: int):
 
 
 def _supervised_count(labels: torch.Tensor) -> int:
-    """Supervised tokens of the full rows after the shift (every label but each row's first),
-    counted on the labels' host copy when known (the padding adds ignored labels only)."""
+    """Supervised tokens of the full rows after the shift (on the labels' host copy if known)."""
     host = host_copy(labels)
     values = labels if host is None else host
     return int((values[:, 1:] != IGNORE_INDEX).sum())
 
 
 def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict, int]:
-    """Prepare a full ``[b, S]`` batch for sequence parallel and keep this rank's shard.
-
-    Pads rows to a multiple of ``sp`` with a segment of their own, publishes the full row's
-    boundaries (``MessageHub`` ``varlen_attn_args``, this rank's key) for the attention after
-    the all-to-all, shifts the labels over the full row, and splits ``input_ids``, the shifted
-    labels and ``position_ids`` along the sequence.
+    """This rank's shard of a full ``[b, S]`` batch: rows padded to a multiple of ``sp`` (a
+    segment of their own), the full row's boundaries published for the attention after the
+    all-to-all, labels shifted over the full row, then everything split along the sequence.
 
     Args:
         data: ``input_ids``, ``labels`` ``[b, S]``, optional ``position_ids`` ``[b, S]``
@@ -255,12 +234,8 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
 
 
 class _GroupSum(torch.autograd.Function):
-    """Forward: the sum over the group; backward: ``scale`` times the incoming gradient.
-
-    The data-parallel gradient average runs over every rank, ``sp`` of which hold one row's
-    shards: scaling each rank's gradient by ``sp`` makes that average the gradient of the
-    group's summed loss, the one-rank gradient.
-    """
+    """Forward: the sum over the group; backward: ``scale`` (``sp``) times the gradient, so the
+    data-parallel average over every rank is the gradient of the group's sum (the one-rank one)."""
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, group, scale: float) -> torch.Tensor:

@@ -1,32 +1,14 @@
 """The causal-LM training loss from hidden states, without a ``[tokens, vocab]`` tensor of the row.
 
-A causal LM's own loss (transformers 4.48 ``ForCausalLMLoss``, InternLM2's remote code) projects
-every position of ``[b, s]`` onto the vocabulary, upcasts the logits to fp32 and takes the mean
-cross-entropy of position ``t`` against label ``t + 1`` over the labels that are not -100. Here
-only the hidden states of the supervised positions are gathered (``k`` of the ``b * (s - 1)``),
-projected through the model's own head in chunks of ``c`` tokens, and each chunk's fp32
-log-softmax, target log-probability and gradient are computed before the next chunk starts: the
-largest vocabulary-sized tensor is ``[c, V]``. The gradients (hidden states, head parameters) are
-produced in the forward and handed out by the backward, so nothing is recomputed.
-
-Two ways through a chunk:
-
-- ``"linear"``: the head is a plain ``nn.Linear`` (bias or not, weight trained or frozen). The
-  softmax gradient is written in place over the chunk's fp32 logits and multiplied into the
-  weight's fp32 gradient buffer: one ``[c, V]`` fp32 buffer per chunk.
-- ``"module"``: a LoRA-adapted head (peft's ``lora.Linear`` over an ``nn.Linear``): the head
-  module itself runs on each chunk and ``torch.autograd.grad`` gives the chunk's gradients of its
-  trainable parameters (the adapters: small), so dropout draws its mask once per token.
-
-The loss equals the model's: ``sum(nll) / num_items_in_batch`` when given, else the mean over the
-supervised tokens. A micro-batch without one gives 0 and zero gradients (the model's own mean
-gives NaN there).
-
-``chunked_target_logprobs`` gives the per-token target log-probabilities ``[b, s]`` instead, for
-losses that are not linear in them (DPO, ORPO) and the held-out metric. Its upstream gradient is
-known only in the backward, so the forward keeps the selected hidden states and targets (no
-logits) and the backward runs each chunk again through the same kernels, with the upstream
-gradient as each token's weight (the RNG replayed for a LoRA head's dropout).
+Only the hidden states of the supervised positions are gathered (``k`` of ``b * (s - 1)``) and
+projected through the model's own head in chunks of ``c`` tokens; each chunk's fp32
+log-softmax, target log-prob and gradient are done before the next starts (largest tensor
+``[c, V]``). The gradients are computed in the forward and handed out by the backward. A head
+is ``"linear"`` (a plain ``nn.Linear``: the softmax gradient written in place over the chunk's
+logits) or ``"module"`` (peft's LoRA ``lora.Linear``: the module runs per chunk under autograd).
+The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
+supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
+log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
 """
 
 from __future__ import annotations
@@ -61,11 +43,8 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def head_kind(head: nn.Module) -> tuple[str | None, str]:
-    """How the chunked loss runs ``head``: ``("linear" | "module", what)`` or ``(None, why not)``.
-
-    Args:
-        head: The causal LM's output head (``lm_head`` / InternLM2's ``output``).
-    """
+    """How the chunked loss runs the output ``head``: ``("linear" | "module", what)`` or
+    ``(None, why not)``."""
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
@@ -79,18 +58,13 @@ def supervised_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the supervised predictions of ``labels`` and their targets.
 
-    Position ``t`` of row ``r`` predicts ``labels[r, t + 1]`` (the model's own shift, over the
-    whole row: packed or padded, as the model does); with ``shift=False``, ``labels[r, t]``
-    (targets already shifted, as XTuner's DPO and ORPO hand them to the model).
-
     Args:
         labels: ``[b, s]`` int labels, -100 where not supervised.
         shift: Whether position ``t``'s target is ``labels[:, t + 1]`` (else ``labels[:, t]``).
 
     Returns:
         ``(index, targets)``: ``[k]`` flat positions ``r * s + t`` into ``[b * s]`` and their
-        ``[k]`` target ids (on the device, reading the count back is one host sync: give
-        the host labels where there are).
+        ``[k]`` target ids (on ``labels``' device: give the host labels where there are).
     """
     b, s = labels.shape
     shifted = labels[:, 1:] if shift else labels  # [b, s - shift]: position t's target
@@ -123,9 +97,8 @@ def _check_devices(who, hidden: torch.Tensor, head: nn.Module) -> None:
 
 
 def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[c]`` NLL of targets ``t`` under fp32 logits ``x`` ``[c, V]``, which become
-    ``exp(x - max)`` (torch.logsumexp would hold a second ``[c, V]`` buffer); and their
-    ``[c, 1]`` sums."""
+    """``[c]`` NLL of targets ``t`` under fp32 logits ``x`` ``[c, V]`` (overwritten with
+    ``exp(x - max)``: no second ``[c, V]`` buffer), and their ``[c, 1]`` sums."""
     top = x.amax(dim=-1, keepdim=True)  # [c, 1]
     picked = x.gather(1, t[:, None])  # [c, 1]
     total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)  # [c, 1]
@@ -314,8 +287,7 @@ def chunked_causal_lm_loss(
     """The model's causal-LM loss from its last hidden states, chunk by chunk.
 
     Equals ``ForCausalLMLoss(head(hidden) * logit_scale, labels, V, num_items_in_batch)``
-    (transformers 4.48; InternLM2's remote-code mean is the same without ``num_items_in_batch``)
-    in value and gradients, without a ``[b * s, V]`` tensor.
+    (transformers 4.48) in value and gradients, without a ``[b * s, V]`` tensor.
 
     Args:
         hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
@@ -360,15 +332,13 @@ def chunked_target_logprobs(
     """Per-token fp32 ``log_softmax(head(hidden) * logit_scale)`` at the targets, chunk by chunk.
 
     Equals ``log_softmax(logits.float(), -1).gather(-1, targets)`` where ``targets`` is not
-    -100 (0 elsewhere), in value and in gradients for any upstream gradient (hidden states,
-    head weight and bias, LoRA adapters), without a ``[b * s, V]`` tensor in the forward or
-    the backward. Under ``torch.no_grad`` it is a plain chunked forward.
+    -100 (0 elsewhere), in value and gradients, without a ``[b * s, V]`` tensor in the forward
+    or the backward.
 
     Args:
         hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
-        targets: ``[b, s]`` the id position ``t`` predicts (already shifted: XTuner's DPO and
-            ORPO labels; for the model's own labels ``labels[:, 1:]`` padded with -100), -100
-            where no log-prob is wanted.
+        targets: ``[b, s]`` the id position ``t`` predicts (already shifted), -100 where no
+            log-prob is wanted.
         head: The output head (``head_kind`` must accept it): ``[H] -> [V]``.
         logit_scale: Multiplies the logits before the softmax (Cohere), or None.
         chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
@@ -377,8 +347,7 @@ def chunked_target_logprobs(
         ``[b, s]`` fp32 target log-probs, 0 where ``targets`` is -100.
 
     Raises:
-        ValueError: as :func:`chunked_causal_lm_loss` (a target outside ``[0, V)`` is named
-            ``labels[row, position]``, the position being the one that predicts it).
+        ValueError: as :func:`chunked_causal_lm_loss`.
     """
     index, ids, selected, params, setup = _select(
         "chunked_target_logprobs", hidden, targets, head, False, logit_scale, chunk_tokens
