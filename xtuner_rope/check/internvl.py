@@ -18,6 +18,7 @@ from xtuner_rope.capture.internvl import batch_loss, reference_internvl_llm
 from xtuner_rope.capture.llava import isolation_figures
 from xtuner_rope.capture.randomness import randomness_off
 from xtuner_rope.check.runner import apply_patch, first_batches, prepared_runner
+from xtuner_rope.models import channel
 from xtuner_rope.models.chunked_loss import pause_chunked_loss
 from xtuner_rope.models.dispatch import language_model
 from xtuner_rope.models.internvl import internvl_image_tokens
@@ -48,6 +49,7 @@ def _llm_inputs(runner, hooks: dict, i: int, data_batch: dict) -> dict:
     handle = llm.register_forward_hook(collect, with_kwargs=True)
     resume = pause_chunked_loss(llm)  # the check reads the training forward's logits
     try:
+        channel.clear()  # no boundaries but this batch's (padded rows publish none)
         if check is not None:
             check.before_train_iter(runner, i, data_batch)  # publishes the rows' boundaries
         data = runner.model.data_preprocessor(data_batch, True)
