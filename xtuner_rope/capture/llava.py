@@ -181,14 +181,9 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
 
 
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32, offline).
-
-    Args:
-        config: The config that was trained (its LLM is loaded from its path).
-        capture: The file written by :class:`LLaVAIsolationCaptureHook`.
-
-    Returns:
-        :func:`isolation_figures`' result.
+    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32, offline):
+    :func:`isolation_figures` of ``capture`` (:class:`LLaVAIsolationCaptureHook`'s file), the LLM
+    loaded from the trained ``config``'s path.
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     return isolation_figures(reference_llava_llm(Config.fromfile(str(config))), saved)

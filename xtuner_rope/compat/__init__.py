@@ -54,12 +54,6 @@ def run_patch(patch, *args, **kwargs) -> object:
     return run_guarded(record, patch, *args, once=record not in DEFERRED, **kwargs)
 
 
-def _check_deferred() -> None:
-    """Versions and probes of the patches applied later: a skip is known (and warned) now."""
-    for record in DEFERRED:
-        check_only(record)
-
-
 def apply() -> list[str]:
     """Apply every patch of ``records.ACTIVATION`` whose gap exists here, each in its guard; never
     raises, any number of times. One ``UnsupportedVersionWarning`` for torch or DeepSpeed outside
@@ -71,7 +65,8 @@ def apply() -> list[str]:
     warn_unsupported()
     for record in ACTIVATION:
         run_patch(patch_named(record.name))
-    _check_deferred()
+    for record in DEFERRED:  # applied later: a skip is known (and warned) now
+        check_only(record)
     return applied()
 
 

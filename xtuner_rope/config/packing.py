@@ -25,16 +25,12 @@ from .findings import Finding
 from .startup import register_findings
 
 
-def _packs_without_boundaries(dataset: dict) -> bool:
-    return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
-
-
 def _packing_findings(loader: dict) -> list[Finding]:
     """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
     findings, packed = [], False
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
         packed = packed or _xtuner_packs(dataset) or _offline_packs(dataset)
-        if _packs_without_boundaries(dataset):
+        if _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn"):
             findings.append(
                 Finding(
                     f"{where}.use_varlen_attn",

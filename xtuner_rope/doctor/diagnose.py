@@ -199,10 +199,6 @@ def _findings(findings: list[Finding]) -> dict:
     }
 
 
-def _jsonable(value: object) -> object:
-    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
-
-
 def refuse_unreadable_checkpoint(findings: list) -> None:
     """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``
     (the data's tokenizer comes from that checkpoint: ``xtuner train`` stops there too).
@@ -231,7 +227,6 @@ def diagnose(
     """Check a config's train data and settings; see the module docstring.
 
     Args:
-        config: Path of an XTuner config.
         cfg_options: ``--cfg-options`` overrides (dotted keys).
         batches: How many sampler batches to collate.
         progress: Its steps and bars on stderr while it works (:mod:`xtuner_rope.doctor.progress`).
@@ -304,7 +299,10 @@ def diagnose(
         "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
         "collate": {
             "name": collate_name,
-            "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
+            "kwargs": {
+                k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                for k, v in collate_kwargs.items()
+            },
             "batch_size": batch_size,
             "max_length": collate_kwargs.get("max_length"),
             "order": "dataset order (no shuffle)",

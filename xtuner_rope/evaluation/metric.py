@@ -100,11 +100,9 @@ class TokenLossMetric(BaseMetric):
     ``_dialogues`` (documents with a supervised token).
 
     Args:
-        name: Key prefix of the metrics.
         tokenizer: Tokenizer (or its XTuner config dict) for the worst dialogues' first words;
             None: token ids.
         worst: How many of the worst dialogues (highest mean NLL) ``heldout_worst.jsonl`` lists.
-        collect_device: As MMEngine's ``BaseMetric``.
     """
 
     default_prefix = None

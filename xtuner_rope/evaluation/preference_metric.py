@@ -55,10 +55,6 @@ class PreferenceMetric(BaseMetric):
 
     Reports ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean
     chosen minus rejected reward) and ``_pairs``.
-
-    Args:
-        name: Key prefix of the metrics.
-        collect_device: As MMEngine's ``BaseMetric``.
     """
 
     default_prefix = None

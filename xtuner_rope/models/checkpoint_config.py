@@ -170,12 +170,8 @@ def _read_hub(name: str, offline_mode: bool, cache_dir: str, endpoint: str) -> C
 def read_checkpoint_config(name: object) -> CheckpointConfig | None:
     """Read the ``config.json`` of the checkpoint ``from_pretrained(name)`` would load.
 
-    Args:
-        name: ``pretrained_model_name_or_path`` of the config's LLM.
-
-    Returns:
-        None when ``name`` is not a non-empty string; else the :class:`CheckpointConfig`, with
-        ``problem`` set when it cannot be read.
+    Returns None when ``name`` is not a non-empty string; else the :class:`CheckpointConfig`, with
+    ``problem`` set when it cannot be read.
     """
     if not isinstance(name, str) or not name:
         return None

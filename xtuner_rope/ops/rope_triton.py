@@ -60,12 +60,8 @@ def _strict():
 def use_triton_apply(enabled=True):
     """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
 
-    Args:
-        enabled (bool | None): True: the Triton kernel; False: the eager kernel everywhere;
-            None: `XTUNER_ROPE_TRITON` decides (the default).
-
-    Returns:
-        bool: Whether it was on before.
+    ``enabled``: True the Triton kernel, False the eager kernel everywhere, None (the default)
+    `XTUNER_ROPE_TRITON` decides. Returns whether it was on before.
     """
     before = _enabled()
     _state["enabled"] = None if enabled is None else bool(enabled)
