@@ -119,11 +119,6 @@ def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
     return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else 0)
 
 
-def _missing_ranks(names: list[str], pattern: re.Pattern, world: int) -> list[int]:
-    ranks = {int(m.group(1)) for m in map(pattern.match, names) if m}
-    return sorted(set(range(world)) - ranks)
-
-
 def _folder_reason(path: str) -> str:
     """Why a DeepSpeed checkpoint folder is incomplete; empty when it is complete."""
     names = sorted(os.listdir(path))
@@ -141,7 +136,9 @@ def _folder_reason(path: str) -> str:
     if any(ZERO3_MODEL_STATES.match(n) for n in names):  # ZeRO-3: one model file per rank too
         wanted.append((ZERO3_MODEL_STATES, "model"))
     for pattern, kind in wanted:
-        missing = _missing_ranks(names, pattern, world)
+        missing = sorted(
+            set(range(world)) - {int(m.group(1)) for m in map(pattern.match, names) if m}
+        )
         if missing:
             return (
                 f"{kind} states of data-parallel rank(s) {missing} missing: expected {world} "

@@ -113,7 +113,8 @@ def chunked_loss_head(model: nn.Module) -> tuple[nn.Module, float | None, str]:
     scale = getattr(model, "logit_scale", None)  # Cohere multiplies its logits by it
     if scale is not None and not isinstance(scale, (int, float)):
         raise UnsupportedHead(f"{name}'s logit_scale is a {type(scale).__name__}, not a number")
-    tied = head.weight is _input_weight(model)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head.weight is getattr(embeddings, "weight", None)
     desc = f"{what}{', tied to the input embeddings' if tied else ''}"
     return head, scale, desc + (f", logit scale {scale}" if scale is not None else "")
 
@@ -141,11 +142,6 @@ def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch
             del head.forward
         else:
             head.forward = own
-
-
-def _input_weight(model: nn.Module):
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return getattr(embeddings, "weight", None)
 
 
 def is_chunked(llm: nn.Module) -> bool:

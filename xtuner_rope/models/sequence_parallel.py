@@ -170,13 +170,6 @@ def _host_positions(positions: torch.Tensor | None, b: int, s: int, pad: int):
     return torch.cat([host, torch.arange(pad).expand(b, pad)], dim=1) if pad else host
 
 
-def _supervised_count(labels: torch.Tensor) -> int:
-    """Supervised tokens of the full rows after the shift (on the labels' host copy if known)."""
-    host = host_copy(labels)
-    values = labels if host is None else host
-    return int((values[:, 1:] != IGNORE_INDEX).sum())
-
-
 def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict, int]:
     """This rank's shard of a full ``[b, S]`` batch: rows padded to a multiple of ``sp`` (a
     segment of their own), the full row's boundaries published for the attention after the
@@ -197,9 +190,10 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     b, s = data["input_ids"].shape
     rows = _row_boundaries(data, b, s)
     pad = (-s) % sp
-    n_supervised = _supervised_count(data["labels"])
-    host_positions = _host_positions(data.get("position_ids"), b, s, pad)
     host_labels = host_copy(data["labels"])  # the chunked loss reads the shard's on the host
+    counted = data["labels"] if host_labels is None else host_labels  # no device read if known
+    n_supervised = int((counted[:, 1:] != IGNORE_INDEX).sum())  # of the full rows, after the shift
+    host_positions = _host_positions(data.get("position_ids"), b, s, pad)
     if pad:
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad

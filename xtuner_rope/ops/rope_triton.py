@@ -145,10 +145,8 @@ def interpreter_fault():
 
     Probed once, under `XTUNER_ROPE_TRITON_INTERPRET=1` only: a copy kernel of 4 floats (Triton
     3.0.0 with NumPy 2 reads wrong values). The first fault warns once; CPU tensors then rotate
-    eagerly, and tests skip with this reason.
-
-    Returns:
-        str | None: The Triton and NumPy versions, what the copy read, and the fix; or None.
+    eagerly, and tests skip with this reason. The answer names the Triton and NumPy versions,
+    what the copy read, and the fix.
     """
     if not _interpret() or _kernel() is None:
         return None
@@ -298,9 +296,7 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
         q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
             strides (InternLM2's views of its packed `wqkv` are read in place).
         k (torch.Tensor): `[b, n_kv, s, h_d]` or `[b, s, n_kv, h_d]`.
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
-        sin (torch.Tensor): Same shape as cos.
-        unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
+        cos, sin (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:
