@@ -14,10 +14,7 @@ class CaptureHook(Hook):
     """Base of the capture hooks: :meth:`install` at iteration ``at_iter``, undo, save, log.
 
     Subclasses implement :meth:`install` (undo actions go to :meth:`on_undo`), :meth:`saved`,
-    :meth:`file_name` and :meth:`message`.
-
-    Args:
-        at_iter: The 0-based iteration captured.
+    :meth:`file_name` and :meth:`message`. ``at_iter``: the 0-based iteration captured.
     """
 
     # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.

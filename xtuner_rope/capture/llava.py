@@ -139,7 +139,6 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
     """Each captured sample against itself alone through ``llm`` (unpatched), fp32.
 
     Args:
-        llm: The unpatched LLM with the weights of the captured step.
         saved: The capture (``inputs_embeds`` ``[b, s, d]``, ``logits`` ``[b, s, V]``,
             ``attention_mask`` / ``position_ids`` / ``labels`` ``[b, s]``, optionally
             ``unpatched_logits`` ``[b, s, V]``).

@@ -248,11 +248,8 @@ def _differences(captured: dict, expected: dict) -> dict:
 
 
 def compare_preference_capture(config: str | Path | Config, capture: str | Path) -> dict:
-    """Captured per-response values against each response alone (unpatched, float64 sums).
-
-    Args:
-        config: The config that was trained, or its file (its ``llm`` is built from its path).
-        capture: The ``preference_capture.pt`` of :class:`PreferenceCaptureHook`.
+    """Captured per-response values (:class:`PreferenceCaptureHook`'s file) against each response
+    alone (unpatched, float64 sums); ``config``: the trained config or its file.
 
     Returns:
         ``{'kind', 'packed', 'pairs', 'alone', 'captured', 'max_abs_diff',

@@ -116,11 +116,8 @@ def packs_documents(dataset_cfg: dict) -> bool:
 
 
 def compare_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured document's logits against the same document alone (unpatched, fp32).
-
-    Args:
-        config: The config that was trained (started as ``xtuner train`` starts it).
-        capture: The ``isolation_capture.pt`` of :class:`IsolationCaptureHook`.
+    """Each document of ``capture`` (:class:`IsolationCaptureHook`'s file) against the same
+    document alone (unpatched, fp32), the trained ``config`` started as ``xtuner train`` does.
 
     Returns:
         ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document', 'loss'}``;

@@ -58,12 +58,8 @@ def _local_dir(name: object) -> Path | None:
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
-    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (None without any), nothing
-    loaded.
-
-    Args:
-        folder: The checkpoint directory (``*.safetensors`` or ``pytorch_model*.bin``).
-    """
+    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (``*.safetensors`` or
+    ``pytorch_model*.bin``; None without any), nothing loaded."""
     import torch
     from safetensors import safe_open
 

@@ -203,11 +203,8 @@ def refuse_unreadable_checkpoint(findings: list) -> None:
     """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``
     (the data's tokenizer comes from that checkpoint: ``xtuner train`` stops there too).
 
-    Args:
-        findings: The start-up's findings of the config (``start_like_xtuner_train``).
-
     Raises:
-        ConfigConflict: every conflict of the start-up (its message), when one of them is
+        ConfigConflict: every conflict of the start-up's ``findings`` (its message), when one of them is
             ``config.checkpoint_findings``' refusal.
     """
     from xtuner_rope.config.checkpoint_findings import is_unreadable_checkpoint

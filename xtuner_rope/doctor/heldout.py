@@ -23,7 +23,6 @@ def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict
     Args:
         dataset: The built training dataset (its documents are the training dialogues).
         refused: The start-up refuses the config (nothing is built: ``{'refused': True}``).
-        collate_builder: ``diagnose.build_collate_fn``.
     """
     from xtuner.registry import BUILDER
 

@@ -46,12 +46,8 @@ def _as_list(value: object) -> list[int]:
 
 
 def document_starts(item: Mapping) -> list[int]:
-    """First column of every document of one item (``[0]`` plain, ``[]`` empty).
-
-    Args:
-        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``) or
-            ``position_ids`` (``[n]``, 0 at each document start).
-    """
+    """First column of every document of one dataset item (``[0]`` plain, ``[]`` empty); packed
+    items carry ``cumulative_len`` ``[k + 1]`` or ``position_ids`` ``[n]`` (0 at each start)."""
     n = len(_as_list(item.get("input_ids")))
     if n == 0:
         return []

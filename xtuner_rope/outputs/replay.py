@@ -153,7 +153,6 @@ def build_run_model(
     Args:
         record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``
             (an ``iter_N.pth``) is given.
-        cfg_options: overrides, as ``xtuner train --cfg-options`` takes them.
 
     Raises:
         ValueError: no weights to load (the run saved none and no checkpoint was given).
