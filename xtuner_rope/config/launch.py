@@ -164,13 +164,8 @@ def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list
 def sampler_findings(
     cfg: Config, argv: list[str] | None = None, world_size: int | None = None
 ) -> list[Finding]:
-    """A sampler that needs DeepSpeed's data-parallel group, on several processes without it.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``).
-        world_size: Processes of the run (default: ``WORLD_SIZE``).
-    """
+    """A sampler that needs DeepSpeed's data-parallel group, on several processes without it
+    (``argv`` default ``sys.argv``, ``world_size`` default ``WORLD_SIZE``)."""
     if world_size is None:
         world_size = current_world_size()
     loader = dict.get(config_dict(cfg), "train_dataloader")

@@ -24,10 +24,8 @@ STATE_KEY = "xtuner_rope.random_state"  # message-hub key: {"iter", "world_size"
 
 
 def capture_random_state(loop=None) -> dict:
-    """This process's random generators, as plain picklable values.
-
-    Args:
-        loop: The train loop (optional): its dataloader's worker base seed is recorded too.
+    """This process's random generators, as plain picklable values (with a train ``loop``, its
+    dataloader's worker base seed too).
 
     Returns:
         ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}`` (None where
