@@ -167,8 +167,6 @@ def prepared_runner(cfg: Config, work_dir: Path, dtype: str | None = None) -> Pr
     """The config's Runner (:func:`build_runner`), its model in the dtype checked.
 
     Args:
-        cfg: The started config (:func:`start_config`).
-        work_dir: Runner work dir (its log goes there).
         dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); default:
             :func:`train_dtype`.
     """

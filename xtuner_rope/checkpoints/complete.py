@@ -185,12 +185,8 @@ def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str
 
 
 def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
-    """The complete checkpoint of the highest number in ``folder``, or None.
-
-    Args:
-        folder: A work dir (or CheckpointHook ``out_dir``).
-        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to consider.
-        exclude: A path to leave out (the checkpoint already judged incomplete).
+    """The complete checkpoint of the highest number in ``folder`` (a work dir or ``out_dir``), or
+    None; ``kind``: ``"iter"`` or ``"epoch"`` names, ``exclude``: a path already judged incomplete.
     """
     left_out = os.path.realpath(exclude or "")
     for _, path in reversed(numbered_checkpoints(folder, kind)):

@@ -262,11 +262,8 @@ def patch_preference_truncation_counted(counted_class) -> bool:
     """Count XTuner's cut of preference responses at ``max_length`` (same pairs).
 
     xtuner 0.2.0 ``PreferenceDataset`` cuts prompt + response at ``max_length`` silently; the
-    module's class becomes ``counted_class(PreferenceDataset)``, a subclass that counts.
-
-    Args:
-        counted_class: ``PreferenceDataset -> subclass``
-            (``data.preference_truncation.counted_preference_dataset``).
+    module's class becomes ``counted_class(PreferenceDataset)``, a subclass that counts
+    (``data.preference_truncation.counted_preference_dataset``).
     """
     import xtuner.dataset.preference_dataset as preference
 

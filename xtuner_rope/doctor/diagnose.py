@@ -224,8 +224,6 @@ def diagnose(
     """Check a config's train data and settings; see the module docstring.
 
     Args:
-        cfg_options: ``--cfg-options`` overrides (dotted keys).
-        batches: How many sampler batches to collate.
         progress: Its steps and bars on stderr while it works (:mod:`xtuner_rope.doctor.progress`).
         work_dir: The run's ``--work-dir`` (default: the config's, else XTuner's default), where
             the checkpoints' size and free space are judged.

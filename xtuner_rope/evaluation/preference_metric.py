@@ -66,10 +66,7 @@ class PreferenceMetric(BaseMetric):
         self.settings: dict = {}
 
     def bind(self, model: object) -> None:
-        """Read the model's kind and loss settings (``HeldOutCurvesHook`` calls this).
-
-        Args:
-            model: The run's model, unwrapped (XTuner's ``DPO``, ``ORPO`` or ``RewardModel``).
+        """Read the unwrapped model's kind and loss settings (``HeldOutCurvesHook`` calls this).
 
         Raises:
             TypeError: another model (SFT: use ``TokenLossMetric``).

@@ -129,7 +129,6 @@ def lay_out_rows(
     Args:
         samples: ``(input_ids, labels)`` per sample, both 1-D of one length ``n_i >= 1``.
         plan: The samples of each row, in order (``plan_packs``, or ``[[i]]`` per sample).
-        pad_index: Token id of the padding.
         ignore_index: Label of the padding and of each sample's first token.
 
     Returns:
