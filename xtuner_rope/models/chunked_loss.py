@@ -128,10 +128,8 @@ def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch
     """``loss_of(hidden)`` run as ``head(hidden)``: DeepSpeed ZeRO-3's hooks on the head gather
     its parameters once for the forward and once for the backward (not once per chunk).
 
-    Args:
-        head: The output head.
-        loss_of: ``[b, s, H] -> scalar``, reading the head's parameters.
-        hidden: ``[b, s, H]`` the decoder's last hidden states.
+    ``loss_of``: ``[b, s, H] -> scalar``, reading the head's parameters; ``hidden``: ``[b, s, H]``
+    the decoder's last hidden states.
     """
     own = vars(head).get("forward")
     head.forward = loss_of

@@ -81,9 +81,8 @@ def rotary_document_lengths(
 
     Args:
         rotary: The calling rotary module (its ``training`` tells a sequence-parallel shard).
-        position_ids: ``[b, s]`` or ``[1, s]`` integer positions of the call.
-        b: Rows; s: row length (of this rank's shard under sequence parallel).
-        device: Where the lengths are needed.
+        position_ids: ``[b, s]`` or ``[1, s]`` integer positions of the call (``s``: this rank's
+            shard's under sequence parallel).
         zero_start: Documents only where every row starts at position 0 (transformers' rule).
     """
     if sequence_parallel_active(rotary):

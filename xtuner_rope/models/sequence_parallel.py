@@ -83,8 +83,7 @@ def sequence_parallel_attention(
 
     Args:
         q: ``[b, S/sp, n_h, h_d]`` this rank's shard of queries (RoPE applied).
-        k: ``[b, S/sp, n_kv, h_d]`` keys of the shard (RoPE applied).
-        v: ``[b, S/sp, n_kv, h_d]`` values of the shard.
+        k, v: ``[b, S/sp, n_kv, h_d]`` keys (RoPE applied) and values of the shard.
         eager: Whether the layer's dense kernel is eager softmax (else SDPA), for the backend.
 
     Returns:
@@ -179,7 +178,6 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
         data: ``input_ids``, ``labels`` ``[b, S]``, optional ``position_ids`` ``[b, S]``
             (per-document positions); not modified.
         sp: Sequence-parallel world size; rank: this rank in the group.
-        pad_index: Token id of the padding segment.
 
     Returns:
         The shard's ``input_ids``, ``position_ids`` and ``shifted_labels`` (``[b, S'/sp]``,
@@ -247,7 +245,6 @@ def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> di
     """The token-weighted SFT loss of a full batch under sequence parallel (every label once).
 
     Args:
-        llm: The causal LM whose attention is patched by xtuner-rope (this rank's replica).
         data: The full batch as collated: ``input_ids``, ``labels`` ``[b, S]``, optional
             ``position_ids``; ``attention_mask`` is not used (boundaries are).
         pad_index: Token id of the padding segment added when ``S % sp != 0``.

@@ -152,8 +152,7 @@ def packed_attention(
 
     Args:
         q: ``[b, s, n_h, h_d]`` queries (RoPE applied).
-        k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
-        v: ``[b, s, n_kv, h_d]`` values.
+        k, v: ``[b, s, n_kv, h_d]`` keys (RoPE applied) and values; ``n_h`` a multiple of ``n_kv``.
         plan: Document layout from ``document_plan`` / ``plan_documents``.
         backend: ``'flash'``, ``'varlen'``, ``'sdpa'`` or ``'eager'`` (:func:`packed_backend`).
 
