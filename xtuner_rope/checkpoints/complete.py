@@ -149,11 +149,8 @@ def _folder_reason(path: str) -> str:
 
 
 def judge_checkpoint(path: str) -> Verdict:
-    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not.
-
-    Returns:
-        The verdict; a path that does not exist is incomplete.
-    """
+    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not; a
+    path that does not exist is incomplete."""
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         reason = _folder_reason(path)

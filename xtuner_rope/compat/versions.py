@@ -113,11 +113,8 @@ _WARNED: set[str] = set()
 
 
 def warn_unsupported() -> dict[str, str]:
-    """One :class:`UnsupportedVersionWarning` per package outside its range, once per process.
-
-    Returns:
-        :func:`unsupported`'s answer (warned or not).
-    """
+    """One :class:`UnsupportedVersionWarning` per package outside its range, once per process;
+    returns :func:`unsupported`'s answer (warned or not)."""
     found = unsupported()
     for dist, message in found.items():
         if dist not in _WARNED:

@@ -61,10 +61,8 @@ FINDINGS: list[tuple[str, FindingsFn]] = []
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
-    """Apply the plugin's fixes to ``cfg`` (in place) and refuse what cannot be fixed.
-
-    Returns:
-        The fixes applied (each also logged).
+    """Apply the plugin's fixes to ``cfg`` (in place, each logged and returned) and refuse what
+    cannot be fixed.
 
     Raises:
         ConfigConflict: every conflicting setting with its exact edit, all at once.

@@ -104,10 +104,7 @@ def start_like_xtuner_train(
 
 def build_collate_fn(loader: dict):
     """The train dataloader's collate function with its kwargs bound, as MMEngine's Runner does
-    (XTuner's ``default_collate_fn`` when the config names none).
-
-    Returns:
-        ``(collate_fn, name, kwargs)``.
+    (XTuner's ``default_collate_fn`` when the config names none): ``(collate_fn, name, kwargs)``.
 
     Raises:
         ValueError: ``collate_fn.type`` is a string MMEngine's ``FUNCTIONS`` does not know.

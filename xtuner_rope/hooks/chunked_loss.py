@@ -75,10 +75,8 @@ def _predict_target_logprobs(own):
 
 def enable_chunked_loss(runner) -> str:
     """Switch the run's training loss (its model patched by ``models.dispatch.patch_model``) to the
-    chunked loss where it serves.
-
-    Returns:
-        The start-up line saying which loss runs (and the chunk, or why not chunked).
+    chunked loss where it serves; returns the start-up line saying which loss runs (and the chunk,
+    or why not chunked).
 
     Raises:
         ValueError: a bad ``chunked_loss`` value (the start-up refuses it earlier).

@@ -155,14 +155,11 @@ def chunked_now(llm: nn.Module) -> bool:
 
 
 def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
-    """Give the causal LM of ``llm`` the chunked training loss (idempotent).
+    """Give the causal LM of ``llm`` (or of peft's ``PeftModel`` around it) the chunked training
+    loss (idempotent); returns what runs, for the start-up log: the head and the chunk.
 
     Args:
-        llm: The HF causal LM, or peft's ``PeftModel`` around it.
         chunk_tokens: Tokens per chunk; default ``ops.chunked_loss.chunk_tokens_for(V)``.
-
-    Returns:
-        What runs, for the start-up log: the head and the chunk.
 
     Raises:
         UnsupportedHead: see :func:`chunked_loss_head`; the model is left unpatched.

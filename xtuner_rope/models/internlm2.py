@@ -116,9 +116,7 @@ def patch_internlm2_attention(model: nn.Module, max_position: int | None = None)
     """Give every InternLM2 attention layer of ``model`` the validated RoPE and document-isolating
     attention (classes found by name, XTuner's and remote-code copies, inside any wrapper;
     idempotent); ``max_position`` optionally overrides the largest position id the RoPE accepts.
-
-    Returns:
-        The number of InternLM2 attention layers now carrying the patch.
+    Returns the number of InternLM2 attention layers now carrying the patch.
 
     Raises:
         ValueError: the model has no InternLM2 attention layer.
