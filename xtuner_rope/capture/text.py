@@ -31,10 +31,8 @@ def _copy(value: object) -> object:
 
 
 class IsolationCaptureHook(CaptureHook):
-    """Save the first training batch and the logits/loss the model computed from it (tiny models).
-
-    Writes ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``).
-    """
+    """Save the first training batch and the logits/loss the model computed from it (tiny models)
+    in ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``)."""
 
     def __init__(self) -> None:
         super().__init__(at_iter=0)

@@ -103,10 +103,8 @@ def _file_reason(path: str) -> str:
 
 
 def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
-    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file.
-
-    Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
-    """
+    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file (its tensors mapped,
+    not read); ``(None, 0)`` when the file cannot tell."""
     with runner_globals_allowed():
         try:
             state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)

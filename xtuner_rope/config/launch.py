@@ -101,10 +101,8 @@ def _deepspeed_source(cfg: Config, argv: list[str] | None) -> tuple[object, str]
 
 
 def resolved_dtype(ds: dict) -> str | None:
-    """``fp16``/``bf16`` as XTuner resolves the DeepSpeed config on this machine, else None.
-
-    Runs XTuner's own ``auto_dtype_of_deepspeed_config`` (as ``xtuner train`` does) on a copy.
-    """
+    """``fp16``/``bf16`` as XTuner resolves the DeepSpeed config on this machine, else None: its
+    own ``auto_dtype_of_deepspeed_config`` (as ``xtuner train`` runs it) on a copy."""
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
     from xtuner_rope.compat import run_patch

@@ -51,11 +51,9 @@ def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
 
 
 class PreferenceMetric(BaseMetric):
-    """Held-out loss, preference accuracy and reward margin of XTuner's DPO, ORPO, reward model.
-
-    Reports ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean
-    chosen minus rejected reward) and ``_pairs``.
-    """
+    """Held-out loss, preference accuracy and reward margin of XTuner's DPO, ORPO, reward model:
+    ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean chosen minus
+    rejected reward) and ``_pairs``."""
 
     default_prefix = None
 

@@ -114,10 +114,8 @@ def _restore_and_log(state: dict, loop) -> None:
 
 
 class RandomStateHook(Hook):
-    """Saves each process's random state with every checkpoint and restores it on resume.
-
-    Uses ``MessageHub`` (key :data:`STATE_KEY`, kept across resume); changes no batch.
-    """
+    """Saves each process's random state with every checkpoint and restores it on resume, through
+    ``MessageHub`` (key :data:`STATE_KEY`, kept across resume); changes no batch."""
 
     # After ParamScheduler (70), before CheckpointHook (90): captured just ahead of the save;
     # and the last ``before_train_epoch`` to run, right before the loop fetches and draws.

@@ -168,11 +168,9 @@ class HFValidatedRotaryEmbedding(nn.Module):
         return inv_freq
 
     def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
-        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens.
-
-        transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host;
-        sent to ``device`` in one non-blocking copy.
-        """
+        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens:
+        transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host,
+        sent to ``device`` in one non-blocking copy."""
         if self.rope_type == "longrope":
             freqs = self._longrope(self.original + 1)[0]
         else:

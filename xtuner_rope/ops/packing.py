@@ -221,11 +221,9 @@ def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> l
 def padded_length(
     longest: int, *, pad_to_multiple_of: int | None = None, min_length: int | None = None
 ) -> int:
-    """Row length ``s`` for a batch whose longest row holds ``longest`` tokens.
-
-    Rounds up to a multiple of ``pad_to_multiple_of`` and to at least ``min_length``
-    (a multiple too, when both are given).
-    """
+    """Row length ``s`` for a batch whose longest row holds ``longest`` tokens: rounded up to a
+    multiple of ``pad_to_multiple_of`` and to at least ``min_length`` (a multiple too, when both
+    are given)."""
     s = max(longest, min_length or 0)
     if pad_to_multiple_of:
         s = -(-s // pad_to_multiple_of) * pad_to_multiple_of

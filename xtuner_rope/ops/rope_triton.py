@@ -58,11 +58,8 @@ def _strict():
 
 
 def use_triton_apply(enabled=True):
-    """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
-
-    ``enabled``: True the Triton kernel, False the eager kernel everywhere, None (the default)
-    `XTUNER_ROPE_TRITON` decides. Returns whether it was on before.
-    """
+    """Turn the Triton rotary kernel on (True) or off (False: eager everywhere) for this process;
+    None (the default): `XTUNER_ROPE_TRITON` decides. Returns whether it was on before."""
     before = _enabled()
     _state["enabled"] = None if enabled is None else bool(enabled)
     return before
@@ -75,10 +72,8 @@ def _enabled():
 
 
 def triton_kernel_calls():
-    """Launches of the Triton rotary kernel in this process (forward and backward each count).
-
-    Tests and benchmarks use it to tell a kernel run from a silent eager fall-back.
-    """
+    """Launches of the Triton rotary kernel in this process (forward and backward each count):
+    tests and benchmarks tell a kernel run from a silent eager fall-back by it."""
     return _state["calls"]
 
 

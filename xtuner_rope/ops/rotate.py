@@ -20,11 +20,8 @@ _fused = {"enabled": False, "fn": None, "calls": 0}
 
 
 def rotate_eager(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` (any dtype and strides) in fp32: `x * cos + rotate_half(x) * sin`.
-
-    With transpose=True its transpose (the backward). Returns x's dtype (and strides where x is
-    dense).
-    """
+    """Rotate x `[..., h_d]` (any dtype and strides) in fp32: `x * cos + rotate_half(x) * sin`,
+    or its transpose (the backward). Returns x's dtype (and strides where x is dense)."""
     # Chunks along x's outermost dim in memory (heads for [b, n, s, h_d], s for the transposed
     # views InternLM2 passes) are compact blocks, which stay in cache across the passes below.
     # On accelerators one chunk: there each chunk costs kernel launches, not cache misses.
