@@ -86,11 +86,9 @@ def _problems(result: dict, patched: bool, tol: dict | None = None) -> list[str]
 
 
 def run(cfg: Config, request: CheckRequest) -> dict:
-    """Measure a started preference config (the kind's entry in ``KINDS``); see the module docstring.
-
-    Judged with ``check.report.TOLERANCES`` of the dtype checked; returns the JSON-ready report
-    (``kind='preference'``), with ``verdict``, ``problems`` and ``exit_code`` (1 on a leak).
-    """
+    """Measure a started preference config (the kind's entry in ``KINDS``; the module docstring)
+    with ``check.report.TOLERANCES`` of the dtype checked: the JSON-ready report
+    (``kind='preference'``), with ``verdict``, ``problems`` and ``exit_code`` (1 on a leak)."""
     work_dir = Path(request.work_dir)
     # each response alone runs fp32, summed in float64
     runner, _, dt, hooks = prepared_runner(cfg, work_dir, request.dtype)

@@ -67,10 +67,8 @@ def preference_pair_problems(
 
 
 def dataset_pairs(dataset) -> tuple[list[Mapping], list[tuple[int, int]], int | None] | None:
-    """``(pairs, dropped, max_packed_length)`` of XTuner's preference dataset, else None.
-
-    A ``PackedDatasetWrapper`` patched by ``xtuner_preference.patch_preference_unpacked_pairs``
-    keeps ``unpacked_pairs``: pairs are named by their source index and the dropped ones found.
+    """``(pairs, dropped, max_packed_length)`` of XTuner's preference dataset, else None; the
+    ``unpacked_pairs`` a patched ``PackedDatasetWrapper`` keeps name pairs by source index.
     """
     name = type(dataset).__name__
     if name == "PreferenceDataset":

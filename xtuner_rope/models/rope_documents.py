@@ -168,10 +168,8 @@ def install_row_lengths(model: nn.Module) -> int:
 
 
 def is_document_rotary(module: nn.Module) -> bool:
-    """True for a validated rotary that can give each document its own frequencies.
-
-    The one test of "a rotary of ours" that :func:`install_row_lengths` and
-    :func:`set_per_document_rope` share: such a module carries a ``per_document`` switch.
+    """True for a validated rotary that can give each document its own frequencies (it carries a
+    ``per_document`` switch): :func:`install_row_lengths`' and :func:`set_per_document_rope`'s test.
     """
     return hasattr(module, "per_document")
 

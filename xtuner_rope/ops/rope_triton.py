@@ -120,11 +120,9 @@ def _warn_missing(x):
 
 
 def triton_apply_active(x):
-    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` (gives the device) with Triton.
-
-    True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1` without an
-    :func:`interpreter_fault`) when the kernel is on, Triton imports and no trace is running.
-    """
+    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` with Triton: on CUDA (or on the CPU
+    under `XTUNER_ROPE_TRITON_INTERPRET=1` without an :func:`interpreter_fault`) when the kernel is
+    on, Triton imports and no trace is running."""
     if torch.compiler.is_compiling() or not _enabled():
         return False
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):

@@ -78,11 +78,8 @@ def use_fused_apply(enabled=True):
 
 
 def fused_kernel_calls():
-    """How many `rotate` calls in this process the compiled (fused) kernel served.
-
-    Fall-backs to the eager kernel and calls traced into the user's compiled model are not
-    counted: tests and benchmarks tell a compiled run from a silent fall-back by it.
-    """
+    """How many `rotate` calls in this process the compiled (fused) kernel served (not fall-backs,
+    not calls traced into the user's compiled model): tests and benchmarks read it."""
     return _fused["calls"]
 
 
