@@ -25,12 +25,9 @@ _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
 
 
 class LLMCaptureHook(CaptureHook):
-    """Base of the multimodal captures: the LLM's first step, with an in-run negative control.
-
-    Args:
-        negative_control: Also measure inside the run through an unpatched copy of the LLM
-            with the run's weights (:func:`isolation_figures`, logged).
-    """
+    """Base of the multimodal captures: the LLM's first step, with an in-run negative control
+    (``negative_control``: an unpatched copy of the LLM with the run's weights measured too,
+    :func:`isolation_figures`, logged)."""
 
     FILE = WHAT = ""  # the capture's file name; what the log line says was saved
 

@@ -88,12 +88,9 @@ def scan_samples(
     truncation_length: int | None,
     progress: bool = True,
 ) -> SampleScan:
-    """Check every sample of a built dataset; issue indices are sample indices.
-
-    Args:
-        collate_max_length: Longer samples are ``over_long`` (None: not checked).
-        truncation_length: A sample exactly this long was probably cut (None: not checked).
-    """
+    """Check every sample of a built dataset; issue indices are sample indices. Samples longer
+    than ``collate_max_length`` are ``over_long``, those exactly ``truncation_length`` long were
+    probably cut (None: not checked)."""
     scan = SampleScan()
     enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
     for index in tqdm(range(len(dataset)), desc="doctor: samples", disable=not enabled):
