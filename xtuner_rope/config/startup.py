@@ -6,7 +6,12 @@ package it activates the plugin, and it refuses every conflicting setting of the
 started with the exact edit, fixing (and logging) what has one right answer.
 
 The findings engine: :func:`register_findings`, :func:`inspect_config` (pure) and
-:func:`prepare_config`; each ``config`` module registers its own (``xtuner_rope.FINDINGS_MODULES``).
+:func:`prepare_config`. Each topic registers its own (``xtuner_rope.FINDINGS_MODULES``):
+``config.patch_needs``, ``config.packing``, ``config.moss``, ``config.frameworks``,
+``config.multimodal``, ``config.internvl``, ``config.llava_tower``, ``config.launch``,
+``config.optimizer_state``, ``config.sequence_parallel``, ``config.rope_scaling``,
+``config.runtime``, ``config.heldout.findings``, ``config.heldout.shortcut``, ``config.families``,
+``config.checkpoint_findings``, ``config.preference``, ``config.loss``, ``config.accumulation``.
 """
 
 from __future__ import annotations
