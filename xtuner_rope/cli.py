@@ -262,9 +262,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); the subcommand's exit status.
-
-    Usage errors exit 2 through argparse (``SystemExit``).
-    """
+    Usage errors exit 2 through argparse (``SystemExit``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # every argument passes on to XTuner's train.py, untouched
         # Only a launcher here: the child's config loads the plugin, this process needs none.

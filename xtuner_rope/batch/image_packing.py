@@ -14,12 +14,8 @@ __all__ = ["expand_row_boundaries", "expanded_length", "llava_samples"]
 
 
 def expanded_length(ids: torch.Tensor, image_tokens: int) -> int:
-    """Tokens the LLM sees for one sample: ``n - k + k * image_tokens`` (``k`` placeholders).
-
-    Args:
-        ids: ``[n]`` token ids, ``IMAGE_TOKEN_INDEX`` where an image goes.
-        image_tokens: ``P``, patch embeddings per image.
-    """
+    """Tokens the LLM sees for one sample's ``[n]`` ids: ``n - k + k * image_tokens`` (``k``
+    placeholders ``IMAGE_TOKEN_INDEX``, each ``image_tokens`` patch embeddings)."""
     k = int((ids == IMAGE_TOKEN_INDEX).sum())
     return int(ids.numel()) + k * (image_tokens - 1)
 

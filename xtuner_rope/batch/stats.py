@@ -19,11 +19,9 @@ IGNORE_INDEX = -100
 
 @dataclass
 class BatchStats:
-    """Counts of one batch; add them up over a logging window with ``+``.
-
-    ``tokens`` counts padding, ``real_tokens`` not; ``max_position`` is the largest position
-    fed to the RoPE; ``unsupervised_documents`` have every label -100 after their first.
-    """
+    """Counts of one batch, added up over a logging window with ``+``: ``tokens`` counts padding,
+    ``real_tokens`` not; ``max_position`` is the largest position fed to the RoPE;
+    ``unsupervised_documents`` have every label -100 after their first."""
 
     rows: int = 0
     tokens: int = 0

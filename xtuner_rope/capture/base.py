@@ -11,14 +11,9 @@ from mmengine.logging import print_log
 
 
 class CaptureHook(Hook):
-    """Base of the capture hooks: :meth:`install` at iteration ``at_iter``, undo, save, log.
-
-    Subclasses implement :meth:`install` (undo actions go to :meth:`on_undo`), :meth:`saved`,
-    :meth:`file_name` and :meth:`message`.
-
-    Args:
-        at_iter: The 0-based iteration captured.
-    """
+    """Base of the capture hooks: :meth:`install` at the 0-based iteration ``at_iter``, undo, save,
+    log. Subclasses implement :meth:`install` (undo actions go to :meth:`on_undo`), :meth:`saved`,
+    :meth:`file_name` and :meth:`message`."""
 
     # After ValidatedRoPEHook (5), before PackedBatchCheckHook (8), which pops the boundaries.
     priority = 7

@@ -25,12 +25,9 @@ _FIELDS = ("inputs_embeds", "attention_mask", "position_ids", "labels")
 
 
 class LLMCaptureHook(CaptureHook):
-    """Base of the multimodal captures: the LLM's first step, with an in-run negative control.
-
-    Args:
-        negative_control: Also measure inside the run through an unpatched copy of the LLM
-            with the run's weights (:func:`isolation_figures`, logged).
-    """
+    """Base of the multimodal captures: the LLM's first step, with an in-run negative control
+    (``negative_control``: an unpatched copy of the LLM with the run's weights measured too,
+    :func:`isolation_figures`, logged)."""
 
     FILE = WHAT = ""  # the capture's file name; what the log line says was saved
 
@@ -139,7 +136,6 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
     """Each captured sample against itself alone through ``llm`` (unpatched), fp32.
 
     Args:
-        llm: The unpatched LLM with the weights of the captured step.
         saved: The capture (``inputs_embeds`` ``[b, s, d]``, ``logits`` ``[b, s, V]``,
             ``attention_mask`` / ``position_ids`` / ``labels`` ``[b, s]``, optionally
             ``unpatched_logits`` ``[b, s, V]``).
@@ -181,14 +177,9 @@ def isolation_figures(llm: nn.Module, saved: dict) -> dict:
 
 
 def compare_llava_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32, offline).
-
-    Args:
-        config: The config that was trained (its LLM is loaded from its path).
-        capture: The file written by :class:`LLaVAIsolationCaptureHook`.
-
-    Returns:
-        :func:`isolation_figures`' result.
+    """Each captured sample's LLM logits against the same sample alone (unpatched, fp32, offline):
+    :func:`isolation_figures` of ``capture`` (:class:`LLaVAIsolationCaptureHook`'s file), the LLM
+    loaded from the trained ``config``'s path.
     """
     saved = torch.load(capture, map_location="cpu", weights_only=False)
     return isolation_figures(reference_llava_llm(Config.fromfile(str(config))), saved)

@@ -113,8 +113,7 @@ def documents_alone(
         backward: Backpropagate ``-(sum of the documents' token losses) / n_labels``
             (``.grad`` then holds minus the reference gradient of the packed loss).
 
-    Returns:
-        The ``[len, V]`` logits of each document and the reference loss.
+    Returns the ``[len, V]`` logits of each document and the reference loss.
     """
     device = next(llm.parameters()).device
     logits, total = [], 0.0

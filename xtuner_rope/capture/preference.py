@@ -70,11 +70,9 @@ class PreferenceCaptureHook(CaptureHook):
 
     Writes ``preference_capture[_rank{r}].pt`` after iteration ``at_iter + 1``: ``{'kind',
     'data', 'state_dict', 'values': {name: [pairs] fp32}, 'loss', 'randomness_off'}``; the
-    step runs with dropout and router noise off (:func:`randomness_off`). Tiny models only.
-
-    Args:
-        at_iter: The 0-based iteration to capture; after an optimizer step the policy and
-            reference (and a reward head initialised to zero) differ.
+    step runs with dropout and router noise off (:func:`randomness_off`). Tiny models only; an
+    ``at_iter`` after an optimizer step makes the policy and reference (and a zero reward head)
+    differ.
     """
 
     def __init__(self, at_iter: int = 2) -> None:
@@ -248,11 +246,8 @@ def _differences(captured: dict, expected: dict) -> dict:
 
 
 def compare_preference_capture(config: str | Path | Config, capture: str | Path) -> dict:
-    """Captured per-response values against each response alone (unpatched, float64 sums).
-
-    Args:
-        config: The config that was trained, or its file (its ``llm`` is built from its path).
-        capture: The ``preference_capture.pt`` of :class:`PreferenceCaptureHook`.
+    """Captured per-response values (:class:`PreferenceCaptureHook`'s file) against each response
+    alone (unpatched, float64 sums); ``config``: the trained config or its file.
 
     Returns:
         ``{'kind', 'packed', 'pairs', 'alone', 'captured', 'max_abs_diff',

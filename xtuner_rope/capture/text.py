@@ -31,10 +31,8 @@ def _copy(value: object) -> object:
 
 
 class IsolationCaptureHook(CaptureHook):
-    """Save the first training batch and the logits/loss the model computed from it (tiny models).
-
-    Writes ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``).
-    """
+    """Save the first training batch and the logits/loss the model computed from it (tiny models)
+    in ``isolation_capture.pt`` (``{'data', 'logits': [b, s, V] fp32, 'loss', 'dtype'}``)."""
 
     def __init__(self) -> None:
         super().__init__(at_iter=0)
@@ -116,11 +114,8 @@ def packs_documents(dataset_cfg: dict) -> bool:
 
 
 def compare_capture(config: str | Path, capture: str | Path) -> dict:
-    """Each captured document's logits against the same document alone (unpatched, fp32).
-
-    Args:
-        config: The config that was trained (started as ``xtuner train`` starts it).
-        capture: The ``isolation_capture.pt`` of :class:`IsolationCaptureHook`.
+    """Each document of ``capture`` (:class:`IsolationCaptureHook`'s file) against the same
+    document alone (unpatched, fp32), the trained ``config`` started as ``xtuner train`` does.
 
     Returns:
         ``{'documents', 'boundaries', 'dtype', 'max_abs_diff', 'per_document', 'loss'}``;

@@ -1,9 +1,7 @@
 """``xtuner-rope check``: prove isolation on the user's own model, dtype, kernel and data.
 
-Floors, lowest first: ``runner`` (the config started, its Runner, its first batches),
-``report`` (tolerances, verdict, ``report.json``), one module per kind (``text``, ``llava``,
-``internvl``, ``preference``) and ``kinds`` (``KINDS``, ``run_check``, ``format_summary``). The
-measurements live in :mod:`xtuner_rope.capture`. The names below are the command's API.
+Floors, lowest first: ``runner``, ``report``, one module per kind, ``kinds``; the measurements
+live in :mod:`xtuner_rope.capture`. The names below are the command's API.
 """
 
 from xtuner_rope.check.kinds import KINDS, format_summary, kind_of, run_check

@@ -46,17 +46,10 @@ def run_check(
     reference logits of at most ``max_documents`` documents per batch (CPU), and activations of
     one cut batch or one document.
 
-    Args:
-        config: XTuner config file.
-        cfg_options: ``--cfg-options`` overrides.
-        batches: Batches to measure.
-        work_dir: Runner work dir (its log goes there).
-        dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``).
-        max_documents: Documents per batch (rows are cut after them).
-        new_tokens: Greedy tokens to generate.
-
-    Returns:
-        The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
+    The arguments are the command's options (:class:`~xtuner_rope.check.runner.CheckRequest`):
+    ``dtype`` overrides the training dtype, rows are cut after ``max_documents`` documents per
+    batch, ``new_tokens`` greedy tokens are generated. Returns the JSON-ready report, with
+    ``verdict``, ``problems`` and ``exit_code``.
     """
     refuse_unserved_model(config)  # a model the start-up refuses, named
     cfg = start_config(config, cfg_options)

@@ -38,11 +38,6 @@ def applies(cfg: Config) -> bool:
     return isinstance(model, dict) and type_name(model.get("type")) in PREFERENCE_MODELS
 
 
-def _publish_without_plugin(data: dict) -> None:
-    """What XTuner's ``VarlenAttnArgsToMessageHubHook`` does, for a config without the plugin."""
-    channel.publish(data.pop("cumulative_len")[0], data.pop("max_seqlen", None), rank=0)
-
-
 def _training_forward(runner, hooks: dict, work_dir: Path) -> Path:
     """One training forward of the first batch, captured; no optimizer step."""
     data_batch = next(iter(runner.train_dataloader))
@@ -51,8 +46,9 @@ def _training_forward(runner, hooks: dict, work_dir: Path) -> Path:
     boundary = [hooks[n] for n in BOUNDARY_HOOKS if n in hooks]
     for hook in boundary:
         hook.before_train_iter(runner, 0, data_batch)
-    if not boundary and "cumulative_len" in data_batch["data"]:
-        _publish_without_plugin(data_batch["data"])
+    data = data_batch["data"]
+    if not boundary and "cumulative_len" in data:  # XTuner's varlen hook, without the plugin
+        channel.publish(data.pop("cumulative_len")[0], data.pop("max_seqlen", None), rank=0)
     data = runner.model.data_preprocessor(data_batch, True)
     losses = runner.model(**data, mode="loss")
     capture.after_train_iter(runner, 0, data_batch, {"loss": losses["loss"].detach().mean()})
@@ -90,15 +86,9 @@ def _problems(result: dict, patched: bool, tol: dict | None = None) -> list[str]
 
 
 def run(cfg: Config, request: CheckRequest) -> dict:
-    """Measure a started preference config (the kind's entry in ``KINDS``); see the module docstring.
-
-    Args: as :func:`xtuner_rope.check.text.run` (``config``, ``work_dir``, ``dtype`` read; the
-        tolerances are ``check.report.TOLERANCES`` of the dtype checked).
-
-    Returns:
-        The JSON-ready report (``kind='preference'``), with ``verdict``, ``problems`` and
-        ``exit_code`` (1 on a leak).
-    """
+    """Measure a started preference config (the kind's entry in ``KINDS``; the module docstring)
+    with ``check.report.TOLERANCES`` of the dtype checked: the JSON-ready report
+    (``kind='preference'``), with ``verdict``, ``problems`` and ``exit_code`` (1 on a leak)."""
     work_dir = Path(request.work_dir)
     # each response alone runs fp32, summed in float64
     runner, _, dt, hooks = prepared_runner(cfg, work_dir, request.dtype)

@@ -26,15 +26,11 @@ TOLERANCES = {  # relative, see the module docstring
 }
 
 
-def _worst_document(report: dict) -> dict:
-    docs = [dict(d, batch=i) for i, b in enumerate(report["batches"]) for d in b["logits"]]
-    return max(docs, key=lambda d: d["max_abs_diff"] / max(1.0, d["max_abs_logit"]))
-
-
 def figures(report: dict) -> dict:
     """The headline differences, each ``diff / scale`` next to its tolerance."""
     tol = TOLERANCES[report["model"]["dtype"]]
-    worst = _worst_document(report)
+    docs = [dict(d, batch=i) for i, b in enumerate(report["batches"]) for d in b["logits"]]
+    worst = max(docs, key=lambda d: d["max_abs_diff"] / max(1.0, d["max_abs_logit"]))
     losses = [b["loss"] for b in report["batches"]]
     loss = max(losses, key=lambda x: abs(x["packed"] - x["documents"]))
     grads = report["grads"]

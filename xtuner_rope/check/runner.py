@@ -69,11 +69,8 @@ def _deepspeed_dtype(cfg: Config) -> torch.dtype | None:
 
 
 def train_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The dtype the config trains in on ``device``.
-
-    CPU: float32 (no AMP there). GPU: DeepSpeed's bf16/fp16, else ``AmpOptimWrapper``'s dtype
-    (float16 unset), else the ``llm``'s ``torch_dtype``, else float32.
-    """
+    """The dtype the config trains in on ``device``. CPU: float32 (no AMP there). GPU: DeepSpeed's
+    bf16/fp16, else ``AmpOptimWrapper``'s (float16 unset), else the ``llm``'s, else float32."""
     if device.type == "cpu":
         return torch.float32
     optim = cfg.get("optim_wrapper") or {}
@@ -167,8 +164,6 @@ def prepared_runner(cfg: Config, work_dir: Path, dtype: str | None = None) -> Pr
     """The config's Runner (:func:`build_runner`), its model in the dtype checked.
 
     Args:
-        cfg: The started config (:func:`start_config`).
-        work_dir: Runner work dir (its log goes there).
         dtype: Override of the training dtype (``float32``, ``bfloat16``, ``float16``); default:
             :func:`train_dtype`.
     """

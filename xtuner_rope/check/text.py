@@ -122,15 +122,8 @@ def outcome(runner, counted, patched: bool, results: list, ref_grad: float, gene
 
 
 def run(cfg: Config, request: CheckRequest) -> dict:
-    """Measure a started text config (the kind's entry in ``KINDS``); see the module docstring.
-
-    Args:
-        cfg: The started config (:func:`xtuner_rope.check.runner.start_config`).
-        request: The command's options (:class:`xtuner_rope.check.runner.CheckRequest`).
-
-    Returns:
-        The JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``.
-    """
+    """Measure a started text config (the kind's entry in ``KINDS``; the module docstring): the
+    JSON-ready report, with ``verdict``, ``problems`` and ``exit_code``."""
     prepared = prepared_runner(cfg, Path(request.work_dir), request.dtype)
     runner, hooks = prepared.runner, prepared.hooks
     cut, sources = [], []

@@ -65,11 +65,9 @@ def _remove_stale_temporaries(folder: str, name: str) -> None:
 
 
 class _Stream:
-    """The temporary file as ``torch.save`` sees it: every write goes through :meth:`write`.
-
-    Without a ``fileno`` torch cannot write behind Python's back, and the disk's ``OSError`` is
-    kept as raised (torch reports a failed write as ``RuntimeError``).
-    """
+    """The temporary file as ``torch.save`` sees it: every write goes through :meth:`write`
+    (without a ``fileno`` torch cannot write behind Python's back), so the disk's ``OSError`` is
+    kept as raised (torch reports a failed write as ``RuntimeError``)."""
 
     def __init__(self, file) -> None:
         self._file = file

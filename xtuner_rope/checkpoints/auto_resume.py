@@ -22,11 +22,9 @@ def _warn(message: str) -> None:
 
 
 def _warn_newer_incomplete(latest: str) -> None:
-    """Warn about the incomplete checkpoints beside ``latest`` with a higher number.
-
-    A process killed while writing one (a DeepSpeed folder with some ranks' files) never got to
-    update ``last_checkpoint``: auto-resume takes ``latest`` and says what it skipped and why.
-    """
+    """Warn about the incomplete checkpoints beside ``latest`` with a higher number: a process
+    killed while writing one (a DeepSpeed folder with some ranks' files) never got to update
+    ``last_checkpoint``; auto-resume takes ``latest`` and says what it skipped and why."""
     named = checkpoint_number(latest)
     if not named:
         return

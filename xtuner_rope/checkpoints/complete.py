@@ -103,10 +103,8 @@ def _file_reason(path: str) -> str:
 
 
 def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
-    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file.
-
-    Tensors are memory-mapped, not read; ``(None, 0)`` when the file cannot tell.
-    """
+    """``(dp_world_size, ZeRO stage)`` stored in a DeepSpeed model-states file (its tensors mapped,
+    not read); ``(None, 0)`` when the file cannot tell."""
     with runner_globals_allowed():
         try:
             state = torch.load(model_states, map_location="cpu", mmap=True, weights_only=True)
@@ -117,11 +115,6 @@ def deepspeed_layout(model_states: str) -> tuple[int | None, int]:
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else 0)
-
-
-def _missing_ranks(names: list[str], pattern: re.Pattern, world: int) -> list[int]:
-    ranks = {int(m.group(1)) for m in map(pattern.match, names) if m}
-    return sorted(set(range(world)) - ranks)
 
 
 def _folder_reason(path: str) -> str:
@@ -141,7 +134,9 @@ def _folder_reason(path: str) -> str:
     if any(ZERO3_MODEL_STATES.match(n) for n in names):  # ZeRO-3: one model file per rank too
         wanted.append((ZERO3_MODEL_STATES, "model"))
     for pattern, kind in wanted:
-        missing = _missing_ranks(names, pattern, world)
+        missing = sorted(
+            set(range(world)) - {int(m.group(1)) for m in map(pattern.match, names) if m}
+        )
         if missing:
             return (
                 f"{kind} states of data-parallel rank(s) {missing} missing: expected {world} "
@@ -152,11 +147,8 @@ def _folder_reason(path: str) -> str:
 
 
 def judge_checkpoint(path: str) -> Verdict:
-    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not.
-
-    Returns:
-        The verdict; a path that does not exist is incomplete.
-    """
+    """Judge a checkpoint file (any ``torch.save`` file) or DeepSpeed folder complete or not; a
+    path that does not exist is incomplete."""
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         reason = _folder_reason(path)
@@ -188,12 +180,8 @@ def numbered_checkpoints(folder: str, kind: str = "iter") -> list[tuple[int, str
 
 
 def newest_complete(folder: str, kind: str = "iter", exclude: str | None = None) -> str | None:
-    """The complete checkpoint of the highest number in ``folder``, or None.
-
-    Args:
-        folder: A work dir (or CheckpointHook ``out_dir``).
-        kind: ``"iter"`` or ``"epoch"``: which of MMEngine's names to consider.
-        exclude: A path to leave out (the checkpoint already judged incomplete).
+    """The complete checkpoint of the highest number in ``folder`` (a work dir or ``out_dir``), or
+    None; ``kind``: ``"iter"`` or ``"epoch"`` names, ``exclude``: a path already judged incomplete.
     """
     left_out = os.path.realpath(exclude or "")
     for _, path in reversed(numbered_checkpoints(folder, kind)):

@@ -44,11 +44,8 @@ def _history_buffer_getattr(owner, name: str):
 
 
 def runner_checkpoint_globals() -> list:
-    """The non-tensor globals MMEngine 0.10 / XTuner 0.2 runner checkpoints hold.
-
-    Found by listing the globals of real checkpoints (``torch.serialization.
-    get_unsafe_globals_in_checkpoint``) of the tiny recipes, plain and under DeepSpeed.
-    """
+    """The non-tensor globals MMEngine 0.10 / XTuner 0.2 runner checkpoints hold: those of the tiny
+    recipes' real checkpoints, plain and under DeepSpeed (``get_unsafe_globals_in_checkpoint``)."""
     from mmengine.config import ConfigDict
     from mmengine.logging import HistoryBuffer
 

@@ -54,24 +54,17 @@ def run_patch(patch, *args, **kwargs) -> object:
     return run_guarded(record, patch, *args, once=record not in DEFERRED, **kwargs)
 
 
-def _check_deferred() -> None:
-    """Versions and probes of the patches applied later: a skip is known (and warned) now."""
-    for record in DEFERRED:
-        check_only(record)
-
-
 def apply() -> list[str]:
     """Apply every patch of ``records.ACTIVATION`` whose gap exists here, each in its guard; never
     raises, any number of times. One ``UnsupportedVersionWarning`` for torch or DeepSpeed outside
-    the supported range; the patches applied later (``DEFERRED``) are checked now too.
-
-    Returns:
-        The names of the patches applied so far in this process.
+    the supported range; the patches applied later (``DEFERRED``) are checked now too. Returns
+    the names of the patches applied so far in this process.
     """
     warn_unsupported()
     for record in ACTIVATION:
         run_patch(patch_named(record.name))
-    _check_deferred()
+    for record in DEFERRED:  # applied later: a skip is known (and warned) now
+        check_only(record)
     return applied()
 
 
@@ -81,9 +74,7 @@ def apply_counting(counted_step, counted_class) -> list[str]:
     ``xtuner_rope.activate`` calls it right after :func:`apply`: XTuner's ``tokenize_dataset``
     wrapped by ``counted_step`` and ``PreferenceDataset`` replaced by
     ``counted_class(PreferenceDataset)``, each in its guard (a skip loses the count, never data).
-
-    Returns:
-        The names of the patches applied so far in this process.
+    Returns the names of the patches applied so far in this process.
     """
     run_patch(xtuner_tokenize.patch_xtuner_tokenize_counted, counted_step)
     run_patch(xtuner_preference.patch_preference_truncation_counted, counted_class)

@@ -225,10 +225,8 @@ def run_guarded(
     """Run ``patch(*args, **kwargs)`` if ``record``'s versions and probes hold; never raise.
 
     "Already applied" is the guard's: applied in this process, or its probes still hold what it
-    left there. ``once=False`` (``DEFERRED``: applied for one call) runs each time.
-
-    Returns:
-        The patch's own result (True once applied), or False where skipped or not needed.
+    left there. ``once=False`` (``DEFERRED``: applied for one call) runs each time. Returns the
+    patch's own result (True once applied), or False where skipped or not needed.
     """
     if once and _OUTCOMES.get(record.name) == "applied":
         return True

@@ -19,10 +19,8 @@ class ConfigDictUnavailable(TypeError):
 
 
 def config_dict(cfg: object) -> dict:
-    """The dict behind ``cfg`` (the same object: edits change the config), lazy objects unbuilt.
-
-    Args:
-        cfg: An ``mmengine.config.Config``; a plain ``dict`` / ``ConfigDict`` is returned as is.
+    """The dict behind ``cfg`` (the same object: edits change the config), lazy objects unbuilt;
+    a plain ``dict`` / ``ConfigDict`` is returned as is.
 
     Raises:
         ConfigDictUnavailable: ``cfg`` has no ``_cfg_dict`` (an MMEngine other than 0.10.x).

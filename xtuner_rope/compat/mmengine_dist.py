@@ -41,10 +41,8 @@ def patch_mmengine_dist_init_on_cpu() -> bool:
 
 
 def patch_mmengine_ddp_device_ids_on_cpu() -> bool:
-    """Wrap CPU models in DDP without ``device_ids`` on a CPU-only machine.
-
-    mmengine 0.10.6 ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]``, which torch's DDP
-    refuses for a CPU module.
+    """Wrap CPU models in DDP without ``device_ids`` on a CPU-only machine: mmengine 0.10.6
+    ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]``, which DDP refuses for a CPU module.
     """
     from mmengine.model import MMDistributedDataParallel
 

@@ -18,9 +18,6 @@ def patch_torch_cpu_bf16_query() -> bool:
 
     xtuner 0.2.0 calls ``get_torch_device().is_bf16_supported()``, which is ``torch.cpu`` on a
     machine without an accelerator; torch (2.4 - 2.15) has none there (``AttributeError``).
-
-    Returns:
-        True if the patch was applied, False if torch already has the function.
     """
     if hasattr(torch.cpu, "is_bf16_supported"):
         return False

@@ -90,11 +90,8 @@ def version_message(dist: str, found: str) -> str:
 
 
 def unsupported() -> dict[str, str]:
-    """Each installed package of :data:`SUPPORTED` outside its range -> :func:`version_message`.
-
-    A package not installed is left out (DeepSpeed is optional); a version string that is not
-    PEP 440 counts as outside.
-    """
+    """Each installed package of :data:`SUPPORTED` outside its range -> :func:`version_message` (one
+    not installed left out; a version string that is not PEP 440 counts as outside)."""
     found = {}
     for dist, supported in SUPPORTED.items():
         version = guard.installed_version(dist)
@@ -113,11 +110,8 @@ _WARNED: set[str] = set()
 
 
 def warn_unsupported() -> dict[str, str]:
-    """One :class:`UnsupportedVersionWarning` per package outside its range, once per process.
-
-    Returns:
-        :func:`unsupported`'s answer (warned or not).
-    """
+    """One :class:`UnsupportedVersionWarning` per package outside its range, once per process;
+    returns :func:`unsupported`'s answer (warned or not)."""
     found = unsupported()
     for dist, message in found.items():
         if dist not in _WARNED:

@@ -76,9 +76,6 @@ def patch_llava_predict_labels() -> bool:
     xtuner 0.2.0 ``LLaVAModel.predict`` returns logits over the sequence after the image
     expansion, while the metric's batch holds the labels before it: each row's dict now holds the
     ``labels`` ``[s']`` that ``compute_loss`` uses (-100 on image tokens and padding).
-
-    Returns:
-        True if applied (a ``LLaVAModel`` with its own ``predict``).
     """
     from xtuner.model.llava import LLaVAModel
 

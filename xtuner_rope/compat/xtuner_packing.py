@@ -16,9 +16,6 @@ def xtuner_pack_step(pack_fn):
     xtuner 0.2.0 ``pack_dataset`` maps the ``Packer`` over ``map_num_proc`` shards, each dropping
     its leftover (38% of 2,400 short alpaca dialogues' tokens lost silently). Used by
     ``data.packed_dataset.lossless_process_hf_dataset``; XTuner's function is restored on exit.
-
-    Args:
-        pack_fn: Same arguments as XTuner's ``pack_dataset``.
     """
     require(RECORDS["xtuner_pack_step"])  # skipped here: refuse, never pack XTuner's way
     import xtuner.dataset.huggingface as hf
@@ -33,14 +30,12 @@ def xtuner_pack_step(pack_fn):
 
 @contextlib.contextmanager
 def xtuner_intern_repo_packer(packer_cls):
-    """Run XTuner's intern-repo ``build_packed_dataset`` with ``packer_cls`` as its packer.
+    """Run XTuner's intern-repo ``build_packed_dataset`` with ``packer_cls`` as its packer (same
+    arguments as XTuner's ``PackedDataset``: dataset, packed_length, seed).
 
     xtuner 0.2.0 ``PackedDataset`` cuts the concatenated documents every ``packed_length`` tokens
     and drops the last partial row. Used by ``data.intern_repo_packing.build_whole_packed_dataset``;
     XTuner's class is restored on exit.
-
-    Args:
-        packer_cls: Same arguments as XTuner's ``PackedDataset`` (dataset, packed_length, seed).
     """
     require(RECORDS["xtuner_intern_repo_packer"])  # skipped here: refuse, never cut documents
     import xtuner.dataset.intern_repo as intern_repo

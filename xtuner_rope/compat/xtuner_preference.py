@@ -43,9 +43,6 @@ def patch_xtuner_preference_rank() -> bool:
     xtuner 0.2.0's packed ``compute_loss`` calls ``dist.get_rank()``, which needs a process
     group (``Default process group has not been initialized`` without a launcher); their
     module's ``dist`` becomes a view whose ``get_rank`` is 0 without a group (as MMEngine's).
-
-    Returns:
-        True if applied (an XTuner whose DPO/ORPO call ``dist.get_rank()`` there).
     """
     applied = False
     for module, model in _preference_models():
@@ -104,9 +101,6 @@ def patch_xtuner_preference_target_zero() -> bool:
     xtuner 0.2.0 masks with ``labels[labels == -100] = 0; loss_mask = labels != 0``, dropping
     every target of id 0 (Llama 3's and Qwen2's "!") while the IPO/ORPO denominators count it;
     ``compute_loss`` now records ``labels != -100`` first and ``_gather_masked_logits`` uses it.
-
-    Returns:
-        True if applied (an XTuner whose DPO/ORPO still build the mask that way).
     """
     applied = False
     for _, model in _preference_models():
@@ -152,9 +146,6 @@ def patch_preference_chunked_logprobs() -> bool:
     log-probs instead of ``[b, s, V]`` logits; ``_gather_masked_logits`` and ORPO's
     ``cross_entropy_loss`` accept both (same values and gradients). Applied before
     ``patch_xtuner_preference_target_zero``, whose wrapper hands it the mask.
-
-    Returns:
-        True if applied.
     """
     from xtuner.model.dpo import DPO
     from xtuner.model.orpo import ORPO
@@ -170,9 +161,6 @@ def patch_preference_unpacked_pairs() -> bool:
 
     xtuner 0.2.0 shuffles and drops pairs over ``max_packed_length`` with only a count;
     ``data.preference_checks`` needs them named (a reference, no copy).
-
-    Returns:
-        True if the wrapper is patched.
     """
     try:
         from xtuner.dataset.preference_dataset import PackedDatasetWrapper
@@ -204,9 +192,6 @@ def patch_preference_map_fn_errors() -> bool:
     xtuner 0.2.0 dies with a bare ``AssertionError`` / ``KeyError`` (one-sided row, no answer
     turn, no ``rejected``); on failure the rows are mapped one by one and a ``ValueError``
     names the first that fails.
-
-    Returns:
-        True if ``map_dataset`` is patched.
     """
     try:
         import xtuner.dataset.preference_dataset as preference
@@ -260,9 +245,6 @@ def patch_dpo_predict_reference() -> bool:
 
     xtuner 0.2.0 inherits ``SupervisedFinetune.predict`` (policy only); ``PreferenceMetric``
     needs ``ref_logits`` ``[s, V]`` per row (``ref_llm``, or LoRA's adapter disabled).
-
-    Returns:
-        True if applied (an XTuner whose DPO has no ``predict`` of its own).
     """
     try:
         from xtuner.model.dpo import DPO
@@ -280,14 +262,8 @@ def patch_preference_truncation_counted(counted_class) -> bool:
     """Count XTuner's cut of preference responses at ``max_length`` (same pairs).
 
     xtuner 0.2.0 ``PreferenceDataset`` cuts prompt + response at ``max_length`` silently; the
-    module's class becomes ``counted_class(PreferenceDataset)``, a subclass that counts.
-
-    Args:
-        counted_class: ``PreferenceDataset -> subclass``
-            (``data.preference_truncation.counted_preference_dataset``).
-
-    Returns:
-        True if the class is replaced (now or before).
+    module's class becomes ``counted_class(PreferenceDataset)``, a subclass that counts
+    (``data.preference_truncation.counted_preference_dataset``).
     """
     import xtuner.dataset.preference_dataset as preference
 

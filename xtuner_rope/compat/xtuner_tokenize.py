@@ -15,9 +15,6 @@ def xtuner_tokenize_step(wrap):
     xtuner 0.2.0 tokenizes through ``xtuner.dataset.huggingface.tokenize_dataset``, whose
     ``encode_fn`` cuts every dialogue at ``max_length`` silently. Used by
     ``data.truncation.counting_truncation`` to count the cut; XTuner's function is restored on exit.
-
-    Args:
-        wrap: Called with XTuner's ``tokenize_dataset``; returns the function to use instead.
     """
     require(RECORDS["xtuner_tokenize_step"])  # skipped here: refuse, never cut uncounted
     import xtuner.dataset.huggingface as hf
@@ -37,9 +34,6 @@ def patch_xtuner_tokenize_counted(counted_step) -> bool:
     ``max_length`` tokens silently. ``tokenize_dataset`` is wrapped by ``counted_step``
     (``data.truncation.counted_tokenize_step``, handed in by ``xtuner_rope.activate``: ``data``
     sits above ``compat``): the same tokens, and one line with what the cut lost.
-
-    Args:
-        counted_step: ``original -> wrapped`` for XTuner's ``tokenize_dataset``.
     """
     import xtuner.dataset.huggingface as hf
 

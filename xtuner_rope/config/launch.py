@@ -101,10 +101,8 @@ def _deepspeed_source(cfg: Config, argv: list[str] | None) -> tuple[object, str]
 
 
 def resolved_dtype(ds: dict) -> str | None:
-    """``fp16``/``bf16`` as XTuner resolves the DeepSpeed config on this machine, else None.
-
-    Runs XTuner's own ``auto_dtype_of_deepspeed_config`` (as ``xtuner train`` does) on a copy.
-    """
+    """``fp16``/``bf16`` as XTuner resolves the DeepSpeed config on this machine, else None: its
+    own ``auto_dtype_of_deepspeed_config`` (as ``xtuner train`` runs it) on a copy."""
     from xtuner.tools.utils import auto_dtype_of_deepspeed_config
 
     from xtuner_rope.compat import run_patch
@@ -164,13 +162,8 @@ def deepspeed_dtype_findings(cfg: Config, argv: list[str] | None = None) -> list
 def sampler_findings(
     cfg: Config, argv: list[str] | None = None, world_size: int | None = None
 ) -> list[Finding]:
-    """A sampler that needs DeepSpeed's data-parallel group, on several processes without it.
-
-    Args:
-        cfg: The config (lazy objects unbuilt).
-        argv: The command line (default ``sys.argv``).
-        world_size: Processes of the run (default: ``WORLD_SIZE``).
-    """
+    """A sampler that needs DeepSpeed's data-parallel group, on several processes without it
+    (``argv`` default ``sys.argv``, ``world_size`` default ``WORLD_SIZE``)."""
     if world_size is None:
         world_size = current_world_size()
     loader = dict.get(config_dict(cfg), "train_dataloader")

@@ -68,11 +68,8 @@ def recheck_config(
 
 
 def recheck_started_config(cfg: object, who: str) -> None:
-    """Refuse to train when the config that really trains conflicts (a run the start-up prepared).
-
-    Args:
-        cfg: ``runner.cfg``.
-        who: The caller, for the message.
+    """Refuse to train when ``runner.cfg`` conflicts (a run the start-up prepared); ``who``: the
+    caller, for the message.
 
     Raises:
         ConfigConflict: the same message and edits as at start-up, each naming the override.

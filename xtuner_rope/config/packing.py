@@ -1,11 +1,8 @@
 """Start-up findings of packing: XTuner's packs record their boundaries, keep them through the
 collate function, drop nothing; the stock ``use_varlen_attn`` switch is served by the plugin.
 
-XTuner's offline packing records the boundaries and becomes ``lossless_process_hf_dataset``
-(whole dialogues, no leftover dropped; ``offline_packing = "cut"`` keeps XTuner's cut);
-``default_collate_fn`` keeps the boundaries (``use_varlen_attn=True``, batch size 1); the stock
-``use_varlen_attn = True`` no longer needs flash-attn (XTuner's check off, its
-``VarlenAttnArgsToMessageHubHook`` leaving room for ours).
+Offline packs go through ``lossless_process_hf_dataset`` (``offline_packing = "cut"``: XTuner's
+cut); docs/turning-it-on.md lists each fix, the stock ``use_varlen_attn = True`` among them.
 """
 
 from __future__ import annotations
@@ -25,16 +22,12 @@ from .findings import Finding
 from .startup import register_findings
 
 
-def _packs_without_boundaries(dataset: dict) -> bool:
-    return _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn")
-
-
 def _packing_findings(loader: dict) -> list[Finding]:
     """XTuner's offline packing: boundaries must be recorded and survive the collate function."""
     findings, packed = [], False
     for where, dataset in _datasets(_get(loader, "dataset"), "train_dataloader.dataset"):
         packed = packed or _xtuner_packs(dataset) or _offline_packs(dataset)
-        if _packs_without_boundaries(dataset):
+        if _xtuner_packs(dataset) and not _get(dataset, "use_varlen_attn"):
             findings.append(
                 Finding(
                     f"{where}.use_varlen_attn",

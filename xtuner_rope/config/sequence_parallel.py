@@ -76,11 +76,9 @@ def sequence_parallel_heads_findings(cfg: Config) -> list[Finding]:
 
 
 def sequence_parallel_size_findings(cfg: Config) -> list[Finding]:
-    """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused.
-
-    Heads not divisible by the size are served on GPUs (XTuner's inner sequence parallel); on a
-    CPU-only machine they are refused from ``config.json``.
-    """
+    """``sequence_parallel_size``: served for SFT (``models.sequence_parallel``), else refused;
+    heads it does not divide are served on GPUs (XTuner's inner sequence parallel), refused on a
+    CPU-only machine from ``config.json``."""
     sp = _get(config_dict(cfg), "sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         return [

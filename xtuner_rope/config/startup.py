@@ -5,16 +5,13 @@ the model and the dataset. :func:`enable_xtuner_rope` is meant for that slot: re
 package it activates the plugin, and it refuses every conflicting setting of the config being
 started with the exact edit, fixing (and logging) what has one right answer.
 
-This module is the findings engine: :func:`register_findings` (at a slot of ``findings.SLOTS``),
-:func:`inspect_config` (pure: the doctor and the hooks call it too) and :func:`prepare_config`
-(fixes applied, ``findings.ConfigConflict`` for the rest). The findings live by topic, each
-module registering its own: ``config.patch_needs``, ``config.packing``, ``config.moss``,
-``config.frameworks``, ``config.multimodal``, ``config.internvl``, ``config.llava_tower``,
-``config.launch``, ``config.optimizer_state``, ``config.sequence_parallel``,
-``config.rope_scaling``, ``config.runtime``, ``config.heldout.findings``,
-``config.heldout.shortcut``, ``config.families``, ``config.checkpoint_findings``,
-``config.preference``, ``config.loss``, ``config.accumulation`` (``xtuner_rope.FINDINGS_MODULES``
-imports them all).
+The findings engine: :func:`register_findings`, :func:`inspect_config` (pure) and
+:func:`prepare_config`. Each topic registers its own (``xtuner_rope.FINDINGS_MODULES``):
+``config.patch_needs``, ``config.packing``, ``config.moss``, ``config.frameworks``,
+``config.multimodal``, ``config.internvl``, ``config.llava_tower``, ``config.launch``,
+``config.optimizer_state``, ``config.sequence_parallel``, ``config.rope_scaling``,
+``config.runtime``, ``config.heldout.findings``, ``config.heldout.shortcut``, ``config.families``,
+``config.checkpoint_findings``, ``config.preference``, ``config.loss``, ``config.accumulation``.
 """
 
 from __future__ import annotations
@@ -69,10 +66,8 @@ FINDINGS: list[tuple[str, FindingsFn]] = []
 
 
 def prepare_config(cfg: Config) -> list[Finding]:
-    """Apply the plugin's fixes to ``cfg`` (in place) and refuse what cannot be fixed.
-
-    Returns:
-        The fixes applied (each also logged).
+    """Apply the plugin's fixes to ``cfg`` (in place, each logged and returned) and refuse what
+    cannot be fixed.
 
     Raises:
         ConfigConflict: every conflicting setting with its exact edit, all at once.
@@ -173,11 +168,8 @@ def enable_xtuner_rope(path: str, local_only: bool = False) -> str:
 
 
 def require_prepared(cfg: object, who: str) -> None:
-    """Refuse a run whose config was not prepared at start-up (the plugin loaded too late).
-
-    Args:
-        cfg: ``runner.cfg``; only configs read from a file are judged.
-        who: The caller, for the message.
+    """Refuse a run whose ``runner.cfg`` was not prepared at start-up (the plugin loaded too late);
+    ``who``: the caller, for the message.
 
     Raises:
         ConfigConflict: ``cfg`` is a Config and :func:`prepare_config` never ran here.

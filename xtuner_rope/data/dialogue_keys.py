@@ -22,12 +22,8 @@ def _mixed(tokens: np.ndarray) -> np.ndarray:
 
 
 def segment_keys(tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``[k, 3]`` a key per segment of ``tokens``: two 64-bit hashes and the length.
-
-    Args:
-        tokens: ``[t]`` token ids.
-        starts: ``[k]`` increasing segment starts, the first 0; a segment runs to the next.
-    """
+    """``[k, 3]`` a key per segment of ``tokens`` ``[t]``: two 64-bit hashes and the length;
+    ``starts`` ``[k]`` increasing, the first 0 (a segment runs to the next)."""
     sizes = np.diff(np.append(starts, len(tokens))).astype(np.int64)
     keys = np.zeros((len(starts), 3), dtype=np.uint64)
     keys[:, 2] = sizes.astype(np.uint64)

@@ -71,9 +71,7 @@ def cut_dialogues(lengths: np.ndarray, cuts: np.ndarray) -> int:
 def whole_plan(lengths: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each dialogue whole in one row, rows filled by best-fit decreasing, in stream order.
 
-    Args:
-        lengths: ``[n]`` token counts of the documents, in stream order, each >= 1.
-        max_length: Tokens per packed row.
+    ``lengths``: ``[n]`` token counts of the documents, in stream order, each >= 1.
 
     Returns:
         ``(starts, sizes, row_offsets)``: ``[p]`` stream offsets and lengths of the pieces in

@@ -68,7 +68,6 @@ def packed_tables(
 
     Args:
         table: Columns ``input_ids`` and ``labels`` (lists, one row per dialogue).
-        max_length, use_varlen_attn, whole: As :func:`pack_dataset`.
         mapped_files: The files ``table`` is memory-mapped from (pages released once read).
         order: ``[n]`` the table's rows in stream order (a shuffle), or None.
     """
@@ -162,8 +161,6 @@ def pack_dataset(
     """XTuner's ``pack_dataset`` (same arguments), every dialogue whole and every token kept.
 
     Args:
-        dataset: Tokenized ``datasets.Dataset`` with ``input_ids`` and ``labels``.
-        max_length, use_varlen_attn, shuffle_before_pack, map_num_proc: As XTuner's.
         whole: Each dialogue whole in one row (the default); False: XTuner's cut.
         truncation: The tokenize step's cut figures (``data.truncation``), or None.
 

@@ -20,13 +20,8 @@ def _first(items: list, n: int = 5) -> str:
 def preference_pair_problems(
     pairs: Sequence[Mapping], dropped: Sequence[tuple[int, int]] = (), max_packed_length=None
 ) -> list[str]:
-    """What in tokenized preference pairs trains silently wrong, naming pairs and fix.
-
-    Args:
-        pairs: ``[n]`` XTuner pairs, in dataset order.
-        dropped: ``(pair index, length)`` of the pairs ``PackedDatasetWrapper`` dropped over
-            ``max_packed_length``.
-    """
+    """What in ``[n]`` tokenized preference pairs trains silently wrong, naming pairs and fix;
+    ``dropped``: ``(pair index, length)`` of those ``PackedDatasetWrapper`` dropped."""
     equal, unsupervised, mismatch = [], [], []
     for i, pair in enumerate(pairs):
         if list(pair["chosen_ids"]) == list(pair["rejected_ids"]):
@@ -72,10 +67,8 @@ def preference_pair_problems(
 
 
 def dataset_pairs(dataset) -> tuple[list[Mapping], list[tuple[int, int]], int | None] | None:
-    """``(pairs, dropped, max_packed_length)`` of XTuner's preference dataset, else None.
-
-    A ``PackedDatasetWrapper`` patched by ``xtuner_preference.patch_preference_unpacked_pairs``
-    keeps ``unpacked_pairs``: pairs are named by their source index and the dropped ones found.
+    """``(pairs, dropped, max_packed_length)`` of XTuner's preference dataset, else None; the
+    ``unpacked_pairs`` a patched ``PackedDatasetWrapper`` keeps name pairs by source index.
     """
     name = type(dataset).__name__
     if name == "PreferenceDataset":

@@ -165,11 +165,9 @@ def sequences_note(figures: dict) -> str:
 
 
 def reference_warning(figures: dict | None) -> str | None:
-    """The warning for pairs whose responses leave the prompt no room, or None.
-
-    Its edit: ``max_response_length <= (max_length - 6) // 2`` (two responses leave the prompt at
-    least one token), or a larger ``max_length``.
-    """
+    """The warning for pairs whose responses leave the prompt no room, or None. Its edit:
+    ``max_response_length <= (max_length - 6) // 2`` (two responses leave the prompt at least one
+    token), or a larger ``max_length``."""
     ref = (figures or {}).get("reference")
     if not ref or not ref["no_room"]:
         return None

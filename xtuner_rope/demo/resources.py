@@ -19,7 +19,6 @@ def tiny_checkpoint(
 
     Args:
         data_path: Dialogues that train the tokenizer; None: the shipped sample dialogues.
-        seed: Weight-initialisation seed.
         family: ``'internlm2'`` (default), or another of ``demo.tiny.FAMILIES``.
     """
     from .tiny import save_tiny
@@ -43,11 +42,8 @@ def _build_once(path: str, marker: str, build) -> None:
 def tiny_llava(
     path: str, clip_path: str = "models/tiny-clip", data_dir: str = "data/tiny_llava", seed: int = 0
 ) -> str:
-    """The tiny LLaVA recipe's ``model_resource``: tiny LLM, tiny CLIP and data, then start.
-
-    Returns:
-        ``path``.
-    """
+    """The tiny LLaVA recipe's ``model_resource``: tiny LLM, tiny CLIP and data, then start;
+    returns ``path``."""
     from .llava_data import write_llava_data
     from .tiny_clip import save_tiny_clip
 

@@ -71,11 +71,8 @@ FAMILY_KWARGS = {
 
 
 def iter_dialogue_texts(jsonl_path: str | Path | None = None) -> Iterator[str]:
-    """Yield every message content of an OpenAI-messages JSONL file, in file order.
-
-    Args:
-        jsonl_path: The file; None: the sample dialogues the package ships.
-    """
+    """Yield every message content of an OpenAI-messages JSONL file (None: the shipped sample
+    dialogues), in file order."""
     if jsonl_path is None:
         from .sample_dialogues import sample_path
 
@@ -170,7 +167,6 @@ def save_tiny(
     resolves to XTuner's InternLM2 classes.
 
     Args:
-        family: One of :data:`FAMILIES` (default ``'internlm2'``).
         dialogues_jsonl: OpenAI-messages JSONL that trains the tokenizer; None: the samples.
         seed, vocab_size, overrides: As :func:`build_tiny`.
 

@@ -35,11 +35,8 @@ TEMPLATES = {"InternLM2ForCausalLM": "internlm2-chat", "Phi3ForCausalLM": "phi3-
 
 
 def tokens_per_tile(config: dict) -> int:
-    """LLM tokens one tile becomes: ``(force_image_size / patch_size) ** 2 * ratio ** 2``.
-
-    Args:
-        config: An InternVL checkpoint's ``config.json`` (hub or tiny).
-    """
+    """LLM tokens one tile of an InternVL checkpoint's ``config`` (``config.json``, hub or tiny)
+    becomes: ``(force_image_size / patch_size) ** 2 * ratio ** 2``."""
     side = config.get("force_image_size") or config["vision_config"]["image_size"]
     patch = config["vision_config"]["patch_size"]
     return int((side // patch) ** 2 * config["downsample_ratio"] ** 2)

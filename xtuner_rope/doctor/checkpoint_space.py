@@ -58,12 +58,8 @@ def _local_dir(name: object) -> Path | None:
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
-    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (None without any), nothing
-    loaded.
-
-    Args:
-        folder: The checkpoint directory (``*.safetensors`` or ``pytorch_model*.bin``).
-    """
+    """``{name: (shape, dtype)}`` of a checkpoint folder's weights (``*.safetensors`` or
+    ``pytorch_model*.bin``; None without any), nothing loaded."""
     import torch
     from safetensors import safe_open
 
@@ -81,11 +77,9 @@ def weight_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], str]] | None
 
 
 def lora_parameters(shapes: dict, lora: dict) -> int:
-    """Parameters of the LoRA adapter ``lora`` (``r``, ``target_modules``) on these weights.
-
-    Each adapted ``[out, in]`` weight gets ``A: [r, in]`` and ``B: [out, r]``; without
-    ``target_modules``, every 2-D weight but the heads and embeddings (as XTuner).
-    """
+    """Parameters of the LoRA adapter ``lora`` (``r``, ``target_modules``) on these weights: each
+    adapted ``[out, in]`` weight gets ``A: [r, in]`` and ``B: [out, r]``; without
+    ``target_modules``, every 2-D weight but the heads and embeddings (as XTuner)."""
     r, targets = int(_get(lora, "r", 8)), _get(lora, "target_modules")
     targets = [targets] if isinstance(targets, str) else targets
     total = 0

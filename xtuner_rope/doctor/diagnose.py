@@ -104,10 +104,7 @@ def start_like_xtuner_train(
 
 def build_collate_fn(loader: dict):
     """The train dataloader's collate function with its kwargs bound, as MMEngine's Runner does
-    (XTuner's ``default_collate_fn`` when the config names none).
-
-    Returns:
-        ``(collate_fn, name, kwargs)``.
+    (XTuner's ``default_collate_fn`` when the config names none): ``(collate_fn, name, kwargs)``.
 
     Raises:
         ValueError: ``collate_fn.type`` is a string MMEngine's ``FUNCTIONS`` does not know.
@@ -199,19 +196,12 @@ def _findings(findings: list[Finding]) -> dict:
     }
 
 
-def _jsonable(value: object) -> object:
-    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
-
-
 def refuse_unreadable_checkpoint(findings: list) -> None:
     """Stop before the data when the start-up refuses the LLM's unreadable ``config.json``
     (the data's tokenizer comes from that checkpoint: ``xtuner train`` stops there too).
 
-    Args:
-        findings: The start-up's findings of the config (``start_like_xtuner_train``).
-
     Raises:
-        ConfigConflict: every conflict of the start-up (its message), when one of them is
+        ConfigConflict: every conflict of the start-up's ``findings`` (its message), when one of them is
             ``config.checkpoint_findings``' refusal.
     """
     from xtuner_rope.config.checkpoint_findings import is_unreadable_checkpoint
@@ -231,9 +221,6 @@ def diagnose(
     """Check a config's train data and settings; see the module docstring.
 
     Args:
-        config: Path of an XTuner config.
-        cfg_options: ``--cfg-options`` overrides (dotted keys).
-        batches: How many sampler batches to collate.
         progress: Its steps and bars on stderr while it works (:mod:`xtuner_rope.doctor.progress`).
         work_dir: The run's ``--work-dir`` (default: the config's, else XTuner's default), where
             the checkpoints' size and free space are judged.
@@ -304,7 +291,10 @@ def diagnose(
         "samples": {kind: vars(occ) for kind, occ in scan.issues.items()},
         "collate": {
             "name": collate_name,
-            "kwargs": {k: _jsonable(v) for k, v in collate_kwargs.items()},
+            "kwargs": {
+                k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                for k, v in collate_kwargs.items()
+            },
             "batch_size": batch_size,
             "max_length": collate_kwargs.get("max_length"),
             "order": "dataset order (no shuffle)",

@@ -18,12 +18,8 @@ from xtuner_rope.evaluation.heldout_counts import (
 
 
 def heldout_report(cfg: Config, dataset, refused: bool, collate_builder) -> dict | None:
-    """The held-out figures of a started config, or None without ``TokenLossMetric``.
-
-    Args:
-        dataset: The built training dataset (its documents are the training dialogues).
-        refused: The start-up refuses the config (nothing is built: ``{'refused': True}``).
-        collate_builder: ``diagnose.build_collate_fn``.
+    """The held-out figures of a started config against its built training ``dataset``, or None
+    without ``TokenLossMetric``; ``{'refused': True}`` (nothing built) where the start-up refuses.
     """
     from xtuner.registry import BUILDER
 

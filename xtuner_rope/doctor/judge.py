@@ -14,11 +14,9 @@ def _where(occ: dict, what: str = "samples") -> str:
 
 
 def judge(report: dict) -> tuple[list[str], list[str]]:
-    """Problems (training fails or is silently wrong) and warnings of a report.
-
-    Problems: start-up conflicts; packed data without the plugin; empty, over-long or
-    label-mismatched samples; unsupervised sampler batches; refused batches. Warnings: the rest.
-    """
+    """Problems (training fails or is silently wrong: start-up conflicts; packed data without the
+    plugin; empty, over-long or label-mismatched samples; unsupervised sampler batches; refused
+    batches) and warnings (the rest) of a report."""
     problems = [
         f"conflict: {c['setting']}: {c['problem']}\n  -> {c['edit']}"
         for c in report["findings"]["conflicts"]

@@ -196,13 +196,9 @@ def sampler_padding(
     cfg, dataset, lengths: Sequence[int], batch_size: int, max_batches: int
 ) -> dict:
     """Real-token share of the first ``max_batches`` padded batches of ``batch_size`` in the order
-    of the config's own sampler (built as the Runner builds it, ``randomness.seed`` or 0).
-
-    Args:
-        lengths: ``[n]`` expanded sample lengths of ``dataset``.
-
-    Returns:
-        ``{'sampler', 'seed', 'batches', 'padded_share'}``.
+    of the config's own sampler (built as the Runner builds it, ``randomness.seed`` or 0);
+    ``lengths``: ``[n]`` expanded sample lengths of ``dataset``. Returns ``{'sampler', 'seed',
+    'batches', 'padded_share'}``.
     """
     from mmengine.registry import DATA_SAMPLERS
 

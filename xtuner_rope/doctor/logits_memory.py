@@ -1,15 +1,9 @@
 """The doctor's logits memory: what one row of ``max_length`` tokens costs the training loss.
 
-The model's own loss (transformers 4.48 ``ForCausalLMLoss``, InternLM2's remote code) peaks in
-the backward of its cross-entropy over a row of ``s`` tokens and a vocabulary of ``V``: the saved
-fp32 log-softmax, its incoming and its outgoing gradient, ``s * V * 12`` bytes in any training
-dtype (the forward's head output, fp32 copy and log-softmax hold ``s * V * (d + 8)`` at most, ``d``
-the dtype's bytes). The chunked loss (``ops.chunked_loss``) holds one chunk's ``[c, V]`` fp32
-logits and their copy in the training dtype (``c * V * (4 + d)``, ``c * V * 4`` in fp32), plus the
-head's fp32 weight gradient ``V * H * 4`` when the head's weight is trained (not under LoRA),
-whatever ``s``; at the end of the backward that gradient and its copy in the training dtype (the
-weight's ``.grad``, ``V * H * d`` outside fp32) are alive together. Both are checked against the tensors the losses create
-(``tests/doctor/test_doctor_logits_memory.py``).
+Full logits: the cross-entropy's backward, ``s * V * 12`` bytes in any dtype. Chunked: the head's
+fp32 weight gradient ``V * H * 4`` (none under LoRA) plus the larger of one chunk ``c * V * (4 + d)``
+and that gradient's copy in the training dtype. docs/loss.md derives both;
+``tests/doctor/test_doctor_logits_memory.py`` checks them against the tensors the losses create.
 """
 
 from __future__ import annotations
@@ -47,7 +41,6 @@ def logits_memory(cfg: Config, max_length: object, plugin: bool) -> dict | None:
     """The loss's logits bytes for one row of ``max_length`` tokens, full and chunked.
 
     Args:
-        cfg: The started config.
         max_length: Tokens of the longest row the run trains on (None: no figures).
         plugin: Whether the config enables xtuner-rope.
 

@@ -53,12 +53,8 @@ def doctor_samples(dataset: Sequence[Mapping]) -> Sequence[Mapping]:
 
 
 def preference_figures(cfg: Config, dataset) -> dict | None:
-    """Pair figures of a preference config's train data; None for other datasets.
-
-    Args:
-        cfg: The started config.
-        dataset: Its built train dataset (``PackedDatasetWrapper`` when packed).
-    """
+    """Pair figures of a preference config's built train ``dataset`` (``PackedDatasetWrapper``
+    when packed); None for other datasets."""
     dataset_cfg = preference_dataset(cfg)
     if dataset_cfg is None:
         return None

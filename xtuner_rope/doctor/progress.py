@@ -13,11 +13,7 @@ from xtuner_rope.doctor.token_columns import TOKENS_PER_BLOCK
 
 
 class Progress:
-    """Stage lines and per-pass bars on stderr; nothing when not ``enabled``.
-
-    Args:
-        enabled: Print (False: ``--quiet``).
-    """
+    """Stage lines and per-pass bars on stderr; nothing when not ``enabled`` (``--quiet``)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled

@@ -198,11 +198,8 @@ def plot_lengths(
 
 
 def write_outputs(report: dict, lengths: Sequence[int], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``report.json`` and ``lengths.png`` into ``out_dir`` (created).
-
-    Returns:
-        ``{'report': path, 'lengths': path}``.
-    """
+    """Write ``report.json`` and ``lengths.png`` into ``out_dir`` (created); their paths by
+    ``'report'`` and ``'lengths'``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"report": out / "report.json", "lengths": out / "lengths.png"}

@@ -46,12 +46,8 @@ def _as_list(value: object) -> list[int]:
 
 
 def document_starts(item: Mapping) -> list[int]:
-    """First column of every document of one item (``[0]`` plain, ``[]`` empty).
-
-    Args:
-        item: A dataset item; packed items carry ``cumulative_len`` (``[k + 1]``) or
-            ``position_ids`` (``[n]``, 0 at each document start).
-    """
+    """First column of every document of one dataset item (``[0]`` plain, ``[]`` empty); packed
+    items carry ``cumulative_len`` ``[k + 1]`` or ``position_ids`` ``[n]`` (0 at each start)."""
     n = len(_as_list(item.get("input_ids")))
     if n == 0:
         return []
@@ -92,12 +88,9 @@ def scan_samples(
     truncation_length: int | None,
     progress: bool = True,
 ) -> SampleScan:
-    """Check every sample of a built dataset; issue indices are sample indices.
-
-    Args:
-        collate_max_length: Longer samples are ``over_long`` (None: not checked).
-        truncation_length: A sample exactly this long was probably cut (None: not checked).
-    """
+    """Check every sample of a built dataset; issue indices are sample indices. Samples longer
+    than ``collate_max_length`` are ``over_long``, those exactly ``truncation_length`` long were
+    probably cut (None: not checked)."""
     scan = SampleScan()
     enabled = getattr(progress, "enabled", progress)  # a doctor.progress.Progress, or a bool
     for index in tqdm(range(len(dataset)), desc="doctor: samples", disable=not enabled):

@@ -92,12 +92,9 @@ def token_blocks(
 
 
 def whole_matches(dialogue_keys: np.ndarray, segment_keys_: np.ndarray) -> np.ndarray:
-    """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, in order.
-
-    Args:
-        dialogue_keys: ``[n, 3]`` :func:`xtuner_rope.data.dialogue_keys.segment_keys` of the dialogues.
-        segment_keys_: ``[k, 3]`` those of the packed documents, in stream order.
-    """
+    """``[k]`` bool: segment ``k`` is one whole dialogue, each dialogue matched once, in order;
+    ``dialogue_keys`` ``[n, 3]``: the dialogues' ``data.dialogue_keys.segment_keys``,
+    ``segment_keys_`` ``[k, 3]``: those of the packed documents, in stream order."""
     both = np.ascontiguousarray(np.concatenate([dialogue_keys, segment_keys_]))
     _, key = np.unique(both.view(np.dtype((np.void, 24))).ravel(), return_inverse=True)
     key = key.ravel()

@@ -97,11 +97,8 @@ def log_heldout_counts(runner) -> dict:
 
 
 class HeldOutCurvesHook(Hook):
-    """Held-out checks before training; training and held-out loss curves after it.
-
-    Args:
-        loss_key: The held-out metric drawn (the metric's ``<name>_loss``).
-    """
+    """Held-out checks before training; training and held-out loss curves after it (``loss_key``:
+    the held-out metric drawn, the metric's ``<name>_loss``)."""
 
     # After LoggerHook (60) and before CheckpointHook (90): reads what the loops report.
     priority = 75

@@ -97,14 +97,9 @@ class TokenLossMetric(BaseMetric):
     """Token-weighted mean next-token NLL over every supervised token of the held-out set.
 
     Reports ``<name>_loss`` (sum of token NLLs / supervised tokens), ``_ppl``, ``_tokens`` and
-    ``_dialogues`` (documents with a supervised token).
-
-    Args:
-        name: Key prefix of the metrics.
-        tokenizer: Tokenizer (or its XTuner config dict) for the worst dialogues' first words;
-            None: token ids.
-        worst: How many of the worst dialogues (highest mean NLL) ``heldout_worst.jsonl`` lists.
-        collect_device: As MMEngine's ``BaseMetric``.
+    ``_dialogues`` (documents with a supervised token). ``heldout_worst.jsonl`` lists the ``worst``
+    dialogues (highest mean NLL) by their first words (``tokenizer`` or its XTuner config dict;
+    None: token ids).
     """
 
     default_prefix = None

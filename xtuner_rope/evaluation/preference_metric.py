@@ -51,15 +51,9 @@ def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
 
 
 class PreferenceMetric(BaseMetric):
-    """Held-out loss, preference accuracy and reward margin of XTuner's DPO, ORPO, reward model.
-
-    Reports ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean
-    chosen minus rejected reward) and ``_pairs``.
-
-    Args:
-        name: Key prefix of the metrics.
-        collect_device: As MMEngine's ``BaseMetric``.
-    """
+    """Held-out loss, preference accuracy and reward margin of XTuner's DPO, ORPO, reward model:
+    ``<name>_loss``, ``_accuracy`` (chosen reward above rejected), ``_margin`` (mean chosen minus
+    rejected reward) and ``_pairs``."""
 
     default_prefix = None
 
@@ -70,10 +64,7 @@ class PreferenceMetric(BaseMetric):
         self.settings: dict = {}
 
     def bind(self, model: object) -> None:
-        """Read the model's kind and loss settings (``HeldOutCurvesHook`` calls this).
-
-        Args:
-            model: The run's model, unwrapped (XTuner's ``DPO``, ``ORPO`` or ``RewardModel``).
+        """Read the unwrapped model's kind and loss settings (``HeldOutCurvesHook`` calls this).
 
         Raises:
             TypeError: another model (SFT: use ``TokenLossMetric``).

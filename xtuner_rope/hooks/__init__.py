@@ -1,9 +1,5 @@
-"""MMEngine hooks, the plugin's runtime: ``isolation`` (``ValidatedRoPEHook``,
-``PackedBatchCheckHook``), ``monitor`` (``PackingMetricsHook``, ``NonFiniteTripwireHook``),
-``loss_norm`` (``TokenWeightedLossHook``), ``chunked_loss``, ``random_state``
-(``RandomStateHook``). ``enable_xtuner_rope`` adds them; list them yourself only to pass
-arguments.
-"""
+"""MMEngine hooks, the plugin's runtime. ``enable_xtuner_rope`` adds them; list them yourself
+only to pass arguments."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """The chunked training loss switched on for the run (``chunked_loss``, on by default).
 
-``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss`: ``SupervisedFinetune``
-and ``LLaVAModel`` get a ``compute_loss`` run inside ``models.chunked_loss.loss_only``,
-``InternVL_V1_5`` a training ``forward`` whose LLM computes the loss, ``DPO``/``ORPO`` theirs
-inside ``target_logprobs_only`` (policy and reference), SFT's ``predict`` the held-out
-``target_logprobs``; the causal LM the chunked ``forward``. Where it cannot serve (another
-model, an unknown head, a LoRA head or DPO/ORPO under ZeRO-3) the model's own loss runs and
-the log says why. The setting (``config.loss``): ``chunked_loss = False``, ``True`` (chunks of
-``ops.chunked_loss.CHUNK_BYTES`` of fp32 logits) or a number of tokens per chunk.
+``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss`, which routes each model
+kind's loss (SFT, LLaVA, InternVL, DPO/ORPO, SFT's held-out ``predict``) through
+``models.chunked_loss``; where it cannot serve, the model's own loss runs and the log says why.
+docs/loss.md has the models and the ``chunked_loss`` setting.
 """
 
 from __future__ import annotations
@@ -78,13 +74,9 @@ def _predict_target_logprobs(own):
 
 
 def enable_chunked_loss(runner) -> str:
-    """Switch the run's training loss to the chunked loss where it serves; the log line.
-
-    Args:
-        runner: The MMEngine runner, its model patched by ``models.dispatch.patch_model``.
-
-    Returns:
-        The start-up line saying which loss runs (and the chunk, or why not chunked).
+    """Switch the run's training loss (its model patched by ``models.dispatch.patch_model``) to the
+    chunked loss where it serves; returns the start-up line saying which loss runs (and the chunk,
+    or why not chunked).
 
     Raises:
         ValueError: a bad ``chunked_loss`` value (the start-up refuses it earlier).

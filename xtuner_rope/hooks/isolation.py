@@ -46,9 +46,8 @@ class ValidatedRoPEHook(Hook):
     model; refuses a model of no supported family, and a config ``enable_xtuner_rope`` did not
     prepare (the plugin was loaded too late).
 
-    Args:
-        max_position: Optional override of the largest position the RoPE accepts.
-        fused_apply: Rotate q/k with the fused ``torch.compile`` kernel (``use_fused_apply``).
+    ``max_position`` overrides the largest position the RoPE accepts; ``fused_apply`` rotates q/k
+    with the fused ``torch.compile`` kernel (``use_fused_apply``).
     """
 
     # Before every default hook (RuntimeInfo is 10): the model is patched before anything runs it.

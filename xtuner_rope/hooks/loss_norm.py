@@ -4,11 +4,8 @@ XTuner 0.2.0 returns each micro-batch's mean token loss, MMEngine divides by the
 count, DDP and DeepSpeed average over ranks: a token weighs ``1 / (supervised tokens of its
 micro-batch)``. :class:`TokenWeightedLossHook` makes the step's loss the sum of all its token
 losses (all micro-batches, all ranks) over their number, at no extra pass: each micro-batch's
-mean times its count before backward, and the gradients rescaled once at the step (one
-all-reduce of one number; DeepSpeed ZeRO gets it as that step's loss scale). Preference models
-weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues (each token's log-prob from the
-chunked loss where it runs, else the logits), ``"micro_batch"`` opts out.
-docs/loss.md has the details.
+mean times its count before backward, the gradients rescaled once at the step (one all-reduce
+of one number). docs/optimizer-step.md has the modes and the details.
 """
 
 from __future__ import annotations
@@ -70,7 +67,6 @@ class TokenWeightedLossHook(Hook):
     """Weight every supervised token of an optimizer step equally, on every rank (module docstring).
 
     Wraps the runner's optimizer wrapper for the run; reads each batch's ``labels`` on the CPU.
-    Preference models weigh pairs, ``loss_normalization = "dialogue"`` SFT dialogues;
     ``"micro_batch"`` (or a loss of no known mean, logged) leaves XTuner's weighting. In every
     mode it records the accumulation window, refusing a mid-window resume (``hooks.accumulation``).
     """

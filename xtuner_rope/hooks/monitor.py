@@ -112,9 +112,8 @@ class NonFiniteTripwireHook(Hook):
     :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``, then raises
     :class:`NonFiniteError` naming both and the replay command.
 
-    Args:
-        save_weights: also save the model's weights (off for models too large to copy, e.g.
-            ZeRO-3 partitions; replay then needs ``--checkpoint``).
+    ``save_weights=False`` (models too large to copy, ZeRO-3 partitions) leaves the weights out:
+    replay then needs ``--checkpoint``.
     """
 
     # Before RuntimeInfoHook (10) logs the iteration's loss; after PackedBatchCheckHook (8).

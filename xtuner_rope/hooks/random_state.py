@@ -24,10 +24,8 @@ STATE_KEY = "xtuner_rope.random_state"  # message-hub key: {"iter", "world_size"
 
 
 def capture_random_state(loop=None) -> dict:
-    """This process's random generators, as plain picklable values.
-
-    Args:
-        loop: The train loop (optional): its dataloader's worker base seed is recorded too.
+    """This process's random generators, as plain picklable values (with a train ``loop``, its
+    dataloader's worker base seed too).
 
     Returns:
         ``{"python", "numpy", "torch_cpu", "torch_cuda", "dataloader_base_seed"}`` (None where
@@ -116,10 +114,8 @@ def _restore_and_log(state: dict, loop) -> None:
 
 
 class RandomStateHook(Hook):
-    """Saves each process's random state with every checkpoint and restores it on resume.
-
-    Uses ``MessageHub`` (key :data:`STATE_KEY`, kept across resume); changes no batch.
-    """
+    """Saves each process's random state with every checkpoint and restores it on resume, through
+    ``MessageHub`` (key :data:`STATE_KEY`, kept across resume); changes no batch."""
 
     # After ParamScheduler (70), before CheckpointHook (90): captured just ahead of the save;
     # and the last ``before_train_epoch`` to run, right before the loop fetches and draws.

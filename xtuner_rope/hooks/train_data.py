@@ -12,10 +12,6 @@ from xtuner_rope.data.llava_dataset_checks import check_llava_dataset
 from xtuner_rope.data.preference_checks import check_preference_dataset
 
 
-def _llava_model(model):
-    return next((m for m in model.modules() if type(m).__name__ == "LLaVAModel"), None)
-
-
 def _row_capacity(collate_fn) -> int | None:
     """``max_length`` of a ``llava_collate_fn`` (MMEngine binds it with ``functools.partial``)."""
     func = getattr(collate_fn, "func", collate_fn)
@@ -25,16 +21,13 @@ def _row_capacity(collate_fn) -> int | None:
 
 
 def check_llava_train_data(runner, max_position: int | None) -> None:
-    """Refuse a LLaVA run whose training data would fail or train silently wrong.
-
-    Args:
-        runner: The MMEngine runner (a model without XTuner's ``LLaVAModel`` is left alone).
-        max_position: The LLM's RoPE range (``PackedBatchCheckHook``'s limit).
+    """Refuse a LLaVA run whose training data would fail or train silently wrong (a model without
+    XTuner's ``LLaVAModel`` is left alone); ``max_position``: ``PackedBatchCheckHook``'s limit.
 
     Raises:
         ValueError: see :func:`xtuner_rope.data.llava_dataset_checks.check_llava_dataset`.
     """
-    llava = _llava_model(runner.model)
+    llava = next((m for m in runner.model.modules() if type(m).__name__ == "LLaVAModel"), None)
     loader = getattr(runner, "train_dataloader", None)
     dataset = getattr(loader, "dataset", None)
     if llava is None or not hasattr(dataset, "text_data"):

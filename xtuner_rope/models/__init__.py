@@ -1,8 +1,5 @@
-"""What is specific to one model family, a file per family: ``internlm2`` (+
-``internlm2_kv_cache``), ``hf`` (+ ``hf_rope``: the transformers families), ``families`` (the
-table, what is refused), ``rope_documents`` and ``rope_settings`` (length-dependent RoPE),
-``dispatch`` (the entry point).
-"""
+"""What is specific to one model family, a file per family (docs/architecture.md lists them);
+``dispatch`` is the entry point."""
 
 from .hf import (
     HF_ATTENTION_CLASSES,

@@ -30,7 +30,6 @@ def publish(cumulative: object, max_seqlen: object, rank: int | None = None) -> 
     Args:
         cumulative: ``[n_docs + 1]`` flat boundaries (int tensor), or None for "none".
         max_seqlen: The longest document (int), or None.
-        rank: The rank whose keys to set.
     """
     hub = MessageHub.get_instance(VARLEN_HUB)
     cumulative_key, max_seqlen_key = _keys(rank)

@@ -87,11 +87,8 @@ def _read_local(name: str, path: Path) -> CheckpointConfig:
 
 
 def _hub_endpoint() -> str:
-    """The hub ``huggingface_hub`` downloads from: ``HF_ENDPOINT`` (a mirror) or huggingface.co.
-
-    Read from the environment at each call, as :func:`offline` is, so a mirror set after
-    ``huggingface_hub`` was imported is followed too.
-    """
+    """The hub ``huggingface_hub`` downloads from: ``HF_ENDPOINT`` (a mirror) or huggingface.co,
+    read at each call (as :func:`offline` is) so a mirror set after its import is followed too."""
     from huggingface_hub import constants
 
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
@@ -168,15 +165,8 @@ def _read_hub(name: str, offline_mode: bool, cache_dir: str, endpoint: str) -> C
 
 
 def read_checkpoint_config(name: object) -> CheckpointConfig | None:
-    """Read the ``config.json`` of the checkpoint ``from_pretrained(name)`` would load.
-
-    Args:
-        name: ``pretrained_model_name_or_path`` of the config's LLM.
-
-    Returns:
-        None when ``name`` is not a non-empty string; else the :class:`CheckpointConfig`, with
-        ``problem`` set when it cannot be read.
-    """
+    """The :class:`CheckpointConfig` of the checkpoint ``from_pretrained(name)`` would load
+    (``problem`` set when it cannot be read); None when ``name`` is not a non-empty string."""
     if not isinstance(name, str) or not name:
         return None
     path = Path(name).expanduser()

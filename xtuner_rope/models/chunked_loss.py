@@ -113,7 +113,8 @@ def chunked_loss_head(model: nn.Module) -> tuple[nn.Module, float | None, str]:
     scale = getattr(model, "logit_scale", None)  # Cohere multiplies its logits by it
     if scale is not None and not isinstance(scale, (int, float)):
         raise UnsupportedHead(f"{name}'s logit_scale is a {type(scale).__name__}, not a number")
-    tied = head.weight is _input_weight(model)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head.weight is getattr(embeddings, "weight", None)
     desc = f"{what}{', tied to the input embeddings' if tied else ''}"
     return head, scale, desc + (f", logit scale {scale}" if scale is not None else "")
 
@@ -127,10 +128,8 @@ def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch
     """``loss_of(hidden)`` run as ``head(hidden)``: DeepSpeed ZeRO-3's hooks on the head gather
     its parameters once for the forward and once for the backward (not once per chunk).
 
-    Args:
-        head: The output head.
-        loss_of: ``[b, s, H] -> scalar``, reading the head's parameters.
-        hidden: ``[b, s, H]`` the decoder's last hidden states.
+    ``loss_of``: ``[b, s, H] -> scalar``, reading the head's parameters; ``hidden``: ``[b, s, H]``
+    the decoder's last hidden states.
     """
     own = vars(head).get("forward")
     head.forward = loss_of
@@ -141,11 +140,6 @@ def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch
             del head.forward
         else:
             head.forward = own
-
-
-def _input_weight(model: nn.Module):
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return getattr(embeddings, "weight", None)
 
 
 def is_chunked(llm: nn.Module) -> bool:
@@ -161,14 +155,11 @@ def chunked_now(llm: nn.Module) -> bool:
 
 
 def patch_chunked_loss(llm: nn.Module, chunk_tokens: int | None = None) -> str:
-    """Give the causal LM of ``llm`` the chunked training loss (idempotent).
+    """Give the causal LM of ``llm`` (or of peft's ``PeftModel`` around it) the chunked training
+    loss (idempotent); returns what runs, for the start-up log: the head and the chunk.
 
     Args:
-        llm: The HF causal LM, or peft's ``PeftModel`` around it.
         chunk_tokens: Tokens per chunk; default ``ops.chunked_loss.chunk_tokens_for(V)``.
-
-    Returns:
-        What runs, for the start-up log: the head and the chunk.
 
     Raises:
         UnsupportedHead: see :func:`chunked_loss_head`; the model is left unpatched.

@@ -31,11 +31,8 @@ VALIDATED_ROTARIES = (ValidatedRotaryEmbedding, HFValidatedRotaryEmbedding)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The runner's model inside DDP / FSDP / DeepSpeed wrappers (XTuner's SFT, DPO, reward...).
-
-    MMEngine's DDP wrappers and DeepSpeed's engine hold it as ``.module``; MMEngine's
-    ``MMDeepSpeedEngineWrapper`` (not a module) forwards ``.module`` to its engine's.
-    """
+    """The runner's model inside DDP / FSDP / DeepSpeed wrappers (``.module``; MMEngine's
+    ``MMDeepSpeedEngineWrapper``, not a module, forwards ``.module`` to its engine's)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model

@@ -184,14 +184,9 @@ def _import_error(package: str) -> str | None:
 
 
 def model_class_verdict(class_path: object) -> tuple[str, str] | None:
-    """The refusal of an LLM built from one of XTuner's own modeling packages.
-
-    Args:
-        class_path: Dotted path of the config's ``llm`` ``type``.
-
-    Returns:
-        ``(description, refusal)`` naming the family and why, or None for any other class.
-    """
+    """The refusal of an LLM built from one of XTuner's own modeling packages (``class_path``: the
+    config's ``llm`` ``type``): ``(description, refusal)`` naming the family and why, or None for
+    any other class."""
     if not isinstance(class_path, str):
         return None
     package = next((p for p in XTUNER_MODEL_PACKAGES if class_path.startswith(p + ".")), None)

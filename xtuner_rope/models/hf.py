@@ -279,9 +279,7 @@ def patch_hf_model(model: nn.Module, max_position: int | None = None) -> int:
 
     The layers are found by class name inside any wrapper (DDP, DeepSpeed, PEFT, XTuner's);
     idempotent; ``max_position`` optionally overrides the largest position id the RoPE accepts.
-
-    Returns:
-        The number of attention layers now routed to ``hf_packed_attention``.
+    Returns the number of attention layers now routed to ``hf_packed_attention``.
 
     Raises:
         ValueError: No attention layer of a supported family, no rotary module on the model, or

@@ -69,7 +69,6 @@ class HFValidatedRotaryEmbedding(nn.Module):
     Args:
         config: The model's ``PretrainedConfig`` (theta, head dim, positions, ``rope_scaling``).
         max_position: Optional override of the position limit (see ``limit``).
-        device: Device of ``inv_freq``.
         interleaved: cos/sin as ``[f0, f0, f1, f1, ...]`` (Cohere).
         longrope_per_call: The upstream class switches LongRoPE factors per call (Phi-3's).
 
@@ -169,11 +168,9 @@ class HFValidatedRotaryEmbedding(nn.Module):
         return inv_freq
 
     def length_inv_freq(self, seq_len: int, device=None) -> torch.Tensor:
-        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens.
-
-        transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host;
-        sent to ``device`` in one non-blocking copy.
-        """
+        """fp32 inverse frequencies upstream computes for ``seq_len`` (> ``threshold``) tokens:
+        transformers' own function, called as ``_dynamic_frequency_update`` calls it, on the host,
+        sent to ``device`` in one non-blocking copy."""
         if self.rope_type == "longrope":
             freqs = self._longrope(self.original + 1)[0]
         else:
@@ -268,12 +265,8 @@ def patch_hf_fp32_rotation(module_name: str, interleaved: bool = False) -> bool:
     name (XTuner's ``dispatch/``). Cohere (``interleaved=True``) upcasts itself: only the Triton
     kernel's calls are taken.
 
-    Args:
-        module_name: The family's modeling module (``"transformers.models.llama.modeling_llama"``).
-        interleaved: The family rotates pairs (2i, 2i + 1) (Cohere).
-
-    Returns:
-        True if the wrapper was installed now, False if it already was.
+    ``module_name``: the family's modeling module (``"transformers.models.llama.modeling_llama"``).
+    True if the wrapper was installed now, False if it already was.
     """
     module = importlib.import_module(module_name)
     original = module.apply_rotary_pos_emb

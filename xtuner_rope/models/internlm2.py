@@ -55,10 +55,8 @@ def _dense_attention(layer: nn.Module, q, k, v, attention_mask, q_len: int) -> t
 
 
 def _project_qkv(layer: nn.Module, hidden_states: torch.Tensor):
-    """InternLM2's fused ``wqkv`` split into q ``[b, s, n_h, h_d]``, k and v ``[b, s, n_kv, h_d]``.
-
-    The fused layout is, per kv head, ``n_rep`` query heads then one key and one value head.
-    """
+    """InternLM2's fused ``wqkv`` split into q ``[b, s, n_h, h_d]``, k and v ``[b, s, n_kv, h_d]``;
+    the fused layout is, per kv head, ``n_rep`` query heads then one key and one value head."""
     b, s, _ = hidden_states.shape
     n_kv, h_d = layer.num_key_value_heads, layer.head_dim
     n_rep = layer.num_key_value_groups
@@ -116,9 +114,7 @@ def patch_internlm2_attention(model: nn.Module, max_position: int | None = None)
     """Give every InternLM2 attention layer of ``model`` the validated RoPE and document-isolating
     attention (classes found by name, XTuner's and remote-code copies, inside any wrapper;
     idempotent); ``max_position`` optionally overrides the largest position id the RoPE accepts.
-
-    Returns:
-        The number of InternLM2 attention layers now carrying the patch.
+    Returns the number of InternLM2 attention layers now carrying the patch.
 
     Raises:
         ValueError: the model has no InternLM2 attention layer.

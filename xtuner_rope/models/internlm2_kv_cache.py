@@ -77,7 +77,6 @@ def extend_cache(
         layer: The attention layer (its ``layer_idx`` for the Cache contract).
         past_key_value: A ``Cache``, a ``(k, v)`` pair of ``[b, n_kv, past, h_d]``, or None.
         use_cache: Whether the model wants a present back (tuple contract).
-        cache_kwargs: Passed to ``Cache.update``.
 
     Returns:
         ``(k, v, present)``: ``[b, n_kv, past + s, h_d]`` keys and values, and the layer's third

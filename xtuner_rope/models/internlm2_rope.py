@@ -37,9 +37,7 @@ class ValidatedRotaryEmbedding(nn.Module):
         max_position_embeddings (int): Context length the model was trained with.
         base (float): RoPE theta.
         scaling_type (str, optional): None, 'linear' or 'dynamic' (NTK).
-        scaling_factor (float): Factor of the scaling.
         max_position (int, optional): Overrides the range limit on positions (see `limit`).
-        device (torch.device, optional): Device of `inv_freq`.
 
     Attributes:
         per_document (bool): Dynamic-NTK frequencies per document of a packed row (default).

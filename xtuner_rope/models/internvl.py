@@ -38,11 +38,8 @@ def llm_computes_the_loss(chat: nn.Module, labels: torch.Tensor) -> Iterator[dic
     """Inside: the next call of ``chat.language_model`` also gets ``labels``; its output is kept.
 
     For ``InternVL_V1_5.forward`` with ``labels=None``: the yielded ``"output"`` carries the
-    LLM's own loss (a chunked-loss LLM then returns no logits).
-
-    Args:
-        chat: The chat model (:func:`internvl_chat_model`).
-        labels: ``[b, s]`` the batch's labels (-100: not supervised), aligned with the ids.
+    LLM's own loss (a chunked-loss LLM then returns no logits). ``chat``:
+    :func:`internvl_chat_model`; ``labels``: ``[b, s]``, aligned with the ids.
     """
     got: dict = {}
     llm = chat.language_model

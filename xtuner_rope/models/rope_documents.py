@@ -81,9 +81,8 @@ def rotary_document_lengths(
 
     Args:
         rotary: The calling rotary module (its ``training`` tells a sequence-parallel shard).
-        position_ids: ``[b, s]`` or ``[1, s]`` integer positions of the call.
-        b: Rows; s: row length (of this rank's shard under sequence parallel).
-        device: Where the lengths are needed.
+        position_ids: ``[b, s]`` or ``[1, s]`` integer positions of the call (``s``: this rank's
+            shard's under sequence parallel).
         zero_start: Documents only where every row starts at position 0 (transformers' rule).
     """
     if sequence_parallel_active(rotary):
@@ -142,10 +141,8 @@ def install_row_lengths(model: nn.Module) -> int:
     """Let the validated rotaries of ``model`` know the real length of each padded row.
 
     Each decoder holding validated rotaries gets a forward pre-hook recording its 2-D mask
-    (:func:`padded_row_lengths`); calls with a KV cache record nothing. Idempotent.
-
-    Returns:
-        How many decoders were hooked.
+    (:func:`padded_row_lengths`); calls with a KV cache record nothing. Idempotent; returns how
+    many decoders were hooked.
     """
     count = 0
     for module in model.modules():
@@ -171,10 +168,8 @@ def install_row_lengths(model: nn.Module) -> int:
 
 
 def is_document_rotary(module: nn.Module) -> bool:
-    """True for a validated rotary that can give each document its own frequencies.
-
-    The one test of "a rotary of ours" that :func:`install_row_lengths` and
-    :func:`set_per_document_rope` share: such a module carries a ``per_document`` switch.
+    """True for a validated rotary that can give each document its own frequencies (it carries a
+    ``per_document`` switch): :func:`install_row_lengths`' and :func:`set_per_document_rope`'s test.
     """
     return hasattr(module, "per_document")
 
@@ -206,11 +201,8 @@ def padded_row_lengths(
 
 
 def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
-    """Turn per-document frequencies on or off on every validated rotary of ``model``.
-
-    Returns:
-        How many rotary modules were set.
-    """
+    """Turn per-document frequencies on or off on every validated rotary of ``model``; returns how
+    many rotary modules were set."""
     count = 0
     for module in model.modules():
         if is_document_rotary(module):
@@ -220,10 +212,8 @@ def set_per_document_rope(model: nn.Module, enabled: bool) -> int:
 
 
 def per_document_rope_setting(runner) -> bool:
-    """Apply the config's ``per_document_rope`` (default True) to the runner's patched model.
-
-    Returns:
-        The setting applied.
+    """Apply the config's ``per_document_rope`` (default True) to the runner's patched model;
+    returns the setting applied.
 
     Raises:
         TypeError: the setting is not a bool.
@@ -252,9 +242,7 @@ def reset_upstream_rotaries(model: nn.Module) -> int:
 
     Upstream's dynamic NTK keeps grown frequencies (InternLM2's for good): documents run alone one
     after another (``xtuner-rope check``, the tests) must each start from the loaded state.
-
-    Returns:
-        How many rotary modules were reset.
+    Returns how many rotary modules were reset.
     """
     count = 0
     for module in model.modules():

@@ -83,8 +83,7 @@ def sequence_parallel_attention(
 
     Args:
         q: ``[b, S/sp, n_h, h_d]`` this rank's shard of queries (RoPE applied).
-        k: ``[b, S/sp, n_kv, h_d]`` keys of the shard (RoPE applied).
-        v: ``[b, S/sp, n_kv, h_d]`` values of the shard.
+        k, v: ``[b, S/sp, n_kv, h_d]`` keys (RoPE applied) and values of the shard.
         eager: Whether the layer's dense kernel is eager softmax (else SDPA), for the backend.
 
     Returns:
@@ -170,13 +169,6 @@ def _host_positions(positions: torch.Tensor | None, b: int, s: int, pad: int):
     return torch.cat([host, torch.arange(pad).expand(b, pad)], dim=1) if pad else host
 
 
-def _supervised_count(labels: torch.Tensor) -> int:
-    """Supervised tokens of the full rows after the shift (on the labels' host copy if known)."""
-    host = host_copy(labels)
-    values = labels if host is None else host
-    return int((values[:, 1:] != IGNORE_INDEX).sum())
-
-
 def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict, int]:
     """This rank's shard of a full ``[b, S]`` batch: rows padded to a multiple of ``sp`` (a
     segment of their own), the full row's boundaries published for the attention after the
@@ -186,7 +178,6 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
         data: ``input_ids``, ``labels`` ``[b, S]``, optional ``position_ids`` ``[b, S]``
             (per-document positions); not modified.
         sp: Sequence-parallel world size; rank: this rank in the group.
-        pad_index: Token id of the padding segment.
 
     Returns:
         The shard's ``input_ids``, ``position_ids`` and ``shifted_labels`` (``[b, S'/sp]``,
@@ -197,9 +188,10 @@ def shard_rows(data: dict, sp: int, rank: int, pad_index: int = 0) -> tuple[dict
     b, s = data["input_ids"].shape
     rows = _row_boundaries(data, b, s)
     pad = (-s) % sp
-    n_supervised = _supervised_count(data["labels"])
-    host_positions = _host_positions(data.get("position_ids"), b, s, pad)
     host_labels = host_copy(data["labels"])  # the chunked loss reads the shard's on the host
+    counted = data["labels"] if host_labels is None else host_labels  # no device read if known
+    n_supervised = int((counted[:, 1:] != IGNORE_INDEX).sum())  # of the full rows, after the shift
+    host_positions = _host_positions(data.get("position_ids"), b, s, pad)
     if pad:
         rows = _pad_row_tail(data, rows, s, pad, pad_index)
     s_full = s + pad
@@ -253,7 +245,6 @@ def sequence_parallel_loss(llm: nn.Module, data: dict, pad_index: int = 0) -> di
     """The token-weighted SFT loss of a full batch under sequence parallel (every label once).
 
     Args:
-        llm: The causal LM whose attention is patched by xtuner-rope (this rank's replica).
         data: The full batch as collated: ``input_ids``, ``labels`` ``[b, S]``, optional
             ``position_ids``; ``attention_mask`` is not used (boundaries are).
         pad_index: Token id of the padding segment added when ``S % sp != 0``.

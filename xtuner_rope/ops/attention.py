@@ -118,11 +118,9 @@ SDPA_HAS_GQA = TorchVersion(torch.__version__) >= (2, 5)  # a Version, not a str
 
 
 def grouped_sdpa(q, k, v, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` of ``q [b, n_h, L, h_d]`` over ``k, v [b, n_kv, S, h_d]``.
-
-    Query head h reads kv head h // n_rep (``enable_gqa``; on torch 2.4, which lacks it, the kv
-    heads are repeated first, InternLM2's ``repeat_kv`` grouping). ``kwargs`` go to SDPA.
-    """
+    """``F.scaled_dot_product_attention`` of ``q [b, n_h, L, h_d]`` over ``k, v [b, n_kv, S, h_d]``:
+    query head h reads kv head h // n_rep (``enable_gqa``; on torch 2.4, which lacks it, the kv
+    heads are repeated first, InternLM2's ``repeat_kv`` grouping). ``kwargs`` go to SDPA."""
     n_rep = q.shape[-3] // k.shape[-3]
     if SDPA_HAS_GQA:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=n_rep > 1, **kwargs)
@@ -152,8 +150,7 @@ def packed_attention(
 
     Args:
         q: ``[b, s, n_h, h_d]`` queries (RoPE applied).
-        k: ``[b, s, n_kv, h_d]`` keys (RoPE applied); ``n_h`` a multiple of ``n_kv``.
-        v: ``[b, s, n_kv, h_d]`` values.
+        k, v: ``[b, s, n_kv, h_d]`` keys (RoPE applied) and values; ``n_h`` a multiple of ``n_kv``.
         plan: Document layout from ``document_plan`` / ``plan_documents``.
         backend: ``'flash'``, ``'varlen'``, ``'sdpa'`` or ``'eager'`` (:func:`packed_backend`).
 

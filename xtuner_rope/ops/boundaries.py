@@ -18,7 +18,6 @@ def check_flat_boundaries(cu: object, b: int, s: int, source: str) -> torch.Tens
 
     Args:
         cu: ``[n_docs + 1]`` boundaries, e.g. read from XTuner's ``MessageHub``.
-        b: rows of the batch; s: row length.
         source: where ``cu`` comes from, for the message.
 
     Returns:

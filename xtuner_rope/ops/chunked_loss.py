@@ -294,7 +294,7 @@ def chunked_causal_lm_loss(
         labels: ``[b, s]`` int labels aligned with the inputs (-100: not supervised); position
             ``t`` predicts ``labels[:, t + 1]``.
         head: The output head (``head_kind`` must accept it): ``[H] -> [V]``.
-        logit_scale: Multiplies the logits before the softmax (Cohere), or None.
+        logit_scale: Multiplies the logits (Cohere), or None.
         num_items_in_batch: The denominator of the summed NLL (transformers' gradient
             accumulation), or None for the mean over this batch's supervised tokens.
         chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
@@ -335,13 +335,8 @@ def chunked_target_logprobs(
     -100 (0 elsewhere), in value and gradients, without a ``[b * s, V]`` tensor in the forward
     or the backward.
 
-    Args:
-        hidden: ``[b, s, H]`` the decoder's last hidden states (after the final norm).
-        targets: ``[b, s]`` the id position ``t`` predicts (already shifted), -100 where no
-            log-prob is wanted.
-        head: The output head (``head_kind`` must accept it): ``[H] -> [V]``.
-        logit_scale: Multiplies the logits before the softmax (Cohere), or None.
-        chunk_tokens: Tokens per chunk; default ``chunk_tokens_for(V)``.
+    Args: as :func:`chunked_causal_lm_loss`, with ``targets`` ``[b, s]`` the id position ``t``
+        predicts (already shifted), -100 where no log-prob is wanted.
 
     Returns:
         ``[b, s]`` fp32 target log-probs, 0 where ``targets`` is -100.

@@ -181,7 +181,6 @@ def document_plan(
 
     Args:
         position_ids: ``[b, s]`` or ``[1, s]`` positions, or None.
-        b: Rows of the batch; s: row length.
         device: Where the plan's index tensors live.
         published: Flat ``[n_docs + 1]`` boundaries published for this batch, or None.
         source: Where ``published`` comes from, for error messages.

@@ -59,13 +59,8 @@ def lengths_from_cumulative(cu: IntSeq) -> torch.Tensor:
 
 
 def position_ids_from_cumulative(cu: IntSeq) -> torch.Tensor:
-    """Position ids of one row: 0, 1, 2, ... restarting at every boundary.
-
-    Args:
-        cu: ``[n + 1]`` boundaries of one row, ``cu[0] == 0``, strictly increasing.
-
-    Returns:
-        ``[s]`` long position ids, ``s = cu[-1]``.
+    """``[s]`` long position ids of one row (``s = cu[-1]``): 0, 1, 2, ... restarting at every
+    boundary of its ``[n + 1]`` boundaries ``cu`` (``cu[0] == 0``, strictly increasing).
     """
     cu = torch.as_tensor(cu, dtype=torch.long).reshape(-1)
     lengths = cu[1:] - cu[:-1]
@@ -75,14 +70,8 @@ def position_ids_from_cumulative(cu: IntSeq) -> torch.Tensor:
 
 
 def cumulative_from_position_ids(position_ids: IntSeq) -> torch.Tensor:
-    """Boundaries of one row from its position ids: a segment starts at column 0 and wherever the
-    position is 0 (XTuner's Packer restarts there).
-
-    Args:
-        position_ids: ``[s]`` position ids of one row.
-
-    Returns:
-        ``[n + 1]`` int32 boundaries, ending at ``s``.
+    """``[n + 1]`` int32 boundaries (ending at ``s``) of one row from its ``[s]`` position ids: a
+    segment starts at column 0 and wherever the position is 0 (XTuner's Packer restarts there).
     """
     position_ids = torch.as_tensor(position_ids).reshape(-1)
     s = position_ids.numel()
@@ -104,14 +93,8 @@ def flat_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
 
 
 def segment_starts_from_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch.Tensor:
-    """Mark the first column of every segment, for a whole batch at once.
-
-    Args:
-        cus: ``b`` boundary tensors (each starting at 0, strictly increasing, ending at ``s``).
-        s: row length.
-
-    Returns:
-        ``[b, s]`` bool, True at each segment's first column.
+    """``[b, s]`` bool, True at each segment's first column, from ``b`` boundary tensors ``cus``
+    (each ``0 .. s``, strictly increasing).
     """
     b = len(cus)
     counts = torch.tensor([cu.numel() for cu in cus], dtype=torch.long)
@@ -124,14 +107,8 @@ def segment_starts_from_cumulative(cus: Sequence[torch.Tensor], s: int) -> torch
 
 
 def position_ids_from_starts(starts: torch.Tensor) -> torch.Tensor:
-    """Position ids for a whole batch from its segment-start mask (vectorised).
-
-    Args:
-        starts: ``[b, s]`` bool, True at each segment's first column (column 0 is
-            treated as a start whatever it holds).
-
-    Returns:
-        ``[b, s]`` long position ids restarting at 0 at every start.
+    """``[b, s]`` long position ids restarting at 0 at every start of the ``[b, s]`` bool mask
+    ``starts`` (column 0 is a start whatever it holds).
     """
     b, s = starts.shape
     cols = torch.arange(s, dtype=torch.long).expand(b, s)
@@ -152,7 +129,6 @@ def lay_out_rows(
     Args:
         samples: ``(input_ids, labels)`` per sample, both 1-D of one length ``n_i >= 1``.
         plan: The samples of each row, in order (``plan_packs``, or ``[[i]]`` per sample).
-        pad_index: Token id of the padding.
         ignore_index: Label of the padding and of each sample's first token.
 
     Returns:
@@ -245,11 +221,9 @@ def plan_packs(lengths: Sequence[int], max_length: int, level: bool = True) -> l
 def padded_length(
     longest: int, *, pad_to_multiple_of: int | None = None, min_length: int | None = None
 ) -> int:
-    """Row length ``s`` for a batch whose longest row holds ``longest`` tokens.
-
-    Rounds up to a multiple of ``pad_to_multiple_of`` and to at least ``min_length``
-    (a multiple too, when both are given).
-    """
+    """Row length ``s`` for a batch whose longest row holds ``longest`` tokens: rounded up to a
+    multiple of ``pad_to_multiple_of`` and to at least ``min_length`` (a multiple too, when both
+    are given)."""
     s = max(longest, min_length or 0)
     if pad_to_multiple_of:
         s = -(-s // pad_to_multiple_of) * pad_to_multiple_of

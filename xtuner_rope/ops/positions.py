@@ -46,8 +46,7 @@ def check_position_ids(
 
     Args:
         position_ids (torch.Tensor): Integer positions `[b, s]`, b == 1 or `batch`.
-        batch (int): Batch size b of the activations.
-        seq_len (int): Sequence length s of the activations.
+        batch, seq_len (int): b and s of the activations.
         limit (int, optional): Positions must be below it; None means unbounded.
         limit_desc (str): Where `limit` comes from, for the error message.
         advice (str): What to do about a position beyond `limit`, for the error message.

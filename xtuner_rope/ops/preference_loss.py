@@ -29,14 +29,11 @@ def dpo_pair_losses(
     """XTuner's DPO loss of each pair alone, and its chosen and rejected rewards.
 
     Args:
-        policy_chosen: ``[p]`` log-probs of the chosen responses under the policy (summed over the
-            response's supervised targets; averaged for ``ipo``, as XTuner does).
-        policy_rejected: ``[p]`` the same for the rejected responses.
-        reference_chosen: ``[p]`` the chosen responses under the reference model.
-        reference_rejected: ``[p]`` the rejected ones under the reference model.
-        beta: The model's ``beta``.
+        policy_chosen, policy_rejected, reference_chosen, reference_rejected: ``[p]`` log-probs of
+            the responses under the policy / reference (summed over the response's supervised
+            targets; averaged for ``ipo``, as XTuner does).
         loss_type: One of :data:`DPO_PAIR_LOSSES`.
-        label_smoothing: The model's ``label_smoothing`` (``sigmoid``, ``robust``).
+        label_smoothing: The model's (``sigmoid``, ``robust``).
 
     Returns:
         ``(loss, chosen_reward, rejected_reward)``, each ``[p]`` float64.
@@ -104,11 +101,9 @@ def reward_pair_losses(
     """XTuner's reward-model loss of each pair alone (one process), and the two scores.
 
     Args:
-        chosen: ``[p]`` the reward score of each chosen response.
-        rejected: ``[p]`` the score of each rejected response.
+        chosen, rejected: ``[p]`` the reward score of each chosen / rejected response.
         loss_type: ``ranking`` or ``focal``.
         penalty_type: ``log_barrier`` (scores kept in (-5, 5)), ``L2`` or ``none``.
-        penalty_weight: The model's ``penalty_weight``.
 
     Returns:
         ``(loss, chosen, rejected)``, each ``[p]`` float64.

@@ -30,12 +30,8 @@ def document_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, b: in
 
 
 def host_document_lengths(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """Each token's document length ``[b, s]`` int64 on the CPU, from host boundaries (positions
-    counting from 0 per document, as the collate function's).
-
-    Args:
-        cu_seqlens: ``[n_docs + 1]`` flat boundaries over the ``[b * s]`` tokens, on the CPU.
-        b: Rows; s: row length.
+    """Each token's document length ``[b, s]`` int64 on the CPU, from the ``[n_docs + 1]`` flat host
+    boundaries ``cu_seqlens`` (positions counting from 0 per document, as the collate function's).
     """
     cu = cu_seqlens.to("cpu", torch.int64)
     lengths = cu[1:] - cu[:-1]  # [n_docs]

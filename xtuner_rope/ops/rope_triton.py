@@ -58,15 +58,8 @@ def _strict():
 
 
 def use_triton_apply(enabled=True):
-    """Turn the Triton rotary kernel on or off for this process (overrides `XTUNER_ROPE_TRITON`).
-
-    Args:
-        enabled (bool | None): True: the Triton kernel; False: the eager kernel everywhere;
-            None: `XTUNER_ROPE_TRITON` decides (the default).
-
-    Returns:
-        bool: Whether it was on before.
-    """
+    """Turn the Triton rotary kernel on (True) or off (False: eager everywhere) for this process;
+    None (the default): `XTUNER_ROPE_TRITON` decides. Returns whether it was on before."""
     before = _enabled()
     _state["enabled"] = None if enabled is None else bool(enabled)
     return before
@@ -79,10 +72,8 @@ def _enabled():
 
 
 def triton_kernel_calls():
-    """Launches of the Triton rotary kernel in this process (forward and backward each count).
-
-    Tests and benchmarks use it to tell a kernel run from a silent eager fall-back.
-    """
+    """Launches of the Triton rotary kernel in this process (forward and backward each count):
+    tests and benchmarks tell a kernel run from a silent eager fall-back by it."""
     return _state["calls"]
 
 
@@ -129,11 +120,9 @@ def _warn_missing(x):
 
 
 def triton_apply_active(x):
-    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` (gives the device) with Triton.
-
-    True on CUDA (or on the CPU under `XTUNER_ROPE_TRITON_INTERPRET=1` without an
-    :func:`interpreter_fault`) when the kernel is on, Triton imports and no trace is running.
-    """
+    """Whether `rope.apply_rotary_pos_emb` rotates q/k like `x` with Triton: on CUDA (or on the CPU
+    under `XTUNER_ROPE_TRITON_INTERPRET=1` without an :func:`interpreter_fault`) when the kernel is
+    on, Triton imports and no trace is running."""
     if torch.compiler.is_compiling() or not _enabled():
         return False
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpret()):
@@ -149,10 +138,8 @@ def interpreter_fault():
 
     Probed once, under `XTUNER_ROPE_TRITON_INTERPRET=1` only: a copy kernel of 4 floats (Triton
     3.0.0 with NumPy 2 reads wrong values). The first fault warns once; CPU tensors then rotate
-    eagerly, and tests skip with this reason.
-
-    Returns:
-        str | None: The Triton and NumPy versions, what the copy read, and the fix; or None.
+    eagerly, and tests skip with this reason. The answer names the Triton and NumPy versions,
+    what the copy read, and the fix.
     """
     if not _interpret() or _kernel() is None:
         return None
@@ -302,9 +289,7 @@ def triton_apply(q, k, cos, sin, unsqueeze_dim, interleaved=False):
         q (torch.Tensor): `[b, n_h, s, h_d]` (unsqueeze_dim 1) or `[b, s, n_h, h_d]` (2), any
             strides (InternLM2's views of its packed `wqkv` are read in place).
         k (torch.Tensor): `[b, n_kv, s, h_d]` or `[b, s, n_kv, h_d]`.
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
-        sin (torch.Tensor): Same shape as cos.
-        unsqueeze_dim (int): 1 or 2, the heads dim of q/k.
+        cos, sin (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:

@@ -20,11 +20,8 @@ _fused = {"enabled": False, "fn": None, "calls": 0}
 
 
 def rotate_eager(x, cos, sin, transpose):
-    """Rotate x `[..., h_d]` (any dtype and strides) in fp32: `x * cos + rotate_half(x) * sin`.
-
-    With transpose=True its transpose (the backward). Returns x's dtype (and strides where x is
-    dense).
-    """
+    """Rotate x `[..., h_d]` (any dtype and strides) in fp32: `x * cos + rotate_half(x) * sin`,
+    or its transpose (the backward). Returns x's dtype (and strides where x is dense)."""
     # Chunks along x's outermost dim in memory (heads for [b, n, s, h_d], s for the transposed
     # views InternLM2 passes) are compact blocks, which stay in cache across the passes below.
     # On accelerators one chunk: there each chunk costs kernel launches, not cache misses.
@@ -73,28 +70,16 @@ def _rotate_fp32(x, cos, sin, transpose: bool):
 
 
 def use_fused_apply(enabled=True):
-    """Turn the fused (torch.compile) rotation kernel on or off for this process.
-
-    Args:
-        enabled (bool): True to rotate with one compiled loop, False for the eager kernel.
-
-    Returns:
-        bool: Whether it was on before.
-    """
+    """Turn the fused (torch.compile) rotation kernel on or off for this process; returns whether
+    it was on before."""
     before = _fused["enabled"]
     _fused["enabled"] = bool(enabled)
     return before
 
 
 def fused_kernel_calls():
-    """How many `rotate` calls in this process the compiled (fused) kernel served.
-
-    Fall-backs to the eager kernel and calls traced into the user's compiled model are not
-    counted: tests and benchmarks tell a compiled run from a silent fall-back by it.
-
-    Returns:
-        int: The count since the process started.
-    """
+    """How many `rotate` calls in this process the compiled (fused) kernel served (not fall-backs,
+    not calls traced into the user's compiled model): tests and benchmarks read it."""
     return _fused["calls"]
 
 
@@ -153,10 +138,7 @@ def rotate_heads(x, cos, sin, unsqueeze_dim, transpose, interleaved=False):
 
     Args:
         x (torch.Tensor): `[b, n, s, h_d]` (unsqueeze_dim 1) or `[b, s, n, h_d]` (2).
-        cos (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
-        sin (torch.Tensor): Same shape as cos.
-        unsqueeze_dim (int): The heads dim of x.
-        transpose (bool): Apply the transpose (the backward).
+        cos, sin (torch.Tensor): fp32 `[b or 1, s, rot]`, rot even and <= h_d (partial rotary).
         interleaved (bool): Rotate the pairs (2i, 2i + 1) (Cohere) instead of (i, i + rot/2).
 
     Returns:

@@ -37,11 +37,8 @@ def cast_losses(name: str, old: torch.Tensor, new: torch.Tensor) -> CastLoss:
 
 
 def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> list[CastLoss]:
-    """Cast a model's floating parameters and buffers to ``dtype`` in place, one at a time.
-
-    Returns:
-        One :class:`CastLoss` per tensor cast (meta tensors cast, not counted).
-    """
+    """Cast a model's floating parameters and buffers to ``dtype`` in place, one at a time; one
+    :class:`CastLoss` per tensor cast (meta tensors cast, not counted)."""
     losses = []
     tensors = [*module.named_parameters(), *module.named_buffers()]
     for name, tensor in tensors:

@@ -112,14 +112,9 @@ def _watch(model: nn.Module, data: dict, found: list[Finding]) -> list:
 
 
 def replay(model: nn.Module, record: dict) -> Finding | None:
-    """Run the recorded batch through ``model`` (forward, then backward) and find the first NaN.
-
-    Args:
-        model: the run's model, the recorded weights loaded, patched as in the run.
-        record: from :func:`load_record`.
-
-    Returns:
-        The first non-finite module output, else output gradient (backward order), else None.
+    """Run the recorded batch through ``model`` (the recorded weights loaded, patched as in the
+    run), forward then backward: the first non-finite module output, else output gradient
+    (backward order), else None.
     """
     device = next(model.parameters()).device
     data = {k: v.to(device) for k, v in record["data"].items()}
@@ -156,10 +151,8 @@ def build_run_model(
     """The run's model, built from its config, with the weights it had when the batch failed.
 
     Args:
-        config: the training config.
         record: from :func:`load_record`; its ``weights`` file is loaded unless ``checkpoint``
             (an ``iter_N.pth``) is given.
-        cfg_options: overrides, as ``xtuner train --cfg-options`` takes them.
 
     Raises:
         ValueError: no weights to load (the run saved none and no checkpoint was given).

@@ -101,7 +101,6 @@ def run_xtuner_tool(command: tuple[str, ...], argv: list[str], dtype: str | None
 
     Args:
         command: A key of :data:`XTUNER_TOOLS`, e.g. ``("convert", "pth_to_hf")``.
-        argv: The tool's own arguments, exactly as ``xtuner`` takes them.
         dtype: ``--dtype`` of ``convert``; None: the trained dtype (``pth_to_hf``), fp16
             (``merge``).
 
