@@ -121,6 +121,24 @@ def _sft(path: str) -> SupervisedFinetune:
     return sft.train()
 
 
+def _reads_of_one_step(model, data_batch: dict, step, keep_host: bool = True) -> list:
+    """The device reads of ``step(model, data)`` on the moved batch; what it returns (a loss)
+    is backpropagated outside the count, before the hub and host copies are forgotten."""
+    reads = DeviceReads()
+    reads.on_device(list(model.parameters()), list(model.buffers()))
+    data = preprocessor_move(data_batch["data"], reads, keep_host)
+    try:
+        with reads:
+            loss = step(model, data)
+        if loss is not None:
+            loss.backward()
+    finally:
+        channel.clear()
+        forget_host_copies()
+    assert reads.calls > 300  # the whole forward ran inside the mode
+    return reads.reads
+
+
 def _forward_reads(
     mode: str, path: str, monkeypatch, keep_host: bool = True, chunked: bool = False
 ) -> list:
@@ -133,18 +151,12 @@ def _forward_reads(
     for _ in range(3):
         data_batch = _collate(mode)
         _before_train_iter(mode, sft, data_batch, monkeypatch)
-        reads = DeviceReads()
-        reads.on_device(list(sft.parameters()), list(sft.buffers()))
-        data = preprocessor_move(data_batch["data"], reads, keep_host)
-        try:
-            with reads, loss_only() if chunked else contextlib.nullcontext():
-                loss = sft(data, mode="loss")["loss"]
-            loss.backward()
-        finally:
-            channel.clear()
-            forget_host_copies()
-        assert reads.calls > 300  # the whole forward ran inside the mode
-        per_forward.append(reads.reads)
+
+        def step(model, data):
+            with loss_only() if chunked else contextlib.nullcontext():
+                return model(data, mode="loss")["loss"]
+
+        per_forward.append(_reads_of_one_step(sft, data_batch, step, keep_host))
     return per_forward
 
 
@@ -224,17 +236,12 @@ def test_llava_training_forward_reads_no_device_data(llava, packed, chunked):
         for seed in range(3):
             data_batch = _llava_batch(packed, seed)
             _before_train_iter("published", llava, data_batch, None)
-            reads = DeviceReads()
-            reads.on_device(list(llava.parameters()), list(llava.buffers()))
-            data = preprocessor_move(data_batch["data"], reads)
-            try:
-                with reads, loss_only() if chunked else contextlib.nullcontext():
-                    llava(data, mode="loss")
-            finally:
-                channel.clear()
-                forget_host_copies()
-            assert reads.calls > 300
-            per_forward.append(reads.reads)
+
+            def step(model, data):
+                with loss_only() if chunked else contextlib.nullcontext():
+                    model(data, mode="loss")
+
+            per_forward.append(_reads_of_one_step(llava, data_batch, step))
     finally:
         kept.remove()
         llava.eval()
@@ -264,17 +271,11 @@ def test_internvl_chunked_loss_reads_no_device_data(internvl, packed):
                 internvl_collate_fn(items, max_length=128) if packed else default_collate_fn(items)
             )
             _before_train_iter("published", model, data_batch, None)
-            reads = DeviceReads()
-            reads.on_device(list(model.parameters()), list(model.buffers()))
-            data = preprocessor_move(data_batch["data"], reads)
-            try:
-                with reads:
-                    model(data, mode="loss")["loss"].backward()
-            finally:
-                channel.clear()
-                forget_host_copies()
-            assert reads.calls > 300
-            per_forward.append(reads.reads)
+            per_forward.append(
+                _reads_of_one_step(
+                    model, data_batch, lambda m, d: m(d, mode="loss")["loss"].backward()
+                )
+            )
     finally:
         model.eval()
     assert per_forward[1:] == [[], []], per_forward
