@@ -41,6 +41,17 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = REPO / "data" / "short_dialogues.jsonl"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_boundaries_of_another_module():
+    """XTuner's ``varlen_attn_args`` hub lives for the whole process: a test module never
+    starts with the boundaries another module left published (xdist runs several files in
+    one worker, in an order that changes from run to run)."""
+    from xtuner_rope.models import channel
+
+    channel.clear()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)

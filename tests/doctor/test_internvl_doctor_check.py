@@ -40,7 +40,10 @@ def test_doctor_and_check_pass_on_stock_configs(configs, model, tmp_path, capsys
     # boundaries an earlier run of this process left published (CI's worker ran other files
     # first): the check starts from its own batches
     channel.publish(torch.tensor([0, 14, 25, 42, 57, 77, 96], dtype=torch.int32), 20)
-    assert main(["check", str(configs[model]), "--out", str(tmp_path / "check")]) == 0
+    try:
+        assert main(["check", str(configs[model]), "--out", str(tmp_path / "check")]) == 0
+    finally:
+        channel.clear()
     out = capsys.readouterr().out
     assert "PASS: each sample's LLM logits in the batch" in out, out
     report = json.loads((tmp_path / "check" / "report.json").read_text())
