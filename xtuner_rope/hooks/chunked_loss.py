@@ -8,8 +8,6 @@ docs/loss.md has the models and the ``chunked_loss`` setting.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from xtuner_rope.compat.guard import applied
 from xtuner_rope.config.loss import CHUNKED_LOSS_OPT_OUT as OPT_OUT
 from xtuner_rope.config.loss import chunked_loss_setting
@@ -21,6 +19,7 @@ from xtuner_rope.models.chunked_loss import (
     loss_only,
     partitioned,
     patch_chunked_loss,
+    shifted_targets,
     target_logprobs_only,
 )
 from xtuner_rope.models.dispatch import language_model, unwrap_model
@@ -62,7 +61,7 @@ def _predict_target_logprobs(own):
         labels = data.get("labels")
         if labels is None:
             return own(data, data_samples)
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [b, s]: what position t predicts
+        targets = shifted_targets(labels)  # [b, s]: what position t predicts
         with target_logprobs_only():
             rows = own({**data, "labels": targets}, data_samples)
             chunked = all(is_target_logprobs(row["logits"]) for row in rows)

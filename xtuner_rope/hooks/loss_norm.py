@@ -29,10 +29,10 @@ from xtuner_rope.hooks.accumulation import check_resume, record_window
 from xtuner_rope.models.chunked_loss import (
     is_chunked,
     is_target_logprobs,
+    shifted_targets,
     target_logprobs_only,
 )
 from xtuner_rope.models.dispatch import unwrap_model
-from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 
 # XTuner models whose loss is a mean over supervised tokens, and over the pairs of a micro-batch.
 # LLaVAModel: its LLM's loss over the expanded sequence; the image patches carry -100 and the
@@ -209,7 +209,7 @@ class TokenWeightedLossHook(Hook):
             chunked = is_chunked(model.llm)
             if chunked:  # position t's target is labels[:, t + 1]
                 with target_logprobs_only():
-                    logits = model.llm(**inputs, labels=_shifted(labels)).logits
+                    logits = model.llm(**inputs, labels=shifted_targets(labels)).logits
                     chunked = is_target_logprobs(logits)  # else paused: the model's logits
             else:
                 logits = model.llm(**inputs).logits
@@ -323,14 +323,3 @@ class TokenWeightedLossHook(Hook):
 
 
 __all__ = ["TokenWeightedLossHook", "preference_pairs"]
-
-
-def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` targets ``labels[:, t + 1]`` at position ``t`` (-100 at the last), with the
-    labels' host copy shifted alike so the chunked log-probs read no device data."""
-    pad = torch.nn.functional.pad
-    targets = pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    host = host_copy(labels)
-    if host is not None and targets.device != host.device:
-        remember_host_copy(targets, pad(host[:, 1:], (0, 1), value=IGNORE_INDEX))
-    return targets

@@ -27,6 +27,7 @@ from xtuner_rope.ops.chunked_loss import (
     chunked_target_logprobs,
     head_kind,
 )
+from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 
 # What a call with labels returns inside a block: "loss" (loss_only) or "logprobs".
 _MODE = contextvars.ContextVar("xtuner_rope_chunked_mode", default=None)
@@ -45,6 +46,7 @@ __all__ = [
     "partitioned",
     "patch_chunked_loss",
     "pause_chunked_loss",
+    "shifted_targets",
     "target_logprobs_only",
 ]
 
@@ -261,3 +263,14 @@ def _forward(self, *args, **kwargs):
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` the id position ``t`` predicts (``labels[:, t + 1]``, -100 at the last), with
+    the labels' host copy shifted alike so the chunked log-probs read no device data."""
+    pad = torch.nn.functional.pad
+    targets = pad(labels[:, 1:], (0, 1), value=-100)
+    host = host_copy(labels)
+    if host is not None and targets.device != host.device:
+        remember_host_copy(targets, pad(host[:, 1:], (0, 1), value=-100))
+    return targets
