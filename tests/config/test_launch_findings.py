@@ -53,9 +53,10 @@ def test_stock_deepspeed_zero2_on_cpu_is_refused_with_the_fp32_settings(monkeypa
         match=r"(?s)--deepspeed: deepspeed_zero2 \(.*\) resolves to "
         r"fp16 on this CPU-only machine.*Type fp16 is not "
         r"supported.*pass --deepspeed .*zero2_fp32_cpu\.json",
-    ):
+    ) as refused:
         prepare_config(_cfg())
     fp32 = str(REPO / "configs/deepspeed/zero2_fp32_cpu.json")
+    assert f"pass --deepspeed {fp32} " in str(refused.value)  # absolute: works from any cwd
     assert deepspeed_dtype_findings(_cfg(), [TRAIN, "c.py", "--deepspeed", fp32]) == []
 
 

@@ -30,7 +30,7 @@ FP32_CPU_JSON = {
     2: "configs/deepspeed/zero2_fp32_cpu.json",
     3: "configs/deepspeed/zero3_fp32_cpu.json",
 }
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (xtuner_rope/config/../..)
 # Samplers that take their rank and world size from DeepSpeed's data-parallel group.
 DEEPSPEED_SAMPLERS = ("InternRepoSampler",)
 
