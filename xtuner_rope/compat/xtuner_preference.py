@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from xtuner_rope.models.chunked_loss import is_target_logprobs
+from xtuner_rope.models.chunked_loss import is_chunked, is_target_logprobs
 
 
 def _preference_models():
@@ -228,8 +228,10 @@ def patch_preference_map_fn_errors() -> bool:
 
 
 def _predict_with_reference(self, data, data_samples=None):
-    """Per row: the policy's logits ``[s, V]`` and the reference model's (``ref_logits``)."""
-    inputs = {k: v for k, v in data.items() if k != "labels"}  # no HF loss: not used here
+    """Per row: the policy's logits ``[s, V]`` and the reference model's (``ref_logits``); with
+    the chunked loss the ``labels`` are the targets whose log-probs the LLMs return instead."""
+    chunked = is_chunked(self.llm)  # else no labels: the model's HF loss is not used here
+    inputs = {k: v for k, v in data.items() if k != "labels" or chunked}
     policy = self.llm(**inputs).logits  # [b, s, V]
     with torch.no_grad():
         if self.ref_llm is None:  # LoRA: the reference is the policy without its adapter

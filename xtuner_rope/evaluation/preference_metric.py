@@ -23,7 +23,7 @@ from xtuner_rope.ops.preference_loss import (
 )
 from xtuner_rope.ops.token_nll import IGNORE_INDEX, document_nll
 
-from .metric import row_bounds
+from .metric import row_bounds, row_scores
 
 MODEL_KINDS = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
 
@@ -90,6 +90,10 @@ class PreferenceMetric(BaseMetric):
         }[kind]
         self.kind, self.settings = kind, {k: getattr(model, k) for k in names}
 
+    def _prefixes(self) -> tuple[str, ...]:
+        """The row keys' prefixes: the policy's ``logits``, DPO's reference ``ref_logits`` too."""
+        return ("", "ref_") if self.kind == "dpo" else ("",)
+
     def _response_values(self, out: dict, labels: torch.Tensor, spans: list) -> list[dict]:
         """Per response of one row: its summed log-prob(s) and targets, or its reward score."""
         if self.kind == "reward":  # one reward token (label 0 or 1) per response, in order
@@ -99,13 +103,12 @@ class PreferenceMetric(BaseMetric):
         if not spans:
             return []
         bounds = torch.tensor([0] + [e for _, e in spans])  # [n + 1]: responses back to back
-        keys = ("logits", "ref_logits") if self.kind == "dpo" else ("logits",)
-        sums = {key: document_nll(out[key], labels, bounds) for key in keys}  # (nll, tokens)
+        sums = {p: document_nll(row_scores(out, p), labels, bounds) for p in self._prefixes()}
         return [
             {
-                "logp": -float(sums["logits"][0][i]),
-                "ref_logp": -float(sums["ref_logits"][0][i]) if self.kind == "dpo" else None,
-                "tokens": int(sums["logits"][1][i]),
+                "logp": -float(sums[""][0][i]),
+                "ref_logp": -float(sums["ref_"][0][i]) if self.kind == "dpo" else None,
+                "tokens": int(sums[""][1][i]),
             }
             for i in range(len(spans))
         ]
@@ -115,8 +118,8 @@ class PreferenceMetric(BaseMetric):
 
         Args:
             data_batch: The collated batch; ``data`` holds ``labels`` ``[b, s]``.
-            data_samples: ``b`` dicts with ``logits`` ``[s, V]`` (DPO also ``ref_logits``;
-                reward ``[s, 1]``).
+            data_samples: ``b`` dicts with ``logits`` ``[s, V]`` or chunked ``target_logprobs``
+                ``[s]`` (DPO also ``ref_``-prefixed; reward ``logits`` ``[s, 1]``).
 
         Raises:
             RuntimeError: the metric was not bound to the model.
@@ -139,10 +142,9 @@ class PreferenceMetric(BaseMetric):
                 "their cumulative_len (keep use_varlen_attn the same on the model, the dataset "
                 "and preference_collate_fn, and PackedBatchCheckHook in custom_hooks)."
             )
-        need = ("logits", "ref_logits") if self.kind == "dpo" else ("logits",)
+        need = [f"{p}logits" for p in self._prefixes()]
         if len(data_samples) != b or not all(
-            isinstance(x, dict) and all(isinstance(x.get(k), torch.Tensor) for k in need)
-            for x in data_samples
+            all(row_scores(x, p) is not None for p in self._prefixes()) for x in data_samples
         ):
             raise TypeError(
                 f"PreferenceMetric ({self.kind}): model.val_step must return one dict with "
@@ -150,7 +152,7 @@ class PreferenceMetric(BaseMetric):
                 f"{[sorted(x) if isinstance(x, dict) else type(x).__name__ for x in data_samples]}."
             )
         rows = [
-            self._response_values(out, labels[r].to(out["logits"].device), spans)
+            self._response_values(out, labels[r].to(row_scores(out).device), spans)
             for r, (out, spans) in enumerate(zip(data_samples, _responses(data, b, s)))
         ]
         if channel.read()[0] is None:  # unpacked: rows 2i, 2i + 1 are one pair (one sample)
