@@ -149,4 +149,3 @@ def test_internvl_chunked_loss_equals_the_models_own(tmp_path, packed, lora):
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any(n.startswith("model.mlp1") for n in trained), trained
     assert any("output.lora_A" in n for n in trained) == lora, trained
-
