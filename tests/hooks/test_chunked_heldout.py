@@ -1,11 +1,11 @@
-"""The held-out metrics of LLaVA, InternVL and DPO through the chunked target log-probs.
+"""The held-out metrics of LLaVA, InternVL, DPO and ORPO through the chunked target log-probs.
 
-XTuner's real ``LLaVAModel``, ``InternVL_V1_5`` and ``DPO`` on the tiny checkpoints, switched on
-as a run switches them (``hooks.chunked_loss.enable_chunked_loss``, chunks of 5 tokens), and a
+XTuner's real ``LLaVAModel``, ``InternVL_V1_5``, ``DPO`` (full, LoRA) and ``ORPO`` on the tiny
+checkpoints, switched on as a run switches them (``hooks.chunked_loss.enable_chunked_loss``, chunks of 5 tokens), and a
 copy with ``chunked_loss = False``: one packed held-out batch through ``val_step`` as MMEngine's
 ``ValLoop`` runs it (``PackedBatchCheckHook`` publishes the boundaries) into ``TokenLossMetric``
-(LLaVA, InternVL: per-dialogue NLL, the worst-dialogues file) or ``PreferenceMetric`` (DPO: the
-policy's and reference's log-prob sum of each response). The chunked outputs hold no logits and
+(LLaVA, InternVL: per-dialogue NLL, the worst-dialogues file) or ``PreferenceMetric`` (the
+policy's and DPO's reference's log-prob sum of each response). The chunked outputs hold no logits and
 no ``[*, V]`` tensor of more than a chunk is built (the full copy's are the rows': the counter's
 control); every figure equals the full logits' within 1e-6 relative.
 """
@@ -108,16 +108,35 @@ def test_multimodal_heldout_from_the_chunked_log_probs_equals_the_full_logits(tm
     assert all(_close(g["mean_nll"], w["mean_nll"]) for g, w in zip(got[1], want[1]))
 
 
-def test_dpo_heldout_from_the_chunked_log_probs_equals_the_full_logits():
-    """Packed pairs (as the stock config), a reference unlike the policy."""
+def _preference_model(kind):
+    """XTuner's DPO (a reference unlike the policy), LoRA DPO (the reference: the policy
+    without its adapter, on the head ``output`` too) or ORPO, on packed pairs."""
+    from peft import LoraConfig
     from xtuner.model.dpo import DPO
+    from xtuner.model.orpo import ORPO
 
     compat.apply()
-    model = DPO(llm=pc.tiny_llm_cfg(), use_varlen_attn=True, beta=0.1).eval()
-    with torch.no_grad():
-        for p in model.ref_llm.parameters():
-            p.add_(torch.randn_like(p), alpha=0.02)
-    model, reference = _pair(model)
+    common = dict(llm=pc.tiny_llm_cfg(), use_varlen_attn=True, beta=0.1)
+    if kind == "orpo":
+        return ORPO(**common).eval()
+    if kind == "dpo":
+        model = DPO(**common).eval()
+        with torch.no_grad():
+            for p in model.ref_llm.parameters():
+                p.add_(torch.randn_like(p), alpha=0.02)
+        return model
+    lora = dict(type=LoraConfig, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=None)
+    model = DPO(**common, lora=lora).eval()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)  # B starts at 0: policy != reference
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dpo", "dpo_lora", "orpo"])
+def test_preference_heldout_from_the_chunked_log_probs_equals_the_full_logits(kind):
+    """Packed pairs (as the stock configs); ``PreferenceMetric``'s per-response log-prob sums."""
+    model, reference = _pair(_preference_model(kind))
     gen = torch.Generator().manual_seed(0)
     ids, labels, positions, bounds = [], [], [], [0]
     for n, m in ((5, 9), (7, 6), (4, 12), (6, 8)):  # prompt, answer lengths of each response
@@ -137,12 +156,14 @@ def test_dpo_heldout_from_the_chunked_log_probs_equals_the_full_logits():
         results[name] = (metric.results, metric.compute_metrics(metric.results), outputs, rows)
     got, want = results["chunked"], results["full"]
     assert 0 < got[3] <= CHUNK and want[3] >= len(ids), (got[3], want[3])
-    assert sorted(got[2][0]) == ["ref_target_logprobs", "target_logprobs"], sorted(got[2][0])
-    assert sorted(want[2][0]) == ["logits", "ref_logits"]
+    ref = ["ref_"] if kind != "orpo" else []
+    assert sorted(got[2][0]) == [f"{p}target_logprobs" for p in ref + [""]], sorted(got[2][0])
+    assert sorted(want[2][0]) == ["logits"] + [f"{p}logits" for p in ref]
     pairs = [(g, w) for r, s in zip(got[0], want[0]) for g, w in zip(r["pairs"], s["pairs"])]
     assert len(pairs) == 2
     for g, w in (x for pair in pairs for x in zip(*pair)):
-        assert g["tokens"] == w["tokens"] and g["ref_logp"] != g["logp"]
-        assert _close(g["logp"], w["logp"]) and _close(g["ref_logp"], w["ref_logp"]), (g, w)
+        assert g["tokens"] == w["tokens"] and _close(g["logp"], w["logp"]), (g, w)
+        if ref:
+            assert g["ref_logp"] != g["logp"] and _close(g["ref_logp"], w["ref_logp"]), (g, w)
     assert got[1]["heldout_pairs"] == want[1]["heldout_pairs"] == 2
     assert _close(got[1]["heldout_loss"], want[1]["heldout_loss"]), (got[1], want[1])
