@@ -67,9 +67,8 @@ def row_documents(
 def row_scores(out: object, prefix: str = "") -> torch.Tensor | None:
     """A row output's ``<prefix>logits`` ``[s, V]`` or chunked ``<prefix>target_logprobs``
     ``[s]`` (``prefix``: DPO's ``ref_``), else None."""
-    if not isinstance(out, dict):
-        return None
-    scores = out.get(f"{prefix}target_logprobs", out.get(f"{prefix}logits"))
+    keys = (f"{prefix}target_logprobs", f"{prefix}logits")
+    scores = out.get(keys[0], out.get(keys[1])) if isinstance(out, dict) else None
     return scores if isinstance(scores, torch.Tensor) else None
 
 

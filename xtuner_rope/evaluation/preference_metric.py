@@ -26,6 +26,7 @@ from xtuner_rope.ops.token_nll import IGNORE_INDEX, document_nll
 from .metric import row_bounds, row_scores
 
 MODEL_KINDS = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
+_PREFIXES = {"dpo": ("", "ref_")}  # of a row's logits by kind: DPO's reference's too; else ("",)
 
 
 def preference_kind(model: object) -> str | None:
@@ -43,11 +44,8 @@ def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
         mask = data.get("attention_mask")
         lengths = mask.sum(-1).tolist() if isinstance(mask, torch.Tensor) else [s] * b
         return [[(0, int(n))] for n in lengths]
-    rows = []
-    for bounds in row_bounds(flat, b, s):
-        spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        rows.append(spans[: len(spans) // 2 * 2])
-    return rows
+    rows = [list(zip(x[:-1].tolist(), x[1:].tolist())) for x in row_bounds(flat, b, s)]
+    return [spans[: len(spans) // 2 * 2] for spans in rows]
 
 
 class PreferenceMetric(BaseMetric):
@@ -90,10 +88,6 @@ class PreferenceMetric(BaseMetric):
         }[kind]
         self.kind, self.settings = kind, {k: getattr(model, k) for k in names}
 
-    def _prefixes(self) -> tuple[str, ...]:
-        """The row keys' prefixes: the policy's ``logits``, DPO's reference ``ref_logits`` too."""
-        return ("", "ref_") if self.kind == "dpo" else ("",)
-
     def _response_values(self, out: dict, labels: torch.Tensor, spans: list) -> list[dict]:
         """Per response of one row: its summed log-prob(s) and targets, or its reward score."""
         if self.kind == "reward":  # one reward token (label 0 or 1) per response, in order
@@ -103,7 +97,8 @@ class PreferenceMetric(BaseMetric):
         if not spans:
             return []
         bounds = torch.tensor([0] + [e for _, e in spans])  # [n + 1]: responses back to back
-        sums = {p: document_nll(row_scores(out, p), labels, bounds) for p in self._prefixes()}
+        prefixes = _PREFIXES.get(self.kind, ("",))
+        sums = {p: document_nll(row_scores(out, p), labels, bounds) for p in prefixes}
         return [
             {
                 "logp": -float(sums[""][0][i]),
@@ -142,13 +137,13 @@ class PreferenceMetric(BaseMetric):
                 "their cumulative_len (keep use_varlen_attn the same on the model, the dataset "
                 "and preference_collate_fn, and PackedBatchCheckHook in custom_hooks)."
             )
-        need = [f"{p}logits" for p in self._prefixes()]
+        prefixes = _PREFIXES.get(self.kind, ("",))
         if len(data_samples) != b or not all(
-            all(row_scores(x, p) is not None for p in self._prefixes()) for x in data_samples
+            all(row_scores(x, p) is not None for p in prefixes) for x in data_samples
         ):
             raise TypeError(
                 f"PreferenceMetric ({self.kind}): model.val_step must return one dict with "
-                f"{' and '.join(need)} per row ({b} rows), got "
+                f"{' and '.join(p + 'logits' for p in prefixes)} per row ({b} rows), got "
                 f"{[sorted(x) if isinstance(x, dict) else type(x).__name__ for x in data_samples]}."
             )
         rows = [

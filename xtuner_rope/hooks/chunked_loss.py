@@ -54,23 +54,17 @@ def _why_not(runner, model) -> str | None:
 
 
 def _target_logprobs(run, labels):
-    """``run(targets)``'s held-out rows inside :func:`target_logprobs_only`, ``targets`` the
-    ``[b, s]`` :func:`shifted_targets` of ``labels``: per row, each ``<p>logits`` ``[s, 1]``
-    (``logits``; DPO's ``ref_logits``) becomes ``<p>target_logprobs`` ``[s]``, position ``t``'s
-    log-prob of ``labels[t + 1]`` (0 where -100 and at the end); a row's ``labels`` (LLaVA's,
-    after the image expansion) are ``labels``' again. Paused (the model's own forward ran): the
-    rows keep their logits."""
+    """The held-out rows of ``run(shifted_targets(labels))`` in :func:`target_logprobs_only`:
+    each ``<p>logits`` ``[s, 1]`` (DPO: ``ref_logits`` too) becomes ``<p>target_logprobs`` ``[s]``
+    (paused: the logits stay); a row's ``labels`` (LLaVA's expanded ones) are ``labels``' again."""
     with target_logprobs_only():
         rows = run(shifted_targets(labels))
-        chunked = isinstance(rows, list) and all(
-            is_target_logprobs(v) for row in rows for k, v in row.items() if k.endswith("logits")
-        )
-    if not isinstance(rows, list):
-        return rows
+        keys = [k for k in rows[0] if k.endswith("logits")]
+        chunked = all(is_target_logprobs(row[k]) for row in rows for k in keys)
     for r, row in enumerate(rows):
         if "labels" in row:
             row["labels"] = labels[r]
-        for key in [k for k in row if k.endswith("logits") and chunked]:
+        for key in keys if chunked else ():
             row[key.replace("logits", "target_logprobs")] = row.pop(key)[:, 0]
     return rows
 
@@ -83,9 +77,7 @@ def _predict_target_logprobs(own):
         labels = data.get("labels")
         if labels is None:
             return own(data, data_samples)
-        return _target_logprobs(
-            lambda targets: own({**data, "labels": targets}, data_samples), labels
-        )
+        return _target_logprobs(lambda t: own({**data, "labels": t}, data_samples), labels)
 
     return predict
 
