@@ -36,6 +36,7 @@ from xtuner_rope.demo.runlog import check_run
 
 pytestmark = pytest.mark.slow
 CHUNKED_LINE = "xtuner-rope: chunked loss: the training loss projects only the supervised tokens"
+HELD_OUT_CHUNKED = "the held-out log-probs too; opt out: chunked_loss = False"  # docs/loss.md
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +161,7 @@ def test_phi3_heldout_loss_equals_each_sample_alone(phi3_run):
     each held-out sample alone through XTuner's ``InternVL_V1_5.forward`` with ``iter_4.pth``'s
     weights (a fresh process without the plugin), with the same supervised-token count."""
     assert "val_evaluator=dict(type=TokenLossMetric)" in phi3_run["out"]
+    assert HELD_OUT_CHUNKED in phi3_run["out"]  # the held-out log-probs chunked
     # InternVL's dataset keeps no tokenized text: the start-up does not build every training
     # sample (images included) to count the overlap, and says so.
     assert "overlap with the training data not counted" in phi3_run["out"]
@@ -183,4 +185,5 @@ def test_phi3_heldout_on_two_processes_equals_each_sample_alone(internvl, tmp_pa
     options = ("train_cfg.max_epochs=None", "train_cfg.max_iters=4", "randomness.seed=0")
     out = ho.train_two_processes(config, tmp_path / "run", *options)
     assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
+    assert HELD_OUT_CHUNKED in out, out[-3000:]
     ho.check_image_heldout(HELDOUT_REFERENCE, config, tmp_path / "run", held, [2, 4], samples=7)

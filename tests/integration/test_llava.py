@@ -49,6 +49,7 @@ CAPTURE = "from xtuner_rope.capture.llava import LLaVAIsolationCaptureHook\n"
 HELDOUT_REFERENCE = Path(__file__).parents[1] / "support" / "llava_heldout_reference.py"
 # The start-up line of the chunked training loss (hooks.chunked_loss): the LLM inside LLaVA.
 CHUNKED_LINE = "xtuner-rope: chunked loss: the training loss projects only the supervised tokens"
+HELD_OUT_CHUNKED = "the held-out log-probs too; opt out: chunked_loss = False"  # docs/loss.md
 
 
 @pytest.fixture(scope="module")
@@ -451,6 +452,7 @@ def test_stock_finetune_heldout_loss_equals_each_sample_alone(finetune_run):
     work_dir = finetune_run["work_dir"]
     check_run(work_dir, min_iters=6)
     assert "val_evaluator=dict(type=TokenLossMetric)" in finetune_run["out"]
+    assert HELD_OUT_CHUNKED in finetune_run["out"]  # the held-out log-probs chunked
     ho.check_image_heldout(
         HELDOUT_REFERENCE, finetune_run["config"], work_dir, finetune_run["held"], [3, 6], 12
     )
@@ -470,4 +472,5 @@ def test_stock_finetune_heldout_on_two_processes_equals_each_sample_alone(llava,
     options = ("train_cfg.max_epochs=None", "train_cfg.max_iters=6", "randomness.seed=0")
     out = ho.train_two_processes(config, tmp_path / "run", *options)
     assert "val_evaluator=dict(type=TokenLossMetric)" in out, out[-3000:]
+    assert HELD_OUT_CHUNKED in out, out[-3000:]
     ho.check_image_heldout(HELDOUT_REFERENCE, config, tmp_path / "run", held, [3, 6], 11)

@@ -519,4 +519,7 @@ def test_stock_dpo_heldout_equals_each_pair_alone(dpo_run):
     the unpatched policy and reference (20 pairs)."""
     check_run(dpo_run["work"], min_iters=3)
     assert "val_evaluator=dict(type=PreferenceMetric)" in dpo_run["out"], dpo_run["out"][-3000:]
+    # The held-out log-probs of policy and reference through the chunked path (docs/loss.md).
+    assert "DPO's log-probs projects only the supervised" in dpo_run["out"]
+    assert "the held-out log-probs too; opt out: chunked_loss = False" in dpo_run["out"]
     _assert_heldout_equals_plain(dpo_run["config"], dpo_run["work"], "dpo", iters=(2, 3))

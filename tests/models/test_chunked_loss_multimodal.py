@@ -149,15 +149,3 @@ def test_internvl_chunked_loss_equals_the_models_own(tmp_path, packed, lora):
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any(n.startswith("model.mlp1") for n in trained), trained
     assert any("output.lora_A" in n for n in trained) == lora, trained
-
-
-def test_internvl_other_modes_are_xtuners(tmp_path):
-    """``mode="predict"`` (the held-out metric) still returns the LLM's logits per row."""
-    model, _, (context, per_tile, side) = internvl_models(tmp_path)
-    model, reference = _pair(model)
-    items = internvl_samples(2, 5, context, per_tile, side)
-    with torch.no_grad():
-        got = model(default_collate_fn(items)["data"], mode="predict")
-        want = reference(default_collate_fn(items)["data"], mode="predict")
-    assert len(got) == 2 and got[0]["logits"].dim() == 2
-    torch.testing.assert_close(got[0]["logits"], want[0]["logits"], rtol=0, atol=0)

@@ -63,11 +63,8 @@ def patch_llava_expansion_check(model, max_position: int | None) -> bool:
 
 def _predict_with_labels(self, data, data_samples=None):
     """``LLaVAModel.predict`` whose rows also carry the labels of the sequence the LLM saw."""
-    outputs = self.llm(**data)
-    labels = data.get("labels")
-    if labels is None:
-        return [{"logits": logits} for logits in outputs.logits]
-    return [{"logits": logits, "labels": row} for logits, row in zip(outputs.logits, labels)]
+    rows, labels = [{"logits": x} for x in self.llm(**data).logits], data.get("labels")
+    return rows if labels is None else [{**r, "labels": row} for r, row in zip(rows, labels)]
 
 
 def patch_llava_predict_labels() -> bool:

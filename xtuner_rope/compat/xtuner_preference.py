@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from xtuner_rope.models.chunked_loss import is_target_logprobs
+from xtuner_rope.models.chunked_loss import is_chunked, is_target_logprobs
 
 
 def _preference_models():
@@ -204,18 +204,14 @@ def patch_preference_map_fn_errors() -> bool:
         try:
             return original(dataset, dataset_map_fn, map_num_proc)
         except Exception as exc:
-            fn = (
-                preference.MAP_FUNC.get(dataset_map_fn) if isinstance(dataset_map_fn, str) else None
-            )
-            found = (
-                _failing_row(dataset, fn or dataset_map_fn)
-                if callable(fn or dataset_map_fn)
-                else None
-            )
+            fn = dataset_map_fn
+            if isinstance(fn, str):  # a name of XTuner's MAP_FUNC
+                fn = preference.MAP_FUNC.get(fn)
+            found = _failing_row(dataset, fn) if callable(fn) else None
             if found is None:
                 raise
             row, error = found
-            name = getattr(fn or dataset_map_fn, "__name__", str(dataset_map_fn))
+            name = getattr(fn, "__name__", str(dataset_map_fn))
             raise ValueError(
                 f"build_preference_dataset: source row {row}: dataset_map_fn {name} failed "
                 f"({type(error).__name__}: {error or 'assertion'}). Expected a pair: 'chosen' "
@@ -228,8 +224,10 @@ def patch_preference_map_fn_errors() -> bool:
 
 
 def _predict_with_reference(self, data, data_samples=None):
-    """Per row: the policy's logits ``[s, V]`` and the reference model's (``ref_logits``)."""
-    inputs = {k: v for k, v in data.items() if k != "labels"}  # no HF loss: not used here
+    """Per row: the policy's logits ``[s, V]`` and the reference model's (``ref_logits``); with
+    the chunked loss the ``labels`` are the targets whose log-probs the LLMs return instead."""
+    chunked = is_chunked(self.llm)  # else no labels: the model's HF loss is not used here
+    inputs = {k: v for k, v in data.items() if k != "labels" or chunked}
     policy = self.llm(**inputs).logits  # [b, s, V]
     with torch.no_grad():
         if self.ref_llm is None:  # LoRA: the reference is the policy without its adapter
@@ -250,10 +248,8 @@ def patch_dpo_predict_reference() -> bool:
         from xtuner.model.dpo import DPO
     except ImportError:
         return False
-    if DPO.__dict__.get("predict") is _predict_with_reference:
-        return True
-    if "predict" in DPO.__dict__:  # a newer XTuner with its own: leave it
-        return False
+    if DPO.__dict__.get("predict", _predict_with_reference) is not _predict_with_reference:
+        return False  # a newer XTuner with its own: leave it
     DPO.predict = _predict_with_reference
     return True
 

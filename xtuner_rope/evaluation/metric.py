@@ -51,7 +51,7 @@ def row_documents(
     """
     own = out.get("labels")
     row_labels = own if isinstance(own, torch.Tensor) else labels
-    nll, tokens = document_nll(_scores(out), row_labels, bounds)
+    nll, tokens = document_nll(row_scores(out), row_labels, bounds)
     docs = []
     for d in range(len(tokens)):
         a, e = int(bounds[d]), int(bounds[d + 1])
@@ -64,11 +64,11 @@ def row_documents(
     return docs
 
 
-def _scores(out: object) -> torch.Tensor | None:
-    """A row output's ``logits`` ``[s, V]`` or chunked ``target_logprobs`` ``[s]``, else None."""
-    if not isinstance(out, dict):
-        return None
-    scores = out.get("target_logprobs", out.get("logits"))
+def row_scores(out: object, prefix: str = "") -> torch.Tensor | None:
+    """A row output's ``<prefix>logits`` ``[s, V]`` or chunked ``<prefix>target_logprobs``
+    ``[s]`` (``prefix``: DPO's ``ref_``), else None."""
+    keys = (f"{prefix}target_logprobs", f"{prefix}logits")
+    scores = out.get(keys[0], out.get(keys[1])) if isinstance(out, dict) else None
     return scores if isinstance(scores, torch.Tensor) else None
 
 
@@ -141,7 +141,7 @@ class TokenLossMetric(BaseMetric):
         if (
             not isinstance(data_samples, Sequence)
             or len(data_samples) != b
-            or any(_scores(x) is None for x in data_samples)
+            or any(row_scores(x) is None for x in data_samples)
         ):
             got = (
                 [type(x).__name__ for x in data_samples]
@@ -155,7 +155,7 @@ class TokenLossMetric(BaseMetric):
                 "for other models."
             )
         # The logits' length: LLaVA's rows are longer after the image expansion.
-        bounds = row_bounds(channel.read()[0], b, _scores(data_samples[0]).shape[0])
+        bounds = row_bounds(channel.read()[0], b, row_scores(data_samples[0]).shape[0])
         rows = [
             row_documents(out, labels[r], ids[r], bounds[r]) for r, out in enumerate(data_samples)
         ]
@@ -220,4 +220,11 @@ class TokenLossMetric(BaseMetric):
         print_log(f"TokenLossMetric: worst held-out dialogues in {path}", logger="current")
 
 
-__all__ = ["WORST_FILE", "TokenLossMetric", "per_sample_results", "row_bounds", "row_documents"]
+__all__ = [
+    "WORST_FILE",
+    "TokenLossMetric",
+    "per_sample_results",
+    "row_bounds",
+    "row_documents",
+    "row_scores",
+]

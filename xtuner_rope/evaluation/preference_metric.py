@@ -23,9 +23,10 @@ from xtuner_rope.ops.preference_loss import (
 )
 from xtuner_rope.ops.token_nll import IGNORE_INDEX, document_nll
 
-from .metric import row_bounds
+from .metric import row_bounds, row_scores
 
 MODEL_KINDS = {"DPO": "dpo", "ORPO": "orpo", "RewardModel": "reward"}
+_PREFIXES = {"dpo": ("", "ref_")}  # of a row's logits by kind: DPO's reference's too; else ("",)
 
 
 def preference_kind(model: object) -> str | None:
@@ -43,11 +44,8 @@ def _responses(data: dict, b: int, s: int) -> list[list[tuple[int, int]]]:
         mask = data.get("attention_mask")
         lengths = mask.sum(-1).tolist() if isinstance(mask, torch.Tensor) else [s] * b
         return [[(0, int(n))] for n in lengths]
-    rows = []
-    for bounds in row_bounds(flat, b, s):
-        spans = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        rows.append(spans[: len(spans) // 2 * 2])
-    return rows
+    rows = [list(zip(x[:-1].tolist(), x[1:].tolist())) for x in row_bounds(flat, b, s)]
+    return [spans[: len(spans) // 2 * 2] for spans in rows]
 
 
 class PreferenceMetric(BaseMetric):
@@ -99,13 +97,13 @@ class PreferenceMetric(BaseMetric):
         if not spans:
             return []
         bounds = torch.tensor([0] + [e for _, e in spans])  # [n + 1]: responses back to back
-        keys = ("logits", "ref_logits") if self.kind == "dpo" else ("logits",)
-        sums = {key: document_nll(out[key], labels, bounds) for key in keys}  # (nll, tokens)
+        prefixes = _PREFIXES.get(self.kind, ("",))
+        sums = {p: document_nll(row_scores(out, p), labels, bounds) for p in prefixes}
         return [
             {
-                "logp": -float(sums["logits"][0][i]),
-                "ref_logp": -float(sums["ref_logits"][0][i]) if self.kind == "dpo" else None,
-                "tokens": int(sums["logits"][1][i]),
+                "logp": -float(sums[""][0][i]),
+                "ref_logp": -float(sums["ref_"][0][i]) if self.kind == "dpo" else None,
+                "tokens": int(sums[""][1][i]),
             }
             for i in range(len(spans))
         ]
@@ -115,8 +113,8 @@ class PreferenceMetric(BaseMetric):
 
         Args:
             data_batch: The collated batch; ``data`` holds ``labels`` ``[b, s]``.
-            data_samples: ``b`` dicts with ``logits`` ``[s, V]`` (DPO also ``ref_logits``;
-                reward ``[s, 1]``).
+            data_samples: ``b`` dicts with ``logits`` ``[s, V]`` or chunked ``target_logprobs``
+                ``[s]`` (DPO also ``ref_``-prefixed; reward ``logits`` ``[s, 1]``).
 
         Raises:
             RuntimeError: the metric was not bound to the model.
@@ -139,18 +137,17 @@ class PreferenceMetric(BaseMetric):
                 "their cumulative_len (keep use_varlen_attn the same on the model, the dataset "
                 "and preference_collate_fn, and PackedBatchCheckHook in custom_hooks)."
             )
-        need = ("logits", "ref_logits") if self.kind == "dpo" else ("logits",)
+        prefixes = _PREFIXES.get(self.kind, ("",))
         if len(data_samples) != b or not all(
-            isinstance(x, dict) and all(isinstance(x.get(k), torch.Tensor) for k in need)
-            for x in data_samples
+            all(row_scores(x, p) is not None for p in prefixes) for x in data_samples
         ):
             raise TypeError(
                 f"PreferenceMetric ({self.kind}): model.val_step must return one dict with "
-                f"{' and '.join(need)} per row ({b} rows), got "
+                f"{' and '.join(p + 'logits' for p in prefixes)} per row ({b} rows), got "
                 f"{[sorted(x) if isinstance(x, dict) else type(x).__name__ for x in data_samples]}."
             )
         rows = [
-            self._response_values(out, labels[r].to(out["logits"].device), spans)
+            self._response_values(out, labels[r].to(row_scores(out).device), spans)
             for r, (out, spans) in enumerate(zip(data_samples, _responses(data, b, s)))
         ]
         if channel.read()[0] is None:  # unpacked: rows 2i, 2i + 1 are one pair (one sample)

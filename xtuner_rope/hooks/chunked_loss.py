@@ -1,7 +1,7 @@
 """The chunked training loss switched on for the run (``chunked_loss``, on by default).
 
 ``ValidatedRoPEHook.before_train`` calls :func:`enable_chunked_loss`, which routes each model
-kind's loss (SFT, LLaVA, InternVL, DPO/ORPO, SFT's held-out ``predict``) through
+kind's loss (SFT, LLaVA, InternVL, DPO/ORPO) and held-out ``predict`` through
 ``models.chunked_loss``; where it cannot serve, the model's own loss runs and the log says why.
 docs/loss.md has the models and the ``chunked_loss`` setting.
 """
@@ -53,21 +53,31 @@ def _why_not(runner, model) -> str | None:
     return None
 
 
+def _target_logprobs(run, labels):
+    """The held-out rows of ``run(shifted_targets(labels))`` in :func:`target_logprobs_only`:
+    each ``<p>logits`` ``[s, 1]`` (DPO: ``ref_logits`` too) becomes ``<p>target_logprobs`` ``[s]``
+    (paused: the logits stay); a row's ``labels`` (LLaVA's expanded ones) are ``labels``' again."""
+    with target_logprobs_only():
+        rows = run(shifted_targets(labels))
+        keys = [k for k in rows[0] if k.endswith("logits")]
+        chunked = all(is_target_logprobs(row[k]) for row in rows for k in keys)
+    for r, row in enumerate(rows):
+        if "labels" in row:
+            row["labels"] = labels[r]
+        for key in keys if chunked else ():
+            row[key.replace("logits", "target_logprobs")] = row.pop(key)[:, 0]
+    return rows
+
+
 def _predict_target_logprobs(own):
-    """Wrap XTuner's SFT ``predict``: per row ``{"target_logprobs": [s]}``, position ``t``'s
-    log-prob of ``labels[t + 1]`` (0 where -100 and at the end), from the chunked path."""
+    """Wrap a ``predict`` that calls the LLM(s) with ``data``: XTuner's SFT, ORPO, LLaVA's
+    (``compat.xtuner_llava``), DPO's (``compat.xtuner_preference``); see :func:`_target_logprobs`."""
 
     def predict(data, data_samples=None):
         labels = data.get("labels")
         if labels is None:
             return own(data, data_samples)
-        targets = shifted_targets(labels)  # [b, s]: what position t predicts
-        with target_logprobs_only():
-            rows = own({**data, "labels": targets}, data_samples)
-            chunked = all(is_target_logprobs(row["logits"]) for row in rows)
-        if not chunked:  # the model's own forward ran (paused): its logits, as without us
-            return rows
-        return [{"target_logprobs": row["logits"][:, 0]} for row in rows]
+        return _target_logprobs(lambda t: own({**data, "labels": t}, data_samples), labels)
 
     return predict
 
@@ -98,7 +108,6 @@ def enable_chunked_loss(runner) -> str:
             why = str(error)
     if why is not None:
         return f"xtuner-rope: the model's own loss (full logits) runs: {why}."
-    sft = type(model).__name__ == "SupervisedFinetune"
     if internvl_chat_model(model) is not None:
         _serve_internvl(model)
     elif not getattr(vars(model).get("compute_loss"), "xtuner_rope_chunked", False):
@@ -110,27 +119,33 @@ def enable_chunked_loss(runner) -> str:
 
         compute_loss.xtuner_rope_chunked = True
         model.compute_loss = compute_loss
-        if sft:
-            model.predict = _predict_target_logprobs(model.predict)
+        model.predict = _predict_target_logprobs(model.predict)
     assert is_chunked(language_model(runner.model))
     served = "the training loss" if block is loss_only else f"{type(model).__name__}'s log-probs"
-    also = ", the held-out log-probs too" if sft else ""
     return (
         f"xtuner-rope: chunked loss: {served} projects only the supervised tokens "
-        f"through the head ({what}){also}; opt out: {OPT_OUT}."
+        f"through the head ({what}), the held-out log-probs too; opt out: {OPT_OUT}."
     )
 
 
 def _serve_internvl(model) -> None:
-    """``InternVL_V1_5.forward`` (training): XTuner's with ``labels=None``, the LLM given them."""
+    """``InternVL_V1_5.forward``: XTuner's with ``labels=None``, the LLM given them (training),
+    or their shifted targets (``mode="predict"``: :func:`_target_logprobs`)."""
     if getattr(vars(model).get("forward"), "xtuner_rope_chunked", False):
         return
     own, chat = model.forward, internvl_chat_model(model)
 
+    def predict(data, data_samples, targets):
+        with llm_computes_the_loss(chat, targets):
+            return own({**data, "labels": None}, data_samples, "predict")
+
     def forward(data, data_samples=None, mode="loss"):
-        if mode != "loss" or data.get("labels") is None:
+        labels = data.get("labels")
+        if mode == "predict" and labels is not None:
+            return _target_logprobs(lambda targets: predict(data, data_samples, targets), labels)
+        if mode != "loss" or labels is None:
             return own(data, data_samples, mode)
-        with loss_only(), llm_computes_the_loss(chat, data["labels"]) as got:
+        with loss_only(), llm_computes_the_loss(chat, labels) as got:
             out = own({**data, "labels": None}, data_samples, mode)
         assert "output" in got, "InternVL_V1_5's forward did not call its language_model"
         return {**out, "loss": got["output"].loss}
