@@ -179,8 +179,8 @@ def run_variant(args) -> dict:
         cpu.append(time.process_time() - start_cpu)
         if i == 0:
             high = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
-            peak, loss = high - before, float(out)
-            logps = None if summed is None else float(summed)
+            peak, loss = high - before, float(out.detach())
+            logps = None if summed is None else float(summed.detach())
         del out, summed
     return {
         "seconds": statistics.median(seconds),
