@@ -362,16 +362,22 @@ def test_kit_installs_offline_and_the_suite_skips_its_gpu_tests(tmp_path):
 
 
 def test_loss_bench_runs_each_variant_in_its_own_process_at_a_tiny_shape(capsys):
-    """tools/bench/loss.py --quick on the CPU: the full-logits and the chunked loss each in a
-    fresh process, the same loss, their peaks and ratios printed; Liger skipped (CUDA only)."""
+    """tools/bench/loss.py --quick on the CPU: the full-logits and the chunked loss, and DPO's
+    log-probs through both, each in a fresh process, the same losses, their peaks and ratios
+    printed; Liger skipped (CUDA only); ``--frozen-head`` freezes the head's weight."""
     bench = _load("tools/bench/loss.py", "loss_bench")
-    results = bench.main(["--quick"])
-    row = results[(256, 1000)]
+    row = bench.main(["--quick"])[(256, 1000)]
     assert row["liger"] == {"skipped": bench.liger_skip("cpu")}
-    for variant in ("full", "chunked"):
-        assert row[variant]["seconds"] > 0 and row[variant]["peak"] >= 0
-    assert abs(row["chunked"]["loss"] - row["full"]["loss"]) <= 1e-5 * row["full"]["loss"]
+    for ours, base in (("chunked", "full"), ("chunked-logprobs", "full-logprobs")):
+        for variant in (ours, base):
+            assert row[variant]["seconds"] > 0 and row[variant]["peak"] >= 0
+        assert abs(row[ours]["loss"] - row[base]["loss"]) <= 1e-5 * row[base]["loss"]
     out = capsys.readouterr().out
     assert re.search(r"chunked / full: memory [\d.]+x \(goal <= 0.15x\), time [\d.]+x", out)
+    assert re.search(r"chunked-logprobs / full-logprobs: memory [\d.]+x", out)
+    args = ["--quick", "--frozen-head", "--variant", "chunked-logprobs"]
+    frozen = bench.run_variant(bench.parse_args(args))  # in this process: no import to wait for
+    assert (frozen["trained"], row["chunked-logprobs"]["trained"]) == (False, True)
+    assert frozen["loss"] == row["chunked-logprobs"]["loss"]
     # a variant that cannot fit is skipped, not run into the OOM killer
     assert bench.estimated_need("full", 8192, 151936, 2048, 4) > 16 * 2**30

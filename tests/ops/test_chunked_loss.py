@@ -6,6 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 from vocab_tensors import VocabTensors
 
@@ -350,3 +351,33 @@ def test_shifted_labels_are_the_positions_own_targets():
     shifted[1, 2] = V + 5
     with pytest.raises(ValueError, match=rf"labels\[1, 2\] = {V + 5} is outside"):
         chunked_causal_lm_loss(hidden, shifted, head, shifted=True)
+
+
+class _Shapes(TorchDispatchMode):
+    """The shapes of the tensors every aten op inside the block returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("op", ["loss", "logprobs"])
+def test_a_frozen_head_gets_no_weight_gradient_buffer(op):
+    """LoRA leaving the head out (XTuner's ``find_all_linear_names`` drops ``lm_head``): no
+    ``[V, H]`` gradient is made, and the hidden states' gradient is the full logits'."""
+    labels, hidden = _labels(), torch.randn(B, S, H, requires_grad=True)
+    chunked = chunked_causal_lm_loss if op == "loss" else chunked_target_logprobs
+    reference = _reference if op == "loss" else _reference_logprobs
+    for frozen in (False, True):  # trained: the counter sees the buffer
+        head = nn.Linear(H, V).requires_grad_(not frozen)
+        with _Shapes() as seen:
+            got = _grads(chunked(hidden, labels, head, chunk_tokens=7).sum(), [hidden])
+        assert ((V, H) in seen.shapes) is not frozen, seen.shapes
+        _assert_scaled(got, _grads(reference(hidden, labels, head).sum(), [hidden]))

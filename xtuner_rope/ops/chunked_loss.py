@@ -157,10 +157,11 @@ def _run_chunks(hidden, targets, setup, params, coef):
     ``hidden`` and ``params`` (fp32 for the head's), as ``(nll, hidden_grad, param_grads)``."""
     head, kind, scale, chunk = setup
     grads = {"hidden": torch.zeros_like(hidden)}  # [k, H], filled chunk by chunk
-    if kind == "linear":
-        grads["weight"] = torch.zeros_like(head.weight, dtype=torch.float32)
-        if head.bias is not None:
-            grads["bias"] = torch.zeros_like(head.bias, dtype=torch.float32)
+    if kind == "linear":  # a frozen weight (LoRA leaving the head out): no [V, H] buffer
+        for name in ("weight", "bias"):
+            p = getattr(head, name)
+            if p is not None and p.requires_grad:
+                grads[name] = torch.zeros_like(p, dtype=torch.float32)
     else:
         grads["params"] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     nll = [hidden.new_zeros(0, dtype=torch.float32)]
@@ -173,8 +174,7 @@ def _run_chunks(hidden, targets, setup, params, coef):
             args = (head, scale, c, params, grads, rows)
             nll.append(_module_chunk(hidden[rows], targets[rows], *args))
     if kind == "linear":
-        named = {"weight": grads["weight"], "bias": grads.get("bias")}
-        param_grads = [named["weight" if p is head.weight else "bias"] for p in params]
+        param_grads = [grads["weight" if p is head.weight else "bias"] for p in params]
     else:
         param_grads = grads["params"]
     return torch.cat(nll), grads["hidden"], param_grads
