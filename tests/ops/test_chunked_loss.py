@@ -118,7 +118,7 @@ def _lora_head(dropout=0.0):
 
 def test_lora_head_equals_the_models_loss_fp32():
     head = _lora_head()
-    assert head_kind(head)[0] == "module"
+    assert head_kind(head)[0] == "lora"
     labels = _packed_and_padded()
     hidden = torch.randn(*labels.shape, H, requires_grad=True)
     wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
@@ -127,6 +127,25 @@ def test_lora_head_equals_the_models_loss_fp32():
     got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=6)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+def test_lora_head_disabled_merged_and_dora():
+    """Adapters disabled (DPO's reference: peft's ``disable_adapter()``) give the base head's
+    loss; a merged head is named before any chunk; DoRA is not run (``head_kind`` says why)."""
+    head, labels = _lora_head(), _labels()
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    head.enable_adapters(False)
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=6)
+    torch.testing.assert_close(got, _reference(hidden, labels, head.base_layer), rtol=1e-6, atol=0)
+    head.enable_adapters(True)
+    head.merge()
+    with pytest.raises(ValueError, match="adapters are merged into its weight; unmerge them"):
+        chunked_causal_lm_loss(hidden, labels, head)
+    model = nn.Sequential()
+    model.add_module("output", nn.Linear(H, V))
+    dora = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["output"]))
+    kind, why = head_kind(dora.base_model.model.output)
+    assert kind is None and "DoRA or another LoRA variant" in why
 
 
 def test_lora_dropout_draws_once_per_token():

@@ -5,7 +5,8 @@ projected through the model's own head in chunks of ``c`` tokens; each chunk's f
 log-softmax, target log-prob and gradient are done before the next starts (largest tensor
 ``[c, V]``). The gradients are computed in the forward and handed out by the backward. A head
 is ``"linear"`` (a plain ``nn.Linear``: the softmax gradient written in place over the chunk's
-logits) or ``"module"`` (peft's LoRA ``lora.Linear``: the module runs per chunk under autograd).
+logits) or ``"lora"`` (peft's vanilla LoRA ``lora.Linear``: its math from its parameters per
+chunk under autograd, no module call, as DeepSpeed ZeRO-3 needs: ``models.chunked_loss``).
 The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
 supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
 log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
@@ -33,6 +34,7 @@ __all__ = [
     "chunked_causal_lm_loss",
     "chunked_target_logprobs",
     "head_kind",
+    "head_modules",
     "supervised_positions",
 ]
 
@@ -43,14 +45,62 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def head_kind(head: nn.Module) -> tuple[str | None, str]:
-    """How the chunked loss runs the output ``head``: ``("linear" | "module", what)`` or
+    """How the chunked loss runs the output ``head``: ``("linear" | "lora", what)`` or
     ``(None, why not)``."""
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
-    if type(base) is nn.Linear and hasattr(head, "lora_A") and hasattr(head, "lora_B"):
-        return "module", f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
-    return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
+    if type(base) is not nn.Linear or not hasattr(head, "lora_A") or not hasattr(head, "lora_B"):
+        return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
+    what = f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
+    if getattr(head, "lora_variant", None) or any(getattr(head, "use_dora", {}).values()):
+        return None, f"{what} with DoRA or another LoRA variant (not supported yet)"
+    dropouts = (nn.Dropout, nn.Identity)
+    layers = [*head.lora_A.values(), *head.lora_B.values()]
+    if any(type(m) is not nn.Linear for m in layers) or any(
+        type(m) not in dropouts for m in head.lora_dropout.values()
+    ):
+        return None, f"{what} whose adapters are not nn.Linear (dropout: nn.Dropout) layers"
+    return "lora", what
+
+
+def _adapters(head: nn.Module) -> list[str]:
+    """The adapters a LoRA head's forward runs: its active ones, none while disabled."""
+    return [] if head.disable_adapters else [a for a in head.active_adapters if a in head.lora_A]
+
+
+def head_modules(head: nn.Module) -> list[nn.Module]:
+    """The modules whose own parameters the chunked loss reads from ``head`` (one ``head_kind``
+    accepts): the head, or a LoRA head's base_layer and its running adapters' lora_A, lora_B."""
+    if head_kind(head)[0] != "lora":
+        return [head]
+    pairs = [(head.lora_A[a], head.lora_B[a]) for a in _adapters(head)]
+    return [head.base_layer, *(m for pair in pairs for m in pair)]
+
+
+def _lora_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """peft's vanilla LoRA ``head(h)`` (peft 0.21 ``lora.Linear.forward``, the same operations)
+    from the head's parameters, calling none of its modules: ``[c, H] -> [c, V]``.
+
+    Raises:
+        ValueError: a merged head (its adapters are already in the base weight).
+    """
+    if head.merged:
+        raise ValueError(
+            "chunked loss: the LoRA head's adapters are merged into its weight; unmerge them "
+            "(peft: unmerge_adapter()) or set chunked_loss = False."
+        )
+    base = head.base_layer
+    out = F.linear(h, base.weight, base.bias)
+    x, dtype = h, out.dtype
+    for name in _adapters(head):  # none under peft's disable_adapter() (DPO's reference)
+        a, b, drop = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
+        if getattr(head, "cast_input_dtype_enabled", True):
+            x = x.to(a.weight.dtype)
+        dropped = F.dropout(x, drop.p, drop.training) if type(drop) is nn.Dropout else x
+        lora = F.linear(F.linear(dropped, a.weight, a.bias), b.weight, b.bias)
+        out = out + lora * head.scaling[name]
+    return out.to(dtype)
 
 
 def supervised_positions(
@@ -108,7 +158,7 @@ def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _chunk_nll(h, t, head, kind, scale):
     """``[c]`` NLL of one chunk, no gradients (``chunked_target_logprobs``' forward)."""
-    x = (F.linear(h, head.weight, head.bias) if kind == "linear" else head(h)).float()
+    x = (F.linear(h, head.weight, head.bias) if kind == "linear" else _lora_logits(head, h)).float()
     return _nll_in_place(x if scale is None else x.mul_(scale), t)[0]
 
 
@@ -137,11 +187,11 @@ def _linear_chunk(h, t, head, scale, coef, grads, rows):
     return nll
 
 
-def _module_chunk(h, t, head, scale, coef, params, grads, rows):
-    """One chunk through the head module (LoRA); autograd gives the chunk's gradients."""
+def _lora_chunk(h, t, head, scale, coef, params, grads, rows):
+    """One chunk through a LoRA head (:func:`_lora_logits`); autograd gives its gradients."""
     with torch.enable_grad():
         h = h.detach().requires_grad_(True)
-        x = head(h)
+        x = _lora_logits(head, h)
         if scale is not None:
             x = x * scale
         nll = F.cross_entropy(x.float(), t, reduction="none")  # [c]
@@ -171,7 +221,7 @@ def _run_chunks(hidden, targets, setup, params, coef):
             nll.append(_linear_chunk(hidden[rows], targets[rows], head, scale, c, grads, rows))
         else:
             args = (head, scale, c, params, grads, rows)
-            nll.append(_module_chunk(hidden[rows], targets[rows], *args))
+            nll.append(_lora_chunk(hidden[rows], targets[rows], *args))
     if kind == "linear":
         named = {"weight": grads["weight"], "bias": grads.get("bias")}
         param_grads = [named["weight" if p is head.weight else "bias"] for p in params]
@@ -226,7 +276,7 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, setup, *params):
         head, kind, scale, chunk = setup
-        ctx.rng = _rng_state(hidden.device) if kind == "module" else None
+        ctx.rng = _rng_state(hidden.device) if kind == "lora" else None
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
         for a in range(0, hidden.shape[0], chunk):
             nll.append(_chunk_nll(hidden[a : a + chunk], targets[a : a + chunk], *setup[:3]))
