@@ -239,6 +239,7 @@ def _bf16_case(case: str, zero: dict, reference: dict, rank: int) -> dict:
     patch_chunked_loss(model, chunk_tokens=CHUNK)
     probe = _Probe(model)
     runs = {c: _step(engine, model, probe, c, False, rank) for c in (True, False)}
+    assert runs[True]["outputs"] == [()] and runs[False]["outputs"] == [(2, 24, VOCAB)]
     head = {n for n, p in model.named_parameters() if p.requires_grad and "output" in n}
 
     def tensors(run: dict) -> dict:
