@@ -78,9 +78,11 @@ def head_modules(head: nn.Module) -> list[nn.Module]:
     return [head.base_layer, *(m for pair in pairs for m in pair)]
 
 
-def _lora_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """peft's vanilla LoRA ``head(h)`` (peft 0.21 ``lora.Linear.forward``, the same operations)
-    from the head's parameters, calling none of its modules: ``[c, H] -> [c, V]``.
+def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """peft's vanilla LoRA ``head(h)`` (peft 0.21 ``lora.Linear.forward``: the same operations
+    and dropout draws) from the head's parameters, calling none of its modules: the ``[c, V]``
+    output and, per adapter, ``(lora_A, lora_B, scaling, its input [c, H], lora_A's output
+    [c, r], dropout mask or None)``.
 
     Raises:
         ValueError: a merged head (its adapters are already in the base weight).
@@ -92,15 +94,19 @@ def _lora_logits(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
         )
     base = head.base_layer
     out = F.linear(h, base.weight, base.bias)
-    x, dtype = h, out.dtype
+    x, dtype, parts = h, out.dtype, []
     for name in _adapters(head):  # none under peft's disable_adapter() (DPO's reference)
         a, b, drop = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
         if getattr(head, "cast_input_dtype_enabled", True):
             x = x.to(a.weight.dtype)
-        dropped = F.dropout(x, drop.p, drop.training) if type(drop) is nn.Dropout else x
-        lora = F.linear(F.linear(dropped, a.weight, a.bias), b.weight, b.bias)
-        out = out + lora * head.scaling[name]
-    return out.to(dtype)
+        mask = None  # nn.Dropout's own draw (a Bernoulli per element), kept for the backward
+        if type(drop) is nn.Dropout:
+            mask = F.dropout(torch.ones_like(x), drop.p, drop.training)
+        dropped = x if mask is None else x * mask
+        u = F.linear(dropped, a.weight, a.bias)  # [c, r]
+        out = out + F.linear(u, b.weight, b.bias) * head.scaling[name]
+        parts.append((a, b, head.scaling[name], dropped, u, mask))
+    return out.to(dtype), parts
 
 
 def supervised_positions(
@@ -158,76 +164,69 @@ def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _chunk_nll(h, t, head, kind, scale):
     """``[c]`` NLL of one chunk, no gradients (``chunked_target_logprobs``' forward)."""
-    x = (F.linear(h, head.weight, head.bias) if kind == "linear" else _lora_logits(head, h)).float()
+    x = F.linear(h, head.weight, head.bias) if kind == "linear" else _lora_forward(head, h)[0]
+    x = x.float()
     return _nll_in_place(x if scale is None else x.mul_(scale), t)[0]
 
 
-def _linear_chunk(h, t, head, scale, coef, grads, rows):
-    """One chunk through an ``nn.Linear`` head: ``[c]`` NLL; ``coef * d(nll)`` added into
-    ``grads`` (``coef``: a number, or ``[c]`` per token)."""
-    x = F.linear(h, head.weight, head.bias).float()  # [c, V] fp32 (a copy unless fp32)
+def _logit_grad(x, t, scale, coef) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c]`` NLL of the fp32 logits ``x`` ``[c, V]`` (times ``scale``), and ``x`` overwritten
+    with ``d(coef * nll) / dx`` (``coef``: a number, or ``[c]`` per token)."""
     if scale is not None:
-        x = x.mul_(scale)  # Cohere's logit_scale
+        x.mul_(scale)  # Cohere's logit_scale
     nll, total = _nll_in_place(x, t)
     if isinstance(coef, torch.Tensor) and coef.dim():
         coef = coef[:, None]  # [c, 1]
     # d(coef * nll)/dx = (softmax(x) - onehot(t)) * coef, written over x.
     x.div_(total).mul_(coef)
     x.scatter_add_(1, t[:, None], torch.zeros_like(total).sub_(coef))
-    if scale is not None:
-        x.mul_(scale)
-    g = x.to(head.weight.dtype)  # [c, V], as the model's upcast hands its gradient back
-    grads["hidden"][rows] = g @ head.weight  # [c, H]
-    if head.weight.requires_grad:
-        # fp32 products summed in fp32: a bf16 product per chunk would round once per chunk
-        # (measured: 13% further from the fp32 reference than the model's bf16 path).
-        grads["weight"].addmm_(x.t(), h.float())
-    if head.bias is not None and head.bias.requires_grad:
-        grads["bias"].add_(x.sum(0))
+    return nll, (x.mul_(scale) if scale is not None else x)
+
+
+def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
+    """Add ``alpha`` times ``layer``'s weight and bias gradients for the output gradient ``g``
+    ``[c, out]`` (fp32) and the input ``x`` ``[c, in]`` to ``grads`` (fp32, by parameter id;
+    absent: frozen). fp32 products summed in fp32: a bf16 product per chunk would round once per
+    chunk (measured: 13% further from the fp32 reference than the model's bf16 path)."""
+    if id(layer.weight) in grads:
+        grads[id(layer.weight)].addmm_(g.t(), x.float(), alpha=alpha)
+    if layer.bias is not None and id(layer.bias) in grads:
+        grads[id(layer.bias)].add_(g.sum(0), alpha=alpha)
+
+
+def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
+    """One chunk through the head: its ``[c]`` NLL; ``coef * d(nll)`` added into ``grads``
+    (``"hidden"``: the rows' hidden-state gradient; by parameter id: the head's, fp32)."""
+    head, kind, scale, _ = setup
+    if kind == "linear":
+        base, out, parts = head, F.linear(h, head.weight, head.bias), []
+    else:
+        base, (out, parts) = head.base_layer, _lora_forward(head, h)
+    nll, x = _logit_grad(out.float(), t, scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
+    hidden_grad = x.to(out.dtype) @ base.weight  # [c, H]: as the model's upcast hands it back
+    _linear_grads(base, x, h, grads)
+    for a, b, scaling, dropped, u, mask in parts:  # out += lora_B(lora_A(dropped)) * scaling
+        _linear_grads(b, x, u, grads, alpha=scaling)
+        du = (x @ b.weight.float()).mul_(scaling)  # [c, r] fp32
+        _linear_grads(a, du, dropped, grads)
+        dx = du.to(a.weight.dtype) @ a.weight  # [c, H]
+        hidden_grad += (dx if mask is None else dx * mask).to(hidden_grad.dtype)
+    grads["hidden"][rows] = hidden_grad
     return nll
 
 
-def _lora_chunk(h, t, head, scale, coef, params, grads, rows):
-    """One chunk through a LoRA head (:func:`_lora_logits`); autograd gives its gradients."""
-    with torch.enable_grad():
-        h = h.detach().requires_grad_(True)
-        x = _lora_logits(head, h)
-        if scale is not None:
-            x = x * scale
-        nll = F.cross_entropy(x.float(), t, reduction="none")  # [c]
-        got = torch.autograd.grad((nll * coef).sum(), [h, *params])
-    grads["hidden"][rows] = got[0]
-    for acc, g in zip(grads["params"], got[1:]):
-        acc.add_(g)
-    return nll.detach()
-
-
 def _run_chunks(hidden, targets, setup, params, coef):
-    """Every chunk through its kernel: the ``[k]`` NLL and ``coef``-weighted gradients of
+    """Every chunk through the head: the ``[k]`` NLL and ``coef``-weighted gradients of
     ``hidden`` and ``params`` (fp32 for the head's), as ``(nll, hidden_grad, param_grads)``."""
-    head, kind, scale, chunk = setup
-    grads = {"hidden": torch.zeros_like(hidden)}  # [k, H], filled chunk by chunk
-    if kind == "linear":
-        grads["weight"] = torch.zeros_like(head.weight, dtype=torch.float32)
-        if head.bias is not None:
-            grads["bias"] = torch.zeros_like(head.bias, dtype=torch.float32)
-    else:
-        grads["params"] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    chunk = setup[3]
+    grads = {id(p): torch.zeros_like(p, dtype=torch.float32) for p in params}
+    grads["hidden"] = torch.zeros_like(hidden)  # [k, H], filled chunk by chunk
     nll = [hidden.new_zeros(0, dtype=torch.float32)]
     for a in range(0, hidden.shape[0], chunk):
         rows = slice(a, a + chunk)
         c = coef[rows] if isinstance(coef, torch.Tensor) and coef.dim() else coef
-        if kind == "linear":
-            nll.append(_linear_chunk(hidden[rows], targets[rows], head, scale, c, grads, rows))
-        else:
-            args = (head, scale, c, params, grads, rows)
-            nll.append(_lora_chunk(hidden[rows], targets[rows], *args))
-    if kind == "linear":
-        named = {"weight": grads["weight"], "bias": grads.get("bias")}
-        param_grads = [named["weight" if p is head.weight else "bias"] for p in params]
-    else:
-        param_grads = grads["params"]
-    return torch.cat(nll), grads["hidden"], param_grads
+        nll.append(_head_chunk(hidden[rows], targets[rows], setup, c, grads, rows))
+    return torch.cat(nll), grads["hidden"], [grads[id(p)] for p in params]
 
 
 class _ChunkedNLL(torch.autograd.Function):
