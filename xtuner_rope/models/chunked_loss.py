@@ -127,17 +127,11 @@ def partitioned(head: nn.Module) -> bool:
 
 
 def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """``loss_of(hidden)`` run as ``head(hidden)`` inside one call of each module whose parameters
-    it reads (``ops.chunked_loss.head_modules``: a LoRA head's base_layer, lora_A, lora_B),
-    nested, none of them per chunk.
-
-    DeepSpeed ZeRO-3 gathers a module's own parameters in its call's hooks and frees them when
-    the call returns (a call per chunk would gather per chunk); its output's hook gathers them
-    for the backward, its input's hook frees them after. The calls are the same on every rank
-    (ZeRO-3 compares its recorded module order across ranks).
-
-    ``loss_of``: ``[b, s, H] -> loss`` reading the head's parameters; ``hidden``: ``[b, s, H]``.
-    """
+    """``loss_of(hidden)`` (``[b, s, H] -> loss``) run as ``head(hidden)``, nested in one call of
+    each module whose parameters it reads (``ops.chunked_loss.head_modules``), none per chunk:
+    DeepSpeed ZeRO-3's hooks gather a module's parameters for its call (and, from its output's
+    hook, for the backward) and free them after; the calls, the same on every rank, match the
+    module order ZeRO-3 records and compares across ranks."""
     owners = [m for m in head_modules(head) if m is not head]
     for module in reversed([head, *owners]):
         loss_of = functools.partial(_as_call, module, loss_of)
@@ -238,9 +232,8 @@ def hidden_loss(
 def _through_head(model, op: Callable, hidden, labels, **options) -> torch.Tensor:
     """``op(hidden, labels, head, ...)`` with the patched model's head, scale and chunk, run
     as the head's module calls where ZeRO-3 partitions it (:func:`head_call`)."""
-    # No parameter read here (``chunked_loss_head`` reads the weights): in a ZeRO-3 forward,
-    # reading a partitioned one outside its module's call gathers it and registers it with the
-    # calling module (the LM), which then holds it through its whole forward and backward.
+    # No parameter read here: in a ZeRO-3 forward, a partitioned one read outside its module's
+    # call is gathered and registered with the LM, which then holds it for its whole step.
     head, scale = model.get_output_embeddings(), getattr(model, "logit_scale", None)
 
     def run(h: torch.Tensor) -> torch.Tensor:
@@ -272,13 +265,8 @@ def _forward(self, *args, **kwargs):
         loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    kept = {k: getattr(outputs, k) for k in ("past_key_values", "hidden_states", "attentions")}
+    return CausalLMOutputWithPast(loss=loss, logits=logits, **kept)
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,10 @@
 Only the hidden states of the supervised positions are gathered (``k`` of ``b * (s - 1)``) and
 projected through the model's own head in chunks of ``c`` tokens; each chunk's fp32
 log-softmax, target log-prob and gradient are done before the next starts (largest tensor
-``[c, V]``). The gradients are computed in the forward and handed out by the backward. A head
-is ``"linear"`` (a plain ``nn.Linear``: the softmax gradient written in place over the chunk's
-logits) or ``"lora"`` (peft's vanilla LoRA ``lora.Linear``: its math from its parameters per
-chunk under autograd, no module call, as DeepSpeed ZeRO-3 needs: ``models.chunked_loss``).
-The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
+``[c, V]``). The gradients are computed in the forward (the softmax gradient written in place
+over the chunk's logits; the head's in fp32) and handed out by the backward. A head is a plain
+``nn.Linear`` or peft's vanilla LoRA ``lora.Linear``, run from its parameters (no module call:
+DeepSpeed ZeRO-3, ``models.chunked_loss``). The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
 supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
 log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
 """
@@ -55,11 +54,8 @@ def head_kind(head: nn.Module) -> tuple[str | None, str]:
     what = f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
     if getattr(head, "lora_variant", None) or any(getattr(head, "use_dora", {}).values()):
         return None, f"{what} with DoRA or another LoRA variant (not supported yet)"
-    dropouts = (nn.Dropout, nn.Identity)
-    layers = [*head.lora_A.values(), *head.lora_B.values()]
-    if any(type(m) is not nn.Linear for m in layers) or any(
-        type(m) not in dropouts for m in head.lora_dropout.values()
-    ):
+    kinds = {type(m) for d in (head.lora_A, head.lora_B, head.lora_dropout) for m in d.values()}
+    if not kinds <= {nn.Linear, nn.Dropout, nn.Identity}:
         return None, f"{what} whose adapters are not nn.Linear (dropout: nn.Dropout) layers"
     return "lora", what
 
@@ -79,14 +75,12 @@ def head_modules(head: nn.Module) -> list[nn.Module]:
 
 
 def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """peft's vanilla LoRA ``head(h)`` (peft 0.21 ``lora.Linear.forward``: the same operations
-    and dropout draws) from the head's parameters, calling none of its modules: the ``[c, V]``
-    output and, per adapter, ``(lora_A, lora_B, scaling, its input [c, H], lora_A's output
-    [c, r], dropout mask or None)``.
+    """peft 0.21's vanilla ``lora.Linear.forward`` (the same operations and dropout draws) from
+    the head's parameters, no module called: the ``[c, V]`` output and per adapter ``(lora_A,
+    lora_B, scaling, its input [c, H], lora_A's output [c, r], dropout mask or None)``.
 
     Raises:
-        ValueError: a merged head (its adapters are already in the base weight).
-    """
+        ValueError: a merged head (its adapters are already in the base weight)."""
     if head.merged:
         raise ValueError(
             "chunked loss: the LoRA head's adapters are merged into its weight; unmerge them "
@@ -162,13 +156,6 @@ def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
     return (total.log() - (picked - top))[:, 0], total
 
 
-def _chunk_nll(h, t, head, kind, scale):
-    """``[c]`` NLL of one chunk, no gradients (``chunked_target_logprobs``' forward)."""
-    x = F.linear(h, head.weight, head.bias) if kind == "linear" else _lora_forward(head, h)[0]
-    x = x.float()
-    return _nll_in_place(x if scale is None else x.mul_(scale), t)[0]
-
-
 def _logit_grad(x, t, scale, coef) -> tuple[torch.Tensor, torch.Tensor]:
     """``[c]`` NLL of the fp32 logits ``x`` ``[c, V]`` (times ``scale``), and ``x`` overwritten
     with ``d(coef * nll) / dx`` (``coef``: a number, or ``[c]`` per token)."""
@@ -184,10 +171,10 @@ def _logit_grad(x, t, scale, coef) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
-    """Add ``alpha`` times ``layer``'s weight and bias gradients for the output gradient ``g``
-    ``[c, out]`` (fp32) and the input ``x`` ``[c, in]`` to ``grads`` (fp32, by parameter id;
-    absent: frozen). fp32 products summed in fp32: a bf16 product per chunk would round once per
-    chunk (measured: 13% further from the fp32 reference than the model's bf16 path)."""
+    """Add ``alpha`` times ``layer``'s weight and bias gradients for output gradient ``g`` ``[c,
+    out]`` (fp32), input ``x`` ``[c, in]`` to ``grads`` (by parameter id; absent: frozen). fp32
+    products summed in fp32: a bf16 product per chunk would round once per chunk (measured: 13%
+    further from the fp32 reference than the model's bf16 path)."""
     if id(layer.weight) in grads:
         grads[id(layer.weight)].addmm_(g.t(), x.float(), alpha=alpha)
     if layer.bias is not None and id(layer.bias) in grads:
@@ -277,8 +264,14 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         head, kind, scale, chunk = setup
         ctx.rng = _rng_state(hidden.device) if kind == "lora" else None
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
-        for a in range(0, hidden.shape[0], chunk):
-            nll.append(_chunk_nll(hidden[a : a + chunk], targets[a : a + chunk], *setup[:3]))
+        for a in range(0, hidden.shape[0], chunk):  # no gradients here: NLL only
+            h = hidden[a : a + chunk]
+            x = (
+                F.linear(h, head.weight, head.bias)
+                if kind == "linear"
+                else _lora_forward(head, h)[0]
+            )
+            nll.append(_nll_in_place(x.float().mul_(scale or 1.0), targets[a : a + chunk])[0])
         ctx.save_for_backward(hidden, targets)
         ctx.setup, ctx.params = setup, params
         return torch.cat(nll).neg_()
