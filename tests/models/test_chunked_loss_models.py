@@ -81,12 +81,7 @@ def test_outside_loss_only_and_without_labels_the_model_is_its_own():
 
 def test_lora_on_the_head_goes_through_peft():
     """XTuner's stock InternLM2 LoRA adapts ``output``: peft calls the patched forward."""
-    base = build_tiny("internlm2", VOCAB).train()
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["wqkv", "output"])
-    model = get_peft_model(base, config)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
+    model = _lora_internlm2(targets=("wqkv", "output"))
     reference = copy.deepcopy(model)
     assert "LoRA-adapted" in patch_chunked_loss(model, chunk_tokens=5)
     assert is_chunked(model) and not is_chunked(reference)
@@ -98,27 +93,38 @@ def test_lora_on_the_head_goes_through_peft():
         torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_a_zero3_partitioned_head_runs_the_loss_as_its_own_call():
-    """ZeRO-3 (``ds_id`` on the head's weight): the loss runs as the head module's call, so
-    DeepSpeed's hooks on the head (a pre-hook here) fire once per forward, whatever the chunks;
-    loss and gradients unchanged. A partitioned LoRA head is refused (its modules would gather
-    once per chunk)."""
-    model = build_tiny("internlm2", VOCAB).train()
+def _lora_internlm2(targets=("output",)):
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
+    model = get_peft_model(build_tiny("internlm2", VOCAB).train(), config)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # B starts at 0: a real adapter
+    return model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["linear", "lora"])
+def test_a_zero3_partitioned_head_runs_the_loss_inside_its_modules_calls(lora):
+    """ZeRO-3 (``ds_id`` on the head's weight): the loss runs as the head's call, nested in one
+    call of each of its modules owning parameters (a LoRA head's base_layer, lora_A, lora_B), so
+    DeepSpeed's hooks on them (pre-hooks here) fire once per forward, whatever the chunks, and
+    no other module of the head runs; loss and gradients unchanged."""
+    model = _lora_internlm2() if lora else build_tiny("internlm2", VOCAB).train()
     reference = copy.deepcopy(model)
-    model.output.weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks a partitioned parameter with
+    head = model.get_output_embeddings()
+    (head.base_layer if lora else head).weight.ds_id = 7  # what DeepSpeed ZeRO-3 marks
     calls = []
-    model.output.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    for name, module in head.named_modules():
+        module.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
     patch_chunked_loss(model, chunk_tokens=5)
     got, got_grads = _loss_and_grads(model, chunked=True)
-    assert calls == [torch.Size([2, 24, 64])] and "forward" not in vars(model.output)
+    owners = ["base_layer", "lora_A.default", "lora_B.default"] if lora else []
+    assert calls == ["", *owners]
+    assert all("forward" not in vars(m) for m in head.modules())  # given back
     want, want_grads = _loss_and_grads(reference, chunked=False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got_grads.keys() == want_grads.keys()
     for name, g in got_grads.items():
         torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
-    lora = get_peft_model(build_tiny("internlm2", VOCAB), LoraConfig(target_modules=["output"]))
-    lora.base_model.model.output.base_layer.weight.ds_id = 7
-    with pytest.raises(UnsupportedHead, match="LoRA-adapted nn.Linear.*partitioned by DeepSpeed"):
-        patch_chunked_loss(lora)
 
 
 def test_a_head_it_does_not_know_is_refused_with_why():

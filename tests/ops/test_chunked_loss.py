@@ -2,6 +2,8 @@
 ``ForCausalLMLoss`` on ``head(hidden)``, forward and backward (hidden states, head weight, bias,
 LoRA adapters), packed and padded rows, several chunk sizes."""
 
+import copy
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -119,7 +121,7 @@ def _lora_head(dropout=0.0):
 
 def test_lora_head_equals_the_models_loss_fp32():
     head = _lora_head()
-    assert head_kind(head)[0] == "module"
+    assert head_kind(head)[0] == "lora"
     labels = _packed_and_padded()
     hidden = torch.randn(*labels.shape, H, requires_grad=True)
     wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
@@ -128,6 +130,25 @@ def test_lora_head_equals_the_models_loss_fp32():
     got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=6)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     _assert_same(_grads(got, wrt), _grads(want, wrt))
+
+
+def test_lora_head_disabled_merged_and_dora():
+    """Adapters disabled (DPO's reference: peft's ``disable_adapter()``) give the base head's
+    loss; a merged head is named before any chunk; DoRA is not run (``head_kind`` says why)."""
+    head, labels = _lora_head(), _labels()
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    head.enable_adapters(False)
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=6)
+    torch.testing.assert_close(got, _reference(hidden, labels, head.base_layer), rtol=1e-6, atol=0)
+    head.enable_adapters(True)
+    head.merge()
+    with pytest.raises(ValueError, match="adapters are merged into its weight; unmerge them"):
+        chunked_causal_lm_loss(hidden, labels, head)
+    model = nn.Sequential()
+    model.add_module("output", nn.Linear(H, V))
+    dora = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["output"]))
+    kind, why = head_kind(dora.base_model.model.output)
+    assert kind is None and "DoRA or another LoRA variant" in why
 
 
 def test_lora_dropout_draws_once_per_token():
@@ -145,25 +166,27 @@ def test_lora_dropout_draws_once_per_token():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
-def test_bf16_no_further_from_fp32_than_the_full_logits_path():
+@pytest.mark.parametrize("lora", [False, True], ids=["linear", "lora"])
+def test_bf16_no_further_from_fp32_than_the_full_logits_path(lora):
+    """Loss, hidden, weight and bias (LoRA: A and B) gradients, each norm-relative."""
     torch.manual_seed(1)
     labels = _labels(4, 257, masked=0.5)
-    vocab = V
-    head32 = nn.Linear(64, vocab, bias=True)
-    hidden32 = torch.randn(4, 257, 64, requires_grad=True)
+    head32 = _lora_head() if lora else nn.Linear(H, V, bias=True)
+    hidden32 = torch.randn(4, 257, H, requires_grad=True)
 
     def run(dtype, chunked):
-        head = nn.Linear(64, vocab, bias=True).to(dtype)
-        head.load_state_dict({k: v.to(dtype) for k, v in head32.state_dict().items()})
+        head = copy.deepcopy(head32).to(dtype)
         hidden = hidden32.detach().to(dtype).requires_grad_(True)
         if chunked:
             loss = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=100)
         else:
-            loss = ForCausalLMLoss(head(hidden), labels, vocab)
-        return [loss.double(), *(g.double() for g in _grads(loss, [hidden, *head.parameters()]))]
+            loss = ForCausalLMLoss(head(hidden), labels, V)
+        wrt = [hidden, *(p for p in head.parameters() if p.requires_grad)]
+        return [loss.double(), *(g.double() for g in _grads(loss, wrt))]
 
     ref = run(torch.float32, False)
     full, ours = run(torch.bfloat16, False), run(torch.bfloat16, True)
+    assert len(ref) == 4  # loss, hidden, and A and B or weight and bias
     for r, f, o in zip(ref, full, ours):
         err_full, err_ours = (f - r).norm() / r.norm(), (o - r).norm() / r.norm()
         assert err_ours <= err_full * 1.05 + 1e-7, (float(err_ours), float(err_full))

@@ -13,11 +13,9 @@ from xtuner_rope.config.loss import CHUNKED_LOSS_OPT_OUT as OPT_OUT
 from xtuner_rope.config.loss import chunked_loss_setting
 from xtuner_rope.models.chunked_loss import (
     UnsupportedHead,
-    causal_lm,
     is_chunked,
     is_target_logprobs,
     loss_only,
-    partitioned,
     patch_chunked_loss,
     shifted_targets,
     target_logprobs_only,
@@ -97,8 +95,6 @@ def enable_chunked_loss(runner) -> str:
     why = _why_not(runner, model)
     block = SERVED_MODELS.get(type(model).__name__)
     chunk = None if setting is True else setting
-    if why is None and block is target_logprobs_only and _partitioned_head(runner.model):
-        why = "its log-probs under DeepSpeed ZeRO-3 (a partitioned head) are not verified yet"
     if why is None:
         try:
             what = patch_chunked_loss(language_model(runner.model), chunk)
@@ -152,10 +148,3 @@ def _serve_internvl(model) -> None:
 
     forward.xtuner_rope_chunked = True
     model.forward = forward
-
-
-def _partitioned_head(model) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions the run's causal LM's output head."""
-    get_head = getattr(causal_lm(language_model(model)), "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    return head is not None and partitioned(head)

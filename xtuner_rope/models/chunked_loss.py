@@ -6,8 +6,9 @@ reaches it). A call with ``labels`` inside :func:`loss_only` runs the decoder, t
 :func:`target_logprobs_only` (DPO/ORPO: labels already shifted) it returns the ``[b, s, 1]``
 target log-probs as ``logits`` (:func:`is_target_logprobs`); every other call is the model's
 own ``forward``. :func:`pause_chunked_loss` gives back the model's own loss and logits. Under
-ZeRO-3 the whole loss runs as the head module's call (:func:`head_call`), so DeepSpeed gathers
-the head's weight once per forward and backward and reduces its gradient into the partition.
+ZeRO-3 the whole loss runs inside one call of each head module owning parameters
+(:func:`head_call`), so DeepSpeed gathers each once per forward and backward and reduces its
+gradient into the partition.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from xtuner_rope.ops.chunked_loss import (
     chunked_causal_lm_loss,
     chunked_target_logprobs,
     head_kind,
+    head_modules,
 )
 from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 
@@ -110,8 +112,6 @@ def chunked_loss_head(model: nn.Module) -> tuple[nn.Module, float | None, str]:
     kind, what = head_kind(head)
     if kind is None:
         raise UnsupportedHead(f"{name}'s head: {what}")
-    if kind == "module" and partitioned(head):  # its modules gather per chunk: not once
-        raise UnsupportedHead(f"{name}'s head: {what}, partitioned by DeepSpeed ZeRO-3")
     scale = getattr(model, "logit_scale", None)  # Cohere multiplies its logits by it
     if scale is not None and not isinstance(scale, (int, float)):
         raise UnsupportedHead(f"{name}'s logit_scale is a {type(scale).__name__}, not a number")
@@ -127,21 +127,28 @@ def partitioned(head: nn.Module) -> bool:
 
 
 def head_call(head: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """``loss_of(hidden)`` run as ``head(hidden)``: DeepSpeed ZeRO-3's hooks on the head gather
-    its parameters once for the forward and once for the backward (not once per chunk).
+    """``loss_of(hidden)`` (``[b, s, H] -> loss``) run as ``head(hidden)``, nested in one call of
+    each module whose parameters it reads (``ops.chunked_loss.head_modules``), none per chunk:
+    DeepSpeed ZeRO-3's hooks gather a module's parameters for its call (and, from its output's
+    hook, for the backward) and free them after; the calls, the same on every rank, match the
+    module order ZeRO-3 records and compares across ranks."""
+    owners = [m for m in head_modules(head) if m is not head]
+    for module in reversed([head, *owners]):
+        loss_of = functools.partial(_as_call, module, loss_of)
+    return loss_of(hidden)
 
-    ``loss_of``: ``[b, s, H] -> scalar``, reading the head's parameters; ``hidden``: ``[b, s, H]``
-    the decoder's last hidden states.
-    """
-    own = vars(head).get("forward")
-    head.forward = loss_of
+
+def _as_call(module: nn.Module, loss_of: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """``loss_of(hidden)`` as ``module(hidden)`` (its ``forward`` replaced for the call)."""
+    own = vars(module).get("forward")
+    module.forward = loss_of
     try:
-        return head(hidden)
+        return module(hidden)
     finally:
         if own is None:
-            del head.forward
+            del module.forward
         else:
-            head.forward = own
+            module.forward = own
 
 
 def is_chunked(llm: nn.Module) -> bool:
@@ -215,8 +222,8 @@ def hidden_loss(
         num_items_in_batch: The NLL sum's denominator, or None for the mean.
 
     Returns:
-        The fp32 scalar loss (``ops.chunked_loss.chunked_causal_lm_loss``), through the head
-        module's call under ZeRO-3 (:func:`head_call`).
+        The fp32 scalar loss (``ops.chunked_loss.chunked_causal_lm_loss``), through the head's
+        module calls under ZeRO-3 (:func:`head_call`).
     """
     options = dict(num_items_in_batch=num_items_in_batch, shifted=shifted)
     return _through_head(causal_lm(llm), chunked_causal_lm_loss, hidden, labels, **options)
@@ -224,8 +231,10 @@ def hidden_loss(
 
 def _through_head(model, op: Callable, hidden, labels, **options) -> torch.Tensor:
     """``op(hidden, labels, head, ...)`` with the patched model's head, scale and chunk, run
-    as the head module's call where ZeRO-3 partitions it (:func:`head_call`)."""
-    head, scale, _ = chunked_loss_head(model)
+    as the head's module calls where ZeRO-3 partitions it (:func:`head_call`)."""
+    # No parameter read here: in a ZeRO-3 forward, a partitioned one read outside its module's
+    # call is gathered and registered with the LM, which then holds it for its whole step.
+    head, scale = model.get_output_embeddings(), getattr(model, "logit_scale", None)
 
     def run(h: torch.Tensor) -> torch.Tensor:
         return op(
@@ -250,19 +259,14 @@ def _forward(self, *args, **kwargs):
     outputs = self.get_decoder()(**kwargs, return_dict=True)
     hidden = outputs.last_hidden_state
     loss = logits = None
-    if mode == "logprobs":  # ZeRO-3: the held-out predict (the hook refuses DPO/ORPO's)
+    if mode == "logprobs":  # DPO/ORPO, SFT's held-out predict
         logits = _through_head(self, chunked_target_logprobs, hidden, labels)[..., None]
     else:
         loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    kept = {k: getattr(outputs, k) for k in ("past_key_values", "hidden_states", "attentions")}
+    return CausalLMOutputWithPast(loss=loss, logits=logits, **kept)
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

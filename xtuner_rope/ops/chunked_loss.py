@@ -3,10 +3,10 @@
 Only the hidden states of the supervised positions are gathered (``k`` of ``b * (s - 1)``) and
 projected through the model's own head in chunks of ``c`` tokens; each chunk's fp32
 log-softmax, target log-prob and gradient are done before the next starts (largest tensor
-``[c, V]``). The gradients are computed in the forward and handed out by the backward. A head
-is ``"linear"`` (a plain ``nn.Linear``: the softmax gradient written in place over the chunk's
-logits) or ``"module"`` (peft's LoRA ``lora.Linear``: the module runs per chunk under autograd).
-The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
+``[c, V]``). The gradients are computed in the forward (the softmax gradient written in place
+over the chunk's logits; the head's in fp32) and handed out by the backward. A head is a plain
+``nn.Linear`` or peft's vanilla LoRA ``lora.Linear``, run from its parameters (no module call:
+DeepSpeed ZeRO-3, ``models.chunked_loss``). The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
 supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
 log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
 """
@@ -33,6 +33,7 @@ __all__ = [
     "chunked_causal_lm_loss",
     "chunked_target_logprobs",
     "head_kind",
+    "head_modules",
     "supervised_positions",
 ]
 
@@ -43,14 +44,63 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 def head_kind(head: nn.Module) -> tuple[str | None, str]:
-    """How the chunked loss runs the output ``head``: ``("linear" | "module", what)`` or
+    """How the chunked loss runs the output ``head``: ``("linear" | "lora", what)`` or
     ``(None, why not)``."""
     if type(head) is nn.Linear:
         return "linear", f"nn.Linear({head.in_features}, {head.out_features})"
     base = getattr(head, "base_layer", None)
-    if type(base) is nn.Linear and hasattr(head, "lora_A") and hasattr(head, "lora_B"):
-        return "module", f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
-    return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
+    if type(base) is not nn.Linear or not hasattr(head, "lora_A") or not hasattr(head, "lora_B"):
+        return None, f"{type(head).__name__} is not a plain nn.Linear nor a LoRA-adapted one"
+    what = f"LoRA-adapted nn.Linear({base.in_features}, {base.out_features})"
+    if getattr(head, "lora_variant", None) or any(getattr(head, "use_dora", {}).values()):
+        return None, f"{what} with DoRA or another LoRA variant (not supported yet)"
+    kinds = {type(m) for d in (head.lora_A, head.lora_B, head.lora_dropout) for m in d.values()}
+    if not kinds <= {nn.Linear, nn.Dropout, nn.Identity}:
+        return None, f"{what} whose adapters are not nn.Linear (dropout: nn.Dropout) layers"
+    return "lora", what
+
+
+def _adapters(head: nn.Module) -> list[str]:
+    """The adapters a LoRA head's forward runs: its active ones, none while disabled."""
+    return [] if head.disable_adapters else [a for a in head.active_adapters if a in head.lora_A]
+
+
+def head_modules(head: nn.Module) -> list[nn.Module]:
+    """The modules whose own parameters the chunked loss reads from ``head`` (one ``head_kind``
+    accepts): the head, or a LoRA head's base_layer and its running adapters' lora_A, lora_B."""
+    if head_kind(head)[0] != "lora":
+        return [head]
+    pairs = [(head.lora_A[a], head.lora_B[a]) for a in _adapters(head)]
+    return [head.base_layer, *(m for pair in pairs for m in pair)]
+
+
+def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """peft 0.21's vanilla ``lora.Linear.forward`` (the same operations and dropout draws) from
+    the head's parameters, no module called: the ``[c, V]`` output and per adapter ``(lora_A,
+    lora_B, scaling, its input [c, H], lora_A's output [c, r], dropout mask or None)``.
+
+    Raises:
+        ValueError: a merged head (its adapters are already in the base weight)."""
+    if head.merged:
+        raise ValueError(
+            "chunked loss: the LoRA head's adapters are merged into its weight; unmerge them "
+            "(peft: unmerge_adapter()) or set chunked_loss = False."
+        )
+    base = head.base_layer
+    out = F.linear(h, base.weight, base.bias)
+    x, dtype, parts = h, out.dtype, []
+    for name in _adapters(head):  # none under peft's disable_adapter() (DPO's reference)
+        a, b, drop = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
+        if getattr(head, "cast_input_dtype_enabled", True):
+            x = x.to(a.weight.dtype)
+        mask = None  # nn.Dropout's own draw (a Bernoulli per element), kept for the backward
+        if type(drop) is nn.Dropout:
+            mask = F.dropout(torch.ones_like(x), drop.p, drop.training)
+        dropped = x if mask is None else x * mask
+        u = F.linear(dropped, a.weight, a.bias)  # [c, r]
+        out = out + F.linear(u, b.weight, b.bias) * head.scaling[name]
+        parts.append((a, b, head.scaling[name], dropped, u, mask))
+    return out.to(dtype), parts
 
 
 def supervised_positions(
@@ -106,78 +156,64 @@ def _nll_in_place(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch
     return (total.log() - (picked - top))[:, 0], total
 
 
-def _chunk_nll(h, t, head, kind, scale):
-    """``[c]`` NLL of one chunk, no gradients (``chunked_target_logprobs``' forward)."""
-    x = (F.linear(h, head.weight, head.bias) if kind == "linear" else head(h)).float()
-    return _nll_in_place(x if scale is None else x.mul_(scale), t)[0]
-
-
-def _linear_chunk(h, t, head, scale, coef, grads, rows):
-    """One chunk through an ``nn.Linear`` head: ``[c]`` NLL; ``coef * d(nll)`` added into
-    ``grads`` (``coef``: a number, or ``[c]`` per token)."""
-    x = F.linear(h, head.weight, head.bias).float()  # [c, V] fp32 (a copy unless fp32)
+def _logit_grad(x, t, scale, coef) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c]`` NLL of the fp32 logits ``x`` ``[c, V]`` (times ``scale``), and ``x`` overwritten
+    with ``d(coef * nll) / dx`` (``coef``: a number, or ``[c]`` per token)."""
     if scale is not None:
-        x = x.mul_(scale)  # Cohere's logit_scale
+        x.mul_(scale)  # Cohere's logit_scale
     nll, total = _nll_in_place(x, t)
     if isinstance(coef, torch.Tensor) and coef.dim():
         coef = coef[:, None]  # [c, 1]
     # d(coef * nll)/dx = (softmax(x) - onehot(t)) * coef, written over x.
     x.div_(total).mul_(coef)
     x.scatter_add_(1, t[:, None], torch.zeros_like(total).sub_(coef))
-    if scale is not None:
-        x.mul_(scale)
-    g = x.to(head.weight.dtype)  # [c, V], as the model's upcast hands its gradient back
-    grads["hidden"][rows] = g @ head.weight  # [c, H]
-    if head.weight.requires_grad:
-        # fp32 products summed in fp32: a bf16 product per chunk would round once per chunk
-        # (measured: 13% further from the fp32 reference than the model's bf16 path).
-        grads["weight"].addmm_(x.t(), h.float())
-    if head.bias is not None and head.bias.requires_grad:
-        grads["bias"].add_(x.sum(0))
+    return nll, (x.mul_(scale) if scale is not None else x)
+
+
+def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
+    """Add ``alpha`` times ``layer``'s weight and bias gradients for output gradient ``g`` ``[c,
+    out]`` (fp32), input ``x`` ``[c, in]`` to ``grads`` (by parameter id; absent: frozen). fp32
+    products summed in fp32: a bf16 product per chunk would round once per chunk (measured: 13%
+    further from the fp32 reference than the model's bf16 path)."""
+    if id(layer.weight) in grads:
+        grads[id(layer.weight)].addmm_(g.t(), x.float(), alpha=alpha)
+    if layer.bias is not None and id(layer.bias) in grads:
+        grads[id(layer.bias)].add_(g.sum(0), alpha=alpha)
+
+
+def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
+    """One chunk through the head: its ``[c]`` NLL; ``coef * d(nll)`` added into ``grads``
+    (``"hidden"``: the rows' hidden-state gradient; by parameter id: the head's, fp32)."""
+    head, kind, scale, _ = setup
+    if kind == "linear":
+        base, out, parts = head, F.linear(h, head.weight, head.bias), []
+    else:
+        base, (out, parts) = head.base_layer, _lora_forward(head, h)
+    nll, x = _logit_grad(out.float(), t, scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
+    hidden_grad = x.to(out.dtype) @ base.weight  # [c, H]: as the model's upcast hands it back
+    _linear_grads(base, x, h, grads)
+    for a, b, scaling, dropped, u, mask in parts:  # out += lora_B(lora_A(dropped)) * scaling
+        _linear_grads(b, x, u, grads, alpha=scaling)
+        du = (x @ b.weight.float()).mul_(scaling)  # [c, r] fp32
+        _linear_grads(a, du, dropped, grads)
+        dx = du.to(a.weight.dtype) @ a.weight  # [c, H]
+        hidden_grad += (dx if mask is None else dx * mask).to(hidden_grad.dtype)
+    grads["hidden"][rows] = hidden_grad
     return nll
 
 
-def _module_chunk(h, t, head, scale, coef, params, grads, rows):
-    """One chunk through the head module (LoRA); autograd gives the chunk's gradients."""
-    with torch.enable_grad():
-        h = h.detach().requires_grad_(True)
-        x = head(h)
-        if scale is not None:
-            x = x * scale
-        nll = F.cross_entropy(x.float(), t, reduction="none")  # [c]
-        got = torch.autograd.grad((nll * coef).sum(), [h, *params])
-    grads["hidden"][rows] = got[0]
-    for acc, g in zip(grads["params"], got[1:]):
-        acc.add_(g)
-    return nll.detach()
-
-
 def _run_chunks(hidden, targets, setup, params, coef):
-    """Every chunk through its kernel: the ``[k]`` NLL and ``coef``-weighted gradients of
+    """Every chunk through the head: the ``[k]`` NLL and ``coef``-weighted gradients of
     ``hidden`` and ``params`` (fp32 for the head's), as ``(nll, hidden_grad, param_grads)``."""
-    head, kind, scale, chunk = setup
-    grads = {"hidden": torch.zeros_like(hidden)}  # [k, H], filled chunk by chunk
-    if kind == "linear":  # a frozen weight (LoRA leaving the head out): no [V, H] buffer
-        for name in ("weight", "bias"):
-            p = getattr(head, name)
-            if p is not None and p.requires_grad:
-                grads[name] = torch.zeros_like(p, dtype=torch.float32)
-    else:
-        grads["params"] = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    chunk = setup[3]
+    grads = {id(p): torch.zeros_like(p, dtype=torch.float32) for p in params}
+    grads["hidden"] = torch.zeros_like(hidden)  # [k, H], filled chunk by chunk
     nll = [hidden.new_zeros(0, dtype=torch.float32)]
     for a in range(0, hidden.shape[0], chunk):
         rows = slice(a, a + chunk)
         c = coef[rows] if isinstance(coef, torch.Tensor) and coef.dim() else coef
-        if kind == "linear":
-            nll.append(_linear_chunk(hidden[rows], targets[rows], head, scale, c, grads, rows))
-        else:
-            args = (head, scale, c, params, grads, rows)
-            nll.append(_module_chunk(hidden[rows], targets[rows], *args))
-    if kind == "linear":
-        param_grads = [grads["weight" if p is head.weight else "bias"] for p in params]
-    else:
-        param_grads = grads["params"]
-    return torch.cat(nll), grads["hidden"], param_grads
+        nll.append(_head_chunk(hidden[rows], targets[rows], setup, c, grads, rows))
+    return torch.cat(nll), grads["hidden"], [grads[id(p)] for p in params]
 
 
 class _ChunkedNLL(torch.autograd.Function):
@@ -226,10 +262,16 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, setup, *params):
         head, kind, scale, chunk = setup
-        ctx.rng = _rng_state(hidden.device) if kind == "module" else None
+        ctx.rng = _rng_state(hidden.device) if kind == "lora" else None
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
-        for a in range(0, hidden.shape[0], chunk):
-            nll.append(_chunk_nll(hidden[a : a + chunk], targets[a : a + chunk], *setup[:3]))
+        for a in range(0, hidden.shape[0], chunk):  # no gradients here: NLL only
+            h = hidden[a : a + chunk]
+            x = (
+                F.linear(h, head.weight, head.bias)
+                if kind == "linear"
+                else _lora_forward(head, h)[0]
+            )
+            nll.append(_nll_in_place(x.float().mul_(scale or 1.0), targets[a : a + chunk])[0])
         ctx.save_for_backward(hidden, targets)
         ctx.setup, ctx.params = setup, params
         return torch.cat(nll).neg_()
