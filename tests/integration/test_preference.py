@@ -320,20 +320,28 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind,
     _assert_heldout_equals_plain(config, work, kind, iters=(2, 3))
 
 
+# DPO's loss is -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) over sums of a
+# response's log-probs (hundreds of nats): near the start the four sums cancel and the loss
+# (~log 2) carries their fp32 summation-order rounding (~1e-7 of each sum, times beta 0.1) as an
+# absolute error. Measured 7.7e-7 (1.1e-6 relative) at iteration 2 of the LoRA pair, 2026-11-29.
+DPO_LOSS_ATOL = 2e-6
+
+
 def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
     """Issue 57's opt-out pair for DPO with LoRA (1 process): the Llama 3 QLoRA DPO run above
     (LoRA without 4-bit on every linear layer but the head, dropout 0.1: the head draws no mask,
     so both runs draw the same ones) and the same run with ``chunked_loss=False`` give each of
-    the 3 iterations' loss within 1e-6 relative and the final adapter weights within 1e-6
-    relative norm (iterations 1 and 2 chunked, policy and reference; 3 is the capture's, the
-    model's own in both)."""
-    from opt_out import OPT_OUT, assert_logged, compare_runs
+    the 3 iterations' loss within 1e-6 relative plus ``DPO_LOSS_ATOL`` and the final adapter
+    weights (all XTuner saves of a LoRA model) within 1e-6 relative norm (iterations 1 and 2
+    chunked, policy and reference; 3 is the capture's, the model's own in both)."""
+    from opt_out import OPT_OUT, assert_logged, compare_runs, weights
 
     (_, chunked, out_c), (_, own, out_o) = (
         single_runs(pc.LLAMA_DPO_QLORA, *extra) for extra in ((), (OPT_OUT,))
     )
     assert_logged(out_c, out_o, "chunked loss: DPO's log-probs projects only the supervised")
-    compare_runs(chunked, own, "iter_3.pth", iters=3, keep=lambda name: "lora_" in name)
+    assert all("lora_" in name for name in weights(own / "iter_3.pth"))  # the adapter only
+    compare_runs(chunked, own, "iter_3.pth", iters=3, loss_atol=DPO_LOSS_ATOL)
 
 
 def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
@@ -341,7 +349,9 @@ def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
     (chunked log-probs, logged) and the same run with ``chunked_loss=False`` give each of the 3
     iterations' loss (rank 0's; the capture's iteration 3 is the model's own in both) and the
     held-out loss at 2 and 3 within 1e-6 relative, and the final weights (DeepSpeed's module)
-    within 1e-6 relative norm."""
+    within 1e-6 relative norm (measured 1.4e-7; their change from the checkpoint differs by
+    5.0e-6 relative, most of it in the input embedding, where AdamW turns gradients of rounding
+    size into steps of the learning rate's)."""
     from opt_out import OPT_OUT, assert_logged, compare_runs
 
     (_, chunked, out_c), (_, own, out_o) = (zero2_runs(pc.ORPO, *x) for x in ((), (OPT_OUT,)))

@@ -9,7 +9,6 @@ weights within 1e-6 relative (docs/loss.md, "Exact: the proof").
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,13 +55,39 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def relative_norm(got: dict, want: dict, keep: Callable[[str], bool] = lambda name: True) -> float:
-    """``|got - want| / |want|`` over the tensors whose name ``keep`` accepts (as one vector)."""
-    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())[:5]
-    names = [k for k in want if keep(k)]
-    assert names, "no tensor to compare"
-    diff = sum(float((got[k] - want[k]).double().pow(2).sum()) for k in names) ** 0.5
-    return diff / sum(float(want[k].double().pow(2).sum()) for k in names) ** 0.5
+def initial_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights a run starts from: a Hugging Face checkpoint folder's, in fp32."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(file))
+    for file in sorted(Path(folder).glob("pytorch_model*.bin")):
+        state.update(torch.load(file, map_location="cpu", weights_only=True))
+    assert state, f"no weights in {folder}"
+    return {k: v.float() for k, v in state.items()}
+
+
+def updates(final: dict, initial: dict) -> dict[str, torch.Tensor]:
+    """``final - initial`` for each saved tensor found in ``initial`` under its name less some
+    leading parts (XTuner's ``llm.model.x`` is the checkpoint's ``model.x``)."""
+    found = {}
+    for name, tensor in final.items():
+        parts = name.split(".")
+        start = next(
+            (".".join(parts[i:]) for i in range(len(parts)) if ".".join(parts[i:]) in initial), None
+        )
+        if start is not None and initial[start].shape == tensor.shape:
+            found[name] = tensor - initial[start]
+    assert found, "no saved tensor found in the initial weights"
+    return found
+
+
+def relative_norm(got: dict, want: dict) -> float:
+    """``|got - want| / |want|`` over all the tensors (as one vector)."""
+    assert got.keys() == want.keys() and want, sorted(got.keys() ^ want.keys())[:5]
+    diff = sum(float((got[k] - want[k]).double().pow(2).sum()) for k in want) ** 0.5
+    return diff / sum(float(want[k].double().pow(2).sum()) for k in want) ** 0.5
 
 
 def worst_relative(got: list[float], want: list[float]) -> float:
@@ -78,25 +103,29 @@ def compare_runs(
     *,
     iters: int,
     heldout: tuple[int, ...] = (),
-    keep: Callable[[str], bool] = lambda name: True,
-    rtol: float = RTOL,
+    loss_atol: float = 0.0,
+    start: Path | None = None,
 ) -> dict:
-    """Assert that two finished runs (work dirs) agree: each iteration's loss and each held-out
-    loss (at ``heldout``) within ``rtol`` relative, the final weights of ``checkpoint`` (a name
-    under the work dirs, e.g. ``iter_8.pth``) within ``rtol`` relative norm over the ``keep``
-    tensors; returns the worst figures (printed)."""
+    """Assert that two finished runs (work dirs) agree: each iteration's loss within 1e-6
+    relative (plus ``loss_atol`` where a test states why) and each held-out loss (at
+    ``heldout``) within 1e-6 relative, the final weights of ``checkpoint`` (a name under the work
+    dirs, e.g. ``iter_8.pth``) within 1e-6 relative norm, and where the run starts from the
+    checkpoint folder ``start``, what training changed (final minus initial, the tensors found
+    there: a small learning rate makes the weights' own norm hide any difference) within 1e-6
+    relative norm; returns the worst figures (printed)."""
     rows = {name: scalars(work) for name, work in (("chunked", chunked), ("own", own))}
     losses = {
         name: {r["iter"]: r["loss"] for r in got if "loss" in r and "iter" in r}
         for name, got in rows.items()
     }
     assert sorted(losses["chunked"]) == sorted(losses["own"]) == list(range(1, iters + 1)), losses
-    steps = sorted(losses["own"])
+    pairs = [(losses["chunked"][i], losses["own"][i]) for i in range(1, iters + 1)]
     figures = {
-        "loss": worst_relative(
-            [losses["chunked"][i] for i in steps], [losses["own"][i] for i in steps]
-        )
+        "loss": worst_relative(*zip(*pairs)),
+        "loss_abs": max(abs(g - w) for g, w in pairs),
     }
+    bad = [(i, g, w) for i, (g, w) in enumerate(pairs, 1) if abs(g - w) > RTOL * abs(w) + loss_atol]
+    assert not bad, (bad, figures)
     if heldout:
         held = {
             n: {r["step"]: r["heldout_loss"] for r in got if "heldout_loss" in r}
@@ -106,10 +135,11 @@ def compare_runs(
         figures["heldout_loss"] = worst_relative(
             [held["chunked"][s] for s in heldout], [held["own"][s] for s in heldout]
         )
-    figures["weights"] = relative_norm(
-        weights(chunked / checkpoint), weights(own / checkpoint), keep
-    )
-    print(f"chunked vs chunked_loss=False, worst relative: {figures}")
-    for what, value in figures.items():
-        assert value <= rtol, (what, value, figures)
+    got, want = weights(chunked / checkpoint), weights(own / checkpoint)
+    figures["weights"] = relative_norm(got, want)
+    if start is not None:
+        initial = initial_weights(start)
+        figures["update"] = relative_norm(updates(got, initial), updates(want, initial))
+    print(f"chunked vs chunked_loss=False, worst: {figures}")
+    assert all(figures[k] <= RTOL for k in ("heldout_loss", "weights", "update") if k in figures)
     return figures
