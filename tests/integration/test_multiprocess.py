@@ -18,7 +18,8 @@ trains through the chunked loss (its log says so; under ZeRO-3 the head's partit
 gathered for the loss as the head's own call); that it equals the full-logits loss on 2
 processes under ZeRO-3 is ``tests/integration/test_chunked_loss_zero3.py``.
 
-In CI: the one-process reference and ZeRO-3 (the only 1-vs-2-process check of ZeRO-3's
+Opt-in too: issue 57's ZeRO-3 opt-out pair (the ZeRO-3 run against a twin with
+``chunked_loss=False``). In CI: the one-process reference and ZeRO-3 (the only 1-vs-2-process check of ZeRO-3's
 parameter gather, over 12 iterations). DDP and ZeRO-2 are opt-in (``make test-all``), their
 claim proven in CI by the parameters after a step: DDP in
 ``tests/hooks/test_loss_norm.py::test_one_optimizer_step_whatever_the_grouping``, ZeRO-2 (and
@@ -264,6 +265,7 @@ ZERO3_WEIGHTS_RTOL = 1e-5
 
 
 @pytest.mark.slow
+@again("tests/integration/test_chunked_loss_zero3.py (2 processes, the head partitioned)")
 @pytest.mark.parametrize("reference", [INTERNLM2], indirect=True)
 def test_zero3_chunked_loss_equals_the_models_own(reference, tmp_path_factory):
     """Issue 57's opt-out pair under ZeRO-3 on 2 processes: the internlm2-zero3 run above

@@ -13,7 +13,8 @@ through the unpatched model (the leak without the plugin) must not. Held-out pai
 reward ZeRO-2 runs on two log held-out figures equal to a fresh no-plugin process on the
 run's checkpoint (``tests/support/preference_heldout_reference.py``). Each of these runs
 carries both claims, isolation and held-out figures (the one-process DPO run: the module's
-``dpo_run``, shared by two tests).
+``dpo_run``, shared by two tests). Issue 57's opt-out pairs: the LoRA DPO run and the ORPO
+ZeRO-2 run (module-shared) each against a twin with ``chunked_loss=False`` (docs/loss.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ shuffle before packing is unseeded, so two runs would otherwise train on differe
 
 Two tiny models, both GQA: XTuner's InternLM2 and transformers' own ``LlamaForCausalLM``
 (the stock config pointed at it; its chat template stays, the tokenizer is the shared tiny
-one). The stock copy and the data are shared by the four runs.
+one). The stock copy and the data are shared by the four runs. Opt-in: issue 57's opt-out pair,
+the InternLM2 sp = 2 run against a twin with ``chunked_loss=False``.
 
 The step is plain SGD at learning rate 1, without clipping and without warm-up, so the
 parameters move by the gradient itself: a gradient off by the sequence-parallel scale (each
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 import stock_configs as sc
 import torch
+from opt_in import again
 
 from xtuner_rope.demo.tiny import save_tiny
 
@@ -159,7 +161,10 @@ def test_stock_sequence_parallel_config_trains_like_one_rank(family, runs):
     assert moved > 1000 * 1e-5, moved  # the step moves parameters far beyond the tolerance
 
 
+# A second proof (one more 2-process run): CI proves the chunked loss at sp = 2 in process, each
+# rank's loss and gradients against the full-logits shard loss, and that the run above is chunked.
 @pytest.mark.slow
+@again("tests/models/test_sequence_parallel.py::test_sequence_parallel_equals_one_rank_*")
 def test_sequence_parallel_2_chunked_loss_equals_the_models_own(runs):
     """Issue 57's opt-out pair at sp = 2 (2 processes, ZeRO-2, one SGD step at learning rate 1):
     the InternLM2 step above (each rank's shard through the chunked loss, logged) and the same
