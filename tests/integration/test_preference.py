@@ -324,8 +324,9 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind,
 # DPO's loss is -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) over sums of a
 # response's log-probs (hundreds of nats): near the start the four sums cancel and the loss
 # (~log 2) carries their fp32 summation-order rounding (~1e-7 of each sum, times beta 0.1) as an
-# absolute error. Measured 7.7e-7 (1.1e-6 relative) at iteration 2 of the LoRA pair, 2026-11-29.
-DPO_LOSS_ATOL = 2e-6
+# absolute error. Measured 7.7e-7 (1.1e-6 relative) at iteration 2 of the LoRA pair, 2026-11-29;
+# twice that allowed. The chunk's NLL scaled by 1 + 1e-5 gave 2.6e-6: caught.
+DPO_LOSS_ATOL = 1.5e-6
 
 
 def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
@@ -333,8 +334,8 @@ def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
     (LoRA without 4-bit on every linear layer but the head, dropout 0.1: the head draws no mask,
     so both runs draw the same ones) and the same run with ``chunked_loss=False`` give each of
     the 3 iterations' loss within 1e-6 relative plus ``DPO_LOSS_ATOL`` and the final adapter
-    weights (all XTuner saves of a LoRA model) within 1e-6 relative norm (iterations 1 and 2
-    chunked, policy and reference; 3 is the capture's, the model's own in both)."""
+    weights (all XTuner saves of a LoRA model) within 1e-6 relative norm (policy and reference
+    log-probs chunked at every iteration)."""
     from opt_out import OPT_OUT, assert_logged, compare_runs, weights
 
     (_, chunked, out_c), (_, own, out_o) = (
@@ -348,8 +349,7 @@ def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
 def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
     """Issue 57's opt-out pair for ORPO on 2 processes under ZeRO-2: the ORPO run above
     (chunked log-probs, logged) and the same run with ``chunked_loss=False`` give each of the 3
-    iterations' loss (rank 0's; the capture's iteration 3 is the model's own in both) and the
-    held-out loss at 2 and 3 within 1e-6 relative, and the final weights (DeepSpeed's module)
+    iterations' loss (rank 0's) and the held-out loss at 2 and 3 within 1e-6 relative, and the final weights (DeepSpeed's module)
     within 1e-6 relative norm (measured 1.4e-7; their change from the checkpoint differs by
     5.0e-6 relative, most of it in the input embedding, where AdamW turns gradients of rounding
     size into steps of the learning rate's)."""
