@@ -16,7 +16,8 @@ weights and runs each captured sample alone: within 1e-4 of the run's logits. Th
 also has ``heldout = dict(data_files=..., image_folder=..., interval=2)``: its logged held-out
 loss at iteration 4 equals each held-out sample alone through XTuner's ``InternVL_V1_5.forward``
 with ``iter_4.pth``'s weights in a fresh process without the plugin
-(``tests/support/internvl_heldout_reference.py``).
+(``tests/support/internvl_heldout_reference.py``). Issue 57's opt-out pair: the Phi-3 run against a
+twin with ``chunked_loss=False`` (docs/loss.md).
 """
 
 import json
@@ -29,7 +30,6 @@ import internvl_configs as ic
 import pytest
 import stock_configs as sc
 import torch
-from opt_in import again
 from opt_out import EVERY_ITERATION, OPT_OUT
 
 from xtuner_rope.capture.internvl import INTERNVL_CAPTURE_FILE
@@ -171,7 +171,6 @@ def test_phi3_heldout_loss_equals_each_sample_alone(phi3_run):
     )
 
 
-@again("tests/models/test_chunked_loss_multimodal.py::test_internvl_chunked_loss_*")
 def test_phi3_chunked_loss_equals_the_models_own(internvl, phi3_run):
     """Issue 57's opt-out pair for InternVL: the shared packed Phi-3 run (the LLM's loss chunked,
     logged; iteration 1 the capture's, the model's own in both) and the same run with

@@ -13,8 +13,8 @@ through the unpatched model (the leak without the plugin) must not. Held-out pai
 reward ZeRO-2 runs on two log held-out figures equal to a fresh no-plugin process on the
 run's checkpoint (``tests/support/preference_heldout_reference.py``). Each of these runs
 carries both claims, isolation and held-out figures (the one-process DPO run: the module's
-``dpo_run``, shared by two tests). Issue 57's opt-out pairs: the LoRA DPO run and the ORPO
-ZeRO-2 run (module-shared) each against a twin with ``chunked_loss=False`` (docs/loss.md).
+``dpo_run``, shared by two tests). Issue 57's opt-out pairs: the ORPO ZeRO-2 run and (opt-in)
+the LoRA DPO run, module-shared, each against a twin with ``chunked_loss=False`` (docs/loss.md).
 """
 
 from __future__ import annotations
@@ -329,6 +329,9 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind,
 DPO_LOSS_ATOL = 1.5e-6
 
 
+# A second proof (one more run): CI proves LoRA DPO's chunked loss and gradients in process, and
+# that the run above logs its chunked log-probs.
+@again("tests/compat/test_preference_chunked_logprobs.py::*[dpo_lora-*]")
 def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
     """Issue 57's opt-out pair for DPO with LoRA (1 process): the Llama 3 QLoRA DPO run above
     (LoRA without 4-bit on every linear layer but the head, dropout 0.1: the head draws no mask,
