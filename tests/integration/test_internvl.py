@@ -16,7 +16,8 @@ weights and runs each captured sample alone: within 1e-4 of the run's logits. Th
 also has ``heldout = dict(data_files=..., image_folder=..., interval=2)``: its logged held-out
 loss at iteration 4 equals each held-out sample alone through XTuner's ``InternVL_V1_5.forward``
 with ``iter_4.pth``'s weights in a fresh process without the plugin
-(``tests/support/internvl_heldout_reference.py``).
+(``tests/support/internvl_heldout_reference.py``). Issue 57's opt-out pair: the Phi-3 run against a
+twin with ``chunked_loss=False`` (docs/loss.md).
 """
 
 import json
@@ -29,6 +30,7 @@ import internvl_configs as ic
 import pytest
 import stock_configs as sc
 import torch
+from opt_out import EVERY_ITERATION, OPT_OUT
 
 from xtuner_rope.capture.internvl import INTERNVL_CAPTURE_FILE
 from xtuner_rope.demo.llava_data import write_llava_data
@@ -69,8 +71,8 @@ def _assert_isolated(result: dict) -> None:
     assert abs(result["loss"]["captured"] - result["loss"]["samples"]) <= 1e-4, result["loss"]
 
 
-def _train(config: Path, work_dir: Path) -> str:
-    proc = sc.xtuner_train(config, work_dir, "randomness.seed=0")
+def _train(config: Path, work_dir: Path, *extra: str) -> str:
+    proc = sc.xtuner_train(config, work_dir, "randomness.seed=0", *EVERY_ITERATION, *extra)
     out = proc.stdout + proc.stderr
     check_run(work_dir, min_iters=4)
     assert "set to path = " in out, out[-3000:]  # the edit after `path = ...` reached XTuner
@@ -78,7 +80,7 @@ def _train(config: Path, work_dir: Path) -> str:
     assert "loaded in float32" in out, out[-3000:]
     assert "InternVLIsolationCaptureHook: saved" in out, out[-3000:]
     # The LLM computes the loss through the chunked loss (iteration 1 paused for the capture).
-    assert CHUNKED_LINE in out, out[-3000:]
+    assert (CHUNKED_LINE in out) == (OPT_OUT not in extra), out[-3000:]
     return out
 
 
@@ -169,6 +171,22 @@ def test_phi3_heldout_loss_equals_each_sample_alone(phi3_run):
     ho.check_image_heldout(
         HELDOUT_REFERENCE, phi3_run["config"], work_dir, phi3_run["held"], [2, 4], samples=8
     )
+
+
+def test_phi3_chunked_loss_equals_the_models_own(internvl, phi3_run):
+    """Issue 57's opt-out pair for InternVL: the shared packed Phi-3 run (the LLM's loss chunked,
+    logged; iteration 1 the capture's, the model's own in both) and the same run with
+    ``chunked_loss=False`` give each of the 4 iterations' loss and the held-out loss at 2 and 4
+    within 1e-6 relative, and the final weights (the LLM and ``mlp1``) and their change from the
+    checkpoint (the warm-up's small steps: the weights' norm alone would hide a difference)
+    within 1e-6 relative norm."""
+    from opt_out import assert_logged, compare_runs
+
+    own = phi3_run["root"] / "own"
+    out = _train(phi3_run["config"], own, OPT_OUT)
+    assert_logged(phi3_run["out"], out, CHUNKED_LINE)
+    run = phi3_run["root"] / "run"
+    compare_runs(run, own, "iter_4.pth", iters=4, heldout=(2, 4), start=internvl["phi3"])
 
 
 @pytest.mark.skipif(not ho.BY_HAND, reason="opt-in (minutes): XTUNER_ROPE_HELDOUT_BY_HAND=1")

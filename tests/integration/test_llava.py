@@ -33,6 +33,8 @@ import pytest
 import stock_configs as sc
 import torch
 from mmengine.config import Config
+from opt_in import again
+from opt_out import EVERY_ITERATION
 
 from tools.zoo.localize import short_chat_samples
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX, check_batch_with_images
@@ -107,6 +109,9 @@ def _started(*configs: Path) -> list[dict]:
     ]
 
 
+FINETUNE_OPTIONS = ("randomness.seed=0", *EVERY_ITERATION)
+
+
 @pytest.fixture(scope="module")
 def finetune_run(llava) -> dict:
     """One real ``xtuner train`` of the finetune config with the edit, the capture hook and
@@ -115,7 +120,7 @@ def finetune_run(llava) -> dict:
     root = llava["root"] / "finetune_run"
     held = write_llava_data(root / "held", n_images=6, n_text=6, seed=1)
     config = _with_heldout(_with_capture(_config(llava, "finetune", root / "finetune.py")), held, 3)
-    proc = sc.xtuner_train(config, root / "run", "randomness.seed=0")
+    proc = sc.xtuner_train(config, root / "run", *FINETUNE_OPTIONS)
     return {
         "config": config,
         "held": held,
@@ -167,6 +172,23 @@ def test_stock_finetune_trains_with_one_edit_and_isolates_samples(finetune_run):
         f"LLaVA finetune: {result['samples']} samples, max |trained - alone| "
         f"{result['max_abs_diff']:.3g}, losses {run.losses}"
     )
+
+
+@again("tests/models/test_chunked_loss_multimodal.py::test_llava_chunked_loss_*")
+def test_stock_finetune_chunked_loss_equals_the_models_own(llava, finetune_run):
+    """Issue 57's opt-out pair for LLaVA: the shared finetune run (padded rows, the LLM's loss
+    chunked, logged; iteration 1 the capture's, the model's own in both) and the same run with
+    ``chunked_loss=False`` give each of the 6 iterations' loss and the held-out loss at 3 and 6
+    within 1e-6 relative, and the final trained weights (the LLM and the projector) and the
+    LLM's change from its checkpoint (its warm-up's small steps: the weights' norm alone would
+    hide a difference) within 1e-6 relative norm."""
+    from opt_out import OPT_OUT, assert_logged, compare_runs
+
+    work = finetune_run["work_dir"]
+    own = work.parent / "own"
+    proc = sc.xtuner_train(finetune_run["config"], own, *FINETUNE_OPTIONS, OPT_OUT)
+    assert_logged(finetune_run["out"], proc.stdout + proc.stderr, CHUNKED_LINE)
+    compare_runs(work, own, "iter_6.pth", iters=6, heldout=(3, 6), start=llava["llm"])
 
 
 def assert_chat_hook_generated(work_dir: Path, assistant: str = "<|im_start|>assistant\n") -> None:

@@ -13,7 +13,8 @@ through the unpatched model (the leak without the plugin) must not. Held-out pai
 reward ZeRO-2 runs on two log held-out figures equal to a fresh no-plugin process on the
 run's checkpoint (``tests/support/preference_heldout_reference.py``). Each of these runs
 carries both claims, isolation and held-out figures (the one-process DPO run: the module's
-``dpo_run``, shared by two tests).
+``dpo_run``, shared by two tests). Issue 57's opt-out pairs: the ORPO ZeRO-2 run and (opt-in)
+the LoRA DPO run, module-shared, each against a twin with ``chunked_loss=False`` (docs/loss.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ RUN = (
     "train_cfg.max_iters=3",
     "randomness.seed=0",
     "default_hooks.logger.interval=1",
+    "log_processor.window_size=1",  # each iteration's own figures (the opt-out pairs compare them)
 )
 # A free token of the tiny vocabulary (1,024 ids, 6 special): ids 6.. are ordinary pieces,
 # but the reward token only has to be inside the vocabulary for this test.
@@ -126,6 +128,23 @@ def dpo_run(pref, tmp_path_factory) -> dict:
     return {"config": config, "work": root / "work", "out": proc.stdout + proc.stderr}
 
 
+@pytest.fixture(scope="module")
+def single_runs(pref, tmp_path_factory):
+    """``run(name, *extra)``: one single-process `xtuner train` of ``pref[name]`` (3 iterations,
+    the capture at 3), made once per module: ``(config, work dir, output)``. The LoRA DPO run is
+    also the chunked partner of its ``chunked_loss=False`` twin."""
+    done = {}
+
+    def run(name: str, *extra: str) -> tuple[Path, Path, str]:
+        if (name, *extra) not in done:
+            work = tmp_path_factory.mktemp(f"{name}_run")
+            proc = sc.xtuner_train(pref[name], work, *RUN, *extra)
+            done[(name, *extra)] = pref[name], work, proc.stdout + proc.stderr
+        return done[(name, *extra)]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "name,kind",
     [
@@ -144,9 +163,7 @@ def dpo_run(pref, tmp_path_factory) -> dict:
         (pc.LLAMA_DPO_QLORA, "dpo"),
     ],
 )
-def test_stock_preference_config_trains_isolated_single_process(
-    pref, name, kind, tmp_path, request
-):
+def test_stock_preference_config_trains_isolated_single_process(pref, name, kind, request):
     """A plain single-process `xtuner train` (no launcher): before, DPO/ORPO died in
     `dist.get_rank()` ("Default process group has not been initialized"). The Llama 3 QLoRA
     DPO config on a tiny Llama (LoRA without 4-bit, the stock lora_dropout 0.1: the capture
@@ -159,9 +176,7 @@ def test_stock_preference_config_trains_isolated_single_process(
         run = request.getfixturevalue("dpo_run")
         config, work, out = run["config"], run["work"], run["out"]
     else:
-        config, work = pref[name], tmp_path
-        proc = sc.xtuner_train(config, work, *RUN)
-        out = proc.stdout + proc.stderr
+        config, work, out = request.getfixturevalue("single_runs")(name)
     check_run(work, min_iters=3)
     assert "Default process group has not been initialized" not in out
     if kind != "reward":  # the log-probs came from the chunked path (docs/loss.md)
@@ -244,45 +259,53 @@ ZERO3 = "configs/deepspeed/zero3_fp32_cpu.json"
 SHORT_WARMUP = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
 
 
+@pytest.fixture(scope="module")
+def zero2_runs(pref, tmp_path_factory):
+    """``run(name, *extra)``: one 2-process ZeRO-2 `xtuner train` of ``pref[name]`` with
+    ``HELDOUT`` (3 iterations), made once per module: ``(config, work dir, output)``. The ORPO
+    run is also the chunked partner of its ``chunked_loss=False`` twin."""
+    import subprocess
+
+    done = {}
+
+    def run(name: str, *extra: str) -> tuple[Path, Path, str]:
+        if (name, *extra) in done:
+            return done[(name, *extra)]
+        root = tmp_path_factory.mktemp(f"{name}_zero2")
+        config = root / f"{name}_heldout.py"
+        config.write_text(pref[name].read_text() + HELDOUT)
+        work = root / "work"
+        cmd = ["xtuner", "train", str(config), "--work-dir", str(work), "--launcher", "pytorch"]
+        cmd += ["--deepspeed", ZERO2, "--cfg-options", *RUN, *SHORT_WARMUP]
+        cmd += ["env_cfg.dist_cfg.backend=gloo", *extra]
+        env = dict(
+            sc.venv_env(),
+            NPROC_PER_NODE="2",
+            NNODES="1",
+            PORT=str(_free_port()),
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        )
+        proc = subprocess.run(
+            cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900
+        )
+        done[(name, *extra)] = config, work, proc.stdout + proc.stderr
+        return done[(name, *extra)]
+
+    return run
+
+
 @pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
-def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name, kind, tmp_path):
+def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind, zero2_runs):
     """ORPO and the reward model on 2 processes under DeepSpeed ZeRO-2 (the project's fp32 CPU
     json, gloo): each rank's pack, measured inside the run, equals each response alone. The
     same runs hold out pairs (``heldout = dict(fraction=0.1, interval=2)``: 180 training pairs,
     the last 20 held out, evaluated at 2 and 3 on both ranks): the held-out loss, accuracy and
     margin logged at 3 equal a fresh process without the plugin on ``iter_3.pth`` (each pair
     alone through XTuner's own unpacked model)."""
-    import subprocess
-
-    config = tmp_path / f"{kind}_heldout.py"
-    config.write_text(pref[name].read_text() + HELDOUT)
-    work = tmp_path / "work"
-    cmd = [
-        "xtuner",
-        "train",
-        str(config),
-        "--work-dir",
-        str(work),
-        "--launcher",
-        "pytorch",
-        "--deepspeed",
-        ZERO2,
-        "--cfg-options",
-        *RUN,
-        *SHORT_WARMUP,
-        "env_cfg.dist_cfg.backend=gloo",
-    ]
-    env = dict(
-        sc.venv_env(),
-        NPROC_PER_NODE="2",
-        NNODES="1",
-        PORT=str(_free_port()),
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-    )
-    proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
+    config, work, out = zero2_runs(name)
     summary = check_run(work, min_iters=3)
     # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
-    assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), proc.stderr[-3000:]
+    assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), out[-3000:]
     pairs = [
         _assert_isolated(config, work / capture_file(rank, 2), kind)["pairs"] for rank in range(2)
     ]
@@ -296,6 +319,48 @@ def test_stock_preference_zero2_two_processes_isolated_on_every_rank(pref, name,
     assert logged["pairs_per_row"] == pairs[0] == logged["docs_per_row"] / 2, (logged, pairs)
     assert logged["real_token_share"] == 1.0, logged  # one packed row per batch: no padding
     _assert_heldout_equals_plain(config, work, kind, iters=(2, 3))
+
+
+# DPO's loss is -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) over sums of a
+# response's log-probs (hundreds of nats): near the start the four sums cancel and the loss
+# (~log 2) carries their fp32 summation-order rounding (~1e-7 of each sum, times beta 0.1) as an
+# absolute error. Measured 7.7e-7 (1.1e-6 relative) at iteration 2 of the LoRA pair, 2026-11-29;
+# twice that allowed. The chunk's NLL scaled by 1 + 1e-5 gave 2.6e-6: caught.
+DPO_LOSS_ATOL = 1.5e-6
+
+
+# A second proof (one more run): CI proves LoRA DPO's chunked loss and gradients in process, and
+# that the run above logs its chunked log-probs.
+@again("tests/compat/test_preference_chunked_logprobs.py::*[dpo_lora-*]")
+def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
+    """Issue 57's opt-out pair for DPO with LoRA (1 process): the Llama 3 QLoRA DPO run above
+    (LoRA without 4-bit on every linear layer but the head, dropout 0.1: the head draws no mask,
+    so both runs draw the same ones) and the same run with ``chunked_loss=False`` give each of
+    the 3 iterations' loss within 1e-6 relative plus ``DPO_LOSS_ATOL`` and the final adapter
+    weights (all XTuner saves of a LoRA model) within 1e-6 relative norm (policy and reference
+    log-probs chunked at every iteration)."""
+    from opt_out import OPT_OUT, assert_logged, compare_runs, weights
+
+    (_, chunked, out_c), (_, own, out_o) = (
+        single_runs(pc.LLAMA_DPO_QLORA, *extra) for extra in ((), (OPT_OUT,))
+    )
+    assert_logged(out_c, out_o, "chunked loss: DPO's log-probs projects only the supervised")
+    assert all("lora_" in name for name in weights(own / "iter_3.pth"))  # the adapter only
+    compare_runs(chunked, own, "iter_3.pth", iters=3, loss_atol=DPO_LOSS_ATOL)
+
+
+def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
+    """Issue 57's opt-out pair for ORPO on 2 processes under ZeRO-2: the ORPO run above
+    (chunked log-probs, logged) and the same run with ``chunked_loss=False`` give each of the 3
+    iterations' loss (rank 0's) and the held-out loss at 2 and 3 within 1e-6 relative, and the final weights (DeepSpeed's module)
+    within 1e-6 relative norm (measured 1.4e-7; their change from the checkpoint differs by
+    5.0e-6 relative, most of it in the input embedding, where AdamW turns gradients of rounding
+    size into steps of the learning rate's)."""
+    from opt_out import OPT_OUT, assert_logged, compare_runs
+
+    (_, chunked, out_c), (_, own, out_o) = (zero2_runs(pc.ORPO, *x) for x in ((), (OPT_OUT,)))
+    assert_logged(out_c, out_o, "chunked loss: ORPO's log-probs projects only the supervised")
+    compare_runs(chunked, own, "iter_3.pth", iters=3, heldout=(2, 3))
 
 
 def _as_xtuner_train(monkeypatch, config: Path, *args: str) -> None:

@@ -12,7 +12,8 @@ shuffle before packing is unseeded, so two runs would otherwise train on differe
 
 Two tiny models, both GQA: XTuner's InternLM2 and transformers' own ``LlamaForCausalLM``
 (the stock config pointed at it; its chat template stays, the tokenizer is the shared tiny
-one). The stock copy and the data are shared by the four runs.
+one). The stock copy and the data are shared by the four runs. Opt-in: issue 57's opt-out pair,
+the InternLM2 sp = 2 run against a twin with ``chunked_loss=False``.
 
 The step is plain SGD at learning rate 1, without clipping and without warm-up, so the
 parameters move by the gradient itself: a gradient off by the sequence-parallel scale (each
@@ -23,6 +24,7 @@ train CFG --deepspeed configs/deepspeed/zero2_fp32_cpu.json`` (no launcher: the 
 the process torchrun's environment, see ``config.launch.single_process_deepspeed_findings``).
 """
 
+import functools
 import re
 import socket
 import subprocess
@@ -31,6 +33,7 @@ from pathlib import Path
 import pytest
 import stock_configs as sc
 import torch
+from opt_in import again
 
 from xtuner_rope.demo.tiny import save_tiny
 
@@ -95,8 +98,8 @@ def _config(tmp: Path, stock: Path, data: Path, model: Path, sp: int) -> Path:
     return path
 
 
-def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
-    """One optimizer step; the logged loss and the parameters DeepSpeed saved."""
+def _train(config: Path, work_dir: Path, nproc: int, *extra: str) -> tuple[float, dict, str]:
+    """One optimizer step; the logged loss, the parameters DeepSpeed saved and the output."""
     env = dict(sc.venv_env(), PYTHONPATH=str(sc.REPO), OMP_NUM_THREADS="1")
     args = [str(config), "--work-dir", str(work_dir), "--deepspeed", ZERO2]
     if nproc == 1:  # one process, no launcher and no torchrun variables, as a user types it
@@ -106,7 +109,7 @@ def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
     else:  # XTuner's launcher
         env.update(NPROC_PER_NODE=str(nproc), NNODES="1", PORT=str(_free_port()))
         cmd = ["xtuner", "train", *args, "--launcher", "pytorch"]
-    cmd += ["--cfg-options", *OPTIONS]
+    cmd += ["--cfg-options", *OPTIONS, *extra]
     # `xtuner train` exits 0 even on failure: judged by the log and the checkpoint.
     proc = subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
@@ -114,17 +117,35 @@ def _train(config: Path, work_dir: Path, nproc: int) -> tuple[float, dict]:
     assert proc.returncode == 0 and states.is_file(), output[-4000:]
     losses = LOSS.findall(output)
     assert losses, output[-4000:]
-    assert "xtuner-rope: chunked loss: " in output, output[-4000:]  # sp = 2: each rank's shard
-    return float(losses[0]), torch.load(states, map_location="cpu", weights_only=False)["module"]
+    params = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    return float(losses[0]), params, output
+
+
+@pytest.fixture(scope="module")
+def runs(stock_and_data, tmp_path_factory):
+    """``run(family, sp, *extra)``: the step of that config (sp = 2 on 2 processes), made once
+    per module and shared (the sp = 2 InternLM2 step is also the chunked partner of its
+    ``chunked_loss=False`` twin)."""
+    root, done = tmp_path_factory.mktemp("sp-runs"), {}
+
+    def run(family: str, sp: int, *extra: str) -> tuple[float, dict, str]:
+        key = (family, sp, *extra)
+        if key not in done:
+            tmp = root / "-".join(map(str, key)).replace("=", "_")
+            config = _config(tmp / f"sp{sp}", *stock_and_data, run.model(family), sp)
+            done[key] = _train(config, tmp / "work", sp, *extra)
+        return done[key]
+
+    run.model = functools.cache(lambda family: _model(family, root))
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["internlm2", "llama"])
-def test_stock_sequence_parallel_config_trains_like_one_rank(family, stock_and_data, tmp_path):
-    model = _model(family, tmp_path)
-    configs = {sp: _config(tmp_path / f"sp{sp}", *stock_and_data, model, sp) for sp in (1, 2)}
-    loss_1, params_1 = _train(configs[1], tmp_path / "w1", 1)
-    loss_2, params_2 = _train(configs[2], tmp_path / "w2", 2)
+def test_stock_sequence_parallel_config_trains_like_one_rank(family, runs):
+    (loss_1, params_1, out_1), (loss_2, params_2, out_2) = runs(family, 1), runs(family, 2)
+    for out in (out_1, out_2):
+        assert "xtuner-rope: chunked loss: " in out, out[-4000:]  # sp = 2: each rank's shard
     assert abs(loss_1 - loss_2) <= 1e-5, (loss_1, loss_2)
     assert params_1.keys() == params_2.keys()
     # the checkpoint is the family's own: Llama's q_proj, InternLM2's fused wqkv
@@ -135,9 +156,37 @@ def test_stock_sequence_parallel_config_trains_like_one_rank(family, stock_and_d
         f"max |parameter difference| {worst:.3g}"
     )
     assert worst <= 1e-5
-    start = _initial(model)
+    start = _initial(runs.model(family))
     moved = max((params_1[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1000 * 1e-5, moved  # the step moves parameters far beyond the tolerance
+
+
+# A second proof (one more 2-process run): CI proves the chunked loss at sp = 2 in process, each
+# rank's loss and gradients against the full-logits shard loss, and that the run above is chunked.
+@pytest.mark.slow
+@again("tests/models/test_sequence_parallel.py::test_sequence_parallel_equals_one_rank_*")
+def test_sequence_parallel_2_chunked_loss_equals_the_models_own(runs):
+    """Issue 57's opt-out pair at sp = 2 (2 processes, ZeRO-2, one SGD step at learning rate 1):
+    the InternLM2 step above (each rank's shard through the chunked loss, logged) and the same
+    run with ``chunked_loss=False`` give the same loss within 1e-6 relative, and the same step
+    (parameters after it minus before it: the gradient itself, see the module docstring) and
+    parameters within 1e-6 relative norm."""
+    from opt_out import OPT_OUT, RTOL, assert_logged, relative_norm
+
+    (loss_c, params_c, out_c), (loss_o, params_o, out_o) = (
+        runs("internlm2", 2),
+        runs("internlm2", 2, OPT_OUT),
+    )
+    assert_logged(out_c, out_o)
+    start = _initial(runs.model("internlm2"))
+    step_c, step_o = ({k: p[k] - start[k] for k in start} for p in (params_c, params_o))
+    figures = {
+        "loss": abs(loss_c - loss_o) / abs(loss_o),
+        "step": relative_norm(step_c, step_o),
+        "weights": relative_norm(params_c, params_o),
+    }
+    print(f"sp=2 chunked vs chunked_loss=False, worst relative: {figures}")
+    assert all(value <= RTOL for value in figures.values()), figures
 
 
 def _initial(model: Path) -> dict:
