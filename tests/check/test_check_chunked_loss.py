@@ -49,12 +49,12 @@ def test_the_chunked_loss_equals_the_full_logits_loss(patched):
 
 def test_a_wrong_chunked_loss_fails_on_each_figure(patched, monkeypatch):
     runner, data_batch, hooks = patched
-    linear_chunk = ops._linear_chunk
+    head_chunk = ops._head_chunk
 
-    def off(h, t, head, scale, inv_n, grads, rows):  # 0.1% too much on every chunk
-        return linear_chunk(h, t, head, scale, inv_n * 1.001, grads, rows) * 1.001
+    def off(h, t, setup, coef, grads, rows):  # 0.1% too much on every chunk
+        return head_chunk(h, t, setup, coef * 1.001, grads, rows) * 1.001
 
-    monkeypatch.setattr(ops, "_linear_chunk", off)
+    monkeypatch.setattr(ops, "_head_chunk", off)
     fig = compare_chunked_loss(runner, data_batch, hooks, 1e-6)
     problems = chunked_loss_problems(fig)
     assert [p.split(" differs")[0] for p in problems] == [
