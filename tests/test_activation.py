@@ -107,3 +107,28 @@ def test_a_start_up_without_activation_names_the_import(monkeypatch):
         ),
     ):
         set_model_resource(cfg)
+
+
+# A thread reads a public name while another thread's activation is under way (the zoo sweep
+# compares two runs' captures in threads): before the lock it found activation flagged done and
+# the name not yet set (KeyError 'enable_xtuner_rope').
+RACE = """
+import threading, time
+import xtuner_rope
+
+activating = threading.Thread(target=xtuner_rope.activate)
+activating.start()
+while not xtuner_rope._activated:
+    time.sleep(0.0005)
+assert "enable_xtuner_rope" not in vars(xtuner_rope), "activation ended before the read"
+print("READ", xtuner_rope.enable_xtuner_rope.__name__)
+activating.join()
+"""
+
+
+def test_a_public_name_read_during_another_threads_activation_waits_for_it():
+    proc = subprocess.run(
+        [sys.executable, "-c", RACE], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "READ enable_xtuner_rope" in proc.stdout

@@ -14,6 +14,7 @@ line, or calling :func:`activate`. It imports what ``xtuner train``'s start-up n
 from __future__ import annotations
 
 import importlib
+import threading
 
 __version__ = "0.1.0"
 # Public name -> the module that defines it (imported on first use, see `activate`).
@@ -63,6 +64,7 @@ FINDINGS_MODULES = (
     "xtuner_rope.config.patch_needs",
 )
 _activated = False
+_activation = threading.RLock()
 
 
 def activate() -> None:
@@ -73,8 +75,13 @@ def activate() -> None:
     ``FUNCTIONS`` and the metrics in ``METRICS`` (so a config's ``type='PackingMetricsHook'``
     resolves), and tells the start-up it may run (``config.startup.mark_active``).
     """
+    with _activation:  # another thread reading a public name waits for the whole activation
+        _activate()
+
+
+def _activate() -> None:
     global _activated
-    if _activated:
+    if _activated:  # done, or under way in this thread (activation imports the package)
         return
     _activated = True
     from mmengine.registry import FUNCTIONS, HOOKS, METRICS
