@@ -127,8 +127,6 @@ activating.join()
 
 
 def test_a_public_name_read_during_another_threads_activation_waits_for_it():
-    proc = subprocess.run(
-        [sys.executable, "-c", RACE], capture_output=True, text=True, timeout=600
-    )
+    proc = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "READ enable_xtuner_rope" in proc.stdout
