@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from xtuner_rope.ops.chunked_loss import (
+    IGNORE_INDEX,
     chunk_tokens_for,
     chunked_causal_lm_loss,
     chunked_target_logprobs,
@@ -259,7 +260,7 @@ def _forward(self, *args, **kwargs):
     outputs = self.get_decoder()(**kwargs, return_dict=True)
     hidden = outputs.last_hidden_state
     loss = logits = None
-    if mode == "logprobs":  # DPO/ORPO, SFT's held-out predict
+    if mode == "logprobs":  # DPO/ORPO, every served model's held-out predict
         logits = _through_head(self, chunked_target_logprobs, hidden, labels)[..., None]
     else:
         loss = hidden_loss(self, hidden, labels, num_items_in_batch=n_items)
@@ -273,8 +274,8 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` the id position ``t`` predicts (``labels[:, t + 1]``, -100 at the last), with
     the labels' host copy shifted alike so the chunked log-probs read no device data."""
     pad = torch.nn.functional.pad
-    targets = pad(labels[:, 1:], (0, 1), value=-100)
+    targets = pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     host = host_copy(labels)
     if host is not None and targets.device != host.device:
-        remember_host_copy(targets, pad(host[:, 1:], (0, 1), value=-100))
+        remember_host_copy(targets, pad(host[:, 1:], (0, 1), value=IGNORE_INDEX))
     return targets

@@ -6,7 +6,8 @@ log-softmax, target log-prob and gradient are done before the next starts (large
 ``[c, V]``). The gradients are computed in the forward (the softmax gradient written in place
 over the chunk's logits; the head's in fp32) and handed out by the backward. A head is a plain
 ``nn.Linear`` or peft's vanilla LoRA ``lora.Linear``, run from its parameters (no module call:
-DeepSpeed ZeRO-3, ``models.chunked_loss``). The loss equals the model's (``sum(nll) / num_items_in_batch``, else the mean); nothing
+DeepSpeed ZeRO-3, ``models.chunked_loss``). The loss equals the model's
+(``sum(nll) / num_items_in_batch``, else the mean); nothing
 supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
 log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
 """
@@ -181,14 +182,19 @@ def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
         grads[id(layer.bias)].add_(g.sum(0), alpha=alpha)
 
 
+def _head_out(head: nn.Module, kind: str, h: torch.Tensor) -> tuple[nn.Module, torch.Tensor, list]:
+    """``h`` ``[c, H]`` through the head from its parameters: ``(the linear layer holding the
+    vocabulary weight, the [c, V] output, the LoRA parts of _lora_forward)``."""
+    if kind == "linear":
+        return head, F.linear(h, head.weight, head.bias), []
+    return head.base_layer, *_lora_forward(head, h)
+
+
 def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
     """One chunk through the head: its ``[c]`` NLL; ``coef * d(nll)`` added into ``grads``
     (``"hidden"``: the rows' hidden-state gradient; by parameter id: the head's, fp32)."""
     head, kind, scale, _ = setup
-    if kind == "linear":
-        base, out, parts = head, F.linear(h, head.weight, head.bias), []
-    else:
-        base, (out, parts) = head.base_layer, _lora_forward(head, h)
+    base, out, parts = _head_out(head, kind, h)
     nll, x = _logit_grad(out.float(), t, scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
     hidden_grad = x.to(out.dtype) @ base.weight  # [c, H]: as the model's upcast hands it back
     _linear_grads(base, x, h, grads)
@@ -265,13 +271,10 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         ctx.rng = _rng_state(hidden.device) if kind == "lora" else None
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
         for a in range(0, hidden.shape[0], chunk):  # no gradients here: NLL only
-            h = hidden[a : a + chunk]
-            x = (
-                F.linear(h, head.weight, head.bias)
-                if kind == "linear"
-                else _lora_forward(head, h)[0]
-            )
-            nll.append(_nll_in_place(x.float().mul_(scale or 1.0), targets[a : a + chunk])[0])
+            x = _head_out(head, kind, hidden[a : a + chunk])[1].float()  # [c, V]
+            if scale is not None:
+                x.mul_(scale)  # Cohere's logit_scale
+            nll.append(_nll_in_place(x, targets[a : a + chunk])[0])
         ctx.save_for_backward(hidden, targets)
         ctx.setup, ctx.params = setup, params
         return torch.cat(nll).neg_()
