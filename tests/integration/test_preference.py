@@ -223,6 +223,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_process_env() -> dict:
+    """The environment of XTuner's torchrun launch on 2 CPU processes (a free port)."""
+    return dict(
+        sc.venv_env(),
+        NPROC_PER_NODE="2",
+        NNODES="1",
+        PORT=str(_free_port()),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+
+
 def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
     """`NPROC_PER_NODE=2 xtuner train --launcher pytorch` (torchrun, gloo): each rank's pack."""
     import subprocess
@@ -239,13 +250,7 @@ def test_stock_dpo_two_processes_isolated_on_every_rank(pref, tmp_path):
         *RUN,
         "env_cfg.dist_cfg.backend=gloo",
     ]
-    env = dict(
-        sc.venv_env(),
-        NPROC_PER_NODE="2",
-        NNODES="1",
-        PORT=str(_free_port()),
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-    )
+    env = _two_process_env()
     subprocess.run(cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900)
     check_run(tmp_path, min_iters=3)
     for rank in range(2):
@@ -278,13 +283,7 @@ def zero2_runs(pref, tmp_path_factory):
         cmd = ["xtuner", "train", str(config), "--work-dir", str(work), "--launcher", "pytorch"]
         cmd += ["--deepspeed", ZERO2, "--cfg-options", *RUN, *SHORT_WARMUP]
         cmd += ["env_cfg.dist_cfg.backend=gloo", *extra]
-        env = dict(
-            sc.venv_env(),
-            NPROC_PER_NODE="2",
-            NNODES="1",
-            PORT=str(_free_port()),
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        )
+        env = _two_process_env()
         proc = subprocess.run(
             cmd, cwd=sc.REPO, env=env, capture_output=True, text=True, timeout=900
         )
