@@ -375,9 +375,17 @@ def test_loss_bench_runs_each_variant_in_its_own_process_at_a_tiny_shape(capsys)
     out = capsys.readouterr().out
     assert re.search(r"chunked / full: memory [\d.]+x \(goal <= 0.15x\), time [\d.]+x", out)
     assert re.search(r"chunked-logprobs / full-logprobs: memory [\d.]+x", out)
+    assert re.search(r"fp32 gradient alone: .* chunked beyond it: -?[\d,]+ MiB = -?[\d.]+x", out)
     args = ["--quick", "--frozen-head", "--variant", "chunked-logprobs"]
     frozen = bench.run_variant(bench.parse_args(args))  # in this process: no import to wait for
     assert (frozen["trained"], row["chunked-logprobs"]["trained"]) == (False, True)
     assert frozen["loss"] == row["chunked-logprobs"]["loss"]
+    lora = [  # a frozen head with a rank-4 LoRA (peft's module), both losses on it
+        bench.run_variant(bench.parse_args(["--quick", "--lora-head", "4", "--variant", v]))
+        for v in ("full", "chunked")
+    ]
+    assert lora[0]["lora"] == lora[1]["lora"] == 4 * (64 + 1000), lora
+    assert abs(lora[0]["loss"] - lora[1]["loss"]) <= 1e-5 * lora[0]["loss"], lora
+    assert lora[0]["loss"] != row["full"]["loss"]  # the adapters count
     # a variant that cannot fit is skipped, not run into the OOM killer
     assert bench.estimated_need("full", 8192, 151936, 2048, 4) > 16 * 2**30

@@ -109,8 +109,8 @@ def lora_run(stock) -> dict:
     text = sc.localize(sc.copy_stock(QLORA, root), stock["data"], lora_only=True)
     config = root / "lora.py"
     config.write_text(sc.enable_plugin(text))
-    pth, _ = _train(config, root / "run_lora")
-    return {"config": config, "pth": pth}
+    pth, out = _train(config, root / "run_lora")
+    return {"config": config, "pth": pth, "out": out}
 
 
 def _trained_logits(config: Path, pth: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -158,6 +158,15 @@ def _same_config(saved: Path, base: Path) -> None:
 
 def test_the_local_only_edit_starts_the_plugin(full_run):
     assert "xtuner-rope: custom_hooks: ValidatedRoPEHook" in full_run["out"]  # the start-up ran
+
+
+def test_the_runs_converted_below_trained_through_the_chunked_loss(full_run, lora_run):
+    """The journey (stock config, train, convert, merge, chat) goes through the chunked loss,
+    on by default with the edit: InternLM2's ``output`` head, LoRA-adapted in the stock LoRA
+    config (XTuner leaves out ``lm_head`` and ``output_layer`` only)."""
+    line = "xtuner-rope: chunked loss: the training loss projects only the supervised tokens"
+    assert f"{line} through the head (nn.Linear(" in full_run["out"], full_run["out"][-3000:]
+    assert f"{line} through the head (LoRA-adapted nn.Linear(" in lora_run["out"]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,10 @@
 
 One row of ``--tokens`` tokens, half of its labels supervised (blocks of prompt and response),
 hidden ``--hidden``, a head ``nn.Linear(hidden, vocab)`` trained as in full fine-tuning, or
-frozen with ``--frozen-head`` (LoRA runs: the base weight never has a gradient). Each variant
+frozen with ``--frozen-head`` (LoRA runs: the base weight never has a gradient), or frozen and
+LoRA-adapted with ``--lora-head R`` (peft's ``lora.Linear``, rank R, alpha 16 as XTuner's stock
+LoRA configs, which adapt InternLM2's ``output``; dropout off, so that the two losses are the
+same numbers: a dropout mask adds ``[rows, hidden]``, small beside the vocabulary). Each variant
 runs forward + backward of the loss (gradients of the hidden states and, trained, the head's
 weight) ``--repeats`` times in a fresh process (``--variant``, run by ``main`` through
 ``subprocess``), so one variant's allocations never count against another's:
@@ -29,7 +32,7 @@ goals (memory <= 0.15x, time <= 0.8x). No assertion: read the ratios.
 Usage:
     python tools/bench/loss.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16]
         [--tokens 4096 8192] [--vocab 92544 151936] [--hidden 2048] [--variants ...]
-        [--frozen-head] [--chunk-bytes N]
+        [--frozen-head | --lora-head R] [--chunk-bytes N]
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def parse_args(argv=None):
         "--frozen-head", action="store_true", help="the head's weight without a gradient (LoRA)"
     )
     parser.add_argument(
+        "--lora-head", type=int, default=0, metavar="R", help="a frozen head with a rank-R LoRA"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="one tiny shape (a test of the script)"
     )
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -82,8 +88,9 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def make_inputs(tokens: int, vocab: int, hidden: int, device: str, dtype, frozen: bool):
-    """hidden ``[1, tokens, hidden]``, labels ``[1, tokens]`` (half -100 in blocks), head."""
+def make_inputs(tokens: int, vocab: int, hidden: int, device: str, dtype, frozen: bool, lora=0):
+    """hidden ``[1, tokens, hidden]``, labels ``[1, tokens]`` (half -100 in blocks), head
+    (``lora``: the rank of a LoRA on the frozen head, 0 for none)."""
     import torch
 
     torch.manual_seed(0)  # the head's initialisation: the same in every variant's process
@@ -93,6 +100,19 @@ def make_inputs(tokens: int, vocab: int, hidden: int, device: str, dtype, frozen
     prompt = (torch.arange(tokens) // block) % 2 == 0
     labels[0, prompt] = -100
     head = torch.nn.Linear(hidden, vocab, bias=False).to(device, dtype).requires_grad_(not frozen)
+    if lora:
+        from xtuner_rope.compat.bitsandbytes_triton import patch_bitsandbytes_triton_probe
+
+        patch_bitsandbytes_triton_probe()  # peft imports bitsandbytes (STACK_NOTES: triton.ops)
+        from peft import LoraConfig, inject_adapter_in_model
+
+        box = inject_adapter_in_model(  # peft's lora.Linear around the head, as XTuner gets it
+            LoraConfig(r=lora, lora_alpha=16, target_modules=["0"]), torch.nn.Sequential(head)
+        )
+        head = box[0]
+        head.base_layer.requires_grad_(False)
+        torch.nn.init.normal_(head.lora_B["default"].weight, std=0.02)  # as after some steps
+        head = head.to(device, dtype)
     x = torch.randn(1, tokens, hidden, generator=gen).to(device, dtype).requires_grad_(True)
     return x, labels.to(device), head
 
@@ -158,11 +178,14 @@ def run_variant(args) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     tokens, vocab = args.tokens[0], args.vocab[0]
     fn = loss_fn(args.variant, args, vocab)
-    x, labels, head = make_inputs(tokens, vocab, args.hidden, args.device, dtype, args.frozen_head)
+    x, labels, head = make_inputs(
+        tokens, vocab, args.hidden, args.device, dtype, args.frozen_head, args.lora_head
+    )
     cuda = args.device == "cuda"
     seconds, cpu, peak, loss, logps = [], [], None, None, None
     for i in range(args.repeats):
-        x.grad = head.weight.grad = None
+        for p in (x, *head.parameters()):
+            p.grad = None
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -189,6 +212,7 @@ def run_variant(args) -> dict:
         "loss": loss,
         "logps": logps,
         "trained": head.weight.requires_grad,
+        "lora": sum(p.numel() for n, p in head.named_parameters() if n.startswith("lora_")),
     }
 
 
@@ -223,6 +247,8 @@ def spawn(args, variant: str, tokens: int, vocab: int) -> dict:
         argv += ["--chunk-bytes", str(args.chunk_bytes)]
     if args.frozen_head:
         argv.append("--frozen-head")
+    if args.lora_head:
+        argv += ["--lora-head", str(args.lora_head)]
     # If memory runs out anyway, the kernel's OOM killer takes this process first.
     proc = subprocess.run(
         argv, capture_output=True, text=True, preexec_fn=_oom_first if os.name == "posix" else None
@@ -239,7 +265,9 @@ def _oom_first() -> None:
         pass
 
 
-def liger_skip(device: str) -> str | None:
+def liger_skip(device: str, lora: int = 0) -> str | None:
+    if lora:
+        return "Liger-Kernel's fused linear cross-entropy takes a plain weight, not a LoRA head"
     if device != "cuda":
         return "Liger-Kernel's fused linear cross-entropy runs Triton kernels: CUDA only"
     try:
@@ -267,17 +295,19 @@ def main(argv=None) -> dict:
         for vocab in args.vocab:
             shape = f"{tokens} tokens x {vocab} vocabulary, hidden {args.hidden}, {args.dtype} on {args.device}"
             head = "frozen" if args.frozen_head else "trained"
+            head = f"frozen with a rank-{args.lora_head} LoRA" if args.lora_head else head
             print(f"== {shape} (half supervised, the head {head})")
             row = {}
             for variant in args.variants:
                 need = estimated_need(variant, tokens, vocab, args.hidden, size)
                 have = available_bytes(args.device)
-                why = liger_skip(args.device) if variant == "liger" else None
+                why = liger_skip(args.device, args.lora_head) if variant == "liger" else None
                 if why is None and need > 0.8 * have:
                     why = f"needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"
                 row[variant] = {"skipped": why} if why else spawn(args, variant, tokens, vocab)
                 print(f"  {variant:16s} {_fmt(row[variant])}", flush=True)
-            report_ratios(row, grad_bytes=0 if args.frozen_head else vocab * args.hidden * 4)
+            frozen = args.frozen_head or args.lora_head
+            report_ratios(row, grad_bytes=0 if frozen else vocab * args.hidden * 4)
             results[(tokens, vocab)] = row
     return results
 
@@ -285,7 +315,9 @@ def main(argv=None) -> dict:
 def report_ratios(row: dict, grad_bytes: int) -> None:
     """Ratios of each variant to its full-logits baseline (``PAIRS``); ``grad_bytes``: the
     head's fp32 gradient (0: frozen), which the chunked loss holds from its forward on (the
-    full path allocates it after its peak)."""
+    full path allocates it after its peak), and what the variant holds beyond it (the memory
+    that grows with the row: the gradient is the head's size, held until the optimizer step by
+    every trainer)."""
     for ours, base in PAIRS:
         got, full = (row.get(v, {"skipped": "not asked"}) for v in (ours, base))
         if "skipped" in got:
@@ -294,9 +326,11 @@ def report_ratios(row: dict, grad_bytes: int) -> None:
             print(f"  {ours}: the baseline {base} did not run")
             continue
         if grad_bytes and ours != "liger":
+            rest = got["peak"] - grad_bytes  # the chunk, the hidden states' gradient: the row's
             print(
                 f"  the head's fp32 gradient alone: {grad_bytes / 2**20:,.0f} MiB = "
-                f"{grad_bytes / full['peak']:.3f}x the {base} peak"
+                f"{grad_bytes / full['peak']:.3f}x the {base} peak; {ours} beyond it: "
+                f"{rest / 2**20:,.0f} MiB = {rest / full['peak']:.3f}x"
             )
         memory, speed = got["peak"] / full["peak"], got["seconds"] / full["seconds"]
         cpu = got["cpu_seconds"] / full["cpu_seconds"]
