@@ -99,7 +99,8 @@ def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]
             mask = F.dropout(torch.ones_like(x), drop.p, drop.training)
         dropped = x if mask is None else x * mask
         u = F.linear(dropped, a.weight, a.bias)  # [c, r]
-        out = out + F.linear(u, b.weight, b.bias) * head.scaling[name]
+        lora = F.linear(u, b.weight, b.bias).mul_(head.scaling[name])  # [c, V]
+        out = out.add_(lora) if lora.dtype == out.dtype else out + lora  # no third [c, V]
         parts.append((a, b, head.scaling[name], dropped, u, mask))
     return out.to(dtype), parts
 
