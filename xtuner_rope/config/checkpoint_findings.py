@@ -16,6 +16,7 @@ from xtuner_rope.compat.xtuner_model_resource import config_being_started
 from xtuner_rope.models.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from xtuner_rope.models.families import model_class_verdict
 
+from .fields import lazy_get as _get
 from .findings import Finding
 from .startup import register_findings
 
@@ -28,10 +29,6 @@ __all__ = [
 
 SETTING = "model.llm.pretrained_model_name_or_path"
 CANNOT_READ = "its config.json cannot be read"
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def llm_checkpoint_path(cfg: Config) -> object:

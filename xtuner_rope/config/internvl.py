@@ -19,6 +19,7 @@ from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -26,10 +27,6 @@ from .startup import register_findings
 __all__ = ["checkpoint_config", "internvl_findings", "is_internvl"]
 
 SERVED_LLMS = ("InternLM2ForCausalLM", "Phi3ForCausalLM")
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def is_internvl(cfg: Config) -> bool:

@@ -14,6 +14,7 @@ from mmengine.config import Config
 from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -21,10 +22,6 @@ from .startup import register_findings
 __all__ = ["is_llava", "multimodal_findings"]
 
 HALF_DTYPES = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def is_llava(cfg: Config) -> bool:

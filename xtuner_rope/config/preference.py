@@ -14,6 +14,7 @@ from mmengine.config import Config
 from xtuner_rope.compat.mmengine_config import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -26,10 +27,6 @@ ZERO3_REFERENCE_EDIT = (
     "pretrained_model_name_or_path=pretrained_model_name_or_path, "
     "trust_remote_code=True), the same dict as model.llm"
 )
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | None:

@@ -14,6 +14,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expand_row_boundaries
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.document_plan import host_to_device
 from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 from xtuner_rope.ops.packing import (
@@ -25,8 +26,6 @@ from xtuner_rope.ops.packing import (
 
 from . import channel
 from .runtime import hub_cumulative_len
-
-IGNORE_INDEX = -100
 
 
 def _fail(row: int, field: str, expected: str, got: object, fix: str) -> ValueError:
