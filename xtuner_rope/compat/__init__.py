@@ -1,11 +1,9 @@
 """Every patch xtuner-rope applies to a third-party package, in one place: this package.
 
-One module per third party and gap (docs/compat.md lists them), besides ``mmengine_config``,
-``versions`` and ``devices``. Each patch has a record (``records.RECORDS``) and runs in a guard
-(``guard.run_guarded``): outside its versions, with a probed name missing, or if it raises, it is
-skipped with one ``CompatPatchSkipped`` warning and the start-up refuses the configs that need
-it. A patch function returns True once applied, False where its gap is not here. This module
-holds :func:`apply` (idempotent, never raises), :func:`apply_counting` and :func:`run_patch`.
+One module per third party and gap (docs/compat.md lists them). Each patch has a record
+(``records.RECORDS``) and runs in a guard (``guard.run_guarded``); it returns True once applied,
+False where its gap is not here. This module holds :func:`apply` (idempotent, never raises),
+:func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations

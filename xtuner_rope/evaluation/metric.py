@@ -1,11 +1,9 @@
 """``TokenLossMetric``: the held-out loss that packing does not change, exact on any rank count.
 
-``val_step`` (``mode='predict'``) gives per row ``logits`` ``[s, V]`` or, with the chunked loss,
-``target_logprobs`` ``[s]``; each row is cut at the boundaries ``PackedBatchCheckHook``
-published (``models.channel``) and each dialogue scored whole and alone by
-:func:`xtuner_rope.ops.token_nll.document_nll`. LLaVA rows bring their expanded ``labels``;
-packed LLaVA/InternVL rows name their samples (``data_samples['rows']``). One result per
-dataset sample, so MMEngine's ``collect_results`` drops the sampler's repeats across ranks.
+``val_step`` (``mode='predict'``) gives per row ``logits`` ``[s, V]`` or ``target_logprobs``
+``[s]`` (chunked loss); each row is cut at the published boundaries and each dialogue scored
+whole and alone (``ops.token_nll.document_nll``). One result per dataset sample, so MMEngine's
+``collect_results`` drops the sampler's repeats across ranks.
 """
 
 from __future__ import annotations
