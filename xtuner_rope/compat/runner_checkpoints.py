@@ -1,9 +1,8 @@
 """MMEngine's, XTuner's and DeepSpeed's checkpoint reads and writes routed through ``checkpoints``.
 
-mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list (mmengine issue
-#1655), write them straight to their final name, delete the oldest beyond ``max_keep_ckpts``
-first, and auto-resume whatever ``last_checkpoint`` names; DeepSpeed 0.19.6 writes its rank
-files straight too. The patches hand each step to ``xtuner_rope.checkpoints``.
+mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list, write them
+straight to their final name (DeepSpeed 0.19.6 too), delete the oldest first and auto-resume
+whatever ``last_checkpoint`` names: the patches hand each step to ``xtuner_rope.checkpoints``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Start-up finding: the LLM's checkpoint must have a ``config.json`` the start-up can read.
 
-The start-up judges the model from it before a weight loads (family, heads, vocabulary,
-attention). Where it cannot be read (a hub id offline, a path missing here, no ``config.json``)
-the start-up and the doctor name the path, why and what to do, instead of a raw ``OSError``
-later. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by its
-class (``models.families.model_class_verdict``).
+The start-up judges the model from it before a weight loads. Where it cannot be read (a hub id
+offline, a path missing, no ``config.json``) the start-up and the doctor name the path, why and
+what to do. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by
+its class (``models.families.model_class_verdict``).
 """
 
 from __future__ import annotations

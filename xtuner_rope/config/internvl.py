@@ -1,10 +1,8 @@
 """Start-up findings of XTuner's InternVL configs (``model.type=InternVL_V1_5``).
 
-xtuner 0.2.0 ``InternVL_V1_5`` hard-codes how it loads; fixed here through
-``compat.xtuner_internvl.INTERNVL_LOAD`` (each logged): ``flash_attention_2`` where flash-attn
-cannot run becomes the LLM's own attention, bf16 on a CPU-only machine fp32.
-``internvl_collate_fn`` rows are raised to the dataset's ``max_length``. Refused before any
-weight loads: the LLaVA or text collate function on InternVL samples, 4-bit quantization on a
+Fixed through ``compat.xtuner_internvl.INTERNVL_LOAD`` (logged): ``flash_attention_2`` where
+flash-attn cannot run, bf16 on a CPU-only machine; ``internvl_collate_fn`` rows raised to the
+dataset's ``max_length``. Refused: the LLaVA or text collate function, 4-bit quantization on a
 CPU-only machine, an LLM that ``InternVL_V1_5_Dataset`` cannot template (InternLM2, Phi-3 only).
 """
 

@@ -1,10 +1,8 @@
 """Start-up findings for XTuner's preference configs (DPO, ORPO, reward model).
 
-Four settings of ``build_preference_dataset`` / ``preference_collate_fn`` configs fail late or
-silently, after the model loaded; :func:`preference_findings` names them first: a
-``reward_token_id`` outside the vocabulary, ``batch_size`` > 1 with packed pairs,
-``use_varlen_attn`` differing between model, dataset and collate function (a ``KeyError``, or
-log-probs from the wrong rows), and full-parameter DPO without ``ref_llm`` under ZeRO-3.
+:func:`preference_findings` refuses, before the model loads, a ``reward_token_id`` outside the
+vocabulary, ``batch_size`` > 1 with packed pairs, ``use_varlen_attn`` differing between model,
+dataset and collate function, and full-parameter DPO without ``ref_llm`` under ZeRO-3.
 """
 
 from __future__ import annotations
