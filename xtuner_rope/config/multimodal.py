@@ -1,9 +1,7 @@
 """Start-up findings of XTuner's LLaVA configs (InternVL's: ``config.internvl``).
 
 On a CPU-only machine the stock fp16 LLM is loaded in fp32 (logged); XTuner's
-``EvaluateChatHook`` with ``evaluation_images`` is kept (its generation from ``inputs_embeds`` is
-``compat.transformers_internlm2``'s patch). The LLM path and the other models' paths are
-``compat.xtuner_model_resource``'s.
+``EvaluateChatHook`` with ``evaluation_images`` is kept (``compat.transformers_internlm2``).
 """
 
 from __future__ import annotations
