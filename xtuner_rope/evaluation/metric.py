@@ -94,10 +94,9 @@ def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[di
 class TokenLossMetric(BaseMetric):
     """Token-weighted mean next-token NLL over every supervised token of the held-out set.
 
-    Reports ``<name>_loss`` (sum of token NLLs / supervised tokens), ``_ppl``, ``_tokens`` and
-    ``_dialogues`` (documents with a supervised token). ``heldout_worst.jsonl`` lists the ``worst``
-    dialogues (highest mean NLL) by their first words (``tokenizer`` or its XTuner config dict;
-    None: token ids).
+    Reports ``<name>_loss``, ``_ppl``, ``_tokens`` and ``_dialogues``; ``heldout_worst.jsonl``
+    lists the ``worst`` dialogues (highest mean NLL) by their first words (``tokenizer`` or its
+    XTuner config dict; None: token ids).
     """
 
     default_prefix = None
