@@ -67,12 +67,9 @@ def apply() -> list[str]:
 
 
 def apply_counting(counted_step, counted_class) -> list[str]:
-    """The two counting patches, with the wrappers of the floor above (``data``) handed in.
-
-    ``xtuner_rope.activate`` calls it right after :func:`apply`: XTuner's ``tokenize_dataset``
-    wrapped by ``counted_step`` and ``PreferenceDataset`` replaced by
-    ``counted_class(PreferenceDataset)``, each in its guard (a skip loses the count, never data).
-    Returns the names of the patches applied so far in this process.
+    """The two counting patches, with the wrappers of the floor above (``data``) handed in:
+    ``counted_step(tokenize_dataset)`` and ``counted_class(PreferenceDataset)``, each guarded (a
+    skip loses the count, never data). Returns the names of the patches applied so far.
     """
     run_patch(xtuner_tokenize.patch_xtuner_tokenize_counted, counted_step)
     run_patch(xtuner_preference.patch_preference_truncation_counted, counted_class)

@@ -64,8 +64,7 @@ def patch_checkpoint_loading() -> bool:
 
     mmengine 0.10.6 (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
     (``tools.utils.get_seed_from_checkpoint``) load through ``checkpoints.loading.load_checkpoint``
-    after the :data:`PATH_CHECKS`. Applied on torch 2.4 and 2.5 too (the same allow-list, and
-    the checks crash-safe checkpoints rely on).
+    after the :data:`PATH_CHECKS` (on torch 2.4 and 2.5 too).
     """
     import xtuner.tools.utils as xtuner_tool_utils
     from mmengine.runner.checkpoint import CheckpointLoader

@@ -22,10 +22,8 @@ _XTUNER_UTILS = os.path.join("xtuner", "tools", "utils.py")
 def config_being_started():
     """The config whose ``model_resource`` xtuner 0.2.0 ``set_model_resource`` is running now.
 
-    Inside that call XTuner writes the path ``fn`` returns into every nested
-    ``pretrained_model_name_or_path`` right after. The config is the one the wrapper handed over,
-    else the ``cfg`` argument of the ``set_model_resource`` frame up the stack (``xtuner train``
-    calls XTuner's unwrapped function). None outside that call.
+    The one the wrapper handed over, else the ``cfg`` argument of the ``set_model_resource`` frame
+    up the stack (``xtuner train`` calls XTuner's unwrapped function). None outside that call.
     """
     if _HANDED_OVER:
         return _HANDED_OVER[-1]
