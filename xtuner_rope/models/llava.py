@@ -1,9 +1,8 @@
 """XTuner's LLaVA models: the sequence the LLM sees after the image expansion, checked.
 
 xtuner 0.2.0's ``prepare_inputs_labels_for_multimodal`` replaces each image placeholder by its
-patch embeddings and right-pads again: ``inputs_embeds`` ``[b, s', d]``, ``position_ids``
-``0..n_r-1`` per row, ``labels`` -100 on image tokens and padding. :func:`check_expanded_batch`
-checks it (called by ``compat.xtuner_llava.patch_llava_expansion_check``).
+patch embeddings and right-pads again; :func:`check_expanded_batch` checks the result
+(``compat.xtuner_llava.patch_llava_expansion_check``).
 """
 
 from __future__ import annotations
