@@ -1,14 +1,10 @@
 """xtuner-rope: correct, crash-free RoPE and packed short-dialogue SFT for XTuner 0.x.
 
-Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)``. This
-module is the public API: the names of ``__all__``.
-
-Importing a module of the package activates nothing. Activation (:func:`activate`: the
-``compat`` patches, the hooks, collate functions and metrics in MMEngine's registries, the
-start-up's findings) happens on one of three explicit ways in: reading a public name of this
-module (``from xtuner_rope import enable_xtuner_rope`` in a config), a subcommand of the command
-line, or calling :func:`activate`. It imports what ``xtuner train``'s start-up needs; the tools
-(``check/``, ``capture/``, ``doctor/``, ``outputs/``) load only when used.
+Turn it on in an XTuner config with ``model_resource = dict(fn=enable_xtuner_rope)``; the public
+API is ``__all__``. Importing a module activates nothing: :func:`activate` (the ``compat``
+patches, MMEngine's registries, the start-up's findings) runs on reading a public name of this
+module, on a subcommand of the command line, or when called. The tools (``check/``,
+``capture/``, ``doctor/``, ``outputs/``) load only when used.
 """
 
 from __future__ import annotations

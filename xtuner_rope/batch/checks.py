@@ -12,9 +12,9 @@ from xtuner_rope.ops.boundaries import check_flat_boundaries
 from xtuner_rope.ops.inputs import show, to_int_tensor
 from xtuner_rope.ops.packing import position_ids_from_starts, segment_starts_from_cumulative
 
-__all__ = ["batch_data", "check_packed_batch", "check_flat_boundaries", "row_boundaries"]
+from .items import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["batch_data", "check_packed_batch", "check_flat_boundaries", "row_boundaries"]
 
 
 def _fail(

@@ -1,9 +1,8 @@
 """Isolation of packed preference pairs, measured inside a real ``xtuner train`` run.
 
 :class:`PreferenceCaptureHook` (opt-in) saves one DPO/ORPO/reward batch, the step's weights and
-the per-response values the model computed; :func:`compare_preference_capture` runs each
-response alone through the unpatched model (float64 sums), and the packed row as a negative
-control (XTuner without flash-attn: each response attends to the ones before it).
+the per-response values; :func:`compare_preference_capture` runs each response alone through
+the unpatched model (float64 sums), and the packed row unpatched as a negative control.
 """
 
 from __future__ import annotations

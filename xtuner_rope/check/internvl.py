@@ -1,10 +1,8 @@
 """``xtuner-rope check`` on an InternVL config: each sample in its batch equals itself alone.
 
-The first batches go through the real, patched ``InternVL_V1_5``; what reached its LLM
-(``inputs_embeds``, mask, positions) is run sample by sample through an unpatched copy with the
-same weights: logits must match in fp32 within 1e-5 (relative), the same rows unpatched
-reported beside (packed rows leak there). Dropout is off; gradients and generation are
-compared by the text and LLaVA checks only.
+What reached the LLM of the real, patched ``InternVL_V1_5`` (``inputs_embeds``, mask,
+positions) is run sample by sample through an unpatched copy: logits must match in fp32 within
+1e-5 (relative), the same rows unpatched reported beside. Dropout is off.
 """
 
 from __future__ import annotations

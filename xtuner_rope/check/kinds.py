@@ -1,9 +1,8 @@
 """The kinds of ``xtuner-rope check`` and the dispatch over them, as ``models.families`` has
 ``FAMILIES``.
 
-Each kind module has ``KIND`` (the report's ``kind``), ``applies(cfg)``, ``run(cfg, request)``
-(the JSON-ready report with its verdict) and ``summary(report)``; :data:`KINDS` asks them in
-order, the text check last.
+Each kind module has ``KIND``, ``applies(cfg)``, ``run(cfg, request)`` (the JSON-ready report)
+and ``summary(report)``; :data:`KINDS` asks them in order, the text check last.
 """
 
 from __future__ import annotations

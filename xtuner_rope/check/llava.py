@@ -1,10 +1,9 @@
 """``xtuner-rope check`` for XTuner's LLaVA configs, through the real ``LLaVAModel``.
 
-Each sample of the first batches is located in the *expanded* rows (``n - 1 + P`` with an
-image) and compared: (1) unpatched, alone, collated by itself with its image; (2) the plugin's
-hooks run as in training; (3) patched, the batch as the training step calls it: each sample's
-LLM logits against (1), the loss, the gradients, and the real expansion's row lengths against
-the doctor's arithmetic. Randomness is off in both passes; ``check.report``'s tolerances judge.
+Each sample of the first batches, located in the *expanded* rows (``n - 1 + P`` with an
+image): (1) unpatched, alone with its image; (2) the plugin's hooks run as in training; (3)
+patched, the batch as the training step calls it: logits, loss and gradients against (1), and
+the expansion's row lengths against the doctor's arithmetic (``check.report`` judges).
 """
 
 from __future__ import annotations

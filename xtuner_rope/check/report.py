@@ -1,10 +1,8 @@
 """Tolerances, verdict, the report's head and ``report.json`` of ``xtuner-rope check``.
 
-Tolerances are relative to ``max(1, |reference|)``: packed and alone run the same weights
-through different kernel calls, so they differ by rounding only. fp32: 1e-5 (logits, loss),
-1e-4 (gradients: sums in another order); bf16/fp16: 8 units in the last place (0.031, 0.0039:
-the patch rotates q/k in fp32, the reference in the activation dtype). A leak moves a
-document's logits by whole units (0.2 to 2 measured on the tiny models).
+Tolerances are relative to ``max(1, |reference|)``: packed and alone differ by rounding only.
+fp32: 1e-5 (logits, loss), 1e-4 (gradients); bf16/fp16: 8 units in the last place (the patch
+rotates q/k in fp32, the reference in the activation dtype). A leak moves logits by whole units.
 """
 
 from __future__ import annotations

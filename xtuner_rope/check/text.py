@@ -1,12 +1,9 @@
 """``xtuner-rope check`` of a text (SFT) config: prove isolation on the user's own model and data.
 
-On the Runner of :mod:`xtuner_rope.check.runner`, for each of the first batches
-(:mod:`xtuner_rope.capture.measure`): (1) unpatched, each document alone: logits, loss,
-gradients, and greedy generation of the first document's prompt; (2) the plugin's hooks run as
-in training (the patch, the boundaries published); (3) patched, the packed batch through
-``SupervisedFinetune`` as the training step calls it, against (1). Without the plugin the same
-figures measure XTuner's own leak. The model is held once (the reference is the same module
-before the patch).
+For each of the first batches (:mod:`xtuner_rope.capture.measure`): (1) unpatched, each
+document alone: logits, loss, gradients, greedy generation of the first prompt; (2) the
+plugin's hooks run as in training; (3) patched, the packed batch through ``SupervisedFinetune``
+as the training step calls it, against (1). Without the plugin the figures measure XTuner's leak.
 """
 
 from __future__ import annotations

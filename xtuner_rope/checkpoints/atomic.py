@@ -1,10 +1,8 @@
 """Checkpoint files written whole or not at all: a temporary name, fsync, ``os.replace``.
 
-MMEngine 0.10.6 and DeepSpeed 0.19.6 write checkpoints straight to their final name: a kill or a
-full disk leaves a truncated one. :func:`save_atomically` streams ``torch.save`` to a hidden
-temporary name beside it (no copy in memory), fsyncs and renames it; a failed write raises
-:class:`CheckpointWriteError` naming the path, the bytes needed and the free space, the previous
-checkpoints left as they were.
+MMEngine 0.10.6 and DeepSpeed 0.19.6 write checkpoints straight to their final name. A failed
+:func:`save_atomically` raises :class:`CheckpointWriteError` naming the path, the bytes needed
+and the free space, the previous checkpoints left as they were.
 """
 
 from __future__ import annotations

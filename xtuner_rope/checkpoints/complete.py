@@ -1,10 +1,8 @@
 """Is a runner checkpoint complete? Judged cheaply, before anything loads it.
 
-A crash, a kill or a full disk while ``torch.save`` writes leaves a file cut short that looks
-like any other until torch fails deep in its reader. A zip-format ``.pth`` is complete when its
-central directory (written last) is there and every member lies inside the file; a legacy file
-is loaded to be judged. A DeepSpeed folder is complete when its model states and the optimizer
-states of every rank its ``dp_world_size`` names (ZeRO-3: model states too) are complete.
+A zip-format ``.pth`` is complete when its central directory (written last) is there and
+every member lies inside the file; a legacy file is loaded to be judged; a DeepSpeed folder when
+its model states and every rank's optimizer states (``dp_world_size``) are.
 :func:`newest_complete` finds what to resume from instead; :func:`refuse_incomplete` refuses.
 """
 

@@ -1,11 +1,9 @@
 """Load runner checkpoints with ``weights_only=True``: MMEngine's and XTuner's types allow-listed.
 
-Unpickling a ``.pth`` with ``weights_only=False`` can run any code the file names; torch >= 2.6
-loads weights-only by default and refuses the message hub's types. :func:`load_checkpoint`
-allows exactly the types runner checkpoints hold, for its own call; any other is refused with
-its name. ``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` (files or folders, ``os.pathsep``-separated) loads
-trusted files in full; ``torch.serialization.add_safe_globals`` allows a type everywhere.
-``compat.runner_checkpoints`` routes MMEngine's and XTuner's loaders here.
+:func:`load_checkpoint` allows exactly the types runner checkpoints hold (torch >= 2.6 refuses
+the message hub's), for its own call; any other is refused with its name.
+``XTUNER_ROPE_TRUSTED_CHECKPOINTS`` (files or folders, ``os.pathsep``-separated) loads trusted
+files in full. ``compat.runner_checkpoints`` routes MMEngine's and XTuner's loaders here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A DeepSpeed ZeRO checkpoint resumed on another number of processes: refused before loading.
 
-DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and stops with
-``ZeRORuntimeException`` on another number, after everything is built (its universal checkpoint
-reads Adam's state only: not offered). :func:`refuse_other_world_size` (``--resume`` and
-auto-resume) names both numbers, the command on the saved one, and ``zero_to_fp32`` for a new
-run from the weights. A plain MMEngine checkpoint resumes on any number.
+DeepSpeed 0.19.6 saves one optimizer-state file per data-parallel rank and fails on another
+number after everything is built. :func:`refuse_other_world_size` (``--resume`` and auto-resume)
+names both numbers, the command on the saved one, and ``zero_to_fp32`` for a new run.
 """
 
 from __future__ import annotations

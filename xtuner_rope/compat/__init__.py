@@ -1,11 +1,9 @@
 """Every patch xtuner-rope applies to a third-party package, in one place: this package.
 
-One module per third party and gap (docs/compat.md lists them), besides ``mmengine_config``,
-``versions`` and ``devices``. Each patch has a record (``records.RECORDS``) and runs in a guard
-(``guard.run_guarded``): outside its versions, with a probed name missing, or if it raises, it is
-skipped with one ``CompatPatchSkipped`` warning and the start-up refuses the configs that need
-it. A patch function returns True once applied, False where its gap is not here. This module
-holds :func:`apply` (idempotent, never raises), :func:`apply_counting` and :func:`run_patch`.
+One module per third party and gap (docs/compat.md lists them). Each patch has a record
+(``records.RECORDS``) and runs in a guard (``guard.run_guarded``); it returns True once applied,
+False where its gap is not here. This module holds :func:`apply` (idempotent, never raises),
+:func:`apply_counting` and :func:`run_patch`.
 """
 
 from __future__ import annotations
@@ -69,12 +67,9 @@ def apply() -> list[str]:
 
 
 def apply_counting(counted_step, counted_class) -> list[str]:
-    """The two counting patches, with the wrappers of the floor above (``data``) handed in.
-
-    ``xtuner_rope.activate`` calls it right after :func:`apply`: XTuner's ``tokenize_dataset``
-    wrapped by ``counted_step`` and ``PreferenceDataset`` replaced by
-    ``counted_class(PreferenceDataset)``, each in its guard (a skip loses the count, never data).
-    Returns the names of the patches applied so far in this process.
+    """The two counting patches, with the wrappers of the floor above (``data``) handed in:
+    ``counted_step(tokenize_dataset)`` and ``counted_class(PreferenceDataset)``, each guarded (a
+    skip loses the count, never data). Returns the names of the patches applied so far.
     """
     run_patch(xtuner_tokenize.patch_xtuner_tokenize_counted, counted_step)
     run_patch(xtuner_preference.patch_preference_truncation_counted, counted_class)

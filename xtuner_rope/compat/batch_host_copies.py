@@ -1,8 +1,7 @@
 """MMEngine and XTuner patches: what moves the batch to the device remembers its host copy.
 
-Forward code that needs a batch value on the host reads the host copy (``ops.host_copies``):
-no host sync. Two places move the batch: MMEngine's data preprocessor and XTuner's
-``VarlenAttnArgsToMessageHubHook`` (``cumulative_len``).
+Forward code reads the host copy (``ops.host_copies``): no host sync. Two places move the
+batch: MMEngine's data preprocessor and XTuner's ``VarlenAttnArgsToMessageHubHook``.
 """
 
 from __future__ import annotations

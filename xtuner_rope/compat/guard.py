@@ -1,9 +1,8 @@
 """The guard every third-party patch runs in: versions checked, targets probed, failures kept.
 
-:func:`run_guarded` runs a patch only when its record's (:class:`PatchRecord`) versions hold
-and every probe resolves; otherwise, or if it raises, it is skipped with one
-:class:`CompatPatchSkipped` warning, and the start-up refuses the configs that need its feature
-(``config.patch_needs``). Activation never fails because a release renamed a private name.
+:func:`run_guarded` runs a patch only when its :class:`PatchRecord`'s versions hold and every
+probe resolves; otherwise, or if it raises, one :class:`CompatPatchSkipped` warning, and the
+start-up refuses the configs that need its feature (``config.patch_needs``).
 """
 
 from __future__ import annotations

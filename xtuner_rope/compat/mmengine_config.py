@@ -1,10 +1,8 @@
 """MMEngine's private config dict, read through one accessor: :func:`config_dict`.
 
-mmengine 0.10.6 ``Config`` keeps the parsed config in ``Config._cfg_dict`` (a ``ConfigDict``
-whose lazy objects ``dict.get`` reads without building them); ``Config.__getattr__`` builds
-them, which the start-up must not do. Everything in xtuner-rope that reads or edits a config
-in place goes through :func:`config_dict`, so a release that renames the attribute is one
-clear error here, not a crash in each reader.
+mmengine 0.10.6 keeps the parsed config in ``Config._cfg_dict`` (whose lazy objects
+``dict.get`` reads without building them, unlike ``Config.__getattr__``). Every reader or editor
+of a config goes through :func:`config_dict`: a renamed attribute is one clear error here.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """MMEngine's, XTuner's and DeepSpeed's checkpoint reads and writes routed through ``checkpoints``.
 
-mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list (mmengine issue
-#1655), write them straight to their final name, delete the oldest beyond ``max_keep_ckpts``
-first, and auto-resume whatever ``last_checkpoint`` names; DeepSpeed 0.19.6 writes its rank
-files straight too. The patches hand each step to ``xtuner_rope.checkpoints``.
+mmengine 0.10.6 and xtuner 0.2.0 load runner checkpoints without an allow-list, write them
+straight to their final name (DeepSpeed 0.19.6 too), delete the oldest first and auto-resume
+whatever ``last_checkpoint`` names: the patches hand each step to ``xtuner_rope.checkpoints``.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ def patch_checkpoint_loading() -> bool:
 
     mmengine 0.10.6 (``runner.checkpoint.load_from_local``) and xtuner 0.2.0
     (``tools.utils.get_seed_from_checkpoint``) load through ``checkpoints.loading.load_checkpoint``
-    after the :data:`PATH_CHECKS`. Applied on torch 2.4 and 2.5 too (the same allow-list, and
-    the checks crash-safe checkpoints rely on).
+    after the :data:`PATH_CHECKS` (on torch 2.4 and 2.5 too).
     """
     import xtuner.tools.utils as xtuner_tool_utils
     from mmengine.runner.checkpoint import CheckpointLoader

@@ -1,8 +1,7 @@
 """The torch and DeepSpeed releases xtuner-rope supports with XTuner 0.2.0, checked once.
 
-XTuner 0.2.0 pins mmengine and transformers; users bring torch and DeepSpeed. :data:`SUPPORTED`
-holds each range, why it ends there and the releases tested (``make test-compat``). Outside
-it activation works with one :class:`UnsupportedVersionWarning` per package, and the start-up
+:data:`SUPPORTED` holds each range, why it ends there and the releases tested (``make
+test-compat``). Outside it: one :class:`UnsupportedVersionWarning` per package, and the start-up
 refuses the configs that use it (``config.patch_needs.version_findings``).
 """
 

@@ -88,9 +88,8 @@ def patch_internvl_rank() -> bool:
 def patch_internvl_dataset_template() -> bool:
     """Keep XTuner's ``PROMPT_TEMPLATE`` intact when an InternVL dataset is built.
 
-    xtuner 0.2.0 ``InternVL_V1_5_Dataset.__init__`` rewrites ``SYSTEM`` / ``INSTRUCTION`` of the
-    template it receives, XTuner's process-wide entry: every later text dataset of the process
-    (the doctor on another config) would be templated differently. It now edits a copy.
+    xtuner 0.2.0 ``InternVL_V1_5_Dataset.__init__`` rewrites ``SYSTEM`` / ``INSTRUCTION`` of
+    XTuner's process-wide template entry; it now edits a copy.
     """
     from xtuner.dataset.internvl_dataset import InternVL_V1_5_Dataset
 
@@ -107,9 +106,8 @@ def patch_internvl_dataset_template() -> bool:
 def patch_internvl_predict() -> bool:
     """XTuner's InternVL answers ``mode='predict'`` (its ``val_step``) with per-row logits.
 
-    xtuner 0.2.0 ``InternVL_V1_5.forward`` ignores ``mode`` and returns ``{'loss': ...}``, so no
-    held-out loss per sample can be computed. With ``mode='predict'`` the forward runs unchanged
-    and returns ``[{'logits': [s, V]}]`` per row; other modes are XTuner's.
+    xtuner 0.2.0 ``InternVL_V1_5.forward`` ignores ``mode``; with ``mode='predict'`` the forward
+    runs unchanged and returns ``[{'logits': [s, V]}]`` per row; other modes are XTuner's.
     """
     from xtuner.model.internvl import InternVL_V1_5
 

@@ -1,9 +1,9 @@
 """XTuner patch, for one merge: ``xtuner convert merge`` loads the base in the dtype asked.
 
-xtuner 0.2.0's ``merge.py`` loads the base LLM in fp16 whatever the model (logits 4.8e-4 off on
-the tiny LoRA run), and CLIP (``--is-clip``) in fp32. ``xtuner-rope convert merge --dtype`` runs
-it inside :func:`merge_loading_in`, which hands both loads the dtype asked. Not in
-``compat.apply()``; a class without ``from_pretrained`` is warned about and left as it is.
+xtuner 0.2.0's ``merge.py`` loads the base LLM in fp16 whatever the model, CLIP in fp32;
+``xtuner-rope convert merge --dtype`` runs it inside :func:`merge_loading_in`, which hands both
+loads the dtype asked. Not in ``compat.apply()``; a class without ``from_pretrained`` is warned
+about and left as it is.
 """
 
 from __future__ import annotations

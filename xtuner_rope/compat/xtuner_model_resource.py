@@ -1,10 +1,9 @@
 """XTuner ``set_model_resource`` patches: a LLaVA config's LLM path, other models' paths kept.
 
-xtuner 0.2.0 ``set_model_resource(cfg)`` calls ``cfg.model_resource.fn(path, **args)`` without
-the config. :func:`config_being_started` is how the start-up gets it: handed over by this
-module's wrapper (:func:`patch_set_model_resource_llm_path`), else, in ``xtuner train`` (whose
-``train.py`` bound XTuner's function before the plugin loaded), the ``cfg`` of that call's
-frame: the package's only reader of the interpreter's frames (``tests/test_layout.py``).
+:func:`config_being_started` gives the start-up the config that xtuner 0.2.0's
+``set_model_resource`` does not pass: handed over by :func:`patch_set_model_resource_llm_path`,
+else (``xtuner train`` bound XTuner's function first) the ``cfg`` of that call's frame: the
+package's only reader of the interpreter's frames (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +22,8 @@ _XTUNER_UTILS = os.path.join("xtuner", "tools", "utils.py")
 def config_being_started():
     """The config whose ``model_resource`` xtuner 0.2.0 ``set_model_resource`` is running now.
 
-    Inside that call XTuner writes the path ``fn`` returns into every nested
-    ``pretrained_model_name_or_path`` right after. The config is the one the wrapper handed over,
-    else the ``cfg`` argument of the ``set_model_resource`` frame up the stack (``xtuner train``
-    calls XTuner's unwrapped function). None outside that call.
+    The one the wrapper handed over, else the ``cfg`` argument of the ``set_model_resource`` frame
+    up the stack (``xtuner train`` calls XTuner's unwrapped function). None outside that call.
     """
     if _HANDED_OVER:
         return _HANDED_OVER[-1]

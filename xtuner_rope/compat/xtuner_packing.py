@@ -13,8 +13,7 @@ from .records import RECORDS
 def xtuner_pack_step(pack_fn):
     """Run XTuner's ``process_hf_dataset`` with ``pack_fn`` as its pack step, for one call.
 
-    xtuner 0.2.0 ``pack_dataset`` maps the ``Packer`` over ``map_num_proc`` shards, each dropping
-    its leftover (38% of 2,400 short alpaca dialogues' tokens lost silently). Used by
+    xtuner 0.2.0 ``pack_dataset`` drops each of its ``map_num_proc`` shards' leftover. Used by
     ``data.packed_dataset.lossless_process_hf_dataset``; XTuner's function is restored on exit.
     """
     require(RECORDS["xtuner_pack_step"])  # skipped here: refuse, never pack XTuner's way

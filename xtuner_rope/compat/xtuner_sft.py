@@ -28,9 +28,8 @@ def _refuse_unconsumed_boundaries(forward):
 def patch_sft_forward_names_missing_hook() -> bool:
     """Turn "unexpected keyword argument 'cumulative_len'" into an error naming the fix.
 
-    xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model; boundaries
-    a collate function returned need a hook to take them out first, else every step dies with a
-    ``TypeError`` that names neither the hook nor the fix.
+    xtuner 0.2.0 ``SupervisedFinetune._forward`` passes the whole batch to the HF model: without a
+    hook taking the boundaries out, every step dies with a ``TypeError`` naming no fix.
     """
     from xtuner.model.sft import SupervisedFinetune
 

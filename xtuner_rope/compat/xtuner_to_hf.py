@@ -1,9 +1,8 @@
 """XTuner patch, for one conversion: ``to_hf`` saves in the dtype asked, not fp16-or-fp32.
 
-xtuner 0.2.0's ``to_hf`` saves as is with ``fp32=True`` and casts ``.half()`` otherwise.
-:func:`to_hf_in_dtype` wraps it while ``xtuner-rope convert pth_to_hf --dtype`` runs: the
-counted cast ``prepare(model)`` first, XTuner's ``.half()`` skipped. Not in ``compat.apply()``;
-a missing class is skipped with a warning naming it.
+xtuner 0.2.0's ``to_hf`` casts ``.half()`` unless ``fp32=True``. :func:`to_hf_in_dtype` wraps
+it while ``xtuner-rope convert pth_to_hf --dtype`` runs: ``prepare(model)`` first, no
+``.half()``. Not in ``compat.apply()``; a missing class is skipped with a warning naming it.
 """
 
 from __future__ import annotations

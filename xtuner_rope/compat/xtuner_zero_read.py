@@ -1,10 +1,8 @@
 """XTuner patch: its DeepSpeed checkpoint reader reads the ZeRO fp32 partitions at fp32.
 
 xtuner 0.2.0's ``guess_load_checkpoint`` (``convert pth_to_hf``, ``pretrained_pth``) reads a
-ZeRO folder through ``zero_to_any_dtype`` whose ``DEFAULT_DTYPE`` is fp16: the exact fp32
-partitions come back rounded (a 2-process ZeRO-2 run converted to ``module.half()``, also with
-``--fp32``). The reader's defaults become fp32 (a named ``dtype`` still wins); a missing
-module or function is skipped with a warning naming the feature.
+ZeRO folder through ``zero_to_any_dtype`` whose ``DEFAULT_DTYPE`` is fp16, also with ``--fp32``.
+The reader's defaults become fp32 (a named ``dtype`` still wins).
 """
 
 from __future__ import annotations

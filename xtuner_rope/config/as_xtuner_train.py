@@ -1,9 +1,8 @@
 """Start a config as ``xtuner train`` does: the one place the doctor, the check and the zoo do it.
 
-``xtuner/tools/train.py`` (XTuner 0.2.0) runs, in this order: ``Config.fromfile``, the config's
-``model_resource`` (``set_model_resource``: the plugin's start-up when the config enables it),
-then ``merge_from_dict(--cfg-options)``, then builds the Runner. A tool that predicts a run must
-see the config in that state, not the file's.
+``xtuner/tools/train.py`` (XTuner 0.2.0) runs ``Config.fromfile``, the config's
+``model_resource`` (the plugin's start-up), ``merge_from_dict(--cfg-options)``, then builds the
+Runner: a tool that predicts a run sees the config in that state.
 """
 
 from __future__ import annotations

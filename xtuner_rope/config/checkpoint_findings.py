@@ -1,10 +1,9 @@
 """Start-up finding: the LLM's checkpoint must have a ``config.json`` the start-up can read.
 
-The start-up judges the model from it before a weight loads (family, heads, vocabulary,
-attention). Where it cannot be read (a hub id offline, a path missing here, no ``config.json``)
-the start-up and the doctor name the path, why and what to do, instead of a raw ``OSError``
-later. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by its
-class (``models.families.model_class_verdict``).
+The start-up judges the model from it before a weight loads. Where it cannot be read (a hub id
+offline, a path missing, no ``config.json``) the start-up and the doctor name the path, why and
+what to do. Only ``model.llm`` is read; an LLM of XTuner's own modeling packages is judged by
+its class (``models.families.model_class_verdict``).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from xtuner_rope.compat.xtuner_model_resource import config_being_started
 from xtuner_rope.models.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from xtuner_rope.models.families import model_class_verdict
 
+from .fields import lazy_get as _get
 from .findings import Finding
 from .startup import register_findings
 
@@ -28,10 +28,6 @@ __all__ = [
 
 SETTING = "model.llm.pretrained_model_name_or_path"
 CANNOT_READ = "its config.json cannot be read"
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def llm_checkpoint_path(cfg: Config) -> object:

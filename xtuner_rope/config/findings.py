@@ -1,9 +1,8 @@
 """What a start-up finding is, and where it goes in the report: the start-up's vocabulary.
 
-:class:`Finding` (a setting to fix or to refuse, with its edit), :class:`ConfigConflict` (the
-refusal), :func:`conflict_message` (its text), and :data:`SLOTS`, the named places at which
-the findings modules register (``startup.register_findings``). The engine that runs them is
-``config.startup``, which re-exports these names.
+:class:`Finding`, :class:`ConfigConflict` (the refusal), :func:`conflict_message` (its text),
+and :data:`SLOTS`, where the findings modules register (``startup.register_findings``); the
+engine, ``config.startup``, re-exports these names.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Start-up findings on the training framework: XTuner's Hugging Face ``Trainer`` configs.
 
-XTuner trains a config that sets ``framework = "huggingface"`` (its ``*_hf`` stock configs)
-with transformers' ``Trainer`` instead of MMEngine's runner: the config's hooks and collate
-function never run, so none of the plugin's batch checks or document isolation does. Such a
-config is refused before the weights load, with the MMEngine config to use instead.
+With ``framework = "huggingface"`` (its ``*_hf`` stock configs) XTuner trains with
+transformers' ``Trainer``: the config's hooks and collate function never run. Refused before
+the weights load, with the MMEngine config to use instead.
 """
 
 from __future__ import annotations

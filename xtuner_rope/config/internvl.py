@@ -1,10 +1,8 @@
 """Start-up findings of XTuner's InternVL configs (``model.type=InternVL_V1_5``).
 
-xtuner 0.2.0 ``InternVL_V1_5`` hard-codes how it loads; fixed here through
-``compat.xtuner_internvl.INTERNVL_LOAD`` (each logged): ``flash_attention_2`` where flash-attn
-cannot run becomes the LLM's own attention, bf16 on a CPU-only machine fp32.
-``internvl_collate_fn`` rows are raised to the dataset's ``max_length``. Refused before any
-weight loads: the LLaVA or text collate function on InternVL samples, 4-bit quantization on a
+Fixed through ``compat.xtuner_internvl.INTERNVL_LOAD`` (logged): ``flash_attention_2`` where
+flash-attn cannot run, bf16 on a CPU-only machine; ``internvl_collate_fn`` rows raised to the
+dataset's ``max_length``. Refused: the LLaVA or text collate function, 4-bit quantization on a
 CPU-only machine, an LLM that ``InternVL_V1_5_Dataset`` cannot template (InternLM2, Phi-3 only).
 """
 
@@ -19,6 +17,7 @@ from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.compat.xtuner_internvl import INTERNVL_LOAD
 
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -26,10 +25,6 @@ from .startup import register_findings
 __all__ = ["checkpoint_config", "internvl_findings", "is_internvl"]
 
 SERVED_LLMS = ("InternLM2ForCausalLM", "Phi3ForCausalLM")
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def is_internvl(cfg: Config) -> bool:

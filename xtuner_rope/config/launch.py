@@ -1,9 +1,8 @@
 """How the run is launched: DeepSpeed dtypes on a CPU-only machine, samplers that need DeepSpeed.
 
-Refused at start-up, with the edit, instead of after the weights load: DeepSpeed fp16/bf16
-resolving to enabled on a CPU-only machine (``strategy.config`` or ``--deepspeed``; the edit
-names ``configs/deepspeed/zero{2,3}_fp32_cpu.json``), and ``InternRepoSampler`` on several
-processes without DeepSpeed.
+Refused at start-up, with the edit: DeepSpeed fp16/bf16 enabled on a CPU-only machine
+(``strategy.config`` or ``--deepspeed``), and ``InternRepoSampler`` on several processes
+without DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Start-up findings of LLaVA configs against their vision tower (``image_tokens``, crop size).
 
 ``llava_collate_fn``'s ``image_tokens`` must be the ``P = (image_size // patch_size) ** 2``
-``LLaVAModel`` inserts (too small: rows past ``max_length`` train silently; too large: the first
-image batch dies blaming ``max_length``), and the image processor must crop to the tower's size
-(else CLIP fails at the first step). Read from the tower's files before anything is built; a
-tower not readable offline yet is judged again by ``ValidatedRoPEHook``.
+``LLaVAModel`` inserts, and the image processor must crop to the tower's size. Read from the
+tower's files before anything is built; a tower not readable offline yet is judged again by
+``ValidatedRoPEHook``.
 """
 
 from __future__ import annotations

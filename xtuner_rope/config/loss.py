@@ -1,8 +1,7 @@
 """Start-up findings and readers of the loss settings: ``loss_normalization``, ``chunked_loss``.
 
-``loss_normalization``: ``"token"`` (default), ``"dialogue"`` or ``"micro_batch"`` (XTuner's,
-the opt-out), read by ``hooks.loss_norm.TokenWeightedLossHook``; ``chunked_loss``: ``True``
-(default), ``False`` or tokens per chunk. Any other value is refused at start-up.
+``loss_normalization``: ``"token"`` (default), ``"dialogue"`` or ``"micro_batch"`` (XTuner's);
+``chunked_loss``: ``True`` (default), ``False`` or tokens per chunk. Others are refused.
 """
 
 from __future__ import annotations

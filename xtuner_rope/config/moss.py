@@ -1,8 +1,7 @@
 """Start-up findings on XTuner's ``MOSSSFTDataset``: a data file its cache would overwrite.
 
-xtuner 0.2.0 caches the tokenized lines beside the file, its name with ``.jsonl`` replaced; a
-name without ``.jsonl`` makes the cache the data file itself (``torch.load`` of JSON lines, or
-the data overwritten by a pickle). Refused before the weights load.
+xtuner 0.2.0 caches the tokenized lines beside the file, its name with ``.jsonl`` replaced: a
+name without ``.jsonl`` makes the cache the data file itself. Refused before the weights load.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Start-up findings of XTuner's LLaVA configs (InternVL's: ``config.internvl``).
 
 On a CPU-only machine the stock fp16 LLM is loaded in fp32 (logged); XTuner's
-``EvaluateChatHook`` with ``evaluation_images`` is kept (its generation from ``inputs_embeds`` is
-``compat.transformers_internlm2``'s patch). The LLM path and the other models' paths are
-``compat.xtuner_model_resource``'s.
+``EvaluateChatHook`` with ``evaluation_images`` is kept (``compat.transformers_internlm2``).
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from mmengine.config import Config
 from xtuner_rope.compat.devices import cpu_only
 from xtuner_rope.compat.mmengine_config import config_dict
 
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -21,10 +20,6 @@ from .startup import register_findings
 __all__ = ["is_llava", "multimodal_findings"]
 
 HALF_DTYPES = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def is_llava(cfg: Config) -> bool:

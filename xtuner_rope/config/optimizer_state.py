@@ -1,10 +1,9 @@
 """Start-up fix: checkpoints hold the optimizer state, so a resume continues the optimizer.
 
-XTuner 0.2.0's stock InternVL configs set ``save_optimizer=False``; a resume then builds a fresh
-optimizer silently (two stock configs resumed at ``iter_4`` ended 4.0e-1 and 1.1e0 away from
-the uninterrupted run). :func:`save_optimizer_findings` turns ``save_optimizer`` on (logged;
-checkpoints grow by the optimizer's state); ``checkpoint_without_optimizer = True`` keeps the
-small checkpoints, and ``hooks.optimizer_state`` warns what their resume does.
+XTuner 0.2.0's stock InternVL configs set ``save_optimizer=False``: a resume builds a fresh
+optimizer silently. :func:`save_optimizer_findings` turns it on (logged);
+``checkpoint_without_optimizer = True`` keeps the small checkpoints (``hooks.optimizer_state``
+warns what their resume does).
 """
 
 from __future__ import annotations

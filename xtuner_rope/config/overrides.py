@@ -1,9 +1,8 @@
 """The config that really trains, checked again before the first step.
 
-``xtuner train`` runs the start-up on the file, then merges ``--cfg-options``, which can undo a
-fix or bring a conflict in. :func:`recheck_started_config` (``ValidatedRoPEHook``, on
-``runner.cfg``) refuses such a run with the start-up's message; the doctor calls
-:func:`recheck_config` in the same order as ``xtuner train``.
+``--cfg-options``, merged after the start-up, can undo a fix or bring a conflict in:
+:func:`recheck_started_config` (``ValidatedRoPEHook``, on ``runner.cfg``) refuses such a run
+with the start-up's message; the doctor calls :func:`recheck_config`.
 """
 
 from __future__ import annotations

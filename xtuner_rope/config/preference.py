@@ -1,10 +1,8 @@
 """Start-up findings for XTuner's preference configs (DPO, ORPO, reward model).
 
-Four settings of ``build_preference_dataset`` / ``preference_collate_fn`` configs fail late or
-silently, after the model loaded; :func:`preference_findings` names them first: a
-``reward_token_id`` outside the vocabulary, ``batch_size`` > 1 with packed pairs,
-``use_varlen_attn`` differing between model, dataset and collate function (a ``KeyError``, or
-log-probs from the wrong rows), and full-parameter DPO without ``ref_llm`` under ZeRO-3.
+:func:`preference_findings` refuses, before the model loads, a ``reward_token_id`` outside the
+vocabulary, ``batch_size`` > 1 with packed pairs, ``use_varlen_attn`` differing between model,
+dataset and collate function, and full-parameter DPO without ``ref_llm`` under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from mmengine.config import Config
 from xtuner_rope.compat.mmengine_config import config_dict
 
 from .checkpoint_findings import llm_checkpoint_config
+from .fields import lazy_get as _get
 from .fields import type_name
 from .findings import Finding
 from .startup import register_findings
@@ -26,10 +25,6 @@ ZERO3_REFERENCE_EDIT = (
     "pretrained_model_name_or_path=pretrained_model_name_or_path, "
     "trust_remote_code=True), the same dict as model.llm"
 )
-
-
-def _get(node: object, key: str, default: object = None) -> object:
-    return dict.get(node, key, default) if isinstance(node, dict) else default
 
 
 def preference_dataset(cfg: Config, loader: str = "train_dataloader") -> dict | None:

@@ -1,10 +1,8 @@
 """Start-up findings of sequence parallel: the size itself, and the LLM's head counts.
 
-``sequence_parallel_size`` is served for SFT (``models.sequence_parallel``) and refused for the
-other models; ``default_collate_fn`` becomes ``rope_collate_fn`` padded to a multiple of it.
-Where ``sp`` does not divide the heads, XTuner's "inner sequence parallel" asserts a non-CPU
-tensor: refused on a CPU-only machine from the LLM's ``config.json``, as is any ``sp`` > 1 where
-gloo lacks all-to-all (torch 2.4.1, ``devices.gloo_all_to_all_missing``).
+``sequence_parallel_size`` is served for SFT (``models.sequence_parallel``), refused for the
+other models; ``default_collate_fn`` becomes ``rope_collate_fn`` padded to a multiple of it. On
+a CPU-only machine ``sp`` not dividing the heads, or a gloo without all-to-all, is refused.
 """
 
 from __future__ import annotations

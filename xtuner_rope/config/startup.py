@@ -1,9 +1,8 @@
 """Start-up: load xtuner-rope before XTuner builds anything, then check and prepare the config.
 
-``xtuner train`` runs ``cfg.model_resource.fn`` first thing (``set_model_resource``), before
-the model and the dataset. :func:`enable_xtuner_rope` is meant for that slot: read from the
-package it activates the plugin, and it refuses every conflicting setting of the config being
-started with the exact edit, fixing (and logging) what has one right answer.
+``xtuner train`` runs ``cfg.model_resource.fn`` (``set_model_resource``) before the model and
+the dataset: :func:`enable_xtuner_rope` in that slot refuses every conflicting setting with the
+exact edit, fixing (and logging) what has one right answer.
 
 The findings engine: :func:`register_findings`, :func:`inspect_config` (pure) and
 :func:`prepare_config`. Each topic registers its own (``xtuner_rope.FINDINGS_MODULES``):

@@ -1,10 +1,9 @@
 """A warm-up that rounds to 0 iterations: MMEngine's epoch-to-iteration conversion, named.
 
-MMEngine converts ``end=warmup_ratio * max_epochs`` with ``int(end * len(train_dataloader))``:
-3% of a 30-iteration epoch is 0, and the scheduler dies naming neither setting nor data. The
-run is refused with the setting, the length and the edit by the doctor (``doctor/schedule.py``)
-and, in ``xtuner train``, before the schedulers are built (``refuse_rounded_warmup``, in
-``compat.mmengine_scheduler.SCHEDULER_CHECKS`` on import).
+MMEngine converts ``end=warmup_ratio * max_epochs`` with ``int(end * len(train_dataloader))``
+(3% of a 30-iteration epoch is 0: the scheduler dies). Refused with the setting, the length and
+the edit by the doctor and, in ``xtuner train``, before the schedulers are built
+(``refuse_rounded_warmup``, in ``compat.mmengine_scheduler.SCHEDULER_CHECKS``).
 """
 
 from __future__ import annotations

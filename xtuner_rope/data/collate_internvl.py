@@ -10,11 +10,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from xtuner_rope.ops.packing import lay_out_rows, plan_packs
+from .collate_llava import image_rows
 
 __all__ = ["internvl_collate_fn"]
-
-IGNORE_INDEX = -100
 
 
 def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,25 +69,14 @@ def internvl_collate_fn(
     if not instances:
         raise ValueError("internvl_collate_fn: got an empty batch (0 samples); check the sampler.")
     samples = [_sample(i, item) for i, item in enumerate(instances)]
-    unsupervised = [i for i, (_, lab, _) in enumerate(samples) if not (lab[1:] != -100).any()]
-    if len(unsupervised) == len(samples):
-        raise ValueError(
-            f"internvl_collate_fn: all {len(samples)} samples of the batch have no supervised "
-            "label (every label after the first token is -100): the mean loss would be 0/0. "
-            "Filter such samples (replies cut away by max_length) out of the dataset."
-        )
     lengths = [ids.numel() for ids, _, _ in samples]
-    for i, n in enumerate(lengths):
-        if n > max_length:
-            raise ValueError(
-                f"internvl_collate_fn: sample {i}: {n} tokens (image tokens included), over "
-                f"max_length={max_length}. Raise max_length to the dataset's max_length."
-            )
-    plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
-    data = lay_out_rows([(ids, lab) for ids, lab, _ in samples], plan, pad_index, IGNORE_INDEX)
+    tail = (
+        f"(image tokens included), over max_length={max_length}. Raise max_length to the "
+        "dataset's max_length."
+    )
+    data, plan = image_rows(
+        "internvl_collate_fn", samples, lengths, max_length, pack, pad_index, tail
+    )
     # Each row's samples' tiles in order, [t_r, 3, H, W] (text-only samples' zero tiles too).
     data["pixel_values"] = [torch.cat([samples[i][2] for i in row]) for row in plan]
-    data["num_unsupervised"] = len(unsupervised)
-    # Which batch sample is which segment: a metric counts each sample once (data_samples
-    # reaches it untouched; the models ignore it).
     return data if return_hf_format else {"data": data, "data_samples": {"rows": plan}}

@@ -13,11 +13,10 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.packing import lay_out_rows, plan_packs
 
-__all__ = ["llava_collate_fn"]
-
-IGNORE_INDEX = -100
+__all__ = ["image_rows", "llava_collate_fn"]
 
 
 def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,6 +48,32 @@ def _sample(i: int, item: object) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             "one image per sample: use one <image> per sample at most."
         )
     return ids, labels, pixels
+
+
+def image_rows(
+    who: str, samples: list, lengths: list, max_length: int, pack: bool, pad_index: int, tail: str
+) -> tuple[dict, list[list[int]]]:
+    """``(input_ids, labels, pixels)`` samples laid into rows planned on ``lengths``: the batch
+    (``lay_out_rows``, with ``num_unsupervised``) and the plan, which goes out as
+    ``data_samples['rows']`` for a metric to count each sample once.
+
+    Raises:
+        ValueError: no sample is supervised; one is over ``max_length`` (``tail`` ends the message).
+    """
+    unsupervised = sum(not bool((lab[1:] != IGNORE_INDEX).any()) for _, lab, _ in samples)
+    if unsupervised == len(samples):
+        raise ValueError(
+            f"{who}: all {len(samples)} samples of the batch have no supervised label (every "
+            "label after the first token is -100): the mean loss would be 0/0 = NaN. Check the "
+            "dataset's label masking and filter such samples (replies truncated away) out."
+        )
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"{who}: sample {i}: {n} tokens {tail}")
+    plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
+    data = lay_out_rows([(ids, lab) for ids, lab, _ in samples], plan, pad_index, IGNORE_INDEX)
+    data["num_unsupervised"] = unsupervised
+    return data, plan
 
 
 def llava_collate_fn(
@@ -94,37 +119,16 @@ def llava_collate_fn(
     if not instances:
         raise ValueError("llava_collate_fn: got an empty batch (0 samples); check the sampler.")
     samples = [_sample(i, item) for i, item in enumerate(instances)]
-    unsupervised = [
-        i for i, (_, lab, _) in enumerate(samples) if not bool((lab[1:] != IGNORE_INDEX).any())
-    ]
-    if len(unsupervised) == len(samples):
-        raise ValueError(
-            f"llava_collate_fn: all {len(samples)} samples of the batch have no "
-            "supervised label (every label after the first token is -100): the "
-            "mean loss would be 0/0 = NaN. Check the dataset's label masking and "
-            "filter such samples (replies truncated away) out of the dataset."
-        )
     lengths = [expanded_length(ids, image_tokens) for ids, _, _ in samples]
-    for i, n in enumerate(lengths):
-        if n > max_length:
-            raise ValueError(
-                f"llava_collate_fn: sample {i}: {n} tokens after its image "
-                f"placeholder became {image_tokens} patch embeddings, over "
-                f"max_length={max_length}. Raise max_length or truncate the "
-                "dataset's dialogues (LLaVADataset max_length counts the image as "
-                "one token)."
-            )
-    plan = plan_packs(lengths, max_length) if pack else [[i] for i in range(len(samples))]
-    # Boundaries and positions before the expansion (the batch checks and PackingMetricsHook
-    # read them; XTuner's expansion rebuilds them and the plugin restarts them per sample
-    # after it).
-    data = lay_out_rows([(ids, lab) for ids, lab, _ in samples], plan, pad_index, IGNORE_INDEX)
+    tail = (
+        f"after its image placeholder became {image_tokens} patch embeddings, over "
+        f"max_length={max_length}. Raise max_length or truncate the dataset's dialogues "
+        "(LLaVADataset max_length counts the image as one token)."
+    )
+    data, plan = image_rows("llava_collate_fn", samples, lengths, max_length, pack, pad_index, tail)
     pixel_values = []
     for row in plan:
         images = [samples[i][2] for i in row if bool((samples[i][0] == IMAGE_TOKEN_INDEX).any())]
         pixel_values += images or [samples[row[0]][2]]  # XTuner takes one image per plain row
     data["pixel_values"] = torch.stack(pixel_values)
-    data["num_unsupervised"] = len(unsupervised)
-    # Which batch sample is which segment: a metric counts each sample once (data_samples
-    # reaches it untouched; the models ignore it).
     return data if return_hf_format else {"data": data, "data_samples": {"rows": plan}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-IGNORE_INDEX = -100
+from xtuner_rope.batch.items import IGNORE_INDEX
 
 __all__ = ["check_preference_dataset", "dataset_pairs", "preference_pair_problems"]
 

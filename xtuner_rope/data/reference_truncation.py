@@ -1,8 +1,8 @@
 """What XTuner's ``tokenize_ref`` cuts from ``is_reference`` preference pairs, in text tokens.
 
 It keeps each response's first ``max_response_length`` tokens and the prompt's last
-``(max_length - 4 - reference - response) // 2``, then re-encodes: a budget <= 0 keeps the
-prompt (nearly) whole (``no_room``) and the final sequences are not bounded by ``max_length``.
+``(max_length - 4 - reference - response) // 2`` (<= 0: nearly whole, ``no_room``), then
+re-encodes: the final sequences are not bounded by ``max_length``.
 """
 
 from __future__ import annotations

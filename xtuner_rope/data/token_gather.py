@@ -1,8 +1,7 @@
 """Gather token ranges from a tokenized Arrow column without joining its chunks.
 
 Chunks stay zero-copy views of the mapped file, read a window at a time; the pages read are
-released (peak RSS 1.07x XTuner's instead of 1.40x, docs/measurements.md) unless
-``XTUNER_ROPE_RELEASE_PAGES=0``.
+released (docs/measurements.md) unless ``XTUNER_ROPE_RELEASE_PAGES=0``.
 """
 
 from __future__ import annotations

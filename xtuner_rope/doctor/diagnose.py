@@ -80,10 +80,8 @@ def plugin_resource(cfg: Config) -> str | None:
 def start_like_xtuner_train(
     path: str, cfg_options: dict | None = None
 ) -> tuple[Config, list[Finding], str | None]:
-    """The config as ``xtuner train`` trains it, and every finding training would meet.
-
-    ``xtuner train``'s order: ``Config.fromfile``, ``set_model_resource`` (the start-up),
-    ``--cfg-options``, then ``ValidatedRoPEHook``'s re-check (``config.overrides.recheck_config``).
+    """The config as ``xtuner train`` trains it (``config.as_xtuner_train``), and every finding
+    training would meet, ``ValidatedRoPEHook``'s re-check's (``config.overrides``) included.
 
     Returns:
         ``(cfg, findings, resource)``: the merged config; the start-up's findings on the file's

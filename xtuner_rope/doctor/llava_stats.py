@@ -14,10 +14,9 @@ import torch
 
 from xtuner_rope.batch.image_packing import expanded_length
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.compat.mmengine_config import config_dict
 from xtuner_rope.doctor.stats import length_percentiles, percentiles_text
-
-IGNORE_INDEX = -100
 
 __all__ = [
     "LLaVAView",

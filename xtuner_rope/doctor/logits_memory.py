@@ -1,9 +1,8 @@
 """The doctor's logits memory: what one row of ``max_length`` tokens costs the training loss.
 
-Full logits: the cross-entropy's backward, ``s * V * 12`` bytes in any dtype. Chunked: the head's
-fp32 weight gradient ``V * H * 4`` (none under LoRA) plus the larger of one chunk ``c * V * (4 + d)``
-and that gradient's copy in the training dtype. docs/loss.md derives both;
-``tests/doctor/test_doctor_logits_memory.py`` checks them against the tensors the losses create.
+Full logits: ``s * V * 12`` bytes in any dtype. Chunked: the head's fp32 weight gradient
+``V * H * 4`` (none under LoRA) plus the larger of one chunk ``c * V * (4 + d)`` and that
+gradient's copy in the training dtype (docs/loss.md derives both).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The held-out set's counts: its size after packing and its overlap with the training data.
 
 Read by ``xtuner-rope doctor`` and logged by ``HeldOutCurvesHook``. Overlap means equal token
-ids (same template and tokenizer); under ``heldout = dict(fraction=...)`` it means the file
-repeats dialogues.
+ids (same template and tokenizer).
 """
 
 from __future__ import annotations

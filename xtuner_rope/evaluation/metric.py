@@ -1,11 +1,9 @@
 """``TokenLossMetric``: the held-out loss that packing does not change, exact on any rank count.
 
-``val_step`` (``mode='predict'``) gives per row ``logits`` ``[s, V]`` or, with the chunked loss,
-``target_logprobs`` ``[s]``; each row is cut at the boundaries ``PackedBatchCheckHook``
-published (``models.channel``) and each dialogue scored whole and alone by
-:func:`xtuner_rope.ops.token_nll.document_nll`. LLaVA rows bring their expanded ``labels``;
-packed LLaVA/InternVL rows name their samples (``data_samples['rows']``). One result per
-dataset sample, so MMEngine's ``collect_results`` drops the sampler's repeats across ranks.
+``val_step`` (``mode='predict'``) gives per row ``logits`` ``[s, V]`` or ``target_logprobs``
+``[s]`` (chunked loss); each row is cut at the published boundaries and each dialogue scored
+whole and alone (``ops.token_nll.document_nll``). One result per dataset sample, so MMEngine's
+``collect_results`` drops the sampler's repeats across ranks.
 """
 
 from __future__ import annotations
@@ -96,10 +94,9 @@ def per_sample_results(rows: list[list[dict]], plan: list[list[int]]) -> list[di
 class TokenLossMetric(BaseMetric):
     """Token-weighted mean next-token NLL over every supervised token of the held-out set.
 
-    Reports ``<name>_loss`` (sum of token NLLs / supervised tokens), ``_ppl``, ``_tokens`` and
-    ``_dialogues`` (documents with a supervised token). ``heldout_worst.jsonl`` lists the ``worst``
-    dialogues (highest mean NLL) by their first words (``tokenizer`` or its XTuner config dict;
-    None: token ids).
+    Reports ``<name>_loss``, ``_ppl``, ``_tokens`` and ``_dialogues``; ``heldout_worst.jsonl``
+    lists the ``worst`` dialogues (highest mean NLL) by their first words (``tokenizer`` or its
+    XTuner config dict; None: token ids).
     """
 
     default_prefix = None

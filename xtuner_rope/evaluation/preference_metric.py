@@ -1,8 +1,7 @@
 """``PreferenceMetric``: held-out loss, preference accuracy and reward margin of DPO, ORPO and
 reward models, each pair whole and alone, exact on any rank count.
 
-Packed pairs are cut into their responses at the published boundaries; unpacked pairs are two
-rows each. Each pair's loss is the model's loss of a batch holding that pair alone
+Each pair's loss is the model's loss of a batch holding that pair alone
 (:mod:`xtuner_rope.ops.preference_loss`); the held-out loss sums pairs / pairs.
 """
 

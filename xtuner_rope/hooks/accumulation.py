@@ -1,9 +1,8 @@
 """Checkpoints at accumulation-window boundaries: a resume equals the uninterrupted run.
 
-A checkpoint inside a window of ``accumulative_counts = K`` lacks the pending gradients (a tiny
-run resumed mid-window ended 9.4e-3 away), so checkpoints land where none is pending
-(``config.accumulation``); :func:`record_window` records whether a window is open, and
-:func:`check_resume` refuses a mid-window checkpoint (``resume_mid_window = True`` resumes).
+A checkpoint inside a window of ``accumulative_counts`` lacks the pending gradients, so
+checkpoints land where none is pending (``config.accumulation``); :func:`check_resume` refuses
+a mid-window one (``resume_mid_window = True`` resumes), as :func:`record_window` recorded it.
 """
 
 from __future__ import annotations

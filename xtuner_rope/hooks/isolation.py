@@ -42,12 +42,9 @@ DATA_BATCH = Optional[Union[dict, tuple, list]]
 class ValidatedRoPEHook(Hook):
     """Give the model the validated fp32 RoPE and document-isolating attention of its family.
 
-    Runs before training, validation and testing (idempotent), after the runner wrapped the
-    model; refuses a model of no supported family, and a config ``enable_xtuner_rope`` did not
-    prepare (the plugin was loaded too late).
-
-    ``max_position`` overrides the largest position the RoPE accepts; ``fused_apply`` rotates q/k
-    with the fused ``torch.compile`` kernel (``use_fused_apply``).
+    Runs before training, validation and testing (idempotent); refuses a model of no supported
+    family, and a config ``enable_xtuner_rope`` did not prepare. ``max_position`` overrides the
+    largest position the RoPE accepts; ``fused_apply``: ``use_fused_apply``.
     """
 
     # Before every default hook (RuntimeInfo is 10): the model is patched before anything runs it.
@@ -86,10 +83,9 @@ class ValidatedRoPEHook(Hook):
 
 
 def refuse_unbounded_packing(data: dict, rows: list[torch.Tensor], packed_by: str | None) -> None:
-    """Refuse a batch of rows the config packs (``packed_by``: ``fields.packing_source``) that
-    reaches the model without any boundary: no ``cumulative_len`` (``rows`` empty) and no
-    position reset in ``data`` (checked by ``check_packed_batch``), so its dialogues would attend
-    to each other.
+    """Refuse a batch of rows the config packs (``packed_by``: ``fields.packing_source``) with no
+    ``cumulative_len`` (``rows`` empty) and no position reset in ``data``: its dialogues would
+    attend to each other.
 
     Raises:
         ValueError: ``packed_by`` is set and the batch has no boundary at all.
@@ -118,9 +114,8 @@ class PackedBatchCheckHook(Hook):
     """Check every train/val batch on the CPU, then publish its document boundaries.
 
     ``check_packed_batch`` runs on ``data_batch['data']``; ``cumulative_len`` and ``max_seqlen``
-    are popped (the HF forward does not take them) and published in XTuner's ``MessageHub``
-    convention (``models.channel``), reset after the iteration. A packed config's train batch
-    without any boundary, or one XTuner's sequence-parallel split cannot cut, stops the run.
+    are popped and published (``models.channel``), reset after the iteration. A packed train
+    batch without boundaries, or one the sequence-parallel split cannot cut, stops the run.
 
     Args:
         vocab_size: Label/id limit; default: the model config's ``vocab_size``.

@@ -1,11 +1,9 @@
 """Token-weighted loss: the optimizer step is the same however dialogues are grouped.
 
-XTuner 0.2.0 returns each micro-batch's mean token loss, MMEngine divides by the accumulation
-count, DDP and DeepSpeed average over ranks: a token weighs ``1 / (supervised tokens of its
-micro-batch)``. :class:`TokenWeightedLossHook` makes the step's loss the sum of all its token
-losses (all micro-batches, all ranks) over their number, at no extra pass: each micro-batch's
-mean times its count before backward, the gradients rescaled once at the step (one all-reduce
-of one number). docs/optimizer-step.md has the modes and the details.
+XTuner 0.2.0 weighs a token ``1 / (supervised tokens of its micro-batch)``.
+:class:`TokenWeightedLossHook` makes the step's loss the sum of all its token losses (all
+micro-batches, all ranks) over their number: each micro-batch's mean times its count before
+backward, the gradients rescaled once at the step. docs/optimizer-step.md has the details.
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ PAIR_MODELS = ("DPO", "ORPO", "RewardModel")
 
 
 class PackingMetricsHook(Hook):
-    """Log documents per row, real-token share, longest document, largest position id and the
-    running count of unsupervised documents (``pairs_per_row`` for DPO / ORPO / reward), each
-    aggregated over the logging window, as ``train/<name>`` scalars of ``runner.message_hub``.
+    """Log documents per row (``pairs_per_row`` for preference models), real-token share, longest
+    document, largest position id and unsupervised documents, per logging window, as
+    ``train/<name>`` scalars of ``runner.message_hub``.
 
     Args:
         window: iterations per window; default: the LoggerHook's interval.
@@ -106,14 +106,11 @@ def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 class NonFiniteTripwireHook(Hook):
     """Stop training at the first non-finite loss or gradient norm, before the weights change.
 
-    Checked right before ``optimizer.step`` (after MMEngine's clipping; one device sync a step),
-    else in ``after_train_iter`` (no step, DeepSpeed). On failure it writes
-    ``<work_dir>/nonfinite_iter<k>.pt`` (the batch and its provenance, for
-    :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``, then raises
+    Checked right before ``optimizer.step`` (one device sync a step), else in
+    ``after_train_iter`` (DeepSpeed). On failure it writes ``<work_dir>/nonfinite_iter<k>.pt``
+    (the batch, for :mod:`xtuner_rope.outputs.replay`) and ``nonfinite_iter<k>_weights.pt``
+    (not with ``save_weights=False``: replay then needs ``--checkpoint``), then raises
     :class:`NonFiniteError` naming both and the replay command.
-
-    ``save_weights=False`` (models too large to copy, ZeRO-3 partitions) leaves the weights out:
-    replay then needs ``--checkpoint``.
     """
 
     # Before RuntimeInfoHook (10) logs the iteration's loss; after PackedBatchCheckHook (8).

@@ -1,8 +1,7 @@
 """The resume of a checkpoint without optimizer state, named in the log (``RandomStateHook``).
 
-A checkpoint written with ``save_optimizer=False`` resumes with a fresh optimizer (momentum and
-AdamW's moments from zero) without a word; :func:`resume_without_optimizer_warning` says so.
-The start-up turns ``save_optimizer`` on (``config.optimizer_state``).
+A checkpoint written with ``save_optimizer=False`` resumes with a fresh optimizer without a
+word; :func:`resume_without_optimizer_warning` says so (``config.optimizer_state``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The random state of every process with each checkpoint: a resume draws what the run drew.
 
-MMEngine 0.10.6 saves no random state, so a resumed run draws other dropout masks. Before each
-checkpoint every rank's Python, NumPy, torch CPU and CUDA generators go into the message hub
-(which MMEngine's and DeepSpeed's checkpoints carry); on resume each rank restores its own,
-after MMEngine re-read the batches already trained. A resume past an epoch boundary seeds the
-dataloader workers differently (logged). docs/distributed.md has the details.
+MMEngine 0.10.6 saves no random state. Before each checkpoint every rank's Python, NumPy, torch
+CPU and CUDA generators go into the message hub (which checkpoints carry); on resume each rank
+restores its own, after MMEngine re-read the batches already trained. docs/distributed.md.
 """
 
 from __future__ import annotations

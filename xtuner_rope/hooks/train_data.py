@@ -1,8 +1,7 @@
 """Before the first step: the whole training data checked, not batch by batch.
 
 ``PackedBatchCheckHook.before_train`` calls :func:`check_train_data`: a LLaVA run goes to
-``data.llava_dataset_checks.check_llava_dataset`` (the tower's ``P`` from the built model, the
-row capacity, the RoPE range), a preference run to ``data.preference_checks``.
+``data.llava_dataset_checks``, a preference run to ``data.preference_checks``.
 """
 
 from __future__ import annotations

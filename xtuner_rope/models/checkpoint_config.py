@@ -1,10 +1,8 @@
 """The one reader of a checkpoint's ``config.json``, before anything of the model loads.
 
-:func:`read_checkpoint_config` finds it where ``from_pretrained`` would: ``<dir>/config.json``,
-or for a hub id the local cache first, else (unless offline) that file alone through
-``huggingface_hub.hf_hub_download`` (the user's proxies, token, mirror), remembered for the
-process. :attr:`CheckpointConfig.problem` says why it cannot be read. No torch or transformers
-import.
+:func:`read_checkpoint_config` finds it where ``from_pretrained`` would (``<dir>/config.json``;
+a hub id's cached file, else, unless offline, that file alone), once per process;
+:attr:`CheckpointConfig.problem` says why it cannot be read. No torch or transformers import.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Which model families xtuner-rope serves, how, and which it refuses: one table.
 
-``FAMILIES`` maps each served transformers family (4.48) to its attention and rotary classes
-by name and its quirks (:class:`Family`: ``interface`` ``"attention"`` through
-``ALL_ATTENTION_FUNCTIONS``, ``"forward"`` where each backend is its own class, Qwen2-MoE;
-``interleaved`` cos/sin, Cohere; ``fp32_apply``). ``REFUSED`` names what cannot be served by
-``model_type``; :func:`checkpoint_verdict` reads ``config.json`` so the start-up refuses before
-anything loads. Pure Python.
+``FAMILIES`` maps each served transformers family (4.48) to its classes and quirks
+(:class:`Family`; ``interface`` ``"attention"`` through ``ALL_ATTENTION_FUNCTIONS``,
+``"forward"`` where each backend is its own class, Qwen2-MoE). ``REFUSED`` names what cannot be
+served by ``model_type``; :func:`checkpoint_verdict` reads ``config.json``. Pure Python.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Document-isolating attention and validated RoPE for the transformers families.
 
-transformers 4.48's attention layers rotate q/k with the model's one rotary module and call
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. ``patch_hf_model`` swaps the rotary
-for ``HFValidatedRotaryEmbedding`` and gives each layer a config copy naming
-``PACKED_ATTENTION_KEY`` (``hf_packed_attention``; the model's own config and masks unchanged,
-the original kernel kept on the layer). Packed rows go through ``attention.packed_attention``;
-rows without boundaries, left-padded prompts and cached steps through the original kernel.
-Qwen2-MoE's layers get ``moe_attention_forward`` instead.
+``patch_hf_model`` swaps the model's rotary module for ``HFValidatedRotaryEmbedding`` and gives
+each layer a config copy naming ``PACKED_ATTENTION_KEY`` (``hf_packed_attention``, the original
+kernel kept on the layer; Qwen2-MoE: ``moe_attention_forward``). Packed rows go through
+``attention.packed_attention``; rows without boundaries and cached steps through the original.
 """
 
 from __future__ import annotations

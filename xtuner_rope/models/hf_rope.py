@@ -258,15 +258,12 @@ class HFValidatedRotaryEmbedding(nn.Module):
 def patch_hf_fp32_rotation(module_name: str, interleaved: bool = False) -> bool:
     """Let a transformers family's ``apply_rotary_pos_emb`` rotate bf16/fp16 q, k in fp32.
 
-    transformers 4.48's apply computes in its inputs' dtype; with fp32 cos/sin, type promotion
-    would make q and k fp32 (fp32 keys in the KV cache, SDPA refusing mixed dtypes). The wrapper
-    rotates with ``rope.apply_rotary_pos_emb`` and returns q's dtype (and takes the fp32 calls its
-    Triton kernel serves); every other call goes to the original, rebound wherever it is bound by
-    name (XTuner's ``dispatch/``). Cohere (``interleaved=True``) upcasts itself: only the Triton
-    kernel's calls are taken.
+    With fp32 cos/sin, transformers 4.48's apply would promote q and k to fp32 (fp32 KV cache,
+    SDPA refusing mixed dtypes): the wrapper rotates with ``rope.apply_rotary_pos_emb`` in q's
+    dtype; other calls go to the original, rebound wherever bound by name (XTuner's
+    ``dispatch/``). Cohere (``interleaved``) upcasts itself: only Triton-served calls are taken.
 
-    ``module_name``: the family's modeling module (``"transformers.models.llama.modeling_llama"``).
-    True if the wrapper was installed now, False if it already was.
+    ``module_name``: the family's modeling module. True if installed now, False if it already was.
     """
     module = importlib.import_module(module_name)
     original = module.apply_rotary_pos_emb

@@ -1,11 +1,9 @@
 """The two KV-cache contracts of InternLM2 remote code, behind one pair of calls.
 
-**Cache** (current code, XTuner's classes): ``past_key_value`` is a transformers ``Cache``
-shared by all layers, appended with ``update(k, v, self.layer_idx, ...)`` and returned.
-**Tuple** (first-generation hub code, InternVL's copy): this layer's own ``(k, v)``, each
-``[b, n_kv, past, h_d]``, or None; concatenated, and ``(k, v)`` returned when ``use_cache``.
-A ``Cache`` instance means the Cache contract, anything else the tuple contract (current code
-wraps even an empty past in a ``DynamicCache``).
+**Cache** (current code, XTuner's classes): a transformers ``Cache`` shared by all layers,
+appended with ``update(k, v, self.layer_idx, ...)`` and returned. **Tuple** (first-generation
+hub code, InternVL's copy): this layer's ``(k, v)``, each ``[b, n_kv, past, h_d]``, or None;
+concatenated, ``(k, v)`` returned when ``use_cache``. Anything not a ``Cache`` is a tuple.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """XTuner's LLaVA models: the sequence the LLM sees after the image expansion, checked.
 
 xtuner 0.2.0's ``prepare_inputs_labels_for_multimodal`` replaces each image placeholder by its
-patch embeddings and right-pads again: ``inputs_embeds`` ``[b, s', d]``, ``position_ids``
-``0..n_r-1`` per row, ``labels`` -100 on image tokens and padding. :func:`check_expanded_batch`
-checks it (called by ``compat.xtuner_llava.patch_llava_expansion_check``).
+patch embeddings and right-pads again; :func:`check_expanded_batch` checks the result
+(``compat.xtuner_llava.patch_llava_expansion_check``).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import torch
 
 from xtuner_rope.batch.image_packing import expand_row_boundaries
 from xtuner_rope.batch.images import IMAGE_TOKEN_INDEX
+from xtuner_rope.batch.items import IGNORE_INDEX
 from xtuner_rope.ops.document_plan import host_to_device
 from xtuner_rope.ops.host_copies import host_copy, remember_host_copy
 from xtuner_rope.ops.packing import (
@@ -25,8 +25,6 @@ from xtuner_rope.ops.packing import (
 
 from . import channel
 from .runtime import hub_cumulative_len
-
-IGNORE_INDEX = -100
 
 
 def _fail(row: int, field: str, expected: str, got: object, fix: str) -> ValueError:

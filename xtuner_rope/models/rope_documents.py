@@ -1,10 +1,9 @@
 """Where the documents of a rotary call are, so length-dependent RoPE goes per document.
 
-The validated rotaries ask :func:`rotary_document_lengths` for each token's document length
-(``ops.rope_documents``): the published boundaries, else position-id resets, under sequence
-parallel the full row's; a padded row is a document of its real length
-(:func:`install_row_lengths`). Nothing to go by (KV cache): None, upstream's per-call choice.
-``set_per_document_rope(model, False)`` turns it off.
+The validated rotaries ask :func:`rotary_document_lengths` for each token's document length:
+the published boundaries, else position-id resets (sequence parallel: the full row's); nothing
+to go by (KV cache): None, upstream's per-call choice. ``set_per_document_rope(model, False)``
+turns it off.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A checkpoint's RoPE setting, read from its ``config.json`` before anything loads.
 
-The start-up's refusals (``config.rope_scaling``) and the doctor's report (``doctor.rope``) come
-from here: up to which length the frequencies do not depend on it (dynamic NTK past
-``max_position_embeddings``; LongRoPE past its original length where the rotary switches per
-call, Phi-3), and what cannot be served (an unknown ``rope_type``, missing fields). Pure Python.
+For the start-up (``config.rope_scaling``) and the doctor (``doctor.rope``): up to which length
+the frequencies do not depend on it, and what cannot be served. Pure Python.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Sequence parallel (XTuner's Ulysses all-to-all over heads) for packed rows.
 
-Each rank holds ``S / sp`` tokens of every ``[b, S]`` row; around attention an all-to-all
-trades the sequence split for a head split. For packed rows: positions are the full row's
-(RoPE runs on the shard); the attention after the all-to-all reads the **full row's**
-boundaries, published by :func:`shard_rows`; a row not a multiple of ``sp`` is padded by a
-segment of its own; labels are shifted over the full row before the split (XTuner 0.2.0 shifts
-inside each shard, dropping each later shard's first label); the loss is token-weighted (each
-rank's sum over the full row's supervised count, summed over the group: the one-rank mean,
-chunked or not), where XTuner back-propagates each rank's unweighted mean. GQA: kv heads go
-through unrepeated when ``sp`` divides them, else repeated to ``n_h``; heads not divisible by
-``sp`` take XTuner's inner sequence parallel.
+Each rank holds ``S / sp`` tokens of every ``[b, S]`` row; an all-to-all around attention
+trades the sequence split for a head split. Positions are the full row's; the attention reads
+the **full row's** boundaries (:func:`shard_rows` publishes them, a row not a multiple of ``sp``
+padded by a segment of its own); labels are shifted over the full row before the split (XTuner
+0.2.0 drops each later shard's first label); the loss is the one-rank token mean (XTuner
+back-propagates each rank's unweighted mean). GQA: kv heads unrepeated when ``sp`` divides them.
 """
 
 from __future__ import annotations

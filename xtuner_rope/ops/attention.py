@@ -1,9 +1,8 @@
 """Family-free packed attention: each document of a packed row attends only to itself.
 
 Backends (:func:`packed_backend`): flash-attn's varlen kernel (CUDA, fp16/bf16); torch's
-``varlen_attn`` (torch >= 2.10; :func:`varlen_kernel`, the tests' seam); else SDPA (or eager
-softmax) over the documents re-padded into length buckets (``ops.document_plan``), so the cost
-grows with the sum of squared document lengths and no ``[s, s]`` mask is built.
+``varlen_attn`` (torch >= 2.10); else SDPA (or eager softmax) over the documents re-padded into
+length buckets (``ops.document_plan``): no ``[s, s]`` mask.
 """
 
 from __future__ import annotations

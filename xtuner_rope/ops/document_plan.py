@@ -1,8 +1,7 @@
 """Where the documents of a packed batch are: the plan every packed-attention backend reads.
 
-Host boundaries give a host ``max_seqlen`` and one non-blocking copy of ``cu_seqlens``: a CUDA
-forward never waits here. Device boundaries and position resets are read from their host copies
-(``ops.host_copies``), else once per forward. The SDPA/eager buckets are built on first use.
+Host boundaries (or device ones and position resets with a host copy, ``ops.host_copies``)
+are planned without waiting on the device; else they are read once per forward.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Host copies of device tensors: what lets a training forward plan without reading the device.
 
 The data preprocessor's move (``compat.batch_host_copies``) remembers each copied tensor's host
-tensor; code that needs a batch value on the host asks :func:`host_copy` first (no host sync),
-else reads the device as before. A host copy is valid while its device tensor is alive and
-unchanged (same version counter).
+tensor; :func:`host_copy` answers while the device tensor is alive and unchanged (same version).
 """
 
 from __future__ import annotations

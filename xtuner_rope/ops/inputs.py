@@ -1,9 +1,7 @@
 """User input -> integer tensors, with errors that name the field and the bad element.
 
-``torch.as_tensor`` answers None, strings, ragged lists and ints beyond int64 with messages
-that name neither the sample nor the field (``Could not infer dtype of NoneType``); the
-public entry points (``rope_collate_fn``, ``check_packed_batch``, the attention's hub
-boundaries) convert through :func:`to_int_tensor` instead. Torch only.
+``torch.as_tensor``'s messages name neither the sample nor the field; the public entry points
+convert through :func:`to_int_tensor` instead. Torch only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Best-fit decreasing over item lengths, equal lengths placed in bulk.
 
-Items of one length ``L`` come consecutively, and the best-fit row with room ``r`` takes
-``r // L`` of them at once; rows of equal room share a bucket. The cost is per (length, bucket)
-pair, ``O(n log n)`` at worst. Rows with room ``>= L`` sit in a min-heap (*fitting*), the others
-in a max-heap (*waiting*); the rows are those of placing items one at a time (ties by index).
+The best-fit row with room ``r`` takes ``r // L`` items of length ``L`` at once; rows of equal
+room share a bucket, those with room ``>= L`` in a min-heap (*fitting*), the others in a
+max-heap (*waiting*). Same rows as placing items one at a time (ties by index); ``O(n log n)``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Per-document RoPE frequencies for packed rows: each document gets what it gets alone.
 
-Dynamic NTK (past ``max_position_embeddings``) and LongRoPE (Phi-3, past its original length)
-choose frequencies from the length served; upstream picks them once per call from the row's
-largest position. Here each token gets the inverse frequencies of its document's length (its
-last position + 1). Torch only: ``models.hf_rope`` and ``models.internlm2_rope`` say where the
-documents are and how a length maps to frequencies.
+Dynamic NTK and LongRoPE choose frequencies from the length served, upstream once per call from
+the row's largest position; here each token gets those of its document's length. Torch only:
+``models.hf_rope`` and ``models.internlm2_rope`` say where the documents are.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The Triton RoPE apply: q and k rotated in one launch, forward and backward (CUDA default).
 
-``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active` (CUDA, Triton
-importable, not switched off by ``use_triton_apply(False)`` / ``XTUNER_ROPE_TRITON=0``, no
-``torch.compile`` trace); ``XTUNER_ROPE_TRITON_INTERPRET=1`` interprets it on CPU tensors
-(tests). A kernel that cannot run never stops training: one warning and the eager kernel takes
-over for the process (CUDA out-of-memory re-raised; ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises
-all). fp32 cos/sin per token (``rope.cos_sin_at``), rotated in fp32 registers.
+``rope.apply_rotary_pos_emb`` sends q, k here when :func:`triton_apply_active`;
+``XTUNER_ROPE_TRITON_INTERPRET=1`` interprets it on CPU tensors (tests). A kernel that cannot
+run never stops training: one warning and the eager kernel takes over for the process (CUDA
+out-of-memory re-raised; ``XTUNER_ROPE_TRITON_STRICT=1`` re-raises all).
 """
 
 import contextlib

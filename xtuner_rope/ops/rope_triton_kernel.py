@@ -1,10 +1,9 @@
 """The Triton RoPE kernel: q and k of a block of tokens rotated in one program, fp32 in registers.
 
-Imported lazily by `ops.rope_triton` (`triton.jit` picks interpreter or compiler at that
-moment); Triton 3.0-era language only, so Triton 3.6 compiles it. Pairs dim `i_1` with `i_2` of
-the first `2 * HALF` dims: `out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`
-(`i_2 = d + HALF`, or `2d, 2d + 1` with `INTERLEAVED`); `TRANSPOSE` is the backward; the `PASS`
-dims after them (partial rotary) are copied.
+Imported lazily by `ops.rope_triton` (`triton.jit` picks interpreter or compiler then); Triton
+3.0-era language only. Pairs dim `i_1` with `i_2` (`d + HALF`, or `2d, 2d + 1` with
+`INTERLEAVED`): `out_1 = x_1 cos_1 - x_2 sin_1`, `out_2 = x_2 cos_2 + x_1 sin_2`; `TRANSPOSE` is
+the backward; the `PASS` dims after the first `2 * HALF` (partial rotary) are copied.
 """
 
 import triton

@@ -1,9 +1,8 @@
 """The rotation kernels behind `rope.apply_rotary_pos_emb`: eager (default) and fused.
 
 Both compute `x * cos + rotate_half(x) * sin` (or its transpose, the backward) in fp32 and
-return x's dtype. The eager kernel runs over cache-sized chunks (about 2.5x a clone on CPU); the
-opt-in fused kernel is one `torch.compile` loop (1.2-1.5x), compiling for seconds at its first
-call and falling back to eager with a warning. Torch only.
+return x's dtype: eager over cache-sized chunks, or the opt-in fused `torch.compile` loop (falls
+back to eager with a warning). Torch only.
 """
 
 import itertools

@@ -1,10 +1,7 @@
 """Per-document next-token NLL of packed rows: each document scored whole and alone.
 
-Alone, a document ``[a, e)`` predicts token ``t + 1`` from ``t`` for ``a <= t < e - 1``; with
-isolating attention the row's logits are the documents' own, so these sums are what a
-per-dialogue evaluation computes. fp32 log-softmax, fp64 sums. The row's target
-log-probs ``[s]`` (``ops.chunked_loss.chunked_target_logprobs``, no ``[s, V]`` logits) give the
-same sums.
+Alone, a document ``[a, e)`` predicts token ``t + 1`` from ``t`` for ``a <= t < e - 1``. fp32
+log-softmax, fp64 sums; the row's target log-probs ``[s]`` (``ops.chunked_loss``) give the same.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The dtype ``xtuner-rope convert pth_to_hf`` saves in, and what a cast to it loses.
 
-``--dtype bf16|fp16|fp32``, else the dtype the run trained in (:func:`trained_dtype`); the cast
-(:func:`cast_module`) counts per tensor the values overflowed to ``inf`` and the nonzero values
-flushed to zero, and :func:`describe_cast` names them.
+``--dtype bf16|fp16|fp32``, else the trained dtype (:func:`trained_dtype`); :func:`cast_module`
+counts the values overflowed to ``inf`` and flushed to zero, :func:`describe_cast` names them.
 """
 
 from __future__ import annotations

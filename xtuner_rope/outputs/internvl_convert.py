@@ -1,8 +1,8 @@
 """``xtuner-rope convert pth_to_hf`` of XTuner's ``InternVL_V1_5``: the official layout, exact.
 
-XTuner's ``convert_to_official.py`` merges LoRA in bf16 (weights up to 7.6e-3 off), saves no
-remote code and keeps a forced ``flash_attention_2``; here the model is built in fp32 with
-eager attention and saved with the checkpoint's config, remote code and tokenizer.
+XTuner's ``convert_to_official.py`` merges LoRA in bf16, saves no remote code and keeps a
+forced ``flash_attention_2``; here: fp32, eager attention, the checkpoint's config, remote code
+and tokenizer.
 """
 
 from __future__ import annotations

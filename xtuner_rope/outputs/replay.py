@@ -1,8 +1,7 @@
 """Replay a batch saved by ``NonFiniteTripwireHook`` and name where the first NaN/inf appeared.
 
-:func:`replay` reruns the recorded forward (and backward) pass with a hook on every submodule
-and reports the first non-finite module output (or output gradient), with its row, document
-and token range.
+:func:`replay` reruns the recorded forward (and backward) pass and reports the first
+non-finite module output (or output gradient), with its row, document and token range.
 """
 
 from __future__ import annotations

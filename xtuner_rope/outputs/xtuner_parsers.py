@@ -1,8 +1,7 @@
 """XTuner's own command-line parsers, answered without importing XTuner (help, usage errors).
 
-:func:`parser_answer` reads ``parse_args`` from the very file the tool would run and calls it
-with argparse alone, so ``-h`` and usage errors do not wait for torch; a ``parse_args`` that
-needs more of its module is left to the tool (``None``).
+:func:`parser_answer` runs ``parse_args`` of the very file the tool would run with argparse
+alone; one that needs more of its module is left to the tool (``None``).
 """
 
 from __future__ import annotations

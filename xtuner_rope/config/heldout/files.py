@@ -1,8 +1,7 @@
 """The held-out data files of ``val_dataloader``: each local file must exist and hold a dialogue.
 
 A start-up check of :mod:`xtuner_rope.config.heldout.findings`: a missing or empty held-out file is
-refused before any weight loads, naming the file, instead of ending in ``datasets``' or XTuner's
-error after the model is built (or, for an empty file, in a held-out loss of nothing).
+refused before any weight loads, naming the file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Start-up findings of the held-out evaluation (``TokenLossMetric`` or ``PreferenceMetric``).
 
-The held-out rows get what the train rows get, each dialogue whole and alone
-(``heldout_process_hf_dataset``, boundaries kept, ``DefaultSampler(shuffle=False)``,
-``HeldOutCurvesHook`` added); refused before a weight loads: a missing or empty data file, a
-``val_interval`` beyond ``max_iters``, a metric on a model it cannot serve (``models``).
+The held-out rows get what the train rows get, each dialogue whole and alone; refused before a
+weight loads: a missing or empty data file, a ``val_interval`` beyond ``max_iters``, a metric on
+a model it cannot serve (``models``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The held-out shortcut: ``heldout = dict(...)`` in PART 1 derives MMEngine's held-out entries.
 
 ``data_files=`` evaluates another file in the training format; ``fraction=0.05`` holds out the
-last 5% of each training file (``train[95%:]``, training keeps ``train[:95%]``); ``interval``
-sets ``val_interval``. The start-up writes ``val_dataloader``, ``val_evaluator`` (the metric of
-the model kind) and ``val_cfg``, then applies ``config.heldout.findings``. LLaVA and InternVL
-configs take ``data_files`` only (images in the training folder or ``image_folder``).
+last 5% of each training file; ``interval`` sets ``val_interval``. The start-up writes
+``val_dataloader``, ``val_evaluator`` and ``val_cfg``, then applies ``config.heldout.findings``.
+LLaVA and InternVL configs take ``data_files`` only.
 """
 
 from __future__ import annotations
