@@ -151,19 +151,25 @@ def test_lora_head_disabled_merged_and_dora():
     assert kind is None and "DoRA or another LoRA variant" in why
 
 
-def test_lora_dropout_draws_once_per_token():
-    """With dropout, the adapters see each supervised token once: the chunked loss equals the
-    full-logits loss computed on the same hidden states with the same masks (drawn per chunk)."""
+@pytest.mark.parametrize("chunk", [5, 1000])
+def test_lora_dropout_masks_are_the_models_own_draw(chunk):
+    """With dropout in training, each supervised token's mask is the one peft's forward draws
+    over the whole ``[b, s, H]`` input from the same RNG state: the chunked loss and its
+    gradients equal the model's own loss on the same draw, and the RNG ends where it does."""
     head = _lora_head(dropout=0.5)
     labels, hidden = _labels(), torch.randn(B, S, H, requires_grad=True)
+    wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
     state = torch.get_rng_state()
-    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=1000)
+    got = chunked_causal_lm_loss(hidden, labels, head, chunk_tokens=chunk)
+    after = torch.get_rng_state()
+    got_grads = _grads(got, wrt)
     torch.set_rng_state(state)
-    # One chunk of all k supervised tokens: the mask covers exactly those rows.
-    keep = labels[:, 1:] != -100
-    logits = head(hidden[:, :-1][keep])  # [k, V]
-    want = nn.functional.cross_entropy(logits.float(), labels[:, 1:][keep])
+    want = _reference(hidden, labels, head)
+    assert torch.equal(torch.get_rng_state(), after)  # one draw of the same size
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    _assert_same(got_grads, _grads(want, wrt))
+    torch.manual_seed(123)  # another draw is another loss: the masks count
+    assert abs(float(chunked_causal_lm_loss(hidden, labels, head).detach() - want.detach())) > 1e-4
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["linear", "lora"])
@@ -307,9 +313,10 @@ def test_target_logprobs_through_a_lora_head_and_a_tied_weight():
     "device",
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))],
 )
-def test_target_logprobs_backward_replays_the_lora_dropout_masks(device):
-    """The backward runs each chunk again: it draws the forward's dropout masks (the RNG is
-    replayed), and leaves the global RNG where the forward left it."""
+def test_target_logprobs_use_the_models_own_lora_dropout_masks(device):
+    """The log-probs' masks are the model's own draw over the whole input, kept for the
+    backward (which runs each chunk again and draws nothing): values and gradients equal the
+    full logits' on the same draw, and the RNG ends where the model's forward leaves it."""
     rng = torch.cuda if device == "cuda" else torch  # the generator dropout draws from
     head = _lora_head(dropout=0.5).to(device)
     targets = _targets().to(device)
@@ -317,15 +324,13 @@ def test_target_logprobs_backward_replays_the_lora_dropout_masks(device):
     wrt = [hidden] + [p for p in head.parameters() if p.requires_grad]
     upstream = torch.randn(B, S, device=device)
     state = rng.get_rng_state()
-    got = chunked_target_logprobs(hidden, targets, head, chunk_tokens=1000)  # one chunk
+    got = chunked_target_logprobs(hidden, targets, head, chunk_tokens=5)
     after = rng.get_rng_state()
     got_grads = torch.autograd.grad(got, wrt, upstream)
     assert torch.equal(rng.get_rng_state(), after)
     rng.set_rng_state(state)
-    keep = targets != -100
-    logits = head(hidden[keep])  # [k, V]: the same rows, the same mask
-    picked = logits.float().log_softmax(-1).gather(-1, targets[keep][:, None])[:, 0]
-    want = torch.zeros(B, S, device=device).masked_scatter(keep, picked)
+    want = _reference_logprobs(hidden, targets, head)
+    assert torch.equal(rng.get_rng_state(), after)
     _assert_scaled([got], [want])
     _assert_scaled(got_grads, torch.autograd.grad(want, wrt, upstream))
 

@@ -9,12 +9,11 @@ over the chunk's logits; the head's in fp32) and handed out by the backward. A h
 DeepSpeed ZeRO-3, ``models.chunked_loss``). The loss equals the model's
 (``sum(nll) / num_items_in_batch``, else the mean); nothing
 supervised gives 0 and zero gradients. ``chunked_target_logprobs`` gives the ``[b, s]`` target
-log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again (RNG replayed).
+log-probs instead (DPO, ORPO, held-out): its backward runs each chunk again. A LoRA head's
+dropout masks are the rows of the one draw peft makes over the whole ``[b, s, H]`` input.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +74,28 @@ def head_modules(head: nn.Module) -> list[nn.Module]:
     return [head.base_layer, *(m for pair in pairs for m in pair)]
 
 
-def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """peft 0.21's vanilla ``lora.Linear.forward`` (the same operations and dropout draws) from
-    the head's parameters, no module called: the ``[c, V]`` output and per adapter ``(lora_A,
-    lora_B, scaling, its input [c, H], lora_A's output [c, r], dropout mask or None)``.
+def _dropout_masks(head: nn.Module, hidden: torch.Tensor, index: torch.Tensor) -> list:
+    """Per adapter ``_lora_forward`` runs, rows ``index`` ``[k, H]`` of the dropout mask (scaled
+    by ``1 / (1 - p)``) that peft 0.21's forward draws over the head's whole input ``hidden``
+    ``[b, s, H]``: the same RNG call on the same shape and dtype, so the same numbers as the
+    model's own loss. None where the adapter drops nothing (no dropout, or eval mode)."""
+    masks, dtype = [], hidden.dtype
+    for name in _adapters(head):
+        a, drop = head.lora_A[name], head.lora_dropout[name]
+        if getattr(head, "cast_input_dtype_enabled", True):
+            dtype = a.weight.dtype  # peft casts the input to lora_A's dtype, then drops
+        if type(drop) is not nn.Dropout or not drop.training:
+            masks.append(None)
+            continue
+        full = F.dropout(hidden.new_ones(hidden.shape, dtype=dtype), drop.p)  # [b, s, H]
+        masks.append(full.view(-1, hidden.shape[-1]).index_select(0, index))  # [k, H]
+    return masks
+
+
+def _lora_forward(head: nn.Module, h: torch.Tensor, masks: list) -> tuple[torch.Tensor, list]:
+    """peft 0.21's vanilla ``lora.Linear.forward`` from the head's parameters, no module called,
+    with the rows' dropout ``masks`` of :func:`_dropout_masks`: the ``[c, V]`` output and per
+    adapter ``(lora_A, lora_B, scaling, its input [c, H], lora_A's output [c, r], mask)``.
 
     Raises:
         ValueError: a merged head (its adapters are already in the base weight)."""
@@ -90,13 +107,10 @@ def _lora_forward(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list]
     base = head.base_layer
     out = F.linear(h, base.weight, base.bias)
     x, dtype, parts = h, out.dtype, []
-    for name in _adapters(head):  # none under peft's disable_adapter() (DPO's reference)
-        a, b, drop = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
+    for name, mask in zip(_adapters(head), masks):  # none under disable_adapter() (DPO's ref)
+        a, b = head.lora_A[name], head.lora_B[name]
         if getattr(head, "cast_input_dtype_enabled", True):
             x = x.to(a.weight.dtype)
-        mask = None  # nn.Dropout's own draw (a Bernoulli per element), kept for the backward
-        if type(drop) is nn.Dropout:
-            mask = F.dropout(torch.ones_like(x), drop.p, drop.training)
         dropped = x if mask is None else x * mask
         u = F.linear(dropped, a.weight, a.bias)  # [c, r]
         lora = F.linear(u, b.weight, b.bias).mul_(head.scaling[name])  # [c, V]
@@ -183,19 +197,21 @@ def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
         grads[id(layer.bias)].add_(g.sum(0), alpha=alpha)
 
 
-def _head_out(head: nn.Module, kind: str, h: torch.Tensor) -> tuple[nn.Module, torch.Tensor, list]:
-    """``h`` ``[c, H]`` through the head from its parameters: ``(the linear layer holding the
-    vocabulary weight, the [c, V] output, the LoRA parts of _lora_forward)``."""
+def _head_out(setup: tuple, h: torch.Tensor, rows: slice) -> tuple[nn.Module, torch.Tensor, list]:
+    """The selected rows ``rows`` (``h`` ``[c, H]``) through the head from its parameters: ``(the
+    linear layer holding the vocabulary weight, the [c, V] output, the LoRA parts of
+    _lora_forward)``."""
+    head, kind, _, _, masks = setup
     if kind == "linear":
         return head, F.linear(h, head.weight, head.bias), []
-    return head.base_layer, *_lora_forward(head, h)
+    return head.base_layer, *_lora_forward(head, h, [m if m is None else m[rows] for m in masks])
 
 
 def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
     """One chunk through the head: its ``[c]`` NLL; ``coef * d(nll)`` added into ``grads``
     (``"hidden"``: the rows' hidden-state gradient; by parameter id: the head's, fp32)."""
-    head, kind, scale, _ = setup
-    base, out, parts = _head_out(head, kind, h)
+    scale = setup[2]
+    base, out, parts = _head_out(setup, h, rows)
     nll, x = _logit_grad(out.float(), t, scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
     hidden_grad = x.to(out.dtype) @ base.weight  # [c, H]: as the model's upcast hands it back
     _linear_grads(base, x, h, grads)
@@ -246,33 +262,15 @@ class _ChunkedNLL(torch.autograd.Function):
         return (hidden_grad.mul_(grad.to(hidden_grad.dtype)), None, None, None, *out)
 
 
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextmanager
-def _replayed_rng(state, device: torch.device):
-    """The RNG at ``state`` inside the block (a LoRA head's dropout draws the forward's masks
-    again), and as it was after it."""
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
-
-
 class _ChunkedTargetLogProbs(torch.autograd.Function):
     """``[k]`` log-probs of the targets; the backward runs each chunk again (no logits kept)."""
 
     @staticmethod
     def forward(ctx, hidden, targets, setup, *params):
-        head, kind, scale, chunk = setup
-        ctx.rng = _rng_state(hidden.device) if kind == "lora" else None
+        scale, chunk = setup[2], setup[3]
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
         for a in range(0, hidden.shape[0], chunk):  # no gradients here: NLL only
-            x = _head_out(head, kind, hidden[a : a + chunk])[1].float()  # [c, V]
+            x = _head_out(setup, hidden[a : a + chunk], slice(a, a + chunk))[1].float()  # [c, V]
             if scale is not None:
                 x.mul_(scale)  # Cohere's logit_scale
             nll.append(_nll_in_place(x, targets[a : a + chunk])[0])
@@ -284,10 +282,9 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, targets = ctx.saved_tensors
         # d(sum g * logp) = d(sum (-g) * nll): the upstream gradient weighs each token's NLL.
-        with nullcontext() if ctx.rng is None else _replayed_rng(ctx.rng, hidden.device):
-            _, hidden_grad, param_grads = _run_chunks(
-                hidden, targets, ctx.setup, ctx.params, grad.float().neg()
-            )
+        _, hidden_grad, param_grads = _run_chunks(
+            hidden, targets, ctx.setup, ctx.params, grad.float().neg()
+        )
         out = [g.to(p.dtype) for g, p in zip(param_grads, ctx.params)]
         return (hidden_grad, None, None, *out)
 
@@ -317,7 +314,8 @@ def _select(who, hidden, labels, head, shift, logit_scale, chunk_tokens):
     selected = hidden.reshape(b * s, width).index_select(0, index)  # [k, H]
     params = [p for p in head.parameters() if p.requires_grad]
     chunk = chunk_tokens or chunk_tokens_for(head.out_features)
-    return index, targets, selected, params, (head, kind, logit_scale, chunk)
+    masks = _dropout_masks(head, hidden, index) if kind == "lora" else []
+    return index, targets, selected, params, (head, kind, logit_scale, chunk, masks)
 
 
 def chunked_causal_lm_loss(
