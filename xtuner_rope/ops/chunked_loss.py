@@ -15,6 +15,8 @@ dropout masks are the rows of the one draw peft makes over the whole ``[b, s, H]
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,22 +199,33 @@ def _linear_grads(layer, g, x, grads, alpha=1.0) -> None:
         grads[id(layer.bias)].add_(g.sum(0), alpha=alpha)
 
 
-def _head_out(setup: tuple, h: torch.Tensor, rows: slice) -> tuple[nn.Module, torch.Tensor, list]:
+class _Setup(NamedTuple):
+    """What every chunk of one call runs with: the head, ``head_kind``'s kind, the logit scale
+    (or None), tokens per chunk, and the LoRA adapters' ``[k, H]`` dropout masks (``_dropout_masks``)."""
+
+    head: nn.Module
+    kind: str
+    scale: float | None
+    chunk: int
+    masks: list
+
+
+def _head_out(setup: _Setup, h: torch.Tensor, rows: slice) -> tuple[nn.Module, torch.Tensor, list]:
     """The selected rows ``rows`` (``h`` ``[c, H]``) through the head from its parameters: ``(the
     linear layer holding the vocabulary weight, the [c, V] output, the LoRA parts of
     _lora_forward)``."""
-    head, kind, _, _, masks = setup
-    if kind == "linear":
+    head = setup.head
+    if setup.kind == "linear":
         return head, F.linear(h, head.weight, head.bias), []
-    return head.base_layer, *_lora_forward(head, h, [m if m is None else m[rows] for m in masks])
+    masks = [m if m is None else m[rows] for m in setup.masks]
+    return head.base_layer, *_lora_forward(head, h, masks)
 
 
 def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
     """One chunk through the head: its ``[c]`` NLL; ``coef * d(nll)`` added into ``grads``
     (``"hidden"``: the rows' hidden-state gradient; by parameter id: the head's, fp32)."""
-    scale = setup[2]
     base, out, parts = _head_out(setup, h, rows)
-    nll, x = _logit_grad(out.float(), t, scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
+    nll, x = _logit_grad(out.float(), t, setup.scale, coef)  # x: [c, V] fp32 (a copy unless fp32)
     hidden_grad = x.to(out.dtype) @ base.weight  # [c, H]: as the model's upcast hands it back
     _linear_grads(base, x, h, grads)
     for a, b, scaling, dropped, u, mask in parts:  # out += lora_B(lora_A(dropped)) * scaling
@@ -228,7 +241,7 @@ def _head_chunk(h, t, setup, coef, grads, rows) -> torch.Tensor:
 def _run_chunks(hidden, targets, setup, params, coef):
     """Every chunk through the head: the ``[k]`` NLL and ``coef``-weighted gradients of
     ``hidden`` and ``params`` (fp32 for the head's), as ``(nll, hidden_grad, param_grads)``."""
-    chunk = setup[3]
+    chunk = setup.chunk
     grads = {id(p): torch.zeros_like(p, dtype=torch.float32) for p in params}
     grads["hidden"] = torch.zeros_like(hidden)  # [k, H], filled chunk by chunk
     nll = [hidden.new_zeros(0, dtype=torch.float32)]
@@ -267,7 +280,7 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, setup, *params):
-        scale, chunk = setup[2], setup[3]
+        scale, chunk = setup.scale, setup.chunk
         nll = [hidden.new_zeros(0, dtype=torch.float32)]
         for a in range(0, hidden.shape[0], chunk):  # no gradients here: NLL only
             x = _head_out(setup, hidden[a : a + chunk], slice(a, a + chunk))[1].float()  # [c, V]
@@ -315,7 +328,7 @@ def _select(who, hidden, labels, head, shift, logit_scale, chunk_tokens):
     params = [p for p in head.parameters() if p.requires_grad]
     chunk = chunk_tokens or chunk_tokens_for(head.out_features)
     masks = _dropout_masks(head, hidden, index) if kind == "lora" else []
-    return index, targets, selected, params, (head, kind, logit_scale, chunk, masks)
+    return index, targets, selected, params, _Setup(head, kind, logit_scale, chunk, masks)
 
 
 def chunked_causal_lm_loss(
