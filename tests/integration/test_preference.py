@@ -265,10 +265,10 @@ SHORT_WARMUP = ("param_scheduler.0.end=0.1", "param_scheduler.1.begin=0.1")
 
 
 @pytest.fixture(scope="module")
-def zero2_runs(pref, tmp_path_factory):
-    """``run(name, *extra)``: one 2-process ZeRO-2 `xtuner train` of ``pref[name]`` with
-    ``HELDOUT`` (3 iterations), made once per module: ``(config, work dir, output)``. The ORPO
-    run is also the chunked partner of its ``chunked_loss=False`` twin."""
+def deepspeed_runs(pref, tmp_path_factory):
+    """``run(name, *extra, deepspeed=ZERO2)``: one 2-process DeepSpeed `xtuner train` of
+    ``pref[name]`` with ``HELDOUT`` (3 iterations), made once per module: ``(config, work dir,
+    output)``. The ORPO runs are also the chunked partners of their ``chunked_loss=False`` twins."""
     import subprocess
 
     done = {}
@@ -294,14 +294,14 @@ def zero2_runs(pref, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,kind", [(pc.ORPO, "orpo"), (pc.REWARD, "reward")])
-def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind, zero2_runs):
+def test_stock_preference_zero2_two_processes_isolated_on_every_rank(name, kind, deepspeed_runs):
     """ORPO and the reward model on 2 processes under DeepSpeed ZeRO-2 (the project's fp32 CPU
     json, gloo): each rank's pack, measured inside the run, equals each response alone. The
     same runs hold out pairs (``heldout = dict(fraction=0.1, interval=2)``: 180 training pairs,
     the last 20 held out, evaluated at 2 and 3 on both ranks): the held-out loss, accuracy and
     margin logged at 3 equal a fresh process without the plugin on ``iter_3.pth`` (each pair
     alone through XTuner's own unpacked model)."""
-    config, work, out = zero2_runs(name)
+    config, work, out = deepspeed_runs(name)
     summary = check_run(work, min_iters=3)
     # a DeepSpeed checkpoint is a directory of ZeRO shards (DDP writes one .pth file)
     assert (summary.checkpoint / "mp_rank_00_model_states.pt").is_file(), out[-3000:]
@@ -351,7 +351,7 @@ def test_lora_dpo_chunked_loss_equals_the_models_own(single_runs):
 # CI time (the 2026-11-29 clean clone ran 30 min 27 s): opt-in; ORPO's chunked log-probs against
 # the full logits are proven in CI in process, and the InternVL pair is CI's `xtuner train` pair.
 @again("tests/compat/test_preference_chunked_logprobs.py (ORPO, packed and unpacked)")
-def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
+def test_orpo_zero2_chunked_loss_equals_the_models_own(deepspeed_runs):
     """Issue 57's opt-out pair for ORPO on 2 processes under ZeRO-2: the ORPO run above
     (chunked log-probs, logged) and the same run with ``chunked_loss=False`` give each of the 3
     iterations' loss (rank 0's) and the held-out loss at 2 and 3 within 1e-6 relative, and the final weights (DeepSpeed's module)
@@ -360,7 +360,7 @@ def test_orpo_zero2_chunked_loss_equals_the_models_own(zero2_runs):
     size into steps of the learning rate's)."""
     from opt_out import OPT_OUT, assert_logged, compare_runs
 
-    (_, chunked, out_c), (_, own, out_o) = (zero2_runs(pc.ORPO, *x) for x in ((), (OPT_OUT,)))
+    (_, chunked, out_c), (_, own, out_o) = (deepspeed_runs(pc.ORPO, *x) for x in ((), (OPT_OUT,)))
     assert_logged(out_c, out_o, "chunked loss: ORPO's log-probs projects only the supervised")
     compare_runs(chunked, own, "iter_3.pth", iters=3, heldout=(2, 3))
 
@@ -371,7 +371,7 @@ ZERO3_PARTITIONED = {"stage3_param_persistence_threshold": 0}
 
 
 @again("tests/integration/test_chunked_loss_zero3.py (DPO's log-probs, the head partitioned)")
-def test_orpo_zero3_chunked_loss_equals_the_models_own(zero2_runs, tmp_path_factory):
+def test_orpo_zero3_chunked_loss_equals_the_models_own(deepspeed_runs, tmp_path_factory):
     """Issue 57's opt-out pair for ORPO on 2 processes under ZeRO-3, every parameter partitioned
     (the head's gathered once per forward and backward by the chunked loss): as the ZeRO-2 pair,
     each iteration's loss and the held-out loss at 2 and 3 within 1e-6 relative, the final
@@ -385,7 +385,7 @@ def test_orpo_zero3_chunked_loss_equals_the_models_own(zero2_runs, tmp_path_fact
     path = tmp_path_factory.mktemp("zero3") / "zero3_partitioned.json"
     path.write_text(json.dumps(ds))
     (_, chunked, out_c), (_, own, out_o) = (
-        zero2_runs(pc.ORPO, *x, deepspeed=str(path)) for x in ((), (OPT_OUT,))
+        deepspeed_runs(pc.ORPO, *x, deepspeed=str(path)) for x in ((), (OPT_OUT,))
     )
     for work in (chunked, own):  # ZeRO-3's checkpoint: each rank's partition of the model
         check_run(work, min_iters=3)
